@@ -1,0 +1,17 @@
+// CUDA implementations of the cutlass_w8a8 ops.
+//
+// The schemas are defined in Python (cutlass_w8a8/ops.py, one `torch.library.Library` block) rather than in
+// a TORCH_LIBRARY block here, so that a CPU-only install, which builds no extension, still has the ops with
+// their CPU reference implementations and fake (meta) kernels. This library only adds the CUDA kernels.
+// It is loaded with torch.ops.load_library and needs no Python module init.
+#include <torch/library.h>
+
+#include "ops.hpp"
+
+TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
+  m.impl("scaled_mm", &cutlass_w8a8::scaled_mm);
+  m.impl("scaled_mm_out", &cutlass_w8a8::scaled_mm_out);
+  m.impl("_scaled_mm_config", &cutlass_w8a8::scaled_mm_config_out);
+  m.impl("quantize_per_token", &cutlass_w8a8::quantize_per_token);
+  m.impl("quantize_per_tensor", &cutlass_w8a8::quantize_per_tensor);
+}

@@ -1,0 +1,66 @@
+// The C interface between the torch extension (`cutlass_w8a8._C`) and the per-architecture kernel
+// libraries (`cutlass_w8a8._kernels_sm90`, ...).
+//
+// Why a C interface: each architecture's kernels are compiled with their own `-gencode` flags (the sm90
+// kernels only for sm_90a), which one torch extension cannot do per source file. So every architecture
+// is its own shared library with no torch dependency; `_C` finds its entry points with dlsym after
+// Python has loaded the library with RTLD_GLOBAL (see cutlass_w8a8/_ext.py). Keeping torch out of the
+// kernel translation units also keeps their compile time down.
+//
+// Everything here is validated by the caller (csrc/scaled_mm_entry.cu); the kernels trust it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Operand element types.
+enum cw8a8_ab_type { CW8A8_AB_INT8 = 0, CW8A8_AB_FP8_E4M3 = 1 };
+// Output element types.
+enum cw8a8_out_type { CW8A8_OUT_BF16 = 0, CW8A8_OUT_F16 = 1 };
+
+// D[M, N] = scale_a * scale_b * (A[M, K] @ B[K, N]) (+ bias[N]).
+//   A: row-major, element (m, k) at a[m * lda + k].
+//   B: column-major, element (k, n) at b[n * ldb + k] (the [N, K] row-major weight).
+//   D: row-major, element (m, n) at d[m * ldd + n].
+//   scale_a: float32, M values (per-token) or 1 (per-tensor); scale_b: N values (per-channel) or 1.
+//   bias: N values of the output type, or NULL.
+typedef struct cw8a8_scaled_mm_args {
+  const void* a;
+  const void* b;
+  void* d;
+  const float* scale_a;
+  const float* scale_b;
+  const void* bias;
+  int64_t m, n, k;
+  int64_t lda, ldb, ldd;  // leading strides, in elements
+  int scale_a_per_token;    // 1: scale_a has M values; 0: one value
+  int scale_b_per_channel;  // 1: scale_b has N values; 0: one value
+  int ab_type;              // cw8a8_ab_type
+  int out_type;             // cw8a8_out_type
+  int device;               // CUDA device ordinal the pointers live on
+  int sm_count;             // multiprocessors on that device
+  int config;               // -1: choose by shape; >= 0: force this entry of the config table (tuning)
+  cudaStream_t stream;
+} cw8a8_scaled_mm_args;
+
+// Workspace allocator supplied by the caller (the torch caching allocator in practice). Returns NULL on
+// failure. The memory must stay valid until the work enqueued on `stream` has run.
+typedef void* (*cw8a8_alloc_fn)(void* ctx, size_t bytes);
+
+// Returns 0 on success. On failure returns non-zero and writes a NUL-terminated message into err.
+typedef int (*cw8a8_scaled_mm_fn)(const cw8a8_scaled_mm_args* args, cw8a8_alloc_fn alloc, void* alloc_ctx,
+                                  char* err, size_t err_len);
+
+// Number of entries in a library's config table and the name of entry i (NULL past the end).
+typedef int (*cw8a8_num_configs_fn)(void);
+typedef const char* (*cw8a8_config_name_fn)(int ab_type, int i);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,292 @@
+// Activation quantization: dynamic per-token and static per-tensor, to int8 or float8_e4m3fn.
+//
+//   dynamic per-token: scale[m] = max_k |x[m, k]| / QMAX;  q[m, k] = sat(rne(x[m, k] / scale[m]))
+//   static per-tensor: q[m, k] = sat(rne(x[m, k] / scale))
+//
+// QMAX is 127 (int8) or 448 (the largest finite e4m3fn). All arithmetic is float32 with IEEE division,
+// so results equal the CPU reference (cutlass_w8a8/ops.py) bit for bit. A row of zeros gets scale 0 and
+// q = 0. One kernel launch per call, on the current stream, with no host synchronisation.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#include "../common.hpp"
+#include "../ops.hpp"
+
+namespace cutlass_w8a8 {
+namespace {
+
+// --- element conversions -------------------------------------------------------------------------
+
+template <class T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+struct Int8Out {
+  using type = int8_t;
+  static constexpr float kMax = 127.f;
+  __device__ __forceinline__ static int8_t convert(float v) {
+    // round to nearest even, then saturate (a static scale can put values out of range)
+    int r = __float2int_rn(v);
+    r = r > 127 ? 127 : (r < -128 ? -128 : r);
+    return static_cast<int8_t>(r);
+  }
+};
+
+struct Fp8Out {
+  using type = __nv_fp8_storage_t;  // the bits of a float8_e4m3fn
+  static constexpr float kMax = 448.f;
+  __device__ __forceinline__ static __nv_fp8_storage_t convert(float v) {
+    // round to nearest even; saturate to +-448 instead of producing NaN
+    return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+  }
+};
+
+template <class Q>
+__device__ __forceinline__ typename Q::type quantize_one(float x, float scale) {
+  return scale == 0.f ? Q::convert(0.f) : Q::convert(x / scale);
+}
+
+// --- block reduction -----------------------------------------------------------------------------
+
+template <int kThreads>
+__device__ __forceinline__ float block_max(float v) {
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "block size");
+  __shared__ float warp_max[kThreads / 32];
+  __shared__ float result;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_max[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kThreads / 32 ? warp_max[lane] : 0.f;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    if (lane == 0) result = v;
+  }
+  __syncthreads();
+  return result;
+}
+
+// --- dynamic per-token, row held in registers ------------------------------------------------------
+//
+// One block per row. Each thread loads kVecs 16-byte vectors of the row into registers, so x is read from
+// device memory once; the row length must fit kThreads * kVecs vectors.
+
+constexpr int kThreads = 256;
+
+template <class T, class Q, int kVecs>
+__global__ void __launch_bounds__(kThreads) per_token_regs_kernel(const T* __restrict__ x, int64_t x_stride,
+                                                                  typename Q::type* __restrict__ q,
+                                                                  int64_t q_stride, float* __restrict__ scales,
+                                                                  int k) {
+  constexpr int kElems = 16 / sizeof(T);  // elements per 16-byte vector
+  struct alignas(16) Vec {
+    T v[kElems];
+  };
+  struct alignas(kElems) QVec {
+    typename Q::type v[kElems];
+  };
+  const int64_t row = blockIdx.x;
+  const Vec* xr = reinterpret_cast<const Vec*>(x + row * x_stride);
+  QVec* qr = reinterpret_cast<QVec*>(q + row * q_stride);
+  const int nvec = k / kElems;
+
+  Vec regs[kVecs];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    if (idx < nvec) {
+      regs[i] = xr[idx];
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) amax = fmaxf(amax, fabsf(to_float(regs[i].v[j])));
+    }
+  }
+  amax = block_max<kThreads>(amax);
+  const float scale = amax / Q::kMax;
+  if (threadIdx.x == 0) scales[row] = scale;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int idx = threadIdx.x + i * kThreads;
+    if (idx < nvec) {
+      QVec out;
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) out.v[j] = quantize_one<Q>(to_float(regs[i].v[j]), scale);
+      qr[idx] = out;
+    }
+  }
+}
+
+// --- dynamic per-token, any row length or alignment: two passes over the row -------------------------
+
+template <class T, class Q>
+__global__ void __launch_bounds__(kThreads) per_token_loop_kernel(const T* __restrict__ x, int64_t x_stride,
+                                                                  typename Q::type* __restrict__ q,
+                                                                  int64_t q_stride, float* __restrict__ scales,
+                                                                  int k) {
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * x_stride;
+  typename Q::type* qr = q + row * q_stride;
+  float amax = 0.f;
+  for (int i = threadIdx.x; i < k; i += kThreads) amax = fmaxf(amax, fabsf(to_float(xr[i])));
+  amax = block_max<kThreads>(amax);
+  const float scale = amax / Q::kMax;
+  if (threadIdx.x == 0) scales[row] = scale;
+  for (int i = threadIdx.x; i < k; i += kThreads) qr[i] = quantize_one<Q>(to_float(xr[i]), scale);
+}
+
+// --- static per-tensor ---------------------------------------------------------------------------------
+
+template <class T, class Q>
+__global__ void __launch_bounds__(kThreads) per_tensor_kernel(const T* __restrict__ x, int64_t x_stride,
+                                                              typename Q::type* __restrict__ q, int64_t q_stride,
+                                                              const float* __restrict__ scale_ptr, int64_t m,
+                                                              int k) {
+  const float scale = *scale_ptr;
+  const int64_t total = m * k;
+  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < total; i += int64_t(gridDim.x) * kThreads) {
+    const int64_t row = i / k, col = i % k;
+    q[row * q_stride + col] = quantize_one<Q>(to_float(x[row * x_stride + col]), scale);
+  }
+}
+
+template <class T, class Q>
+void launch_per_token(const at::Tensor& x2, at::Tensor& q2, at::Tensor& scales, cudaStream_t stream) {
+  const int64_t m = x2.size(0);
+  const int k = static_cast<int>(x2.size(1));
+  const T* x = reinterpret_cast<const T*>(x2.data_ptr());
+  auto* q = reinterpret_cast<typename Q::type*>(q2.data_ptr());
+  float* s = scales.data_ptr<float>();
+  constexpr int kElems = 16 / sizeof(T);
+  const bool vectorizable = k % kElems == 0 && x2.stride(0) % kElems == 0 && is_aligned(x, 16) &&
+                            q2.stride(0) % kElems == 0 && is_aligned(q, kElems);
+  const int64_t nvec = k / kElems;
+  const dim3 grid(static_cast<unsigned>(m));
+  if (vectorizable && nvec <= int64_t(kThreads) * 16) {
+    const int per_thread = static_cast<int>((nvec + kThreads - 1) / kThreads);
+    if (per_thread <= 1) {
+      per_token_regs_kernel<T, Q, 1><<<grid, kThreads, 0, stream>>>(x, x2.stride(0), q, q2.stride(0), s, k);
+    } else if (per_thread <= 2) {
+      per_token_regs_kernel<T, Q, 2><<<grid, kThreads, 0, stream>>>(x, x2.stride(0), q, q2.stride(0), s, k);
+    } else if (per_thread <= 4) {
+      per_token_regs_kernel<T, Q, 4><<<grid, kThreads, 0, stream>>>(x, x2.stride(0), q, q2.stride(0), s, k);
+    } else if (per_thread <= 8) {
+      per_token_regs_kernel<T, Q, 8><<<grid, kThreads, 0, stream>>>(x, x2.stride(0), q, q2.stride(0), s, k);
+    } else {
+      per_token_regs_kernel<T, Q, 16><<<grid, kThreads, 0, stream>>>(x, x2.stride(0), q, q2.stride(0), s, k);
+    }
+  } else {
+    per_token_loop_kernel<T, Q><<<grid, kThreads, 0, stream>>>(x, x2.stride(0), q, q2.stride(0), s, k);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class T, class Q>
+void launch_per_tensor(const at::Tensor& x2, at::Tensor& q2, const at::Tensor& scale, cudaStream_t stream) {
+  const int64_t m = x2.size(0);
+  const int k = static_cast<int>(x2.size(1));
+  const int64_t total = m * k;
+  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65536);
+  per_tensor_kernel<T, Q><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      reinterpret_cast<const T*>(x2.data_ptr()), x2.stride(0), reinterpret_cast<typename Q::type*>(q2.data_ptr()),
+      q2.stride(0), scale.data_ptr<float>(), m, k);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// [..., K] -> [M, K]: a view when the leading dims flatten, else a copy.
+at::Tensor rows_of(const at::Tensor& x) {
+  const int64_t k = x.size(-1);
+  at::Tensor x2 = x.reshape({-1, k});
+  if (x2.size(0) > 0 && k > 0 && x2.stride(1) != 1) x2 = x2.contiguous();
+  return x2;
+}
+
+void check_x(const char* op, const at::Tensor& x) {
+  const auto xt = x.scalar_type();
+  CW8A8_CHECK_TYPE(xt == at::kBFloat16 || xt == at::kHalf || xt == at::kFloat, op, "x",
+                   "must be bfloat16, float16 or float32, got ", c10::toString(xt));
+  CW8A8_CHECK_VALUE(x.is_cuda(), op, "x", "must be a CUDA tensor, got device ", x.device());
+  CW8A8_CHECK_VALUE(x.dim() >= 1, op, "x", "must have at least one dimension [..., K]");
+  CW8A8_CHECK_VALUE(x.size(-1) < (int64_t{1} << 31), op, "x", "K = ", x.size(-1), " is too large");
+}
+
+void check_qtype(const char* op, at::ScalarType dtype) {
+  CW8A8_CHECK_TYPE(dtype == at::kChar || dtype == at::kFloat8_e4m3fn, op, "dtype",
+                   "must be int8 or float8_e4m3fn, got ", c10::toString(dtype));
+}
+
+// Calls f(T{}, Q{}) with T the input element type and Q the output's conversion.
+template <class F>
+void dispatch_types(at::ScalarType x_type, at::ScalarType q_type, F&& f) {
+  auto with_q = [&](auto t) {
+    if (q_type == at::kChar) {
+      f(t, Int8Out{});
+    } else {
+      f(t, Fp8Out{});
+    }
+  };
+  switch (x_type) {
+    case at::kBFloat16: with_q(__nv_bfloat16{}); break;
+    case at::kHalf: with_q(__half{}); break;
+    default: with_q(float{}); break;
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, at::ScalarType dtype) {
+  constexpr const char* op = "quantize_per_token";
+  check_x(op, x);
+  check_qtype(op, dtype);
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor x2 = rows_of(x);
+  const int64_t m = x2.size(0), k = x2.size(1);
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
+  auto shape = x.sizes().vec();
+  shape.back() = 1;
+  at::Tensor scales = at::empty(shape, x.options().dtype(at::kFloat));
+  if (m == 0) return {q, scales};
+  at::Tensor q2 = q.view({m, k});
+  at::Tensor flat = scales.view({m});
+  cudaStream_t stream = current_stream(x);
+  dispatch_types(x.scalar_type(), dtype, [&](auto t, auto qt) {
+    launch_per_token<decltype(t), decltype(qt)>(x2, q2, flat, stream);
+  });
+  return {q, scales};
+}
+
+at::Tensor quantize_per_tensor(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype) {
+  constexpr const char* op = "quantize_per_tensor";
+  check_x(op, x);
+  check_qtype(op, dtype);
+  CW8A8_CHECK_TYPE(scale.scalar_type() == at::kFloat, op, "scale", "must be float32, got ",
+                   c10::toString(scale.scalar_type()));
+  CW8A8_CHECK_VALUE(scale.device() == x.device(), op, "scale", "is on ", scale.device(), " but `x` is on ",
+                    x.device());
+  CW8A8_CHECK_VALUE(scale.numel() == 1, op, "scale", "must hold one value (per-tensor), got shape ",
+                    scale.sizes());
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor x2 = rows_of(x);
+  const int64_t m = x2.size(0), k = x2.size(1);
+  at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
+  if (m == 0 || k == 0) return q;
+  at::Tensor q2 = q.view({m, k});
+  cudaStream_t stream = current_stream(x);
+  dispatch_types(x.scalar_type(), dtype, [&](auto t, auto qt) {
+    launch_per_tensor<decltype(t), decltype(qt)>(x2, q2, scale, stream);
+  });
+  return q;
+}
+
+}  // namespace cutlass_w8a8

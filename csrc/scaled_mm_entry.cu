@@ -1,0 +1,252 @@
+// scaled_mm: argument checks and dispatch by compute capability to the per-architecture kernel library.
+#include <dlfcn.h>
+
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "common.hpp"
+#include "kernel_api.h"
+#include "ops.hpp"
+
+namespace cutlass_w8a8 {
+namespace {
+
+constexpr const char* kOp = "scaled_mm";
+
+// int8 products are at most 128 * 128 = 2^14 in magnitude, so an int32 sum of K of them cannot overflow
+// while K * 2^14 <= 2^31 - 1, i.e. K <= 131071. The largest K that is also a multiple of 16 is 131056.
+constexpr int64_t kMaxInt8K = (int64_t{2147483647} / (128 * 128)) / 16 * 16;
+
+// The per-architecture kernel libraries export C symbols (kernel_api.h); Python loads them with
+// RTLD_GLOBAL before the first call (cutlass_w8a8/_ext.py), so dlsym(RTLD_DEFAULT) finds them.
+template <class Fn>
+Fn find_symbol(const char* name) {
+  return reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, name));
+}
+
+struct ArchKernels {
+  cw8a8_scaled_mm_fn scaled_mm = nullptr;
+  cw8a8_num_configs_fn num_configs = nullptr;
+  const char* library = "";
+};
+
+const ArchKernels& sm90_kernels() {
+  static const ArchKernels k = [] {
+    ArchKernels r;
+    r.scaled_mm = find_symbol<cw8a8_scaled_mm_fn>("cw8a8_sm90_scaled_mm");
+    r.num_configs = find_symbol<cw8a8_num_configs_fn>("cw8a8_sm90_num_configs");
+    r.library = "_kernels_sm90";
+    return r;
+  }();
+  return k;
+}
+
+// Which kernel family serves this device.
+const ArchKernels& kernels_for(int device) {
+  const DeviceInfo& info = device_info(device);
+  if (info.major == 9 && info.minor == 0) {
+    const ArchKernels& k = sm90_kernels();
+    TORCH_CHECK(k.scaled_mm != nullptr,
+                "cutlass_w8a8: the sm90 kernels are not loaded: the package was built without them "
+                "(TORCH_CUDA_ARCH_LIST must contain 9.0a) or cutlass_w8a8/", k.library,
+                "*.so failed to load; see cutlass_w8a8.extension_status()");
+    return k;
+  }
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "cutlass_w8a8.scaled_mm: no kernels for compute capability ", info.major,
+                              ".", info.minor, " (device ", device, "); this build supports 9.0 (Hopper)");
+}
+
+// Workspace from the torch caching allocator: stream-ordered, and taken from the graph's private pool
+// while a CUDA graph is being captured.
+struct TorchWorkspace {
+  at::Device device;
+  at::Tensor buffer;
+  std::string error;
+};
+
+void* allocate_workspace(void* ctx, size_t bytes) {
+  auto* ws = static_cast<TorchWorkspace*>(ctx);
+  try {
+    ws->buffer = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(ws->device));
+    return ws->buffer.data_ptr();
+  } catch (const std::exception& e) {
+    ws->error = e.what();
+    return nullptr;
+  }
+}
+
+const char* dtype_name(at::ScalarType t) { return c10::toString(t); }
+
+bool is_8bit(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn; }
+bool is_out_type(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+void check_device(const at::Tensor& t, const char* name, const at::Tensor& a) {
+  CW8A8_CHECK_VALUE(t.is_cuda(), kOp, name, "must be a CUDA tensor, got device ", t.device());
+  CW8A8_CHECK_VALUE(t.device() == a.device(), kOp, name, "is on ", t.device(), " but `a` is on ", a.device());
+}
+
+// Validates everything the kernels rely on and fills the argument block (all but stream/config).
+cw8a8_scaled_mm_args check_and_pack(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                                    const at::Tensor& scale_a, const at::Tensor& scale_b,
+                                    const std::optional<at::Tensor>& bias) {
+  // dtypes
+  CW8A8_CHECK_TYPE(is_8bit(a.scalar_type()), kOp, "a", "must be int8 or float8_e4m3fn, got ",
+                   dtype_name(a.scalar_type()));
+  CW8A8_CHECK_TYPE(b.scalar_type() == a.scalar_type(), kOp, "b", "must have a's dtype ",
+                   dtype_name(a.scalar_type()), ", got ", dtype_name(b.scalar_type()));
+  CW8A8_CHECK_TYPE(scale_a.scalar_type() == at::kFloat, kOp, "scale_a", "must be float32, got ",
+                   dtype_name(scale_a.scalar_type()));
+  CW8A8_CHECK_TYPE(scale_b.scalar_type() == at::kFloat, kOp, "scale_b", "must be float32, got ",
+                   dtype_name(scale_b.scalar_type()));
+  CW8A8_CHECK_TYPE(is_out_type(out.scalar_type()), kOp, "out", "must be bfloat16 or float16, got ",
+                   dtype_name(out.scalar_type()));
+  if (bias) {
+    CW8A8_CHECK_TYPE(bias->scalar_type() == out.scalar_type(), kOp, "bias", "must have the output dtype ",
+                     dtype_name(out.scalar_type()), ", got ", dtype_name(bias->scalar_type()));
+  }
+  // devices
+  CW8A8_CHECK_VALUE(a.is_cuda(), kOp, "a", "must be a CUDA tensor, got device ", a.device());
+  check_device(b, "b", a);
+  check_device(scale_a, "scale_a", a);
+  check_device(scale_b, "scale_b", a);
+  check_device(out, "out", a);
+  if (bias) check_device(*bias, "bias", a);
+
+  // shapes
+  CW8A8_CHECK_VALUE(a.dim() == 2, kOp, "a", "must be 2-D [M, K], got ", a.sizes());
+  CW8A8_CHECK_VALUE(b.dim() == 2, kOp, "b", "must be 2-D [K, N], got ", b.sizes());
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  CW8A8_CHECK_VALUE(b.size(0) == k, kOp, "b", "must be [K, N] with K = a.shape[1] = ", k, ", got ", b.sizes());
+  CW8A8_CHECK_VALUE(k > 0 && k % 16 == 0, kOp, "a", "K = a.shape[1] must be a positive multiple of 16, got ", k);
+  CW8A8_CHECK_VALUE(n > 0 && n % 16 == 0, kOp, "b", "N = b.shape[1] must be a positive multiple of 16, got ", n);
+  if (a.scalar_type() == at::kChar) {
+    CW8A8_CHECK_VALUE(k <= kMaxInt8K, kOp, "a", "K = ", k, " can overflow the int32 accumulator; int8 needs K <= ",
+                      kMaxInt8K);
+  }
+  CW8A8_CHECK_VALUE(out.dim() == 2 && out.size(0) == m && out.size(1) == n, kOp, "out", "must be [M, N] = [", m,
+                    ", ", n, "], got ", out.sizes());
+  const int64_t sa_numel = scale_a.numel();
+  const bool per_token = !(sa_numel == 1);
+  CW8A8_CHECK_VALUE(sa_numel == 1 || (scale_a.dim() == 2 && scale_a.size(0) == m && scale_a.size(1) == 1) ||
+                        (scale_a.dim() == 1 && scale_a.size(0) == m),
+                    kOp, "scale_a", "must be [1] (per-tensor) or [M, 1] (per-token) with M = ", m, ", got ",
+                    scale_a.sizes());
+  const int64_t sb_numel = scale_b.numel();
+  const bool per_channel = !(sb_numel == 1);
+  CW8A8_CHECK_VALUE(sb_numel == 1 || (scale_b.dim() == 1 && scale_b.size(0) == n) ||
+                        (scale_b.dim() == 2 && scale_b.size(0) == 1 && scale_b.size(1) == n),
+                    kOp, "scale_b", "must be [1] (per-tensor), [N] or [1, N] (per-channel) with N = ", n,
+                    ", got ", scale_b.sizes());
+  CW8A8_CHECK_VALUE(scale_a.is_contiguous(), kOp, "scale_a", "must be contiguous");
+  CW8A8_CHECK_VALUE(scale_b.is_contiguous(), kOp, "scale_b", "must be contiguous");
+  if (bias) {
+    CW8A8_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n, kOp, "bias", "must be [N] with N = ", n, ", got ",
+                      bias->sizes());
+    CW8A8_CHECK_VALUE(bias->is_contiguous(), kOp, "bias", "must be contiguous");
+  }
+
+  // layouts: the kernels read A and B through TMA, which needs 16-byte aligned bases and row pitches.
+  // Rows may be padded (a slice of a wider buffer): the leading stride is passed through, never assumed.
+  const int64_t lda = a.stride(0), ldb = b.stride(1), ldd = out.stride(0);
+  CW8A8_CHECK_VALUE(a.stride(1) == 1, kOp, "a", "must be row-major (stride(1) == 1), got strides ", a.strides());
+  CW8A8_CHECK_VALUE(m <= 1 || lda >= k, kOp, "a", "rows overlap: stride(0) = ", lda, " < K = ", k);
+  CW8A8_CHECK_VALUE(lda % 16 == 0 || m <= 1, kOp, "a", "stride(0) must be a multiple of 16 elements, got ", lda);
+  CW8A8_CHECK_VALUE(b.stride(0) == 1, kOp, "b",
+                    "must be column-major [K, N] (the transpose of a row-major [N, K] weight, stride(0) == 1), "
+                    "got strides ", b.strides());
+  CW8A8_CHECK_VALUE(ldb >= k, kOp, "b", "columns overlap: stride(1) = ", ldb, " < K = ", k);
+  CW8A8_CHECK_VALUE(ldb % 16 == 0, kOp, "b", "stride(1) must be a multiple of 16 elements, got ", ldb);
+  CW8A8_CHECK_VALUE(out.stride(1) == 1, kOp, "out", "must be row-major (stride(1) == 1), got strides ",
+                    out.strides());
+  CW8A8_CHECK_VALUE(m <= 1 || ldd >= n, kOp, "out", "rows overlap: stride(0) = ", ldd, " < N = ", n);
+  CW8A8_CHECK_VALUE(ldd % 8 == 0 || m <= 1, kOp, "out", "stride(0) must be a multiple of 8 elements, got ", ldd);
+  CW8A8_CHECK_VALUE(is_aligned(a.data_ptr(), 16), kOp, "a", "data must be 16-byte aligned (storage offset ",
+                    a.storage_offset(), ")");
+  CW8A8_CHECK_VALUE(is_aligned(b.data_ptr(), 16), kOp, "b", "data must be 16-byte aligned (storage offset ",
+                    b.storage_offset(), ")");
+  CW8A8_CHECK_VALUE(is_aligned(out.data_ptr(), 16), kOp, "out", "data must be 16-byte aligned (storage offset ",
+                    out.storage_offset(), ")");
+
+  cw8a8_scaled_mm_args args{};
+  args.a = a.data_ptr();
+  args.b = b.data_ptr();
+  args.d = out.data_ptr();
+  args.scale_a = scale_a.data_ptr<float>();
+  args.scale_b = scale_b.data_ptr<float>();
+  args.bias = bias ? bias->data_ptr() : nullptr;
+  args.m = m;
+  args.n = n;
+  args.k = k;
+  // A single-row operand may carry any stride(0); give the kernel a legal packed pitch instead.
+  args.lda = m <= 1 ? (k + 15) / 16 * 16 : lda;
+  args.ldb = ldb;
+  args.ldd = m <= 1 ? (n + 7) / 8 * 8 : ldd;
+  args.scale_a_per_token = per_token ? 1 : 0;
+  args.scale_b_per_channel = per_channel ? 1 : 0;
+  args.ab_type = a.scalar_type() == at::kChar ? CW8A8_AB_INT8 : CW8A8_AB_FP8_E4M3;
+  args.out_type = out.scalar_type() == at::kBFloat16 ? CW8A8_OUT_BF16 : CW8A8_OUT_F16;
+  args.device = a.device().index();
+  args.config = -1;
+  return args;
+}
+
+void run(cw8a8_scaled_mm_args& args, const at::Tensor& a, const ArchKernels& kernels) {
+  args.sm_count = device_info(args.device).sm_count;
+  args.stream = current_stream(a);
+  TorchWorkspace ws{a.device(), {}, {}};
+  char err[512] = {0};
+  int rc = kernels.scaled_mm(&args, allocate_workspace, &ws, err, sizeof(err));
+  TORCH_CHECK(rc == 0, "cutlass_w8a8.scaled_mm (M=", args.m, ", N=", args.n, ", K=", args.k, "): ", err,
+              ws.error.empty() ? "" : ": ", ws.error);
+}
+
+}  // namespace
+
+void scaled_mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                   const at::Tensor& scale_b, const std::optional<at::Tensor>& bias) {
+  scaled_mm_config_out(out, a, b, scale_a, scale_b, bias, -1);
+}
+
+void scaled_mm_config_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                          const at::Tensor& scale_b, const std::optional<at::Tensor>& bias, int64_t config) {
+  cw8a8_scaled_mm_args args = check_and_pack(out, a, b, scale_a, scale_b, bias);
+  if (args.m == 0) return;
+  c10::cuda::CUDAGuard guard(a.device());
+  const ArchKernels& kernels = kernels_for(args.device);
+  if (config >= 0) {
+    const int count = kernels.num_configs();
+    TORCH_CHECK_VALUE(config < count, "_scaled_mm_config: `config` must be in [0, ", count, "), got ", config);
+  }
+  args.config = static_cast<int>(config);
+  run(args, a, kernels);
+}
+
+at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                     const at::Tensor& scale_b, at::ScalarType out_dtype, const std::optional<at::Tensor>& bias) {
+  CW8A8_CHECK_TYPE(is_out_type(out_dtype), kOp, "out_dtype", "must be bfloat16 or float16, got ",
+                   dtype_name(out_dtype));
+  CW8A8_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, kOp, "a", "and `b` must be 2-D, got ", a.sizes(), " and ",
+                    b.sizes());
+  at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options().dtype(out_dtype));
+  scaled_mm_out(out, a, b, scale_a, scale_b, bias);
+  return out;
+}
+
+const DeviceInfo& device_info(int device) {
+  static std::array<DeviceInfo, 64> cache{};
+  static std::array<std::once_flag, 64> once;
+  TORCH_CHECK(device >= 0 && device < 64, "cutlass_w8a8: device index ", device, " out of range");
+  std::call_once(once[device], [device] {
+    DeviceInfo& d = cache[device];
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, device));
+  });
+  return cache[device];
+}
+
+}  // namespace cutlass_w8a8

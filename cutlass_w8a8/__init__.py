@@ -1,0 +1,35 @@
+"""cutlass_w8a8: W8A8 (int8 / float8) linear layers for PyTorch on CUTLASS kernels, CUDA-graph safe.
+
+Quick start::
+
+    import torch, cutlass_w8a8 as cw
+    model = cw.quantize_(model)                 # nn.Linear -> W8A8Linear (int8 weights, per-channel)
+    y = model(x)                                # per-token int8 activations, fused-dequant GEMM
+
+See README.md for the ops (`scaled_mm`, `quantize_int8`, ...) and the CUDA-graph helpers.
+"""
+
+from . import ops  # defines the op schemas; must come before the compiled implementations load
+from . import _ext
+
+_ext._load()
+
+from ._ext import cuda_ops_available, extension_status  # noqa: E402
+from .ops import INT8_MAX_K, quantize_fp8, quantize_int8, scaled_mm  # noqa: E402
+from .linear import W8A8Config, W8A8Linear, quantize_  # noqa: E402
+from . import graphs  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "scaled_mm",
+    "quantize_int8",
+    "quantize_fp8",
+    "INT8_MAX_K",
+    "W8A8Linear",
+    "W8A8Config",
+    "quantize_",
+    "graphs",
+    "cuda_ops_available",
+    "extension_status",
+]

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# One call on a fresh GPU machine: install the CUTLASS headers, build from clean, run the whole test suite,
+# the main job and the benchmarks, writing logs and JSON to OUT_DIR.
+#
+#   scripts/gpu_run.sh OUT_DIR [STAGES]
+#
+# STAGES is a comma list, default "build,test,demo,bench": build (clean build + install), test (pytest, the
+# whole suite), demo (python -m cutlass_w8a8), bench (bench/bench_gemm.py --quick), bench-full (every M),
+# tune (bench/tune_sm90.py). Offline: the nvidia-cutlass wheel is taken from .whl/ (git-ignored; copy
+# nvidia_cutlass-4.2.0.0-py3-none-any.whl there) when cutlass_library is not importable.
+set -uo pipefail
+OUT=${1:?usage: scripts/gpu_run.sh OUT_DIR [STAGES]}
+STAGES=${2:-build,test,demo,bench}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
+export MAX_JOBS=${MAX_JOBS:-16}
+PY=${PYTHON:-python3}
+status=0
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+stamp() { echo "== $(date +%H:%M:%S) $*" | tee -a "$OUT/summary.txt"; }
+
+stamp "device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)"
+stamp "torch: $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)'); nvcc: $(nvcc --version | tail -1)"
+
+if has build; then
+  if ! $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('cutlass_library') is None)"; then
+    $PY -m pip install -q --no-deps --no-index .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl >"$OUT/pip_cutlass.log" 2>&1 \
+      || { stamp "FAIL: installing the nvidia-cutlass wheel from .whl/"; exit 1; }
+  fi
+  rm -rf build cutlass_w8a8/*.so
+  t0=$(date +%s)
+  $PY -m pip install --no-build-isolation --no-deps -v -e . >"$OUT/build.log" 2>&1
+  rc=$?
+  t1=$(date +%s)
+  stamp "build: rc=$rc in $((t1 - t0)) s (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS)"
+  if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; fi
+  ls -la cutlass_w8a8/*.so | tee -a "$OUT/summary.txt"
+  $PY -c "import cutlass_w8a8 as cw; print(cw.extension_status())" | tee -a "$OUT/summary.txt"
+fi
+
+if has test; then
+  t0=$(date +%s)
+  $PY -m pytest tests -q -rs -p no:cacheprovider --junitxml="$OUT/junit.xml" >"$OUT/tests.log" 2>&1
+  rc=$?
+  stamp "tests: rc=$rc in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests.log")"
+  [ $rc -ne 0 ] && { grep -E "^(FAILED|ERROR)|Error" "$OUT/tests.log" | head -30; status=1; }
+fi
+
+if has demo; then
+  $PY -m cutlass_w8a8 >"$OUT/demo.log" 2>&1
+  rc=$?
+  stamp "demo: rc=$rc"
+  cat "$OUT/demo.log"
+  [ $rc -ne 0 ] && status=1
+fi
+
+if has bench || has bench-full; then
+  mode=--quick
+  has bench-full && mode=
+  $PY bench/bench_gemm.py $mode --out "$OUT" >"$OUT/bench.log" 2>&1
+  rc=$?
+  stamp "bench: rc=$rc"
+  tail -40 "$OUT/bench.log"
+  [ $rc -ne 0 ] && status=1
+fi
+
+if has tune; then
+  $PY bench/tune_sm90.py --out "$OUT" >"$OUT/tune.log" 2>&1
+  rc=$?
+  stamp "tune: rc=$rc"
+  tail -60 "$OUT/tune.log"
+  [ $rc -ne 0 ] && status=1
+fi
+
+cat "$OUT/summary.txt"
+exit $status

@@ -1,0 +1,145 @@
+"""Build cutlass_w8a8: a torch CUDA extension plus one kernel library per GPU architecture.
+
+    pip install nvidia-cutlass==4.2.0.0          # CUTLASS headers (or CUTLASS_W8A8_CUTLASS_DIR=<checkout>)
+    pip install --no-build-isolation .           # builds against the torch already installed
+
+What gets built (see csrc/kernel_api.h for why the split):
+  cutlass_w8a8/_C.so               op implementations, argument checks, quantization kernels;
+                                   compiled for every arch in TORCH_CUDA_ARCH_LIST
+  cutlass_w8a8/_kernels_sm90.so    CUTLASS 3.x sm90 GEMMs, compiled only for sm_90a; built when
+                                   TORCH_CUDA_ARCH_LIST names 9.0 / 9.0a (or, unset, when the local GPU is sm90)
+
+Environment:
+  TORCH_CUDA_ARCH_LIST      e.g. "9.0a"; unset: the local GPU's arch, else 9.0a
+  MAX_JOBS                  parallel compile jobs (ninja)
+  CUTLASS_W8A8_CUTLASS_DIR  a CUTLASS checkout to use instead of the nvidia-cutlass package
+  CUTLASS_W8A8_NO_CUDA=1    install the pure-Python package only (also automatic with a CPU-only torch)
+"""
+
+import glob
+import importlib.util
+import os
+import sys
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def log(msg: str) -> None:
+    print(f"cutlass_w8a8 setup: {msg}", file=sys.stderr)
+
+
+def cuda_build_possible() -> bool:
+    if os.environ.get("CUTLASS_W8A8_NO_CUDA") == "1":
+        log("CUTLASS_W8A8_NO_CUDA=1: installing without the CUDA extension")
+        return False
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME
+    except ImportError:
+        log("torch is not importable (install torch first, then pip install --no-build-isolation): "
+            "installing without the CUDA extension")
+        return False
+    if torch.version.cuda is None or CUDA_HOME is None:
+        log(f"torch {torch.__version__} has no CUDA or no CUDA toolkit was found: "
+            "installing without the CUDA extension")
+        return False
+    return True
+
+
+def cutlass_include_dirs() -> list:
+    root = os.environ.get("CUTLASS_W8A8_CUTLASS_DIR")
+    if root:
+        dirs = [os.path.join(root, "include"), os.path.join(root, "tools", "util", "include")]
+    else:
+        # Not `import cutlass`: that name belongs to the CuTe DSL. The headers ship inside cutlass_library.
+        spec = importlib.util.find_spec("cutlass_library")
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError(
+                "CUTLASS headers not found: pip install nvidia-cutlass==4.2.0.0 (offline: pip install "
+                "--no-deps <path>/nvidia_cutlass-4.2.0.0-py3-none-any.whl), or set CUTLASS_W8A8_CUTLASS_DIR "
+                "to a CUTLASS checkout")
+        source = os.path.join(list(spec.submodule_search_locations)[0], "source")
+        dirs = [os.path.join(source, "include"), os.path.join(source, "tools", "util", "include")]
+    for d in dirs:
+        if not os.path.isdir(d):
+            raise RuntimeError(f"CUTLASS include directory {d} does not exist")
+    return dirs
+
+
+def arch_list() -> list:
+    """Arches from TORCH_CUDA_ARCH_LIST ("9.0a;8.9" or "9.0a 8.9"), or the local GPU's, or 9.0a."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if env:
+        return [a.strip() for a in env.replace(";", " ").split() if a.strip()]
+    import torch
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        arch = f"{major}.{minor}" + ("a" if (major, minor) == (9, 0) else "")
+    else:
+        arch = "9.0a"
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+    log(f"TORCH_CUDA_ARCH_LIST unset: building for {arch}")
+    return [arch]
+
+
+# torch's extension flags define these, which hide the half/bfloat16 operators CUTLASS relies on.
+UNDEF_NO_HALF = [
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+]
+# No -std for _C: torch picks the standard its headers need. The kernel libraries include no torch header and
+# are compiled as C++17, which CUTLASS 4.2 is tested with.
+NVCC_COMMON = ["-O3", "-DNDEBUG", "--expt-relaxed-constexpr", *UNDEF_NO_HALF]
+CXX_COMMON = ["-O3", "-DNDEBUG"]
+
+
+def extensions():
+    from torch.utils.cpp_extension import CUDAExtension
+
+    arches = arch_list()
+    cutlass_inc = cutlass_include_dirs()
+    exts = [
+        CUDAExtension(
+            name="cutlass_w8a8._C",
+            sources=["csrc/bindings.cpp", "csrc/scaled_mm_entry.cu", "csrc/quant/quantize.cu"],
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            # No flag here may contain "arch": torch then adds the TORCH_CUDA_ARCH_LIST flags itself.
+            extra_compile_args={"cxx": CXX_COMMON, "nvcc": NVCC_COMMON},
+            libraries=["dl"],
+        )
+    ]
+    if any(a.startswith("9.0") for a in arches):
+        sm90_sources = ["csrc/sm90/scaled_mm_sm90.cu"] + sorted(
+            os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc/sm90/instantiations/*.cu")))
+        exts.append(
+            CUDAExtension(
+                name="cutlass_w8a8._kernels_sm90",
+                sources=sm90_sources,
+                include_dirs=[os.path.join(ROOT, "csrc"), *cutlass_inc],
+                # wgmma and setmaxnreg need the arch-specific sm_90a target; an explicit -gencode also
+                # stops torch from adding TORCH_CUDA_ARCH_LIST's flags to this library.
+                extra_compile_args={
+                    "cxx": CXX_COMMON,
+                    "nvcc": [*NVCC_COMMON, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"],
+                },
+                # every instantiation the dispatcher names must be defined: fail at link time, not at load
+                extra_link_args=["-Wl,-z,defs"],
+            ))
+    else:
+        log(f"TORCH_CUDA_ARCH_LIST={';'.join(arches)} has no 9.0: the sm90 kernels are not built")
+    return exts
+
+
+if cuda_build_possible():
+    from torch.utils.cpp_extension import BuildExtension
+
+    ext_modules = extensions()
+    cmdclass = {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True, use_ninja=True)}
+else:
+    ext_modules, cmdclass = [], {}
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)
