@@ -122,9 +122,12 @@ def extensions():
                 include_dirs=[os.path.join(ROOT, "csrc"), *cutlass_inc],
                 # wgmma and setmaxnreg need the arch-specific sm_90a target; an explicit -gencode also
                 # stops torch from adding TORCH_CUDA_ARCH_LIST's flags to this library.
+                # Hidden visibility: only the C entry points (marked default) leave the library, never its
+                # copies of C++ template symbols.
                 extra_compile_args={
-                    "cxx": CXX_COMMON,
-                    "nvcc": [*NVCC_COMMON, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"],
+                    "cxx": [*CXX_COMMON, "-fvisibility=hidden"],
+                    "nvcc": [*NVCC_COMMON, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
+                             "-Xcompiler=-fvisibility=hidden"],
                 },
                 # every instantiation the dispatcher names must be defined: fail at link time, not at load
                 extra_link_args=["-Wl,-z,defs"],

@@ -21,27 +21,42 @@ constexpr const char* kOp = "scaled_mm";
 // while K * 2^14 <= 2^31 - 1, i.e. K <= 131071. The largest K that is also a multiple of 16 is 131056.
 constexpr int64_t kMaxInt8K = (int64_t{2147483647} / (128 * 128)) / 16 * 16;
 
-// The per-architecture kernel libraries export C symbols (kernel_api.h); Python loads them with
-// RTLD_GLOBAL before the first call (cutlass_w8a8/_ext.py), so dlsym(RTLD_DEFAULT) finds them.
-template <class Fn>
-Fn find_symbol(const char* name) {
-  return reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, name));
+// The per-architecture kernel libraries export C entry points (kernel_api.h). We dlopen them RTLD_LOCAL
+// from this library's own directory and look the entry points up in that handle only: loaded into the
+// global scope, a library's copies of C++ template symbols (libstdc++'s among them) would interpose on
+// other libraries' and break them (seen: ostream << long crashing inside _C.so).
+std::string own_directory() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&own_directory), &info) == 0 || info.dli_fname == nullptr) return ".";
+  std::string path = info.dli_fname;
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
 }
 
 struct ArchKernels {
   cw8a8_scaled_mm_fn scaled_mm = nullptr;
   cw8a8_num_configs_fn num_configs = nullptr;
-  const char* library = "";
+  std::string library;
+  std::string error;  // why the library or its entry points are missing
 };
 
+ArchKernels load_kernels(const char* name, const char* scaled_mm_symbol, const char* num_configs_symbol) {
+  ArchKernels k;
+  k.library = own_directory() + "/" + name + ".so";
+  void* handle = dlopen(k.library.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    const char* e = dlerror();
+    k.error = e ? e : "dlopen failed";
+    return k;
+  }
+  k.scaled_mm = reinterpret_cast<cw8a8_scaled_mm_fn>(dlsym(handle, scaled_mm_symbol));
+  k.num_configs = reinterpret_cast<cw8a8_num_configs_fn>(dlsym(handle, num_configs_symbol));
+  if (k.scaled_mm == nullptr || k.num_configs == nullptr) k.error = std::string("missing ") + scaled_mm_symbol;
+  return k;
+}
+
 const ArchKernels& sm90_kernels() {
-  static const ArchKernels k = [] {
-    ArchKernels r;
-    r.scaled_mm = find_symbol<cw8a8_scaled_mm_fn>("cw8a8_sm90_scaled_mm");
-    r.num_configs = find_symbol<cw8a8_num_configs_fn>("cw8a8_sm90_num_configs");
-    r.library = "_kernels_sm90";
-    return r;
-  }();
+  static const ArchKernels k = load_kernels("_kernels_sm90", "cw8a8_sm90_scaled_mm", "cw8a8_sm90_num_configs");
   return k;
 }
 
@@ -50,10 +65,9 @@ const ArchKernels& kernels_for(int device) {
   const DeviceInfo& info = device_info(device);
   if (info.major == 9 && info.minor == 0) {
     const ArchKernels& k = sm90_kernels();
-    TORCH_CHECK(k.scaled_mm != nullptr,
-                "cutlass_w8a8: the sm90 kernels are not loaded: the package was built without them "
-                "(TORCH_CUDA_ARCH_LIST must contain 9.0a) or cutlass_w8a8/", k.library,
-                "*.so failed to load; see cutlass_w8a8.extension_status()");
+    TORCH_CHECK(k.error.empty(),
+                "cutlass_w8a8: the sm90 kernels are not available: the package was built without them "
+                "(TORCH_CUDA_ARCH_LIST must contain 9.0a) or ", k.library, " failed to load: ", k.error);
     return k;
   }
   TORCH_CHECK_NOT_IMPLEMENTED(false, "cutlass_w8a8.scaled_mm: no kernels for compute capability ", info.major,

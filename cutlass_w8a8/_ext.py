@@ -12,8 +12,8 @@ import os
 import torch
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
-# Kernel libraries, loaded RTLD_GLOBAL before `_C.so` so that its dlsym(RTLD_DEFAULT, ...) finds their C
-# entry points (csrc/kernel_api.h).
+# Kernel libraries (csrc/kernel_api.h). `_C.so` dlopens them itself, RTLD_LOCAL; loading them here as well
+# (the same handle) reports load failures at import and gives the tuning scripts their config tables.
 KERNEL_LIBRARIES = ("_kernels_sm90",)
 
 _loaded: dict[str, object] = {}
@@ -27,7 +27,7 @@ def _load() -> None:
             _errors[name] = "not built"
             continue
         try:
-            _loaded[name] = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            _loaded[name] = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
         except OSError as exc:
             _errors[name] = f"failed to load: {exc}"
     path = os.path.join(_DIR, "_C.so")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 # Mantissa bits of the output dtypes (for one unit in the last place).
@@ -30,19 +32,24 @@ def scale_magnitudes(dtype, k):
     return mag, mag
 
 
-def reference(a, b, scale_a, scale_b, bias=None):
-    """D = (a * scale_a) @ (b * scale_b) + bias in float64, from the dequantized operands.
+class Reference(NamedTuple):
+    d: torch.Tensor          # the float64 result
+    mag: torch.Tensor        # |sum| + |bias|: what the kernels' float32 epilogue rounds
+    abs_terms: torch.Tensor  # sum_k |a_k b_k| (dequantized): what accumulation errors scale with
+    k: int
 
-    Returns (d, magnitude) where magnitude = |sum term| + |bias| bounds what the float32 epilogue rounds.
-    """
+
+def reference(a, b, scale_a, scale_b, bias=None) -> Reference:
+    """D = (a * scale_a) @ (b * scale_b) + bias in float64, from the dequantized operands."""
     sa = scale_a.to(torch.float64).reshape(-1, 1)
     sb = scale_b.to(torch.float64).reshape(1, -1)
-    prod = (a.to(torch.float64) * sa) @ (b.to(torch.float64) * sb)
-    mag = prod.abs()
+    a_deq, b_deq = a.to(torch.float64) * sa, b.to(torch.float64) * sb
+    d = a_deq @ b_deq
+    mag = d.abs()
     if bias is not None:
-        prod = prod + bias.to(torch.float64)
+        d = d + bias.to(torch.float64)
         mag = mag + bias.to(torch.float64).abs()
-    return prod, mag
+    return Reference(d, mag, a_deq.abs() @ b_deq.abs(), a.shape[1])
 
 
 def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -52,21 +59,24 @@ def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(ax), (e - 1 - _MANTISSA[dtype]).to(torch.int32)).to(torch.float64)
 
 
-def assert_close_to_reference(out, ref, mag, dtype, extra_rel=0.0, what=""):
-    """|out - ref| <= ulp(dtype) + 4 * eps32 * mag + extra_rel * mag, elementwise; NaN never passes.
+def assert_close_to_reference(out, ref: Reference, dtype, accum_rel=0.0, what=""):
+    """Elementwise |out - ref| <= ulp(dtype) + 4 eps32 |D| + (K 2**-52 + accum_rel) sum|terms|; no NaN.
 
-    The kernels accumulate int8 products exactly, convert to float32, apply two float32 multiplies and a
-    float32 multiply-add (each <= 1 eps32 relative to the terms' magnitude `mag`) and round once to `dtype`
-    (half an ulp); the reference's own rounding to `dtype` adds at most another half ulp. `extra_rel` is
-    for fp8, whose float32 accumulation order is not exact (see tests/test_scaled_mm_cuda.py).
+    - ulp: the kernel rounds once to `dtype` (half an ulp) and so does the reference (another half).
+    - 4 eps32 |D|: int8 products accumulate exactly; the float32 epilogue converts the accumulator and
+      applies a multiply and a multiply-add, each within one float32 roundoff of the terms' magnitude.
+    - K 2**-52 sum|terms|: the float64 reference's own accumulation error (products of dequantized operands
+      carry up to 64 significant bits); it matters only where D is near 0, e.g. an accumulator of exactly 0.
+    - accum_rel sum|terms|: for float32 accumulation (fp8), whose error scales with the terms, not with D.
     """
     o = out.to(torch.float64)
     assert not torch.isnan(o).any(), f"{what}: NaN in output"
-    bound = torch.maximum(ulp(ref, dtype), ulp(o, dtype)) + (4 * EPS32 + extra_rel) * mag
-    err = (o - ref).abs()
+    bound = (torch.maximum(ulp(ref.d, dtype), ulp(o, dtype)) + 4 * EPS32 * ref.mag
+             + (ref.k * 2.0 ** -52 + accum_rel) * ref.abs_terms)
+    err = (o - ref.d).abs()
     bad = err > bound
     if bad.any():
-        idx = bad.nonzero()[0].tolist()
+        idx = tuple(bad.nonzero()[0].tolist())
         raise AssertionError(
-            f"{what}: {int(bad.sum())} of {bad.numel()} elements out of tolerance; first at {idx}: "
-            f"out={o[tuple(idx)].item()!r} ref={ref[tuple(idx)].item()!r} bound={bound[tuple(idx)].item()!r}")
+            f"{what}: {int(bad.sum())} of {bad.numel()} elements out of tolerance; first at {list(idx)}: "
+            f"out={o[idx].item()!r} ref={ref.d[idx].item()!r} bound={bound[idx].item()!r}")
