@@ -137,11 +137,34 @@ def extensions():
     return exts
 
 
-if cuda_build_possible():
+def checked_build_ext():
+    """torch's BuildExtension, plus a check that each built library uses the shared libstdc++.
+
+    A compiler that links libstdc++ statically (seen: a wrapper g++ set as CC/CXX on a GPU image) gives the
+    extension a second copy of libstdc++ beside torch's; the two disagree on locale facet ids and the first
+    error message that formats an integer crashes. Fail the build instead, with the fix.
+    """
     from torch.utils.cpp_extension import BuildExtension
 
+    class CheckedBuildExtension(BuildExtension):
+        def build_extension(self, ext):
+            super().build_extension(ext)
+            path = self.get_ext_fullpath(ext.name)
+            with open(path, "rb") as f:
+                static_libstdcxx = b"_txnal_cow_string_C1_for_exceptions" in f.read()
+            if static_libstdcxx:
+                raise RuntimeError(
+                    f"{path} contains a static copy of libstdc++ (the C++ compiler CXX="
+                    f"{os.environ.get('CXX', '<default>')} links it statically). It must share torch's "
+                    "libstdc++: rebuild with the system compiler, e.g. CC=/usr/bin/gcc CXX=/usr/bin/g++ "
+                    "CUDAHOSTCXX=/usr/bin/g++ pip install --no-build-isolation .")
+
+    return CheckedBuildExtension.with_options(no_python_abi_suffix=True, use_ninja=True)
+
+
+if cuda_build_possible():
     ext_modules = extensions()
-    cmdclass = {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True, use_ninja=True)}
+    cmdclass = {"build_ext": checked_build_ext()}
 else:
     ext_modules, cmdclass = [], {}
 

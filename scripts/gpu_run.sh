@@ -16,6 +16,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export MAX_JOBS=${MAX_JOBS:-16}
+# The GPU image sets CC/CXX/CUDAHOSTCXX to a wrapper g++ that links libstdc++ statically, which an extension
+# sharing torch's libstdc++ must not do (setup.py refuses such a build); use the system g++ (13.3 there).
+if [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi
 PY=${PYTHON:-python3}
 status=0
 has() { [[ ",$STAGES," == *",$1,"* ]]; }

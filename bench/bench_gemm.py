@@ -1,0 +1,576 @@
+"""W8A8 GEMM sweep: cutlass_w8a8 against cuBLAS bf16, torch._int_mm and torch._scaled_mm, on Llama-3 linears.
+
+For every (shape, M) point, on the current CUDA device, in one process:
+
+- ``bf16``: ``torch.matmul(x, w.t())``, x ``(M, K)`` and w ``(N, K)`` bfloat16 (cuBLAS).
+- ``int_mm_scaled``: ``torch._int_mm(a, w.t())`` then ``(acc.float() * scale_a * scale_b).to(bf16)``,
+  scale_a ``(M, 1)`` and scale_b ``(1, N)`` float32. torch refuses M <= 16; the error is recorded.
+- ``torch_fp8_rowwise``: ``torch._scaled_mm`` on float8_e4m3fn with row-wise scales, bf16 out.
+- ``ours_int8`` / ``ours_fp8``: ``cutlass_w8a8.scaled_mm(a, w.t(), scale_a (M, 1), scale_b (N,), bf16)``.
+- ``linear_bf16`` / ``linear_w8a8``: ``nn.Linear(K, N, bias=False)`` in bf16 and its
+  ``W8A8Linear.from_float`` (per-token int8 quantization of x plus the GEMM) on x.
+
+Timing (cutlass_w8a8.bench_utils.bench_gpu_time): CUDA-graph replay of R calls over rotating copies of the
+inputs that together exceed twice the L2, so each call starts with a cold L2; median replay time / R.
+Before the timings of a point, ours is checked against a bf16 GEMM of the dequantized operands.
+
+Writes ``gemm_<device>.json`` (raw numbers), ``gemm_<device>.md`` (tables) and ``gemm_<device>.png``
+(speedup over bf16 and TOPS against M) to ``--out``.
+
+Examples::
+
+    python bench/bench_gemm.py                       # full sweep
+    python bench/bench_gemm.py --quick --shapes 8b   # Llama-3-8B shapes, 6 values of M
+    python bench/bench_gemm.py --m 1,128,4096 --no-fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (name, N, K) of the Llama-3 linears: QKV and gate/up fused, as serving engines run them.
+SHAPES: tuple[tuple[str, int, int], ...] = (
+    ("l3-8b-qkv", 6144, 4096),
+    ("l3-8b-o", 4096, 4096),
+    ("l3-8b-gate_up", 28672, 4096),
+    ("l3-8b-down", 4096, 14336),
+    ("l3-70b-qkv", 10240, 8192),
+    ("l3-70b-o", 8192, 8192),
+    ("l3-70b-gate_up", 57344, 8192),
+    ("l3-70b-down", 8192, 28672),
+)
+DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+QUICK_MS = (1, 16, 64, 256, 1024, 4096)
+# Upper bounds (inclusive) of the M groups of the summary table: decode, mid-size batches, prefill.
+M_GROUP_BOUNDS = (16, 512, None)
+
+METHODS = ("bf16", "int_mm_scaled", "torch_fp8_rowwise", "ours_int8", "ours_fp8", "linear_bf16", "linear_w8a8")
+# Methods whose failure is recorded instead of aborting the run (torch's own limits, an fp8 build missing).
+OPTIONAL_METHODS = frozenset({"int_mm_scaled", "torch_fp8_rowwise", "ours_fp8"})
+
+# Relative Frobenius error bounds. The GEMM against the dequantized operands differs only by bf16
+# rounding; the quantized linear also carries int8 quantization error (about 1% on these random inputs).
+GEMM_REL_TOL = 2e-2
+LINEAR_REL_TOL = 5e-2
+
+
+class AccuracyError(RuntimeError):
+    """A cutlass_w8a8 result is too far from its reference: the timings would be meaningless."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# command line
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Benchmark cutlass_w8a8 W8A8 GEMMs against cuBLAS bf16, torch._int_mm and "
+                    "torch._scaled_mm on Llama-3-8B/70B linear shapes (cold-L2 CUDA-graph timing).")
+    ms = parser.add_mutually_exclusive_group()
+    ms.add_argument("--m", type=_int_list, default=None, metavar="LIST",
+                    help=f"comma-separated M values (default: {','.join(map(str, DEFAULT_MS))})")
+    ms.add_argument("--quick", action="store_true", help=f"M in {{{','.join(map(str, QUICK_MS))}}}")
+    parser.add_argument("--shapes", default=None, metavar="LIST",
+                        help="comma-separated substrings; keep the shapes whose name contains one "
+                             f"(names: {', '.join(s[0] for s in SHAPES)})")
+    parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time cutlass_w8a8 with float8_e4m3fn operands (default: on)")
+    parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results"), metavar="DIR",
+                        help="output folder for gemm_<device>.{json,md,png} (default: bench/results)")
+    parser.add_argument("--replays", type=int, default=25, help="timed CUDA-graph replays per measurement")
+    parser.add_argument("--replay-ms", type=float, default=1.0,
+                        help="target duration of one replay in ms; sets the calls per replay")
+    parser.add_argument("--rotate-gb", type=float, default=4.0,
+                        help="memory cap in GiB for the rotating input copies of one measurement")
+    parser.add_argument("--peak-tops", type=float, default=None,
+                        help="dense int8/fp8 peak in TOPS for %%peak (default: from the device name)")
+    parser.add_argument("--seed", type=int, default=0, help="torch random seed")
+    args = parser.parse_args(argv)
+    if args.replays < 1:
+        parser.error("--replays must be >= 1")
+    args.m_values = sorted(set(args.m or (QUICK_MS if args.quick else DEFAULT_MS)))
+    args.shape_list = select_shapes(args.shapes)
+    if not args.shape_list:
+        parser.error(f"--shapes {args.shapes!r} matches none of {', '.join(s[0] for s in SHAPES)}")
+    return args
+
+
+def select_shapes(filters: Optional[str]) -> list[tuple[str, int, int]]:
+    """The shapes whose name contains one of the comma-separated substrings (all when ``filters`` is None)."""
+    if not filters:
+        return list(SHAPES)
+    keys = [f.strip() for f in filters.split(",") if f.strip()]
+    return [s for s in SHAPES if any(key in s[0] for key in keys)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# inputs and the timed callables
+
+
+@dataclasses.dataclass
+class Weights:
+    """The ``(N, K)`` weights of one shape: bf16, int8 and fp8 copies, per-channel scale ``(N,)`` float32,
+    and the bf16 ``nn.Linear`` with its ``W8A8Linear``."""
+
+    w_bf16: torch.Tensor
+    w_int8: torch.Tensor
+    w_fp8: torch.Tensor
+    scale_b: torch.Tensor
+    linear: torch.nn.Module
+    qlinear: torch.nn.Module
+
+
+@dataclasses.dataclass
+class Activations:
+    """The ``(M, K)`` activations of one point: bf16, int8 and fp8, and a per-token scale ``(M, 1)`` float32."""
+
+    x_bf16: torch.Tensor
+    a_int8: torch.Tensor
+    a_fp8: torch.Tensor
+    scale_a: torch.Tensor
+
+
+def _random_int8(*shape: int) -> torch.Tensor:
+    return torch.randint(-128, 128, shape, dtype=torch.int8, device="cuda")
+
+
+def _random_fp8(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.bfloat16, device="cuda").to(torch.float8_e4m3fn)
+
+
+def _random_scales(*shape: int) -> torch.Tensor:
+    """Positive float32 scales, uniform in [0.5e-3, 1.5e-3)."""
+    return (torch.rand(*shape, dtype=torch.float32, device="cuda") + 0.5) * 1e-3
+
+
+def make_weights(n: int, k: int, w8a8_linear: type) -> Weights:
+    linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    return Weights(w_bf16=torch.randn(n, k, dtype=torch.bfloat16, device="cuda"), w_int8=_random_int8(n, k),
+                   w_fp8=_random_fp8(n, k), scale_b=_random_scales(n), linear=linear,
+                   qlinear=w8a8_linear.from_float(linear))
+
+
+def make_activations(m: int, k: int) -> Activations:
+    return Activations(x_bf16=torch.randn(m, k, dtype=torch.bfloat16, device="cuda"), a_int8=_random_int8(m, k),
+                       a_fp8=_random_fp8(m, k), scale_a=_random_scales(m, 1))
+
+
+def bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(x, w.t())
+
+
+def int_mm_scaled(a: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor, scale_b_row: torch.Tensor) -> torch.Tensor:
+    return (torch._int_mm(a, w.t()).float() * scale_a * scale_b_row).to(torch.bfloat16)
+
+
+def torch_fp8_rowwise(a: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor,
+                      scale_b_row: torch.Tensor) -> torch.Tensor:
+    return torch._scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_b_row, out_dtype=torch.bfloat16)
+
+
+def module_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+def build_methods(scaled_mm: Callable, wts: Weights, act: Activations,
+                  fp8: bool) -> dict[str, tuple[Callable, tuple]]:
+    """``name -> (fn, args)`` for every method of the point, in `METHODS` order; ``fn(*args)`` is timed."""
+
+    def ours(a, w, scale_a, scale_b):
+        return scaled_mm(a, w.t(), scale_a, scale_b, torch.bfloat16)
+
+    scale_b_row = wts.scale_b.view(1, -1)
+    methods = {
+        "bf16": (bf16_matmul, (act.x_bf16, wts.w_bf16)),
+        "int_mm_scaled": (int_mm_scaled, (act.a_int8, wts.w_int8, act.scale_a, scale_b_row)),
+        "torch_fp8_rowwise": (torch_fp8_rowwise, (act.a_fp8, wts.w_fp8, act.scale_a, scale_b_row)),
+        "ours_int8": (ours, (act.a_int8, wts.w_int8, act.scale_a, wts.scale_b)),
+        "ours_fp8": (ours, (act.a_fp8, wts.w_fp8, act.scale_a, wts.scale_b)),
+        "linear_bf16": (module_forward, (wts.linear, act.x_bf16)),
+        "linear_w8a8": (module_forward, (wts.qlinear, act.x_bf16)),
+    }
+    if not fp8:
+        del methods["ours_fp8"]
+    return methods
+
+
+def short_error(exc: BaseException) -> str:
+    """The first line of an exception's message, with its type, at most 300 characters."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+# ----------------------------------------------------------------------------------------------------
+# accuracy guard
+
+
+def rel_fro_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref||_F / ||ref||_F`` in float32."""
+    ref = ref.float()
+    return (torch.linalg.vector_norm(out.float() - ref) / torch.linalg.vector_norm(ref)).item()
+
+
+def dequantized_reference(a: torch.Tensor, w: torch.Tensor, scale_a: torch.Tensor,
+                          scale_b: torch.Tensor) -> torch.Tensor:
+    """bf16 GEMM of the dequantized operands: ``(a * scale_a) @ (w * scale_b[:, None]).t()``, ``(M, N)``."""
+    a_deq = (a.float() * scale_a).to(torch.bfloat16)
+    w_deq = (w.float() * scale_b.reshape(-1, 1)).to(torch.bfloat16)
+    return a_deq @ w_deq.t()
+
+
+def check_accuracy(methods: dict, errors: dict[str, str], where: str) -> dict[str, float]:
+    """Check ours (and the quantized linear) before timing; returns relative errors by method.
+
+    Raises AccuracyError above `GEMM_REL_TOL` (`LINEAR_REL_TOL` for ``linear_w8a8`` against
+    ``linear_bf16``). A failing first call of an optional method is recorded in ``errors`` and the method
+    is dropped from ``methods``.
+    """
+    rel = {}
+    for name in ("ours_int8", "ours_fp8"):
+        if name not in methods:
+            continue
+        fn, args = methods[name]
+        try:
+            out = fn(*args)
+        except Exception as exc:  # noqa: BLE001 (any failure of an optional method is a result)
+            if name not in OPTIONAL_METHODS:
+                raise
+            errors[name] = short_error(exc)
+            del methods[name]
+            continue
+        rel[name] = rel_fro_error(out, dequantized_reference(*args))
+    fn, args = methods["linear_w8a8"]
+    ref_fn, ref_args = methods["linear_bf16"]
+    rel["linear_w8a8"] = rel_fro_error(fn(*args), ref_fn(*ref_args))
+    for name, err in rel.items():
+        tol = LINEAR_REL_TOL if name == "linear_w8a8" else GEMM_REL_TOL
+        if not err < tol:  # also catches NaN
+            raise AccuracyError(f"{where}: {name} relative Frobenius error {err:.3g} is not below {tol:g}")
+    return rel
+
+
+# ----------------------------------------------------------------------------------------------------
+# the sweep
+
+
+def time_methods(methods: dict, errors: dict[str, str], bu: Any, l2_bytes: int,
+                 args: argparse.Namespace) -> tuple[dict[str, float], dict[str, dict]]:
+    """Time every method not already in ``errors``; ``(ms per call by method, timing details by method)``."""
+    times, details = {}, {}
+    max_bytes = int(args.rotate_gb * 2**30)
+    for name, (fn, fn_args) in methods.items():
+        if name in errors:
+            continue
+        try:
+            fn(*fn_args)  # first call: torch's unsupported shapes fail here, not inside a capture
+            arg_sets = bu.rotating_arg_sets(fn_args, l2_bytes, max_bytes)
+            timing = bu.bench_gpu_time(fn, arg_sets, replay_ms=args.replay_ms, replays=args.replays)
+        except Exception as exc:  # noqa: BLE001
+            if name not in OPTIONAL_METHODS:
+                raise
+            errors[name] = short_error(exc)
+            continue
+        finally:
+            arg_sets = None
+        times[name] = timing.median_ms
+        details[name] = {"calls_per_replay": timing.calls_per_replay, "copies": timing.copies,
+                         "min_ms": timing.min_ms, "max_ms": timing.max_ms}
+    return times, details
+
+
+def derive(m: int, n: int, k: int, times: dict[str, float], copy_gbps: float,
+           peak_tops: Optional[float]) -> dict[str, Any]:
+    """Derived numbers of one point: times in us, TOPS (1e12 ops/s, 2*M*N*K ops), weight GB/s (1e9 B/s,
+    N*K bytes per call), and speedups (baseline time / our time). Missing inputs give None."""
+
+    def ratio(num: str, den: str) -> Optional[float]:
+        return times[num] / times[den] if num in times and den in times else None
+
+    def tops(name: str) -> Optional[float]:
+        return 2 * m * n * k / (times[name] * 1e-3) / 1e12 if name in times else None
+
+    ours_tops = tops("ours_int8")
+    weight_gbps = n * k / (times["ours_int8"] * 1e-3) / 1e9 if "ours_int8" in times else None
+    return {
+        "time_us": {name: ms * 1e3 for name, ms in times.items()},
+        "ours_tops": ours_tops,
+        "ours_pct_peak": 100 * ours_tops / peak_tops if ours_tops is not None and peak_tops else None,
+        "ours_weight_GBps": weight_gbps,
+        "ours_weight_GBps_over_copy": weight_gbps / copy_gbps if weight_gbps is not None else None,
+        "ours_x_bf16": ratio("bf16", "ours_int8"),
+        "ours_x_torch_fp8": ratio("torch_fp8_rowwise", "ours_int8"),
+        "ours_x_int_mm": ratio("int_mm_scaled", "ours_int8"),
+        "linear_w8a8_x_bf16": ratio("linear_bf16", "linear_w8a8"),
+        "ours_fp8_tops": tops("ours_fp8"),
+        "ours_fp8_x_bf16": ratio("bf16", "ours_fp8"),
+        "ours_fp8_x_torch_fp8": ratio("torch_fp8_rowwise", "ours_fp8"),
+    }
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a convenience; the sweep runs without it
+        return None
+    # disable=None: no bar when stderr is not a terminal (a log file would get one line of carriage returns)
+    return tqdm(total=total, unit="pt", dynamic_ncols=True, disable=None)
+
+
+def run_sweep(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any]:
+    """Measure every (shape, M) point; returns the results dict that `write_outputs` takes."""
+    name = torch.cuda.get_device_name()
+    l2_bytes = bu.l2_cache_bytes()
+    peak = args.peak_tops if args.peak_tops is not None else bu.dense_peak_tops(name)
+    commit, dirty = bu.git_commit(REPO_ROOT)
+    copy_gbps = bu.copy_bandwidth_gbps()
+    results = {
+        "device": name,
+        "device_slug": bu.device_slug(name),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "cutlass_w8a8_version": getattr(cw, "__version__", None),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "l2_bytes": l2_bytes,
+        "copy_GBps": copy_gbps,
+        "peak_tops": peak,
+        "timing": {"method": "CUDA-graph replay over rotating input copies (> 2x L2), median replay / calls",
+                   "replays": args.replays, "replay_ms": args.replay_ms, "rotate_gb": args.rotate_gb},
+        "tolerances": {"gemm_rel_fro": GEMM_REL_TOL, "linear_rel_fro": LINEAR_REL_TOL},
+        "fp8": args.fp8,
+        "m_values": args.m_values,
+        "shapes": [{"name": s, "N": n, "K": k} for s, n, k in args.shape_list],
+        "points": [],
+    }
+    bar = _progress(len(args.shape_list) * len(args.m_values))
+    try:
+        for shape, n, k in args.shape_list:
+            wts = make_weights(n, k, cw.W8A8Linear)
+            for m in args.m_values:
+                if bar is not None:
+                    bar.set_postfix_str(f"{shape} M={m}")
+                results["points"].append(measure_point(shape, m, n, k, wts, args, cw, bu, l2_bytes, copy_gbps, peak))
+                if bar is not None:
+                    bar.update()
+            del wts
+            torch.cuda.empty_cache()
+    finally:
+        if bar is not None:
+            bar.close()
+    return results
+
+
+def measure_point(shape: str, m: int, n: int, k: int, wts: Weights, args: argparse.Namespace, cw: Any, bu: Any,
+                  l2_bytes: int, copy_gbps: float, peak: Optional[float]) -> dict[str, Any]:
+    """Check and time one (shape, M) point; times in ms per call."""
+    act = make_activations(m, k)
+    methods = build_methods(cw.scaled_mm, wts, act, args.fp8)
+    errors: dict[str, str] = {}
+    rel = check_accuracy(methods, errors, f"{shape} M={m}")
+    times, details = time_methods(methods, errors, bu, l2_bytes, args)
+    del methods, act
+    torch.cuda.empty_cache()
+    return {"shape": shape, "N": n, "K": k, "M": m, "time_ms": times, "errors": errors, "rel_err": rel,
+            "timing": details, "derived": derive(m, n, k, times, copy_gbps, peak)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# reports
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def point_table(points: list[dict]) -> str:
+    """Markdown table, one row per (shape, M)."""
+    rows = ["| M | shape | ours us | TOPS | %peak | weight GB/s | x bf16 | x fp8-torch | x int_mm |",
+            "|---:|:---|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in points:
+        d = p["derived"]
+        rows.append(f"| {p['M']} | {p['shape']} | {_fmt(d['time_us'].get('ours_int8'), '.1f')} "
+                    f"| {_fmt(d['ours_tops'], '.1f')} | {_fmt(d['ours_pct_peak'], '.1f')} "
+                    f"| {_fmt(d['ours_weight_GBps'], '.0f')} | {_fmt(d['ours_x_bf16'], '.2f')} "
+                    f"| {_fmt(d['ours_x_torch_fp8'], '.2f')} | {_fmt(d['ours_x_int_mm'], '.2f')} |")
+    return "\n".join(rows)
+
+
+def m_groups(points: list[dict]) -> list[tuple[str, list[dict]]]:
+    """Points split by `M_GROUP_BOUNDS`, each labelled with the range of M it holds, e.g. ``"1–16"``."""
+    groups, lower = [], 0
+    for upper in M_GROUP_BOUNDS:
+        members = [p for p in points if p["M"] > lower and (upper is None or p["M"] <= upper)]
+        if members:
+            ms = sorted({p["M"] for p in members})
+            groups.append((f"{ms[0]}–{ms[-1]}" if len(ms) > 1 else str(ms[0]), members))
+        lower = upper if upper is not None else lower
+    return groups
+
+
+SUMMARY_COLUMNS = (("x bf16", "ours_x_bf16"), ("x fp8-torch", "ours_x_torch_fp8"), ("x int_mm", "ours_x_int_mm"),
+                   ("fp8 x bf16", "ours_fp8_x_bf16"), ("fp8 x fp8-torch", "ours_fp8_x_torch_fp8"),
+                   ("linear w8a8 x bf16", "linear_w8a8_x_bf16"))
+
+
+def summary_table(points: list[dict], geomean: Callable) -> str:
+    """Markdown table of geomean speedups per M group (a cell counts the points where both times exist)."""
+    rows = ["| M | points | " + " | ".join(c for c, _ in SUMMARY_COLUMNS) + " |",
+            "|:---|---:|" + "---:|" * len(SUMMARY_COLUMNS)]
+    for label, members in m_groups(points):
+        cells = [_fmt(geomean([p["derived"][key] for p in members if p["derived"][key] is not None]), ".2f")
+                 for _, key in SUMMARY_COLUMNS]
+        rows.append(f"| {label} | {len(members)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def error_notes(points: list[dict]) -> str:
+    """One line per method that failed somewhere: the values of M and the first message."""
+    failed: dict[str, tuple[list[int], str]] = {}
+    for p in points:
+        for name, msg in p["errors"].items():
+            ms, first = failed.setdefault(name, ([], msg))
+            if p["M"] not in ms:
+                ms.append(p["M"])
+    return "\n".join(f"- `{name}` did not run at M in {{{', '.join(map(str, sorted(ms)))}}}: `{msg}`"
+                     for name, (ms, msg) in failed.items())
+
+
+def render_markdown(results: dict[str, Any], geomean: Callable) -> str:
+    """The whole report: a header, the per-point table, the summary and any baseline that did not run."""
+    commit = results.get("git_commit")
+    commit_text = f"git {commit[:12]}{' (dirty)' if results.get('git_dirty') else ''}" if commit else "git: n/a"
+    peak = results.get("peak_tops")
+    lines = [
+        f"# W8A8 GEMM benchmark: {results['device']}",
+        "",
+        f"- torch {results['torch_version']} (CUDA {results['cuda_version']}), {commit_text}",
+        f"- L2 {results['l2_bytes'] / 2**20:.0f} MiB; device copy bandwidth {results['copy_GBps']:.0f} GB/s "
+        f"(bytes read + written); dense int8/fp8 peak {_fmt(peak, '.0f')} TOPS",
+        "- ours = `cutlass_w8a8.scaled_mm`, int8, per-token x per-channel scales, bf16 out. Times are "
+        "cold-L2 CUDA-graph replays over rotating input copies, median of "
+        f"{results['timing']['replays']} replays.",
+        "- x bf16 / x fp8-torch / x int_mm: time of cuBLAS bf16 / `torch._scaled_mm` fp8 row-wise / "
+        "`torch._int_mm` + scaling, divided by ours (> 1: ours is faster). Weight GB/s: N*K bytes per call.",
+        "",
+        "## Per shape and M",
+        "",
+        point_table(results["points"]),
+        "",
+        "## Geomean speedups by M",
+        "",
+        summary_table(results["points"], geomean),
+    ]
+    notes = error_notes(results["points"])
+    if notes:
+        lines += ["", "## Baselines that did not run", "", notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot_results(results: dict[str, Any], path: str) -> None:
+    """PNG: speedup of ours (int8) over bf16 against M, and our TOPS against M; one line per shape."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
+
+    fig, (ax_speed, ax_tops) = plt.subplots(1, 2, figsize=(13, 5))
+    for shape in dict.fromkeys(p["shape"] for p in results["points"]):
+        pts = sorted((p for p in results["points"] if p["shape"] == shape), key=lambda p: p["M"])
+        for ax, key in ((ax_speed, "ours_x_bf16"), (ax_tops, "ours_tops")):
+            xy = [(p["M"], p["derived"][key]) for p in pts if p["derived"][key] is not None]
+            if xy:
+                ax.plot(*zip(*xy), marker="o", markersize=3, label=shape)
+    ax_speed.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax_speed.set_ylabel("speedup over bf16 cuBLAS (x)")
+    ax_speed.set_title("cutlass_w8a8 int8 vs torch.matmul bf16")
+    ax_tops.set_yscale("log")
+    ax_tops.set_ylabel("TOPS (2·M·N·K / time)")
+    ax_tops.set_title("cutlass_w8a8 int8 throughput")
+    if results.get("peak_tops"):
+        ax_tops.axhline(results["peak_tops"], color="gray", linestyle="--", linewidth=1)
+        ax_tops.annotate("dense peak", xy=(0.01, results["peak_tops"]), xycoords=("axes fraction", "data"),
+                         va="bottom", fontsize=8, color="gray")
+    for ax in (ax_speed, ax_tops):
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_xlabel("M (tokens)")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_speed.legend(fontsize=8)
+    fig.suptitle(f"W8A8 GEMM, {results['device']}, torch {results['torch_version']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(results: dict[str, Any], report: str, out_dir: str) -> dict[str, str]:
+    """Write ``gemm_<slug>.json`` (``results``), ``.md`` (``report``) and ``.png`` (`plot_results`) to
+    ``out_dir``; returns the paths by extension."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"gemm_{results['device_slug']}")
+    paths = {ext: f"{stem}.{ext}" for ext in ("json", "md", "png")}
+    with open(paths["json"], "w") as f:
+        json.dump(results, f, indent=1)
+        f.write("\n")
+    with open(paths["md"], "w") as f:
+        f.write(report)
+    plot_results(results, paths["png"])
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def _import_package():
+    """cutlass_w8a8 and its bench_utils; from the repository when the package is not installed."""
+    try:
+        import cutlass_w8a8
+    except ImportError:
+        sys.path.insert(0, REPO_ROOT)
+        import cutlass_w8a8
+    from cutlass_w8a8 import bench_utils
+    return cutlass_w8a8, bench_utils
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit(f"bench_gemm.py: needs a CUDA device, and torch.cuda.is_available() is False "
+                 f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}).")
+    cw, bu = _import_package()
+    if not cw.cuda_ops_available():
+        sys.exit(f"bench_gemm.py: the cutlass_w8a8 CUDA extension is not loaded: {cw.extension_status()}")
+    torch.manual_seed(args.seed)
+    with torch.no_grad():
+        try:
+            results = run_sweep(args, cw, bu)
+        except AccuracyError as exc:
+            sys.exit(f"bench_gemm.py: aborted, wrong results: {exc}")
+    report = render_markdown(results, bu.geomean)
+    paths = write_outputs(results, report, args.out)
+    print(report)
+    print("wrote " + ", ".join(paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
