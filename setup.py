@@ -14,6 +14,7 @@ Environment:
   MAX_JOBS                  parallel compile jobs (ninja)
   CUTLASS_W8A8_CUTLASS_DIR  a CUTLASS checkout to use instead of the nvidia-cutlass package
   CUTLASS_W8A8_NO_CUDA=1    install the pure-Python package only (also automatic with a CPU-only torch)
+  CUTLASS_W8A8_TUNE=1       also build the sm90 tuning candidates (bench/tune_sm90.py)
 """
 
 import glob
@@ -97,6 +98,27 @@ NVCC_COMMON = ["-O3", "-DNDEBUG", "--expt-relaxed-constexpr", *UNDEF_NO_HALF]
 CXX_COMMON = ["-O3", "-DNDEBUG"]
 
 
+def kernel_library(name: str, entry: str, folders: list, cutlass_inc: list, gencode: list):
+    """One torch-free kernel library (csrc/kernel_api.h), compiled only for `gencode`'s targets."""
+    from torch.utils.cpp_extension import CUDAExtension
+
+    sources = [entry] + sorted(os.path.relpath(p, ROOT) for f in folders
+                               for p in glob.glob(os.path.join(ROOT, f, "*.cu")))
+    return CUDAExtension(
+        name=f"cutlass_w8a8.{name}",
+        sources=sources,
+        include_dirs=[os.path.join(ROOT, "csrc"), *cutlass_inc],
+        # Explicit -gencode flags also stop torch from adding TORCH_CUDA_ARCH_LIST's. Hidden visibility: only
+        # the C entry points (marked default) leave the library, never its copies of C++ template symbols.
+        extra_compile_args={
+            "cxx": [*CXX_COMMON, "-fvisibility=hidden"],
+            "nvcc": [*NVCC_COMMON, "-std=c++17", *gencode, "-Xcompiler=-fvisibility=hidden"],
+        },
+        # every instantiation the dispatcher names must be defined: fail at link time, not at load
+        extra_link_args=["-Wl,-z,defs"],
+    )
+
+
 def extensions():
     from torch.utils.cpp_extension import CUDAExtension
 
@@ -112,28 +134,32 @@ def extensions():
             libraries=["dl"],
         )
     ]
-    if any(a.startswith("9.0") for a in arches):
-        sm90_sources = ["csrc/sm90/scaled_mm_sm90.cu"] + sorted(
-            os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc/sm90/instantiations/*.cu")))
-        exts.append(
-            CUDAExtension(
-                name="cutlass_w8a8._kernels_sm90",
-                sources=sm90_sources,
-                include_dirs=[os.path.join(ROOT, "csrc"), *cutlass_inc],
-                # wgmma and setmaxnreg need the arch-specific sm_90a target; an explicit -gencode also
-                # stops torch from adding TORCH_CUDA_ARCH_LIST's flags to this library.
-                # Hidden visibility: only the C entry points (marked default) leave the library, never its
-                # copies of C++ template symbols.
-                extra_compile_args={
-                    "cxx": [*CXX_COMMON, "-fvisibility=hidden"],
-                    "nvcc": [*NVCC_COMMON, "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
-                             "-Xcompiler=-fvisibility=hidden"],
-                },
-                # every instantiation the dispatcher names must be defined: fail at link time, not at load
-                extra_link_args=["-Wl,-z,defs"],
-            ))
+    tune = os.environ.get("CUTLASS_W8A8_TUNE") == "1"
+    numbers = sorted({a.split("+")[0].rstrip("a") for a in arches})  # "8.0", "8.9", "9.0", ...
+    if "9.0" in numbers:
+        folders = ["instantiations"] + (["instantiations_tune"] if tune else [])
+        tune_flags = ["-DCUTLASS_W8A8_TUNE"] if tune else []
+        if tune:
+            log("CUTLASS_W8A8_TUNE=1: building the sm90 tuning candidates, and no other arch's kernels")
+        exts.append(kernel_library(
+            "_kernels_sm90", "csrc/sm90/scaled_mm_sm90.cu", [f"csrc/sm90/{f}" for f in folders], cutlass_inc,
+            # wgmma and setmaxnreg need the arch-specific sm_90a target
+            ["-gencode=arch=compute_90a,code=sm_90a", *tune_flags]))
     else:
         log(f"TORCH_CUDA_ARCH_LIST={';'.join(arches)} has no 9.0: the sm90 kernels are not built")
+    sm8x = [n for n in numbers if n.startswith("8.")]
+    if (sm8x or "9.0" in numbers) and not tune:
+        # int8 for every listed 8.x arch; from the compute_80 source also PTX (any later GPU can run it) and,
+        # with 9.0 listed, sm_90 code: the path CUTLASS_W8A8_FORCE_ARCH=sm80 tests on Hopper.
+        codes = ["compute_80"] + [f"sm_{n.replace('.', '')}" for n in ("8.0", "9.0") if n in numbers]
+        gencode = [f"-gencode=arch=compute_80,code={c}" for c in codes]
+        gencode += [f"-gencode=arch=compute_{d},code=sm_{d}" for d in (n.replace(".", "") for n in sm8x) if d != "80"]
+        exts.append(kernel_library("_kernels_sm80", "csrc/sm80/scaled_mm_sm80.cu", ["csrc/sm80/instantiations"],
+                                   cutlass_inc, gencode))
+    if "8.9" in sm8x and not tune:
+        exts.append(kernel_library("_kernels_sm89", "csrc/sm80/scaled_mm_sm89_fp8.cu",
+                                   ["csrc/sm80/instantiations_sm89"], cutlass_inc,
+                                   ["-gencode=arch=compute_89,code=sm_89"]))
     return exts
 
 

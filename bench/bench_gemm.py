@@ -53,7 +53,8 @@ QUICK_MS = (1, 16, 64, 256, 1024, 4096)
 # Upper bounds (inclusive) of the M groups of the summary table: decode, mid-size batches, prefill.
 M_GROUP_BOUNDS = (16, 512, None)
 
-METHODS = ("bf16", "int_mm_scaled", "torch_fp8_rowwise", "ours_int8", "ours_fp8", "linear_bf16", "linear_w8a8")
+METHODS = ("bf16", "int_mm_scaled", "torch_fp8_rowwise", "ours_int8", "ours_fp8", "linear_bf16", "linear_w8a8",
+           "quant_int8")
 # Methods whose failure is recorded instead of aborting the run (torch's own limits, an fp8 build missing).
 OPTIONAL_METHODS = frozenset({"int_mm_scaled", "torch_fp8_rowwise", "ours_fp8"})
 
@@ -191,6 +192,11 @@ def module_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
+def quantize_tokens(x: torch.Tensor):
+    """The activation quantization of `W8A8Linear`'s forward: dynamic per-token int8."""
+    return torch.ops.cutlass_w8a8.quantize_per_token(x, torch.int8)
+
+
 def build_methods(scaled_mm: Callable, wts: Weights, act: Activations,
                   fp8: bool) -> dict[str, tuple[Callable, tuple]]:
     """``name -> (fn, args)`` for every method of the point, in `METHODS` order; ``fn(*args)`` is timed."""
@@ -207,6 +213,7 @@ def build_methods(scaled_mm: Callable, wts: Weights, act: Activations,
         "ours_fp8": (ours, (act.a_fp8, wts.w_fp8, act.scale_a, wts.scale_b)),
         "linear_bf16": (module_forward, (wts.linear, act.x_bf16)),
         "linear_w8a8": (module_forward, (wts.qlinear, act.x_bf16)),
+        "quant_int8": (quantize_tokens, (act.x_bf16,)),
     }
     if not fp8:
         del methods["ours_fp8"]
@@ -309,6 +316,8 @@ def derive(m: int, n: int, k: int, times: dict[str, float], copy_gbps: float,
         return 2 * m * n * k / (times[name] * 1e-3) / 1e12 if name in times else None
 
     ours_tops = tops("ours_int8")
+    # quantization traffic: read x (bf16), write q (int8) and one float32 scale per token
+    quant_gbps = (3 * m * k + 4 * m) / (times["quant_int8"] * 1e-3) / 1e9 if "quant_int8" in times else None
     weight_gbps = n * k / (times["ours_int8"] * 1e-3) / 1e9 if "ours_int8" in times else None
     return {
         "time_us": {name: ms * 1e3 for name, ms in times.items()},
@@ -320,6 +329,9 @@ def derive(m: int, n: int, k: int, times: dict[str, float], copy_gbps: float,
         "ours_x_torch_fp8": ratio("torch_fp8_rowwise", "ours_int8"),
         "ours_x_int_mm": ratio("int_mm_scaled", "ours_int8"),
         "linear_w8a8_x_bf16": ratio("linear_bf16", "linear_w8a8"),
+        "quant_GBps": quant_gbps,
+        "quant_GBps_over_copy": quant_gbps / copy_gbps if quant_gbps is not None else None,
+        "quant_share_of_linear_w8a8": ratio("quant_int8", "linear_w8a8"),
         "ours_fp8_tops": tops("ours_fp8"),
         "ours_fp8_x_bf16": ratio("bf16", "ours_fp8"),
         "ours_fp8_x_torch_fp8": ratio("torch_fp8_rowwise", "ours_fp8"),
@@ -404,14 +416,17 @@ def _fmt(value: Optional[float], spec: str) -> str:
 
 def point_table(points: list[dict]) -> str:
     """Markdown table, one row per (shape, M)."""
-    rows = ["| M | shape | ours us | TOPS | %peak | weight GB/s | x bf16 | x fp8-torch | x int_mm |",
-            "|---:|:---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| M | shape | ours us | TOPS | %peak | weight GB/s | x bf16 | x fp8-torch | x int_mm | fp8 x fp8-torch "
+            "| linear x bf16 | quant GB/s | quant share |",
+            "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in points:
         d = p["derived"]
         rows.append(f"| {p['M']} | {p['shape']} | {_fmt(d['time_us'].get('ours_int8'), '.1f')} "
                     f"| {_fmt(d['ours_tops'], '.1f')} | {_fmt(d['ours_pct_peak'], '.1f')} "
                     f"| {_fmt(d['ours_weight_GBps'], '.0f')} | {_fmt(d['ours_x_bf16'], '.2f')} "
-                    f"| {_fmt(d['ours_x_torch_fp8'], '.2f')} | {_fmt(d['ours_x_int_mm'], '.2f')} |")
+                    f"| {_fmt(d['ours_x_torch_fp8'], '.2f')} | {_fmt(d['ours_x_int_mm'], '.2f')} "
+                    f"| {_fmt(d['ours_fp8_x_torch_fp8'], '.2f')} | {_fmt(d['linear_w8a8_x_bf16'], '.2f')} "
+                    f"| {_fmt(d['quant_GBps'], '.0f')} | {_fmt(d['quant_share_of_linear_w8a8'], '.2f')} |")
     return "\n".join(rows)
 
 

@@ -57,8 +57,9 @@ typedef void* (*cw8a8_alloc_fn)(void* ctx, size_t bytes);
 typedef int (*cw8a8_scaled_mm_fn)(const cw8a8_scaled_mm_args* args, cw8a8_alloc_fn alloc, void* alloc_ctx,
                                   char* err, size_t err_len);
 
-// Number of entries in a library's config table and the name of entry i (NULL past the end).
-typedef int (*cw8a8_num_configs_fn)(void);
+// Number of entries in a library's config table for an operand type (shipped configs, then any tuning
+// candidates built in) and the name of entry i (NULL past the end).
+typedef int (*cw8a8_num_configs_fn)(int ab_type);
 typedef const char* (*cw8a8_config_name_fn)(int ab_type, int i);
 
 #ifdef __cplusplus

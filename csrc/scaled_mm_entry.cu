@@ -59,19 +59,50 @@ const ArchKernels& sm90_kernels() {
   static const ArchKernels k = load_kernels("_kernels_sm90", "cw8a8_sm90_scaled_mm", "cw8a8_sm90_num_configs");
   return k;
 }
+const ArchKernels& sm80_kernels() {
+  static const ArchKernels k = load_kernels("_kernels_sm80", "cw8a8_sm80_scaled_mm", "cw8a8_sm80_num_configs");
+  return k;
+}
+const ArchKernels& sm89_kernels() {
+  static const ArchKernels k = load_kernels("_kernels_sm89", "cw8a8_sm89_scaled_mm", "cw8a8_sm89_num_configs");
+  return k;
+}
 
-// Which kernel family serves this device.
-const ArchKernels& kernels_for(int device) {
+// CUTLASS_W8A8_FORCE_ARCH=sm80 sends int8 work on a Hopper GPU to the Ampere kernels (for testing that path
+// where only Hopper machines are at hand); read once per process.
+bool force_sm80() {
+  static const bool forced = [] {
+    const char* v = std::getenv("CUTLASS_W8A8_FORCE_ARCH");
+    return v != nullptr && std::string(v) == "sm80";
+  }();
+  return forced;
+}
+
+const ArchKernels& require(const ArchKernels& k, const char* what, const char* arch_list) {
+  TORCH_CHECK(k.error.empty(), "cutlass_w8a8: the ", what, " kernels are not available: the package was built "
+              "without them (TORCH_CUDA_ARCH_LIST must contain ", arch_list, ") or ", k.library,
+              " failed to load: ", k.error);
+  return k;
+}
+
+// Which kernel family serves this device and operand type. `vector_scales` is set for the CUTLASS 2.x
+// kernels, whose broadcast visitors need per-row / per-column vectors.
+const ArchKernels& kernels_for(int device, int ab_type, bool* vector_scales) {
   const DeviceInfo& info = device_info(device);
-  if (info.major == 9 && info.minor == 0) {
-    const ArchKernels& k = sm90_kernels();
-    TORCH_CHECK(k.error.empty(),
-                "cutlass_w8a8: the sm90 kernels are not available: the package was built without them "
-                "(TORCH_CUDA_ARCH_LIST must contain 9.0a) or ", k.library, " failed to load: ", k.error);
-    return k;
+  const int cc = info.major * 10 + info.minor;
+  *vector_scales = false;
+  if (cc == 90 && !(force_sm80() && ab_type == CW8A8_AB_INT8)) return require(sm90_kernels(), "sm90", "9.0a");
+  *vector_scales = true;
+  if (ab_type == CW8A8_AB_INT8) {
+    // compute_80 PTX runs on any later device, so every cc >= 8.0 has an int8 path.
+    TORCH_CHECK_NOT_IMPLEMENTED(cc >= 80, "cutlass_w8a8.scaled_mm: int8 needs compute capability 8.0 or newer; "
+                                "device ", device, " is ", info.major, ".", info.minor);
+    return require(sm80_kernels(), "sm80 (int8)", "8.0, 8.6, 8.9 or 9.0a");
   }
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "cutlass_w8a8.scaled_mm: no kernels for compute capability ", info.major,
-                              ".", info.minor, " (device ", device, "); this build supports 9.0 (Hopper)");
+  TORCH_CHECK_NOT_IMPLEMENTED(cc == 89, "cutlass_w8a8.scaled_mm: float8_e4m3fn needs compute capability 8.9 or "
+                              "9.0; device ", device, " is ", info.major, ".", info.minor,
+                              force_sm80() ? " (CUTLASS_W8A8_FORCE_ARCH=sm80 has no fp8 kernels)" : "");
+  return require(sm89_kernels(), "sm89 (fp8)", "8.9");
 }
 
 // Workspace from the torch caching allocator: stream-ordered, and taken from the graph's private pool
@@ -135,6 +166,7 @@ cw8a8_scaled_mm_args check_and_pack(const at::Tensor& out, const at::Tensor& a, 
   CW8A8_CHECK_VALUE(b.dim() == 2, kOp, "b", "must be 2-D [K, N], got ", b.sizes());
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   CW8A8_CHECK_VALUE(b.size(0) == k, kOp, "b", "must be [K, N] with K = a.shape[1] = ", k, ", got ", b.sizes());
+  CW8A8_CHECK_VALUE(m < (int64_t{1} << 31), kOp, "a", "M = a.shape[0] must be below 2**31, got ", m);
   CW8A8_CHECK_VALUE(k > 0 && k % 16 == 0, kOp, "a", "K = a.shape[1] must be a positive multiple of 16, got ", k);
   CW8A8_CHECK_VALUE(n > 0 && n % 16 == 0, kOp, "b", "N = b.shape[1] must be a positive multiple of 16, got ", n);
   if (a.scalar_type() == at::kChar) {
@@ -208,6 +240,18 @@ cw8a8_scaled_mm_args check_and_pack(const at::Tensor& out, const at::Tensor& a, 
   return args;
 }
 
+// The CUTLASS 2.x epilogue reads scales and bias as 16-byte vectors: expand one-value scales to vectors and
+// copy any vector whose address is not 16-byte aligned. The temporaries are stream-ordered allocations, so
+// they stay valid for the kernel (and are taken from the graph's pool while capturing).
+struct VectorOperands {
+  at::Tensor scale_a, scale_b, bias;
+};
+
+at::Tensor aligned_vector(const at::Tensor& t, int64_t length) {
+  at::Tensor v = t.numel() == 1 && length != 1 ? t.reshape({1}).expand({length}).contiguous() : t;
+  return is_aligned(v.data_ptr(), 16) ? v : v.clone();
+}
+
 void run(cw8a8_scaled_mm_args& args, const at::Tensor& a, const ArchKernels& kernels) {
   args.sm_count = device_info(args.device).sm_count;
   args.stream = current_stream(a);
@@ -230,9 +274,23 @@ void scaled_mm_config_out(at::Tensor& out, const at::Tensor& a, const at::Tensor
   cw8a8_scaled_mm_args args = check_and_pack(out, a, b, scale_a, scale_b, bias);
   if (args.m == 0) return;
   c10::cuda::CUDAGuard guard(a.device());
-  const ArchKernels& kernels = kernels_for(args.device);
+  bool vector_scales = false;
+  const ArchKernels& kernels = kernels_for(args.device, args.ab_type, &vector_scales);
+  VectorOperands keep;
+  if (vector_scales) {
+    keep.scale_a = aligned_vector(scale_a, args.m);
+    keep.scale_b = aligned_vector(scale_b, args.n);
+    args.scale_a = keep.scale_a.data_ptr<float>();
+    args.scale_b = keep.scale_b.data_ptr<float>();
+    args.scale_a_per_token = 1;
+    args.scale_b_per_channel = 1;
+    if (bias) {
+      keep.bias = aligned_vector(*bias, args.n);
+      args.bias = keep.bias.data_ptr();
+    }
+  }
   if (config >= 0) {
-    const int count = kernels.num_configs();
+    const int count = kernels.num_configs(args.ab_type);
     TORCH_CHECK_VALUE(config < count, "_scaled_mm_config: `config` must be in [0, ", count, "), got ", config);
   }
   args.config = static_cast<int>(config);

@@ -15,9 +15,9 @@ from . import _ext
 _ext._load()
 
 from ._ext import cuda_ops_available, extension_status  # noqa: E402
-from .ops import INT8_MAX_K, quantize_fp8, quantize_int8, scaled_mm  # noqa: E402
+from .ops import INT8_MAX_K, quantize_fp8, quantize_int8, scaled_mm, supports_fp8  # noqa: E402
 from .linear import W8A8Config, W8A8Linear, quantize_  # noqa: E402
-from . import graphs  # noqa: E402
+from . import graphs, models, runner  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -25,11 +25,14 @@ __all__ = [
     "scaled_mm",
     "quantize_int8",
     "quantize_fp8",
+    "supports_fp8",
     "INT8_MAX_K",
     "W8A8Linear",
     "W8A8Config",
     "quantize_",
     "graphs",
+    "models",
+    "runner",
     "cuda_ops_available",
     "extension_status",
 ]

@@ -14,7 +14,7 @@ import torch
 _DIR = os.path.dirname(os.path.abspath(__file__))
 # Kernel libraries (csrc/kernel_api.h). `_C.so` dlopens them itself, RTLD_LOCAL; loading them here as well
 # (the same handle) reports load failures at import and gives the tuning scripts their config tables.
-KERNEL_LIBRARIES = ("_kernels_sm90",)
+KERNEL_LIBRARIES = ("_kernels_sm90", "_kernels_sm80", "_kernels_sm89")
 
 _loaded: dict[str, object] = {}
 _errors: dict[str, str] = {}

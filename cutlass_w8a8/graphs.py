@@ -30,7 +30,7 @@ class CapturedGraph:
         A graph memory pool handle (``torch.cuda.graph_pool_handle()`` or ``other.graph.pool()``) to share
         memory between several graphs, e.g. one per batch-size bucket.
     stream : torch.cuda.Stream, optional
-        The capture stream; by default torch uses a private one.
+        The capture stream, on the inputs' device; by default a side stream of that device.
 
     Notes
     -----
@@ -45,15 +45,20 @@ class CapturedGraph:
             raise ValueError("CapturedGraph: `example_inputs` must be a non-empty sequence of CUDA tensors")
         self.fn = fn
         self.static_inputs = [x.detach().clone() for x in example_inputs]
-        side = torch.cuda.Stream(device=self.static_inputs[0].device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                fn(*self.static_inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            self.static_outputs = fn(*self.static_inputs)
+        self.device = device = self.static_inputs[0].device
+        # Everything on the inputs' device: its current stream, a side stream of its own, and a capture
+        # stream of its own (torch's default capture stream is made once, on whichever device was current at
+        # the first capture, so an input on cuda:1 would otherwise be captured from cuda:0's stream).
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream(device=device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(warmup):
+                    fn(*self.static_inputs)
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream if stream is not None else side):
+                self.static_outputs = fn(*self.static_inputs)
 
     def __call__(self, *inputs: torch.Tensor):
         if len(inputs) != len(self.static_inputs):
@@ -61,6 +66,8 @@ class CapturedGraph:
         for i, (dst, src) in enumerate(zip(self.static_inputs, inputs)):
             if src.shape != dst.shape:
                 raise ValueError(f"CapturedGraph: input {i} must have shape {tuple(dst.shape)}, got {tuple(src.shape)}")
-            dst.copy_(src, non_blocking=True)
-        self.graph.replay()
+        with torch.cuda.device(self.device):  # copies and replay on the graph's device's current stream
+            for dst, src in zip(self.static_inputs, inputs):
+                dst.copy_(src, non_blocking=True)
+            self.graph.replay()
         return self.static_outputs

@@ -24,7 +24,7 @@ import torch
 
 from . import _ext
 
-__all__ = ["scaled_mm", "quantize_int8", "quantize_fp8", "INT8_MAX_K"]
+__all__ = ["scaled_mm", "quantize_int8", "quantize_fp8", "supports_fp8", "INT8_MAX_K"]
 
 # int8 products are at most 128 * 128 = 2**14 in magnitude, so an int32 sum of K of them cannot overflow
 # while K * 2**14 <= 2**31 - 1, i.e. K <= 131071; the largest multiple of 16 below that is 131056.
@@ -84,6 +84,8 @@ def _check_scaled_mm(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None)
             _fail_type(op, "bias", f"must be a torch.Tensor or None, got {type(bias).__name__}")
         if bias.dtype != out_dtype:
             _fail_type(op, "bias", f"must have the output dtype {out_dtype}, got {bias.dtype}")
+    if out is not None and not isinstance(out, torch.Tensor):
+        _fail_type(op, "out", f"must be a torch.Tensor or None, got {type(out).__name__}")
     others = [("b", b), ("scale_a", scale_a), ("scale_b", scale_b)]
     if bias is not None:
         others.append(("bias", bias))
@@ -101,6 +103,8 @@ def _check_scaled_mm(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None)
     n = b.shape[1]
     if b.shape[0] != k:
         _fail_value(op, "b", f"must be [K, N] with K = a.shape[1] = {k}, got shape {tuple(b.shape)}")
+    if m >= 2**31:
+        _fail_value(op, "a", f"M = a.shape[0] must be below 2**31, got {m}")
     if k <= 0 or k % 16 != 0:
         _fail_value(op, "a", f"K = a.shape[1] must be a positive multiple of 16, got {k}")
     if n <= 0 or n % 16 != 0:
@@ -211,8 +215,10 @@ def _quantize_rows(xf: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     y = torch.where(scale == 0, torch.zeros_like(xf), xf / torch.where(scale == 0, torch.ones_like(scale), scale))
     qmax = _QMAX[dtype]
     if dtype == torch.int8:
-        return torch.round(y).clamp(-128, 127).to(torch.int8)
-    return y.clamp(-qmax, qmax).to(dtype)
+        q = torch.round(y).clamp(-128, 127).to(torch.int8)
+    else:
+        q = y.clamp(-qmax, qmax).to(dtype)
+    return q.contiguous()  # as the CUDA kernels and the fake kernels: contiguous whatever x's layout
 
 
 def _quantize_per_token_cpu(x, dtype):
@@ -394,3 +400,19 @@ def quantize_fp8(x: torch.Tensor, scale: Optional[torch.Tensor] = None):
     Parameters, returns and errors as :func:`quantize_int8`, with ``q`` of dtype ``torch.float8_e4m3fn``.
     """
     return _quantize("quantize_fp8", x, scale, torch.float8_e4m3fn)
+
+
+def supports_fp8(device=None) -> bool:
+    """Whether float8_e4m3fn ``scaled_mm`` can run on ``device`` (default: the current CUDA device).
+
+    True on compute capability 9.0 with the sm90 kernels built (TORCH_CUDA_ARCH_LIST with 9.0a) and on 8.9
+    with the sm89 kernels built (8.9 in the list); False otherwise, also without CUDA. Queries the device.
+    """
+    if not torch.cuda.is_available() or not _ext.cuda_ops_available():
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) == (9, 0):
+        return _ext.kernel_library("_kernels_sm90") is not None
+    if (major, minor) == (8, 9):
+        return _ext.kernel_library("_kernels_sm89") is not None
+    return False

@@ -4,9 +4,11 @@
 #
 #   scripts/gpu_run.sh OUT_DIR [STAGES]
 #
-# STAGES is a comma list, default "build,test,demo,bench": build (clean build + install), test (pytest, the
-# whole suite), demo (python -m cutlass_w8a8), bench (bench/bench_gemm.py --quick), bench-full (every M),
-# tune (bench/tune_sm90.py). Offline: the nvidia-cutlass wheel is taken from .whl/ (git-ignored; copy
+# STAGES is a comma list, default "build,test,demo,bench": build (clean build + editable install), test
+# (pytest, the whole suite), demo (python -m cutlass_w8a8), bench (bench/bench_gemm.py --quick), bench-full
+# (every M), decoder (bench/bench_decoder.py), fuzz (scripts/fuzz.py, 1000 cases), soak (scripts/soak.py),
+# sanitize (scripts/sanitize.py, every tool), build-tune + tune (the sm90 tuning build and
+# bench/tune_sm90.py). Offline: the nvidia-cutlass wheel is taken from .whl/ (git-ignored; copy
 # nvidia_cutlass-4.2.0.0-py3-none-any.whl there) when cutlass_library is not importable.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_run.sh OUT_DIR [STAGES]}
@@ -27,17 +29,18 @@ stamp() { echo "== $(date +%H:%M:%S) $*" | tee -a "$OUT/summary.txt"; }
 stamp "device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)"
 stamp "torch: $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)'); nvcc: $(nvcc --version | tail -1)"
 
-if has build; then
+if has build || has build-tune; then
   if ! $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('cutlass_library') is None)"; then
     $PY -m pip install -q --no-deps --no-index .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl >"$OUT/pip_cutlass.log" 2>&1 \
       || { stamp "FAIL: installing the nvidia-cutlass wheel from .whl/"; exit 1; }
   fi
   rm -rf build cutlass_w8a8/*.so
+  has build-tune && export CUTLASS_W8A8_TUNE=1
   t0=$(date +%s)
   $PY -m pip install --no-build-isolation --no-deps -v -e . >"$OUT/build.log" 2>&1
   rc=$?
   t1=$(date +%s)
-  stamp "build: rc=$rc in $((t1 - t0)) s (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS)"
+  stamp "build: rc=$rc in $((t1 - t0)) s (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS${CUTLASS_W8A8_TUNE:+ TUNE})"
   if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; fi
   ls -la cutlass_w8a8/*.so | tee -a "$OUT/summary.txt"
   $PY -c "import cutlass_w8a8 as cw; print(cw.extension_status())" | tee -a "$OUT/summary.txt"
@@ -67,6 +70,27 @@ if has bench || has bench-full; then
   stamp "bench: rc=$rc"
   tail -40 "$OUT/bench.log"
   [ $rc -ne 0 ] && status=1
+fi
+
+run_stage() {  # name, log, command...: run, stamp rc, print the log's tail, remember failure
+  local name=$1 log=$2; shift 2
+  local t0=$(date +%s)
+  "$@" >"$OUT/$log" 2>&1
+  local rc=$?
+  stamp "$name: rc=$rc in $(( $(date +%s) - t0 )) s"
+  tail -30 "$OUT/$log"
+  [ $rc -ne 0 ] && status=1
+  return 0
+}
+
+has decoder && run_stage decoder decoder.log $PY bench/bench_decoder.py --out "$OUT"
+has fuzz && run_stage fuzz fuzz.log $PY scripts/fuzz.py --cases 1000 --seed 0 --dtypes int8,fp8 --max-seconds 400
+has soak && run_stage soak soak.log $PY scripts/soak.py
+if has sanitize; then
+  for tool in memcheck racecheck initcheck synccheck; do
+    quick=; [ $tool = racecheck ] && quick=--quick
+    run_stage "sanitize $tool" "sanitize_$tool.log" $PY scripts/sanitize.py --tools $tool $quick --timeout 400 --log-dir "$OUT/sanitize"
+  done
 fi
 
 if has tune; then

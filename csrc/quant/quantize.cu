@@ -207,7 +207,9 @@ void launch_per_tensor(const at::Tensor& x2, at::Tensor& q2, const at::Tensor& s
 // [..., K] -> [M, K]: a view when the leading dims flatten, else a copy.
 at::Tensor rows_of(const at::Tensor& x) {
   const int64_t k = x.size(-1);
-  at::Tensor x2 = x.reshape({-1, k});
+  int64_t m = 1;  // explicit: reshape cannot infer -1 when K is 0
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) m *= x.size(d);
+  at::Tensor x2 = x.reshape({m, k});
   if (x2.size(0) > 0 && k > 0 && x2.stride(1) != 1) x2 = x2.contiguous();
   return x2;
 }

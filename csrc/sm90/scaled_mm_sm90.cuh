@@ -72,8 +72,9 @@ struct ScaledMmKernel {
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
   // fp8 accumulates in fp32 either way; "fast accumulation" skips the periodic promotion of the tensor
-  // core's partial sums into a full fp32 accumulator. We do not use it: see csrc/EPILOGUES.md.
-  using Sched = detail::ScheduleTypes<Cfg::kSchedule, false>;
+  // core's partial sums into a full fp32 accumulator (csrc/EPILOGUES.md). int8 accumulates exactly.
+  static_assert(!(kIsInt8 && Cfg::kFastAccum), "fast accumulation is an fp8 option");
+  using Sched = detail::ScheduleTypes<Cfg::kSchedule, Cfg::kFastAccum>;
   using TileSchedulerTag = typename detail::SchedulerTag<Cfg::kScheduler>::type;
 
   // In the kernel's own frame the rows are the MMA's M. Without the swap, rows are tokens (A's M) and

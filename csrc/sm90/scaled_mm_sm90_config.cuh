@@ -24,14 +24,17 @@ enum class Scheduler {
 
 // One kernel configuration. `SwapAB` computes D^T = B^T A^T: the weight's N then sits on the MMA's M side,
 // which the small-M (decode) buckets need because the MMA's M is at least 64 while its N can be 8.
+// `FastAccum` (fp8 only) keeps the whole K loop in the tensor cores' own accumulator instead of adding it
+// into a float32 accumulator every 4 MMAs (128 products); it is faster and less exact (csrc/EPILOGUES.md).
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, Schedule Sched, Scheduler TileSched,
-          bool SwapAB>
+          bool SwapAB, bool FastAccum = false>
 struct Config {
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   static constexpr Schedule kSchedule = Sched;
   static constexpr Scheduler kScheduler = TileSched;
   static constexpr bool kSwapAB = SwapAB;
+  static constexpr bool kFastAccum = FastAccum;
 };
 
 // Defined in scaled_mm_sm90.cuh, instantiated one (ElementAB, ElementD, Config) per file under

@@ -1,0 +1,618 @@
+"""Decode benchmark: per-token latency of a Llama-3-8B-sized decoder, bf16 and W8A8, eager and CUDA graphs.
+
+For each model (``bf16``: ``nn.Linear`` layers; ``int8`` / ``fp8``: `W8A8Linear` decoder layers, the
+embedding and ``lm_head`` in bf16 unless ``--quant-lm-head``), built one at a time from the same seed
+(`cutlass_w8a8.models.LlamaDecoder`, random weights, all 32 layers by default), and each batch size:
+
+- ``eager``: `DecodeGraphRunner.step(..., use_graph=False)`: the step launched kernel by kernel.
+- ``graph``: the same step replayed from the bucket's CUDA graph (`DecodeGraphRunner`).
+
+Both take host inputs (token ids, positions, slots as CPU tensors) through pinned buffers, as a serving
+loop would. One step decodes one token for every sequence, so the step time is the per-token latency.
+
+Timing: each step between two CUDA events on the current stream, ``--steps`` steps after ``--warmup``
+untimed ones; the median is reported. The events are recorded by the host around the step's launches, so an
+eager step that the host cannot launch as fast as the GPU runs it is charged its launch time: that cost is
+what the graphs remove. (`bench_utils.bench_gpu_time` is not used: it captures the function into its own
+graph, which would turn the eager step into a graph too. The weights, 8-16 GB, are far beyond the L2, so
+every step reads them cold anyway.) Attention reads the whole cache (``--max-seq`` tokens) every step, so the
+time does not depend on the positions.
+
+Capture: wall-clock time of capturing every bucket (1, 2, 4, then multiples of 8 up to the largest batch,
+vLLM's sizes) and the memory of the graphs' shared pool (bytes of its segments, and the change of
+``torch.cuda.memory_reserved``).
+
+Writes ``decoder_<device>.json`` (raw numbers), ``decoder_<device>.md`` (tables) and ``decoder_<device>.png``
+(latency and speedups against the batch size) to ``--out``.
+
+Examples::
+
+    python bench/bench_decoder.py                          # Llama-3-8B dimensions, 32 layers, batch 1, 8, 32, 64
+    python bench/bench_decoder.py --quick                  # 8 layers, fewer steps
+    python bench/bench_decoder.py --batches 1 --layers 32 --quant-lm-head
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODELS = ("bf16", "int8", "fp8")
+OPTIONAL_MODELS = frozenset({"fp8"})  # a build without fp8 kernels records the error and goes on
+MODES = ("eager", "graph")
+# Targets at batch 1 (Llama-3-8B dimensions, all layers): int8 graph over bf16 graph, W8A8 graph over eager.
+TARGET_INT8_OVER_BF16 = 1.7
+TARGET_GRAPH_OVER_EAGER = 1.5
+# Accuracy guard: relative Frobenius error of the logits, graph replay against the eager step (the same
+# kernels: they should agree bitwise; anything above this is a broken capture, not rounding).
+GRAPH_EAGER_REL_TOL = 1e-3
+
+
+class AccuracyError(RuntimeError):
+    """A graph replay disagrees with its eager step: the timings would be meaningless."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# command line
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _name_list(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [n for n in names if n not in MODELS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(MODELS)}, got {text!r}")
+    return names
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    config_names = ("llama3-8b", "small")  # cutlass_w8a8.models.CONFIGS; listed here so --help needs no import
+    parser = argparse.ArgumentParser(
+        description="Per-token decode latency of a Llama-style decoder (random weights): bf16 vs W8A8 "
+                    "(int8, fp8), eager vs CUDA graphs captured per batch-size bucket.")
+    parser.add_argument("--batches", type=_int_list, default=[1, 8, 32, 64], metavar="LIST",
+                        help="comma-separated batch sizes (default: 1,8,32,64)")
+    parser.add_argument("--config", choices=config_names, default="llama3-8b",
+                        help="model dimensions (default: llama3-8b)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default: all of the config, 32 for llama3-8b; 8 with --quick)")
+    parser.add_argument("--models", type=_name_list, default=list(MODELS), metavar="LIST",
+                        help="comma-separated models among bf16,int8,fp8 (default: all; fp8 is skipped with "
+                             "a note where its kernels are not built)")
+    parser.add_argument("--max-seq", type=int, default=512,
+                        help="KV-cache length in tokens, a multiple of 16 (default 512); attention reads all of it")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per measurement (default 100; 30 with --quick)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps before them (default 10; 3 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="8 layers (unless --layers), fewer steps")
+    parser.add_argument("--quant-lm-head", action="store_true",
+                        help="also quantize lm_head in the W8A8 models (default: bf16 lm_head)")
+    parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results"), metavar="DIR",
+                        help="output folder for decoder_<device>.{json,md,png} (default: bench/results)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the inputs")
+    args = parser.parse_args(argv)
+    if args.layers is not None and args.layers < 1:
+        parser.error("--layers must be >= 1")
+    if args.max_seq < 16 or args.max_seq % 16:
+        parser.error("--max-seq must be a positive multiple of 16")
+    args.batches = sorted(set(args.batches))
+    args.steps = args.steps if args.steps is not None else (30 if args.quick else 100)
+    args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 10)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------
+# measurements
+
+
+def time_steps(step: Callable[[], Any], steps: int, warmup: int) -> dict[str, float]:
+    """Milliseconds per call of ``step`` from CUDA events around each call: median, min, max over ``steps``
+    calls after ``warmup`` untimed ones, and the host wall-clock time per call."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    t0 = time.perf_counter()
+    for start, end in events:
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    times = [start.elapsed_time(end) for start, end in events]
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
+            "wall_ms": wall_ms, "steps": steps}
+
+
+# Kernel kinds of the profile, matched in order against lowercased kernel names.
+KERNEL_KINDS = (
+    ("copy", ("memcpy", "memset")),
+    ("quant", ("quant",)),
+    ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "sm90_", "cublas")),
+    ("attention", ("fmha", "attention", "flash", "cudnn", "softmax")),
+)
+
+
+def profile_step(step: Callable[[], Any]) -> dict[str, Any]:
+    """The GPU kernels of one ``step`` (torch.profiler, CUDA activity): their count and busy time (sum of
+    durations, ms) by kind (`KERNEL_KINDS`, else "other"). Step time minus busy time is the time the GPU
+    waited (launch latency, host launches). Best effort: returns ``{"error": ...}`` where profiling fails."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        kinds: dict[str, dict[str, float]] = {}
+        total = 0.0
+        count = 0
+        for e in prof.events():
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            name = e.name.lower()
+            kind = next((k for k, keys in KERNEL_KINDS if any(key in name for key in keys)), "other")
+            us = e.time_range.elapsed_us()
+            entry = kinds.setdefault(kind, {"count": 0, "ms": 0.0})
+            entry["count"] += 1
+            entry["ms"] += us / 1e3
+            total += us / 1e3
+            count += 1
+        return {"kernels": count, "busy_ms": total, "by_kind": kinds}
+    except Exception as exc:  # noqa: BLE001 (a diagnostic; the timings do not depend on it)
+        return {"error": f"{type(exc).__name__}: {str(exc).strip()[:200]}"}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref||_F / ||ref||_F`` in float32."""
+    out, ref = out.float(), ref.float()
+    return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref))
+
+
+def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``10 log10(|ref|^2 / |out - ref|^2)`` in dB."""
+    out, ref = out.double(), ref.double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (out - ref).pow(2).sum().clamp_min(1e-300)))
+
+
+def probe_logits(model) -> torch.Tensor:
+    """Logits (float32, on the CPU) of 4 eager steps of one fixed sequence from an empty cache: the same
+    for every model of one seed, so the W8A8 models can be compared with the bf16 one."""
+    gen = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, model.config.vocab_size, (4,), generator=gen)
+    model.reset_cache()
+    out = None
+    for t in range(4):
+        out = model(tokens[t:t + 1].to(model.device), torch.tensor([t], device=model.device),
+                    torch.tensor([0], device=model.device))
+    logits = out[0].float().cpu()
+    model.reset_cache()
+    return logits
+
+
+def measure_model(name: str, args: argparse.Namespace, config, mods: Any, probe_ref: Optional[torch.Tensor]) -> dict:
+    """Build one model, check it, capture its graphs and time every (batch, mode); frees it on return."""
+    models, runner_mod = mods
+    quant = None if name == "bf16" else name
+    max_batch = max(args.batches)
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    model = models.LlamaDecoder(config, quant, max_batch=max_batch, max_seq_len=args.max_seq, device="cuda",
+                                seed=args.seed, quant_lm_head=args.quant_lm_head and quant is not None)
+    torch.cuda.synchronize()
+    result: dict[str, Any] = {"build_s": time.perf_counter() - t0, "weight_bytes": model.weight_nbytes(),
+                              "weight_bytes_per_step": model.weight_nbytes(include_embedding=False),
+                              "cache_bytes": model.cache_nbytes()}
+    with torch.no_grad():
+        logits = probe_logits(model)  # fails here, before any capture, when the kernels are missing
+        if probe_ref is not None:
+            result["logits_vs_bf16"] = {"sqnr_db": sqnr_db(logits, probe_ref), "rel_err": rel_err(logits, probe_ref),
+                                        "top1_equal": bool(logits.argmax() == probe_ref.argmax())}
+        result["probe_logits"] = logits
+
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+        reserved0, allocated0 = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+        runner = runner_mod.DecodeGraphRunner(model, max_batch=max_batch)
+        torch.cuda.synchronize()
+        result["capture"] = {
+            "sizes": runner.sizes,
+            "seconds": runner.capture_seconds,
+            "seconds_per_size": {str(b): s for b, s in runner.capture_seconds_per_size.items()},
+            "pool_bytes": runner.graph_pool_bytes(),
+            "reserved_delta_bytes": torch.cuda.memory_reserved() - reserved0,
+            "allocated_delta_bytes": torch.cuda.memory_allocated() - allocated0,
+        }
+
+        gen = torch.Generator().manual_seed(args.seed + 1)
+        result["batches"] = {}
+        for b in args.batches:
+            tok = torch.randint(0, config.vocab_size, (b,), generator=gen)
+            pos = torch.full((b,), args.max_seq // 2, dtype=torch.int64)
+            slots = torch.arange(b)
+            graph_out = runner.step(tok, pos, slots).float().clone()
+            eager_out = runner.step(tok, pos, slots, use_graph=False).float()
+            err = rel_err(graph_out, eager_out)
+            if not err <= GRAPH_EAGER_REL_TOL:
+                raise AccuracyError(f"{name} batch {b}: graph vs eager relative error {err:.3g} "
+                                    f"(bound {GRAPH_EAGER_REL_TOL:g})")
+            point = {"graph_equals_eager": bool(torch.equal(graph_out, eager_out)), "graph_vs_eager_rel": err}
+            for mode in MODES:
+                use_graph = mode == "graph"
+                point[mode] = time_steps(lambda: runner.step(tok, pos, slots, use_graph=use_graph),
+                                         args.steps, args.warmup)
+            if b == 1:
+                for mode in MODES:
+                    use_graph = mode == "graph"
+                    point[f"{mode}_kernels"] = profile_step(lambda: runner.step(tok, pos, slots, use_graph=use_graph))
+            result["batches"][str(b)] = point
+            print(f"  {name} batch {b}: eager {point['eager']['median_ms']:.3f} ms, "
+                  f"graph {point['graph']['median_ms']:.3f} ms", flush=True)
+    runner = model = None  # free the graphs, the pool and the weights before the next model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def derive(results: dict[str, Any], copy_gbps: float) -> None:
+    """Add speedups (baseline time / time) per batch, the weight-read bandwidth of each graph step (bytes of
+    the weights a step reads in full, i.e. all but the embedding, / step time; GB/s = 1e9 B/s) against the
+    copy bandwidth, and the batch-1 targets."""
+    models = results["models"]
+
+    def t(name: str, b: int, mode: str) -> Optional[float]:
+        m = models.get(name)
+        if not m or "batches" not in m:
+            return None
+        return m["batches"][str(b)][mode]["median_ms"]
+
+    def ratio(num, den) -> Optional[float]:
+        return num / den if num is not None and den is not None else None
+
+    derived = {}
+    for b in results["batches"]:
+        row: dict[str, Any] = {}
+        for name in ("int8", "fp8"):
+            row[f"{name}_graph_x_bf16_graph"] = ratio(t("bf16", b, "graph"), t(name, b, "graph"))
+            row[f"{name}_graph_x_{name}_eager"] = ratio(t(name, b, "eager"), t(name, b, "graph"))
+        row["bf16_graph_x_bf16_eager"] = ratio(t("bf16", b, "eager"), t("bf16", b, "graph"))
+        for name, m in models.items():
+            tg = t(name, b, "graph")
+            if tg is not None:
+                gbps = m["weight_bytes_per_step"] / (tg * 1e-3) / 1e9
+                row[f"{name}_graph_weight_GBps"] = gbps
+                row[f"{name}_graph_weight_GBps_over_copy"] = gbps / copy_gbps
+        derived[str(b)] = row
+    results["derived"] = derived
+
+    bytes_ratio = None
+    if "bf16" in models and "int8" in models:
+        bytes_ratio = models["bf16"]["weight_bytes_per_step"] / models["int8"]["weight_bytes_per_step"]
+    targets = {"weight_bytes_bf16_over_int8": bytes_ratio}
+    if "1" in derived:
+        d = derived["1"]
+        x_bf16 = d.get("int8_graph_x_bf16_graph")
+        x_eager = d.get("int8_graph_x_int8_eager")
+        targets.update({
+            "int8_graph_x_bf16_graph": x_bf16, "int8_graph_x_bf16_graph_target": TARGET_INT8_OVER_BF16,
+            "int8_graph_x_bf16_graph_met": None if x_bf16 is None else x_bf16 >= TARGET_INT8_OVER_BF16,
+            "w8a8_graph_x_eager": x_eager, "w8a8_graph_x_eager_target": TARGET_GRAPH_OVER_EAGER,
+            "w8a8_graph_x_eager_met": None if x_eager is None else x_eager >= TARGET_GRAPH_OVER_EAGER,
+        })
+    results["targets"] = targets
+
+
+def run(args: argparse.Namespace, cw: Any, bu: Any, mods: Any) -> dict[str, Any]:
+    models_mod = mods[0]
+    config = models_mod.CONFIGS[args.config]
+    layers = args.layers
+    if layers is None:
+        layers = min(8, config.num_layers) if args.quick else config.num_layers
+    config = config.replace(num_layers=layers, max_position=max(config.max_position, args.max_seq))
+    name = torch.cuda.get_device_name()
+    commit, dirty = bu.git_commit(REPO_ROOT)
+    copy_gbps = bu.copy_bandwidth_gbps()
+    results: dict[str, Any] = {
+        "device": name,
+        "device_slug": bu.device_slug(name),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "cutlass_w8a8_version": getattr(cw, "__version__", None),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "copy_GBps": copy_gbps,
+        "config": {"name": args.config, **{k: getattr(config, k) for k in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")}},
+        "max_seq": args.max_seq,
+        "quant_lm_head": args.quant_lm_head,
+        "batches": args.batches,
+        "timing": {"method": "CUDA events around each step (host launches included), median",
+                   "steps": args.steps, "warmup": args.warmup, "inputs": "host CPU tensors via pinned buffers"},
+        "models": {},
+        "errors": {},
+    }
+    probe_ref = None
+    for model_name in args.models:
+        print(f"{model_name}: building {layers} layers", flush=True)
+        try:
+            res = measure_model(model_name, args, config, mods, probe_ref)
+        except AccuracyError:
+            raise
+        except (RuntimeError, NotImplementedError) as exc:
+            if model_name not in OPTIONAL_MODELS:
+                raise
+            lines = str(exc).strip().splitlines()
+            results["errors"][model_name] = f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
+        logits = res.pop("probe_logits")
+        if model_name == "bf16":
+            probe_ref = logits
+        results["models"][model_name] = res
+    derive(results, copy_gbps)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------
+# reports
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def _mib(n: Optional[int]) -> str:
+    return "–" if n is None else f"{n / 2**20:.0f}"
+
+
+def latency_table(results: dict[str, Any]) -> str:
+    """Markdown: per-token latency (ms per step) of every model and mode, and the speedups, per batch."""
+    models = [m for m in MODELS if m in results["models"]]
+    cols = [(m, mode) for m in models for mode in MODES]
+    speed = [("int8 graph / bf16 graph", "int8_graph_x_bf16_graph"), ("int8 graph / eager", "int8_graph_x_int8_eager"),
+             ("fp8 graph / bf16 graph", "fp8_graph_x_bf16_graph"), ("fp8 graph / eager", "fp8_graph_x_fp8_eager"),
+             ("bf16 graph / eager", "bf16_graph_x_bf16_eager")]
+    speed = [(label, key) for label, key in speed if key.split("_")[0] in models]
+    head = "| batch | " + " | ".join(f"{m} {mode} ms" for m, mode in cols) + " | " + " | ".join(
+        f"{label} (x)" for label, _ in speed) + " |"
+    rows = [head, "|---:|" + "---:|" * (len(cols) + len(speed))]
+    for b in results["batches"]:
+        cells = [_fmt(results["models"][m]["batches"][str(b)][mode]["median_ms"], ".3f") for m, mode in cols]
+        cells += [_fmt(results["derived"][str(b)].get(key), ".2f") for _, key in speed]
+        rows.append(f"| {b} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def bandwidth_table(results: dict[str, Any]) -> str:
+    """Markdown: weight bytes per step and the weight-read bandwidth of the graph steps."""
+    models = [m for m in MODELS if m in results["models"]]
+    rows = ["| batch | " + " | ".join(f"{m} graph GB/s (of copy)" for m in models) + " |",
+            "|---:|" + "---:|" * len(models)]
+    for b in results["batches"]:
+        d = results["derived"][str(b)]
+        rows.append(f"| {b} | " + " | ".join(
+            f"{_fmt(d.get(f'{m}_graph_weight_GBps'), '.0f')} ({_fmt(d.get(f'{m}_graph_weight_GBps_over_copy'), '.2f')})"
+            for m in models) + " |")
+    return "\n".join(rows)
+
+
+def capture_table(results: dict[str, Any]) -> str:
+    rows = ["| model | weights GiB | KV cache GiB | graphs | capture s | pool MiB | reserved +MiB "
+            "| logits SQNR vs bf16 dB |",
+            "|:---|---:|---:|---:|---:|---:|---:|---:|"]
+    for m in MODELS:
+        r = results["models"].get(m)
+        if r is None:
+            continue
+        c = r["capture"]
+        sq = r.get("logits_vs_bf16", {}).get("sqnr_db")
+        rows.append(f"| {m} | {r['weight_bytes'] / 2**30:.2f} | {r['cache_bytes'] / 2**30:.2f} | {len(c['sizes'])} "
+                    f"| {c['seconds']:.2f} | {_mib(c['pool_bytes'])} | {_mib(c['reserved_delta_bytes'])} "
+                    f"| {_fmt(sq, '.1f')} |")
+    return "\n".join(rows)
+
+
+def kernel_table(results: dict[str, Any]) -> str:
+    """Markdown: the kernels of one batch-1 step (profiled), by kind: count and busy milliseconds."""
+    kinds = ("gemm", "quant", "attention", "copy", "other")
+    rows = ["| model | mode | step ms | kernels | busy ms | " + " | ".join(f"{k} n / ms" for k in kinds) + " |",
+            "|:---|:---|---:|---:|---:|" + "---:|" * len(kinds)]
+    for m in MODELS:
+        r = results["models"].get(m)
+        if r is None or "1" not in r["batches"]:
+            continue
+        point = r["batches"]["1"]
+        for mode in MODES:
+            prof = point.get(f"{mode}_kernels") or {}
+            if "error" in prof or not prof:
+                rows.append(f"| {m} | {mode} | {point[mode]['median_ms']:.3f} | – | – | "
+                            + " | ".join("–" for _ in kinds) + " |")
+                continue
+            cells = []
+            for k in kinds:
+                e = prof["by_kind"].get(k)
+                cells.append(f"{e['count']} / {e['ms']:.3f}" if e else "0")
+            rows.append(f"| {m} | {mode} | {point[mode]['median_ms']:.3f} | {prof['kernels']} "
+                        f"| {prof['busy_ms']:.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    commit = results.get("git_commit")
+    commit_text = f"git {commit[:12]}{' (dirty)' if results.get('git_dirty') else ''}" if commit else "git: n/a"
+    c = results["config"]
+    t = results["targets"]
+    lines = [
+        f"# Decoder benchmark: {results['device']}",
+        "",
+        f"- torch {results['torch_version']} (CUDA {results['cuda_version']}), {commit_text}",
+        f"- {c['name']} dimensions, {c['num_layers']} layers: hidden {c['hidden_size']}, MLP {c['intermediate_size']}, "
+        f"heads {c['num_heads']}/{c['num_kv_heads']} x {c['head_dim']}, vocab {c['vocab_size']}; random weights",
+        f"- KV cache {results['max_seq']} tokens (attention reads all of it every step); lm_head "
+        f"{'W8A8' if results['quant_lm_head'] else 'bf16'} in the W8A8 models; embedding bf16",
+        f"- per-token latency = median of {results['timing']['steps']} steps timed by CUDA events around each "
+        "step (host launches included), host inputs through pinned buffers",
+        f"- device copy bandwidth {results['copy_GBps']:.0f} GB/s (bytes read + written)",
+        "",
+        "## Per-token latency",
+        "",
+        latency_table(results),
+        "",
+        "## Weight-read bandwidth of the graph steps",
+        "",
+        bandwidth_table(results),
+        "",
+        "## Kernels of one step at batch 1 (torch.profiler; busy = sum of kernel durations)",
+        "",
+        kernel_table(results),
+        "",
+        "## Capture, memory, accuracy",
+        "",
+        capture_table(results),
+        "",
+        "## Targets (batch 1)",
+        "",
+    ]
+    if "int8_graph_x_bf16_graph" in t:
+        def verdict(met):
+            return "n/a" if met is None else ("met" if met else "NOT met")
+        lines += [
+            f"- int8 graph vs bf16 graph: {_fmt(t['int8_graph_x_bf16_graph'], '.2f')}x "
+            f"(target >= {t['int8_graph_x_bf16_graph_target']}): {verdict(t['int8_graph_x_bf16_graph_met'])}; "
+            f"ratio of weight bytes read per step: {_fmt(t['weight_bytes_bf16_over_int8'], '.2f')}x",
+            f"- W8A8 (int8) graph vs eager: {_fmt(t['w8a8_graph_x_eager'], '.2f')}x "
+            f"(target >= {t['w8a8_graph_x_eager_target']}): {verdict(t['w8a8_graph_x_eager_met'])}",
+        ]
+    else:
+        lines.append("- batch 1 not measured")
+    if results["errors"]:
+        lines += ["", "## Models that did not run", ""]
+        lines += [f"- `{m}`: `{msg}`" for m, msg in results["errors"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def plot_results(results: dict[str, Any], path: str) -> None:
+    """PNG: per-token latency against batch (one line per model and mode), and the speedups with targets."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    fig, (ax_lat, ax_x) = plt.subplots(1, 2, figsize=(13, 5))
+    batches = results["batches"]
+    for m in MODELS:
+        r = results["models"].get(m)
+        if r is None:
+            continue
+        for mode, style in (("eager", "--"), ("graph", "-")):
+            ys = [r["batches"][str(b)][mode]["median_ms"] for b in batches]
+            ax_lat.plot(batches, ys, style, marker="o", markersize=4, label=f"{m} {mode}")
+    ax_lat.set_ylabel("ms per step (= per token of each sequence)")
+    ax_lat.set_title("Per-token decode latency")
+    for key, label in (("int8_graph_x_bf16_graph", "int8 graph / bf16 graph"),
+                       ("int8_graph_x_int8_eager", "int8 graph / int8 eager"),
+                       ("fp8_graph_x_bf16_graph", "fp8 graph / bf16 graph"),
+                       ("bf16_graph_x_bf16_eager", "bf16 graph / bf16 eager")):
+        xy = [(b, results["derived"][str(b)].get(key)) for b in batches]
+        xy = [(b, y) for b, y in xy if y is not None]
+        if xy:
+            ax_x.plot(*zip(*xy), marker="o", markersize=4, label=label)
+    for y, label in ((TARGET_INT8_OVER_BF16, "target int8/bf16 (batch 1)"),
+                     (TARGET_GRAPH_OVER_EAGER, "target graph/eager (batch 1)")):
+        ax_x.axhline(y, color="gray", linestyle=":", linewidth=1)
+        ax_x.annotate(label, xy=(0.01, y), xycoords=("axes fraction", "data"), va="bottom", fontsize=8, color="gray")
+    ax_x.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax_x.set_ylabel("speedup (x)")
+    ax_x.set_title("Speedups")
+    for ax in (ax_lat, ax_x):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("batch (sequences)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    c = results["config"]
+    fig.suptitle(f"{c['name']} x {c['num_layers']} layers, {results['device']}, torch {results['torch_version']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(results: dict[str, Any], report: str, out_dir: str) -> dict[str, str]:
+    """Write ``decoder_<slug>.json``, ``.md`` and ``.png`` to ``out_dir``; returns the paths by extension."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"decoder_{results['device_slug']}")
+    paths = {ext: f"{stem}.{ext}" for ext in ("json", "md", "png")}
+    with open(paths["json"], "w") as f:
+        json.dump(results, f, indent=1)
+        f.write("\n")
+    with open(paths["md"], "w") as f:
+        f.write(report)
+    plot_results(results, paths["png"])
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def _import_package():
+    """cutlass_w8a8, its bench_utils, models and runner; from the repository when not installed."""
+    try:
+        import cutlass_w8a8
+    except ImportError:
+        sys.path.insert(0, REPO_ROOT)
+        import cutlass_w8a8
+    from cutlass_w8a8 import bench_utils, models, runner
+    return cutlass_w8a8, bench_utils, (models, runner)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit(f"bench_decoder.py: needs a CUDA device, and torch.cuda.is_available() is False "
+                 f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}).")
+    cw, bu, mods = _import_package()
+    if not cw.cuda_ops_available():
+        sys.exit(f"bench_decoder.py: the cutlass_w8a8 CUDA extension is not loaded: {cw.extension_status()}")
+    t0 = time.perf_counter()
+    try:
+        results = run(args, cw, bu, mods)
+    except AccuracyError as exc:
+        sys.exit(f"bench_decoder.py: aborted, wrong results: {exc}")
+    results["total_seconds"] = time.perf_counter() - t0
+    report = render_markdown(results)
+    paths = write_outputs(results, report, args.out)
+    print(report)
+    print("wrote " + ", ".join(paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Measure every sm90 kernel config on the Llama-3 shapes, to choose the dispatch table by measurement.
+
+Needs a build with the tuning candidates::
+
+    CUTLASS_W8A8_TUNE=1 TORCH_CUDA_ARCH_LIST=9.0a pip install --no-build-isolation -e .
+    python bench/tune_sm90.py --out bench/results
+
+For each operand type, shape and M, every config (shipped ones and candidates, bfloat16 output,
+per-token x per-channel scales) is checked against the default config's output and timed by CUDA-graph
+replay over rotating inputs with a cold L2 (cutlass_w8a8.bench_utils.bench_gpu_time). Writes
+``tune_<device>.json`` (every time) and ``tune_<device>.md``: the best config per point, and for each M the
+config that is best in geomean over the shapes with its loss against the per-point best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+import torch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPES = [
+    ("l3-8b-qkv", 6144, 4096), ("l3-8b-o", 4096, 4096), ("l3-8b-gate_up", 28672, 4096),
+    ("l3-8b-down", 4096, 14336), ("l3-70b-qkv", 10240, 8192), ("l3-70b-o", 8192, 8192),
+    ("l3-70b-gate_up", 57344, 8192), ("l3-70b-down", 8192, 28672),
+]
+M_VALUES = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+AB_TYPE = {"int8": 0, "fp8": 1}  # cw8a8_ab_type in csrc/kernel_api.h
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtypes", default="int8,fp8", help="comma list of int8, fp8 (default both)")
+    p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of M values")
+    p.add_argument("--shapes", default=None, help="comma list of substrings to select shapes")
+    p.add_argument("--replays", type=int, default=10, help="timed graph replays per config (default 10)")
+    p.add_argument("--replay-ms", type=float, default=0.5, help="target ms per replay (default 0.5)")
+    p.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results"))
+    return p.parse_args(argv)
+
+
+def config_names(lib, dtype: str) -> list[str]:
+    import ctypes
+
+    lib.cw8a8_sm90_config_name.restype = ctypes.c_char_p
+    count = lib.cw8a8_sm90_num_configs(AB_TYPE[dtype])
+    return [lib.cw8a8_sm90_config_name(AB_TYPE[dtype], i).decode() for i in range(count)]
+
+
+def plausible(name: str, m: int) -> bool:
+    """Skip configs that cannot win at this M, to keep the sweep short.
+
+    Swapped configs put the tokens on the MMA's N side: only useful while M is at most a few N tiles.
+    Unswapped configs with 64 or more rows waste most of the MMA at M <= 16.
+    """
+    swap = name.startswith("swap_")
+    if swap:
+        tile_n = int(name.split("_")[1].split("x")[1])
+        return m <= max(2 * tile_n, 32)
+    return m >= 32
+
+
+def random_operands(dtype: str, m: int, n: int, k: int, copies: int):
+    def q(*shape):
+        if dtype == "int8":
+            return torch.randint(-128, 128, shape, dtype=torch.int8, device="cuda")
+        return torch.randn(shape, device="cuda").to(torch.float8_e4m3fn)
+
+    sets = []
+    for _ in range(copies):  # weights rotate too: at small M the GEMM is a stream of the weight
+        sets.append((torch.empty(m, n, dtype=torch.bfloat16, device="cuda"), q(m, k), q(n, k),
+                     torch.rand(m, 1, device="cuda") * 1e-2 + 1e-3, torch.rand(n, device="cuda") * 1e-2 + 1e-3))
+    return sets
+
+
+def tune_point(bu, dtype, names, m, n, k, args, l2_bytes) -> dict:
+    set_bytes = m * k + n * k + 2 * m * n
+    copies = bu.rotation_count(set_bytes, l2_bytes, 4 * 2**30)
+    sets = random_operands(dtype, m, n, k, copies)
+    op = torch.ops.cutlass_w8a8._scaled_mm_config
+    ref = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    torch.ops.cutlass_w8a8.scaled_mm_out(ref, *sets[0][1:3], sets[0][3], sets[0][4], None)
+    ref = ref.float()
+    result = {"M": m, "N": n, "K": k, "times_us": {}, "errors": {}}
+    for i, name in enumerate(names):
+        if not plausible(name, m):
+            continue
+        out = sets[0][0]
+        try:
+            out.fill_(float("nan"))
+            op(out, sets[0][1], sets[0][2].t(), sets[0][3], sets[0][4], None, i)
+            rel = float((out.float() - ref).norm() / ref.norm())
+            if not rel < (1e-6 if dtype == "int8" else 2e-2):  # int8 is exact: any config gives the same
+                result["errors"][name] = f"wrong result: relative error {rel:.3g}"
+                continue
+            timing = bu.bench_gpu_time(lambda o, a, w, sa, sb, i=i: op(o, a, w.t(), sa, sb, None, i),
+                                       sets, replay_ms=args.replay_ms, replays=args.replays)
+            result["times_us"][name] = timing.median_ms * 1e3
+        except RuntimeError as exc:
+            result["errors"][name] = str(exc).splitlines()[0][:200]
+    best = min(result["times_us"], key=result["times_us"].get) if result["times_us"] else None
+    result["best"] = best
+    return result
+
+
+def summarize(points: list[dict], geomean) -> str:
+    lines = []
+    for dtype in sorted({p["dtype"] for p in points}):
+        lines += [f"\n## {dtype}: best config per point\n", "| M | shape | best | us | 2nd | us |",
+                  "|---:|:---|:---|---:|:---|---:|"]
+        for p in (q for q in points if q["dtype"] == dtype):
+            ranked = sorted(p["times_us"].items(), key=lambda kv: kv[1])
+            first = ranked[0] if ranked else ("–", float("nan"))
+            second = ranked[1] if len(ranked) > 1 else ("–", float("nan"))
+            lines.append(f"| {p['M']} | {p['shape']} | {first[0]} | {first[1]:.1f} | {second[0]} | {second[1]:.1f} |")
+        lines += [f"\n## {dtype}: one config per M (geomean over shapes of time / per-point best)\n",
+                  "| M | best single config | loss vs per-point best | runner-up | loss |", "|---:|:---|---:|:---|---:|"]
+        for m in sorted({p["M"] for p in points if p["dtype"] == dtype}):
+            pts = [p for p in points if p["dtype"] == dtype and p["M"] == m and p["times_us"]]
+            common = set.intersection(*(set(p["times_us"]) for p in pts)) if pts else set()
+            scores = {c: geomean([p["times_us"][c] / min(p["times_us"].values()) for p in pts]) for c in common}
+            ranked = sorted(scores.items(), key=lambda kv: kv[1])
+            if not ranked:
+                continue
+            second = ranked[1] if len(ranked) > 1 else ("–", float("nan"))
+            lines.append(f"| {m} | {ranked[0][0]} | {ranked[0][1]:.3f} | {second[0]} | {second[1]:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("tune_sm90.py needs a CUDA device")
+    sys.path.insert(0, REPO_ROOT)
+    import cutlass_w8a8 as cw
+    from cutlass_w8a8 import _ext
+    from cutlass_w8a8 import bench_utils as bu
+
+    lib = _ext.kernel_library("_kernels_sm90")
+    if lib is None or not cw.cuda_ops_available():
+        sys.exit(f"tune_sm90.py: the sm90 kernels are not loaded: {cw.extension_status()}")
+    from tqdm import tqdm
+
+    dtypes = args.dtypes.split(",")
+    m_values = [int(x) for x in args.m.split(",")]
+    shapes = [s for s in SHAPES if not args.shapes or any(f in s[0] for f in args.shapes.split(","))]
+    l2_bytes = bu.l2_cache_bytes()
+    points = []
+    names_by_dtype = {d: config_names(lib, d) for d in dtypes}
+    for d, names in names_by_dtype.items():
+        print(f"{d}: {len(names)} configs: {', '.join(names)}", flush=True)
+    bar = tqdm(total=len(dtypes) * len(shapes) * len(m_values), mininterval=5, file=sys.stdout)
+    with torch.no_grad():
+        for dtype in dtypes:
+            for shape, n, k in shapes:
+                for m in m_values:
+                    p = tune_point(bu, dtype, names_by_dtype[dtype], m, n, k, args, l2_bytes)
+                    p.update(dtype=dtype, shape=shape)
+                    points.append(p)
+                    bar.update()
+                torch.cuda.empty_cache()
+    bar.close()
+    device = torch.cuda.get_device_name()
+    slug = bu.device_slug(device)
+    os.makedirs(args.out, exist_ok=True)
+    report = (f"# sm90 config sweep: {device}\n\nbfloat16 out, per-token x per-channel scales, cold-L2 graph "
+              f"replays (median of {args.replays}); torch {torch.__version__}.\n" + summarize(points, bu.geomean))
+    with open(os.path.join(args.out, f"tune_{slug}.json"), "w") as f:
+        json.dump({"device": device, "configs": names_by_dtype, "points": points}, f, indent=1)
+    with open(os.path.join(args.out, f"tune_{slug}.md"), "w") as f:
+        f.write(report + "\n")
+    print(report)
+    errors = {(p["dtype"], name, e) for p in points for name, e in p["errors"].items()}
+    for e in sorted(errors)[:20]:
+        print("error:", e)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

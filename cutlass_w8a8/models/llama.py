@@ -1,0 +1,584 @@
+"""A Llama-style decoder for batched decode steps over a preallocated KV cache, on `W8A8Linear` or bf16 layers.
+
+The model follows vLLM's layout of Llama: fused ``qkv_proj`` and ``gate_up_proj`` projections, RMSNorm,
+rotary position embeddings (the "neox" half-split rotation of Hugging Face's ``LlamaForCausalLM``),
+grouped-query attention and a SwiGLU MLP. One call is one decode step: every sequence of the batch brings
+one token, its position and the cache slot (row) that holds its keys and values.
+
+Everything a step does is a fixed sequence of kernels on tensors of fixed shape: the new keys and values are
+written at device-side positions with ``index_put_``, attention is a masked softmax over the whole cache
+length with the mask computed from the positions on the device, and nothing reads a value back to the host.
+A step can therefore be captured into a CUDA graph (`cutlass_w8a8.runner.DecodeGraphRunner`) or compiled
+with ``torch.compile(fullgraph=True)``.
+
+Weights are random, drawn from a seeded generator on the model's device: nothing is downloaded. The bf16
+and W8A8 models built from the same config and seed share their float weights (the W8A8 model quantizes
+exactly the weights the bf16 model uses), so they can be compared.
+
+Examples
+--------
+>>> from cutlass_w8a8.models import LlamaDecoder, SMALL
+>>> model = LlamaDecoder(SMALL, quant="int8", max_batch=8, device="cuda")
+>>> logits = model(token_ids, positions, slots)        # (B,), (B,), (B,) int64 -> (B, vocab) bf16
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Callable, NamedTuple, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..linear import W8A8Config, W8A8Linear, quantize_
+
+__all__ = [
+    "CONFIGS",
+    "LLAMA3_8B",
+    "SMALL",
+    "DequantizedLinear",
+    "LlamaConfig",
+    "LlamaDecoder",
+    "LlamaDecoderLayer",
+    "float_reference",
+    "generate_greedy",
+]
+
+_QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+_MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Architecture of a Llama-style decoder.
+
+    Attributes
+    ----------
+    vocab_size : int
+        Number of token ids; the embedding and ``lm_head`` have this many rows.
+    hidden_size : int
+        Width of the residual stream.
+    intermediate_size : int
+        Width of the SwiGLU MLP (``gate_up_proj`` has ``2 * intermediate_size`` outputs).
+    num_layers : int
+        Number of decoder layers.
+    num_heads : int
+        Query heads.
+    num_kv_heads : int
+        Key/value heads (grouped-query attention); divides ``num_heads``.
+    head_dim : int, optional
+        Width of one head; default ``hidden_size // num_heads``. Must be even (rotary pairs).
+    rms_norm_eps : float
+        Epsilon of every RMSNorm.
+    rope_theta : float
+        Base of the rotary frequencies, ``inv_freq[i] = rope_theta ** (-2 i / head_dim)``.
+    max_position : int
+        Length of the rotary table: positions must be below it (and below the cache length).
+    init_std : float
+        Standard deviation of the random normal weights (Hugging Face's ``initializer_range``).
+
+    Notes
+    -----
+    Llama 3.1's long-context rope scaling is not modelled: the rotary frequencies are the plain ones.
+    """
+
+    vocab_size: int = 8192
+    hidden_size: int = 1024
+    intermediate_size: int = 2816
+    num_layers: int = 4
+    num_heads: int = 16
+    num_kv_heads: int = 4
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_position: int = 4096
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"LlamaConfig: `hidden_size` ({self.hidden_size}) must be divisible by "
+                                 f"`num_heads` ({self.num_heads}) when `head_dim` is not given")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"LlamaConfig: `{name}` must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"LlamaConfig: `num_kv_heads` ({self.num_kv_heads}) must divide "
+                             f"`num_heads` ({self.num_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig: `head_dim` must be even (rotary pairs), got {self.head_dim}")
+
+    @property
+    def qkv_size(self) -> int:
+        """Outputs of the fused ``qkv_proj``: ``(num_heads + 2 * num_kv_heads) * head_dim``."""
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def replace(self, **changes) -> "LlamaConfig":
+        """A copy with some fields changed, e.g. ``LLAMA3_8B.replace(num_layers=4)``."""
+        return dataclasses.replace(self, **changes)
+
+
+#: A small default: 4 layers of width 1024, 16 query and 4 key/value heads of 64, vocabulary 8192.
+SMALL = LlamaConfig()
+
+#: Llama-3-8B's dimensions (meta-llama/Meta-Llama-3-8B config.json): 32 layers, hidden 4096, MLP 14336,
+#: 32 query and 8 key/value heads of 128, vocabulary 128256, rope_theta 500000.
+LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                        max_position=8192)
+
+CONFIGS = {"small": SMALL, "llama3-8b": LLAMA3_8B}
+
+
+# ----------------------------------------------------------------------------------------------------
+# modules
+
+
+class _StepContext(NamedTuple):
+    """What every layer of one decode step shares; computed once per step from the positions and slots.
+
+    - ``rope``: ``(B, head_dim // 2, 2)`` float32, ``(cos, sin)`` of each sequence's position.
+    - ``mask``: ``(B, 1, 1, max_seq_len)`` in the model dtype, 0 where ``s <= position`` else ``-inf``.
+    - ``kv_index``: ``(B, 2 * num_kv_heads)`` int64, the rows of the flattened cache that receive the new
+      keys (first ``num_kv_heads``) and values (last ``num_kv_heads``).
+    - ``slots``: ``(B,)`` int64, the cache rows the batch reads.
+    """
+
+    rope: torch.Tensor
+    mask: torch.Tensor
+    kv_index: torch.Tensor
+    slots: torch.Tensor
+
+
+def _rope_(x: torch.Tensor, rope: torch.Tensor) -> None:
+    """Rotate ``x`` in place: ``(B, N, D)`` heads (a view into the qkv output), ``rope`` ``(B, D/2, 2)`` float32.
+
+    Hugging Face's "neox" rotation of the pairs ``(x[j], x[j + D/2])`` by the angle of frequency ``j``,
+    computed in float32 and rounded once to ``x``'s dtype. Eager code multiplies complex numbers (three
+    kernels: gather the pairs as float32, one complex multiply, scatter back); under ``torch.compile`` the
+    real-arithmetic form is used, which inductor fuses into one kernel (it has no complex codegen).
+    """
+    h = x.shape[-1] // 2
+    if torch.compiler.is_compiling():
+        xf = x.float()
+        x1, x2 = xf[..., :h], xf[..., h:]
+        cos, sin = rope[..., 0].unsqueeze(1), rope[..., 1].unsqueeze(1)
+        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        return
+    pairs = x.unflatten(-1, (2, h)).transpose(-1, -2)  # (B, N, D/2, 2): (x[j], x[j + D/2])
+    xc = torch.view_as_complex(torch.empty(pairs.shape, dtype=torch.float32, device=x.device).copy_(pairs))
+    pairs.copy_(torch.view_as_real(xc * torch.view_as_complex(rope).unsqueeze(1)))
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension (``F.rms_norm``: float32 inside,
+    rounded once to the input dtype). ``weight``: ``(hidden,)``."""
+
+    def __init__(self, hidden: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention of one decode token per sequence over the KV cache.
+
+    Submodules: ``qkv_proj`` (hidden -> ``(H + 2 KVH) * D``, rows ordered q heads, k heads, v heads, as vLLM's
+    ``QKVParallelLinear``) and ``o_proj`` (``H * D`` -> hidden), both without bias.
+
+    Buffer ``kv_cache``: ``(num_slots, 2, KVH, max_seq_len, D)`` in the model dtype (index 0 keys, 1 values),
+    set by `LlamaDecoder.allocate_cache`. Query head ``h`` reads key/value head ``h // (H / KVH)``.
+    """
+
+    def __init__(self, config: LlamaConfig, device=None, dtype=None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, config.qkv_size, bias=False, device=device, dtype=dtype)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False,
+                                device=device, dtype=dtype)
+        self.register_buffer("kv_cache", None, persistent=False)
+
+    def forward(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
+        b = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(b, h + 2 * kvh, d)
+        _rope_(qkv[:, : h + kvh], ctx.rope)
+        # Write this step's keys and values: one scatter of (B, 2 KVH) rows of D elements.
+        self.kv_cache.view(-1, d).index_put_((ctx.kv_index,), qkv[:, h:])
+        kv = self.kv_cache.index_select(0, ctx.slots)  # (B, 2, KVH, S, D)
+        q = qkv[:, :h].unflatten(1, (kvh, h // kvh))  # (B, KVH, G, D): the G query heads of a kv head
+        out = F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=ctx.mask)
+        return self.o_proj(out.reshape(b, h * d))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: ``down_proj(silu(gate) * up)`` with ``gate, up = gate_up_proj(x).chunk(2)`` (vLLM's
+    ``MergedColumnParallelLinear`` layout: the gate rows first)."""
+
+    def __init__(self, config: LlamaConfig, device=None, dtype=None):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False,
+                                      device=device, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False,
+                                   device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``h += attn(input_layernorm(h))``; ``h += mlp(post_attention_layernorm(h))``."""
+
+    def __init__(self, config: LlamaConfig, device=None, dtype=None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.self_attn = LlamaAttention(config, device, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.mlp = LlamaMLP(config, device, dtype)
+
+    def forward(self, h: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _quant_dtype(quant) -> Optional[torch.dtype]:
+    if quant is None or quant == "bf16" or quant == "none":
+        return None
+    if isinstance(quant, str) and quant in _QUANT_DTYPES:
+        return _QUANT_DTYPES[quant]
+    if quant in _QUANT_DTYPES.values():
+        return quant
+    raise ValueError(f"LlamaDecoder: `quant` must be None, 'int8' or 'fp8', got {quant!r}")
+
+
+class LlamaDecoder(nn.Module):
+    """Llama-style decoder whose ``forward`` is one decode step of a batch over a preallocated KV cache.
+
+    Parameters
+    ----------
+    config : LlamaConfig
+        Dimensions; see `SMALL` and `LLAMA3_8B`.
+    quant : {None, "int8", "fp8"}
+        None: every linear is a float ``nn.Linear`` in ``dtype``. "int8" / "fp8": the linears of the decoder
+        layers are `W8A8Linear` (per-channel weights, dynamic per-token activations), quantized from the
+        very float weights the ``quant=None`` model of the same seed has.
+    max_batch : int
+        Number of cache slots (sequences the cache can hold). One more slot, ``scratch_slot = max_batch``,
+        is kept for padded rows: a padded row writes its keys and values there and nowhere else.
+    max_seq_len : int, optional
+        Cache length in tokens, a multiple of 16 (default ``min(config.max_position, 2048)``). Attention
+        reads all of it every step (masked), so the attention cost grows with it, not with the positions.
+    device : torch.device or str, optional
+        Where the weights, the cache and the random generator live (default: CPU).
+    dtype : torch.dtype
+        Activation, cache and float-weight dtype: bfloat16 (default) or float16; float32 for ``quant=None``.
+    seed : int
+        Seed of the generator of the random weights (normal, std ``config.init_std``; norms are ones).
+    quant_lm_head : bool
+        Also quantize ``lm_head`` (default False: the logits stay a bf16 GEMM, as most W8A8 recipes keep it).
+
+    Attributes
+    ----------
+    embed_tokens : nn.Embedding
+        ``(vocab_size, hidden_size)``.
+    layers : nn.ModuleList of LlamaDecoderLayer
+    norm : RMSNorm
+    lm_head : nn.Linear or W8A8Linear
+        ``hidden_size -> vocab_size``, no bias.
+    scratch_slot : int
+        The cache slot of padded rows (``max_batch``).
+
+    Notes
+    -----
+    ``forward(token_ids, positions, slots=None)`` takes ``(B,)`` integer tensors on the model's device
+    (token ids, 0-based positions, cache slots; ``slots`` defaults to ``0..B-1``) and returns the logits,
+    ``(B, vocab_size)`` in ``dtype``. It writes the keys and values of the B tokens at ``(slot, position)``
+    before attending, so a sequence is fed token by token from position 0 (prefill = decode steps, see
+    `generate_greedy`). Positions and slots are not checked on the device (that would need a host sync):
+    ``0 <= position < max_seq_len`` and ``0 <= slot <= max_batch`` are the caller's duty; two rows of one
+    step must not share a slot unless both are padding.
+
+    The cache is stored per layer as ``(max_batch + 1, 2, num_kv_heads, max_seq_len, head_dim)``; a step
+    gathers the rows of its slots (one ``index_select``) and runs ``scaled_dot_product_attention`` with the
+    ``G = num_heads / num_kv_heads`` query heads of a key/value head as G queries, so no head is repeated.
+    """
+
+    def __init__(self, config: LlamaConfig, quant: Union[None, str, torch.dtype] = None, *, max_batch: int = 8,
+                 max_seq_len: Optional[int] = None, device=None, dtype: torch.dtype = torch.bfloat16,
+                 seed: int = 0, quant_lm_head: bool = False):
+        super().__init__()
+        qdtype = _quant_dtype(quant)
+        if dtype not in _MODEL_DTYPES:
+            raise TypeError(f"LlamaDecoder: `dtype` must be bfloat16, float16 or float32, got {dtype}")
+        if qdtype is not None and dtype == torch.float32:
+            raise TypeError("LlamaDecoder: W8A8 layers output bfloat16 or float16; use that `dtype` with `quant`")
+        if qdtype is not None:
+            sizes = {"hidden_size": config.hidden_size, "qkv_size": config.qkv_size,
+                     "num_heads * head_dim": config.num_heads * config.head_dim,
+                     "intermediate_size": config.intermediate_size}
+            if quant_lm_head:
+                sizes["vocab_size"] = config.vocab_size
+            for name, v in sizes.items():
+                if v % 16:
+                    raise ValueError(f"LlamaDecoder: W8A8 layers need multiples of 16, `{name}` is {v}")
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self.config = config
+        self.quant = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}.get(qdtype)
+        self.dtype = dtype
+        gen = torch.Generator(device=device).manual_seed(seed)
+        w8a8 = W8A8Config(dtype=qdtype, out_dtype=dtype) if qdtype is not None else None
+
+        def build(factory: Callable[..., nn.Module], quantize: bool) -> nn.Module:
+            # Float module on the meta device, materialised where it lives, filled from the seeded
+            # generator in a fixed order (so bf16 and W8A8 models of one seed share weights), then quantized.
+            with torch.device("meta"):
+                mod = factory(dtype=dtype)
+            mod = mod.to_empty(device=device)
+            with torch.no_grad():
+                for sub in mod.modules():
+                    if isinstance(sub, RMSNorm):
+                        sub.weight.fill_(1.0)
+                    elif isinstance(sub, (nn.Linear, nn.Embedding)):
+                        sub.weight.normal_(0.0, config.init_std, generator=gen)
+            if quantize and w8a8 is not None:
+                mod = quantize_(mod, w8a8)
+            return mod
+
+        self.embed_tokens = build(lambda dtype: nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype),
+                                  False)
+        self.layers = nn.ModuleList(build(lambda dtype: LlamaDecoderLayer(config, dtype=dtype), True)
+                                    for _ in range(config.num_layers))
+        self.norm = build(lambda dtype: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype), False)
+        self.lm_head = build(lambda dtype: nn.Linear(config.hidden_size, config.vocab_size, bias=False,
+                                                     dtype=dtype), quant_lm_head)
+        self.requires_grad_(False)
+
+        # Rotary table: (max_position, D/2, 2) float32 (cos, sin), angles in float32 as Hugging Face's.
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.int64,
+                                                             device=device).float() / config.head_dim))
+        angles = torch.outer(torch.arange(config.max_position, device=device, dtype=torch.float32), inv_freq)
+        self.register_buffer("rope_table", torch.stack((angles.cos(), angles.sin()), dim=-1), persistent=False)
+        self.allocate_cache(max_batch, max_seq_len)
+
+    # ------------------------------------------------------------------------------------------------
+    # cache
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def allocate_cache(self, max_batch: int, max_seq_len: Optional[int] = None) -> None:
+        """(Re)allocate the zeroed KV cache of every layer for ``max_batch`` sequences (+1 scratch slot) of
+        ``max_seq_len`` tokens (a multiple of 16, at most ``config.max_position``; default
+        ``min(config.max_position, 2048)``). Drops the previous cache."""
+        cfg = self.config
+        max_seq_len = max_seq_len if max_seq_len is not None else min(cfg.max_position, 2048)
+        if max_batch < 1:
+            raise ValueError(f"LlamaDecoder: `max_batch` must be >= 1, got {max_batch}")
+        if max_seq_len < 16 or max_seq_len % 16 or max_seq_len > cfg.max_position:
+            raise ValueError(f"LlamaDecoder: `max_seq_len` must be a multiple of 16 in [16, max_position = "
+                             f"{cfg.max_position}], got {max_seq_len}")
+        self.max_batch, self.max_seq_len = max_batch, max_seq_len
+        self.scratch_slot = max_batch
+        device, dtype = self.device, self.dtype
+        for layer in self.layers:
+            layer.self_attn.kv_cache = None
+        for layer in self.layers:
+            cache = torch.zeros(max_batch + 1, 2, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
+                                device=device, dtype=dtype)
+            # A fixed address that the step mutates: tell torch.compile (cudagraph trees) it is static,
+            # as Hugging Face's StaticCache does.
+            torch._dynamo.mark_static_address(cache)
+            layer.self_attn.register_buffer("kv_cache", cache, persistent=False)
+        self.register_buffer("seq_index", torch.arange(max_seq_len, device=device), persistent=False)
+        self.register_buffer("head_index", torch.arange(2 * cfg.num_kv_heads, device=device), persistent=False)
+        self.register_buffer("mask_values", torch.tensor([0.0, float("-inf")], device=device, dtype=dtype),
+                             persistent=False)
+
+    def reset_cache(self) -> None:
+        """Zero every layer's KV cache (in place: captured graphs keep working)."""
+        for layer in self.layers:
+            layer.self_attn.kv_cache.zero_()
+
+    def cache_nbytes(self) -> int:
+        """Bytes of the KV cache of all layers."""
+        return sum(layer.self_attn.kv_cache.numel() * layer.self_attn.kv_cache.element_size()
+                   for layer in self.layers)
+
+    def weight_nbytes(self, include_embedding: bool = True) -> int:
+        """Bytes of the weights (parameters and the buffers of W8A8 layers), without cache and tables.
+
+        ``include_embedding=False`` leaves out the token embedding, of which a step reads only B rows: the
+        rest is what every step reads in full.
+        """
+        skip = {"rope_table", "seq_index", "head_index", "mask_values"}
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for name, b in self.named_buffers():
+            if name.split(".")[-1] not in skip and not name.endswith("kv_cache"):
+                total += b.numel() * b.element_size()
+        if not include_embedding:
+            total -= self.embed_tokens.weight.numel() * self.embed_tokens.weight.element_size()
+        return total
+
+    # ------------------------------------------------------------------------------------------------
+    # step
+
+    def _context(self, positions: torch.Tensor, slots: torch.Tensor) -> _StepContext:
+        cfg = self.config
+        rope = self.rope_table.index_select(0, positions)
+        zero, neg_inf = self.mask_values[0], self.mask_values[1]
+        mask = torch.where(self.seq_index <= positions.unsqueeze(1), zero, neg_inf)  # (B, S)
+        kv_index = ((slots.unsqueeze(1) * (2 * cfg.num_kv_heads) + self.head_index) * self.max_seq_len
+                    + positions.unsqueeze(1))
+        return _StepContext(rope, mask[:, None, None, :], kv_index, slots)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One decode step.
+
+        Parameters
+        ----------
+        token_ids : torch.Tensor
+            ``(B,)`` int64 (or int32) token ids on the model's device.
+        positions : torch.Tensor
+            ``(B,)`` int64 (or int32) 0-based positions of the tokens, ``< max_seq_len``.
+        slots : torch.Tensor, optional
+            ``(B,)`` int64 (or int32) cache slots, ``<= max_batch``; default ``0..B-1``.
+
+        Returns
+        -------
+        torch.Tensor
+            ``(B, vocab_size)`` logits in the model dtype.
+        """
+        if token_ids.dim() != 1 or positions.shape != token_ids.shape:
+            raise ValueError(f"LlamaDecoder: `token_ids` and `positions` must both be (B,), got "
+                             f"{tuple(token_ids.shape)} and {tuple(positions.shape)}")
+        positions = positions.long()
+        if slots is None:
+            slots = torch.arange(token_ids.shape[0], device=token_ids.device)
+        elif slots.shape != token_ids.shape:
+            raise ValueError(f"LlamaDecoder: `slots` must be (B,) = {tuple(token_ids.shape)}, got {tuple(slots.shape)}")
+        ctx = self._context(positions, slots.long())
+        h = self.embed_tokens(token_ids)
+        for layer in self.layers:
+            h = layer(h, ctx)
+        return self.lm_head(self.norm(h))
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"quant={self.quant}, dtype={self.dtype}, layers={c.num_layers}, hidden={c.hidden_size}, "
+                f"heads={c.num_heads}/{c.num_kv_heads}x{c.head_dim}, vocab={c.vocab_size}, "
+                f"max_batch={self.max_batch}, max_seq_len={self.max_seq_len}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# references and generation
+
+
+class DequantizedLinear(nn.Module):
+    """Float model of a `W8A8Linear`: the kernel's arithmetic without its rounding to the output dtype.
+
+    ``y = dequant(quant(x)) @ (weight * weight_scale[:, None]).T + bias``, where ``quant`` is the layer's own
+    activation quantizer (``torch.ops.cutlass_w8a8.quantize_per_token``, or ``quantize_per_tensor`` with
+    its static ``input_scale``) applied to ``x`` in the input's dtype, and everything else runs in the
+    input's dtype (float32 in `float_reference`). Shapes as `W8A8Linear`.
+    """
+
+    def __init__(self, mod: W8A8Linear):
+        super().__init__()
+        self.in_features, self.out_features, self.quant_dtype = mod.in_features, mod.out_features, mod.quant_dtype
+        self.register_buffer("weight", mod.weight.float() * mod.weight_scale.reshape(-1, 1))
+        self.register_buffer("bias", mod.bias.float() if mod.bias is not None else None)
+        self.register_buffer("input_scale", mod.input_scale.clone() if mod.input_scale is not None else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.input_scale is None:
+            q, s = torch.ops.cutlass_w8a8.quantize_per_token(x2, self.quant_dtype)
+        else:
+            q = torch.ops.cutlass_w8a8.quantize_per_tensor(x2, self.input_scale, self.quant_dtype)
+            s = self.input_scale
+        y = (q.to(x.dtype) * s.to(x.dtype)) @ self.weight.to(x.dtype).t()
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def float_reference(model: LlamaDecoder, dtype: torch.dtype = torch.float32) -> LlamaDecoder:
+    """A copy of ``model`` that computes in ``dtype`` (float32): the reference of tests.
+
+    Float layers and the KV cache are cast to ``dtype``; every `W8A8Linear` becomes a `DequantizedLinear`
+    (dequantized weights, activations quantized with the same op as the kernel path, products in
+    ``dtype``). The copy has its own cache, with the contents of ``model``'s at the time of the call.
+    """
+    ref = copy.deepcopy(model)
+
+    def swap(module: nn.Module) -> None:
+        for name, child in list(module.named_children()):
+            if isinstance(child, W8A8Linear):
+                setattr(module, name, DequantizedLinear(child))
+            else:
+                swap(child)
+
+    swap(ref)
+    ref.to(dtype)
+    ref.dtype = dtype
+    for layer in ref.layers:
+        torch._dynamo.mark_static_address(layer.self_attn.kv_cache)
+    return ref
+
+
+def generate_greedy(step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                    prompt: torch.Tensor, max_new_tokens: int, slots: Optional[torch.Tensor] = None,
+                    start: int = 0) -> torch.Tensor:
+    """Greedy decoding: feed the prompt token by token, then the argmax of each step's logits.
+
+    Nothing is read back to the host: the next tokens stay on the device, so the loop never waits for the
+    GPU (and can run under ``torch.cuda.set_sync_debug_mode("error")``).
+
+    Parameters
+    ----------
+    step : callable
+        ``step(token_ids (B,), positions (B,), slots (B,)) -> logits (B, vocab)``, e.g. a `LlamaDecoder` or
+        `cutlass_w8a8.runner.DecodeGraphRunner.step`. The logits may be overwritten by the next call.
+    prompt : torch.Tensor
+        ``(B, L)`` int64 token ids on the model's device, ``L >= 1``; all prompts have the same length.
+    max_new_tokens : int
+        Tokens to generate.
+    slots : torch.Tensor, optional
+        ``(B,)`` int64 cache slots on the device; default ``0..B-1``.
+    start : int
+        Position of the first prompt token (0: a fresh sequence; the cache rows are overwritten from there).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, max_new_tokens)`` int64 generated tokens, on the device.
+    """
+    if prompt.dim() != 2 or prompt.shape[1] < 1:
+        raise ValueError(f"generate_greedy: `prompt` must be (B, L) with L >= 1, got {tuple(prompt.shape)}")
+    b, length = prompt.shape
+    device = prompt.device
+    if slots is None:
+        slots = torch.arange(b, device=device)
+    positions = torch.full((b,), start, dtype=torch.int64, device=device)
+    logits = None
+    for t in range(length):
+        logits = step(prompt[:, t], positions, slots)
+        positions = positions + 1
+    out = torch.empty(b, max_new_tokens, dtype=torch.int64, device=device)
+    for i in range(max_new_tokens):
+        tok = logits.argmax(dim=-1)
+        out[:, i] = tok
+        if i + 1 < max_new_tokens:
+            logits = step(tok, positions, slots)
+            positions = positions + 1
+    return out

@@ -1,0 +1,288 @@
+"""docs/MISUSE.md stays true: every row is triggered and must raise its exception with its exact message.
+
+The table's rows are `| ID | Misuse | Exception | Message | Checked |`. The message is a code span in which
+`{...}` stands for any text; it must match the whole first line of the exception's message. `cpu` rows are
+triggered here on every run, `cuda` rows with the `cuda` marker, `2 gpus` rows with two GPUs; each row
+needs a trigger below and each trigger a row, so neither side can drift.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from unittest import mock
+
+import pytest
+import torch
+
+import cutlass_w8a8 as cw
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "MISUSE.md"
+CHECKED = ("cpu", "cuda", "2 gpus", "manual")
+
+
+def parse_table(text: str):
+    """Rows of every table whose header starts with `| ID |`: dicts of id, misuse, exception, message,
+    checked."""
+    rows, in_table = [], False
+    for line in text.splitlines():
+        if line.startswith("| ID |"):
+            in_table = True
+            continue
+        if not line.startswith("|"):
+            in_table = False
+            continue
+        if not in_table or set(line) <= set("|- "):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        assert len(cells) == 5, f"malformed row ({len(cells)} cells): {line}"
+        rid, misuse, exc, msg, checked = cells
+        assert rid.startswith("`") and rid.endswith("`"), line
+        assert exc.startswith("`") and exc.endswith("`"), line
+        assert msg.startswith("`` ") and msg.endswith(" ``"), f"message must be a ``...`` code span: {line}"
+        rows.append(dict(id=rid.strip("`"), misuse=misuse, exception=exc.strip("`"), message=msg[3:-3],
+                         checked=checked))
+    return rows
+
+
+def message_regex(template: str) -> re.Pattern:
+    parts = re.split(r"\{[^{}]*\}", template)
+    return re.compile(".+?".join(re.escape(p) for p in parts), re.DOTALL)
+
+
+ROWS = parse_table(DOC.read_text())
+BY_ID = {r["id"]: r for r in ROWS}
+
+
+def assert_row(row_id: str, trigger) -> None:
+    row = BY_ID[row_id]
+    with pytest.raises(Exception) as info:
+        trigger()
+    exc = info.value
+    assert type(exc).__name__ == row["exception"], (
+        f"{row_id}: expected {row['exception']}, got {type(exc).__name__}: {exc}")
+    first_line = str(exc).split("\n")[0]
+    assert message_regex(row["message"]).fullmatch(first_line), (
+        f"{row_id}: message\n  {first_line!r}\ndoes not match the table's\n  {row['message']!r}")
+
+
+# ---- triggers on CPU tensors ---------------------------------------------------------------------------
+
+
+def operands(device="cpu", m=4, n=32, k=64):
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randint(-8, 8, (m, k), dtype=torch.int8, device=device, generator=g)
+    w = torch.randint(-8, 8, (n, k), dtype=torch.int8, device=device, generator=g)
+    sa = torch.rand(m, 1, device=device, generator=g) * 0.01
+    sb = torch.rand(n, device=device, generator=g) * 0.01
+    bias = torch.randn(n, device=device, generator=g).to(torch.bfloat16)
+    return dict(a=a, b=w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, bias=bias)
+
+
+def mm(device="cpu", **change):
+    """cw.scaled_mm on legal operands with `change` applied (a callable value gets the operands)."""
+    kw = operands(device)
+    for key, v in change.items():
+        kw[key] = v(kw) if callable(v) else v
+    out = kw.pop("out", None)
+    return cw.scaled_mm(kw["a"], kw["b"], kw["scale_a"], kw["scale_b"], kw["out_dtype"], kw["bias"], out=out)
+
+
+def misaligned(rows, cols, dtype, device="cpu", elem_off=8):
+    pitch = cols + 16
+    flat = torch.zeros(rows * pitch + elem_off, device=device).to(dtype)
+    return flat[elem_off:].view(rows, pitch)[:, :cols]
+
+
+def _not_built():
+    from cutlass_w8a8 import _ext
+
+    with mock.patch.object(_ext, "cuda_ops_available", return_value=False):
+        _ext.require_cuda_ops("scaled_mm")
+
+
+CPU_TRIGGERS = {
+    "a-not-tensor": lambda: mm(a=lambda kw: kw["a"].tolist()),
+    "a-dtype": lambda: mm(a=lambda kw: kw["a"].half()),
+    "b-dtype": lambda: mm(b=lambda kw: kw["b"].to(torch.float8_e4m3fn)),
+    "scale_a-dtype": lambda: mm(scale_a=lambda kw: kw["scale_a"].half()),
+    "scale_b-dtype": lambda: mm(scale_b=lambda kw: kw["scale_b"].double()),
+    "out_dtype": lambda: mm(out_dtype=torch.float32),
+    "bias-dtype": lambda: mm(bias=lambda kw: kw["bias"].float()),
+    "bias-not-tensor": lambda: mm(bias=0.5),
+    "out-dtype": lambda: mm(out=torch.empty(4, 32)),
+    "device-other": lambda: mm(b=lambda kw: kw["b"].to("meta")),
+    "out-device-other": lambda: mm(out=torch.empty(4, 32, dtype=torch.bfloat16, device="meta")),
+    "a-not-2d": lambda: mm(a=lambda kw: kw["a"][None]),
+    "b-not-2d": lambda: mm(b=lambda kw: kw["b"][None]),
+    "k-mismatch": lambda: mm(b=lambda kw: kw["b"][:48]),
+    "k-not-16": lambda: mm(a=lambda kw: kw["a"][:, :40], b=lambda kw: kw["b"][:40]),
+    "n-not-16": lambda: mm(b=lambda kw: kw["b"][:, :24], scale_b=lambda kw: kw["scale_b"][:24],
+                           bias=lambda kw: kw["bias"][:24]),
+    "int8-k-bound": lambda: mm(a=torch.zeros(1, cw.INT8_MAX_K + 16, dtype=torch.int8),
+                               b=torch.zeros(32, cw.INT8_MAX_K + 16, dtype=torch.int8).t(),
+                               scale_a=torch.ones(1)),
+    "scale_a-shape": lambda: mm(scale_a=lambda kw: kw["scale_a"][:3]),
+    "scale_b-shape": lambda: mm(scale_b=lambda kw: kw["scale_b"][:16]),
+    "scale_a-noncontig": lambda: mm(scale_a=torch.rand(4, 2)[:, :1]),
+    "scale_b-noncontig": lambda: mm(scale_b=torch.rand(64)[::2]),
+    "bias-length": lambda: mm(bias=lambda kw: kw["bias"][:16]),
+    "bias-noncontig": lambda: mm(bias=torch.randn(64).to(torch.bfloat16)[::2]),
+    "a-col-major": lambda: mm(a=lambda kw: kw["a"].t().contiguous().t()),
+    "a-rows-overlap": lambda: mm(a=lambda kw: kw["a"][:1].expand(4, 64)),
+    "a-row-pitch": lambda: mm(a=torch.zeros(4, 72, dtype=torch.int8)[:, :64]),
+    "a-misaligned": lambda: mm(a=misaligned(4, 64, torch.int8)),
+    "b-row-major": lambda: mm(b=lambda kw: kw["b"].contiguous()),
+    "b-cols-overlap": lambda: mm(b=lambda kw: kw["b"][:, :1].expand(64, 32)),
+    "b-pitch": lambda: mm(b=torch.zeros(32, 72, dtype=torch.int8)[:, :64].t()),
+    "b-misaligned": lambda: mm(b=misaligned(32, 64, torch.int8).t()),
+    "out-shape": lambda: mm(out=torch.empty(5, 32, dtype=torch.bfloat16)),
+    "out-col-major": lambda: mm(out=torch.empty(32, 4, dtype=torch.bfloat16).t()),
+    "out-rows-overlap": lambda: mm(out=torch.empty(1, 32, dtype=torch.bfloat16).expand(4, 32)),
+    "out-pitch": lambda: mm(out=torch.empty(4, 36, dtype=torch.bfloat16)[:, :32]),
+    "out-misaligned": lambda: mm(out=misaligned(4, 32, torch.bfloat16, elem_off=4)),
+    "x-not-tensor": lambda: cw.quantize_int8([1.0]),
+    "x-dtype": lambda: cw.quantize_int8(torch.zeros(4, 16, dtype=torch.int32)),
+    "x-0d": lambda: cw.quantize_int8(torch.tensor(1.0)),
+    "scale-not-tensor": lambda: cw.quantize_int8(torch.zeros(4, 16), 0.1),
+    "scale-dtype": lambda: cw.quantize_fp8(torch.zeros(4, 16), torch.ones(1, dtype=torch.float16)),
+    "scale-shape": lambda: cw.quantize_int8(torch.zeros(4, 16), torch.ones(2)),
+    "scale-device-other": lambda: cw.quantize_int8(torch.zeros(4, 16), torch.ones(1, device="meta")),
+    "quant-op-dtype": lambda: torch.ops.cutlass_w8a8.quantize_per_token(torch.zeros(4, 16), torch.int32),
+    "linear-features": lambda: cw.W8A8Linear(60, 32),
+    "linear-dtype": lambda: cw.W8A8Linear(64, 32, dtype=torch.float32),
+    "linear-quant-dtype": lambda: cw.W8A8Linear(64, 32, quant_dtype=torch.uint8),
+    "linear-input": lambda: cw.W8A8Linear(64, 32)(torch.randn(2, 32, dtype=torch.bfloat16)),
+    "config-dtype": lambda: cw.W8A8Config(dtype=torch.float16),
+    "graph-cpu-inputs": lambda: cw.graphs.CapturedGraph(lambda x: x, [torch.zeros(4)]),
+    "extension-not-built": _not_built,
+}
+
+
+# ---- triggers on the GPU ------------------------------------------------------------------------------
+
+
+def _graph():
+    return cw.graphs.CapturedGraph(lambda x: x * 2, [torch.zeros(4, 16, device="cuda")])
+
+
+def _config_out_of_range():
+    kw = operands("cuda", m=100)
+    out = torch.empty(100, 32, dtype=torch.bfloat16, device="cuda")
+    torch.ops.cutlass_w8a8._scaled_mm_config(out, kw["a"], kw["b"], kw["scale_a"], kw["scale_b"], None, 10_000)
+
+
+def op(device="cuda", **change):
+    """torch.ops.cutlass_w8a8.scaled_mm (no wrapper) on legal CUDA operands with `change` applied."""
+    kw = operands(device)
+    for key, v in change.items():
+        kw[key] = v(kw) if callable(v) else v
+    return torch.ops.cutlass_w8a8.scaled_mm(kw["a"], kw["b"], kw["scale_a"], kw["scale_b"], kw["out_dtype"],
+                                            kw["bias"])
+
+
+CUDA_TRIGGERS = {
+    "cpu-arg-cuda-a": lambda: mm("cuda", scale_a=lambda kw: kw["scale_a"].cpu()),
+    "cpu-a-cuda-args": lambda: mm("cuda", a=lambda kw: kw["a"].cpu()),
+    "scale-device-cpu": lambda: cw.quantize_int8(torch.zeros(4, 16, device="cuda"), torch.ones(1)),
+    "graph-input-count": lambda: _graph()(torch.zeros(4, 16, device="cuda"), torch.zeros(1, device="cuda")),
+    "graph-input-shape": lambda: _graph()(torch.zeros(5, 16, device="cuda")),
+    "config-out-of-range": _config_out_of_range,
+    "op-a-dtype": lambda: op(a=lambda kw: kw["a"].half()),
+    "op-out_dtype": lambda: op(out_dtype=torch.float32),
+    "op-not-2d": lambda: op(a=lambda kw: kw["a"][None]),
+    "op-cpu-a": lambda: op(a=lambda kw: kw["a"].cpu()),
+    "op-quant-scale-shape": lambda: torch.ops.cutlass_w8a8.quantize_per_tensor(
+        torch.zeros(4, 16, device="cuda"), torch.ones(2, device="cuda"), torch.int8),
+}
+
+
+def _mixed_gpus():
+    kw = operands("cuda:0")
+    return cw.scaled_mm(kw["a"], kw["b"].to("cuda:1"), kw["scale_a"], kw["scale_b"])
+
+
+TWO_GPU_TRIGGERS = {"mixed-gpus": _mixed_gpus}
+
+TRIGGERS = {"cpu": CPU_TRIGGERS, "cuda": CUDA_TRIGGERS, "2 gpus": TWO_GPU_TRIGGERS, "manual": {}}
+
+
+def ids(checked):
+    return [r["id"] for r in ROWS if r["checked"] == checked]
+
+
+# ---- the table itself ---------------------------------------------------------------------------------
+
+
+def test_table_is_well_formed():
+    assert len(ROWS) >= 50
+    assert len(BY_ID) == len(ROWS), "duplicate IDs"
+    for r in ROWS:
+        assert r["checked"] in CHECKED, r
+        assert r["exception"] in ("TypeError", "ValueError", "RuntimeError", "NotImplementedError"), r
+
+
+@pytest.mark.parametrize("checked", ["cpu", "cuda", "2 gpus"])
+def test_every_row_has_a_trigger_and_every_trigger_a_row(checked):
+    assert sorted(ids(checked)) == sorted(TRIGGERS[checked]), (
+        f"rows marked {checked!r} and the triggers differ: "
+        f"rows without trigger {sorted(set(ids(checked)) - set(TRIGGERS[checked]))}, "
+        f"triggers without row {sorted(set(TRIGGERS[checked]) - set(ids(checked)))}")
+
+
+def test_messages_name_the_argument():
+    """Every wrapper-level argument error names its argument in backticks after `op: `."""
+    for r in ROWS:
+        if r["exception"] in ("TypeError", "ValueError") and not r["id"].startswith(("graph-", "linear-input")):
+            assert re.match(r"^[\w.]+: `\w+`", r["message"]), r
+
+
+def test_message_regex_is_strict():
+    rx = message_regex("scaled_mm: `a` must be [M, K], got {shape}")
+    assert rx.fullmatch("scaled_mm: `a` must be [M, K], got (2, 3)")
+    assert not rx.fullmatch("scaled_mm: `b` must be [M, K], got (2, 3)")
+    assert not rx.fullmatch("xscaled_mm: `a` must be [M, K], got (2, 3)")
+    assert not rx.fullmatch("scaled_mm: `a` must be [M, K], got ")
+
+
+def _source_text() -> str:
+    """The package's Python and C++ sources, with adjacent C string literals joined ("a" "b" -> "ab")."""
+    root = DOC.parents[1]
+    files = [*root.glob("csrc/**/*.cu"), *root.glob("csrc/**/*.cpp"), *root.glob("csrc/**/*.hpp"),
+             *root.glob("csrc/**/*.cuh"), *root.glob("cutlass_w8a8/*.py")]
+    return re.sub(r'"\s*\n\s*"', "", "\n".join(f.read_text() for f in files))
+
+
+def test_manual_rows_match_the_source():
+    """Rows that need a broken build or other hardware: their fixed text is in our sources (torch's own
+    dispatcher message excepted)."""
+    source = _source_text()
+    for r in ROWS:
+        if r["checked"] != "manual" or r["message"].startswith("Could not run"):
+            continue
+        for piece in re.split(r"\{[^{}]*\}", r["message"]):
+            if len(piece) >= 6:
+                assert piece in source, f"{r['id']}: {piece!r} is not in csrc/ or cutlass_w8a8/"
+
+
+def test_int8_bound_in_table_is_the_constant():
+    assert f"K <= {cw.INT8_MAX_K}" in BY_ID["int8-k-bound"]["message"]
+
+
+@pytest.mark.parametrize("row_id", ids("cpu"))
+def test_cpu_row(row_id):
+    assert_row(row_id, CPU_TRIGGERS[row_id])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("row_id", ids("cuda"))
+def test_cuda_row(row_id):
+    assert_row(row_id, CUDA_TRIGGERS[row_id])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("row_id", ids("2 gpus"))
+def test_two_gpu_row(row_id):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices")
+    assert_row(row_id, TWO_GPU_TRIGGERS[row_id])

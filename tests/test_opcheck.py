@@ -1,0 +1,128 @@
+"""torch.library.opcheck on every op, for what tests/test_ops_cpu.py::test_opcheck_cpu and
+tests/test_scaled_mm_cuda.py::test_opcheck_cuda leave out: fp8 operands, the out= schema with fp8, the
+tuning op `_scaled_mm_config`, quantize_per_tensor to fp8, float16 / float32 inputs, M = 0, windowed
+(non-contiguous) operands, and non-contiguous quantization inputs.
+
+opcheck runs the op against its schema (mutation annotations), its fake kernel (shapes, dtypes and strides
+of the outputs), autograd registration, and AOT dispatch; each argument tuple below is run on CPU and, with
+the `cuda` marker, on the GPU.
+"""
+
+import pytest
+import torch
+
+import cutlass_w8a8  # noqa: F401 (defines the ops)
+
+from _helpers import rand_operand, rand_scale, scale_magnitudes
+
+OPS = torch.ops.cutlass_w8a8
+
+
+def gemm_args(m, n, k, dtype, device, per_token=True, out_dtype=torch.bfloat16, windowed=False, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    a = rand_operand((m, k), dtype, device, g)
+    w = rand_operand((n, k), dtype, device, g)
+    if windowed:  # a and the weight as 16-byte aligned windows of wider buffers
+        a = torch.cat([a, rand_operand((m, 32), dtype, device, g)], dim=1)[:, :k]
+        w = torch.cat([rand_operand((n, 16), dtype, device, g), w], dim=1)[:, 16:]
+    ma, mb = scale_magnitudes(dtype, k)
+    sa = rand_scale((m, 1) if per_token else (1,), device, ma, g)
+    sb = rand_scale((n,) if per_token else (1,), device, mb, g)
+    bias = torch.randn(n, device=device, generator=g).to(out_dtype)
+    return a, w.t(), sa, sb, bias
+
+
+def cases(device):
+    """(id, op, args) for opcheck on `device`."""
+    fp8, i8 = torch.float8_e4m3fn, torch.int8
+    out = []
+    a, b, sa, sb, bias = gemm_args(24, 64, 128, fp8, device)
+    out.append(("scaled_mm fp8 per-token bias", OPS.scaled_mm, (a, b, sa, sb, torch.bfloat16, bias)))
+    a, b, sa, sb, bias = gemm_args(24, 64, 128, fp8, device, per_token=False, out_dtype=torch.float16)
+    out.append(("scaled_mm fp8 per-tensor f16", OPS.scaled_mm, (a, b, sa, sb, torch.float16, None)))
+    a, b, sa, sb, bias = gemm_args(24, 64, 128, fp8, device)
+    d = torch.empty(24, 64, dtype=torch.bfloat16, device=device)
+    out.append(("scaled_mm_out fp8", OPS.scaled_mm_out, (d, a, b, sa, sb, bias)))
+    a, b, sa, sb, bias = gemm_args(24, 64, 128, i8, device, windowed=True)
+    d_buf = torch.empty(24, 80, dtype=torch.bfloat16, device=device)
+    out.append(("scaled_mm int8 windowed", OPS.scaled_mm, (a, b, sa, sb, torch.bfloat16, bias)))
+    out.append(("scaled_mm_out int8 windowed out", OPS.scaled_mm_out, (d_buf[:, 8:72], a, b, sa, sb, bias)))
+    a, b, sa, sb, bias = gemm_args(0, 64, 128, i8, device)
+    out.append(("scaled_mm M=0", OPS.scaled_mm, (a, b, sa, sb, torch.bfloat16, bias)))
+    for dtype, name in ((i8, "int8"), (fp8, "fp8")):
+        a, b, sa, sb, bias = gemm_args(100, 64, 128, dtype, device)
+        d = torch.empty(100, 64, dtype=torch.bfloat16, device=device)
+        out.append((f"_scaled_mm_config {name}", OPS._scaled_mm_config, (d, a, b, sa, sb, bias, 0)))
+    g = torch.Generator(device=device).manual_seed(1)
+    for xdtype in (torch.float16, torch.float32):
+        x = torch.randn(3, 5, 64, device=device, generator=g).to(xdtype)
+        out.append((f"quantize_per_token {xdtype} fp8", OPS.quantize_per_token, (x, fp8)))
+        out.append((f"quantize_per_tensor {xdtype} fp8", OPS.quantize_per_tensor,
+                    (x, torch.tensor([0.02], device=device), fp8)))
+    x = torch.randn(8, 96, device=device, generator=g).to(torch.bfloat16)[:, 16:80]  # padded rows
+    out.append(("quantize_per_token padded rows", OPS.quantize_per_token, (x, torch.int8)))
+    out.append(("quantize_per_token M=0", OPS.quantize_per_token,
+                (torch.empty(0, 64, device=device, dtype=torch.bfloat16), torch.int8)))
+    return out
+
+
+def transposed_cases(device):
+    """Non-contiguous inputs whose row order differs from memory order (the outputs are documented as
+    contiguous)."""
+    x = torch.randn(64, 6, device=device).to(torch.bfloat16).t()
+    return [("quantize_per_token transposed", OPS.quantize_per_token, (x, torch.int8)),
+            ("quantize_per_tensor transposed", OPS.quantize_per_tensor,
+             (x, torch.tensor([0.02], device=device), torch.float8_e4m3fn))]
+
+
+CPU_CASES = cases("cpu")
+
+
+# torch's schema check (test_schema) compares every tensor argument before and after the call with
+# torch.allclose, which has no float8 kernel ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'):
+# with fp8 operands it runs the other checks, and `inputs_unchanged` checks the mutation annotations instead.
+ALL_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+NO_SCHEMA = ALL_UTILS[1:]
+
+
+def run_opcheck(op, args):
+    has_fp8 = any(isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn for t in args)
+    torch.library.opcheck(op, args, test_utils=NO_SCHEMA if has_fp8 else ALL_UTILS)
+    if has_fp8:
+        inputs_unchanged(op, args)
+
+
+def inputs_unchanged(op, args):
+    """What test_schema checks for the mutation annotations: only `Tensor(a!)` arguments change."""
+    schema = op.default._schema
+    before = [t.clone() if isinstance(t, torch.Tensor) else None for t in args]
+    op(*args)
+    for arg, old, new in zip(schema.arguments, before, args):
+        if old is None:
+            continue
+        mutable = arg.alias_info is not None and arg.alias_info.is_write
+        same = torch.equal(old.view(torch.uint8), new.view(torch.uint8)) if old.element_size() == 1 else \
+            torch.equal(old.nan_to_num(), new.nan_to_num())
+        if not mutable:
+            assert same, f"{schema.name}: `{arg.name}` changed but is not annotated as mutable"
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CPU_CASES])
+def test_opcheck_more_cpu(case):
+    _, op, args = next(c for c in CPU_CASES if c[0] == case)
+    run_opcheck(op, args)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_opcheck_transposed_input_cpu(which):
+    _, op, args = transposed_cases("cpu")[which]
+    run_opcheck(op, args)
+
+
+@pytest.mark.cuda
+def test_opcheck_more_cuda():
+    for name, op, args in cases("cuda") + transposed_cases("cuda"):
+        try:
+            run_opcheck(op, args)
+        except Exception as exc:
+            raise AssertionError(f"opcheck failed for {name}: {exc}") from exc
