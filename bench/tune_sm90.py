@@ -8,7 +8,7 @@ Needs a build with the tuning candidates::
 For each operand type, shape and M, every config (shipped ones and candidates, bfloat16 output,
 per-token x per-channel scales) is checked against the default config's output and timed by CUDA-graph
 replay over rotating inputs with a cold L2 (cutlass_w8a8.bench_utils.bench_gpu_time). Writes
-``tune_<device>.json`` (every time) and ``tune_<device>.md``: the best config per point, and for each M the
+``tune_<device>_<dtypes>.json`` (every time) and ``tune_<device>_<dtypes>.md``: the best config per point, and for each M the
 config that is best in geomean over the shapes with its loss against the per-point best.
 """
 
@@ -83,7 +83,7 @@ def tune_point(bu, dtype, names, m, n, k, args, l2_bytes) -> dict:
     sets = random_operands(dtype, m, n, k, copies)
     op = torch.ops.cutlass_w8a8._scaled_mm_config
     ref = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    torch.ops.cutlass_w8a8.scaled_mm_out(ref, *sets[0][1:3], sets[0][3], sets[0][4], None)
+    torch.ops.cutlass_w8a8.scaled_mm_out(ref, sets[0][1], sets[0][2].t(), sets[0][3], sets[0][4], None)
     ref = ref.float()
     result = {"M": m, "N": n, "K": k, "times_us": {}, "errors": {}}
     for i, name in enumerate(names):
@@ -169,9 +169,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     report = (f"# sm90 config sweep: {device}\n\nbfloat16 out, per-token x per-channel scales, cold-L2 graph "
               f"replays (median of {args.replays}); torch {torch.__version__}.\n" + summarize(points, bu.geomean))
-    with open(os.path.join(args.out, f"tune_{slug}.json"), "w") as f:
+    stem = f"tune_{slug}_{'_'.join(dtypes)}"
+    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump({"device": device, "configs": names_by_dtype, "points": points}, f, indent=1)
-    with open(os.path.join(args.out, f"tune_{slug}.md"), "w") as f:
+    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
         f.write(report + "\n")
     print(report)
     errors = {(p["dtype"], name, e) for p in points for name, e in p["errors"].items()}

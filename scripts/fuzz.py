@@ -9,7 +9,7 @@ kinds of operand values. Every failing case is printed with a JSON line that rer
     cases tried: N, mismatches: K
 
 Exit status 1 on any mismatch (or error), 0 otherwise. For fp8 the script also prints the largest
-`accum_rel` any case needed ("fp8 accum_rel needed"), to calibrate tests/_fuzz.py FP8_ACCUM_REL.
+`accum_rel` any case needed ("fp8 accum_rel needed"), to compare with tests/_helpers.fp8_accum_bound.
 
 Examples (GPU machine, from the repository root)::
 
@@ -46,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--max-n", type=int, default=16384, help="a multiple of 16")
     p.add_argument("--max-k", type=int, default=16384, help="a multiple of 16")
     p.add_argument("--fp8-accum-rel", type=float, default=None,
-                   help="fp8 allowance on sum|a*b| (default tests/_fuzz.py FP8_ACCUM_REL)")
+                   help="fp8 allowance on sum|a*b| (default: tests/_helpers.fp8_accum_bound(K) per case)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop starting new cases after this long (the summary says so)")
     p.add_argument("--case", default=None, help="run only this case: JSON of Case fields (others default)")
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     import torch
 
     import cutlass_w8a8 as cw
-    from _fuzz import FP8_ACCUM_REL, Case, random_case, run_case
+    from _fuzz import Case, random_case, run_case
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
             print(f"CUDA extension not built: {cw.extension_status()}", file=sys.stderr)
             return 2
         print(f"device: {torch.cuda.get_device_name(device)}; {cw.extension_status()}", flush=True)
-    accum_rel = FP8_ACCUM_REL if args.fp8_accum_rel is None else args.fp8_accum_rel
+    accum_rel = args.fp8_accum_rel  # None: tests/_helpers.fp8_accum_bound(K) per case
 
     if args.case is not None:
         fields = json.loads(args.case)

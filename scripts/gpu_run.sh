@@ -94,11 +94,9 @@ if has sanitize; then
 fi
 
 if has tune; then
-  $PY bench/tune_sm90.py --out "$OUT" >"$OUT/tune.log" 2>&1
-  rc=$?
-  stamp "tune: rc=$rc"
-  tail -60 "$OUT/tune.log"
-  [ $rc -ne 0 ] && status=1
+  for dtype in int8 fp8; do  # one file each, so a run cut short keeps what finished
+    run_stage "tune $dtype" "tune_$dtype.log" $PY bench/tune_sm90.py --dtypes $dtype --out "$OUT"
+  done
 fi
 
 cat "$OUT/summary.txt"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -50,6 +51,17 @@ def reference(a, b, scale_a, scale_b, bias=None) -> Reference:
         d = d + bias.to(torch.float64)
         mag = mag + bias.to(torch.float64).abs()
     return Reference(d, mag, a_deq.abs() @ b_deq.abs(), a.shape[1])
+
+
+def fp8_accum_bound(k: int) -> float:
+    """Allowance for float32 accumulation of fp8 products with fast accumulation, relative to sum|terms|.
+
+    The shipped sm90 fp8 kernels keep the whole K loop in the tensor cores' accumulators (csrc/EPILOGUES.md).
+    Each wgmma adds 32 products into them with about 14 mantissa bits kept (DeepSeek-V3 technical report,
+    §3.3.2, measured on Hopper), i.e. an error below 2**-13 of the running sum's magnitude, itself below
+    sum|terms|; K/32 instructions give at most ceil(K/32) * 2**-13 * sum|terms|.
+    """
+    return math.ceil(k / 32) * 2.0 ** -13
 
 
 def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
