@@ -2,7 +2,7 @@
 
 Tolerance (tests/_helpers.py, assert_close_to_reference): int8 products accumulate exactly in int32, so the
 only error is the float32 epilogue and the final rounding: one unit in the last place of the output dtype
-plus 4 float32 roundoffs of |D|. fp8 adds the tensor cores' accumulation error, ceil(K/32) * 2**-13 of
+plus 4 float32 roundoffs of |D|. fp8 adds the tensor cores' accumulation error, K * 2**-13 of
 sum_k |a_k b_k| (tests/_helpers.fp8_accum_bound, derived there).
 """
 
