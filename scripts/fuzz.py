@@ -124,8 +124,11 @@ def main(argv=None) -> int:
     if "fp8_accum_rel_needed" in stats:
         need = stats["fp8_accum_rel_needed"]
         exp = f" (2**{math.log2(need):.1f})" if 0 < need < math.inf else ""
-        print(f"fp8 accum_rel needed: {need:.3g}{exp}; allowed: {accum_rel:.3g}"
+        allowed = "K * 2**-13 per case" if accum_rel is None else f"{accum_rel:.3g}"
+        print(f"fp8 accum_rel needed: {need:.3g}{exp}; allowed: {allowed}"
               + ("  [inf: an error where every term is 0, not an accumulation error]" if need == math.inf else ""))
+    if "fp8_bound_fraction" in stats:
+        print(f"fp8: the largest accumulation error used {stats['fp8_bound_fraction']:.3g} of its bound K * 2**-13 * sum|terms|")
     if stopped_early:
         print(f"stopped early after {tried} of {len(todo) if isinstance(todo, list) else args.cases} cases")
     print(f"cases tried: {tried}, mismatches: {mismatches}", flush=True)

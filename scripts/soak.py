@@ -128,6 +128,9 @@ def main(argv=None) -> int:
         x = fresh_input(m)
         graphs[m](x)
         model(x)
+        del x
+    warm_ref = last_layer_reference(fresh_input(max(args.batch_sizes)))  # the reference path's allocations too
+    del warm_ref
     sync(dev)
     baseline = allocated(dev)
     reserved0 = reserved(dev)
@@ -164,6 +167,7 @@ def main(argv=None) -> int:
                 accum_rel = fp8_accum_bound(ref.k) if args.dtype == "fp8" else 0.0
                 assert_close_to_reference(out, ref, torch.bfloat16, accum_rel=accum_rel,
                                           what=f"replay {i} (M={m}) vs float64 reference")
+                del ref  # the float64 reference must not stay alive into the memory samples
             except AssertionError as exc:
                 ref_failures.append(i)
                 print(f"MISMATCH {exc}", flush=True)

@@ -171,6 +171,9 @@ def run_case(case: Case, device, ref_device=None, fp8_accum_rel: Optional[float]
     if is_fp8 and stats is not None:
         stats["fp8_accum_rel_needed"] = max(stats.get("fp8_accum_rel_needed", 0.0),
                                             fp8_accum_rel_needed(out_r, ref, out_dtype))
+        # the same as a fraction of the per-case bound K * 2**-13 (1.0 = the bound is exactly used up)
+        stats["fp8_bound_fraction"] = max(stats.get("fp8_bound_fraction", 0.0),
+                                          fp8_accum_rel_needed(out_r, ref, out_dtype) / fp8_accum_bound(case.k))
     rel = (fp8_accum_bound(case.k) if fp8_accum_rel is None else fp8_accum_rel) if is_fp8 else 0.0
     assert_close_to_reference(out_r, ref, out_dtype, accum_rel=rel, what=what)
 
