@@ -235,7 +235,10 @@ def parse_report(text: str) -> dict:
             findings.append(block)
     ours = [b for b in findings if any(mk in line for line in b for mk in OUR_MARKERS)]
     others = [b for b in findings if b not in ours]
-    m = re.search(r"ERROR SUMMARY: (\d+) errors?", text)
+    # memcheck, initcheck, synccheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: H hazards
+    # displayed (N errors, W warnings)"
+    m = re.search(r"ERROR SUMMARY: (\d+) errors?", text) or \
+        re.search(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?", text)
     return dict(
         summaries=summaries,
         errors=int(m.group(1)) if m else None,
