@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -82,6 +83,14 @@ def assert_close_to_reference(out, ref: Reference, dtype, accum_rel=0.0, what=""
       carry up to 64 significant bits); it matters only where D is near 0, e.g. an accumulator of exactly 0.
     - accum_rel sum|terms|: for float32 accumulation (fp8), whose error scales with the terms, not with D.
     """
+    # The arithmetic runs under the tensors' own device: on 2 GPUs with cuda:0 current and the tensors on
+    # cuda:1 the bound came out ~0 (2026-11-21, H200 x2), the ulp term lost, while the output was right.
+    guard = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
+    with guard:
+        return _check(out, ref, dtype, accum_rel, what)
+
+
+def _check(out, ref: Reference, dtype, accum_rel, what):
     o = out.to(torch.float64)
     assert not torch.isnan(o).any(), f"{what}: NaN in output"
     bound = (torch.maximum(ulp(ref.d, dtype), ulp(o, dtype)) + 4 * EPS32 * ref.mag
