@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -567,16 +566,9 @@ def plot_results(results: dict[str, Any], path: str) -> None:
 
 def write_outputs(results: dict[str, Any], report: str, out_dir: str) -> dict[str, str]:
     """Write ``decoder_<slug>.json``, ``.md`` and ``.png`` to ``out_dir``; returns the paths by extension."""
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"decoder_{results['device_slug']}")
-    paths = {ext: f"{stem}.{ext}" for ext in ("json", "md", "png")}
-    with open(paths["json"], "w") as f:
-        json.dump(results, f, indent=1)
-        f.write("\n")
-    with open(paths["md"], "w") as f:
-        f.write(report)
-    plot_results(results, paths["png"])
-    return paths
+    from cutlass_w8a8.bench_utils import write_results
+
+    return write_results(results, report, out_dir, "decoder", plot_results)
 
 
 # ----------------------------------------------------------------------------------------------------

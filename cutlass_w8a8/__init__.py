@@ -9,7 +9,7 @@ Quick start::
 See README.md for the ops (`scaled_mm`, `quantize_int8`, ...) and the CUDA-graph helpers.
 """
 
-from . import ops  # defines the op schemas; must come before the compiled implementations load
+from . import ops  # noqa: F401 (defines the op schemas; must come before the compiled implementations load)
 from . import _ext
 
 _ext._load()

@@ -23,6 +23,7 @@ __all__ = [
     "GpuTiming",
     "bench_gpu_time",
     "copy_bandwidth_gbps",
+    "write_results",
     "dense_peak_tops",
     "device_slug",
     "geomean",
@@ -262,3 +263,21 @@ def copy_bandwidth_gbps(nbytes: int = 2**30, replays: int = 10) -> float:
     dst = torch.empty_like(src)
     timing = bench_gpu_time(lambda d, s: d.copy_(s), [(dst, src)], replays=replays)
     return 2 * nbytes / (timing.median_ms * 1e-3) / 1e9
+
+
+def write_results(results: dict, report: str, out_dir: str, prefix: str, plot: Callable[[dict, str], None]) -> dict:
+    """Write ``<prefix>_<device slug>.json`` (``results``, which holds ``device_slug``), ``.md`` (``report``) and
+    ``.png`` (``plot(results, path)``) to ``out_dir``; returns the paths by extension."""
+    import json
+    import os
+
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{prefix}_{results['device_slug']}")
+    paths = {ext: f"{stem}.{ext}" for ext in ("json", "md", "png")}
+    with open(paths["json"], "w") as f:
+        json.dump(results, f, indent=1)
+        f.write("\n")
+    with open(paths["md"], "w") as f:
+        f.write(report)
+    plot(results, paths["png"])
+    return paths

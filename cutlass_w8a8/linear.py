@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-__all__ = ["W8A8Config", "W8A8Linear", "quantize_"]
+__all__ = ["W8A8Config", "W8A8Linear", "quantize_", "quantize_activations"]
 
 _QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -41,6 +41,14 @@ class W8A8Config:
             raise TypeError(f"W8A8Config: `dtype` must be torch.int8 or torch.float8_e4m3fn, got {self.dtype}")
         if self.out_dtype is not None and self.out_dtype not in _OUT_DTYPES:
             raise TypeError(f"W8A8Config: `out_dtype` must be torch.bfloat16 or torch.float16, got {self.out_dtype}")
+
+
+def quantize_activations(x2: torch.Tensor, input_scale: Optional[torch.Tensor], quant_dtype: torch.dtype):
+    """``(q, scale)`` of ``(M, K)`` activations as `W8A8Linear` quantizes them: dynamic per-token (``scale``
+    ``(M, 1)``) when ``input_scale`` is None, else static per-tensor with it (``scale`` is ``input_scale``)."""
+    if input_scale is None:
+        return torch.ops.cutlass_w8a8.quantize_per_token(x2, quant_dtype)
+    return torch.ops.cutlass_w8a8.quantize_per_tensor(x2, input_scale, quant_dtype), input_scale
 
 
 class W8A8Linear(nn.Module):
@@ -135,12 +143,7 @@ class W8A8Linear(nn.Module):
             raise ValueError(f"W8A8Linear: input's last dimension must be in_features = {self.in_features}, "
                              f"got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if self.input_scale is None:
-            q, s = torch.ops.cutlass_w8a8.quantize_per_token(x2, self.quant_dtype)
-        else:
-            q = torch.ops.cutlass_w8a8.quantize_per_tensor(x2, self.input_scale, self.quant_dtype)
-            s = self.input_scale
+        q, s = quantize_activations(x.reshape(-1, self.in_features), self.input_scale, self.quant_dtype)
         y = torch.ops.cutlass_w8a8.scaled_mm(q, self.weight.t(), s, self.weight_scale, self.dtype, self.bias)
         if x.dtype != self.dtype:
             y = y.to(x.dtype)

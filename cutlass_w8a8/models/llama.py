@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..linear import W8A8Config, W8A8Linear, quantize_
+from ..linear import W8A8Config, W8A8Linear, quantize_, quantize_activations
 
 __all__ = [
     "CONFIGS",
@@ -501,11 +501,7 @@ class DequantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.input_scale is None:
-            q, s = torch.ops.cutlass_w8a8.quantize_per_token(x2, self.quant_dtype)
-        else:
-            q = torch.ops.cutlass_w8a8.quantize_per_tensor(x2, self.input_scale, self.quant_dtype)
-            s = self.input_scale
+        q, s = quantize_activations(x2, self.input_scale, self.quant_dtype)
         y = (q.to(x.dtype) * s.to(x.dtype)) @ self.weight.to(x.dtype).t()
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
