@@ -143,8 +143,9 @@ def extensions():
             log("CUTLASS_W8A8_TUNE=1: building the sm90 tuning candidates, and no other arch's kernels")
         exts.append(kernel_library(
             "_kernels_sm90", "csrc/sm90/scaled_mm_sm90.cu", [f"csrc/sm90/{f}" for f in folders], cutlass_inc,
-            # wgmma and setmaxnreg need the arch-specific sm_90a target
-            ["-gencode=arch=compute_90a,code=sm_90a", *tune_flags]))
+            # wgmma and setmaxnreg need the arch-specific sm_90a target; GDC makes CUTLASS's kernels wait on
+            # griddepcontrol before their first global access, which launching them with PDL requires
+            ["-gencode=arch=compute_90a,code=sm_90a", "-DCUTLASS_ENABLE_GDC_FOR_SM90", *tune_flags]))
     else:
         log(f"TORCH_CUDA_ARCH_LIST={';'.join(arches)} has no 9.0: the sm90 kernels are not built")
     sm8x = [n for n in numbers if n.startswith("8.")]

@@ -9,6 +9,10 @@ For every (shape, M) point, on the current CUDA device, in one process:
 - ``ours_int8`` / ``ours_fp8``: ``cutlass_w8a8.scaled_mm(a, w.t(), scale_a (M, 1), scale_b (N,), bf16)``.
 - ``linear_bf16`` / ``linear_w8a8``: ``nn.Linear(K, N, bias=False)`` in bf16 and its
   ``W8A8Linear.from_float`` (per-token int8 quantization of x plus the GEMM) on x.
+- ``quant_int8``: that quantization alone.
+- ``ours_int8_nopdl`` / ``linear_w8a8_nopdl``: ``ours_int8`` and ``linear_w8a8`` captured with programmatic
+  dependent launch off (``cutlass_w8a8.set_pdl(False)``), to show what PDL is worth; the other rows use
+  the default (on).
 
 Timing (cutlass_w8a8.bench_utils.bench_gpu_time): CUDA-graph replay of R calls over rotating copies of the
 inputs that together exceed twice the L2, so each call starts with a cold L2; median replay time / R.
@@ -53,7 +57,7 @@ QUICK_MS = (1, 16, 64, 256, 1024, 4096)
 M_GROUP_BOUNDS = (16, 512, None)
 
 METHODS = ("bf16", "int_mm_scaled", "torch_fp8_rowwise", "ours_int8", "ours_fp8", "linear_bf16", "linear_w8a8",
-           "quant_int8")
+           "quant_int8", "ours_int8_nopdl", "linear_w8a8_nopdl")
 # Methods whose failure is recorded instead of aborting the run (torch's own limits, an fp8 build missing).
 OPTIONAL_METHODS = frozenset({"int_mm_scaled", "torch_fp8_rowwise", "ours_fp8"})
 
@@ -104,6 +108,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--peak-tops", type=float, default=None,
                         help="dense int8/fp8 peak in TOPS for %%peak (default: from the device name)")
     parser.add_argument("--seed", type=int, default=0, help="torch random seed")
+    parser.add_argument("--pdl-ab", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time ours and W8A8Linear with PDL off, on sm90 (default: on)")
     args = parser.parse_args(argv)
     if args.replays < 1:
         parser.error("--replays must be >= 1")
@@ -196,9 +202,23 @@ def quantize_tokens(x: torch.Tensor):
     return torch.ops.cutlass_w8a8.quantize_per_token(x, torch.int8)
 
 
-def build_methods(scaled_mm: Callable, wts: Weights, act: Activations,
-                  fp8: bool) -> dict[str, tuple[Callable, tuple]]:
-    """``name -> (fn, args)`` for every method of the point, in `METHODS` order; ``fn(*args)`` is timed."""
+def without_pdl(fn: Callable, set_pdl: Callable[[bool], bool]) -> Callable:
+    """``fn`` with the sm90 GEMMs launched without PDL (the setting is read at launch, so also at capture)."""
+
+    def call(*args):
+        previous = set_pdl(False)
+        try:
+            return fn(*args)
+        finally:
+            set_pdl(previous)
+
+    return call
+
+
+def build_methods(scaled_mm: Callable, wts: Weights, act: Activations, fp8: bool,
+                  set_pdl: Optional[Callable[[bool], bool]] = None) -> dict[str, tuple[Callable, tuple]]:
+    """``name -> (fn, args)`` for every method of the point, in `METHODS` order; ``fn(*args)`` is timed.
+    The ``*_nopdl`` methods are left out when ``set_pdl`` is None."""
 
     def ours(a, w, scale_a, scale_b):
         return scaled_mm(a, w.t(), scale_a, scale_b, torch.bfloat16)
@@ -214,6 +234,9 @@ def build_methods(scaled_mm: Callable, wts: Weights, act: Activations,
         "linear_w8a8": (module_forward, (wts.qlinear, act.x_bf16)),
         "quant_int8": (quantize_tokens, (act.x_bf16,)),
     }
+    if set_pdl is not None:
+        methods["ours_int8_nopdl"] = (without_pdl(ours, set_pdl), methods["ours_int8"][1])
+        methods["linear_w8a8_nopdl"] = (without_pdl(module_forward, set_pdl), methods["linear_w8a8"][1])
     if not fp8:
         del methods["ours_fp8"]
     return methods
@@ -304,9 +327,13 @@ def time_methods(methods: dict, errors: dict[str, str], bu: Any, l2_bytes: int,
 
 
 def derive(m: int, n: int, k: int, times: dict[str, float], copy_gbps: float,
-           peak_tops: Optional[float]) -> dict[str, Any]:
+           peak_tops: Optional[float], read_gbps: Optional[float] = None) -> dict[str, Any]:
     """Derived numbers of one point: times in us, TOPS (1e12 ops/s, 2*M*N*K ops), weight GB/s (1e9 B/s,
-    N*K bytes per call), and speedups (baseline time / our time). Missing inputs give None."""
+    N*K bytes per call), and speedups (baseline time / our time). Missing inputs give None.
+
+    ``quant_visible_share`` is the part of the ``W8A8Linear`` forward that the GEMM alone does not account
+    for, ``1 - t(ours_int8) / t(linear_w8a8)``: what the quantization adds once its launch overlaps the GEMM's
+    (``quant_share_of_linear_w8a8`` is the quantization kernel's own time over the forward's)."""
 
     def ratio(num: str, den: str) -> Optional[float]:
         return times[num] / times[den] if num in times and den in times else None
@@ -324,6 +351,7 @@ def derive(m: int, n: int, k: int, times: dict[str, float], copy_gbps: float,
         "ours_pct_peak": 100 * ours_tops / peak_tops if ours_tops is not None and peak_tops else None,
         "ours_weight_GBps": weight_gbps,
         "ours_weight_GBps_over_copy": weight_gbps / copy_gbps if weight_gbps is not None else None,
+        "ours_weight_GBps_over_read": weight_gbps / read_gbps if weight_gbps is not None and read_gbps else None,
         "ours_x_bf16": ratio("bf16", "ours_int8"),
         "ours_x_torch_fp8": ratio("torch_fp8_rowwise", "ours_int8"),
         "ours_x_int_mm": ratio("int_mm_scaled", "ours_int8"),
@@ -331,6 +359,10 @@ def derive(m: int, n: int, k: int, times: dict[str, float], copy_gbps: float,
         "quant_GBps": quant_gbps,
         "quant_GBps_over_copy": quant_gbps / copy_gbps if quant_gbps is not None else None,
         "quant_share_of_linear_w8a8": ratio("quant_int8", "linear_w8a8"),
+        "quant_visible_share": (1 - times["ours_int8"] / times["linear_w8a8"]
+                                if "ours_int8" in times and "linear_w8a8" in times else None),
+        "pdl_gain_ours_int8": ratio("ours_int8_nopdl", "ours_int8"),
+        "pdl_gain_linear_w8a8": ratio("linear_w8a8_nopdl", "linear_w8a8"),
         "ours_fp8_tops": tops("ours_fp8"),
         "ours_fp8_x_bf16": ratio("bf16", "ours_fp8"),
         "ours_fp8_x_torch_fp8": ratio("torch_fp8_rowwise", "ours_fp8"),
@@ -353,6 +385,7 @@ def run_sweep(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any]:
     peak = args.peak_tops if args.peak_tops is not None else bu.dense_peak_tops(name)
     commit, dirty = bu.git_commit(REPO_ROOT)
     copy_gbps = bu.copy_bandwidth_gbps()
+    read_gbps = bu.read_bandwidth_gbps()
     results = {
         "device": name,
         "device_slug": bu.device_slug(name),
@@ -364,6 +397,8 @@ def run_sweep(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any]:
         "git_dirty": dirty,
         "l2_bytes": l2_bytes,
         "copy_GBps": copy_gbps,
+        "read_GBps": read_gbps,
+        "pdl": bool(cw.pdl_enabled()),
         "peak_tops": peak,
         "timing": {"method": "CUDA-graph replay over rotating input copies (> 2x L2), median replay / calls",
                    "replays": args.replays, "replay_ms": args.replay_ms, "rotate_gb": args.rotate_gb},
@@ -380,7 +415,8 @@ def run_sweep(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any]:
             for m in args.m_values:
                 if bar is not None:
                     bar.set_postfix_str(f"{shape} M={m}")
-                results["points"].append(measure_point(shape, m, n, k, wts, args, cw, bu, l2_bytes, copy_gbps, peak))
+                results["points"].append(measure_point(shape, m, n, k, wts, args, cw, bu, l2_bytes, copy_gbps, peak,
+                                                      read_gbps))
                 if bar is not None:
                     bar.update()
             del wts
@@ -392,17 +428,19 @@ def run_sweep(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any]:
 
 
 def measure_point(shape: str, m: int, n: int, k: int, wts: Weights, args: argparse.Namespace, cw: Any, bu: Any,
-                  l2_bytes: int, copy_gbps: float, peak: Optional[float]) -> dict[str, Any]:
+                  l2_bytes: int, copy_gbps: float, peak: Optional[float],
+                  read_gbps: Optional[float] = None) -> dict[str, Any]:
     """Check and time one (shape, M) point; times in ms per call."""
     act = make_activations(m, k)
-    methods = build_methods(cw.scaled_mm, wts, act, args.fp8)
+    set_pdl = cw.set_pdl if args.pdl_ab and torch.cuda.get_device_capability() == (9, 0) else None
+    methods = build_methods(cw.scaled_mm, wts, act, args.fp8, set_pdl)
     errors: dict[str, str] = {}
     rel = check_accuracy(methods, errors, f"{shape} M={m}")
     times, details = time_methods(methods, errors, bu, l2_bytes, args)
     del methods, act
     torch.cuda.empty_cache()
     return {"shape": shape, "N": n, "K": k, "M": m, "time_ms": times, "errors": errors, "rel_err": rel,
-            "timing": details, "derived": derive(m, n, k, times, copy_gbps, peak)}
+            "timing": details, "derived": derive(m, n, k, times, copy_gbps, peak, read_gbps)}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -416,8 +454,8 @@ def _fmt(value: Optional[float], spec: str) -> str:
 def point_table(points: list[dict]) -> str:
     """Markdown table, one row per (shape, M)."""
     rows = ["| M | shape | ours us | TOPS | %peak | weight GB/s | x bf16 | x fp8-torch | x int_mm | fp8 x fp8-torch "
-            "| linear x bf16 | quant GB/s | quant share |",
-            "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| linear x bf16 | quant GB/s | quant share | quant visible | PDL gain | linear PDL gain |",
+            "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in points:
         d = p["derived"]
         rows.append(f"| {p['M']} | {p['shape']} | {_fmt(d['time_us'].get('ours_int8'), '.1f')} "
@@ -425,7 +463,9 @@ def point_table(points: list[dict]) -> str:
                     f"| {_fmt(d['ours_weight_GBps'], '.0f')} | {_fmt(d['ours_x_bf16'], '.2f')} "
                     f"| {_fmt(d['ours_x_torch_fp8'], '.2f')} | {_fmt(d['ours_x_int_mm'], '.2f')} "
                     f"| {_fmt(d['ours_fp8_x_torch_fp8'], '.2f')} | {_fmt(d['linear_w8a8_x_bf16'], '.2f')} "
-                    f"| {_fmt(d['quant_GBps'], '.0f')} | {_fmt(d['quant_share_of_linear_w8a8'], '.2f')} |")
+                    f"| {_fmt(d['quant_GBps'], '.0f')} | {_fmt(d['quant_share_of_linear_w8a8'], '.2f')} "
+                    f"| {_fmt(d.get('quant_visible_share'), '.2f')} | {_fmt(d.get('pdl_gain_ours_int8'), '.2f')} "
+                    f"| {_fmt(d.get('pdl_gain_linear_w8a8'), '.2f')} |")
     return "\n".join(rows)
 
 
@@ -443,7 +483,8 @@ def m_groups(points: list[dict]) -> list[tuple[str, list[dict]]]:
 
 SUMMARY_COLUMNS = (("x bf16", "ours_x_bf16"), ("x fp8-torch", "ours_x_torch_fp8"), ("x int_mm", "ours_x_int_mm"),
                    ("fp8 x bf16", "ours_fp8_x_bf16"), ("fp8 x fp8-torch", "ours_fp8_x_torch_fp8"),
-                   ("linear w8a8 x bf16", "linear_w8a8_x_bf16"))
+                   ("linear w8a8 x bf16", "linear_w8a8_x_bf16"), ("PDL gain", "pdl_gain_ours_int8"),
+                   ("linear PDL gain", "pdl_gain_linear_w8a8"))
 
 
 def summary_table(points: list[dict], geomean: Callable) -> str:
@@ -451,7 +492,7 @@ def summary_table(points: list[dict], geomean: Callable) -> str:
     rows = ["| M | points | " + " | ".join(c for c, _ in SUMMARY_COLUMNS) + " |",
             "|:---|---:|" + "---:|" * len(SUMMARY_COLUMNS)]
     for label, members in m_groups(points):
-        cells = [_fmt(geomean([p["derived"][key] for p in members if p["derived"][key] is not None]), ".2f")
+        cells = [_fmt(geomean([p["derived"][key] for p in members if p["derived"].get(key) is not None]), ".2f")
                  for _, key in SUMMARY_COLUMNS]
         rows.append(f"| {label} | {len(members)} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -479,12 +520,17 @@ def render_markdown(results: dict[str, Any], geomean: Callable) -> str:
         "",
         f"- torch {results['torch_version']} (CUDA {results['cuda_version']}), {commit_text}",
         f"- L2 {results['l2_bytes'] / 2**20:.0f} MiB; device copy bandwidth {results['copy_GBps']:.0f} GB/s "
-        f"(bytes read + written); dense int8/fp8 peak {_fmt(peak, '.0f')} TOPS",
+        f"(bytes read + written), read-only bandwidth {_fmt(results.get('read_GBps'), '.0f')} GB/s "
+        f"(a float32 max-reduction); dense int8/fp8 peak {_fmt(peak, '.0f')} TOPS",
+        f"- programmatic dependent launch (PDL) of our GEMMs: {'on' if results.get('pdl') else 'off'}. "
+        "PDL gain = time with PDL off / time with it on (ours, and the whole W8A8Linear forward).",
         "- ours = `cutlass_w8a8.scaled_mm`, int8, per-token x per-channel scales, bf16 out. Times are "
         "cold-L2 CUDA-graph replays over rotating input copies, median of "
         f"{results['timing']['replays']} replays.",
         "- x bf16 / x fp8-torch / x int_mm: time of cuBLAS bf16 / `torch._scaled_mm` fp8 row-wise / "
         "`torch._int_mm` + scaling, divided by ours (> 1: ours is faster). Weight GB/s: N*K bytes per call.",
+        "- quant share: the quantization kernel's time / the W8A8Linear forward's; quant visible: "
+        "1 - GEMM time / forward time, what quantizing adds to the forward.",
         "",
         "## Per shape and M",
         "",

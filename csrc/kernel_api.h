@@ -46,6 +46,8 @@ typedef struct cw8a8_scaled_mm_args {
   int device;               // CUDA device ordinal the pointers live on
   int sm_count;             // multiprocessors on that device
   int config;               // -1: choose by shape; >= 0: force this entry of the config table (tuning)
+  int pdl;                  // 1: launch with programmatic dependent launch where the kernel supports it
+                            // (the sm90 kernels wait on griddepcontrol before touching global memory)
   cudaStream_t stream;
 } cw8a8_scaled_mm_args;
 

@@ -2,6 +2,7 @@
 #include <dlfcn.h>
 
 #include <array>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -76,6 +77,23 @@ bool force_sm80() {
     return v != nullptr && std::string(v) == "sm80";
   }();
   return forced;
+}
+
+// Programmatic dependent launch (PDL) for the sm90 GEMMs: with it a GEMM's CTAs start their prologue while
+// the previous kernel on the stream finishes (the quantization kernels signal early), and wait on
+// griddepcontrol before reading A, B or the scales. On unless CUTLASS_W8A8_PDL=0 at the first call;
+// cw8a8_set_pdl (cutlass_w8a8.set_pdl) changes it for later launches. -1: not read yet.
+std::atomic<int> g_pdl{-1};
+
+bool pdl_enabled() {
+  int v = g_pdl.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("CUTLASS_W8A8_PDL");
+    int from_env = (env == nullptr || std::string(env) != "0") ? 1 : 0;
+    g_pdl.compare_exchange_strong(v, from_env, std::memory_order_relaxed);
+    v = g_pdl.load(std::memory_order_relaxed);
+  }
+  return v != 0;
 }
 
 const ArchKernels& require(const ArchKernels& k, const char* what, const char* arch_list) {
@@ -294,6 +312,8 @@ void scaled_mm_config_out(at::Tensor& out, const at::Tensor& a, const at::Tensor
     TORCH_CHECK_VALUE(config < count, "_scaled_mm_config: `config` must be in [0, ", count, "), got ", config);
   }
   args.config = static_cast<int>(config);
+  // Only the sm90 kernels wait on griddepcontrol; the CUTLASS 2.x ones must never be launched with PDL.
+  args.pdl = (!vector_scales && pdl_enabled()) ? 1 : 0;
   run(args, a, kernels);
 }
 
@@ -322,3 +342,13 @@ const DeviceInfo& device_info(int device) {
 }
 
 }  // namespace cutlass_w8a8
+
+// C entry points for Python (ctypes, cutlass_w8a8._ext): whether the sm90 GEMMs launch with PDL.
+extern "C" __attribute__((visibility("default"))) int cw8a8_get_pdl() {
+  return cutlass_w8a8::pdl_enabled() ? 1 : 0;
+}
+extern "C" __attribute__((visibility("default"))) int cw8a8_set_pdl(int enabled) {
+  const int previous = cw8a8_get_pdl();
+  cutlass_w8a8::g_pdl.store(enabled != 0 ? 1 : 0, std::memory_order_relaxed);
+  return previous;
+}

@@ -37,6 +37,8 @@ def _load() -> None:
     try:
         torch.ops.load_library(path)
         _loaded["_C"] = path
+        # the same (already loaded) library through ctypes, for its C entry points (set_pdl)
+        _loaded["_C_ctypes"] = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
     except OSError as exc:
         _errors["_C"] = f"failed to load: {exc}"
 
@@ -44,6 +46,38 @@ def _load() -> None:
 def cuda_ops_available() -> bool:
     """True when the CUDA implementations of the ops (`_C.so`) are loaded."""
     return "_C" in _loaded
+
+
+def pdl_enabled() -> bool:
+    """Whether the sm90 GEMMs are launched with programmatic dependent launch (PDL).
+
+    With PDL a GEMM's thread blocks are scheduled while the previous kernel on the stream finishes and run
+    their prologue (barrier setup, TMA descriptor prefetch) before waiting, on ``griddepcontrol.wait``, for
+    that kernel to complete and its writes to be visible; the quantization kernels let a PDL-launched
+    successor be scheduled as soon as all their blocks have started. Results are identical either way;
+    only the launch latency between kernels changes (CUDA C++ Programming Guide, "Programmatic Dependent
+    Launch and Synchronization"). The CUTLASS 2.x kernels (sm80/sm89) are never launched with PDL.
+
+    On by default; ``CUTLASS_W8A8_PDL=0`` in the environment before the first GEMM turns it off. False when
+    the extension is not loaded.
+    """
+    lib = _loaded.get("_C_ctypes")
+    return bool(lib.cw8a8_get_pdl()) if lib is not None else False
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Turn PDL for the sm90 GEMMs on or off for later launches (see `pdl_enabled`); returns the previous
+    setting. A CUDA graph keeps the setting its kernels were captured with.
+
+    Raises
+    ------
+    RuntimeError
+        The CUDA extension is not loaded.
+    """
+    lib = _loaded.get("_C_ctypes")
+    if lib is None:
+        raise RuntimeError(f"cutlass_w8a8.set_pdl: the CUDA extension is not loaded ({extension_status()})")
+    return bool(lib.cw8a8_set_pdl(1 if enabled else 0))
 
 
 def kernel_library(name: str):

@@ -265,6 +265,15 @@ def copy_bandwidth_gbps(nbytes: int = 2**30, replays: int = 10) -> float:
     return 2 * nbytes / (timing.median_ms * 1e-3) / 1e9
 
 
+def read_bandwidth_gbps(nbytes: int = 2**30, replays: int = 10) -> float:
+    """Device read bandwidth in GB/s (1e9 bytes/s): ``x.amax()`` over an ``nbytes``-byte float32 tensor
+    (default 1 GiB), timed with :func:`bench_gpu_time`, median of ``replays``. A streaming read with a
+    negligible write, the access pattern of a GEMM at small M, which mostly reads its weight."""
+    x = torch.randn(nbytes // 4, dtype=torch.float32, device="cuda")
+    timing = bench_gpu_time(lambda t: t.amax(), [(x,)], replays=replays)
+    return nbytes / (timing.median_ms * 1e-3) / 1e9
+
+
 def write_results(results: dict, report: str, out_dir: str, prefix: str, plot: Callable[[dict, str], None]) -> dict:
     """Write ``<prefix>_<device slug>.json`` (``results``, which holds ``device_slug``), ``.md`` (``report``) and
     ``.png`` (``plot(results, path)``) to ``out_dir``; returns the paths by extension."""

@@ -4,16 +4,18 @@
 #
 #   scripts/gpu_run.sh OUT_DIR [STAGES]
 #
-# STAGES is a comma list, default "build,test,demo,bench": build (clean build + editable install), test
+# STAGES is a comma list, default "build,test,demo,bench": build (clean build + editable install), reuse
+# (build only when the extension is not already built and importable: a second call on a warm machine), test
 # (pytest, the whole suite), demo (python -m cutlass_w8a8), bench (bench/bench_gemm.py --quick), bench-full
 # (every M), decoder (bench/bench_decoder.py), fuzz (scripts/fuzz.py, 1000 cases), soak (scripts/soak.py),
-# sanitize (scripts/sanitize.py, every tool), build-tune + tune (the sm90 tuning build and
+# sanitize (scripts/sanitize.py; the tools in $SANITIZE_TOOLS, default all four), build-tune + tune (the sm90 tuning build and
 # bench/tune_sm90.py). Offline: the nvidia-cutlass wheel is taken from .whl/ (git-ignored; copy
 # nvidia_cutlass-4.2.0.0-py3-none-any.whl there) when cutlass_library is not importable.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_run.sh OUT_DIR [STAGES]}
 STAGES=${2:-build,test,demo,bench}
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts/ and bench/ import the package from here
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
@@ -28,6 +30,15 @@ stamp() { echo "== $(date +%H:%M:%S) $*" | tee -a "$OUT/summary.txt"; }
 
 stamp "device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)"
 stamp "torch: $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)'); nvcc: $(nvcc --version | tail -1)"
+
+if has reuse && ! has build && ! has build-tune; then
+  if $PY -c "import sys, cutlass_w8a8 as cw; sys.exit(not cw.cuda_ops_available())" 2>/dev/null; then
+    stamp "reuse: the extension is built and loads ($($PY -c 'import cutlass_w8a8 as cw; print(cw.extension_status())'))"
+  else
+    stamp "reuse: nothing usable built here, building"
+    STAGES="$STAGES,build"
+  fi
+fi
 
 if has build || has build-tune; then
   if ! $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('cutlass_library') is None)"; then
@@ -87,9 +98,10 @@ has decoder && run_stage decoder decoder.log $PY bench/bench_decoder.py --out "$
 has fuzz && run_stage fuzz fuzz.log $PY scripts/fuzz.py --cases 1000 --seed 0 --dtypes int8,fp8 --max-seconds 400
 has soak && run_stage soak soak.log $PY scripts/soak.py
 if has sanitize; then
-  for tool in memcheck racecheck initcheck synccheck; do
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
     quick=; [ $tool = racecheck ] && quick=--quick
-    run_stage "sanitize $tool" "sanitize_$tool.log" $PY scripts/sanitize.py --tools $tool $quick --timeout 400 --log-dir "$OUT/sanitize"
+    run_stage "sanitize $tool" "sanitize_$tool.log" $PY scripts/sanitize.py --tools $tool $quick \
+      --timeout ${SANITIZE_TIMEOUT:-400} --log-dir "$OUT/sanitize"
   done
 fi
 

@@ -56,6 +56,18 @@ __device__ __forceinline__ typename Q::type quantize_one(float x, float scale) {
   return scale == 0.f ? Q::convert(0.f) : Q::convert(x / scale);
 }
 
+// --- programmatic dependent launch --------------------------------------------------------------------
+//
+// Lets the next kernel on the stream, when it was launched with PDL (the sm90 GEMM that consumes q), be
+// scheduled as soon as every block of this grid has started, so its launch and prologue overlap this
+// kernel. Correctness does not depend on it: the GEMM's griddepcontrol.wait still waits for this whole grid
+// to finish and its writes to be visible. A no-op below sm90 and for dependents launched without PDL.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // --- block reduction -----------------------------------------------------------------------------
 
 template <int kThreads>
@@ -90,6 +102,7 @@ __global__ void __launch_bounds__(kThreads) per_token_regs_kernel(const T* __res
                                                                   typename Q::type* __restrict__ q,
                                                                   int64_t q_stride, float* __restrict__ scales,
                                                                   int k) {
+  allow_dependent_launch();
   constexpr int kElems = 16 / sizeof(T);  // elements per 16-byte vector
   struct alignas(16) Vec {
     T v[kElems];
@@ -135,6 +148,7 @@ __global__ void __launch_bounds__(kThreads) per_token_loop_kernel(const T* __res
                                                                   typename Q::type* __restrict__ q,
                                                                   int64_t q_stride, float* __restrict__ scales,
                                                                   int k) {
+  allow_dependent_launch();
   const int64_t row = blockIdx.x;
   const T* xr = x + row * x_stride;
   typename Q::type* qr = q + row * q_stride;
@@ -153,6 +167,7 @@ __global__ void __launch_bounds__(kThreads) per_tensor_kernel(const T* __restric
                                                               typename Q::type* __restrict__ q, int64_t q_stride,
                                                               const float* __restrict__ scale_ptr, int64_t m,
                                                               int k) {
+  allow_dependent_launch();
   const float scale = *scale_ptr;
   const int64_t total = m * k;
   for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < total; i += int64_t(gridDim.x) * kThreads) {

@@ -17,6 +17,15 @@
 
 #include "scaled_mm_sm90_config.cuh"
 
+// Programmatic dependent launch (PDL) is only safe when every kernel launched with it executes
+// griddepcontrol.wait before its first global-memory access; CUTLASS emits that wait only when
+// CUTLASS_ENABLE_GDC_FOR_SM90 is defined and the target is sm_90a (cutlass/arch/grid_dependency_control.h).
+// setup.py defines it for this library; refuse to build device code where the wait would be compiled out.
+#include <cutlass/arch/grid_dependency_control.h>
+#if defined(__CUDA_ARCH__) && !defined(CUTLASS_GDC_ENABLED)
+#error "the sm90 kernels must be compiled for sm_90a with -DCUTLASS_ENABLE_GDC_FOR_SM90 (PDL launches need it)"
+#endif
+
 namespace cutlass_w8a8::sm90 {
 
 namespace detail {
@@ -199,7 +208,9 @@ struct ScaledMmKernel {
     }
     st = gemm.initialize(args, ws, p.stream);
     if (st != cutlass::Status::kSuccess) return detail::fail(err, err_len, "CUTLASS initialize", st);
-    st = gemm.run(p.stream);
+    // With PDL the kernel may start (prologue: barriers, TMA descriptor prefetch) while the previous kernel
+    // on the stream is finishing; its producer warps wait on griddepcontrol before loading A or B.
+    st = gemm.run(p.stream, /*cuda_adapter=*/nullptr, /*launch_with_pdl=*/p.pdl != 0);
     if (st != cutlass::Status::kSuccess) {
       cudaError_t ce = cudaGetLastError();
       std::snprintf(err, err_len, "CUTLASS run: %s (%s)", cutlass::cutlassGetStatusString(st),
