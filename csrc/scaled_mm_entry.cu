@@ -84,6 +84,7 @@ bool force_sm80() {
 // griddepcontrol before reading A, B or the scales. On unless CUTLASS_W8A8_PDL=0 at the first call;
 // cw8a8_set_pdl (cutlass_w8a8.set_pdl) changes it for later launches. -1: not read yet.
 std::atomic<int> g_pdl{-1};
+constexpr int64_t kPdlMaxM = 16;  // PDL launches only for M (tokens) up to this; see scaled_mm_config_out
 
 bool pdl_enabled() {
   int v = g_pdl.load(std::memory_order_relaxed);
@@ -313,7 +314,10 @@ void scaled_mm_config_out(at::Tensor& out, const at::Tensor& a, const at::Tensor
   }
   args.config = static_cast<int>(config);
   // Only the sm90 kernels wait on griddepcontrol; the CUTLASS 2.x ones must never be launched with PDL.
-  args.pdl = (!vector_scales && pdl_enabled()) ? 1 : 0;
+  // And only for M <= kPdlMaxM: measured on an H200 (bench/results/gemm_nvidia-h200.md, PDL columns, from a
+  // sweep with PDL at every M), PDL sped up every shape at M <= 16 (GEMM 1.00-1.22x, W8A8Linear forward
+  // 0.98-1.23x) but slowed most larger-M points (down to 0.76x for the GEMM and 0.63x for the forward).
+  args.pdl = (!vector_scales && pdl_enabled() && args.m <= kPdlMaxM) ? 1 : 0;
   run(args, a, kernels);
 }
 

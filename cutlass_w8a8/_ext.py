@@ -56,7 +56,9 @@ def pdl_enabled() -> bool:
     that kernel to complete and its writes to be visible; the quantization kernels let a PDL-launched
     successor be scheduled as soon as all their blocks have started. Results are identical either way;
     only the launch latency between kernels changes (CUDA C++ Programming Guide, "Programmatic Dependent
-    Launch and Synchronization"). The CUTLASS 2.x kernels (sm80/sm89) are never launched with PDL.
+    Launch and Synchronization"). It applies to GEMMs with M <= 16 (decode), where it was measured faster on
+    every benchmarked shape (bench/results/gemm_nvidia-h200.md); at larger M it measured slower, so those
+    launch without it. The CUTLASS 2.x kernels (sm80/sm89) are never launched with PDL.
 
     On by default; ``CUTLASS_W8A8_PDL=0`` in the environment before the first GEMM turns it off. False when
     the extension is not loaded.
