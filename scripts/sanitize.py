@@ -15,7 +15,8 @@ initcheck see exact bounds (inside torch's cached blocks an overrun into a neigh
   case with a, b and out as windows of wider buffers;
 - _scaled_mm_config with every config of the tables forced (the tuning candidates too when the package was
   built with CUTLASS_W8A8_TUNE=1), int8 and fp8;
-- quantize_per_token (every kernel variant: register-resident rows of 1..16 vectors per thread, the looping
+- quantize_per_token (every kernel variant: register-resident rows of 1..8 vectors per thread of 256 or 8 of
+  512 threads, the looping
   fallback for long or unaligned rows) and quantize_per_tensor, to int8 and fp8, from bf16, f16 and f32;
 
 and checks every result (float64 reference for the GEMMs, bit-exact CPU reference for the quantization), so
@@ -171,8 +172,8 @@ def driver(args) -> int:
                 gemm(100, dtype, torch.bfloat16, True, True, use_out=True, config=config)
 
     # quantization: every kernel variant (csrc/quant/quantize.cu): rows of K elements in 16-byte vectors,
-    # 1, 2, 4, 8 or 16 vectors per thread of a 256-thread block, the loop kernel beyond that and for rows
-    # that are not vector-aligned; static per-tensor.
+    # 1, 2, 4 or 8 vectors per thread of a 256-thread block, 8 of a 512-thread block, the loop kernel beyond
+    # that and for rows that are not vector-aligned; static per-tensor.
     quant = {torch.int8: cw.quantize_int8, torch.float8_e4m3fn: cw.quantize_fp8}
     ks = (512, 4096, 8192, 16384, 32768, 40000, 100) if not args.quick else (512, 32768, 40000, 100)
     for qdtype, fn in quant.items():

@@ -20,8 +20,9 @@ def check_dynamic(x, qdtype):
     assert not mismatch.any(), f"{int(mismatch.sum())} of {q.numel()} quantized values differ"
 
 
-# K values: vectorized (register-resident rows of 1..16 vectors per thread), the looping fallback beyond
-# 4096 vectors per row, and K not a multiple of the 16-byte vector (scalar fallback).
+# K values: vectorized (register-resident rows of 1..8 vectors per thread of 256, or 8 of 512 threads for
+# 2049..4096 vectors), the looping fallback beyond 4096 vectors per row, and K not a multiple of the 16-byte
+# vector (scalar fallback).
 @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 16), (7, 4096), (33, 14336), (5, 28672), (3, 40000), (2, 3, 100),
