@@ -68,7 +68,16 @@ def device_slug(device_name: str) -> str:
 
 
 def git_commit(path: str) -> tuple[Optional[str], Optional[bool]]:
-    """``(commit hash, dirty)`` of the git checkout holding ``path``; ``(None, None)`` without git or commits."""
+    """``(commit hash, dirty)`` of the git checkout holding ``path``; ``(None, None)`` without git or commits.
+
+    ``CUTLASS_W8A8_GIT_COMMIT`` in the environment overrides it (dirty unknown): for a copy of the working
+    tree whose ``.git`` is not the source's (scripts/gpu_run.sh sets it from ``.whl/COMMIT`` when present).
+    """
+    import os
+
+    override = os.environ.get("CUTLASS_W8A8_GIT_COMMIT")
+    if override:
+        return override, None
     def git(*cmd: str) -> Optional[str]:
         try:
             res = subprocess.run(["git", "-C", path, *cmd], capture_output=True, text=True, timeout=10)

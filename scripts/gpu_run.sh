@@ -18,6 +18,9 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # scripts/ and bench/ import the package from here
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# The commit the tree was copied from, for the benchmark's provenance, when the copy's .git is stale:
+#   git rev-parse HEAD > .whl/COMMIT   (before sending the tree; .whl/ is git-ignored and carried)
+[ -f .whl/COMMIT ] && export CUTLASS_W8A8_GIT_COMMIT=$(cat .whl/COMMIT)
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export MAX_JOBS=${MAX_JOBS:-16}
 # The GPU image sets CC/CXX/CUDAHOSTCXX to a wrapper g++ that links libstdc++ statically, which an extension
