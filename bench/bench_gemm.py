@@ -15,8 +15,8 @@ For every (shape, M) point, on the current CUDA device, in one process:
   the default (on).
 
 Timing (cutlass_w8a8.bench_utils.bench_gpu_time): CUDA-graph replay of R calls over rotating copies of the
-inputs that together exceed twice the L2, so each call starts with a cold L2; median replay time / R; two
-passes over the methods in alternating order, each method keeping its better median (see `time_methods`).
+inputs that together exceed twice the L2, so each call starts with a cold L2; median replay time / R. The
+methods of a point are all captured first and their timed replays interleaved (see `time_methods`).
 Before the timings of a point, ours is checked against a bf16 GEMM of the dequantized operands.
 
 Writes ``gemm_<device>.json`` (raw numbers), ``gemm_<device>.md`` (tables) and ``gemm_<device>.png``
@@ -109,15 +109,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--peak-tops", type=float, default=None,
                         help="dense int8/fp8 peak in TOPS for %%peak (default: from the device name)")
     parser.add_argument("--seed", type=int, default=0, help="torch random seed")
-    parser.add_argument("--passes", type=int, default=2,
-                        help="timing passes over the methods, alternating order; each keeps its best median")
     parser.add_argument("--pdl-ab", action=argparse.BooleanOptionalAction, default=True,
                         help="also time ours and W8A8Linear with PDL off, on sm90 (default: on)")
     args = parser.parse_args(argv)
     if args.replays < 1:
         parser.error("--replays must be >= 1")
-    if args.passes < 1:
-        parser.error("--passes must be >= 1")
     args.m_values = sorted(set(args.m or (QUICK_MS if args.quick else DEFAULT_MS)))
     args.shape_list = select_shapes(args.shapes)
     if not args.shape_list:
@@ -310,42 +306,36 @@ def time_methods(methods: dict, errors: dict[str, str], bu: Any, l2_bytes: int,
                  args: argparse.Namespace) -> tuple[dict[str, float], dict[str, dict]]:
     """Time every method not already in ``errors``; ``(ms per call by method, timing details by method)``.
 
-    ``args.passes`` passes over the methods, every other one in reverse order, and each method keeps the
-    lowest of its pass medians. Why: the same kernel timed at different places in one pass differed by up
-    to 25% at large M on an H200 (2026-11-21: ``ours_int8`` and ``ours_int8_nopdl``, identical launches at
-    M > 16, 0.89x geomean at M >= 1024 in a single forward pass, the earlier-timed one slower); alternating
-    the order gives every method an early and a late turn.
+    All methods of the point are captured first and their timed replays interleaved
+    (`bench_utils.bench_gpu_time_interleaved`), so every method runs under the same clocks. Timing them one
+    after the other made the same kernel differ by up to 25% at large M on an H200, depending on its place
+    in the sequence (2026-11-21: ``ours_int8`` against ``ours_int8_nopdl``, identical launches at M > 16).
     """
-    medians: dict[str, list[float]] = {}
-    details: dict[str, dict] = {}
     max_bytes = int(args.rotate_gb * 2**30)
-    names = list(methods)
-    for p in range(args.passes):
-        for name in (names if p % 2 == 0 else names[::-1]):
-            if name in errors:
-                continue
-            fn, fn_args = methods[name]
-            try:
-                if p == 0:
-                    fn(*fn_args)  # first call: torch's unsupported shapes fail here, not inside a capture
-                arg_sets = bu.rotating_arg_sets(fn_args, l2_bytes, max_bytes)
-                timing = bu.bench_gpu_time(fn, arg_sets, replay_ms=args.replay_ms, replays=args.replays)
-            except Exception as exc:  # noqa: BLE001
-                if name not in OPTIONAL_METHODS:
-                    raise
-                errors[name] = short_error(exc)
-                medians.pop(name, None)
-                details.pop(name, None)
-                continue
-            finally:
-                arg_sets = None
-            medians.setdefault(name, []).append(timing.median_ms)
-            d = details.setdefault(name, {"calls_per_replay": timing.calls_per_replay, "copies": timing.copies,
-                                          "min_ms": timing.min_ms, "max_ms": timing.max_ms})
-            d["min_ms"] = min(d["min_ms"], timing.min_ms)
-            d["max_ms"] = max(d["max_ms"], timing.max_ms)
-            d["pass_medians_ms"] = medians[name]
-    times = {name: min(ms) for name, ms in medians.items()}
+    cases = {}
+    for name, (fn, fn_args) in methods.items():
+        if name in errors:
+            continue
+        try:
+            fn(*fn_args)  # first call: torch's unsupported shapes fail here, not inside a capture
+        except Exception as exc:  # noqa: BLE001
+            if name not in OPTIONAL_METHODS:
+                raise
+            errors[name] = short_error(exc)
+            continue
+        cases[name] = (fn, bu.rotating_arg_sets(fn_args, l2_bytes, max_bytes))
+
+    def on_error(name: str, exc: BaseException) -> None:
+        if name not in OPTIONAL_METHODS:
+            raise exc
+        errors[name] = short_error(exc)
+
+    timings = bu.bench_gpu_time_interleaved(cases, replay_ms=args.replay_ms, replays=args.replays,
+                                            on_error=on_error)
+    cases.clear()
+    times = {name: t.median_ms for name, t in timings.items()}
+    details = {name: {"calls_per_replay": t.calls_per_replay, "copies": t.copies, "min_ms": t.min_ms,
+                      "max_ms": t.max_ms} for name, t in timings.items()}
     return times, details
 
 
@@ -425,7 +415,7 @@ def run_sweep(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any]:
         "peak_tops": peak,
         "timing": {"method": "CUDA-graph replay over rotating input copies (> 2x L2), median replay / calls",
                    "replays": args.replays, "replay_ms": args.replay_ms, "rotate_gb": args.rotate_gb,
-                   "passes": args.passes, "order": "alternating; best pass median per method"},
+                   "order": "the methods of a point captured first, their timed replays interleaved"},
         "tolerances": {"gemm_rel_fro": GEMM_REL_TOL, "linear_rel_fro": LINEAR_REL_TOL},
         "fp8": args.fp8,
         "m_values": args.m_values,
@@ -550,8 +540,8 @@ def render_markdown(results: dict[str, Any], geomean: Callable) -> str:
         "PDL gain = time with PDL off / time with it on (ours, and the whole W8A8Linear forward).",
         "- ours = `cutlass_w8a8.scaled_mm`, int8, per-token x per-channel scales, bf16 out. Times are "
         "cold-L2 CUDA-graph replays over rotating input copies, median of "
-        f"{results['timing']['replays']} replays, best of {results['timing'].get('passes', 1)} passes over the "
-        "methods in alternating order.",
+        f"{results['timing']['replays']} replays; the replays of a point's methods are interleaved, so all run "
+        "under the same clocks.",
         "- x bf16 / x fp8-torch / x int_mm: time of cuBLAS bf16 / `torch._scaled_mm` fp8 row-wise / "
         "`torch._int_mm` + scaling, divided by ours (> 1: ours is faster). Weight GB/s: N*K bytes per call.",
         "- quant share: the quantization kernel's time / the W8A8Linear forward's; quant visible: "

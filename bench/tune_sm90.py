@@ -7,7 +7,8 @@ Needs a build with the tuning candidates::
 
 For each operand type, shape and M, every config (shipped ones and candidates, bfloat16 output,
 per-token x per-channel scales) is checked against the default config's output and timed by CUDA-graph
-replay over rotating inputs with a cold L2 (cutlass_w8a8.bench_utils.bench_gpu_time). Writes
+replay over rotating inputs with a cold L2, the replays of a point's configs interleaved
+(cutlass_w8a8.bench_utils.bench_gpu_time_interleaved). Writes
 ``tune_<device>_<dtypes>.json`` (every time) and ``tune_<device>_<dtypes>.md``: the best config per point, and for each M the
 config that is best in geomean over the shapes with its loss against the per-point best.
 """
@@ -86,6 +87,7 @@ def tune_point(bu, dtype, names, m, n, k, args, l2_bytes) -> dict:
     torch.ops.cutlass_w8a8.scaled_mm_out(ref, sets[0][1], sets[0][2].t(), sets[0][3], sets[0][4], None)
     ref = ref.float()
     result = {"M": m, "N": n, "K": k, "times_us": {}, "errors": {}}
+    cases = {}
     for i, name in enumerate(names):
         if not plausible(name, m):
             continue
@@ -97,11 +99,18 @@ def tune_point(bu, dtype, names, m, n, k, args, l2_bytes) -> dict:
             if not rel < (1e-6 if dtype == "int8" else 2e-2):  # int8 is exact: any config gives the same
                 result["errors"][name] = f"wrong result: relative error {rel:.3g}"
                 continue
-            timing = bu.bench_gpu_time(lambda o, a, w, sa, sb, i=i: op(o, a, w.t(), sa, sb, None, i),
-                                       sets, replay_ms=args.replay_ms, replays=args.replays)
-            result["times_us"][name] = timing.median_ms * 1e3
+            cases[name] = (lambda o, a, w, sa, sb, i=i: op(o, a, w.t(), sa, sb, None, i), sets)
         except RuntimeError as exc:
             result["errors"][name] = str(exc).splitlines()[0][:200]
+
+    def on_error(name, exc):
+        if not isinstance(exc, RuntimeError):
+            raise exc
+        result["errors"][name] = str(exc).splitlines()[0][:200]
+
+    # interleaved replays: every config of the point under the same clocks (see bench_utils)
+    timings = bu.bench_gpu_time_interleaved(cases, replay_ms=args.replay_ms, replays=args.replays, on_error=on_error)
+    result["times_us"] = {name: t.median_ms * 1e3 for name, t in timings.items()}
     best = min(result["times_us"], key=result["times_us"].get) if result["times_us"] else None
     result["best"] = best
     return result

@@ -260,6 +260,72 @@ def bench_gpu_time(fn: Callable, arg_sets: Sequence[tuple], *, replay_ms: float 
                      calls_per_replay=calls, copies=n, replays=replays)
 
 
+def _prepare_graph(fn: Callable, arg_sets: Sequence[tuple], replay_ms: float,
+                   max_calls_per_replay: int) -> tuple[torch.cuda.CUDAGraph, int]:
+    """The eager warm-up and the capture of :func:`bench_gpu_time`: ``(graph of R calls, R)``."""
+    n = len(arg_sets)
+    stream = _side_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for args in arg_sets:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = _capture(fn, arg_sets, n, stream)
+    _time_replays(graph, 1)
+    per_call = min(_time_replays(graph, 3)) / n
+    passes = max(1, min(math.ceil(replay_ms / max(per_call * n, 1e-6)), max_calls_per_replay // n))
+    calls = passes * n
+    if calls != n:
+        del graph
+        graph = _capture(fn, arg_sets, calls, stream)
+    return graph, calls
+
+
+def bench_gpu_time_interleaved(cases: dict, *, replay_ms: float = 1.0, replays: int = 25,
+                               warmup_replays: int = 3, max_calls_per_replay: int = 512,
+                               on_error: Optional[Callable[[str, BaseException], None]] = None) -> dict:
+    """:func:`bench_gpu_time` for several functions at once, their replays interleaved.
+
+    ``cases`` maps a name to ``(fn, arg_sets)``. Each function is warmed up and captured as in
+    :func:`bench_gpu_time`; then the timed replays go round-robin over the functions (replay i of every
+    function before replay i + 1 of any), so they all run under the same clocks. Why: on an H200 the same
+    GEMM timed at different places of a sequence of whole-method measurements differed by up to 25% at
+    large M (2026-11-21), the chip's clock under its power limit depending on what ran just before (ncu:
+    1.42 GHz during a sustained 8192^3 int8 GEMM, 1.85 GHz on small ones).
+
+    A function whose warm-up or capture raises is passed to ``on_error(name, exc)`` (re-raised when
+    ``on_error`` is None) and left out. Returns ``name -> GpuTiming``.
+    """
+    graphs: dict = {}
+    for name, (fn, arg_sets) in cases.items():
+        if not arg_sets:
+            raise ValueError(f"bench_gpu_time_interleaved: `{name}` has no argument sets")
+        try:
+            graphs[name] = (*_prepare_graph(fn, arg_sets, replay_ms, max_calls_per_replay), len(arg_sets))
+        except Exception as exc:  # noqa: BLE001 (the caller decides which failures are results)
+            if on_error is None:
+                raise
+            on_error(name, exc)
+    for _ in range(warmup_replays):
+        for graph, _, _ in graphs.values():
+            graph.replay()
+    events = {name: [] for name in graphs}
+    for _ in range(replays):
+        for name, (graph, _, _) in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    out = {}
+    for name, (graph, calls, copies) in graphs.items():
+        times = [start.elapsed_time(end) / calls for start, end in events[name]]
+        out[name] = GpuTiming(median_ms=statistics.median(times), min_ms=min(times), max_ms=max(times),
+                              calls_per_replay=calls, copies=copies, replays=replays)
+    return out
+
+
 def copy_bandwidth_gbps(nbytes: int = 2**30, replays: int = 10) -> float:
     """Device-to-device copy bandwidth in GB/s (1e9 bytes/s), counting bytes read plus bytes written.
 
