@@ -83,6 +83,9 @@ struct ScaledMmKernel {
   // fp8 accumulates in fp32 either way; "fast accumulation" skips the periodic promotion of the tensor
   // core's partial sums into a full fp32 accumulator (csrc/EPILOGUES.md). int8 accumulates exactly.
   static_assert(!(kIsInt8 && Cfg::kFastAccum), "fast accumulation is an fp8 option");
+  static_assert(Cfg::kScheduler != Scheduler::kStreamK,
+                "CUTLASS 4.2's sm90 stream-K scheduler does not compile with CUTLASS_ENABLE_GDC_FOR_SM90 "
+                "(see the tuning candidates in scaled_mm_sm90_dispatch.cuh)");
   using Sched = detail::ScheduleTypes<Cfg::kSchedule, Cfg::kFastAccum>;
   using TileSchedulerTag = typename detail::SchedulerTag<Cfg::kScheduler>::type;
 
