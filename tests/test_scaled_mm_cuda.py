@@ -63,6 +63,16 @@ def test_m_sweep(dtype, m):
                                                 f"bias={bias} {out_dtype}")
 
 
+# Buckets chosen by N and K as well as M (csrc/sm90/scaled_mm_sm90_dispatch.cuh): int8 M in (128, 256] with
+# N * K >= 2^27, fp8 M >= 2048 with K >= 8192; each on both sides of its boundary.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(129, 8192, 16384), (256, 8192, 16384), (256, 8192, 16368), (257, 8192, 16384),
+                                   (2047, 1040, 8192), (2048, 1040, 8192), (2048, 528, 8176), (2049, 272, 8208)])
+def test_shape_dependent_buckets(dtype, m, n, k):
+    args = problem(m, n, k, dtype, True, True, True, torch.bfloat16, seed=m + n + k)
+    run_and_check(*args, torch.bfloat16, f"M={m} N={n} K={k}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 16, 64, 256, 4096])
 @pytest.mark.parametrize("nk", [(6144, 4096), (4096, 14336), (28672, 4096), (16, 16), (48, 4096), (4096, 48),

@@ -19,7 +19,7 @@ CHILD = textwrap.dedent("""
     import cutlass_w8a8 as cw
     from _helpers import assert_close_to_reference, rand_operand, rand_scale, reference, scale_magnitudes
 
-    # Proof that the Ampere table serves int8: it has 4 configs, the sm90 table 6.
+    # Proof that the Ampere table serves int8: it has 4 configs, the sm90 table 5.
     a = rand_operand((8, 64), torch.int8, "cuda"); w = rand_operand((32, 64), torch.int8, "cuda")
     out = torch.empty(8, 32, dtype=torch.bfloat16, device="cuda")
     one = torch.ones(1, device="cuda")

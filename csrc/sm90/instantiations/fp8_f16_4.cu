@@ -3,6 +3,6 @@
 #include "../scaled_mm_sm90_dispatch.cuh"
 
 namespace cutlass_w8a8::sm90 {
-template int run_scaled_mm<cutlass::float_e4m3_t, cutlass::bfloat16_t, std::tuple_element_t<15, Fp8TuneCandidates>>(
+template int run_scaled_mm<cutlass::float_e4m3_t, cutlass::half_t, std::tuple_element_t<4, Fp8Configs>>(
     const cw8a8_scaled_mm_args&, cw8a8_alloc_fn, void*, char*, size_t);
 }  // namespace cutlass_w8a8::sm90
