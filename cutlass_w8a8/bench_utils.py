@@ -236,28 +236,13 @@ def bench_gpu_time(fn: Callable, arg_sets: Sequence[tuple], *, replay_ms: float 
     """
     if not arg_sets:
         raise ValueError("bench_gpu_time: `arg_sets` must hold at least one argument tuple")
-    n = len(arg_sets)
-    stream = _side_stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for args in arg_sets:
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-
-    graph = _capture(fn, arg_sets, n, stream)
-    _time_replays(graph, 1)
-    per_call = min(_time_replays(graph, 3)) / n
-    passes = max(1, min(math.ceil(replay_ms / max(per_call * n, 1e-6)), max_calls_per_replay // n))
-    calls = passes * n
-    if calls != n:
-        del graph
-        graph = _capture(fn, arg_sets, calls, stream)
+    graph, calls = _prepare_graph(fn, arg_sets, replay_ms, max_calls_per_replay)
     if warmup_replays > 0:
         _time_replays(graph, warmup_replays)
     times = [t / calls for t in _time_replays(graph, replays)]
     del graph
     return GpuTiming(median_ms=statistics.median(times), min_ms=min(times), max_ms=max(times),
-                     calls_per_replay=calls, copies=n, replays=replays)
+                     calls_per_replay=calls, copies=len(arg_sets), replays=replays)
 
 
 def _prepare_graph(fn: Callable, arg_sets: Sequence[tuple], replay_ms: float,
