@@ -13,8 +13,6 @@ For every (shape, M) point, on the current CUDA device, in one process:
 - ``ours_int8_nopdl`` / ``linear_w8a8_nopdl``: ``ours_int8`` and ``linear_w8a8`` captured with programmatic
   dependent launch off (``cutlass_w8a8.set_pdl(False)``), to show what PDL is worth; the other rows use
   the default (on).
-- ``ours_int8_nopf`` / ``linear_w8a8_nopf``: the same with the decode GEMMs' L2 weight prefetch off
-  (``cutlass_w8a8.set_weight_prefetch(False)``).
 
 Timing (cutlass_w8a8.bench_utils.bench_gpu_time): CUDA-graph replay of R calls over rotating copies of the
 inputs that together exceed twice the L2, so each call starts with a cold L2; median replay time / R. The
@@ -60,7 +58,7 @@ QUICK_MS = (1, 16, 64, 256, 1024, 4096)
 M_GROUP_BOUNDS = (16, 512, None)
 
 METHODS = ("bf16", "int_mm_scaled", "torch_fp8_rowwise", "ours_int8", "ours_fp8", "linear_bf16", "linear_w8a8",
-           "quant_int8", "ours_int8_nopdl", "linear_w8a8_nopdl", "ours_int8_nopf", "linear_w8a8_nopf")
+           "quant_int8", "ours_int8_nopdl", "linear_w8a8_nopdl")
 # Methods whose failure is recorded instead of aborting the run (torch's own limits, an fp8 build missing).
 OPTIONAL_METHODS = frozenset({"int_mm_scaled", "torch_fp8_rowwise", "ours_fp8"})
 
@@ -113,8 +111,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="torch random seed")
     parser.add_argument("--pdl-ab", action=argparse.BooleanOptionalAction, default=True,
                         help="also time ours and W8A8Linear with PDL off, on sm90 (default: on)")
-    parser.add_argument("--prefetch-ab", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time ours and W8A8Linear with the L2 weight prefetch off, on sm90 (default: on)")
     args = parser.parse_args(argv)
     if args.replays < 1:
         parser.error("--replays must be >= 1")
@@ -207,26 +203,23 @@ def quantize_tokens(x: torch.Tensor):
     return torch.ops.cutlass_w8a8.quantize_per_token(x, torch.int8)
 
 
-def switched_off(fn: Callable, setter: Callable[[bool], bool]) -> Callable:
-    """``fn`` with a launch option turned off through ``setter`` (``cutlass_w8a8.set_pdl`` or
-    ``set_weight_prefetch``; the setting is read at launch, so also at capture)."""
+def without_pdl(fn: Callable, set_pdl: Callable[[bool], bool]) -> Callable:
+    """``fn`` with the sm90 GEMMs launched without PDL (the setting is read at launch, so also at capture)."""
 
     def call(*args):
-        previous = setter(False)
+        previous = set_pdl(False)
         try:
             return fn(*args)
         finally:
-            setter(previous)
+            set_pdl(previous)
 
     return call
 
 
 def build_methods(scaled_mm: Callable, wts: Weights, act: Activations, fp8: bool,
-                  set_pdl: Optional[Callable[[bool], bool]] = None,
-                  set_prefetch: Optional[Callable[[bool], bool]] = None) -> dict[str, tuple[Callable, tuple]]:
+                  set_pdl: Optional[Callable[[bool], bool]] = None) -> dict[str, tuple[Callable, tuple]]:
     """``name -> (fn, args)`` for every method of the point, in `METHODS` order; ``fn(*args)`` is timed.
-    The ``*_nopdl`` methods are left out when ``set_pdl`` is None, the ``*_nopf`` ones when
-    ``set_prefetch`` is."""
+    The ``*_nopdl`` methods are left out when ``set_pdl`` is None."""
 
     def ours(a, w, scale_a, scale_b):
         return scaled_mm(a, w.t(), scale_a, scale_b, torch.bfloat16)
@@ -242,10 +235,9 @@ def build_methods(scaled_mm: Callable, wts: Weights, act: Activations, fp8: bool
         "linear_w8a8": (module_forward, (wts.qlinear, act.x_bf16)),
         "quant_int8": (quantize_tokens, (act.x_bf16,)),
     }
-    for suffix, setter in (("nopdl", set_pdl), ("nopf", set_prefetch)):
-        if setter is not None:
-            methods[f"ours_int8_{suffix}"] = (switched_off(ours, setter), methods["ours_int8"][1])
-            methods[f"linear_w8a8_{suffix}"] = (switched_off(module_forward, setter), methods["linear_w8a8"][1])
+    if set_pdl is not None:
+        methods["ours_int8_nopdl"] = (without_pdl(ours, set_pdl), methods["ours_int8"][1])
+        methods["linear_w8a8_nopdl"] = (without_pdl(module_forward, set_pdl), methods["linear_w8a8"][1])
     if not fp8:
         del methods["ours_fp8"]
     return methods
@@ -384,8 +376,6 @@ def derive(m: int, n: int, k: int, times: dict[str, float], copy_gbps: float,
                                 if "ours_int8" in times and "linear_w8a8" in times else None),
         "pdl_gain_ours_int8": ratio("ours_int8_nopdl", "ours_int8"),
         "pdl_gain_linear_w8a8": ratio("linear_w8a8_nopdl", "linear_w8a8"),
-        "prefetch_gain_ours_int8": ratio("ours_int8_nopf", "ours_int8"),
-        "prefetch_gain_linear_w8a8": ratio("linear_w8a8_nopf", "linear_w8a8"),
         "ours_fp8_tops": tops("ours_fp8"),
         "ours_fp8_x_bf16": ratio("bf16", "ours_fp8"),
         "ours_fp8_x_torch_fp8": ratio("torch_fp8_rowwise", "ours_fp8"),
@@ -422,7 +412,6 @@ def run_sweep(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any]:
         "copy_GBps": copy_gbps,
         "read_GBps": read_gbps,
         "pdl": bool(cw.pdl_enabled()),
-        "weight_prefetch": bool(cw.weight_prefetch_enabled()),
         "peak_tops": peak,
         "timing": {"method": "CUDA-graph replay over rotating input copies (> 2x L2), median replay / calls",
                    "replays": args.replays, "replay_ms": args.replay_ms, "rotate_gb": args.rotate_gb,
@@ -457,10 +446,8 @@ def measure_point(shape: str, m: int, n: int, k: int, wts: Weights, args: argpar
                   read_gbps: Optional[float] = None) -> dict[str, Any]:
     """Check and time one (shape, M) point; times in ms per call."""
     act = make_activations(m, k)
-    sm90 = torch.cuda.get_device_capability() == (9, 0)
-    set_pdl = cw.set_pdl if args.pdl_ab and sm90 else None
-    set_prefetch = cw.set_weight_prefetch if args.prefetch_ab and sm90 else None
-    methods = build_methods(cw.scaled_mm, wts, act, args.fp8, set_pdl, set_prefetch)
+    set_pdl = cw.set_pdl if args.pdl_ab and torch.cuda.get_device_capability() == (9, 0) else None
+    methods = build_methods(cw.scaled_mm, wts, act, args.fp8, set_pdl)
     errors: dict[str, str] = {}
     rel = check_accuracy(methods, errors, f"{shape} M={m}")
     times, details = time_methods(methods, errors, bu, l2_bytes, args)
@@ -481,9 +468,8 @@ def _fmt(value: Optional[float], spec: str) -> str:
 def point_table(points: list[dict]) -> str:
     """Markdown table, one row per (shape, M)."""
     rows = ["| M | shape | ours us | TOPS | %peak | weight GB/s | x bf16 | x fp8-torch | x int_mm | fp8 x fp8-torch "
-            "| linear x bf16 | quant GB/s | quant share | quant visible | PDL gain | linear PDL gain | prefetch gain "
-            "| linear prefetch gain |",
-            "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| linear x bf16 | quant GB/s | quant share | quant visible | PDL gain | linear PDL gain |",
+            "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in points:
         d = p["derived"]
         rows.append(f"| {p['M']} | {p['shape']} | {_fmt(d['time_us'].get('ours_int8'), '.1f')} "
@@ -493,9 +479,7 @@ def point_table(points: list[dict]) -> str:
                     f"| {_fmt(d['ours_fp8_x_torch_fp8'], '.2f')} | {_fmt(d['linear_w8a8_x_bf16'], '.2f')} "
                     f"| {_fmt(d['quant_GBps'], '.0f')} | {_fmt(d['quant_share_of_linear_w8a8'], '.2f')} "
                     f"| {_fmt(d.get('quant_visible_share'), '.2f')} | {_fmt(d.get('pdl_gain_ours_int8'), '.2f')} "
-                    f"| {_fmt(d.get('pdl_gain_linear_w8a8'), '.2f')} "
-                    f"| {_fmt(d.get('prefetch_gain_ours_int8'), '.2f')} "
-                    f"| {_fmt(d.get('prefetch_gain_linear_w8a8'), '.2f')} |")
+                    f"| {_fmt(d.get('pdl_gain_linear_w8a8'), '.2f')} |")
     return "\n".join(rows)
 
 
@@ -514,8 +498,7 @@ def m_groups(points: list[dict]) -> list[tuple[str, list[dict]]]:
 SUMMARY_COLUMNS = (("x bf16", "ours_x_bf16"), ("x fp8-torch", "ours_x_torch_fp8"), ("x int_mm", "ours_x_int_mm"),
                    ("fp8 x bf16", "ours_fp8_x_bf16"), ("fp8 x fp8-torch", "ours_fp8_x_torch_fp8"),
                    ("linear w8a8 x bf16", "linear_w8a8_x_bf16"), ("PDL gain", "pdl_gain_ours_int8"),
-                   ("linear PDL gain", "pdl_gain_linear_w8a8"), ("prefetch gain", "prefetch_gain_ours_int8"),
-                   ("linear prefetch gain", "prefetch_gain_linear_w8a8"))
+                   ("linear PDL gain", "pdl_gain_linear_w8a8"))
 
 
 def summary_table(points: list[dict], geomean: Callable) -> str:
@@ -555,8 +538,6 @@ def render_markdown(results: dict[str, Any], geomean: Callable) -> str:
         f"(a float32 max-reduction); dense int8/fp8 peak {_fmt(peak, '.0f')} TOPS",
         f"- programmatic dependent launch (PDL) of our GEMMs: {'on' if results.get('pdl') else 'off'}. "
         "PDL gain = time with PDL off / time with it on (ours, and the whole W8A8Linear forward).",
-        f"- L2 weight prefetch of the decode GEMMs: {'on' if results.get('weight_prefetch') else 'off'}. "
-        "Prefetch gain = time with it off / time with it on.",
         "- ours = `cutlass_w8a8.scaled_mm`, int8, per-token x per-channel scales, bf16 out. Times are "
         "cold-L2 CUDA-graph replays over rotating input copies, median of "
         f"{results['timing']['replays']} replays; the replays of a point's methods are interleaved, so all run "

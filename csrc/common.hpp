@@ -24,7 +24,6 @@ struct DeviceInfo {
   int major = 0;
   int minor = 0;
   int sm_count = 0;
-  int l2_bytes = 0;  // L2 cache size
 };
 const DeviceInfo& device_info(int device);
 

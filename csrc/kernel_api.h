@@ -48,8 +48,6 @@ typedef struct cw8a8_scaled_mm_args {
   int config;               // -1: choose by shape; >= 0: force this entry of the config table (tuning)
   int pdl;                  // 1: launch with programmatic dependent launch where the kernel supports it
                             // (the sm90 kernels wait on griddepcontrol before touching global memory)
-  int64_t l2_prefetch_bytes;  // bytes of the weight the sm90 decode (swapped) configs may prefetch into L2
-                              // at kernel start, over the whole grid; 0: none
   cudaStream_t stream;
 } cw8a8_scaled_mm_args;
 

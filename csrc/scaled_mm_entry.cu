@@ -79,42 +79,23 @@ bool force_sm80() {
   return forced;
 }
 
-// A launch option that is on unless its environment variable is "0" at the first call, and that a C entry
-// point (below, for cutlass_w8a8.set_pdl / set_weight_prefetch) changes for later launches.
-struct EnvSwitch {
-  const char* env;
-  std::atomic<int> state{-1};  // -1: the environment not read yet
-
-  bool on() {
-    int v = state.load(std::memory_order_relaxed);
-    if (v < 0) {
-      const char* value = std::getenv(env);
-      const int from_env = (value == nullptr || std::string(value) != "0") ? 1 : 0;
-      state.compare_exchange_strong(v, from_env, std::memory_order_relaxed);
-      v = state.load(std::memory_order_relaxed);
-    }
-    return v != 0;
-  }
-  // Returns the previous setting.
-  int set(int enabled) {
-    const int previous = on() ? 1 : 0;
-    state.store(enabled != 0 ? 1 : 0, std::memory_order_relaxed);
-    return previous;
-  }
-};
-
 // Programmatic dependent launch (PDL) for the sm90 GEMMs: with it a GEMM's CTAs start their prologue while
 // the previous kernel on the stream finishes (the quantization kernels signal early), and wait on
-// griddepcontrol before reading A, B or the scales.
-EnvSwitch g_pdl{"CUTLASS_W8A8_PDL"};
+// griddepcontrol before reading A, B or the scales. On unless CUTLASS_W8A8_PDL=0 at the first call;
+// cw8a8_set_pdl (cutlass_w8a8.set_pdl) changes it for later launches. -1: not read yet.
+std::atomic<int> g_pdl{-1};
 constexpr int64_t kPdlMaxM = 16;  // PDL launches only for M (tokens) up to this; see scaled_mm_config_out
 
-// The sm90 decode configs' L2 prefetch of the weight at kernel start (sm90/weight_prefetch_mainloop.cuh).
-// The grid prefetches at most half the device's L2, so the prefetched lines are not evicted by each other
-// before their CTAs read them.
-EnvSwitch g_weight_prefetch{"CUTLASS_W8A8_WEIGHT_PREFETCH"};
-
-bool pdl_enabled() { return g_pdl.on(); }
+bool pdl_enabled() {
+  int v = g_pdl.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* env = std::getenv("CUTLASS_W8A8_PDL");
+    int from_env = (env == nullptr || std::string(env) != "0") ? 1 : 0;
+    g_pdl.compare_exchange_strong(v, from_env, std::memory_order_relaxed);
+    v = g_pdl.load(std::memory_order_relaxed);
+  }
+  return v != 0;
+}
 
 const ArchKernels& require(const ArchKernels& k, const char* what, const char* arch_list) {
   TORCH_CHECK(k.error.empty(), "cutlass_w8a8: the ", what, " kernels are not available: the package was built "
@@ -337,7 +318,6 @@ void scaled_mm_config_out(at::Tensor& out, const at::Tensor& a, const at::Tensor
   // sweep with PDL at every M), PDL sped up every shape at M <= 16 (GEMM 1.00-1.22x, W8A8Linear forward
   // 0.98-1.23x) but slowed most larger-M points (down to 0.76x for the GEMM and 0.63x for the forward).
   args.pdl = (!vector_scales && pdl_enabled() && args.m <= kPdlMaxM) ? 1 : 0;
-  args.l2_prefetch_bytes = g_weight_prefetch.on() ? device_info(args.device).l2_bytes / 2 : 0;
   run(args, a, kernels);
 }
 
@@ -361,7 +341,6 @@ const DeviceInfo& device_info(int device) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.minor, cudaDevAttrComputeCapabilityMinor, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&d.l2_bytes, cudaDevAttrL2CacheSize, device));
   });
   return cache[device];
 }
@@ -370,15 +349,10 @@ const DeviceInfo& device_info(int device) {
 
 // C entry points for Python (ctypes, cutlass_w8a8._ext): whether the sm90 GEMMs launch with PDL.
 extern "C" __attribute__((visibility("default"))) int cw8a8_get_pdl() {
-  return cutlass_w8a8::g_pdl.on() ? 1 : 0;
+  return cutlass_w8a8::pdl_enabled() ? 1 : 0;
 }
 extern "C" __attribute__((visibility("default"))) int cw8a8_set_pdl(int enabled) {
-  return cutlass_w8a8::g_pdl.set(enabled);
-}
-// Whether the sm90 decode GEMMs prefetch their weight into L2 at kernel start.
-extern "C" __attribute__((visibility("default"))) int cw8a8_get_weight_prefetch() {
-  return cutlass_w8a8::g_weight_prefetch.on() ? 1 : 0;
-}
-extern "C" __attribute__((visibility("default"))) int cw8a8_set_weight_prefetch(int enabled) {
-  return cutlass_w8a8::g_weight_prefetch.set(enabled);
+  const int previous = cw8a8_get_pdl();
+  cutlass_w8a8::g_pdl.store(enabled != 0 ? 1 : 0, std::memory_order_relaxed);
+  return previous;
 }

@@ -14,14 +14,7 @@ from . import _ext
 
 _ext._load()
 
-from ._ext import (  # noqa: E402
-    cuda_ops_available,
-    extension_status,
-    pdl_enabled,
-    set_pdl,
-    set_weight_prefetch,
-    weight_prefetch_enabled,
-)
+from ._ext import cuda_ops_available, extension_status, pdl_enabled, set_pdl  # noqa: E402
 from .ops import INT8_MAX_K, quantize_fp8, quantize_int8, scaled_mm, supports_fp8  # noqa: E402
 from .linear import W8A8Config, W8A8Linear, quantize_  # noqa: E402
 from . import graphs, models, runner  # noqa: E402
@@ -44,6 +37,4 @@ __all__ = [
     "extension_status",
     "pdl_enabled",
     "set_pdl",
-    "set_weight_prefetch",
-    "weight_prefetch_enabled",
 ]

@@ -37,7 +37,7 @@ def _load() -> None:
     try:
         torch.ops.load_library(path)
         _loaded["_C"] = path
-        # the same (already loaded) library through ctypes, for its C entry points (set_pdl, set_weight_prefetch)
+        # the same (already loaded) library through ctypes, for its C entry points (set_pdl)
         _loaded["_C_ctypes"] = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
     except OSError as exc:
         _errors["_C"] = f"failed to load: {exc}"
@@ -63,7 +63,8 @@ def pdl_enabled() -> bool:
     On by default; ``CUTLASS_W8A8_PDL=0`` in the environment before the first GEMM turns it off. False when
     the extension is not loaded.
     """
-    return _get_switch("pdl")
+    lib = _loaded.get("_C_ctypes")
+    return bool(lib.cw8a8_get_pdl()) if lib is not None else False
 
 
 def set_pdl(enabled: bool) -> bool:
@@ -75,48 +76,10 @@ def set_pdl(enabled: bool) -> bool:
     RuntimeError
         The CUDA extension is not loaded.
     """
-    return _set_switch("pdl", enabled)
-
-
-def weight_prefetch_enabled() -> bool:
-    """Whether the sm90 decode GEMMs prefetch their weight into L2 when they start.
-
-    The GEMMs of the swapped (small-M) configurations issue TMA L2 prefetches of the first weight tile
-    of each thread block as the block starts, and the whole grid at most half the L2
-    (csrc/sm90/weight_prefetch_mainloop.cuh). This puts more of the weight's DRAM reads in flight than the
-    shared-memory pipeline holds, and with PDL (`pdl_enabled`) they start while the previous kernel, such
-    as the activation quantization, is still running. A prefetch only moves data into L2, the GPU's point
-    of coherence, so results are identical either way.
-
-    On by default; ``CUTLASS_W8A8_WEIGHT_PREFETCH=0`` in the environment before the first GEMM turns it
-    off. False when the extension is not loaded.
-    """
-    return _get_switch("weight_prefetch")
-
-
-def set_weight_prefetch(enabled: bool) -> bool:
-    """Turn the weight prefetch of the sm90 decode GEMMs on or off for later launches (see
-    `weight_prefetch_enabled`); returns the previous setting. A CUDA graph keeps the setting its kernels
-    were captured with.
-
-    Raises
-    ------
-    RuntimeError
-        The CUDA extension is not loaded.
-    """
-    return _set_switch("weight_prefetch", enabled)
-
-
-def _get_switch(name: str) -> bool:
-    lib = _loaded.get("_C_ctypes")
-    return bool(getattr(lib, f"cw8a8_get_{name}")()) if lib is not None else False
-
-
-def _set_switch(name: str, enabled: bool) -> bool:
     lib = _loaded.get("_C_ctypes")
     if lib is None:
-        raise RuntimeError(f"cutlass_w8a8.set_{name}: the CUDA extension is not loaded ({extension_status()})")
-    return bool(getattr(lib, f"cw8a8_set_{name}")(1 if enabled else 0))
+        raise RuntimeError(f"cutlass_w8a8.set_pdl: the CUDA extension is not loaded ({extension_status()})")
+    return bool(lib.cw8a8_set_pdl(1 if enabled else 0))
 
 
 def kernel_library(name: str):

@@ -3,7 +3,6 @@
 // The math is written out in csrc/EPILOGUES.md.
 #pragma once
 
-#include <cstdint>
 #include <cstdio>
 
 #include <cute/tensor.hpp>
@@ -17,7 +16,6 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "scaled_mm_sm90_config.cuh"
-#include "weight_prefetch_mainloop.cuh"
 
 // Programmatic dependent launch (PDL) is only safe when every kernel launched with it executes
 // griddepcontrol.wait before its first global-memory access; CUTLASS emits that wait only when
@@ -132,17 +130,12 @@ struct ScaledMmKernel {
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementCompute, void, LayoutD, kAlignD,
       ElementD, LayoutD, kAlignD, typename Sched::Epilogue, EpilogueEVT>::CollectiveOp;
 
-  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB, LayoutB,
       kAlignAB, ElementAcc, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Sched::Kernel>::CollectiveOp;
-  // The swapped (decode) configs with a 1x1 cluster prefetch their first weight tile into L2 at kernel
-  // start (weight_prefetch_mainloop.cuh); in the swapped frame the weight is the kernel's A.
-  static constexpr bool kWeightPrefetch = kSwapAB && cute::size(ClusterShape{}) == 1;
-  using CollectiveMainloop =
-      cute::conditional_t<kWeightPrefetch, WeightPrefetchMainloop<BuiltMainloop>, BuiltMainloop>;
 
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
                                                           CollectiveEpilogue, TileSchedulerTag>;
@@ -194,19 +187,10 @@ struct ScaledMmKernel {
         {},
     };
 
-    typename BuiltMainloop::Arguments operand_args{ptr_a, stride_a, ptr_b, stride_b};
-    typename CollectiveMainloop::Arguments mainloop_args{};
-    if constexpr (kWeightPrefetch) {
-      const int64_t pf = p.l2_prefetch_bytes < 0 ? 0 : p.l2_prefetch_bytes;
-      mainloop_args = {operand_args, static_cast<uint32_t>(pf > int64_t{UINT32_MAX} ? int64_t{UINT32_MAX} : pf)};
-    } else {
-      mainloop_args = operand_args;
-    }
-
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {static_cast<int>(m), static_cast<int>(n), static_cast<int>(p.k), 1},
-        mainloop_args,
+        {ptr_a, stride_a, ptr_b, stride_b},
         {evt_args, nullptr, stride_d, static_cast<ElementD*>(p.d), stride_d},
     };
     args.hw_info.device_id = p.device;
