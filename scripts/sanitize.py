@@ -130,22 +130,19 @@ def driver(args) -> int:
                 # initcheck: an output the host wrote (NaN) first; any element the GEMM skips stays NaN and
                 # fails the comparison below, and initcheck checks our kernels' reads
                 out = on_dev(torch.full((m, n), float("nan"), dtype=out_dtype))
-                if config is not None:
-                    torch.ops.cutlass_w8a8._scaled_mm_config(out, a, w.t(), sa, sb, bias, config)
-                else:
-                    cw.scaled_mm(a, w.t(), sa, sb, bias=bias, out=out)
-            elif config is not None or use_out or windowed:
-                if windowed:
-                    out_buf = on_dev(torch.full((m, n + 24), 7.0, dtype=out_dtype))
-                    out = out_buf[:, 8:8 + n]
-                else:
-                    out = torch.empty(m, n, dtype=out_dtype, device=dev)  # uninitialised: initcheck's case
-                if config is not None:
-                    torch.ops.cutlass_w8a8._scaled_mm_config(out, a, w.t(), sa, sb, bias, config)
-                else:
-                    cw.scaled_mm(a, w.t(), sa, sb, bias=bias, out=out)
+            elif windowed:
+                out_buf = on_dev(torch.full((m, n + 24), 7.0, dtype=out_dtype))
+                out = out_buf[:, 8:8 + n]
+            elif config is not None or use_out:
+                out = torch.empty(m, n, dtype=out_dtype, device=dev)  # uninitialised: initcheck's case
             else:
+                out = None  # the op allocates it
+            if out is None:
                 out = cw.scaled_mm(a, w.t(), sa, sb, out_dtype, bias)
+            elif config is not None:
+                torch.ops.cutlass_w8a8._scaled_mm_config(out, a, w.t(), sa, sb, bias, config)
+            else:
+                cw.scaled_mm(a, w.t(), sa, sb, bias=bias, out=out)
             sync()
             if m:
                 check_gemm(what, out, a, w.t(), sa, sb, bias, dtype, out_dtype)
