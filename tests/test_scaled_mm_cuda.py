@@ -63,10 +63,13 @@ def test_m_sweep(dtype, m):
                                                 f"bias={bias} {out_dtype}")
 
 
-# Buckets chosen by N and K as well as M (csrc/sm90/scaled_mm_sm90_dispatch.cuh): int8 M in (128, 256] with
-# N * K >= 2^27, fp8 M >= 2048 with K >= 8192; each on both sides of its boundary.
+# Buckets chosen by N and K as well as M (csrc/sm90/scaled_mm_sm90_dispatch.cuh), each on both sides of its
+# boundary. int8 at M > 128 picks 64x128 or 128x128 tiles by how well they fill the waves of 132 SMs: 64x128
+# for (256, 4096), (512, 6144) and (512, 6160); 128x128 for (129, 6144), (256, 8192), (512, 4096) and
+# (1024, 6144). fp8: M >= 2048 with K >= 8192.
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m,n,k", [(129, 8192, 16384), (256, 8192, 16384), (256, 8192, 16368), (257, 8192, 16384),
+@pytest.mark.parametrize("m,n,k", [(129, 6144, 1024), (256, 4096, 1024), (256, 8192, 1040), (512, 6144, 1024),
+                                   (512, 6160, 1008), (512, 4096, 1024), (1024, 6144, 1024),
                                    (2047, 1040, 8192), (2048, 1040, 8192), (2048, 528, 8176), (2049, 272, 8208)])
 def test_shape_dependent_buckets(dtype, m, n, k):
     args = problem(m, n, k, dtype, True, True, True, torch.bfloat16, seed=m + n + k)

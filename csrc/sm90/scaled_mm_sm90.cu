@@ -23,13 +23,13 @@ template <>
 struct Tables<int8_t> {
   using Shipped = Int8Configs;
   using Candidates = Int8TuneCandidates;
-  static int select(int64_t m, int64_t n, int64_t k) { return select_int8(m, n, k); }
+  static int select(int64_t m, int64_t n, int64_t k, int sms) { return select_int8(m, n, k, sms); }
 };
 template <>
 struct Tables<cutlass::float_e4m3_t> {
   using Shipped = Fp8Configs;
   using Candidates = Fp8TuneCandidates;
-  static int select(int64_t m, int64_t n, int64_t k) { return select_fp8(m, n, k); }
+  static int select(int64_t m, int64_t n, int64_t k, int sms) { return select_fp8(m, n, k, sms); }
 };
 
 // Runs entry `index` of `Table`; returns -1 when the index is not in it.
@@ -67,7 +67,8 @@ int run_typed(int index, const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc,
 
 template <class ElementAB>
 int run_ab(const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc, void* ctx, char* err, size_t err_len) {
-  const int index = args.config >= 0 ? args.config : Tables<ElementAB>::select(args.m, args.n, args.k);
+  const int index =
+      args.config >= 0 ? args.config : Tables<ElementAB>::select(args.m, args.n, args.k, args.sm_count);
   switch (args.out_type) {
     case CW8A8_OUT_BF16:
       return run_typed<ElementAB, cutlass::bfloat16_t>(index, args, alloc, ctx, err, err_len);

@@ -41,21 +41,35 @@ using Int8Configs = std::tuple<
     Config<64, 32, 256, 1, 1, PP, PE, true>,
     // 2. M in (64, 128]: 64 token columns; K 128 beats K 256 here (more stages in flight).
     Config<64, 64, 128, 1, 1, PP, PE, true>,
-    // 3. M in (128, 256]: unswapped, tokens on a 64-row MMA tile, 128-wide N tiles: enough CTAs for 132 SMs.
-    //    3.6% off the per-point best in geomean at M = 256.
+    // 3. M > 128 when entry 4's tiles would leave much of their last wave idle (select_int8): unswapped, tokens
+    //    on a 64-row MMA tile, twice as many CTAs as entry 4.
     Config<64, 128, 128, 1, 1, PP, PE, false>,
-    // 4. M > 256, and M in (128, 256] when N * K >= 2^27 (the 70B gate_up and down projections: 198 vs 214 us
-    //    and 88.5 vs 92.3 us at M = 256): the 128x128 pingpong tile, pairs of CTAs sharing B through TMA
-    //    multicast. Within 2.3% of the per-point best in geomean at every M >= 512; the 128x256 cooperative
-    //    tile that the earlier sweep kept for M >= 4096 on the largest shapes measured 0-7% slower here.
+    // 4. M > 128 otherwise: the 128x128 pingpong tile, pairs of CTAs sharing B through TMA multicast. Within
+    //    2.3% of the per-point best in geomean at every M >= 512; the 128x256 cooperative tile that the earlier
+    //    sweep kept for M >= 4096 on the largest shapes measured 0-7% slower here.
     Config<128, 128, 128, 2, 1, PP, PE, false>>;
 
-inline int select_int8(int64_t m, int64_t n, int64_t k) {
+// Share of the CTA slots of the last wave that `tiles` persistent work tiles keep busy on `sms` SMs (1: the
+// tiles fill whole waves).
+inline double wave_fill(int64_t tiles, int sms) {
+  const int64_t waves = (tiles + sms - 1) / sms;
+  return waves > 0 ? static_cast<double>(tiles) / static_cast<double>(waves * sms) : 1.0;
+}
+
+// For M > 128, entry 4 (128x128 tiles) unless entry 3 (64x128, twice the tiles) fills its waves better by
+// more than 0.05. In the sweep this picks the faster of the two at every one of its 48 points with M > 128
+// (8B qkv at M = 512: 21.4 vs 24.4 us; 8B o at M = 256: 10.5 vs 14.7 us; 70B o at M = 256: 27.7 vs 28.9 us),
+// where the rule it replaces (64x128 for M <= 256 unless N * K >= 2^27) lost up to 14% at 4 of them.
+inline int select_int8(int64_t m, int64_t n, int64_t k, int sm_count) {
+  (void)k;
   if (m <= 32) return 0;
   if (m <= 64) return 1;
   if (m <= 128) return 2;
-  if (m <= 256) return n * k >= (int64_t{1} << 27) ? 4 : 3;
-  return 4;
+  const int64_t tiles_n = (n + 127) / 128;
+  const int64_t tiles_m_128 = ((m + 127) / 128 + 1) / 2 * 2;  // a 2x1 cluster pads the M tiles to pairs
+  const int64_t tiles_m_64 = (m + 63) / 64;
+  const int sms = sm_count > 0 ? sm_count : 132;
+  return wave_fill(tiles_m_64 * tiles_n, sms) > wave_fill(tiles_m_128 * tiles_n, sms) + 0.05 ? 3 : 4;
 }
 
 // ---- fp8 e4m3 x e4m3 -> fp32 ---------------------------------------------------------------------------
@@ -79,8 +93,9 @@ using Fp8Configs = std::tuple<
     //    6.6%) at M = 2048; on the K = 4096 shapes it lost up to 6%, so those keep entry 3.
     Config<128, 256, 128, 2, 1, CO, PE, false, true>>;
 
-inline int select_fp8(int64_t m, int64_t n, int64_t k) {
+inline int select_fp8(int64_t m, int64_t n, int64_t k, int sm_count) {
   (void)n;
+  (void)sm_count;
   if (m <= 16) return 0;
   if (m <= 64) return 1;
   if (m <= 128) return 2;
