@@ -14,4 +14,12 @@ TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
   m.impl("_scaled_mm_config", &cutlass_w8a8::scaled_mm_config_out);
   m.impl("quantize_per_token", &cutlass_w8a8::quantize_per_token);
   m.impl("quantize_per_tensor", &cutlass_w8a8::quantize_per_tensor);
+  m.impl("rms_norm", &cutlass_w8a8::rms_norm);
+  m.impl("fused_add_rms_norm", &cutlass_w8a8::fused_add_rms_norm);
+  m.impl("rms_norm_quant", &cutlass_w8a8::rms_norm_quant);
+  m.impl("silu_mul", &cutlass_w8a8::silu_mul);
+  m.impl("silu_mul_quant", &cutlass_w8a8::silu_mul_quant);
+  m.impl("decode_attention", &cutlass_w8a8::decode_attention);
+  m.impl("decode_attention_out", &cutlass_w8a8::decode_attention_out);
+  m.impl("_graph_update_scaled_mm", &cutlass_w8a8::graph_nodes::graph_update_scaled_mm);
 }

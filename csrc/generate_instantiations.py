@@ -30,6 +30,8 @@ SM90 = """\
 namespace cutlass_w8a8::sm90 {{
 template int run_scaled_mm<{ab}, {out}, std::tuple_element_t<{i}, {table}>>(
     const cw8a8_scaled_mm_args&, cw8a8_alloc_fn, void*, char*, size_t);
+template int scaled_mm_node<{ab}, {out}, std::tuple_element_t<{i}, {table}>>(
+    const cw8a8_scaled_mm_args&, cw8a8_kernel_node*, char*, size_t);
 }}  // namespace cutlass_w8a8::sm90
 """
 

@@ -59,6 +59,30 @@ typedef void* (*cw8a8_alloc_fn)(void* ctx, size_t bytes);
 typedef int (*cw8a8_scaled_mm_fn)(const cw8a8_scaled_mm_args* args, cw8a8_alloc_fn alloc, void* alloc_ctx,
                                   char* err, size_t err_len);
 
+// A kernel launch described without launching it: what a CUDA-graph kernel node needs to be updated in place
+// (cudaGraphExecKernelNodeSetParams) to run `args`. The kernel takes one by-value parameter, `params`.
+#define CW8A8_NODE_PARAMS_BYTES 4096
+typedef struct cw8a8_kernel_node {
+  void* func;               // the __global__ function
+  unsigned grid[3];         // gridDim
+  unsigned block[3];        // blockDim
+  unsigned cluster[3];      // thread-block cluster shape the kernel was compiled for (1, 1, 1: none)
+  size_t smem_bytes;        // dynamic shared memory
+  int config;               // the config table entry this describes
+  size_t params_bytes;      // bytes of `params` used
+  unsigned char params[CW8A8_NODE_PARAMS_BYTES];  // the kernel's parameter block (CUTLASS Params), bytes
+} cw8a8_kernel_node;
+
+// Fills `node` for `args` (args.config < 0: the config the library would choose, as scaled_mm does) and sets
+// the kernel's dynamic shared-memory limit on the current device. Nothing is launched. When `exec` is not
+// NULL, also applies the description to kernel node `graph_node` of that instantiated graph
+// (cudaGraphExecKernelNodeSetParams, called from inside the library, whose runtime registered the kernel).
+// Returns 0, or non-zero with a message in err (e.g. a config that needs a workspace, which a node update
+// cannot provide).
+typedef int (*cw8a8_scaled_mm_node_fn)(const cw8a8_scaled_mm_args* args, cw8a8_kernel_node* node,
+                                       cudaGraphExec_t exec, cudaGraphNode_t graph_node, char* err,
+                                       size_t err_len);
+
 // Number of entries in a library's config table for an operand type (shipped configs, then any tuning
 // candidates built in) and the name of entry i (NULL past the end).
 typedef int (*cw8a8_num_configs_fn)(int ab_type);

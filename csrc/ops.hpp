@@ -21,4 +21,27 @@ void scaled_mm_config_out(at::Tensor& out, const at::Tensor& a, const at::Tensor
 std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, at::ScalarType dtype);
 at::Tensor quantize_per_tensor(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype);
 
+// quant/fused_quant.cu: RMSNorm (with the residual add) and SiLU-and-mul, optionally fused with quantization
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> rms_norm_quant(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                                  at::ScalarType dtype, const std::optional<at::Tensor>& scale,
+                                                  const std::optional<at::Tensor>& residual);
+at::Tensor silu_mul(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> silu_mul_quant(const at::Tensor& x, at::ScalarType dtype,
+                                                  const std::optional<at::Tensor>& scale);
+
+// attention/decode_attention.cu
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& slots,
+                            const at::Tensor& positions, double softmax_scale);
+void decode_attention_out(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                          const at::Tensor& slots, const at::Tensor& positions, double softmax_scale);
+
+// graph_nodes.cu: rebind a recorded scaled_mm node of an instantiated graph to new operands
+namespace graph_nodes {
+void graph_update_scaled_mm(int64_t graph_exec, int64_t record, const at::Tensor& out, const at::Tensor& a,
+                            const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
+                            const std::optional<at::Tensor>& bias);
+}  // namespace graph_nodes
+
 }  // namespace cutlass_w8a8

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common.hpp"
+#include "graph_nodes.hpp"
 #include "kernel_api.h"
 #include "ops.hpp"
 
@@ -37,6 +38,7 @@ std::string own_directory() {
 struct ArchKernels {
   cw8a8_scaled_mm_fn scaled_mm = nullptr;
   cw8a8_num_configs_fn num_configs = nullptr;
+  cw8a8_scaled_mm_node_fn node = nullptr;  // sm90 only: launch descriptions for CUDA-graph node updates
   std::string library;
   std::string error;  // why the library or its entry points are missing
 };
@@ -57,7 +59,17 @@ ArchKernels load_kernels(const char* name, const char* scaled_mm_symbol, const c
 }
 
 const ArchKernels& sm90_kernels() {
-  static const ArchKernels k = load_kernels("_kernels_sm90", "cw8a8_sm90_scaled_mm", "cw8a8_sm90_num_configs");
+  static const ArchKernels k = [] {
+    ArchKernels lib = load_kernels("_kernels_sm90", "cw8a8_sm90_scaled_mm", "cw8a8_sm90_num_configs");
+    if (lib.error.empty()) {
+      void* handle = dlopen(lib.library.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+      if (handle != nullptr) {
+        lib.node = reinterpret_cast<cw8a8_scaled_mm_node_fn>(dlsym(handle, "cw8a8_sm90_scaled_mm_node"));
+        dlclose(handle);  // drops the NOLOAD reference only; load_kernels' handle keeps the library loaded
+      }
+    }
+    return lib;
+  }();
   return k;
 }
 const ArchKernels& sm80_kernels() {
@@ -271,7 +283,7 @@ at::Tensor aligned_vector(const at::Tensor& t, int64_t length) {
   return is_aligned(v.data_ptr(), 16) ? v : v.clone();
 }
 
-void run(cw8a8_scaled_mm_args& args, const at::Tensor& a, const ArchKernels& kernels) {
+void run(cw8a8_scaled_mm_args& args, const at::Tensor& a, const ArchKernels& kernels, bool sm90) {
   args.sm_count = device_info(args.device).sm_count;
   args.stream = current_stream(a);
   TorchWorkspace ws{a.device(), {}, {}};
@@ -279,9 +291,30 @@ void run(cw8a8_scaled_mm_args& args, const at::Tensor& a, const ArchKernels& ker
   int rc = kernels.scaled_mm(&args, allocate_workspace, &ws, err, sizeof(err));
   TORCH_CHECK(rc == 0, "cutlass_w8a8.scaled_mm (M=", args.m, ", N=", args.n, ", K=", args.k, "): ", err,
               ws.error.empty() ? "" : ": ", ws.error);
+  // Only the sm90 library describes its launches for graph-node updates; a workspace (none of the shipped
+  // configs has one) would be a second allocation the node update cannot redo.
+  if (sm90) {
+    graph_nodes::note_gemm_launch(args.stream, args, ws.buffer.defined());
+  } else {
+    graph_nodes::refuse_launch(args.stream, "scaled_mm on the CUTLASS 2.x (sm80 / sm89) kernels");
+  }
 }
 
 }  // namespace
+
+cw8a8_scaled_mm_args pack_scaled_mm_args(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+                                         const at::Tensor& scale_a, const at::Tensor& scale_b,
+                                         const std::optional<at::Tensor>& bias) {
+  cw8a8_scaled_mm_args args = check_and_pack(out, a, b, scale_a, scale_b, bias);
+  args.sm_count = device_info(args.device).sm_count;
+  return args;
+}
+
+cw8a8_scaled_mm_node_fn sm90_scaled_mm_node_fn() {
+  const ArchKernels& k = require(sm90_kernels(), "sm90", "9.0a");
+  TORCH_CHECK(k.node != nullptr, "cutlass_w8a8: ", k.library, " has no cw8a8_sm90_scaled_mm_node (rebuild it)");
+  return k.node;
+}
 
 void scaled_mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                    const at::Tensor& scale_b, const std::optional<at::Tensor>& bias) {
@@ -317,8 +350,10 @@ void scaled_mm_config_out(at::Tensor& out, const at::Tensor& a, const at::Tensor
   // And only for M <= kPdlMaxM: measured on an H200 (bench/results/gemm_nvidia-h200.md, PDL columns, from a
   // sweep with PDL at every M), PDL sped up every shape at M <= 16 (GEMM 1.00-1.22x, W8A8Linear forward
   // 0.98-1.23x) but slowed most larger-M points (down to 0.76x for the GEMM and 0.63x for the forward).
-  args.pdl = (!vector_scales && pdl_enabled() && args.m <= kPdlMaxM) ? 1 : 0;
-  run(args, a, kernels);
+  // Captured into an UpdatableGraph (graph_nodes::recording()), a GEMM launches with PDL at any M: its node is
+  // meant to be resized, typically down to decode sizes, and an update cannot add the programmatic edge later.
+  args.pdl = (!vector_scales && pdl_enabled() && (args.m <= kPdlMaxM || graph_nodes::recording())) ? 1 : 0;
+  run(args, a, kernels, /*sm90=*/!vector_scales);
 }
 
 at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,

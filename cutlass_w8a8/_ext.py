@@ -82,6 +82,87 @@ def set_pdl(enabled: bool) -> bool:
     return bool(lib.cw8a8_set_pdl(1 if enabled else 0))
 
 
+# ---- CUDA-graph node records (csrc/graph_nodes.cu; used by cutlass_w8a8.graphs.UpdatableGraph) ----------
+
+
+class GraphRecordInfo(ctypes.Structure):
+    """One recorded kernel node (csrc/graph_nodes.cu, cw8a8_graph_record_info)."""
+
+    _fields_ = [("kind", ctypes.c_int), ("device", ctypes.c_int), ("graph", ctypes.c_void_p),
+                ("rows", ctypes.c_int64), ("bound_rows", ctypes.c_int64), ("captured_rows", ctypes.c_int64),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("config", ctypes.c_int)]
+
+
+_ERR_LEN = 1024
+
+
+def _graph_lib(what: str):
+    lib = _loaded.get("_C_ctypes")
+    if lib is None:
+        raise RuntimeError(f"cutlass_w8a8.{what}: the CUDA extension is not loaded ({extension_status()})")
+    return lib
+
+
+def _graph_call(what: str, fn, *args) -> None:
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    rc = fn(*args, err, ctypes.c_size_t(_ERR_LEN))
+    if rc != 0:
+        msg = f"{what}: {err.value.decode(errors='replace')}"
+        raise ValueError(msg) if rc == 2 else RuntimeError(msg)
+
+
+def graph_record_begin() -> int:
+    """Open a node recording; returns the id its first record will get."""
+    lib = _graph_lib("graph_record_begin")
+    first = ctypes.c_int64(0)
+    _graph_call("cutlass_w8a8.graph_record_begin", lib.cw8a8_graph_record_begin, ctypes.byref(first))
+    return first.value
+
+
+def graph_record_end(check: bool) -> int:
+    """Close the open recording (validating its records when `check`); returns one past its last id."""
+    lib = _graph_lib("graph_record_end")
+    end = ctypes.c_int64(0)
+    _graph_call("cutlass_w8a8.graph_record_end", lib.cw8a8_graph_record_end, ctypes.c_int(1 if check else 0), ctypes.byref(end))
+    return end.value
+
+
+def graph_record_info(record: int) -> tuple[GraphRecordInfo, str]:
+    """The record's fields and its op's name."""
+    lib = _graph_lib("graph_record_info")
+    info = GraphRecordInfo()
+    op = ctypes.create_string_buffer(64)
+    _graph_call("cutlass_w8a8.graph_record_info", lib.cw8a8_graph_record_info_get, ctypes.c_int64(record), ctypes.byref(info),
+                op, ctypes.c_size_t(64))
+    return info, op.value.decode()
+
+
+def graph_set_rows(graph_exec: ctypes.c_void_p, ids, count: int, rows: int) -> None:
+    """Set `count` recorded nodes (a ctypes int64 array) of an instantiated graph to `rows` rows."""
+    lib = _graph_lib("graph_set_rows")
+    _graph_call("UpdatableGraph.set_rows", lib.cw8a8_graph_set_rows, graph_exec, ids, ctypes.c_int64(count),
+                ctypes.c_int64(rows))
+
+
+def graph_release(ids) -> None:
+    """Forget records whose graph is gone."""
+    lib = _loaded.get("_C_ctypes")
+    if lib is not None and len(ids):
+        arr = (ctypes.c_int64 * len(ids))(*ids)
+        lib.cw8a8_graph_release(arr, ctypes.c_int64(len(ids)))
+
+
+def graph_exec_update(graph_exec: int, graph: int) -> bool:
+    """cudaGraphExecUpdate(graph_exec, graph): True on success, False when the topology changed."""
+    lib = _graph_lib("graph_exec_update")
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    rc = lib.cw8a8_graph_exec_update(ctypes.c_void_p(graph_exec), ctypes.c_void_p(graph), err,
+                                     ctypes.c_size_t(_ERR_LEN))
+    if rc == 1:
+        raise RuntimeError(f"cutlass_w8a8.graph_exec_update: {err.value.decode(errors='replace')}")
+    return rc == 0
+
+
 def kernel_library(name: str):
     """The ctypes handle of a loaded kernel library (e.g. "_kernels_sm90"), or None."""
     lib = _loaded.get(name)

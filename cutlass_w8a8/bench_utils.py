@@ -21,6 +21,7 @@ __all__ = [
     "DEFAULT_L2_BYTES",
     "DENSE_PEAK_TOPS",
     "GpuTiming",
+    "HBM_BANDWIDTH_GBPS",
     "bench_gpu_time",
     "copy_bandwidth_gbps",
     "write_results",
@@ -28,6 +29,7 @@ __all__ = [
     "device_slug",
     "geomean",
     "git_commit",
+    "hbm_bandwidth_gbps",
     "l2_cache_bytes",
     "rotating_arg_sets",
     "rotation_count",
@@ -59,6 +61,26 @@ def dense_peak_tops(device_name: str) -> Optional[float]:
     for key, tops in DENSE_PEAK_TOPS:
         if key in device_name:
             return tops
+    return None
+
+
+# HBM bandwidth in GB/s (1e9 B/s) from the same datasheets: H100 SXM 3.35 TB/s, H100 NVL 3.9 TB/s, H100 PCIe
+# 2 TB/s (https://www.nvidia.com/en-us/data-center/h100/); H200 SXM and H200 NVL 4.8 TB/s
+# (https://www.nvidia.com/en-us/data-center/h200/). Matched in order against torch.cuda.get_device_name()
+# ("NVIDIA H100 80GB HBM3" is the SXM part, hence PCIe and NVL first). Unknown devices get no figure.
+HBM_BANDWIDTH_GBPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 2000.0),
+    ("H100 NVL", 3900.0),
+    ("H100", 3350.0),
+    ("H200", 4800.0),
+)
+
+
+def hbm_bandwidth_gbps(device_name: str) -> Optional[float]:
+    """Datasheet HBM bandwidth of a device in GB/s (see `HBM_BANDWIDTH_GBPS`), or None when unknown."""
+    for key, gbps in HBM_BANDWIDTH_GBPS:
+        if key in device_name:
+            return gbps
     return None
 
 
@@ -112,8 +134,17 @@ def l2_cache_bytes(device: Optional[torch.device] = None) -> int:
 
 
 def tensor_bytes(obj: Any) -> int:
-    """Bytes held by a tensor, or by a module's parameters and buffers; 0 for anything else."""
+    """Bytes held by a tensor, or by a module's parameters and buffers; 0 for anything else.
+
+    A wrapper tensor subclass (torchao's quantized weights) counts the tensors it holds
+    (``__tensor_flatten__``), not its logical size in its outer dtype.
+    """
     if isinstance(obj, torch.Tensor):
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+        if is_traceable_wrapper_subclass(obj):
+            names, _ = obj.__tensor_flatten__()
+            return sum(tensor_bytes(getattr(obj, name)) for name in names)
         return obj.numel() * obj.element_size()
     if isinstance(obj, torch.nn.Module):
         return sum(tensor_bytes(t) for t in (*obj.parameters(), *obj.buffers()))

@@ -2,19 +2,20 @@
 
 Weights are quantized once, symmetric per output channel; activations are quantized on every call, dynamic
 per-token (or static per-tensor with a calibrated `input_scale`). The GEMM dequantizes in its epilogue
-(`cutlass_w8a8.scaled_mm`).
+(`cutlass_w8a8.scaled_mm`). Activations already quantized by a fused op (`cutlass_w8a8.rms_norm_quant`,
+`cutlass_w8a8.silu_mul_quant`) are passed as a `QuantizedActivation` instead of a float tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
 
-__all__ = ["W8A8Config", "W8A8Linear", "quantize_", "quantize_activations"]
+__all__ = ["QuantizedActivation", "W8A8Config", "W8A8Linear", "quantize_", "quantize_activations"]
 
 _QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -51,6 +52,38 @@ def quantize_activations(x2: torch.Tensor, input_scale: Optional[torch.Tensor], 
     return torch.ops.cutlass_w8a8.quantize_per_tensor(x2, input_scale, quant_dtype), input_scale
 
 
+class QuantizedActivation(NamedTuple):
+    """Activations already quantized for a `W8A8Linear`, accepted by its ``forward`` in place of ``x``.
+
+    Produce them the way the layer would (`W8A8Linear.quantize_input`), or with a fused op given the layer's
+    ``quant_dtype`` and ``input_scale``, e.g. ``QuantizedActivation(*rms_norm_quant(h, w, eps,
+    layer.quant_dtype, layer.input_scale))``: then the layer's output equals its output on the float input
+    that the fused op quantized.
+
+    Attributes
+    ----------
+    q : torch.Tensor
+        ``(..., K)``, int8 or float8_e4m3fn (the layer's ``quant_dtype``), on the layer's device.
+    scale : torch.Tensor
+        float32: ``(..., 1)`` per-token scales (one per row of ``q``), or one element (per-tensor, e.g. the
+        layer's static ``input_scale``). ``x ~= q * scale``.
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        """``q.shape``: the shape of the float activations this stands for (so code that reads ``x.shape``
+        before calling the layer keeps working)."""
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        """``q.device``."""
+        return self.q.device
+
+
 class W8A8Linear(nn.Module):
     """``y = x @ W^T + b`` with 8-bit weights and activations.
 
@@ -78,7 +111,17 @@ class W8A8Linear(nn.Module):
     static_input_scale : bool
         Quantize activations with the fixed ``input_scale`` buffer instead of per token.
 
-    Shapes: input ``(..., K)``, output ``(..., N)``.
+    Shapes: input ``(..., K)``, output ``(..., N)``. The input is a float tensor (quantized here, then cast
+    back: the output has the input's dtype) or a `QuantizedActivation` (output in ``dtype``).
+
+    Attributes
+    ----------
+    quant_dtype : torch.dtype
+        The activation (and weight) dtype: what a `QuantizedActivation` given to ``forward`` must hold, and
+        the ``dtype`` to give a fused quantizing op (`cutlass_w8a8.rms_norm_quant`, ...).
+    input_scale : torch.Tensor or None
+        The static per-tensor activation scale (``(1,)`` float32 buffer), or None for dynamic per-token
+        quantization: the ``scale`` to give a fused quantizing op.
 
     Raises
     ------
@@ -138,7 +181,52 @@ class W8A8Linear(nn.Module):
                 mod.input_scale.copy_(input_scale.detach().reshape(1).float())
         return mod
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def quantize_input(self, x: torch.Tensor) -> QuantizedActivation:
+        """Quantize float activations ``x`` ``(..., K)`` exactly as ``forward`` does: dynamic per-token
+        (``scale`` ``(..., 1)``) or static per-tensor with ``input_scale`` (``scale`` is that buffer).
+        ``self(self.quantize_input(x))`` equals ``self(x)`` when ``x`` has the layer's ``dtype``.
+
+        Raises ValueError when the last dimension of ``x`` is not ``in_features``.
+        """
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"W8A8Linear: input's last dimension must be in_features = {self.in_features}, "
+                             f"got shape {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        q, s = quantize_activations(x.reshape(-1, self.in_features), self.input_scale, self.quant_dtype)
+        if self.input_scale is None:
+            s = s.reshape(*lead, 1)
+        return QuantizedActivation(q.reshape(*lead, self.in_features), s)
+
+    def _check_quantized(self, x: QuantizedActivation) -> None:
+        q, scale = x.q, x.scale
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"W8A8Linear: `q` must be a torch.Tensor, got {type(q).__name__}")
+        if not isinstance(scale, torch.Tensor):
+            raise TypeError(f"W8A8Linear: `scale` must be a torch.Tensor, got {type(scale).__name__}")
+        if q.dtype != self.quant_dtype:
+            raise TypeError(f"W8A8Linear: `q` must have the layer's quant_dtype {self.quant_dtype}, got {q.dtype}")
+        if scale.dtype != torch.float32:
+            raise TypeError(f"W8A8Linear: `scale` must be float32, got {scale.dtype}")
+        if q.dim() < 1 or q.shape[-1] != self.in_features:
+            raise ValueError(f"W8A8Linear: `q` must have the last dimension in_features = {self.in_features}, "
+                             f"got shape {tuple(q.shape)}")
+        per_token = (*q.shape[:-1], 1)
+        if scale.numel() != 1 and tuple(scale.shape) != per_token:
+            raise ValueError(f"W8A8Linear: `scale` must have one element (per-tensor) or shape {per_token} "
+                             f"(per-token), got shape {tuple(scale.shape)}")
+        if q.device != self.weight.device:
+            raise ValueError(f"W8A8Linear: `q` is on {q.device} but the layer is on {self.weight.device}")
+        if scale.device != q.device:
+            raise ValueError(f"W8A8Linear: `scale` is on {scale.device} but `q` is on {q.device}")
+
+    def forward(self, x: Union[torch.Tensor, QuantizedActivation]) -> torch.Tensor:
+        if isinstance(x, QuantizedActivation):
+            self._check_quantized(x)
+            lead = x.q.shape[:-1]
+            s = x.scale if x.scale.numel() == 1 else x.scale.reshape(-1, 1).contiguous()
+            y = torch.ops.cutlass_w8a8.scaled_mm(x.q.reshape(-1, self.in_features), self.weight.t(), s,
+                                                 self.weight_scale, self.dtype, self.bias)
+            return y.reshape(*lead, self.out_features)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"W8A8Linear: input's last dimension must be in_features = {self.in_features}, "
                              f"got shape {tuple(x.shape)}")

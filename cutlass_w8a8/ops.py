@@ -9,6 +9,13 @@ Ops in the ``torch.ops.cutlass_w8a8`` namespace:
 - ``scaled_mm_out(out, a, b, scale_a, scale_b, bias=None) -> ()``
 - ``quantize_per_token(x, dtype) -> (q, scale)``
 - ``quantize_per_tensor(x, scale, dtype) -> q``
+- ``rms_norm(x, weight, eps) -> y``: RMSNorm
+- ``fused_add_rms_norm(x, residual, weight, eps) -> y``: ``residual += x`` in place, then RMSNorm of it (vLLM's)
+- ``rms_norm_quant(x, weight, eps, dtype, scale=None, residual=None) -> (q, scale)``: either, then quantized
+- ``silu_mul(x) -> y``: ``silu(gate) * up`` of ``x = [gate | up]``
+- ``silu_mul_quant(x, dtype, scale=None) -> (q, scale)``: the same, then quantized
+- ``decode_attention(q, kv_cache, slots, positions, softmax_scale) -> Tensor``
+- ``decode_attention_out(out, q, kv_cache, slots, positions, softmax_scale) -> ()``
 - ``_scaled_mm_config(out, a, b, scale_a, scale_b, bias, config) -> ()``: force a kernel config (tuning only)
 
 Use the wrappers below: they check their arguments and raise ``TypeError`` (wrong dtype) or ``ValueError``
@@ -18,13 +25,16 @@ Use the wrappers below: they check their arguments and raise ``TypeError`` (wron
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from . import _ext
 
-__all__ = ["scaled_mm", "quantize_int8", "quantize_fp8", "supports_fp8", "INT8_MAX_K"]
+__all__ = ["scaled_mm", "quantize_int8", "quantize_fp8", "supports_fp8", "INT8_MAX_K", "decode_attention",
+           "rms_norm", "rms_norm_quant", "silu_mul", "silu_mul_quant"]
 
 # int8 products are at most 128 * 128 = 2**14 in magnitude, so an int32 sum of K of them cannot overflow
 # while K * 2**14 <= 2**31 - 1, i.e. K <= 131071; the largest multiple of 16 below that is 131056.
@@ -34,6 +44,8 @@ _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 _AB_DTYPES = (torch.int8, torch.float8_e4m3fn)
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
 _X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ATTN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ATTN_MAX_HEAD_DIM = 256  # csrc/attention/decode_attention.cu: D a multiple of 8 in [8, 256]
 
 _lib = torch.library.Library("cutlass_w8a8", "DEF")  # noqa: TOR901 (one definition block for the namespace)
 _lib.define("scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, "
@@ -44,6 +56,23 @@ _lib.define("_scaled_mm_config(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_
             "Tensor? bias, int config) -> ()")
 _lib.define("quantize_per_token(Tensor x, ScalarType dtype) -> (Tensor, Tensor)")
 _lib.define("quantize_per_tensor(Tensor x, Tensor scale, ScalarType dtype) -> Tensor")
+# Fused non-GEMM steps of a decoder layer (csrc/quant/fused_quant.cu); `residual` is updated in place.
+# rms_norm without and with the residual are two ops: torch 2.13's inductor fails to lower an op that returns a
+# single Tensor when its `Tensor(a!)?` argument is None (rms_norm_quant, returning two, is not affected).
+_lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_lib.define("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor")
+_lib.define("rms_norm_quant(Tensor x, Tensor weight, float eps, ScalarType dtype, Tensor? scale=None, "
+            "Tensor(a!)? residual=None) -> (Tensor, Tensor)")
+_lib.define("silu_mul(Tensor x) -> Tensor")
+_lib.define("silu_mul_quant(Tensor x, ScalarType dtype, Tensor? scale=None) -> (Tensor, Tensor)")
+_lib.define("decode_attention(Tensor q, Tensor kv_cache, Tensor slots, Tensor positions, float softmax_scale) "
+            "-> Tensor")
+_lib.define("decode_attention_out(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor slots, Tensor positions, "
+            "float softmax_scale) -> ()")
+# CUDA-graph node update (cutlass_w8a8/graphs.py, UpdatableGraph.update_scaled_mm): no CPU or fake kernel, it
+# changes an instantiated graph, not tensors
+_lib.define("_graph_update_scaled_mm(int graph_exec, int record, Tensor out, Tensor a, Tensor b, Tensor scale_a, "
+            "Tensor scale_b, Tensor? bias) -> ()")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -182,6 +211,155 @@ def _check_static_scale(op: str, x, scale) -> None:
         _fail_value(op, "scale", f"must hold one value (static per-tensor), got shape {tuple(scale.shape)}")
 
 
+# Rows are blocks of one CUDA grid dimension (gridDim.x), and K an int in the kernels.
+_MAX_ROWS = 2**31 - 1
+
+
+def _check_rows_input(op: str, x) -> None:
+    """`x` of the fused ops: a float tensor [..., K] with K > 0 and at most 2**31 - 1 rows."""
+    if not isinstance(x, torch.Tensor):
+        _fail_type(op, "x", f"must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _X_DTYPES:
+        _fail_type(op, "x", f"must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.dim() < 1:
+        _fail_value(op, "x", "must have at least one dimension [..., K]")
+    k = x.shape[-1]
+    if k == 0:
+        _fail_value(op, "x", f"must have a non-empty last dimension [..., K], got shape {tuple(x.shape)}")
+    if k >= 2**31:
+        _fail_value(op, "x", f"K = {k} must be below 2**31")
+    rows = x.numel() // k
+    if rows > _MAX_ROWS:
+        _fail_value(op, "x", f"has {rows} rows; at most 2**31 - 1 are supported")
+
+
+def _check_quant_dtype(op: str, dtype) -> None:
+    if dtype not in _AB_DTYPES:
+        _fail_type(op, "dtype", f"must be torch.int8 or torch.float8_e4m3fn, got {dtype}")
+
+
+def _flat_row_stride(t: torch.Tensor) -> Optional[int]:
+    """Stride between the rows of ``t`` seen as ``[M, K]`` without a copy (unit-stride rows whose leading
+    dimensions merge), or None when that view does not exist. A ``[K]`` tensor is one row."""
+    k = t.shape[-1]
+    if k > 1 and t.stride(-1) != 1:
+        return None
+    stride = nxt = None
+    for d in range(t.dim() - 2, -1, -1):
+        if t.shape[d] == 1:
+            continue
+        if stride is not None and t.stride(d) != nxt:
+            return None
+        if stride is None:
+            stride = t.stride(d)
+        nxt = t.stride(d) * t.shape[d]
+    return k if stride is None else stride
+
+
+def _check_rms_norm(op: str, x, weight, eps, residual) -> None:
+    _check_rows_input(op, x)
+    k = x.shape[-1]
+    if not isinstance(weight, torch.Tensor):
+        _fail_type(op, "weight", f"must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype != x.dtype:
+        _fail_type(op, "weight", f"must have x's dtype {x.dtype}, got {weight.dtype}")
+    if weight.device != x.device:
+        _fail_value(op, "weight", f"is on {weight.device} but `x` is on {x.device}")
+    if weight.dim() != 1 or weight.shape[0] != k:
+        _fail_value(op, "weight", f"must be [K] with K = {k}, got shape {tuple(weight.shape)}")
+    if k > 1 and weight.stride(0) != 1:
+        _fail_value(op, "weight", "must be contiguous")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        _fail_type(op, "eps", f"must be a float, got {type(eps).__name__}")
+    if not 0.0 <= eps < float("inf"):
+        _fail_value(op, "eps", f"must be a finite number >= 0, got {eps}")
+    if residual is None:
+        return
+    if not isinstance(residual, torch.Tensor):
+        _fail_type(op, "residual", f"must be a torch.Tensor or None, got {type(residual).__name__}")
+    if residual.dtype != x.dtype:
+        _fail_type(op, "residual", f"must have x's dtype {x.dtype}, got {residual.dtype}")
+    if residual.device != x.device:
+        _fail_value(op, "residual", f"is on {residual.device} but `x` is on {x.device}")
+    if residual.shape != x.shape:
+        _fail_value(op, "residual", f"must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    stride = _flat_row_stride(residual)
+    if stride is None:
+        _fail_value(op, "residual", "must be updatable in place as [M, K] rows (unit-stride rows whose leading "
+                    f"dimensions merge), got strides {residual.stride()}")
+    if x.numel() // k > 1 and stride < k:
+        _fail_value(op, "residual", f"rows overlap: row stride {stride} < K = {k}")
+
+
+def _check_silu_mul(op: str, x) -> None:
+    _check_rows_input(op, x)
+    if x.shape[-1] % 2 != 0:
+        _fail_value(op, "x", "must have an even last dimension [..., 2 * I] (gate then up), "
+                    f"got shape {tuple(x.shape)}")
+
+
+def _check_decode_attention(op: str, q, kv_cache, slots, positions, softmax_scale, out=None) -> None:
+    for name, t in (("q", q), ("kv_cache", kv_cache), ("slots", slots), ("positions", positions)):
+        if not isinstance(t, torch.Tensor):
+            _fail_type(op, name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if out is not None and not isinstance(out, torch.Tensor):
+        _fail_type(op, "out", f"must be a torch.Tensor or None, got {type(out).__name__}")
+    if q.dtype not in _ATTN_DTYPES:
+        _fail_type(op, "q", f"must be bfloat16, float16 or float32, got {q.dtype}")
+    if kv_cache.dtype != q.dtype:
+        _fail_type(op, "kv_cache", f"must have q's dtype {q.dtype}, got {kv_cache.dtype}")
+    if slots.dtype != torch.int64:
+        _fail_type(op, "slots", f"must be int64, got {slots.dtype}")
+    if positions.dtype != torch.int64:
+        _fail_type(op, "positions", f"must be int64, got {positions.dtype}")
+    if out is not None and out.dtype != q.dtype:
+        _fail_type(op, "out", f"must have q's dtype {q.dtype}, got {out.dtype}")
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, torch.SymFloat)):
+        _fail_type(op, "softmax_scale", f"must be a float, got {type(softmax_scale).__name__}")
+    if isinstance(softmax_scale, (int, float)) and not math.isfinite(softmax_scale):
+        _fail_value(op, "softmax_scale", f"must be finite, got {softmax_scale}")
+    others = [("kv_cache", kv_cache), ("slots", slots), ("positions", positions)]
+    if out is not None:
+        others.append(("out", out))
+    for name, t in others:
+        if t.device != q.device:
+            _fail_value(op, name, f"is on {t.device} but `q` is on {q.device}")
+
+    if q.dim() != 3:
+        _fail_value(op, "q", f"must be 3-D (B, H, D), got shape {tuple(q.shape)}")
+    b, h, d = q.shape
+    if d <= 0 or d > _ATTN_MAX_HEAD_DIM or d % 8 != 0:
+        _fail_value(op, "q", f"head dim D = q.shape[2] must be a multiple of 8 in [8, {_ATTN_MAX_HEAD_DIM}], "
+                    f"got {d}")
+    if h > 65535:
+        _fail_value(op, "q", f"H = q.shape[1] must be at most 65535, got {h}")
+    kv_shape = tuple(kv_cache.shape)
+    if (kv_cache.dim() != 5 or kv_shape[0] < 1 or kv_shape[1] != 2 or kv_shape[2] < 1 or kv_shape[3] < 1
+            or kv_shape[4] != d):
+        _fail_value(op, "kv_cache", f"must be (num_slots, 2, KVH, S, D) with D = q.shape[2] = {d} and "
+                    f"num_slots, KVH, S >= 1, got shape {kv_shape}")
+    kvh, s = kv_shape[2], kv_shape[3]
+    if h % kvh != 0:
+        _fail_value(op, "kv_cache", f"KVH = kv_cache.shape[2] = {kvh} must divide H = q.shape[1] = {h}")
+    if s >= 2**31:
+        _fail_value(op, "kv_cache", f"S = kv_cache.shape[3] must be below 2**31, got {s}")
+    if tuple(slots.shape) != (b,):
+        _fail_value(op, "slots", f"must be (B,) with B = q.shape[0] = {b}, got shape {tuple(slots.shape)}")
+    if tuple(positions.shape) != (b,):
+        _fail_value(op, "positions", f"must be (B,) with B = q.shape[0] = {b}, got shape {tuple(positions.shape)}")
+    if q.stride(2) != 1:
+        _fail_value(op, "q", f"must have stride(2) == 1, got strides {q.stride()}")
+    if not kv_cache.is_contiguous():
+        _fail_value(op, "kv_cache", "must be contiguous")
+    if _misaligned(kv_cache, 16):
+        _fail_value(op, "kv_cache", f"data must be 16-byte aligned (storage offset {kv_cache.storage_offset()})")
+    if out is not None:
+        if tuple(out.shape) != (b, h * d):
+            _fail_value(op, "out", f"must be (B, H * D) = ({b}, {h * d}), got shape {tuple(out.shape)}")
+        if not out.is_contiguous():
+            _fail_value(op, "out", "must be contiguous")
+
+
 # ----------------------------------------------------------------------------------------------------
 # CPU reference implementations: the kernels' arithmetic, in the kernels' order (csrc/EPILOGUES.md)
 
@@ -238,11 +416,104 @@ def _quantize_per_tensor_cpu(x, scale, dtype):
     return _quantize_rows(x.to(torch.float32), scale.reshape(()), dtype)
 
 
+# The fused ops' references are the unfused torch chains they replace, op for op, in x's dtype: so on the CPU
+# the fused ops equal the chains bit for bit by construction (tests/test_fused_quant_cpu.py).
+
+
+def _rms_norm_reference(x, weight, eps, residual):
+    if residual is not None:
+        residual.add_(x)  # vLLM's fused_add_rms_norm: residual = x + residual, rounded to x's dtype
+        x = residual
+    # F.rms_norm: float32 inside (mean of squares, rsqrt, times weight), rounded once to x's dtype
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps).contiguous()
+
+
+def _silu_mul_reference(x):
+    gate, up = x.chunk(2, dim=-1)
+    # eager torch in x's dtype: silu rounded to it, then the product rounded to it
+    return (torch.nn.functional.silu(gate) * up).contiguous()
+
+
+def _quantize_fused(y, dtype, scale):
+    """(q, scale) of the fused ops: quantize_per_token of y, or quantize_per_tensor with the static `scale`
+    and that scale repeated per row ([..., 1]) as the second output."""
+    if scale is None:
+        return _quantize_per_token_cpu(y, dtype)
+    per_row = scale.reshape(1).to(torch.float32).expand((*y.shape[:-1], 1)).contiguous()
+    return _quantize_per_tensor_cpu(y, scale, dtype), per_row
+
+
+def _rms_norm_cpu(x, weight, eps):
+    _check_rms_norm("rms_norm", x, weight, eps, None)
+    return _rms_norm_reference(x, weight, eps, None)
+
+
+def _fused_add_rms_norm_cpu(x, residual, weight, eps):
+    _check_rms_norm("fused_add_rms_norm", x, weight, eps, residual)
+    return _rms_norm_reference(x, weight, eps, residual)
+
+
+def _rms_norm_quant_cpu(x, weight, eps, dtype, scale=None, residual=None):
+    _check_rms_norm("rms_norm_quant", x, weight, eps, residual)
+    _check_quant_dtype("rms_norm_quant", dtype)
+    if scale is not None:
+        _check_static_scale("rms_norm_quant", x, scale)
+    return _quantize_fused(_rms_norm_reference(x, weight, eps, residual), dtype, scale)
+
+
+def _silu_mul_cpu(x):
+    _check_silu_mul("silu_mul", x)
+    return _silu_mul_reference(x)
+
+
+def _silu_mul_quant_cpu(x, dtype, scale=None):
+    _check_silu_mul("silu_mul_quant", x)
+    _check_quant_dtype("silu_mul_quant", dtype)
+    if scale is not None:
+        _check_static_scale("silu_mul_quant", x, scale)
+    return _quantize_fused(_silu_mul_reference(x), dtype, scale)
+
+
+def _decode_attention_reference(q, kv_cache, slots, positions, softmax_scale):
+    # What LlamaAttention computed before this op existed: gather the B whole slots, then SDPA over all S
+    # positions with an additive mask (0 where s <= position, else -inf, in q's dtype), the G = H / KVH
+    # query heads of a key/value head as G queries. The CPU decoder's results are unchanged by the op.
+    b, h, d = q.shape
+    if b == 0 or h == 0:
+        return q.new_empty((b, h * d))
+    kvh, s = kv_cache.shape[2], kv_cache.shape[3]
+    kv = kv_cache.index_select(0, slots)  # (B, 2, KVH, S, D)
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    neg_inf = torch.full((), float("-inf"), dtype=q.dtype, device=q.device)
+    mask = torch.where(torch.arange(s, device=q.device) <= positions.unsqueeze(1), zero, neg_inf)  # (B, S)
+    qg = q.unflatten(1, (kvh, h // kvh))  # (B, KVH, G, D)
+    out = F.scaled_dot_product_attention(qg, kv[:, 0], kv[:, 1], attn_mask=mask[:, None, None, :],
+                                         scale=softmax_scale)
+    return out.reshape(b, h * d).contiguous()
+
+
+def _decode_attention_cpu(q, kv_cache, slots, positions, softmax_scale):
+    _check_decode_attention("decode_attention", q, kv_cache, slots, positions, softmax_scale)
+    return _decode_attention_reference(q, kv_cache, slots, positions, softmax_scale)
+
+
+def _decode_attention_out_cpu(out, q, kv_cache, slots, positions, softmax_scale):
+    _check_decode_attention("decode_attention", q, kv_cache, slots, positions, softmax_scale, out)
+    out.copy_(_decode_attention_reference(q, kv_cache, slots, positions, softmax_scale))
+
+
 _lib.impl("scaled_mm", _scaled_mm_cpu, "CPU")
 _lib.impl("scaled_mm_out", _scaled_mm_out_cpu, "CPU")
 _lib.impl("_scaled_mm_config", _scaled_mm_config_cpu, "CPU")
 _lib.impl("quantize_per_token", _quantize_per_token_cpu, "CPU")
 _lib.impl("quantize_per_tensor", _quantize_per_tensor_cpu, "CPU")
+_lib.impl("rms_norm", _rms_norm_cpu, "CPU")
+_lib.impl("fused_add_rms_norm", _fused_add_rms_norm_cpu, "CPU")
+_lib.impl("rms_norm_quant", _rms_norm_quant_cpu, "CPU")
+_lib.impl("silu_mul", _silu_mul_cpu, "CPU")
+_lib.impl("silu_mul_quant", _silu_mul_quant_cpu, "CPU")
+_lib.impl("decode_attention", _decode_attention_cpu, "CPU")
+_lib.impl("decode_attention_out", _decode_attention_out_cpu, "CPU")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -276,6 +547,54 @@ def _quantize_per_tensor_fake(x, scale, dtype):
     _check_quant_input("quantize_per_tensor", x, dtype)
     _check_static_scale("quantize_per_tensor", x, scale)
     return x.new_empty(x.shape, dtype=dtype)
+
+
+@torch.library.register_fake("cutlass_w8a8::rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    _check_rms_norm("rms_norm", x, weight, eps, None)
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("cutlass_w8a8::fused_add_rms_norm")
+def _fused_add_rms_norm_fake(x, residual, weight, eps):
+    _check_rms_norm("fused_add_rms_norm", x, weight, eps, residual)
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("cutlass_w8a8::rms_norm_quant")
+def _rms_norm_quant_fake(x, weight, eps, dtype, scale=None, residual=None):
+    _check_rms_norm("rms_norm_quant", x, weight, eps, residual)
+    _check_quant_dtype("rms_norm_quant", dtype)
+    if scale is not None:
+        _check_static_scale("rms_norm_quant", x, scale)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+@torch.library.register_fake("cutlass_w8a8::silu_mul")
+def _silu_mul_fake(x):
+    _check_silu_mul("silu_mul", x)
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.register_fake("cutlass_w8a8::silu_mul_quant")
+def _silu_mul_quant_fake(x, dtype, scale=None):
+    _check_silu_mul("silu_mul_quant", x)
+    _check_quant_dtype("silu_mul_quant", dtype)
+    if scale is not None:
+        _check_static_scale("silu_mul_quant", x, scale)
+    return (x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=dtype),
+            x.new_empty((*x.shape[:-1], 1), dtype=torch.float32))
+
+
+@torch.library.register_fake("cutlass_w8a8::decode_attention")
+def _decode_attention_fake(q, kv_cache, slots, positions, softmax_scale):
+    _check_decode_attention("decode_attention", q, kv_cache, slots, positions, softmax_scale)
+    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+
+
+@torch.library.register_fake("cutlass_w8a8::decode_attention_out")
+def _decode_attention_out_fake(out, q, kv_cache, slots, positions, softmax_scale):
+    _check_decode_attention("decode_attention", q, kv_cache, slots, positions, softmax_scale, out)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -400,6 +719,303 @@ def quantize_fp8(x: torch.Tensor, scale: Optional[torch.Tensor] = None):
     Parameters, returns and errors as :func:`quantize_int8`, with ``q`` of dtype ``torch.float8_e4m3fn``.
     """
     return _quantize("quantize_fp8", x, scale, torch.float8_e4m3fn)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RMSNorm over the last dimension, optionally after adding ``x`` into ``residual`` in place.
+
+    Without ``residual``: ``y = F.rms_norm(x, (K,), weight, eps)``. With ``residual``, first
+    ``residual += x`` in place (the sum rounded to ``x``'s dtype), then ``y = F.rms_norm(residual, ...)``:
+    the semantics of vLLM's ``fused_add_rms_norm`` (csrc/layernorm_kernels.cu; SGLang's
+    ``fused_add_rmsnorm``), whose decoder layers carry the residual stream this way, except that ``y`` is a
+    new tensor rather than written over ``x``. (Two ops underneath: ``torch.ops.cutlass_w8a8.rms_norm`` and
+    ``fused_add_rms_norm(x, residual, weight, eps)``.) ``F.rms_norm`` computes in float32,
+    ``y = (s * rsqrt(mean(s^2) + eps)) * weight`` with ``s`` the input upcast, and rounds once to ``x``'s
+    dtype; so does the CUDA kernel (one launch; grid rows x blocks per row), so the fused op equals the unfused
+    ``residual += x; F.rms_norm(residual)`` chain up to the order of the float32 sum of squares: on the CPU
+    (the reference implementation is that chain) bit for bit; on the GPU ``y`` may differ in the last bit of
+    its dtype where the float32 value is within rounding error of a tie.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(..., K)``, bfloat16, float16 or float32, ``K > 0``. Any layout (non-row-major inputs are copied).
+    weight : torch.Tensor
+        ``(K,)``, ``x``'s dtype and device, contiguous.
+    eps : float
+        Added to the mean of squares, in float32 (``float(eps)``); finite and ``>= 0``.
+    residual : torch.Tensor, optional
+        ``x``'s shape, dtype and device, rows of unit stride whose leading dimensions merge into ``M`` rows
+        (e.g. contiguous, or a row slice of a wider buffer). Updated in place to ``x + residual``. Must not
+        overlap ``x`` partially (the same tensor is fine: ``residual`` becomes ``2 x``); this is not checked.
+
+    Returns
+    -------
+    torch.Tensor
+        ``y``: ``x``'s shape and dtype, contiguous.
+
+    Raises
+    ------
+    TypeError
+        ``x``, ``weight`` or ``residual`` has the wrong dtype; ``eps`` is not a number.
+    ValueError
+        A shape, layout or device is wrong, ``K`` is 0, or ``eps`` is negative or not finite; the message
+        names the argument.
+
+    Notes
+    -----
+    Non-finite values behave as in ``F.rms_norm``: a NaN makes its whole row NaN; an infinity (or a sum of
+    squares that overflows float32, from magnitudes near 1e19, possible in bfloat16) makes the row's
+    ``rsqrt`` 0, so the row comes out 0 except NaN where the input was infinite. Other rows are unaffected.
+    ``M = 0`` returns an empty tensor and launches nothing.
+
+    Examples
+    --------
+    >>> h = embed(tokens); residual = h                       # first layer: nothing to add yet
+    >>> x = rms_norm(h, norm.weight, 1e-5)
+    >>> x = rms_norm(attn_out, norm2.weight, 1e-5, residual)  # residual += attn_out; x = norm2(residual)
+    """
+    _check_rms_norm("rms_norm", x, weight, eps, residual)
+    if x.is_cuda:
+        _ext.require_cuda_ops("rms_norm")
+    if residual is None:
+        return torch.ops.cutlass_w8a8.rms_norm(x, weight, float(eps))
+    return torch.ops.cutlass_w8a8.fused_add_rms_norm(x, residual, weight, float(eps))
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
+                   scale: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None):
+    """`rms_norm` (with the optional in-place residual add) fused with activation quantization.
+
+    ``y`` is computed exactly as by :func:`rms_norm`, rounded to ``x``'s dtype, and then quantized as
+    :func:`quantize_int8` / :func:`quantize_fp8` quantize a stored ``y``: dynamic per token
+    (``scale = max|y| / QMAX`` per row, QMAX 127 or 448) when ``scale`` is None, else static per tensor with
+    ``scale``. The rounding of ``y`` to ``x``'s dtype before quantizing is deliberate: it makes
+    ``rms_norm_quant`` equal the unfused chain ``rms_norm`` -> ``quantize_*`` bit for bit (on the GPU: the
+    GPU's ``rms_norm`` followed by the GPU's quantization). One kernel launch (rows x blocks per row), no host
+    synchronisation; the output is what `W8A8Linear` accepts as a `QuantizedActivation`. vLLM fuses the
+    same steps (``rms_norm_dynamic_per_token_quant``, ``fused_add_rms_norm_static_fp8_quant``).
+
+    Parameters
+    ----------
+    x, weight, eps, residual
+        As :func:`rms_norm`; ``residual`` is updated in place to ``x + residual``.
+    dtype : torch.dtype
+        ``torch.int8`` or ``torch.float8_e4m3fn``.
+    scale : torch.Tensor, optional
+        float32 with one element (static per-tensor), on ``x``'s device. None: dynamic per-token.
+
+    Returns
+    -------
+    (q, scale) : tuple of torch.Tensor
+        ``q``: ``dtype``, ``x``'s shape, contiguous. ``scale``: float32 ``(..., 1)`` per-token scales
+        (dynamic), or the given ``scale`` object (static), as :func:`quantize_int8` returns them.
+
+    Raises
+    ------
+    TypeError
+        As :func:`rms_norm`; ``dtype`` is not int8 / float8_e4m3fn; ``scale`` is not a float32 tensor.
+    ValueError
+        As :func:`rms_norm`; ``scale`` is not one element or is on another device.
+
+    Notes
+    -----
+    A row with a non-finite ``y`` (see :func:`rms_norm`) gets an unspecified ``q`` and scale, as the
+    quantization ops document; other rows are unaffected. The op itself
+    (``torch.ops.cutlass_w8a8.rms_norm_quant``) returns per-row scales in both modes: in the static one the
+    given value repeated, ``(..., 1)``.
+    """
+    _check_rms_norm("rms_norm_quant", x, weight, eps, residual)
+    _check_quant_dtype("rms_norm_quant", dtype)
+    if scale is not None:
+        _check_static_scale("rms_norm_quant", x, scale)
+    if x.is_cuda:
+        _ext.require_cuda_ops("rms_norm_quant")
+    q, s = torch.ops.cutlass_w8a8.rms_norm_quant(x, weight, float(eps), dtype, scale, residual)
+    return q, (s if scale is None else scale)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation: ``silu(gate) * up`` with ``gate, up = x.chunk(2, dim=-1)``.
+
+    ``x`` is the output of a merged gate/up projection laid out ``[gate | up]`` (vLLM's
+    ``MergedColumnParallelLinear``, as `LlamaMLP`'s ``gate_up_proj``; vLLM's and SGLang's ``silu_and_mul``).
+    The result equals eager torch's ``F.silu(gate) * up`` in ``x``'s dtype: ``silu(g) = g / (1 + exp(-g))``
+    in float32 rounded to ``x``'s dtype, then the product in float32 rounded to ``x``'s dtype. On the GPU the
+    silu formula is torch's CUDA kernel's, so the op equals torch's CUDA chain bit for bit; the CPU reference
+    is the CPU chain, whose vectorized ``exp`` can differ from the GPU's in the last float32 bit (so the two
+    devices can differ in the last bit of ``x``'s dtype, rarely).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(..., 2 * I)``, bfloat16, float16 or float32, ``I > 0``. Any layout (non-row-major inputs are
+        copied).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(..., I)`` in ``x``'s dtype, contiguous.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not a float tensor of those dtypes.
+    ValueError
+        ``x`` has no dimension, or its last dimension is 0 or odd.
+
+    Notes
+    -----
+    Non-finite values follow torch elementwise: ``silu(+inf) = inf``, ``silu(-inf) = NaN`` (``-inf / inf``),
+    ``silu(NaN) = NaN``, then IEEE products. ``M = 0`` returns an empty tensor and launches nothing.
+    """
+    _check_silu_mul("silu_mul", x)
+    if x.is_cuda:
+        _ext.require_cuda_ops("silu_mul")
+    return torch.ops.cutlass_w8a8.silu_mul(x)
+
+
+def silu_mul_quant(x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor] = None):
+    """:func:`silu_mul` fused with activation quantization (the input of a W8A8 ``down_proj``).
+
+    ``y = silu(gate) * up`` as :func:`silu_mul` computes it, rounded to ``x``'s dtype, then quantized as
+    :func:`quantize_int8` / :func:`quantize_fp8` quantize a stored ``y``: dynamic per token when ``scale`` is
+    None, else static per tensor. Equal to the unfused chain ``silu_mul`` -> ``quantize_*`` bit for bit on
+    the same device. One kernel launch: one block per row, or on sm90 a cluster of up to 8 for long rows.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(..., 2 * I)`` ``[gate | up]``, bfloat16, float16 or float32, ``I > 0``.
+    dtype : torch.dtype
+        ``torch.int8`` or ``torch.float8_e4m3fn``.
+    scale : torch.Tensor, optional
+        float32 with one element (static per-tensor), on ``x``'s device. None: dynamic per-token.
+
+    Returns
+    -------
+    (q, scale) : tuple of torch.Tensor
+        ``q``: ``dtype``, ``(..., I)``, contiguous. ``scale``: float32 ``(..., 1)`` (dynamic), or the given
+        ``scale`` object (static).
+
+    Raises
+    ------
+    TypeError
+        ``x``, ``dtype`` or ``scale`` has the wrong type or dtype.
+    ValueError
+        ``x``'s last dimension is 0 or odd; ``scale`` is not one element or is on another device.
+
+    Notes
+    -----
+    A row with a non-finite ``y`` gets an unspecified ``q`` and scale; other rows are unaffected. The op
+    itself returns per-row scales in both modes (static: the given value repeated, ``(..., 1)``).
+    """
+    _check_silu_mul("silu_mul_quant", x)
+    _check_quant_dtype("silu_mul_quant", dtype)
+    if scale is not None:
+        _check_static_scale("silu_mul_quant", x, scale)
+    if x.is_cuda:
+        _ext.require_cuda_ops("silu_mul_quant")
+    q, s = torch.ops.cutlass_w8a8.silu_mul_quant(x, dtype, scale)
+    return q, (s if scale is None else scale)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Decode-step attention: one query token per sequence over positions ``0..positions[b]`` of its cache slot.
+
+    For row ``b`` and query head ``h``, with ``G = H / KVH`` and key/value head ``kvh = h // G``::
+
+        K, V = kv_cache[slots[b], 0, kvh], kv_cache[slots[b], 1, kvh]            # (S, D) each
+        p = softmax(softmax_scale * K[:positions[b] + 1] @ q[b, h])               # float32, max-subtracted
+        out[b, h * D:(h + 1) * D] = round(p @ V[:positions[b] + 1])               # rounded once to q's dtype
+
+    Only those positions of those slots are read, so the cost grows with the real batch and the real sequence
+    lengths, not with the cache's size (grouped-query attention without repeating the key/value heads).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``(B, H, D)``, bfloat16, float16 or float32. Any strides with ``stride(2) == 1``: e.g. the query heads
+        of a fused qkv projection, ``qkv.view(B, H + 2 * KVH, D)[:, :H]`` (``stride(0) = (H + 2 KVH) D``).
+        ``D`` a multiple of 8 in [8, 256].
+    kv_cache : torch.Tensor
+        ``(num_slots, 2, KVH, S, D)`` in ``q``'s dtype, contiguous, 16-byte aligned: index 0 of dimension 1
+        holds the keys, 1 the values. ``KVH`` divides ``H``.
+    slots : torch.Tensor
+        ``(B,)`` int64 on ``q``'s device (any stride): the cache slot of each row, in ``[0, num_slots)``.
+    positions : torch.Tensor
+        ``(B,)`` int64 on ``q``'s device (any stride): the position of each row's token, in ``[0, S)``; the row
+        attends to positions ``0..positions[b]`` inclusive (its own key and value must already be written).
+    softmax_scale : float, optional
+        Multiplies the scores before the softmax; default ``1 / sqrt(D)``. Finite.
+    out : torch.Tensor, optional
+        ``(B, H * D)`` contiguous destination in ``q``'s dtype, written in place and returned (static
+        buffers, CUDA graphs).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, H * D)``, contiguous, ``q``'s dtype and device: the heads of a row side by side, as
+        ``o_proj`` takes them.
+
+    Raises
+    ------
+    TypeError
+        A wrong dtype (``q``, ``kv_cache``, ``slots``, ``positions``, ``out``) or a non-tensor argument.
+    ValueError
+        A wrong shape, stride, alignment, device, head dimension or ``softmax_scale``; the message names the
+        argument.
+    RuntimeError
+        CUDA tensors were given but the CUDA extension is not built.
+
+    Notes
+    -----
+    The values of ``slots`` and ``positions`` are not checked: that would need a device-to-host
+    synchronisation (callers such as `cutlass_w8a8.runner.DecodeGraphRunner` check them on the host). On the
+    GPU, out-of-range values are clamped into range (a wrong result, never an out-of-bounds read); on the CPU,
+    an out-of-range slot raises from ``index_select`` and an out-of-range position gives an unspecified
+    result.
+
+    CUDA kernel (csrc/attention/decode_attention.cu): one block of 128 threads per (row, query head), so B = 1
+    still runs H blocks. The positions are split between the block's threads, each group of threads keeping an
+    online softmax (a running maximum, a running sum and a float32 accumulator, rescaled when the maximum
+    grows: Milakov & Gimelshein [1]_); the partial results are merged at the end, rescaled to the common
+    maximum, as flash-decoding [2]_ merges its splits. Block ``(b, h)`` reads only row ``b``'s inputs and
+    writes only its output (a row-wise kernel whose CUDA-graph node can be shrunk to fewer rows). One launch
+    on the current stream, no host synchronisation. The CPU implementation is the former reference math:
+    ``index_select`` of the B slots, then ``F.scaled_dot_product_attention`` over all S positions with an
+    additive ``-inf`` mask. The two agree to rounding (the order of the float32 sums differs).
+
+    References
+    ----------
+    .. [1] M. Milakov and N. Gimelshein, "Online normalizer calculation for softmax", arXiv:1805.02867, 2018.
+    .. [2] T. Dao, D. Haziza, F. Massa and G. Sizov, "Flash-Decoding for long-context inference", 2023.
+
+    Examples
+    --------
+    >>> qkv = qkv_proj(x).view(B, H + 2 * KVH, D)           # rotary already applied, new K/V written
+    >>> attn = decode_attention(qkv[:, :H], kv_cache, slots, positions)    # (B, H * D)
+    >>> y = o_proj(attn)
+    """
+    if softmax_scale is None:
+        valid = isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[2] > 0
+        softmax_scale = 1.0 / math.sqrt(q.shape[2]) if valid else 1.0  # SDPA's default; a bad q fails below
+    _check_decode_attention("decode_attention", q, kv_cache, slots, positions, softmax_scale, out)
+    if q.is_cuda:
+        _ext.require_cuda_ops("decode_attention")
+    if out is None:
+        return torch.ops.cutlass_w8a8.decode_attention(q, kv_cache, slots, positions, softmax_scale)
+    torch.ops.cutlass_w8a8.decode_attention_out(out, q, kv_cache, slots, positions, softmax_scale)
+    return out
 
 
 def supports_fp8(device=None) -> bool:

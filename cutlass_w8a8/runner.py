@@ -23,6 +23,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from .graphs import UpdatableGraph
+
 __all__ = ["DecodeGraphRunner", "cuda_graph_batch_sizes"]
 
 _IntsLike = Union[torch.Tensor, Sequence[int]]
@@ -76,6 +78,14 @@ class DecodeGraphRunner:
         Eager steps per bucket on the capture stream before its capture (default 2).
     pad_token_id : int
         Token id of padded rows (default 0).
+    mode : {"buckets", "exact"}
+        ``"buckets"`` (default): one graph per bucket, batches padded up to their bucket. ``"exact"``: one
+        `cutlass_w8a8.graphs.UpdatableGraph` captured at the largest bucket; before a step whose batch B
+        differs from the last one, every cutlass_w8a8 kernel node of it (quantizers, GEMMs, the fused
+        normalization and activation quantizers, decode attention) is updated in place to B rows
+        (``UpdatableGraph.set_rows``), so those run at the real batch while the remaining kernels (embedding,
+        rotary, cache writes, residual adds, a bf16 lm_head) run over all ``max_batch`` rows, padded rows
+        included. Needs torch's ``CUDAGraph(keep_graph=True)``.
 
     Attributes
     ----------
@@ -111,13 +121,21 @@ class DecodeGraphRunner:
 
     def __init__(self, model: torch.nn.Module, max_batch: Optional[int] = None, *,
                  sizes: Optional[Sequence[int]] = None, postprocess: Optional[Callable] = None,
-                 use_graphs: Optional[bool] = None, warmup: int = 2, pad_token_id: int = 0):
+                 use_graphs: Optional[bool] = None, warmup: int = 2, pad_token_id: int = 0,
+                 mode: str = "buckets"):
+        if mode not in ("buckets", "exact"):
+            raise ValueError(f"DecodeGraphRunner: `mode` must be 'buckets' or 'exact', got {mode!r}")
+        self.mode = mode
         self.model = model
         self.device = torch.device(model.device)
         max_batch = model.max_batch if max_batch is None else max_batch
         if not 1 <= max_batch <= model.max_batch:
             raise ValueError(f"DecodeGraphRunner: `max_batch` must be in [1, model.max_batch = {model.max_batch}], "
                              f"got {max_batch}")
+        if mode == "exact" and sizes is not None:
+            raise ValueError("DecodeGraphRunner: `sizes` is for mode='buckets'; mode='exact' captures max_batch only")
+        if mode == "exact":
+            sizes = [max_batch]
         sizes = sorted(set(sizes)) if sizes is not None else cuda_graph_batch_sizes(max_batch)
         if not sizes or sizes[0] < 1 or sizes[-1] > model.max_batch:
             raise ValueError(f"DecodeGraphRunner: `sizes` must be in [1, {model.max_batch}], got {sizes}")
@@ -136,6 +154,8 @@ class DecodeGraphRunner:
         self.pool = None
         self.capture_seconds = 0.0
         self.capture_seconds_per_size: dict[int, float] = {}
+        self.exact_graph: Optional[UpdatableGraph] = None
+        self._rows = 0  # rows the exact graph's nodes run now
 
         n = self.max_size
         # Static inputs, (n, 3): row i holds (token id, position, slot) of batch row i, so the first b rows of
@@ -168,8 +188,10 @@ class DecodeGraphRunner:
     # ------------------------------------------------------------------------------------------------
 
     def _forward(self, b: int):
-        tok, pos, slot = self._static[:b, 0], self._static[:b, 1], self._static[:b, 2]
-        out = self.model(tok, pos, slot)
+        return self._forward_rows(self._static[:b])
+
+    def _forward_rows(self, static: torch.Tensor):
+        out = self.model(static[:, 0], static[:, 1], static[:, 2])
         return self.postprocess(out) if self.postprocess is not None else out
 
     @torch.no_grad()
@@ -186,6 +208,17 @@ class DecodeGraphRunner:
         self._static.copy_(self._pad)
         stream = self._stream
         t_all = time.perf_counter()
+        if self.mode == "exact":
+            n = self.max_size
+            self.exact_graph = None
+            graph = UpdatableGraph(self._forward_rows, [self._static[:n]], warmup=self.warmup, pool=self.pool,
+                                   stream=stream)
+            self._static = graph.static_inputs[0]  # steps write the graph's own input buffer
+            self.exact_graph, self._rows = graph, n
+            self.graphs[n], self.outputs[n] = graph.graph, graph.static_outputs
+            torch.cuda.synchronize(self.device)
+            self.capture_seconds = self.capture_seconds_per_size[n] = time.perf_counter() - t_all
+            return
         for b in reversed(self.sizes):
             t0 = time.perf_counter()
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -295,6 +328,9 @@ class DecodeGraphRunner:
             return self.postprocess(out) if self.postprocess is not None else out
         self._load(token_ids, positions, slots, n, width)
         if use_graph and self.use_graphs:
+            if self.exact_graph is not None and n != self._rows:
+                self.exact_graph.set_rows(n)
+                self._rows = n
             self.graphs[width].replay()
             out = self.outputs[width]
         else:

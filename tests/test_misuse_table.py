@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import cutlass_w8a8 as cw
+from cutlass_w8a8.runner import DecodeGraphRunner
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "MISUSE.md"
 CHECKED = ("cpu", "cuda", "2 gpus", "manual")
@@ -155,6 +156,7 @@ CPU_TRIGGERS = {
     "linear-input": lambda: cw.W8A8Linear(64, 32)(torch.randn(2, 32, dtype=torch.bfloat16)),
     "config-dtype": lambda: cw.W8A8Config(dtype=torch.float16),
     "graph-cpu-inputs": lambda: cw.graphs.CapturedGraph(lambda x: x, [torch.zeros(4)]),
+    "runner-mode": lambda: DecodeGraphRunner(None, mode="fast"),
     "extension-not-built": _not_built,
 }
 
@@ -164,6 +166,25 @@ CPU_TRIGGERS = {
 
 def _graph():
     return cw.graphs.CapturedGraph(lambda x: x * 2, [torch.zeros(4, 16, device="cuda")])
+
+
+def _updatable():
+    """An UpdatableGraph of one int8 W8A8Linear (K = 64, N = 32) captured at M = 8: quantizer, then GEMM."""
+    lin = cw.W8A8Linear(64, 32, device="cuda")
+    return cw.graphs.UpdatableGraph(lin, [torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)])
+
+
+def _update(m=4, n=32, out_dtype=torch.bfloat16, device="cuda", node=1):
+    g = _updatable()
+    kw = operands(device, m=m, n=n)
+    out = torch.empty(m, n, dtype=out_dtype, device=device)
+    g.update_scaled_mm(node, out, kw["a"], kw["b"], kw["scale_a"], kw["scale_b"])
+
+
+def _reset_then_update():
+    g = _updatable()
+    g.reset()
+    g.set_rows(2)
 
 
 def _config_out_of_range():
@@ -188,6 +209,13 @@ CUDA_TRIGGERS = {
     "graph-input-count": lambda: _graph()(torch.zeros(4, 16, device="cuda"), torch.zeros(1, device="cuda")),
     "graph-input-shape": lambda: _graph()(torch.zeros(5, 16, device="cuda")),
     "config-out-of-range": _config_out_of_range,
+    "update-rows": lambda: _updatable().set_rows(9),
+    "update-reset": _reset_then_update,
+    "update-m": lambda: _update(m=9),
+    "update-nk": lambda: _update(n=48),
+    "update-out-dtype": lambda: _update(out_dtype=torch.float16),
+    "update-device": lambda: _update(device="cpu"),
+    "update-not-gemm": lambda: _update(node=0),
     "op-a-dtype": lambda: op(a=lambda kw: kw["a"].half()),
     "op-out_dtype": lambda: op(out_dtype=torch.float32),
     "op-not-2d": lambda: op(a=lambda kw: kw["a"][None]),
@@ -195,6 +223,152 @@ CUDA_TRIGGERS = {
     "op-quant-scale-shape": lambda: torch.ops.cutlass_w8a8.quantize_per_tensor(
         torch.zeros(4, 16, device="cuda"), torch.ones(2, device="cuda"), torch.int8),
 }
+
+
+# ---- decode_attention -----------------------------------------------------------------------------------
+
+
+def attn_operands(device="cpu"):
+    """Legal decode_attention arguments: B = 2, H = 4, KVH = 2, D = 16, S = 8, q a strided view of qkv."""
+    qkv = torch.randn(2, 8, 16, device=device).to(torch.bfloat16)
+    return dict(q=qkv[:, :4], kv_cache=torch.randn(3, 2, 2, 8, 16, device=device).to(torch.bfloat16),
+                slots=torch.tensor([2, 0], device=device), positions=torch.tensor([0, 7], device=device),
+                softmax_scale=None, out=None)
+
+
+def _changed(kw, change):
+    for key, v in change.items():
+        kw[key] = v(kw) if callable(v) else v
+    return kw
+
+
+def attn(device="cpu", **change):
+    """cw.decode_attention on legal arguments with `change` applied (a callable value gets the arguments)."""
+    kw = _changed(attn_operands(device), change)
+    return cw.decode_attention(kw["q"], kw["kv_cache"], kw["slots"], kw["positions"], kw["softmax_scale"],
+                               out=kw["out"])
+
+
+def attn_meta(h=4, s=8):
+    """cw.decode_attention on meta tensors: sizes no memory could hold."""
+    q = torch.empty(1, h, 16, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(1, 2, 1, s, 16, device="meta", dtype=torch.bfloat16)
+    idx = torch.zeros(1, dtype=torch.int64, device="meta")
+    return cw.decode_attention(q, kv, idx, idx)
+
+
+def attn_op(out=None, **change):
+    """torch.ops.cutlass_w8a8.decode_attention(_out) (no wrapper) on legal CUDA arguments with `change`."""
+    kw = _changed(attn_operands("cuda"), change)
+    args = (kw["q"], kw["kv_cache"], kw["slots"], kw["positions"], 0.25)
+    if out is not None:
+        return torch.ops.cutlass_w8a8.decode_attention_out(out, *args)
+    return torch.ops.cutlass_w8a8.decode_attention(*args)
+
+
+CPU_TRIGGERS.update({
+    "attn-not-tensor": lambda: attn(q=lambda kw: kw["q"].tolist()),
+    "attn-out-not-tensor": lambda: attn(out=[0.0]),
+    "attn-q-dtype": lambda: attn(q=lambda kw: kw["q"].int()),
+    "attn-kv-dtype": lambda: attn(kv_cache=lambda kw: kw["kv_cache"].float()),
+    "attn-slots-dtype": lambda: attn(slots=lambda kw: kw["slots"].int()),
+    "attn-positions-dtype": lambda: attn(positions=lambda kw: kw["positions"].int()),
+    "attn-out-dtype": lambda: attn(out=torch.empty(2, 64)),
+    "attn-scale-type": lambda: attn(softmax_scale="0.25"),
+    "attn-scale-finite": lambda: attn(softmax_scale=float("nan")),
+    "attn-device-other": lambda: attn(kv_cache=lambda kw: kw["kv_cache"].to("meta")),
+    "attn-q-not-3d": lambda: attn(q=lambda kw: kw["q"].flatten(1)),
+    "attn-head-dim": lambda: attn(q=lambda kw: kw["q"][..., :12]),
+    "attn-too-many-heads": lambda: attn_meta(h=65536),
+    "attn-kv-shape": lambda: attn(kv_cache=lambda kw: kw["kv_cache"][:, 0]),
+    "attn-kv-heads": lambda: attn(kv_cache=torch.zeros(3, 2, 3, 8, 16, dtype=torch.bfloat16)),
+    "attn-seq-len": lambda: attn_meta(s=2**31),
+    "attn-slots-shape": lambda: attn(slots=torch.tensor([0, 1, 2])),
+    "attn-positions-shape": lambda: attn(positions=lambda kw: kw["positions"][None]),
+    "attn-q-stride": lambda: attn(q=lambda kw: kw["q"].transpose(1, 2).contiguous().transpose(1, 2)),
+    "attn-kv-noncontig": lambda: attn(kv_cache=lambda kw: kw["kv_cache"].transpose(0, 1).contiguous()
+                                      .transpose(0, 1)),
+    "attn-kv-misaligned": lambda: attn(kv_cache=torch.zeros(3 * 2 * 2 * 8 * 16 + 4, dtype=torch.bfloat16)[4:]
+                                       .view(3, 2, 2, 8, 16)),
+    "attn-out-shape": lambda: attn(out=torch.empty(2, 32, dtype=torch.bfloat16)),
+    "attn-out-noncontig": lambda: attn(out=torch.empty(64, 2, dtype=torch.bfloat16).t()),
+})
+
+CUDA_TRIGGERS.update({
+    "attn-cpu-slots": lambda: attn("cuda", slots=lambda kw: kw["slots"].cpu()),
+    "attn-op-q-dtype": lambda: attn_op(q=lambda kw: kw["q"].int()),
+    "attn-op-cpu-q": lambda: attn_op(q=lambda kw: kw["q"].cpu()),
+    "attn-op-kv-shape": lambda: attn_op(kv_cache=lambda kw: kw["kv_cache"][:, 0]),
+    "attn-op-q-stride": lambda: attn_op(q=lambda kw: kw["q"].transpose(1, 2).contiguous().transpose(1, 2)),
+    "attn-op-out-shape": lambda: attn_op(out=torch.empty(2, 32, dtype=torch.bfloat16, device="cuda")),
+})
+
+
+# ---- rms_norm, rms_norm_quant, silu_mul, silu_mul_quant; W8A8Linear on a QuantizedActivation -------------
+
+
+def _x(device="cpu"):
+    return torch.zeros(4, 16, dtype=torch.bfloat16, device=device)
+
+
+def _w(device="cpu"):
+    return torch.ones(16, dtype=torch.bfloat16, device=device)
+
+
+def _linear_on(q=None, scale=None):
+    """An int8 W8A8Linear(64, 32) called on QuantizedActivation(q, scale); defaults are legal (M = 4)."""
+    q = torch.zeros(4, 64, dtype=torch.int8) if q is None else q
+    scale = torch.ones(4, 1) if scale is None else scale
+    return cw.W8A8Linear(64, 32)(cw.QuantizedActivation(q, scale))
+
+
+CPU_TRIGGERS.update({
+    "fused-x-not-tensor": lambda: cw.rms_norm([1.0], _w(), 1e-5),
+    "fused-x-dtype": lambda: cw.rms_norm(torch.zeros(4, 16, dtype=torch.float64), _w(), 1e-5),
+    "fused-x-0d": lambda: cw.silu_mul(torch.tensor(1.0)),
+    "fused-x-empty-k": lambda: cw.rms_norm(torch.zeros(4, 0), torch.zeros(0), 1e-5),
+    "fused-x-k-too-large": lambda: cw.rms_norm(torch.empty(1, 2**31, device="meta"),
+                                               torch.empty(2**31, device="meta"), 1e-5),
+    "fused-x-too-many-rows": lambda: cw.silu_mul(torch.empty(2**31, 2, device="meta")),
+    "silu-odd": lambda: cw.silu_mul(torch.zeros(4, 7)),
+    "norm-weight-not-tensor": lambda: cw.rms_norm(_x(), [1.0] * 16, 1e-5),
+    "norm-weight-dtype": lambda: cw.rms_norm(_x(), torch.ones(16), 1e-5),
+    "norm-weight-device": lambda: cw.rms_norm(_x(), _w("meta"), 1e-5),
+    "norm-weight-shape": lambda: cw.rms_norm(_x(), _w()[:8], 1e-5),
+    "norm-weight-noncontig": lambda: cw.rms_norm(_x(), torch.ones(32, dtype=torch.bfloat16)[::2], 1e-5),
+    "norm-eps-type": lambda: cw.rms_norm(_x(), _w(), "1e-5"),
+    "norm-eps-value": lambda: cw.rms_norm(_x(), _w(), -1.0),
+    "residual-not-tensor": lambda: cw.rms_norm(_x(), _w(), 1e-5, 0.0),
+    "residual-dtype": lambda: cw.rms_norm(_x(), _w(), 1e-5, torch.zeros(4, 16)),
+    "residual-device": lambda: cw.rms_norm(_x(), _w(), 1e-5, _x("meta")),
+    "residual-shape": lambda: cw.rms_norm(_x(), _w(), 1e-5, torch.zeros(4, 8, dtype=torch.bfloat16)),
+    "residual-layout": lambda: cw.rms_norm(_x(), _w(), 1e-5, torch.zeros(16, 4, dtype=torch.bfloat16).t()),
+    "residual-rows-overlap": lambda: cw.rms_norm(_x(), _w(), 1e-5,
+                                                 torch.zeros(1, 16, dtype=torch.bfloat16).expand(4, 16)),
+    "fused-quant-dtype": lambda: cw.rms_norm_quant(_x(), _w(), 1e-5, torch.float16),
+    "fused-scale-not-tensor": lambda: cw.silu_mul_quant(_x(), torch.int8, 0.1),
+    "fused-scale-dtype": lambda: cw.silu_mul_quant(_x(), torch.int8, torch.ones(1, dtype=torch.float16)),
+    "fused-scale-shape": lambda: cw.rms_norm_quant(_x(), _w(), 1e-5, torch.int8, torch.ones(2)),
+    "linear-q-not-tensor": lambda: _linear_on(q=[0] * 64),
+    "linear-scale-not-tensor": lambda: _linear_on(scale=0.5),
+    "linear-q-dtype": lambda: _linear_on(q=torch.zeros(4, 64, dtype=torch.float8_e4m3fn)),
+    "linear-scale-dtype": lambda: _linear_on(scale=torch.ones(4, 1, dtype=torch.float16)),
+    "linear-q-k": lambda: _linear_on(q=torch.zeros(4, 32, dtype=torch.int8)),
+    "linear-scale-shape": lambda: _linear_on(scale=torch.ones(4)),
+    "linear-q-device": lambda: _linear_on(q=torch.zeros(4, 64, dtype=torch.int8, device="meta")),
+    "linear-scale-device": lambda: _linear_on(scale=torch.ones(4, 1, device="meta")),
+})
+
+CUDA_TRIGGERS.update({
+    "norm-weight-cpu": lambda: cw.rms_norm(_x("cuda"), _w(), 1e-5),
+    "fused-scale-device-cpu": lambda: cw.silu_mul_quant(_x("cuda"), torch.int8, torch.ones(1)),
+    "op-fused-x-cpu": lambda: torch.ops.cutlass_w8a8.rms_norm(_x(), _w("cuda"), 1e-5),
+    "op-residual-shape": lambda: torch.ops.cutlass_w8a8.fused_add_rms_norm(
+        _x("cuda"), torch.zeros(4, 8, dtype=torch.bfloat16, device="cuda"), _w("cuda"), 1e-5),
+    "op-silu-odd": lambda: torch.ops.cutlass_w8a8.silu_mul(torch.zeros(4, 7, device="cuda")),
+    "op-fused-quant-dtype": lambda: torch.ops.cutlass_w8a8.rms_norm_quant(_x("cuda"), _w("cuda"), 1e-5,
+                                                                          torch.float16, None, None),
+})
 
 
 def _mixed_gpus():

@@ -10,85 +10,18 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <tuple>
 
 #include "../common.hpp"
+#include "../graph_nodes.hpp"
 #include "../ops.hpp"
+#include "quant_common.cuh"  // to_float, Int8Out / Fp8Out, quantize_one, allow_dependent_launch, block_max
 
 namespace cutlass_w8a8 {
 namespace {
-
-// --- element conversions -------------------------------------------------------------------------
-
-template <class T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-struct Int8Out {
-  using type = int8_t;
-  static constexpr float kMax = 127.f;
-  __device__ __forceinline__ static int8_t convert(float v) {
-    // round to nearest even, then saturate (a static scale can put values out of range)
-    int r = __float2int_rn(v);
-    r = r > 127 ? 127 : (r < -128 ? -128 : r);
-    return static_cast<int8_t>(r);
-  }
-};
-
-struct Fp8Out {
-  using type = __nv_fp8_storage_t;  // the bits of a float8_e4m3fn
-  static constexpr float kMax = 448.f;
-  __device__ __forceinline__ static __nv_fp8_storage_t convert(float v) {
-    // round to nearest even; saturate to +-448 instead of producing NaN
-    return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
-  }
-};
-
-template <class Q>
-__device__ __forceinline__ typename Q::type quantize_one(float x, float scale) {
-  return scale == 0.f ? Q::convert(0.f) : Q::convert(x / scale);
-}
-
-// --- programmatic dependent launch --------------------------------------------------------------------
-//
-// Lets the next kernel on the stream, when it was launched with PDL (the sm90 GEMM that consumes q), be
-// scheduled as soon as every block of this grid has started, so its launch and prologue overlap this
-// kernel. Correctness does not depend on it: the GEMM's griddepcontrol.wait still waits for this whole grid
-// to finish and its writes to be visible. A no-op below sm90 and for dependents launched without PDL.
-__device__ __forceinline__ void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// --- block reduction -----------------------------------------------------------------------------
-
-template <int kThreads>
-__device__ __forceinline__ float block_max(float v) {
-  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "block size");
-  __shared__ float warp_max[kThreads / 32];
-  __shared__ float result;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warp_max[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < kThreads / 32 ? warp_max[lane] : 0.f;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-    if (lane == 0) result = v;
-  }
-  __syncthreads();
-  return result;
-}
 
 // --- dynamic per-token, row held in registers ------------------------------------------------------
 //
@@ -164,18 +97,27 @@ __global__ void __launch_bounds__(kThreads) per_token_loop_kernel(const T* __res
 }
 
 // --- static per-tensor ---------------------------------------------------------------------------------
+//
+// Row-wise like the per-token kernels: block (x, y) quantizes columns [y * chunk, (y + 1) * chunk) of row x, so
+// the grid is (M, chunks) and no parameter depends on M (a CUDA-graph node of it is updated to fewer rows by
+// shrinking gridDim.x alone: csrc/graph_nodes.hpp).
+
+constexpr int kTensorChunk = kThreads * 8;  // columns per block, unless K needs more than 65535 blocks a row
 
 template <class T, class Q>
 __global__ void __launch_bounds__(kThreads) per_tensor_kernel(const T* __restrict__ x, int64_t x_stride,
                                                               typename Q::type* __restrict__ q, int64_t q_stride,
-                                                              const float* __restrict__ scale_ptr, int64_t m,
-                                                              int k) {
+                                                              const float* __restrict__ scale_ptr, int64_t k,
+                                                              int64_t chunk) {
   allow_dependent_launch();
   const float scale = *scale_ptr;
-  const int64_t total = m * k;
-  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < total; i += int64_t(gridDim.x) * kThreads) {
-    const int64_t row = i / k, col = i % k;
-    q[row * q_stride + col] = quantize_one<Q>(to_float(x[row * x_stride + col]), scale);
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * x_stride;
+  typename Q::type* qr = q + row * q_stride;
+  const int64_t begin = static_cast<int64_t>(blockIdx.y) * chunk;
+  const int64_t end = begin + chunk < k ? begin + chunk : k;
+  for (int64_t col = begin + threadIdx.x; col < end; col += kThreads) {
+    qr[col] = quantize_one<Q>(to_float(xr[col]), scale);
   }
 }
 
@@ -209,18 +151,21 @@ void launch_per_token(const at::Tensor& x2, at::Tensor& q2, at::Tensor& scales, 
     per_token_loop_kernel<T, Q><<<grid, kThreads, 0, stream>>>(x, x2.stride(0), q, q2.stride(0), s, k);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  graph_nodes::note_rowwise_launch(stream, m, "quantize_per_token");
 }
 
 template <class T, class Q>
 void launch_per_tensor(const at::Tensor& x2, at::Tensor& q2, const at::Tensor& scale, cudaStream_t stream) {
   const int64_t m = x2.size(0);
   const int k = static_cast<int>(x2.size(1));
-  const int64_t total = m * k;
-  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65536);
-  per_tensor_kernel<T, Q><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+  const int64_t chunks = std::min<int64_t>((k + kTensorChunk - 1) / kTensorChunk, 65535);
+  const int64_t chunk = (k + chunks - 1) / chunks;
+  const dim3 grid(static_cast<unsigned>(m), static_cast<unsigned>(chunks));
+  per_tensor_kernel<T, Q><<<grid, kThreads, 0, stream>>>(
       reinterpret_cast<const T*>(x2.data_ptr()), x2.stride(0), reinterpret_cast<typename Q::type*>(q2.data_ptr()),
-      q2.stride(0), scale.data_ptr<float>(), m, k);
+      q2.stride(0), scale.data_ptr<float>(), k, chunk);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  graph_nodes::note_rowwise_launch(stream, m, "quantize_per_tensor");
 }
 
 // [..., K] -> [M, K]: a view when the leading dims flatten, else a copy.

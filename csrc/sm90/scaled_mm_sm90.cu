@@ -32,52 +32,72 @@ struct Tables<cutlass::float_e4m3_t> {
   static int select(int64_t m, int64_t n, int64_t k, int sms) { return select_fp8(m, n, k, sms); }
 };
 
-// Runs entry `index` of `Table`; returns -1 when the index is not in it.
-template <class ElementAB, class ElementD, class Table, size_t... I>
-int run_index(int index, const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc, void* ctx, char* err,
-              size_t err_len, std::index_sequence<I...>) {
+// Calls f(Cfg{}) with Cfg entry `index` of `Table` (configs are empty tag types); -1 when the index is not in it.
+template <class Table, class F, size_t... I>
+int visit_index(int index, F&& f, std::index_sequence<I...>) {
   int rc = -1;
-  ((index == static_cast<int>(I)
-        ? (rc = run_scaled_mm<ElementAB, ElementD, std::tuple_element_t<I, Table>>(args, alloc, ctx, err,
-                                                                                    err_len),
-           0)
-        : 0),
-   ...);
+  ((index == static_cast<int>(I) ? (rc = f(std::tuple_element_t<I, Table>{}), 0) : 0), ...);
   return rc;
 }
 
-template <class ElementAB, class ElementD>
-int run_typed(int index, const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc, void* ctx, char* err,
-              size_t err_len) {
+// Calls f(Cfg{}) with the config of table index `index` (shipped entries, then tuning candidates).
+template <class ElementAB, class ElementD, class F>
+int visit_typed(int index, F&& f, char* err, size_t err_len) {
   using Tb = Tables<ElementAB>;
   constexpr int shipped = size_of<typename Tb::Shipped>();
   if (index < shipped) {
-    return run_index<ElementAB, ElementD, typename Tb::Shipped>(
-        index, args, alloc, ctx, err, err_len, std::make_index_sequence<shipped>{});
+    return visit_index<typename Tb::Shipped>(index, f, std::make_index_sequence<shipped>{});
   }
   if constexpr (kTuneBuild && std::is_same_v<ElementD, cutlass::bfloat16_t>) {
     constexpr int candidates = size_of<typename Tb::Candidates>();
-    return run_index<ElementAB, ElementD, typename Tb::Candidates>(
-        index - shipped, args, alloc, ctx, err, err_len, std::make_index_sequence<candidates>{});
+    return visit_index<typename Tb::Candidates>(index - shipped, f, std::make_index_sequence<candidates>{});
   }
   std::snprintf(err, err_len, "sm90 scaled_mm: config %d is a tuning candidate, built only with "
                 "CUTLASS_W8A8_TUNE=1 and bfloat16 output", index);
   return 1;
 }
 
+// The table index args.config, or the one dispatch chooses for the shape when it is negative.
 template <class ElementAB>
-int run_ab(const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc, void* ctx, char* err, size_t err_len) {
-  const int index =
-      args.config >= 0 ? args.config : Tables<ElementAB>::select(args.m, args.n, args.k, args.sm_count);
+int config_index(const cw8a8_scaled_mm_args& args) {
+  return args.config >= 0 ? args.config : Tables<ElementAB>::select(args.m, args.n, args.k, args.sm_count);
+}
+
+// Calls f.template operator()<ElementD>() for the output type of args; an error for an unknown type.
+template <class F>
+int visit_out(const cw8a8_scaled_mm_args& args, F&& f, char* err, size_t err_len) {
   switch (args.out_type) {
     case CW8A8_OUT_BF16:
-      return run_typed<ElementAB, cutlass::bfloat16_t>(index, args, alloc, ctx, err, err_len);
+      return f(cutlass::bfloat16_t{});
     case CW8A8_OUT_F16:
-      return run_typed<ElementAB, cutlass::half_t>(index, args, alloc, ctx, err, err_len);
+      return f(cutlass::half_t{});
     default:
       std::snprintf(err, err_len, "sm90 scaled_mm: unsupported output type %d", args.out_type);
       return 1;
   }
+}
+
+template <class ElementAB>
+int run_ab(const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc, void* ctx, char* err, size_t err_len) {
+  const int index = config_index<ElementAB>(args);
+  return visit_out(args, [&](auto d) {
+    using ElementD = decltype(d);
+    return visit_typed<ElementAB, ElementD>(index, [&](auto cfg) {
+      return run_scaled_mm<ElementAB, ElementD, decltype(cfg)>(args, alloc, ctx, err, err_len);
+    }, err, err_len);
+  }, err, err_len);
+}
+
+template <class ElementAB>
+int node_ab(const cw8a8_scaled_mm_args& args, cw8a8_kernel_node* node, char* err, size_t err_len) {
+  const int index = config_index<ElementAB>(args);
+  node->config = index;
+  return visit_out(args, [&](auto d) {
+    using ElementD = decltype(d);
+    return visit_typed<ElementAB, ElementD>(index, [&](auto cfg) {
+      return scaled_mm_node<ElementAB, ElementD, decltype(cfg)>(args, node, err, err_len);
+    }, err, err_len);
+  }, err, err_len);
 }
 
 template <class ElementAB>
@@ -135,6 +155,41 @@ __attribute__((visibility("default"))) int cw8a8_sm90_scaled_mm(const cw8a8_scal
       std::snprintf(err, err_len, "sm90 scaled_mm: unsupported operand type %d", args->ab_type);
       return 1;
   }
+}
+
+__attribute__((visibility("default"))) int cw8a8_sm90_scaled_mm_node(const cw8a8_scaled_mm_args* args,
+                                                                      cw8a8_kernel_node* node,
+                                                                      cudaGraphExec_t exec,
+                                                                      cudaGraphNode_t graph_node, char* err,
+                                                                      size_t err_len) {
+  using namespace cutlass_w8a8::sm90;
+  int rc = 1;
+  switch (args->ab_type) {
+    case CW8A8_AB_INT8:
+      rc = node_ab<int8_t>(*args, node, err, err_len);
+      break;
+    case CW8A8_AB_FP8_E4M3:
+      rc = node_ab<cutlass::float_e4m3_t>(*args, node, err, err_len);
+      break;
+    default:
+      std::snprintf(err, err_len, "sm90 scaled_mm: unsupported operand type %d", args->ab_type);
+      return 1;
+  }
+  if (rc != 0 || exec == nullptr) return rc;
+  void* params[] = {node->params};
+  cudaKernelNodeParams kp{};
+  kp.func = node->func;
+  kp.gridDim = dim3(node->grid[0], node->grid[1], node->grid[2]);
+  kp.blockDim = dim3(node->block[0], node->block[1], node->block[2]);
+  kp.sharedMemBytes = static_cast<unsigned>(node->smem_bytes);
+  kp.kernelParams = params;
+  kp.extra = nullptr;
+  const cudaError_t ce = cudaGraphExecKernelNodeSetParams(exec, graph_node, &kp);
+  if (ce != cudaSuccess) {
+    std::snprintf(err, err_len, "cudaGraphExecKernelNodeSetParams: %s", cudaGetErrorString(ce));
+    return 1;
+  }
+  return 0;
 }
 
 __attribute__((visibility("default"))) int cw8a8_sm90_num_configs(int ab_type) {

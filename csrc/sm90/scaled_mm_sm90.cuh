@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdio>
+#include <cstring>
 
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
@@ -155,10 +156,9 @@ struct ScaledMmKernel {
     }
   }
 
-  static int run(const cw8a8_scaled_mm_args& p, cw8a8_alloc_fn alloc, void* alloc_ctx, char* err,
-                 size_t err_len) {
-    // Strides come from the caller's tensors, never recomputed from the shapes, so row-padded views
-    // (a slice of a wider buffer) are addressed correctly.
+  // The CUTLASS arguments of one call. Strides come from the caller's tensors, never recomputed from the
+  // shapes, so row-padded views (a slice of a wider buffer) are addressed correctly.
+  static typename Gemm::Arguments make_arguments(const cw8a8_scaled_mm_args& p) {
     const int64_t m = kSwapAB ? p.n : p.m;  // the kernel's rows
     const int64_t n = kSwapAB ? p.m : p.n;  // the kernel's columns
     auto const* ptr_a = static_cast<ElementAB const*>(kSwapAB ? p.b : p.a);
@@ -195,6 +195,48 @@ struct ScaledMmKernel {
     };
     args.hw_info.device_id = p.device;
     args.hw_info.sm_count = p.sm_count;
+    return args;
+  }
+
+  // Describes the launch `run` would make, for a CUDA-graph node update (kernel_api.h, cw8a8_kernel_node).
+  static int node(const cw8a8_scaled_mm_args& p, cw8a8_kernel_node* out, char* err, size_t err_len) {
+    using Params = typename GemmKernel::Params;
+    static_assert(sizeof(Params) <= CW8A8_NODE_PARAMS_BYTES, "CUTLASS Params larger than the node buffer");
+    typename Gemm::Arguments args = make_arguments(p);
+    cutlass::Status st = Gemm::can_implement(args);
+    if (st != cutlass::Status::kSuccess) return detail::fail(err, err_len, "CUTLASS can_implement", st);
+    if (Gemm::get_workspace_size(args) != 0) {
+      std::snprintf(err, err_len, "this config needs a workspace; its graph node cannot be updated in place");
+      return 1;
+    }
+    // The same steps as GemmUniversalAdapter::initialize + run, without the launch.
+    Params params = GemmKernel::to_underlying_arguments(args, nullptr);
+    const dim3 grid = GemmKernel::get_grid_shape(params);
+    const dim3 block = GemmKernel::get_block_shape();
+    const int smem = GemmKernel::SharedStorageSize;
+    void* func = reinterpret_cast<void*>(&cutlass::device_kernel<GemmKernel>);
+    if (smem >= (48 << 10)) {
+      cudaError_t ce = cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (ce != cudaSuccess) {
+        std::snprintf(err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(ce));
+        return 1;
+      }
+    }
+    out->func = func;
+    out->grid[0] = grid.x, out->grid[1] = grid.y, out->grid[2] = grid.z;
+    out->block[0] = block.x, out->block[1] = block.y, out->block[2] = block.z;
+    out->cluster[0] = cute::size<0>(ClusterShape{});
+    out->cluster[1] = cute::size<1>(ClusterShape{});
+    out->cluster[2] = cute::size<2>(ClusterShape{});
+    out->smem_bytes = static_cast<size_t>(smem);
+    out->params_bytes = sizeof(Params);
+    std::memcpy(out->params, &params, sizeof(Params));
+    return 0;
+  }
+
+  static int run(const cw8a8_scaled_mm_args& p, cw8a8_alloc_fn alloc, void* alloc_ctx, char* err,
+                 size_t err_len) {
+    typename Gemm::Arguments args = make_arguments(p);
 
     Gemm gemm;
     cutlass::Status st = gemm.can_implement(args);
@@ -233,6 +275,11 @@ template <class ElementAB, class ElementD, class Cfg>
 int run_scaled_mm(const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc, void* alloc_ctx, char* err,
                   size_t err_len) {
   return ScaledMmKernel<ElementAB, ElementD, Cfg>::run(args, alloc, alloc_ctx, err, err_len);
+}
+
+template <class ElementAB, class ElementD, class Cfg>
+int scaled_mm_node(const cw8a8_scaled_mm_args& args, cw8a8_kernel_node* node, char* err, size_t err_len) {
+  return ScaledMmKernel<ElementAB, ElementD, Cfg>::node(args, node, err, err_len);
 }
 
 }  // namespace cutlass_w8a8::sm90

@@ -43,4 +43,9 @@ template <class ElementAB, class ElementD, class Cfg>
 int run_scaled_mm(const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc, void* alloc_ctx, char* err,
                   size_t err_len);
 
+// Also defined there and instantiated with it: the launch run_scaled_mm would make, described for a CUDA-graph
+// node update (kernel_api.h).
+template <class ElementAB, class ElementD, class Cfg>
+int scaled_mm_node(const cw8a8_scaled_mm_args& args, cw8a8_kernel_node* node, char* err, size_t err_len);
+
 }  // namespace cutlass_w8a8::sm90

@@ -6,8 +6,8 @@ grouped-query attention and a SwiGLU MLP. One call is one decode step: every seq
 one token, its position and the cache slot (row) that holds its keys and values.
 
 Everything a step does is a fixed sequence of kernels on tensors of fixed shape: the new keys and values are
-written at device-side positions with ``index_put_``, attention is a masked softmax over the whole cache
-length with the mask computed from the positions on the device, and nothing reads a value back to the host.
+written at device-side positions with ``index_put_``, attention (`cutlass_w8a8.ops.decode_attention`) reads
+each row's positions ``0..position`` as given on the device, and nothing reads a value back to the host.
 A step can therefore be captured into a CUDA graph (`cutlass_w8a8.runner.DecodeGraphRunner`) or compiled
 with ``torch.compile(fullgraph=True)``.
 
@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..linear import W8A8Config, W8A8Linear, quantize_, quantize_activations
+from ..linear import QuantizedActivation, W8A8Config, W8A8Linear, quantize_, quantize_activations
 
 __all__ = [
     "CONFIGS",
@@ -142,16 +143,16 @@ class _StepContext(NamedTuple):
     """What every layer of one decode step shares; computed once per step from the positions and slots.
 
     - ``rope``: ``(B, head_dim // 2, 2)`` float32, ``(cos, sin)`` of each sequence's position.
-    - ``mask``: ``(B, 1, 1, max_seq_len)`` in the model dtype, 0 where ``s <= position`` else ``-inf``.
     - ``kv_index``: ``(B, 2 * num_kv_heads)`` int64, the rows of the flattened cache that receive the new
       keys (first ``num_kv_heads``) and values (last ``num_kv_heads``).
     - ``slots``: ``(B,)`` int64, the cache rows the batch reads.
+    - ``positions``: ``(B,)`` int64, each sequence's position: attention reads cache positions ``0..position``.
     """
 
     rope: torch.Tensor
-    mask: torch.Tensor
     kv_index: torch.Tensor
     slots: torch.Tensor
+    positions: torch.Tensor
 
 
 def _rope_(x: torch.Tensor, rope: torch.Tensor) -> None:
@@ -174,17 +175,51 @@ def _rope_(x: torch.Tensor, rope: torch.Tensor) -> None:
     pairs.copy_(torch.view_as_real(xc * torch.view_as_complex(rope).unsqueeze(1)))
 
 
+# Activation dtypes of the fused non-GEMM ops (cutlass_w8a8.ops.rms_norm, silu_mul, ...); other dtypes (a
+# float64 reference) take the equivalent torch chain.
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _quantized_for(linear: W8A8Linear, q: torch.Tensor, scale: torch.Tensor) -> QuantizedActivation:
+    # A static layer gets its own (1,) input_scale back (the op repeats it per row): the GEMM then runs
+    # exactly as when the layer quantizes a float input itself.
+    return QuantizedActivation(q, scale if linear.input_scale is None else linear.input_scale)
+
+
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension (``F.rms_norm``: float32 inside,
-    rounded once to the input dtype). ``weight``: ``(hidden,)``."""
+    rounded once to the input dtype). ``weight``: ``(hidden,)``.
+
+    ``forward(x, residual=None, quant_for=None)`` is one fused kernel (`cutlass_w8a8.ops.rms_norm`,
+    ``rms_norm_quant``):
+
+    - ``residual``: ``x``'s shape; first ``residual += x`` in place (vLLM's ``fused_add_rms_norm``), then the
+      norm of the sum. That is how the decoder carries its residual stream.
+    - ``quant_for``: the layer that consumes the output. A `W8A8Linear` gets a `QuantizedActivation` made in
+      the same kernel (`cutlass_w8a8.ops.rms_norm_quant` with the layer's ``quant_dtype`` and
+      ``input_scale``), equal to what the layer would make from the float output; anything else (None,
+      ``nn.Linear``, `DequantizedLinear`) gets the float output.
+    """
 
     def __init__(self, hidden: int, eps: float, device=None, dtype=None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                quant_for: Optional[nn.Module] = None) -> Union[torch.Tensor, QuantizedActivation]:
+        if x.dtype not in _FUSED_DTYPES:
+            if residual is not None:
+                residual.add_(x)
+                x = residual
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if isinstance(quant_for, W8A8Linear):
+            q, s = torch.ops.cutlass_w8a8.rms_norm_quant(x, self.weight, self.eps, quant_for.quant_dtype,
+                                                         quant_for.input_scale, residual)
+            return _quantized_for(quant_for, q, s)
+        if residual is None:
+            return torch.ops.cutlass_w8a8.rms_norm(x, self.weight, self.eps)
+        return torch.ops.cutlass_w8a8.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -195,6 +230,10 @@ class LlamaAttention(nn.Module):
 
     Buffer ``kv_cache``: ``(num_slots, 2, KVH, max_seq_len, D)`` in the model dtype (index 0 keys, 1 values),
     set by `LlamaDecoder.allocate_cache`. Query head ``h`` reads key/value head ``h // (H / KVH)``.
+
+    Attention is `cutlass_w8a8.ops.decode_attention`: each row reads positions ``0..position`` of its own slot
+    only (a CUDA kernel on the GPU; on the CPU, ``index_select`` of the slots and a masked
+    ``scaled_dot_product_attention``). It needs ``head_dim`` a multiple of 8 in [8, 256].
     """
 
     def __init__(self, config: LlamaConfig, device=None, dtype=None):
@@ -212,15 +251,23 @@ class LlamaAttention(nn.Module):
         _rope_(qkv[:, : h + kvh], ctx.rope)
         # Write this step's keys and values: one scatter of (B, 2 KVH) rows of D elements.
         self.kv_cache.view(-1, d).index_put_((ctx.kv_index,), qkv[:, h:])
-        kv = self.kv_cache.index_select(0, ctx.slots)  # (B, 2, KVH, S, D)
-        q = qkv[:, :h].unflatten(1, (kvh, h // kvh))  # (B, KVH, G, D): the G query heads of a kv head
-        out = F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=ctx.mask)
-        return self.o_proj(out.reshape(b, h * d))
+        # The query heads (a strided view of qkv) over positions 0..position of each row's slot: (B, H * D).
+        # The op itself (as W8A8Linear calls scaled_mm), whose fake kernel checks the arguments under
+        # torch.compile; the scale is SDPA's default, 1 / sqrt(D).
+        out = torch.ops.cutlass_w8a8.decode_attention(qkv[:, :h], self.kv_cache, ctx.slots, ctx.positions,
+                                                      1.0 / math.sqrt(d))
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU: ``down_proj(silu(gate) * up)`` with ``gate, up = gate_up_proj(x).chunk(2)`` (vLLM's
-    ``MergedColumnParallelLinear`` layout: the gate rows first)."""
+    ``MergedColumnParallelLinear`` layout: the gate rows first).
+
+    ``silu(gate) * up`` is one fused kernel, which also quantizes for a `W8A8Linear` ``down_proj``
+    (`cutlass_w8a8.ops.silu_mul_quant`; else `cutlass_w8a8.ops.silu_mul`), with the same result as the torch
+    chain followed by the layer's own quantization. ``x``: float ``(..., hidden)``, or a
+    `QuantizedActivation` for a `W8A8Linear` ``gate_up_proj``.
+    """
 
     def __init__(self, config: LlamaConfig, device=None, dtype=None):
         super().__init__()
@@ -229,13 +276,28 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False,
                                    device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: Union[torch.Tensor, QuantizedActivation]) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        down = self.down_proj
+        if gate_up.dtype not in _FUSED_DTYPES:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return down(F.silu(gate) * up)
+        if isinstance(down, W8A8Linear):
+            q, s = torch.ops.cutlass_w8a8.silu_mul_quant(gate_up, down.quant_dtype, down.input_scale)
+            return down(_quantized_for(down, q, s))
+        return down(torch.ops.cutlass_w8a8.silu_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``h += attn(input_layernorm(h))``; ``h += mlp(post_attention_layernorm(h))``."""
+    """Pre-norm block: ``h += attn(input_layernorm(h))``; ``h += mlp(post_attention_layernorm(h))``.
+
+    The residual stream is carried as vLLM carries it: ``forward(h, ctx, residual)`` takes the previous
+    layer's MLP output ``h`` and the stream before it, and returns ``(mlp_output, residual)``; each residual
+    add is fused into the RMSNorm that follows it (in place on ``residual``), and each norm also quantizes
+    for its W8A8 consumer (see `RMSNorm`). At the first layer ``residual`` is None and ``h`` (the embeddings)
+    becomes the stream: it is updated in place. The stream after the layer is ``mlp_output + residual``,
+    added by the next layer's (or the final) norm.
+    """
 
     def __init__(self, config: LlamaConfig, device=None, dtype=None):
         super().__init__()
@@ -244,9 +306,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.mlp = LlamaMLP(config, device, dtype)
 
-    def forward(self, h: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, ctx: _StepContext,
+                residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        qkv_proj = self.self_attn.qkv_proj
+        if residual is None:
+            residual = h
+            x = self.input_layernorm(h, quant_for=qkv_proj)
+        else:
+            x = self.input_layernorm(h, residual, quant_for=qkv_proj)  # residual += h, then the norm
+        h = self.self_attn(x, ctx)
+        x = self.post_attention_layernorm(h, residual, quant_for=self.mlp.gate_up_proj)
+        return self.mlp(x), residual
 
 
 def _quant_dtype(quant) -> Optional[torch.dtype]:
@@ -274,8 +344,9 @@ class LlamaDecoder(nn.Module):
         Number of cache slots (sequences the cache can hold). One more slot, ``scratch_slot = max_batch``,
         is kept for padded rows: a padded row writes its keys and values there and nowhere else.
     max_seq_len : int, optional
-        Cache length in tokens, a multiple of 16 (default ``min(config.max_position, 2048)``). Attention
-        reads all of it every step (masked), so the attention cost grows with it, not with the positions.
+        Cache length in tokens, a multiple of 16 (default ``min(config.max_position, 2048)``). On the GPU,
+        attention reads only positions ``0..position`` of each row, so its cost grows with the positions, not
+        with this length (the CPU reference still reads all of it, masked).
     device : torch.device or str, optional
         Where the weights, the cache and the random generator live (default: CPU).
     dtype : torch.dtype
@@ -307,8 +378,8 @@ class LlamaDecoder(nn.Module):
     step must not share a slot unless both are padding.
 
     The cache is stored per layer as ``(max_batch + 1, 2, num_kv_heads, max_seq_len, head_dim)``; a step
-    gathers the rows of its slots (one ``index_select``) and runs ``scaled_dot_product_attention`` with the
-    ``G = num_heads / num_kv_heads`` query heads of a key/value head as G queries, so no head is repeated.
+    runs `cutlass_w8a8.ops.decode_attention` on it, which reads positions ``0..position`` of each row's slot,
+    the ``G = num_heads / num_kv_heads`` query heads of a key/value head sharing it (no head is repeated).
     """
 
     def __init__(self, config: LlamaConfig, quant: Union[None, str, torch.dtype] = None, *, max_batch: int = 8,
@@ -434,11 +505,9 @@ class LlamaDecoder(nn.Module):
     def _context(self, positions: torch.Tensor, slots: torch.Tensor) -> _StepContext:
         cfg = self.config
         rope = self.rope_table.index_select(0, positions)
-        zero, neg_inf = self.mask_values[0], self.mask_values[1]
-        mask = torch.where(self.seq_index <= positions.unsqueeze(1), zero, neg_inf)  # (B, S)
         kv_index = ((slots.unsqueeze(1) * (2 * cfg.num_kv_heads) + self.head_index) * self.max_seq_len
                     + positions.unsqueeze(1))
-        return _StepContext(rope, mask[:, None, None, :], kv_index, slots)
+        return _StepContext(rope, kv_index, slots, positions)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 slots: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -467,10 +536,10 @@ class LlamaDecoder(nn.Module):
         elif slots.shape != token_ids.shape:
             raise ValueError(f"LlamaDecoder: `slots` must be (B,) = {tuple(token_ids.shape)}, got {tuple(slots.shape)}")
         ctx = self._context(positions, slots.long())
-        h = self.embed_tokens(token_ids)
+        h, residual = self.embed_tokens(token_ids), None
         for layer in self.layers:
-            h = layer(h, ctx)
-        return self.lm_head(self.norm(h))
+            h, residual = layer(h, ctx, residual)
+        return self.lm_head(self.norm(h, residual, quant_for=self.lm_head))  # residual += h, norm, head
 
     def extra_repr(self) -> str:
         c = self.config

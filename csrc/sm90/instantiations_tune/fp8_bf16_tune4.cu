@@ -5,4 +5,6 @@
 namespace cutlass_w8a8::sm90 {
 template int run_scaled_mm<cutlass::float_e4m3_t, cutlass::bfloat16_t, std::tuple_element_t<4, Fp8TuneCandidates>>(
     const cw8a8_scaled_mm_args&, cw8a8_alloc_fn, void*, char*, size_t);
+template int scaled_mm_node<cutlass::float_e4m3_t, cutlass::bfloat16_t, std::tuple_element_t<4, Fp8TuneCandidates>>(
+    const cw8a8_scaled_mm_args&, cw8a8_kernel_node*, char*, size_t);
 }  // namespace cutlass_w8a8::sm90
