@@ -18,6 +18,15 @@ graph, which would turn the eager step into a graph too. The weights, 8-16 GB, a
 every step reads them cold anyway.) Attention reads the whole cache (``--max-seq`` tokens) every step, so the
 time does not depend on the positions.
 
+HBM limit: the step time that the datasheet HBM bandwidth allows (`bench_utils.hbm_bandwidth_gbps`, from
+``torch.cuda.get_device_name()``; omitted with a note on other devices) for the bytes a step must read once:
+every weight but the embedding (of which a step reads B rows; ``lm_head`` included), plus the KV cache its
+attention reads (`kv_tokens_read`): positions ``0..position`` of each row, at the benchmark's positions
+(``--max-seq // 2``; a padded row of the bucket reads its one scratch position), where the model's attention
+is ``decode_attention``; all ``--max-seq`` positions of each row of the bucket where it is a masked attention
+over the whole cache. Activations and any gathered copy of the cache are not counted: the limit is a floor.
+Reported beside the measured time, with measured / limit.
+
 Capture: wall-clock time of capturing every bucket (1, 2, 4, then multiples of 8 up to the largest batch,
 vLLM's sizes) and the memory of the graphs' shared pool (bytes of its segments, and the change of
 ``torch.cuda.memory_reserved``).
@@ -212,8 +221,27 @@ def probe_logits(model) -> torch.Tensor:
     return logits
 
 
-def measure_model(name: str, args: argparse.Namespace, config, mods: Any, probe_ref: Optional[torch.Tensor]) -> dict:
-    """Build one model, check it, capture its graphs and time every (batch, mode); frees it on return."""
+def kv_tokens_read(models_mod: Any, batch: int, rows: int, position: int, max_seq: int) -> tuple[int, str]:
+    """Cache positions (per layer, keys and values each) that one step's attention reads, and how they were
+    counted: ``batch`` real rows at ``position`` and ``rows - batch`` padded rows (position 0, the scratch
+    slot). The model's step context says which attention it runs: one that carries the positions
+    (``decode_attention``, reading ``0..position``) or one that carries a mask over the whole cache."""
+    fields = getattr(getattr(getattr(models_mod, "llama", None), "_StepContext", None), "_fields", ())
+    if "mask" in fields and "positions" not in fields:
+        return rows * max_seq, "the whole cache of each row (masked attention over all --max-seq positions)"
+    return batch * (position + 1) + (rows - batch), "positions 0..position of each row (decode_attention)"
+
+
+def hbm_limit_ms(nbytes: int, hbm_gbps: Optional[float]) -> Optional[float]:
+    """Milliseconds to read ``nbytes`` bytes at ``hbm_gbps`` GB/s (1e9 B/s); None without a bandwidth."""
+    return nbytes / (hbm_gbps * 1e9) * 1e3 if hbm_gbps else None
+
+
+def measure_model(name: str, args: argparse.Namespace, config, mods: Any, probe_ref: Optional[torch.Tensor],
+                  hbm_gbps: Optional[float] = None) -> dict:
+    """Build one model, check it, capture its graphs and time every (batch, mode); frees it on return.
+
+    ``hbm_gbps``: datasheet HBM bandwidth (GB/s) for the HBM-limited step time of each batch (None: omitted)."""
     models, runner_mod = mods
     quant = None if name == "bf16" else name
     max_batch = max(args.batches)
@@ -224,7 +252,11 @@ def measure_model(name: str, args: argparse.Namespace, config, mods: Any, probe_
     torch.cuda.synchronize()
     result: dict[str, Any] = {"build_s": time.perf_counter() - t0, "weight_bytes": model.weight_nbytes(),
                               "weight_bytes_per_step": model.weight_nbytes(include_embedding=False),
-                              "cache_bytes": model.cache_nbytes()}
+                              "cache_bytes": model.cache_nbytes(),
+                              # one cache position (keys and values) over all layers: the cache holds
+                              # (max_batch + 1) slots, the last the scratch one, of max_seq_len positions
+                              "kv_bytes_per_position": model.cache_nbytes() // ((model.max_batch + 1)
+                                                                                 * model.max_seq_len)}
     with torch.no_grad():
         logits = probe_logits(model)  # fails here, before any capture, when the kernels are missing
         if probe_ref is not None:
@@ -260,6 +292,14 @@ def measure_model(name: str, args: argparse.Namespace, config, mods: Any, probe_
                 raise AccuracyError(f"{name} batch {b}: graph vs eager relative error {err:.3g} "
                                     f"(bound {GRAPH_EAGER_REL_TOL:g})")
             point = {"graph_equals_eager": bool(torch.equal(graph_out, eager_out)), "graph_vs_eager_rel": err}
+            # Bytes a step must read: the weights (embedding excluded) and the cache its attention reads, for
+            # the rows it runs (the bucket's width: padded rows read the scratch slot).
+            rows = runner.bucket(b) or b
+            kv_tokens, result["kv_read"] = kv_tokens_read(models, b, rows, args.max_seq // 2, args.max_seq)
+            point["rows"] = rows
+            point["kv_positions_read"] = kv_tokens
+            point["bytes_read"] = result["weight_bytes_per_step"] + kv_tokens * result["kv_bytes_per_position"]
+            point["hbm_limit_ms"] = hbm_limit_ms(point["bytes_read"], hbm_gbps)
             for mode in MODES:
                 use_graph = mode == "graph"
                 point[mode] = time_steps(lambda: runner.step(tok, pos, slots, use_graph=use_graph),
@@ -269,8 +309,11 @@ def measure_model(name: str, args: argparse.Namespace, config, mods: Any, probe_
                     use_graph = mode == "graph"
                     point[f"{mode}_kernels"] = profile_step(lambda: runner.step(tok, pos, slots, use_graph=use_graph))
             result["batches"][str(b)] = point
+            limit = point["hbm_limit_ms"]
+            limit_text = (f", HBM limit {limit:.3f} ms ({point['bytes_read'] / 1e9:.2f} GB at {hbm_gbps:.0f} GB/s; "
+                          f"graph {point['graph']['median_ms'] / limit:.2f}x of it)" if limit else "")
             print(f"  {name} batch {b}: eager {point['eager']['median_ms']:.3f} ms, "
-                  f"graph {point['graph']['median_ms']:.3f} ms", flush=True)
+                  f"graph {point['graph']['median_ms']:.3f} ms{limit_text}", flush=True)
     runner = model = None  # free the graphs, the pool and the weights before the next model
     gc.collect()
     torch.cuda.empty_cache()
@@ -280,7 +323,8 @@ def measure_model(name: str, args: argparse.Namespace, config, mods: Any, probe_
 def derive(results: dict[str, Any], copy_gbps: float) -> None:
     """Add speedups (baseline time / time) per batch, the weight-read bandwidth of each graph step (bytes of
     the weights a step reads in full, i.e. all but the embedding, / step time; GB/s = 1e9 B/s) against the
-    copy bandwidth, and the batch-1 targets."""
+    copy bandwidth, measured time / HBM-limited time (``<model>_<mode>_over_hbm_limit``, None where the
+    device's bandwidth is unknown), and the batch-1 targets."""
     models = results["models"]
 
     def t(name: str, b: int, mode: str) -> Optional[float]:
@@ -300,6 +344,10 @@ def derive(results: dict[str, Any], copy_gbps: float) -> None:
             row[f"{name}_graph_x_{name}_eager"] = ratio(t(name, b, "eager"), t(name, b, "graph"))
         row["bf16_graph_x_bf16_eager"] = ratio(t("bf16", b, "eager"), t("bf16", b, "graph"))
         for name, m in models.items():
+            limit = m["batches"][str(b)].get("hbm_limit_ms") if "batches" in m else None
+            for mode in MODES:
+                tm = t(name, b, mode)
+                row[f"{name}_{mode}_over_hbm_limit"] = tm / limit if tm is not None and limit else None
             tg = t(name, b, "graph")
             if tg is not None:
                 gbps = m["weight_bytes_per_step"] / (tg * 1e-3) / 1e9
@@ -335,6 +383,12 @@ def run(args: argparse.Namespace, cw: Any, bu: Any, mods: Any) -> dict[str, Any]
     name = torch.cuda.get_device_name()
     commit, dirty = bu.git_commit(REPO_ROOT)
     copy_gbps = bu.copy_bandwidth_gbps()
+    hbm_gbps = bu.hbm_bandwidth_gbps(name)
+    hbm_note = (f"datasheet HBM bandwidth {hbm_gbps:.0f} GB/s" if hbm_gbps else
+                f"HBM-limited step time omitted: no datasheet bandwidth known for {name!r} "
+                "(cutlass_w8a8.bench_utils.HBM_BANDWIDTH_GBPS)")
+    if not hbm_gbps:
+        print(hbm_note, flush=True)
     results: dict[str, Any] = {
         "device": name,
         "device_slug": bu.device_slug(name),
@@ -345,6 +399,8 @@ def run(args: argparse.Namespace, cw: Any, bu: Any, mods: Any) -> dict[str, Any]
         "git_commit": commit,
         "git_dirty": dirty,
         "copy_GBps": copy_gbps,
+        "hbm_GBps": hbm_gbps,
+        "hbm_note": hbm_note,
         "config": {"name": args.config, **{k: getattr(config, k) for k in (
             "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")}},
         "max_seq": args.max_seq,
@@ -359,7 +415,7 @@ def run(args: argparse.Namespace, cw: Any, bu: Any, mods: Any) -> dict[str, Any]
     for model_name in args.models:
         print(f"{model_name}: building {layers} layers", flush=True)
         try:
-            res = measure_model(model_name, args, config, mods, probe_ref)
+            res = measure_model(model_name, args, config, mods, probe_ref, hbm_gbps)
         except AccuracyError:
             raise
         except (RuntimeError, NotImplementedError) as exc:
@@ -418,6 +474,24 @@ def bandwidth_table(results: dict[str, Any]) -> str:
         rows.append(f"| {b} | " + " | ".join(
             f"{_fmt(d.get(f'{m}_graph_weight_GBps'), '.0f')} ({_fmt(d.get(f'{m}_graph_weight_GBps_over_copy'), '.2f')})"
             for m in models) + " |")
+    return "\n".join(rows)
+
+
+def hbm_table(results: dict[str, Any]) -> str:
+    """Markdown: bytes a step must read, the HBM-limited step time and measured / limit, per batch and model."""
+    models = [m for m in MODELS if m in results["models"]]
+    rows = ["| batch | " + " | ".join(f"{m} GB read | {m} limit ms | {m} graph / limit | {m} eager / limit"
+                                      for m in models) + " |",
+            "|---:|" + "---:|" * (4 * len(models))]
+    for b in results["batches"]:
+        d = results["derived"][str(b)]
+        cells = []
+        for m in models:
+            point = results["models"][m]["batches"][str(b)]
+            nbytes = point.get("bytes_read")
+            cells += [_fmt(nbytes / 1e9 if nbytes is not None else None, ".3f"), _fmt(point.get("hbm_limit_ms"), ".3f"),
+                      _fmt(d.get(f"{m}_graph_over_hbm_limit"), ".2f"), _fmt(d.get(f"{m}_eager_over_hbm_limit"), ".2f")]
+        rows.append(f"| {b} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -486,6 +560,16 @@ def render_markdown(results: dict[str, Any]) -> str:
         "## Weight-read bandwidth of the graph steps",
         "",
         bandwidth_table(results),
+        "",
+        "## HBM-limited step time",
+        "",
+        f"- {results.get('hbm_note') or 'no HBM bandwidth recorded'}. Bytes read per step: every weight but the "
+        "embedding (lm_head included) + the KV cache the step's attention reads, "
+        f"{next((m.get('kv_read') for m in results['models'].values() if m.get('kv_read')), '?')}, at the "
+        f"benchmark's positions ({results['max_seq'] // 2}), for the rows of the step's bucket, each byte once "
+        "(1 GB = 1e9 B); limit = bytes / bandwidth; measured / limit >= 1.",
+        "",
+        hbm_table(results),
         "",
         "## Kernels of one step at batch 1 (torch.profiler; busy = sum of kernel durations)",
         "",

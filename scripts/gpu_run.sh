@@ -7,10 +7,14 @@
 # STAGES is a comma list, default "build,test,demo,bench": build (clean build + editable install), reuse
 # (build only when the extension is not already built and importable: a second call on a warm machine), test
 # (pytest, the whole suite), demo (python -m cutlass_w8a8), bench (bench/bench_gemm.py --quick), bench-full
-# (every M), decoder (bench/bench_decoder.py), fuzz (scripts/fuzz.py, 1000 cases), soak (scripts/soak.py),
+# (every M), decoder (bench/bench_decoder.py), graph-update (bench/bench_graph_update.py), fuzz (scripts/fuzz.py, 1000 cases), soak (scripts/soak.py),
 # sanitize (scripts/sanitize.py; the tools in $SANITIZE_TOOLS, default all four), build-tune + tune (the sm90 tuning build and
 # bench/tune_sm90.py). Offline: the nvidia-cutlass wheel is taken from .whl/ (git-ignored; copy
 # nvidia_cutlass-4.2.0.0-py3-none-any.whl there) when cutlass_library is not importable.
+# Optional, also from .whl/ when present and not importable, outside the Python environment: a torchao wheel
+# (torchao-*.whl, installed with --target /tmp/site: bench_gemm.py's torchao columns) and Warp without its CPU
+# compiler (warp-*-cuda-only.tar.xz, untarred into /tmp/warp_pkg: tests/test_warp_cuda.py); both directories
+# go on PYTHONPATH. Without them those columns and tests are left out with a printed reason.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_run.sh OUT_DIR [STAGES]}
 STAGES=${2:-build,test,demo,bench}
@@ -60,6 +64,45 @@ if has build || has build-tune; then
   $PY -c "import cutlass_w8a8 as cw; print(cw.extension_status())" | tee -a "$OUT/summary.txt"
 fi
 
+# Optional peers for the tests and benchmarks (see the header): installed once per machine, then reused.
+if has test || has bench || has bench-full; then
+  tao_whl=$(ls .whl/torchao-*.whl 2>/dev/null | head -1)
+  if [ -z "$tao_whl" ]; then
+    stamp "torchao: no wheel in .whl/; the torchao benchmark columns are left out"
+  elif $PY -c "import torchao" >/dev/null 2>&1; then
+    stamp "torchao: already importable ($($PY -c 'import torchao; print(torchao.__version__)' 2>/dev/null | tail -1))"
+  else
+    if [ ! -d /tmp/site/torchao ]; then
+      $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$tao_whl" \
+        >"$OUT/pip_torchao.log" 2>&1 || stamp "torchao: installing $tao_whl failed (see pip_torchao.log)"
+      # the wheel also ships torchao's own tests as a top-level 'test' package, which would shadow the stdlib's
+      grep -q '^test/__init__.py,' /tmp/site/torchao-*.dist-info/RECORD 2>/dev/null && rm -rf /tmp/site/test
+    fi
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+    if ver=$($PY -c 'import torchao; print(torchao.__version__)' 2>"$OUT/torchao_import.log" | tail -1); then
+      stamp "torchao: $ver from $tao_whl (/tmp/site on PYTHONPATH)"
+    else
+      stamp "torchao: $tao_whl does not import, its columns are left out: $(tail -1 "$OUT/torchao_import.log")"
+    fi
+  fi
+  warp_tar=$(ls .whl/warp-*.tar.xz 2>/dev/null | head -1)
+  if [ -z "$warp_tar" ]; then
+    stamp "warp: no tarball in .whl/; tests/test_warp_cuda.py skips"
+  elif $PY -c "import warp" >/dev/null 2>&1; then
+    stamp "warp: already importable ($($PY -c 'import warp; print(warp.__version__)' 2>/dev/null | tail -1))"
+  else
+    if [ ! -f /tmp/warp_pkg/warp/__init__.py ]; then
+      mkdir -p /tmp/warp_pkg && tar -xJf "$warp_tar" -C /tmp/warp_pkg || stamp "warp: untarring $warp_tar failed"
+    fi
+    export PYTHONPATH="/tmp/warp_pkg:$PYTHONPATH"
+    if ver=$($PY -c 'import warp; print(warp.__version__)' 2>"$OUT/warp_import.log" | tail -1); then
+      stamp "warp: $ver from $warp_tar (/tmp/warp_pkg on PYTHONPATH)"
+    else
+      stamp "warp: $warp_tar does not import, tests/test_warp_cuda.py skips: $(tail -1 "$OUT/warp_import.log")"
+    fi
+  fi
+fi
+
 if has test; then
   t0=$(date +%s)
   $PY -m pytest tests -q -rs -p no:cacheprovider --junitxml="$OUT/junit.xml" >"$OUT/tests.log" 2>&1
@@ -98,6 +141,7 @@ run_stage() {  # name, log, command...: run, stamp rc, print the log's tail, rem
 }
 
 has decoder && run_stage decoder decoder.log $PY bench/bench_decoder.py --out "$OUT"
+has graph-update && run_stage graph-update graph_update.log $PY bench/bench_graph_update.py --out "$OUT"
 has fuzz && run_stage fuzz fuzz.log $PY scripts/fuzz.py --cases 1000 --seed 0 --dtypes int8,fp8 --max-seconds 400
 has soak && run_stage soak soak.log $PY scripts/soak.py
 if has sanitize; then
