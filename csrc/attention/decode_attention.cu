@@ -44,6 +44,7 @@
 #include "../common.hpp"
 #include "../graph_nodes.hpp"
 #include "../ops.hpp"
+#include "../quant/quant_common.cuh"
 
 namespace cutlass_w8a8 {
 namespace {
@@ -55,25 +56,7 @@ constexpr int kUnroll = 4;       // positions per group and step (loads issued b
 constexpr int kMaxHeadDim = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 
-// --- element conversions -------------------------------------------------------------------------
-
-template <class T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <class T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+// Element conversions (to_float, from_float): csrc/quant/quant_common.cuh.
 
 // 2^(m - ref), with 0 for an empty partial result (m = -inf): never (-inf) - (-inf).
 __device__ __forceinline__ float rescale(float m, float ref) { return m == -INFINITY ? 0.f : exp2f(m - ref); }

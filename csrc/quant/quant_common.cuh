@@ -1,6 +1,7 @@
-// Device helpers shared by the activation-quantization kernels (quantize.cu) and the fused
-// norm / activation + quantization kernels (fused_quant.cu): element conversions, the int8 / e4m3
-// output conversions, block reductions and the programmatic-dependent-launch trigger.
+// Device helpers shared by the activation-quantization kernels (quantize.cu), the fused norm / activation +
+// quantization kernels (fused_quant.cu) and decode attention (element conversions only): element
+// conversions, the int8 / e4m3 output conversions, block reductions and the programmatic-dependent-launch
+// trigger.
 //
 // Everything here is header-only and lives in an anonymous namespace, so each .cu file gets its own copy
 // (the kernels are templates instantiated per file anyway).
