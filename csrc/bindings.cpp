@@ -22,4 +22,5 @@ TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
   m.impl("decode_attention", &cutlass_w8a8::decode_attention);
   m.impl("decode_attention_out", &cutlass_w8a8::decode_attention_out);
   m.impl("_graph_update_scaled_mm", &cutlass_w8a8::graph_nodes::graph_update_scaled_mm);
+  m.impl("rope_kv_cache_", &cutlass_w8a8::rope_kv_cache_);
 }

@@ -37,6 +37,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, con
 void decode_attention_out(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                           const at::Tensor& slots, const at::Tensor& positions, double softmax_scale);
 
+// attention/rope_kv_cache.cu
+void rope_kv_cache_(at::Tensor& qkv, const at::Tensor& rope, at::Tensor& kv_cache, const at::Tensor& slots,
+                    const at::Tensor& positions, int64_t num_heads, int64_t num_kv_heads);
+
 // graph_nodes.cu: rebind a recorded scaled_mm node of an instantiated graph to new operands
 namespace graph_nodes {
 void graph_update_scaled_mm(int64_t graph_exec, int64_t record, const at::Tensor& out, const at::Tensor& a,

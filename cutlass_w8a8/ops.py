@@ -16,6 +16,8 @@ Ops in the ``torch.ops.cutlass_w8a8`` namespace:
 - ``silu_mul_quant(x, dtype, scale=None) -> (q, scale)``: the same, then quantized
 - ``decode_attention(q, kv_cache, slots, positions, softmax_scale) -> Tensor``
 - ``decode_attention_out(out, q, kv_cache, slots, positions, softmax_scale) -> ()``
+- ``rope_kv_cache_(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads) -> ()``: rotary embedding of
+  the q and k heads in place, then the k and v heads into the slot cache (the decoder's glue before attention)
 - ``_scaled_mm_config(out, a, b, scale_a, scale_b, bias, config) -> ()``: force a kernel config (tuning only)
 
 Use the wrappers below: they check their arguments and raise ``TypeError`` (wrong dtype) or ``ValueError``
@@ -69,6 +71,10 @@ _lib.define("decode_attention(Tensor q, Tensor kv_cache, Tensor slots, Tensor po
             "-> Tensor")
 _lib.define("decode_attention_out(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor slots, Tensor positions, "
             "float softmax_scale) -> ()")
+# The glue between the qkv projection and decode_attention (csrc/attention/rope_kv_cache.cu): rotary embedding
+# of the q and k heads in place, then the k and v heads written into the slot cache.
+_lib.define("rope_kv_cache_(Tensor(a!) qkv, Tensor rope, Tensor(b!) kv_cache, Tensor slots, Tensor positions, "
+            "int num_heads, int num_kv_heads) -> ()")
 # CUDA-graph node update (cutlass_w8a8/graphs.py, UpdatableGraph.update_scaled_mm): no CPU or fake kernel, it
 # changes an instantiated graph, not tensors
 _lib.define("_graph_update_scaled_mm(int graph_exec, int record, Tensor out, Tensor a, Tensor b, Tensor scale_a, "
@@ -492,6 +498,38 @@ def _decode_attention_reference(q, kv_cache, slots, positions, softmax_scale):
     return out.reshape(b, h * d).contiguous()
 
 
+def _rope_kv_cache_cpu(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads):
+    """The torch formulation rope_kv_cache_ replaces: neox rotation of the q and k heads as a float32 complex
+    multiply rounded once to qkv's dtype, then one index_put_ of the k and v heads into the cache."""
+    _check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads)
+    b, _, d = qkv.shape
+    if b == 0:
+        return
+    h = d // 2
+    qk = qkv[:, : num_heads + num_kv_heads]
+    pairs = qk.unflatten(-1, (2, h)).transpose(-1, -2)  # (B, N, D/2, 2): (x[j], x[j + D/2])
+    xc = torch.view_as_complex(torch.empty(pairs.shape, dtype=torch.float32).copy_(pairs))
+    pairs.copy_(torch.view_as_real(xc * torch.view_as_complex(rope.contiguous()).unsqueeze(1)))
+    s = kv_cache.shape[3]
+    heads = torch.arange(2 * num_kv_heads)
+    index = (slots.unsqueeze(1) * (2 * num_kv_heads) + heads) * s + positions.unsqueeze(1)
+    kv_cache.view(-1, d).index_put_((index,), qkv[:, num_heads:])
+
+
+def _check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads) -> None:
+    op = "rope_kv_cache_"
+    if qkv.dtype not in _ATTN_DTYPES:
+        _fail_type(op, "qkv", f"must be bfloat16, float16 or float32, got {qkv.dtype}")
+    if kv_cache.dtype != qkv.dtype:
+        _fail_type(op, "kv_cache", "must have qkv's dtype")
+    if rope.dtype != torch.float32:
+        _fail_type(op, "rope", "must be float32")
+    if qkv.dim() != 3 or qkv.shape[1] != num_heads + 2 * num_kv_heads or qkv.shape[2] % 2:
+        _fail_value(op, "qkv", f"must be (B, num_heads + 2 num_kv_heads, D), got {tuple(qkv.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[2] != num_kv_heads:
+        _fail_value(op, "kv_cache", f"must be contiguous (slots, 2, num_kv_heads, S, D), got {tuple(kv_cache.shape)}")
+
+
 def _decode_attention_cpu(q, kv_cache, slots, positions, softmax_scale):
     _check_decode_attention("decode_attention", q, kv_cache, slots, positions, softmax_scale)
     return _decode_attention_reference(q, kv_cache, slots, positions, softmax_scale)
@@ -514,6 +552,7 @@ _lib.impl("silu_mul", _silu_mul_cpu, "CPU")
 _lib.impl("silu_mul_quant", _silu_mul_quant_cpu, "CPU")
 _lib.impl("decode_attention", _decode_attention_cpu, "CPU")
 _lib.impl("decode_attention_out", _decode_attention_out_cpu, "CPU")
+_lib.impl("rope_kv_cache_", _rope_kv_cache_cpu, "CPU")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -584,6 +623,11 @@ def _silu_mul_quant_fake(x, dtype, scale=None):
         _check_static_scale("silu_mul_quant", x, scale)
     return (x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=dtype),
             x.new_empty((*x.shape[:-1], 1), dtype=torch.float32))
+
+
+@torch.library.register_fake("cutlass_w8a8::rope_kv_cache_")
+def _rope_kv_cache_fake(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads):
+    _check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads)
 
 
 @torch.library.register_fake("cutlass_w8a8::decode_attention")

@@ -248,9 +248,9 @@ class LlamaAttention(nn.Module):
         b = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(b, h + 2 * kvh, d)
-        _rope_(qkv[:, : h + kvh], ctx.rope)
-        # Write this step's keys and values: one scatter of (B, 2 KVH) rows of D elements.
-        self.kv_cache.view(-1, d).index_put_((ctx.kv_index,), qkv[:, h:])
+        # Rotary embedding of the q and k heads in place, and this step's keys and values into the cache: one
+        # row-wise kernel (on the CPU: _rope_ and one index_put_ of (B, 2 KVH) rows of D elements).
+        torch.ops.cutlass_w8a8.rope_kv_cache_(qkv, ctx.rope, self.kv_cache, ctx.slots, ctx.positions, h, kvh)
         # The query heads (a strided view of qkv) over positions 0..position of each row's slot: (B, H * D).
         # The op itself (as W8A8Linear calls scaled_mm), whose fake kernel checks the arguments under
         # torch.compile; the scale is SDPA's default, 1 / sqrt(D).

@@ -1,0 +1,123 @@
+// Rotary embedding of one decode token's query and key heads, in place, and the write of its key and value
+// heads into the slot cache: the glue between the qkv projection and decode_attention, in one row-wise
+// kernel instead of four torch kernels (the gather of the complex pairs, the multiply, the scatter back and
+// the cache's index_put_).
+//
+//   qkv (B, H + 2 KVH, D): heads ordered q, k, v (vLLM's QKVParallelLinear); rows may be padded (stride(0)).
+//   rope (B, D / 2, 2) float32: (cos, sin) of each row's position, for frequency j.
+//   Each q and k head: the "neox" rotation of the pairs (x[j], x[j + D/2]) by rope[b, j], in float32 with each
+//   product and difference rounded separately (no fused multiply-add, as a complex multiply written out), then
+//   rounded once to the element type. Then kv_cache[slot, 0, g, position] = rotated k head g and
+//   kv_cache[slot, 1, g, position] = v head g.
+//
+// Grid (B, H + 2 KVH): block (b, y) handles head y of row b only, so the grid is row-wise (csrc/graph_nodes.hpp).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../common.hpp"
+#include "../graph_nodes.hpp"
+#include "../ops.hpp"
+#include "../quant/quant_common.cuh"
+
+namespace cutlass_w8a8 {
+namespace {
+
+constexpr const char* kOp = "rope_kv_cache_";
+
+template <class T>
+__global__ void rope_kv_cache_kernel(T* __restrict__ qkv, int64_t qkv_row_stride, const float* __restrict__ rope,
+                                     T* __restrict__ cache, const int64_t* __restrict__ slots, int64_t slots_stride,
+                                     const int64_t* __restrict__ positions, int64_t positions_stride, int heads,
+                                     int kv_heads, int head_dim, int64_t seq_len, int64_t num_slots) {
+  const int64_t b = blockIdx.x;
+  const int y = blockIdx.y;
+  const int half = head_dim / 2;
+  T* x = qkv + b * qkv_row_stride + static_cast<int64_t>(y) * head_dim;
+  // Out-of-range slots and positions (the caller's duty, unchecked on the device) are clamped, as
+  // decode_attention does: a wrong row, never a write outside the cache.
+  const int64_t slot = min(max(slots[b * slots_stride], int64_t{0}), num_slots - 1);
+  const int64_t pos = min(max(positions[b * positions_stride], int64_t{0}), seq_len - 1);
+  // cache row of (slot, which, g, pos): ((slot * 2 + which) * KVH + g) * S + pos
+  auto cache_row = [&](int which, int g) {
+    return cache + (((slot * 2 + which) * kv_heads + g) * seq_len + pos) * head_dim;
+  };
+  if (y >= heads + kv_heads) {  // a value head: copy
+    T* dst = cache_row(1, y - heads - kv_heads);
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) dst[i] = x[i];
+    return;
+  }
+  const float* r = rope + b * static_cast<int64_t>(half) * 2;
+  T* dst = y >= heads ? cache_row(0, y - heads) : nullptr;
+  for (int j = threadIdx.x; j < half; j += blockDim.x) {
+    const float c = r[2 * j], s = r[2 * j + 1];
+    const float x1 = to_float(x[j]), x2 = to_float(x[j + half]);
+    const T o1 = from_float<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+    const T o2 = from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+    x[j] = o1;
+    x[j + half] = o2;
+    if (dst != nullptr) {
+      dst[j] = o1;
+      dst[j + half] = o2;
+    }
+  }
+}
+
+}  // namespace
+
+void rope_kv_cache_(at::Tensor& qkv, const at::Tensor& rope, at::Tensor& kv_cache, const at::Tensor& slots,
+                    const at::Tensor& positions, int64_t num_heads, int64_t num_kv_heads) {
+  const auto dt = qkv.scalar_type();
+  CW8A8_CHECK_TYPE(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat, kOp, "qkv",
+                   "must be bfloat16, float16 or float32, got ", c10::toString(dt));
+  CW8A8_CHECK_TYPE(kv_cache.scalar_type() == dt, kOp, "kv_cache", "must have qkv's dtype");
+  CW8A8_CHECK_TYPE(rope.scalar_type() == at::kFloat, kOp, "rope", "must be float32");
+  CW8A8_CHECK_TYPE(slots.scalar_type() == at::kLong, kOp, "slots", "must be int64");
+  CW8A8_CHECK_TYPE(positions.scalar_type() == at::kLong, kOp, "positions", "must be int64");
+  CW8A8_CHECK_VALUE(qkv.is_cuda(), kOp, "qkv", "must be a CUDA tensor");
+  const bool one_device = rope.device() == qkv.device() && kv_cache.device() == qkv.device() &&
+                          slots.device() == qkv.device() && positions.device() == qkv.device();
+  CW8A8_CHECK_VALUE(one_device, kOp, "qkv", "and `rope`, `kv_cache`, `slots`, `positions` must be on one device");
+  CW8A8_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0, kOp, "num_heads", "and `num_kv_heads` must be positive");
+  CW8A8_CHECK_VALUE(qkv.dim() == 3 && qkv.size(1) == num_heads + 2 * num_kv_heads, kOp, "qkv",
+                    "must be (B, num_heads + 2 num_kv_heads, D), got ", qkv.sizes());
+  const int64_t b = qkv.size(0), d = qkv.size(2);
+  CW8A8_CHECK_VALUE(d >= 2 && d % 2 == 0 && qkv.stride(2) == 1 && qkv.stride(1) == d, kOp, "qkv",
+                    "must have contiguous heads of even D (strides (*, D, 1)), got strides ", qkv.strides());
+  CW8A8_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.size(2) == num_kv_heads &&
+                        kv_cache.size(4) == d && kv_cache.is_contiguous(),
+                    kOp, "kv_cache", "must be contiguous (slots, 2, num_kv_heads, S, D), got ", kv_cache.sizes());
+  CW8A8_CHECK_VALUE(rope.dim() == 3 && rope.size(0) == b && rope.size(1) == d / 2 && rope.size(2) == 2 &&
+                        rope.is_contiguous(),
+                    kOp, "rope", "must be contiguous (B, D / 2, 2), got ", rope.sizes());
+  CW8A8_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == b, kOp, "slots", "must be (B,), got ", slots.sizes());
+  CW8A8_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == b, kOp, "positions", "must be (B,), got ",
+                    positions.sizes());
+  CW8A8_CHECK_VALUE(kv_cache.size(0) > 0 && kv_cache.size(3) > 0, kOp, "kv_cache", "must not be empty");
+  if (b == 0) return;
+  c10::cuda::CUDAGuard guard(qkv.device());
+  cudaStream_t stream = current_stream(qkv);
+  const dim3 grid(static_cast<unsigned>(b), static_cast<unsigned>(num_heads + 2 * num_kv_heads));
+  const int threads = static_cast<int>(std::min<int64_t>(std::max<int64_t>(d / 2, 32), 256));
+  auto launch = [&](auto tag) {
+    using T = decltype(tag);
+    rope_kv_cache_kernel<T><<<grid, threads, 0, stream>>>(
+        reinterpret_cast<T*>(qkv.data_ptr()), qkv.stride(0), rope.data_ptr<float>(),
+        reinterpret_cast<T*>(kv_cache.data_ptr()), slots.data_ptr<int64_t>(), slots.stride(0),
+        positions.data_ptr<int64_t>(), positions.stride(0), static_cast<int>(num_heads),
+        static_cast<int>(num_kv_heads), static_cast<int>(d), kv_cache.size(3), kv_cache.size(0));
+  };
+  if (dt == at::kBFloat16) {
+    launch(__nv_bfloat16{});
+  } else if (dt == at::kHalf) {
+    launch(__half{});
+  } else {
+    launch(float{});
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  graph_nodes::note_rowwise_launch(stream, b, "rope_kv_cache_");
+}
+
+}  // namespace cutlass_w8a8
