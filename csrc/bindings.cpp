@@ -12,6 +12,10 @@ TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
   m.impl("scaled_mm", &cutlass_w8a8::scaled_mm);
   m.impl("scaled_mm_out", &cutlass_w8a8::scaled_mm_out);
   m.impl("_scaled_mm_config", &cutlass_w8a8::scaled_mm_config_out);
+  m.impl("scaled_mm_decode", &cutlass_w8a8::scaled_mm_decode);
+  m.impl("scaled_mm_decode_out", &cutlass_w8a8::scaled_mm_decode_out);
+  m.impl("linear_decode", &cutlass_w8a8::linear_decode);
+  m.impl("linear_decode_out", &cutlass_w8a8::linear_decode_out);
   m.impl("quantize_per_token", &cutlass_w8a8::quantize_per_token);
   m.impl("quantize_per_tensor", &cutlass_w8a8::quantize_per_tensor);
   m.impl("rms_norm", &cutlass_w8a8::rms_norm);

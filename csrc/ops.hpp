@@ -17,6 +17,18 @@ void scaled_mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, co
 void scaled_mm_config_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                           const at::Tensor& scale_b, const std::optional<at::Tensor>& bias, int64_t config);
 
+// decode/scaled_mm_decode.cu: M <= 16 GEMMs that stream the weights with every SM busy; linear_decode also
+// quantizes x per token inside the kernel
+at::Tensor scaled_mm_decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                            const at::Tensor& scale_b, at::ScalarType out_dtype,
+                            const std::optional<at::Tensor>& bias);
+void scaled_mm_decode_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                          const at::Tensor& scale_b, const std::optional<at::Tensor>& bias);
+at::Tensor linear_decode(const at::Tensor& x, const at::Tensor& b, const at::Tensor& scale_b,
+                         const std::optional<at::Tensor>& bias, at::ScalarType dtype);
+void linear_decode_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& b, const at::Tensor& scale_b,
+                       const std::optional<at::Tensor>& bias, at::ScalarType dtype);
+
 // quant/quantize.cu
 std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, at::ScalarType dtype);
 at::Tensor quantize_per_tensor(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype);

@@ -17,6 +17,7 @@ _ext._load()
 from ._ext import cuda_ops_available, extension_status, pdl_enabled, set_pdl  # noqa: E402
 from .ops import INT8_MAX_K, decode_attention, quantize_fp8, quantize_int8, scaled_mm, supports_fp8  # noqa: E402
 from .ops import rms_norm, rms_norm_quant, silu_mul, silu_mul_quant  # noqa: E402
+from .ops import DECODE_MAX_M, linear_decode, scaled_mm_decode  # noqa: E402
 from .linear import QuantizedActivation, W8A8Config, W8A8Linear, quantize_  # noqa: E402
 from . import graphs, models, runner  # noqa: E402
 
@@ -24,6 +25,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "scaled_mm",
+    "scaled_mm_decode",
+    "linear_decode",
+    "DECODE_MAX_M",
     "quantize_int8",
     "quantize_fp8",
     "decode_attention",

@@ -19,6 +19,10 @@ Ops in the ``torch.ops.cutlass_w8a8`` namespace:
 - ``rope_kv_cache_(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads) -> ()``: rotary embedding of
   the q and k heads in place, then the k and v heads into the slot cache (the decoder's glue before attention)
 - ``_scaled_mm_config(out, a, b, scale_a, scale_b, bias, config) -> ()``: force a kernel config (tuning only)
+- ``scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor``: ``scaled_mm`` for M <= 16
+- ``scaled_mm_decode_out(out, a, b, scale_a, scale_b, bias=None) -> ()``
+- ``linear_decode(x, b, scale_b, bias, dtype) -> Tensor``: per-token quantization of x and the GEMM, one kernel
+- ``linear_decode_out(out, x, b, scale_b, bias, dtype) -> ()``
 
 Use the wrappers below: they check their arguments and raise ``TypeError`` (wrong dtype) or ``ValueError``
 (wrong shape, layout, device or value) naming the argument. The C++ side repeats the checks, so direct
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 from . import _ext
 
 __all__ = ["scaled_mm", "quantize_int8", "quantize_fp8", "supports_fp8", "INT8_MAX_K", "decode_attention",
+           "scaled_mm_decode", "linear_decode", "DECODE_MAX_M",
            "rms_norm", "rms_norm_quant", "silu_mul", "silu_mul_quant"]
 
 # int8 products are at most 128 * 128 = 2**14 in magnitude, so an int32 sum of K of them cannot overflow
@@ -56,6 +61,14 @@ _lib.define("scaled_mm_out(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, T
             "Tensor? bias=None) -> ()")
 _lib.define("_scaled_mm_config(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
             "Tensor? bias, int config) -> ()")
+# Decode GEMMs, M <= 16 (csrc/decode/scaled_mm_decode.cu)
+_lib.define("scaled_mm_decode(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, "
+            "Tensor? bias=None) -> Tensor")
+_lib.define("scaled_mm_decode_out(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
+            "Tensor? bias=None) -> ()")
+_lib.define("linear_decode(Tensor x, Tensor b, Tensor scale_b, Tensor? bias, ScalarType dtype) -> Tensor")
+_lib.define("linear_decode_out(Tensor(a!) out, Tensor x, Tensor b, Tensor scale_b, Tensor? bias, "
+            "ScalarType dtype) -> ()")
 _lib.define("quantize_per_token(Tensor x, ScalarType dtype) -> (Tensor, Tensor)")
 _lib.define("quantize_per_tensor(Tensor x, Tensor scale, ScalarType dtype) -> Tensor")
 # Fused non-GEMM steps of a decoder layer (csrc/quant/fused_quant.cu); `residual` is updated in place.
@@ -1059,6 +1072,336 @@ def decode_attention(
     if out is None:
         return torch.ops.cutlass_w8a8.decode_attention(q, kv_cache, slots, positions, softmax_scale)
     torch.ops.cutlass_w8a8.decode_attention_out(out, q, kv_cache, slots, positions, softmax_scale)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# decode GEMMs (M <= 16): scaled_mm_decode and linear_decode (csrc/decode/scaled_mm_decode.cu)
+
+DECODE_MAX_M = 16  # tokens (rows of a / x) the decode kernels serve: two mma token tiles of 8
+_DECODE_MAX_K = 2**30  # K byte offsets are 32-bit in the decode kernels
+_DECODE_X_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_decode_m(op: str, arg: str, m: int) -> None:
+    if not 1 <= m <= DECODE_MAX_M:
+        _fail_value(op, arg, f"M = {arg}.shape[0] must be in [1, {DECODE_MAX_M}] (decode sizes; scaled_mm serves "
+                    f"any M), got {m}")
+
+
+def _check_scaled_mm_decode(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None) -> None:
+    """scaled_mm's checks, then M in [1, 16] and K <= 2**30."""
+    _check_scaled_mm(op, a, b, scale_a, scale_b, out_dtype, bias, out)
+    _check_decode_m(op, "a", a.shape[0])
+    if a.shape[1] > _DECODE_MAX_K:
+        _fail_value(op, "a", f"K = {a.shape[1]} must be at most 2**30")
+
+
+def _check_linear_decode(op: str, x, b, scale_b, bias, dtype, out=None) -> None:
+    """The checks of csrc/decode/scaled_mm_decode.cu's linear_decode_out, in its order and wording."""
+    for name, t in (("x", x), ("b", b), ("scale_b", scale_b)):
+        if not isinstance(t, torch.Tensor):
+            _fail_type(op, name, f"must be a torch.Tensor, got {type(t).__name__}")
+    if out is not None and not isinstance(out, torch.Tensor):
+        _fail_type(op, "out", f"must be a torch.Tensor or None, got {type(out).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        _fail_type(op, "bias", f"must be a torch.Tensor or None, got {type(bias).__name__}")
+    # dtypes
+    if x.dtype not in _DECODE_X_DTYPES:
+        _fail_type(op, "x", f"must be bfloat16 or float16, got {x.dtype}")
+    if dtype not in _AB_DTYPES:
+        _fail_type(op, "dtype", f"must be torch.int8 or torch.float8_e4m3fn, got {dtype}")
+    if b.dtype != dtype:
+        _fail_type(op, "b", f"must have the quantized dtype {dtype}, got {b.dtype}")
+    if scale_b.dtype != torch.float32:
+        _fail_type(op, "scale_b", f"must be float32, got {scale_b.dtype}")
+    if out is not None and out.dtype != x.dtype:
+        _fail_type(op, "out", f"must have x's dtype {x.dtype}, got {out.dtype}")
+    if bias is not None and bias.dtype != x.dtype:
+        _fail_type(op, "bias", f"must have x's dtype {x.dtype}, got {bias.dtype}")
+    # devices
+    others = [("b", b), ("scale_b", scale_b)] + ([("out", out)] if out is not None else []) + \
+        ([("bias", bias)] if bias is not None else [])
+    for name, t in others:
+        if t.device != x.device:
+            _fail_value(op, name, f"is on {t.device} but `x` is on {x.device}")
+    # shapes
+    if x.dim() != 2:
+        _fail_value(op, "x", f"must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if b.dim() != 2:
+        _fail_value(op, "b", f"must be 2-D [K, N], got shape {tuple(b.shape)}")
+    m, k = x.shape
+    n = b.shape[1]
+    if b.shape[0] != k:
+        _fail_value(op, "b", f"must be [K, N] with K = x.shape[1] = {k}, got shape {tuple(b.shape)}")
+    _check_decode_m(op, "x", m)
+    if k <= 0 or k % 16 != 0:
+        _fail_value(op, "x", f"K = x.shape[1] must be a positive multiple of 16, got {k}")
+    if n <= 0 or n % 16 != 0:
+        _fail_value(op, "b", f"N = b.shape[1] must be a positive multiple of 16, got {n}")
+    if b.dtype == torch.int8 and k > INT8_MAX_K:
+        _fail_value(op, "x", f"K = {k} can overflow the int32 accumulator; int8 needs K <= {INT8_MAX_K}")
+    if k > _DECODE_MAX_K:
+        _fail_value(op, "x", f"K = {k} must be at most 2**30")
+    if not (scale_b.numel() == 1 or tuple(scale_b.shape) in ((n,), (1, n))):
+        _fail_value(op, "scale_b", f"must be [1] (per-tensor), [N] or [1, N] (per-channel) with N = {n}, "
+                    f"got shape {tuple(scale_b.shape)}")
+    if not scale_b.is_contiguous():
+        _fail_value(op, "scale_b", "must be contiguous")
+    if bias is not None:
+        if tuple(bias.shape) != (n,):
+            _fail_value(op, "bias", f"must be [N] with N = {n}, got shape {tuple(bias.shape)}")
+        if not bias.is_contiguous():
+            _fail_value(op, "bias", "must be contiguous")
+    # layouts: b as scaled_mm's; x read with 16-byte loads
+    if b.stride(0) != 1:
+        _fail_value(op, "b", "must be column-major [K, N] (the transpose of a row-major [N, K] weight, "
+                    f"stride(0) == 1), got strides {b.stride()}")
+    if b.stride(1) < k:
+        _fail_value(op, "b", f"columns overlap: stride(1) = {b.stride(1)} < K = {k}")
+    if b.stride(1) % 16 != 0:
+        _fail_value(op, "b", f"stride(1) must be a multiple of 16 elements, got {b.stride(1)}")
+    if _misaligned(b, 16):
+        _fail_value(op, "b", f"data must be 16-byte aligned (storage offset {b.storage_offset()})")
+    if x.stride(1) != 1:
+        _fail_value(op, "x", f"must be row-major (stride(1) == 1), got strides {x.stride()}")
+    if m > 1 and x.stride(0) < k:
+        _fail_value(op, "x", f"rows overlap: stride(0) = {x.stride(0)} < K = {k}")
+    if m > 1 and x.stride(0) % 8 != 0:
+        _fail_value(op, "x", f"stride(0) must be a multiple of 8 elements, got {x.stride(0)}")
+    if _misaligned(x, 16):
+        _fail_value(op, "x", f"data must be 16-byte aligned (storage offset {x.storage_offset()})")
+    if out is not None:
+        if tuple(out.shape) != (m, n):
+            _fail_value(op, "out", f"must be [M, N] = [{m}, {n}], got shape {tuple(out.shape)}")
+        if out.stride(1) != 1:
+            _fail_value(op, "out", f"must be row-major (stride(1) == 1), got strides {out.stride()}")
+        if m > 1 and out.stride(0) < n:
+            _fail_value(op, "out", f"rows overlap: stride(0) = {out.stride(0)} < N = {n}")
+        if m > 1 and out.stride(0) % 8 != 0:
+            _fail_value(op, "out", f"stride(0) must be a multiple of 8 elements, got {out.stride(0)}")
+        if _misaligned(out, 16):
+            _fail_value(op, "out", f"data must be 16-byte aligned (storage offset {out.storage_offset()})")
+
+
+# CPU implementations: scaled_mm's reference math, and for linear_decode the CPU per-token quantization first
+# (the CUDA kernel equals quantize_per_token followed by scaled_mm_decode bit for bit; on the CPU that chain is
+# the definition).
+
+
+def _linear_decode_reference(x, b, scale_b, bias, dtype):
+    q, scale = _quantize_per_token_cpu(x, dtype)
+    return _scaled_mm_reference(q, b, scale, scale_b, x.dtype, bias)
+
+
+def _scaled_mm_decode_cpu(a, b, scale_a, scale_b, out_dtype, bias=None):
+    _check_scaled_mm_decode("scaled_mm_decode", a, b, scale_a, scale_b, out_dtype, bias)
+    return _scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias)
+
+
+def _scaled_mm_decode_out_cpu(out, a, b, scale_a, scale_b, bias=None):
+    _check_scaled_mm_decode("scaled_mm_decode", a, b, scale_a, scale_b, out.dtype, bias, out)
+    out.copy_(_scaled_mm_reference(a, b, scale_a, scale_b, out.dtype, bias))
+
+
+def _linear_decode_cpu(x, b, scale_b, bias, dtype):
+    _check_linear_decode("linear_decode", x, b, scale_b, bias, dtype)
+    return _linear_decode_reference(x, b, scale_b, bias, dtype)
+
+
+def _linear_decode_out_cpu(out, x, b, scale_b, bias, dtype):
+    _check_linear_decode("linear_decode", x, b, scale_b, bias, dtype, out)
+    out.copy_(_linear_decode_reference(x, b, scale_b, bias, dtype))
+
+
+_lib.impl("scaled_mm_decode", _scaled_mm_decode_cpu, "CPU")
+_lib.impl("scaled_mm_decode_out", _scaled_mm_decode_out_cpu, "CPU")
+_lib.impl("linear_decode", _linear_decode_cpu, "CPU")
+_lib.impl("linear_decode_out", _linear_decode_out_cpu, "CPU")
+
+
+@torch.library.register_fake("cutlass_w8a8::scaled_mm_decode")
+def _scaled_mm_decode_fake(a, b, scale_a, scale_b, out_dtype, bias=None):
+    _check_scaled_mm_decode("scaled_mm_decode", a, b, scale_a, scale_b, out_dtype, bias)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.register_fake("cutlass_w8a8::scaled_mm_decode_out")
+def _scaled_mm_decode_out_fake(out, a, b, scale_a, scale_b, bias=None):
+    _check_scaled_mm_decode("scaled_mm_decode", a, b, scale_a, scale_b, out.dtype, bias, out)
+
+
+@torch.library.register_fake("cutlass_w8a8::linear_decode")
+def _linear_decode_fake(x, b, scale_b, bias, dtype):
+    _check_linear_decode("linear_decode", x, b, scale_b, bias, dtype)
+    return x.new_empty((x.shape[0], b.shape[1]))
+
+
+@torch.library.register_fake("cutlass_w8a8::linear_decode_out")
+def _linear_decode_out_fake(out, x, b, scale_b, bias, dtype):
+    _check_linear_decode("linear_decode", x, b, scale_b, bias, dtype, out)
+
+
+def scaled_mm_decode(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """:func:`scaled_mm` for decode batches (M <= 16), written to stream the weights at the memory limit.
+
+    Computes ``D = scale_a * scale_b * (A @ B) + bias`` exactly as :func:`scaled_mm` does: the products
+    accumulate exactly in int32 (int8) or in float32 (float8_e4m3fn), then
+    ``D = round(scale_a[m] * (scale_b[n] * float(acc)) + bias[n])`` in float32 with one rounding to
+    ``out_dtype`` (csrc/EPILOGUES.md). For int8 the result therefore equals :func:`scaled_mm`'s bit for bit.
+    At M <= 16 a GEMM is a stream of the ``N x K`` weight bytes; this kernel keeps every SM streaming (N / 16
+    thread blocks of 8 warps, split along K when that is fewer than the SMs) where the CUTLASS kernels behind
+    :func:`scaled_mm` run 64 to 96 tiles. Which one a model should call at which shape is for the caller to
+    decide from ``bench/bench_decode_gemm.py``.
+
+    Parameters
+    ----------
+    a : torch.Tensor
+        ``(M, K)`` with ``1 <= M <= 16``, int8 or float8_e4m3fn, row-major (``stride(1) == 1``); rows may be
+        padded (``stride(0) >= K``, a multiple of 16 elements, e.g. a slice of a wider buffer).
+    b : torch.Tensor
+        ``(K, N)``, ``a``'s dtype, column-major: the ``(N, K)`` row-major weight passed as ``weight.t()``
+        (``stride(1)``, the weight's row pitch, a multiple of 16 and at least K; a column slice of a wider
+        weight is fine). K and N positive multiples of 16 (K need not be a multiple of 64); int8 needs
+        ``K <= INT8_MAX_K`` (131056), any dtype ``K <= 2**30``.
+    scale_a : torch.Tensor
+        float32, ``(1,)`` per-tensor or ``(M, 1)`` / ``(M,)`` per-token, contiguous.
+    scale_b : torch.Tensor
+        float32, ``(1,)`` per-tensor or ``(N,)`` / ``(1, N)`` per-channel, contiguous.
+    out_dtype : torch.dtype
+        ``torch.bfloat16`` (default) or ``torch.float16``; ignored when ``out`` is given.
+    bias : torch.Tensor, optional
+        ``(N,)`` in the output dtype, contiguous.
+    out : torch.Tensor, optional
+        ``(M, N)`` row-major destination (``stride(0)`` a multiple of 8 when M > 1, 16-byte aligned), written
+        in place and returned.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(M, N)`` in the output dtype, on ``a``'s device.
+
+    Raises
+    ------
+    TypeError
+        A dtype is wrong (``a``, ``b``, scales, ``bias``, ``out_dtype``, ``out``) or an argument is not a tensor.
+    ValueError
+        M outside [1, 16], or a shape, layout, alignment or device :func:`scaled_mm` rejects; the message names
+        the argument.
+    RuntimeError
+        CUDA tensors were given but the CUDA extension is not built.
+    NotImplementedError
+        int8 on a GPU below compute capability 8.0, float8_e4m3fn below 8.9.
+
+    Notes
+    -----
+    Kernel (csrc/decode/scaled_mm_decode.cu, csrc/decode/README.md): tensor-core ``mma.sync`` with 16 weight rows
+    on the MMA's M and up to 8 tokens on its N (two token tiles for M > 8). The fragment layouts are those of the
+    PTX ISA, "Matrix Fragments for mma.m16n8k32" (int8, and e4m3 on sm89) and "mma.m16n8k16" (f16, on sm90,
+    where e4m3 pairs are converted to f16 exactly first): thread ``(g, t) = (lane / 4, lane % 4)`` holds 16
+    contiguous K bytes of weight rows ``g`` and ``g + 8`` and of token ``g``; one 128-bit load each, since a dot
+    product is unchanged when the same permutation of K is applied to both operands. The grid depends on N, K
+    and the SM count only, and M is the kernel's first parameter, so the node of a captured CUDA graph follows
+    ``UpdatableGraph.set_rows``. One launch (two when K is split), on the current stream, no host
+    synchronization; a split-K workspace comes from the torch caching allocator. On sm90 with PDL on
+    (:func:`cutlass_w8a8.set_pdl`) the kernel is launched with programmatic dependent launch and waits on
+    ``griddepcontrol.wait`` before reading its inputs.
+
+    fp8 accumulates in float32 tensor-core accumulators in another order than :func:`scaled_mm`'s kernels, so
+    fp8 results agree with it to the accumulation bound of csrc/EPILOGUES.md, not bit for bit.
+
+    Examples
+    --------
+    >>> x_q, x_s = quantize_int8(x)                  # x: (4, K) bf16 -> per-token int8
+    >>> y = scaled_mm_decode(x_q, w_q.t(), x_s, w_s, torch.bfloat16, bias)
+    """
+    dtype = out.dtype if out is not None else out_dtype
+    _check_scaled_mm_decode("scaled_mm_decode", a, b, scale_a, scale_b, dtype, bias, out)
+    if a.is_cuda:
+        _ext.require_cuda_ops("scaled_mm_decode")
+    if out is None:
+        return torch.ops.cutlass_w8a8.scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias)
+    torch.ops.cutlass_w8a8.scaled_mm_decode_out(out, a, b, scale_a, scale_b, bias)
+    return out
+
+
+def linear_decode(
+    x: torch.Tensor,
+    b: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    dtype: Optional[torch.dtype] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """A W8A8 linear for M <= 16 in one kernel: dynamic per-token quantization of ``x`` and the GEMM.
+
+    Equal bit for bit to ``scaled_mm_decode(*quantize_per_token(x, dtype), b, scale_b, x.dtype, bias)``:
+    every thread block computes each row's scale ``max_k |x[m, k]| / QMAX`` (QMAX 127 for int8, 448 for e4m3;
+    float32, IEEE division, 0 for a row of zeros) and quantizes ``q = sat(round_half_even(x / scale))``
+    exactly as :func:`quantize_int8` / :func:`quantize_fp8` do, then runs :func:`scaled_mm_decode`'s main loop
+    and epilogue with ``scale_a = scale``. It saves the quantization kernel's launch and its round trip through
+    memory, at the price of every thread block reading the ``M x K`` activations from L2 and repeating the
+    ``M x K`` divisions: it wins at small M and loses at larger M (csrc/decode/README.md, "Crossover";
+    ``bench/bench_decode_gemm.py`` measures it). The caller chooses.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(M, K)`` with ``1 <= M <= 16``, bfloat16 or float16, row-major (``stride(1) == 1``), ``stride(0)`` a
+        multiple of 8 elements when M > 1, 16-byte aligned. The output has ``x``'s dtype.
+    b : torch.Tensor
+        ``(K, N)`` weight in ``dtype``, column-major (``weight.t()`` of the ``(N, K)`` row-major weight); as in
+        :func:`scaled_mm_decode`.
+    scale_b : torch.Tensor
+        float32, ``(1,)`` per-tensor or ``(N,)`` / ``(1, N)`` per-channel, contiguous.
+    bias : torch.Tensor, optional
+        ``(N,)`` in ``x``'s dtype, contiguous.
+    dtype : torch.dtype, optional
+        The quantized type, ``torch.int8`` or ``torch.float8_e4m3fn``; must be ``b``'s dtype. Default:
+        ``b.dtype``.
+    out : torch.Tensor, optional
+        ``(M, N)`` row-major destination in ``x``'s dtype, written in place and returned.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(M, N)`` in ``x``'s dtype.
+
+    Raises
+    ------
+    TypeError
+        ``x`` not bfloat16 / float16, ``dtype`` not int8 / float8_e4m3fn or not ``b``'s dtype, ``scale_b`` not
+        float32, ``bias`` / ``out`` not in ``x``'s dtype, or an argument that is not a tensor.
+    ValueError
+        M outside [1, 16], or a wrong shape, layout, alignment or device; the message names the argument.
+    RuntimeError
+        CUDA tensors were given but the CUDA extension is not built.
+    NotImplementedError
+        int8 below compute capability 8.0, float8_e4m3fn below 8.9.
+
+    Notes
+    -----
+    Non-finite values in ``x`` give unspecified results for their row, as in the quantization ops. The CPU
+    implementation is the CPU chain ``quantize_per_token`` -> ``scaled_mm`` reference.
+    """
+    if dtype is None and isinstance(b, torch.Tensor):
+        dtype = b.dtype
+    _check_linear_decode("linear_decode", x, b, scale_b, bias, dtype, out)
+    if x.is_cuda:
+        _ext.require_cuda_ops("linear_decode")
+    if out is None:
+        return torch.ops.cutlass_w8a8.linear_decode(x, b, scale_b, bias, dtype)
+    torch.ops.cutlass_w8a8.linear_decode_out(out, x, b, scale_b, bias, dtype)
     return out
 
 

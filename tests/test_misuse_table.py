@@ -304,6 +304,62 @@ CUDA_TRIGGERS.update({
 })
 
 
+# ---- scaled_mm_decode, linear_decode ------------------------------------------------------------------------
+
+
+def decode_mm(device="cpu", **change):
+    """cw.scaled_mm_decode on legal operands (M = 4) with `change` applied."""
+    kw = operands(device)
+    for key, v in change.items():
+        kw[key] = v(kw) if callable(v) else v
+    return cw.scaled_mm_decode(kw["a"], kw["b"], kw["scale_a"], kw["scale_b"], kw["out_dtype"], kw["bias"])
+
+
+def decode_lin(device="cpu", **change):
+    """cw.linear_decode on legal arguments: x (4, 64) bf16, int8 w (32, 64), sb (32,), bf16 bias."""
+    kw = operands(device)
+    kw = dict(x=torch.zeros(4, 64, dtype=torch.bfloat16, device=device), b=kw["b"], scale_b=kw["scale_b"],
+              bias=kw["bias"], dtype=None, out=None)
+    for key, v in change.items():
+        kw[key] = v(kw) if callable(v) else v
+    return cw.linear_decode(kw["x"], kw["b"], kw["scale_b"], kw["bias"], kw["dtype"], out=kw["out"])
+
+
+def _decode_k_too_large():
+    k = 2**30 + 16
+    one = torch.ones(1, device="meta")
+    return cw.scaled_mm_decode(torch.empty(1, k, dtype=torch.float8_e4m3fn, device="meta"),
+                               torch.empty(16, k, dtype=torch.float8_e4m3fn, device="meta").t(), one, one)
+
+
+CPU_TRIGGERS.update({
+    "decode-m-range": lambda: decode_mm(a=torch.zeros(17, 64, dtype=torch.int8), scale_a=torch.ones(1)),
+    "decode-b-row-major": lambda: decode_mm(b=lambda kw: kw["b"].contiguous()),
+    "decode-k-too-large": _decode_k_too_large,
+    "linear-decode-x-dtype": lambda: decode_lin(x=torch.zeros(4, 64)),
+    "linear-decode-dtype": lambda: decode_lin(dtype=torch.float16),
+    "linear-decode-b-dtype": lambda: decode_lin(dtype=torch.float8_e4m3fn),
+    "linear-decode-bias-dtype": lambda: decode_lin(bias=lambda kw: kw["bias"].float()),
+    "linear-decode-out-dtype": lambda: decode_lin(out=torch.empty(4, 32)),
+    "linear-decode-device": lambda: decode_lin(b=lambda kw: kw["b"].to("meta")),
+    "linear-decode-m-range": lambda: decode_lin(x=torch.zeros(17, 64, dtype=torch.bfloat16)),
+    "linear-decode-k-mismatch": lambda: decode_lin(x=torch.zeros(4, 48, dtype=torch.bfloat16)),
+    "linear-decode-x-pitch": lambda: decode_lin(x=torch.zeros(4, 68, dtype=torch.bfloat16)[:, :64]),
+    "linear-decode-x-misaligned": lambda: decode_lin(x=misaligned(4, 64, torch.bfloat16, elem_off=4)),
+})
+
+CUDA_TRIGGERS.update({
+    "op-decode-m-range": lambda: torch.ops.cutlass_w8a8.scaled_mm_decode(
+        torch.zeros(17, 64, dtype=torch.int8, device="cuda"), operands("cuda")["b"], torch.ones(1, device="cuda"),
+        operands("cuda")["scale_b"], torch.bfloat16, None),
+    "op-linear-decode-x-dtype": lambda: torch.ops.cutlass_w8a8.linear_decode(
+        torch.zeros(4, 64, device="cuda"), operands("cuda")["b"], operands("cuda")["scale_b"], None, torch.int8),
+    "op-linear-decode-dtype": lambda: torch.ops.cutlass_w8a8.linear_decode(
+        torch.zeros(4, 64, dtype=torch.bfloat16, device="cuda"), operands("cuda")["b"],
+        operands("cuda")["scale_b"], None, torch.float16),
+})
+
+
 # ---- rms_norm, rms_norm_quant, silu_mul, silu_mul_quant; W8A8Linear on a QuantizedActivation -------------
 
 
