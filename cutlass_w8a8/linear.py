@@ -44,6 +44,22 @@ class W8A8Config:
             raise TypeError(f"W8A8Config: `out_dtype` must be torch.bfloat16 or torch.float16, got {self.out_dtype}")
 
 
+_8BIT_DTYPES = tuple(getattr(torch, n) for n in ("int8", "uint8", "float8_e4m3fn", "float8_e5m2",
+                                                 "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
+
+
+def _refuse_quantized_weight(where: str, linear: nn.Module) -> None:
+    """Raise when a Linear already holds quantized weights: quantizing its integers again as if they were
+    floats gives a silently wrong model (int8 values loaded into nn.Linear by a loader that ignored the
+    checkpoint's scales, or a compressed-tensors layer that transformers has not decompressed yet)."""
+    w = getattr(linear, "weight", None)
+    if isinstance(w, torch.Tensor) and (w.dtype in _8BIT_DTYPES or not w.is_floating_point()):
+        raise TypeError(
+            f"{where}: this Linear already holds {w.dtype} weights (a quantized checkpoint loaded into "
+            "nn.Linear?); quantizing them again would treat the integers as float weights and ignore their "
+            "scales. Load the checkpoint with cutlass_w8a8.from_pretrained(path) instead.")
+
+
 def quantize_activations(x2: torch.Tensor, input_scale: Optional[torch.Tensor], quant_dtype: torch.dtype):
     """``(q, scale)`` of ``(M, K)`` activations as `W8A8Linear` quantizes them: dynamic per-token (``scale``
     ``(M, 1)``) when ``input_scale`` is None, else static per-tensor with it (``scale`` is ``input_scale``)."""
@@ -91,10 +107,22 @@ class W8A8Linear(nn.Module):
 
     - ``weight``: ``(out_features, in_features)`` = ``(N, K)``, int8 or float8_e4m3fn, row-major; passed to
       the GEMM as ``weight.t()`` without a copy.
-    - ``weight_scale``: ``(N,)`` float32, per-channel symmetric: ``W[n, :] ~= weight[n, :] * weight_scale[n]``.
+    - ``weight_scale``: float32, ``(N,)`` per-channel symmetric (``W[n, :] ~= weight[n, :] * weight_scale[n]``,
+      the default) or ``(1,)`` per-tensor (``per_channel=False``).
     - ``bias``: ``(N,)`` in ``dtype``, or None.
     - ``input_scale``: ``(1,)`` float32 static per-tensor activation scale, present only when
       ``static_input_scale=True``; otherwise activations are quantized dynamically per token.
+
+    ``state_dict`` uses compressed-tensors' layout (what llm-compressor writes and vLLM reads): a per-channel
+    ``weight_scale`` is saved as ``(N, 1)``. Loading accepts ``(N,)``, ``(N, 1)``, ``(1, N)`` or one value, in
+    any float dtype (cast to float32, exact for bf16 / fp16), and may switch the layer between per-channel and
+    per-tensor weight scales; a ``weight`` of another dtype than the layer's is an error, not a cast.
+
+    Dtype casts (``.to(dtype)``, ``.half()``, ``.bfloat16()``, ``.float()``, a model's ``.to(torch.float16)``)
+    never touch the 8-bit ``weight`` or the float32 scales, as torchao's quantized tensors behave: a cast to
+    bfloat16 or float16 changes the layer's ``dtype`` (its GEMM output and ``bias``); a cast to float32 or
+    float64 leaves the layer as it is (its output still follows the input's dtype). Device moves apply to
+    every buffer.
 
     Parameters
     ----------
@@ -110,6 +138,8 @@ class W8A8Linear(nn.Module):
         ``torch.int8`` (default) or ``torch.float8_e4m3fn``.
     static_input_scale : bool
         Quantize activations with the fixed ``input_scale`` buffer instead of per token.
+    per_channel : bool
+        ``weight_scale`` holds one scale per output channel ``(N,)`` (default) or one for the tensor ``(1,)``.
 
     Shapes: input ``(..., K)``, output ``(..., N)``. The input is a float tensor (quantized here, then cast
     back: the output has the input's dtype) or a `QuantizedActivation` (output in ``dtype``).
@@ -133,7 +163,7 @@ class W8A8Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype: torch.dtype = torch.bfloat16, quant_dtype: torch.dtype = torch.int8,
-                 static_input_scale: bool = False):
+                 static_input_scale: bool = False, per_channel: bool = True):
         super().__init__()
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if v <= 0 or v % 16 != 0:
@@ -147,7 +177,8 @@ class W8A8Linear(nn.Module):
         self.dtype = dtype
         self.quant_dtype = quant_dtype
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=quant_dtype, device=device))
-        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features if per_channel else 1, dtype=torch.float32,
+                                                        device=device))
         if bias:
             self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
         else:
@@ -166,6 +197,7 @@ class W8A8Linear(nn.Module):
         The new module lives on the linear's device. Raises ValueError when K or N is not a multiple of 16.
         """
         config = config or W8A8Config()
+        _refuse_quantized_weight("W8A8Linear.from_float", linear)
         n, k = linear.weight.shape
         out_dtype = config.out_dtype or (linear.weight.dtype if linear.weight.dtype in _OUT_DTYPES else torch.bfloat16)
         mod = cls(k, n, bias=linear.bias is not None, device=linear.weight.device, dtype=out_dtype,
@@ -180,6 +212,117 @@ class W8A8Linear(nn.Module):
             if input_scale is not None:
                 mod.input_scale.copy_(input_scale.detach().reshape(1).float())
         return mod
+
+    @classmethod
+    def from_quantized(cls, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                       input_scale: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.bfloat16
+                       ) -> "W8A8Linear":
+        """A layer around weights that are already quantized (a checkpoint's), without re-quantizing them.
+
+        Parameters
+        ----------
+        weight : torch.Tensor
+            ``(N, K)`` int8 or float8_e4m3fn, the layer's ``weight`` as is (no copy when its rows are
+            contiguous); its dtype becomes the layer's ``quant_dtype``. K and N positive multiples of 16.
+        weight_scale : torch.Tensor
+            Symmetric weight scales, any float dtype: N values (per-channel: ``(N,)``, ``(N, 1)`` or
+            ``(1, N)``) or one (per-tensor). Stored as float32 (exact from bf16 / fp16).
+        bias : torch.Tensor, optional
+            N values, cast to ``dtype``.
+        input_scale : torch.Tensor, optional
+            One value: static per-tensor activation scale (float32 after the cast); None: dynamic per-token.
+        dtype : torch.dtype
+            The layer's output and bias dtype, ``torch.bfloat16`` (default) or ``torch.float16``.
+
+        The layer lives on ``weight``'s device. Raises TypeError for a weight that is not int8 / e4m3 or scales
+        that are not floating point, ValueError for shapes that do not match (the message names the argument).
+        """
+        if not isinstance(weight, torch.Tensor) or weight.dtype not in _QUANT_DTYPES:
+            raise TypeError("W8A8Linear.from_quantized: `weight` must be an int8 or float8_e4m3fn tensor, got "
+                            f"{weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+        if weight.dim() != 2:
+            raise ValueError(f"W8A8Linear.from_quantized: `weight` must be 2-D (N, K), got shape {tuple(weight.shape)}")
+        n, k = weight.shape
+        for name, t, allowed in (("weight_scale", weight_scale, (1, n)), ("input_scale", input_scale, (1,)),
+                                 ("bias", bias, (n,))):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError(f"W8A8Linear.from_quantized: `{name}` must be a floating-point tensor, got "
+                                f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+            if t.numel() not in allowed or (t.numel() > 1 and max(t.shape) != t.numel()):
+                raise ValueError(f"W8A8Linear.from_quantized: `{name}` must hold "
+                                 f"{' or '.join(map(str, allowed))} values for N = {n}, got shape {tuple(t.shape)}")
+            if t.device != weight.device:
+                raise ValueError(f"W8A8Linear.from_quantized: `{name}` is on {t.device} but `weight` is on "
+                                 f"{weight.device}")
+        mod = cls(k, n, bias=bias is not None, device="meta", dtype=dtype, quant_dtype=weight.dtype,
+                  static_input_scale=input_scale is not None, per_channel=weight_scale.numel() > 1)
+        mod._buffers["weight"] = weight if weight.stride(1) == 1 and weight.stride(0) % 16 == 0 else weight.contiguous()
+        mod._buffers["weight_scale"] = weight_scale.detach().reshape(-1).to(torch.float32).contiguous()
+        if bias is not None:
+            mod._buffers["bias"] = bias.detach().reshape(n).to(dtype).contiguous()
+        if input_scale is not None:
+            mod._buffers["input_scale"] = input_scale.detach().reshape(1).to(torch.float32).contiguous()
+        return mod
+
+    @property
+    def per_channel(self) -> bool:
+        """Whether ``weight_scale`` has one scale per output channel (else one for the whole weight)."""
+        return self.weight_scale.numel() > 1
+
+    def _apply(self, fn, recurse=True):
+        # nn.Module.half() / .float() / .to(dtype) cast every floating buffer, which would turn the fp8 weight
+        # and the float32 scales into something the kernels reject (and lose the scales' precision). Probe what
+        # fn does to a tensor of the layer's dtype: without a dtype change (device moves, to_empty, ...) fn
+        # applies as usual; with one, the 8-bit weight and the scales only follow the device, and a cast to
+        # bf16 / fp16 becomes the layer's new output dtype (bias included).
+        probe = fn(torch.empty(0, dtype=self.dtype, device=self.weight.device))
+        if not isinstance(probe, torch.Tensor) or probe.dtype == self.dtype:
+            return super()._apply(fn, recurse)
+        new_dtype = probe.dtype if probe.dtype in _OUT_DTYPES else self.dtype
+        for name, buf in self._buffers.items():
+            if buf is None:
+                continue
+            if name == "bias":
+                self._buffers[name] = buf.to(device=probe.device, dtype=new_dtype)
+            else:
+                self._buffers[name] = buf.to(device=probe.device)
+        self.dtype = new_dtype
+        return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        key = prefix + "weight_scale"
+        if key in destination and self.weight_scale.numel() == self.out_features:
+            # compressed-tensors' channel layout, (N, 1): what transformers' and vLLM's loaders expect
+            destination[key] = destination[key].reshape(-1, 1)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        w_key, s_key, i_key = prefix + "weight", prefix + "weight_scale", prefix + "input_scale"
+        w = state_dict.get(w_key)
+        if isinstance(w, torch.Tensor) and w.dtype != self.weight.dtype:
+            error_msgs.append(f"W8A8Linear {prefix[:-1] or '(root)'}: `weight` in the state dict is {w.dtype} "
+                              f"but the layer's quant_dtype is {self.weight.dtype} (a cast would corrupt it)")
+            return
+        s = state_dict.get(s_key)
+        if isinstance(s, torch.Tensor):
+            n = self.out_features
+            if s.numel() not in (1, n) or (s.numel() > 1 and max(s.shape) != s.numel()):
+                error_msgs.append(f"W8A8Linear {prefix[:-1] or '(root)'}: `weight_scale` must hold 1 or N = {n} "
+                                  f"values, got shape {tuple(s.shape)}")
+                return
+            state_dict = dict(state_dict)
+            state_dict[s_key] = s.reshape(-1).to(torch.float32)
+            if state_dict[s_key].numel() != self.weight_scale.numel():  # per-tensor <-> per-channel
+                self._buffers["weight_scale"] = torch.empty_like(state_dict[s_key], device=self.weight_scale.device)
+        si = state_dict.get(i_key)
+        if isinstance(si, torch.Tensor) and self.input_scale is not None:
+            state_dict = dict(state_dict)
+            state_dict[i_key] = si.reshape(-1).to(torch.float32)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def quantize_input(self, x: torch.Tensor) -> QuantizedActivation:
         """Quantize float activations ``x`` ``(..., K)`` exactly as ``forward`` does: dynamic per-token
@@ -261,12 +404,26 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
     nn.Module
         ``model`` (or the replacement of a bare linear).
 
-    Linears whose K or N is not a multiple of 16 are left as they are, with a warning.
+    Linears whose K or N is not a multiple of 16, and linears whose weight is shared with another module (an
+    ``lm_head`` tied to the input embedding), are left as they are, with a warning.
+
+    Raises
+    ------
+    TypeError
+        A selected Linear already holds int8 / fp8 weights (a quantized checkpoint loaded into ``nn.Linear``):
+        load such checkpoints with `cutlass_w8a8.from_pretrained`.
     """
     config = config or W8A8Config()
 
+    tied = _tied_to_other_modules(model)
+
     def eligible(linear: nn.Linear, fqn: str) -> bool:
         if filter_fn is not None and not filter_fn(linear, fqn):
+            return False
+        _refuse_quantized_weight(f"quantize_ ({fqn or 'the model'})", linear)
+        if id(linear.weight) in tied:
+            warnings.warn(f"quantize_: leaving {fqn} in float: its weight is shared with {tied[id(linear.weight)]} "
+                          "(tied embeddings); quantizing it would untie them", stacklevel=3)
             return False
         n, k = linear.weight.shape
         if k % 16 or n % 16:
@@ -289,3 +446,15 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
 
     swap(model, "")
     return model
+
+
+def _tied_to_other_modules(model: nn.Module) -> dict:
+    """``{id(weight): owner name}`` for Linear weights that another, non-Linear module also holds (tied
+    embeddings)."""
+    owners: dict = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and not isinstance(module, nn.Linear):
+            owners.setdefault(id(w), name)
+    return {id(m.weight): owners[id(m.weight)] for m in model.modules()
+            if isinstance(m, nn.Linear) and id(m.weight) in owners}
