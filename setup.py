@@ -127,7 +127,7 @@ def extensions():
     exts = [
         CUDAExtension(
             name="cutlass_w8a8._C",
-            sources=["csrc/bindings.cpp", "csrc/scaled_mm_entry.cu", "csrc/quant/quantize.cu",
+            sources=["csrc/bindings.cpp", "csrc/scaled_mm_entry.cu", "csrc/linear.cu", "csrc/quant/quantize.cu",
                      "csrc/quant/fused_quant.cu", "csrc/graph_nodes.cu", "csrc/attention/rope_kv_cache.cu",
                      "csrc/attention/decode_attention.cu", "csrc/decode/scaled_mm_decode.cu"],
             include_dirs=[os.path.join(ROOT, "csrc")],
@@ -147,7 +147,10 @@ def extensions():
             "_kernels_sm90", "csrc/sm90/scaled_mm_sm90.cu", [f"csrc/sm90/{f}" for f in folders], cutlass_inc,
             # wgmma and setmaxnreg need the arch-specific sm_90a target; GDC makes CUTLASS's kernels wait on
             # griddepcontrol before their first global access, which launching them with PDL requires
-            ["-gencode=arch=compute_90a,code=sm_90a", "-DCUTLASS_ENABLE_GDC_FOR_SM90", *tune_flags]))
+            # The TMA descriptor encoder resolved once per process instead of per launch (scaled_mm_sm90.cu)
+            ["-gencode=arch=compute_90a,code=sm_90a", "-DCUTLASS_ENABLE_GDC_FOR_SM90",
+             "-DCUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL", "-DcuTensorMapEncodeTiled=cw8a8_cuTensorMapEncodeTiled",
+             *tune_flags]))
     else:
         log(f"TORCH_CUDA_ARCH_LIST={';'.join(arches)} has no 9.0: the sm90 kernels are not built")
     sm8x = [n for n in numbers if n.startswith("8.")]

@@ -12,6 +12,7 @@ TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
   m.impl("scaled_mm", &cutlass_w8a8::scaled_mm);
   m.impl("scaled_mm_out", &cutlass_w8a8::scaled_mm_out);
   m.impl("_scaled_mm_config", &cutlass_w8a8::scaled_mm_config_out);
+  m.impl("w8a8_linear", &cutlass_w8a8::w8a8_linear);
   m.impl("scaled_mm_decode", &cutlass_w8a8::scaled_mm_decode);
   m.impl("scaled_mm_decode_out", &cutlass_w8a8::scaled_mm_decode_out);
   m.impl("linear_decode", &cutlass_w8a8::linear_decode);

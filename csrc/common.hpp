@@ -32,6 +32,15 @@ const DeviceInfo& device_info(int device);
 #define CW8A8_CHECK_TYPE(cond, op, arg, ...) TORCH_CHECK_TYPE(cond, op, ": `", arg, "` ", __VA_ARGS__)
 #define CW8A8_CHECK_VALUE(cond, op, arg, ...) TORCH_CHECK_VALUE(cond, op, ": `", arg, "` ", __VA_ARGS__)
 
+// int8 products are at most 128 * 128 = 2^14 in magnitude, so an int32 sum of K of them cannot overflow while
+// K * 2^14 <= 2^31 - 1, i.e. K <= 131071; the largest multiple of 16 below that is 131056 (ops.INT8_MAX_K).
+constexpr int64_t kMaxInt8K = (int64_t{2147483647} / (128 * 128)) / 16 * 16;
+
+// How Python prints a dtype ("torch.bfloat16") and a shape or strides ("(4, 64)", "(64,)"): for messages that
+// must read the same from the C++ op and from the CPU / fake implementations in ops.py.
+std::string py_dtype(at::ScalarType t);
+std::string py_tuple(at::IntArrayRef v);
+
 inline bool is_aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }

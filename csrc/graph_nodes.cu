@@ -11,15 +11,10 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "common.hpp"
+#include "gemm_launch.hpp"
 #include "ops.hpp"
 
 namespace cutlass_w8a8 {
-
-// scaled_mm_entry.cu: the checks and argument block of scaled_mm_out, and the sm90 library's node entry.
-cw8a8_scaled_mm_args pack_scaled_mm_args(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
-                                         const at::Tensor& scale_a, const at::Tensor& scale_b,
-                                         const std::optional<at::Tensor>& bias);
-cw8a8_scaled_mm_node_fn sm90_scaled_mm_node_fn();
 
 namespace graph_nodes {
 namespace {

@@ -17,6 +17,11 @@ void scaled_mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, co
 void scaled_mm_config_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                           const at::Tensor& scale_b, const std::optional<at::Tensor>& bias, int64_t config);
 
+// linear.cu: a W8A8Linear forward (activation quantization + scaled_mm) in one op
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                       const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,
+                       at::ScalarType out_dtype);
+
 // decode/scaled_mm_decode.cu: M <= 16 GEMMs that stream the weights with every SM busy; linear_decode also
 // quantizes x per token inside the kernel
 at::Tensor scaled_mm_decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common.hpp"
+#include "gemm_launch.hpp"
 #include "graph_nodes.hpp"
 #include "kernel_api.h"
 #include "ops.hpp"
@@ -18,10 +19,6 @@ namespace cutlass_w8a8 {
 namespace {
 
 constexpr const char* kOp = "scaled_mm";
-
-// int8 products are at most 128 * 128 = 2^14 in magnitude, so an int32 sum of K of them cannot overflow
-// while K * 2^14 <= 2^31 - 1, i.e. K <= 131071. The largest K that is also a multiple of 16 is 131056.
-constexpr int64_t kMaxInt8K = (int64_t{2147483647} / (128 * 128)) / 16 * 16;
 
 // The per-architecture kernel libraries export C entry points (kernel_api.h). We dlopen them RTLD_LOCAL
 // from this library's own directory and look the entry points up in that handle only: loaded into the
@@ -215,8 +212,8 @@ cw8a8_scaled_mm_args check_and_pack(const at::Tensor& out, const at::Tensor& a, 
   const int64_t sb_numel = scale_b.numel();
   const bool per_channel = !(sb_numel == 1);
   CW8A8_CHECK_VALUE(sb_numel == 1 || (scale_b.dim() == 1 && scale_b.size(0) == n) ||
-                        (scale_b.dim() == 2 && scale_b.size(0) == 1 && scale_b.size(1) == n),
-                    kOp, "scale_b", "must be [1] (per-tensor), [N] or [1, N] (per-channel) with N = ", n,
+                        (scale_b.dim() == 2 && sb_numel == n && (scale_b.size(0) == 1 || scale_b.size(1) == 1)),
+                    kOp, "scale_b", "must be [1] (per-tensor), [N], [1, N] or [N, 1] (per-channel) with N = ", n,
                     ", got ", scale_b.sizes());
   CW8A8_CHECK_VALUE(scale_a.is_contiguous(), kOp, "scale_a", "must be contiguous");
   CW8A8_CHECK_VALUE(scale_b.is_contiguous(), kOp, "scale_b", "must be contiguous");
@@ -324,6 +321,11 @@ void scaled_mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, co
 void scaled_mm_config_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                           const at::Tensor& scale_b, const std::optional<at::Tensor>& bias, int64_t config) {
   cw8a8_scaled_mm_args args = check_and_pack(out, a, b, scale_a, scale_b, bias);
+  launch_scaled_mm(args, a, scale_a, scale_b, bias, config);
+}
+
+void launch_scaled_mm(cw8a8_scaled_mm_args& args, const at::Tensor& a, const at::Tensor& scale_a,
+                      const at::Tensor& scale_b, const std::optional<at::Tensor>& bias, int64_t config) {
   if (args.m == 0) return;
   c10::cuda::CUDAGuard guard(a.device());
   bool vector_scales = false;
@@ -365,6 +367,33 @@ at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor&
   at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options().dtype(out_dtype));
   scaled_mm_out(out, a, b, scale_a, scale_b, bias);
   return out;
+}
+
+std::string py_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kBool: return "torch.bool";
+    case at::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
+    case at::kFloat8_e5m2: return "torch.float8_e5m2";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+std::string py_tuple(at::IntArrayRef v) {
+  std::string s = "(";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  return s + (v.size() == 1 ? ",)" : ")");
 }
 
 const DeviceInfo& device_info(int device) {

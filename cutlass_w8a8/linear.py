@@ -18,6 +18,8 @@ from torch import nn
 __all__ = ["QuantizedActivation", "W8A8Config", "W8A8Linear", "quantize_", "quantize_activations"]
 
 _QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+# The op's overload, looked up once: W8A8Linear.forward is on the host-bound path of small batches.
+_w8a8_linear = torch.ops.cutlass_w8a8.w8a8_linear.default
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -48,14 +50,14 @@ _8BIT_DTYPES = tuple(getattr(torch, n) for n in ("int8", "uint8", "float8_e4m3fn
                                                  "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
 
 
-def _refuse_quantized_weight(where: str, linear: nn.Module) -> None:
+def _refuse_quantized_weight(where: str, linear: nn.Module, fqn: Optional[str] = None) -> None:
     """Raise when a Linear already holds quantized weights: quantizing its integers again as if they were
     floats gives a silently wrong model (int8 values loaded into nn.Linear by a loader that ignored the
     checkpoint's scales, or a compressed-tensors layer that transformers has not decompressed yet)."""
     w = getattr(linear, "weight", None)
     if isinstance(w, torch.Tensor) and (w.dtype in _8BIT_DTYPES or not w.is_floating_point()):
         raise TypeError(
-            f"{where}: this Linear already holds {w.dtype} weights (a quantized checkpoint loaded into "
+            f"{where}: `linear`{f' {fqn}' if fqn else ''} already holds {w.dtype} weights (a quantized checkpoint loaded into "
             "nn.Linear?); quantizing them again would treat the integers as float weights and ignore their "
             "scales. Load the checkpoint with cutlass_w8a8.from_pretrained(path) instead.")
 
@@ -373,12 +375,9 @@ class W8A8Linear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"W8A8Linear: input's last dimension must be in_features = {self.in_features}, "
                              f"got shape {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        q, s = quantize_activations(x.reshape(-1, self.in_features), self.input_scale, self.quant_dtype)
-        y = torch.ops.cutlass_w8a8.scaled_mm(q, self.weight.t(), s, self.weight_scale, self.dtype, self.bias)
-        if x.dtype != self.dtype:
-            y = y.to(x.dtype)
-        return y.reshape(*lead, self.out_features)
+        # One op call: the activation quantization and the GEMM, checked once (in C++ on CUDA)
+        y = _w8a8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias, self.dtype)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         act = "static per-tensor" if self.input_scale is not None else "dynamic per-token"
@@ -420,7 +419,7 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
     def eligible(linear: nn.Linear, fqn: str) -> bool:
         if filter_fn is not None and not filter_fn(linear, fqn):
             return False
-        _refuse_quantized_weight(f"quantize_ ({fqn or 'the model'})", linear)
+        _refuse_quantized_weight("quantize_", linear, fqn)
         if id(linear.weight) in tied:
             warnings.warn(f"quantize_: leaving {fqn} in float: its weight is shared with {tied[id(linear.weight)]} "
                           "(tied embeddings); quantizing it would untie them", stacklevel=3)

@@ -7,6 +7,9 @@ Ops in the ``torch.ops.cutlass_w8a8`` namespace:
 
 - ``scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor``
 - ``scaled_mm_out(out, a, b, scale_a, scale_b, bias=None) -> ()``
+- ``w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype) -> Tensor``: a `W8A8Linear`
+  forward in one call: quantize ``x (..., K)`` (per token, or per tensor with ``input_scale``), then the GEMM with
+  the ``(N, K)`` weight
 - ``quantize_per_token(x, dtype) -> (q, scale)``
 - ``quantize_per_tensor(x, scale, dtype) -> q``
 - ``rms_norm(x, weight, eps) -> y``: RMSNorm
@@ -59,6 +62,8 @@ _lib.define("scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Scala
             "Tensor? bias=None) -> Tensor")
 _lib.define("scaled_mm_out(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
             "Tensor? bias=None) -> ()")
+_lib.define("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, "
+            "ScalarType out_dtype) -> Tensor")
 _lib.define("_scaled_mm_config(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
             "Tensor? bias, int config) -> ()")
 # Decode GEMMs, M <= 16 (csrc/decode/scaled_mm_decode.cu)
@@ -163,9 +168,9 @@ def _check_scaled_mm(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None)
     if not sa_ok:
         _fail_value(op, "scale_a", f"must be [1] (per-tensor) or [M, 1] (per-token) with M = {m}, "
                     f"got shape {tuple(scale_a.shape)}")
-    sb_ok = scale_b.numel() == 1 or tuple(scale_b.shape) in ((n,), (1, n))
+    sb_ok = scale_b.numel() == 1 or tuple(scale_b.shape) in ((n,), (1, n), (n, 1))
     if not sb_ok:
-        _fail_value(op, "scale_b", f"must be [1] (per-tensor), [N] or [1, N] (per-channel) with N = {n}, "
+        _fail_value(op, "scale_b", f"must be [1] (per-tensor), [N], [1, N] or [N, 1] (per-channel) with N = {n}, "
                     f"got shape {tuple(scale_b.shape)}")
     if not scale_a.is_contiguous():
         _fail_value(op, "scale_a", "must be contiguous")
@@ -206,6 +211,68 @@ def _check_scaled_mm(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None)
             _fail_value(op, "out", f"stride(0) must be a multiple of 8 elements, got {out.stride(0)}")
         if _misaligned(out, 16):
             _fail_value(op, "out", f"data must be 16-byte aligned (storage offset {out.storage_offset()})")
+
+
+def _check_w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype) -> None:
+    """The contract of w8a8_linear; csrc/linear.cu raises the same messages on CUDA."""
+    op = "w8a8_linear"
+    for name, t in (("x", x), ("weight", weight), ("weight_scale", weight_scale)):
+        if not isinstance(t, torch.Tensor):
+            _fail_type(op, name, f"must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("input_scale", input_scale), ("bias", bias)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            _fail_type(op, name, f"must be a torch.Tensor or None, got {type(t).__name__}")
+    if x.dtype not in _X_DTYPES:
+        _fail_type(op, "x", f"must be bfloat16, float16 or float32, got {x.dtype}")
+    if weight.dtype not in _AB_DTYPES:
+        _fail_type(op, "weight", f"must be int8 or float8_e4m3fn, got {weight.dtype}")
+    if weight_scale.dtype != torch.float32:
+        _fail_type(op, "weight_scale", f"must be float32, got {weight_scale.dtype}")
+    if input_scale is not None and input_scale.dtype != torch.float32:
+        _fail_type(op, "input_scale", f"must be float32, got {input_scale.dtype}")
+    if out_dtype not in _OUT_DTYPES:
+        _fail_type(op, "out_dtype", f"must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    if bias is not None and bias.dtype != out_dtype:
+        _fail_type(op, "bias", f"must have the output dtype {out_dtype}, got {bias.dtype}")
+    for name, t in (("weight", weight), ("weight_scale", weight_scale), ("input_scale", input_scale),
+                    ("bias", bias)):
+        if t is not None and t.device != x.device:
+            _fail_value(op, name, f"is on {t.device} but `x` is on {x.device}")
+    if x.dim() < 1:
+        _fail_value(op, "x", "must have at least one dimension [..., K]")
+    if weight.dim() != 2:
+        _fail_value(op, "weight", f"must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        _fail_value(op, "weight", f"must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got shape "
+                    f"{tuple(weight.shape)}")
+    if k <= 0 or k % 16 != 0:
+        _fail_value(op, "weight", f"K = weight.shape[1] must be a positive multiple of 16, got {k}")
+    if n <= 0 or n % 16 != 0:
+        _fail_value(op, "weight", f"N = weight.shape[0] must be a positive multiple of 16, got {n}")
+    if weight.dtype == torch.int8 and k > INT8_MAX_K:
+        _fail_value(op, "weight", f"K = {k} can overflow the int32 accumulator; int8 needs K <= {INT8_MAX_K}")
+    sb = weight_scale.numel()
+    if weight_scale.dim() > 2 or not (sb == 1 or (sb == n and (weight_scale.dim() == 1 or 1 in weight_scale.shape))):
+        _fail_value(op, "weight_scale", f"must hold 1 (per-tensor) or N = {n} (per-channel: (N,), (N, 1) or (1, N)) "
+                    f"values, got shape {tuple(weight_scale.shape)}")
+    if not weight_scale.is_contiguous():
+        _fail_value(op, "weight_scale", "must be contiguous")
+    if input_scale is not None and input_scale.numel() != 1:
+        _fail_value(op, "input_scale", f"must hold one value (static per-tensor), got shape {tuple(input_scale.shape)}")
+    if bias is not None:
+        if tuple(bias.shape) != (n,):
+            _fail_value(op, "bias", f"must be [N] with N = {n}, got shape {tuple(bias.shape)}")
+        if not bias.is_contiguous():
+            _fail_value(op, "bias", "must be contiguous")
+    if weight.stride(1) != 1:
+        _fail_value(op, "weight", f"must be row-major [N, K] (stride(1) == 1), got strides {weight.stride()}")
+    if weight.stride(0) < k:
+        _fail_value(op, "weight", f"rows overlap: stride(0) = {weight.stride(0)} < K = {k}")
+    if weight.stride(0) % 16 != 0:
+        _fail_value(op, "weight", f"stride(0) must be a multiple of 16 elements, got {weight.stride(0)}")
+    if _misaligned(weight, 16):
+        _fail_value(op, "weight", f"data must be 16-byte aligned (storage offset {weight.storage_offset()})")
 
 
 def _check_quant_input(op: str, x, dtype) -> None:
@@ -398,6 +465,23 @@ def _scaled_mm_cpu(a, b, scale_a, scale_b, out_dtype, bias=None):
     return _scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias)
 
 
+def _w8a8_linear_reference(x, weight, weight_scale, input_scale, bias, out_dtype):
+    # quantize_per_token / quantize_per_tensor, then scaled_mm: the CUDA op's definition
+    k, n = weight.shape[1], weight.shape[0]
+    x2 = x.reshape(-1, k)
+    if input_scale is None:
+        q, scale_a = _quantize_per_token_cpu(x2, weight.dtype)
+    else:
+        q, scale_a = _quantize_rows(x2.to(torch.float32), input_scale.reshape(()), weight.dtype), input_scale
+    y = _scaled_mm_reference(q, weight.t(), scale_a, weight_scale.reshape(-1), out_dtype, bias)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _w8a8_linear_cpu(x, weight, weight_scale, input_scale=None, bias=None, out_dtype=torch.bfloat16):
+    _check_w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype)
+    return _w8a8_linear_reference(x, weight, weight_scale, input_scale, bias, out_dtype)
+
+
 def _scaled_mm_out_cpu(out, a, b, scale_a, scale_b, bias=None):
     _check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out.dtype, bias, out)
     out.copy_(_scaled_mm_reference(a, b, scale_a, scale_b, out.dtype, bias))
@@ -555,6 +639,7 @@ def _decode_attention_out_cpu(out, q, kv_cache, slots, positions, softmax_scale)
 
 _lib.impl("scaled_mm", _scaled_mm_cpu, "CPU")
 _lib.impl("scaled_mm_out", _scaled_mm_out_cpu, "CPU")
+_lib.impl("w8a8_linear", _w8a8_linear_cpu, "CPU")
 _lib.impl("_scaled_mm_config", _scaled_mm_config_cpu, "CPU")
 _lib.impl("quantize_per_token", _quantize_per_token_cpu, "CPU")
 _lib.impl("quantize_per_tensor", _quantize_per_tensor_cpu, "CPU")
@@ -581,6 +666,12 @@ def _scaled_mm_fake(a, b, scale_a, scale_b, out_dtype, bias=None):
 @torch.library.register_fake("cutlass_w8a8::scaled_mm_out")
 def _scaled_mm_out_fake(out, a, b, scale_a, scale_b, bias=None):
     _check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out.dtype, bias, out)
+
+
+@torch.library.register_fake("cutlass_w8a8::w8a8_linear")
+def _w8a8_linear_fake(x, weight, weight_scale, input_scale=None, bias=None, out_dtype=torch.bfloat16):
+    _check_w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
 
 
 @torch.library.register_fake("cutlass_w8a8::_scaled_mm_config")
@@ -686,7 +777,8 @@ def scaled_mm(
     scale_a : torch.Tensor
         float32, ``(1,)`` per-tensor or ``(M, 1)`` per-token, contiguous, on ``a``'s device.
     scale_b : torch.Tensor
-        float32, ``(1,)`` per-tensor or ``(N,)`` / ``(1, N)`` per-channel, contiguous.
+        float32, ``(1,)`` per-tensor or ``(N,)`` / ``(1, N)`` / ``(N, 1)`` per-channel (the last is what
+        compressed-tensors checkpoints store and ``quantize_int8(weight)`` returns), contiguous.
     out_dtype : torch.dtype
         ``torch.bfloat16`` (default) or ``torch.float16``. Ignored when ``out`` is given.
     bias : torch.Tensor, optional
@@ -1143,8 +1235,8 @@ def _check_linear_decode(op: str, x, b, scale_b, bias, dtype, out=None) -> None:
         _fail_value(op, "x", f"K = {k} can overflow the int32 accumulator; int8 needs K <= {INT8_MAX_K}")
     if k > _DECODE_MAX_K:
         _fail_value(op, "x", f"K = {k} must be at most 2**30")
-    if not (scale_b.numel() == 1 or tuple(scale_b.shape) in ((n,), (1, n))):
-        _fail_value(op, "scale_b", f"must be [1] (per-tensor), [N] or [1, N] (per-channel) with N = {n}, "
+    if not (scale_b.numel() == 1 or tuple(scale_b.shape) in ((n,), (1, n), (n, 1))):
+        _fail_value(op, "scale_b", f"must be [1] (per-tensor), [N], [1, N] or [N, 1] (per-channel) with N = {n}, "
                     f"got shape {tuple(scale_b.shape)}")
     if not scale_b.is_contiguous():
         _fail_value(op, "scale_b", "must be contiguous")
@@ -1276,7 +1368,8 @@ def scaled_mm_decode(
     scale_a : torch.Tensor
         float32, ``(1,)`` per-tensor or ``(M, 1)`` / ``(M,)`` per-token, contiguous.
     scale_b : torch.Tensor
-        float32, ``(1,)`` per-tensor or ``(N,)`` / ``(1, N)`` per-channel, contiguous.
+        float32, ``(1,)`` per-tensor or ``(N,)`` / ``(1, N)`` / ``(N, 1)`` per-channel (the last is what
+        compressed-tensors checkpoints store and ``quantize_int8(weight)`` returns), contiguous.
     out_dtype : torch.dtype
         ``torch.bfloat16`` (default) or ``torch.float16``; ignored when ``out`` is given.
     bias : torch.Tensor, optional
@@ -1363,7 +1456,8 @@ def linear_decode(
         ``(K, N)`` weight in ``dtype``, column-major (``weight.t()`` of the ``(N, K)`` row-major weight); as in
         :func:`scaled_mm_decode`.
     scale_b : torch.Tensor
-        float32, ``(1,)`` per-tensor or ``(N,)`` / ``(1, N)`` per-channel, contiguous.
+        float32, ``(1,)`` per-tensor or ``(N,)`` / ``(1, N)`` / ``(N, 1)`` per-channel (the last is what
+        compressed-tensors checkpoints store and ``quantize_int8(weight)`` returns), contiguous.
     bias : torch.Tensor, optional
         ``(N,)`` in ``x``'s dtype, contiguous.
     dtype : torch.dtype, optional

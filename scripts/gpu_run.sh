@@ -7,7 +7,9 @@
 # STAGES is a comma list, default "build,test,demo,bench": build (clean build + editable install), reuse
 # (build only when the extension is not already built and importable: a second call on a warm machine), test
 # (pytest, the whole suite), demo (python -m cutlass_w8a8), bench (bench/bench_gemm.py --quick), bench-full
-# (every M), decoder (bench/bench_decoder.py), graph-update (bench/bench_graph_update.py), fuzz (scripts/fuzz.py, 1000 cases), soak (scripts/soak.py),
+# (every M), decoder (bench/bench_decoder.py; extra arguments in $DECODER_ARGS), graph-update
+# (bench/bench_graph_update.py), host (bench/bench_host.py: host time per eager call), hf (bench/bench_hf.py:
+# transformers Llama-3-8B dims, bf16 vs W8A8, eager and compiled; extra arguments in $HF_ARGS), fuzz (scripts/fuzz.py, 1000 cases), soak (scripts/soak.py),
 # sanitize (scripts/sanitize.py; the tools in $SANITIZE_TOOLS, default all four), build-tune + tune (the sm90 tuning build and
 # bench/tune_sm90.py). Offline: the nvidia-cutlass wheel is taken from .whl/ (git-ignored; copy
 # nvidia_cutlass-4.2.0.0-py3-none-any.whl there) when cutlass_library is not importable.
@@ -15,6 +17,9 @@
 # (torchao-*.whl, installed with --target /tmp/site: bench_gemm.py's torchao columns) and Warp without its CPU
 # compiler (warp-*-cuda-only.tar.xz, untarred into /tmp/warp_pkg: tests/test_warp_cuda.py); both directories
 # go on PYTHONPATH. Without them those columns and tests are left out with a printed reason.
+# Any other wheels in .whl/ (compressed-tensors and what it needs, llm-compressor, ...: the checkpoint tests)
+# are installed with pip --no-deps --target /tmp/site as well, when their package is not importable.
+# $PYTEST_ARGS replaces the test stage's selection (default: tests, the whole suite).
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_run.sh OUT_DIR [STAGES]}
 STAGES=${2:-build,test,demo,bench}
@@ -103,9 +108,24 @@ if has test || has bench || has bench-full; then
   fi
 fi
 
+# Other wheels (.whl/*.whl but the CUTLASS and torchao ones): test and benchmark dependencies missing here
+if has test || has hf; then
+  extra=()
+  for w in .whl/*.whl; do
+    case "$(basename "$w")" in nvidia_cutlass-*|torchao-*) continue ;; esac
+    [ -f "$w" ] && extra+=("$w")
+  done
+  if [ ${#extra[@]} -gt 0 ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${extra[@]}" >"$OUT/pip_extra.log" 2>&1 \
+      || stamp "extra wheels: install failed (see pip_extra.log)"
+    [[ ":$PYTHONPATH:" == *":/tmp/site:"* ]] || export PYTHONPATH="/tmp/site:$PYTHONPATH"
+    stamp "extra wheels: ${#extra[@]} from .whl/ into /tmp/site"
+  fi
+fi
+
 if has test; then
   t0=$(date +%s)
-  $PY -m pytest tests -q -rs -p no:cacheprovider --junitxml="$OUT/junit.xml" >"$OUT/tests.log" 2>&1
+  $PY -m pytest ${PYTEST_ARGS:-tests} -q -rs -p no:cacheprovider --junitxml="$OUT/junit.xml" >"$OUT/tests.log" 2>&1
   rc=$?
   stamp "tests: rc=$rc in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests.log")"
   [ $rc -ne 0 ] && { grep -E "^(FAILED|ERROR)|Error" "$OUT/tests.log" | head -30; status=1; }
@@ -140,7 +160,9 @@ run_stage() {  # name, log, command...: run, stamp rc, print the log's tail, rem
   return 0
 }
 
-has decoder && run_stage decoder decoder.log $PY bench/bench_decoder.py --out "$OUT"
+has decoder && run_stage decoder decoder.log $PY bench/bench_decoder.py --out "$OUT" ${DECODER_ARGS:-}
+has host && run_stage host host.log $PY bench/bench_host.py --out "$OUT" ${HOST_ARGS:-}
+has hf && run_stage hf hf.log $PY bench/bench_hf.py --out "$OUT" ${HF_ARGS:-}
 has graph-update && run_stage graph-update graph_update.log $PY bench/bench_graph_update.py --out "$OUT"
 has fuzz && run_stage fuzz fuzz.log $PY scripts/fuzz.py --cases 1000 --seed 0 --dtypes int8,fp8 --max-seconds 400
 has soak && run_stage soak soak.log $PY scripts/soak.py

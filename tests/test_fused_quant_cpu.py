@@ -457,7 +457,7 @@ def test_decoder_uses_the_fused_path(quant):
     yet), quantizing for the W8A8 qkv and gate_up projections, and one silu_mul (quantizing for down_proj);
     the final norm adds the last residual. The bf16 model runs the same ops without quantization. Neither
     runs a separate add, norm or silu; the only separate quantization left is o_proj's (of the attention
-    output)."""
+    output), inside its one w8a8_linear call."""
     model = LlamaDecoder(TINY, quant, max_batch=4, max_seq_len=32)
     with _OpCounter() as counter:
         model(torch.tensor([1, 2]), torch.tensor([0, 3]), torch.tensor([0, 1]))
@@ -474,7 +474,9 @@ def test_decoder_uses_the_fused_path(quant):
                                         "cutlass_w8a8::quantize_per_token")), c
     else:
         assert c.get("cutlass_w8a8::rms_norm_quant") == 2 * n and c.get("cutlass_w8a8::silu_mul_quant") == n
-        assert c.get("cutlass_w8a8::quantize_per_token") == n  # o_proj's input
+        # o_proj quantizes its input (the attention output) inside w8a8_linear; the others take QuantizedActivation
+        assert c.get("cutlass_w8a8::w8a8_linear") == n and c.get("cutlass_w8a8::scaled_mm") == 3 * n
+        assert "cutlass_w8a8::quantize_per_token" not in c
         # the final norm feeds the bf16 lm_head
         assert c.get("cutlass_w8a8::fused_add_rms_norm") == 1 and "cutlass_w8a8::rms_norm" not in c
         assert "cutlass_w8a8::silu_mul" not in c

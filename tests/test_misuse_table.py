@@ -360,6 +360,69 @@ CUDA_TRIGGERS.update({
 })
 
 
+# ---- w8a8_linear: the same triggers on CPU (rows) and CUDA (test_w8a8_linear_row_cuda) --------------------
+
+
+def linear_op(device, **change):
+    """torch.ops.cutlass_w8a8.w8a8_linear on legal arguments: x (4, 64) bf16, int8 weight (32, 64), (32,)
+    weight_scale, no input_scale, bf16 bias; `change` applied (a callable value gets the arguments)."""
+    kw = operands(device)
+    kw = dict(x=torch.zeros(4, 64, dtype=torch.bfloat16, device=device), weight=kw["b"].t(),
+              weight_scale=kw["scale_b"], input_scale=None, bias=kw["bias"], out_dtype=torch.bfloat16)
+    for key, v in change.items():
+        kw[key] = v(kw) if callable(v) else v
+    return torch.ops.cutlass_w8a8.w8a8_linear(kw["x"], kw["weight"], kw["weight_scale"], kw["input_scale"],
+                                              kw["bias"], kw["out_dtype"])
+
+
+def _other_device(device):
+    return "meta" if device == "cpu" else "cpu"
+
+
+def _big_k(device):
+    k = 131072
+    return linear_op(device, x=torch.zeros(1, k, dtype=torch.bfloat16, device=device),
+                     weight=torch.zeros(32, k, dtype=torch.int8, device=device))
+
+
+W8A8_LINEAR_TRIGGERS = {
+    "w8a8-x-dtype": lambda d: linear_op(d, x=torch.zeros(4, 64, dtype=torch.int32, device=d)),
+    "w8a8-weight-dtype": lambda d: linear_op(d, weight=lambda kw: kw["weight"].half()),
+    "w8a8-weight_scale-dtype": lambda d: linear_op(d, weight_scale=lambda kw: kw["weight_scale"].bfloat16()),
+    "w8a8-input_scale-dtype": lambda d: linear_op(d, input_scale=torch.ones(1, dtype=torch.float16, device=d)),
+    "w8a8-out_dtype": lambda d: linear_op(d, out_dtype=torch.float32, bias=None),
+    "w8a8-bias-dtype": lambda d: linear_op(d, bias=lambda kw: kw["bias"].float()),
+    "w8a8-device": lambda d: linear_op(d, weight=lambda kw: kw["weight"].to(_other_device(d))),
+    "w8a8-x-0d": lambda d: linear_op(d, x=torch.tensor(1.0, dtype=torch.bfloat16, device=d)),
+    "w8a8-weight-2d": lambda d: linear_op(d, weight=lambda kw: kw["weight"][None]),
+    "w8a8-k-mismatch": lambda d: linear_op(d, weight=lambda kw: kw["weight"][:, :48]),
+    "w8a8-k-not-16": lambda d: linear_op(d, x=lambda kw: kw["x"][:, :40], weight=lambda kw: kw["weight"][:, :40]),
+    "w8a8-n-not-16": lambda d: linear_op(d, weight=lambda kw: kw["weight"][:24], weight_scale=lambda kw:
+                                         kw["weight_scale"][:24].contiguous(), bias=None),
+    "w8a8-int8-k-bound": _big_k,
+    "w8a8-weight_scale-shape": lambda d: linear_op(d, weight_scale=torch.ones(2, device=d)),
+    "w8a8-weight_scale-noncontig": lambda d: linear_op(d, weight_scale=torch.ones(64, device=d)[::2]),
+    "w8a8-input_scale-shape": lambda d: linear_op(d, input_scale=torch.ones(2, device=d)),
+    "w8a8-bias-shape": lambda d: linear_op(d, bias=lambda kw: kw["bias"][:16]),
+    "w8a8-bias-noncontig": lambda d: linear_op(d, bias=torch.zeros(64, dtype=torch.bfloat16, device=d)[::2]),
+    "w8a8-weight-col-major": lambda d: linear_op(d, weight=lambda kw: kw["weight"].t().contiguous().t()),
+    "w8a8-weight-rows-overlap": lambda d: linear_op(d, weight=lambda kw: kw["weight"][:1].expand(32, 64)),
+    "w8a8-weight-pitch": lambda d: linear_op(d, weight=torch.zeros(32, 72, dtype=torch.int8, device=d)[:, :64]),
+    "w8a8-weight-misaligned": lambda d: linear_op(d, weight=misaligned(32, 64, torch.int8, device=d)),
+}
+
+CPU_TRIGGERS.update({k: (lambda f: lambda: f("cpu"))(f) for k, f in W8A8_LINEAR_TRIGGERS.items()})
+
+
+def _quantize_8bit_linear():
+    lin = torch.nn.Linear(64, 32)
+    lin.weight = torch.nn.Parameter(torch.zeros(32, 64, dtype=torch.int8), requires_grad=False)
+    return cw.quantize_(torch.nn.Sequential(lin))
+
+
+CPU_TRIGGERS["linear-from-8bit"] = _quantize_8bit_linear
+
+
 # ---- rms_norm, rms_norm_quant, silu_mul, silu_mul_quant; W8A8Linear on a QuantizedActivation -------------
 
 
@@ -516,3 +579,10 @@ def test_two_gpu_row(row_id):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
     assert_row(row_id, TWO_GPU_TRIGGERS[row_id])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("row_id", sorted(W8A8_LINEAR_TRIGGERS))
+def test_w8a8_linear_row_cuda(row_id):
+    """The CUDA op (csrc/linear.cu) raises the CPU implementation's message for every row."""
+    assert_row(row_id, lambda: W8A8_LINEAR_TRIGGERS[row_id]("cuda"))

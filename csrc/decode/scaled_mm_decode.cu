@@ -88,9 +88,7 @@ constexpr int kReduceThreads = 256;
 constexpr int kMainParams = 2;                             // (int64_t m, DecodeParams p)
 constexpr int kReduceParams = 2;
 
-// int8 products are at most 2^14 in magnitude: an int32 sum of K of them cannot overflow while K <= 131071;
-// 131056 is the largest multiple of 16 below that (the same bound as scaled_mm).
-constexpr int64_t kMaxInt8K = (int64_t{2147483647} / (128 * 128)) / 16 * 16;
+// int8 K is bounded by kMaxInt8K (common.hpp), the same bound as scaled_mm.
 // Any K for fp8 up to 2^30, so that K byte offsets (plus a block) stay 32-bit integers in the kernels.
 constexpr int64_t kMaxK = int64_t{1} << 30;
 
@@ -581,9 +579,9 @@ void check_weight_side(const char* op, const char* act, const at::Tensor& b, con
   }
   CW8A8_CHECK_VALUE(k <= kMaxK, op, act, "K = ", k, " must be at most 2**30");
   CW8A8_CHECK_VALUE(scale_b.numel() == 1 || (scale_b.dim() == 1 && scale_b.size(0) == n) ||
-                        (scale_b.dim() == 2 && scale_b.size(0) == 1 && scale_b.size(1) == n),
-                    op, "scale_b", "must be [1] (per-tensor), [N] or [1, N] (per-channel) with N = ", n, ", got ",
-                    scale_b.sizes());
+                        (scale_b.dim() == 2 && scale_b.numel() == n && (scale_b.size(0) == 1 || scale_b.size(1) == 1)),
+                    op, "scale_b", "must be [1] (per-tensor), [N], [1, N] or [N, 1] (per-channel) with N = ", n,
+                    ", got ", scale_b.sizes());
   CW8A8_CHECK_VALUE(scale_b.is_contiguous(), op, "scale_b", "must be contiguous");
   if (bias) {
     CW8A8_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n, op, "bias", "must be [N] with N = ", n, ", got ",

@@ -18,6 +18,7 @@
 #include "../common.hpp"
 #include "../graph_nodes.hpp"
 #include "../ops.hpp"
+#include "quantize.hpp"
 #include "quant_common.cuh"  // to_float, Int8Out / Fp8Out, quantize_one, allow_dependent_launch, block_max
 
 namespace cutlass_w8a8 {
@@ -168,16 +169,6 @@ void launch_per_tensor(const at::Tensor& x2, at::Tensor& q2, const at::Tensor& s
   graph_nodes::note_rowwise_launch(stream, m, "quantize_per_tensor");
 }
 
-// [..., K] -> [M, K]: a view when the leading dims flatten, else a copy.
-at::Tensor rows_of(const at::Tensor& x) {
-  const int64_t k = x.size(-1);
-  int64_t m = 1;  // explicit: reshape cannot infer -1 when K is 0
-  for (int64_t d = 0; d + 1 < x.dim(); ++d) m *= x.size(d);
-  at::Tensor x2 = x.reshape({m, k});
-  if (x2.size(0) > 0 && k > 0 && x2.stride(1) != 1) x2 = x2.contiguous();
-  return x2;
-}
-
 void check_x(const char* op, const at::Tensor& x) {
   const auto xt = x.scalar_type();
   CW8A8_CHECK_TYPE(xt == at::kBFloat16 || xt == at::kHalf || xt == at::kFloat, op, "x",
@@ -211,12 +202,39 @@ void dispatch_types(at::ScalarType x_type, at::ScalarType q_type, F&& f) {
 
 }  // namespace
 
+namespace quant {
+
+at::Tensor rows_of(const at::Tensor& x) {
+  const int64_t k = x.size(-1);
+  int64_t m = 1;  // explicit: reshape cannot infer -1 when K is 0
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) m *= x.size(d);
+  at::Tensor x2 = x.reshape({m, k});
+  if (x2.size(0) > 0 && k > 0 && x2.stride(1) != 1) x2 = x2.contiguous();
+  return x2;
+}
+
+void launch_quantize_per_token(const at::Tensor& x2, at::Tensor& q2, at::Tensor& scales, at::ScalarType dtype,
+                               cudaStream_t stream) {
+  dispatch_types(x2.scalar_type(), dtype, [&](auto t, auto qt) {
+    launch_per_token<decltype(t), decltype(qt)>(x2, q2, scales, stream);
+  });
+}
+
+void launch_quantize_per_tensor(const at::Tensor& x2, at::Tensor& q2, const at::Tensor& scale, at::ScalarType dtype,
+                                cudaStream_t stream) {
+  dispatch_types(x2.scalar_type(), dtype, [&](auto t, auto qt) {
+    launch_per_tensor<decltype(t), decltype(qt)>(x2, q2, scale, stream);
+  });
+}
+
+}  // namespace quant
+
 std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, at::ScalarType dtype) {
   constexpr const char* op = "quantize_per_token";
   check_x(op, x);
   check_qtype(op, dtype);
   c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor x2 = rows_of(x);
+  at::Tensor x2 = quant::rows_of(x);
   const int64_t m = x2.size(0), k = x2.size(1);
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
   auto shape = x.sizes().vec();
@@ -225,10 +243,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, at::S
   if (m == 0) return {q, scales};
   at::Tensor q2 = q.view({m, k});
   at::Tensor flat = scales.view({m});
-  cudaStream_t stream = current_stream(x);
-  dispatch_types(x.scalar_type(), dtype, [&](auto t, auto qt) {
-    launch_per_token<decltype(t), decltype(qt)>(x2, q2, flat, stream);
-  });
+  quant::launch_quantize_per_token(x2, q2, flat, dtype, current_stream(x));
   return {q, scales};
 }
 
@@ -243,15 +258,12 @@ at::Tensor quantize_per_tensor(const at::Tensor& x, const at::Tensor& scale, at:
   CW8A8_CHECK_VALUE(scale.numel() == 1, op, "scale", "must hold one value (per-tensor), got shape ",
                     scale.sizes());
   c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor x2 = rows_of(x);
+  at::Tensor x2 = quant::rows_of(x);
   const int64_t m = x2.size(0), k = x2.size(1);
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
   if (m == 0 || k == 0) return q;
   at::Tensor q2 = q.view({m, k});
-  cudaStream_t stream = current_stream(x);
-  dispatch_types(x.scalar_type(), dtype, [&](auto t, auto qt) {
-    launch_per_tensor<decltype(t), decltype(qt)>(x2, q2, scale, stream);
-  });
+  quant::launch_quantize_per_tensor(x2, q2, scale, dtype, current_stream(x));
   return q;
 }
 

@@ -4,9 +4,36 @@
 #include <type_traits>
 #include <utility>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cutlass/numeric_types.h>
 
 #include "scaled_mm_sm90_dispatch.cuh"
+
+// The TMA descriptor encoder every sm90 launch calls (twice for A and B, once for D). CUTLASS resolves it through
+// cudaGetDriverEntryPointByVersion on every call (cutlass/cuda_host_adapter.hpp). setup.py compiles this library
+// with CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL and -DcuTensorMapEncodeTiled=cw8a8_cuTensorMapEncodeTiled, so
+// CUTLASS calls this function instead (cuda.h's declaration is renamed with it): the entry point is resolved once
+// per process, and the library still has no link-time dependency on libcuda.
+extern "C" CUresult cw8a8_cuTensorMapEncodeTiled(CUtensorMap* tensor_map, CUtensorMapDataType data_type,
+                                                 cuuint32_t rank, void* address, const cuuint64_t* dims,
+                                                 const cuuint64_t* strides, const cuuint32_t* box,
+                                                 const cuuint32_t* element_strides, CUtensorMapInterleave interleave,
+                                                 CUtensorMapSwizzle swizzle, CUtensorMapL2promotion l2_promotion,
+                                                 CUtensorMapFloatOOBfill oob_fill) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    const cudaError_t ce = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                            &found);
+    return ce == cudaSuccess && found == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)
+               : nullptr;
+  }();
+  if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
+  return encode(tensor_map, data_type, rank, address, dims, strides, box, element_strides, interleave, swizzle,
+                l2_promotion, oob_fill);
+}
 
 namespace cutlass_w8a8::sm90 {
 namespace {

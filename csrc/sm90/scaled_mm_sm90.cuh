@@ -3,6 +3,8 @@
 // The math is written out in csrc/EPILOGUES.md.
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 
@@ -215,13 +217,7 @@ struct ScaledMmKernel {
     const dim3 block = GemmKernel::get_block_shape();
     const int smem = GemmKernel::SharedStorageSize;
     void* func = reinterpret_cast<void*>(&cutlass::device_kernel<GemmKernel>);
-    if (smem >= (48 << 10)) {
-      cudaError_t ce = cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      if (ce != cudaSuccess) {
-        std::snprintf(err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(ce));
-        return 1;
-      }
-    }
+    if (ensure_smem_attribute(p.device, err, err_len) != 0) return 1;
     out->func = func;
     out->grid[0] = grid.x, out->grid[1] = grid.y, out->grid[2] = grid.z;
     out->block[0] = block.x, out->block[1] = block.y, out->block[2] = block.z;
@@ -234,12 +230,32 @@ struct ScaledMmKernel {
     return 0;
   }
 
+  // cudaFuncSetAttribute(MaxDynamicSharedMemorySize) once per device for this kernel (GemmUniversalAdapter's
+  // initialize() calls it on every launch: a driver call per GEMM on the host-bound path of small batches).
+  static int ensure_smem_attribute(int device, char* err, size_t err_len) {
+    constexpr int smem = GemmKernel::SharedStorageSize;
+    if constexpr (smem < (48 << 10)) {
+      return 0;
+    } else {
+      static std::atomic<uint64_t> done{0};  // bit d: set on device d (devices >= 64 are set every time)
+      const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+      if (bit != 0 && (done.load(std::memory_order_acquire) & bit)) return 0;
+      const cudaError_t ce = cudaFuncSetAttribute(reinterpret_cast<const void*>(&cutlass::device_kernel<GemmKernel>),
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (ce != cudaSuccess) {
+        std::snprintf(err, err_len, "cudaFuncSetAttribute: %s", cudaGetErrorString(ce));
+        return 1;
+      }
+      done.fetch_or(bit, std::memory_order_acq_rel);
+      return 0;
+    }
+  }
+
   static int run(const cw8a8_scaled_mm_args& p, cw8a8_alloc_fn alloc, void* alloc_ctx, char* err,
                  size_t err_len) {
     typename Gemm::Arguments args = make_arguments(p);
 
-    Gemm gemm;
-    cutlass::Status st = gemm.can_implement(args);
+    cutlass::Status st = Gemm::can_implement(args);
     if (st != cutlass::Status::kSuccess) return detail::fail(err, err_len, "CUTLASS can_implement", st);
 
     const size_t ws_bytes = Gemm::get_workspace_size(args);
@@ -250,12 +266,16 @@ struct ScaledMmKernel {
         std::snprintf(err, err_len, "could not allocate a %zu-byte workspace", ws_bytes);
         return 1;
       }
+      st = GemmKernel::initialize_workspace(args, ws, p.stream, nullptr);
+      if (st != cutlass::Status::kSuccess) return detail::fail(err, err_len, "CUTLASS initialize_workspace", st);
     }
-    st = gemm.initialize(args, ws, p.stream);
-    if (st != cutlass::Status::kSuccess) return detail::fail(err, err_len, "CUTLASS initialize", st);
+    // GemmUniversalAdapter::initialize + run, with the shared-memory attribute set once per device instead of
+    // on every call (see ensure_smem_attribute).
+    if (ensure_smem_attribute(p.device, err, err_len) != 0) return 1;
+    typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, ws);
     // With PDL the kernel may start (prologue: barriers, TMA descriptor prefetch) while the previous kernel
     // on the stream is finishing; its producer warps wait on griddepcontrol before loading A or B.
-    st = gemm.run(p.stream, /*cuda_adapter=*/nullptr, /*launch_with_pdl=*/p.pdl != 0);
+    st = Gemm::run(params, p.stream, /*cuda_adapter=*/nullptr, /*launch_with_pdl=*/p.pdl != 0);
     if (st != cutlass::Status::kSuccess) {
       cudaError_t ce = cudaGetLastError();
       std::snprintf(err, err_len, "CUTLASS run: %s (%s)", cutlass::cutlassGetStatusString(st),
