@@ -83,7 +83,7 @@ def methods_for(cw, k: int, n: int, m: int, with_fp8: bool) -> dict[str, Callabl
         "nn.Linear bf16": lambda: lin(x),
         "W8A8Linear int8": lambda: int8(x),
         "w8a8_linear op": lambda: linear_op(x, w, ws, None, None, torch.bfloat16),
-        "quantize + scaled_mm ops": lambda: smm(*qpt(x, torch.int8), wt, ws, torch.bfloat16, None),
+        "quantize + scaled_mm ops": lambda: _two_ops(qpt, smm, x, wt, ws),
         "quantize_per_token op": lambda: qpt(x, torch.int8),
         "scaled_mm op": lambda: smm(q, wt, s, ws, torch.bfloat16, None),
         "cw.scaled_mm wrapper": lambda: cw.scaled_mm(q, wt, s, ws, torch.bfloat16),
@@ -93,6 +93,11 @@ def methods_for(cw, k: int, n: int, m: int, with_fp8: bool) -> dict[str, Callabl
         fp8 = cw.W8A8Linear.from_float(lin, cw.W8A8Config(dtype=torch.float8_e4m3fn))
         out["W8A8Linear fp8"] = lambda: fp8(x)
     return out
+
+
+def _two_ops(qpt, smm, x, wt, ws):
+    q, s = qpt(x, torch.int8)
+    return smm(q, wt, s, ws, torch.bfloat16, None)
 
 
 def gpu_us_per_call(bench_utils, fn: Callable[[], object]) -> float:

@@ -18,7 +18,8 @@ cw8a8_scaled_mm_args pack_scaled_mm_args(const at::Tensor& out, const at::Tensor
 
 // Runs a packed argument block whose operands are already checked: picks the kernel library for the device
 // (and the Ampere/Ada vector-scale form), decides PDL, launches on the current stream of `a`'s device and
-// records the launch for CUDA-graph node updates. `config` < 0 lets the library choose by shape.
+// records the launch for CUDA-graph node updates. `config` < 0 lets the library choose by shape. `scale_a` may be
+// an undefined tensor when args.scale_a points to M per-token scales at a 16-byte aligned address.
 void launch_scaled_mm(cw8a8_scaled_mm_args& args, const at::Tensor& a, const at::Tensor& scale_a,
                       const at::Tensor& scale_b, const std::optional<at::Tensor>& bias, int64_t config = -1);
 

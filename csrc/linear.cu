@@ -1,5 +1,6 @@
 // w8a8_linear: a W8A8Linear forward in one op call. The activations x [..., K] are quantized (dynamic per-token,
-// or static per-tensor with input_scale) into a temporary and the scaled_mm GEMM runs on them with the
+// or static per-tensor with input_scale) into a temporary (one allocation for q and its per-token scales) and the
+// scaled_mm GEMM runs on them with the
 // [N, K] weight: two kernel launches (quantize.cu, then the arch's GEMM library through launch_scaled_mm), one
 // dispatcher call, the argument checks once, here. The result equals quantize_per_token / quantize_per_tensor
 // followed by scaled_mm(q, weight.t(), scale, weight_scale, out_dtype, bias) bit for bit.
@@ -98,7 +99,8 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   check(x, weight, weight_scale, input_scale, bias, out_dtype);
   const int64_t n = weight.size(0), k = weight.size(1);
   c10::cuda::CUDAGuard guard(x.device());
-  const at::Tensor x2 = quant::rows_of(x);
+  // x as [M, K] rows: x itself when it is 2-D with unit column stride (no new tensor on the common path)
+  const at::Tensor x2 = x.dim() == 2 && (x.stride(1) == 1 || x.size(0) == 0) ? x : quant::rows_of(x);
   const int64_t m = x2.size(0);
   CW8A8_CHECK_VALUE(m < (int64_t{1} << 31), kOp, "x", "has ", m, " rows; at most 2**31 - 1 are supported");
   auto out_shape = x.sizes().vec();
@@ -106,27 +108,28 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   at::Tensor out = at::empty(out_shape, x.options().dtype(out_dtype));
   if (m == 0) return out;
 
+  // One temporary for the quantized rows and, per-token, their scales: q [M, K] then, 16-byte aligned, M floats.
   const at::ScalarType qtype = weight.scalar_type();
-  at::Tensor q = at::empty({m, k}, x.options().dtype(qtype));
+  const int64_t q_bytes = (m * k + 15) / 16 * 16;
+  at::Tensor workspace = at::empty({q_bytes + (input_scale ? 0 : 4 * m)}, x.options().dtype(at::kByte));
+  auto* q = static_cast<uint8_t*>(workspace.data_ptr());
+  float* token_scales = input_scale ? nullptr : reinterpret_cast<float*>(q + q_bytes);
   const cudaStream_t stream = current_stream(x);
-  at::Tensor scale_a;
+  const quant::Rows rows{x2.data_ptr(), x2.stride(0), q, k, m, static_cast<int>(k), x.scalar_type()};
   if (input_scale) {
-    scale_a = *input_scale;
-    quant::launch_quantize_per_tensor(x2, q, scale_a, qtype, stream);
+    quant::launch_quantize_per_tensor(rows, input_scale->data_ptr<float>(), qtype, stream);
   } else {
-    scale_a = at::empty({m, 1}, x.options().dtype(at::kFloat));
-    at::Tensor flat = scale_a.view({m});
-    quant::launch_quantize_per_token(x2, q, flat, qtype, stream);
+    quant::launch_quantize_per_token(rows, token_scales, qtype, stream);
   }
 
   // The argument block of scaled_mm(q, weight.t(), scale_a, weight_scale, out_dtype, bias): every operand is
   // checked above or made here (q and out are contiguous [M, K] / [M, N], 16-byte aligned, K and N multiples
   // of 16, so their pitches are legal for any M).
   cw8a8_scaled_mm_args args{};
-  args.a = q.data_ptr();
+  args.a = q;
   args.b = weight.data_ptr();
   args.d = out.data_ptr();
-  args.scale_a = scale_a.data_ptr<float>();
+  args.scale_a = input_scale ? input_scale->data_ptr<float>() : token_scales;
   args.scale_b = weight_scale.data_ptr<float>();
   args.bias = bias ? bias->data_ptr() : nullptr;
   args.m = m;
@@ -142,7 +145,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   args.device = x.device().index();
   args.sm_count = device_info(args.device).sm_count;
   args.config = -1;
-  launch_scaled_mm(args, q, scale_a, weight_scale, bias);
+  launch_scaled_mm(args, x, input_scale ? *input_scale : at::Tensor(), weight_scale, bias);
   return out;
 }
 

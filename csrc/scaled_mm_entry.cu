@@ -332,9 +332,11 @@ void launch_scaled_mm(cw8a8_scaled_mm_args& args, const at::Tensor& a, const at:
   const ArchKernels& kernels = kernels_for(args.device, args.ab_type, &vector_scales);
   VectorOperands keep;
   if (vector_scales) {
-    keep.scale_a = aligned_vector(scale_a, args.m);
+    if (scale_a.defined()) {  // undefined: args.scale_a is already a 16-byte aligned vector of M scales
+      keep.scale_a = aligned_vector(scale_a, args.m);
+      args.scale_a = keep.scale_a.data_ptr<float>();
+    }
     keep.scale_b = aligned_vector(scale_b, args.n);
-    args.scale_a = keep.scale_a.data_ptr<float>();
     args.scale_b = keep.scale_b.data_ptr<float>();
     args.scale_a_per_token = 1;
     args.scale_b_per_channel = 1;

@@ -181,14 +181,10 @@ class W8A8Linear(nn.Module):
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=quant_dtype, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features if per_channel else 1, dtype=torch.float32,
                                                         device=device))
-        if bias:
-            self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
-        else:
-            self.bias = None
-        if static_input_scale:
-            self.register_buffer("input_scale", torch.ones(1, dtype=torch.float32, device=device))
-        else:
-            self.input_scale = None
+        # bias and input_scale are buffers even when absent (None): forward reads all operands from _buffers
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+        self.register_buffer("input_scale",
+                             torch.ones(1, dtype=torch.float32, device=device) if static_input_scale else None)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, config: Optional[W8A8Config] = None,
@@ -375,8 +371,11 @@ class W8A8Linear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"W8A8Linear: input's last dimension must be in_features = {self.in_features}, "
                              f"got shape {tuple(x.shape)}")
-        # One op call: the activation quantization and the GEMM, checked once (in C++ on CUDA)
-        y = _w8a8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias, self.dtype)
+        # One op call: the activation quantization and the GEMM, checked once (in C++ on CUDA). The operands come
+        # straight from _buffers (a dict lookup each, instead of nn.Module.__getattr__): this is the host-bound
+        # path of small batches.
+        b = self._buffers
+        y = _w8a8_linear(x, b["weight"], b["weight_scale"], b["input_scale"], b["bias"], self.dtype)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:

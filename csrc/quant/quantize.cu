@@ -123,48 +123,47 @@ __global__ void __launch_bounds__(kThreads) per_tensor_kernel(const T* __restric
 }
 
 template <class T, class Q>
-void launch_per_token(const at::Tensor& x2, at::Tensor& q2, at::Tensor& scales, cudaStream_t stream) {
-  const int64_t m = x2.size(0);
-  const int k = static_cast<int>(x2.size(1));
-  const T* x = reinterpret_cast<const T*>(x2.data_ptr());
-  auto* q = reinterpret_cast<typename Q::type*>(q2.data_ptr());
-  float* s = scales.data_ptr<float>();
+void launch_per_token(const quant::Rows& r, float* s, cudaStream_t stream) {
+  const int64_t m = r.m;
+  const int k = r.k;
+  const T* x = static_cast<const T*>(r.x);
+  auto* q = static_cast<typename Q::type*>(r.q);
   constexpr int kElems = 16 / sizeof(T);
-  const bool vectorizable = k % kElems == 0 && x2.stride(0) % kElems == 0 && is_aligned(x, 16) &&
-                            q2.stride(0) % kElems == 0 && is_aligned(q, kElems);
+  const bool vectorizable = k % kElems == 0 && r.x_stride % kElems == 0 && is_aligned(x, 16) &&
+                            r.q_stride % kElems == 0 && is_aligned(q, kElems);
   const int64_t nvec = k / kElems;
   const dim3 grid(static_cast<unsigned>(m));
   if (vectorizable && nvec <= int64_t(kThreads) * 16) {
     const int per_thread = static_cast<int>((nvec + kThreads - 1) / kThreads);
     if (per_thread <= 1) {
-      per_token_regs_kernel<T, Q, 1><<<grid, kThreads, 0, stream>>>(x, x2.stride(0), q, q2.stride(0), s, k);
+      per_token_regs_kernel<T, Q, 1><<<grid, kThreads, 0, stream>>>(x, r.x_stride, q, r.q_stride, s, k);
     } else if (per_thread <= 2) {
-      per_token_regs_kernel<T, Q, 2><<<grid, kThreads, 0, stream>>>(x, x2.stride(0), q, q2.stride(0), s, k);
+      per_token_regs_kernel<T, Q, 2><<<grid, kThreads, 0, stream>>>(x, r.x_stride, q, r.q_stride, s, k);
     } else if (per_thread <= 4) {
-      per_token_regs_kernel<T, Q, 4><<<grid, kThreads, 0, stream>>>(x, x2.stride(0), q, q2.stride(0), s, k);
+      per_token_regs_kernel<T, Q, 4><<<grid, kThreads, 0, stream>>>(x, r.x_stride, q, r.q_stride, s, k);
     } else if (per_thread <= 8) {
-      per_token_regs_kernel<T, Q, 8><<<grid, kThreads, 0, stream>>>(x, x2.stride(0), q, q2.stride(0), s, k);
+      per_token_regs_kernel<T, Q, 8><<<grid, kThreads, 0, stream>>>(x, r.x_stride, q, r.q_stride, s, k);
     } else {  // 2049..4096 vectors: 512 threads x 8
       per_token_regs_kernel<T, Q, 8, kWideThreads>
-          <<<grid, kWideThreads, 0, stream>>>(x, x2.stride(0), q, q2.stride(0), s, k);
+          <<<grid, kWideThreads, 0, stream>>>(x, r.x_stride, q, r.q_stride, s, k);
     }
   } else {
-    per_token_loop_kernel<T, Q><<<grid, kThreads, 0, stream>>>(x, x2.stride(0), q, q2.stride(0), s, k);
+    per_token_loop_kernel<T, Q><<<grid, kThreads, 0, stream>>>(x, r.x_stride, q, r.q_stride, s, k);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   graph_nodes::note_rowwise_launch(stream, m, "quantize_per_token");
 }
 
 template <class T, class Q>
-void launch_per_tensor(const at::Tensor& x2, at::Tensor& q2, const at::Tensor& scale, cudaStream_t stream) {
-  const int64_t m = x2.size(0);
-  const int k = static_cast<int>(x2.size(1));
+void launch_per_tensor(const quant::Rows& r, const float* scale, cudaStream_t stream) {
+  const int64_t m = r.m;
+  const int k = r.k;
   const int64_t chunks = std::min<int64_t>((k + kTensorChunk - 1) / kTensorChunk, 65535);
   const int64_t chunk = (k + chunks - 1) / chunks;
   const dim3 grid(static_cast<unsigned>(m), static_cast<unsigned>(chunks));
-  per_tensor_kernel<T, Q><<<grid, kThreads, 0, stream>>>(
-      reinterpret_cast<const T*>(x2.data_ptr()), x2.stride(0), reinterpret_cast<typename Q::type*>(q2.data_ptr()),
-      q2.stride(0), scale.data_ptr<float>(), k, chunk);
+  per_tensor_kernel<T, Q><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(r.x), r.x_stride,
+                                                         static_cast<typename Q::type*>(r.q), r.q_stride, scale, k,
+                                                         chunk);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   graph_nodes::note_rowwise_launch(stream, m, "quantize_per_tensor");
 }
@@ -213,18 +212,16 @@ at::Tensor rows_of(const at::Tensor& x) {
   return x2;
 }
 
-void launch_quantize_per_token(const at::Tensor& x2, at::Tensor& q2, at::Tensor& scales, at::ScalarType dtype,
-                               cudaStream_t stream) {
-  dispatch_types(x2.scalar_type(), dtype, [&](auto t, auto qt) {
-    launch_per_token<decltype(t), decltype(qt)>(x2, q2, scales, stream);
-  });
+Rows rows(const at::Tensor& x2, void* q, int64_t q_stride) {
+  return Rows{x2.data_ptr(), x2.stride(0), q, q_stride, x2.size(0), static_cast<int>(x2.size(1)), x2.scalar_type()};
 }
 
-void launch_quantize_per_tensor(const at::Tensor& x2, at::Tensor& q2, const at::Tensor& scale, at::ScalarType dtype,
-                                cudaStream_t stream) {
-  dispatch_types(x2.scalar_type(), dtype, [&](auto t, auto qt) {
-    launch_per_tensor<decltype(t), decltype(qt)>(x2, q2, scale, stream);
-  });
+void launch_quantize_per_token(const Rows& r, float* scales, at::ScalarType dtype, cudaStream_t stream) {
+  dispatch_types(r.x_type, dtype, [&](auto t, auto qt) { launch_per_token<decltype(t), decltype(qt)>(r, scales, stream); });
+}
+
+void launch_quantize_per_tensor(const Rows& r, const float* scale, at::ScalarType dtype, cudaStream_t stream) {
+  dispatch_types(r.x_type, dtype, [&](auto t, auto qt) { launch_per_tensor<decltype(t), decltype(qt)>(r, scale, stream); });
 }
 
 }  // namespace quant
@@ -243,7 +240,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, at::S
   if (m == 0) return {q, scales};
   at::Tensor q2 = q.view({m, k});
   at::Tensor flat = scales.view({m});
-  quant::launch_quantize_per_token(x2, q2, flat, dtype, current_stream(x));
+  quant::launch_quantize_per_token(quant::rows(x2, q2.data_ptr(), q2.stride(0)), flat.data_ptr<float>(), dtype,
+                                   current_stream(x));
   return {q, scales};
 }
 
@@ -263,7 +261,8 @@ at::Tensor quantize_per_tensor(const at::Tensor& x, const at::Tensor& scale, at:
   at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
   if (m == 0 || k == 0) return q;
   at::Tensor q2 = q.view({m, k});
-  quant::launch_quantize_per_tensor(x2, q2, scale, dtype, current_stream(x));
+  quant::launch_quantize_per_tensor(quant::rows(x2, q2.data_ptr(), q2.stride(0)), scale.data_ptr<float>(), dtype,
+                                    current_stream(x));
   return q;
 }
 

@@ -10,13 +10,23 @@ namespace cutlass_w8a8::quant {
 // [..., K] -> [M, K] rows with unit stride: a view when the leading dimensions flatten, else a copy.
 at::Tensor rows_of(const at::Tensor& x);
 
-// Dynamic per-token: q2[m, :] = sat(rne(x2[m, :] / s[m])), s[m] = max |x2[m, :]| / QMAX, written to `scales` ([M],
-// float32). x2: [M, K] bf16 / fp16 / fp32 with unit column stride; q2: [M, K] of `dtype` (int8 or e4m3).
-void launch_quantize_per_token(const at::Tensor& x2, at::Tensor& q2, at::Tensor& scales, at::ScalarType dtype,
-                               cudaStream_t stream);
+// M rows of K elements to quantize: x (bf16 / fp16 / fp32) rows `x_stride` elements apart with unit column stride,
+// into q (int8 or e4m3) rows `q_stride` apart.
+struct Rows {
+  const void* x;
+  int64_t x_stride;
+  void* q;
+  int64_t q_stride;
+  int64_t m;
+  int k;
+  at::ScalarType x_type;
+};
+Rows rows(const at::Tensor& x2, void* q, int64_t q_stride);
 
-// Static per-tensor with the one-element float32 `scale`.
-void launch_quantize_per_tensor(const at::Tensor& x2, at::Tensor& q2, const at::Tensor& scale, at::ScalarType dtype,
-                                cudaStream_t stream);
+// Dynamic per-token: q[m, :] = sat(rne(x[m, :] / s[m])), s[m] = max |x[m, :]| / QMAX written to `scales` (M floats).
+void launch_quantize_per_token(const Rows& r, float* scales, at::ScalarType dtype, cudaStream_t stream);
+
+// Static per-tensor with the one float32 value at `scale` (device memory).
+void launch_quantize_per_tensor(const Rows& r, const float* scale, at::ScalarType dtype, cudaStream_t stream);
 
 }  // namespace cutlass_w8a8::quant
