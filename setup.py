@@ -129,7 +129,8 @@ def extensions():
             name="cutlass_w8a8._C",
             sources=["csrc/bindings.cpp", "csrc/scaled_mm_entry.cu", "csrc/linear.cu", "csrc/quant/quantize.cu",
                      "csrc/quant/fused_quant.cu", "csrc/graph_nodes.cu", "csrc/attention/rope_kv_cache.cu",
-                     "csrc/attention/decode_attention.cu", "csrc/decode/scaled_mm_decode.cu"],
+                     "csrc/attention/decode_attention.cu", "csrc/decode/scaled_mm_decode.cu",
+                     "csrc/decode_layer.cpp"],
             include_dirs=[os.path.join(ROOT, "csrc")],
             # No flag here may contain "arch": torch then adds the TORCH_CUDA_ARCH_LIST flags itself.
             extra_compile_args={"cxx": CXX_COMMON, "nvcc": NVCC_COMMON},

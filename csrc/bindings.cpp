@@ -13,6 +13,7 @@ TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
   m.impl("scaled_mm_out", &cutlass_w8a8::scaled_mm_out);
   m.impl("_scaled_mm_config", &cutlass_w8a8::scaled_mm_config_out);
   m.impl("w8a8_linear", &cutlass_w8a8::w8a8_linear);
+  m.impl("decode_layer", &cutlass_w8a8::decode_layer);
   m.impl("scaled_mm_decode", &cutlass_w8a8::scaled_mm_decode);
   m.impl("scaled_mm_decode_out", &cutlass_w8a8::scaled_mm_decode_out);
   m.impl("linear_decode", &cutlass_w8a8::linear_decode);

@@ -22,6 +22,18 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
                        const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,
                        at::ScalarType out_dtype);
 
+// decode_layer.cpp: one layer of the reference decoder (models/llama.py) in one op call, for eager decoding
+at::Tensor decode_layer(const std::optional<at::Tensor>& h, at::Tensor& residual, const at::Tensor& input_norm,
+                        const at::Tensor& post_norm, double eps, const at::Tensor& qkv_w,
+                        const std::optional<at::Tensor>& qkv_ws, const std::optional<at::Tensor>& qkv_is,
+                        const at::Tensor& o_w, const std::optional<at::Tensor>& o_ws,
+                        const std::optional<at::Tensor>& o_is, const at::Tensor& gate_up_w,
+                        const std::optional<at::Tensor>& gate_up_ws, const std::optional<at::Tensor>& gate_up_is,
+                        const at::Tensor& down_w, const std::optional<at::Tensor>& down_ws,
+                        const std::optional<at::Tensor>& down_is, at::Tensor& kv_cache, const at::Tensor& rope,
+                        const at::Tensor& slots, const at::Tensor& positions, int64_t num_heads,
+                        int64_t num_kv_heads, double softmax_scale);
+
 // decode/scaled_mm_decode.cu: M <= 16 GEMMs that stream the weights with every SM busy; linear_decode also
 // quantizes x per token inside the kernel
 at::Tensor scaled_mm_decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,

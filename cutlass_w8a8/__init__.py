@@ -5,6 +5,7 @@ Quick start::
     import torch, cutlass_w8a8 as cw
     model = cw.quantize_(model)                 # nn.Linear -> W8A8Linear (int8 weights, per-channel)
     y = model(x)                                # per-token int8 activations, fused-dequant GEMM
+    model = cw.from_pretrained("Llama-3-8B-W8A8", device="cuda")  # a compressed-tensors checkpoint
 
 See README.md for the ops (`scaled_mm`, `quantize_int8`, ...) and the CUDA-graph helpers.
 """
@@ -19,7 +20,8 @@ from .ops import INT8_MAX_K, decode_attention, quantize_fp8, quantize_int8, scal
 from .ops import rms_norm, rms_norm_quant, silu_mul, silu_mul_quant  # noqa: E402
 from .ops import DECODE_MAX_M, linear_decode, scaled_mm_decode  # noqa: E402
 from .linear import QuantizedActivation, W8A8Config, W8A8Linear, quantize_  # noqa: E402
-from . import graphs, models, runner  # noqa: E402
+from . import checkpoints, graphs, models, runner  # noqa: E402
+from .checkpoints import from_pretrained, save_pretrained  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -41,6 +43,9 @@ __all__ = [
     "QuantizedActivation",
     "W8A8Config",
     "quantize_",
+    "from_pretrained",
+    "save_pretrained",
+    "checkpoints",
     "graphs",
     "models",
     "runner",

@@ -443,6 +443,11 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
                 swap(child, fqn)
 
     swap(model, "")
+    # A transformers model gets a compressed-tensors quantization_config describing its W8A8Linear layers, so
+    # that its own save_pretrained writes a checkpoint transformers, vLLM and from_pretrained read back right.
+    from .checkpoints.save import attach_quantization_config
+
+    attach_quantization_config(model)
     return model
 
 

@@ -10,6 +10,10 @@ Ops in the ``torch.ops.cutlass_w8a8`` namespace:
 - ``w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype) -> Tensor``: a `W8A8Linear`
   forward in one call: quantize ``x (..., K)`` (per token, or per tensor with ``input_scale``), then the GEMM with
   the ``(N, K)`` weight
+- ``decode_layer(h, residual, input_norm, post_norm, eps, qkv_w, qkv_ws, qkv_is, o_w, ..., down_is, kv_cache, rope,
+  slots, positions, num_heads, num_kv_heads, softmax_scale) -> Tensor``: one layer of the reference decoder
+  (`cutlass_w8a8.models.LlamaDecoderLayer`) in one call, for eager decoding; ``residual`` and ``kv_cache`` are
+  updated in place
 - ``quantize_per_token(x, dtype) -> (q, scale)``
 - ``quantize_per_tensor(x, scale, dtype) -> q``
 - ``rms_norm(x, weight, eps) -> y``: RMSNorm
@@ -64,6 +68,11 @@ _lib.define("scaled_mm_out(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, T
             "Tensor? bias=None) -> ()")
 _lib.define("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, "
             "ScalarType out_dtype) -> Tensor")
+_lib.define("decode_layer(Tensor? h, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, float eps, "
+            "Tensor qkv_w, Tensor? qkv_ws, Tensor? qkv_is, Tensor o_w, Tensor? o_ws, Tensor? o_is, "
+            "Tensor gate_up_w, Tensor? gate_up_ws, Tensor? gate_up_is, Tensor down_w, Tensor? down_ws, "
+            "Tensor? down_is, Tensor(b!) kv_cache, Tensor rope, Tensor slots, Tensor positions, int num_heads, "
+            "int num_kv_heads, float softmax_scale) -> Tensor")
 _lib.define("_scaled_mm_config(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
             "Tensor? bias, int config) -> ()")
 # Decode GEMMs, M <= 16 (csrc/decode/scaled_mm_decode.cu)
@@ -1513,3 +1522,93 @@ def supports_fp8(device=None) -> bool:
     if (major, minor) == (8, 9):
         return _ext.kernel_library("_kernels_sm89") is not None
     return False
+
+
+# ----------------------------------------------------------------------------------------------------
+# decode_layer: one layer of the reference decoder in one call (csrc/decode_layer.cpp)
+
+
+def _check_decode_layer(residual, projections, num_heads, num_kv_heads) -> None:
+    """The layer-level contract of decode_layer (csrc/decode_layer.cpp raises the same messages); each step's
+    own op checks the rest."""
+    op = "decode_layer"
+    if not isinstance(residual, torch.Tensor):
+        _fail_type(op, "residual", f"must be a torch.Tensor, got {type(residual).__name__}")
+    if residual.dtype not in _OUT_DTYPES:
+        _fail_type(op, "residual", f"must be bfloat16 or float16, got {residual.dtype}")
+    if residual.dim() != 2:
+        _fail_value(op, "residual", f"must be 2-D (B, hidden), got shape {tuple(residual.shape)}")
+    qkv_w = projections[0][1]
+    quantized = qkv_w.dtype in _AB_DTYPES
+    for name, w, ws, is_ in projections:
+        if quantized:
+            if w.dtype != qkv_w.dtype:
+                _fail_type(op, name, f"must have qkv_w's dtype {qkv_w.dtype} (all four projections 8-bit alike, or "
+                           f"all in the model dtype), got {w.dtype}")
+            if ws is None:
+                _fail_value(op, name, "is 8-bit: its weight scale must be given")
+        else:
+            if w.dtype != residual.dtype:
+                _fail_type(op, name, f"must have the model dtype {residual.dtype} (all four projections in the "
+                           f"model dtype, or all 8-bit alike), got {w.dtype}")
+            if ws is not None or is_ is not None:
+                _fail_value(op, name, "is not 8-bit: it takes no weight or input scale")
+    rows = qkv_w.shape[0]
+    d = rows // (num_heads + 2 * num_kv_heads) if num_heads > 0 and num_kv_heads > 0 else 0
+    if num_heads <= 0 or num_kv_heads <= 0 or d <= 0 or rows != (num_heads + 2 * num_kv_heads) * d:
+        _fail_value(op, "qkv_w", f"must have (num_heads + 2 * num_kv_heads) * head_dim rows, got shape "
+                    f"{tuple(qkv_w.shape)} for num_heads = {num_heads}, num_kv_heads = {num_kv_heads}")
+
+
+def _decode_layer_impl(h, residual, input_norm, post_norm, eps, qkv_w, qkv_ws, qkv_is, o_w, o_ws, o_is, gate_up_w,
+                       gate_up_ws, gate_up_is, down_w, down_ws, down_is, kv_cache, rope, slots, positions, num_heads,
+                       num_kv_heads, softmax_scale):
+    # The same op calls, in the same order, as LlamaDecoderLayer's Python path (the CUDA op calls the same C++
+    # functions): so the three agree bit for bit on either device.
+    projections = (("qkv_w", qkv_w, qkv_ws, qkv_is), ("o_w", o_w, o_ws, o_is),
+                   ("gate_up_w", gate_up_w, gate_up_ws, gate_up_is), ("down_w", down_w, down_ws, down_is))
+    _check_decode_layer(residual, projections, num_heads, num_kv_heads)
+    ops, dtype = torch.ops.cutlass_w8a8, residual.dtype
+    quantized = qkv_w.dtype in _AB_DTYPES
+    qtype = qkv_w.dtype
+
+    def project(w, ws, is_, x, q, s):
+        if not quantized:
+            return F.linear(x, w)
+        return ops.scaled_mm(q, w.t(), s if is_ is None else is_, ws, dtype, None)
+
+    x = q = s = None
+    if quantized:
+        q, s = (ops.rms_norm_quant(h, input_norm, eps, qtype, qkv_is, residual) if h is not None
+                else ops.rms_norm_quant(residual, input_norm, eps, qtype, qkv_is, None))
+    else:
+        x = (ops.fused_add_rms_norm(h, residual, input_norm, eps) if h is not None
+             else ops.rms_norm(residual, input_norm, eps))
+    b = residual.shape[0]
+    qkv = project(qkv_w, qkv_ws, qkv_is, x, q, s).view(b, num_heads + 2 * num_kv_heads, -1)
+    ops.rope_kv_cache_(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads)
+    attn = ops.decode_attention(qkv[:, :num_heads], kv_cache, slots, positions, softmax_scale)
+    attn_out = ops.w8a8_linear(attn, o_w, o_ws, o_is, None, dtype) if quantized else F.linear(attn, o_w)
+    if quantized:
+        q, s = ops.rms_norm_quant(attn_out, post_norm, eps, qtype, gate_up_is, residual)
+    else:
+        x = ops.fused_add_rms_norm(attn_out, residual, post_norm, eps)
+    gu = project(gate_up_w, gate_up_ws, gate_up_is, x, q, s)
+    if quantized:
+        q, s = ops.silu_mul_quant(gu, qtype, down_is)
+    else:
+        x = ops.silu_mul(gu)
+    return project(down_w, down_ws, down_is, x, q, s)
+
+
+_lib.impl("decode_layer", _decode_layer_impl, "CPU")
+
+
+@torch.library.register_fake("cutlass_w8a8::decode_layer")
+def _decode_layer_fake(h, residual, input_norm, post_norm, eps, qkv_w, qkv_ws, qkv_is, o_w, o_ws, o_is, gate_up_w,
+                       gate_up_ws, gate_up_is, down_w, down_ws, down_is, kv_cache, rope, slots, positions, num_heads,
+                       num_kv_heads, softmax_scale):
+    projections = (("qkv_w", qkv_w, qkv_ws, qkv_is), ("o_w", o_w, o_ws, o_is),
+                   ("gate_up_w", gate_up_w, gate_up_ws, gate_up_is), ("down_w", down_w, down_ws, down_is))
+    _check_decode_layer(residual, projections, num_heads, num_kv_heads)
+    return residual.new_empty((residual.shape[0], down_w.shape[0]))

@@ -411,3 +411,37 @@ def test_torch_compile_reduce_overhead_decoder():
     errs = _compile_steps("int8", "reduce-overhead")
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert max(errs) < COMPILE_REL, errs
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "fp8"])
+def test_layer_op_equals_python_path_and_opcheck(quant):
+    """The one-call layer (decode_layer, csrc/decode_layer.cpp) against the layers' Python path on the GPU:
+    bitwise over 3 steps (same kernels, same order); and opcheck of the op on the first layer's operands (schema
+    mutations: residual and kv_cache; fake kernel; dispatch). The graph-runner tests above run the op (the
+    default), so its capture and replay are covered there."""
+    if quant == "fp8" and _fp8_unavailable():
+        pytest.skip(_fp8_unavailable())
+    model = build(quant, max_batch=8)
+    tok = torch.tensor([3, 7, 11], device="cuda")
+    slots = torch.tensor([0, 2, 5], device="cuda")
+    outs = {}
+    for use_op in (True, False):
+        model.reset_cache()
+        for layer in model.layers:
+            layer.use_layer_op = use_op
+        outs[use_op] = [model(tok + i, torch.full_like(tok, i), slots) for i in range(3)]
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a, b)
+    # opcheck on a layer's real operands (the op mutates residual and the cache: copies)
+    layer = model.layers[0]
+    h = torch.randn(3, CFG.hidden_size, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(h)
+    ops = list(layer._layer_op_operands(h))
+    ops[-1] = ops[-1].clone()
+    ctx = model._context(torch.tensor([0, 1, 2], device="cuda"), slots)
+    attn = layer.self_attn
+    args = (h, residual, *ops, ctx.rope, ctx.slots, ctx.positions, attn.num_heads, attn.num_kv_heads,
+            attn.head_dim ** -0.5)
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.cutlass_w8a8.decode_layer.default, args,
+                          test_utils=utils if quant == "fp8" else ("test_schema",) + utils)

@@ -459,6 +459,8 @@ def test_decoder_uses_the_fused_path(quant):
     runs a separate add, norm or silu; the only separate quantization left is o_proj's (of the attention
     output), inside its one w8a8_linear call."""
     model = LlamaDecoder(TINY, quant, max_batch=4, max_seq_len=32)
+    for layer in model.layers:  # the Python path of each layer (the layer op runs the same ops: below)
+        layer.use_layer_op = False
     with _OpCounter() as counter:
         model(torch.tensor([1, 2]), torch.tensor([0, 3]), torch.tensor([0, 1]))
     c = counter.counts
@@ -522,3 +524,53 @@ def test_rms_norm_module_float64_falls_back_to_torch():
     r0 = r.clone()
     y = norm(x, r)
     assert torch.equal(r, r0 + x) and torch.equal(y, F.rms_norm(r0 + x, (64,), norm.weight, EPS))
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "fp8"])
+def test_decoder_layer_op_equals_python_path(quant):
+    """One decode_layer call per layer, and the same logits bit for bit as the layers' Python path (it runs
+    the same ops in the same order), over two steps (the cache written by the first is read by the second)."""
+    torch.manual_seed(0)
+    model = LlamaDecoder(TINY, quant, max_batch=4, max_seq_len=32)
+    tok, pos, slots = torch.tensor([1, 2]), torch.tensor([0, 3]), torch.tensor([0, 1])
+    with _OpCounter() as counter:
+        fused = [model(tok, pos, slots), model(tok + 1, pos + 1, slots)]
+    assert counter.counts.get("cutlass_w8a8::decode_layer") == 2 * TINY.num_layers, counter.counts
+    model.reset_cache()
+    for layer in model.layers:
+        layer.use_layer_op = False
+    python = [model(tok, pos, slots), model(tok + 1, pos + 1, slots)]
+    for a, b in zip(fused, python):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_decode_layer_opcheck_cpu(quant):
+    """opcheck of decode_layer on a layer's operands: the schema's mutations (residual, kv_cache), the fake
+    kernel's output, and dispatch; with a first-layer call (h None) and a later one."""
+    torch.manual_seed(0)
+    model = LlamaDecoder(TINY, quant, max_batch=4, max_seq_len=32)
+    layer = model.layers[0]
+    ctx = model._context(torch.tensor([0, 3]), torch.tensor([0, 1]))
+    attn = layer.self_attn
+    for first in (True, False):
+        residual = torch.randn(2, TINY.hidden_size).to(torch.bfloat16)
+        h = None if first else torch.randn_like(residual)
+        ops = list(layer._layer_op_operands(residual))
+        ops[-1] = ops[-1].clone()
+        torch.library.opcheck(torch.ops.cutlass_w8a8.decode_layer.default,
+                              (h, residual, *ops, ctx.rope, ctx.slots, ctx.positions, attn.num_heads,
+                               attn.num_kv_heads, attn.head_dim ** -0.5))
+
+
+def test_decode_layer_rejects_mixed_projections():
+    """Projections of different kinds (an 8-bit qkv with a bf16 o_proj) raise, naming the argument."""
+    model = LlamaDecoder(TINY, "int8", max_batch=4, max_seq_len=32)
+    layer = model.layers[0]
+    ops = list(layer._layer_op_operands(torch.zeros(2, TINY.hidden_size, dtype=torch.bfloat16)))
+    ops[6] = torch.zeros(TINY.hidden_size, TINY.num_heads * TINY.head_dim, dtype=torch.bfloat16)  # o_w
+    ctx = model._context(torch.tensor([0, 3]), torch.tensor([0, 1]))
+    residual = torch.zeros(2, TINY.hidden_size, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="decode_layer: `o_w` must have qkv_w's dtype torch.int8"):
+        torch.ops.cutlass_w8a8.decode_layer(None, residual, *ops, ctx.rope, ctx.slots, ctx.positions,
+                                            TINY.num_heads, TINY.num_kv_heads, 0.125)

@@ -288,6 +288,23 @@ class LlamaMLP(nn.Module):
         return down(torch.ops.cutlass_w8a8.silu_mul(gate_up))
 
 
+_decode_layer = torch.ops.cutlass_w8a8.decode_layer.default
+_LAYER_OP_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _projection_operands(mod: nn.Module):
+    """``(weight, weight_scale, input_scale, out dtype)`` of a bias-free `W8A8Linear` or ``nn.Linear`` for
+    `cutlass_w8a8.ops` ``decode_layer``; None for anything else (the layer then runs its Python path)."""
+    kind = type(mod)
+    if kind is W8A8Linear:
+        b = mod._buffers
+        return None if b["bias"] is not None else (b["weight"], b["weight_scale"], b["input_scale"], mod.dtype)
+    if kind is nn.Linear:
+        p = mod._parameters
+        return None if p["bias"] is not None else (p["weight"], None, None, p["weight"].dtype)
+    return None
+
+
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``h += attn(input_layernorm(h))``; ``h += mlp(post_attention_layernorm(h))``.
 
@@ -297,6 +314,14 @@ class LlamaDecoderLayer(nn.Module):
     for its W8A8 consumer (see `RMSNorm`). At the first layer ``residual`` is None and ``h`` (the embeddings)
     becomes the stream: it is updated in place. The stream after the layer is ``mlp_output + residual``,
     added by the next layer's (or the final) norm.
+
+    When the four projections are all bias-free `W8A8Linear` of one quantized dtype, or all bias-free
+    ``nn.Linear`` in the model dtype, and the model dtype is bfloat16 or float16, the layer runs as one op call,
+    ``torch.ops.cutlass_w8a8.decode_layer`` (csrc/decode_layer.cpp): the same kernels in the same order as the
+    Python path below, so the same results bit for bit, but one Python-to-dispatcher crossing instead of ten,
+    which is what an eager decode step of a small batch waits for. ``use_layer_op = False`` (an attribute of
+    each layer) forces the Python path; any other projection type (`DequantizedLinear`, a float64 reference)
+    takes it anyway.
     """
 
     def __init__(self, config: LlamaConfig, device=None, dtype=None):
@@ -305,9 +330,42 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, device, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.mlp = LlamaMLP(config, device, dtype)
+        self.use_layer_op = True
+
+    def _layer_op_operands(self, h: torch.Tensor) -> Optional[tuple]:
+        """decode_layer's operands from the norm weight to kv_cache, or None when the layer must run its Python
+        path. Read through the modules' dicts: this runs once per layer and step on the host-bound path."""
+        if not self.use_layer_op or h.dtype not in _LAYER_OP_DTYPES:
+            return None
+        mods = self._modules
+        attn, mlp = mods["self_attn"], mods["mlp"]
+        norm1, norm2 = mods["input_layernorm"], mods["post_attention_layernorm"]
+        if type(norm1) is not RMSNorm or type(norm2) is not RMSNorm or norm1.eps != norm2.eps:
+            return None
+        kv_cache = attn._buffers["kv_cache"]
+        if kv_cache is None:
+            return None
+        projs = (_projection_operands(attn._modules["qkv_proj"]), _projection_operands(attn._modules["o_proj"]),
+                 _projection_operands(mlp._modules["gate_up_proj"]), _projection_operands(mlp._modules["down_proj"]))
+        if any(p is None or p[3] != h.dtype for p in projs):
+            return None
+        if len({p[0].dtype for p in projs}) != 1:  # all 8-bit alike, or all in the model dtype
+            return None
+        out = [norm1._parameters["weight"], norm2._parameters["weight"], norm1.eps]
+        for w, ws, is_, _ in projs:
+            out += (w, ws, is_)
+        out.append(kv_cache)
+        return tuple(out)
 
     def forward(self, h: torch.Tensor, ctx: _StepContext,
                 residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        operands = self._layer_op_operands(h)
+        if operands is not None:
+            attn = self._modules["self_attn"]
+            stream = h if residual is None else residual
+            out = _decode_layer(None if residual is None else h, stream, *operands, ctx.rope, ctx.slots,
+                                ctx.positions, attn.num_heads, attn.num_kv_heads, 1.0 / math.sqrt(attn.head_dim))
+            return out, stream
         qkv_proj = self.self_attn.qkv_proj
         if residual is None:
             residual = h
