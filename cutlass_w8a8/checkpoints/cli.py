@@ -1,0 +1,100 @@
+"""``python -m cutlass_w8a8 quantize SRC DST``: a bf16 / fp16 Hugging Face checkpoint to a compressed-tensors W8A8
+checkpoint (int8 or fp8 e4m3, per-channel weights, dynamic per-token activations), with `quantize_` and
+`save_pretrained`. The result loads with `cutlass_w8a8.checkpoints.from_pretrained`, transformers and vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import sys
+from typing import List, Optional
+
+import torch
+
+__all__ = ["main"]
+
+# Files beside the weights that a quantized checkpoint needs to be used the same way (tokenizer, chat template,
+# generation defaults); copied when present.
+_AUX_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+                 "chat_template.*", "generation_config.json", "preprocessor_config.json")
+
+
+def _ignored(fqn: str, patterns: List[str]) -> bool:
+    """Whether ``fqn`` is named by ``patterns``: exact module names, or ``re:`` regexes matched from the start
+    (compressed-tensors' ``ignore`` semantics)."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], fqn):
+                return True
+        elif p == fqn:
+            return True
+    return False
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the ``quantize`` command; ``argv`` without the program name, with or without the leading
+    ``quantize``. Returns the exit status (0 on success, 1 when the source cannot be quantized)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["quantize"]:
+        argv = argv[1:]
+    p = argparse.ArgumentParser(prog="python -m cutlass_w8a8 quantize", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", metavar="SRC", help="Hugging Face checkpoint directory (float weights)")
+    p.add_argument("dst", metavar="DST", help="output directory")
+    p.add_argument("--dtype", choices=["int8", "fp8"], default="int8", help="quantized type (default int8)")
+    p.add_argument("--ignore", nargs="*", default=None, metavar="NAME",
+                   help="linears left in float: module names or re: patterns (default: lm_head, as llm-compressor "
+                        "checkpoints do; giving --ignore replaces the default)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to load and quantize")
+    args = p.parse_args(argv)
+    ignore = ["lm_head"] if args.ignore is None else args.ignore
+
+    import transformers
+
+    from ..linear import W8A8Config, W8A8Linear, quantize_
+    from .save import save_pretrained
+
+    try:
+        with open(os.path.join(args.src, "config.json")) as f:
+            cfg = json.load(f)
+    except OSError as e:
+        print(f"python -m cutlass_w8a8 quantize: cannot read {args.src}/config.json: {e}", file=sys.stderr)
+        return 1
+    if cfg.get("quantization_config") or cfg.get("compression_config"):
+        print(f"python -m cutlass_w8a8 quantize: {args.src} is already quantized; load it with "
+              "cutlass_w8a8.checkpoints.from_pretrained", file=sys.stderr)
+        return 1
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    stored = cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    dtype = torch.float16 if stored == "float16" else torch.bfloat16
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.src, dtype=dtype, device_map=args.device)
+    qdtype = torch.int8 if args.dtype == "int8" else torch.float8_e4m3fn
+    try:
+        quantize_(model, W8A8Config(dtype=qdtype), filter_fn=lambda m, fqn: not _ignored(fqn, ignore))
+    except TypeError as e:
+        print(f"python -m cutlass_w8a8 quantize: {e}", file=sys.stderr)
+        return 1
+    n_q = sum(isinstance(m, W8A8Linear) for m in model.modules())
+    n_f = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    if n_q == 0:
+        print("python -m cutlass_w8a8 quantize: no linear was quantized (all ignored, or none with K and N "
+              "multiples of 16)", file=sys.stderr)
+        return 1
+    save_pretrained(model, args.dst)
+    for pattern in _AUX_PATTERNS:
+        for src in glob.glob(os.path.join(args.src, pattern)):
+            dst = os.path.join(args.dst, os.path.basename(src))
+            if os.path.isfile(src) and not os.path.exists(dst):
+                shutil.copy2(src, dst)
+    print(f"{args.dst}: {n_q} linears quantized to {args.dtype} (per-channel weights, dynamic per-token "
+          f"activations), {n_f} left in {dtype}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

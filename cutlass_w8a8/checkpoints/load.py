@@ -1,0 +1,308 @@
+"""`from_pretrained`: a compressed-tensors W8A8 checkpoint as a transformers model with `W8A8Linear` layers."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from typing import Dict, Tuple
+
+import torch
+from torch import nn
+
+from ..linear import W8A8Linear
+from ._scheme import ParsedConfig, find_quantization_config, parse_quantization_config
+
+__all__ = ["from_pretrained"]
+
+_WHERE = "cutlass_w8a8.from_pretrained"
+_OUT_DTYPES = (torch.bfloat16, torch.float16)
+# safetensors' dtype names
+_ST_QUANT = {torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3"}
+_ST_SCALE = ("F32", "BF16", "F16")
+_ST_8BIT = ("I8", "U8", "F8_E4M3", "F8_E5M2")
+# hf_kwargs that both AutoConfig and the model loader need (AutoConfig consumes them)
+_SHARED_KWARGS = ("trust_remote_code", "revision", "code_revision", "cache_dir", "token", "local_files_only",
+                  "force_download", "proxies")
+# tensors compressed-tensors attaches to a quantized module, by the end of their name
+_QUANT_SUFFIXES = ("_scale", "_zero_point", "_packed", "_shape", "_g_idx", "global_scale")
+
+
+def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, model_cls=None, **hf_kwargs):
+    """Load a compressed-tensors W8A8 checkpoint as a transformers model whose quantized linears are `W8A8Linear`
+    layers holding the checkpoint's own int8 / float8_e4m3fn weights and scales (never dequantized and
+    re-quantized).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A local checkpoint directory: ``config.json`` with a compressed-tensors ``quantization_config`` (or the
+        older ``compression_config`` key), and ``model.safetensors`` or a sharded ``model.safetensors.index.json``.
+        What llm-compressor and ``compressed_tensors.ModelCompressor`` write, and `save_pretrained`.
+    device : str or torch.device, optional
+        Where the model is loaded (``device_map=device`` for transformers); default: transformers' default (CPU).
+    dtype : torch.dtype
+        The model's float dtype and the `W8A8Linear` output dtype, ``torch.bfloat16`` (default) or
+        ``torch.float16``.
+    model_cls : type, optional
+        A transformers model class or auto class (``from_pretrained`` / ``from_config``); default
+        ``transformers.AutoModelForCausalLM``.
+    **hf_kwargs
+        Passed to ``AutoConfig.from_pretrained`` and ``model_cls.from_pretrained`` (``trust_remote_code``,
+        ``attn_implementation``, ``output_loading_info``, ...). ``quantization_config``, ``config``,
+        ``device_map``, ``dtype`` / ``torch_dtype`` and ``subfolder`` are refused: this function sets them.
+
+    Returns
+    -------
+    transformers.PreTrainedModel
+        In eval mode, ``model.hf_quantizer`` None, ``model.config.quantization_config`` the checkpoint's config as
+        a plain compressed-tensors dict (so ``model.save_pretrained`` writes a valid checkpoint again).
+        ``(model, loading_info)`` when ``output_loading_info=True``.
+
+    How
+    ---
+    The config is read with compressed-tensors' own parser
+    (``compressed_tensors.quantization.QuantizationConfig.model_validate``), so fields get the defaults and
+    validation every other reader of the format applies, and checked before any weight is read: every group must
+    be a scheme `W8A8Linear` computes exactly (8-bit symmetric int or e4m3 weights, per channel or per tensor;
+    activations of the same type, dynamic per token or static per tensor; formats int-quantized,
+    float-quantized, naive-quantized). The targeted modules (compressed-tensors' own ``targets`` / ``ignore``
+    matching, ``re:`` patterns included, on the model built on the meta device) must be ``nn.Linear`` with K and N
+    multiples of 16, and the checkpoint's tensors for them must have the dtypes and shapes the scheme implies
+    (read from the safetensors headers). Anything else raises ValueError naming the field or tensor: there is no
+    fallback.
+
+    The weights are then loaded by transformers' own loader, kept compressed (``CompressedTensorsHfQuantizer``
+    with ``dequantize=False``, ``use_optimized_inference=False``): it handles sharded files, devices and dtypes,
+    and leaves each targeted ``nn.Linear`` holding the stored 8-bit ``weight`` and a ``quantization_scheme``.
+    Each becomes a `W8A8Linear` around that same weight tensor (no copy), the decompression hook compressed-tensors
+    registered for the first forward is removed, and ``model.hf_quantizer`` is cleared (it no longer describes
+    the modules, and transformers' ``.half()`` / ``.float()`` refuse a model that has one).
+
+    Scales are re-read from the safetensors files in their stored dtype: compressed-tensors creates the
+    ``weight_scale`` / ``input_scale`` parameters in the model dtype, so transformers would round float32 scales
+    to bfloat16 on load, while the kernels take float32 scales; reading the stored values keeps them exact.
+
+    Raises
+    ------
+    ValueError
+        The config or checkpoint holds something the kernels cannot run exactly (the message names the field and
+        its value, e.g. ``quantization_config.config_groups.group_0.weights.strategy = 'group' is not supported
+        (supported: 'channel', 'tensor')``), or ``path`` is not a compressed-tensors safetensors checkpoint.
+    TypeError
+        ``dtype`` is not bfloat16 / float16, or ``hf_kwargs`` holds an argument this function sets.
+
+    Examples
+    --------
+    >>> model = cutlass_w8a8.checkpoints.from_pretrained("Meta-Llama-3-8B-Instruct-W8A8", device="cuda")
+    >>> out = model.generate(input_ids, max_new_tokens=32)
+    """
+    if dtype not in _OUT_DTYPES:
+        raise TypeError(f"{_WHERE}: `dtype` must be torch.bfloat16 or torch.float16 (the W8A8Linear output dtype), "
+                        f"got {dtype}")
+    for k in ("quantization_config", "config", "device_map", "dtype", "torch_dtype", "subfolder"):
+        if k in hf_kwargs:
+            raise TypeError(f"{_WHERE}: `{k}` cannot be passed through: it is set here (use `device=` / `dtype=`; "
+                            "a sub-folder checkpoint is loaded by passing that folder as `path`)")
+    path = os.fspath(path)
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{_WHERE}: {path!r} is not a checkpoint directory with a config.json (a Hub model must be "
+                         "downloaded first, e.g. huggingface_hub.snapshot_download)")
+    with open(config_path) as f:
+        config_json = json.load(f)
+    key, raw = find_quantization_config(config_json, _WHERE)
+    parsed = parse_quantization_config(raw, _WHERE, key)
+    ckpt = _SafetensorsCheckpoint(path)
+
+    import transformers
+
+    model_cls = model_cls or transformers.AutoModelForCausalLM
+    config, model_kwargs = transformers.AutoConfig.from_pretrained(path, return_unused_kwargs=True, **hf_kwargs)
+    # transformers reads only `quantization_config`; the parsed dict also drops loading switches a config.json might
+    # carry (`dequantize`, `use_optimized_inference`), so the weights stay compressed and in nn.Linear.
+    config.quantization_config = parsed.to_dict()
+    if hasattr(config, "compression_config"):
+        del config.compression_config
+    shared = {k: hf_kwargs[k] for k in _SHARED_KWARGS if k in hf_kwargs}
+
+    targeted = _targeted_linears(model_cls, config, parsed, shared)
+    ckpt.check(targeted)
+
+    if device is not None:
+        model_kwargs["device_map"] = str(torch.device(device)) if not isinstance(device, str) else device
+    result = model_cls.from_pretrained(path, config=config, dtype=dtype, **shared, **model_kwargs)
+    model = result[0] if isinstance(result, tuple) else result
+    _detach_compressed_tensors(model, parsed)
+    _swap_to_w8a8(model, targeted, ckpt, dtype)
+    return result
+
+
+class _Target(collections.namedtuple("_Target", "scheme group in_features out_features")):
+    """A targeted nn.Linear: its LinearScheme, config group name and K, N."""
+
+
+def _targeted_linears(model_cls, config, parsed: ParsedConfig, shared: dict) -> Dict[str, _Target]:
+    """``{module name: _Target}`` of the modules compressed-tensors will quantize, found with its own matching on
+    the model built on the meta device; raises for a targeted module `W8A8Linear` cannot replace."""
+    from compressed_tensors.quantization.lifecycle.initialize import is_cached_attention_module
+    from compressed_tensors.utils import is_narrow_match, match_named_modules, match_targets
+    from transformers import PreTrainedModel
+
+    with torch.device("meta"):
+        if isinstance(model_cls, type) and issubclass(model_cls, PreTrainedModel):
+            meta = model_cls._from_config(config)
+        else:
+            kw = {"trust_remote_code": shared["trust_remote_code"]} if "trust_remote_code" in shared else {}
+            meta = model_cls.from_config(config, **kw)
+
+    # the order compressed-tensors' apply_quantization_config resolves a module matched by several groups in
+    target_to_group = collections.OrderedDict()
+    for gname, scheme in parsed.config.config_groups.items():
+        for t in scheme.targets:
+            target_to_group[t] = gname
+    key = parsed.key
+    targeted = {}
+    for name, module in match_named_modules(meta, target_to_group, parsed.config.ignore or []):
+        first = match_targets(name, module, target_to_group)[0]
+        gname = target_to_group[first]
+        field = f"{key}.config_groups.{gname}.targets"
+        targets = parsed.config.config_groups[gname].targets
+        if is_cached_attention_module(module) and is_narrow_match(meta, targets, name):
+            raise ValueError(f"{_WHERE}: attention module {name!r} ({type(module).__name__}) is targeted by "
+                             f"{field} = {targets!r}: attention / KV-cache quantization is not supported (only "
+                             "nn.Linear modules)")
+        if isinstance(module, nn.Linear):
+            n, k = module.out_features, module.in_features
+            if n % 16 or k % 16:
+                raise ValueError(f"{_WHERE}: module {name!r} (nn.Linear, in_features={k}, out_features={n}) is "
+                                 f"targeted by {field} = {targets!r}: W8A8Linear needs in_features and "
+                                 "out_features to be multiples of 16 (add it to `ignore`)")
+            targeted[name] = _Target(parsed.schemes[gname], gname, k, n)
+        elif isinstance(module, nn.Embedding):
+            raise ValueError(f"{_WHERE}: module {name!r} (nn.Embedding) is targeted by {field} = {targets!r}: "
+                             "only nn.Linear modules are supported")
+        # Any other match (a container such as `mlp` matched by a `re:` target) compressed-tensors leaves alone;
+        # tensors stored for it are caught by the checkpoint check.
+    if not targeted:
+        raise ValueError(f"{_WHERE}: no nn.Linear module of {type(meta).__name__} matches the targets of "
+                         f"{key}.config_groups (less `ignore`)")
+    return targeted
+
+
+class _SafetensorsCheckpoint:
+    """The safetensors files of a checkpoint directory: each tensor's file, dtype and shape (headers only), and
+    reads of single small tensors."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        index = os.path.join(path, "model.safetensors.index.json")
+        single = os.path.join(path, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif os.path.isfile(single):
+            files = ["model.safetensors"]
+        else:
+            raise ValueError(f"{_WHERE}: {path!r} has neither model.safetensors nor model.safetensors.index.json "
+                             "(only safetensors checkpoints are supported)")
+        self.file_of: Dict[str, str] = {}
+        self.meta: Dict[str, Tuple[str, list]] = {}
+        for fname in files:
+            full = os.path.join(path, fname)
+            with safe_open(full, framework="pt") as f:
+                for k in f.keys():
+                    sl = f.get_slice(k)
+                    self.file_of[k] = full
+                    self.meta[k] = (sl.get_dtype(), list(sl.get_shape()))
+
+    def check(self, targeted: Dict[str, _Target]) -> None:
+        """Raise ValueError unless every targeted module has exactly the tensors its scheme implies, with their
+        dtypes and shapes, and no other tensor looks quantized."""
+        for name, t in targeted.items():
+            s, n, k = t.scheme, t.out_features, t.in_features
+            expect = {"weight": ((_ST_QUANT[s.quant_dtype],), [n, k]),
+                      "weight_scale": (_ST_SCALE, [n, 1] if s.per_channel else [1])}
+            if s.static_input:
+                expect["input_scale"] = (_ST_SCALE, [1])
+            for leaf, (dtypes, shape) in expect.items():
+                key = f"{name}.{leaf}"
+                if key not in self.meta:
+                    raise ValueError(f"{_WHERE}: the checkpoint has no tensor {key!r}, which group {t.group!r} "
+                                     "implies (checkpoints whose tensor names transformers renames on load are "
+                                     "not supported)")
+                dt, sh = self.meta[key]
+                if dt not in dtypes or sh != shape:
+                    raise ValueError(f"{_WHERE}: checkpoint tensor {key!r} is {dt} {sh}; group {t.group!r} implies "
+                                     f"{' or '.join(dtypes)} {shape}")
+        allowed = {f"{name}.{leaf}" for name, t in targeted.items()
+                   for leaf in ("weight", "weight_scale", "bias") + (("input_scale",) if t.scheme.static_input else ())}
+        for key, (dt, _) in self.meta.items():
+            if key in allowed:
+                continue
+            module, _, leaf = key.rpartition(".")
+            if module in targeted:
+                raise ValueError(f"{_WHERE}: checkpoint tensor {key!r} is not part of group "
+                                 f"{targeted[module].group!r}'s scheme (zero points, packed weights, ... are not "
+                                 "supported)")
+            if dt in _ST_8BIT or leaf.endswith(_QUANT_SUFFIXES):
+                raise ValueError(f"{_WHERE}: checkpoint tensor {key!r} ({dt}) belongs to no targeted nn.Linear (MoE "
+                                 "experts merged by transformers, KV-cache scales and renamed tensors are not "
+                                 "supported)")
+
+    def read(self, keys):
+        """``{key: tensor}`` in the stored dtype, on the CPU, opening each file once."""
+        from safetensors import safe_open
+
+        by_file = collections.defaultdict(list)
+        for k in keys:
+            by_file[self.file_of[k]].append(k)
+        out = {}
+        for fname, ks in by_file.items():
+            with safe_open(fname, framework="pt") as f:
+                for k in ks:
+                    out[k] = f.get_tensor(k)
+        return out
+
+
+def _swap_to_w8a8(model: nn.Module, targeted: Dict[str, _Target], ckpt: _SafetensorsCheckpoint,
+                  dtype: torch.dtype) -> None:
+    loaded = {name for name, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
+    if loaded != set(targeted):
+        raise RuntimeError(f"{_WHERE}: transformers quantized {sorted(loaded ^ set(targeted))[:4]} differently from "
+                           "the matching done before loading; please report this")
+    keys = [f"{name}.{leaf}" for name, t in targeted.items()
+            for leaf in ("weight_scale",) + (("input_scale",) if t.scheme.static_input else ())]
+    scales = ckpt.read(keys)
+    for name, t in targeted.items():
+        module = model.get_submodule(name)
+        if not isinstance(module, nn.Linear) or module.weight.dtype != t.scheme.quant_dtype:
+            raise RuntimeError(f"{_WHERE}: {name!r} was loaded as {type(module).__name__} with "
+                               f"{getattr(getattr(module, 'weight', None), 'dtype', None)} weights, expected "
+                               f"nn.Linear with {t.scheme.quant_dtype}; please report this")
+        dev = module.weight.device
+        new = W8A8Linear.from_quantized(
+            module.weight.detach(), scales[f"{name}.weight_scale"].to(dev),
+            bias=None if module.bias is None else module.bias.detach(),
+            input_scale=scales[f"{name}.input_scale"].to(dev) if t.scheme.static_input else None, dtype=dtype)
+        new.train(module.training)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _detach_compressed_tensors(model: nn.Module, parsed: ParsedConfig) -> None:
+    """Undo what compressed-tensors' quantizer left on the model now that the modules are ours."""
+    if getattr(getattr(model, "hf_quantizer", None), "use_fp8_kernel", False):  # excluded by the config we pass
+        raise RuntimeError(f"{_WHERE}: transformers loaded the model with its own fp8 kernels "
+                           "(use_optimized_inference); please report this")
+    hook = getattr(model, "ct_decompress_hook", None)
+    if hook is not None:
+        hook.remove()
+        del model.ct_decompress_hook
+    model.hf_quantizer = None
+    model.is_quantized = False  # transformers' .half() / .float() refuse models marked quantized
+    if hasattr(model, "quantization_method"):
+        del model.quantization_method
+    model.config.quantization_config = parsed.to_dict()

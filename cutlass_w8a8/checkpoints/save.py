@@ -1,0 +1,100 @@
+"""`save_pretrained` and `attach_quantization_config`: a model with `W8A8Linear` layers as a compressed-tensors
+checkpoint that transformers, vLLM and `from_pretrained` load."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from torch import nn
+
+from ..linear import W8A8Linear
+from ._scheme import build_quantization_config, scheme_of
+
+__all__ = ["save_pretrained", "attach_quantization_config", "quantization_config_of"]
+
+
+def quantization_config_of(model: nn.Module) -> Optional[dict]:
+    """The compressed-tensors ``quantization_config`` dict describing ``model``'s `W8A8Linear` modules, or None
+    when it has none.
+
+    All `W8A8Linear` sharing one scheme (llm-compressor's form): one group with ``targets: ["Linear"]`` and
+    ``ignore`` listing every float ``nn.Linear`` by name. Several schemes: one group per scheme, its targets the
+    module names, and no ignore list.
+    """
+    by_scheme = {}
+    floats = []
+    for name, m in model.named_modules():
+        if isinstance(m, W8A8Linear):
+            by_scheme.setdefault(scheme_of(m), []).append(name)
+        elif isinstance(m, nn.Linear):
+            floats.append(name)
+    if not by_scheme:
+        return None
+    if len(by_scheme) == 1:
+        return build_quantization_config([(next(iter(by_scheme)), ["Linear"])], floats)
+    return build_quantization_config(list(by_scheme.items()), [])
+
+
+def attach_quantization_config(model: nn.Module) -> None:
+    """Set ``model.config.quantization_config`` to the compressed-tensors dict describing ``model``'s `W8A8Linear`
+    modules, so that transformers' own ``model.save_pretrained`` writes a checkpoint that loads back correctly
+    (without it, the int8 / e4m3 weights are saved with no config and load into float layers).
+
+    A no-op for a model that is not a transformers ``PreTrainedModel`` or holds no `W8A8Linear`. Cheap (one walk
+    over the modules); transformers is not imported here (a model can only be a ``PreTrainedModel`` when it
+    already is).
+    """
+    if "transformers" not in sys.modules:
+        return
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        return
+    qc = quantization_config_of(model)
+    if qc is not None:
+        model.config.quantization_config = qc
+
+
+def save_pretrained(model: nn.Module, path, **save_kwargs) -> None:
+    """Write ``model`` (a transformers model whose quantized linears are `W8A8Linear`, from `quantize_` or
+    `from_pretrained`) as a compressed-tensors checkpoint: the 8-bit ``weight``, ``weight_scale`` (``(N, 1)``
+    per channel or ``(1,)`` per tensor), ``input_scale`` (``(1,)``, static activations) and ``bias`` of each
+    layer, and ``config.json`` with the ``quantization_config`` that describes them (``quantization_status:
+    compressed``, format int-quantized / float-quantized; see `quantization_config_of`).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        Holding at least one `W8A8Linear`.
+    path : str or os.PathLike
+        Output directory.
+    **save_kwargs
+        Passed to ``model.save_pretrained`` (``max_shard_size``, ...).
+
+    Scales are saved in float32, what the kernels use, so `from_pretrained` of the result gives back the same
+    scales bit for bit. transformers' own loader (compressed-tensors' quantizer) creates the scale parameters in
+    the model dtype and so rounds them to e.g. bfloat16 when loading: its dequantized weights equal ours exactly
+    where the scales are representable in bfloat16, and differ by that rounding (at most 2**-9 relative)
+    elsewhere. `from_pretrained` reads the stored float32 values.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not a transformers ``PreTrainedModel``.
+    ValueError
+        ``model`` holds no `W8A8Linear`.
+    """
+    if "transformers" in sys.modules:
+        from transformers import PreTrainedModel
+    else:
+        PreTrainedModel = None
+    if PreTrainedModel is None or not isinstance(model, PreTrainedModel):
+        raise TypeError("cutlass_w8a8.save_pretrained: `model` must be a transformers PreTrainedModel, got "
+                        f"{type(model).__name__} (save another module's state_dict with torch.save or safetensors)")
+    qc = quantization_config_of(model)
+    if qc is None:
+        raise ValueError("cutlass_w8a8.save_pretrained: `model` holds no W8A8Linear (quantize it with "
+                         "cutlass_w8a8.quantize_ first, or save a float model with model.save_pretrained)")
+    model.config.quantization_config = qc
+    model.save_pretrained(path, **save_kwargs)

@@ -1,0 +1,208 @@
+"""Helpers for the checkpoint tests: tiny transformers models, compressed-tensors checkpoints written by
+compressed-tensors itself, and the reference model decompressed by transformers.
+
+Everything here imports transformers / compressed-tensors; test files importorskip them first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+VOCAB = 256
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def tiny_model(kind: str, seed: int = 0):
+    """A random bf16 ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (q/k/v biases, drawn N(0, 0.1) so they matter):
+    hidden 64, MLP 128, 4 heads, 2 KV heads (k/v N = 32), 2 layers, vocab 256. Every Linear has K and N multiples
+    of 16."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+    if kind not in ("llama", "qwen2"):
+        raise ValueError(kind)
+    config = LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)
+    # built in bf16 (not cast to it afterwards, which would also cast the rotary inv_freq buffer that transformers'
+    # loader keeps in float32), so that it equals the same model saved and loaded
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    if kind == "qwen2":
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                    m.bias.normal_(0, 0.1)
+    return model.eval()
+
+
+def scheme(name: str):
+    """A compressed-tensors QuantizationScheme targeting every Linear: a preset (``W8A8``: int8 channel weights,
+    dynamic per-token activations; ``FP8_DYNAMIC``: the same in e4m3; ``FP8``: e4m3 per-tensor weights, static
+    per-tensor activations) or ``INT8_STATIC`` (int8 channel weights, static per-tensor activations),
+    ``INT8_TENSOR_WEIGHTS`` (int8 per-tensor weights, dynamic per-token activations)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme, preset_name_to_scheme
+
+    def args(strategy, dynamic=False, type_="int"):
+        return QuantizationArgs(num_bits=8, type=type_, symmetric=True, strategy=strategy, dynamic=dynamic)
+
+    if name == "INT8_STATIC":
+        return QuantizationScheme(targets=["Linear"], weights=args("channel"), input_activations=args("tensor"))
+    if name == "INT8_TENSOR_WEIGHTS":
+        return QuantizationScheme(targets=["Linear"], weights=args("tensor"),
+                                  input_activations=args("token", dynamic=True))
+    return preset_name_to_scheme(name, ["Linear"])
+
+
+def write_ct_checkpoint(model, qscheme, path, calib_ids=None, ignore=("lm_head",), **save_kwargs) -> None:
+    """Quantize ``model`` with compressed-tensors and write it the way llm-compressor does.
+
+    ``apply_quantization_config``; weight scales from the weights and static activation scales from the absmax
+    over a calibration forward (``calib_ids``), both with compressed-tensors' ``calculate_qparams``; status frozen;
+    ``ModelCompressor.from_pretrained_model(model).compress_model(model)``; ``model.save_pretrained``;
+    ``compressor.update_config(path)``.
+    """
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    config = QuantizationConfig(config_groups={"group_0": qscheme}, ignore=list(ignore),
+                                quantization_status="initialized")
+    apply_quantization_config(model, config, show_progress=False)
+    mods = {n: m for n, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
+    amax = {}
+    acts = qscheme.input_activations
+    if acts is not None and acts.dynamic is False:
+        def observe(name):
+            def hook(mod, args):
+                a = args[0].detach().abs().amax().float()
+                amax[name] = torch.maximum(amax.get(name, a), a)
+            return hook
+
+        hooks = [m.register_forward_pre_hook(observe(n)) for n, m in mods.items()]
+        for m in mods.values():
+            m.quantization_enabled = False  # observe the float activations
+        with torch.no_grad():
+            model(calib_ids)
+        for h in hooks:
+            h.remove()
+    with torch.no_grad():
+        for name, m in mods.items():
+            w = m.weight
+            s = m.quantization_scheme
+            if s.weights.strategy == "channel":
+                lo, hi = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+            else:
+                lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+            ws, _ = calculate_qparams(lo, hi, s.weights)
+            m.weight_scale.copy_(ws.reshape(m.weight_scale.shape))
+            if name in amax:
+                a = amax[name].to(w.dtype).reshape(1)
+                xs, _ = calculate_qparams(-a, a, s.input_activations)
+                m.input_scale.copy_(xs.reshape(m.input_scale.shape))
+            m.quantization_status = QuantizationStatus.FROZEN
+            m.quantization_enabled = True
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(path, **save_kwargs)
+    compressor.update_config(path)
+
+
+def fake_quant(x: torch.Tensor, quant_dtype: torch.dtype, input_scale=None) -> torch.Tensor:
+    """``x`` quantized and dequantized in float32 as `W8A8Linear` quantizes its input: per token with scale
+    ``absmax / 127`` (``/ 448`` for e4m3) when ``input_scale`` is None, else per tensor with it; round half to even
+    and saturate (int8), or round to e4m3 after clamping to +-448. Returns float32."""
+    xf = x.float()
+    if input_scale is None:
+        scale = xf.abs().amax(-1, keepdim=True) / torch.tensor(_QMAX[quant_dtype])
+    else:
+        scale = input_scale.float().reshape(())
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    y = torch.where(scale == 0, torch.zeros_like(xf), xf / safe)
+    if quant_dtype == torch.int8:
+        q = torch.round(y).clamp(-128, 127)
+    else:
+        q = y.clamp(-448, 448).to(quant_dtype).float()
+    return q * scale
+
+
+def decompressed_reference(path, full_float32: bool = False):
+    """The checkpoint as transformers decompresses it (``CompressedTensorsConfig(dequantize=True)``, float32, so
+    the dequantized weights ``q * scale`` are exact), with the activation quantization of `W8A8Linear` applied in
+    float32 to the input of each quantized Linear (`fake_quant`, compressed-tensors' own fake-quant disabled).
+
+    ``full_float32=False`` (default): the rest of the model (embedding, norms, attention, lm_head) is transformers'
+    bf16 model dequantized the same way, and each quantized Linear computes ``fake_quant(x) @ W^T + b`` in float32
+    and rounds to bf16 - the math of our layers, in another order. ``full_float32=True``: the whole model in float32
+    (the accuracy of the bf16 model against exact arithmetic).
+    """
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    def load(dtype):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "You passed `quantization_config` ... loading attributes overwritten"
+            return AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True))
+
+    ref32 = load(torch.float32)
+    model = ref32 if full_float32 else load(torch.bfloat16)
+    for name, m in ref32.named_modules():
+        s = getattr(m, "quantization_scheme", None)
+        if s is None:
+            continue
+        qd = torch.int8 if s.input_activations.type == "int" else torch.float8_e4m3fn
+        w32 = m.weight.detach().clone()
+        b32 = None if m.bias is None else m.bias.detach().clone()
+        xs = m.input_scale.detach().float().clone() if s.input_activations.dynamic is False else None
+
+        def forward(x, qd=qd, w32=w32, b32=b32, xs=xs):
+            return F.linear(fake_quant(x, qd, xs), w32, b32).to(x.dtype)
+
+        model.get_submodule(name).forward = forward
+    return model.eval()
+
+
+def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """10 log10(|ref|^2 / |x - ref|^2) in dB (inf when equal)."""
+    x, ref = x.double(), ref.double()
+    noise = (x - ref).pow(2).sum()
+    if noise == 0:
+        return float("inf")
+    return float(10 * torch.log10(ref.pow(2).sum() / noise))
+
+
+def stored_tensors(path) -> dict:
+    """Every tensor of a safetensors checkpoint directory (single file or sharded), as stored."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    out = {}
+    for fname in files:
+        out.update(load_file(os.path.join(path, fname)))
+    return out
+
+
+def copy_with_config(src, dst, edit) -> str:
+    """A copy of checkpoint ``src`` at ``dst`` whose ``config.json`` is ``edit(config_dict)`` (edit in place or
+    return a new dict); the weight files are symlinked. Returns ``dst``."""
+    os.makedirs(dst, exist_ok=True)
+    for fname in os.listdir(src):
+        if fname != "config.json":
+            target = os.path.join(dst, fname)
+            if not os.path.exists(target):
+                os.symlink(os.path.join(os.path.abspath(src), fname), target)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    new = edit(cfg)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg if new is None else new, f)
+    return dst
