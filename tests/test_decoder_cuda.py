@@ -434,6 +434,7 @@ def test_layer_op_equals_python_path_and_opcheck(quant):
         assert torch.equal(a, b)
     # opcheck on a layer's real operands (the op mutates residual and the cache: copies)
     layer = model.layers[0]
+    layer.use_layer_op = True
     h = torch.randn(3, CFG.hidden_size, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn_like(h)
     ops = list(layer._layer_op_operands(h))

@@ -289,20 +289,6 @@ class LlamaMLP(nn.Module):
 
 
 _decode_layer = torch.ops.cutlass_w8a8.decode_layer.default
-_LAYER_OP_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _projection_operands(mod: nn.Module):
-    """``(weight, weight_scale, input_scale, out dtype)`` of a bias-free `W8A8Linear` or ``nn.Linear`` for
-    `cutlass_w8a8.ops` ``decode_layer``; None for anything else (the layer then runs its Python path)."""
-    kind = type(mod)
-    if kind is W8A8Linear:
-        b = mod._buffers
-        return None if b["bias"] is not None else (b["weight"], b["weight_scale"], b["input_scale"], mod.dtype)
-    if kind is nn.Linear:
-        p = mod._parameters
-        return None if p["bias"] is not None else (p["weight"], None, None, p["weight"].dtype)
-    return None
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -332,10 +318,13 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, device, dtype)
         self.use_layer_op = True
 
-    def _layer_op_operands(self, h: torch.Tensor) -> Optional[tuple]:
-        """decode_layer's operands from the norm weight to kv_cache, or None when the layer must run its Python
-        path. Read through the modules' dicts: this runs once per layer and step on the host-bound path."""
-        if not self.use_layer_op or h.dtype not in _LAYER_OP_DTYPES:
+    def _layer_op_operands(self, h: torch.Tensor) -> Optional[list]:
+        """decode_layer's operands from the first norm weight to kv_cache, or None when the layer must run its
+        Python path: every projection a bias-free `W8A8Linear` (output dtype ``h.dtype``) or a bias-free
+        ``nn.Linear`` in ``h.dtype``, all with weights of one dtype, ``h`` bfloat16 or float16. Read through the
+        modules' dicts, without generators: this runs once per layer and step on the host-bound path."""
+        dtype = h.dtype
+        if not self.use_layer_op or (dtype is not torch.bfloat16 and dtype is not torch.float16):
             return None
         mods = self._modules
         attn, mlp = mods["self_attn"], mods["mlp"]
@@ -345,17 +334,31 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache = attn._buffers["kv_cache"]
         if kv_cache is None:
             return None
-        projs = (_projection_operands(attn._modules["qkv_proj"]), _projection_operands(attn._modules["o_proj"]),
-                 _projection_operands(mlp._modules["gate_up_proj"]), _projection_operands(mlp._modules["down_proj"]))
-        if any(p is None or p[3] != h.dtype for p in projs):
-            return None
-        if len({p[0].dtype for p in projs}) != 1:  # all 8-bit alike, or all in the model dtype
-            return None
         out = [norm1._parameters["weight"], norm2._parameters["weight"], norm1.eps]
-        for w, ws, is_, _ in projs:
-            out += (w, ws, is_)
+        wdtype = None
+        for mod in (attn._modules["qkv_proj"], attn._modules["o_proj"], mlp._modules["gate_up_proj"],
+                    mlp._modules["down_proj"]):
+            kind = type(mod)
+            if kind is W8A8Linear:
+                b = mod._buffers
+                if b["bias"] is not None or mod.dtype != dtype:
+                    return None
+                w = b["weight"]
+                out += (w, b["weight_scale"], b["input_scale"])
+            elif kind is nn.Linear:
+                p = mod._parameters
+                w = p["weight"]
+                if p["bias"] is not None or w.dtype != dtype:
+                    return None
+                out += (w, None, None)
+            else:
+                return None
+            if wdtype is None:
+                wdtype = w.dtype
+            elif w.dtype != wdtype:  # all 8-bit alike, or all in the model dtype
+                return None
         out.append(kv_cache)
-        return tuple(out)
+        return out
 
     def forward(self, h: torch.Tensor, ctx: _StepContext,
                 residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
