@@ -60,3 +60,22 @@ def test_bench_hf_args():
         bench.parse_args(["--dtypes", "int4"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--max-cache-len", "40"])  # the 32-token prompt + 24 steps do not fit
+
+
+def test_bench_hf_recheck(tmp_path):
+    """--recheck re-evaluates the logits gates of a results file and keeps every measured value: a compiled
+    SQNR below the gate becomes a failure, one above it none."""
+    bench = load_bench()
+    base = {"batches": [1], "modes": ["eager", "compiled"], "failures": ["batch 1 int8 compiled: RuntimeError: x"],
+            "accuracy": {"1": {"bf16": {"compiled_vs_eager": {"worst_sqnr_db": 25.0, "max_abs": 0.3}},
+                               "int8": {"compiled_vs_eager": {"worst_sqnr_db": 2.0, "max_abs": 1.0},
+                                        "eager_sqnr_vs_bf16_db": 10.0}}}}
+    path = tmp_path / "in.json"
+    path.write_text(json.dumps(base))
+    res = json.loads(path.read_text())
+    bench.recheck(res, str(path))
+    assert res["accuracy"]["1"]["bf16"]["compiled_vs_eager"]["ok"]
+    assert not res["accuracy"]["1"]["int8"]["compiled_vs_eager"]["ok"] and res["accuracy"]["1"]["int8"]["w8a8_ok"]
+    assert res["failures"][0] == "batch 1 int8 compiled: RuntimeError: x"  # a raised variant stays a failure
+    assert len(res["failures"]) == 2 and "compiled vs eager logits SQNR 2.0 dB" in res["failures"][1]
+    assert res["accuracy"]["1"]["int8"]["compiled_vs_eager"]["worst_sqnr_db"] == 2.0 and "in.json" in res["rechecked"]
