@@ -125,6 +125,15 @@ def _misaligned(t: torch.Tensor, nbytes: int) -> bool:
     return (t.storage_offset() * t.element_size()) % nbytes != 0
 
 
+def _check_bias_shape(op: str, bias, n: int) -> None:
+    """A bias operand: None, or a contiguous ``(N,)`` vector (its dtype is checked with the output's)."""
+    if bias is not None:
+        if tuple(bias.shape) != (n,):
+            _fail_value(op, "bias", f"must be [N] with N = {n}, got shape {tuple(bias.shape)}")
+        if not bias.is_contiguous():
+            _fail_value(op, "bias", "must be contiguous")
+
+
 def _check_scaled_mm(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None) -> None:
     for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
         if not isinstance(t, torch.Tensor):
@@ -185,11 +194,7 @@ def _check_scaled_mm(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None)
         _fail_value(op, "scale_a", "must be contiguous")
     if not scale_b.is_contiguous():
         _fail_value(op, "scale_b", "must be contiguous")
-    if bias is not None:
-        if tuple(bias.shape) != (n,):
-            _fail_value(op, "bias", f"must be [N] with N = {n}, got shape {tuple(bias.shape)}")
-        if not bias.is_contiguous():
-            _fail_value(op, "bias", "must be contiguous")
+    _check_bias_shape(op, bias, n)
 
     # Layouts the kernels can read (TMA: 16-byte aligned bases and row pitches). Padded rows are fine.
     if a.stride(1) != 1:
@@ -269,11 +274,7 @@ def _check_w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype) ->
         _fail_value(op, "weight_scale", "must be contiguous")
     if input_scale is not None and input_scale.numel() != 1:
         _fail_value(op, "input_scale", f"must hold one value (static per-tensor), got shape {tuple(input_scale.shape)}")
-    if bias is not None:
-        if tuple(bias.shape) != (n,):
-            _fail_value(op, "bias", f"must be [N] with N = {n}, got shape {tuple(bias.shape)}")
-        if not bias.is_contiguous():
-            _fail_value(op, "bias", "must be contiguous")
+    _check_bias_shape(op, bias, n)
     if weight.stride(1) != 1:
         _fail_value(op, "weight", f"must be row-major [N, K] (stride(1) == 1), got strides {weight.stride()}")
     if weight.stride(0) < k:
@@ -1249,11 +1250,7 @@ def _check_linear_decode(op: str, x, b, scale_b, bias, dtype, out=None) -> None:
                     f"got shape {tuple(scale_b.shape)}")
     if not scale_b.is_contiguous():
         _fail_value(op, "scale_b", "must be contiguous")
-    if bias is not None:
-        if tuple(bias.shape) != (n,):
-            _fail_value(op, "bias", f"must be [N] with N = {n}, got shape {tuple(bias.shape)}")
-        if not bias.is_contiguous():
-            _fail_value(op, "bias", "must be contiguous")
+    _check_bias_shape(op, bias, n)
     # layouts: b as scaled_mm's; x read with 16-byte loads
     if b.stride(0) != 1:
         _fail_value(op, "b", "must be column-major [K, N] (the transpose of a row-major [N, K] weight, "
@@ -1528,17 +1525,19 @@ def supports_fp8(device=None) -> bool:
 # decode_layer: one layer of the reference decoder in one call (csrc/decode_layer.cpp)
 
 
-def _check_decode_layer(residual, projections, num_heads, num_kv_heads) -> None:
+def _check_decode_layer(residual, qkv_w, qkv_ws, qkv_is, o_w, o_ws, o_is, gate_up_w, gate_up_ws, gate_up_is,
+                        down_w, down_ws, down_is, num_heads, num_kv_heads) -> None:
     """The layer-level contract of decode_layer (csrc/decode_layer.cpp raises the same messages); each step's
     own op checks the rest."""
     op = "decode_layer"
+    projections = (("qkv_w", qkv_w, qkv_ws, qkv_is), ("o_w", o_w, o_ws, o_is),
+                   ("gate_up_w", gate_up_w, gate_up_ws, gate_up_is), ("down_w", down_w, down_ws, down_is))
     if not isinstance(residual, torch.Tensor):
         _fail_type(op, "residual", f"must be a torch.Tensor, got {type(residual).__name__}")
     if residual.dtype not in _OUT_DTYPES:
         _fail_type(op, "residual", f"must be bfloat16 or float16, got {residual.dtype}")
     if residual.dim() != 2:
         _fail_value(op, "residual", f"must be 2-D (B, hidden), got shape {tuple(residual.shape)}")
-    qkv_w = projections[0][1]
     quantized = qkv_w.dtype in _AB_DTYPES
     for name, w, ws, is_ in projections:
         if quantized:
@@ -1565,9 +1564,8 @@ def _decode_layer_impl(h, residual, input_norm, post_norm, eps, qkv_w, qkv_ws, q
                        num_kv_heads, softmax_scale):
     # The same op calls, in the same order, as LlamaDecoderLayer's Python path (the CUDA op calls the same C++
     # functions): so the three agree bit for bit on either device.
-    projections = (("qkv_w", qkv_w, qkv_ws, qkv_is), ("o_w", o_w, o_ws, o_is),
-                   ("gate_up_w", gate_up_w, gate_up_ws, gate_up_is), ("down_w", down_w, down_ws, down_is))
-    _check_decode_layer(residual, projections, num_heads, num_kv_heads)
+    _check_decode_layer(residual, qkv_w, qkv_ws, qkv_is, o_w, o_ws, o_is, gate_up_w, gate_up_ws, gate_up_is,
+                        down_w, down_ws, down_is, num_heads, num_kv_heads)
     ops, dtype = torch.ops.cutlass_w8a8, residual.dtype
     quantized = qkv_w.dtype in _AB_DTYPES
     qtype = qkv_w.dtype
@@ -1608,7 +1606,6 @@ _lib.impl("decode_layer", _decode_layer_impl, "CPU")
 def _decode_layer_fake(h, residual, input_norm, post_norm, eps, qkv_w, qkv_ws, qkv_is, o_w, o_ws, o_is, gate_up_w,
                        gate_up_ws, gate_up_is, down_w, down_ws, down_is, kv_cache, rope, slots, positions, num_heads,
                        num_kv_heads, softmax_scale):
-    projections = (("qkv_w", qkv_w, qkv_ws, qkv_is), ("o_w", o_w, o_ws, o_is),
-                   ("gate_up_w", gate_up_w, gate_up_ws, gate_up_is), ("down_w", down_w, down_ws, down_is))
-    _check_decode_layer(residual, projections, num_heads, num_kv_heads)
+    _check_decode_layer(residual, qkv_w, qkv_ws, qkv_is, o_w, o_ws, o_is, gate_up_w, gate_up_ws, gate_up_is,
+                        down_w, down_ws, down_is, num_heads, num_kv_heads)
     return residual.new_empty((residual.shape[0], down_w.shape[0]))
