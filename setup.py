@@ -3,7 +3,7 @@
     pip install nvidia-cutlass==4.2.0.0          # CUTLASS headers (or CUTLASS_W8A8_CUTLASS_DIR=<checkout>)
     pip install --no-build-isolation .           # builds against the torch already installed
 
-What gets built (see csrc/kernel_api.h for why the split):
+What gets built (see csrc/gemm/kernel_api.h for why the split):
   cutlass_w8a8/_C.so               op implementations, argument checks, quantization kernels;
                                    compiled for every arch in TORCH_CUDA_ARCH_LIST
   cutlass_w8a8/_kernels_sm90.so    CUTLASS 3.x sm90 GEMMs, compiled only for sm_90a; built when
@@ -99,7 +99,7 @@ CXX_COMMON = ["-O3", "-DNDEBUG"]
 
 
 def kernel_library(name: str, entry: str, folders: list, cutlass_inc: list, gencode: list):
-    """One torch-free kernel library (csrc/kernel_api.h), compiled only for `gencode`'s targets."""
+    """One torch-free kernel library (csrc/gemm/kernel_api.h), compiled only for `gencode`'s targets."""
     from torch.utils.cpp_extension import CUDAExtension
 
     sources = [entry] + sorted(os.path.relpath(p, ROOT) for f in folders
@@ -127,10 +127,10 @@ def extensions():
     exts = [
         CUDAExtension(
             name="cutlass_w8a8._C",
-            sources=["csrc/bindings.cpp", "csrc/scaled_mm_entry.cu", "csrc/linear.cu", "csrc/quant/quantize.cu",
-                     "csrc/quant/fused_quant.cu", "csrc/graph_nodes.cu", "csrc/attention/rope_kv_cache.cu",
-                     "csrc/attention/decode_attention.cu", "csrc/decode/scaled_mm_decode.cu",
-                     "csrc/decode_layer.cpp"],
+            sources=["csrc/torch_bindings.cpp", "csrc/gemm/scaled_mm_entry.cu", "csrc/gemm/w8a8_linear.cu",
+                     "csrc/quant/quantize.cu", "csrc/quant/fused_quant.cu", "csrc/graphs/graph_nodes.cu",
+                     "csrc/attention/rope_kv_cache.cu", "csrc/attention/decode_attention.cu",
+                     "csrc/gemm/decode/scaled_mm_decode.cu", "csrc/models/decode_layer.cpp"],
             include_dirs=[os.path.join(ROOT, "csrc")],
             # No flag here may contain "arch": torch then adds the TORCH_CUDA_ARCH_LIST flags itself.
             extra_compile_args={"cxx": CXX_COMMON, "nvcc": NVCC_COMMON},
@@ -145,7 +145,7 @@ def extensions():
         if tune:
             log("CUTLASS_W8A8_TUNE=1: building the sm90 tuning candidates, and no other arch's kernels")
         exts.append(kernel_library(
-            "_kernels_sm90", "csrc/sm90/scaled_mm_sm90.cu", [f"csrc/sm90/{f}" for f in folders], cutlass_inc,
+            "_kernels_sm90", "csrc/gemm/sm90/scaled_mm_sm90.cu", [f"csrc/gemm/sm90/{f}" for f in folders], cutlass_inc,
             # wgmma and setmaxnreg need the arch-specific sm_90a target; GDC makes CUTLASS's kernels wait on
             # griddepcontrol before their first global access, which launching them with PDL requires
             # The TMA descriptor encoder resolved once per process instead of per launch (scaled_mm_sm90.cu)
@@ -161,11 +161,11 @@ def extensions():
         codes = ["compute_80"] + [f"sm_{n.replace('.', '')}" for n in ("8.0", "9.0") if n in numbers]
         gencode = [f"-gencode=arch=compute_80,code={c}" for c in codes]
         gencode += [f"-gencode=arch=compute_{d},code=sm_{d}" for d in (n.replace(".", "") for n in sm8x) if d != "80"]
-        exts.append(kernel_library("_kernels_sm80", "csrc/sm80/scaled_mm_sm80.cu", ["csrc/sm80/instantiations"],
+        exts.append(kernel_library("_kernels_sm80", "csrc/gemm/sm80/scaled_mm_sm80.cu", ["csrc/gemm/sm80/instantiations"],
                                    cutlass_inc, gencode))
     if "8.9" in sm8x and not tune:
-        exts.append(kernel_library("_kernels_sm89", "csrc/sm80/scaled_mm_sm89_fp8.cu",
-                                   ["csrc/sm80/instantiations_sm89"], cutlass_inc,
+        exts.append(kernel_library("_kernels_sm89", "csrc/gemm/sm89/scaled_mm_sm89.cu",
+                                   ["csrc/gemm/sm89/instantiations"], cutlass_inc,
                                    ["-gencode=arch=compute_89,code=sm_89"]))
     return exts
 

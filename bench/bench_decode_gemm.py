@@ -4,14 +4,14 @@ For every Llama-3 8B/70B linear shape (bench/bench_gemm.py's SHAPES) and M in {1
 CUDA device, int8 with per-token x per-channel scales and bf16 out:
 
 - ``scaled_mm``: ``cw.scaled_mm(a, w.t(), scale_a, scale_b)`` (the CUTLASS sm90 kernels; today's path).
-- ``decode``: ``cw.scaled_mm_decode`` on the same operands (csrc/decode/scaled_mm_decode.cu).
+- ``decode``: ``cw.scaled_mm_decode`` on the same operands (csrc/gemm/decode/scaled_mm_decode.cu).
 - ``quant_scaled_mm``: ``quantize_per_token(x)`` then ``scaled_mm`` (what ``W8A8Linear`` runs now).
 - ``quant_decode``: ``quantize_per_token(x)`` then ``scaled_mm_decode``.
 - ``linear_decode``: ``cw.linear_decode(x, w.t(), scale_b)``: the quantization inside the GEMM kernel.
 - ``bf16_linear``: ``torch.nn.functional.linear(x, w_bf16)`` (cuBLAS), the unquantized reference.
 - with ``--fp8``: ``scaled_mm_fp8``, ``decode_fp8`` and ``linear_decode_fp8`` on float8_e4m3fn operands.
 
-Timing: cutlass_w8a8.bench_utils.bench_gpu_time_interleaved, CUDA-graph replays of R calls over rotating copies
+Timing: cutlass_w8a8.testing.timers.bench_gpu_time_interleaved, CUDA-graph replays of R calls over rotating copies
 of all inputs (weights included) that together exceed twice the L2, so every call streams its weight from HBM;
 the methods of a point are captured first and their timed replays interleaved (same clocks). Before timing,
 each point checks that ``decode`` equals ``scaled_mm`` bit for bit (int8 accumulates exactly in both) and
@@ -19,9 +19,9 @@ each point checks that ``decode`` equals ``scaled_mm`` bit for bit (int8 accumul
 
 Reported: time per call (us), weight streaming rate (N*K bytes of int8 / fp8 weight per call, 2*N*K for bf16,
 in TB/s = 1e12 B/s) and its share of the datasheet HBM bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s:
-cutlass_w8a8.bench_utils.HBM_BANDWIDTH_GBPS), and ratios (> 1: the second-named method is faster):
+cutlass_w8a8.testing.timers.HBM_BANDWIDTH_GBPS), and ratios (> 1: the second-named method is faster):
 ``decode x scaled_mm`` = t(scaled_mm) / t(decode); ``fused x unfused`` = t(quant_decode) / t(linear_decode),
-the crossover of csrc/decode/README.md; ``fused x W8A8Linear`` = t(quant_scaled_mm) / t(linear_decode).
+the crossover of csrc/gemm/decode/README.md; ``fused x W8A8Linear`` = t(quant_scaled_mm) / t(linear_decode).
 
 Writes ``decode_gemm_<device>.json``, ``.md`` and ``.png`` to ``--out`` (default bench/results). The default run
 (8 shapes x 5 M x 6 methods, about 25 timed 1 ms replays each) is estimated at under two minutes on an H100
@@ -429,7 +429,7 @@ def _import_package():
     except ImportError:
         sys.path.insert(0, REPO_ROOT)
         import cutlass_w8a8
-    from cutlass_w8a8 import bench_utils
+    from cutlass_w8a8.testing import timers as bench_utils
     return cutlass_w8a8, bench_utils
 
 

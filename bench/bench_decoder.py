@@ -389,7 +389,7 @@ def run(args: argparse.Namespace, cw: Any, bu: Any, mods: Any) -> dict[str, Any]
     hbm_gbps = bu.hbm_bandwidth_gbps(name)
     hbm_note = (f"datasheet HBM bandwidth {hbm_gbps:.0f} GB/s" if hbm_gbps else
                 f"HBM-limited step time omitted: no datasheet bandwidth known for {name!r} "
-                "(cutlass_w8a8.bench_utils.HBM_BANDWIDTH_GBPS)")
+                "(cutlass_w8a8.testing.timers.HBM_BANDWIDTH_GBPS)")
     if not hbm_gbps:
         print(hbm_note, flush=True)
     results: dict[str, Any] = {
@@ -653,7 +653,7 @@ def plot_results(results: dict[str, Any], path: str) -> None:
 
 def write_outputs(results: dict[str, Any], report: str, out_dir: str) -> dict[str, str]:
     """Write ``decoder_<slug>.json``, ``.md`` and ``.png`` to ``out_dir``; returns the paths by extension."""
-    from cutlass_w8a8.bench_utils import write_results
+    from cutlass_w8a8.testing.timers import write_results
 
     return write_results(results, report, out_dir, "decoder", plot_results)
 
@@ -668,7 +668,8 @@ def _import_package():
     except ImportError:
         sys.path.insert(0, REPO_ROOT)
         import cutlass_w8a8
-    from cutlass_w8a8 import bench_utils, models, runner
+    from cutlass_w8a8 import models, runner
+    from cutlass_w8a8.testing import timers as bench_utils
     return cutlass_w8a8, bench_utils, (models, runner)
 
 

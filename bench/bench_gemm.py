@@ -25,7 +25,7 @@ For every (shape, M) point, on the current CUDA device, in one process:
   config twice per shape (M = the first value, then M dynamic), and its caches are reset between shapes. A
   config that fails to construct, or fails at every M of the first shape, is printed once and left out.
 
-Timing (cutlass_w8a8.bench_utils.bench_gpu_time): CUDA-graph replay of R calls over rotating copies of the
+Timing (cutlass_w8a8.testing.timers.bench_gpu_time): CUDA-graph replay of R calls over rotating copies of the
 inputs that together exceed twice the L2, so each call starts with a cold L2; median replay time / R. The
 methods of a point are all captured first and their timed replays interleaved (see `time_methods`).
 Before the timings of a point, ours is checked against a bf16 GEMM of the dequantized operands, and the
@@ -887,7 +887,7 @@ def plot_results(results: dict[str, Any], path: str) -> None:
 
 def write_outputs(results: dict[str, Any], report: str, out_dir: str) -> dict[str, str]:
     """Write ``gemm_<slug>.json``, ``.md`` and ``.png`` to ``out_dir``; returns the paths by extension."""
-    from cutlass_w8a8.bench_utils import write_results
+    from cutlass_w8a8.testing.timers import write_results
 
     return write_results(results, report, out_dir, "gemm", plot_results)
 
@@ -902,7 +902,7 @@ def _import_package():
     except ImportError:
         sys.path.insert(0, REPO_ROOT)
         import cutlass_w8a8
-    from cutlass_w8a8 import bench_utils
+    from cutlass_w8a8.testing import timers as bench_utils
     return cutlass_w8a8, bench_utils
 
 

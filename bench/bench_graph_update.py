@@ -320,7 +320,7 @@ def main(argv=None) -> int:
         print("bench_graph_update: no CUDA device", file=sys.stderr)
         return 2
     import cutlass_w8a8 as cw
-    from cutlass_w8a8 import bench_utils
+    from cutlass_w8a8.testing import timers as bench_utils
 
     if not cw.cuda_ops_available():
         print(f"bench_graph_update: the extension is not built ({cw.extension_status()})", file=sys.stderr)

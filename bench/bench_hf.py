@@ -341,7 +341,7 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     import transformers
 
     import cutlass_w8a8 as cw
-    from cutlass_w8a8 import bench_utils as bu
+    from cutlass_w8a8.testing import timers as bu
 
     device = torch.device("cpu" if args.tiny else "cuda")
     name = "cpu" if args.tiny else torch.cuda.get_device_name()
@@ -697,7 +697,7 @@ def plot_results(results: dict[str, Any], path: str) -> None:
 def write_outputs(results: dict[str, Any], out_dir: str) -> dict[str, str]:
     """Write ``hf_decode_<slug>.json``, ``.md`` and ``.png`` to ``out_dir`` (bench_utils.write_results); without
     matplotlib the PNG is left out and the report says so. Returns the paths written, by extension."""
-    from cutlass_w8a8.bench_utils import write_results
+    from cutlass_w8a8.testing.timers import write_results
 
     try:
         import matplotlib  # noqa: F401

@@ -187,7 +187,7 @@ def _import_package():
     except ImportError:
         sys.path.insert(0, REPO_ROOT)
         import cutlass_w8a8
-    from cutlass_w8a8 import bench_utils
+    from cutlass_w8a8.testing import timers as bench_utils
     return cutlass_w8a8, bench_utils
 
 

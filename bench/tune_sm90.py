@@ -8,7 +8,7 @@ Needs a build with the tuning candidates::
 For each operand type, shape and M, every config (shipped ones and candidates, bfloat16 output,
 per-token x per-channel scales) is checked against the default config's output and timed by CUDA-graph
 replay over rotating inputs with a cold L2, the replays of a point's configs interleaved
-(cutlass_w8a8.bench_utils.bench_gpu_time_interleaved). Writes
+(cutlass_w8a8.testing.timers.bench_gpu_time_interleaved). Writes
 ``tune_<device>_<dtypes>.json`` (every time) and ``tune_<device>_<dtypes>.md``: the best config per point, and for each M the
 config that is best in geomean over the shapes with its loss against the per-point best.
 """
@@ -30,7 +30,7 @@ SHAPES = [
     ("l3-70b-gate_up", 57344, 8192), ("l3-70b-down", 8192, 28672),
 ]
 M_VALUES = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-AB_TYPE = {"int8": 0, "fp8": 1}  # cw8a8_ab_type in csrc/kernel_api.h
+AB_TYPE = {"int8": 0, "fp8": 1}  # cw8a8_ab_type in csrc/gemm/kernel_api.h
 
 
 def parse_args(argv=None):
@@ -147,7 +147,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     sys.path.insert(0, REPO_ROOT)
     import cutlass_w8a8 as cw
     from cutlass_w8a8 import _ext
-    from cutlass_w8a8 import bench_utils as bu
+    from cutlass_w8a8.testing import timers as bu
 
     lib = _ext.kernel_library("_kernels_sm90")
     if lib is None or not cw.cuda_ops_available():

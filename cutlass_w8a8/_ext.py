@@ -12,7 +12,7 @@ import os
 import torch
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
-# Kernel libraries (csrc/kernel_api.h). `_C.so` dlopens them itself, RTLD_LOCAL; loading them here as well
+# Kernel libraries (csrc/gemm/kernel_api.h). `_C.so` dlopens them itself, RTLD_LOCAL; loading them here as well
 # (the same handle) reports load failures at import and gives the tuning scripts their config tables.
 KERNEL_LIBRARIES = ("_kernels_sm90", "_kernels_sm80", "_kernels_sm89")
 
@@ -82,11 +82,11 @@ def set_pdl(enabled: bool) -> bool:
     return bool(lib.cw8a8_set_pdl(1 if enabled else 0))
 
 
-# ---- CUDA-graph node records (csrc/graph_nodes.cu; used by cutlass_w8a8.graphs.UpdatableGraph) ----------
+# ---- CUDA-graph node records (csrc/graphs/graph_nodes.cu; used by cutlass_w8a8.graphs.UpdatableGraph) ----------
 
 
 class GraphRecordInfo(ctypes.Structure):
-    """One recorded kernel node (csrc/graph_nodes.cu, cw8a8_graph_record_info)."""
+    """One recorded kernel node (csrc/graphs/graph_nodes.cu, cw8a8_graph_record_info)."""
 
     _fields_ = [("kind", ctypes.c_int), ("device", ctypes.c_int), ("graph", ctypes.c_void_p),
                 ("rows", ctypes.c_int64), ("bound_rows", ctypes.c_int64), ("captured_rows", ctypes.c_int64),

@@ -88,7 +88,7 @@ class GraphNode(NamedTuple):
     Attributes
     ----------
     record : int
-        Id of the node's record (csrc/graph_nodes.cu).
+        Id of the node's record (csrc/graphs/graph_nodes.cu).
     op : str
         The op that launched it: ``"scaled_mm"`` or a row-wise op (``"quantize_per_token"``,
         ``"quantize_per_tensor"``, the fused normalization/activation quantizers, ``"decode_attention"``).
@@ -149,7 +149,7 @@ class UpdatableGraph(CapturedGraph):
 
     Notes
     -----
-    What an update may change (csrc/graph_nodes.cu): M, from 1 up to the M of the buffers the node is bound
+    What an update may change (csrc/graphs/graph_nodes.cu): M, from 1 up to the M of the buffers the node is bound
     to (its captured M); for GEMMs also the operand, scale, bias and output tensors, with N, K, dtypes and
     device as captured. A GEMM node takes the config that dispatch picks for the new M when it has the
     captured config's cluster shape (a launch attribute an update keeps), else keeps the captured config,

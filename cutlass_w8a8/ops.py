@@ -1,7 +1,7 @@
 """The cutlass_w8a8 ops: schemas, CPU reference implementations, fake kernels and typed wrappers.
 
 The schemas live here (not in C++) so that a CPU-only install, which compiles nothing, still has the ops with
-their reference implementations; `_C.so` adds the CUDA kernels when it is built (csrc/bindings.cpp).
+their reference implementations; `_C.so` adds the CUDA kernels when it is built (csrc/torch_bindings.cpp).
 
 Ops in the ``torch.ops.cutlass_w8a8`` namespace:
 
@@ -75,7 +75,7 @@ _lib.define("decode_layer(Tensor? h, Tensor(a!) residual, Tensor input_norm, Ten
             "int num_kv_heads, float softmax_scale) -> Tensor")
 _lib.define("_scaled_mm_config(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
             "Tensor? bias, int config) -> ()")
-# Decode GEMMs, M <= 16 (csrc/decode/scaled_mm_decode.cu)
+# Decode GEMMs, M <= 16 (csrc/gemm/decode/scaled_mm_decode.cu)
 _lib.define("scaled_mm_decode(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, "
             "Tensor? bias=None) -> Tensor")
 _lib.define("scaled_mm_decode_out(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
@@ -228,7 +228,7 @@ def _check_scaled_mm(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None)
 
 
 def _check_w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype) -> None:
-    """The contract of w8a8_linear; csrc/linear.cu raises the same messages on CUDA."""
+    """The contract of w8a8_linear; csrc/gemm/w8a8_linear.cu raises the same messages on CUDA."""
     op = "w8a8_linear"
     for name, t in (("x", x), ("weight", weight), ("weight_scale", weight_scale)):
         if not isinstance(t, torch.Tensor):
@@ -457,7 +457,7 @@ def _check_decode_attention(op: str, q, kv_cache, slots, positions, softmax_scal
 
 
 # ----------------------------------------------------------------------------------------------------
-# CPU reference implementations: the kernels' arithmetic, in the kernels' order (csrc/EPILOGUES.md)
+# CPU reference implementations: the kernels' arithmetic, in the kernels' order (csrc/gemm/EPILOGUES.md)
 
 
 def _scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias):
@@ -773,7 +773,7 @@ def scaled_mm(
 
     The products accumulate exactly in int32 (int8) or in float32 (float8_e4m3fn); the epilogue multiplies
     by ``scale_b`` then ``scale_a`` in float32, adds ``bias`` and rounds once to ``out_dtype``
-    (csrc/EPILOGUES.md).
+    (csrc/gemm/EPILOGUES.md).
 
     Parameters
     ----------
@@ -1178,7 +1178,7 @@ def decode_attention(
 
 
 # ----------------------------------------------------------------------------------------------------
-# decode GEMMs (M <= 16): scaled_mm_decode and linear_decode (csrc/decode/scaled_mm_decode.cu)
+# decode GEMMs (M <= 16): scaled_mm_decode and linear_decode (csrc/gemm/decode/scaled_mm_decode.cu)
 
 DECODE_MAX_M = 16  # tokens (rows of a / x) the decode kernels serve: two mma token tiles of 8
 _DECODE_MAX_K = 2**30  # K byte offsets are 32-bit in the decode kernels
@@ -1200,7 +1200,7 @@ def _check_scaled_mm_decode(op: str, a, b, scale_a, scale_b, out_dtype, bias, ou
 
 
 def _check_linear_decode(op: str, x, b, scale_b, bias, dtype, out=None) -> None:
-    """The checks of csrc/decode/scaled_mm_decode.cu's linear_decode_out, in its order and wording."""
+    """The checks of csrc/gemm/decode/scaled_mm_decode.cu's linear_decode_out, in its order and wording."""
     for name, t in (("x", x), ("b", b), ("scale_b", scale_b)):
         if not isinstance(t, torch.Tensor):
             _fail_type(op, name, f"must be a torch.Tensor, got {type(t).__name__}")
@@ -1355,7 +1355,7 @@ def scaled_mm_decode(
     Computes ``D = scale_a * scale_b * (A @ B) + bias`` exactly as :func:`scaled_mm` does: the products
     accumulate exactly in int32 (int8) or in float32 (float8_e4m3fn), then
     ``D = round(scale_a[m] * (scale_b[n] * float(acc)) + bias[n])`` in float32 with one rounding to
-    ``out_dtype`` (csrc/EPILOGUES.md). For int8 the result therefore equals :func:`scaled_mm`'s bit for bit.
+    ``out_dtype`` (csrc/gemm/EPILOGUES.md). For int8 the result therefore equals :func:`scaled_mm`'s bit for bit.
     At M <= 16 a GEMM is a stream of the ``N x K`` weight bytes; this kernel keeps every SM streaming (N / 16
     thread blocks of 8 warps, split along K when that is fewer than the SMs) where the CUTLASS kernels behind
     :func:`scaled_mm` run 64 to 96 tiles. Which one a model should call at which shape is for the caller to
@@ -1403,7 +1403,7 @@ def scaled_mm_decode(
 
     Notes
     -----
-    Kernel (csrc/decode/scaled_mm_decode.cu, csrc/decode/README.md): tensor-core ``mma.sync`` with 16 weight rows
+    Kernel (csrc/gemm/decode/scaled_mm_decode.cu, csrc/gemm/decode/README.md): tensor-core ``mma.sync`` with 16 weight rows
     on the MMA's M and up to 8 tokens on its N (two token tiles for M > 8). The fragment layouts are those of the
     PTX ISA, "Matrix Fragments for mma.m16n8k32" (int8, and e4m3 on sm89) and "mma.m16n8k16" (f16, on sm90,
     where e4m3 pairs are converted to f16 exactly first): thread ``(g, t) = (lane / 4, lane % 4)`` holds 16
@@ -1416,7 +1416,7 @@ def scaled_mm_decode(
     ``griddepcontrol.wait`` before reading its inputs.
 
     fp8 accumulates in float32 tensor-core accumulators in another order than :func:`scaled_mm`'s kernels, so
-    fp8 results agree with it to the accumulation bound of csrc/EPILOGUES.md, not bit for bit.
+    fp8 results agree with it to the accumulation bound of csrc/gemm/EPILOGUES.md, not bit for bit.
 
     Examples
     --------
@@ -1450,7 +1450,7 @@ def linear_decode(
     exactly as :func:`quantize_int8` / :func:`quantize_fp8` do, then runs :func:`scaled_mm_decode`'s main loop
     and epilogue with ``scale_a = scale``. It saves the quantization kernel's launch and its round trip through
     memory, at the price of every thread block reading the ``M x K`` activations from L2 and repeating the
-    ``M x K`` divisions: it wins at small M and loses at larger M (csrc/decode/README.md, "Crossover";
+    ``M x K`` divisions: it wins at small M and loses at larger M (csrc/gemm/decode/README.md, "Crossover";
     ``bench/bench_decode_gemm.py`` measures it). The caller chooses.
 
     Parameters
@@ -1522,12 +1522,12 @@ def supports_fp8(device=None) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------
-# decode_layer: one layer of the reference decoder in one call (csrc/decode_layer.cpp)
+# decode_layer: one layer of the reference decoder in one call (csrc/models/decode_layer.cpp)
 
 
 def _check_decode_layer(residual, qkv_w, qkv_ws, qkv_is, o_w, o_ws, o_is, gate_up_w, gate_up_ws, gate_up_is,
                         down_w, down_ws, down_is, num_heads, num_kv_heads) -> None:
-    """The layer-level contract of decode_layer (csrc/decode_layer.cpp raises the same messages); each step's
+    """The layer-level contract of decode_layer (csrc/models/decode_layer.cpp raises the same messages); each step's
     own op checks the rest."""
     op = "decode_layer"
     projections = (("qkv_w", qkv_w, qkv_ws, qkv_is), ("o_w", o_w, o_ws, o_is),

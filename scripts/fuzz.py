@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Long fuzz run of cutlass_w8a8.scaled_mm against the float64 reference (the CI sample is tests/test_fuzz.py).
 
-Each case is a random legal call (tests/_fuzz.py, `random_case`): M in [1, 8192] (30% on a dispatch bucket
+Each case is a random legal call (cutlass_w8a8/testing/fuzz.py, `random_case`): M in [1, 8192] (30% on a dispatch bucket
 edge), N and K multiples of 16 up to 16384 (log-uniform), int8 and/or fp8, both output dtypes, every scale
 kind and accepted scale shape, bias or not, functional or out=, aligned windows of wider buffers, and four
 kinds of operand values. Every failing case is printed with a JSON line that reruns it (--case), then
@@ -9,7 +9,7 @@ kinds of operand values. Every failing case is printed with a JSON line that rer
     cases tried: N, mismatches: K
 
 Exit status 1 on any mismatch (or error), 0 otherwise. For fp8 the script also prints the largest
-`accum_rel` any case needed ("fp8 accum_rel needed"), to compare with tests/_helpers.fp8_accum_bound.
+`accum_rel` any case needed ("fp8 accum_rel needed"), to compare with cutlass_w8a8.testing.references.fp8_accum_bound.
 
 Examples (GPU machine, from the repository root)::
 
@@ -30,7 +30,6 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 
 def parse_args(argv=None):
@@ -46,7 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--max-n", type=int, default=16384, help="a multiple of 16")
     p.add_argument("--max-k", type=int, default=16384, help="a multiple of 16")
     p.add_argument("--fp8-accum-rel", type=float, default=None,
-                   help="fp8 allowance on sum|a*b| (default: tests/_helpers.fp8_accum_bound(K) per case)")
+                   help="fp8 allowance on sum|a*b| (default: cutlass_w8a8.testing.references.fp8_accum_bound(K) per case)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop starting new cases after this long (the summary says so)")
     p.add_argument("--case", default=None, help="run only this case: JSON of Case fields (others default)")
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
     import torch
 
     import cutlass_w8a8 as cw
-    from _fuzz import Case, random_case, run_case
+    from cutlass_w8a8.testing.fuzz import Case, random_case, run_case
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
             print(f"CUDA extension not built: {cw.extension_status()}", file=sys.stderr)
             return 2
         print(f"device: {torch.cuda.get_device_name(device)}; {cw.extension_status()}", flush=True)
-    accum_rel = args.fp8_accum_rel  # None: tests/_helpers.fp8_accum_bound(K) per case
+    accum_rel = args.fp8_accum_rel  # None: cutlass_w8a8.testing.references.fp8_accum_bound(K) per case
 
     if args.case is not None:
         fields = json.loads(args.case)

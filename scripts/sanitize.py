@@ -10,7 +10,7 @@ initcheck see exact bounds (inside torch's cached blocks an overrun into a neigh
 (--driver) calls, on small problems (N=256, K=512 by default):
 
 - scaled_mm for one M per dispatch bucket (M = 1, 24, 48, 100, 512, 2048: buckets 0..5 of
-  csrc/sm90/scaled_mm_sm90_dispatch.cuh), int8 and fp8, both output dtypes, with and without bias,
+  csrc/gemm/sm90/scaled_mm_sm90_dispatch.cuh), int8 and fp8, both output dtypes, with and without bias,
   per-tensor and per-token/per-channel scales, alternating the functional form and out=; plus M = 0, and one
   case with a, b and out as windows of wider buffers;
 - _scaled_mm_config with every config of the tables forced (the tuning candidates too when the package was
@@ -56,7 +56,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 # One M per bucket of select_config: [1, 16], (16, 32], (32, 64], (64, 128], (128, 1024], > 1024.
@@ -78,8 +77,8 @@ def driver(args) -> int:
     import torch
 
     import cutlass_w8a8 as cw
-    from _helpers import fp8_accum_bound
-    from _helpers import assert_close_to_reference, rand_operand, rand_scale, reference, scale_magnitudes
+    from cutlass_w8a8.testing.references import fp8_accum_bound
+    from cutlass_w8a8.testing.references import assert_close_to_reference, rand_operand, rand_scale, reference, scale_magnitudes
 
     dev = torch.device(args.driver_device)
     if dev.type == "cuda" and (not torch.cuda.is_available() or not cw.cuda_ops_available()):

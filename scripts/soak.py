@@ -12,7 +12,7 @@ for ``--replays`` replays, round-robin over the batch sizes:
   same inputs). Mismatch flags are kept on the GPU and read every ``--sync-every`` replays, so the loop does
   not synchronise the host each replay;
 - every ``--ref-every`` replays the replay's output is also checked against the float64 reference of the
-  last layer (tests/_helpers.py, `assert_close_to_reference`);
+  last layer (cutlass_w8a8/testing/references.py, `assert_close_to_reference`);
 - ``torch.cuda.memory_allocated()`` is read at each synchronisation point, with nothing but the persistent
   buffers alive; its largest distance from the value after warm-up is the memory drift.
 
@@ -32,7 +32,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 
 def parse_args(argv=None):
@@ -73,8 +72,8 @@ def main(argv=None) -> int:
     from torch import nn
 
     import cutlass_w8a8 as cw
-    from _helpers import fp8_accum_bound
-    from _helpers import assert_close_to_reference, reference
+    from cutlass_w8a8.testing.references import fp8_accum_bound
+    from cutlass_w8a8.testing.references import assert_close_to_reference, reference
 
     dev = torch.device(args.device)
     on_gpu = dev.type == "cuda"

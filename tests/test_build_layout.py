@@ -7,7 +7,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_generator():
-    spec = importlib.util.spec_from_file_location("gen", ROOT / "csrc/generate_instantiations.py")
+    spec = importlib.util.spec_from_file_location("gen", ROOT / "csrc/gemm/generate_instantiations.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -17,9 +17,9 @@ def test_instantiations_are_current():
     """Every (operand, output, config) of the dispatch tables has its file, with the generated text."""
     gen = load_generator()
     expected = gen.expected_files()
-    csrc = ROOT / "csrc"
+    csrc = ROOT / "csrc" / "gemm"
     on_disk = {str(p.relative_to(csrc)): p.read_text() for p in csrc.glob("sm*/instantiations*/*.cu")}
-    assert set(on_disk) == set(expected), "rerun: python csrc/generate_instantiations.py"
+    assert set(on_disk) == set(expected), "rerun: python csrc/gemm/generate_instantiations.py"
     for name, text in expected.items():
         assert on_disk[name] == text, f"{name} is stale: rerun the generator"
     sizes = gen.table_sizes(csrc / "sm90/scaled_mm_sm90_dispatch.cuh")

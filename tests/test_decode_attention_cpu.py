@@ -14,7 +14,7 @@ import cutlass_w8a8 as cw
 from cutlass_w8a8.models import LlamaConfig, LlamaDecoder
 from cutlass_w8a8.models import llama as llama_mod
 
-from _attention import assert_close_to_reference, make_inputs, opcheck_cases, reference, sdpa_formulation
+from cutlass_w8a8.testing.attention import assert_close_to_reference, make_inputs, opcheck_cases, reference, sdpa_formulation
 
 OPS = torch.ops.cutlass_w8a8
 

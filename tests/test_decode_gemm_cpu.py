@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cutlass_w8a8 as cw
-from _helpers import assert_close_to_reference, rand_operand, rand_scale, reference, scale_magnitudes
+from cutlass_w8a8.testing.references import assert_close_to_reference, rand_operand, rand_scale, reference, scale_magnitudes
 from test_opcheck import run_opcheck  # opcheck, with fp8's test_schema replaced by a mutation check
 
 OPS = torch.ops.cutlass_w8a8
@@ -313,7 +313,7 @@ def test_bench_report_renders(tmp_path):
                "torch_version": torch.__version__, "cuda_version": "13.0", "git_commit": None, "l2_bytes": 50 * 2**20,
                "hbm_GBps_datasheet": 3350.0, "read_GBps": 3000.0, "pdl": True, "timing": {"replays": 25},
                "points": points}
-    from cutlass_w8a8.bench_utils import geomean
+    from cutlass_w8a8.testing.timers import geomean
 
     report = bench.render_markdown(results, geomean)
     for heading in ("## Times", "## Weight streaming rate", "## Geomean ratios", "## Fused quantization",

@@ -1,6 +1,6 @@
-"""scaled_mm_decode and linear_decode on the GPU (csrc/decode/scaled_mm_decode.cu).
+"""scaled_mm_decode and linear_decode on the GPU (csrc/gemm/decode/scaled_mm_decode.cu).
 
-- Against the float64 reference from dequantized operands (tests/_helpers.py, assert_close_to_reference): int8
+- Against the float64 reference from dequantized operands (cutlass_w8a8/testing/references.py, assert_close_to_reference): int8
   accumulates exactly, so the only error is the float32 epilogue and the final rounding; fp8 adds the
   accumulation allowance fp8_accum_bound(K). Outputs are poisoned (NaN) first, so every element must be
   written; inputs are fresh random tensors per case.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import cutlass_w8a8 as cw
-from _helpers import assert_close_to_reference, fp8_accum_bound, rand_operand, rand_scale, reference, scale_magnitudes
+from cutlass_w8a8.testing.references import assert_close_to_reference, fp8_accum_bound, rand_operand, rand_scale, reference, scale_magnitudes
 from test_opcheck import run_opcheck
 
 pytestmark = pytest.mark.cuda
@@ -282,7 +282,7 @@ def test_updatable_graph_set_rows(dtype, nk):
     ops = {node.op for node in graph.nodes}
     assert ops == {"linear_decode", "scaled_mm_decode"}, graph.nodes
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    split = n // 16 < sms and k // 2048 >= 2  # csrc/decode/scaled_mm_decode.cu, choose_splits
+    split = n // 16 < sms and k // 2048 >= 2  # csrc/gemm/decode/scaled_mm_decode.cu, choose_splits
     assert len(graph.nodes) == (4 if split else 2), graph.nodes  # a split adds a reduce node per op
     for i, m in enumerate([16, 1, 5, 8, 9, 3, 16]):
         graph.set_rows(m)

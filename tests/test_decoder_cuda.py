@@ -415,7 +415,7 @@ def test_torch_compile_reduce_overhead_decoder():
 
 @pytest.mark.parametrize("quant", [None, "int8", "fp8"])
 def test_layer_op_equals_python_path_and_opcheck(quant):
-    """The one-call layer (decode_layer, csrc/decode_layer.cpp) against the layers' Python path on the GPU:
+    """The one-call layer (decode_layer, csrc/models/decode_layer.cpp) against the layers' Python path on the GPU:
     bitwise over 3 steps (same kernels, same order); and opcheck of the op on the first layer's operands (schema
     mutations: residual and kv_cache; fake kernel; dispatch). The graph-runner tests above run the op (the
     default), so its capture and replay are covered there."""

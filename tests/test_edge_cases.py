@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cutlass_w8a8 as cw
-from _helpers import assert_close_to_reference, fp8_accum_bound, rand_operand, rand_scale, reference, scale_magnitudes
+from cutlass_w8a8.testing.references import assert_close_to_reference, fp8_accum_bound, rand_operand, rand_scale, reference, scale_magnitudes
 
 INT32_MAX = 2 ** 31 - 1
 MAX_PRODUCT = 128 * 128

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import cutlass_w8a8 as cw
-from _helpers import ulp
+from cutlass_w8a8.testing.references import ulp
 
 pytestmark = pytest.mark.cuda
 

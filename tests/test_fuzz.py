@@ -1,6 +1,6 @@
 """Property-based fuzzing of scaled_mm with hypothesis: every legal call must match the float64 reference.
 
-The space (tests/_fuzz.py, `Case`): M, N, K (N and K multiples of 16), int8 and fp8 operands, bfloat16 and
+The space (cutlass_w8a8/testing/fuzz.py, `Case`): M, N, K (N and K multiples of 16), int8 and fp8 operands, bfloat16 and
 float16 outputs, per-tensor / per-token scale_a and per-tensor / per-channel scale_b in each accepted shape,
 bias or not, the functional and the out= form, a, b and out as 16-byte aligned windows of wider buffers, and
 four kinds of operand values (uniform, the two range ends, 90% zeros, and the constant worst case).
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _helpers import fp8_accum_bound
-from _fuzz import (DTYPES, OUT_DTYPES, SA_PER_TENSOR, SA_PER_TOKEN, SB_PER_CHANNEL,
+from cutlass_w8a8.testing.references import fp8_accum_bound
+from cutlass_w8a8.testing.fuzz import (DTYPES, OUT_DTYPES, SA_PER_TENSOR, SA_PER_TOKEN, SB_PER_CHANNEL,
                    SB_PER_TENSOR, VALUE_KINDS, Case, run_case)
 
 # fp8 cases on/off in one place (e.g. while the fp8 tolerance is being checked).
@@ -54,7 +54,7 @@ def cases(draw, max_m: int, max_n: int, max_k: int):
 @FUZZ_SETTINGS
 @given(case=cases(max_m=64, max_n=256, max_k=256))
 def test_fuzz_cpu(case):
-    """The CPU reference op against tests/_helpers.reference: the shared arithmetic and tolerance model."""
+    """The CPU reference op against cutlass_w8a8.testing.references.reference: the shared arithmetic and tolerance model."""
     run_case(case, "cpu")
 
 
@@ -67,7 +67,7 @@ def test_fuzz_cuda(case):
 
 
 def test_fp8_tolerance_grows_with_k():
-    """The fp8 allowance is K * 2**-13 of sum|terms| (tests/_helpers.fp8_accum_bound)."""
+    """The fp8 allowance is K * 2**-13 of sum|terms| (cutlass_w8a8.testing.references.fp8_accum_bound)."""
     assert fp8_accum_bound(16) == 16 * 2.0 ** -13
     assert fp8_accum_bound(4096) == 2 * fp8_accum_bound(2048)
     assert isinstance(FP8_ENABLED, bool)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import cutlass_w8a8 as cw
-from _helpers import assert_close_to_reference, rand_operand, rand_scale, reference, scale_magnitudes
+from cutlass_w8a8.testing.references import assert_close_to_reference, rand_operand, rand_scale, reference, scale_magnitudes
 from cutlass_w8a8.graphs import UpdatableGraph
 
 pytestmark = pytest.mark.cuda
@@ -37,7 +37,7 @@ def layer_reference(mod, x):
 
 
 def accum_rel(mod):
-    from _helpers import fp8_accum_bound
+    from cutlass_w8a8.testing.references import fp8_accum_bound
     return fp8_accum_bound(mod.in_features) if mod.quant_dtype == torch.float8_e4m3fn else 0.0
 
 
@@ -124,7 +124,7 @@ def test_update_scaled_mm_new_operands(dtype):
     node = [n_ for n_ in g.nodes if n_.op == "scaled_mm"][0]
     accum = 0.0
     if dtype == torch.float8_e4m3fn:
-        from _helpers import fp8_accum_bound
+        from cutlass_w8a8.testing.references import fp8_accum_bound
         accum = fp8_accum_bound(K)
     for i, m in enumerate([7, 48, 1, 30]):
         a2, b2, sa2, sb2, bias2 = _gemm_operands(m, dtype, gen)

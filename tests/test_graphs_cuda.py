@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import cutlass_w8a8 as cw
-from _helpers import assert_close_to_reference, reference
+from cutlass_w8a8.testing.references import assert_close_to_reference, reference
 
 pytestmark = pytest.mark.cuda
 

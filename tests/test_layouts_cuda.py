@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import cutlass_w8a8 as cw
-from _helpers import fp8_accum_bound
-from _helpers import assert_close_to_reference, rand_operand, rand_scale, reference, scale_magnitudes
+from cutlass_w8a8.testing.references import fp8_accum_bound
+from cutlass_w8a8.testing.references import assert_close_to_reference, rand_operand, rand_scale, reference, scale_magnitudes
 
 pytestmark = pytest.mark.cuda
 

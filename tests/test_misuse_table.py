@@ -584,5 +584,5 @@ def test_two_gpu_row(row_id):
 @pytest.mark.cuda
 @pytest.mark.parametrize("row_id", sorted(W8A8_LINEAR_TRIGGERS))
 def test_w8a8_linear_row_cuda(row_id):
-    """The CUDA op (csrc/linear.cu) raises the CPU implementation's message for every row."""
+    """The CUDA op (csrc/gemm/w8a8_linear.cu) raises the CPU implementation's message for every row."""
     assert_row(row_id, lambda: W8A8_LINEAR_TRIGGERS[row_id]("cuda"))

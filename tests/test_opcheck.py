@@ -13,7 +13,7 @@ import torch
 
 import cutlass_w8a8  # noqa: F401 (defines the ops)
 
-from _helpers import rand_operand, rand_scale, scale_magnitudes
+from cutlass_w8a8.testing.references import rand_operand, rand_scale, scale_magnitudes
 
 OPS = torch.ops.cutlass_w8a8
 

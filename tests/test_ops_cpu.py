@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cutlass_w8a8 as cw
-from _helpers import assert_close_to_reference, rand_operand, rand_scale, reference, scale_magnitudes
+from cutlass_w8a8.testing.references import assert_close_to_reference, rand_operand, rand_scale, reference, scale_magnitudes
 
 AB_DTYPES = [torch.int8, torch.float8_e4m3fn]
 OUT_DTYPES = [torch.bfloat16, torch.float16]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import cutlass_w8a8 as cw
-from _helpers import assert_close_to_reference, fp8_accum_bound, reference
+from cutlass_w8a8.testing.references import assert_close_to_reference, fp8_accum_bound, reference
 
 
 @pytest.fixture

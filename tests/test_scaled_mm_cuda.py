@@ -1,16 +1,16 @@
 """scaled_mm on the GPU against the float64 reference from dequantized operands.
 
-Tolerance (tests/_helpers.py, assert_close_to_reference): int8 products accumulate exactly in int32, so the
+Tolerance (cutlass_w8a8/testing/references.py, assert_close_to_reference): int8 products accumulate exactly in int32, so the
 only error is the float32 epilogue and the final rounding: one unit in the last place of the output dtype
 plus 4 float32 roundoffs of |D|. fp8 adds the tensor cores' accumulation error, K * 2**-13 of
-sum_k |a_k b_k| (tests/_helpers.fp8_accum_bound, derived there).
+sum_k |a_k b_k| (cutlass_w8a8.testing.references.fp8_accum_bound, derived there).
 """
 
 import pytest
 import torch
 
 import cutlass_w8a8 as cw
-from _helpers import assert_close_to_reference, fp8_accum_bound, rand_operand, rand_scale, reference, scale_magnitudes
+from cutlass_w8a8.testing.references import assert_close_to_reference, fp8_accum_bound, rand_operand, rand_scale, reference, scale_magnitudes
 
 pytestmark = pytest.mark.cuda
 
@@ -63,7 +63,7 @@ def test_m_sweep(dtype, m):
                                                 f"bias={bias} {out_dtype}")
 
 
-# Buckets chosen by N and K as well as M (csrc/sm90/scaled_mm_sm90_dispatch.cuh), each on both sides of its
+# Buckets chosen by N and K as well as M (csrc/gemm/sm90/scaled_mm_sm90_dispatch.cuh), each on both sides of its
 # boundary. int8 at M > 128 picks 64x128 or 128x128 tiles by how well they fill the waves of 132 SMs: 64x128
 # for (256, 4096), (512, 6144) and (512, 6160); 128x128 for (129, 6144), (256, 8192), (512, 4096) and
 # (1024, 6144). fp8: M >= 2048 with K >= 8192.

@@ -15,9 +15,8 @@ pytestmark = pytest.mark.sm90
 
 CHILD = textwrap.dedent("""
     import sys, torch
-    sys.path.insert(0, {tests!r})
     import cutlass_w8a8 as cw
-    from _helpers import assert_close_to_reference, rand_operand, rand_scale, reference, scale_magnitudes
+    from cutlass_w8a8.testing.references import assert_close_to_reference, rand_operand, rand_scale, reference, scale_magnitudes
 
     # Proof that the Ampere table serves int8: it has 4 configs, the sm90 table 5.
     a = rand_operand((8, 64), torch.int8, "cuda"); w = rand_operand((32, 64), torch.int8, "cuda")

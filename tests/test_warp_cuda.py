@@ -4,7 +4,7 @@ One step of the `Pipeline`: a float32 input (static, or copied from pinned host 
 bfloat16 (torch) -> `W8A8Linear` (quantization kernel + GEMM) -> float32 (torch) -> a Warp kernel scaling
 by a device scalar -> a row max (torch). After every replay, with new inputs copied in between:
 
-- the linear's output against the float64 reference from the dequantized operands (`_helpers.reference`,
+- the linear's output against the float64 reference from the dequantized operands (`cutlass_w8a8.testing.references.reference`,
   the activations quantized eagerly by the same kernel the graph ran);
 - the Warp kernel's output equal, bit for bit, to ``y.float() * temp`` (one correctly rounded multiply on
   both sides), and the row max equal to the eager ``amax`` of it.
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import cutlass_w8a8 as cw
-from _helpers import assert_close_to_reference, reference
+from cutlass_w8a8.testing.references import assert_close_to_reference, reference
 
 try:
     import warp as wp

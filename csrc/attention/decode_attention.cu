@@ -26,7 +26,7 @@
 // batches at long positions are latency-bound (H blocks, each stepping through its positions); splitting
 // the positions over several blocks per row (flash-decoding's split-KV and a combine kernel) would help them.
 //
-// Row-wise (csrc/graph_nodes.hpp): block (x, y) reads only row x's q, slot and position and writes only row
+// Row-wise (csrc/graphs/graph_nodes.hpp): block (x, y) reads only row x's q, slot and position and writes only row
 // x's output, and no kernel argument depends on B, so a captured node can be shrunk to fewer rows by its
 // gridDim.x alone. One launch on the current stream, no host synchronisation, no allocation beyond the
 // output of the functional form.
@@ -41,10 +41,10 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../common.hpp"
-#include "../graph_nodes.hpp"
-#include "../ops.hpp"
-#include "../quant/quant_common.cuh"
+#include "core/common.hpp"
+#include "graphs/graph_nodes.hpp"
+#include "ops.hpp"
+#include "quant/quant_common.cuh"
 
 namespace cutlass_w8a8 {
 namespace {

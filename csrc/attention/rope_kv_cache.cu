@@ -10,17 +10,17 @@
 //   rounded once to the element type. Then kv_cache[slot, 0, g, position] = rotated k head g and
 //   kv_cache[slot, 1, g, position] = v head g.
 //
-// Grid (B, H + 2 KVH): block (b, y) handles head y of row b only, so the grid is row-wise (csrc/graph_nodes.hpp).
+// Grid (B, H + 2 KVH): block (b, y) handles head y of row b only, so the grid is row-wise (csrc/graphs/graph_nodes.hpp).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cstdint>
 
-#include "../common.hpp"
-#include "../graph_nodes.hpp"
-#include "../ops.hpp"
-#include "../quant/quant_common.cuh"
+#include "core/common.hpp"
+#include "graphs/graph_nodes.hpp"
+#include "ops.hpp"
+#include "quant/quant_common.cuh"
 
 namespace cutlass_w8a8 {
 namespace {

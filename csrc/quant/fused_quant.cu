@@ -28,7 +28,7 @@
 // those in the last bit of T where the float32 value lies within a few float32 roundings of a tie
 // (tests/test_fused_quant_cuda.py bounds that; all that follows y, the quantization included, is bit-exact).
 //
-// Kernel shape (csrc/graph_nodes.hpp relies on it): every kernel is row-wise, grid (M, C, 1) with C = 1, or the
+// Kernel shape (csrc/graphs/graph_nodes.hpp relies on it): every kernel is row-wise, grid (M, C, 1) with C = 1, or the
 // C blocks of a thread block cluster that share a long row (sm90; the cluster shape is compiled into the
 // kernel); blocks (x, *) read and write row x only (and residual row x), and no parameter depends on M. One
 // launch per call, on the current stream, no host synchronisation, outputs from the caching allocator.
@@ -45,10 +45,10 @@
 #include <tuple>
 #include <type_traits>
 
-#include "../common.hpp"
-#include "../graph_nodes.hpp"
-#include "../ops.hpp"
-#include "quant_common.cuh"
+#include "core/common.hpp"
+#include "graphs/graph_nodes.hpp"
+#include "ops.hpp"
+#include "quant/quant_common.cuh"
 
 namespace cutlass_w8a8 {
 namespace {

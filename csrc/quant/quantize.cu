@@ -15,11 +15,11 @@
 #include <optional>
 #include <tuple>
 
-#include "../common.hpp"
-#include "../graph_nodes.hpp"
-#include "../ops.hpp"
-#include "quantize.hpp"
-#include "quant_common.cuh"  // to_float, Int8Out / Fp8Out, quantize_one, allow_dependent_launch, block_max
+#include "core/common.hpp"
+#include "graphs/graph_nodes.hpp"
+#include "ops.hpp"
+#include "quant/quantize.hpp"
+#include "quant/quant_common.cuh"  // to_float, Int8Out / Fp8Out, quantize_one, allow_dependent_launch, block_max
 
 namespace cutlass_w8a8 {
 namespace {
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kThreads) per_token_loop_kernel(const T* __res
 //
 // Row-wise like the per-token kernels: block (x, y) quantizes columns [y * chunk, (y + 1) * chunk) of row x, so
 // the grid is (M, chunks) and no parameter depends on M (a CUDA-graph node of it is updated to fewer rows by
-// shrinking gridDim.x alone: csrc/graph_nodes.hpp).
+// shrinking gridDim.x alone: csrc/graphs/graph_nodes.hpp).
 
 constexpr int kTensorChunk = kThreads * 8;  // columns per block, unless K needs more than 65535 blocks a row
 

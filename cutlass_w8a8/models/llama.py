@@ -303,7 +303,7 @@ class LlamaDecoderLayer(nn.Module):
 
     When the four projections are all bias-free `W8A8Linear` of one quantized dtype, or all bias-free
     ``nn.Linear`` in the model dtype, and the model dtype is bfloat16 or float16, the layer runs as one op call,
-    ``torch.ops.cutlass_w8a8.decode_layer`` (csrc/decode_layer.cpp): the same kernels in the same order as the
+    ``torch.ops.cutlass_w8a8.decode_layer`` (csrc/models/decode_layer.cpp): the same kernels in the same order as the
     Python path below, so the same results bit for bit, but one Python-to-dispatcher crossing instead of ten,
     which is what an eager decode step of a small batch waits for. ``use_layer_op = False`` (an attribute of
     each layer) forces the Python path; any other projection type (`DequantizedLinear`, a float64 reference)

@@ -1,0 +1,93 @@
+// The C interface between the torch extension (`cutlass_w8a8._C`) and the per-architecture kernel
+// libraries (`cutlass_w8a8._kernels_sm90`, ...).
+//
+// Why a C interface: each architecture's kernels are compiled with their own `-gencode` flags (the sm90
+// kernels only for sm_90a), which one torch extension cannot do per source file. So every architecture
+// is its own shared library with no torch dependency; `_C` finds its entry points with dlsym after
+// Python has loaded the library with RTLD_GLOBAL (see cutlass_w8a8/_ext.py). Keeping torch out of the
+// kernel translation units also keeps their compile time down.
+//
+// Everything here is validated by the caller (csrc/gemm/scaled_mm_entry.cu); the kernels trust it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Operand element types.
+enum cw8a8_ab_type { CW8A8_AB_INT8 = 0, CW8A8_AB_FP8_E4M3 = 1 };
+// Output element types.
+enum cw8a8_out_type { CW8A8_OUT_BF16 = 0, CW8A8_OUT_F16 = 1 };
+
+// D[M, N] = scale_a * scale_b * (A[M, K] @ B[K, N]) (+ bias[N]).
+//   A: row-major, element (m, k) at a[m * lda + k].
+//   B: column-major, element (k, n) at b[n * ldb + k] (the [N, K] row-major weight).
+//   D: row-major, element (m, n) at d[m * ldd + n].
+//   scale_a: float32, M values (per-token) or 1 (per-tensor); scale_b: N values (per-channel) or 1.
+//   bias: N values of the output type, or NULL.
+typedef struct cw8a8_scaled_mm_args {
+  const void* a;
+  const void* b;
+  void* d;
+  const float* scale_a;
+  const float* scale_b;
+  const void* bias;
+  int64_t m, n, k;
+  int64_t lda, ldb, ldd;  // leading strides, in elements
+  int scale_a_per_token;    // 1: scale_a has M values; 0: one value
+  int scale_b_per_channel;  // 1: scale_b has N values; 0: one value
+  int ab_type;              // cw8a8_ab_type
+  int out_type;             // cw8a8_out_type
+  int device;               // CUDA device ordinal the pointers live on
+  int sm_count;             // multiprocessors on that device
+  int config;               // -1: choose by shape; >= 0: force this entry of the config table (tuning)
+  int pdl;                  // 1: launch with programmatic dependent launch where the kernel supports it
+                            // (the sm90 kernels wait on griddepcontrol before touching global memory)
+  cudaStream_t stream;
+} cw8a8_scaled_mm_args;
+
+// Workspace allocator supplied by the caller (the torch caching allocator in practice). Returns NULL on
+// failure. The memory must stay valid until the work enqueued on `stream` has run.
+typedef void* (*cw8a8_alloc_fn)(void* ctx, size_t bytes);
+
+// Returns 0 on success. On failure returns non-zero and writes a NUL-terminated message into err.
+typedef int (*cw8a8_scaled_mm_fn)(const cw8a8_scaled_mm_args* args, cw8a8_alloc_fn alloc, void* alloc_ctx,
+                                  char* err, size_t err_len);
+
+// A kernel launch described without launching it: what a CUDA-graph kernel node needs to be updated in place
+// (cudaGraphExecKernelNodeSetParams) to run `args`. The kernel takes one by-value parameter, `params`.
+#define CW8A8_NODE_PARAMS_BYTES 4096
+typedef struct cw8a8_kernel_node {
+  void* func;               // the __global__ function
+  unsigned grid[3];         // gridDim
+  unsigned block[3];        // blockDim
+  unsigned cluster[3];      // thread-block cluster shape the kernel was compiled for (1, 1, 1: none)
+  size_t smem_bytes;        // dynamic shared memory
+  int config;               // the config table entry this describes
+  size_t params_bytes;      // bytes of `params` used
+  unsigned char params[CW8A8_NODE_PARAMS_BYTES];  // the kernel's parameter block (CUTLASS Params), bytes
+} cw8a8_kernel_node;
+
+// Fills `node` for `args` (args.config < 0: the config the library would choose, as scaled_mm does) and sets
+// the kernel's dynamic shared-memory limit on the current device. Nothing is launched. When `exec` is not
+// NULL, also applies the description to kernel node `graph_node` of that instantiated graph
+// (cudaGraphExecKernelNodeSetParams, called from inside the library, whose runtime registered the kernel).
+// Returns 0, or non-zero with a message in err (e.g. a config that needs a workspace, which a node update
+// cannot provide).
+typedef int (*cw8a8_scaled_mm_node_fn)(const cw8a8_scaled_mm_args* args, cw8a8_kernel_node* node,
+                                       cudaGraphExec_t exec, cudaGraphNode_t graph_node, char* err,
+                                       size_t err_len);
+
+// Number of entries in a library's config table for an operand type (shipped configs, then any tuning
+// candidates built in) and the name of entry i (NULL past the end).
+typedef int (*cw8a8_num_configs_fn)(int ab_type);
+typedef const char* (*cw8a8_config_name_fn)(int ab_type, int i);
+
+#ifdef __cplusplus
+}
+#endif

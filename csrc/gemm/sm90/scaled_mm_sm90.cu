@@ -1,0 +1,232 @@
+// C entry points of the sm90 kernel library (see csrc/gemm/kernel_api.h): choose a config and run it.
+#include <cstdio>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cutlass/numeric_types.h>
+
+#include "gemm/sm90/scaled_mm_sm90_dispatch.cuh"
+
+// The TMA descriptor encoder every sm90 launch calls (twice for A and B, once for D). CUTLASS resolves it through
+// cudaGetDriverEntryPointByVersion on every call (cutlass/cuda_host_adapter.hpp). setup.py compiles this library
+// with CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL and -DcuTensorMapEncodeTiled=cw8a8_cuTensorMapEncodeTiled, so
+// CUTLASS calls this function instead (cuda.h's declaration is renamed with it): the entry point is resolved once
+// per process, and the library still has no link-time dependency on libcuda.
+extern "C" CUresult cw8a8_cuTensorMapEncodeTiled(CUtensorMap* tensor_map, CUtensorMapDataType data_type,
+                                                 cuuint32_t rank, void* address, const cuuint64_t* dims,
+                                                 const cuuint64_t* strides, const cuuint32_t* box,
+                                                 const cuuint32_t* element_strides, CUtensorMapInterleave interleave,
+                                                 CUtensorMapSwizzle swizzle, CUtensorMapL2promotion l2_promotion,
+                                                 CUtensorMapFloatOOBfill oob_fill) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    const cudaError_t ce = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                                            &found);
+    return ce == cudaSuccess && found == cudaDriverEntryPointSuccess
+               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn)
+               : nullptr;
+  }();
+  if (encode == nullptr) return CUDA_ERROR_NOT_FOUND;
+  return encode(tensor_map, data_type, rank, address, dims, strides, box, element_strides, interleave, swizzle,
+                l2_promotion, oob_fill);
+}
+
+namespace cutlass_w8a8::sm90 {
+namespace {
+
+#ifdef CUTLASS_W8A8_TUNE
+constexpr bool kTuneBuild = true;
+#else
+constexpr bool kTuneBuild = false;
+#endif
+
+template <class ElementAB>
+struct Tables;
+template <>
+struct Tables<int8_t> {
+  using Shipped = Int8Configs;
+  using Candidates = Int8TuneCandidates;
+  static int select(int64_t m, int64_t n, int64_t k, int sms) { return select_int8(m, n, k, sms); }
+};
+template <>
+struct Tables<cutlass::float_e4m3_t> {
+  using Shipped = Fp8Configs;
+  using Candidates = Fp8TuneCandidates;
+  static int select(int64_t m, int64_t n, int64_t k, int sms) { return select_fp8(m, n, k, sms); }
+};
+
+// Calls f(Cfg{}) with Cfg entry `index` of `Table` (configs are empty tag types); -1 when the index is not in it.
+template <class Table, class F, size_t... I>
+int visit_index(int index, F&& f, std::index_sequence<I...>) {
+  int rc = -1;
+  ((index == static_cast<int>(I) ? (rc = f(std::tuple_element_t<I, Table>{}), 0) : 0), ...);
+  return rc;
+}
+
+// Calls f(Cfg{}) with the config of table index `index` (shipped entries, then tuning candidates).
+template <class ElementAB, class ElementD, class F>
+int visit_typed(int index, F&& f, char* err, size_t err_len) {
+  using Tb = Tables<ElementAB>;
+  constexpr int shipped = size_of<typename Tb::Shipped>();
+  if (index < shipped) {
+    return visit_index<typename Tb::Shipped>(index, f, std::make_index_sequence<shipped>{});
+  }
+  if constexpr (kTuneBuild && std::is_same_v<ElementD, cutlass::bfloat16_t>) {
+    constexpr int candidates = size_of<typename Tb::Candidates>();
+    return visit_index<typename Tb::Candidates>(index - shipped, f, std::make_index_sequence<candidates>{});
+  }
+  std::snprintf(err, err_len, "sm90 scaled_mm: config %d is a tuning candidate, built only with "
+                "CUTLASS_W8A8_TUNE=1 and bfloat16 output", index);
+  return 1;
+}
+
+// The table index args.config, or the one dispatch chooses for the shape when it is negative.
+template <class ElementAB>
+int config_index(const cw8a8_scaled_mm_args& args) {
+  return args.config >= 0 ? args.config : Tables<ElementAB>::select(args.m, args.n, args.k, args.sm_count);
+}
+
+// Calls f.template operator()<ElementD>() for the output type of args; an error for an unknown type.
+template <class F>
+int visit_out(const cw8a8_scaled_mm_args& args, F&& f, char* err, size_t err_len) {
+  switch (args.out_type) {
+    case CW8A8_OUT_BF16:
+      return f(cutlass::bfloat16_t{});
+    case CW8A8_OUT_F16:
+      return f(cutlass::half_t{});
+    default:
+      std::snprintf(err, err_len, "sm90 scaled_mm: unsupported output type %d", args.out_type);
+      return 1;
+  }
+}
+
+template <class ElementAB>
+int run_ab(const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc, void* ctx, char* err, size_t err_len) {
+  const int index = config_index<ElementAB>(args);
+  return visit_out(args, [&](auto d) {
+    using ElementD = decltype(d);
+    return visit_typed<ElementAB, ElementD>(index, [&](auto cfg) {
+      return run_scaled_mm<ElementAB, ElementD, decltype(cfg)>(args, alloc, ctx, err, err_len);
+    }, err, err_len);
+  }, err, err_len);
+}
+
+template <class ElementAB>
+int node_ab(const cw8a8_scaled_mm_args& args, cw8a8_kernel_node* node, char* err, size_t err_len) {
+  const int index = config_index<ElementAB>(args);
+  node->config = index;
+  return visit_out(args, [&](auto d) {
+    using ElementD = decltype(d);
+    return visit_typed<ElementAB, ElementD>(index, [&](auto cfg) {
+      return scaled_mm_node<ElementAB, ElementD, decltype(cfg)>(args, node, err, err_len);
+    }, err, err_len);
+  }, err, err_len);
+}
+
+template <class ElementAB>
+int num_configs() {
+  using Tb = Tables<ElementAB>;
+  return size_of<typename Tb::Shipped>() + (kTuneBuild ? size_of<typename Tb::Candidates>() : 0);
+}
+
+const char* schedule_name(Schedule s) { return s == Schedule::kPingpong ? "pingpong" : "cooperative"; }
+const char* scheduler_name(Scheduler s) { return s == Scheduler::kPersistent ? "persistent" : "streamk"; }
+
+template <class Cfg>
+std::string config_name() {
+  using namespace cute;
+  char buf[128];
+  std::snprintf(buf, sizeof(buf), "%s%dx%dx%d_c%dx%d_%s_%s%s", Cfg::kSwapAB ? "swap_" : "",
+                int(size<0>(typename Cfg::TileShape{})), int(size<1>(typename Cfg::TileShape{})),
+                int(size<2>(typename Cfg::TileShape{})), int(size<0>(typename Cfg::ClusterShape{})),
+                int(size<1>(typename Cfg::ClusterShape{})), schedule_name(Cfg::kSchedule),
+                scheduler_name(Cfg::kScheduler), Cfg::kFastAccum ? "_fastaccum" : "");
+  return buf;
+}
+
+template <class Table, size_t... I>
+const std::string* names_of(std::index_sequence<I...>) {
+  static const std::string names[] = {config_name<std::tuple_element_t<I, Table>>()...};
+  return names;
+}
+
+template <class ElementAB>
+const char* name_of(int index) {
+  using Tb = Tables<ElementAB>;
+  constexpr int shipped = size_of<typename Tb::Shipped>();
+  constexpr int candidates = size_of<typename Tb::Candidates>();
+  if (index < 0 || index >= num_configs<ElementAB>()) return nullptr;
+  if (index < shipped) return names_of<typename Tb::Shipped>(std::make_index_sequence<shipped>{})[index].c_str();
+  return names_of<typename Tb::Candidates>(std::make_index_sequence<candidates>{})[index - shipped].c_str();
+}
+
+}  // namespace
+}  // namespace cutlass_w8a8::sm90
+
+extern "C" {
+
+__attribute__((visibility("default"))) int cw8a8_sm90_scaled_mm(const cw8a8_scaled_mm_args* args,
+                                                                 cw8a8_alloc_fn alloc, void* alloc_ctx,
+                                                                 char* err, size_t err_len) {
+  using namespace cutlass_w8a8::sm90;
+  switch (args->ab_type) {
+    case CW8A8_AB_INT8:
+      return run_ab<int8_t>(*args, alloc, alloc_ctx, err, err_len);
+    case CW8A8_AB_FP8_E4M3:
+      return run_ab<cutlass::float_e4m3_t>(*args, alloc, alloc_ctx, err, err_len);
+    default:
+      std::snprintf(err, err_len, "sm90 scaled_mm: unsupported operand type %d", args->ab_type);
+      return 1;
+  }
+}
+
+__attribute__((visibility("default"))) int cw8a8_sm90_scaled_mm_node(const cw8a8_scaled_mm_args* args,
+                                                                      cw8a8_kernel_node* node,
+                                                                      cudaGraphExec_t exec,
+                                                                      cudaGraphNode_t graph_node, char* err,
+                                                                      size_t err_len) {
+  using namespace cutlass_w8a8::sm90;
+  int rc = 1;
+  switch (args->ab_type) {
+    case CW8A8_AB_INT8:
+      rc = node_ab<int8_t>(*args, node, err, err_len);
+      break;
+    case CW8A8_AB_FP8_E4M3:
+      rc = node_ab<cutlass::float_e4m3_t>(*args, node, err, err_len);
+      break;
+    default:
+      std::snprintf(err, err_len, "sm90 scaled_mm: unsupported operand type %d", args->ab_type);
+      return 1;
+  }
+  if (rc != 0 || exec == nullptr) return rc;
+  void* params[] = {node->params};
+  cudaKernelNodeParams kp{};
+  kp.func = node->func;
+  kp.gridDim = dim3(node->grid[0], node->grid[1], node->grid[2]);
+  kp.blockDim = dim3(node->block[0], node->block[1], node->block[2]);
+  kp.sharedMemBytes = static_cast<unsigned>(node->smem_bytes);
+  kp.kernelParams = params;
+  kp.extra = nullptr;
+  const cudaError_t ce = cudaGraphExecKernelNodeSetParams(exec, graph_node, &kp);
+  if (ce != cudaSuccess) {
+    std::snprintf(err, err_len, "cudaGraphExecKernelNodeSetParams: %s", cudaGetErrorString(ce));
+    return 1;
+  }
+  return 0;
+}
+
+__attribute__((visibility("default"))) int cw8a8_sm90_num_configs(int ab_type) {
+  using namespace cutlass_w8a8::sm90;
+  return ab_type == CW8A8_AB_INT8 ? num_configs<int8_t>() : num_configs<cutlass::float_e4m3_t>();
+}
+
+__attribute__((visibility("default"))) const char* cw8a8_sm90_config_name(int ab_type, int i) {
+  using namespace cutlass_w8a8::sm90;
+  return ab_type == CW8A8_AB_INT8 ? name_of<int8_t>(i) : name_of<cutlass::float_e4m3_t>(i);
+}
+
+}  // extern "C"

@@ -1,0 +1,51 @@
+// Kernel configuration vocabulary for the sm90 (Hopper) scaled_mm kernels: what a config names, and the
+// declaration of the function each instantiation file defines. Light on purpose: the dispatcher includes
+// this without pulling in the kernel templates (scaled_mm_sm90.cuh).
+#pragma once
+
+#include <cute/layout.hpp>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/epilogue/dispatch_policy.hpp>
+#include <cutlass/gemm/kernel/tile_scheduler.hpp>
+
+#include "gemm/kernel_api.h"
+
+namespace cutlass_w8a8::sm90 {
+
+enum class Schedule {
+  kPingpong,     // two consumer warpgroups, each on its own tile; one's epilogue overlaps the other's MMA
+  kCooperative,  // two consumer warpgroups split one tile along M (tile M >= 128)
+};
+
+enum class Scheduler {
+  kPersistent,  // data-parallel persistent tiles
+  kStreamK,     // stream-K: K-slices of tiles spread over all SMs, fixed up through a workspace
+};
+
+// One kernel configuration. `SwapAB` computes D^T = B^T A^T: the weight's N then sits on the MMA's M side,
+// which the small-M (decode) buckets need because the MMA's M is at least 64 while its N can be 8.
+// `FastAccum` (fp8 only) keeps the whole K loop in the tensor cores' own accumulator instead of adding it
+// into a float32 accumulator every 4 MMAs (128 products); it is faster and less exact (csrc/gemm/EPILOGUES.md).
+template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, Schedule Sched, Scheduler TileSched,
+          bool SwapAB, bool FastAccum = false>
+struct Config {
+  using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
+  using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
+  static constexpr Schedule kSchedule = Sched;
+  static constexpr Scheduler kScheduler = TileSched;
+  static constexpr bool kSwapAB = SwapAB;
+  static constexpr bool kFastAccum = FastAccum;
+};
+
+// Defined in scaled_mm_sm90.cuh, instantiated one (ElementAB, ElementD, Config) per file under
+// instantiations/. Returns 0 or writes an error message.
+template <class ElementAB, class ElementD, class Cfg>
+int run_scaled_mm(const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc, void* alloc_ctx, char* err,
+                  size_t err_len);
+
+// Also defined there and instantiated with it: the launch run_scaled_mm would make, described for a CUDA-graph
+// node update (kernel_api.h).
+template <class ElementAB, class ElementD, class Cfg>
+int scaled_mm_node(const cw8a8_scaled_mm_args& args, cw8a8_kernel_node* node, char* err, size_t err_len);
+
+}  // namespace cutlass_w8a8::sm90

@@ -1,0 +1,152 @@
+// w8a8_linear: a W8A8Linear forward in one op call. The activations x [..., K] are quantized (dynamic per-token,
+// or static per-tensor with input_scale) into a temporary (one allocation for q and its per-token scales) and the
+// scaled_mm GEMM runs on them with the
+// [N, K] weight: two kernel launches (quantize.cu, then the arch's GEMM library through launch_scaled_mm), one
+// dispatcher call, the argument checks once, here. The result equals quantize_per_token / quantize_per_tensor
+// followed by scaled_mm(q, weight.t(), scale, weight_scale, out_dtype, bias) bit for bit.
+//
+// The messages are the ones the CPU and fake implementations raise (cutlass_w8a8/ops.py, _check_w8a8_linear):
+// dtypes and shapes are printed as Python prints them.
+#include <optional>
+
+#include "core/common.hpp"
+#include "gemm/scaled_mm_args.hpp"
+#include "ops.hpp"
+#include "quant/quantize.hpp"
+
+namespace cutlass_w8a8 {
+namespace {
+
+constexpr const char* kOp = "w8a8_linear";
+
+bool is_float_act(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; }
+bool is_out_type(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& x) {
+  CW8A8_CHECK_VALUE(t.device() == x.device(), kOp, name, "is on ", t.device(), " but `x` is on ", x.device());
+}
+
+void check(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+           const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,
+           at::ScalarType out_dtype) {
+  // dtypes
+  CW8A8_CHECK_TYPE(is_float_act(x.scalar_type()), kOp, "x", "must be bfloat16, float16 or float32, got ",
+                   py_dtype(x.scalar_type()));
+  CW8A8_CHECK_TYPE(weight.scalar_type() == at::kChar || weight.scalar_type() == at::kFloat8_e4m3fn, kOp, "weight",
+                   "must be int8 or float8_e4m3fn, got ", py_dtype(weight.scalar_type()));
+  CW8A8_CHECK_TYPE(weight_scale.scalar_type() == at::kFloat, kOp, "weight_scale", "must be float32, got ",
+                   py_dtype(weight_scale.scalar_type()));
+  if (input_scale) {
+    CW8A8_CHECK_TYPE(input_scale->scalar_type() == at::kFloat, kOp, "input_scale", "must be float32, got ",
+                     py_dtype(input_scale->scalar_type()));
+  }
+  CW8A8_CHECK_TYPE(is_out_type(out_dtype), kOp, "out_dtype", "must be torch.bfloat16 or torch.float16, got ",
+                   py_dtype(out_dtype));
+  if (bias) {
+    CW8A8_CHECK_TYPE(bias->scalar_type() == out_dtype, kOp, "bias", "must have the output dtype ",
+                     py_dtype(out_dtype), ", got ", py_dtype(bias->scalar_type()));
+  }
+  // devices (x is a CUDA tensor: this is the CUDA kernel)
+  check_same_device(weight, "weight", x);
+  check_same_device(weight_scale, "weight_scale", x);
+  if (input_scale) check_same_device(*input_scale, "input_scale", x);
+  if (bias) check_same_device(*bias, "bias", x);
+  // shapes
+  CW8A8_CHECK_VALUE(x.dim() >= 1, kOp, "x", "must have at least one dimension [..., K]");
+  CW8A8_CHECK_VALUE(weight.dim() == 2, kOp, "weight", "must be 2-D [N, K], got shape ", py_tuple(weight.sizes()));
+  const int64_t n = weight.size(0), k = weight.size(1);
+  CW8A8_CHECK_VALUE(x.size(-1) == k, kOp, "weight", "must be [N, K] with K = x.shape[-1] = ", x.size(-1),
+                    ", got shape ", py_tuple(weight.sizes()));
+  CW8A8_CHECK_VALUE(k > 0 && k % 16 == 0, kOp, "weight", "K = weight.shape[1] must be a positive multiple of 16, got ",
+                    k);
+  CW8A8_CHECK_VALUE(n > 0 && n % 16 == 0, kOp, "weight", "N = weight.shape[0] must be a positive multiple of 16, got ",
+                    n);
+  if (weight.scalar_type() == at::kChar) {
+    CW8A8_CHECK_VALUE(k <= kMaxInt8K, kOp, "weight", "K = ", k,
+                      " can overflow the int32 accumulator; int8 needs K <= ", kMaxInt8K);
+  }
+  const int64_t sb = weight_scale.numel();
+  CW8A8_CHECK_VALUE(weight_scale.dim() <= 2 && (sb == 1 || (sb == n && (weight_scale.dim() == 1 ||
+                                                                         weight_scale.size(0) == 1 ||
+                                                                         weight_scale.size(1) == 1))),
+                    kOp, "weight_scale", "must hold 1 (per-tensor) or N = ", n,
+                    " (per-channel: (N,), (N, 1) or (1, N)) values, got shape ", py_tuple(weight_scale.sizes()));
+  CW8A8_CHECK_VALUE(weight_scale.is_contiguous(), kOp, "weight_scale", "must be contiguous");
+  if (input_scale) {
+    CW8A8_CHECK_VALUE(input_scale->numel() == 1, kOp, "input_scale",
+                      "must hold one value (static per-tensor), got shape ", py_tuple(input_scale->sizes()));
+  }
+  if (bias) {
+    CW8A8_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n, kOp, "bias", "must be [N] with N = ", n,
+                      ", got shape ", py_tuple(bias->sizes()));
+    CW8A8_CHECK_VALUE(bias->is_contiguous(), kOp, "bias", "must be contiguous");
+  }
+  // the weight's layout: read through TMA as the column-major B = weight.t()
+  const int64_t ldw = weight.stride(0);
+  CW8A8_CHECK_VALUE(weight.stride(1) == 1, kOp, "weight", "must be row-major [N, K] (stride(1) == 1), got strides ",
+                    py_tuple(weight.strides()));
+  CW8A8_CHECK_VALUE(ldw >= k, kOp, "weight", "rows overlap: stride(0) = ", ldw, " < K = ", k);
+  CW8A8_CHECK_VALUE(ldw % 16 == 0, kOp, "weight", "stride(0) must be a multiple of 16 elements, got ", ldw);
+  CW8A8_CHECK_VALUE(is_aligned(weight.data_ptr(), 16), kOp, "weight",
+                    "data must be 16-byte aligned (storage offset ", weight.storage_offset(), ")");
+}
+
+}  // namespace
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                       const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,
+                       at::ScalarType out_dtype) {
+  check(x, weight, weight_scale, input_scale, bias, out_dtype);
+  const int64_t n = weight.size(0), k = weight.size(1);
+  c10::cuda::CUDAGuard guard(x.device());
+  // x as [M, K] rows: x itself when it is 2-D with unit column stride (no new tensor on the common path)
+  const at::Tensor x2 = x.dim() == 2 && (x.stride(1) == 1 || x.size(0) == 0) ? x : quant::rows_of(x);
+  const int64_t m = x2.size(0);
+  CW8A8_CHECK_VALUE(m < (int64_t{1} << 31), kOp, "x", "has ", m, " rows; at most 2**31 - 1 are supported");
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  at::Tensor out = at::empty(out_shape, x.options().dtype(out_dtype));
+  if (m == 0) return out;
+
+  // One temporary for the quantized rows and, per-token, their scales: q [M, K] then, 16-byte aligned, M floats.
+  const at::ScalarType qtype = weight.scalar_type();
+  const int64_t q_bytes = (m * k + 15) / 16 * 16;
+  at::Tensor workspace = at::empty({q_bytes + (input_scale ? 0 : 4 * m)}, x.options().dtype(at::kByte));
+  auto* q = static_cast<uint8_t*>(workspace.data_ptr());
+  float* token_scales = input_scale ? nullptr : reinterpret_cast<float*>(q + q_bytes);
+  const cudaStream_t stream = current_stream(x);
+  const quant::Rows rows{x2.data_ptr(), x2.stride(0), q, k, m, static_cast<int>(k), x.scalar_type()};
+  if (input_scale) {
+    quant::launch_quantize_per_tensor(rows, input_scale->data_ptr<float>(), qtype, stream);
+  } else {
+    quant::launch_quantize_per_token(rows, token_scales, qtype, stream);
+  }
+
+  // The argument block of scaled_mm(q, weight.t(), scale_a, weight_scale, out_dtype, bias): every operand is
+  // checked above or made here (q and out are contiguous [M, K] / [M, N], 16-byte aligned, K and N multiples
+  // of 16, so their pitches are legal for any M).
+  cw8a8_scaled_mm_args args{};
+  args.a = q;
+  args.b = weight.data_ptr();
+  args.d = out.data_ptr();
+  args.scale_a = input_scale ? input_scale->data_ptr<float>() : token_scales;
+  args.scale_b = weight_scale.data_ptr<float>();
+  args.bias = bias ? bias->data_ptr() : nullptr;
+  args.m = m;
+  args.n = n;
+  args.k = k;
+  args.lda = k;
+  args.ldb = weight.stride(0);
+  args.ldd = n;
+  args.scale_a_per_token = input_scale ? 0 : 1;
+  args.scale_b_per_channel = weight_scale.numel() == 1 ? 0 : 1;
+  args.ab_type = qtype == at::kChar ? CW8A8_AB_INT8 : CW8A8_AB_FP8_E4M3;
+  args.out_type = out_dtype == at::kBFloat16 ? CW8A8_OUT_BF16 : CW8A8_OUT_F16;
+  args.device = x.device().index();
+  args.sm_count = device_info(args.device).sm_count;
+  args.config = -1;
+  launch_scaled_mm(args, x, input_scale ? *input_scale : at::Tensor(), weight_scale, bias);
+  return out;
+}
+
+}  // namespace cutlass_w8a8
