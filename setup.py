@@ -119,6 +119,18 @@ def kernel_library(name: str, entry: str, folders: list, cutlass_inc: list, genc
     )
 
 
+# The folders whose sources make up `_C` (the torch extension: op entry points, checks, the row-wise,
+# attention and decode kernels). A new .cu / .cpp in one of them is built without editing this file; the
+# CUTLASS kernels live in the per-arch libraries below (csrc/gemm/sm80, sm89, sm90), never in `_C`.
+TORCH_SOURCE_DIRS = ("csrc", "csrc/core", "csrc/gemm", "csrc/gemm/decode", "csrc/graphs", "csrc/quant",
+                     "csrc/attention", "csrc/models")
+
+
+def torch_sources() -> list:
+    return sorted(os.path.relpath(p, ROOT) for d in TORCH_SOURCE_DIRS for ext in ("*.cu", "*.cpp")
+                  for p in glob.glob(os.path.join(ROOT, d, ext)))
+
+
 def extensions():
     from torch.utils.cpp_extension import CUDAExtension
 
@@ -127,10 +139,7 @@ def extensions():
     exts = [
         CUDAExtension(
             name="cutlass_w8a8._C",
-            sources=["csrc/torch_bindings.cpp", "csrc/gemm/scaled_mm_entry.cu", "csrc/gemm/w8a8_linear.cu",
-                     "csrc/quant/quantize.cu", "csrc/quant/fused_quant.cu", "csrc/graphs/graph_nodes.cu",
-                     "csrc/attention/rope_kv_cache.cu", "csrc/attention/decode_attention.cu",
-                     "csrc/gemm/decode/scaled_mm_decode.cu", "csrc/models/decode_layer.cpp"],
+            sources=torch_sources(),
             include_dirs=[os.path.join(ROOT, "csrc")],
             # No flag here may contain "arch": torch then adds the TORCH_CUDA_ARCH_LIST flags itself.
             extra_compile_args={"cxx": CXX_COMMON, "nvcc": NVCC_COMMON},

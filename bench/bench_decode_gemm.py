@@ -1,6 +1,6 @@
 """Decode GEMMs (M <= 16) at the memory limit: cw.scaled_mm against cw.scaled_mm_decode and cw.linear_decode.
 
-For every Llama-3 8B/70B linear shape (bench/bench_gemm.py's SHAPES) and M in {1, 2, 4, 8, 16}, on the current
+For every Llama-3 8B/70B linear shape (cutlass_w8a8.testing.shapes.SHAPES, as bench/bench_gemm.py) and M in {1, 2, 4, 8, 16}, on the current
 CUDA device, int8 with per-token x per-channel scales and bf16 out:
 
 - ``scaled_mm``: ``cw.scaled_mm(a, w.t(), scale_a, scale_b)`` (the CUTLASS sm90 kernels; today's path).
@@ -42,23 +42,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+from cutlass_w8a8.testing.cli import int_list
+from cutlass_w8a8.testing.report import publish, require_cuda_extension
+from cutlass_w8a8.testing.shapes import SHAPES, select_shapes
 
-try:  # one list of shapes for both benchmarks
-    sys.path.insert(0, BENCH_DIR)
-    from bench_gemm import SHAPES
-except Exception:  # noqa: BLE001 (bench_gemm.py failing to import must not stop this one)
-    SHAPES = (
-        ("l3-8b-qkv", 6144, 4096),
-        ("l3-8b-o", 4096, 4096),
-        ("l3-8b-gate_up", 28672, 4096),
-        ("l3-8b-down", 4096, 14336),
-        ("l3-70b-qkv", 10240, 8192),
-        ("l3-70b-o", 8192, 8192),
-        ("l3-70b-gate_up", 57344, 8192),
-        ("l3-70b-down", 8192, 28672),
-    )
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_MS = (1, 2, 4, 8, 16)
 METHODS = ("scaled_mm", "decode", "quant_scaled_mm", "quant_decode", "linear_decode", "bf16_linear")
@@ -76,20 +64,10 @@ class AccuracyError(RuntimeError):
 # command line
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
-    if not values or any(not 1 <= v <= 16 for v in values):
-        raise argparse.ArgumentTypeError(f"expected integers in [1, 16], got {text!r}")
-    return values
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Time cutlass_w8a8's decode GEMMs (M <= 16) against scaled_mm and "
                                                  "bf16 on the Llama-3 linear shapes (cold-L2 CUDA-graph timing).")
-    parser.add_argument("--m", type=_int_list, default=list(DEFAULT_MS), metavar="LIST",
+    parser.add_argument("--m", type=int_list(16), default=list(DEFAULT_MS), metavar="LIST",
                         help=f"comma-separated M values in [1, 16] (default: {','.join(map(str, DEFAULT_MS))})")
     parser.add_argument("--shapes", default=None, metavar="LIST",
                         help="comma-separated substrings; keep the shapes whose name contains one "
@@ -106,8 +84,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.replays < 1:
         parser.error("--replays must be >= 1")
     args.m_values = sorted(set(args.m))
-    keys = [f.strip() for f in args.shapes.split(",") if f.strip()] if args.shapes else None
-    args.shape_list = [s for s in SHAPES if keys is None or any(key in s[0] for key in keys)]
+    args.shape_list = select_shapes(args.shapes)
     if not args.shape_list:
         parser.error(f"--shapes {args.shapes!r} matches none of {', '.join(s[0] for s in SHAPES)}")
     return args
@@ -423,23 +400,10 @@ def plot_results(results: dict[str, Any], path: str) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _import_package():
-    try:
-        import cutlass_w8a8
-    except ImportError:
-        sys.path.insert(0, REPO_ROOT)
-        import cutlass_w8a8
-    from cutlass_w8a8.testing import timers as bench_utils
-    return cutlass_w8a8, bench_utils
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit(f"bench_decode_gemm.py: needs a CUDA device (torch {torch.__version__}, CUDA {torch.version.cuda})")
-    cw, bu = _import_package()
-    if not cw.cuda_ops_available():
-        sys.exit(f"bench_decode_gemm.py: the cutlass_w8a8 CUDA extension is not loaded: {cw.extension_status()}")
+    cw = require_cuda_extension("bench_decode_gemm.py")
+    from cutlass_w8a8.testing import timers as bu
     if args.fp8 and torch.cuda.get_device_capability() < (8, 9):
         sys.exit("bench_decode_gemm.py: --fp8 needs compute capability 8.9 or newer")
     torch.manual_seed(args.seed)
@@ -448,10 +412,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             results = run_sweep(args, cw, bu)
         except AccuracyError as exc:
             sys.exit(f"bench_decode_gemm.py: aborted, wrong results: {exc}")
-    report = render_markdown(results, bu.geomean)
-    paths = bu.write_results(results, report, args.out, "decode_gemm", plot_results)
-    print(report)
-    print("wrote " + ", ".join(paths.values()))
+    publish(results, render_markdown(results, bu.geomean), args.out, "decode_gemm", plot_results)
     return 0
 
 

@@ -53,6 +53,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from cutlass_w8a8.testing.cli import int_list, name_list
+from cutlass_w8a8.testing.report import provenance, publish, require_cuda_extension
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = ("bf16", "int8", "fp8")
@@ -74,36 +77,18 @@ class AccuracyError(RuntimeError):
 # command line
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _name_list(text: str) -> list[str]:
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [n for n in names if n not in MODELS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(MODELS)}, got {text!r}")
-    return names
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     config_names = ("llama3-8b", "small")  # cutlass_w8a8.models.CONFIGS; listed here so --help needs no import
     parser = argparse.ArgumentParser(
         description="Per-token decode latency of a Llama-style decoder (random weights): bf16 vs W8A8 "
                     "(int8, fp8), eager vs CUDA graphs captured per batch-size bucket.")
-    parser.add_argument("--batches", type=_int_list, default=[1, 8, 32, 64], metavar="LIST",
+    parser.add_argument("--batches", type=int_list(), default=[1, 8, 32, 64], metavar="LIST",
                         help="comma-separated batch sizes (default: 1,8,32,64)")
     parser.add_argument("--config", choices=config_names, default="llama3-8b",
                         help="model dimensions (default: llama3-8b)")
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers (default: all of the config, 32 for llama3-8b; 8 with --quick)")
-    parser.add_argument("--models", type=_name_list, default=list(MODELS), metavar="LIST",
+    parser.add_argument("--models", type=name_list(MODELS), default=list(MODELS), metavar="LIST",
                         help="comma-separated models among bf16,int8,fp8 (default: all; fp8 is skipped with "
                              "a note where its kernels are not built)")
     parser.add_argument("--max-seq", type=int, default=512,
@@ -384,7 +369,6 @@ def run(args: argparse.Namespace, cw: Any, bu: Any, mods: Any) -> dict[str, Any]
         layers = min(8, config.num_layers) if args.quick else config.num_layers
     config = config.replace(num_layers=layers, max_position=max(config.max_position, args.max_seq))
     name = torch.cuda.get_device_name()
-    commit, dirty = bu.git_commit(REPO_ROOT)
     copy_gbps = bu.copy_bandwidth_gbps()
     hbm_gbps = bu.hbm_bandwidth_gbps(name)
     hbm_note = (f"datasheet HBM bandwidth {hbm_gbps:.0f} GB/s" if hbm_gbps else
@@ -393,14 +377,7 @@ def run(args: argparse.Namespace, cw: Any, bu: Any, mods: Any) -> dict[str, Any]
     if not hbm_gbps:
         print(hbm_note, flush=True)
     results: dict[str, Any] = {
-        "device": name,
-        "device_slug": bu.device_slug(name),
-        "capability": ".".join(map(str, torch.cuda.get_device_capability())),
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda,
-        "cutlass_w8a8_version": getattr(cw, "__version__", None),
-        "git_commit": commit,
-        "git_dirty": dirty,
+        **provenance(name, REPO_ROOT),
         "copy_GBps": copy_gbps,
         "hbm_GBps": hbm_gbps,
         "hbm_note": hbm_note,
@@ -651,46 +628,22 @@ def plot_results(results: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def write_outputs(results: dict[str, Any], report: str, out_dir: str) -> dict[str, str]:
-    """Write ``decoder_<slug>.json``, ``.md`` and ``.png`` to ``out_dir``; returns the paths by extension."""
-    from cutlass_w8a8.testing.timers import write_results
-
-    return write_results(results, report, out_dir, "decoder", plot_results)
-
-
 # ----------------------------------------------------------------------------------------------------
-
-
-def _import_package():
-    """cutlass_w8a8, its bench_utils, models and runner; from the repository when not installed."""
-    try:
-        import cutlass_w8a8
-    except ImportError:
-        sys.path.insert(0, REPO_ROOT)
-        import cutlass_w8a8
-    from cutlass_w8a8 import models, runner
-    from cutlass_w8a8.testing import timers as bench_utils
-    return cutlass_w8a8, bench_utils, (models, runner)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit(f"bench_decoder.py: needs a CUDA device, and torch.cuda.is_available() is False "
-                 f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}).")
-    cw, bu, mods = _import_package()
-    if not cw.cuda_ops_available():
-        sys.exit(f"bench_decoder.py: the cutlass_w8a8 CUDA extension is not loaded: {cw.extension_status()}")
+    cw = require_cuda_extension("bench_decoder.py")
+    from cutlass_w8a8 import models, runner
+    from cutlass_w8a8.testing import timers as bu
+    mods = (models, runner)
     t0 = time.perf_counter()
     try:
         results = run(args, cw, bu, mods)
     except AccuracyError as exc:
         sys.exit(f"bench_decoder.py: aborted, wrong results: {exc}")
     results["total_seconds"] = time.perf_counter() - t0
-    report = render_markdown(results)
-    paths = write_outputs(results, report, args.out)
-    print(report)
-    print("wrote " + ", ".join(paths.values()))
+    publish(results, render_markdown(results), args.out, "decoder", plot_results)
     return 0
 
 

@@ -53,19 +53,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from cutlass_w8a8.testing.cli import int_list
+from cutlass_w8a8.testing.report import provenance, publish, require_cuda_extension
+from cutlass_w8a8.testing.shapes import SHAPES, select_shapes
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (name, N, K) of the Llama-3 linears: QKV and gate/up fused, as serving engines run them.
-SHAPES: tuple[tuple[str, int, int], ...] = (
-    ("l3-8b-qkv", 6144, 4096),
-    ("l3-8b-o", 4096, 4096),
-    ("l3-8b-gate_up", 28672, 4096),
-    ("l3-8b-down", 4096, 14336),
-    ("l3-70b-qkv", 10240, 8192),
-    ("l3-70b-o", 8192, 8192),
-    ("l3-70b-gate_up", 57344, 8192),
-    ("l3-70b-down", 8192, 28672),
-)
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 QUICK_MS = (1, 16, 64, 256, 1024, 4096)
 # Upper bounds (inclusive) of the M groups of the summary table: decode, mid-size batches, prefill.
@@ -102,22 +95,12 @@ class AccuracyError(RuntimeError):
 # command line
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Benchmark cutlass_w8a8 W8A8 GEMMs against cuBLAS bf16, torch._int_mm and "
                     "torch._scaled_mm on Llama-3-8B/70B linear shapes (cold-L2 CUDA-graph timing).")
     ms = parser.add_mutually_exclusive_group()
-    ms.add_argument("--m", type=_int_list, default=None, metavar="LIST",
+    ms.add_argument("--m", type=int_list(), default=None, metavar="LIST",
                     help=f"comma-separated M values (default: {','.join(map(str, DEFAULT_MS))})")
     ms.add_argument("--quick", action="store_true", help=f"M in {{{','.join(map(str, QUICK_MS))}}}")
     parser.add_argument("--shapes", default=None, metavar="LIST",
@@ -148,14 +131,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if not args.shape_list:
         parser.error(f"--shapes {args.shapes!r} matches none of {', '.join(s[0] for s in SHAPES)}")
     return args
-
-
-def select_shapes(filters: Optional[str]) -> list[tuple[str, int, int]]:
-    """The shapes whose name contains one of the comma-separated substrings (all when ``filters`` is None)."""
-    if not filters:
-        return list(SHAPES)
-    keys = [f.strip() for f in filters.split(",") if f.strip()]
-    return [s for s in SHAPES if any(key in s[0] for key in keys)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -617,24 +592,16 @@ def _progress(total: int):
 
 def run_sweep(args: argparse.Namespace, cw: Any, bu: Any, peers: Optional[TorchaoPeers] = None,
               torchao_note: Optional[str] = None) -> dict[str, Any]:
-    """Measure every (shape, M) point; returns the results dict that `write_outputs` takes.
+    """Measure every (shape, M) point; returns the results dict that `main` writes.
 
     ``peers``: the torchao columns (None: none, ``torchao_note`` says why)."""
     name = torch.cuda.get_device_name()
     l2_bytes = bu.l2_cache_bytes()
     peak = args.peak_tops if args.peak_tops is not None else bu.dense_peak_tops(name)
-    commit, dirty = bu.git_commit(REPO_ROOT)
     copy_gbps = bu.copy_bandwidth_gbps()
     read_gbps = bu.read_bandwidth_gbps()
     results = {
-        "device": name,
-        "device_slug": bu.device_slug(name),
-        "capability": ".".join(map(str, torch.cuda.get_device_capability())),
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda,
-        "cutlass_w8a8_version": getattr(cw, "__version__", None),
-        "git_commit": commit,
-        "git_dirty": dirty,
+        **provenance(name, REPO_ROOT),
         "l2_bytes": l2_bytes,
         "copy_GBps": copy_gbps,
         "read_GBps": read_gbps,
@@ -885,25 +852,7 @@ def plot_results(results: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def write_outputs(results: dict[str, Any], report: str, out_dir: str) -> dict[str, str]:
-    """Write ``gemm_<slug>.json``, ``.md`` and ``.png`` to ``out_dir``; returns the paths by extension."""
-    from cutlass_w8a8.testing.timers import write_results
-
-    return write_results(results, report, out_dir, "gemm", plot_results)
-
-
 # ----------------------------------------------------------------------------------------------------
-
-
-def _import_package():
-    """cutlass_w8a8 and its bench_utils; from the repository when the package is not installed."""
-    try:
-        import cutlass_w8a8
-    except ImportError:
-        sys.path.insert(0, REPO_ROOT)
-        import cutlass_w8a8
-    from cutlass_w8a8.testing import timers as bench_utils
-    return cutlass_w8a8, bench_utils
 
 
 def make_torchao_peers(args: argparse.Namespace) -> tuple[Optional[TorchaoPeers], Optional[str]]:
@@ -927,12 +876,8 @@ def make_torchao_peers(args: argparse.Namespace) -> tuple[Optional[TorchaoPeers]
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit(f"bench_gemm.py: needs a CUDA device, and torch.cuda.is_available() is False "
-                 f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}).")
-    cw, bu = _import_package()
-    if not cw.cuda_ops_available():
-        sys.exit(f"bench_gemm.py: the cutlass_w8a8 CUDA extension is not loaded: {cw.extension_status()}")
+    cw = require_cuda_extension("bench_gemm.py")
+    from cutlass_w8a8.testing import timers as bu
     peers, torchao_note = make_torchao_peers(args)
     torch.manual_seed(args.seed)
     with torch.no_grad():
@@ -940,10 +885,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             results = run_sweep(args, cw, bu, peers, torchao_note)
         except AccuracyError as exc:
             sys.exit(f"bench_gemm.py: aborted, wrong results: {exc}")
-    report = render_markdown(results, bu.geomean)
-    paths = write_outputs(results, report, args.out)
-    print(report)
-    print("wrote " + ", ".join(paths.values()))
+    publish(results, render_markdown(results, bu.geomean), args.out, "gemm", plot_results)
     return 0
 
 

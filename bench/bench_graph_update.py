@@ -315,12 +315,12 @@ def plot(res, path):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, REPO_ROOT)
     if not torch.cuda.is_available():
         print("bench_graph_update: no CUDA device", file=sys.stderr)
         return 2
     import cutlass_w8a8 as cw
     from cutlass_w8a8.testing import timers as bench_utils
+    from cutlass_w8a8.testing.report import publish
 
     if not cw.cuda_ops_available():
         print(f"bench_graph_update: the extension is not built ({cw.extension_status()})", file=sys.stderr)
@@ -337,10 +337,7 @@ def main(argv=None) -> int:
         res["decoder"] = run_decoder(args, cw, quant_lm_head=False)
         gc.collect()
         res["decoder_w8a8_lm_head"] = run_decoder(args, cw, quant_lm_head=True)
-    text = report(res)
-    paths = bench_utils.write_results(res, text, args.out, "graph_update", plot)
-    print(text)
-    print(f"wrote {paths['json']}, {paths['md']}, {paths['png']}")
+    publish(res, report(res), args.out, "graph_update", plot)
     return 0
 
 

@@ -71,6 +71,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from cutlass_w8a8.testing.cli import int_list, name_list
+from cutlass_w8a8.testing.report import write_results
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = ("bf16", "int8", "fp8")
@@ -100,32 +103,14 @@ W8A8_MIN_SQNR_DB = {"int8": 1.0, "fp8": 1.0}
 # command line
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers, got {text!r}")
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _name_list(text: str) -> list[str]:
-    names = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [n for n in names if n not in MODELS]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(MODELS)}, got {text!r}")
-    return [m for m in MODELS if m in names]
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Per-token decode latency of transformers' LlamaForCausalLM (Llama-3-8B dimensions, random "
                     "weights): bf16 vs W8A8 int8 / fp8 (cutlass_w8a8.quantize_), eager vs torch.compile "
                     "(reduce-overhead, fullgraph) on a StaticCache.")
-    parser.add_argument("--batches", type=_int_list, default=[1, 8], metavar="LIST",
+    parser.add_argument("--batches", type=int_list(), default=[1, 8], metavar="LIST",
                         help="comma-separated batch sizes (default: 1,8)")
-    parser.add_argument("--dtypes", type=_name_list, default=list(MODELS), metavar="LIST",
+    parser.add_argument("--dtypes", type=name_list(MODELS, ordered=True), default=list(MODELS), metavar="LIST",
                         help="models among bf16,int8,fp8 (default: all; without bf16 there are no speedups and "
                              "no SQNR against it)")
     parser.add_argument("--layers", type=int, default=None,
@@ -695,10 +680,9 @@ def plot_results(results: dict[str, Any], path: str) -> None:
 
 
 def write_outputs(results: dict[str, Any], out_dir: str) -> dict[str, str]:
-    """Write ``hf_decode_<slug>.json``, ``.md`` and ``.png`` to ``out_dir`` (bench_utils.write_results); without
-    matplotlib the PNG is left out and the report says so. Returns the paths written, by extension."""
-    from cutlass_w8a8.testing.timers import write_results
-
+    """Write ``hf_decode_<slug>.json``, ``.md`` and ``.png`` to ``out_dir`` (cutlass_w8a8.testing.report's
+    write_results); without matplotlib the PNG is left out and the report says so. Returns the paths written, by
+    extension."""
     try:
         import matplotlib  # noqa: F401
         plot = plot_results

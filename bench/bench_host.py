@@ -41,6 +41,8 @@ from typing import Callable, Optional
 
 import torch
 
+from cutlass_w8a8.testing.report import publish, require_cuda_extension
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET_LINEAR_OVER_BF16 = 1.1  # W8A8Linear host time at M = 1 at most this times nn.Linear bf16's
 
@@ -181,26 +183,13 @@ def plot(results: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _import_package():
-    try:
-        import cutlass_w8a8
-    except ImportError:
-        sys.path.insert(0, REPO_ROOT)
-        import cutlass_w8a8
-    from cutlass_w8a8.testing import timers as bench_utils
-    return cutlass_w8a8, bench_utils
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    cw, bench_utils = _import_package()
-    if not torch.cuda.is_available() or not cw.cuda_ops_available():
-        print(f"bench_host: needs a CUDA device and the built extension ({cw.extension_status()})")
-        return 1
+    cw = require_cuda_extension("bench_host.py")
+    from cutlass_w8a8.testing import timers as bench_utils
+
     results = run(args, cw, bench_utils)
-    paths = bench_utils.write_results(results, report(results), args.out, "host", plot)
-    print(report(results))
-    print("wrote", ", ".join(paths.values()))
+    publish(results, report(results), args.out, "host", plot)
     return 0
 
 

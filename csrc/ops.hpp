@@ -1,4 +1,5 @@
-// The CUDA implementations registered in bindings.cpp. Schemas and docs: cutlass_w8a8/ops.py.
+// The CUDA implementations of the tensor ops, registered in torch_bindings.cpp (the graph-update op is declared in
+// graphs/graph_nodes.hpp). Schemas and docs: the Python op definitions (cutlass_w8a8/ops).
 #pragma once
 
 #include <optional>
@@ -9,7 +10,7 @@
 
 namespace cutlass_w8a8 {
 
-// scaled_mm_entry.cu
+// gemm/scaled_mm_entry.cu
 at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                      const at::Tensor& scale_b, at::ScalarType out_dtype, const std::optional<at::Tensor>& bias);
 void scaled_mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
@@ -17,12 +18,12 @@ void scaled_mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, co
 void scaled_mm_config_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                           const at::Tensor& scale_b, const std::optional<at::Tensor>& bias, int64_t config);
 
-// linear.cu: a W8A8Linear forward (activation quantization + scaled_mm) in one op
+// gemm/w8a8_linear.cu: a W8A8Linear forward (activation quantization + scaled_mm) in one op
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                        const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,
                        at::ScalarType out_dtype);
 
-// decode_layer.cpp: one layer of the reference decoder (models/llama.py) in one op call, for eager decoding
+// models/decode_layer.cpp: one layer of the reference decoder (models/llama.py) in one op call, for eager decoding
 at::Tensor decode_layer(const std::optional<at::Tensor>& h, at::Tensor& residual, const at::Tensor& input_norm,
                         const at::Tensor& post_norm, double eps, const at::Tensor& qkv_w,
                         const std::optional<at::Tensor>& qkv_ws, const std::optional<at::Tensor>& qkv_is,
@@ -34,7 +35,7 @@ at::Tensor decode_layer(const std::optional<at::Tensor>& h, at::Tensor& residual
                         const at::Tensor& slots, const at::Tensor& positions, int64_t num_heads,
                         int64_t num_kv_heads, double softmax_scale);
 
-// decode/scaled_mm_decode.cu: M <= 16 GEMMs that stream the weights with every SM busy; linear_decode also
+// gemm/decode/scaled_mm_decode.cu: M <= 16 GEMMs that stream the weights with every SM busy; linear_decode also
 // quantizes x per token inside the kernel
 at::Tensor scaled_mm_decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                             const at::Tensor& scale_b, at::ScalarType out_dtype,
@@ -50,7 +51,7 @@ void linear_decode_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& b
 std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, at::ScalarType dtype);
 at::Tensor quantize_per_tensor(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype);
 
-// quant/fused_quant.cu: RMSNorm (with the residual add) and SiLU-and-mul, optionally fused with quantization
+// quant/rms_norm.cu, quant/silu_mul.cu: RMSNorm (with the residual add) and SiLU-and-mul, optionally fused with quantization
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> rms_norm_quant(const at::Tensor& x, const at::Tensor& weight, double eps,
@@ -69,12 +70,5 @@ void decode_attention_out(at::Tensor& out, const at::Tensor& q, const at::Tensor
 // attention/rope_kv_cache.cu
 void rope_kv_cache_(at::Tensor& qkv, const at::Tensor& rope, at::Tensor& kv_cache, const at::Tensor& slots,
                     const at::Tensor& positions, int64_t num_heads, int64_t num_kv_heads);
-
-// graph_nodes.cu: rebind a recorded scaled_mm node of an instantiated graph to new operands
-namespace graph_nodes {
-void graph_update_scaled_mm(int64_t graph_exec, int64_t record, const at::Tensor& out, const at::Tensor& a,
-                            const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
-                            const std::optional<at::Tensor>& bias);
-}  // namespace graph_nodes
 
 }  // namespace cutlass_w8a8

@@ -1,12 +1,65 @@
-// CUDA implementations of the cutlass_w8a8 ops.
+// The one boundary between Python and the CUDA code of _C.
 //
-// The schemas are defined in Python (cutlass_w8a8/ops.py, one `torch.library.Library` block) rather than in
-// a TORCH_LIBRARY block here, so that a CPU-only install, which builds no extension, still has the ops with
-// their CPU reference implementations and fake (meta) kernels. This library only adds the CUDA kernels.
-// It is loaded with torch.ops.load_library and needs no Python module init.
+// Tensor ops: their schemas are defined in Python (one `torch.library.Library` DEF block in cutlass_w8a8/ops) rather
+// than in a TORCH_LIBRARY block here, so that a CPU-only install, which builds no extension, still has the ops with
+// their CPU reference implementations and fake (meta) kernels. This library adds their CUDA kernels.
+//
+// Non-tensor ops (status, PDL, CUDA-graph records): defined here, with catch-all kernels (they take no tensors, so
+// they need no dispatch key); a CPU-only install simply does not have them, and cutlass_w8a8/_ext.py says so.
+// Handles (cudaGraph_t, cudaGraphExec_t) cross as int.
+//
+// The library is loaded with torch.ops.load_library and needs no Python module init.
+#include <string>
+#include <tuple>
+#include <vector>
+
 #include <torch/library.h>
 
+#include "core/launch_policy.hpp"
+#include "gemm/kernel_libraries.hpp"
+#include "graphs/graph_nodes.hpp"
 #include "ops.hpp"
+
+namespace cutlass_w8a8 {
+namespace {
+
+bool get_pdl_op() { return pdl_enabled(); }
+bool set_pdl_op(bool enabled) { return set_pdl(enabled); }
+bool supports_fp8_op(int64_t device) {
+  TORCH_CHECK_VALUE(device >= 0, "cutlass_w8a8._supports_fp8: `device` must be a CUDA device index, got ", device);
+  return supports_fp8(static_cast<int>(device));
+}
+
+int64_t graph_record_begin_op() { return graph_nodes::record_begin(); }
+int64_t graph_record_end_op(bool check) { return graph_nodes::record_end(check); }
+
+// (kind, device, graph, rows, bound_rows, captured_rows, n, k, config), op name
+std::tuple<std::vector<int64_t>, std::string> graph_record_info_op(int64_t record) {
+  const graph_nodes::RecordInfo r = graph_nodes::record_info(record);
+  return {{r.kind, r.device, r.graph, r.rows, r.bound_rows, r.captured_rows, r.n, r.k, r.config}, r.op};
+}
+
+void graph_set_rows_op(int64_t graph_exec, at::IntArrayRef records, int64_t rows) {
+  graph_nodes::set_rows(graph_exec, records, rows);
+}
+void graph_release_op(at::IntArrayRef records) { graph_nodes::release(records); }
+bool graph_exec_update_op(int64_t graph_exec, int64_t graph) { return graph_nodes::exec_update(graph_exec, graph); }
+
+}  // namespace
+}  // namespace cutlass_w8a8
+
+TORCH_LIBRARY_FRAGMENT(cutlass_w8a8, m) {
+  using namespace cutlass_w8a8;
+  m.def("_get_pdl() -> bool", &get_pdl_op);
+  m.def("_set_pdl(bool enabled) -> bool", &set_pdl_op);
+  m.def("_supports_fp8(int device) -> bool", &supports_fp8_op);
+  m.def("_graph_record_begin() -> int", &graph_record_begin_op);
+  m.def("_graph_record_end(bool check) -> int", &graph_record_end_op);
+  m.def("_graph_record_info(int record) -> (int[], str)", &graph_record_info_op);
+  m.def("_graph_set_rows(int graph_exec, int[] records, int rows) -> ()", &graph_set_rows_op);
+  m.def("_graph_release(int[] records) -> ()", &graph_release_op);
+  m.def("_graph_exec_update(int graph_exec, int graph) -> bool", &graph_exec_update_op);
+}
 
 TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
   m.impl("scaled_mm", &cutlass_w8a8::scaled_mm);

@@ -14,12 +14,15 @@ from . import ops  # noqa: F401 (defines the op schemas; must come before the co
 from . import _ext
 
 _ext._load()
+ops.register_cuda_fallback()  # without _C.so: CUDA tensors get "the CUDA extension is not built" from every op
 
 from ._ext import cuda_ops_available, extension_status, pdl_enabled, set_pdl  # noqa: E402
-from .ops import INT8_MAX_K, decode_attention, quantize_fp8, quantize_int8, scaled_mm, supports_fp8  # noqa: E402
-from .ops import rms_norm, rms_norm_quant, silu_mul, silu_mul_quant  # noqa: E402
-from .ops import DECODE_MAX_M, linear_decode, scaled_mm_decode  # noqa: E402
-from .linear import QuantizedActivation, W8A8Config, W8A8Linear, quantize_  # noqa: E402
+from .ops import DECODE_MAX_M, INT8_MAX_K, supports_fp8  # noqa: E402
+from .ops import decode_attention, linear_decode, rope_kv_cache_, scaled_mm, scaled_mm_decode  # noqa: E402
+from .ops import quantize_fp8, quantize_int8, rms_norm, rms_norm_quant, silu_mul, silu_mul_quant  # noqa: E402
+from .config import W8A8Config  # noqa: E402
+from .linear import QuantizedActivation, W8A8Linear  # noqa: E402
+from .quantize import quantize_  # noqa: E402
 from . import checkpoints, graphs, models, runner  # noqa: E402
 from .checkpoints import from_pretrained, save_pretrained  # noqa: E402
 
@@ -33,6 +36,7 @@ __all__ = [
     "quantize_int8",
     "quantize_fp8",
     "decode_attention",
+    "rope_kv_cache_",
     "rms_norm",
     "rms_norm_quant",
     "silu_mul",

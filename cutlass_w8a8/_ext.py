@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -16,7 +17,7 @@ _DIR = os.path.dirname(os.path.abspath(__file__))
 # (the same handle) reports load failures at import and gives the tuning scripts their config tables.
 KERNEL_LIBRARIES = ("_kernels_sm90", "_kernels_sm80", "_kernels_sm89")
 
-_loaded: dict[str, object] = {}
+_loaded: dict[str, object] = {}  # "_C": its path; a kernel library's name: its ctypes handle
 _errors: dict[str, str] = {}
 
 
@@ -37,8 +38,6 @@ def _load() -> None:
     try:
         torch.ops.load_library(path)
         _loaded["_C"] = path
-        # the same (already loaded) library through ctypes, for its C entry points (set_pdl)
-        _loaded["_C_ctypes"] = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_LOCAL)
     except OSError as exc:
         _errors["_C"] = f"failed to load: {exc}"
 
@@ -46,6 +45,19 @@ def _load() -> None:
 def cuda_ops_available() -> bool:
     """True when the CUDA implementations of the ops (`_C.so`) are loaded."""
     return "_C" in _loaded
+
+
+def _c_ops(what: str):
+    """``torch.ops.cutlass_w8a8``, whose non-tensor ops (csrc/torch_bindings.cpp) only `_C` defines.
+
+    Raises
+    ------
+    RuntimeError
+        `_C` is not loaded: "cutlass_w8a8.{what}: the CUDA extension is not loaded ({extension_status()})".
+    """
+    if not cuda_ops_available():
+        raise RuntimeError(f"cutlass_w8a8.{what}: the CUDA extension is not loaded ({extension_status()})")
+    return torch.ops.cutlass_w8a8
 
 
 def pdl_enabled() -> bool:
@@ -58,13 +70,13 @@ def pdl_enabled() -> bool:
     only the launch latency between kernels changes (CUDA C++ Programming Guide, "Programmatic Dependent
     Launch and Synchronization"). It applies to GEMMs with M <= 16 (decode), where it was measured faster on
     every benchmarked shape (bench/results/gemm_nvidia-h200.md); at larger M it measured slower, so those
-    launch without it. The CUTLASS 2.x kernels (sm80/sm89) are never launched with PDL.
+    launch without it. The CUTLASS 2.x kernels (sm80/sm89) are never launched with PDL. The rule lives in
+    csrc/core/launch_policy.hpp.
 
     On by default; ``CUTLASS_W8A8_PDL=0`` in the environment before the first GEMM turns it off. False when
     the extension is not loaded.
     """
-    lib = _loaded.get("_C_ctypes")
-    return bool(lib.cw8a8_get_pdl()) if lib is not None else False
+    return bool(torch.ops.cutlass_w8a8._get_pdl()) if cuda_ops_available() else False
 
 
 def set_pdl(enabled: bool) -> bool:
@@ -76,91 +88,68 @@ def set_pdl(enabled: bool) -> bool:
     RuntimeError
         The CUDA extension is not loaded.
     """
-    lib = _loaded.get("_C_ctypes")
-    if lib is None:
-        raise RuntimeError(f"cutlass_w8a8.set_pdl: the CUDA extension is not loaded ({extension_status()})")
-    return bool(lib.cw8a8_set_pdl(1 if enabled else 0))
+    return bool(_c_ops("set_pdl")._set_pdl(bool(enabled)))
 
 
-# ---- CUDA-graph node records (csrc/graphs/graph_nodes.cu; used by cutlass_w8a8.graphs.UpdatableGraph) ----------
+def supports_fp8(device_index: int) -> bool:
+    """Whether float8_e4m3fn ``scaled_mm`` runs on CUDA device ``device_index``: its fp8 kernel library exists
+    for the device (9.0: sm90, 8.9: sm89) and loaded (csrc/gemm/kernel_libraries.hpp). False when `_C` is not
+    loaded or CUDA is not available. Queries the device (once; C++ caches the answer's inputs)."""
+    if not cuda_ops_available() or not torch.cuda.is_available():
+        return False
+    return bool(torch.ops.cutlass_w8a8._supports_fp8(int(device_index)))
 
 
-class GraphRecordInfo(ctypes.Structure):
-    """One recorded kernel node (csrc/graphs/graph_nodes.cu, cw8a8_graph_record_info)."""
-
-    _fields_ = [("kind", ctypes.c_int), ("device", ctypes.c_int), ("graph", ctypes.c_void_p),
-                ("rows", ctypes.c_int64), ("bound_rows", ctypes.c_int64), ("captured_rows", ctypes.c_int64),
-                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("config", ctypes.c_int)]
+# ---- CUDA-graph node records (csrc/graphs/graph_nodes.hpp; used by cutlass_w8a8.graphs.UpdatableGraph) --------
+# Errors come from C++ with their full first line ("UpdatableGraph.set_rows: `rows` must be in [1, 64] ...");
+# ValueError for a caller's mistake, RuntimeError otherwise.
 
 
-_ERR_LEN = 1024
+class GraphRecordInfo(NamedTuple):
+    """One recorded kernel node."""
 
-
-def _graph_lib(what: str):
-    lib = _loaded.get("_C_ctypes")
-    if lib is None:
-        raise RuntimeError(f"cutlass_w8a8.{what}: the CUDA extension is not loaded ({extension_status()})")
-    return lib
-
-
-def _graph_call(what: str, fn, *args) -> None:
-    err = ctypes.create_string_buffer(_ERR_LEN)
-    rc = fn(*args, err, ctypes.c_size_t(_ERR_LEN))
-    if rc != 0:
-        msg = f"{what}: {err.value.decode(errors='replace')}"
-        raise ValueError(msg) if rc == 2 else RuntimeError(msg)
+    kind: int            # 0 row-wise (gridDim.x = rows), 1 scaled_mm, 2 M as the kernel's first parameter
+    device: int          # CUDA device index
+    graph: int           # the cudaGraph_t it was captured into (compare with CUDAGraph.raw_cuda_graph())
+    rows: int            # M the node runs now
+    bound_rows: int      # M of the buffers the node reads now: the most rows an update may ask for
+    captured_rows: int   # M at capture
+    n: int               # GEMM N (0 for other kinds)
+    k: int               # GEMM K (0 for other kinds)
+    config: int          # GEMM config at capture (-1 for other kinds)
 
 
 def graph_record_begin() -> int:
     """Open a node recording; returns the id its first record will get."""
-    lib = _graph_lib("graph_record_begin")
-    first = ctypes.c_int64(0)
-    _graph_call("cutlass_w8a8.graph_record_begin", lib.cw8a8_graph_record_begin, ctypes.byref(first))
-    return first.value
+    return int(_c_ops("graph_record_begin")._graph_record_begin())
 
 
 def graph_record_end(check: bool) -> int:
     """Close the open recording (validating its records when `check`); returns one past its last id."""
-    lib = _graph_lib("graph_record_end")
-    end = ctypes.c_int64(0)
-    _graph_call("cutlass_w8a8.graph_record_end", lib.cw8a8_graph_record_end, ctypes.c_int(1 if check else 0), ctypes.byref(end))
-    return end.value
+    return int(_c_ops("graph_record_end")._graph_record_end(bool(check)))
 
 
 def graph_record_info(record: int) -> tuple[GraphRecordInfo, str]:
     """The record's fields and its op's name."""
-    lib = _graph_lib("graph_record_info")
-    info = GraphRecordInfo()
-    op = ctypes.create_string_buffer(64)
-    _graph_call("cutlass_w8a8.graph_record_info", lib.cw8a8_graph_record_info_get, ctypes.c_int64(record), ctypes.byref(info),
-                op, ctypes.c_size_t(64))
-    return info, op.value.decode()
+    fields, op = _c_ops("graph_record_info")._graph_record_info(int(record))
+    return GraphRecordInfo(*fields), op
 
 
-def graph_set_rows(graph_exec: ctypes.c_void_p, ids, count: int, rows: int) -> None:
-    """Set `count` recorded nodes (a ctypes int64 array) of an instantiated graph to `rows` rows."""
-    lib = _graph_lib("graph_set_rows")
-    _graph_call("UpdatableGraph.set_rows", lib.cw8a8_graph_set_rows, graph_exec, ids, ctypes.c_int64(count),
-                ctypes.c_int64(rows))
+def graph_set_rows(graph_exec: int, records: list[int], rows: int) -> None:
+    """Set the recorded nodes ``records`` of instantiated graph ``graph_exec`` (a cudaGraphExec_t as int, from
+    CUDAGraph.raw_cuda_graph_exec()) to ``rows`` rows (M)."""
+    _c_ops("graph_set_rows")._graph_set_rows(int(graph_exec), [int(r) for r in records], int(rows))
 
 
-def graph_release(ids) -> None:
-    """Forget records whose graph is gone."""
-    lib = _loaded.get("_C_ctypes")
-    if lib is not None and len(ids):
-        arr = (ctypes.c_int64 * len(ids))(*ids)
-        lib.cw8a8_graph_release(arr, ctypes.c_int64(len(ids)))
+def graph_release(records: list[int]) -> None:
+    """Forget records whose graph is gone (nothing when `_C` is not loaded)."""
+    if cuda_ops_available() and len(records):
+        torch.ops.cutlass_w8a8._graph_release([int(r) for r in records])
 
 
 def graph_exec_update(graph_exec: int, graph: int) -> bool:
     """cudaGraphExecUpdate(graph_exec, graph): True on success, False when the topology changed."""
-    lib = _graph_lib("graph_exec_update")
-    err = ctypes.create_string_buffer(_ERR_LEN)
-    rc = lib.cw8a8_graph_exec_update(ctypes.c_void_p(graph_exec), ctypes.c_void_p(graph), err,
-                                     ctypes.c_size_t(_ERR_LEN))
-    if rc == 1:
-        raise RuntimeError(f"cutlass_w8a8.graph_exec_update: {err.value.decode(errors='replace')}")
-    return rc == 0
+    return bool(_c_ops("graph_exec_update")._graph_exec_update(int(graph_exec), int(graph)))
 
 
 def kernel_library(name: str):

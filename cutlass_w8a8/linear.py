@@ -1,4 +1,4 @@
-"""`W8A8Linear`, a drop-in replacement for `nn.Linear`, and `quantize_`, the in-place module swap.
+"""`W8A8Linear`, a drop-in replacement for `nn.Linear`; `quantize_` (cutlass_w8a8/quantize.py) swaps it in.
 
 Weights are quantized once, symmetric per output channel; activations are quantized on every call, dynamic
 per-token (or static per-tensor with a calibrated `input_scale`). The GEMM dequantizes in its epilogue
@@ -8,58 +8,20 @@ per-token (or static per-tensor with a calibrated `input_scale`). The GEMM dequa
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
-from typing import Callable, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import nn
 
-__all__ = ["QuantizedActivation", "W8A8Config", "W8A8Linear", "quantize_", "quantize_activations"]
+from .config import W8A8Config
+from .ops._limits import AB_DTYPES as _QUANT_DTYPES
+from .ops._limits import OUT_DTYPES as _OUT_DTYPES
+from .quantize import refuse_quantized_weight, shape_supported
 
-_QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+__all__ = ["QuantizedActivation", "W8A8Linear", "quantize_activations"]
+
 # The op's overload, looked up once: W8A8Linear.forward is on the host-bound path of small batches.
 _w8a8_linear = torch.ops.cutlass_w8a8.w8a8_linear.default
-_OUT_DTYPES = (torch.bfloat16, torch.float16)
-
-
-@dataclasses.dataclass(frozen=True)
-class W8A8Config:
-    """How `quantize_` quantizes each `nn.Linear`.
-
-    Attributes
-    ----------
-    dtype : torch.dtype
-        ``torch.int8`` (default) or ``torch.float8_e4m3fn``, for both weights and activations.
-    out_dtype : torch.dtype, optional
-        Output (and bias) dtype of the quantized layers, bfloat16 or float16. Default: the layer's weight
-        dtype when it is one of those, else bfloat16; outputs are cast back to the input's dtype.
-    """
-
-    dtype: torch.dtype = torch.int8
-    out_dtype: Optional[torch.dtype] = None
-
-    def __post_init__(self):
-        if self.dtype not in _QUANT_DTYPES:
-            raise TypeError(f"W8A8Config: `dtype` must be torch.int8 or torch.float8_e4m3fn, got {self.dtype}")
-        if self.out_dtype is not None and self.out_dtype not in _OUT_DTYPES:
-            raise TypeError(f"W8A8Config: `out_dtype` must be torch.bfloat16 or torch.float16, got {self.out_dtype}")
-
-
-_8BIT_DTYPES = tuple(getattr(torch, n) for n in ("int8", "uint8", "float8_e4m3fn", "float8_e5m2",
-                                                 "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
-
-
-def _refuse_quantized_weight(where: str, linear: nn.Module, fqn: Optional[str] = None) -> None:
-    """Raise when a Linear already holds quantized weights: quantizing its integers again as if they were
-    floats gives a silently wrong model (int8 values loaded into nn.Linear by a loader that ignored the
-    checkpoint's scales, or a compressed-tensors layer that transformers has not decompressed yet)."""
-    w = getattr(linear, "weight", None)
-    if isinstance(w, torch.Tensor) and (w.dtype in _8BIT_DTYPES or not w.is_floating_point()):
-        raise TypeError(
-            f"{where}: `linear`{f' {fqn}' if fqn else ''} already holds {w.dtype} weights (a quantized checkpoint loaded into "
-            "nn.Linear?); quantizing them again would treat the integers as float weights and ignore their "
-            "scales. Load the checkpoint with cutlass_w8a8.from_pretrained(path) instead.")
 
 
 def quantize_activations(x2: torch.Tensor, input_scale: Optional[torch.Tensor], quant_dtype: torch.dtype):
@@ -168,7 +130,7 @@ class W8A8Linear(nn.Module):
                  static_input_scale: bool = False, per_channel: bool = True):
         super().__init__()
         for name, v in (("in_features", in_features), ("out_features", out_features)):
-            if v <= 0 or v % 16 != 0:
+            if not shape_supported(v, v):
                 raise ValueError(f"W8A8Linear: `{name}` must be a positive multiple of 16, got {v}")
         if dtype not in _OUT_DTYPES:
             raise TypeError(f"W8A8Linear: `dtype` must be torch.bfloat16 or torch.float16, got {dtype}")
@@ -195,7 +157,7 @@ class W8A8Linear(nn.Module):
         The new module lives on the linear's device. Raises ValueError when K or N is not a multiple of 16.
         """
         config = config or W8A8Config()
-        _refuse_quantized_weight("W8A8Linear.from_float", linear)
+        refuse_quantized_weight("W8A8Linear.from_float", linear)
         n, k = linear.weight.shape
         out_dtype = config.out_dtype or (linear.weight.dtype if linear.weight.dtype in _OUT_DTYPES else torch.bfloat16)
         mod = cls(k, n, bias=linear.bias is not None, device=linear.weight.device, dtype=out_dtype,
@@ -382,82 +344,3 @@ class W8A8Linear(nn.Module):
         act = "static per-tensor" if self.input_scale is not None else "dynamic per-token"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"dtype={self.dtype}, quant_dtype={self.quant_dtype}, activations={act}")
-
-
-def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
-              filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
-    """Replace every ``nn.Linear`` in ``model`` by a `W8A8Linear`, in place (torchao's ``quantize_`` shape).
-
-    Parameters
-    ----------
-    model : nn.Module
-        Modified in place; a bare ``nn.Linear`` cannot be swapped in place, so its replacement is returned.
-    config : W8A8Config, optional
-        Quantized dtype and output dtype; default int8.
-    filter_fn : callable, optional
-        ``filter_fn(module, fqn) -> bool``; only linears for which it returns True are swapped.
-
-    Returns
-    -------
-    nn.Module
-        ``model`` (or the replacement of a bare linear).
-
-    Linears whose K or N is not a multiple of 16, and linears whose weight is shared with another module (an
-    ``lm_head`` tied to the input embedding), are left as they are, with a warning.
-
-    Raises
-    ------
-    TypeError
-        A selected Linear already holds int8 / fp8 weights (a quantized checkpoint loaded into ``nn.Linear``):
-        load such checkpoints with `cutlass_w8a8.from_pretrained`.
-    """
-    config = config or W8A8Config()
-
-    tied = _tied_to_other_modules(model)
-
-    def eligible(linear: nn.Linear, fqn: str) -> bool:
-        if filter_fn is not None and not filter_fn(linear, fqn):
-            return False
-        _refuse_quantized_weight("quantize_", linear, fqn)
-        if id(linear.weight) in tied:
-            warnings.warn(f"quantize_: leaving {fqn} in float: its weight is shared with {tied[id(linear.weight)]} "
-                          "(tied embeddings); quantizing it would untie them", stacklevel=3)
-            return False
-        n, k = linear.weight.shape
-        if k % 16 or n % 16:
-            warnings.warn(f"quantize_: leaving {fqn or 'the model'} in float: in_features={k} and "
-                          f"out_features={n} must be multiples of 16", stacklevel=3)
-            return False
-        return True
-
-    if isinstance(model, nn.Linear):
-        return W8A8Linear.from_float(model, config) if eligible(model, "") else model
-
-    def swap(module: nn.Module, prefix: str) -> None:
-        for name, child in list(module.named_children()):
-            fqn = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, nn.Linear):
-                if eligible(child, fqn):
-                    setattr(module, name, W8A8Linear.from_float(child, config))
-            else:
-                swap(child, fqn)
-
-    swap(model, "")
-    # A transformers model gets a compressed-tensors quantization_config describing its W8A8Linear layers, so
-    # that its own save_pretrained writes a checkpoint transformers, vLLM and from_pretrained read back right.
-    from .checkpoints.save import attach_quantization_config
-
-    attach_quantization_config(model)
-    return model
-
-
-def _tied_to_other_modules(model: nn.Module) -> dict:
-    """``{id(weight): owner name}`` for Linear weights that another, non-Linear module also holds (tied
-    embeddings)."""
-    owners: dict = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        w = getattr(module, "weight", None)
-        if isinstance(w, torch.Tensor) and not isinstance(module, nn.Linear):
-            owners.setdefault(id(w), name)
-    return {id(m.weight): owners[id(m.weight)] for m in model.modules()
-            if isinstance(m, nn.Linear) and id(m.weight) in owners}

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from .graphs import UpdatableGraph
+from .graphs import UpdatableGraph, capture
 
 __all__ = ["DecodeGraphRunner", "cuda_graph_batch_sizes"]
 
@@ -81,11 +81,13 @@ class DecodeGraphRunner:
     mode : {"buckets", "exact"}
         ``"buckets"`` (default): one graph per bucket, batches padded up to their bucket. ``"exact"``: one
         `cutlass_w8a8.graphs.UpdatableGraph` captured at the largest bucket; before a step whose batch B
-        differs from the last one, every cutlass_w8a8 kernel node of it (quantizers, GEMMs, the fused
-        normalization and activation quantizers, decode attention) is updated in place to B rows
-        (``UpdatableGraph.set_rows``), so those run at the real batch while the remaining kernels (embedding,
-        rotary, cache writes, residual adds, a bf16 lm_head) run over all ``max_batch`` rows, padded rows
-        included. Needs torch's ``CUDAGraph(keep_graph=True)``.
+        differs from the last one, every cutlass_w8a8 kernel node of it is updated in place to B rows
+        (``UpdatableGraph.set_rows``; `cutlass_w8a8.graphs.GraphNode` lists those ops): the quantizers and
+        GEMMs, the fused norms (which also do the residual adds) and activation quantizers, the rotary
+        embedding with the cache write (the row-wise op ``rope_kv_cache_``) and decode attention run at the
+        real batch. The remaining kernels run over all ``max_batch`` rows, padded rows included: torch's
+        (the token embedding, the gather of the rotary table, bf16 projections such as the default
+        ``lm_head``) and ``postprocess``'s. Needs torch's ``CUDAGraph(keep_graph=True)``.
 
     Attributes
     ----------
@@ -199,8 +201,9 @@ class DecodeGraphRunner:
         """Capture one graph per bucket, largest first, into one shared pool (a second call recaptures).
 
         Each bucket is first run ``warmup`` times eagerly on the capture stream (lazy initialisation, kernel
-        selection and compilation of external kernels happen there, outside the capture). The static inputs
-        hold padding during warm-up and capture, so only the scratch cache slot is written.
+        selection and compilation of external kernels happen there, outside the capture), then captured on
+        it (`cutlass_w8a8.graphs.capture`; mode ``"exact"``: one `UpdatableGraph`). The static inputs hold
+        padding during warm-up and capture, so only the scratch cache slot is written.
         """
         self.graphs.clear()
         self.outputs.clear()
@@ -221,15 +224,8 @@ class DecodeGraphRunner:
             return
         for b in reversed(self.sizes):
             t0 = time.perf_counter()
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(self.warmup):
-                    self._forward(b)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self.outputs[b] = self._forward(b)
-            self.graphs[b] = graph
+            self.graphs[b], self.outputs[b] = capture(self._forward_rows, [self._static[:b]], warmup=self.warmup,
+                                                      pool=self.pool, stream=stream)
             self.capture_seconds_per_size[b] = time.perf_counter() - t0
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t_all

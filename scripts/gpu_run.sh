@@ -57,6 +57,11 @@ if has build || has build-tune; then
     $PY -m pip install -q --no-deps --no-index .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl >"$OUT/pip_cutlass.log" 2>&1 \
       || { stamp "FAIL: installing the nvidia-cutlass wheel from .whl/"; exit 1; }
   fi
+  # pyproject.toml's SPDX `license` needs setuptools >= 77 (PEP 639); --no-build-isolation uses the machine's.
+  if ! $PY -c "import sys, setuptools; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" 2>/dev/null; then
+    $PY -m pip install -q --no-deps --no-index .whl/setuptools-*.whl >"$OUT/pip_setuptools.log" 2>&1 \
+      || { stamp "FAIL: setuptools < 77 and no usable setuptools wheel in .whl/"; exit 1; }
+  fi
   rm -rf build cutlass_w8a8/*.so
   has build-tune && export CUTLASS_W8A8_TUNE=1
   t0=$(date +%s)

@@ -1,30 +1,81 @@
-"""Source-tree checks that need no compiler: generated files are current, the build script is sane."""
+"""Source-tree checks that need no compiler: generated files are current and named by what they hold."""
 
 import importlib.util
 import pathlib
+import re
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+GEMM = ROOT / "csrc" / "gemm"
+# (dispatch header, shipped table, folder of its instantiation files, file prefix)
+SHIPPED_TABLES = [
+    ("sm90/scaled_mm_sm90_dispatch.cuh", "Int8Configs", "sm90", "int8"),
+    ("sm90/scaled_mm_sm90_dispatch.cuh", "Fp8Configs", "sm90", "fp8"),
+    ("sm80/scaled_mm_sm80_dispatch.cuh", "Int8Configs", "sm80", "int8"),
+    ("sm80/scaled_mm_sm80_dispatch.cuh", "Fp8Configs", "sm89", "fp8"),
+]
 
 
 def load_generator():
-    spec = importlib.util.spec_from_file_location("gen", ROOT / "csrc/gemm/generate_instantiations.py")
+    spec = importlib.util.spec_from_file_location("gen", GEMM / "generate_instantiations.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
+def instantiation_files() -> dict:
+    """{path relative to csrc/gemm/: text} of the instantiation files on disk."""
+    return {str(p.relative_to(GEMM)): p.read_text() for p in GEMM.glob("sm*/instantiations*/*.cu")}
+
+
+def table_items(header: str, table: str) -> list:
+    """The items of `using <table> = std::tuple<...>;` in a header, comments dropped (independent of the generator)."""
+    code = " ".join(line.split("//")[0] for line in (GEMM / header).read_text().splitlines())
+    body = re.search(rf"using {table} = std::tuple<(.*?)>\s*;", code)
+    assert body, f"{header} has no std::tuple named {table}"
+    return [item.strip() for item in re.split(r",(?![^<]*>)", body.group(1))]
+
+
 def test_instantiations_are_current():
-    """Every (operand, output, config) of the dispatch tables has its file, with the generated text."""
-    gen = load_generator()
-    expected = gen.expected_files()
-    csrc = ROOT / "csrc" / "gemm"
-    on_disk = {str(p.relative_to(csrc)): p.read_text() for p in csrc.glob("sm*/instantiations*/*.cu")}
+    """Every (config, output) of the dispatch tables has its file, with the generated text."""
+    expected = load_generator().expected_files()
+    on_disk = instantiation_files()
     assert set(on_disk) == set(expected), "rerun: python csrc/gemm/generate_instantiations.py"
     for name, text in expected.items():
         assert on_disk[name] == text, f"{name} is stale: rerun the generator"
-    sizes = gen.table_sizes(csrc / "sm90/scaled_mm_sm90_dispatch.cuh")
-    assert sizes["Int8Configs"] >= 2 and sizes["Fp8Configs"] >= 2
-    assert gen.table_sizes(csrc / "sm80/scaled_mm_sm80_dispatch.cuh")["Fp8Configs"] >= 2
+
+
+def test_no_instantiation_file_is_named_by_table_index():
+    """A file name holds no bare number (`int8_bf16_3.cu`, `tune3`): inserting a row must rename nothing else."""
+    for rel, text in instantiation_files().items():
+        parts = pathlib.Path(rel).stem.split("_")
+        assert not any(re.fullmatch(r"(tune)?\d+", part) for part in parts), rel
+        assert "tuple_element" not in text, f"{rel} instantiates a config by table index"
+
+
+@pytest.mark.parametrize("header,table,folder,prefix", SHIPPED_TABLES)
+def test_every_shipped_config_is_a_named_bucket_with_its_files(header, table, folder, prefix):
+    """Shipped tables list aliases named by bucket (`Int8_M32`); each has one file per output type instantiating it."""
+    items = table_items(header, table)
+    assert len(items) >= 2
+    assert len(set(items)) == len(items), f"{table} lists a config twice"
+    on_disk = instantiation_files()
+    for alias in items:
+        op, _, bucket = alias.partition("_")
+        assert op.lower() == prefix and re.fullmatch(r"M\w+", bucket), f"{table}: {alias} is not <Op>_M<bucket>"
+        for out in ("bf16", "f16"):
+            rel = f"{folder}/instantiations/{prefix}_{bucket}_{out}.cu"
+            assert rel in on_disk, f"{alias} has no {rel}: rerun the generator"
+            assert re.search(rf"run_scaled_mm<[^;]*, {alias}>\(", on_disk[rel]), f"{rel} does not instantiate {alias}"
+
+
+def test_dispatch_returns_named_indices():
+    """select_* return index_of<Alias, Table>, never a bare table index."""
+    for header in ("sm90/scaled_mm_sm90_dispatch.cuh", "sm80/scaled_mm_sm80_dispatch.cuh"):
+        code = (GEMM / header).read_text()
+        returns = re.findall(r"return ([^;]*);", code.split("inline int select", 1)[1])
+        assert returns and not any(re.search(r"(^|[ ?:])\d+\s*($|:)", r) for r in returns), header
 
 
 def test_package_imports_without_extension():

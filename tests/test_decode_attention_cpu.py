@@ -153,7 +153,9 @@ def _former_attention_forward(self, x, ctx):
     h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
     qkv = self.qkv_proj(x).view(b, h + 2 * kvh, d)
     llama_mod._rope_(qkv[:, : h + kvh], ctx.rope)
-    self.kv_cache.view(-1, d).index_put_((ctx.kv_index,), qkv[:, h:])
+    s = self.kv_cache.shape[3]
+    kv_index = (ctx.slots.unsqueeze(1) * (2 * kvh) + torch.arange(2 * kvh)) * s + ctx.positions.unsqueeze(1)
+    self.kv_cache.view(-1, d).index_put_((kv_index,), qkv[:, h:])
     out = sdpa_formulation(qkv[:, :h], self.kv_cache, ctx.slots, ctx.positions)
     return self.o_proj(out)
 

@@ -196,7 +196,9 @@ def _former_attention_forward(self, x, ctx):
     h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
     qkv = self.qkv_proj(x).view(b, h + 2 * kvh, d)
     llama_mod._rope_(qkv[:, : h + kvh], ctx.rope)
-    self.kv_cache.view(-1, d).index_put_((ctx.kv_index,), qkv[:, h:])
+    heads = torch.arange(2 * kvh, device=x.device)  # the cache rows of the new keys, then values
+    kv_index = (ctx.slots.unsqueeze(1) * (2 * kvh) + heads) * self.kv_cache.shape[3] + ctx.positions.unsqueeze(1)
+    self.kv_cache.view(-1, d).index_put_((kv_index,), qkv[:, h:])
     return self.o_proj(sdpa_formulation(qkv[:, :h], self.kv_cache, ctx.slots, ctx.positions))
 
 

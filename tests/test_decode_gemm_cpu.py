@@ -171,7 +171,6 @@ def _linear_ok():
 
 LINEAR_BAD = {
     "x float32": (TypeError, "`x` must be bfloat16 or float16", dict(x=torch.zeros(4, 64))),
-    "x not a tensor": (TypeError, "`x` must be a torch.Tensor", dict(x=[[0.0] * 64] * 4)),
     "dtype float16": (TypeError, "`dtype` must be torch.int8", dict(dtype=torch.float16)),
     "dtype not b's": (TypeError, "`b` must have the quantized dtype", dict(dtype=torch.float8_e4m3fn)),
     "scale_b float16": (TypeError, "`scale_b` must be float32", dict(scale_b=torch.ones(32, dtype=torch.float16))),
@@ -226,10 +225,19 @@ def test_linear_decode_bad_out():
         (torch.empty(5, 32, dtype=torch.bfloat16), ValueError, r"`out` must be \[M, N\]"),
         (torch.empty(32, 4, dtype=torch.bfloat16).t(), ValueError, "`out` must be row-major"),
         (torch.empty(4, 36, dtype=torch.bfloat16)[:, :32], ValueError, r"`out` stride\(0\)"),
-        ([0.0], TypeError, "`out` must be a torch.Tensor or None"),
     ]:
         with pytest.raises(exc, match=f"^linear_decode: {what}"):
             cw.linear_decode(**kw, out=out)
+
+
+def test_linear_decode_non_tensor_gets_the_dispatcher_error():
+    """The wrapper is thin: a non-tensor `x` or `out` is torch's dispatcher error naming the argument."""
+    kw = _linear_ok()
+    expected = r"cutlass_w8a8::{}\(\) Expected a value of type 'Tensor' for argument '{}'"
+    with pytest.raises(RuntimeError, match=expected.format("linear_decode", "x")):
+        cw.linear_decode(**{**kw, "x": [[0.0] * 64] * 4})
+    with pytest.raises(RuntimeError, match=expected.format("linear_decode_out", "out")):
+        cw.linear_decode(**kw, out=[0.0])
 
 
 # ---- fake kernels and opcheck ------------------------------------------------------------------------------

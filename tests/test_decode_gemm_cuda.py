@@ -340,7 +340,7 @@ def test_cpp_checks_name_the_argument():
         OPS.scaled_mm_decode(a.half(), w.t(), sa, sb, torch.bfloat16, b)
     with pytest.raises(ValueError, match="^scaled_mm_decode: `b` must be column-major"):
         OPS.scaled_mm_decode(a, w.t().contiguous(), sa, sb, torch.bfloat16, b)
-    with pytest.raises(ValueError, match="^scaled_mm_decode: `scale_a` must be a CUDA tensor, got device cpu"):
+    with pytest.raises(ValueError, match="^scaled_mm_decode: `scale_a` is on cpu but `a` is on cuda"):
         OPS.scaled_mm_decode(a, w.t(), sa.cpu(), sb, torch.bfloat16, b)
     with pytest.raises(TypeError, match="^linear_decode: `x` must be bfloat16 or float16"):
         OPS.linear_decode(x.float(), w.t(), sb, b, torch.int8)

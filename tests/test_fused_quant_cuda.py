@@ -1,4 +1,4 @@
-"""The fused non-GEMM kernels (csrc/quant/fused_quant.cu) against the CPU references and the unfused chains.
+"""The fused non-GEMM kernels (csrc/quant/rms_norm.cu, silu_mul.cu over rowwise_reduce.cuh) against the CPU references and the unfused chains.
 
 What is compared exactly, and why it can be:
 
@@ -216,7 +216,7 @@ NORM_SHAPES = [(1, 16), (7, 4096), (33, 14336), (2, 3, 4096), (2, 24576), (3, 40
 @pytest.mark.parametrize("dtype", XDTYPES, ids=str)
 @pytest.mark.parametrize("shape", NORM_SHAPES, ids=str)
 def test_rms_norm_exact_vs_cpu(shape, dtype, mode, with_residual):
-    """Every kernel path (csrc/quant/fused_quant.cu, "launch"): K = 16, 2064 and 4096 (the decoder's hidden
+    """Every kernel path (csrc/quant/rowwise_reduce.cuh, "launch_rowwise"): K = 16, 2064 and 4096 (the decoder's hidden
     size): one block holding the row in registers (1, 2 and 2 vectors per thread); 14336, 24576 and 40000
     (the intermediate size among them): on sm90 a cluster of 8 blocks for bfloat16 / float16 (1, 2 and 4
     vectors per thread), one block for float32 and on older GPUs (512 threads for float32 at 14336); 70000

@@ -67,7 +67,11 @@ def assert_row(row_id: str, trigger) -> None:
         f"{row_id}: message\n  {first_line!r}\ndoes not match the table's\n  {row['message']!r}")
 
 
-# ---- triggers on CPU tensors ---------------------------------------------------------------------------
+# ---- triggers on CPU tensors, and on CUDA tensors for the rows both devices check ----------------------------
+#
+# DEVICE_TRIGGERS maps a `cpu` row to a function of the device that builds its tensors there: test_cpu_row runs
+# it with "cpu" (the CPU implementations, ops/_checks.py), test_row_on_cuda with "cuda" (the C++ checks), and
+# both must raise the row. Rows whose trigger needs meta tensors (sizes no memory holds) stay CPU-only.
 
 
 def operands(device="cpu", m=4, n=32, k=64):
@@ -80,11 +84,15 @@ def operands(device="cpu", m=4, n=32, k=64):
     return dict(a=a, b=w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, bias=bias)
 
 
-def mm(device="cpu", **change):
-    """cw.scaled_mm on legal operands with `change` applied (a callable value gets the operands)."""
-    kw = operands(device)
+def _changed(kw, change):
     for key, v in change.items():
         kw[key] = v(kw) if callable(v) else v
+    return kw
+
+
+def mm(device="cpu", **change):
+    """cw.scaled_mm on legal operands with `change` applied (a callable value gets the operands)."""
+    kw = _changed(operands(device), change)
     out = kw.pop("out", None)
     return cw.scaled_mm(kw["a"], kw["b"], kw["scale_a"], kw["scale_b"], kw["out_dtype"], kw["bias"], out=out)
 
@@ -95,61 +103,77 @@ def misaligned(rows, cols, dtype, device="cpu", elem_off=8):
     return flat[elem_off:].view(rows, pitch)[:, :cols]
 
 
+def _other_device(device):
+    """A device other than `device` that needs no memory on the CPU runs: meta for cpu, the CPU for cuda."""
+    return "meta" if device == "cpu" else "cpu"
+
+
 def _not_built():
+    """The CUDA kernel every op gets when _C.so did not load (called directly: no CUDA tensor exists here)."""
     from cutlass_w8a8 import _ext
+    from cutlass_w8a8.ops import _schema
 
     with mock.patch.object(_ext, "cuda_ops_available", return_value=False):
-        _ext.require_cuda_ops("scaled_mm")
+        _schema.extension_missing("scaled_mm")(torch.zeros(4, 64, dtype=torch.int8))
 
+
+def _int8_k_bound(d):
+    k = cw.INT8_MAX_K + 16
+    return mm(d, a=torch.zeros(1, k, dtype=torch.int8, device=d), b=torch.zeros(32, k, dtype=torch.int8, device=d).t(),
+              scale_a=torch.ones(1, device=d))
+
+
+DEVICE_TRIGGERS = {
+    "a-not-tensor": lambda d: mm(d, a=lambda kw: kw["a"].tolist()),
+    "a-dtype": lambda d: mm(d, a=lambda kw: kw["a"].half()),
+    "b-dtype": lambda d: mm(d, b=lambda kw: kw["b"].to(torch.float8_e4m3fn)),
+    "scale_a-dtype": lambda d: mm(d, scale_a=lambda kw: kw["scale_a"].half()),
+    "scale_b-dtype": lambda d: mm(d, scale_b=lambda kw: kw["scale_b"].double()),
+    "out_dtype": lambda d: mm(d, out_dtype=torch.float32),
+    "bias-dtype": lambda d: mm(d, bias=lambda kw: kw["bias"].float()),
+    "bias-not-tensor": lambda d: mm(d, bias=0.5),
+    "out-dtype": lambda d: mm(d, out=torch.empty(4, 32, device=d)),
+    "device-other": lambda d: mm(d, b=lambda kw: kw["b"].to(_other_device(d))),
+    "out-device-other": lambda d: mm(d, out=torch.empty(4, 32, dtype=torch.bfloat16, device=_other_device(d))),
+    "a-not-2d": lambda d: mm(d, a=lambda kw: kw["a"][None]),
+    "b-not-2d": lambda d: mm(d, b=lambda kw: kw["b"][None]),
+    "k-mismatch": lambda d: mm(d, b=lambda kw: kw["b"][:48]),
+    "k-not-16": lambda d: mm(d, a=lambda kw: kw["a"][:, :40], b=lambda kw: kw["b"][:40]),
+    "n-not-16": lambda d: mm(d, b=lambda kw: kw["b"][:, :24], scale_b=lambda kw: kw["scale_b"][:24],
+                             bias=lambda kw: kw["bias"][:24]),
+    "int8-k-bound": _int8_k_bound,
+    "scale_a-shape": lambda d: mm(d, scale_a=lambda kw: kw["scale_a"][:3]),
+    "scale_b-shape": lambda d: mm(d, scale_b=lambda kw: kw["scale_b"][:16]),
+    "scale_a-noncontig": lambda d: mm(d, scale_a=torch.rand(4, 2, device=d)[:, :1]),
+    "scale_b-noncontig": lambda d: mm(d, scale_b=torch.rand(64, device=d)[::2]),
+    "bias-length": lambda d: mm(d, bias=lambda kw: kw["bias"][:16]),
+    "bias-noncontig": lambda d: mm(d, bias=torch.randn(64, device=d).to(torch.bfloat16)[::2]),
+    "a-col-major": lambda d: mm(d, a=lambda kw: kw["a"].t().contiguous().t()),
+    "a-rows-overlap": lambda d: mm(d, a=lambda kw: kw["a"][:1].expand(4, 64)),
+    "a-row-pitch": lambda d: mm(d, a=torch.zeros(4, 72, dtype=torch.int8, device=d)[:, :64]),
+    "a-misaligned": lambda d: mm(d, a=misaligned(4, 64, torch.int8, d)),
+    "b-row-major": lambda d: mm(d, b=lambda kw: kw["b"].contiguous()),
+    "b-cols-overlap": lambda d: mm(d, b=lambda kw: kw["b"][:, :1].expand(64, 32)),
+    "b-pitch": lambda d: mm(d, b=torch.zeros(32, 72, dtype=torch.int8, device=d)[:, :64].t()),
+    "b-misaligned": lambda d: mm(d, b=misaligned(32, 64, torch.int8, d).t()),
+    "out-shape": lambda d: mm(d, out=torch.empty(5, 32, dtype=torch.bfloat16, device=d)),
+    "out-col-major": lambda d: mm(d, out=torch.empty(32, 4, dtype=torch.bfloat16, device=d).t()),
+    "out-rows-overlap": lambda d: mm(d, out=torch.empty(1, 32, dtype=torch.bfloat16, device=d).expand(4, 32)),
+    "out-pitch": lambda d: mm(d, out=torch.empty(4, 36, dtype=torch.bfloat16, device=d)[:, :32]),
+    "out-misaligned": lambda d: mm(d, out=misaligned(4, 32, torch.bfloat16, d, elem_off=4)),
+    "x-not-tensor": lambda d: cw.quantize_int8([1.0]),
+    "x-dtype": lambda d: cw.quantize_int8(torch.zeros(4, 16, dtype=torch.int32, device=d)),
+    "x-0d": lambda d: cw.quantize_int8(torch.tensor(1.0, device=d)),
+    "scale-not-tensor": lambda d: cw.quantize_int8(torch.zeros(4, 16, device=d), 0.1),
+    "scale-dtype": lambda d: cw.quantize_fp8(torch.zeros(4, 16, device=d), torch.ones(1, dtype=torch.float16,
+                                                                                       device=d)),
+    "scale-shape": lambda d: cw.quantize_int8(torch.zeros(4, 16, device=d), torch.ones(2, device=d)),
+    "scale-device-other": lambda d: cw.quantize_int8(torch.zeros(4, 16, device=d),
+                                                     torch.ones(1, device=_other_device(d))),
+    "quant-op-dtype": lambda d: torch.ops.cutlass_w8a8.quantize_per_token(torch.zeros(4, 16, device=d), torch.int32),
+}
 
 CPU_TRIGGERS = {
-    "a-not-tensor": lambda: mm(a=lambda kw: kw["a"].tolist()),
-    "a-dtype": lambda: mm(a=lambda kw: kw["a"].half()),
-    "b-dtype": lambda: mm(b=lambda kw: kw["b"].to(torch.float8_e4m3fn)),
-    "scale_a-dtype": lambda: mm(scale_a=lambda kw: kw["scale_a"].half()),
-    "scale_b-dtype": lambda: mm(scale_b=lambda kw: kw["scale_b"].double()),
-    "out_dtype": lambda: mm(out_dtype=torch.float32),
-    "bias-dtype": lambda: mm(bias=lambda kw: kw["bias"].float()),
-    "bias-not-tensor": lambda: mm(bias=0.5),
-    "out-dtype": lambda: mm(out=torch.empty(4, 32)),
-    "device-other": lambda: mm(b=lambda kw: kw["b"].to("meta")),
-    "out-device-other": lambda: mm(out=torch.empty(4, 32, dtype=torch.bfloat16, device="meta")),
-    "a-not-2d": lambda: mm(a=lambda kw: kw["a"][None]),
-    "b-not-2d": lambda: mm(b=lambda kw: kw["b"][None]),
-    "k-mismatch": lambda: mm(b=lambda kw: kw["b"][:48]),
-    "k-not-16": lambda: mm(a=lambda kw: kw["a"][:, :40], b=lambda kw: kw["b"][:40]),
-    "n-not-16": lambda: mm(b=lambda kw: kw["b"][:, :24], scale_b=lambda kw: kw["scale_b"][:24],
-                           bias=lambda kw: kw["bias"][:24]),
-    "int8-k-bound": lambda: mm(a=torch.zeros(1, cw.INT8_MAX_K + 16, dtype=torch.int8),
-                               b=torch.zeros(32, cw.INT8_MAX_K + 16, dtype=torch.int8).t(),
-                               scale_a=torch.ones(1)),
-    "scale_a-shape": lambda: mm(scale_a=lambda kw: kw["scale_a"][:3]),
-    "scale_b-shape": lambda: mm(scale_b=lambda kw: kw["scale_b"][:16]),
-    "scale_a-noncontig": lambda: mm(scale_a=torch.rand(4, 2)[:, :1]),
-    "scale_b-noncontig": lambda: mm(scale_b=torch.rand(64)[::2]),
-    "bias-length": lambda: mm(bias=lambda kw: kw["bias"][:16]),
-    "bias-noncontig": lambda: mm(bias=torch.randn(64).to(torch.bfloat16)[::2]),
-    "a-col-major": lambda: mm(a=lambda kw: kw["a"].t().contiguous().t()),
-    "a-rows-overlap": lambda: mm(a=lambda kw: kw["a"][:1].expand(4, 64)),
-    "a-row-pitch": lambda: mm(a=torch.zeros(4, 72, dtype=torch.int8)[:, :64]),
-    "a-misaligned": lambda: mm(a=misaligned(4, 64, torch.int8)),
-    "b-row-major": lambda: mm(b=lambda kw: kw["b"].contiguous()),
-    "b-cols-overlap": lambda: mm(b=lambda kw: kw["b"][:, :1].expand(64, 32)),
-    "b-pitch": lambda: mm(b=torch.zeros(32, 72, dtype=torch.int8)[:, :64].t()),
-    "b-misaligned": lambda: mm(b=misaligned(32, 64, torch.int8).t()),
-    "out-shape": lambda: mm(out=torch.empty(5, 32, dtype=torch.bfloat16)),
-    "out-col-major": lambda: mm(out=torch.empty(32, 4, dtype=torch.bfloat16).t()),
-    "out-rows-overlap": lambda: mm(out=torch.empty(1, 32, dtype=torch.bfloat16).expand(4, 32)),
-    "out-pitch": lambda: mm(out=torch.empty(4, 36, dtype=torch.bfloat16)[:, :32]),
-    "out-misaligned": lambda: mm(out=misaligned(4, 32, torch.bfloat16, elem_off=4)),
-    "x-not-tensor": lambda: cw.quantize_int8([1.0]),
-    "x-dtype": lambda: cw.quantize_int8(torch.zeros(4, 16, dtype=torch.int32)),
-    "x-0d": lambda: cw.quantize_int8(torch.tensor(1.0)),
-    "scale-not-tensor": lambda: cw.quantize_int8(torch.zeros(4, 16), 0.1),
-    "scale-dtype": lambda: cw.quantize_fp8(torch.zeros(4, 16), torch.ones(1, dtype=torch.float16)),
-    "scale-shape": lambda: cw.quantize_int8(torch.zeros(4, 16), torch.ones(2)),
-    "scale-device-other": lambda: cw.quantize_int8(torch.zeros(4, 16), torch.ones(1, device="meta")),
-    "quant-op-dtype": lambda: torch.ops.cutlass_w8a8.quantize_per_token(torch.zeros(4, 16), torch.int32),
     "linear-features": lambda: cw.W8A8Linear(60, 32),
     "linear-dtype": lambda: cw.W8A8Linear(64, 32, dtype=torch.float32),
     "linear-quant-dtype": lambda: cw.W8A8Linear(64, 32, quant_dtype=torch.uint8),
@@ -195,9 +219,7 @@ def _config_out_of_range():
 
 def op(device="cuda", **change):
     """torch.ops.cutlass_w8a8.scaled_mm (no wrapper) on legal CUDA operands with `change` applied."""
-    kw = operands(device)
-    for key, v in change.items():
-        kw[key] = v(kw) if callable(v) else v
+    kw = _changed(operands(device), change)
     return torch.ops.cutlass_w8a8.scaled_mm(kw["a"], kw["b"], kw["scale_a"], kw["scale_b"], kw["out_dtype"],
                                             kw["bias"])
 
@@ -225,7 +247,7 @@ CUDA_TRIGGERS = {
 }
 
 
-# ---- decode_attention -----------------------------------------------------------------------------------
+# ---- decode_attention, rope_kv_cache_ -----------------------------------------------------------------------
 
 
 def attn_operands(device="cpu"):
@@ -234,12 +256,6 @@ def attn_operands(device="cpu"):
     return dict(q=qkv[:, :4], kv_cache=torch.randn(3, 2, 2, 8, 16, device=device).to(torch.bfloat16),
                 slots=torch.tensor([2, 0], device=device), positions=torch.tensor([0, 7], device=device),
                 softmax_scale=None, out=None)
-
-
-def _changed(kw, change):
-    for key, v in change.items():
-        kw[key] = v(kw) if callable(v) else v
-    return kw
 
 
 def attn(device="cpu", **change):
@@ -258,7 +274,7 @@ def attn_meta(h=4, s=8):
 
 
 def attn_op(out=None, **change):
-    """torch.ops.cutlass_w8a8.decode_attention(_out) (no wrapper) on legal CUDA arguments with `change`."""
+    """torch.ops.cutlass_w8a8.decode_attention(_out) on legal CUDA arguments with `change`."""
     kw = _changed(attn_operands("cuda"), change)
     args = (kw["q"], kw["kv_cache"], kw["slots"], kw["positions"], 0.25)
     if out is not None:
@@ -266,32 +282,35 @@ def attn_op(out=None, **change):
     return torch.ops.cutlass_w8a8.decode_attention(*args)
 
 
+DEVICE_TRIGGERS.update({
+    "attn-not-tensor": lambda d: attn(d, q=lambda kw: kw["q"].tolist()),
+    "attn-out-not-tensor": lambda d: attn(d, out=[0.0]),
+    "attn-q-dtype": lambda d: attn(d, q=lambda kw: kw["q"].int()),
+    "attn-kv-dtype": lambda d: attn(d, kv_cache=lambda kw: kw["kv_cache"].float()),
+    "attn-slots-dtype": lambda d: attn(d, slots=lambda kw: kw["slots"].int()),
+    "attn-positions-dtype": lambda d: attn(d, positions=lambda kw: kw["positions"].int()),
+    "attn-out-dtype": lambda d: attn(d, out=torch.empty(2, 64, device=d)),
+    "attn-scale-type": lambda d: attn(d, softmax_scale="0.25"),
+    "attn-scale-finite": lambda d: attn(d, softmax_scale=float("nan")),
+    "attn-device-other": lambda d: attn(d, kv_cache=lambda kw: kw["kv_cache"].to(_other_device(d))),
+    "attn-q-not-3d": lambda d: attn(d, q=lambda kw: kw["q"].flatten(1)),
+    "attn-head-dim": lambda d: attn(d, q=lambda kw: kw["q"][..., :12]),
+    "attn-kv-shape": lambda d: attn(d, kv_cache=lambda kw: kw["kv_cache"][:, 0]),
+    "attn-kv-heads": lambda d: attn(d, kv_cache=torch.zeros(3, 2, 3, 8, 16, dtype=torch.bfloat16, device=d)),
+    "attn-slots-shape": lambda d: attn(d, slots=torch.tensor([0, 1, 2], device=d)),
+    "attn-positions-shape": lambda d: attn(d, positions=lambda kw: kw["positions"][None]),
+    "attn-q-stride": lambda d: attn(d, q=lambda kw: kw["q"].transpose(1, 2).contiguous().transpose(1, 2)),
+    "attn-kv-noncontig": lambda d: attn(d, kv_cache=lambda kw: kw["kv_cache"].transpose(0, 1).contiguous()
+                                        .transpose(0, 1)),
+    "attn-kv-misaligned": lambda d: attn(d, kv_cache=torch.zeros(3 * 2 * 2 * 8 * 16 + 4, dtype=torch.bfloat16,
+                                                                 device=d)[4:].view(3, 2, 2, 8, 16)),
+    "attn-out-shape": lambda d: attn(d, out=torch.empty(2, 32, dtype=torch.bfloat16, device=d)),
+    "attn-out-noncontig": lambda d: attn(d, out=torch.empty(64, 2, dtype=torch.bfloat16, device=d).t()),
+})
+
 CPU_TRIGGERS.update({
-    "attn-not-tensor": lambda: attn(q=lambda kw: kw["q"].tolist()),
-    "attn-out-not-tensor": lambda: attn(out=[0.0]),
-    "attn-q-dtype": lambda: attn(q=lambda kw: kw["q"].int()),
-    "attn-kv-dtype": lambda: attn(kv_cache=lambda kw: kw["kv_cache"].float()),
-    "attn-slots-dtype": lambda: attn(slots=lambda kw: kw["slots"].int()),
-    "attn-positions-dtype": lambda: attn(positions=lambda kw: kw["positions"].int()),
-    "attn-out-dtype": lambda: attn(out=torch.empty(2, 64)),
-    "attn-scale-type": lambda: attn(softmax_scale="0.25"),
-    "attn-scale-finite": lambda: attn(softmax_scale=float("nan")),
-    "attn-device-other": lambda: attn(kv_cache=lambda kw: kw["kv_cache"].to("meta")),
-    "attn-q-not-3d": lambda: attn(q=lambda kw: kw["q"].flatten(1)),
-    "attn-head-dim": lambda: attn(q=lambda kw: kw["q"][..., :12]),
     "attn-too-many-heads": lambda: attn_meta(h=65536),
-    "attn-kv-shape": lambda: attn(kv_cache=lambda kw: kw["kv_cache"][:, 0]),
-    "attn-kv-heads": lambda: attn(kv_cache=torch.zeros(3, 2, 3, 8, 16, dtype=torch.bfloat16)),
     "attn-seq-len": lambda: attn_meta(s=2**31),
-    "attn-slots-shape": lambda: attn(slots=torch.tensor([0, 1, 2])),
-    "attn-positions-shape": lambda: attn(positions=lambda kw: kw["positions"][None]),
-    "attn-q-stride": lambda: attn(q=lambda kw: kw["q"].transpose(1, 2).contiguous().transpose(1, 2)),
-    "attn-kv-noncontig": lambda: attn(kv_cache=lambda kw: kw["kv_cache"].transpose(0, 1).contiguous()
-                                      .transpose(0, 1)),
-    "attn-kv-misaligned": lambda: attn(kv_cache=torch.zeros(3 * 2 * 2 * 8 * 16 + 4, dtype=torch.bfloat16)[4:]
-                                       .view(3, 2, 2, 8, 16)),
-    "attn-out-shape": lambda: attn(out=torch.empty(2, 32, dtype=torch.bfloat16)),
-    "attn-out-noncontig": lambda: attn(out=torch.empty(64, 2, dtype=torch.bfloat16).t()),
 })
 
 CUDA_TRIGGERS.update({
@@ -304,14 +323,42 @@ CUDA_TRIGGERS.update({
 })
 
 
+def rope(device="cpu", heads=(4, 2), **change):
+    """cw.rope_kv_cache_ on legal arguments (B = 2, H = 4, KVH = 2, D = 16, S = 8, 3 slots) with `change`."""
+    kw = dict(qkv=torch.randn(2, 8, 16, device=device).to(torch.bfloat16),
+              rope=torch.randn(2, 8, 2, device=device),
+              kv_cache=torch.zeros(3, 2, 2, 8, 16, dtype=torch.bfloat16, device=device),
+              slots=torch.tensor([2, 0], device=device), positions=torch.tensor([0, 7], device=device))
+    kw = _changed(kw, change)
+    return cw.rope_kv_cache_(kw["qkv"], kw["rope"], kw["kv_cache"], kw["slots"], kw["positions"], *heads)
+
+
+DEVICE_TRIGGERS.update({
+    "rope-qkv-dtype": lambda d: rope(d, qkv=lambda kw: kw["qkv"].int()),
+    "rope-kv-dtype": lambda d: rope(d, kv_cache=lambda kw: kw["kv_cache"].float()),
+    "rope-rope-dtype": lambda d: rope(d, rope=lambda kw: kw["rope"].half()),
+    "rope-slots-dtype": lambda d: rope(d, slots=lambda kw: kw["slots"].int()),
+    "rope-positions-dtype": lambda d: rope(d, positions=lambda kw: kw["positions"].int()),
+    "rope-device": lambda d: rope(d, kv_cache=lambda kw: kw["kv_cache"].to(_other_device(d))),
+    "rope-heads": lambda d: rope(d, heads=(4, 0)),
+    "rope-qkv-shape": lambda d: rope(d, heads=(5, 2)),
+    "rope-qkv-layout": lambda d: rope(d, qkv=lambda kw: kw["qkv"].transpose(0, 1).contiguous().transpose(0, 1)),
+    "rope-kv-shape": lambda d: rope(d, kv_cache=lambda kw: kw["kv_cache"][:, :, :1]),
+    "rope-rope-shape": lambda d: rope(d, rope=lambda kw: kw["rope"][:, :4]),
+    "rope-slots-shape": lambda d: rope(d, slots=torch.tensor([0, 1, 2], device=d)),
+    "rope-positions-shape": lambda d: rope(d, positions=lambda kw: kw["positions"][None]),
+    "rope-kv-empty": lambda d: rope(d, kv_cache=torch.zeros(3, 2, 2, 0, 16, dtype=torch.bfloat16, device=d)),
+})
+
+CUDA_TRIGGERS["rope-op-cpu-qkv"] = lambda: rope("cuda", qkv=lambda kw: kw["qkv"].cpu())
+
+
 # ---- scaled_mm_decode, linear_decode ------------------------------------------------------------------------
 
 
 def decode_mm(device="cpu", **change):
     """cw.scaled_mm_decode on legal operands (M = 4) with `change` applied."""
-    kw = operands(device)
-    for key, v in change.items():
-        kw[key] = v(kw) if callable(v) else v
+    kw = _changed(operands(device), change)
     return cw.scaled_mm_decode(kw["a"], kw["b"], kw["scale_a"], kw["scale_b"], kw["out_dtype"], kw["bias"])
 
 
@@ -320,8 +367,7 @@ def decode_lin(device="cpu", **change):
     kw = operands(device)
     kw = dict(x=torch.zeros(4, 64, dtype=torch.bfloat16, device=device), b=kw["b"], scale_b=kw["scale_b"],
               bias=kw["bias"], dtype=None, out=None)
-    for key, v in change.items():
-        kw[key] = v(kw) if callable(v) else v
+    kw = _changed(kw, change)
     return cw.linear_decode(kw["x"], kw["b"], kw["scale_b"], kw["bias"], kw["dtype"], out=kw["out"])
 
 
@@ -332,21 +378,23 @@ def _decode_k_too_large():
                                torch.empty(16, k, dtype=torch.float8_e4m3fn, device="meta").t(), one, one)
 
 
-CPU_TRIGGERS.update({
-    "decode-m-range": lambda: decode_mm(a=torch.zeros(17, 64, dtype=torch.int8), scale_a=torch.ones(1)),
-    "decode-b-row-major": lambda: decode_mm(b=lambda kw: kw["b"].contiguous()),
-    "decode-k-too-large": _decode_k_too_large,
-    "linear-decode-x-dtype": lambda: decode_lin(x=torch.zeros(4, 64)),
-    "linear-decode-dtype": lambda: decode_lin(dtype=torch.float16),
-    "linear-decode-b-dtype": lambda: decode_lin(dtype=torch.float8_e4m3fn),
-    "linear-decode-bias-dtype": lambda: decode_lin(bias=lambda kw: kw["bias"].float()),
-    "linear-decode-out-dtype": lambda: decode_lin(out=torch.empty(4, 32)),
-    "linear-decode-device": lambda: decode_lin(b=lambda kw: kw["b"].to("meta")),
-    "linear-decode-m-range": lambda: decode_lin(x=torch.zeros(17, 64, dtype=torch.bfloat16)),
-    "linear-decode-k-mismatch": lambda: decode_lin(x=torch.zeros(4, 48, dtype=torch.bfloat16)),
-    "linear-decode-x-pitch": lambda: decode_lin(x=torch.zeros(4, 68, dtype=torch.bfloat16)[:, :64]),
-    "linear-decode-x-misaligned": lambda: decode_lin(x=misaligned(4, 64, torch.bfloat16, elem_off=4)),
+DEVICE_TRIGGERS.update({
+    "decode-m-range": lambda d: decode_mm(d, a=torch.zeros(17, 64, dtype=torch.int8, device=d),
+                                          scale_a=torch.ones(1, device=d)),
+    "decode-b-row-major": lambda d: decode_mm(d, b=lambda kw: kw["b"].contiguous()),
+    "linear-decode-x-dtype": lambda d: decode_lin(d, x=torch.zeros(4, 64, device=d)),
+    "linear-decode-dtype": lambda d: decode_lin(d, dtype=torch.float16),
+    "linear-decode-b-dtype": lambda d: decode_lin(d, dtype=torch.float8_e4m3fn),
+    "linear-decode-bias-dtype": lambda d: decode_lin(d, bias=lambda kw: kw["bias"].float()),
+    "linear-decode-out-dtype": lambda d: decode_lin(d, out=torch.empty(4, 32, device=d)),
+    "linear-decode-device": lambda d: decode_lin(d, b=lambda kw: kw["b"].to(_other_device(d))),
+    "linear-decode-m-range": lambda d: decode_lin(d, x=torch.zeros(17, 64, dtype=torch.bfloat16, device=d)),
+    "linear-decode-k-mismatch": lambda d: decode_lin(d, x=torch.zeros(4, 48, dtype=torch.bfloat16, device=d)),
+    "linear-decode-x-pitch": lambda d: decode_lin(d, x=torch.zeros(4, 68, dtype=torch.bfloat16, device=d)[:, :64]),
+    "linear-decode-x-misaligned": lambda d: decode_lin(d, x=misaligned(4, 64, torch.bfloat16, d, elem_off=4)),
 })
+
+CPU_TRIGGERS["decode-k-too-large"] = _decode_k_too_large
 
 CUDA_TRIGGERS.update({
     "op-decode-m-range": lambda: torch.ops.cutlass_w8a8.scaled_mm_decode(
@@ -360,7 +408,7 @@ CUDA_TRIGGERS.update({
 })
 
 
-# ---- w8a8_linear: the same triggers on CPU (rows) and CUDA (test_w8a8_linear_row_cuda) --------------------
+# ---- w8a8_linear ------------------------------------------------------------------------------------------
 
 
 def linear_op(device, **change):
@@ -369,14 +417,9 @@ def linear_op(device, **change):
     kw = operands(device)
     kw = dict(x=torch.zeros(4, 64, dtype=torch.bfloat16, device=device), weight=kw["b"].t(),
               weight_scale=kw["scale_b"], input_scale=None, bias=kw["bias"], out_dtype=torch.bfloat16)
-    for key, v in change.items():
-        kw[key] = v(kw) if callable(v) else v
+    kw = _changed(kw, change)
     return torch.ops.cutlass_w8a8.w8a8_linear(kw["x"], kw["weight"], kw["weight_scale"], kw["input_scale"],
                                               kw["bias"], kw["out_dtype"])
-
-
-def _other_device(device):
-    return "meta" if device == "cpu" else "cpu"
 
 
 def _big_k(device):
@@ -411,7 +454,7 @@ W8A8_LINEAR_TRIGGERS = {
     "w8a8-weight-misaligned": lambda d: linear_op(d, weight=misaligned(32, 64, torch.int8, device=d)),
 }
 
-CPU_TRIGGERS.update({k: (lambda f: lambda: f("cpu"))(f) for k, f in W8A8_LINEAR_TRIGGERS.items()})
+DEVICE_TRIGGERS.update(W8A8_LINEAR_TRIGGERS)
 
 
 def _quantize_8bit_linear():
@@ -441,33 +484,38 @@ def _linear_on(q=None, scale=None):
     return cw.W8A8Linear(64, 32)(cw.QuantizedActivation(q, scale))
 
 
+DEVICE_TRIGGERS.update({
+    "fused-x-not-tensor": lambda d: cw.rms_norm([1.0], _w(d), 1e-5),
+    "fused-x-dtype": lambda d: cw.rms_norm(torch.zeros(4, 16, dtype=torch.float64, device=d), _w(d), 1e-5),
+    "fused-x-0d": lambda d: cw.silu_mul(torch.tensor(1.0, device=d)),
+    "fused-x-empty-k": lambda d: cw.rms_norm(torch.zeros(4, 0, device=d), torch.zeros(0, device=d), 1e-5),
+    "silu-odd": lambda d: cw.silu_mul(torch.zeros(4, 7, device=d)),
+    "norm-weight-not-tensor": lambda d: cw.rms_norm(_x(d), [1.0] * 16, 1e-5),
+    "norm-weight-dtype": lambda d: cw.rms_norm(_x(d), torch.ones(16, device=d), 1e-5),
+    "norm-weight-device": lambda d: cw.rms_norm(_x(d), _w(_other_device(d)), 1e-5),
+    "norm-weight-shape": lambda d: cw.rms_norm(_x(d), _w(d)[:8], 1e-5),
+    "norm-weight-noncontig": lambda d: cw.rms_norm(_x(d), torch.ones(32, dtype=torch.bfloat16, device=d)[::2], 1e-5),
+    "norm-eps-type": lambda d: cw.rms_norm(_x(d), _w(d), "1e-5"),
+    "norm-eps-value": lambda d: cw.rms_norm(_x(d), _w(d), -1.0),
+    "residual-not-tensor": lambda d: cw.rms_norm(_x(d), _w(d), 1e-5, 0.0),
+    "residual-dtype": lambda d: cw.rms_norm(_x(d), _w(d), 1e-5, torch.zeros(4, 16, device=d)),
+    "residual-device": lambda d: cw.rms_norm(_x(d), _w(d), 1e-5, _x(_other_device(d))),
+    "residual-shape": lambda d: cw.rms_norm(_x(d), _w(d), 1e-5, torch.zeros(4, 8, dtype=torch.bfloat16, device=d)),
+    "residual-layout": lambda d: cw.rms_norm(_x(d), _w(d), 1e-5,
+                                             torch.zeros(16, 4, dtype=torch.bfloat16, device=d).t()),
+    "residual-rows-overlap": lambda d: cw.rms_norm(_x(d), _w(d), 1e-5,
+                                                   torch.zeros(1, 16, dtype=torch.bfloat16, device=d).expand(4, 16)),
+    "fused-quant-dtype": lambda d: cw.rms_norm_quant(_x(d), _w(d), 1e-5, torch.float16),
+    "fused-scale-not-tensor": lambda d: cw.silu_mul_quant(_x(d), torch.int8, 0.1),
+    "fused-scale-dtype": lambda d: cw.silu_mul_quant(_x(d), torch.int8, torch.ones(1, dtype=torch.float16,
+                                                                                   device=d)),
+    "fused-scale-shape": lambda d: cw.rms_norm_quant(_x(d), _w(d), 1e-5, torch.int8, torch.ones(2, device=d)),
+})
+
 CPU_TRIGGERS.update({
-    "fused-x-not-tensor": lambda: cw.rms_norm([1.0], _w(), 1e-5),
-    "fused-x-dtype": lambda: cw.rms_norm(torch.zeros(4, 16, dtype=torch.float64), _w(), 1e-5),
-    "fused-x-0d": lambda: cw.silu_mul(torch.tensor(1.0)),
-    "fused-x-empty-k": lambda: cw.rms_norm(torch.zeros(4, 0), torch.zeros(0), 1e-5),
     "fused-x-k-too-large": lambda: cw.rms_norm(torch.empty(1, 2**31, device="meta"),
                                                torch.empty(2**31, device="meta"), 1e-5),
     "fused-x-too-many-rows": lambda: cw.silu_mul(torch.empty(2**31, 2, device="meta")),
-    "silu-odd": lambda: cw.silu_mul(torch.zeros(4, 7)),
-    "norm-weight-not-tensor": lambda: cw.rms_norm(_x(), [1.0] * 16, 1e-5),
-    "norm-weight-dtype": lambda: cw.rms_norm(_x(), torch.ones(16), 1e-5),
-    "norm-weight-device": lambda: cw.rms_norm(_x(), _w("meta"), 1e-5),
-    "norm-weight-shape": lambda: cw.rms_norm(_x(), _w()[:8], 1e-5),
-    "norm-weight-noncontig": lambda: cw.rms_norm(_x(), torch.ones(32, dtype=torch.bfloat16)[::2], 1e-5),
-    "norm-eps-type": lambda: cw.rms_norm(_x(), _w(), "1e-5"),
-    "norm-eps-value": lambda: cw.rms_norm(_x(), _w(), -1.0),
-    "residual-not-tensor": lambda: cw.rms_norm(_x(), _w(), 1e-5, 0.0),
-    "residual-dtype": lambda: cw.rms_norm(_x(), _w(), 1e-5, torch.zeros(4, 16)),
-    "residual-device": lambda: cw.rms_norm(_x(), _w(), 1e-5, _x("meta")),
-    "residual-shape": lambda: cw.rms_norm(_x(), _w(), 1e-5, torch.zeros(4, 8, dtype=torch.bfloat16)),
-    "residual-layout": lambda: cw.rms_norm(_x(), _w(), 1e-5, torch.zeros(16, 4, dtype=torch.bfloat16).t()),
-    "residual-rows-overlap": lambda: cw.rms_norm(_x(), _w(), 1e-5,
-                                                 torch.zeros(1, 16, dtype=torch.bfloat16).expand(4, 16)),
-    "fused-quant-dtype": lambda: cw.rms_norm_quant(_x(), _w(), 1e-5, torch.float16),
-    "fused-scale-not-tensor": lambda: cw.silu_mul_quant(_x(), torch.int8, 0.1),
-    "fused-scale-dtype": lambda: cw.silu_mul_quant(_x(), torch.int8, torch.ones(1, dtype=torch.float16)),
-    "fused-scale-shape": lambda: cw.rms_norm_quant(_x(), _w(), 1e-5, torch.int8, torch.ones(2)),
     "linear-q-not-tensor": lambda: _linear_on(q=[0] * 64),
     "linear-scale-not-tensor": lambda: _linear_on(scale=0.5),
     "linear-q-dtype": lambda: _linear_on(q=torch.zeros(4, 64, dtype=torch.float8_e4m3fn)),
@@ -497,6 +545,8 @@ def _mixed_gpus():
 
 TWO_GPU_TRIGGERS = {"mixed-gpus": _mixed_gpus}
 
+CPU_TRIGGERS.update({row: (lambda f: lambda: f("cpu"))(f) for row, f in DEVICE_TRIGGERS.items()})
+
 TRIGGERS = {"cpu": CPU_TRIGGERS, "cuda": CUDA_TRIGGERS, "2 gpus": TWO_GPU_TRIGGERS, "manual": {}}
 
 
@@ -524,9 +574,14 @@ def test_every_row_has_a_trigger_and_every_trigger_a_row(checked):
 
 
 def test_messages_name_the_argument():
-    """Every wrapper-level argument error names its argument in backticks after `op: `."""
+    """Every argument error names its argument: ours in backticks after `op: `, torch's dispatcher (a value
+    not of the schema's type) in quotes after `cutlass_w8a8::op()`."""
+    dispatcher = re.compile(r"^cutlass_w8a8::\w+\(\) Expected a value of type '[\w\[\]]+' for argument '\w+' "
+                            r"but instead found type \{type\}\.$")
     for r in ROWS:
-        if r["exception"] in ("TypeError", "ValueError") and not r["id"].startswith(("graph-", "linear-input")):
+        if r["message"].startswith("cutlass_w8a8::"):
+            assert r["exception"] == "RuntimeError" and dispatcher.match(r["message"]), r
+        elif r["exception"] in ("TypeError", "ValueError") and not r["id"].startswith(("graph-", "linear-input")):
             assert re.match(r"^[\w.]+: `\w+`", r["message"]), r
 
 
@@ -542,7 +597,7 @@ def _source_text() -> str:
     """The package's Python and C++ sources, with adjacent C string literals joined ("a" "b" -> "ab")."""
     root = DOC.parents[1]
     files = [*root.glob("csrc/**/*.cu"), *root.glob("csrc/**/*.cpp"), *root.glob("csrc/**/*.hpp"),
-             *root.glob("csrc/**/*.cuh"), *root.glob("cutlass_w8a8/*.py")]
+             *root.glob("csrc/**/*.cuh"), *root.glob("cutlass_w8a8/**/*.py")]
     return re.sub(r'"\s*\n\s*"', "", "\n".join(f.read_text() for f in files))
 
 
@@ -581,8 +636,13 @@ def test_two_gpu_row(row_id):
     assert_row(row_id, TWO_GPU_TRIGGERS[row_id])
 
 
+def test_device_triggers_are_cpu_rows():
+    assert not set(DEVICE_TRIGGERS) & set(CUDA_TRIGGERS)
+    assert {BY_ID[r]["checked"] for r in DEVICE_TRIGGERS} == {"cpu"}
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("row_id", sorted(W8A8_LINEAR_TRIGGERS))
-def test_w8a8_linear_row_cuda(row_id):
-    """The CUDA op (csrc/gemm/w8a8_linear.cu) raises the CPU implementation's message for every row."""
-    assert_row(row_id, lambda: W8A8_LINEAR_TRIGGERS[row_id]("cuda"))
+@pytest.mark.parametrize("row_id", sorted(DEVICE_TRIGGERS))
+def test_row_on_cuda(row_id):
+    """The C++ op raises, on CUDA tensors, the row the CPU implementation raises: one contract, one text."""
+    assert_row(row_id, lambda: DEVICE_TRIGGERS[row_id]("cuda"))

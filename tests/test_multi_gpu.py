@@ -125,7 +125,7 @@ def test_a_on_second_device_others_on_first_rejected():
 def test_quantize_static_scale_on_other_device_rejected():
     x = torch.randn(4, 64, device="cuda:1")
     scale = torch.tensor([0.1], device="cuda:0")
-    with pytest.raises(ValueError, match="quantize_int8: `scale` is on cuda:0 but `x` is on cuda:1"):
+    with pytest.raises(ValueError, match="quantize_per_tensor: `scale` is on cuda:0 but `x` is on cuda:1"):
         cw.quantize_int8(x, scale)
     with pytest.raises(ValueError, match="quantize_per_tensor: `scale` is on cuda:0 but `x` is on cuda:1"):
         torch.ops.cutlass_w8a8.quantize_per_tensor(x, scale, torch.int8)

@@ -113,7 +113,6 @@ BAD_CASES = {
         a=torch.randint(-8, 8, (4 * 80 + 8,), dtype=torch.int8)[8:].view(4, 80)[:, :64])),
     "a bad row pitch": (ValueError, "`a`", lambda a, w, sa, sb, b: dict(
         a=torch.randint(-8, 8, (4, 72), dtype=torch.int8)[:, :64])),
-    "a not a tensor": (TypeError, "`a`", lambda a, w, sa, sb, b: dict(a=a.tolist())),
     "int8 K too large": (ValueError, "`a`", lambda a, w, sa, sb, b: dict(
         a=torch.zeros(1, cw.INT8_MAX_K + 16, dtype=torch.int8),
         b=torch.zeros(32, cw.INT8_MAX_K + 16, dtype=torch.int8).t(), scale_a=sa[:1])),
@@ -134,6 +133,16 @@ def test_scaled_mm_bad_input(case):
             torch.ops.cutlass_w8a8.scaled_mm(*kwargs.values())
 
 
+def test_non_tensor_argument_gets_the_dispatcher_error():
+    """The wrappers are thin: a non-tensor where the schema says Tensor is torch's dispatcher error, naming the
+    argument (a RuntimeError), before any implementation runs."""
+    a, w, sa, sb, b = _ok()
+    with pytest.raises(RuntimeError, match="Expected a value of type 'Tensor' for argument 'a'"):
+        cw.scaled_mm(a.tolist(), w.t(), sa, sb)
+    with pytest.raises(RuntimeError, match="Expected a value of type 'Tensor' for argument 'scale'"):
+        cw.quantize_int8(torch.zeros(4, 16), 0.1)
+
+
 def test_scaled_mm_bad_out():
     a, w, sa, sb, b = _ok()
     for out, exc, what in [
@@ -147,13 +156,14 @@ def test_scaled_mm_bad_out():
 
 
 def test_quantize_bad_input():
-    with pytest.raises(TypeError, match="quantize_int8: `x`"):
+    # the wrappers call the ops: their checks name the op (quantize_per_token, or quantize_per_tensor with a scale)
+    with pytest.raises(TypeError, match="quantize_per_token: `x`"):
         cw.quantize_int8(torch.zeros(4, 16, dtype=torch.int32))
-    with pytest.raises(ValueError, match="quantize_int8: `x`"):
+    with pytest.raises(ValueError, match="quantize_per_token: `x`"):
         cw.quantize_int8(torch.tensor(1.0))
-    with pytest.raises(TypeError, match="quantize_fp8: `scale`"):
+    with pytest.raises(TypeError, match="quantize_per_tensor: `scale`"):
         cw.quantize_fp8(torch.zeros(4, 16), torch.ones(1, dtype=torch.float16))
-    with pytest.raises(ValueError, match="quantize_int8: `scale`"):
+    with pytest.raises(ValueError, match="quantize_per_tensor: `scale`"):
         cw.quantize_int8(torch.zeros(4, 16), torch.ones(2))
     with pytest.raises(TypeError, match="quantize_per_token: `dtype`"):
         torch.ops.cutlass_w8a8.quantize_per_token(torch.zeros(4, 16), torch.int32)
@@ -175,8 +185,30 @@ def test_opcheck_cpu():
 
 
 def test_cuda_tensors_without_extension_say_so(monkeypatch):
-    # On a machine with CUDA tensors but no built extension the wrappers must say what is missing.
+    # On a machine with CUDA tensors but no built extension every op must say what is missing.
     from cutlass_w8a8 import _ext
+    from cutlass_w8a8.ops import _schema
     monkeypatch.setattr(_ext, "cuda_ops_available", lambda: False)
     with pytest.raises(RuntimeError, match="CUDA extension is not built"):
         _ext.require_cuda_ops("scaled_mm")
+    assert len(_schema.OPS) == len(set(_schema.OPS)) >= 20
+    for op in _schema.OPS:  # the CUDA kernel register_cuda_fallback gives each op
+        with pytest.raises(RuntimeError, match=f"^cutlass_w8a8\\.{op}: the CUDA extension is not built or not loaded"):
+            _schema.extension_missing(op)(torch.zeros(1))
+
+
+@pytest.mark.skipif(cw.cuda_ops_available(), reason="_C.so is loaded: the CUDA kernels are its own")
+def test_cuda_fallback_is_registered_without_the_extension():
+    """Without _C.so, import registered the fallback as every op's CUDA kernel (once): a CUDA call, here
+    redispatched to the CUDA key on CPU tensors, gets the "not built" RuntimeError instead of torch's
+    NotImplementedError."""
+    from cutlass_w8a8.ops import _schema
+    assert _schema.register_cuda_fallback() is False  # already done by `import cutlass_w8a8`
+    for op in _schema.OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"cutlass_w8a8::{op}", "CUDA"), op
+    a, w, sa, sb, b = _ok()
+    cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+    with pytest.raises(RuntimeError, match="^cutlass_w8a8.scaled_mm: the CUDA extension is not built"):
+        torch.ops.cutlass_w8a8.scaled_mm.default.redispatch(cuda, a, w.t(), sa, sb, torch.bfloat16, b)
+    with pytest.raises(RuntimeError, match="^cutlass_w8a8.rms_norm: the CUDA extension is not built"):
+        torch.ops.cutlass_w8a8.rms_norm.default.redispatch(cuda, torch.zeros(2, 16), torch.ones(16), 1e-5)

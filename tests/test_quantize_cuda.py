@@ -62,7 +62,7 @@ def test_empty_inputs():
 
 def test_bad_input_cuda():
     x = torch.randn(4, 64, device="cuda")
-    with pytest.raises(ValueError, match="quantize_int8: `scale` is on cpu"):
+    with pytest.raises(ValueError, match="quantize_per_tensor: `scale` is on cpu"):
         cw.quantize_int8(x, torch.ones(1))
     with pytest.raises(ValueError, match="quantize_per_tensor: `scale`"):
         torch.ops.cutlass_w8a8.quantize_per_tensor(x, torch.ones(1), torch.int8)

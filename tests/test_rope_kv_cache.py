@@ -50,6 +50,56 @@ def test_cpu_argument_errors():
         torch.ops.cutlass_w8a8.rope_kv_cache_(qkv, rope.half(), cache, slots, positions, H, KVH)
 
 
+def test_public_wrapper_is_the_op():
+    a = inputs(3, torch.bfloat16, "cpu", seed=4)
+    b = [t.clone() for t in a]
+    assert cutlass_w8a8.rope_kv_cache_(*a, H, KVH) is None
+    torch.ops.cutlass_w8a8.rope_kv_cache_(*b, H, KVH)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
+
+
+@pytest.mark.parametrize("case", ["positions int32", "slots int32", "rope strided", "rope short", "qkv strided heads",
+                                  "kv_cache strided", "no positions"])
+def test_cpu_checks_are_the_cuda_checks(case):
+    """The CPU and fake implementations make csrc/attention/rope_kv_cache.cu's checks, with its messages (int32
+    indices, layouts and rope's shape included); nothing is written when they fail."""
+    qkv, rope, cache, slots, positions = inputs(2, torch.bfloat16, "cpu")
+    exc, msg = {
+        "positions int32": (TypeError, "^rope_kv_cache_: `positions` must be int64$"),
+        "slots int32": (TypeError, "^rope_kv_cache_: `slots` must be int64$"),
+        "rope strided": (ValueError, r"^rope_kv_cache_: `rope` must be contiguous \(B, D / 2, 2\), got \[2, 32, 2\]$"),
+        "rope short": (ValueError, r"^rope_kv_cache_: `rope` must be contiguous \(B, D / 2, 2\), got \[2, 16, 2\]$"),
+        "qkv strided heads": (ValueError, r"^rope_kv_cache_: `qkv` must have contiguous heads of even D \(strides "
+                                          r"\(\*, D, 1\)\), got strides \[64, 128, 1\]$"),
+        "kv_cache strided": (ValueError, r"^rope_kv_cache_: `kv_cache` must be contiguous \(slots, 2, num_kv_heads, S, "
+                                         r"D\), got \[5, 2, 2, 32, 64\]$"),
+        "no positions": (ValueError, "^rope_kv_cache_: `kv_cache` must not be empty$"),
+    }[case]
+    change = {
+        "positions int32": lambda: dict(positions=positions.int()),
+        "slots int32": lambda: dict(slots=slots.int()),
+        "rope strided": lambda: dict(rope=rope.transpose(0, 1).contiguous().transpose(0, 1)),
+        "rope short": lambda: dict(rope=rope[:, :16].contiguous()),
+        "qkv strided heads": lambda: dict(qkv=qkv.transpose(0, 1).contiguous().transpose(0, 1)),
+        "kv_cache strided": lambda: dict(kv_cache=cache.transpose(0, 3).contiguous().transpose(0, 3)),
+        "no positions": lambda: dict(kv_cache=cache[:, :, :, :0]),
+    }[case]()
+    kw = dict(qkv=qkv, rope=rope, kv_cache=cache, slots=slots, positions=positions)
+    kw.update(change)
+    before = kw["qkv"].clone()
+    with pytest.raises(exc, match=msg):
+        cutlass_w8a8.rope_kv_cache_(*kw.values(), H, KVH)
+    assert torch.equal(kw["qkv"], before)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:  # the fake kernel: the same check
+        fake = {k: mode.from_tensor(v) for k, v in kw.items()}
+        with pytest.raises(exc, match=msg):
+            torch.ops.cutlass_w8a8.rope_kv_cache_(*fake.values(), H, KVH)
+
+
+def test_opcheck_cpu():
+    torch.library.opcheck(torch.ops.cutlass_w8a8.rope_kv_cache_.default, (*inputs(2, torch.bfloat16, "cpu"), H, KVH))
+
+
 def _ulp(x, dtype):
     bits = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[dtype]
     return torch.ldexp(torch.ones_like(x), torch.frexp(x.abs().clamp_min(1e-30))[1] - 1 - bits)

@@ -41,10 +41,15 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "core/common.hpp"
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "core/checks.hpp"
+#include "core/device.hpp"
+#include "core/limits.hpp"
 #include "graphs/graph_nodes.hpp"
 #include "ops.hpp"
-#include "quant/quant_common.cuh"
+#include "quant/rowwise_reduce.cuh"
 
 namespace cutlass_w8a8 {
 namespace {
@@ -53,10 +58,10 @@ constexpr const char* kOp = "decode_attention";
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kUnroll = 4;       // positions per group and step (loads issued before the math)
-constexpr int kMaxHeadDim = 256;
+constexpr int64_t kMaxHeads = limits::kAttnMaxHeads;  // H: gridDim.y
 constexpr float kLog2e = 1.4426950408889634f;
 
-// Element conversions (to_float, from_float): csrc/quant/quant_common.cuh.
+// Element conversions (to_float, from_float): csrc/quant/rowwise_reduce.cuh.
 
 // 2^(m - ref), with 0 for an empty partial result (m = -inf): never (-inf) - (-inf).
 __device__ __forceinline__ float rescale(float m, float ref) { return m == -INFINITY ? 0.f : exp2f(m - ref); }
@@ -259,61 +264,61 @@ void launch_for_head_dim(const Args<T>& args, int64_t batch, int64_t heads, cuda
   }
 }
 
-void check_device(const char* name, const at::Tensor& t, const at::Tensor& q) {
-  CW8A8_CHECK_VALUE(t.device() == q.device(), kOp, name, "is on ", t.device(), " but `q` is on ", q.device());
-}
+// How Python prints a softmax_scale that fails the finiteness check.
+const char* py_nonfinite(double v) { return std::isnan(v) ? "nan" : v > 0 ? "inf" : "-inf"; }
 
-// The checks of cutlass_w8a8/ops.py::_check_decode_attention, in the same order and words (dtypes and shapes
-// print in C++ form: Half, [2, 4, 64]).
+// The checks of the CPU and fake implementations (ops/_checks.py check_decode_attention), in their order, with their exception
+// types and first-line messages. A CPU tensor given with CUDA ones fails the device check of the one Python names.
 void check_args(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& slots,
                 const at::Tensor& positions, double softmax_scale, const at::Tensor* out) {
   const auto qt = q.scalar_type();
   CW8A8_CHECK_TYPE(qt == at::kBFloat16 || qt == at::kHalf || qt == at::kFloat, kOp, "q",
-                   "must be bfloat16, float16 or float32, got ", c10::toString(qt));
-  CW8A8_CHECK_TYPE(kv_cache.scalar_type() == qt, kOp, "kv_cache", "must have q's dtype ", c10::toString(qt),
-                   ", got ", c10::toString(kv_cache.scalar_type()));
+                   "must be bfloat16, float16 or float32, got ", py_dtype(qt));
+  CW8A8_CHECK_TYPE(kv_cache.scalar_type() == qt, kOp, "kv_cache", "must have q's dtype ", py_dtype(qt), ", got ",
+                   py_dtype(kv_cache.scalar_type()));
   CW8A8_CHECK_TYPE(slots.scalar_type() == at::kLong, kOp, "slots", "must be int64, got ",
-                   c10::toString(slots.scalar_type()));
+                   py_dtype(slots.scalar_type()));
   CW8A8_CHECK_TYPE(positions.scalar_type() == at::kLong, kOp, "positions", "must be int64, got ",
-                   c10::toString(positions.scalar_type()));
+                   py_dtype(positions.scalar_type()));
   if (out != nullptr) {
-    CW8A8_CHECK_TYPE(out->scalar_type() == qt, kOp, "out", "must have q's dtype ", c10::toString(qt), ", got ",
-                     c10::toString(out->scalar_type()));
+    CW8A8_CHECK_TYPE(out->scalar_type() == qt, kOp, "out", "must have q's dtype ", py_dtype(qt), ", got ",
+                     py_dtype(out->scalar_type()));
   }
-  CW8A8_CHECK_VALUE(std::isfinite(softmax_scale), kOp, "softmax_scale", "must be finite, got ", softmax_scale);
-  CW8A8_CHECK_VALUE(q.is_cuda(), kOp, "q", "must be a CUDA tensor, got device ", q.device());
-  check_device("kv_cache", kv_cache, q);
-  check_device("slots", slots, q);
-  check_device("positions", positions, q);
-  if (out != nullptr) check_device("out", *out, q);
+  CW8A8_CHECK_VALUE(std::isfinite(softmax_scale), kOp, "softmax_scale", "must be finite, got ",
+                    py_nonfinite(softmax_scale));
+  check_same_device(kOp, "kv_cache", kv_cache, "q", q);
+  check_same_device(kOp, "slots", slots, "q", q);
+  check_same_device(kOp, "positions", positions, "q", q);
+  if (out != nullptr) check_same_device(kOp, "out", *out, "q", q);
 
-  CW8A8_CHECK_VALUE(q.dim() == 3, kOp, "q", "must be 3-D (B, H, D), got shape ", q.sizes());
+  CW8A8_CHECK_VALUE(q.dim() == 3, kOp, "q", "must be 3-D (B, H, D), got shape ", py_tuple(q.sizes()));
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
-  CW8A8_CHECK_VALUE(d > 0 && d <= kMaxHeadDim && d % 8 == 0, kOp, "q",
-                    "head dim D = q.shape[2] must be a multiple of 8 in [8, 256], got ", d);
-  CW8A8_CHECK_VALUE(heads <= 65535, kOp, "q", "H = q.shape[1] must be at most 65535, got ", heads);
+  CW8A8_CHECK_VALUE(d > 0 && d <= limits::kAttnMaxHeadDim && d % limits::kAttnHeadDimMultiple == 0, kOp, "q",
+                    "head dim D = q.shape[2] must be a multiple of ", limits::kAttnHeadDimMultiple, " in [",
+                    limits::kAttnHeadDimMultiple, ", ", limits::kAttnMaxHeadDim, "], got ", d);
+  CW8A8_CHECK_VALUE(heads <= kMaxHeads, kOp, "q", "H = q.shape[1] must be at most ", kMaxHeads, ", got ", heads);
   CW8A8_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) >= 1 && kv_cache.size(1) == 2 &&
                         kv_cache.size(2) >= 1 && kv_cache.size(3) >= 1 && kv_cache.size(4) == d,
                     kOp, "kv_cache", "must be (num_slots, 2, KVH, S, D) with D = q.shape[2] = ", d,
-                    " and num_slots, KVH, S >= 1, got shape ", kv_cache.sizes());
+                    " and num_slots, KVH, S >= 1, got shape ", py_tuple(kv_cache.sizes()));
   const int64_t kv_heads = kv_cache.size(2);
   CW8A8_CHECK_VALUE(heads % kv_heads == 0, kOp, "kv_cache", "KVH = kv_cache.shape[2] = ", kv_heads,
                     " must divide H = q.shape[1] = ", heads);
-  CW8A8_CHECK_VALUE(kv_cache.size(3) < (int64_t{1} << 31), kOp, "kv_cache", "S = kv_cache.shape[3] must be below "
-                    "2**31, got ", kv_cache.size(3));
+  CW8A8_CHECK_VALUE(kv_cache.size(3) < limits::kAttnMaxSeq, kOp, "kv_cache",
+                    "S = kv_cache.shape[3] must be below 2**31, got ", kv_cache.size(3));
   CW8A8_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == batch, kOp, "slots",
-                    "must be (B,) with B = q.shape[0] = ", batch, ", got shape ", slots.sizes());
+                    "must be (B,) with B = q.shape[0] = ", batch, ", got shape ", py_tuple(slots.sizes()));
   CW8A8_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == batch, kOp, "positions",
-                    "must be (B,) with B = q.shape[0] = ", batch, ", got shape ", positions.sizes());
-  CW8A8_CHECK_VALUE(q.stride(2) == 1, kOp, "q", "must have stride(2) == 1, got strides ", q.strides());
-  CW8A8_CHECK_VALUE(kv_cache.is_contiguous(), kOp, "kv_cache", "must be contiguous");
-  CW8A8_CHECK_VALUE(is_aligned(kv_cache.data_ptr(), 16), kOp, "kv_cache",
-                    "data must be 16-byte aligned (storage offset ", kv_cache.storage_offset(), ")");
+                    "must be (B,) with B = q.shape[0] = ", batch, ", got shape ", py_tuple(positions.sizes()));
+  CW8A8_CHECK_VALUE(q.stride(2) == 1, kOp, "q", "must have stride(2) == 1, got strides ", py_tuple(q.strides()));
+  check_contiguous(kOp, "kv_cache", kv_cache);
+  check_aligned16(kOp, "kv_cache", kv_cache);
   if (out != nullptr) {
     CW8A8_CHECK_VALUE(out->dim() == 2 && out->size(0) == batch && out->size(1) == heads * d, kOp, "out",
-                      "must be (B, H * D) = (", batch, ", ", heads * d, "), got shape ", out->sizes());
-    CW8A8_CHECK_VALUE(out->is_contiguous(), kOp, "out", "must be contiguous");
+                      "must be (B, H * D) = (", batch, ", ", heads * d, "), got shape ", py_tuple(out->sizes()));
+    check_contiguous(kOp, "out", *out);
   }
+  check_cuda(kOp, "q", q);  // holds after the device checks: the op reached CUDA through one of its tensors
 }
 
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& slots,

@@ -17,10 +17,14 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "core/common.hpp"
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "core/checks.hpp"
+#include "core/device.hpp"
 #include "graphs/graph_nodes.hpp"
 #include "ops.hpp"
-#include "quant/quant_common.cuh"
+#include "quant/rowwise_reduce.cuh"  // to_float, from_float
 
 namespace cutlass_w8a8 {
 namespace {

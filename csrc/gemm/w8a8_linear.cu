@@ -1,15 +1,19 @@
 // w8a8_linear: a W8A8Linear forward in one op call. The activations x [..., K] are quantized (dynamic per-token,
 // or static per-tensor with input_scale) into a temporary (one allocation for q and its per-token scales) and the
-// scaled_mm GEMM runs on them with the
-// [N, K] weight: two kernel launches (quantize.cu, then the arch's GEMM library through launch_scaled_mm), one
-// dispatcher call, the argument checks once, here. The result equals quantize_per_token / quantize_per_tensor
-// followed by scaled_mm(q, weight.t(), scale, weight_scale, out_dtype, bias) bit for bit.
+// scaled_mm GEMM runs on them with the [N, K] weight: two kernel launches (quant/quantize.cu, then the arch's GEMM
+// library through launch_scaled_mm, gemm/scaled_mm_args.hpp), one dispatcher call, the argument checks once, here.
+// The result equals quantize_per_token / quantize_per_tensor followed by
+// scaled_mm(q, weight.t(), scale, weight_scale, out_dtype, bias) bit for bit.
 //
-// The messages are the ones the CPU and fake implementations raise (cutlass_w8a8/ops.py, _check_w8a8_linear):
-// dtypes and shapes are printed as Python prints them.
+// The messages are the ones the CPU and fake implementations raise (Python's _check_w8a8_linear): dtypes and
+// shapes are printed as Python prints them.
 #include <optional>
 
-#include "core/common.hpp"
+#include <c10/cuda/CUDAGuard.h>
+
+#include "core/checks.hpp"
+#include "core/device.hpp"
+#include "core/limits.hpp"
 #include "gemm/scaled_mm_args.hpp"
 #include "ops.hpp"
 #include "quant/quantize.hpp"
@@ -20,11 +24,6 @@ namespace {
 constexpr const char* kOp = "w8a8_linear";
 
 bool is_float_act(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; }
-bool is_out_type(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
-
-void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& x) {
-  CW8A8_CHECK_VALUE(t.device() == x.device(), kOp, name, "is on ", t.device(), " but `x` is on ", x.device());
-}
 
 void check(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
            const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,
@@ -32,63 +31,45 @@ void check(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weig
   // dtypes
   CW8A8_CHECK_TYPE(is_float_act(x.scalar_type()), kOp, "x", "must be bfloat16, float16 or float32, got ",
                    py_dtype(x.scalar_type()));
-  CW8A8_CHECK_TYPE(weight.scalar_type() == at::kChar || weight.scalar_type() == at::kFloat8_e4m3fn, kOp, "weight",
-                   "must be int8 or float8_e4m3fn, got ", py_dtype(weight.scalar_type()));
-  CW8A8_CHECK_TYPE(weight_scale.scalar_type() == at::kFloat, kOp, "weight_scale", "must be float32, got ",
-                   py_dtype(weight_scale.scalar_type()));
-  if (input_scale) {
-    CW8A8_CHECK_TYPE(input_scale->scalar_type() == at::kFloat, kOp, "input_scale", "must be float32, got ",
-                     py_dtype(input_scale->scalar_type()));
-  }
-  CW8A8_CHECK_TYPE(is_out_type(out_dtype), kOp, "out_dtype", "must be torch.bfloat16 or torch.float16, got ",
-                   py_dtype(out_dtype));
-  if (bias) {
-    CW8A8_CHECK_TYPE(bias->scalar_type() == out_dtype, kOp, "bias", "must have the output dtype ",
-                     py_dtype(out_dtype), ", got ", py_dtype(bias->scalar_type()));
-  }
-  // devices (x is a CUDA tensor: this is the CUDA kernel)
-  check_same_device(weight, "weight", x);
-  check_same_device(weight_scale, "weight_scale", x);
-  if (input_scale) check_same_device(*input_scale, "input_scale", x);
-  if (bias) check_same_device(*bias, "bias", x);
+  check_ab_dtype(kOp, "weight", weight);
+  check_float32(kOp, "weight_scale", weight_scale);
+  if (input_scale) check_float32(kOp, "input_scale", *input_scale);
+  check_out_dtype_arg(kOp, "out_dtype", out_dtype);
+  check_bias_dtype(kOp, bias, out_dtype);
+  // devices: everything on x's (a CPU tensor among CUDA ones gets here too)
+  check_same_device(kOp, "weight", weight, "x", x);
+  check_same_device(kOp, "weight_scale", weight_scale, "x", x);
+  check_same_device(kOp, "input_scale", input_scale, "x", x);
+  check_same_device(kOp, "bias", bias, "x", x);
   // shapes
   CW8A8_CHECK_VALUE(x.dim() >= 1, kOp, "x", "must have at least one dimension [..., K]");
   CW8A8_CHECK_VALUE(weight.dim() == 2, kOp, "weight", "must be 2-D [N, K], got shape ", py_tuple(weight.sizes()));
   const int64_t n = weight.size(0), k = weight.size(1);
   CW8A8_CHECK_VALUE(x.size(-1) == k, kOp, "weight", "must be [N, K] with K = x.shape[-1] = ", x.size(-1),
                     ", got shape ", py_tuple(weight.sizes()));
-  CW8A8_CHECK_VALUE(k > 0 && k % 16 == 0, kOp, "weight", "K = weight.shape[1] must be a positive multiple of 16, got ",
-                    k);
-  CW8A8_CHECK_VALUE(n > 0 && n % 16 == 0, kOp, "weight", "N = weight.shape[0] must be a positive multiple of 16, got ",
-                    n);
-  if (weight.scalar_type() == at::kChar) {
-    CW8A8_CHECK_VALUE(k <= kMaxInt8K, kOp, "weight", "K = ", k,
-                      " can overflow the int32 accumulator; int8 needs K <= ", kMaxInt8K);
-  }
+  check_gemm_dim(kOp, "weight", "K = weight.shape[1]", k);
+  check_gemm_dim(kOp, "weight", "N = weight.shape[0]", n);
+  check_int8_k(kOp, "weight", weight.scalar_type(), k);
   const int64_t sb = weight_scale.numel();
   CW8A8_CHECK_VALUE(weight_scale.dim() <= 2 && (sb == 1 || (sb == n && (weight_scale.dim() == 1 ||
                                                                          weight_scale.size(0) == 1 ||
                                                                          weight_scale.size(1) == 1))),
                     kOp, "weight_scale", "must hold 1 (per-tensor) or N = ", n,
                     " (per-channel: (N,), (N, 1) or (1, N)) values, got shape ", py_tuple(weight_scale.sizes()));
-  CW8A8_CHECK_VALUE(weight_scale.is_contiguous(), kOp, "weight_scale", "must be contiguous");
+  check_contiguous(kOp, "weight_scale", weight_scale);
   if (input_scale) {
     CW8A8_CHECK_VALUE(input_scale->numel() == 1, kOp, "input_scale",
                       "must hold one value (static per-tensor), got shape ", py_tuple(input_scale->sizes()));
   }
-  if (bias) {
-    CW8A8_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n, kOp, "bias", "must be [N] with N = ", n,
-                      ", got shape ", py_tuple(bias->sizes()));
-    CW8A8_CHECK_VALUE(bias->is_contiguous(), kOp, "bias", "must be contiguous");
-  }
+  check_bias_shape(kOp, bias, n);
   // the weight's layout: read through TMA as the column-major B = weight.t()
   const int64_t ldw = weight.stride(0);
   CW8A8_CHECK_VALUE(weight.stride(1) == 1, kOp, "weight", "must be row-major [N, K] (stride(1) == 1), got strides ",
                     py_tuple(weight.strides()));
   CW8A8_CHECK_VALUE(ldw >= k, kOp, "weight", "rows overlap: stride(0) = ", ldw, " < K = ", k);
-  CW8A8_CHECK_VALUE(ldw % 16 == 0, kOp, "weight", "stride(0) must be a multiple of 16 elements, got ", ldw);
-  CW8A8_CHECK_VALUE(is_aligned(weight.data_ptr(), 16), kOp, "weight",
-                    "data must be 16-byte aligned (storage offset ", weight.storage_offset(), ")");
+  CW8A8_CHECK_VALUE(ldw % limits::kGemmAlign == 0, kOp, "weight", "stride(0) must be a multiple of ",
+                    limits::kGemmAlign, " elements, got ", ldw);
+  check_aligned16(kOp, "weight", weight);
 }
 
 }  // namespace
@@ -125,26 +106,25 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   // The argument block of scaled_mm(q, weight.t(), scale_a, weight_scale, out_dtype, bias): every operand is
   // checked above or made here (q and out are contiguous [M, K] / [M, N], 16-byte aligned, K and N multiples
   // of 16, so their pitches are legal for any M).
-  cw8a8_scaled_mm_args args{};
-  args.a = q;
-  args.b = weight.data_ptr();
-  args.d = out.data_ptr();
-  args.scale_a = input_scale ? input_scale->data_ptr<float>() : token_scales;
-  args.scale_b = weight_scale.data_ptr<float>();
-  args.bias = bias ? bias->data_ptr() : nullptr;
-  args.m = m;
-  args.n = n;
-  args.k = k;
-  args.lda = k;
-  args.ldb = weight.stride(0);
-  args.ldd = n;
-  args.scale_a_per_token = input_scale ? 0 : 1;
-  args.scale_b_per_channel = weight_scale.numel() == 1 ? 0 : 1;
-  args.ab_type = qtype == at::kChar ? CW8A8_AB_INT8 : CW8A8_AB_FP8_E4M3;
-  args.out_type = out_dtype == at::kBFloat16 ? CW8A8_OUT_BF16 : CW8A8_OUT_F16;
-  args.device = x.device().index();
-  args.sm_count = device_info(args.device).sm_count;
-  args.config = -1;
+  GemmOperands g;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.ab = qtype;
+  g.out = out_dtype;
+  g.a = q;
+  g.lda = k;
+  g.b = weight.data_ptr();
+  g.ldb = weight.stride(0);
+  g.d = out.data_ptr();
+  g.ldd = n;
+  g.scale_a = input_scale ? input_scale->data_ptr<float>() : token_scales;
+  g.scale_a_per_token = !input_scale;
+  g.scale_b = weight_scale.data_ptr<float>();
+  g.scale_b_per_channel = weight_scale.numel() != 1;
+  g.bias = bias ? bias->data_ptr() : nullptr;
+  g.device = x.device().index();
+  cw8a8_scaled_mm_args args = pack_scaled_mm(g);
   launch_scaled_mm(args, x, input_scale ? *input_scale : at::Tensor(), weight_scale, bias);
   return out;
 }

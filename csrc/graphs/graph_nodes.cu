@@ -8,11 +8,11 @@
 #include <string>
 #include <vector>
 
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include "core/common.hpp"
+#include "gemm/kernel_libraries.hpp"
 #include "gemm/scaled_mm_args.hpp"
-#include "ops.hpp"
 
 namespace cutlass_w8a8 {
 
@@ -120,16 +120,26 @@ void apply_simple(const Record& r, int64_t rows, cudaGraphExec_t exec) {
 
 bool recording() { return g_open.load(std::memory_order_relaxed) > 0; }
 
-void note_rowwise_launch(cudaStream_t stream, int64_t rows, const char* op) {
+namespace {
+
+// A row-wise or M-parameter launch: its node, M, and (kMParam) the kernel's parameter count.
+void note_rows_launch(cudaStream_t stream, Kind kind, int64_t rows, const char* op, int num_params) {
   if (!recording() || rows <= 0) return;
   Record r;
   r.node = captured_node(stream, op, &r.graph);
   if (r.node == nullptr) return;
-  r.kind = Kind::kRowwise;
+  r.kind = kind;
   r.op = op;
   r.device = current_device();
   r.captured_rows = r.bound_rows = r.rows = rows;
+  r.num_params = num_params;
   add(std::move(r));
+}
+
+}  // namespace
+
+void note_rowwise_launch(cudaStream_t stream, int64_t rows, const char* op) {
+  note_rows_launch(stream, Kind::kRowwise, rows, op, 0);
 }
 
 void refuse_launch(cudaStream_t stream, const char* what) {
@@ -141,16 +151,7 @@ void refuse_launch(cudaStream_t stream, const char* what) {
 }
 
 void note_m_param_launch(cudaStream_t stream, int64_t m, const char* op, int num_params) {
-  if (!recording() || m <= 0) return;
-  Record r;
-  r.node = captured_node(stream, op, &r.graph);
-  if (r.node == nullptr) return;
-  r.kind = Kind::kMParam;
-  r.op = op;
-  r.device = current_device();
-  r.captured_rows = r.bound_rows = r.rows = m;
-  r.num_params = num_params;
-  add(std::move(r));
+  note_rows_launch(stream, Kind::kMParam, m, op, num_params);
 }
 
 void note_gemm_launch(cudaStream_t stream, const cw8a8_scaled_mm_args& args, bool has_workspace) {
@@ -211,7 +212,8 @@ void graph_update_scaled_mm(int64_t graph_exec, int64_t record, const at::Tensor
                             const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
                             const std::optional<at::Tensor>& bias) {
   constexpr const char* op = "graph_update_scaled_mm";
-  cw8a8_scaled_mm_args args = pack_scaled_mm_args(out, a, b, scale_a, scale_b, bias);
+  cw8a8_scaled_mm_args args =
+      check_and_pack_scaled_mm("UpdatableGraph.update_scaled_mm", out, a, b, scale_a, scale_b, bias);
   TORCH_CHECK_VALUE(graph_exec != 0, op, ": `graph_exec` is null (instantiate the graph first)");
   std::lock_guard<std::mutex> lock(g_mutex);
   Record& r = record_at(record, op);
@@ -236,162 +238,120 @@ void graph_update_scaled_mm(int64_t graph_exec, int64_t record, const at::Tensor
   r.bound_rows = r.rows = args.m;
 }
 
-}  // namespace graph_nodes
-}  // namespace cutlass_w8a8
-
-// ---- C entry points for Python (ctypes; cutlass_w8a8/graphs.py) --------------------------------------------
-// Each returns 0 on success, or non-zero with a message in err: 2 for a bad argument (ValueError in Python),
-// 1 otherwise (RuntimeError).
+// ---- the recording and the updates ----------------------------------------------------------------------
 
 namespace {
 
-int fail(char* err, size_t err_len, const std::string& what) {
-  std::snprintf(err, err_len, "%s", what.c_str());
-  return 1;
+// Rethrows an error of an update step with the caller's prefix, as the first line Python shows.
+[[noreturn]] void rethrow(const char* what, const c10::Error& e) {
+  TORCH_CHECK(false, what, ": ", e.msg());
 }
 
 }  // namespace
 
-// Opens a recording: every op launched while it is open on a capturing stream records its node. *first gets
-// the id of the first record it will make. One recording at a time.
-extern "C" __attribute__((visibility("default"))) int cw8a8_graph_record_begin(int64_t* first, char* err,
-                                                                               size_t err_len) {
-  using namespace cutlass_w8a8::graph_nodes;
+int64_t record_begin() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (g_open.load() != 0) return fail(err, err_len, "a graph-node recording is already open");
+  TORCH_CHECK(g_open.load() == 0, "cutlass_w8a8.graph_record_begin: a graph-node recording is already open");
   g_first = static_cast<int64_t>(g_records.size());
-  *first = g_first;
   g_open.store(1);
-  return 0;
+  return g_first;
 }
 
-// Closes the recording; *end gets one past its last record id. With check != 0 (the capture succeeded and its
-// graph was kept), validates the records against the graph (see check_records).
-extern "C" __attribute__((visibility("default"))) int cw8a8_graph_record_end(int check, int64_t* end, char* err,
-                                                                             size_t err_len) {
-  using namespace cutlass_w8a8::graph_nodes;
-  int64_t first = 0;
+int64_t record_end(bool check) {
+  int64_t first = 0, end = 0;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    if (g_open.load() == 0) return fail(err, err_len, "no graph-node recording is open");
+    TORCH_CHECK(g_open.load() != 0, "cutlass_w8a8.graph_record_end: no graph-node recording is open");
     g_open.store(0);
     first = g_first;
-    *end = static_cast<int64_t>(g_records.size());
+    end = static_cast<int64_t>(g_records.size());
     if (!check) {
-      for (int64_t id = first; id < *end; ++id) g_records[id].live = false;
-      return 0;
+      for (int64_t id = first; id < end; ++id) g_records[id].live = false;
+      return end;
     }
   }
   try {
-    check_records(first, *end);
-  } catch (const std::exception& e) {
-    return fail(err, err_len, e.what());
+    check_records(first, end);
+  } catch (const c10::Error& e) {
+    rethrow("cutlass_w8a8.graph_record_end", e);
   }
-  return 0;
+  return end;
 }
 
-// What one record is: kind (0 row-wise, 1 scaled_mm, 2 M parameter), device, graph, rows now / bound / captured, GEMM N, K and
-// captured config. The op name is copied into `op`.
-typedef struct cw8a8_graph_record_info {
-  int kind;
-  int device;
-  void* graph;
-  int64_t rows, bound_rows, captured_rows;
-  int64_t n, k;
-  int config;
-} cw8a8_graph_record_info;
-
-extern "C" __attribute__((visibility("default"))) int cw8a8_graph_record_info_get(int64_t id,
-                                                                                  cw8a8_graph_record_info* info,
-                                                                                  char* op, size_t op_len,
-                                                                                  char* err, size_t err_len) {
-  using namespace cutlass_w8a8::graph_nodes;
+RecordInfo record_info(int64_t id) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (id < 0 || id >= static_cast<int64_t>(g_records.size()) || !g_records[id].live) {
-    return fail(err, err_len, "record " + std::to_string(id) + " is not a live graph-node record");
-  }
+  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(g_records.size()) && g_records[id].live,
+              "cutlass_w8a8.graph_record_info: record ", id, " is not a live graph-node record");
   const Record& r = g_records[id];
-  info->kind = static_cast<int>(r.kind);
-  info->device = r.device;
-  info->graph = r.graph;
-  info->rows = r.rows;
-  info->bound_rows = r.bound_rows;
-  info->captured_rows = r.captured_rows;
-  info->n = r.kind == Kind::kGemm ? r.args.n : 0;
-  info->k = r.kind == Kind::kGemm ? r.args.k : 0;
-  info->config = r.config;
-  std::snprintf(op, op_len, "%s", r.op.c_str());
-  return 0;
+  RecordInfo info;
+  info.kind = static_cast<int>(r.kind);
+  info.device = r.device;
+  info.graph = reinterpret_cast<int64_t>(r.graph);
+  info.rows = r.rows;
+  info.bound_rows = r.bound_rows;
+  info.captured_rows = r.captured_rows;
+  info.n = r.kind == Kind::kGemm ? r.args.n : 0;
+  info.k = r.kind == Kind::kGemm ? r.args.k : 0;
+  info.config = r.config;
+  info.op = r.op;
+  return info;
 }
 
-// Sets every listed node of instantiated graph `exec` to `rows` rows (M). All records are checked before any
-// node changes: each must be live, validated, and have rows <= its bound rows.
-extern "C" __attribute__((visibility("default"))) int cw8a8_graph_set_rows(void* exec, const int64_t* ids,
-                                                                           int64_t count, int64_t rows,
-                                                                           char* err, size_t err_len) {
-  using namespace cutlass_w8a8::graph_nodes;
-  if (exec == nullptr) return fail(err, err_len, "the graph is not instantiated");
+void set_rows(int64_t graph_exec, at::IntArrayRef ids, int64_t rows) {
+  constexpr const char* what = "UpdatableGraph.set_rows";
+  TORCH_CHECK(graph_exec != 0, what, ": the graph is not instantiated");
+  auto* exec = reinterpret_cast<cudaGraphExec_t>(graph_exec);
   std::lock_guard<std::mutex> lock(g_mutex);
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t id = ids[i];
-    if (id < 0 || id >= static_cast<int64_t>(g_records.size()) || !g_records[id].live || !g_records[id].checked) {
-      return fail(err, err_len, "record " + std::to_string(id) + " is not a live, checked record");
-    }
+  for (const int64_t id : ids) {
+    TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(g_records.size()) && g_records[id].live && g_records[id].checked,
+                what, ": record ", id, " is not a live, checked record");
     const Record& r = g_records[id];
-    if (rows < 1 || rows > r.bound_rows) {
-      fail(err, err_len, "`rows` must be in [1, " + std::to_string(r.bound_rows) + "] for the " + r.op +
-                             " node (record " + std::to_string(id) + "), got " + std::to_string(rows));
-      return 2;
-    }
+    TORCH_CHECK_VALUE(rows >= 1 && rows <= r.bound_rows, what, ": `rows` must be in [1, ", r.bound_rows, "] for the ",
+                      r.op, " node (record ", id, "), got ", rows);
   }
   try {
     int device = -1;
     std::optional<c10::cuda::CUDAGuard> guard;
-    for (int64_t i = 0; i < count; ++i) {
-      Record& r = g_records[ids[i]];
+    for (const int64_t id : ids) {
+      Record& r = g_records[id];
       if (r.rows == rows) continue;
       if (r.device != device) {
         guard.emplace(static_cast<c10::DeviceIndex>(r.device));
         device = r.device;
       }
       if (r.kind != Kind::kGemm) {
-        apply_simple(r, rows, static_cast<cudaGraphExec_t>(exec));
+        apply_simple(r, rows, exec);
       } else {
         cw8a8_scaled_mm_args args = r.args;
         args.m = rows;
         cw8a8_kernel_node desc{};
-        apply_gemm(r, args, static_cast<cudaGraphExec_t>(exec), &desc);
+        apply_gemm(r, args, exec, &desc);
         r.args.m = rows;
       }
       r.rows = rows;
     }
-  } catch (const std::exception& e) {
-    return fail(err, err_len, e.what());
+  } catch (const c10::Error& e) {
+    rethrow(what, e);
   }
-  return 0;
 }
 
-// Forgets records (their graph is gone). Unknown or dead ids are ignored.
-extern "C" __attribute__((visibility("default"))) int cw8a8_graph_release(const int64_t* ids, int64_t count) {
-  using namespace cutlass_w8a8::graph_nodes;
+void release(at::IntArrayRef ids) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  for (int64_t i = 0; i < count; ++i) {
-    if (ids[i] >= 0 && ids[i] < static_cast<int64_t>(g_records.size())) g_records[ids[i]].live = false;
+  for (const int64_t id : ids) {
+    if (id >= 0 && id < static_cast<int64_t>(g_records.size())) g_records[id].live = false;
   }
-  return 0;
 }
 
-// cudaGraphExecUpdate(exec, graph): the "recapture, then update the executable graph" method, for
-// bench/bench_graph_update.py's comparison. 0 on success; 2 when the topology changed (the caller
-// re-instantiates); 1 on another error.
-extern "C" __attribute__((visibility("default"))) int cw8a8_graph_exec_update(void* exec, void* graph, char* err,
-                                                                              size_t err_len) {
+bool exec_update(int64_t graph_exec, int64_t graph) {
   cudaGraphExecUpdateResultInfo info{};
-  const cudaError_t ce =
-      cudaGraphExecUpdate(static_cast<cudaGraphExec_t>(exec), static_cast<cudaGraph_t>(graph), &info);
-  if (ce == cudaSuccess) return 0;
+  const cudaError_t ce = cudaGraphExecUpdate(reinterpret_cast<cudaGraphExec_t>(graph_exec),
+                                             reinterpret_cast<cudaGraph_t>(graph), &info);
+  if (ce == cudaSuccess) return true;
   (void)cudaGetLastError();
-  std::snprintf(err, err_len, "cudaGraphExecUpdate: %s (result %d)", cudaGetErrorString(ce),
-                static_cast<int>(info.result));
-  return ce == cudaErrorGraphExecUpdateFailure ? 2 : 1;
+  TORCH_CHECK(ce == cudaErrorGraphExecUpdateFailure, "cutlass_w8a8.graph_exec_update: cudaGraphExecUpdate: ",
+              cudaGetErrorString(ce), " (result ", static_cast<int>(info.result), ")");
+  return false;
 }
+
+}  // namespace graph_nodes
+}  // namespace cutlass_w8a8

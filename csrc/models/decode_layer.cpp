@@ -14,7 +14,7 @@
 
 #include <ATen/ATen.h>
 
-#include "core/common.hpp"
+#include "core/checks.hpp"
 #include "ops.hpp"
 
 namespace cutlass_w8a8 {
@@ -29,13 +29,11 @@ struct Proj {
   const std::optional<at::Tensor>& is;  // static input scale (8-bit weights only), or none: per-token
 };
 
-bool is_8bit(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn; }
-
 // x @ w^T for a float projection; for an 8-bit one, the GEMM of already quantized activations (q, per-token
 // scale s, or the static input scale).
 at::Tensor project(const Proj& p, const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
                    at::ScalarType dtype) {
-  if (!is_8bit(p.w.scalar_type())) return at::linear(x, p.w);  // what nn.Linear (no bias) calls
+  if (!is_ab_dtype(p.w.scalar_type())) return at::linear(x, p.w);  // what nn.Linear (no bias) calls
   return scaled_mm(q, p.w.t(), p.is ? *p.is : s, *p.ws, dtype, std::nullopt);
 }
 
@@ -58,7 +56,7 @@ at::Tensor decode_layer(const std::optional<at::Tensor>& h, at::Tensor& residual
                    "must be bfloat16 or float16, got ", py_dtype(dtype));
   CW8A8_CHECK_VALUE(residual.dim() == 2, kOp, "residual", "must be 2-D (B, hidden), got shape ",
                     py_tuple(residual.sizes()));
-  const bool quantized = is_8bit(qkv_w.scalar_type());
+  const bool quantized = is_ab_dtype(qkv_w.scalar_type());
   const at::ScalarType qtype = qkv_w.scalar_type();
   for (const Proj* p : {&qkv, &o, &gate_up, &down}) {
     if (quantized) {

@@ -4,8 +4,10 @@
 //   static per-tensor: q[m, k] = sat(rne(x[m, k] / scale))
 //
 // QMAX is 127 (int8) or 448 (the largest finite e4m3fn). All arithmetic is float32 with IEEE division,
-// so results equal the CPU reference (cutlass_w8a8/ops.py) bit for bit. A row of zeros gets scale 0 and
-// q = 0. One kernel launch per call, on the current stream, with no host synchronisation.
+// so results equal the CPU reference (cutlass_w8a8/ops/_reference.py) bit for bit. A row of zeros gets scale 0 and
+// q = 0. One kernel launch per call, on the current stream, with no host synchronisation. The arguments are
+// checked by quant/rowwise_args.hpp (the CPU implementation's contract); quantize.hpp exports the launches to
+// w8a8_linear.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -15,11 +17,16 @@
 #include <optional>
 #include <tuple>
 
-#include "core/common.hpp"
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "core/checks.hpp"
+#include "core/device.hpp"
 #include "graphs/graph_nodes.hpp"
 #include "ops.hpp"
 #include "quant/quantize.hpp"
-#include "quant/quant_common.cuh"  // to_float, Int8Out / Fp8Out, quantize_one, allow_dependent_launch, block_max
+#include "quant/rowwise_args.hpp"
+#include "quant/rowwise_reduce.cuh"  // to_float, Int8Out / Fp8Out, quantize_one, allow_dependent_launch, block_max
 
 namespace cutlass_w8a8 {
 namespace {
@@ -168,35 +175,12 @@ void launch_per_tensor(const quant::Rows& r, const float* scale, cudaStream_t st
   graph_nodes::note_rowwise_launch(stream, m, "quantize_per_tensor");
 }
 
-void check_x(const char* op, const at::Tensor& x) {
-  const auto xt = x.scalar_type();
-  CW8A8_CHECK_TYPE(xt == at::kBFloat16 || xt == at::kHalf || xt == at::kFloat, op, "x",
-                   "must be bfloat16, float16 or float32, got ", c10::toString(xt));
-  CW8A8_CHECK_VALUE(x.is_cuda(), op, "x", "must be a CUDA tensor, got device ", x.device());
-  CW8A8_CHECK_VALUE(x.dim() >= 1, op, "x", "must have at least one dimension [..., K]");
-  CW8A8_CHECK_VALUE(x.size(-1) < (int64_t{1} << 31), op, "x", "K = ", x.size(-1), " is too large");
-}
-
-void check_qtype(const char* op, at::ScalarType dtype) {
-  CW8A8_CHECK_TYPE(dtype == at::kChar || dtype == at::kFloat8_e4m3fn, op, "dtype",
-                   "must be int8 or float8_e4m3fn, got ", c10::toString(dtype));
-}
-
-// Calls f(T{}, Q{}) with T the input element type and Q the output's conversion.
+// Calls f(T{}, Q{}) with T the element type of x and Q the 8-bit output's conversion.
 template <class F>
 void dispatch_types(at::ScalarType x_type, at::ScalarType q_type, F&& f) {
-  auto with_q = [&](auto t) {
-    if (q_type == at::kChar) {
-      f(t, Int8Out{});
-    } else {
-      f(t, Fp8Out{});
-    }
-  };
-  switch (x_type) {
-    case at::kBFloat16: with_q(__nv_bfloat16{}); break;
-    case at::kHalf: with_q(__half{}); break;
-    default: with_q(float{}); break;
-  }
+  dispatch_rowwise(quant::row_elem(x_type), quant::row_out(q_type), [&](auto t, auto q) {
+    if constexpr (IsQuant<decltype(q)>::value) f(t, q);
+  });
 }
 
 }  // namespace
@@ -228,15 +212,12 @@ void launch_quantize_per_tensor(const Rows& r, const float* scale, at::ScalarTyp
 
 std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, at::ScalarType dtype) {
   constexpr const char* op = "quantize_per_token";
-  check_x(op, x);
-  check_qtype(op, dtype);
+  quant::check_quant_input(op, x, dtype);
+  quant::check_on_cuda(op, x);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor x2 = quant::rows_of(x);
   const int64_t m = x2.size(0), k = x2.size(1);
-  at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
-  auto shape = x.sizes().vec();
-  shape.back() = 1;
-  at::Tensor scales = at::empty(shape, x.options().dtype(at::kFloat));
+  auto [q, scales] = quant::empty_row_outputs(x, k, dtype, /*with_scales=*/true);
   if (m == 0) return {q, scales};
   at::Tensor q2 = q.view({m, k});
   at::Tensor flat = scales.view({m});
@@ -247,18 +228,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, at::S
 
 at::Tensor quantize_per_tensor(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype) {
   constexpr const char* op = "quantize_per_tensor";
-  check_x(op, x);
-  check_qtype(op, dtype);
-  CW8A8_CHECK_TYPE(scale.scalar_type() == at::kFloat, op, "scale", "must be float32, got ",
-                   c10::toString(scale.scalar_type()));
-  CW8A8_CHECK_VALUE(scale.device() == x.device(), op, "scale", "is on ", scale.device(), " but `x` is on ",
-                    x.device());
-  CW8A8_CHECK_VALUE(scale.numel() == 1, op, "scale", "must hold one value (per-tensor), got shape ",
-                    scale.sizes());
+  quant::check_quant_input(op, x, dtype);
+  quant::check_static_scale(op, x, scale);
+  quant::check_on_cuda(op, x);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor x2 = quant::rows_of(x);
   const int64_t m = x2.size(0), k = x2.size(1);
-  at::Tensor q = at::empty(x.sizes(), x.options().dtype(dtype));
+  at::Tensor q = quant::empty_row_outputs(x, k, dtype, /*with_scales=*/false).out;
   if (m == 0 || k == 0) return q;
   at::Tensor q2 = q.view({m, k});
   quant::launch_quantize_per_tensor(quant::rows(x2, q2.data_ptr(), q2.stride(0)), scale.data_ptr<float>(), dtype,

@@ -56,7 +56,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import transformers
 
-    from ..linear import W8A8Config, W8A8Linear, quantize_
+    from ..config import W8A8Config
+    from ..linear import W8A8Linear
+    from ..quantize import quantize_
     from .save import save_pretrained
 
     try:

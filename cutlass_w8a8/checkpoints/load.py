@@ -11,12 +11,13 @@ import torch
 from torch import nn
 
 from ..linear import W8A8Linear
+from ..ops._limits import OUT_DTYPES as _OUT_DTYPES
+from ..quantize import shape_supported
 from ._scheme import ParsedConfig, find_quantization_config, parse_quantization_config
 
 __all__ = ["from_pretrained"]
 
 _WHERE = "cutlass_w8a8.from_pretrained"
-_OUT_DTYPES = (torch.bfloat16, torch.float16)
 # safetensors' dtype names
 _ST_QUANT = {torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3"}
 _ST_SCALE = ("F32", "BF16", "F16")
@@ -174,7 +175,7 @@ def _targeted_linears(model_cls, config, parsed: ParsedConfig, shared: dict) -> 
                              "nn.Linear modules)")
         if isinstance(module, nn.Linear):
             n, k = module.out_features, module.in_features
-            if n % 16 or k % 16:
+            if not shape_supported(n, k):
                 raise ValueError(f"{_WHERE}: module {name!r} (nn.Linear, in_features={k}, out_features={n}) is "
                                  f"targeted by {field} = {targets!r}: W8A8Linear needs in_features and "
                                  "out_features to be multiples of 16 (add it to `ignore`)")

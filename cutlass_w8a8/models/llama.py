@@ -5,9 +5,10 @@ rotary position embeddings (the "neox" half-split rotation of Hugging Face's ``L
 grouped-query attention and a SwiGLU MLP. One call is one decode step: every sequence of the batch brings
 one token, its position and the cache slot (row) that holds its keys and values.
 
-Everything a step does is a fixed sequence of kernels on tensors of fixed shape: the new keys and values are
-written at device-side positions with ``index_put_``, attention (`cutlass_w8a8.ops.decode_attention`) reads
-each row's positions ``0..position`` as given on the device, and nothing reads a value back to the host.
+Everything a step does is a fixed sequence of kernels on tensors of fixed shape: one row-wise op
+(``rope_kv_cache_``) rotates the new queries and keys and writes the keys and values at each row's (slot,
+position), read on the device; attention (`cutlass_w8a8.ops.decode_attention`) reads each row's positions
+``0..position``; nothing reads a value back to the host.
 A step can therefore be captured into a CUDA graph (`cutlass_w8a8.runner.DecodeGraphRunner`) or compiled
 with ``torch.compile(fullgraph=True)``.
 
@@ -24,8 +25,6 @@ Examples
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
 from typing import Callable, NamedTuple, Optional, Union
 
@@ -33,106 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..linear import QuantizedActivation, W8A8Config, W8A8Linear, quantize_, quantize_activations
+from ..config import W8A8Config
+from ..linear import QuantizedActivation, W8A8Linear
+from ..quantize import quantize_
+from .config import LlamaConfig
 
-__all__ = [
-    "CONFIGS",
-    "LLAMA3_8B",
-    "SMALL",
-    "DequantizedLinear",
-    "LlamaConfig",
-    "LlamaDecoder",
-    "LlamaDecoderLayer",
-    "float_reference",
-    "generate_greedy",
-]
+__all__ = ["LlamaDecoder", "LlamaDecoderLayer"]
 
 _QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    """Architecture of a Llama-style decoder.
-
-    Attributes
-    ----------
-    vocab_size : int
-        Number of token ids; the embedding and ``lm_head`` have this many rows.
-    hidden_size : int
-        Width of the residual stream.
-    intermediate_size : int
-        Width of the SwiGLU MLP (``gate_up_proj`` has ``2 * intermediate_size`` outputs).
-    num_layers : int
-        Number of decoder layers.
-    num_heads : int
-        Query heads.
-    num_kv_heads : int
-        Key/value heads (grouped-query attention); divides ``num_heads``.
-    head_dim : int, optional
-        Width of one head; default ``hidden_size // num_heads``. Must be even (rotary pairs).
-    rms_norm_eps : float
-        Epsilon of every RMSNorm.
-    rope_theta : float
-        Base of the rotary frequencies, ``inv_freq[i] = rope_theta ** (-2 i / head_dim)``.
-    max_position : int
-        Length of the rotary table: positions must be below it (and below the cache length).
-    init_std : float
-        Standard deviation of the random normal weights (Hugging Face's ``initializer_range``).
-
-    Notes
-    -----
-    Llama 3.1's long-context rope scaling is not modelled: the rotary frequencies are the plain ones.
-    """
-
-    vocab_size: int = 8192
-    hidden_size: int = 1024
-    intermediate_size: int = 2816
-    num_layers: int = 4
-    num_heads: int = 16
-    num_kv_heads: int = 4
-    head_dim: Optional[int] = None
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    max_position: int = 4096
-    init_std: float = 0.02
-
-    def __post_init__(self):
-        if self.head_dim is None:
-            if self.hidden_size % self.num_heads:
-                raise ValueError(f"LlamaConfig: `hidden_size` ({self.hidden_size}) must be divisible by "
-                                 f"`num_heads` ({self.num_heads}) when `head_dim` is not given")
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"LlamaConfig: `{name}` must be positive, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"LlamaConfig: `num_kv_heads` ({self.num_kv_heads}) must divide "
-                             f"`num_heads` ({self.num_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"LlamaConfig: `head_dim` must be even (rotary pairs), got {self.head_dim}")
-
-    @property
-    def qkv_size(self) -> int:
-        """Outputs of the fused ``qkv_proj``: ``(num_heads + 2 * num_kv_heads) * head_dim``."""
-        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-
-    def replace(self, **changes) -> "LlamaConfig":
-        """A copy with some fields changed, e.g. ``LLAMA3_8B.replace(num_layers=4)``."""
-        return dataclasses.replace(self, **changes)
-
-
-#: A small default: 4 layers of width 1024, 16 query and 4 key/value heads of 64, vocabulary 8192.
-SMALL = LlamaConfig()
-
-#: Llama-3-8B's dimensions (meta-llama/Meta-Llama-3-8B config.json): 32 layers, hidden 4096, MLP 14336,
-#: 32 query and 8 key/value heads of 128, vocabulary 128256, rope_theta 500000.
-LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-                        max_position=8192)
-
-CONFIGS = {"small": SMALL, "llama3-8b": LLAMA3_8B}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -143,14 +51,11 @@ class _StepContext(NamedTuple):
     """What every layer of one decode step shares; computed once per step from the positions and slots.
 
     - ``rope``: ``(B, head_dim // 2, 2)`` float32, ``(cos, sin)`` of each sequence's position.
-    - ``kv_index``: ``(B, 2 * num_kv_heads)`` int64, the rows of the flattened cache that receive the new
-      keys (first ``num_kv_heads``) and values (last ``num_kv_heads``).
-    - ``slots``: ``(B,)`` int64, the cache rows the batch reads.
+    - ``slots``: ``(B,)`` int64, the cache slots the batch writes (at its positions) and reads.
     - ``positions``: ``(B,)`` int64, each sequence's position: attention reads cache positions ``0..position``.
     """
 
     rope: torch.Tensor
-    kv_index: torch.Tensor
     slots: torch.Tensor
     positions: torch.Tensor
 
@@ -158,7 +63,8 @@ class _StepContext(NamedTuple):
 def _rope_(x: torch.Tensor, rope: torch.Tensor) -> None:
     """Rotate ``x`` in place: ``(B, N, D)`` heads (a view into the qkv output), ``rope`` ``(B, D/2, 2)`` float32.
 
-    Hugging Face's "neox" rotation of the pairs ``(x[j], x[j + D/2])`` by the angle of frequency ``j``,
+    The decoder's rotary code before the row-wise op ``rope_kv_cache_`` replaced it; the step no longer calls
+    it: tests keep it as the torch reference of that op (tests/test_rope_kv_cache.py). Hugging Face's "neox" rotation of the pairs ``(x[j], x[j + D/2])`` by the angle of frequency ``j``,
     computed in float32 and rounded once to ``x``'s dtype. Eager code multiplies complex numbers (three
     kernels: gather the pairs as float32, one complex multiply, scatter back); under ``torch.compile`` the
     real-arithmetic form is used, which inductor fuses into one kernel (it has no complex codegen).
@@ -249,7 +155,8 @@ class LlamaAttention(nn.Module):
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(b, h + 2 * kvh, d)
         # Rotary embedding of the q and k heads in place, and this step's keys and values into the cache: one
-        # row-wise kernel (on the CPU: _rope_ and one index_put_ of (B, 2 KVH) rows of D elements).
+        # row-wise kernel over the B rows (on the CPU: the torch formulation, a float32 complex multiply and one
+        # index_put_ of (B, 2 KVH) rows of D elements).
         torch.ops.cutlass_w8a8.rope_kv_cache_(qkv, ctx.rope, self.kv_cache, ctx.slots, ctx.positions, h, kvh)
         # The query heads (a strided view of qkv) over positions 0..position of each row's slot: (B, H * D).
         # The op itself (as W8A8Linear calls scaled_mm), whose fake kernel checks the arguments under
@@ -530,10 +437,6 @@ class LlamaDecoder(nn.Module):
             # as Hugging Face's StaticCache does.
             torch._dynamo.mark_static_address(cache)
             layer.self_attn.register_buffer("kv_cache", cache, persistent=False)
-        self.register_buffer("seq_index", torch.arange(max_seq_len, device=device), persistent=False)
-        self.register_buffer("head_index", torch.arange(2 * cfg.num_kv_heads, device=device), persistent=False)
-        self.register_buffer("mask_values", torch.tensor([0.0, float("-inf")], device=device, dtype=dtype),
-                             persistent=False)
 
     def reset_cache(self) -> None:
         """Zero every layer's KV cache (in place: captured graphs keep working)."""
@@ -551,7 +454,7 @@ class LlamaDecoder(nn.Module):
         ``include_embedding=False`` leaves out the token embedding, of which a step reads only B rows: the
         rest is what every step reads in full.
         """
-        skip = {"rope_table", "seq_index", "head_index", "mask_values"}
+        skip = {"rope_table"}
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         for name, b in self.named_buffers():
             if name.split(".")[-1] not in skip and not name.endswith("kv_cache"):
@@ -564,11 +467,7 @@ class LlamaDecoder(nn.Module):
     # step
 
     def _context(self, positions: torch.Tensor, slots: torch.Tensor) -> _StepContext:
-        cfg = self.config
-        rope = self.rope_table.index_select(0, positions)
-        kv_index = ((slots.unsqueeze(1) * (2 * cfg.num_kv_heads) + self.head_index) * self.max_seq_len
-                    + positions.unsqueeze(1))
-        return _StepContext(rope, kv_index, slots, positions)
+        return _StepContext(self.rope_table.index_select(0, positions), slots, positions)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 slots: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -607,104 +506,3 @@ class LlamaDecoder(nn.Module):
         return (f"quant={self.quant}, dtype={self.dtype}, layers={c.num_layers}, hidden={c.hidden_size}, "
                 f"heads={c.num_heads}/{c.num_kv_heads}x{c.head_dim}, vocab={c.vocab_size}, "
                 f"max_batch={self.max_batch}, max_seq_len={self.max_seq_len}")
-
-
-# ----------------------------------------------------------------------------------------------------
-# references and generation
-
-
-class DequantizedLinear(nn.Module):
-    """Float model of a `W8A8Linear`: the kernel's arithmetic without its rounding to the output dtype.
-
-    ``y = dequant(quant(x)) @ (weight * weight_scale[:, None]).T + bias``, where ``quant`` is the layer's own
-    activation quantizer (``torch.ops.cutlass_w8a8.quantize_per_token``, or ``quantize_per_tensor`` with
-    its static ``input_scale``) applied to ``x`` in the input's dtype, and everything else runs in the
-    input's dtype (float32 in `float_reference`). Shapes as `W8A8Linear`.
-    """
-
-    def __init__(self, mod: W8A8Linear):
-        super().__init__()
-        self.in_features, self.out_features, self.quant_dtype = mod.in_features, mod.out_features, mod.quant_dtype
-        self.register_buffer("weight", mod.weight.float() * mod.weight_scale.reshape(-1, 1))
-        self.register_buffer("bias", mod.bias.float() if mod.bias is not None else None)
-        self.register_buffer("input_scale", mod.input_scale.clone() if mod.input_scale is not None else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        q, s = quantize_activations(x2, self.input_scale, self.quant_dtype)
-        y = (q.to(x.dtype) * s.to(x.dtype)) @ self.weight.to(x.dtype).t()
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
-
-
-def float_reference(model: LlamaDecoder, dtype: torch.dtype = torch.float32) -> LlamaDecoder:
-    """A copy of ``model`` that computes in ``dtype`` (float32): the reference of tests.
-
-    Float layers and the KV cache are cast to ``dtype``; every `W8A8Linear` becomes a `DequantizedLinear`
-    (dequantized weights, activations quantized with the same op as the kernel path, products in
-    ``dtype``). The copy has its own cache, with the contents of ``model``'s at the time of the call.
-    """
-    ref = copy.deepcopy(model)
-
-    def swap(module: nn.Module) -> None:
-        for name, child in list(module.named_children()):
-            if isinstance(child, W8A8Linear):
-                setattr(module, name, DequantizedLinear(child))
-            else:
-                swap(child)
-
-    swap(ref)
-    ref.to(dtype)
-    ref.dtype = dtype
-    for layer in ref.layers:
-        torch._dynamo.mark_static_address(layer.self_attn.kv_cache)
-    return ref
-
-
-def generate_greedy(step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                    prompt: torch.Tensor, max_new_tokens: int, slots: Optional[torch.Tensor] = None,
-                    start: int = 0) -> torch.Tensor:
-    """Greedy decoding: feed the prompt token by token, then the argmax of each step's logits.
-
-    Nothing is read back to the host: the next tokens stay on the device, so the loop never waits for the
-    GPU (and can run under ``torch.cuda.set_sync_debug_mode("error")``).
-
-    Parameters
-    ----------
-    step : callable
-        ``step(token_ids (B,), positions (B,), slots (B,)) -> logits (B, vocab)``, e.g. a `LlamaDecoder` or
-        `cutlass_w8a8.runner.DecodeGraphRunner.step`. The logits may be overwritten by the next call.
-    prompt : torch.Tensor
-        ``(B, L)`` int64 token ids on the model's device, ``L >= 1``; all prompts have the same length.
-    max_new_tokens : int
-        Tokens to generate.
-    slots : torch.Tensor, optional
-        ``(B,)`` int64 cache slots on the device; default ``0..B-1``.
-    start : int
-        Position of the first prompt token (0: a fresh sequence; the cache rows are overwritten from there).
-
-    Returns
-    -------
-    torch.Tensor
-        ``(B, max_new_tokens)`` int64 generated tokens, on the device.
-    """
-    if prompt.dim() != 2 or prompt.shape[1] < 1:
-        raise ValueError(f"generate_greedy: `prompt` must be (B, L) with L >= 1, got {tuple(prompt.shape)}")
-    b, length = prompt.shape
-    device = prompt.device
-    if slots is None:
-        slots = torch.arange(b, device=device)
-    positions = torch.full((b,), start, dtype=torch.int64, device=device)
-    logits = None
-    for t in range(length):
-        logits = step(prompt[:, t], positions, slots)
-        positions = positions + 1
-    out = torch.empty(b, max_new_tokens, dtype=torch.int64, device=device)
-    for i in range(max_new_tokens):
-        tok = logits.argmax(dim=-1)
-        out[:, i] = tok
-        if i + 1 < max_new_tokens:
-            logits = step(tok, positions, slots)
-            positions = positions + 1
-    return out

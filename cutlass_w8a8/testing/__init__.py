@@ -1,4 +1,5 @@
-"""Test and benchmark support shared by tests/, bench/ and scripts/: GPU timers (`timers`), fp32/fp64
-references and tolerances (`references`), fuzz case generators (`fuzz`) and decode-attention references
-(`attention`), as FlashInfer keeps them in `flashinfer/testing/`. Importing it touches no GPU.
+"""Test and benchmark support shared by tests/, bench/ and scripts/, as FlashInfer keeps it in
+`flashinfer/testing/`: GPU timers (`timers`), fp32/fp64 references and tolerances (`references`), fuzz case
+generators (`fuzz`), decode-attention references (`attention`), the benchmark GEMM shapes (`shapes`), argparse
+types (`cli`) and the writing of benchmark results (`report`). Importing it touches no GPU.
 """

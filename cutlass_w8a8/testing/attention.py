@@ -8,9 +8,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-EPS32 = 2.0 ** -24  # unit roundoff of float32
-_MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
-_MIN_EXP = {torch.bfloat16: -126, torch.float16: -14, torch.float32: -126}
+from .references import EPS32, assert_within, ulp
 
 
 def make_inputs(b, h, kvh, d, s, dtype, device, seed=0, positions=None, num_slots=None, q_scale=1.0):
@@ -75,13 +73,6 @@ def reference(q, kv_cache, slots, positions, softmax_scale) -> Reference:
     return Reference(out, abs_v, s_abs, n)
 
 
-def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One unit in the last place of `dtype` at |x| (float64)."""
-    ax = x.abs().clamp_min(2.0 ** _MIN_EXP[dtype])
-    _, e = torch.frexp(ax)
-    return torch.ldexp(torch.ones_like(ax), (e - 1 - _MANTISSA[dtype]).to(torch.int32)).to(torch.float64)
-
-
 def assert_close_to_reference(out, ref: Reference, dtype, what=""):
     """|out - ref| <= ulp(dtype) + eps32 (n + 16 (1 + s_abs)) sum_s p_s |v_s|, elementwise; no NaN.
 
@@ -99,13 +90,7 @@ def assert_close_to_reference(out, ref: Reference, dtype, what=""):
     assert not torch.isnan(o).any(), f"{what}: NaN in output"
     bound = (torch.maximum(ulp(ref.out, dtype), ulp(o, dtype))
              + EPS32 * (ref.n[:, :, None] + 16 * (1 + ref.s_abs[:, :, None])) * ref.abs_v)
-    err = (o - ref.out).abs()
-    bad = err > bound
-    if bad.any():
-        idx = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} of {bad.numel()} elements out of tolerance; first at (b, h, d) = "
-            f"{list(idx)}: out={o[idx].item()!r} ref={ref.out[idx].item()!r} bound={bound[idx].item()!r}")
+    assert_within(o, ref.out, bound, what, index_name="(b, h, d) = ")
 
 
 def opcheck_cases(device):

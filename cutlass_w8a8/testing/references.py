@@ -7,9 +7,9 @@ from typing import NamedTuple
 
 import torch
 
-# Mantissa bits of the output dtypes (for one unit in the last place).
-_MANTISSA = {torch.bfloat16: 7, torch.float16: 10}
-_MIN_EXP = {torch.bfloat16: -126, torch.float16: -14}
+# Mantissa bits and smallest normal exponent of the output dtypes (for one unit in the last place).
+_MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+_MIN_EXP = {torch.bfloat16: -126, torch.float16: -14, torch.float32: -126}
 EPS32 = 2.0 ** -24  # unit roundoff of float32
 
 
@@ -67,7 +67,8 @@ def fp8_accum_bound(k: int) -> float:
 
 
 def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One unit in the last place of `dtype` at |x| (float64 in, float64 out)."""
+    """One unit in the last place of `dtype` (bfloat16, float16, float32) at |x| (float64 in, float64 out);
+    below the smallest normal, the ulp there."""
     ax = x.abs().clamp_min(2.0 ** _MIN_EXP[dtype])
     _, e = torch.frexp(ax)  # ax = m * 2**e, m in [0.5, 1)
     return torch.ldexp(torch.ones_like(ax), (e - 1 - _MANTISSA[dtype]).to(torch.int32)).to(torch.float64)
@@ -95,10 +96,19 @@ def _check(out, ref: Reference, dtype, accum_rel, what):
     assert not torch.isnan(o).any(), f"{what}: NaN in output"
     bound = (torch.maximum(ulp(ref.d, dtype), ulp(o, dtype)) + 4 * EPS32 * ref.mag
              + (ref.k * 2.0 ** -52 + accum_rel) * ref.abs_terms)
-    err = (o - ref.d).abs()
-    bad = err > bound
+    assert_within(o, ref.d, bound, what)
+
+
+def assert_within(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, what: str = "",
+                  index_name: str = "") -> None:
+    """Raise AssertionError unless ``|out - ref| <= bound`` elementwise (float64 tensors of one shape).
+
+    The message counts the elements out of tolerance and shows the first, its index prefixed by
+    ``index_name`` (e.g. ``"(b, h, d) = "``), with ``out``, ``ref`` and ``bound`` there.
+    """
+    bad = (out - ref).abs() > bound
     if bad.any():
         idx = tuple(bad.nonzero()[0].tolist())
         raise AssertionError(
-            f"{what}: {int(bad.sum())} of {bad.numel()} elements out of tolerance; first at {list(idx)}: "
-            f"out={o[idx].item()!r} ref={ref.d[idx].item()!r} bound={bound[idx].item()!r}")
+            f"{what}: {int(bad.sum())} of {bad.numel()} elements out of tolerance; first at {index_name}"
+            f"{list(idx)}: out={out[idx].item()!r} ref={ref[idx].item()!r} bound={bound[idx].item()!r}")

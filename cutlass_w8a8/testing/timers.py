@@ -1,4 +1,5 @@
-"""Timing and reporting helpers shared by the scripts in ``bench/`` (GEMM sweep, decoder benchmark).
+"""Timing helpers shared by the scripts in ``bench/`` (GEMM sweep, decoder benchmark); writing their results
+is `cutlass_w8a8.testing.report`.
 
 The timer, :func:`bench_gpu_time`, replays a CUDA graph that calls the function under test several times
 over rotating copies of its inputs, so that every call starts with a cold L2 and the host launch overhead
@@ -17,6 +18,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..graphs import capture
+
 __all__ = [
     "DEFAULT_L2_BYTES",
     "DENSE_PEAK_TOPS",
@@ -24,7 +27,6 @@ __all__ = [
     "HBM_BANDWIDTH_GBPS",
     "bench_gpu_time",
     "copy_bandwidth_gbps",
-    "write_results",
     "dense_peak_tops",
     "device_slug",
     "geomean",
@@ -212,11 +214,14 @@ def _side_stream() -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def _capture(fn: Callable, arg_sets: Sequence[tuple], calls: int, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+def _capture(fn: Callable, arg_sets: Sequence[tuple], calls: int, stream: torch.cuda.Stream,
+             warmup: int) -> torch.cuda.CUDAGraph:
+    """A graph of ``calls`` calls of ``fn`` over the rotating sets, after ``warmup`` eager runs of them all."""
+    def run() -> None:
         for i in range(calls):
             fn(*arg_sets[i % len(arg_sets)])  # outputs are dropped: the graph pool reuses their memory
+
+    graph, _ = capture(run, (), warmup=warmup, stream=stream)
     return graph
 
 
@@ -281,19 +286,14 @@ def _prepare_graph(fn: Callable, arg_sets: Sequence[tuple], replay_ms: float,
     """The eager warm-up and the capture of :func:`bench_gpu_time`: ``(graph of R calls, R)``."""
     n = len(arg_sets)
     stream = _side_stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for args in arg_sets:
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = _capture(fn, arg_sets, n, stream)
+    graph = _capture(fn, arg_sets, n, stream, warmup=1)  # the warm-up: one eager call per input set
     _time_replays(graph, 1)
     per_call = min(_time_replays(graph, 3)) / n
     passes = max(1, min(math.ceil(replay_ms / max(per_call * n, 1e-6)), max_calls_per_replay // n))
     calls = passes * n
     if calls != n:
         del graph
-        graph = _capture(fn, arg_sets, calls, stream)
+        graph = _capture(fn, arg_sets, calls, stream, warmup=0)
     return graph, calls
 
 
@@ -363,21 +363,3 @@ def read_bandwidth_gbps(nbytes: int = 2**30, replays: int = 10) -> float:
     x = torch.randn(nbytes // 4, dtype=torch.float32, device="cuda")
     timing = bench_gpu_time(lambda t: t.amax(), [(x,)], replays=replays)
     return nbytes / (timing.median_ms * 1e-3) / 1e9
-
-
-def write_results(results: dict, report: str, out_dir: str, prefix: str, plot: Callable[[dict, str], None]) -> dict:
-    """Write ``<prefix>_<device slug>.json`` (``results``, which holds ``device_slug``), ``.md`` (``report``) and
-    ``.png`` (``plot(results, path)``) to ``out_dir``; returns the paths by extension."""
-    import json
-    import os
-
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{prefix}_{results['device_slug']}")
-    paths = {ext: f"{stem}.{ext}" for ext in ("json", "md", "png")}
-    with open(paths["json"], "w") as f:
-        json.dump(results, f, indent=1)
-        f.write("\n")
-    with open(paths["md"], "w") as f:
-        f.write(report)
-    plot(results, paths["png"])
-    return paths

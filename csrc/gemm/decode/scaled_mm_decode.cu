@@ -1,637 +1,127 @@
-// scaled_mm_decode and linear_decode: W8A8 GEMMs for M <= 16 (decode), written to stream the weights at the
-// memory limit with every SM busy. csrc/gemm/decode/README.md has the reasoning and the estimates behind the numbers.
+// scaled_mm_decode and linear_decode, host side: argument checks, the split of K, the workspace and the launches.
+// The kernels and their design: decode_kernels.cuh; the reasoning and estimates: README.md.
 //
 //   scaled_mm_decode: D[M, N] = round(scale_a[m] * (scale_b[n] * float(acc[m, n])) + bias[n]),
 //                     acc = A[M, K] @ W[N, K]^T (int8: exact int32; e4m3: float32)
 //   linear_decode:    the same with A = quantize_per_token(x) computed inside the kernel, bit for bit as
 //                     csrc/quant/quantize.cu computes it (so the two paths give identical D).
 //
-// Tensor-core mapping (PTX ISA, "Matrix Fragments for mma.m16n8k32"): 16 weight rows (output channels) sit on
-// the MMA's M, up to 8 tokens on its N, K on its K. For thread (g = lane / 4, t = lane % 4):
-//   A (16 x 32, row):  a0 = row g,     k 4t..4t+3      a1 = row g + 8, k 4t..4t+3
-//                      a2 = row g,     k 16+4t..+3     a3 = row g + 8, k 16+4t..+3
-//   B (32 x 8, col):   b0 = token g,   k 4t..4t+3      b1 = token g,   k 16+4t..+3
-//   C (16 x 8):        c0, c1 = row g, tokens 2t, 2t+1;  c2, c3 = row g + 8, tokens 2t, 2t+1
-// A dot product does not change when the same permutation of k is applied to both operands, and the k a
-// thread holds depend only on t. So each thread loads 16 CONTIGUOUS bytes [base + 16t, +16) of weight rows g
-// and g + 8 (one 128-bit load each) and the same 16 bytes of token g's activations, and feeds them to two
-// MMAs: words 0, 1 to MMA #1 and words 2, 3 to MMA #2:
-//   MMA #1: a = {Wg.x, Wg8.x, Wg.y, Wg8.y}, b = {X.x, X.y};   MMA #2: a = {Wg.z, Wg8.z, Wg.w, Wg8.w}, b = {X.z, X.w}
-// (logical k 4t+i of MMA #1 is physical byte base + 16t + i, logical 16+4t+i is base + 16t + 4 + i; MMA #2 the
-// same at + 8 and + 12): one warp consumes 16 rows x 64 bytes of K per "step" of two MMAs per token tile.
-// K % 64 != 0 needs no tail code: a thread's 16 bytes at k = 64 s + 16 t are either all inside K or all past
-// it (K % 16 == 0), and past it the thread feeds zeros. e4m3 on sm90 (no fp8 mma.sync in hardware) converts
-// the pairs to f16 and runs four m16n8k16 per tile instead, with the same kind of permutation (mma_step).
-//
-// Work split: a CTA (8 warps) owns 16 weight rows; K is cut into "blocks" of 4 steps (256 bytes), block b
-// going to warp b % 8 (within the CTA's split, see below), each warp walking its blocks in increasing order:
-// per block a thread issues 8 independent 16-byte weight loads (ld.global.nc.L1::no_allocate: the weights
-// are read once) plus one 16-byte activation load per step and token tile (normal cached loads: every CTA
-// reads the same M x K activations, which stay in L2 / L1), then runs its 8 (or 16) MMAs, the first of which
-// is made to depend on all 8 loads (tie_to_weight_loads) so that ptxas issues them all first. The 8 warps
-// accumulators are summed through shared memory in warp order (deterministic), and one thread per (channel,
-// token) applies the epilogue. N / 16 CTAs; when that is fewer than the SMs, K is also split across
-// `splits` CTAs (grid.y) whose int32 / float32 partial sums go to a workspace from the torch allocator and a
-// second small kernel adds them in split order and applies the epilogue.
-//
-// Token tiles: NT = 1 for M <= 8, 2 for M in 9..16 (tile j holds tokens 8j..8j+7); a kernel built for NT
-// tiles serves any m <= 8 NT. The grid depends on N, K and the SM count only, never on M, and M is the
-// FIRST kernel parameter (`int64_t m`), so a captured CUDA-graph node is moved to another M by rewriting that
-// one parameter (graph_nodes::note_m_param_launch).
-//
-// linear_decode (fused quantization): every CTA first computes each token row's absmax over the whole K
-// (scale = absmax / QMAX, float32, IEEE division), then walks K in chunks of 8 blocks (2048 bytes: one block
-// per warp, the same block-to-warp assignment as the unfused kernel): all 256 threads quantize the chunk's
-// M x 2048 activations into shared memory (quantize_one: q = sat(rne(x / scale)), 0 for a zero row), then each
-// warp runs the same block step as the unfused kernel, reading its activation fragments from shared memory.
-// A warp's weight loads are issued after the chunk's quantization: holding them in registers across it (to
-// overlap their latency) made the kernel spill, the IEEE division's slow-path call clobbering registers; the
-// latency is covered by the other CTA on the SM instead (two per SM). Same quantized values, same scales, same
-// MMA sequence per warp, same reductions and epilogue: D equals scaled_mm_decode(quantize_per_token(x)) bit
-// for bit. The absmax pass and the quantization are repeated by every CTA (M x K x 2 bytes read from L2 and
-// M x K divisions per CTA), which is why it only pays at small M: csrc/gemm/decode/README.md, "Crossover".
-//
-// PDL: the kernels wait on griddepcontrol before their first global access and signal
-// launch_dependents once their loads are done; the main kernel is launched with programmatic stream
-// serialization when cutlass_w8a8's PDL switch is on (set_pdl / CUTLASS_W8A8_PDL) and the device is sm90.
+// Checks: scaled_mm_decode makes scaled_mm's (gemm/scaled_mm_args.hpp, under its own name), then M in [1, 16] and
+// K <= 2**30; linear_decode makes ops/_checks.py check_linear_decode, in its order and wording. Whether the device runs
+// them: core/device.hpp's gemm_backend; PDL: core/launch_policy.hpp's decode_uses_pdl.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <type_traits>
 
-#include "core/common.hpp"
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "core/checks.hpp"
+#include "core/device.hpp"
+#include "core/launch_policy.hpp"
+#include "core/limits.hpp"
+#include "gemm/decode/decode_kernels.cuh"
+#include "gemm/scaled_mm_args.hpp"
 #include "graphs/graph_nodes.hpp"
 #include "ops.hpp"
-#include "quant/quant_common.cuh"  // to_float, from_float, Int8Out / Fp8Out, quantize_one, allow_dependent_launch
-
-// scaled_mm_entry.cu: cutlass_w8a8's programmatic-dependent-launch switch (cutlass_w8a8.set_pdl).
-extern "C" int cw8a8_get_pdl();
+#include "quant/rowwise_args.hpp"
 
 namespace cutlass_w8a8 {
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
-constexpr int kRows = 16;                                  // weight rows (channels) per CTA: the MMA's M
-constexpr int kMaxTokens = 16;                             // M <= 16: two token tiles of 8
-constexpr int kStepBytes = 64;                             // K bytes per step (two m16n8k32 MMAs per tile)
-constexpr int kSteps = 4;                                  // steps per block
-constexpr int kBlockBytes = kStepBytes * kSteps;           // 256: one warp's unit of work
-constexpr int kChunkBytes = kBlockBytes * kWarps;          // 2048: linear_decode's shared-memory chunk of K
-constexpr int kChunkPitch = kChunkBytes + 64;              // row pitch = 64 (mod 128): conflict-free LDS.128
-constexpr int kReduceThreads = 256;
-constexpr int kMainParams = 2;                             // (int64_t m, DecodeParams p)
-constexpr int kReduceParams = 2;
+constexpr const char* kGemmOp = "scaled_mm_decode";
+constexpr const char* kLinearOp = "linear_decode";
 
-// int8 K is bounded by kMaxInt8K (common.hpp), the same bound as scaled_mm.
-// Any K for fp8 up to 2^30, so that K byte offsets (plus a block) stay 32-bit integers in the kernels.
-constexpr int64_t kMaxK = int64_t{1} << 30;
+// --- checks ------------------------------------------------------------------------------------------------
 
-// Everything but M, so that one captured launch serves every M <= its own (see the file comment).
-struct DecodeParams {
-  const void* a;             // scaled_mm_decode: int8 / e4m3 [M, K]; linear_decode: bf16 / fp16 x [M, K]
-  int64_t lda;               // row stride of a, elements
-  const uint8_t* w;          // the [N, K] row-major weight (b = w.t()), bytes
-  int64_t ldw;               // row stride of w, bytes (= elements)
-  const float* scale_a;      // [1] or [M]; linear_decode with splits > 1: the in-kernel scales (workspace)
-  const float* scale_b;      // [1] or [N]
-  const void* bias;          // [N] in the output type, or nullptr
-  void* out;                 // [M, N] row-major, output type
-  int64_t ldo;               // row stride of out, elements
-  void* partials;            // splits > 1: [splits][16][N] int32 / float32 partial sums
-  float* scales_out;         // linear_decode with splits > 1: where CTA (0, 0) writes the 16 row scales
-  int64_t n;
-  int k;                     // K <= kMaxK: K offsets are 32-bit in the kernels (fewer registers)
-  int scale_a_per_token;
-  int scale_b_per_channel;
-  int splits;                // CTAs along K (grid.y)
-  int blocks_per_split;      // K blocks per split, a multiple of kWarps
-  uint32_t zero;             // always 0: a value ptxas cannot fold (see tie_to_weight_loads)
-};
-
-struct Int8Ab {
-  using Acc = int32_t;
-  using Q = Int8Out;
-};
-struct Fp8Ab {
-  using Acc = float;
-  using Q = Fp8Out;
-};
-
-// --- device helpers ----------------------------------------------------------------------------------
-
-// Wait until the kernels this one depends on (programmatic dependent launch) have finished and their writes
-// are visible; returns at once when the kernel was launched without PDL.
-__device__ __forceinline__ void wait_for_producers() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
+// "`arg` M = arg.shape[0] must be in [1, 16] (decode sizes; scaled_mm serves any M), got {m}"
+void check_decode_m(const char* op, const char* arg, int64_t m) {
+  CW8A8_CHECK_VALUE(m >= 1 && m <= limits::kDecodeMaxM, op, arg, "M = ", arg, ".shape[0] must be in [1, ",
+                    limits::kDecodeMaxM, "] (decode sizes; scaled_mm serves any M), got ", m);
 }
 
-// 16 weight bytes, read once: not allocated in L1 (which keeps the activations), 256-byte L2 fetches.
-__device__ __forceinline__ uint4 load_weights16(const uint8_t* p) {
-  uint4 v;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-#else
-  v = __ldg(reinterpret_cast<const uint4*>(p));
-#endif
-  return v;
+void check_decode_k(const char* op, const char* arg, int64_t k) {
+  CW8A8_CHECK_VALUE(k <= limits::kDecodeMaxK, op, arg, "K = ", k, " must be at most 2**30");
 }
 
-// D = A * B + D for one m16n8k32 tile (fragments as in the file comment). (volatile keeps the front end from
-// moving MMAs above the weight loads; ptxas may still reorder, which tie_to_weight_loads prevents.)
-__device__ __forceinline__ void mma_16832(int32_t (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                          uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-  __trap();  // the host refuses int8 below compute capability 8.0
-#endif
+// ops/_checks.py check_scaled_mm_decode: scaled_mm's checks, then M and K. `out` null: the functional op.
+void check_scaled_mm_decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                            const at::Tensor& scale_b, at::ScalarType out_dtype,
+                            const std::optional<at::Tensor>& bias, const at::Tensor* out) {
+  check_scaled_mm(kGemmOp, a, b, scale_a, scale_b, out_dtype, bias, out);
+  check_decode_m(kGemmOp, "a", a.size(0));
+  check_decode_k(kGemmOp, "a", a.size(1));
 }
 
-[[maybe_unused]] __device__ __forceinline__ void mma_16832(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                                           uint32_t a3, uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-  __trap();  // the host refuses float8_e4m3fn below compute capability 8.9
-#endif
+// "`name` must have x's dtype {x.dtype}, got {t.dtype}" (TypeError)
+void check_x_dtype(const char* name, const at::Tensor& t, const at::Tensor& x) {
+  CW8A8_CHECK_TYPE(t.scalar_type() == x.scalar_type(), kLinearOp, name, "must have x's dtype ",
+                   py_dtype(x.scalar_type()), ", got ", py_dtype(t.scalar_type()));
 }
 
-// sm90 has no fp8 mma.sync in hardware: ptxas expands mma.m16n8k32.e4m3 into 12 e4m3 -> f16 conversions, two
-// m16n8k16 f16 HMMAs from zero and 4 FADDs into the accumulator (seen in the SASS), with the A conversions
-// repeated for every token tile. The kernels do the same directly instead: each e4m3 pair is converted to an
-// f16 pair once (cvt.rn.f16x2.e4m3x2, exact: every e4m3 value is an f16 value) and HMMAs accumulate into the
-// float32 accumulator. m16n8k16 f16 fragments (PTX ISA, "mma.m16n8k16 with floating point type"): a0 = row g,
-// k {2t, 2t+1}; a1 = row g + 8, same k; a2 = row g, k {2t+8, 2t+9}; a3 = row g + 8, same; b0 = token g,
-// k {2t, 2t+1}; b1 = token g, k {2t+8, 2t+9}. Word i (bytes 4i..4i+3) of the thread's 16 bytes feeds MMA i:
-// its low byte pair -> a0 / a1 / b0, its high pair -> a2 / a3 / b1: again the same permutation of k for the
-// weights and the activations, depending on t only.
-[[maybe_unused]] __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t word, bool high) {
-  uint32_t d = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  const uint16_t pair = static_cast<uint16_t>(high ? word >> 16 : word & 0xffffu);
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"(pair));
-#endif
-  return d;
+// ops/_checks.py check_linear_decode: x (M, K) bfloat16 / float16 where scaled_mm has a; b, scale_b, bias and out as
+// scaled_mm's, with bias and out in x's dtype. `out` null: the functional op.
+void check_linear_decode(const at::Tensor& x, const at::Tensor& b, const at::Tensor& scale_b,
+                         const std::optional<at::Tensor>& bias, at::ScalarType dtype, const at::Tensor* out) {
+  constexpr const char* op = kLinearOp;
+  // dtypes
+  CW8A8_CHECK_TYPE(is_out_dtype(x.scalar_type()), op, "x", "must be bfloat16 or float16, got ",
+                   py_dtype(x.scalar_type()));
+  quant::check_quant_dtype(op, dtype);
+  CW8A8_CHECK_TYPE(b.scalar_type() == dtype, op, "b", "must have the quantized dtype ", py_dtype(dtype), ", got ",
+                   py_dtype(b.scalar_type()));
+  check_float32(op, "scale_b", scale_b);
+  if (out != nullptr) check_x_dtype("out", *out, x);
+  if (bias) check_x_dtype("bias", *bias, x);
+  // devices
+  check_same_device(op, "b", b, "x", x);
+  check_same_device(op, "scale_b", scale_b, "x", x);
+  if (out != nullptr) check_same_device(op, "out", *out, "x", x);
+  check_same_device(op, "bias", bias, "x", x);
+  check_cuda(op, "x", x);  // holds after the device checks: the op reached CUDA through one of its tensors
+  // shapes
+  CW8A8_CHECK_VALUE(x.dim() == 2, op, "x", "must be 2-D [M, K], got shape ", py_tuple(x.sizes()));
+  CW8A8_CHECK_VALUE(b.dim() == 2, op, "b", "must be 2-D [K, N], got shape ", py_tuple(b.sizes()));
+  const int64_t m = x.size(0), k = x.size(1), n = b.size(1);
+  CW8A8_CHECK_VALUE(b.size(0) == k, op, "b", "must be [K, N] with K = x.shape[1] = ", k, ", got shape ",
+                    py_tuple(b.sizes()));
+  check_decode_m(op, "x", m);
+  check_gemm_dim(op, "x", "K = x.shape[1]", k);
+  check_gemm_dim(op, "b", "N = b.shape[1]", n);
+  check_int8_k(op, "x", b.scalar_type(), k);
+  check_decode_k(op, "x", k);
+  check_scale_b_shape(op, "scale_b", scale_b, n);
+  check_contiguous(op, "scale_b", scale_b);
+  check_bias_shape(op, bias, n);
+  // layouts: b as scaled_mm's; x read with 16-byte loads
+  check_column_major_b(op, "b", b, k);
+  check_aligned16(op, "b", b);
+  check_row_major(op, "x", x, k, "K", 8);
+  check_aligned16(op, "x", x);
+  if (out != nullptr) check_out_matrix(op, *out, m, n);
 }
 
-[[maybe_unused]] __device__ __forceinline__ void mma_16816_f16(float (&d)[4], uint32_t a0, uint32_t a1,
-                                                               uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-  __trap();
-#endif
-}
-
-__device__ __forceinline__ float acc_to_float(int32_t v) { return __int2float_rn(v); }
-__device__ __forceinline__ float acc_to_float(float v) { return v; }
-
-// csrc/gemm/EPILOGUES.md: round_out(s_a * (s_b * float(acc)) + c), one multiply and one fused multiply-add in
-// float32 (the CUTLASS epilogue's multiply_add with a zero bias when there is none).
-template <class OutT, class Acc>
-__device__ __forceinline__ OutT epilogue(Acc acc, float sa, float sb, float bias) {
-  return from_float<OutT>(__fmaf_rn(sa, __fmul_rn(sb, acc_to_float(acc)), bias));
-}
-
-template <class OutT>
-__device__ __forceinline__ void channel_terms(const DecodeParams& p, int64_t ch, float* sb, float* bias) {
-  *sb = p.scale_b_per_channel ? p.scale_b[ch] : p.scale_b[0];
-  *bias = p.bias != nullptr ? to_float(static_cast<const OutT*>(p.bias)[ch]) : 0.f;
-}
-
-// One block of one warp: the weight fragments of rows g and g + 8 and the activation fragments of token 8j + g
-// for each of the 4 steps.
-template <int NT>
-struct BlockFrags {
-  uint4 w[kSteps][2];
-  uint4 x[kSteps][NT];
-};
-
-// Weights of block `blk`: `wg` points at byte 16t of row g. Past K the fragment is zero.
-template <int NT>
-__device__ __forceinline__ void load_block_weights(BlockFrags<NT>& f, const uint8_t* wg, int64_t ldw, int blk,
-                                                   int t, int k) {
-  const int base = blk * kBlockBytes;
-#pragma unroll
-  for (int u = 0; u < kSteps; ++u) {
-    const int off = base + u * kStepBytes;
-    if (off + 16 * t < k) {
-      f.w[u][0] = load_weights16(wg + off);
-      f.w[u][1] = load_weights16(wg + 8 * ldw + off);
-    } else {
-      f.w[u][0] = make_uint4(0, 0, 0, 0);
-      f.w[u][1] = make_uint4(0, 0, 0, 0);
-    }
-  }
-}
-
-// Makes the block's first MMA depend on all 8 weight loads of the block (through `zero`, a kernel argument that
-// is always 0 and that ptxas cannot fold), so that every weight load is issued before the first MMA. Without it
-// ptxas sank the last step's loads below the first step's MMAs in the fp8 kernels (the MMAs wait for their data
-// in order: a second memory round trip per block). Costs 4 logic instructions per block.
-template <int NT>
-__device__ __forceinline__ void tie_to_weight_loads(BlockFrags<NT>& f, uint32_t zero) {
-  uint32_t d = zero;
-#pragma unroll
-  for (int u = 0; u < kSteps; ++u) d &= f.w[u][0].x & f.w[u][1].x;
-  f.w[0][0].x |= d;
-}
-
-// Activations of block `blk` from global memory (scaled_mm_decode): token 8j + g, bytes [16t, +16) of each step.
-template <int NT>
-__device__ __forceinline__ void load_block_acts_global(BlockFrags<NT>& f, const uint8_t* a, int64_t lda, int m,
-                                                       int blk, int g, int t, int k) {
-  const int base = blk * kBlockBytes + 16 * t;
-#pragma unroll
-  for (int u = 0; u < kSteps; ++u) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const int token = 8 * j + g;
-      const int kk = base + u * kStepBytes;
-      f.x[u][j] = (token < m && kk < k) ? __ldg(reinterpret_cast<const uint4*>(a + token * lda + kk))
-                                        : make_uint4(0, 0, 0, 0);
-    }
-  }
-}
-
-// Activations of step u of block `blk` from the shared-memory chunk that starts at K byte `c0` (linear_decode;
-// one step at a time, so that only one step's activation fragments occupy registers).
-template <int NT>
-__device__ __forceinline__ void load_step_acts_shared(uint4 (&x)[NT], const uint8_t* q_s, int m, int blk, int u,
-                                                      int c0, int g, int t, int k) {
-  const int kk = blk * kBlockBytes + u * kStepBytes + 16 * t;
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const int token = 8 * j + g;
-    x[j] = (token < m && kk < k)
-               ? *reinterpret_cast<const uint4*>(q_s + token * kChunkPitch + (kk - c0))
-               : make_uint4(0, 0, 0, 0);
-  }
-}
-
-// The MMAs of one step, in a fixed order (token tile, then the step's MMAs in order), and of one block (steps in
-// order): both ops run exactly this sequence. int8: two m16n8k32 per tile (file comment).
-template <int NT>
-__device__ __forceinline__ void mma_step(int32_t (&acc)[NT][4], const uint4 (&w)[2], const uint4 (&x)[NT]) {
-  const uint4 wg = w[0], wg8 = w[1];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    mma_16832(acc[j], wg.x, wg8.x, wg.y, wg8.y, x[j].x, x[j].y);
-    mma_16832(acc[j], wg.z, wg8.z, wg.w, wg8.w, x[j].z, x[j].w);
-  }
-}
-
-// e4m3: two m16n8k32 per tile on sm89 (native fp8 MMA); on sm90 four m16n8k16 f16 per tile after converting
-// the weight words once for all tiles (see e4m3x2_to_f16x2).
-template <int NT>
-__device__ __forceinline__ void mma_step(float (&acc)[NT][4], const uint4 (&w)[2], const uint4 (&x)[NT]) {
-  const uint4 wg = w[0], wg8 = w[1];
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uint32_t rg[4] = {wg.x, wg.y, wg.z, wg.w}, rg8[4] = {wg8.x, wg8.y, wg8.z, wg8.w};
-  uint32_t a[4][4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    a[i][0] = e4m3x2_to_f16x2(rg[i], false);
-    a[i][1] = e4m3x2_to_f16x2(rg8[i], false);
-    a[i][2] = e4m3x2_to_f16x2(rg[i], true);
-    a[i][3] = e4m3x2_to_f16x2(rg8[i], true);
-  }
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const uint32_t rx[4] = {x[j].x, x[j].y, x[j].z, x[j].w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      mma_16816_f16(acc[j], a[i][0], a[i][1], a[i][2], a[i][3], e4m3x2_to_f16x2(rx[i], false),
-                    e4m3x2_to_f16x2(rx[i], true));
-    }
-  }
-#else
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    mma_16832(acc[j], wg.x, wg8.x, wg.y, wg8.y, x[j].x, x[j].y);
-    mma_16832(acc[j], wg.z, wg8.z, wg.w, wg8.w, x[j].z, x[j].w);
-  }
-#endif
-}
-
-template <class Acc, int NT>
-__device__ __forceinline__ void mma_block(Acc (&acc)[NT][4], const BlockFrags<NT>& f) {
-#pragma unroll
-  for (int u = 0; u < kSteps; ++u) mma_step(acc, f.w[u], f.x[u]);
-}
-
-// 8 consecutive activations (16 bytes) of a bf16 / fp16 row.
-template <class XT>
-struct alignas(16) XVec {
-  XT v[8];
-};
-
-// linear_decode, phase 1: scale[r] = max_k |x[r, k]| / QMAX for the rows r < m, into s_scale (all threads call
-// it; it synchronizes). max is exact in any order, so this equals quantize.cu's per-token scale bit for bit.
-template <class XT, class Q, int NT>
-__device__ __forceinline__ void row_scales(const XT* x, int64_t ldx, int m, int k,
-                                           float (&s_amax)[kWarps][kMaxTokens], float* s_scale) {
-  constexpr int kTokens = 8 * NT;
-  float amax[kTokens];
-#pragma unroll
-  for (int r = 0; r < kTokens; ++r) amax[r] = 0.f;
-  const int nvec = k / 8;
-#pragma unroll
-  for (int r0 = 0; r0 < kTokens; r0 += 8) {  // 8 rows at a time: 8 loads in flight per thread
-    if (r0 >= m) break;
-    for (int v = threadIdx.x; v < nvec; v += kThreads) {
-      XVec<XT> vals[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if (r0 + i < m) vals[i] = *reinterpret_cast<const XVec<XT>*>(x + (r0 + i) * ldx + v * 8);
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if (r0 + i < m) {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) amax[r0 + i] = fmaxf(amax[r0 + i], fabsf(to_float(vals[i].v[e])));
-        }
-      }
-    }
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int r = 0; r < kTokens; ++r) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], off));
-    if (lane == 0) s_amax[warp][r] = amax[r];
-  }
-  __syncthreads();
-  if (threadIdx.x < kTokens) {
-    float a = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) a = fmaxf(a, s_amax[w][threadIdx.x]);
-    s_scale[threadIdx.x] = a / Q::kMax;
-  }
-  __syncthreads();
-}
-
-template <class Q>
-__device__ __forceinline__ uint32_t quantize4(float x0, float x1, float x2, float x3, float scale) {
-  const uint32_t q0 = static_cast<uint8_t>(quantize_one<Q>(x0, scale));
-  const uint32_t q1 = static_cast<uint8_t>(quantize_one<Q>(x1, scale));
-  const uint32_t q2 = static_cast<uint8_t>(quantize_one<Q>(x2, scale));
-  const uint32_t q3 = static_cast<uint8_t>(quantize_one<Q>(x3, scale));
-  return q0 | (q1 << 8) | (q2 << 16) | (q3 << 24);
-}
-
-// linear_decode, phase 2 (per chunk): q_s[r][0 .. c1 - c0) = quantize(x[r, c0 .. c1)) for r < m. Thread i
-// takes the 8 columns [8i, 8i + 8) of every row (c1 - c0 <= 2048 = 8 * 256). No synchronization inside.
-// Rows go 4 at a time (4 loads in flight per thread), which keeps the kernel within 128 registers.
-template <class XT, class Q, int NT>
-__device__ __forceinline__ void quantize_chunk(const XT* x, int64_t ldx, int m, int c0, int c1,
-                                               const float* s_scale, uint8_t* q_s) {
-  constexpr int kTokens = 8 * NT;
-  constexpr int kGroup = 4;
-  const int col = threadIdx.x * 8;
-  if (c0 + col >= c1) return;
-#pragma unroll 1
-  for (int r0 = 0; r0 < kTokens; r0 += kGroup) {
-    if (r0 >= m) break;
-    XVec<XT> vals[kGroup];
-#pragma unroll
-    for (int i = 0; i < kGroup; ++i) {
-      if (r0 + i < m) vals[i] = *reinterpret_cast<const XVec<XT>*>(x + (r0 + i) * ldx + c0 + col);
-    }
-#pragma unroll
-    for (int i = 0; i < kGroup; ++i) {
-      if (r0 + i < m) {
-        const float s = s_scale[r0 + i];
-        const XVec<XT>& v = vals[i];
-        uint2 q;
-        q.x = quantize4<Q>(to_float(v.v[0]), to_float(v.v[1]), to_float(v.v[2]), to_float(v.v[3]), s);
-        q.y = quantize4<Q>(to_float(v.v[4]), to_float(v.v[5]), to_float(v.v[6]), to_float(v.v[7]), s);
-        *reinterpret_cast<uint2*>(q_s + (r0 + i) * kChunkPitch + col) = q;
-      }
-    }
-  }
-}
-
-// --- the kernels -------------------------------------------------------------------------------------------
-
-// AB: Int8Ab / Fp8Ab. OutT: __nv_bfloat16 / __half. NT: token tiles (m <= 8 NT). XT: void (scaled_mm_decode:
-// `a` holds the quantized activations) or the type of x (linear_decode: quantized here; the output type is
-// x's). Grid (N / 16, splits), 256 threads.
-template <class AB, class OutT, int NT, class XT>
-__global__ void __launch_bounds__(kThreads, 2) decode_gemm_kernel(int64_t m64, DecodeParams p) {
-  using Acc = typename AB::Acc;
-  constexpr bool kFused = !std::is_void_v<XT>;
-  constexpr int kQRows = kFused ? 8 * NT : 1;
-  constexpr int kQPitch = kFused ? kChunkPitch : 16;
-  __shared__ alignas(16) Acc red[kWarps][NT][32][4];        // the warps' partial accumulators
-  __shared__ alignas(16) uint8_t q_s[kQRows][kQPitch];      // linear_decode: the quantized chunk
-  __shared__ float s_amax[kWarps][kMaxTokens];
-  __shared__ float s_scale[kMaxTokens];
-
-  wait_for_producers();  // before any global access (PDL)
-  const int m = static_cast<int>(m64);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows;
-  const uint8_t* wg = p.w + (row0 + g) * p.ldw + 16 * t;
-  const int nblk = (p.k + kBlockBytes - 1) / kBlockBytes;
-  const int bs = static_cast<int>(blockIdx.y) * p.blocks_per_split;
-  const int be = min(bs + p.blocks_per_split, nblk);
-
-  Acc acc[NT][4];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[j][i] = Acc(0);
-  }
-  BlockFrags<NT> f;
-
-  if constexpr (!kFused) {
-    const uint8_t* a = static_cast<const uint8_t*>(p.a);
-    for (int blk = bs + warp; blk < be; blk += kWarps) {
-      load_block_weights(f, wg, p.ldw, blk, t, p.k);
-      load_block_acts_global(f, a, p.lda, m, blk, g, t, p.k);
-      tie_to_weight_loads(f, p.zero);
-      mma_block(acc, f);
-    }
-  } else {
-    const XT* x = static_cast<const XT*>(p.a);
-    // Chunk c holds blocks [bs + 8c, bs + 8c + 8): warp w takes block bs + 8c + w, as in the unfused loop.
-    const int nchunks = (be - bs + kWarps - 1) / kWarps;
-    row_scales<XT, typename AB::Q, NT>(x, p.lda, m, p.k, s_amax, s_scale);
-    int blk = bs + warp;
-    for (int c = 0; c < nchunks; ++c, blk += kWarps) {
-      const int c0 = (bs + c * kWarps) * kBlockBytes;
-      const int c1 = min(min(c0 + kChunkBytes, be * kBlockBytes), p.k);
-      if (c > 0) __syncthreads();  // every warp has read the previous chunk before it is overwritten
-      quantize_chunk<XT, typename AB::Q, NT>(x, p.lda, m, c0, c1, s_scale, &q_s[0][0]);
-      __syncthreads();  // the chunk is in shared memory
-      if (blk < be) {
-        load_block_weights(f, wg, p.ldw, blk, t, p.k);
-        tie_to_weight_loads(f, p.zero);
-#pragma unroll
-        for (int u = 0; u < kSteps; ++u) {
-          uint4 xs[NT];
-          load_step_acts_shared(xs, &q_s[0][0], m, blk, u, c0, g, t, p.k);
-          mma_step(acc, f.w[u], xs);
-        }
-      }
-    }
-  }
-  allow_dependent_launch();  // all loads are done: a PDL-launched successor may be scheduled
-
-  // Sum the 8 warps' accumulators in warp order, then one thread per (channel, token) finishes.
-  using Acc4 = std::conditional_t<std::is_same_v<Acc, float>, float4, int4>;
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    *reinterpret_cast<Acc4*>(&red[warp][j][lane][0]) = Acc4{acc[j][0], acc[j][1], acc[j][2], acc[j][3]};
-  }
-  __syncthreads();
-  const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
-  if (token < m && token < 8 * NT) {
-    // The accumulator of (row, token) sits in lane 4 (row % 8) + (token % 8) / 2, register
-    // 2 (row / 8) + token % 2, of tile token / 8 (the C fragment layout).
-    const int j = token / 8, tt = token % 8;
-    const int src = (row % 8) * 4 + tt / 2, reg = (row / 8) * 2 + tt % 2;
-    Acc sum = red[0][j][src][reg];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) sum += red[w][j][src][reg];
-    const int64_t ch = row0 + row;
-    if (p.splits == 1) {
-      float sa;
-      if constexpr (kFused) {
-        sa = s_scale[token];
-      } else {
-        sa = p.scale_a_per_token ? p.scale_a[token] : p.scale_a[0];
-      }
-      float sb, bias;
-      channel_terms<OutT>(p, ch, &sb, &bias);
-      static_cast<OutT*>(p.out)[token * p.ldo + ch] = epilogue<OutT>(sum, sa, sb, bias);
-    } else {
-      static_cast<Acc*>(p.partials)[(static_cast<int64_t>(blockIdx.y) * kMaxTokens + token) * p.n + ch] = sum;
-      if constexpr (kFused) {
-        if (blockIdx.x == 0 && blockIdx.y == 0 && row == 0) p.scales_out[token] = s_scale[token];
-      }
-    }
-  }
-}
-
-// splits > 1: D[token, ch] = epilogue(sum over splits s = 0, 1, ... of partials[s][token][ch]). One thread per
-// channel, tokens < m. Grid ceil(N / 256); launched after the main kernel (stream order).
-template <class Acc, class OutT>
-__global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(int64_t m64, DecodeParams p) {
-  wait_for_producers();
-  const int m = static_cast<int>(m64);
-  const int64_t ch = static_cast<int64_t>(blockIdx.x) * kReduceThreads + threadIdx.x;
-  if (ch >= p.n) return;
-  const Acc* part = static_cast<const Acc*>(p.partials);
-  float sb, bias;
-  channel_terms<OutT>(p, ch, &sb, &bias);
-  for (int token = 0; token < m; ++token) {
-    Acc sum = part[token * p.n + ch];
-    for (int s = 1; s < p.splits; ++s) sum += part[(static_cast<int64_t>(s) * kMaxTokens + token) * p.n + ch];
-    const float sa = p.scale_a_per_token ? p.scale_a[token] : p.scale_a[0];
-    static_cast<OutT*>(p.out)[token * p.ldo + ch] = epilogue<OutT>(sum, sa, sb, bias);
-  }
-}
-
-// --- host side ---------------------------------------------------------------------------------------------
-
-const char* dtype_name(at::ScalarType t) { return c10::toString(t); }
-bool is_8bit(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn; }
-bool is_out_type(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
-
-void check_device(const char* op, const at::Tensor& t, const char* name, const at::Tensor& ref, const char* ref_name) {
-  CW8A8_CHECK_VALUE(t.is_cuda(), op, name, "must be a CUDA tensor, got device ", t.device());
-  CW8A8_CHECK_VALUE(t.device() == ref.device(), op, name, "is on ", t.device(), " but `", ref_name, "` is on ",
-                    ref.device());
-}
-
-// The weight operand b = weight.t() [K, N], its scale and the bias: shared by both ops. K is b.size(0).
-void check_weight_side(const char* op, const char* act, const at::Tensor& b, const at::Tensor& scale_b,
-                       const std::optional<at::Tensor>& bias, int64_t k) {
-  const int64_t n = b.size(1);
-  CW8A8_CHECK_VALUE(k > 0 && k % 16 == 0, op, act, "K = ", act, ".shape[1] must be a positive multiple of 16, got ",
-                    k);
-  CW8A8_CHECK_VALUE(n > 0 && n % 16 == 0, op, "b", "N = b.shape[1] must be a positive multiple of 16, got ", n);
-  if (b.scalar_type() == at::kChar) {
-    CW8A8_CHECK_VALUE(k <= kMaxInt8K, op, act, "K = ", k, " can overflow the int32 accumulator; int8 needs K <= ",
-                      kMaxInt8K);
-  }
-  CW8A8_CHECK_VALUE(k <= kMaxK, op, act, "K = ", k, " must be at most 2**30");
-  CW8A8_CHECK_VALUE(scale_b.numel() == 1 || (scale_b.dim() == 1 && scale_b.size(0) == n) ||
-                        (scale_b.dim() == 2 && scale_b.numel() == n && (scale_b.size(0) == 1 || scale_b.size(1) == 1)),
-                    op, "scale_b", "must be [1] (per-tensor), [N], [1, N] or [N, 1] (per-channel) with N = ", n,
-                    ", got ", scale_b.sizes());
-  CW8A8_CHECK_VALUE(scale_b.is_contiguous(), op, "scale_b", "must be contiguous");
-  if (bias) {
-    CW8A8_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n, op, "bias", "must be [N] with N = ", n, ", got ",
-                      bias->sizes());
-    CW8A8_CHECK_VALUE(bias->is_contiguous(), op, "bias", "must be contiguous");
-  }
-  const int64_t ldb = b.stride(1);
-  CW8A8_CHECK_VALUE(b.stride(0) == 1, op, "b",
-                    "must be column-major [K, N] (the transpose of a row-major [N, K] weight, stride(0) == 1), "
-                    "got strides ", b.strides());
-  CW8A8_CHECK_VALUE(ldb >= k, op, "b", "columns overlap: stride(1) = ", ldb, " < K = ", k);
-  CW8A8_CHECK_VALUE(ldb % 16 == 0, op, "b", "stride(1) must be a multiple of 16 elements, got ", ldb);
-  CW8A8_CHECK_VALUE(is_aligned(b.data_ptr(), 16), op, "b", "data must be 16-byte aligned (storage offset ",
-                    b.storage_offset(), ")");
-}
-
-void check_out(const char* op, const at::Tensor& out, int64_t m, int64_t n) {
-  CW8A8_CHECK_VALUE(out.dim() == 2 && out.size(0) == m && out.size(1) == n, op, "out", "must be [M, N] = [", m,
-                    ", ", n, "], got ", out.sizes());
-  const int64_t ldd = out.stride(0);
-  CW8A8_CHECK_VALUE(out.stride(1) == 1, op, "out", "must be row-major (stride(1) == 1), got strides ",
-                    out.strides());
-  CW8A8_CHECK_VALUE(m <= 1 || ldd >= n, op, "out", "rows overlap: stride(0) = ", ldd, " < N = ", n);
-  CW8A8_CHECK_VALUE(ldd % 8 == 0 || m <= 1, op, "out", "stride(0) must be a multiple of 8 elements, got ", ldd);
-  CW8A8_CHECK_VALUE(is_aligned(out.data_ptr(), 16), op, "out", "data must be 16-byte aligned (storage offset ",
-                    out.storage_offset(), ")");
-}
-
-void check_m(const char* op, const char* arg, int64_t m) {
-  CW8A8_CHECK_VALUE(m >= 1 && m <= kMaxTokens, op, arg, "M = ", arg, ".shape[0] must be in [1, 16] (decode sizes; "
-                    "scaled_mm serves any M), got ", m);
-}
-
-// Compute capability and the clear error for what the device cannot run.
-int check_arch(const char* op, int device, bool fp8) {
+// The clear error for a device the kernels cannot run on (int8 mma.sync needs 8.0, fp8 mma.sync 8.9).
+void check_backend(const char* op, int device, bool fp8) {
+  if (gemm_backend(device, fp8) != GemmBackend::kNone) return;
   const DeviceInfo& info = device_info(device);
-  const int cc = info.major * 10 + info.minor;
   if (fp8) {
-    TORCH_CHECK_NOT_IMPLEMENTED(cc >= 89, "cutlass_w8a8.", op, ": float8_e4m3fn needs compute capability 8.9 or "
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "cutlass_w8a8.", op, ": float8_e4m3fn needs compute capability 8.9 or "
                                 "newer (fp8 mma.sync); device ", device, " is ", info.major, ".", info.minor);
-  } else {
-    TORCH_CHECK_NOT_IMPLEMENTED(cc >= 80, "cutlass_w8a8.", op, ": int8 needs compute capability 8.0 or newer; "
-                                "device ", device, " is ", info.major, ".", info.minor);
   }
-  return cc;
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "cutlass_w8a8.", op, ": int8 needs compute capability 8.0 or newer; device ",
+                              device, " is ", info.major, ".", info.minor);
 }
 
-// Split of K across CTAs (csrc/gemm/decode/README.md, "Parallelism"): none when the N / 16 row tiles already give
-// every SM a CTA; otherwise enough splits for about two CTAs per SM, each split keeping all 8 warps busy (at
-// least 8 blocks of 256 bytes). Depends on N, K and the SM count only (never on M).
+// --- launch ------------------------------------------------------------------------------------------------
+
+// Split of K across CTAs (README.md, "Parallelism"): none when the N / 16 row tiles already give every SM a CTA;
+// otherwise enough splits for about two CTAs per SM, each split keeping all 8 warps busy (at least 8 blocks of
+// 256 bytes). Depends on N, K and the SM count only (never on M).
 int choose_splits(int64_t n, int64_t k, int sms, int* blocks_per_split) {
   const int64_t tiles = n / kRows;
   const int64_t nblk = (k + kBlockBytes - 1) / kBlockBytes;
@@ -680,191 +170,116 @@ void launch_typed(const char* op, int64_t m, DecodeParams& p, cudaStream_t strea
   }
 }
 
+// The parameters both ops share, from checked tensors: the activations `act` (M, K) (8-bit a, or x), the weight
+// operand b = w.t() (K, N), scale_b, bias and out (M, N). scale_a is the caller's.
+DecodeParams common_params(const at::Tensor& act, const at::Tensor& b, const at::Tensor& scale_b,
+                           const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t m = act.size(0);
+  DecodeParams p{};
+  p.a = act.data_ptr();
+  p.lda = m <= 1 ? 0 : act.stride(0);
+  p.w = static_cast<const uint8_t*>(b.data_ptr());
+  p.ldw = b.stride(1);
+  p.scale_b = scale_b.data_ptr<float>();
+  p.bias = bias ? bias->data_ptr() : nullptr;
+  p.out = out.data_ptr();
+  p.ldo = m <= 1 ? 0 : out.stride(0);
+  p.n = b.size(1);
+  p.k = static_cast<int>(act.size(1));
+  p.scale_b_per_channel = scale_b.numel() == 1 ? 0 : 1;
+  return p;
+}
+
 // Fills the M-independent launch fields shared by both ops, allocates the split-K workspace, launches.
 // `xt` is the type of linear_decode's x, or Undefined for scaled_mm_decode.
 void run(const char* op, int64_t m, DecodeParams& p, at::ScalarType ab, at::ScalarType out_type,
          at::ScalarType xt, const at::Tensor& like) {
   const int device = like.device().index();
-  const int cc = check_arch(op, device, ab == at::kFloat8_e4m3fn);
+  const bool fused = xt != at::ScalarType::Undefined;  // linear_decode: x's type is the output type
+  check_backend(op, device, ab == at::kFloat8_e4m3fn);
+  c10::cuda::CUDAGuard guard(like.device());
   p.splits = choose_splits(p.n, p.k, device_info(device).sm_count, &p.blocks_per_split);
   at::Tensor workspace;
   if (p.splits > 1) {
     const int64_t partial_bytes = static_cast<int64_t>(p.splits) * kMaxTokens * p.n * 4;
     workspace = at::empty({partial_bytes + kMaxTokens * 4}, like.options().dtype(at::kByte));
     p.partials = workspace.data_ptr();
-    if (xt != at::ScalarType::Undefined) {
+    if (fused) {
       p.scales_out = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace.data_ptr()) + partial_bytes);
       p.scale_a = p.scales_out;
       p.scale_a_per_token = 1;
     }
   }
   cudaStream_t stream = current_stream(like);
-  const bool pdl = cc >= 90 && cw8a8_get_pdl() != 0;
-  const bool int8 = ab == at::kChar;
-  const bool bf16 = out_type == at::kBFloat16;
-  if (xt == at::ScalarType::Undefined) {
-    if (int8) {
-      bf16 ? launch_typed<Int8Ab, __nv_bfloat16, void>(op, m, p, stream, pdl)
-           : launch_typed<Int8Ab, __half, void>(op, m, p, stream, pdl);
+  const bool pdl = decode_uses_pdl(device);
+  auto with_types = [&](auto ab_tag, auto out_tag) {
+    using AB = decltype(ab_tag);
+    using OutT = decltype(out_tag);
+    if (fused) {
+      launch_typed<AB, OutT, OutT>(op, m, p, stream, pdl);
     } else {
-      bf16 ? launch_typed<Fp8Ab, __nv_bfloat16, void>(op, m, p, stream, pdl)
-           : launch_typed<Fp8Ab, __half, void>(op, m, p, stream, pdl);
+      launch_typed<AB, OutT, void>(op, m, p, stream, pdl);
     }
-  } else {  // linear_decode: x's type is the output type
-    if (int8) {
-      bf16 ? launch_typed<Int8Ab, __nv_bfloat16, __nv_bfloat16>(op, m, p, stream, pdl)
-           : launch_typed<Int8Ab, __half, __half>(op, m, p, stream, pdl);
+  };
+  auto with_out = [&](auto ab_tag) {
+    if (out_type == at::kBFloat16) {
+      with_types(ab_tag, __nv_bfloat16{});
     } else {
-      bf16 ? launch_typed<Fp8Ab, __nv_bfloat16, __nv_bfloat16>(op, m, p, stream, pdl)
-           : launch_typed<Fp8Ab, __half, __half>(op, m, p, stream, pdl);
+      with_types(ab_tag, __half{});
     }
+  };
+  if (ab == at::kChar) {
+    with_out(Int8Ab{});
+  } else {
+    with_out(Fp8Ab{});
   }
 }
 
-constexpr const char* kGemmOp = "scaled_mm_decode";
-constexpr const char* kLinearOp = "linear_decode";
+// The checked ops.
+void run_scaled_mm_decode(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                          const at::Tensor& scale_b, const std::optional<at::Tensor>& bias) {
+  DecodeParams p = common_params(a, b, scale_b, bias, out);
+  p.scale_a = scale_a.data_ptr<float>();
+  p.scale_a_per_token = scale_a.numel() == 1 ? 0 : 1;
+  run(kGemmOp, a.size(0), p, a.scalar_type(), out.scalar_type(), at::ScalarType::Undefined, a);
+}
+
+void run_linear_decode(at::Tensor& out, const at::Tensor& x, const at::Tensor& b, const at::Tensor& scale_b,
+                       const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
+  DecodeParams p = common_params(x, b, scale_b, bias, out);
+  p.scale_a = nullptr;  // computed in the kernel (the workspace when K is split)
+  p.scale_a_per_token = 1;
+  run(kLinearOp, x.size(0), p, dtype, out.scalar_type(), x.scalar_type(), x);
+}
 
 }  // namespace
 
 void scaled_mm_decode_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                           const at::Tensor& scale_b, const std::optional<at::Tensor>& bias) {
-  constexpr const char* op = kGemmOp;
-  // dtypes
-  CW8A8_CHECK_TYPE(is_8bit(a.scalar_type()), op, "a", "must be int8 or float8_e4m3fn, got ",
-                   dtype_name(a.scalar_type()));
-  CW8A8_CHECK_TYPE(b.scalar_type() == a.scalar_type(), op, "b", "must have a's dtype ", dtype_name(a.scalar_type()),
-                   ", got ", dtype_name(b.scalar_type()));
-  CW8A8_CHECK_TYPE(scale_a.scalar_type() == at::kFloat, op, "scale_a", "must be float32, got ",
-                   dtype_name(scale_a.scalar_type()));
-  CW8A8_CHECK_TYPE(scale_b.scalar_type() == at::kFloat, op, "scale_b", "must be float32, got ",
-                   dtype_name(scale_b.scalar_type()));
-  CW8A8_CHECK_TYPE(is_out_type(out.scalar_type()), op, "out", "must be bfloat16 or float16, got ",
-                   dtype_name(out.scalar_type()));
-  if (bias) {
-    CW8A8_CHECK_TYPE(bias->scalar_type() == out.scalar_type(), op, "bias", "must have the output dtype ",
-                     dtype_name(out.scalar_type()), ", got ", dtype_name(bias->scalar_type()));
-  }
-  // devices
-  CW8A8_CHECK_VALUE(a.is_cuda(), op, "a", "must be a CUDA tensor, got device ", a.device());
-  check_device(op, b, "b", a, "a");
-  check_device(op, scale_a, "scale_a", a, "a");
-  check_device(op, scale_b, "scale_b", a, "a");
-  check_device(op, out, "out", a, "a");
-  if (bias) check_device(op, *bias, "bias", a, "a");
-  // shapes and layouts (scaled_mm's, with M in [1, 16])
-  CW8A8_CHECK_VALUE(a.dim() == 2, op, "a", "must be 2-D [M, K], got ", a.sizes());
-  CW8A8_CHECK_VALUE(b.dim() == 2, op, "b", "must be 2-D [K, N], got ", b.sizes());
-  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
-  CW8A8_CHECK_VALUE(b.size(0) == k, op, "b", "must be [K, N] with K = a.shape[1] = ", k, ", got ", b.sizes());
-  check_m(op, "a", m);
-  check_weight_side(op, "a", b, scale_b, bias, k);
-  CW8A8_CHECK_VALUE(scale_a.numel() == 1 || (scale_a.dim() == 2 && scale_a.size(0) == m && scale_a.size(1) == 1) ||
-                        (scale_a.dim() == 1 && scale_a.size(0) == m),
-                    op, "scale_a", "must be [1] (per-tensor) or [M, 1] (per-token) with M = ", m, ", got ",
-                    scale_a.sizes());
-  CW8A8_CHECK_VALUE(scale_a.is_contiguous(), op, "scale_a", "must be contiguous");
-  const int64_t lda = a.stride(0);
-  CW8A8_CHECK_VALUE(a.stride(1) == 1, op, "a", "must be row-major (stride(1) == 1), got strides ", a.strides());
-  CW8A8_CHECK_VALUE(m <= 1 || lda >= k, op, "a", "rows overlap: stride(0) = ", lda, " < K = ", k);
-  CW8A8_CHECK_VALUE(lda % 16 == 0 || m <= 1, op, "a", "stride(0) must be a multiple of 16 elements, got ", lda);
-  CW8A8_CHECK_VALUE(is_aligned(a.data_ptr(), 16), op, "a", "data must be 16-byte aligned (storage offset ",
-                    a.storage_offset(), ")");
-  check_out(op, out, m, n);
-
-  c10::cuda::CUDAGuard guard(a.device());
-  DecodeParams p{};
-  p.a = a.data_ptr();
-  p.lda = m <= 1 ? 0 : lda;
-  p.w = static_cast<const uint8_t*>(b.data_ptr());
-  p.ldw = b.stride(1);
-  p.scale_a = scale_a.data_ptr<float>();
-  p.scale_b = scale_b.data_ptr<float>();
-  p.bias = bias ? bias->data_ptr() : nullptr;
-  p.out = out.data_ptr();
-  p.ldo = m <= 1 ? 0 : out.stride(0);
-  p.n = n;
-  p.k = static_cast<int>(k);
-  p.scale_a_per_token = scale_a.numel() == 1 ? 0 : 1;
-  p.scale_b_per_channel = scale_b.numel() == 1 ? 0 : 1;
-  run(op, m, p, a.scalar_type(), out.scalar_type(), at::ScalarType::Undefined, a);
+  check_scaled_mm_decode(a, b, scale_a, scale_b, out.scalar_type(), bias, &out);
+  run_scaled_mm_decode(out, a, b, scale_a, scale_b, bias);
 }
 
 at::Tensor scaled_mm_decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                             const at::Tensor& scale_b, at::ScalarType out_dtype,
                             const std::optional<at::Tensor>& bias) {
-  constexpr const char* op = kGemmOp;
-  CW8A8_CHECK_TYPE(is_out_type(out_dtype), op, "out_dtype", "must be bfloat16 or float16, got ",
-                   dtype_name(out_dtype));
-  CW8A8_CHECK_VALUE(a.dim() == 2 && b.dim() == 2, op, "a", "and `b` must be 2-D, got ", a.sizes(), " and ",
-                    b.sizes());
+  check_scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias, nullptr);
   at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options().dtype(out_dtype));
-  scaled_mm_decode_out(out, a, b, scale_a, scale_b, bias);
+  run_scaled_mm_decode(out, a, b, scale_a, scale_b, bias);
   return out;
 }
 
 void linear_decode_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& b, const at::Tensor& scale_b,
                        const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
-  constexpr const char* op = kLinearOp;
-  // dtypes
-  CW8A8_CHECK_TYPE(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, op, "x",
-                   "must be bfloat16 or float16, got ", dtype_name(x.scalar_type()));
-  CW8A8_CHECK_TYPE(is_8bit(dtype), op, "dtype", "must be int8 or float8_e4m3fn, got ", dtype_name(dtype));
-  CW8A8_CHECK_TYPE(b.scalar_type() == dtype, op, "b", "must have the quantized dtype ", dtype_name(dtype),
-                   ", got ", dtype_name(b.scalar_type()));
-  CW8A8_CHECK_TYPE(scale_b.scalar_type() == at::kFloat, op, "scale_b", "must be float32, got ",
-                   dtype_name(scale_b.scalar_type()));
-  CW8A8_CHECK_TYPE(out.scalar_type() == x.scalar_type(), op, "out", "must have x's dtype ",
-                   dtype_name(x.scalar_type()), ", got ", dtype_name(out.scalar_type()));
-  if (bias) {
-    CW8A8_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), op, "bias", "must have x's dtype ",
-                     dtype_name(x.scalar_type()), ", got ", dtype_name(bias->scalar_type()));
-  }
-  // devices
-  CW8A8_CHECK_VALUE(x.is_cuda(), op, "x", "must be a CUDA tensor, got device ", x.device());
-  check_device(op, b, "b", x, "x");
-  check_device(op, scale_b, "scale_b", x, "x");
-  check_device(op, out, "out", x, "x");
-  if (bias) check_device(op, *bias, "bias", x, "x");
-  // shapes and layouts
-  CW8A8_CHECK_VALUE(x.dim() == 2, op, "x", "must be 2-D [M, K], got ", x.sizes());
-  CW8A8_CHECK_VALUE(b.dim() == 2, op, "b", "must be 2-D [K, N], got ", b.sizes());
-  const int64_t m = x.size(0), k = x.size(1), n = b.size(1);
-  CW8A8_CHECK_VALUE(b.size(0) == k, op, "b", "must be [K, N] with K = x.shape[1] = ", k, ", got ", b.sizes());
-  check_m(op, "x", m);
-  check_weight_side(op, "x", b, scale_b, bias, k);
-  const int64_t ldx = x.stride(0);
-  CW8A8_CHECK_VALUE(x.stride(1) == 1, op, "x", "must be row-major (stride(1) == 1), got strides ", x.strides());
-  CW8A8_CHECK_VALUE(m <= 1 || ldx >= k, op, "x", "rows overlap: stride(0) = ", ldx, " < K = ", k);
-  CW8A8_CHECK_VALUE(ldx % 8 == 0 || m <= 1, op, "x", "stride(0) must be a multiple of 8 elements, got ", ldx);
-  CW8A8_CHECK_VALUE(is_aligned(x.data_ptr(), 16), op, "x", "data must be 16-byte aligned (storage offset ",
-                    x.storage_offset(), ")");
-  check_out(op, out, m, n);
-
-  c10::cuda::CUDAGuard guard(x.device());
-  DecodeParams p{};
-  p.a = x.data_ptr();
-  p.lda = m <= 1 ? 0 : ldx;
-  p.w = static_cast<const uint8_t*>(b.data_ptr());
-  p.ldw = b.stride(1);
-  p.scale_a = nullptr;  // computed in the kernel (the workspace when K is split)
-  p.scale_b = scale_b.data_ptr<float>();
-  p.bias = bias ? bias->data_ptr() : nullptr;
-  p.out = out.data_ptr();
-  p.ldo = m <= 1 ? 0 : out.stride(0);
-  p.n = n;
-  p.k = static_cast<int>(k);
-  p.scale_a_per_token = 1;
-  p.scale_b_per_channel = scale_b.numel() == 1 ? 0 : 1;
-  run(op, m, p, dtype, out.scalar_type(), x.scalar_type(), x);
+  check_linear_decode(x, b, scale_b, bias, dtype, &out);
+  run_linear_decode(out, x, b, scale_b, bias, dtype);
 }
 
 at::Tensor linear_decode(const at::Tensor& x, const at::Tensor& b, const at::Tensor& scale_b,
                          const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
-  constexpr const char* op = kLinearOp;
-  CW8A8_CHECK_VALUE(x.dim() == 2 && b.dim() == 2, op, "x", "and `b` must be 2-D, got ", x.sizes(), " and ",
-                    b.sizes());
+  check_linear_decode(x, b, scale_b, bias, dtype, nullptr);
   at::Tensor out = at::empty({x.size(0), b.size(1)}, x.options());
-  linear_decode_out(out, x, b, scale_b, bias, dtype);
+  run_linear_decode(out, x, b, scale_b, bias, dtype);
   return out;
 }
 

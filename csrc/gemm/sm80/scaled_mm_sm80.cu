@@ -13,12 +13,7 @@ __attribute__((visibility("default"))) int cw8a8_sm80_scaled_mm(const cw8a8_scal
 }
 
 __attribute__((visibility("default"))) int cw8a8_sm80_num_configs(int ab_type) {
-  return ab_type == CW8A8_AB_INT8 ? static_cast<int>(std::tuple_size_v<Table>) : 0;
-}
-
-__attribute__((visibility("default"))) const char* cw8a8_sm80_config_name(int ab_type, int i) {
-  if (ab_type != CW8A8_AB_INT8) return nullptr;
-  return cutlass_w8a8::sm80::name_of<Table>(i, std::make_index_sequence<std::tuple_size_v<Table>>{});
+  return cutlass_w8a8::sm80::num_configs<Table>(ab_type, CW8A8_AB_INT8);
 }
 
 }  // extern "C"

@@ -17,17 +17,9 @@
 #include <cutlass/gemm/kernel/default_gemm_universal_with_visitor.h>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 
-#include "gemm/kernel_api.h"
+#include "gemm/sm80/scaled_mm_sm80_config.cuh"
 
 namespace cutlass_w8a8::sm80 {
-
-// One configuration: threadblock tile, warp tile (K equal to the threadblock's), pipeline stages.
-template <int TbM, int TbN, int TbK, int WarpM, int WarpN, int Stages_>
-struct Config {
-  using ThreadblockShape = cutlass::gemm::GemmShape<TbM, TbN, TbK>;
-  using WarpShape = cutlass::gemm::GemmShape<WarpM, WarpN, TbK>;
-  static constexpr int kStages = Stages_;
-};
 
 template <class ArchTag, class ElementAB, class ElementD, class Cfg>
 struct ScaledMmKernel {

@@ -1,9 +1,13 @@
 // The C entry points of an Ampere/Ada kernel library (csrc/gemm/kernel_api.h), for one operand type and arch.
+// The kernels themselves are compiled in the instantiation files; this only chooses and calls one.
 #pragma once
 
 #include <cstdio>
-#include <string>
+#include <tuple>
 #include <utility>
+
+#include <cutlass/arch/arch.h>
+#include <cutlass/numeric_types.h>
 
 #include "gemm/sm80/scaled_mm_sm80_dispatch.cuh"
 
@@ -22,6 +26,7 @@ int run_index(int index, const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc,
   return rc;
 }
 
+// cw8a8_<arch>_scaled_mm of a library built for operand type `ab_type` (named `lib` in messages).
 template <class ArchTag, class ElementAB, class Table>
 int scaled_mm(const cw8a8_scaled_mm_args* args, cw8a8_alloc_fn alloc, void* ctx, char* err, size_t err_len,
               int ab_type, const char* lib) {
@@ -42,19 +47,10 @@ int scaled_mm(const cw8a8_scaled_mm_args* args, cw8a8_alloc_fn alloc, void* ctx,
   return run_index<ArchTag, ElementAB, cutlass::half_t, Table>(index, *args, alloc, ctx, err, err_len, seq);
 }
 
-template <class Cfg>
-std::string config_name() {
-  char buf[96];
-  std::snprintf(buf, sizeof(buf), "%dx%dx%d_warp%dx%d_%dstage", Cfg::ThreadblockShape::kM,
-                Cfg::ThreadblockShape::kN, Cfg::ThreadblockShape::kK, Cfg::WarpShape::kM, Cfg::WarpShape::kN,
-                Cfg::kStages);
-  return buf;
-}
-
-template <class Table, size_t... I>
-const char* name_of(int i, std::index_sequence<I...>) {
-  static const std::string names[] = {config_name<std::tuple_element_t<I, Table>>()...};
-  return (i >= 0 && i < static_cast<int>(sizeof...(I))) ? names[i].c_str() : nullptr;
+// cw8a8_<arch>_num_configs: the size of `Table` for the library's operand type `built`, 0 for any other.
+template <class Table>
+int num_configs(int ab_type, int built) {
+  return ab_type == built ? static_cast<int>(std::tuple_size_v<Table>) : 0;
 }
 
 }  // namespace cutlass_w8a8::sm80

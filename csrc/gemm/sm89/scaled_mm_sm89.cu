@@ -1,4 +1,5 @@
-// C entry points of _kernels_sm89: float8_e4m3fn scaled_mm on sm89 (CUTLASS 2.x, Ada's e4m3 MMA).
+// C entry points of _kernels_sm89: float8_e4m3fn scaled_mm on sm89 (CUTLASS 2.x, Ada's e4m3 MMA). The kernel
+// template, tables and entry are sm80's (csrc/gemm/sm80/), instantiated with ArchTag Sm89.
 #include "gemm/sm80/scaled_mm_sm80_entry.cuh"
 
 using Table = cutlass_w8a8::sm80::Fp8Configs;
@@ -13,12 +14,7 @@ __attribute__((visibility("default"))) int cw8a8_sm89_scaled_mm(const cw8a8_scal
 }
 
 __attribute__((visibility("default"))) int cw8a8_sm89_num_configs(int ab_type) {
-  return ab_type == CW8A8_AB_FP8_E4M3 ? static_cast<int>(std::tuple_size_v<Table>) : 0;
-}
-
-__attribute__((visibility("default"))) const char* cw8a8_sm89_config_name(int ab_type, int i) {
-  if (ab_type != CW8A8_AB_FP8_E4M3) return nullptr;
-  return cutlass_w8a8::sm80::name_of<Table>(i, std::make_index_sequence<std::tuple_size_v<Table>>{});
+  return cutlass_w8a8::sm80::num_configs<Table>(ab_type, CW8A8_AB_FP8_E4M3);
 }
 
 }  // extern "C"

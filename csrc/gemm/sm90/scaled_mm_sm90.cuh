@@ -33,39 +33,17 @@ namespace cutlass_w8a8::sm90 {
 
 namespace detail {
 
+// CUTLASS's kernel and epilogue schedule tags for a Schedule; the fp8 fast-accumulation kernels are their own tags.
 template <Schedule S, bool Fp8FastAccum>
-struct ScheduleTypes;
-
-template <>
-struct ScheduleTypes<Schedule::kPingpong, false> {
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
-template <>
-struct ScheduleTypes<Schedule::kCooperative, false> {
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-};
-template <>
-struct ScheduleTypes<Schedule::kPingpong, true> {
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
-template <>
-struct ScheduleTypes<Schedule::kCooperative, true> {
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-};
-
-template <Scheduler S>
-struct SchedulerTag;
-template <>
-struct SchedulerTag<Scheduler::kPersistent> {
-  using type = cutlass::gemm::PersistentScheduler;
-};
-template <>
-struct SchedulerTag<Scheduler::kStreamK> {
-  using type = cutlass::gemm::StreamKScheduler;
+struct ScheduleTypes {
+  static constexpr bool kPingpong = S == Schedule::kPingpong;
+  using Pingpong = cute::conditional_t<Fp8FastAccum, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum,
+                                       cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
+  using Cooperative = cute::conditional_t<Fp8FastAccum, cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum,
+                                          cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+  using Kernel = cute::conditional_t<kPingpong, Pingpong, Cooperative>;
+  using Epilogue = cute::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
+                                       cutlass::epilogue::TmaWarpSpecializedCooperative>;
 };
 
 inline int fail(char* err, size_t err_len, const char* what, cutlass::Status st) {
@@ -86,11 +64,8 @@ struct ScaledMmKernel {
   // fp8 accumulates in fp32 either way; "fast accumulation" skips the periodic promotion of the tensor
   // core's partial sums into a full fp32 accumulator (csrc/gemm/EPILOGUES.md). int8 accumulates exactly.
   static_assert(!(kIsInt8 && Cfg::kFastAccum), "fast accumulation is an fp8 option");
-  static_assert(Cfg::kScheduler != Scheduler::kStreamK,
-                "CUTLASS 4.2's sm90 stream-K scheduler does not compile with CUTLASS_ENABLE_GDC_FOR_SM90 "
-                "(see the tuning candidates in scaled_mm_sm90_dispatch.cuh)");
   using Sched = detail::ScheduleTypes<Cfg::kSchedule, Cfg::kFastAccum>;
-  using TileSchedulerTag = typename detail::SchedulerTag<Cfg::kScheduler>::type;
+  using TileSchedulerTag = cutlass::gemm::PersistentScheduler;  // Scheduler::kPersistent, the only one
 
   // In the kernel's own frame the rows are the MMA's M. Without the swap, rows are tokens (A's M) and
   // columns are channels (B's N); with it, rows are channels and columns tokens, and D is column-major.

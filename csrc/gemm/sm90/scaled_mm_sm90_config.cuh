@@ -3,6 +3,9 @@
 // this without pulling in the kernel templates (scaled_mm_sm90.cuh).
 #pragma once
 
+#include <tuple>
+#include <type_traits>
+
 #include <cute/layout.hpp>
 #include <cutlass/gemm/dispatch_policy.hpp>
 #include <cutlass/epilogue/dispatch_policy.hpp>
@@ -17,9 +20,11 @@ enum class Schedule {
   kCooperative,  // two consumer warpgroups split one tile along M (tile M >= 128)
 };
 
+// The tile scheduler: data-parallel persistent tiles only. There is no stream-K: CUTLASS 4.2's sm90 stream-K
+// scheduler does not compile with CUTLASS_ENABLE_GDC_FOR_SM90, which PDL needs, and it rarely won anyway (the
+// tuning candidates in scaled_mm_sm90_dispatch.cuh say by how much).
 enum class Scheduler {
-  kPersistent,  // data-parallel persistent tiles
-  kStreamK,     // stream-K: K-slices of tiles spread over all SMs, fixed up through a workspace
+  kPersistent,
 };
 
 // One kernel configuration. `SwapAB` computes D^T = B^T A^T: the weight's N then sits on the MMA's M side,
@@ -37,8 +42,28 @@ struct Config {
   static constexpr bool kFastAccum = FastAccum;
 };
 
+// Index of config `Cfg` in the std::tuple `Table`; a compile error unless it occurs exactly once. The dispatch
+// functions return table indices by name with it: `index_of<Int8_M32, Int8Configs>`.
+template <class Cfg, class... Cs>
+constexpr int index_in(const std::tuple<Cs...>*) {
+  constexpr bool same[] = {std::is_same_v<Cfg, Cs>...};
+  int index = -1;
+  for (int i = 0; i < static_cast<int>(sizeof...(Cs)); ++i) {
+    if (same[i]) index = index == -1 ? i : -2;
+  }
+  return index;
+}
+template <class Cfg, class Table>
+struct IndexOf {
+  static constexpr int value = index_in<Cfg>(static_cast<const Table*>(nullptr));
+  static_assert(value >= 0, "the config is not in the table, or is in it more than once");
+};
+template <class Cfg, class Table>
+inline constexpr int index_of = IndexOf<Cfg, Table>::value;
+
 // Defined in scaled_mm_sm90.cuh, instantiated one (ElementAB, ElementD, Config) per file under
-// instantiations/. Returns 0 or writes an error message.
+// instantiations/ (shipped configs) and instantiations_tune/ (tuning candidates). Returns 0 or writes an
+// error message.
 template <class ElementAB, class ElementD, class Cfg>
 int run_scaled_mm(const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc, void* alloc_ctx, char* err,
                   size_t err_len);

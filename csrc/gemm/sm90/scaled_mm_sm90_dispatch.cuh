@@ -1,10 +1,12 @@
 // sm90 scaled_mm configurations and the choice among them by problem shape.
 //
-// Each shipped table entry is compiled once per output type, one file each under instantiations/ (written
-// by generate_instantiations.py from the tables below: rerun it after editing a table). The tuning
-// candidates are compiled (bfloat16 output only) when the package is built with CUTLASS_W8A8_TUNE=1; then a
-// config can be forced by index for bench/tune_sm90.py through the private op
-// cutlass_w8a8::_scaled_mm_config. Index i < size(shipped) names shipped entry i; the candidates follow.
+// Every shipped config has a name by the bucket it serves (`Int8_M32`: M in [1, 32]) and is compiled once per
+// output type, one file each under instantiations/ named after it (`int8_M32_bf16.cu`, written by
+// generate_instantiations.py from the headers: rerun it after editing a table). The tables list those names;
+// their order is a runtime contract: a table index is what select_int8 / select_fp8 return, what the private
+// op cutlass_w8a8::_scaled_mm_config forces (bench/tune_sm90.py) and what a CUDA-graph record stores. Index
+// i < size(shipped) names shipped entry i; the tuning candidates follow, compiled (bfloat16 output only, one
+// file each under instantiations_tune/ named by shape) when the package is built with CUTLASS_W8A8_TUNE=1.
 //
 // Reading a config: Config<TileM, TileN, TileK, ClusterM, ClusterN, schedule, tile scheduler, swap A/B
 // [, fp8 fast accumulation]>, in the kernel's own frame: with the swap, the kernel's M is the weight's N
@@ -23,7 +25,6 @@ using T = Scheduler;
 constexpr S PP = S::kPingpong;
 constexpr S CO = S::kCooperative;
 constexpr T PE = T::kPersistent;
-constexpr T SK = T::kStreamK;
 
 // The tables below were chosen by bench/tune_sm90.py on an H200 (bench/results/tune_nvidia-h200_*.md, the
 // 2026-11-21 sweep, whose configs' replays are interleaved so that all run under the same clocks): each
@@ -32,22 +33,24 @@ constexpr T SK = T::kStreamK;
 
 // ---- int8 x int8 -> int32 ------------------------------------------------------------------------------
 
-using Int8Configs = std::tuple<
-    // 0. M in [1, 32]: decode. Swapped, so the weight's N fills the 64-row MMA and the tokens its N (16);
-    //    the GEMM streams the weight, and deep K tiles keep many bytes in flight per SM. Within 3% of the
-    //    best swapped tile at every M <= 32 (128-row cooperative and stream-K variants tie or lose).
-    Config<64, 16, 256, 1, 1, PP, PE, true>,
-    // 1. M in (32, 64]: the same with 32 token columns.
-    Config<64, 32, 256, 1, 1, PP, PE, true>,
-    // 2. M in (64, 128]: 64 token columns; K 128 beats K 256 here (more stages in flight).
-    Config<64, 64, 128, 1, 1, PP, PE, true>,
-    // 3. M > 128 when entry 4's tiles would leave much of their last wave idle (select_int8): unswapped, tokens
-    //    on a 64-row MMA tile, twice as many CTAs as entry 4.
-    Config<64, 128, 128, 1, 1, PP, PE, false>,
-    // 4. M > 128 otherwise: the 128x128 pingpong tile, pairs of CTAs sharing B through TMA multicast. Within
-    //    2.3% of the per-point best in geomean at every M >= 512; the 128x256 cooperative tile that the earlier
-    //    sweep kept for M >= 4096 on the largest shapes measured 0-7% slower here.
-    Config<128, 128, 128, 2, 1, PP, PE, false>>;
+// M in [1, 32]: decode. Swapped, so the weight's N fills the 64-row MMA and the tokens its N (16); the GEMM
+// streams the weight, and deep K tiles keep many bytes in flight per SM. Within 3% of the best swapped tile at
+// every M <= 32 (128-row cooperative and stream-K variants tie or lose).
+using Int8_M32 = Config<64, 16, 256, 1, 1, PP, PE, true>;
+// M in (32, 64]: the same with 32 token columns.
+using Int8_M64 = Config<64, 32, 256, 1, 1, PP, PE, true>;
+// M in (64, 128]: 64 token columns; K 128 beats K 256 here (more stages in flight).
+using Int8_M128 = Config<64, 64, 128, 1, 1, PP, PE, true>;
+// M > 128 when Int8_MLarge's tiles would leave much of their last wave idle (select_int8): unswapped, tokens
+// on a 64-row MMA tile, twice as many CTAs as Int8_MLarge.
+using Int8_MLarge_FewTiles = Config<64, 128, 128, 1, 1, PP, PE, false>;
+// M > 128 otherwise: the 128x128 pingpong tile, pairs of CTAs sharing B through TMA multicast. Within 2.3% of
+// the per-point best in geomean at every M >= 512; the 128x256 cooperative tile that the earlier sweep kept
+// for M >= 4096 on the largest shapes measured 0-7% slower here.
+using Int8_MLarge = Config<128, 128, 128, 2, 1, PP, PE, false>;
+
+// Table indices 0..4, in this order (see the top of this file).
+using Int8Configs = std::tuple<Int8_M32, Int8_M64, Int8_M128, Int8_MLarge_FewTiles, Int8_MLarge>;
 
 // Share of the CTA slots of the last wave that `tiles` persistent work tiles keep busy on `sms` SMs (1: the
 // tiles fill whole waves).
@@ -56,20 +59,23 @@ inline double wave_fill(int64_t tiles, int sms) {
   return waves > 0 ? static_cast<double>(tiles) / static_cast<double>(waves * sms) : 1.0;
 }
 
-// For M > 128, entry 4 (128x128 tiles) unless entry 3 (64x128, twice the tiles) fills its waves better by
-// more than 0.05. In the sweep this picks the faster of the two at every one of its 48 points with M > 128
-// (8B qkv at M = 512: 21.4 vs 24.4 us; 8B o at M = 256: 10.5 vs 14.7 us; 70B o at M = 256: 27.7 vs 28.9 us),
-// where the rule it replaces (64x128 for M <= 256 unless N * K >= 2^27) lost up to 14% at 4 of them.
+// For M > 128, Int8_MLarge (128x128 tiles) unless Int8_MLarge_FewTiles (64x128, twice the tiles) fills its
+// waves better by more than 0.05. In the sweep this picks the faster of the two at every one of its 48 points
+// with M > 128 (8B qkv at M = 512: 21.4 vs 24.4 us; 8B o at M = 256: 10.5 vs 14.7 us; 70B o at M = 256: 27.7
+// vs 28.9 us), where the rule it replaces (64x128 for M <= 256 unless N * K >= 2^27) lost up to 14% at 4 of
+// them. Returns an index into Int8Configs.
 inline int select_int8(int64_t m, int64_t n, int64_t k, int sm_count) {
   (void)k;
-  if (m <= 32) return 0;
-  if (m <= 64) return 1;
-  if (m <= 128) return 2;
+  if (m <= 32) return index_of<Int8_M32, Int8Configs>;
+  if (m <= 64) return index_of<Int8_M64, Int8Configs>;
+  if (m <= 128) return index_of<Int8_M128, Int8Configs>;
   const int64_t tiles_n = (n + 127) / 128;
   const int64_t tiles_m_128 = ((m + 127) / 128 + 1) / 2 * 2;  // a 2x1 cluster pads the M tiles to pairs
   const int64_t tiles_m_64 = (m + 63) / 64;
   const int sms = sm_count > 0 ? sm_count : 132;
-  return wave_fill(tiles_m_64 * tiles_n, sms) > wave_fill(tiles_m_128 * tiles_n, sms) + 0.05 ? 3 : 4;
+  return wave_fill(tiles_m_64 * tiles_n, sms) > wave_fill(tiles_m_128 * tiles_n, sms) + 0.05
+             ? index_of<Int8_MLarge_FewTiles, Int8Configs>
+             : index_of<Int8_MLarge, Int8Configs>;
 }
 
 // ---- fp8 e4m3 x e4m3 -> fp32 ---------------------------------------------------------------------------
@@ -78,29 +84,32 @@ inline int select_int8(int64_t m, int64_t n, int64_t k, int sm_count) {
 // the accumulator registers). vLLM's sm90 fp8 kernels make the same choice. The error it allows is stated
 // in csrc/gemm/EPILOGUES.md and tested in tests/test_scaled_mm_cuda.py.
 
-using Fp8Configs = std::tuple<
-    // 0. M in [1, 16]
-    Config<64, 16, 256, 1, 1, PP, PE, true, true>,
-    // 1. M in (16, 64]
-    Config<64, 32, 256, 1, 1, PP, PE, true, true>,
-    // 2. M in (64, 128]
-    Config<64, 64, 256, 1, 1, PP, PE, true, true>,
-    // 3. M > 128: 128x128 pingpong, cluster 2x1; within 1.4% of the per-point best in geomean at every M in
-    //    (128, 2048].
-    Config<128, 128, 128, 2, 1, PP, PE, false, true>,
-    // 4. M >= 2048 with K >= 8192: 128x256 cooperative, cluster 2x1. At M = 4096 and 8192 it beat entry 3 on
-    //    every K >= 8192 shape, by 3-13% (70B down at M = 8192: 2623 vs 2955 us), and tied or won (by up to
-    //    6.6%) at M = 2048; on the K = 4096 shapes it lost up to 6%, so those keep entry 3.
-    Config<128, 256, 128, 2, 1, CO, PE, false, true>>;
+// M in [1, 16]
+using Fp8_M16 = Config<64, 16, 256, 1, 1, PP, PE, true, true>;
+// M in (16, 64]
+using Fp8_M64 = Config<64, 32, 256, 1, 1, PP, PE, true, true>;
+// M in (64, 128]
+using Fp8_M128 = Config<64, 64, 256, 1, 1, PP, PE, true, true>;
+// M > 128 (but Fp8_MLarge_KBig's bucket): 128x128 pingpong, cluster 2x1; within 1.4% of the per-point best in
+// geomean at every M in (128, 2048].
+using Fp8_MLarge = Config<128, 128, 128, 2, 1, PP, PE, false, true>;
+// M >= 2048 with K >= 8192: 128x256 cooperative, cluster 2x1. At M = 4096 and 8192 it beat Fp8_MLarge on every
+// K >= 8192 shape, by 3-13% (70B down at M = 8192: 2623 vs 2955 us), and tied or won (by up to 6.6%) at
+// M = 2048; on the K = 4096 shapes it lost up to 6%, so those keep Fp8_MLarge.
+using Fp8_MLarge_KBig = Config<128, 256, 128, 2, 1, CO, PE, false, true>;
 
+// Table indices 0..4, in this order (see the top of this file).
+using Fp8Configs = std::tuple<Fp8_M16, Fp8_M64, Fp8_M128, Fp8_MLarge, Fp8_MLarge_KBig>;
+
+// Returns an index into Fp8Configs.
 inline int select_fp8(int64_t m, int64_t n, int64_t k, int sm_count) {
   (void)n;
   (void)sm_count;
-  if (m <= 16) return 0;
-  if (m <= 64) return 1;
-  if (m <= 128) return 2;
-  if (m >= 2048 && k >= 8192) return 4;
-  return 3;
+  if (m <= 16) return index_of<Fp8_M16, Fp8Configs>;
+  if (m <= 64) return index_of<Fp8_M64, Fp8Configs>;
+  if (m <= 128) return index_of<Fp8_M128, Fp8Configs>;
+  if (m >= 2048 && k >= 8192) return index_of<Fp8_MLarge_KBig, Fp8Configs>;
+  return index_of<Fp8_MLarge, Fp8Configs>;
 }
 
 // ---- tuning candidates (bfloat16 output; built with CUTLASS_W8A8_TUNE=1) ----------------------------

@@ -1,0 +1,129 @@
+// The CUDA ops' argument checks by operand role (core/checks.hpp).
+#include "core/checks.hpp"
+
+namespace cutlass_w8a8 {
+
+std::string py_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kBool: return "torch.bool";
+    case at::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
+    case at::kFloat8_e5m2: return "torch.float8_e5m2";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+std::string py_tuple(at::IntArrayRef v) {
+  std::string s = "(";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  return s + (v.size() == 1 ? ",)" : ")");
+}
+
+void check_same_device(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                       const at::Tensor& ref) {
+  CW8A8_CHECK_VALUE(t.device() == ref.device(), op, name, "is on ", t.device(), " but `", ref_name, "` is on ",
+                    ref.device());
+}
+
+void check_same_device(const char* op, const char* name, const std::optional<at::Tensor>& t, const char* ref_name,
+                       const at::Tensor& ref) {
+  if (t) check_same_device(op, name, *t, ref_name, ref);
+}
+
+void check_cuda(const char* op, const char* name, const at::Tensor& t) {
+  CW8A8_CHECK_VALUE(t.is_cuda(), op, name, "must be a CUDA tensor, got device ", t.device());
+}
+
+void check_ab_dtype(const char* op, const char* name, const at::Tensor& t) {
+  CW8A8_CHECK_TYPE(is_ab_dtype(t.scalar_type()), op, name, "must be int8 or float8_e4m3fn, got ",
+                   py_dtype(t.scalar_type()));
+}
+
+void check_float32(const char* op, const char* name, const at::Tensor& t) {
+  CW8A8_CHECK_TYPE(t.scalar_type() == at::kFloat, op, name, "must be float32, got ", py_dtype(t.scalar_type()));
+}
+
+void check_out_dtype_arg(const char* op, const char* name, at::ScalarType t) {
+  CW8A8_CHECK_TYPE(is_out_dtype(t), op, name, "must be torch.bfloat16 or torch.float16, got ", py_dtype(t));
+}
+
+void check_bias_dtype(const char* op, const std::optional<at::Tensor>& bias, at::ScalarType out_dtype) {
+  if (!bias) return;
+  CW8A8_CHECK_TYPE(bias->scalar_type() == out_dtype, op, "bias", "must have the output dtype ", py_dtype(out_dtype),
+                   ", got ", py_dtype(bias->scalar_type()));
+}
+
+void check_contiguous(const char* op, const char* name, const at::Tensor& t) {
+  CW8A8_CHECK_VALUE(t.is_contiguous(), op, name, "must be contiguous");
+}
+
+void check_gemm_dim(const char* op, const char* arg, const char* what, int64_t v) {
+  CW8A8_CHECK_VALUE(v > 0 && v % limits::kGemmAlign == 0, op, arg, what, " must be a positive multiple of ",
+                    limits::kGemmAlign, ", got ", v);
+}
+
+void check_int8_k(const char* op, const char* arg, at::ScalarType ab, int64_t k) {
+  if (ab != at::kChar) return;
+  CW8A8_CHECK_VALUE(k <= limits::kInt8MaxK, op, arg, "K = ", k,
+                    " can overflow the int32 accumulator; int8 needs K <= ", limits::kInt8MaxK);
+}
+
+void check_scale_b_shape(const char* op, const char* name, const at::Tensor& t, int64_t n) {
+  const bool ok = t.numel() == 1 || (t.dim() == 1 && t.size(0) == n) ||
+                  (t.dim() == 2 && ((t.size(0) == 1 && t.size(1) == n) || (t.size(0) == n && t.size(1) == 1)));
+  CW8A8_CHECK_VALUE(ok, op, name, "must be [1] (per-tensor), [N], [1, N] or [N, 1] (per-channel) with N = ", n,
+                    ", got shape ", py_tuple(t.sizes()));
+}
+
+void check_bias_shape(const char* op, const std::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias) return;
+  CW8A8_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n, op, "bias", "must be [N] with N = ", n, ", got shape ",
+                    py_tuple(bias->sizes()));
+  CW8A8_CHECK_VALUE(bias->is_contiguous(), op, "bias", "must be contiguous");
+}
+
+void check_row_major(const char* op, const char* name, const at::Tensor& t, int64_t width, const char* width_name,
+                     int64_t multiple) {
+  const int64_t rows = t.size(0), pitch = t.stride(0);
+  CW8A8_CHECK_VALUE(t.stride(1) == 1, op, name, "must be row-major (stride(1) == 1), got strides ",
+                    py_tuple(t.strides()));
+  CW8A8_CHECK_VALUE(rows <= 1 || pitch >= width, op, name, "rows overlap: stride(0) = ", pitch, " < ", width_name,
+                    " = ", width);
+  CW8A8_CHECK_VALUE(rows <= 1 || pitch % multiple == 0, op, name, "stride(0) must be a multiple of ", multiple,
+                    " elements, got ", pitch);
+}
+
+void check_column_major_b(const char* op, const char* name, const at::Tensor& b, int64_t k) {
+  const int64_t ldb = b.stride(1);
+  CW8A8_CHECK_VALUE(b.stride(0) == 1, op, name,
+                    "must be column-major [K, N] (the transpose of a row-major [N, K] weight, stride(0) == 1), "
+                    "got strides ", py_tuple(b.strides()));
+  CW8A8_CHECK_VALUE(ldb >= k, op, name, "columns overlap: stride(1) = ", ldb, " < K = ", k);
+  CW8A8_CHECK_VALUE(ldb % limits::kGemmAlign == 0, op, name, "stride(1) must be a multiple of ", limits::kGemmAlign,
+                    " elements, got ", ldb);
+}
+
+void check_aligned16(const char* op, const char* name, const at::Tensor& t) {
+  CW8A8_CHECK_VALUE(is_aligned(t.data_ptr(), 16), op, name, "data must be 16-byte aligned (storage offset ",
+                    t.storage_offset(), ")");
+}
+
+void check_out_matrix(const char* op, const at::Tensor& out, int64_t m, int64_t n) {
+  CW8A8_CHECK_VALUE(out.dim() == 2 && out.size(0) == m && out.size(1) == n, op, "out", "must be [M, N] = [", m,
+                    ", ", n, "], got shape ", py_tuple(out.sizes()));
+  check_row_major(op, "out", out, n, "N", 8);
+  check_aligned16(op, "out", out);
+}
+
+}  // namespace cutlass_w8a8

@@ -1,0 +1,87 @@
+// The CUDA ops' argument contract, by operand role. Every message reads, character for character, as the one
+// the CPU and fake implementations raise in Python (cutlass_w8a8/ops/_checks.py): dtypes printed as Python
+// prints a torch.dtype ("torch.bfloat16"), shapes and strides as Python tuples ("(4, 64)", "(64,)"), devices as
+// torch.device ("cuda:0", "cpu").
+//
+// CW8A8_CHECK_TYPE raises TypeError in Python (a wrong dtype), CW8A8_CHECK_VALUE ValueError (a wrong shape,
+// layout, device or value); both print "op: `arg` message".
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include <ATen/ATen.h>
+
+#include "core/limits.hpp"
+
+#define CW8A8_CHECK_TYPE(cond, op, arg, ...) TORCH_CHECK_TYPE(cond, op, ": `", arg, "` ", __VA_ARGS__)
+#define CW8A8_CHECK_VALUE(cond, op, arg, ...) TORCH_CHECK_VALUE(cond, op, ": `", arg, "` ", __VA_ARGS__)
+
+namespace cutlass_w8a8 {
+
+// How Python prints a dtype ("torch.bfloat16") and a shape or strides ("(4, 64)", "(64,)").
+std::string py_dtype(at::ScalarType t);
+std::string py_tuple(at::IntArrayRef v);
+
+inline bool is_aligned(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// GEMM operand dtypes (int8, float8_e4m3fn) and output dtypes (bfloat16, float16).
+inline bool is_ab_dtype(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn; }
+inline bool is_out_dtype(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+// ---- devices --------------------------------------------------------------------------------------------------
+// "`name` is on {t.device} but `ref_name` is on {ref.device}" (ValueError). A CPU tensor given with CUDA ones
+// reaches the CUDA kernel, so this is also the check that rejects it.
+void check_same_device(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                       const at::Tensor& ref);
+void check_same_device(const char* op, const char* name, const std::optional<at::Tensor>& t,
+                       const char* ref_name, const at::Tensor& ref);  // no-op for nullopt
+// "`name` must be a CUDA tensor, got device {t.device}" (ValueError).
+void check_cuda(const char* op, const char* name, const at::Tensor& t);
+
+// ---- dtypes (TypeError) ---------------------------------------------------------------------------------------
+// A GEMM operand: "`name` must be int8 or float8_e4m3fn, got torch.int32"
+void check_ab_dtype(const char* op, const char* name, const at::Tensor& t);
+// "`name` must be float32, got torch.float16"
+void check_float32(const char* op, const char* name, const at::Tensor& t);
+// A dtype argument naming the output: "`name` must be torch.bfloat16 or torch.float16, got torch.float32"
+void check_out_dtype_arg(const char* op, const char* name, at::ScalarType t);
+// A GEMM bias in the output dtype: "`bias` must have the output dtype torch.bfloat16, got torch.float16"
+// (no-op for nullopt).
+void check_bias_dtype(const char* op, const std::optional<at::Tensor>& bias, at::ScalarType out_dtype);
+
+// ---- shapes and values (ValueError) ----------------------------------------------------------------------------
+// "`name` must be contiguous"
+void check_contiguous(const char* op, const char* name, const at::Tensor& t);
+// A GEMM dimension: "`arg` {what} must be a positive multiple of 16, got {v}", what e.g. "K = a.shape[1]".
+void check_gemm_dim(const char* op, const char* arg, const char* what, int64_t v);
+// int8 K (ab: the operand dtype; nothing for fp8): "`arg` K = {k} can overflow the int32 accumulator; int8 needs
+// K <= 131056" (limits::kInt8MaxK).
+void check_int8_k(const char* op, const char* arg, at::ScalarType ab, int64_t k);
+// A per-channel scale of the [K, N] weight b: one value, or N as (N,), (1, N) or (N, 1): "`name` must be [1]
+// (per-tensor), [N], [1, N] or [N, 1] (per-channel) with N = {n}, got shape {shape}". Contiguity is separate.
+void check_scale_b_shape(const char* op, const char* name, const at::Tensor& t, int64_t n);
+// The bias operand's shape, as ops/_roles.py (bias shape): None, or a contiguous (N,) vector. Its dtype is
+// checked with the other dtypes.
+void check_bias_shape(const char* op, const std::optional<at::Tensor>& bias, int64_t n);
+
+// ---- layouts (ValueError) -------------------------------------------------------------------------------------
+// Rows of a row-major matrix with `width` elements per row (`width_name`, e.g. "K"), read with 16-byte accesses:
+// stride(1) == 1, and for more than one row stride(0) >= width and a multiple of `multiple` elements. Padded rows
+// (a slice of a wider buffer) are fine: the stride is passed to the kernel, never assumed.
+void check_row_major(const char* op, const char* name, const at::Tensor& t, int64_t width, const char* width_name,
+                     int64_t multiple);
+// b [K, N] column-major (the transpose of a row-major [N, K] weight): stride(0) == 1, stride(1) >= K and a
+// multiple of 16 elements. Alignment is separate.
+void check_column_major_b(const char* op, const char* name, const at::Tensor& b, int64_t k);
+// "`name` data must be 16-byte aligned (storage offset {offset})"
+void check_aligned16(const char* op, const char* name, const at::Tensor& t);
+// A GEMM destination `out` [M, N]: its shape, then row-major rows (pitch a multiple of 8 elements), then its
+// alignment, in Python's order.
+void check_out_matrix(const char* op, const at::Tensor& out, int64_t m, int64_t n);
+
+}  // namespace cutlass_w8a8

@@ -1,0 +1,30 @@
+// Every size limit of the ops' argument contracts, in one place. cutlass_w8a8/ops/_limits.py holds the same
+// numbers for the CPU and fake implementations; tests/test_limits.py parses this file and pins the two equal.
+#pragma once
+
+#include <cstdint>
+
+namespace cutlass_w8a8::limits {
+
+// int8 products are at most 128 * 128 = 2^14 in magnitude, so an int32 sum of K of them cannot overflow while
+// K * 2^14 <= 2^31 - 1, i.e. K <= 131071; the largest multiple of 16 below that is 131056 (INT8_MAX_K).
+constexpr int64_t kInt8MaxK = (int64_t{2147483647} / (128 * 128)) / 16 * 16;
+// GEMM K and N: positive multiples of this many elements (16-byte TMA / cp.async rows of 8-bit operands).
+constexpr int64_t kGemmAlign = 16;
+// GEMM M (rows of a): below 2^31 (32-bit grid and row indices).
+constexpr int64_t kMaxM = int64_t{1} << 31;
+// Row-wise ops (quantize, rms_norm, silu_mul): at most 2^31 - 1 rows, and K below 2^31.
+constexpr int64_t kMaxRows = int64_t{2147483647};
+constexpr int64_t kMaxRowK = int64_t{1} << 31;
+// Decode GEMMs (scaled_mm_decode, linear_decode): M in [1, 16] (two mma token tiles of 8), K <= 2^30
+// (32-bit K byte offsets).
+constexpr int64_t kDecodeMaxM = 16;
+constexpr int64_t kDecodeMaxK = int64_t{1} << 30;
+// decode_attention: head dim D a multiple of 8 in [8, 256]; at most 65535 query heads (gridDim.y); S (cache
+// positions) below 2^31.
+constexpr int64_t kAttnMaxHeadDim = 256;
+constexpr int64_t kAttnMaxHeads = 65535;
+constexpr int64_t kAttnHeadDimMultiple = 8;
+constexpr int64_t kAttnMaxSeq = int64_t{1} << 31;
+
+}  // namespace cutlass_w8a8::limits

@@ -1,0 +1,300 @@
+// RMSNorm, with the residual add of a decoder layer and with the activation quantization that follows it:
+//
+//   rms_norm(x, weight, eps)                      y = rms_norm(x) * weight
+//   fused_add_rms_norm(x, residual, weight, eps)  residual += x in place; y = rms_norm(residual) * weight
+//   rms_norm_quant(x, weight, eps, dtype,         either of those y (residual optional), then quantized to
+//                  scale, residual)               int8 / float8_e4m3fn
+//
+// (rms_norm and fused_add_rms_norm are two ops rather than one with an optional mutable residual: torch 2.13's
+// inductor fails to lower a single-Tensor-returning op whose `Tensor(a!)?` argument is None.)
+//
+// Arithmetic, chosen so that each op equals torch's unfused chain in the tensor's dtype (the CPU reference
+// in cutlass_w8a8's ops is that chain):
+//
+//   residual add   r = T(float(x) + float(r))                           (torch's `residual += x` in T)
+//   rms_norm       inv = 1 / sqrt(sum_k(float(s)^2) / K + float(eps));  y = T((float(s) * inv) * float(w))
+//                  (F.rms_norm: float32 inside, one rounding to T at the end; s = r, or x without residual)
+//   quantization   of float(y), i.e. of y AFTER its rounding to T, exactly as quantize_per_token /
+//                  quantize_per_tensor (quantize.cu) would quantize the stored y: so fused == unfused chain.
+//
+// The float32 sum of squares runs in a fixed order (each thread's elements, a butterfly over lanes and warps,
+// then the blocks of a cluster in rank order) that depends only on K, the dtype, the row's alignment and the
+// device, never on M: results are deterministic and independent of the batch. It is neither the CPU's
+// summation order nor torch's CUDA rms_norm's, and torch's CPU rsqrt is not 1 / sqrt, so y can differ from
+// those in the last bit of T where the float32 value lies within a few float32 roundings of a tie
+// (tests/test_fused_quant_cuda.py bounds that; all that follows y, the quantization included, is bit-exact).
+//
+// Kernel shape (csrc/graphs/graph_nodes.hpp relies on it; the same for silu_mul.cu): every kernel is row-wise,
+// grid (M, C, 1) with C = 1, or the C blocks of a thread block cluster that share a long row (sm90; the cluster
+// shape is compiled into the kernel); blocks (x, *) read and write row x only (and residual row x), and no
+// parameter depends on M. One launch per call, on the current stream, no host synchronisation, outputs from the
+// caching allocator. The launch shapes and the shared tail (store or quantize y): quant/rowwise_reduce.cuh.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "core/checks.hpp"
+#include "core/device.hpp"
+#include "graphs/graph_nodes.hpp"
+#include "ops.hpp"
+#include "quant/quantize.hpp"
+#include "quant/rowwise_args.hpp"
+#include "quant/rowwise_reduce.cuh"
+
+namespace cutlass_w8a8 {
+namespace {
+
+// --- RMSNorm (with the residual add) ------------------------------------------------------------------
+
+template <class T, class OutT>
+struct RmsNormParams {
+  const T* x;  // [M, K] rows, x_stride apart (not __restrict__: residual may legally be x itself)
+  int64_t x_stride;
+  T* residual;  // [M, K] rows, updated in place; nullptr: no residual
+  int64_t residual_stride;
+  const T* weight;  // [K]
+  OutT* out;        // [M, K] contiguous
+  float* scales;    // [M] (quantized outputs only)
+  const float* static_scale;  // one float32 (static per-tensor), or nullptr (dynamic per-token)
+  float eps;
+  int k;
+};
+
+// s = x, or residual = s = T(x + residual); returns sum of float(s)^2 over the vector.
+template <class T, int N>
+__device__ __forceinline__ float add_residual(Vec<T, N>& s, T* residual_vec_ptr) {
+  if (residual_vec_ptr != nullptr) {
+    auto* rp = reinterpret_cast<Vec<T, N>*>(residual_vec_ptr);
+    const Vec<T, N> r = *rp;
+#pragma unroll
+    for (int j = 0; j < N; ++j) s.v[j] = from_float<T>(to_float(s.v[j]) + to_float(r.v[j]));
+    *rp = s;
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const float f = to_float(s.v[j]);
+    ss += __fmul_rn(f, f);  // the square rounded on its own (as torch's pow), not fused into the sum
+  }
+  return ss;
+}
+
+template <class T, int N>
+__device__ __forceinline__ Vec<T, N> normalize(const Vec<T, N>& s, const Vec<T, N>& w, float inv_rms) {
+  Vec<T, N> y;
+#pragma unroll
+  for (int j = 0; j < N; ++j) y.v[j] = from_float<T>(__fmul_rn(__fmul_rn(to_float(s.v[j]), inv_rms), to_float(w.v[j])));
+  return y;
+}
+
+__device__ __forceinline__ float inverse_rms(float sum_sq, int k, float eps) {
+  // F.rms_norm: rsqrt(mean(s^2) + eps), the mean as sum / K; IEEE division and square root.
+  return 1.f / sqrtf(sum_sq / static_cast<float>(k) + eps);
+}
+
+// The row-wise kernels of quant/rowwise_reduce.cuh run these (launch_rowwise).
+template <class T, class O>
+struct RmsNormRow {
+  using Params = RmsNormParams<T, typename O::type>;
+
+  // One row (C = 1) or this block's part of it (C > 1) in registers: kVecs 16-byte vectors per thread of kB; x,
+  // residual, weight and out 16-byte vectorizable.
+  template <int kVecs, int kB, int C>
+  __device__ __forceinline__ static void regs(const Params& p) {
+    constexpr int N = 16 / sizeof(T);
+    using V = Vec<T, N>;
+    const int64_t row = blockIdx.x;
+    const V* xr = reinterpret_cast<const V*>(p.x + row * p.x_stride);
+    T* rr = p.residual != nullptr ? p.residual + row * p.residual_stride : nullptr;
+    int begin, end;
+    block_part<C>(p.k / N, begin, end);
+
+    V s[kVecs];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int idx = begin + threadIdx.x + i * kB;
+      if (idx < end) {
+        s[i] = xr[idx];
+        ss += add_residual<T, N>(s[i], rr != nullptr ? rr + int64_t(idx) * N : nullptr);
+      }
+    }
+    const float inv_rms = inverse_rms(ClusterReduce<C>::run(block_sum<kB>(ss), SumOp{}), p.k, p.eps);
+    const V* wv = reinterpret_cast<const V*>(p.weight);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int idx = begin + threadIdx.x + i * kB;
+      if (idx < end) s[i] = normalize<T, N>(s[i], wv[idx], inv_rms);  // s[i] now holds y
+    }
+    finish_regs<T, O, N, kVecs, kB, C>(s, begin, end, p.out + row * int64_t(p.k), p.scales, p.static_scale, row);
+  }
+
+  // Any row length; N elements per access (N = 1: any alignment). Passes: residual add and sum of squares;
+  // then y from the stored residual (or x) for the amax (dynamic) and again for the output.
+  template <int N, int kB>
+  __device__ __forceinline__ static void loop(const Params& p) {
+    using V = Vec<T, N>;
+    const int64_t row = blockIdx.x;
+    const V* xr = reinterpret_cast<const V*>(p.x + row * p.x_stride);
+    T* rr = p.residual != nullptr ? p.residual + row * p.residual_stride : nullptr;
+    const int nvec = p.k / N;
+
+    float ss = 0.f;
+    for (int idx = threadIdx.x; idx < nvec; idx += kB) {
+      V s = xr[idx];
+      ss += add_residual<T, N>(s, rr != nullptr ? rr + int64_t(idx) * N : nullptr);
+    }
+    const float inv_rms = inverse_rms(block_sum<kB>(ss), p.k, p.eps);
+    // Each thread reads back only the residual elements it wrote itself: program order makes them visible.
+    const V* src = rr != nullptr ? reinterpret_cast<const V*>(rr) : xr;
+    const V* wv = reinterpret_cast<const V*>(p.weight);
+    auto produce = [&](int idx) { return normalize<T, N>(src[idx], wv[idx], inv_rms); };
+    finish_loop<T, O, N, kB>(produce, nvec, p.out + row * int64_t(p.k), p.scales, p.static_scale, row);
+  }
+};
+
+// --- host side ---------------------------------------------------------------------------------------
+
+// How Python prints a float (repr): the shortest digits that read back as v; positional notation for decimal
+// exponents in [-4, 16), with ".0" on whole numbers, else "1e-05" / "1.5e+16"; "nan", "inf", "-inf".
+std::string py_float(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[40];
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*e", digits - 1, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  // buf: [-]d[.ddd]e(+|-)XX
+  std::string s(buf);
+  const bool negative = s[0] == '-';
+  if (negative) s.erase(0, 1);
+  const size_t e = s.find('e');
+  const int exponent = std::atoi(s.c_str() + e + 1);
+  std::string mantissa = s.substr(0, e), digits;
+  for (char c : mantissa) {
+    if (c != '.') digits += c;
+  }
+  std::string out;
+  if (exponent < -4 || exponent >= 16) {
+    out = digits.substr(0, 1) + (digits.size() > 1 ? "." + digits.substr(1) : "");
+    const int a = exponent < 0 ? -exponent : exponent;
+    out += std::string("e") + (exponent < 0 ? "-" : "+") + (a < 10 ? "0" : "") + std::to_string(a);
+  } else if (exponent < 0) {
+    out = "0." + std::string(-exponent - 1, '0') + digits;
+  } else {
+    if (digits.size() < static_cast<size_t>(exponent) + 1) digits.append(exponent + 1 - digits.size(), '0');
+    const std::string whole = digits.substr(0, exponent + 1), frac = digits.substr(exponent + 1);
+    out = whole + "." + (frac.empty() ? "0" : frac);
+  }
+  return negative ? "-" + out : out;
+}
+
+// ops/_checks.py check_rms_norm: x, then weight, eps and the optional residual (which must be writable as [M, K] rows).
+void check_rms_norm(const char* op, const at::Tensor& x, const at::Tensor& weight, double eps,
+                    const std::optional<at::Tensor>& residual) {
+  quant::check_rows_input(op, x);
+  const int64_t k = x.size(-1);
+  CW8A8_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), op, "weight", "must have x's dtype ",
+                   py_dtype(x.scalar_type()), ", got ", py_dtype(weight.scalar_type()));
+  check_same_device(op, "weight", weight, "x", x);
+  CW8A8_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == k, op, "weight", "must be [K] with K = ", k,
+                    ", got shape ", py_tuple(weight.sizes()));
+  CW8A8_CHECK_VALUE(weight.stride(0) == 1 || k == 1, op, "weight", "must be contiguous");
+  CW8A8_CHECK_VALUE(eps >= 0.0 && eps < INFINITY, op, "eps", "must be a finite number >= 0, got ", py_float(eps));
+  if (!residual.has_value()) return;
+  const at::Tensor& r = *residual;
+  CW8A8_CHECK_TYPE(r.scalar_type() == x.scalar_type(), op, "residual", "must have x's dtype ",
+                   py_dtype(x.scalar_type()), ", got ", py_dtype(r.scalar_type()));
+  check_same_device(op, "residual", r, "x", x);
+  CW8A8_CHECK_VALUE(r.sizes() == x.sizes(), op, "residual", "must have x's shape ", py_tuple(x.sizes()), ", got ",
+                    py_tuple(r.sizes()));
+  const int64_t rs = quant::flat_row_stride(r);
+  CW8A8_CHECK_VALUE(rs >= 0, op, "residual",
+                    "must be updatable in place as [M, K] rows (unit-stride rows whose leading dimensions "
+                    "merge), got strides ",
+                    py_tuple(r.strides()));
+  CW8A8_CHECK_VALUE(x.numel() / k <= 1 || rs >= k, op, "residual", "rows overlap: row stride ", rs, " < K = ", k);
+}
+
+// The checked op: allocates y (or q and the [..., 1] scales), launches one kernel.
+std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                                                 double eps, std::optional<at::ScalarType> qtype,
+                                                 const std::optional<at::Tensor>& scale,
+                                                 const std::optional<at::Tensor>& residual) {
+  quant::check_on_cuda(op, x);
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t k = x.size(-1), m = x.numel() / k;
+  const quant::RowOutputs y = quant::empty_row_outputs(x, k, qtype.value_or(x.scalar_type()), qtype.has_value());
+  const at::Tensor& out = y.out;
+  const at::Tensor& scales = y.scales;
+  if (m == 0) return {out, scales};
+
+  const at::Tensor x2 = quant::rows_of(x);
+  const at::Tensor* r = residual.has_value() ? &*residual : nullptr;
+  const int64_t r_stride = r != nullptr ? quant::flat_row_stride(*r) : 0;
+  const bool clusters = clusters_available(x.get_device());
+  cudaStream_t stream = current_stream(x);
+  dispatch_rowwise(quant::row_elem(x.scalar_type()), quant::row_out(qtype), [&](auto t, auto o) {
+    using T = decltype(t);
+    using O = decltype(o);
+    using OutT = typename O::type;
+    constexpr int N = 16 / sizeof(T);
+    RmsNormParams<T, OutT> p;
+    p.x = reinterpret_cast<const T*>(x2.data_ptr());
+    p.x_stride = x2.stride(0);
+    p.residual = r != nullptr ? reinterpret_cast<T*>(r->data_ptr()) : nullptr;
+    p.residual_stride = r_stride;
+    p.weight = reinterpret_cast<const T*>(weight.data_ptr());  // contiguous (checked)
+    p.out = reinterpret_cast<OutT*>(out.data_ptr());
+    p.scales = qtype.has_value() ? scales.data_ptr<float>() : nullptr;
+    p.static_scale = scale.has_value() ? scale->data_ptr<float>() : nullptr;
+    p.eps = static_cast<float>(eps);
+    p.k = static_cast<int>(k);
+    const bool vectorizable =
+        k % N == 0 && p.x_stride % N == 0 && is_aligned(p.x, 16) && is_aligned(p.weight, 16) &&
+        is_aligned(p.out, N * sizeof(OutT)) &&
+        (p.residual == nullptr || (p.residual_stride % N == 0 && is_aligned(p.residual, 16)));
+    launch_rowwise<T, RmsNormRow<T, O>>(p, p.k / N, m, vectorizable, clusters, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  graph_nodes::note_rowwise_launch(stream, m, op);
+  return {out, scales};
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  constexpr const char* op = "rms_norm";
+  check_rms_norm(op, x, weight, eps, std::nullopt);
+  return std::get<0>(rms_norm_impl(op, x, weight, eps, std::nullopt, std::nullopt, std::nullopt));
+}
+
+at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  constexpr const char* op = "fused_add_rms_norm";
+  const std::optional<at::Tensor> r = residual;
+  check_rms_norm(op, x, weight, eps, r);
+  return std::get<0>(rms_norm_impl(op, x, weight, eps, std::nullopt, std::nullopt, r));
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_quant(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                                  at::ScalarType dtype, const std::optional<at::Tensor>& scale,
+                                                  const std::optional<at::Tensor>& residual) {
+  constexpr const char* op = "rms_norm_quant";
+  check_rms_norm(op, x, weight, eps, residual);
+  quant::check_quant_dtype(op, dtype);
+  if (scale.has_value()) quant::check_static_scale(op, x, *scale);
+  return rms_norm_impl(op, x, weight, eps, dtype, scale, residual);
+}
+
+}  // namespace cutlass_w8a8

@@ -1,0 +1,434 @@
+// Device code shared by the row-wise kernels: quantize.cu, rms_norm.cu and silu_mul.cu (and, for the element
+// conversions, quantize_one and the PDL trigger, decode_attention.cu and gemm/decode/decode_kernels.cuh).
+//
+//   element conversions   to_float / from_float (round to nearest even, as torch rounds a float32 result)
+//   8-bit outputs         Int8Out / Fp8Out: QMAX and the saturating conversion; quantize_one
+//   PDL                   allow_dependent_launch (griddepcontrol.launch_dependents)
+//   reductions            block_max / block_sum over a block; ClusterReduce over a thread block cluster (sm90)
+//   a row's tail          finish_regs / finish_loop: store y, or quantize it (dynamic or static scale)
+//   launch shapes         with_register_config / with_cluster_config; the fused ops' kernels and launch_rowwise,
+//                         which picks one from K, the dtype, the alignment and the device only (never M)
+//
+// Torch-free and header-only; everything lives in an anonymous namespace, so each .cu file gets its own copy
+// (the kernels are templates instantiated per file anyway).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cooperative_groups.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace cutlass_w8a8 {
+namespace {
+
+// --- element conversions -------------------------------------------------------------------------
+
+template <class T>
+__device__ __forceinline__ float to_float(T v) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half2float(v);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat162float(v);
+  } else {
+    static_assert(std::is_same_v<T, float>, "to_float: bfloat16, float16 or float32");
+    return v;
+  }
+}
+
+// float -> T, round to nearest even (what torch does when it rounds a float32 result to the tensor's dtype)
+template <class T>
+__device__ __forceinline__ T from_float(float v) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __float2half_rn(v);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16_rn(v);
+  } else {
+    static_assert(std::is_same_v<T, float>, "from_float: bfloat16, float16 or float32");
+    return v;
+  }
+}
+
+// --- 8-bit outputs -------------------------------------------------------------------------------
+
+struct Int8Out {
+  using type = int8_t;
+  static constexpr float kMax = 127.f;
+  __device__ __forceinline__ static int8_t convert(float v) {
+    // round to nearest even, then saturate (a static scale can put values out of range)
+    int r = __float2int_rn(v);
+    r = r > 127 ? 127 : (r < -128 ? -128 : r);
+    return static_cast<int8_t>(r);
+  }
+};
+
+struct Fp8Out {
+  using type = __nv_fp8_storage_t;  // the bits of a float8_e4m3fn
+  static constexpr float kMax = 448.f;
+  __device__ __forceinline__ static __nv_fp8_storage_t convert(float v) {
+    // round to nearest even; saturate to +-448 instead of producing NaN
+    return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+  }
+};
+
+// q = sat(rne(x / scale)) with IEEE division; 0 for a zero scale (a row of zeros).
+template <class Q>
+__device__ __forceinline__ typename Q::type quantize_one(float x, float scale) {
+  return scale == 0.f ? Q::convert(0.f) : Q::convert(x / scale);
+}
+
+// The output of the unquantized row-wise ops (rms_norm, silu_mul): y itself, in x's dtype T.
+template <class T>
+struct FloatOut {
+  using type = T;
+};
+
+template <class O>
+struct IsQuant : std::true_type {};
+template <class T>
+struct IsQuant<FloatOut<T>> : std::false_type {};
+
+// --- programmatic dependent launch --------------------------------------------------------------------
+//
+// Lets the next kernel on the stream, when it was launched with PDL (the sm90 GEMM that consumes q), be
+// scheduled as soon as every block of this grid has started, so its launch and prologue overlap this
+// kernel. Correctness does not depend on it: the GEMM's griddepcontrol.wait still waits for this whole grid
+// to finish and its writes to be visible. A no-op below sm90 and for dependents launched without PDL.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// --- block reductions ----------------------------------------------------------------------------
+//
+// Every thread of the block must call them (they synchronise) and gets the block's result. The order of
+// the float operations is fixed by the block size alone: a thread's partial value, a butterfly over the
+// lanes of each warp, then one over the warps' values. Two calls in a row are safe (the second sync of a
+// call separates its read of the shared slots from the next call's writes). 0 is the identity of both
+// (maxima are taken over absolute values).
+
+struct SumOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+struct MaxOp {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+template <int kThreads, class Op>
+__device__ __forceinline__ float block_reduce(float v, Op op) {
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "block size");
+  __shared__ float warp_value[kThreads / 32];
+  __shared__ float result;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_value[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kThreads / 32 ? warp_value[lane] : 0.f;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, off));
+    if (lane == 0) result = v;
+  }
+  __syncthreads();
+  return result;
+}
+
+template <int kThreads>
+__device__ __forceinline__ float block_max(float v) {
+  return block_reduce<kThreads>(v, MaxOp{});
+}
+
+template <int kThreads>
+__device__ __forceinline__ float block_sum(float v) {
+  return block_reduce<kThreads>(v, SumOp{});
+}
+
+// --- cluster-wide reductions (sm90) -------------------------------------------------------------------
+//
+// A row too long for one block to finish quickly at small M (decode) is split over a cluster of C blocks
+// along grid y (thread block clusters: sm90 and newer). The blocks' partial sums or maxima meet through
+// distributed shared memory: block rank r publishes its value, every block reads ranks 0 .. C-1 in that
+// order, so the result is deterministic and the same in every block. C = 1: the block's own value.
+
+template <int C>
+struct ClusterReduce {
+  template <class Op>
+  __device__ __forceinline__ static float run(float block_value, Op op) {
+    if constexpr (C == 1) {
+      return block_value;
+    } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      __shared__ float slot, result;
+      cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+      if (threadIdx.x == 0) slot = block_value;
+      cluster.sync();
+      if (threadIdx.x == 0) {
+        float total = *cluster.map_shared_rank(&slot, 0);
+#pragma unroll
+        for (int r = 1; r < C; ++r) total = op(total, *cluster.map_shared_rank(&slot, r));
+        result = total;
+      }
+      // Every block has read every slot before any block rewrites its own or exits; also publishes `result`
+      // to this block's threads (a cluster barrier is a block barrier too).
+      cluster.sync();
+      return result;
+#else
+      return block_value;  // not reached: cluster kernels launch only where their sm90 code was built
+#endif
+    }
+  }
+};
+
+// Cluster kernels carry their cluster shape in the binary (__cluster_dims__), so a plain <<<grid, block>>>
+// launch, a captured graph node and a node updated to fewer rows (gridDim.x) all keep it. The attribute exists
+// for sm90 only: the device passes for older targets compile these kernels without it, and to a trap.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define CW8A8_CLUSTER_DIMS(x, y, z) __cluster_dims__(x, y, z)
+#define CW8A8_HAS_CLUSTERS 1
+#else
+#define CW8A8_CLUSTER_DIMS(x, y, z)
+#define CW8A8_HAS_CLUSTERS 0
+#endif
+
+// Vector indices [begin, end) of block y of a row of nvec vectors split over C blocks.
+template <int C>
+__device__ __forceinline__ void block_part(int nvec, int& begin, int& end) {
+  const int per_block = (nvec + C - 1) / C;
+  begin = C == 1 ? 0 : static_cast<int>(blockIdx.y) * per_block;
+  end = C == 1 ? nvec : min(nvec, begin + per_block);
+}
+
+// --- a row's tail: y (rounded to T) -> output row -----------------------------------------------------
+//
+// Unquantized (O = FloatOut<T>): store y. Quantized (O = Int8Out / Fp8Out): scale = max|y| / QMAX (dynamic;
+// `static_scale` null) or *static_scale, written to scales[row] either way, then q = quantize_one(y, scale),
+// as quantize.cu quantizes a stored y.
+
+template <class T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+// max |y| over the N elements of a vector, folded into amax.
+template <class T, int N>
+__device__ __forceinline__ float vec_amax(float amax, const Vec<T, N>& y) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) amax = fmaxf(amax, fabsf(to_float(y.v[j])));
+  return amax;
+}
+
+template <class O, class T, int N>
+__device__ __forceinline__ Vec<typename O::type, N> quantize_vec(const Vec<T, N>& y, float scale) {
+  Vec<typename O::type, N> q;
+#pragma unroll
+  for (int j = 0; j < N; ++j) q.v[j] = quantize_one<O>(to_float(y.v[j]), scale);
+  return q;
+}
+
+// y held in registers: kVecs vectors of N elements per thread, vector idx = begin + threadIdx.x + i * kB, valid
+// below `end`: this block's part [begin, end) of the row, of a cluster of C blocks (C = 1: the whole row).
+template <class T, class O, int N, int kVecs, int kB, int C>
+__device__ __forceinline__ void finish_regs(const Vec<T, N> (&y)[kVecs], int begin, int end,
+                                            typename O::type* out_row, float* scales, const float* static_scale,
+                                            int64_t row) {
+  if constexpr (!IsQuant<O>::value) {
+    auto* out = reinterpret_cast<Vec<T, N>*>(out_row);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int idx = begin + threadIdx.x + i * kB;
+      if (idx < end) out[idx] = y[i];
+    }
+  } else {
+    float scale;
+    if (static_scale == nullptr) {  // uniform over the block and the cluster: all take the same branch
+      float amax = 0.f;
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        if (begin + threadIdx.x + i * kB < end) amax = vec_amax(amax, y[i]);
+      }
+      scale = ClusterReduce<C>::run(block_max<kB>(amax), MaxOp{}) / O::kMax;
+    } else {
+      scale = *static_scale;
+    }
+    if (threadIdx.x == 0 && blockIdx.y == 0) scales[row] = scale;
+    auto* out = reinterpret_cast<Vec<typename O::type, N>*>(out_row);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int idx = begin + threadIdx.x + i * kB;
+      if (idx < end) out[idx] = quantize_vec<O>(y[i], scale);
+    }
+  }
+}
+
+// y recomputed by `produce(idx)` on each pass over the row (rows too long for registers, or misaligned).
+template <class T, class O, int N, int kB, class Produce>
+__device__ __forceinline__ void finish_loop(Produce produce, int nvec, typename O::type* out_row, float* scales,
+                                            const float* static_scale, int64_t row) {
+  if constexpr (!IsQuant<O>::value) {
+    auto* out = reinterpret_cast<Vec<T, N>*>(out_row);
+    for (int idx = threadIdx.x; idx < nvec; idx += kB) out[idx] = produce(idx);
+  } else {
+    float scale;
+    if (static_scale == nullptr) {
+      float amax = 0.f;
+      for (int idx = threadIdx.x; idx < nvec; idx += kB) amax = vec_amax(amax, produce(idx));
+      scale = block_max<kB>(amax) / O::kMax;
+    } else {
+      scale = *static_scale;
+    }
+    if (threadIdx.x == 0) scales[row] = scale;
+    auto* out = reinterpret_cast<Vec<typename O::type, N>*>(out_row);
+    for (int idx = threadIdx.x; idx < nvec; idx += kB) out[idx] = quantize_vec<O>(produce(idx), scale);
+  }
+}
+
+// --- launch shapes of the fused row-wise ops (rms_norm.cu, silu_mul.cu) ----------------------------------
+//
+// Per row of nvec 16-byte vectors, chosen from K, the dtype, the alignment and the device only (never M, so a
+// row's result does not depend on the batch, and a captured node stays valid for fewer rows):
+//
+//   bfloat16 / float16, 1024 < nvec <= 8192 (K in (8192, 65536]), sm90 code built and running:
+//     a cluster of C = 8 blocks of 256 threads per row (grid (M, 8)), each holding its part in registers
+//     (1, 2 or 4 vectors per thread). One block per row is latency-bound at decode sizes: on an H100
+//     silu_mul_quant of one 14336-wide bfloat16 row took 11.0 us on one SM (the whole row's exp and division
+//     on it) and 3.8 us on a cluster of 8 (the unfused torch chain: 7.1 us).
+//   otherwise, nvec <= 4096: one block per row holding it in registers, 1 to 8 vectors per thread of 256, or
+//     8 of 512 threads (as quantize.cu's per-token kernel).
+//   longer rows: one block looping over global memory (vectorized); misaligned rows: element by element.
+
+constexpr int kBlock = 256;
+constexpr int kWideBlock = 512;
+
+// Calls launch(kVecs constant, kBlock constant) for the one-block register kernel that fits `nvec` vectors, or
+// returns false when none does.
+template <class F>
+bool with_register_config(int64_t nvec, F&& launch) {
+  using std::integral_constant;
+  const int64_t per_thread = (nvec + kBlock - 1) / kBlock;
+  if (per_thread <= 1) {
+    launch(integral_constant<int, 1>{}, integral_constant<int, kBlock>{});
+  } else if (per_thread <= 2) {
+    launch(integral_constant<int, 2>{}, integral_constant<int, kBlock>{});
+  } else if (per_thread <= 4) {
+    launch(integral_constant<int, 4>{}, integral_constant<int, kBlock>{});
+  } else if (per_thread <= 8) {
+    launch(integral_constant<int, 8>{}, integral_constant<int, kBlock>{});
+  } else if (nvec <= int64_t(kWideBlock) * 8) {
+    launch(integral_constant<int, 8>{}, integral_constant<int, kWideBlock>{});
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Calls launch(kVecs, C constants) for the cluster kernel that fits `nvec` vectors (C blocks of kBlock threads,
+// kVecs vectors each), or returns false for rows that one block serves as fast (<= 4 vectors per thread: on an
+// H100 rms_norm_quant of 4096-wide bfloat16 rows took 4.1 us in one block, 5.3 us in a cluster of two, whose
+// two cluster-wide reductions cost more than the split saves) or that are too long (> 8192 vectors).
+template <class F>
+bool with_cluster_config(int64_t nvec, F&& launch) {
+  using std::integral_constant;
+  if (nvec <= 4 * kBlock) return false;
+  if (nvec <= 8 * kBlock) {
+    launch(integral_constant<int, 1>{}, integral_constant<int, 8>{});
+  } else if (nvec <= 16 * kBlock) {
+    launch(integral_constant<int, 2>{}, integral_constant<int, 8>{});
+  } else if (nvec <= 32 * kBlock) {
+    launch(integral_constant<int, 4>{}, integral_constant<int, 8>{});
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// The three kernels of a fused row-wise op `Op` (rms_norm.cu's RmsNormRow, silu_mul.cu's SiluMulRow), which
+// provides `Params` (the kernel argument, by value) and the device functions
+//   Op::regs<kVecs, kB, C>(p)  row blockIdx.x (C = 1), or block y's part of it over a cluster of C blocks (sm90),
+//                              kVecs 16-byte vectors per thread of kB held in registers
+//   Op::loop<N, kB>(p)         row blockIdx.x by one block of kB threads looping over it, N elements a load
+//                              (16 / sizeof(T): vectorized; 1: any alignment)
+template <class Op, int kVecs, int kB>
+__global__ void __launch_bounds__(kB) rowwise_regs_kernel(const typename Op::Params p) {
+  allow_dependent_launch();
+  Op::template regs<kVecs, kB, 1>(p);
+}
+
+template <class Op, int kVecs, int kB, int C>
+__global__ void CW8A8_CLUSTER_DIMS(1, C, 1) __launch_bounds__(kB)
+    rowwise_cluster_kernel(const typename Op::Params p) {
+#if CW8A8_HAS_CLUSTERS
+  allow_dependent_launch();
+  Op::template regs<kVecs, kB, C>(p);
+#else
+  __trap();
+#endif
+}
+
+template <class Op, int N, int kB>
+__global__ void __launch_bounds__(kB) rowwise_loop_kernel(const typename Op::Params p) {
+  allow_dependent_launch();
+  Op::template loop<N, kB>(p);
+}
+
+// One launch of the fused row-wise op `Op` on M rows of nvec 16-byte vectors of T: the cluster kernel, the
+// register kernel or the loop kernel, in that order of preference (see above). The caller checks the launch
+// (C10_CUDA_KERNEL_LAUNCH_CHECK).
+template <class T, class Op>
+void launch_rowwise(const typename Op::Params& p, int64_t nvec, int64_t m, bool vectorizable, bool clusters,
+                    cudaStream_t stream) {
+  constexpr int N = 16 / sizeof(T);
+  bool launched = false;
+  if constexpr (!std::is_same_v<T, float>) {
+    if (vectorizable && clusters) {
+      launched = with_cluster_config(nvec, [&](auto vecs, auto c) {
+        const dim3 grid(static_cast<unsigned>(m), decltype(c)::value);
+        rowwise_cluster_kernel<Op, decltype(vecs)::value, kBlock, decltype(c)::value><<<grid, kBlock, 0, stream>>>(p);
+      });
+    }
+  }
+  const dim3 grid(static_cast<unsigned>(m));
+  if (!launched && vectorizable) {
+    launched = with_register_config(nvec, [&](auto vecs, auto block) {
+      rowwise_regs_kernel<Op, decltype(vecs)::value, decltype(block)::value><<<grid, block.value, 0, stream>>>(p);
+    });
+  }
+  if (!launched) {
+    if (vectorizable) {
+      rowwise_loop_kernel<Op, N, kBlock><<<grid, kBlock, 0, stream>>>(p);
+    } else {
+      rowwise_loop_kernel<Op, 1, kBlock><<<grid, kBlock, 0, stream>>>(p);
+    }
+  }
+}
+
+// The element type of x and the output of a row-wise op, as the host names them.
+enum class RowElem { kBFloat16, kHalf, kFloat };
+enum class RowOut { kSame, kInt8, kFp8 };  // kSame: y itself, in x's dtype (unquantized)
+
+// Calls f(T{}, O{}) with T the element type of x (__nv_bfloat16, __half or float) and O the output conversion:
+// FloatOut<T>, Int8Out or Fp8Out.
+template <class F>
+void dispatch_rowwise(RowElem x, RowOut out, F&& f) {
+  auto with_out = [&](auto t) {
+    using T = decltype(t);
+    switch (out) {
+      case RowOut::kSame: f(t, FloatOut<T>{}); break;
+      case RowOut::kInt8: f(t, Int8Out{}); break;
+      case RowOut::kFp8: f(t, Fp8Out{}); break;
+    }
+  };
+  switch (x) {
+    case RowElem::kBFloat16: with_out(__nv_bfloat16{}); break;
+    case RowElem::kHalf: with_out(__half{}); break;
+    case RowElem::kFloat: with_out(float{}); break;
+  }
+}
+
+}  // namespace
+}  // namespace cutlass_w8a8

@@ -1,0 +1,63 @@
+"""Float references of the decoder for tests: `DequantizedLinear` (a `W8A8Linear` without its output rounding)
+and `float_reference` (a float32 copy of a `LlamaDecoder`)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ..linear import W8A8Linear, quantize_activations
+from .llama import LlamaDecoder
+
+__all__ = ["DequantizedLinear", "float_reference"]
+
+
+class DequantizedLinear(nn.Module):
+    """Float model of a `W8A8Linear`: the kernel's arithmetic without its rounding to the output dtype.
+
+    ``y = dequant(quant(x)) @ (weight * weight_scale[:, None]).T + bias``, where ``quant`` is the layer's own
+    activation quantizer (``torch.ops.cutlass_w8a8.quantize_per_token``, or ``quantize_per_tensor`` with
+    its static ``input_scale``) applied to ``x`` in the input's dtype, and everything else runs in the
+    input's dtype (float32 in `float_reference`). Shapes as `W8A8Linear`.
+    """
+
+    def __init__(self, mod: W8A8Linear):
+        super().__init__()
+        self.in_features, self.out_features, self.quant_dtype = mod.in_features, mod.out_features, mod.quant_dtype
+        self.register_buffer("weight", mod.weight.float() * mod.weight_scale.reshape(-1, 1))
+        self.register_buffer("bias", mod.bias.float() if mod.bias is not None else None)
+        self.register_buffer("input_scale", mod.input_scale.clone() if mod.input_scale is not None else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        q, s = quantize_activations(x2, self.input_scale, self.quant_dtype)
+        y = (q.to(x.dtype) * s.to(x.dtype)) @ self.weight.to(x.dtype).t()
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def float_reference(model: LlamaDecoder, dtype: torch.dtype = torch.float32) -> LlamaDecoder:
+    """A copy of ``model`` that computes in ``dtype`` (float32): the reference of tests.
+
+    Float layers and the KV cache are cast to ``dtype``; every `W8A8Linear` becomes a `DequantizedLinear`
+    (dequantized weights, activations quantized with the same op as the kernel path, products in
+    ``dtype``). The copy has its own cache, with the contents of ``model``'s at the time of the call.
+    """
+    ref = copy.deepcopy(model)
+
+    def swap(module: nn.Module) -> None:
+        for name, child in list(module.named_children()):
+            if isinstance(child, W8A8Linear):
+                setattr(module, name, DequantizedLinear(child))
+            else:
+                swap(child)
+
+    swap(ref)
+    ref.to(dtype)
+    ref.dtype = dtype
+    for layer in ref.layers:
+        torch._dynamo.mark_static_address(layer.self_attn.kv_cache)
+    return ref

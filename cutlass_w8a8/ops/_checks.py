@@ -1,0 +1,364 @@
+"""The ops' argument contract, composed per op from the operand roles of `_roles.py`.
+
+Used by the CPU implementations (`_reference.py`), the fake kernels (`_fake.py`) and the CUDA-graph updates
+(`cutlass_w8a8.graphs`); on CUDA the C++ ops make the same checks, in the same order, with the same first-line
+messages (docs/MISUSE.md; tests/test_misuse_table.py holds both to it). Every failure names its op and
+argument: ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape, layout, alignment, device
+or value: ``"scaled_mm: `a` must be 2-D [M, K], got shape (1, 4, 64)"``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._limits import (AB_DTYPES, ATTN_DTYPES, ATTN_HEAD_DIM_MULTIPLE, ATTN_MAX_HEAD_DIM, ATTN_MAX_HEADS,
+                      ATTN_MAX_SEQ, DECODE_MAX_K, DECODE_X_DTYPES, GEMM_ALIGN, MAX_M, OUT_DTYPES)
+from ._roles import (aligned16, bias_vector, contiguous, cxx_dtype, cxx_list, decode_m, eight_bit, float32_scale,
+                     float_input, gemm_size, int8_k_bound, out_matrix, output_dtype, per_channel_scale,
+                     limit_text, quant_dtype, row_input, row_major, same_device, static_scale, tensor_arg,
+                     weight_columns, fail_type, fail_value, flat_row_stride)
+
+__all__ = ["check_scaled_mm", "check_scaled_mm_decode", "check_linear_decode", "check_w8a8_linear",
+           "check_quantize", "check_rms_norm", "check_rms_norm_quant", "check_silu_mul", "check_silu_mul_quant",
+           "check_decode_attention", "check_rope_kv_cache", "check_decode_layer", "fail_type", "fail_value"]
+
+
+# ---- GEMMs --------------------------------------------------------------------------------------------------
+
+
+def check_scaled_mm(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None) -> None:
+    """scaled_mm(_out) and _scaled_mm_config (op names the caller: "scaled_mm", "scaled_mm_decode",
+    "graph_update_scaled_mm", ...). `out_dtype` is ``out.dtype`` when `out` is given."""
+    for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
+        tensor_arg(op, name, t)
+    eight_bit(op, "a", a)
+    if b.dtype != a.dtype:
+        fail_type(op, "b", f"must have a's dtype {a.dtype}, got {b.dtype}")
+    float32_scale(op, "scale_a", scale_a)
+    float32_scale(op, "scale_b", scale_b)
+    if out is not None and out.dtype not in OUT_DTYPES:
+        fail_type(op, "out", f"must be bfloat16 or float16, got {out.dtype}")
+    output_dtype(op, out_dtype)
+    tensor_arg(op, "bias", bias, optional=True)
+    if bias is not None and bias.dtype != out_dtype:
+        fail_type(op, "bias", f"must have the output dtype {out_dtype}, got {bias.dtype}")
+    tensor_arg(op, "out", out, optional=True)
+    same_device(op, "a", a, [("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("bias", bias), ("out", out)])
+
+    if a.dim() != 2:
+        fail_value(op, "a", f"must be 2-D [M, K], got shape {tuple(a.shape)}")
+    if b.dim() != 2:
+        fail_value(op, "b", f"must be 2-D [K, N], got shape {tuple(b.shape)}")
+    m, k = a.shape
+    n = b.shape[1]
+    if b.shape[0] != k:
+        fail_value(op, "b", f"must be [K, N] with K = a.shape[1] = {k}, got shape {tuple(b.shape)}")
+    if m >= MAX_M:
+        fail_value(op, "a", f"M = a.shape[0] must be below {limit_text(MAX_M)}, got {m}")
+    gemm_size(op, "a", "K = a.shape[1]", k)
+    gemm_size(op, "b", "N = b.shape[1]", n)
+    int8_k_bound(op, "a", a.dtype, k)
+    if not (scale_a.numel() == 1 or tuple(scale_a.shape) in ((m, 1), (m,))):
+        fail_value(op, "scale_a", f"must be [1] (per-tensor) or [M, 1] (per-token) with M = {m}, "
+                   f"got shape {tuple(scale_a.shape)}")
+    if not (scale_b.numel() == 1 or tuple(scale_b.shape) in ((n,), (1, n), (n, 1))):
+        fail_value(op, "scale_b", f"must be [1] (per-tensor), [N], [1, N] or [N, 1] (per-channel) with N = {n}, "
+                   f"got shape {tuple(scale_b.shape)}")
+    contiguous(op, "scale_a", scale_a)
+    contiguous(op, "scale_b", scale_b)
+    bias_vector(op, bias, n)
+    # Layouts the kernels can read (TMA: 16-byte aligned bases and row pitches). Padded rows are fine.
+    row_major(op, "a", a, m, k, "K", GEMM_ALIGN)
+    weight_columns(op, b, k)
+    aligned16(op, "a", a)
+    aligned16(op, "b", b)
+    if out is not None:
+        out_matrix(op, out, m, n)
+
+
+def check_scaled_mm_decode(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None) -> None:
+    """scaled_mm's checks, then M in [1, DECODE_MAX_M] and K <= DECODE_MAX_K."""
+    check_scaled_mm(op, a, b, scale_a, scale_b, out_dtype, bias, out)
+    decode_m(op, "a", a.shape[0])
+    if a.shape[1] > DECODE_MAX_K:
+        fail_value(op, "a", f"K = {a.shape[1]} must be at most {limit_text(DECODE_MAX_K)}")
+
+
+def check_linear_decode(op: str, x, b, scale_b, bias, dtype, out=None) -> None:
+    """linear_decode(_out): x (M, K) bfloat16 / float16 quantized to `dtype`, then scaled_mm_decode's GEMM."""
+    for name, t in (("x", x), ("b", b), ("scale_b", scale_b)):
+        tensor_arg(op, name, t)
+    tensor_arg(op, "out", out, optional=True)
+    tensor_arg(op, "bias", bias, optional=True)
+    float_input(op, "x", x, DECODE_X_DTYPES)
+    quant_dtype(op, dtype)
+    if b.dtype != dtype:
+        fail_type(op, "b", f"must have the quantized dtype {dtype}, got {b.dtype}")
+    float32_scale(op, "scale_b", scale_b)
+    for name, t in (("out", out), ("bias", bias)):
+        if t is not None and t.dtype != x.dtype:
+            fail_type(op, name, f"must have x's dtype {x.dtype}, got {t.dtype}")
+    same_device(op, "x", x, [("b", b), ("scale_b", scale_b), ("out", out), ("bias", bias)])
+    if x.dim() != 2:
+        fail_value(op, "x", f"must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if b.dim() != 2:
+        fail_value(op, "b", f"must be 2-D [K, N], got shape {tuple(b.shape)}")
+    m, k = x.shape
+    n = b.shape[1]
+    if b.shape[0] != k:
+        fail_value(op, "b", f"must be [K, N] with K = x.shape[1] = {k}, got shape {tuple(b.shape)}")
+    decode_m(op, "x", m)
+    gemm_size(op, "x", "K = x.shape[1]", k)
+    gemm_size(op, "b", "N = b.shape[1]", n)
+    int8_k_bound(op, "x", b.dtype, k)
+    if k > DECODE_MAX_K:
+        fail_value(op, "x", f"K = {k} must be at most {limit_text(DECODE_MAX_K)}")
+    per_channel_scale(op, "scale_b", scale_b, n)
+    bias_vector(op, bias, n)
+    # layouts: b as scaled_mm's; x read with 16-byte loads
+    weight_columns(op, b, k)
+    aligned16(op, "b", b)
+    row_major(op, "x", x, m, k, "K", 8)
+    aligned16(op, "x", x)
+    if out is not None:
+        out_matrix(op, out, m, n)
+
+
+def check_w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype) -> None:
+    """w8a8_linear: x (..., K) float, weight (N, K) row-major 8-bit; csrc/gemm/w8a8_linear.cu raises the same."""
+    op = "w8a8_linear"
+    for name, t in (("x", x), ("weight", weight), ("weight_scale", weight_scale)):
+        tensor_arg(op, name, t)
+    tensor_arg(op, "input_scale", input_scale, optional=True)
+    tensor_arg(op, "bias", bias, optional=True)
+    float_input(op, "x", x)
+    eight_bit(op, "weight", weight)
+    float32_scale(op, "weight_scale", weight_scale)
+    float32_scale(op, "input_scale", input_scale)
+    output_dtype(op, out_dtype)
+    if bias is not None and bias.dtype != out_dtype:
+        fail_type(op, "bias", f"must have the output dtype {out_dtype}, got {bias.dtype}")
+    same_device(op, "x", x, [("weight", weight), ("weight_scale", weight_scale), ("input_scale", input_scale),
+                              ("bias", bias)])
+    if x.dim() < 1:
+        fail_value(op, "x", "must have at least one dimension [..., K]")
+    if weight.dim() != 2:
+        fail_value(op, "weight", f"must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        fail_value(op, "weight", f"must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got shape "
+                   f"{tuple(weight.shape)}")
+    gemm_size(op, "weight", "K = weight.shape[1]", k)
+    gemm_size(op, "weight", "N = weight.shape[0]", n)
+    int8_k_bound(op, "weight", weight.dtype, k)
+    sb = weight_scale.numel()
+    if weight_scale.dim() > 2 or not (sb == 1 or (sb == n and (weight_scale.dim() == 1 or 1 in weight_scale.shape))):
+        fail_value(op, "weight_scale", f"must hold 1 (per-tensor) or N = {n} (per-channel: (N,), (N, 1) or (1, N)) "
+                   f"values, got shape {tuple(weight_scale.shape)}")
+    contiguous(op, "weight_scale", weight_scale)
+    if input_scale is not None and input_scale.numel() != 1:
+        fail_value(op, "input_scale", f"must hold one value (static per-tensor), got shape {tuple(input_scale.shape)}")
+    bias_vector(op, bias, n)
+    row_major(op, "weight", weight, n, k, "K", GEMM_ALIGN, form="row-major [N, K]", always=True)
+    aligned16(op, "weight", weight)
+
+
+# ---- row-wise ops -------------------------------------------------------------------------------------------
+
+
+def check_quantize(op: str, x, dtype, scale=None) -> None:
+    """quantize_per_token (scale None) and quantize_per_tensor: x (..., K) float, a static scale of one value."""
+    tensor_arg(op, "x", x)
+    float_input(op, "x", x)
+    quant_dtype(op, dtype)
+    if x.dim() < 1:
+        fail_value(op, "x", "must have at least one dimension [..., K]")
+    if scale is not None:
+        static_scale(op, x, scale)
+
+
+def check_rms_norm(op: str, x, weight, eps, residual) -> None:
+    """rms_norm (residual None), fused_add_rms_norm, and the norm part of rms_norm_quant."""
+    row_input(op, x)
+    k = x.shape[-1]
+    tensor_arg(op, "weight", weight)
+    if weight.dtype != x.dtype:
+        fail_type(op, "weight", f"must have x's dtype {x.dtype}, got {weight.dtype}")
+    same_device(op, "x", x, [("weight", weight)])
+    if weight.dim() != 1 or weight.shape[0] != k:
+        fail_value(op, "weight", f"must be [K] with K = {k}, got shape {tuple(weight.shape)}")
+    if k > 1 and weight.stride(0) != 1:
+        fail_value(op, "weight", "must be contiguous")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        fail_type(op, "eps", f"must be a float, got {type(eps).__name__}")
+    if not 0.0 <= eps < float("inf"):
+        fail_value(op, "eps", f"must be a finite number >= 0, got {eps}")
+    if residual is None:
+        return
+    tensor_arg(op, "residual", residual, optional=True)
+    if residual.dtype != x.dtype:
+        fail_type(op, "residual", f"must have x's dtype {x.dtype}, got {residual.dtype}")
+    same_device(op, "x", x, [("residual", residual)])
+    if residual.shape != x.shape:
+        fail_value(op, "residual", f"must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    stride = flat_row_stride(residual)
+    if stride is None:
+        fail_value(op, "residual", "must be updatable in place as [M, K] rows (unit-stride rows whose leading "
+                   f"dimensions merge), got strides {residual.stride()}")
+    if x.numel() // k > 1 and stride < k:
+        fail_value(op, "residual", f"rows overlap: row stride {stride} < K = {k}")
+
+
+def check_rms_norm_quant(x, weight, eps, dtype, scale, residual) -> None:
+    op = "rms_norm_quant"
+    check_rms_norm(op, x, weight, eps, residual)
+    quant_dtype(op, dtype)
+    if scale is not None:
+        static_scale(op, x, scale)
+
+
+def check_silu_mul(op: str, x) -> None:
+    """silu_mul and the activation part of silu_mul_quant: x (..., 2 * I) = [gate | up]."""
+    row_input(op, x)
+    if x.shape[-1] % 2 != 0:
+        fail_value(op, "x", "must have an even last dimension [..., 2 * I] (gate then up), "
+                   f"got shape {tuple(x.shape)}")
+
+
+def check_silu_mul_quant(x, dtype, scale) -> None:
+    op = "silu_mul_quant"
+    check_silu_mul(op, x)
+    quant_dtype(op, dtype)
+    if scale is not None:
+        static_scale(op, x, scale)
+
+
+# ---- attention ----------------------------------------------------------------------------------------------
+
+
+def check_decode_attention(op: str, q, kv_cache, slots, positions, softmax_scale, out=None) -> None:
+    """decode_attention(_out): q (B, H, D), kv_cache (num_slots, 2, KVH, S, D), slots and positions (B,) int64."""
+    for name, t in (("q", q), ("kv_cache", kv_cache), ("slots", slots), ("positions", positions)):
+        tensor_arg(op, name, t)
+    tensor_arg(op, "out", out, optional=True)
+    float_input(op, "q", q, ATTN_DTYPES)
+    if kv_cache.dtype != q.dtype:
+        fail_type(op, "kv_cache", f"must have q's dtype {q.dtype}, got {kv_cache.dtype}")
+    for name, t in (("slots", slots), ("positions", positions)):
+        if t.dtype != torch.int64:
+            fail_type(op, name, f"must be int64, got {t.dtype}")
+    if out is not None and out.dtype != q.dtype:
+        fail_type(op, "out", f"must have q's dtype {q.dtype}, got {out.dtype}")
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float, torch.SymFloat)):
+        fail_type(op, "softmax_scale", f"must be a float, got {type(softmax_scale).__name__}")
+    if isinstance(softmax_scale, (int, float)) and not math.isfinite(softmax_scale):
+        fail_value(op, "softmax_scale", f"must be finite, got {softmax_scale}")
+    same_device(op, "q", q, [("kv_cache", kv_cache), ("slots", slots), ("positions", positions), ("out", out)])
+
+    if q.dim() != 3:
+        fail_value(op, "q", f"must be 3-D (B, H, D), got shape {tuple(q.shape)}")
+    b, h, d = q.shape
+    if d <= 0 or d > ATTN_MAX_HEAD_DIM or d % ATTN_HEAD_DIM_MULTIPLE != 0:
+        fail_value(op, "q", f"head dim D = q.shape[2] must be a multiple of {ATTN_HEAD_DIM_MULTIPLE} in "
+                   f"[{ATTN_HEAD_DIM_MULTIPLE}, {ATTN_MAX_HEAD_DIM}], got {d}")
+    if h > ATTN_MAX_HEADS:
+        fail_value(op, "q", f"H = q.shape[1] must be at most {ATTN_MAX_HEADS}, got {h}")
+    kv_shape = tuple(kv_cache.shape)
+    if (kv_cache.dim() != 5 or kv_shape[0] < 1 or kv_shape[1] != 2 or kv_shape[2] < 1 or kv_shape[3] < 1
+            or kv_shape[4] != d):
+        fail_value(op, "kv_cache", f"must be (num_slots, 2, KVH, S, D) with D = q.shape[2] = {d} and "
+                   f"num_slots, KVH, S >= 1, got shape {kv_shape}")
+    kvh, s = kv_shape[2], kv_shape[3]
+    if h % kvh != 0:
+        fail_value(op, "kv_cache", f"KVH = kv_cache.shape[2] = {kvh} must divide H = q.shape[1] = {h}")
+    if s >= ATTN_MAX_SEQ:
+        fail_value(op, "kv_cache", f"S = kv_cache.shape[3] must be below {limit_text(ATTN_MAX_SEQ)}, got {s}")
+    for name, t in (("slots", slots), ("positions", positions)):
+        if tuple(t.shape) != (b,):
+            fail_value(op, name, f"must be (B,) with B = q.shape[0] = {b}, got shape {tuple(t.shape)}")
+    if q.stride(2) != 1:
+        fail_value(op, "q", f"must have stride(2) == 1, got strides {q.stride()}")
+    contiguous(op, "kv_cache", kv_cache)
+    aligned16(op, "kv_cache", kv_cache)
+    if out is not None:
+        if tuple(out.shape) != (b, h * d):
+            fail_value(op, "out", f"must be (B, H * D) = ({b}, {h * d}), got shape {tuple(out.shape)}")
+        contiguous(op, "out", out)
+
+
+def check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads) -> None:
+    """rope_kv_cache_: csrc/attention/rope_kv_cache.cu's checks, in its order and wording (C++ dtype names and
+    bracketed sizes), except its first device check ("`qkv` must be a CUDA tensor")."""
+    op = "rope_kv_cache_"
+    for name, t in (("qkv", qkv), ("rope", rope), ("kv_cache", kv_cache), ("slots", slots),
+                    ("positions", positions)):
+        tensor_arg(op, name, t)
+    if qkv.dtype not in ATTN_DTYPES:
+        fail_type(op, "qkv", f"must be bfloat16, float16 or float32, got {cxx_dtype(qkv.dtype)}")
+    if kv_cache.dtype != qkv.dtype:
+        fail_type(op, "kv_cache", "must have qkv's dtype")
+    if rope.dtype != torch.float32:
+        fail_type(op, "rope", "must be float32")
+    for name, t in (("slots", slots), ("positions", positions)):
+        if t.dtype != torch.int64:
+            fail_type(op, name, "must be int64")
+    if any(t.device != qkv.device for t in (rope, kv_cache, slots, positions)):
+        fail_value(op, "qkv", "and `rope`, `kv_cache`, `slots`, `positions` must be on one device")
+    if num_heads <= 0 or num_kv_heads <= 0:
+        fail_value(op, "num_heads", "and `num_kv_heads` must be positive")
+    if qkv.dim() != 3 or qkv.shape[1] != num_heads + 2 * num_kv_heads:
+        fail_value(op, "qkv", f"must be (B, num_heads + 2 num_kv_heads, D), got {cxx_list(qkv.shape)}")
+    b, d = qkv.shape[0], qkv.shape[2]
+    if d < 2 or d % 2 != 0 or qkv.stride(2) != 1 or qkv.stride(1) != d:
+        fail_value(op, "qkv", f"must have contiguous heads of even D (strides (*, D, 1)), got strides "
+                   f"{cxx_list(qkv.stride())}")
+    if not (kv_cache.dim() == 5 and kv_cache.shape[1] == 2 and kv_cache.shape[2] == num_kv_heads
+            and kv_cache.shape[4] == d and kv_cache.is_contiguous()):
+        fail_value(op, "kv_cache", f"must be contiguous (slots, 2, num_kv_heads, S, D), got "
+                   f"{cxx_list(kv_cache.shape)}")
+    if not (rope.dim() == 3 and rope.shape[0] == b and rope.shape[1] == d // 2 and rope.shape[2] == 2
+            and rope.is_contiguous()):
+        fail_value(op, "rope", f"must be contiguous (B, D / 2, 2), got {cxx_list(rope.shape)}")
+    for name, t in (("slots", slots), ("positions", positions)):
+        if t.dim() != 1 or t.shape[0] != b:
+            fail_value(op, name, f"must be (B,), got {cxx_list(t.shape)}")
+    if kv_cache.shape[0] == 0 or kv_cache.shape[3] == 0:
+        fail_value(op, "kv_cache", "must not be empty")
+
+
+# ---- decode_layer -------------------------------------------------------------------------------------------
+
+
+def check_decode_layer(residual, qkv_w, qkv_ws, qkv_is, o_w, o_ws, o_is, gate_up_w, gate_up_ws, gate_up_is,
+                       down_w, down_ws, down_is, num_heads, num_kv_heads) -> None:
+    """The layer-level contract of decode_layer (csrc/models/decode_layer.cpp raises the same messages); each
+    step's own op checks the rest."""
+    op = "decode_layer"
+    projections = (("qkv_w", qkv_w, qkv_ws, qkv_is), ("o_w", o_w, o_ws, o_is),
+                   ("gate_up_w", gate_up_w, gate_up_ws, gate_up_is), ("down_w", down_w, down_ws, down_is))
+    tensor_arg(op, "residual", residual)
+    if residual.dtype not in OUT_DTYPES:
+        fail_type(op, "residual", f"must be bfloat16 or float16, got {residual.dtype}")
+    if residual.dim() != 2:
+        fail_value(op, "residual", f"must be 2-D (B, hidden), got shape {tuple(residual.shape)}")
+    quantized = qkv_w.dtype in AB_DTYPES
+    for name, w, ws, is_ in projections:
+        if quantized:
+            if w.dtype != qkv_w.dtype:
+                fail_type(op, name, f"must have qkv_w's dtype {qkv_w.dtype} (all four projections 8-bit alike, or "
+                          f"all in the model dtype), got {w.dtype}")
+            if ws is None:
+                fail_value(op, name, "is 8-bit: its weight scale must be given")
+        else:
+            if w.dtype != residual.dtype:
+                fail_type(op, name, f"must have the model dtype {residual.dtype} (all four projections in the "
+                          f"model dtype, or all 8-bit alike), got {w.dtype}")
+            if ws is not None or is_ is not None:
+                fail_value(op, name, "is not 8-bit: it takes no weight or input scale")
+    rows = qkv_w.shape[0]
+    d = rows // (num_heads + 2 * num_kv_heads) if num_heads > 0 and num_kv_heads > 0 else 0
+    if num_heads <= 0 or num_kv_heads <= 0 or d <= 0 or rows != (num_heads + 2 * num_kv_heads) * d:
+        fail_value(op, "qkv_w", f"must have (num_heads + 2 * num_kv_heads) * head_dim rows, got shape "
+                   f"{tuple(qkv_w.shape)} for num_heads = {num_heads}, num_kv_heads = {num_kv_heads}")

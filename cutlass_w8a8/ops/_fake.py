@@ -1,0 +1,125 @@
+"""Fake (meta) kernels of the ops, for torch.compile, opcheck and meta tensors: the op's checks (`_checks.py`,
+the same as the CPU implementations'), then empty outputs of the right shape and dtype, contiguous as the
+kernels write them."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks as C
+
+
+def _fake(op: str):
+    return torch.library.register_fake(f"cutlass_w8a8::{op}")
+
+
+@_fake("scaled_mm")
+def _scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
+    C.check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out_dtype, bias)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@_fake("scaled_mm_out")
+def _scaled_mm_out(out, a, b, scale_a, scale_b, bias=None):
+    C.check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out.dtype, bias, out)
+
+
+@_fake("_scaled_mm_config")
+def _scaled_mm_config(out, a, b, scale_a, scale_b, bias, config):
+    C.check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out.dtype, bias, out)
+
+
+@_fake("w8a8_linear")
+def _w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype=torch.bfloat16):
+    C.check_w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
+
+
+@_fake("scaled_mm_decode")
+def _scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias=None):
+    C.check_scaled_mm_decode("scaled_mm_decode", a, b, scale_a, scale_b, out_dtype, bias)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@_fake("scaled_mm_decode_out")
+def _scaled_mm_decode_out(out, a, b, scale_a, scale_b, bias=None):
+    C.check_scaled_mm_decode("scaled_mm_decode", a, b, scale_a, scale_b, out.dtype, bias, out)
+
+
+@_fake("linear_decode")
+def _linear_decode(x, b, scale_b, bias, dtype):
+    C.check_linear_decode("linear_decode", x, b, scale_b, bias, dtype)
+    return x.new_empty((x.shape[0], b.shape[1]))
+
+
+@_fake("linear_decode_out")
+def _linear_decode_out(out, x, b, scale_b, bias, dtype):
+    C.check_linear_decode("linear_decode", x, b, scale_b, bias, dtype, out)
+
+
+@_fake("quantize_per_token")
+def _quantize_per_token(x, dtype):
+    C.check_quantize("quantize_per_token", x, dtype)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+@_fake("quantize_per_tensor")
+def _quantize_per_tensor(x, scale, dtype):
+    C.check_quantize("quantize_per_tensor", x, dtype, scale)
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+@_fake("rms_norm")
+def _rms_norm(x, weight, eps):
+    C.check_rms_norm("rms_norm", x, weight, eps, None)
+    return x.new_empty(x.shape)
+
+
+@_fake("fused_add_rms_norm")
+def _fused_add_rms_norm(x, residual, weight, eps):
+    C.check_rms_norm("fused_add_rms_norm", x, weight, eps, residual)
+    return x.new_empty(x.shape)
+
+
+@_fake("rms_norm_quant")
+def _rms_norm_quant(x, weight, eps, dtype, scale=None, residual=None):
+    C.check_rms_norm_quant(x, weight, eps, dtype, scale, residual)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+@_fake("silu_mul")
+def _silu_mul(x):
+    C.check_silu_mul("silu_mul", x)
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@_fake("silu_mul_quant")
+def _silu_mul_quant(x, dtype, scale=None):
+    C.check_silu_mul_quant(x, dtype, scale)
+    return (x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=dtype),
+            x.new_empty((*x.shape[:-1], 1), dtype=torch.float32))
+
+
+@_fake("decode_attention")
+def _decode_attention(q, kv_cache, slots, positions, softmax_scale):
+    C.check_decode_attention("decode_attention", q, kv_cache, slots, positions, softmax_scale)
+    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+
+
+@_fake("decode_attention_out")
+def _decode_attention_out(out, q, kv_cache, slots, positions, softmax_scale):
+    C.check_decode_attention("decode_attention", q, kv_cache, slots, positions, softmax_scale, out)
+
+
+@_fake("rope_kv_cache_")
+def _rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads):
+    C.check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads)
+
+
+@_fake("decode_layer")
+def _decode_layer(h, residual, input_norm, post_norm, eps, qkv_w, qkv_ws, qkv_is, o_w, o_ws, o_is, gate_up_w,
+                  gate_up_ws, gate_up_is, down_w, down_ws, down_is, kv_cache, rope, slots, positions, num_heads,
+                  num_kv_heads, softmax_scale):
+    C.check_decode_layer(residual, qkv_w, qkv_ws, qkv_is, o_w, o_ws, o_is, gate_up_w, gate_up_ws, gate_up_is,
+                         down_w, down_ws, down_is, num_heads, num_kv_heads)
+    return residual.new_empty((residual.shape[0], down_w.shape[0]))

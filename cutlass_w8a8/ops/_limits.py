@@ -1,0 +1,43 @@
+"""Every size limit and dtype set of the ops' argument contracts, for the CPU and fake implementations.
+
+csrc/core/limits.hpp holds the same numbers for the CUDA checks (kInt8MaxK, kGemmAlign, ...);
+tests/test_limits.py pins the two equal. The checks in `_checks.py` use these names, never literals.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# int8 products are at most 128 * 128 = 2**14 in magnitude, so an int32 sum of K of them cannot overflow
+# while K * 2**14 <= 2**31 - 1, i.e. K <= 131071; the largest multiple of 16 below that is 131056.
+INT8_MAX_K = (2**31 - 1) // (128 * 128) // 16 * 16
+# GEMM K and N: positive multiples of this many elements (16-byte TMA / cp.async rows of 8-bit operands).
+GEMM_ALIGN = 16
+# GEMM M (rows of `a`): below 2**31 (32-bit grid and row indices).
+MAX_M = 2**31
+# Row-wise ops (quantize, rms_norm, silu_mul): at most 2**31 - 1 rows (blocks of gridDim.x), K below 2**31.
+MAX_ROWS = 2**31 - 1
+MAX_ROW_K = 2**31
+# Decode GEMMs (scaled_mm_decode, linear_decode): M in [1, 16] (two mma token tiles of 8), K <= 2**30
+# (32-bit K byte offsets).
+DECODE_MAX_M = 16
+DECODE_MAX_K = 2**30
+# decode_attention: head dim D a multiple of 8 in [8, 256]; S (cache positions) below 2**31; H at most
+# 65535 (query heads are gridDim.y).
+ATTN_MAX_HEAD_DIM = 256
+ATTN_HEAD_DIM_MULTIPLE = 8
+ATTN_MAX_SEQ = 2**31
+ATTN_MAX_HEADS = 65535
+
+# Largest finite magnitude of each quantized dtype: the divisor of the dynamic scales (amax / QMAX).
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+# 8-bit GEMM operands (and the quantization ops' target dtypes).
+AB_DTYPES = (torch.int8, torch.float8_e4m3fn)
+# GEMM outputs (and the model dtypes of decode_layer).
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+# Float inputs of the row-wise ops (quantize, rms_norm, silu_mul) and of w8a8_linear.
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# decode_attention and rope_kv_cache_.
+ATTN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# linear_decode's x (and so its output).
+DECODE_X_DTYPES = (torch.bfloat16, torch.float16)

@@ -1,0 +1,272 @@
+"""The CPU implementations of the ops: the kernels' arithmetic in the kernels' order (csrc/gemm/EPILOGUES.md),
+each after its op's checks (`_checks.py`). Registered for the CPU dispatch key at import.
+
+The fused ops' references are the unfused torch chains they replace, op for op, in x's dtype, so on the CPU the
+fused ops equal the chains bit for bit by construction (tests/test_fused_quant_cpu.py). decode_layer's CPU
+implementation is the same op calls, in the same order, as `LlamaDecoderLayer`'s Python path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import _checks as C
+from ._limits import AB_DTYPES, QMAX
+from ._schema import lib
+
+# ---- GEMMs --------------------------------------------------------------------------------------------------
+
+
+def scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias):
+    """``round(scale_a * (scale_b * float32(a @ b)) + bias)``; `a` (M, K), `b` (K, N) 8-bit, checked."""
+    # Exact products summed in float64 (exact for int8 at any legal K), then rounded to float32 as the
+    # kernels' int32 -> float32 conversion (or fp32 accumulator) does.
+    acc = (a.to(torch.float64) @ b.to(torch.float64)).to(torch.float32)
+    d = (acc * scale_b.reshape(1, -1)) * scale_a.reshape(-1, 1)
+    if bias is not None:
+        d = d + bias.to(torch.float32)
+    return d.to(out_dtype)
+
+
+def _scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
+    C.check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out_dtype, bias)
+    return scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias)
+
+
+def _scaled_mm_out(out, a, b, scale_a, scale_b, bias=None):
+    C.check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out.dtype, bias, out)
+    out.copy_(scaled_mm_reference(a, b, scale_a, scale_b, out.dtype, bias))
+
+
+def _scaled_mm_config(out, a, b, scale_a, scale_b, bias, config):
+    _scaled_mm_out(out, a, b, scale_a, scale_b, bias)
+
+
+def _w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype=torch.bfloat16):
+    C.check_w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype)
+    # quantize_per_token / quantize_per_tensor, then scaled_mm: the CUDA op's definition
+    k, n = weight.shape[1], weight.shape[0]
+    x2 = x.reshape(-1, k)
+    if input_scale is None:
+        q, scale_a = _quantize_per_token(x2, weight.dtype)
+    else:
+        q, scale_a = quantize_rows(x2.to(torch.float32), input_scale.reshape(()), weight.dtype), input_scale
+    y = scaled_mm_reference(q, weight.t(), scale_a, weight_scale.reshape(-1), out_dtype, bias)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias=None):
+    C.check_scaled_mm_decode("scaled_mm_decode", a, b, scale_a, scale_b, out_dtype, bias)
+    return scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias)
+
+
+def _scaled_mm_decode_out(out, a, b, scale_a, scale_b, bias=None):
+    C.check_scaled_mm_decode("scaled_mm_decode", a, b, scale_a, scale_b, out.dtype, bias, out)
+    out.copy_(scaled_mm_reference(a, b, scale_a, scale_b, out.dtype, bias))
+
+
+# linear_decode: the CPU per-token quantization, then scaled_mm's reference (the CUDA kernel equals
+# quantize_per_token followed by scaled_mm_decode bit for bit; on the CPU that chain is the definition).
+
+
+def _linear_decode_reference(x, b, scale_b, bias, dtype):
+    q, scale = _quantize_per_token(x, dtype)
+    return scaled_mm_reference(q, b, scale, scale_b, x.dtype, bias)
+
+
+def _linear_decode(x, b, scale_b, bias, dtype):
+    C.check_linear_decode("linear_decode", x, b, scale_b, bias, dtype)
+    return _linear_decode_reference(x, b, scale_b, bias, dtype)
+
+
+def _linear_decode_out(out, x, b, scale_b, bias, dtype):
+    C.check_linear_decode("linear_decode", x, b, scale_b, bias, dtype, out)
+    out.copy_(_linear_decode_reference(x, b, scale_b, bias, dtype))
+
+
+# ---- quantization -------------------------------------------------------------------------------------------
+
+
+def quantize_rows(xf: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q = saturate(round_half_even(xf / scale)); q = 0 where scale == 0. float32 in, IEEE division."""
+    y = torch.where(scale == 0, torch.zeros_like(xf), xf / torch.where(scale == 0, torch.ones_like(scale), scale))
+    qmax = QMAX[dtype]
+    if dtype == torch.int8:
+        q = torch.round(y).clamp(-128, 127).to(torch.int8)
+    else:
+        q = y.clamp(-qmax, qmax).to(dtype)
+    return q.contiguous()  # as the CUDA kernels and the fake kernels: contiguous whatever x's layout
+
+
+def _quantize_per_token(x, dtype):
+    C.check_quantize("quantize_per_token", x, dtype)
+    xf = x.to(torch.float32)
+    if x.shape[-1] == 0:
+        amax = torch.zeros(*x.shape[:-1], 1, dtype=torch.float32)
+    else:
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = amax / torch.tensor(QMAX[dtype], dtype=torch.float32)
+    return quantize_rows(xf, scale, dtype), scale
+
+
+def _quantize_per_tensor(x, scale, dtype):
+    C.check_quantize("quantize_per_tensor", x, dtype, scale)
+    return quantize_rows(x.to(torch.float32), scale.reshape(()), dtype)
+
+
+def _quantize_fused(y, dtype, scale):
+    """(q, scale) of the fused ops: quantize_per_token of y, or quantize_per_tensor with the static `scale`
+    and that scale repeated per row ([..., 1]) as the second output."""
+    if scale is None:
+        return _quantize_per_token(y, dtype)
+    per_row = scale.reshape(1).to(torch.float32).expand((*y.shape[:-1], 1)).contiguous()
+    return _quantize_per_tensor(y, scale, dtype), per_row
+
+
+# ---- rms_norm, silu_mul -------------------------------------------------------------------------------------
+
+
+def _rms_norm_reference(x, weight, eps, residual):
+    if residual is not None:
+        residual.add_(x)  # vLLM's fused_add_rms_norm: residual = x + residual, rounded to x's dtype
+        x = residual
+    # F.rms_norm: float32 inside (mean of squares, rsqrt, times weight), rounded once to x's dtype
+    return F.rms_norm(x, (x.shape[-1],), weight, eps).contiguous()
+
+
+def _silu_mul_reference(x):
+    gate, up = x.chunk(2, dim=-1)
+    # eager torch in x's dtype: silu rounded to it, then the product rounded to it
+    return (F.silu(gate) * up).contiguous()
+
+
+def _rms_norm(x, weight, eps):
+    C.check_rms_norm("rms_norm", x, weight, eps, None)
+    return _rms_norm_reference(x, weight, eps, None)
+
+
+def _fused_add_rms_norm(x, residual, weight, eps):
+    C.check_rms_norm("fused_add_rms_norm", x, weight, eps, residual)
+    return _rms_norm_reference(x, weight, eps, residual)
+
+
+def _rms_norm_quant(x, weight, eps, dtype, scale=None, residual=None):
+    C.check_rms_norm_quant(x, weight, eps, dtype, scale, residual)
+    return _quantize_fused(_rms_norm_reference(x, weight, eps, residual), dtype, scale)
+
+
+def _silu_mul(x):
+    C.check_silu_mul("silu_mul", x)
+    return _silu_mul_reference(x)
+
+
+def _silu_mul_quant(x, dtype, scale=None):
+    C.check_silu_mul_quant(x, dtype, scale)
+    return _quantize_fused(_silu_mul_reference(x), dtype, scale)
+
+
+# ---- attention ----------------------------------------------------------------------------------------------
+
+
+def _decode_attention_reference(q, kv_cache, slots, positions, softmax_scale):
+    # What LlamaAttention computed before this op existed: gather the B whole slots, then SDPA over all S
+    # positions with an additive mask (0 where s <= position, else -inf, in q's dtype), the G = H / KVH
+    # query heads of a key/value head as G queries. The CPU decoder's results are unchanged by the op.
+    b, h, d = q.shape
+    if b == 0 or h == 0:
+        return q.new_empty((b, h * d))
+    kvh, s = kv_cache.shape[2], kv_cache.shape[3]
+    kv = kv_cache.index_select(0, slots)  # (B, 2, KVH, S, D)
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    neg_inf = torch.full((), float("-inf"), dtype=q.dtype, device=q.device)
+    mask = torch.where(torch.arange(s, device=q.device) <= positions.unsqueeze(1), zero, neg_inf)  # (B, S)
+    qg = q.unflatten(1, (kvh, h // kvh))  # (B, KVH, G, D)
+    out = F.scaled_dot_product_attention(qg, kv[:, 0], kv[:, 1], attn_mask=mask[:, None, None, :],
+                                         scale=softmax_scale)
+    return out.reshape(b, h * d).contiguous()
+
+
+def _decode_attention(q, kv_cache, slots, positions, softmax_scale):
+    C.check_decode_attention("decode_attention", q, kv_cache, slots, positions, softmax_scale)
+    return _decode_attention_reference(q, kv_cache, slots, positions, softmax_scale)
+
+
+def _decode_attention_out(out, q, kv_cache, slots, positions, softmax_scale):
+    C.check_decode_attention("decode_attention", q, kv_cache, slots, positions, softmax_scale, out)
+    out.copy_(_decode_attention_reference(q, kv_cache, slots, positions, softmax_scale))
+
+
+def _rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads):
+    """The torch formulation rope_kv_cache_ replaces: neox rotation of the q and k heads as a float32 complex
+    multiply rounded once to qkv's dtype, then one index_put_ of the k and v heads into the cache."""
+    C.check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads)
+    b, _, d = qkv.shape
+    if b == 0:
+        return
+    h = d // 2
+    qk = qkv[:, : num_heads + num_kv_heads]
+    pairs = qk.unflatten(-1, (2, h)).transpose(-1, -2)  # (B, N, D/2, 2): (x[j], x[j + D/2])
+    xc = torch.view_as_complex(torch.empty(pairs.shape, dtype=torch.float32).copy_(pairs))
+    pairs.copy_(torch.view_as_real(xc * torch.view_as_complex(rope).unsqueeze(1)))
+    s = kv_cache.shape[3]
+    heads = torch.arange(2 * num_kv_heads)
+    index = (slots.unsqueeze(1) * (2 * num_kv_heads) + heads) * s + positions.unsqueeze(1)
+    kv_cache.view(-1, d).index_put_((index,), qkv[:, num_heads:])
+
+
+# ---- decode_layer -------------------------------------------------------------------------------------------
+
+
+def decode_layer(h, residual, input_norm, post_norm, eps, qkv_w, qkv_ws, qkv_is, o_w, o_ws, o_is, gate_up_w,
+                 gate_up_ws, gate_up_is, down_w, down_ws, down_is, kv_cache, rope, slots, positions, num_heads,
+                 num_kv_heads, softmax_scale):
+    """One decoder layer through the ops (the CPU implementation of decode_layer). The same op calls, in the
+    same order, as LlamaDecoderLayer's Python path (the CUDA op calls the same C++ functions): so the three
+    agree bit for bit on either device."""
+    C.check_decode_layer(residual, qkv_w, qkv_ws, qkv_is, o_w, o_ws, o_is, gate_up_w, gate_up_ws, gate_up_is,
+                         down_w, down_ws, down_is, num_heads, num_kv_heads)
+    ops, dtype = torch.ops.cutlass_w8a8, residual.dtype
+    quantized = qkv_w.dtype in AB_DTYPES
+    qtype = qkv_w.dtype
+
+    def project(w, ws, is_, x, q, s):
+        if not quantized:
+            return F.linear(x, w)
+        return ops.scaled_mm(q, w.t(), s if is_ is None else is_, ws, dtype, None)
+
+    x = q = s = None
+    if quantized:
+        q, s = (ops.rms_norm_quant(h, input_norm, eps, qtype, qkv_is, residual) if h is not None
+                else ops.rms_norm_quant(residual, input_norm, eps, qtype, qkv_is, None))
+    else:
+        x = (ops.fused_add_rms_norm(h, residual, input_norm, eps) if h is not None
+             else ops.rms_norm(residual, input_norm, eps))
+    b = residual.shape[0]
+    qkv = project(qkv_w, qkv_ws, qkv_is, x, q, s).view(b, num_heads + 2 * num_kv_heads, -1)
+    ops.rope_kv_cache_(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads)
+    attn = ops.decode_attention(qkv[:, :num_heads], kv_cache, slots, positions, softmax_scale)
+    attn_out = ops.w8a8_linear(attn, o_w, o_ws, o_is, None, dtype) if quantized else F.linear(attn, o_w)
+    if quantized:
+        q, s = ops.rms_norm_quant(attn_out, post_norm, eps, qtype, gate_up_is, residual)
+    else:
+        x = ops.fused_add_rms_norm(attn_out, residual, post_norm, eps)
+    gu = project(gate_up_w, gate_up_ws, gate_up_is, x, q, s)
+    if quantized:
+        q, s = ops.silu_mul_quant(gu, qtype, down_is)
+    else:
+        x = ops.silu_mul(gu)
+    return project(down_w, down_ws, down_is, x, q, s)
+
+
+for _name, _fn in (
+        ("scaled_mm", _scaled_mm), ("scaled_mm_out", _scaled_mm_out), ("_scaled_mm_config", _scaled_mm_config),
+        ("w8a8_linear", _w8a8_linear), ("scaled_mm_decode", _scaled_mm_decode),
+        ("scaled_mm_decode_out", _scaled_mm_decode_out), ("linear_decode", _linear_decode),
+        ("linear_decode_out", _linear_decode_out), ("quantize_per_token", _quantize_per_token),
+        ("quantize_per_tensor", _quantize_per_tensor), ("rms_norm", _rms_norm),
+        ("fused_add_rms_norm", _fused_add_rms_norm), ("rms_norm_quant", _rms_norm_quant), ("silu_mul", _silu_mul),
+        ("silu_mul_quant", _silu_mul_quant), ("decode_attention", _decode_attention),
+        ("decode_attention_out", _decode_attention_out), ("rope_kv_cache_", _rope_kv_cache),
+        ("decode_layer", decode_layer)):
+    lib.impl(_name, _fn, "CPU")

@@ -1,0 +1,217 @@
+"""Operand roles of the ops' argument contract: the checks that several ops share (an 8-bit GEMM operand, a
+float32 scale, a bias, an output matrix, a row-wise input x, a static scale, ...), each with its message.
+
+`_checks.py` composes them per op. Every failure names its op and argument: ``TypeError`` for a wrong type or
+dtype, ``ValueError`` for a wrong shape, layout, alignment, device or value.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._limits import AB_DTYPES, DECODE_MAX_M, GEMM_ALIGN, INT8_MAX_K, MAX_ROW_K, MAX_ROWS, OUT_DTYPES, X_DTYPES
+
+
+# ---- failures and small predicates --------------------------------------------------------------------------
+
+
+def fail_type(op: str, arg: str, msg: str) -> None:
+    raise TypeError(f"{op}: `{arg}` {msg}")
+
+
+def fail_value(op: str, arg: str, msg: str) -> None:
+    raise ValueError(f"{op}: `{arg}` {msg}")
+
+
+def limit_text(v: int) -> str:
+    """A limit as the messages write it: 2**31, 2**31 - 1, or the number."""
+    if v > 0 and v & (v - 1) == 0:
+        return f"2**{v.bit_length() - 1}"
+    if (v + 1) & v == 0:
+        return f"2**{v.bit_length()} - 1"
+    return str(v)
+
+
+def _misaligned(t: torch.Tensor, nbytes: int) -> bool:
+    # The storage itself comes from an allocator that aligns to >= 256 bytes; a view's offset can break it.
+    return (t.storage_offset() * t.element_size()) % nbytes != 0
+
+
+def cxx_dtype(dtype: torch.dtype) -> str:
+    """A dtype as c10::toString(ScalarType) prints it ("BFloat16", "Half"): rope_kv_cache_'s messages."""
+    names = {torch.bfloat16: "BFloat16", torch.float16: "Half", torch.float32: "Float", torch.float64: "Double",
+             torch.int8: "Char", torch.uint8: "Byte", torch.int16: "Short", torch.int32: "Int",
+             torch.int64: "Long", torch.bool: "Bool", torch.float8_e4m3fn: "Float8_e4m3fn",
+             torch.float8_e5m2: "Float8_e5m2", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble"}
+    return names.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def cxx_list(v) -> str:
+    """Sizes or strides as c10::IntArrayRef prints them ("[2, 8, 16]"): rope_kv_cache_'s messages."""
+    return "[" + ", ".join(str(int(x)) for x in v) + "]"
+
+
+# ---- roles --------------------------------------------------------------------------------------------------
+
+
+def tensor_arg(op: str, name: str, t, optional: bool = False) -> None:
+    if optional and t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        _or_none = " or None" if optional else ""
+        fail_type(op, name, f"must be a torch.Tensor{_or_none}, got {type(t).__name__}")
+
+
+def eight_bit(op: str, name: str, t) -> None:
+    """An 8-bit GEMM operand's dtype."""
+    if t.dtype not in AB_DTYPES:
+        fail_type(op, name, f"must be int8 or float8_e4m3fn, got {t.dtype}")
+
+
+def float32_scale(op: str, name: str, t) -> None:
+    """A scale's dtype (weight, activation or static scales are float32 whatever the model dtype)."""
+    if t is not None and t.dtype != torch.float32:
+        fail_type(op, name, f"must be float32, got {t.dtype}")
+
+
+def float_input(op: str, name: str, t, dtypes=X_DTYPES) -> None:
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        names = " or ".join(names.rsplit(", ", 1))
+        fail_type(op, name, f"must be {names}, got {t.dtype}")
+
+
+def output_dtype(op: str, out_dtype) -> None:
+    if out_dtype not in OUT_DTYPES:
+        fail_type(op, "out_dtype", f"must be torch.bfloat16 or torch.float16, got {out_dtype}")
+
+
+def quant_dtype(op: str, dtype) -> None:
+    """The target dtype of a quantization."""
+    if dtype not in AB_DTYPES:
+        fail_type(op, "dtype", f"must be torch.int8 or torch.float8_e4m3fn, got {dtype}")
+
+
+def same_device(op: str, ref_name: str, ref, others) -> None:
+    for name, t in others:
+        if t is not None and t.device != ref.device:
+            fail_value(op, name, f"is on {t.device} but `{ref_name}` is on {ref.device}")
+
+
+def contiguous(op: str, name: str, t) -> None:
+    if not t.is_contiguous():
+        fail_value(op, name, "must be contiguous")
+
+
+def gemm_size(op: str, name: str, what: str, v: int) -> None:
+    """K or N of a GEMM: a positive multiple of GEMM_ALIGN."""
+    if v <= 0 or v % GEMM_ALIGN != 0:
+        fail_value(op, name, f"{what} must be a positive multiple of {GEMM_ALIGN}, got {v}")
+
+
+def int8_k_bound(op: str, name: str, dtype, k: int) -> None:
+    if dtype == torch.int8 and k > INT8_MAX_K:
+        fail_value(op, name, f"K = {k} can overflow the int32 accumulator; int8 needs K <= {INT8_MAX_K}")
+
+
+def per_channel_scale(op: str, name: str, scale, n: int) -> None:
+    """A weight scale of scaled_mm / linear_decode: [1], [N], [1, N] or [N, 1], contiguous."""
+    if not (scale.numel() == 1 or tuple(scale.shape) in ((n,), (1, n), (n, 1))):
+        fail_value(op, name, f"must be [1] (per-tensor), [N], [1, N] or [N, 1] (per-channel) with N = {n}, "
+                   f"got shape {tuple(scale.shape)}")
+    contiguous(op, name, scale)
+
+
+def static_scale(op: str, x, scale) -> None:
+    """A static per-tensor activation scale: a float32 tensor of one value on x's device."""
+    tensor_arg(op, "scale", scale, optional=True)
+    float32_scale(op, "scale", scale)
+    same_device(op, "x", x, [("scale", scale)])
+    if scale.numel() != 1:
+        fail_value(op, "scale", f"must hold one value (static per-tensor), got shape {tuple(scale.shape)}")
+
+
+def bias_vector(op: str, bias, n: int) -> None:
+    """A bias operand: None, or a contiguous (N,) vector (its dtype is checked with the output's)."""
+    if bias is not None:
+        if tuple(bias.shape) != (n,):
+            fail_value(op, "bias", f"must be [N] with N = {n}, got shape {tuple(bias.shape)}")
+        contiguous(op, "bias", bias)
+
+
+def row_major(op: str, name: str, t, rows: int, cols: int, cols_name: str, pitch: int,
+          form: str = "row-major", always: bool = False) -> None:
+    """A row-major matrix [rows, cols] with unit-stride rows, padded rows allowed (a pitch multiple of `pitch`
+    elements); the stride(0) checks apply to one row only when `always`."""
+    if t.stride(1) != 1:
+        fail_value(op, name, f"must be {form} (stride(1) == 1), got strides {t.stride()}")
+    if (always or rows > 1) and t.stride(0) < cols:
+        fail_value(op, name, f"rows overlap: stride(0) = {t.stride(0)} < {cols_name} = {cols}")
+    if (always or rows > 1) and t.stride(0) % pitch != 0:
+        fail_value(op, name, f"stride(0) must be a multiple of {pitch} elements, got {t.stride(0)}")
+
+
+def aligned16(op: str, name: str, t) -> None:
+    if _misaligned(t, 16):
+        fail_value(op, name, f"data must be 16-byte aligned (storage offset {t.storage_offset()})")
+
+
+def weight_columns(op: str, b, k: int) -> None:
+    """`b` of the GEMMs: (K, N) column-major, i.e. the row-major (N, K) weight as weight.t()."""
+    if b.stride(0) != 1:
+        fail_value(op, "b", "must be column-major [K, N] (the transpose of a row-major [N, K] weight, "
+                   f"stride(0) == 1), got strides {b.stride()}")
+    if b.stride(1) < k:
+        fail_value(op, "b", f"columns overlap: stride(1) = {b.stride(1)} < K = {k}")
+    if b.stride(1) % GEMM_ALIGN != 0:
+        fail_value(op, "b", f"stride(1) must be a multiple of {GEMM_ALIGN} elements, got {b.stride(1)}")
+
+
+def out_matrix(op: str, out, m: int, n: int) -> None:
+    """A GEMM destination: (M, N), row-major, rows padded to a multiple of 8 elements, 16-byte aligned."""
+    if tuple(out.shape) != (m, n):
+        fail_value(op, "out", f"must be [M, N] = [{m}, {n}], got shape {tuple(out.shape)}")
+    row_major(op, "out", out, m, n, "N", 8)
+    aligned16(op, "out", out)
+
+
+def decode_m(op: str, name: str, m: int) -> None:
+    if not 1 <= m <= DECODE_MAX_M:
+        fail_value(op, name, f"M = {name}.shape[0] must be in [1, {DECODE_MAX_M}] (decode sizes; scaled_mm "
+                   f"serves any M), got {m}")
+
+
+def row_input(op: str, x) -> None:
+    """`x` of the row-wise ops: a float tensor [..., K] with 0 < K < MAX_ROW_K and at most MAX_ROWS rows."""
+    tensor_arg(op, "x", x)
+    float_input(op, "x", x)
+    if x.dim() < 1:
+        fail_value(op, "x", "must have at least one dimension [..., K]")
+    k = x.shape[-1]
+    if k == 0:
+        fail_value(op, "x", f"must have a non-empty last dimension [..., K], got shape {tuple(x.shape)}")
+    if k >= MAX_ROW_K:
+        fail_value(op, "x", f"K = {k} must be below {limit_text(MAX_ROW_K)}")
+    rows = x.numel() // k
+    if rows > MAX_ROWS:
+        fail_value(op, "x", f"has {rows} rows; at most {limit_text(MAX_ROWS)} are supported")
+
+
+def flat_row_stride(t: torch.Tensor) -> Optional[int]:
+    """Stride between the rows of ``t`` seen as ``[M, K]`` without a copy (unit-stride rows whose leading
+    dimensions merge), or None when that view does not exist. A ``[K]`` tensor is one row."""
+    k = t.shape[-1]
+    if k > 1 and t.stride(-1) != 1:
+        return None
+    stride = nxt = None
+    for d in range(t.dim() - 2, -1, -1):
+        if t.shape[d] == 1:
+            continue
+        if stride is not None and t.stride(d) != nxt:
+            return None
+        if stride is None:
+            stride = t.stride(d)
+        nxt = t.stride(d) * t.shape[d]
+    return k if stride is None else stride

@@ -1,0 +1,133 @@
+"""The schemas of every tensor op in the ``torch.ops.cutlass_w8a8`` namespace: the one definition block.
+
+The schemas live in Python (not in C++) so that a CPU-only install, which compiles nothing, still has every op
+with its CPU reference implementation (`_reference.py`) and fake kernel (`_fake.py`); `_C.so` adds the CUDA
+kernels when it is built (csrc/torch_bindings.cpp, ``TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA)``). The non-tensor
+ops (PDL, fp8 support, CUDA-graph records) are defined by `_C.so` itself and exist only when it is loaded.
+
+Ops:
+
+- ``scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor``
+- ``scaled_mm_out(out, a, b, scale_a, scale_b, bias=None) -> ()``
+- ``w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype) -> Tensor``: a `W8A8Linear`
+  forward in one call: quantize ``x (..., K)`` (per token, or per tensor with ``input_scale``), then the GEMM with
+  the ``(N, K)`` weight
+- ``decode_layer(h, residual, input_norm, post_norm, eps, qkv_w, qkv_ws, qkv_is, o_w, ..., down_is, kv_cache, rope,
+  slots, positions, num_heads, num_kv_heads, softmax_scale) -> Tensor``: one layer of the reference decoder
+  (`cutlass_w8a8.models.LlamaDecoderLayer`) in one call, for eager decoding; ``residual`` and ``kv_cache`` are
+  updated in place
+- ``quantize_per_token(x, dtype) -> (q, scale)``
+- ``quantize_per_tensor(x, scale, dtype) -> q``
+- ``rms_norm(x, weight, eps) -> y``: RMSNorm
+- ``fused_add_rms_norm(x, residual, weight, eps) -> y``: ``residual += x`` in place, then RMSNorm of it (vLLM's)
+- ``rms_norm_quant(x, weight, eps, dtype, scale=None, residual=None) -> (q, scale)``: either, then quantized
+- ``silu_mul(x) -> y``: ``silu(gate) * up`` of ``x = [gate | up]``
+- ``silu_mul_quant(x, dtype, scale=None) -> (q, scale)``: the same, then quantized
+- ``decode_attention(q, kv_cache, slots, positions, softmax_scale) -> Tensor``
+- ``decode_attention_out(out, q, kv_cache, slots, positions, softmax_scale) -> ()``
+- ``rope_kv_cache_(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads) -> ()``: rotary embedding of
+  the q and k heads in place, then the k and v heads into the slot cache (the decoder's glue before attention)
+- ``_scaled_mm_config(out, a, b, scale_a, scale_b, bias, config) -> ()``: force a kernel config (tuning only)
+- ``scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor``: ``scaled_mm`` for M <= 16
+- ``scaled_mm_decode_out(out, a, b, scale_a, scale_b, bias=None) -> ()``
+- ``linear_decode(x, b, scale_b, bias, dtype) -> Tensor``: per-token quantization of x and the GEMM, one kernel
+- ``linear_decode_out(out, x, b, scale_b, bias, dtype) -> ()``
+- ``_graph_update_scaled_mm(graph_exec, record, out, a, b, scale_a, scale_b, bias) -> ()``: a CUDA-graph node
+  update (`cutlass_w8a8.graphs.UpdatableGraph.update_scaled_mm`); no CPU or fake kernel, it changes an
+  instantiated graph, not tensors
+
+Every op checks its arguments and raises ``TypeError`` (wrong dtype) or ``ValueError`` (wrong shape, layout,
+device or value) naming the argument: on CUDA in C++, on the CPU and in the fake kernels with `_checks.py`,
+with the same messages (docs/MISUSE.md). Without `_C.so`, CUDA tensors get the ``RuntimeError`` of
+`register_cuda_fallback`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _ext
+
+lib = torch.library.Library("cutlass_w8a8", "DEF")  # noqa: TOR901 (the one definition block of the namespace)
+
+OPS: list = []  # the names of the ops defined here, in order
+
+
+def _define(schema: str) -> None:
+    lib.define(schema)
+    OPS.append(schema.split("(", 1)[0])
+
+
+_define("scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, "
+        "Tensor? bias=None) -> Tensor")
+_define("scaled_mm_out(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
+        "Tensor? bias=None) -> ()")
+_define("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, "
+        "ScalarType out_dtype) -> Tensor")
+_define("decode_layer(Tensor? h, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, float eps, "
+        "Tensor qkv_w, Tensor? qkv_ws, Tensor? qkv_is, Tensor o_w, Tensor? o_ws, Tensor? o_is, "
+        "Tensor gate_up_w, Tensor? gate_up_ws, Tensor? gate_up_is, Tensor down_w, Tensor? down_ws, "
+        "Tensor? down_is, Tensor(b!) kv_cache, Tensor rope, Tensor slots, Tensor positions, int num_heads, "
+        "int num_kv_heads, float softmax_scale) -> Tensor")
+_define("_scaled_mm_config(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
+        "Tensor? bias, int config) -> ()")
+# Decode GEMMs, M <= 16 (csrc/gemm/decode/scaled_mm_decode.cu)
+_define("scaled_mm_decode(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, "
+        "Tensor? bias=None) -> Tensor")
+_define("scaled_mm_decode_out(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
+        "Tensor? bias=None) -> ()")
+_define("linear_decode(Tensor x, Tensor b, Tensor scale_b, Tensor? bias, ScalarType dtype) -> Tensor")
+_define("linear_decode_out(Tensor(a!) out, Tensor x, Tensor b, Tensor scale_b, Tensor? bias, "
+        "ScalarType dtype) -> ()")
+_define("quantize_per_token(Tensor x, ScalarType dtype) -> (Tensor, Tensor)")
+_define("quantize_per_tensor(Tensor x, Tensor scale, ScalarType dtype) -> Tensor")
+# Fused non-GEMM steps of a decoder layer (csrc/quant/); `residual` is updated in place.
+# rms_norm without and with the residual are two ops: torch 2.13's inductor fails to lower an op that returns a
+# single Tensor when its `Tensor(a!)?` argument is None (rms_norm_quant, returning two, is not affected).
+_define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
+_define("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor")
+_define("rms_norm_quant(Tensor x, Tensor weight, float eps, ScalarType dtype, Tensor? scale=None, "
+        "Tensor(a!)? residual=None) -> (Tensor, Tensor)")
+_define("silu_mul(Tensor x) -> Tensor")
+_define("silu_mul_quant(Tensor x, ScalarType dtype, Tensor? scale=None) -> (Tensor, Tensor)")
+_define("decode_attention(Tensor q, Tensor kv_cache, Tensor slots, Tensor positions, float softmax_scale) "
+        "-> Tensor")
+_define("decode_attention_out(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor slots, Tensor positions, "
+        "float softmax_scale) -> ()")
+# The glue between the qkv projection and decode_attention (csrc/attention/rope_kv_cache.cu): rotary embedding
+# of the q and k heads in place, then the k and v heads written into the slot cache.
+_define("rope_kv_cache_(Tensor(a!) qkv, Tensor rope, Tensor(b!) kv_cache, Tensor slots, Tensor positions, "
+        "int num_heads, int num_kv_heads) -> ()")
+# CUDA-graph node update (cutlass_w8a8/graphs, UpdatableGraph.update_scaled_mm): CUDA only
+_define("_graph_update_scaled_mm(int graph_exec, int record, Tensor out, Tensor a, Tensor b, Tensor scale_a, "
+        "Tensor scale_b, Tensor? bias) -> ()")
+
+
+def extension_missing(op: str):
+    """The CUDA kernel of `op` when `_C.so` is not loaded: raises `_ext.require_cuda_ops`'s RuntimeError
+    ("cutlass_w8a8.<op>: the CUDA extension is not built or not loaded (...)") whatever the arguments."""
+
+    def kernel(*args, **kwargs):
+        _ext.require_cuda_ops(op)
+        raise RuntimeError(f"cutlass_w8a8.{op}: no CUDA kernel registered ({_ext.extension_status()})")
+
+    kernel.__name__ = f"{op}_cuda_extension_missing"
+    return kernel
+
+
+_fallback_registered = False
+
+
+def register_cuda_fallback() -> bool:
+    """Register `extension_missing` as the CUDA kernel of every op above, if `_C.so` did not load.
+
+    Called by ``cutlass_w8a8/__init__.py`` after ``_ext._load()`` (the schemas must exist before `_C.so`
+    registers its CUDA kernels, and the fallback must not shadow them). Returns whether it registered (once).
+    """
+    global _fallback_registered
+    if _fallback_registered or _ext.cuda_ops_available():
+        return False
+    for op in OPS:
+        lib.impl(op, extension_missing(op), "CUDA")
+    _fallback_registered = True
+    return True

@@ -1,0 +1,192 @@
+"""The attention ops' public wrappers: `decode_attention` and `rope_kv_cache_`.
+
+Each wrapper calls its op once and returns; the op checks its arguments (C++ on CUDA, `_checks.py` on the CPU
+and in the fake kernels) and raises errors that name the op and the argument (docs/MISUSE.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+__all__ = ["decode_attention", "rope_kv_cache_"]
+
+# The ops' overloads, looked up once: resolving the overload on every call costs host time that eager
+# decoding pays per layer (bench/bench_host.py compares this wrapper with the bare op).
+_decode_attention = torch.ops.cutlass_w8a8.decode_attention.default
+_decode_attention_out = torch.ops.cutlass_w8a8.decode_attention_out.default
+_rope_kv_cache_ = torch.ops.cutlass_w8a8.rope_kv_cache_.default
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Decode-step attention: one query token per sequence over positions ``0..positions[b]`` of its cache slot.
+
+    For row ``b`` and query head ``h``, with ``G = H / KVH`` and key/value head ``kvh = h // G``::
+
+        K, V = kv_cache[slots[b], 0, kvh], kv_cache[slots[b], 1, kvh]            # (S, D) each
+        p = softmax(softmax_scale * K[:positions[b] + 1] @ q[b, h])               # float32, max-subtracted
+        out[b, h * D:(h + 1) * D] = round(p @ V[:positions[b] + 1])               # rounded once to q's dtype
+
+    Only those positions of those slots are read, so the cost grows with the real batch and the real sequence
+    lengths, not with the cache's size (grouped-query attention without repeating the key/value heads).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``(B, H, D)``, bfloat16, float16 or float32. Any strides with ``stride(2) == 1``: e.g. the query heads
+        of a fused qkv projection, ``qkv.view(B, H + 2 * KVH, D)[:, :H]`` (``stride(0) = (H + 2 KVH) D``).
+        ``D`` a multiple of 8 in [8, 256].
+    kv_cache : torch.Tensor
+        ``(num_slots, 2, KVH, S, D)`` in ``q``'s dtype, contiguous, 16-byte aligned: index 0 of dimension 1
+        holds the keys, 1 the values. ``KVH`` divides ``H``.
+    slots : torch.Tensor
+        ``(B,)`` int64 on ``q``'s device (any stride): the cache slot of each row, in ``[0, num_slots)``.
+    positions : torch.Tensor
+        ``(B,)`` int64 on ``q``'s device (any stride): the position of each row's token, in ``[0, S)``; the row
+        attends to positions ``0..positions[b]`` inclusive (its own key and value must already be written).
+    softmax_scale : float, optional
+        Multiplies the scores before the softmax; default ``1 / sqrt(D)``. Finite.
+    out : torch.Tensor, optional
+        ``(B, H * D)`` contiguous destination in ``q``'s dtype, written in place and returned (static
+        buffers, CUDA graphs).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, H * D)``, contiguous, ``q``'s dtype and device: the heads of a row side by side, as
+        ``o_proj`` takes them.
+
+    Raises
+    ------
+    TypeError
+        A wrong dtype (``q``, ``kv_cache``, ``slots``, ``positions``, ``out``).
+    ValueError
+        A wrong shape, stride, alignment, device, head dimension or ``softmax_scale``; the message names the
+        argument.
+    RuntimeError
+        An argument is not of its schema type (a non-tensor, a ``softmax_scale`` that is not a number: torch's
+        dispatcher names it); CUDA tensors were given but the CUDA extension is not built.
+
+    Notes
+    -----
+    The values of ``slots`` and ``positions`` are not checked: that would need a device-to-host
+    synchronisation (callers such as `cutlass_w8a8.runner.DecodeGraphRunner` check them on the host). On the
+    GPU, out-of-range values are clamped into range (a wrong result, never an out-of-bounds read); on the CPU,
+    an out-of-range slot raises from ``index_select`` and an out-of-range position gives an unspecified
+    result.
+
+    CUDA kernel (csrc/attention/decode_attention.cu): one block of 128 threads per (row, query head), so B = 1
+    still runs H blocks. The positions are split between the block's threads, each group of threads keeping an
+    online softmax (a running maximum, a running sum and a float32 accumulator, rescaled when the maximum
+    grows: Milakov & Gimelshein [1]_); the partial results are merged at the end, rescaled to the common
+    maximum, as flash-decoding [2]_ merges its splits. Block ``(b, h)`` reads only row ``b``'s inputs and
+    writes only its output (a row-wise kernel whose CUDA-graph node can be shrunk to fewer rows). One launch
+    on the current stream, no host synchronisation. The CPU implementation is the former reference math:
+    ``index_select`` of the B slots, then ``F.scaled_dot_product_attention`` over all S positions with an
+    additive ``-inf`` mask. The two agree to rounding (the order of the float32 sums differs).
+
+    References
+    ----------
+    .. [1] M. Milakov and N. Gimelshein, "Online normalizer calculation for softmax", arXiv:1805.02867, 2018.
+    .. [2] T. Dao, D. Haziza, F. Massa and G. Sizov, "Flash-Decoding for long-context inference", 2023.
+
+    Examples
+    --------
+    >>> qkv = qkv_proj(x).view(B, H + 2 * KVH, D)           # rotary already applied, new K/V written
+    >>> attn = decode_attention(qkv[:, :H], kv_cache, slots, positions)    # (B, H * D)
+    >>> y = o_proj(attn)
+    """
+    if softmax_scale is None:
+        valid = isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[2] > 0
+        softmax_scale = 1.0 / math.sqrt(q.shape[2]) if valid else 1.0  # SDPA's default; a bad q fails in the op
+    if out is None:
+        return _decode_attention(q, kv_cache, slots, positions, softmax_scale)
+    _decode_attention_out(out, q, kv_cache, slots, positions, softmax_scale)
+    return out
+
+
+def rope_kv_cache_(
+    qkv: torch.Tensor,
+    rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> None:
+    """Rotary embedding of a decode step's query and key heads, in place, and the write of its key and value
+    heads into the slot cache: the glue between the qkv projection and :func:`decode_attention`.
+
+    For row ``b``, with ``H = num_heads``, ``KVH = num_kv_heads``, ``(cos_j, sin_j) = rope[b, j]`` and heads
+    ordered q, k, v (vLLM's ``QKVParallelLinear``)::
+
+        for each head x = qkv[b, n], n < H + KVH:                 # the "neox" rotation of (x[j], x[j + D/2])
+            x[j], x[j + D/2] = x[j] cos_j - x[j + D/2] sin_j, x[j + D/2] cos_j + x[j] sin_j    # float32
+        kv_cache[slots[b], 0, g, positions[b]] = qkv[b, H + g]         # the rotated key heads, g < KVH
+        kv_cache[slots[b], 1, g, positions[b]] = qkv[b, H + KVH + g]   # the value heads
+
+    Each rotated element is computed in float32 and rounded once to ``qkv``'s dtype; only the written cache
+    entries change. `cutlass_w8a8.models.LlamaAttention` calls it on its qkv projection's output before
+    :func:`decode_attention`.
+
+    Parameters
+    ----------
+    qkv : torch.Tensor
+        ``(B, num_heads + 2 * num_kv_heads, D)``, bfloat16, float16 or float32, with contiguous heads of even
+        ``D`` (strides ``(*, D, 1)``: rows may be padded, e.g. the output of a wider projection). Updated in
+        place: its q and k heads are rotated.
+    rope : torch.Tensor
+        ``(B, D / 2, 2)`` float32, contiguous: ``(cos, sin)`` of each row's position for frequency ``j``.
+    kv_cache : torch.Tensor
+        ``(num_slots, 2, num_kv_heads, S, D)`` in ``qkv``'s dtype, contiguous, ``num_slots, S >= 1``: index 0
+        of dimension 1 holds the keys, 1 the values (the layout :func:`decode_attention` reads). Written in
+        place at ``(slots[b], :, :, positions[b])``.
+    slots : torch.Tensor
+        ``(B,)`` int64 (any stride): the cache slot of each row, in ``[0, num_slots)``.
+    positions : torch.Tensor
+        ``(B,)`` int64 (any stride): the position of each row's token, in ``[0, S)``.
+    num_heads, num_kv_heads : int
+        Query heads ``H`` and key/value heads ``KVH``, both positive.
+
+    Returns
+    -------
+    None
+        ``qkv`` and ``kv_cache`` are modified in place.
+
+    Raises
+    ------
+    TypeError
+        ``qkv`` not bfloat16 / float16 / float32, ``kv_cache`` not in ``qkv``'s dtype, ``rope`` not float32,
+        ``slots`` or ``positions`` not int64.
+    ValueError
+        The tensors on different devices, a non-positive head count, or a wrong shape or layout; the message
+        names the argument (csrc/attention/rope_kv_cache.cu's wording: C++ dtype names, sizes in brackets).
+    RuntimeError
+        An argument that is not a tensor (torch's dispatcher), or CUDA tensors when the CUDA extension is not
+        built.
+
+    Notes
+    -----
+    The values of ``slots`` and ``positions`` are not checked (a device-to-host synchronisation): the CUDA
+    kernel clamps them into range (a wrong entry, never a write outside the cache); on the CPU an
+    out-of-range value raises from ``index_put_`` or writes another entry. CUDA kernel: one block per
+    (row, head), one launch on the current stream, no host synchronisation; its CUDA-graph node is row-wise.
+    The CPU implementation is the torch code it replaced (a float32 complex multiply, then ``index_put_``).
+
+    Examples
+    --------
+    >>> qkv = qkv_proj(x).view(B, H + 2 * KVH, D)
+    >>> rope_kv_cache_(qkv, rope_table.index_select(0, positions), kv_cache, slots, positions, H, KVH)
+    >>> attn = decode_attention(qkv[:, :H], kv_cache, slots, positions)
+    """
+    _rope_kv_cache_(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads)
