@@ -598,7 +598,7 @@ def _source_text() -> str:
     root = DOC.parents[1]
     files = [*root.glob("csrc/**/*.cu"), *root.glob("csrc/**/*.cpp"), *root.glob("csrc/**/*.hpp"),
              *root.glob("csrc/**/*.cuh"), *root.glob("cutlass_w8a8/**/*.py")]
-    return re.sub(r'"\s*\n\s*"', "", "\n".join(f.read_text() for f in files))
+    return re.sub(r'"\s*\n\s*"', "", "\n".join(f.read_text(encoding="utf-8") for f in files))
 
 
 def test_manual_rows_match_the_source():
