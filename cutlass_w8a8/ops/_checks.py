@@ -16,7 +16,7 @@ import torch
 from ._limits import (AB_DTYPES, ATTN_DTYPES, ATTN_HEAD_DIM_MULTIPLE, ATTN_MAX_HEAD_DIM, ATTN_MAX_HEADS,
                       ATTN_MAX_SEQ, DECODE_MAX_K, DECODE_X_DTYPES, GEMM_ALIGN, MAX_M, OUT_DTYPES)
 from ._roles import (aligned16, bias_vector, contiguous, cxx_dtype, cxx_list, decode_m, eight_bit, float32_scale,
-                     float_input, gemm_size, int8_k_bound, out_matrix, output_dtype, per_channel_scale,
+                     float_input, gemm_shapes, gemm_size, int8_k_bound, out_matrix, output_dtype, per_channel_scale,
                      limit_text, quant_dtype, row_input, row_major, same_device, static_scale, tensor_arg,
                      weight_columns, fail_type, fail_value, flat_row_stride)
 
@@ -47,14 +47,7 @@ def check_scaled_mm(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None) 
     tensor_arg(op, "out", out, optional=True)
     same_device(op, "a", a, [("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("bias", bias), ("out", out)])
 
-    if a.dim() != 2:
-        fail_value(op, "a", f"must be 2-D [M, K], got shape {tuple(a.shape)}")
-    if b.dim() != 2:
-        fail_value(op, "b", f"must be 2-D [K, N], got shape {tuple(b.shape)}")
-    m, k = a.shape
-    n = b.shape[1]
-    if b.shape[0] != k:
-        fail_value(op, "b", f"must be [K, N] with K = a.shape[1] = {k}, got shape {tuple(b.shape)}")
+    m, k, n = gemm_shapes(op, "a", a, b)
     if m >= MAX_M:
         fail_value(op, "a", f"M = a.shape[0] must be below {limit_text(MAX_M)}, got {m}")
     gemm_size(op, "a", "K = a.shape[1]", k)
@@ -101,14 +94,7 @@ def check_linear_decode(op: str, x, b, scale_b, bias, dtype, out=None) -> None:
         if t is not None and t.dtype != x.dtype:
             fail_type(op, name, f"must have x's dtype {x.dtype}, got {t.dtype}")
     same_device(op, "x", x, [("b", b), ("scale_b", scale_b), ("out", out), ("bias", bias)])
-    if x.dim() != 2:
-        fail_value(op, "x", f"must be 2-D [M, K], got shape {tuple(x.shape)}")
-    if b.dim() != 2:
-        fail_value(op, "b", f"must be 2-D [K, N], got shape {tuple(b.shape)}")
-    m, k = x.shape
-    n = b.shape[1]
-    if b.shape[0] != k:
-        fail_value(op, "b", f"must be [K, N] with K = x.shape[1] = {k}, got shape {tuple(b.shape)}")
+    m, k, n = gemm_shapes(op, "x", x, b)
     decode_m(op, "x", m)
     gemm_size(op, "x", "K = x.shape[1]", k)
     gemm_size(op, "b", "N = b.shape[1]", n)

@@ -13,15 +13,21 @@ def _fake(op: str):
     return torch.library.register_fake(f"cutlass_w8a8::{op}")
 
 
-@_fake("scaled_mm")
-def _scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
-    C.check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out_dtype, bias)
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+def _gemm_pair(op: str, check) -> None:
+    """Fakes of a scaled_mm-shaped op and its out= variant (`check` is its contract)."""
+
+    @_fake(op)
+    def functional(a, b, scale_a, scale_b, out_dtype, bias=None):
+        check(op, a, b, scale_a, scale_b, out_dtype, bias)
+        return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+    @_fake(op + "_out")
+    def out_variant(out, a, b, scale_a, scale_b, bias=None):
+        check(op, a, b, scale_a, scale_b, out.dtype, bias, out)
 
 
-@_fake("scaled_mm_out")
-def _scaled_mm_out(out, a, b, scale_a, scale_b, bias=None):
-    C.check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out.dtype, bias, out)
+_gemm_pair("scaled_mm", C.check_scaled_mm)
+_gemm_pair("scaled_mm_decode", C.check_scaled_mm_decode)
 
 
 @_fake("_scaled_mm_config")
@@ -33,17 +39,6 @@ def _scaled_mm_config(out, a, b, scale_a, scale_b, bias, config):
 def _w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype=torch.bfloat16):
     C.check_w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype)
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
-
-
-@_fake("scaled_mm_decode")
-def _scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias=None):
-    C.check_scaled_mm_decode("scaled_mm_decode", a, b, scale_a, scale_b, out_dtype, bias)
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
-
-
-@_fake("scaled_mm_decode_out")
-def _scaled_mm_decode_out(out, a, b, scale_a, scale_b, bias=None):
-    C.check_scaled_mm_decode("scaled_mm_decode", a, b, scale_a, scale_b, out.dtype, bias, out)
 
 
 @_fake("linear_decode")

@@ -29,14 +29,22 @@ def scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias):
     return d.to(out_dtype)
 
 
-def _scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
-    C.check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out_dtype, bias)
-    return scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias)
+def _gemm_pair(op: str, check):
+    """The CPU functional and out= implementations of a scaled_mm-shaped op (`check` is its contract)."""
+
+    def functional(a, b, scale_a, scale_b, out_dtype, bias=None):
+        check(op, a, b, scale_a, scale_b, out_dtype, bias)
+        return scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias)
+
+    def out_variant(out, a, b, scale_a, scale_b, bias=None):
+        check(op, a, b, scale_a, scale_b, out.dtype, bias, out)
+        out.copy_(scaled_mm_reference(a, b, scale_a, scale_b, out.dtype, bias))
+
+    return functional, out_variant
 
 
-def _scaled_mm_out(out, a, b, scale_a, scale_b, bias=None):
-    C.check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out.dtype, bias, out)
-    out.copy_(scaled_mm_reference(a, b, scale_a, scale_b, out.dtype, bias))
+_scaled_mm, _scaled_mm_out = _gemm_pair("scaled_mm", C.check_scaled_mm)
+_scaled_mm_decode, _scaled_mm_decode_out = _gemm_pair("scaled_mm_decode", C.check_scaled_mm_decode)
 
 
 def _scaled_mm_config(out, a, b, scale_a, scale_b, bias, config):
@@ -56,16 +64,6 @@ def _w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype
     return y.reshape(*x.shape[:-1], n)
 
 
-def _scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias=None):
-    C.check_scaled_mm_decode("scaled_mm_decode", a, b, scale_a, scale_b, out_dtype, bias)
-    return scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias)
-
-
-def _scaled_mm_decode_out(out, a, b, scale_a, scale_b, bias=None):
-    C.check_scaled_mm_decode("scaled_mm_decode", a, b, scale_a, scale_b, out.dtype, bias, out)
-    out.copy_(scaled_mm_reference(a, b, scale_a, scale_b, out.dtype, bias))
-
-
 # linear_decode: the CPU per-token quantization, then scaled_mm's reference (the CUDA kernel equals
 # quantize_per_token followed by scaled_mm_decode bit for bit; on the CPU that chain is the definition).
 
@@ -75,14 +73,23 @@ def _linear_decode_reference(x, b, scale_b, bias, dtype):
     return scaled_mm_reference(q, b, scale, scale_b, x.dtype, bias)
 
 
-def _linear_decode(x, b, scale_b, bias, dtype):
-    C.check_linear_decode("linear_decode", x, b, scale_b, bias, dtype)
-    return _linear_decode_reference(x, b, scale_b, bias, dtype)
+def _same_args_pair(op: str, check, reference):
+    """The CPU functional and out= implementations of an op whose out= variant takes the functional's
+    arguments after ``out`` (linear_decode, decode_attention)."""
+
+    def functional(*args):
+        check(op, *args)
+        return reference(*args)
+
+    def out_variant(out, *args):
+        check(op, *args, out)
+        out.copy_(reference(*args))
+
+    return functional, out_variant
 
 
-def _linear_decode_out(out, x, b, scale_b, bias, dtype):
-    C.check_linear_decode("linear_decode", x, b, scale_b, bias, dtype, out)
-    out.copy_(_linear_decode_reference(x, b, scale_b, bias, dtype))
+_linear_decode, _linear_decode_out = _same_args_pair("linear_decode", C.check_linear_decode,
+                                                     _linear_decode_reference)
 
 
 # ---- quantization -------------------------------------------------------------------------------------------
@@ -187,14 +194,8 @@ def _decode_attention_reference(q, kv_cache, slots, positions, softmax_scale):
     return out.reshape(b, h * d).contiguous()
 
 
-def _decode_attention(q, kv_cache, slots, positions, softmax_scale):
-    C.check_decode_attention("decode_attention", q, kv_cache, slots, positions, softmax_scale)
-    return _decode_attention_reference(q, kv_cache, slots, positions, softmax_scale)
-
-
-def _decode_attention_out(out, q, kv_cache, slots, positions, softmax_scale):
-    C.check_decode_attention("decode_attention", q, kv_cache, slots, positions, softmax_scale, out)
-    out.copy_(_decode_attention_reference(q, kv_cache, slots, positions, softmax_scale))
+_decode_attention, _decode_attention_out = _same_args_pair("decode_attention", C.check_decode_attention,
+                                                           _decode_attention_reference)
 
 
 def _rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads):

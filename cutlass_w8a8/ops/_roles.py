@@ -105,6 +105,18 @@ def contiguous(op: str, name: str, t) -> None:
         fail_value(op, name, "must be contiguous")
 
 
+def gemm_shapes(op: str, a_name: str, a, b) -> tuple[int, int, int]:
+    """``(M, K, N)`` of a 2-D ``[M, K]`` activation operand (``a`` or ``x``) and a 2-D ``[K, N]`` ``b``."""
+    if a.dim() != 2:
+        fail_value(op, a_name, f"must be 2-D [M, K], got shape {tuple(a.shape)}")
+    if b.dim() != 2:
+        fail_value(op, "b", f"must be 2-D [K, N], got shape {tuple(b.shape)}")
+    m, k = a.shape
+    if b.shape[0] != k:
+        fail_value(op, "b", f"must be [K, N] with K = {a_name}.shape[1] = {k}, got shape {tuple(b.shape)}")
+    return m, k, b.shape[1]
+
+
 def gemm_size(op: str, name: str, what: str, v: int) -> None:
     """K or N of a GEMM: a positive multiple of GEMM_ALIGN."""
     if v <= 0 or v % GEMM_ALIGN != 0:

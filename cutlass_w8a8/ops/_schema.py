@@ -44,6 +44,8 @@ with the same messages (docs/MISUSE.md). Without `_C.so`, CUDA tensors get the `
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from .. import _ext
@@ -116,6 +118,12 @@ def extension_missing(op: str):
 
 
 _fallback_registered = False
+
+
+# Every op's default overload, looked up once: the public wrappers call these (``OVERLOADS.scaled_mm(...)``),
+# because resolving the overload from the packet on every call costs host time that eager decoding pays per
+# layer (bench/bench_host.py compares the wrapper with the bare op).
+OVERLOADS = types.SimpleNamespace(**{name: getattr(torch.ops.cutlass_w8a8, name).default for name in OPS})
 
 
 def register_cuda_fallback() -> bool:

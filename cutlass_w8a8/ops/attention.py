@@ -10,14 +10,9 @@ import math
 from typing import Optional
 
 import torch
+from ._schema import OVERLOADS as _op
 
 __all__ = ["decode_attention", "rope_kv_cache_"]
-
-# The ops' overloads, looked up once: resolving the overload on every call costs host time that eager
-# decoding pays per layer (bench/bench_host.py compares this wrapper with the bare op).
-_decode_attention = torch.ops.cutlass_w8a8.decode_attention.default
-_decode_attention_out = torch.ops.cutlass_w8a8.decode_attention_out.default
-_rope_kv_cache_ = torch.ops.cutlass_w8a8.rope_kv_cache_.default
 
 
 def decode_attention(
@@ -110,8 +105,8 @@ def decode_attention(
         valid = isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[2] > 0
         softmax_scale = 1.0 / math.sqrt(q.shape[2]) if valid else 1.0  # SDPA's default; a bad q fails in the op
     if out is None:
-        return _decode_attention(q, kv_cache, slots, positions, softmax_scale)
-    _decode_attention_out(out, q, kv_cache, slots, positions, softmax_scale)
+        return _op.decode_attention(q, kv_cache, slots, positions, softmax_scale)
+    _op.decode_attention_out(out, q, kv_cache, slots, positions, softmax_scale)
     return out
 
 
@@ -189,4 +184,4 @@ def rope_kv_cache_(
     >>> rope_kv_cache_(qkv, rope_table.index_select(0, positions), kv_cache, slots, positions, H, KVH)
     >>> attn = decode_attention(qkv[:, :H], kv_cache, slots, positions)
     """
-    _rope_kv_cache_(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads)
+    _op.rope_kv_cache_(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads)

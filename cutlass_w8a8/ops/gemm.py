@@ -11,17 +11,9 @@ from typing import Optional
 import torch
 
 from .. import _ext
+from ._schema import OVERLOADS as _op
 
 __all__ = ["scaled_mm", "scaled_mm_decode", "linear_decode", "supports_fp8"]
-
-# The ops' overloads, looked up once: resolving the overload on every call costs host time that eager
-# decoding pays per layer (bench/bench_host.py compares this wrapper with the bare op).
-_linear_decode = torch.ops.cutlass_w8a8.linear_decode.default
-_linear_decode_out = torch.ops.cutlass_w8a8.linear_decode_out.default
-_scaled_mm = torch.ops.cutlass_w8a8.scaled_mm.default
-_scaled_mm_decode = torch.ops.cutlass_w8a8.scaled_mm_decode.default
-_scaled_mm_decode_out = torch.ops.cutlass_w8a8.scaled_mm_decode_out.default
-_scaled_mm_out = torch.ops.cutlass_w8a8.scaled_mm_out.default
 
 
 def scaled_mm(
@@ -83,8 +75,8 @@ def scaled_mm(
     >>> y = scaled_mm(x_q, w_q.t(), x_s, w_s, torch.bfloat16, bias)
     """
     if out is None:
-        return _scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
-    _scaled_mm_out(out, a, b, scale_a, scale_b, bias)
+        return _op.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
+    _op.scaled_mm_out(out, a, b, scale_a, scale_b, bias)
     return out
 
 
@@ -173,8 +165,8 @@ def scaled_mm_decode(
     >>> y = scaled_mm_decode(x_q, w_q.t(), x_s, w_s, torch.bfloat16, bias)
     """
     if out is None:
-        return _scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias)
-    _scaled_mm_decode_out(out, a, b, scale_a, scale_b, bias)
+        return _op.scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias)
+    _op.scaled_mm_decode_out(out, a, b, scale_a, scale_b, bias)
     return out
 
 
@@ -243,8 +235,8 @@ def linear_decode(
     if dtype is None:
         dtype = getattr(b, "dtype", None)  # a non-tensor `b` gets the op's own error
     if out is None:
-        return _linear_decode(x, b, scale_b, bias, dtype)
-    _linear_decode_out(out, x, b, scale_b, bias, dtype)
+        return _op.linear_decode(x, b, scale_b, bias, dtype)
+    _op.linear_decode_out(out, x, b, scale_b, bias, dtype)
     return out
 
 

@@ -9,16 +9,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from ._schema import OVERLOADS as _op
 
 __all__ = ["rms_norm", "rms_norm_quant", "silu_mul", "silu_mul_quant"]
-
-# The ops' overloads, looked up once: resolving the overload on every call costs host time that eager
-# decoding pays per layer (bench/bench_host.py compares this wrapper with the bare op).
-_fused_add_rms_norm = torch.ops.cutlass_w8a8.fused_add_rms_norm.default
-_rms_norm = torch.ops.cutlass_w8a8.rms_norm.default
-_rms_norm_quant = torch.ops.cutlass_w8a8.rms_norm_quant.default
-_silu_mul = torch.ops.cutlass_w8a8.silu_mul.default
-_silu_mul_quant = torch.ops.cutlass_w8a8.silu_mul_quant.default
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -80,8 +73,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     >>> x = rms_norm(attn_out, norm2.weight, 1e-5, residual)  # residual += attn_out; x = norm2(residual)
     """
     if residual is None:
-        return _rms_norm(x, weight, eps)
-    return _fused_add_rms_norm(x, residual, weight, eps)
+        return _op.rms_norm(x, weight, eps)
+    return _op.fused_add_rms_norm(x, residual, weight, eps)
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
@@ -126,7 +119,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: tor
     (``torch.ops.cutlass_w8a8.rms_norm_quant``) returns per-row scales in both modes: in the static one the
     given value repeated, ``(..., 1)``.
     """
-    q, s = _rms_norm_quant(x, weight, eps, dtype, scale, residual)
+    q, s = _op.rms_norm_quant(x, weight, eps, dtype, scale, residual)
     return q, (s if scale is None else scale)
 
 
@@ -164,7 +157,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     Non-finite values follow torch elementwise: ``silu(+inf) = inf``, ``silu(-inf) = NaN`` (``-inf / inf``),
     ``silu(NaN) = NaN``, then IEEE products. ``M = 0`` returns an empty tensor and launches nothing.
     """
-    return _silu_mul(x)
+    return _op.silu_mul(x)
 
 
 def silu_mul_quant(x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor] = None):
@@ -179,10 +172,9 @@ def silu_mul_quant(x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Te
     ----------
     x : torch.Tensor
         ``(..., 2 * I)`` ``[gate | up]``, bfloat16, float16 or float32, ``I > 0``.
-    dtype : torch.dtype
-        ``torch.int8`` or ``torch.float8_e4m3fn``.
-    scale : torch.Tensor, optional
-        float32 with one element (static per-tensor), on ``x``'s device. None: dynamic per-token.
+    dtype, scale
+        As :func:`rms_norm_quant`: the quantized dtype, and the static per-tensor scale or None (dynamic
+        per-token).
 
     Returns
     -------
@@ -202,5 +194,5 @@ def silu_mul_quant(x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Te
     A row with a non-finite ``y`` gets an unspecified ``q`` and scale; other rows are unaffected. The op
     itself returns per-row scales in both modes (static: the given value repeated, ``(..., 1)``).
     """
-    q, s = _silu_mul_quant(x, dtype, scale)
+    q, s = _op.silu_mul_quant(x, dtype, scale)
     return q, (s if scale is None else scale)

@@ -10,19 +10,15 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from ._schema import OVERLOADS as _op
 
 __all__ = ["quantize_int8", "quantize_fp8"]
-
-# The ops' overloads, looked up once: resolving the overload on every call costs host time that eager
-# decoding pays per layer (bench/bench_host.py compares this wrapper with the bare op).
-_quantize_per_tensor = torch.ops.cutlass_w8a8.quantize_per_tensor.default
-_quantize_per_token = torch.ops.cutlass_w8a8.quantize_per_token.default
 
 
 def _quantize(x: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype):
     if scale is None:
-        return _quantize_per_token(x, dtype)
-    return _quantize_per_tensor(x, scale, dtype), scale
+        return _op.quantize_per_token(x, dtype)
+    return _op.quantize_per_tensor(x, scale, dtype), scale
 
 
 def quantize_int8(x: torch.Tensor, scale: Optional[torch.Tensor] = None):

@@ -10,6 +10,7 @@
 #include <cutlass/gemm_coord.h>
 
 #include "gemm/kernel_api.h"
+#include "gemm/config_index.hpp"
 
 namespace cutlass_w8a8::sm80 {
 
@@ -21,24 +22,8 @@ struct Config {
   static constexpr int kStages = Stages_;
 };
 
-// Index of config `Cfg` in the std::tuple `Table`; a compile error unless it occurs exactly once (as the sm90
-// index_of: the two arch libraries share no header).
-template <class Cfg, class... Cs>
-constexpr int index_in(const std::tuple<Cs...>*) {
-  constexpr bool same[] = {std::is_same_v<Cfg, Cs>...};
-  int index = -1;
-  for (int i = 0; i < static_cast<int>(sizeof...(Cs)); ++i) {
-    if (same[i]) index = index == -1 ? i : -2;
-  }
-  return index;
-}
-template <class Cfg, class Table>
-struct IndexOf {
-  static constexpr int value = index_in<Cfg>(static_cast<const Table*>(nullptr));
-  static_assert(value >= 0, "the config is not in the table, or is in it more than once");
-};
-template <class Cfg, class Table>
-inline constexpr int index_of = IndexOf<Cfg, Table>::value;
+// index_of<Cfg, Table> (gemm/config_index.hpp): a config's position in a dispatch table, by name.
+using ::cutlass_w8a8::gemm::index_of;
 
 // Defined in scaled_mm_sm80.cuh, instantiated one (ArchTag, ElementAB, ElementD, Config) per file under
 // sm80/instantiations/ (int8, Sm80) and sm89/instantiations/ (e4m3, Sm89). Returns 0 or writes an error message.
