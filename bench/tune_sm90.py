@@ -144,7 +144,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("tune_sm90.py needs a CUDA device")
-    sys.path.insert(0, REPO_ROOT)
     import cutlass_w8a8 as cw
     from cutlass_w8a8 import _ext
     from cutlass_w8a8.testing import timers as bu

@@ -16,20 +16,22 @@ from torch import nn
 from .config import W8A8Config
 from .ops._limits import AB_DTYPES as _QUANT_DTYPES
 from .ops._limits import OUT_DTYPES as _OUT_DTYPES
+from .ops._schema import OVERLOADS as _op
 from .quantize import refuse_quantized_weight, shape_supported
 
 __all__ = ["QuantizedActivation", "W8A8Linear", "quantize_activations"]
 
-# The op's overload, looked up once: W8A8Linear.forward is on the host-bound path of small batches.
-_w8a8_linear = torch.ops.cutlass_w8a8.w8a8_linear.default
+# The ops' overloads, looked up once (ops/_schema.OVERLOADS): W8A8Linear.forward is on the host-bound path of
+# small batches.
+_w8a8_linear = _op.w8a8_linear
 
 
 def quantize_activations(x2: torch.Tensor, input_scale: Optional[torch.Tensor], quant_dtype: torch.dtype):
     """``(q, scale)`` of ``(M, K)`` activations as `W8A8Linear` quantizes them: dynamic per-token (``scale``
     ``(M, 1)``) when ``input_scale`` is None, else static per-tensor with it (``scale`` is ``input_scale``)."""
     if input_scale is None:
-        return torch.ops.cutlass_w8a8.quantize_per_token(x2, quant_dtype)
-    return torch.ops.cutlass_w8a8.quantize_per_tensor(x2, input_scale, quant_dtype), input_scale
+        return _op.quantize_per_token(x2, quant_dtype)
+    return _op.quantize_per_tensor(x2, input_scale, quant_dtype), input_scale
 
 
 class QuantizedActivation(NamedTuple):
@@ -327,7 +329,7 @@ class W8A8Linear(nn.Module):
             self._check_quantized(x)
             lead = x.q.shape[:-1]
             s = x.scale if x.scale.numel() == 1 else x.scale.reshape(-1, 1).contiguous()
-            y = torch.ops.cutlass_w8a8.scaled_mm(x.q.reshape(-1, self.in_features), self.weight.t(), s,
+            y = _op.scaled_mm(x.q.reshape(-1, self.in_features), self.weight.t(), s,
                                                  self.weight_scale, self.dtype, self.bias)
             return y.reshape(*lead, self.out_features)
         if x.shape[-1] != self.in_features:

@@ -1,6 +1,9 @@
 """Helpers for the checkpoint tests: tiny transformers models, compressed-tensors checkpoints written by
 compressed-tensors itself, and the reference model decompressed by transformers.
 
+Also the ``ckpt`` fixture (checkpoints written on first use, once per test module that imports it), the
+checkpoint table it writes from, and the small model helpers the checkpoint test files share.
+
 Everything here imports transformers / compressed-tensors; test files importorskip them first.
 """
 
@@ -10,8 +13,11 @@ import json
 import os
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
+
+import cutlass_w8a8 as cw
 
 VOCAB = 256
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -206,3 +212,102 @@ def copy_with_config(src, dst, edit) -> str:
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg if new is None else new, f)
     return dst
+
+
+# ---- the checkpoints the tests load, and the helpers the test files share -----------------------------------
+
+# name: (model kind, scheme, quant dtype, static activations, per-channel weights)
+CT_CHECKPOINTS = {
+    "llama_int8_dynamic": ("llama", "W8A8", torch.int8, False, True),
+    "qwen2_fp8_dynamic": ("qwen2", "FP8_DYNAMIC", torch.float8_e4m3fn, False, True),
+    "qwen2_int8_static": ("qwen2", "INT8_STATIC", torch.int8, True, True),
+    "llama_fp8_static_tensor": ("llama", "FP8", torch.float8_e4m3fn, True, False),
+    "qwen2_int8_tensor_weights": ("qwen2", "INT8_TENSOR_WEIGHTS", torch.int8, False, False),
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """``ckpt(name)``: the path of checkpoint ``name`` (CT_CHECKPOINTS, ``llama_int8_dynamic_sharded``,
+    ``llama_int8_smoothquant_gptq``), written on first use."""
+    root = tmp_path_factory.mktemp("ckpts")
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            path = str(root / name)
+            if name == "llama_int8_smoothquant_gptq":
+                _write_llmcompressor_checkpoint(str(root), path)
+            else:
+                sharded = name.endswith("_sharded")
+                kind, sname = CT_CHECKPOINTS[name.removesuffix("_sharded")][:2]
+                torch.manual_seed(1)
+                calib = torch.randint(0, VOCAB, (4, 32))
+                kw = {"max_shard_size": "40KB"} if sharded else {}
+                write_ct_checkpoint(tiny_model(kind), scheme(sname), path, calib, **kw)
+            cache[name] = path
+        return cache[name]
+
+    return get
+
+
+def _write_llmcompressor_checkpoint(root, path):
+    """llm-compressor's oneshot on a saved tiny Llama: SmoothQuant, then GPTQ with the W8A8 preset (lm_head
+    ignored), calibrated on 8 random sequences in an in-memory dataset (no network)."""
+    try:
+        from datasets import Dataset
+        from llmcompressor import oneshot
+        from llmcompressor.modifiers.quantization import GPTQModifier
+        try:
+            from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+        except ImportError:  # llm-compressor < 0.14
+            from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
+        from tokenizers import Tokenizer, models, pre_tokenizers
+    except Exception as e:  # ImportError, or a broken install of one of its many dependencies
+        pytest.skip(f"llm-compressor (with datasets, tokenizers) does not import: {type(e).__name__}: {e}")
+    import transformers
+
+    base = os.path.join(root, "llama_bf16_base")
+    tiny_model("llama").save_pretrained(base)  # oneshot reads the config back from model.config.name_or_path
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", pad_token="t0")
+    g = torch.Generator().manual_seed(3)
+    ds = Dataset.from_dict({"input_ids": [torch.randint(0, VOCAB, (32,), generator=g).tolist() for _ in range(8)],
+                            "attention_mask": [[1] * 32 for _ in range(8)]})
+    recipe = [SmoothQuantModifier(smoothing_strength=0.8),
+              GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])]
+    oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=8, max_seq_length=32,
+            processor=tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Attempting to save a model with offloaded modules" (it has none)
+        model.save_pretrained(path, save_compressed=True)
+
+
+def _w8a8_modules(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, cw.W8A8Linear)}
+
+
+def _ids(seed=2, batch=2, seq=24):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, seq), generator=g)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _transformers_load(path, **kw):
+    import transformers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_pretrained(path, **kw)
+
+
+def _quantized_tiny(kind="qwen2", dtype=torch.int8, seed=0):
+    model = tiny_model(kind, seed)
+    cw.quantize_(model, cw.W8A8Config(dtype=dtype), filter_fn=lambda m, fqn: fqn != "lm_head")
+    return model
