@@ -8,6 +8,7 @@ there, outside the capture), then the capture on that same stream, optionally in
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
@@ -67,10 +68,27 @@ def capture(fn: Callable, inputs: Sequence[Any] = (), *, warmup: int = 3, pool=N
             for _ in range(warmup):
                 fn(*inputs)
         current.wait_stream(side)
-        with around_capture if around_capture is not None else contextlib.nullcontext():
+        with around_capture if around_capture is not None else contextlib.nullcontext(), _no_gc():
             with torch.cuda.graph(graph, pool=pool, stream=side):
                 outputs = fn(*inputs)
     return graph, outputs
+
+
+@contextlib.contextmanager
+def _no_gc():
+    """Python's cyclic garbage collector off while a capture runs. Garbage cycles can hold CUDA graphs (an
+    exception's traceback keeps the frame of a failed call alive, and with it the graphs in its locals); if a
+    collection triggered by an allocation inside ``fn`` destroys one mid-capture, its ``cudaGraphExecDestroy``
+    is illegal during stream capture and invalidates the capture ("operation not permitted when stream is
+    capturing", then "operation failed due to a previous error during capture"). torch.cuda.graph no longer
+    runs gc.collect() at capture start by default, so the cycles are left to the next collection after it."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _device_of(inputs: Sequence[Any], stream: Optional[torch.cuda.Stream]) -> torch.device:
