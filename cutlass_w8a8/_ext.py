@@ -136,9 +136,10 @@ def graph_record_info(record: int) -> tuple[GraphRecordInfo, str]:
 
 
 def graph_set_rows(graph_exec: int, records: list[int], rows: int) -> None:
-    """Set the recorded nodes ``records`` of instantiated graph ``graph_exec`` (a cudaGraphExec_t as int, from
+    """Set the recorded nodes ``records`` (a list of ints, passed as is: this runs every decode step of the
+    exact-M runner) of instantiated graph ``graph_exec`` (a cudaGraphExec_t as int, from
     CUDAGraph.raw_cuda_graph_exec()) to ``rows`` rows (M)."""
-    _c_ops("graph_set_rows")._graph_set_rows(int(graph_exec), [int(r) for r in records], int(rows))
+    _c_ops("graph_set_rows")._graph_set_rows(graph_exec, records, rows)
 
 
 def graph_release(records: list[int]) -> None:
