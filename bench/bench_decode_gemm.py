@@ -3,9 +3,13 @@
 For every Llama-3 8B/70B linear shape (cutlass_w8a8.testing.shapes.SHAPES, as bench/bench_gemm.py) and M in {1, 2, 4, 8, 16}, on the current
 CUDA device, int8 with per-token x per-channel scales and bf16 out:
 
-- ``scaled_mm``: ``cw.scaled_mm(a, w.t(), scale_a, scale_b)`` (the CUTLASS sm90 kernels; today's path).
+- ``scaled_mm``: ``cw.scaled_mm(a, w.t(), scale_a, scale_b)`` on the CUTLASS sm90 kernels (the decode bound set
+  to 0 while it is captured: ``cutlass_w8a8._ext.set_decode_gemm_max_m``).
 - ``decode``: ``cw.scaled_mm_decode`` on the same operands (csrc/gemm/decode/scaled_mm_decode.cu).
-- ``quant_scaled_mm``: ``quantize_per_token(x)`` then ``scaled_mm`` (what ``W8A8Linear`` runs now).
+- ``dispatched``: ``cw.scaled_mm`` as it dispatches (the decode GEMM at M <= ``decode_gemm_max_m()``, else
+  CUTLASS): what a decode step runs.
+- ``quant_scaled_mm``: ``quantize_per_token(x)`` then the CUTLASS ``scaled_mm``.
+- ``w8a8_linear``: the ``W8A8Linear`` forward op (quantization, then the dispatched GEMM).
 - ``quant_decode``: ``quantize_per_token(x)`` then ``scaled_mm_decode``.
 - ``linear_decode``: ``cw.linear_decode(x, w.t(), scale_b)``: the quantization inside the GEMM kernel.
 - ``bf16_linear``: ``torch.nn.functional.linear(x, w_bf16)`` (cuBLAS), the unquantized reference.
@@ -49,7 +53,8 @@ from cutlass_w8a8.testing.shapes import SHAPES, select_shapes
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_MS = (1, 2, 4, 8, 16)
-METHODS = ("scaled_mm", "decode", "quant_scaled_mm", "quant_decode", "linear_decode", "bf16_linear")
+METHODS = ("scaled_mm", "decode", "dispatched", "quant_scaled_mm", "quant_decode", "w8a8_linear", "linear_decode",
+           "bf16_linear")
 FP8_METHODS = ("scaled_mm_fp8", "decode_fp8", "linear_decode_fp8")
 # Bytes of weight each method streams per call, per N*K.
 WEIGHT_BYTES_PER_ELEMENT = {name: 1 for name in METHODS + FP8_METHODS}
@@ -94,8 +99,31 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 # the timed callables (module-level functions: bench_utils clones their tensor arguments per rotation)
 
 
+class _cutlass_only:
+    """scaled_mm's decode bound set to 0 while the block runs (at capture time inside a CUDA graph): the CUTLASS
+    kernels serve every M, as before the decode GEMM joined scaled_mm's dispatch."""
+
+    def __init__(self, cw):
+        self.ext = cw._ext
+
+    def __enter__(self):
+        self.previous = self.ext.set_decode_gemm_max_m(0)
+
+    def __exit__(self, *exc):
+        self.ext.set_decode_gemm_max_m(self.previous)
+
+
 def run_scaled_mm(cw, a, w, sa, sb):
+    with _cutlass_only(cw):
+        return cw.scaled_mm(a, w.t(), sa, sb, torch.bfloat16)
+
+
+def run_dispatched(cw, a, w, sa, sb):
     return cw.scaled_mm(a, w.t(), sa, sb, torch.bfloat16)
+
+
+def run_w8a8_linear(cw, x, w, sb, dtype):
+    return torch.ops.cutlass_w8a8.w8a8_linear(x, w, sb, None, None, torch.bfloat16)
 
 
 def run_decode(cw, a, w, sa, sb):
@@ -104,7 +132,8 @@ def run_decode(cw, a, w, sa, sb):
 
 def run_quant_scaled_mm(cw, x, w, sb, dtype):
     q, s = torch.ops.cutlass_w8a8.quantize_per_token(x, dtype)
-    return cw.scaled_mm(q, w.t(), s, sb, torch.bfloat16)
+    with _cutlass_only(cw):
+        return cw.scaled_mm(q, w.t(), s, sb, torch.bfloat16)
 
 
 def run_quant_decode(cw, x, w, sb, dtype):
@@ -130,6 +159,8 @@ def build_methods(cw, n: int, k: int, m: int, fp8: bool) -> dict[str, tuple[Call
     methods = {
         "scaled_mm": (run_scaled_mm, (cw, a, w8, sa, sb)),
         "decode": (run_decode, (cw, a, w8, sa, sb)),
+        "dispatched": (run_dispatched, (cw, a, w8, sa, sb)),
+        "w8a8_linear": (run_w8a8_linear, (cw, x, w8, sb, torch.int8)),
         "quant_scaled_mm": (run_quant_scaled_mm, (cw, x, w8, sb, torch.int8)),
         "quant_decode": (run_quant_decode, (cw, x, w8, sb, torch.int8)),
         "linear_decode": (run_linear_decode, (cw, x, w8, sb, torch.int8)),
@@ -152,6 +183,10 @@ def check_point(methods: dict, where: str) -> None:
 
     if not torch.equal(out("decode"), out("scaled_mm")):
         raise AccuracyError(f"{where}: scaled_mm_decode differs from scaled_mm (int8)")
+    if not torch.equal(out("dispatched"), out("scaled_mm")):
+        raise AccuracyError(f"{where}: the dispatched scaled_mm differs from the CUTLASS one (int8)")
+    if not torch.equal(out("w8a8_linear"), out("quant_decode")):
+        raise AccuracyError(f"{where}: w8a8_linear differs from quantize_per_token + scaled_mm (int8)")
     if not torch.equal(out("linear_decode"), out("quant_decode")):
         raise AccuracyError(f"{where}: linear_decode differs from quantize_per_token + scaled_mm_decode")
     if "decode_fp8" in methods:
@@ -176,6 +211,8 @@ def derive(m: int, n: int, k: int, times_ms: dict[str, float], hbm_gbps: Optiona
         "weight_TBps": tbps,
         "pct_hbm": {name: 100 * v * 1e3 / hbm_gbps for name, v in tbps.items()} if hbm_gbps else {},
         "decode_x_scaled_mm": ratio("scaled_mm", "decode"),
+        "dispatched_x_scaled_mm": ratio("scaled_mm", "dispatched"),
+        "w8a8_linear_x_quant_scaled_mm": ratio("quant_scaled_mm", "w8a8_linear"),
         "fused_x_unfused": ratio("quant_decode", "linear_decode"),
         "fused_x_w8a8linear": ratio("quant_scaled_mm", "linear_decode"),
         "quant_decode_x_quant_scaled_mm": ratio("quant_scaled_mm", "quant_decode"),
@@ -225,6 +262,7 @@ def run_sweep(args, cw, bu) -> dict[str, Any]:
         "hbm_GBps_datasheet": hbm,
         "read_GBps": bu.read_bandwidth_gbps(),
         "pdl": bool(cw.pdl_enabled()),
+        "decode_gemm_max_m": cw._ext.decode_gemm_max_m(),
         "timing": {"method": "CUDA-graph replay over rotating input copies (> 2x L2), median replay / calls",
                    "replays": args.replays, "replay_ms": args.replay_ms, "rotate_gb": args.rotate_gb,
                    "order": "the methods of a point captured first, their timed replays interleaved"},
@@ -253,11 +291,13 @@ def _fmt(value: Optional[float], spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
-TIME_COLUMNS = (("scaled_mm", "scaled_mm"), ("decode", "decode"), ("quant+scaled_mm", "quant_scaled_mm"),
-                ("quant+decode", "quant_decode"), ("linear_decode", "linear_decode"), ("bf16", "bf16_linear"),
+TIME_COLUMNS = (("scaled_mm (CUTLASS)", "scaled_mm"), ("decode", "decode"), ("scaled_mm dispatched", "dispatched"),
+                ("quant+CUTLASS", "quant_scaled_mm"), ("quant+decode", "quant_decode"),
+                ("w8a8_linear", "w8a8_linear"), ("linear_decode", "linear_decode"), ("bf16", "bf16_linear"),
                 ("fp8 scaled_mm", "scaled_mm_fp8"), ("fp8 decode", "decode_fp8"),
                 ("fp8 linear_decode", "linear_decode_fp8"))
-RATIO_COLUMNS = (("decode x scaled_mm", "decode_x_scaled_mm"), ("fused x unfused", "fused_x_unfused"),
+RATIO_COLUMNS = (("decode x scaled_mm", "decode_x_scaled_mm"), ("dispatched x CUTLASS", "dispatched_x_scaled_mm"),
+                 ("w8a8_linear x quant+CUTLASS", "w8a8_linear_x_quant_scaled_mm"), ("fused x unfused", "fused_x_unfused"),
                  ("fused x W8A8Linear", "fused_x_w8a8linear"), ("decode x bf16", "decode_x_bf16"),
                  ("fp8 decode x fp8 scaled_mm", "decode_fp8_x_scaled_mm_fp8"))
 
@@ -281,7 +321,7 @@ def time_table(points: list[dict]) -> str:
 
 
 def bandwidth_table(points: list[dict], hbm: Optional[float]) -> str:
-    cols = [c for c in _present_times(points) if c[1] != "quant_scaled_mm" and c[1] != "quant_decode"]
+    cols = [c for c in _present_times(points) if c[1] not in ("quant_scaled_mm", "quant_decode", "w8a8_linear")]
     rows = ["| shape | M | " + " | ".join(f"{h} TB/s (%HBM)" for h, _ in cols) + " |",
             "|:---|---:|" + "---:|" * len(cols)]
     for p in points:
@@ -314,6 +354,23 @@ def crossover_table(points: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def read_rate_target(points: list[dict], read_gbps: Optional[float]) -> str:
+    """One line per M: the dispatched GEMM's weight rate over the measured read-only rate, worst shape first."""
+    if not read_gbps:
+        return "- no read-only rate measured"
+    lines = []
+    for m in sorted({p["M"] for p in points}):
+        shares = sorted((p["derived"]["weight_TBps"]["dispatched"] * 1e3 / read_gbps, p["shape"]) for p in points
+                        if p["M"] == m and p["derived"]["weight_TBps"].get("dispatched") is not None)
+        if not shares:
+            continue
+        worst, shape = shares[0]
+        verdict = "met" if worst >= 0.85 else "NOT met"
+        lines.append(f"- M = {m}: worst {shape} at {100 * worst:.0f}% of {read_gbps:.0f} GB/s ({verdict}); "
+                     + ", ".join(f"{s} {100 * v:.0f}%" for v, s in sorted(shares, key=lambda t: t[1])))
+    return "\n".join(lines)
+
+
 def render_markdown(results: dict[str, Any], geomean: Callable) -> str:
     commit = results.get("git_commit")
     commit_text = f"git {commit[:12]}{' (dirty)' if results.get('git_dirty') else ''}" if commit else "git: n/a"
@@ -330,7 +387,9 @@ def render_markdown(results: dict[str, Any], geomean: Callable) -> str:
         f"- PDL: {'on' if results.get('pdl') else 'off'}. int8 (and, where listed, fp8) operands, per-token x "
         "per-channel scales, bf16 out. Cold-L2 CUDA-graph replays over rotating copies of all inputs (weights "
         f"included), median of {results['timing']['replays']} replays, the methods of a point interleaved.",
-        "- decode = `scaled_mm_decode`; quant+X = `quantize_per_token` then X (W8A8Linear today: quant+scaled_mm); "
+        "- scaled_mm (CUTLASS) = the CUTLASS kernels at every M; decode = `scaled_mm_decode`; scaled_mm dispatched = "
+        f"`scaled_mm` as a decode step runs it (decode GEMM at M <= {results.get('decode_gemm_max_m', '?')}); "
+        "w8a8_linear = the W8A8Linear forward (quantization + dispatched GEMM); quant+X = `quantize_per_token` then X; "
         "linear_decode = quantization inside the GEMM kernel; bf16 = `F.linear` on bf16 weights (2 bytes per "
         "weight in its TB/s).",
         "- Ratios (> 1: the first-named is faster): decode x scaled_mm = t(scaled_mm) / t(decode); fused x "
@@ -343,6 +402,10 @@ def render_markdown(results: dict[str, Any], geomean: Callable) -> str:
         "## Weight streaming rate",
         "",
         bandwidth_table(points, hbm),
+        "",
+        "## Target: every W8A8 GEMM of a decode step (scaled_mm as dispatched) at >= 85% of the read-only rate",
+        "",
+        read_rate_target(points, results.get("read_GBps")),
         "",
         "## Geomean ratios over the shapes, by M",
         "",

@@ -61,7 +61,8 @@ def _c_ops(what: str):
 
 
 def pdl_enabled() -> bool:
-    """Whether the sm90 GEMMs are launched with programmatic dependent launch (PDL).
+    """Whether the sm90 GEMMs and the extension's own kernels (decode GEMM, quantization, norms, rotary,
+    attention) are launched with programmatic dependent launch (PDL).
 
     With PDL a GEMM's thread blocks are scheduled while the previous kernel on the stream finishes and run
     their prologue (barrier setup, TMA descriptor prefetch) before waiting, on ``griddepcontrol.wait``, for
@@ -70,7 +71,9 @@ def pdl_enabled() -> bool:
     only the launch latency between kernels changes (CUDA C++ Programming Guide, "Programmatic Dependent
     Launch and Synchronization"). It applies to GEMMs with M <= 16 (decode), where it was measured faster on
     every benchmarked shape (bench/results/gemm_nvidia-h200.md); at larger M it measured slower, so those
-    launch without it. The CUTLASS 2.x kernels (sm80/sm89) are never launched with PDL. The rule lives in
+    launch without it. The CUTLASS 2.x kernels (sm80/sm89) are never launched with PDL. The extension's own
+    kernels use it at every size on sm90 (each waits on griddepcontrol before touching memory a predecessor
+    writes), so a decode step is one chain of overlapping launches. The rule lives in
     csrc/core/launch_policy.hpp.
 
     On by default; ``CUTLASS_W8A8_PDL=0`` in the environment before the first GEMM turns it off. False when
@@ -89,6 +92,30 @@ def set_pdl(enabled: bool) -> bool:
         The CUDA extension is not loaded.
     """
     return bool(_c_ops("set_pdl")._set_pdl(bool(enabled)))
+
+
+def decode_gemm_max_m() -> int:
+    """The largest M (tokens) that `cutlass_w8a8.scaled_mm` (and `W8A8Linear`, `w8a8_linear`) sends to the decode
+    GEMM (`scaled_mm_decode`: weight-streaming tensor-core ``mma.sync`` kernels, csrc/gemm/decode/README.md)
+    instead of the CUTLASS kernels, on sm90; 0 when the extension is not loaded. Default 8: on an H100 the decode
+    kernel was faster on the Llama-3 8B / 70B shapes at M <= 8 and mixed at 9..16
+    (bench/results/decode_gemm_nvidia-h100-80gb-hbm3.md). The rule lives in csrc/core/launch_policy.hpp.
+    Results: int8 is bit-identical either way; fp8 accumulates in a different order (same tolerance)."""
+    return int(torch.ops.cutlass_w8a8._get_decode_gemm_max_m()) if cuda_ops_available() else 0
+
+
+def set_decode_gemm_max_m(m: int) -> int:
+    """Set the bound of `decode_gemm_max_m` for later launches (0 turns the decode path off); returns the previous
+    one. A CUDA graph keeps the kernels it captured. Benchmarks use it to compare the two kernel families.
+
+    Raises
+    ------
+    ValueError
+        ``m`` outside [0, 16].
+    RuntimeError
+        The CUDA extension is not loaded.
+    """
+    return int(_c_ops("set_decode_gemm_max_m")._set_decode_gemm_max_m(int(m)))
 
 
 def supports_fp8(device_index: int) -> bool:

@@ -4,11 +4,13 @@
 #
 #   scripts/gpu_run.sh OUT_DIR [STAGES]
 #
-# STAGES is a comma list, default "build,test,demo,bench": build (clean build + editable install), reuse
+# STAGES is a comma list, default "build,test,demo,bench": build (clean build + editable install), rebuild (the
+# same without removing build/: only changed sources recompile, for a second call on a warm machine), reuse
 # (build only when the extension is not already built and importable: a second call on a warm machine), test
 # (pytest, the whole suite), demo (python -m cutlass_w8a8), bench (bench/bench_gemm.py --quick), bench-full
 # (every M), decoder (bench/bench_decoder.py; extra arguments in $DECODER_ARGS), graph-update
-# (bench/bench_graph_update.py), host (bench/bench_host.py: host time per eager call), hf (bench/bench_hf.py:
+# (bench/bench_graph_update.py), decode-gemm (bench/bench_decode_gemm.py; $DECODE_GEMM_ARGS), m1-torchao
+# (bench/bench_m1_torchao.py: W8A8Linear vs torchao int8 weight-only + compile at M = 1; $M1_ARGS), host (bench/bench_host.py: host time per eager call), hf (bench/bench_hf.py:
 # transformers Llama-3-8B dims, bf16 vs W8A8, eager and compiled; extra arguments in $HF_ARGS), fuzz (scripts/fuzz.py, 1000 cases), soak (scripts/soak.py),
 # sanitize (scripts/sanitize.py; the tools in $SANITIZE_TOOLS, default all four), build-tune + tune (the sm90 tuning build and
 # bench/tune_sm90.py). Offline: the nvidia-cutlass wheel is taken from .whl/ (git-ignored; copy
@@ -52,7 +54,7 @@ if has reuse && ! has build && ! has build-tune; then
   fi
 fi
 
-if has build || has build-tune; then
+if has build || has build-tune || has rebuild; then
   if ! $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('cutlass_library') is None)"; then
     $PY -m pip install -q --no-deps --no-index .whl/nvidia_cutlass-4.2.0.0-py3-none-any.whl >"$OUT/pip_cutlass.log" 2>&1 \
       || { stamp "FAIL: installing the nvidia-cutlass wheel from .whl/"; exit 1; }
@@ -62,7 +64,7 @@ if has build || has build-tune; then
     $PY -m pip install -q --no-deps --no-index .whl/setuptools-*.whl >"$OUT/pip_setuptools.log" 2>&1 \
       || { stamp "FAIL: setuptools < 77 and no usable setuptools wheel in .whl/"; exit 1; }
   fi
-  rm -rf build cutlass_w8a8/*.so
+  if has build || has build-tune; then rm -rf build cutlass_w8a8/*.so; fi  # rebuild: ninja redoes changed sources only
   has build-tune && export CUTLASS_W8A8_TUNE=1
   t0=$(date +%s)
   $PY -m pip install --no-build-isolation --no-deps -v -e . >"$OUT/build.log" 2>&1
@@ -75,7 +77,7 @@ if has build || has build-tune; then
 fi
 
 # Optional peers for the tests and benchmarks (see the header): installed once per machine, then reused.
-if has test || has bench || has bench-full; then
+if has test || has bench || has bench-full || has m1-torchao; then
   tao_whl=$(ls .whl/torchao-*.whl 2>/dev/null | head -1)
   if [ -z "$tao_whl" ]; then
     stamp "torchao: no wheel in .whl/; the torchao benchmark columns are left out"
@@ -166,6 +168,8 @@ run_stage() {  # name, log, command...: run, stamp rc, print the log's tail, rem
 }
 
 has decoder && run_stage decoder decoder.log $PY bench/bench_decoder.py --out "$OUT" ${DECODER_ARGS:-}
+has decode-gemm && run_stage decode-gemm decode_gemm.log $PY bench/bench_decode_gemm.py --out "$OUT" ${DECODE_GEMM_ARGS:-}
+has m1-torchao && run_stage m1-torchao m1_torchao.log $PY bench/bench_m1_torchao.py --out "$OUT" ${M1_ARGS:-}
 has host && run_stage host host.log $PY bench/bench_host.py --out "$OUT" ${HOST_ARGS:-}
 has hf && run_stage hf hf.log $PY bench/bench_hf.py --out "$OUT" ${HF_ARGS:-}
 has graph-update && run_stage graph-update graph_update.log $PY bench/bench_graph_update.py --out "$OUT"

@@ -314,8 +314,10 @@ def test_bench_report_renders(tmp_path):
             points.append({"shape": shape, "N": n, "K": k, "M": m, "time_ms": times,
                            "errors": {"linear_decode_fp8": "RuntimeError: x"} if m == 16 else {},
                            "derived": bench.derive(m, n, k, times, 3350.0)})
-    d = points[0]["derived"]
-    assert d["decode_x_scaled_mm"] == pytest.approx(0.5) and d["fused_x_unfused"] == pytest.approx(0.8)
+    d, t = points[0]["derived"], points[0]["time_ms"]
+    assert d["decode_x_scaled_mm"] == pytest.approx(t["scaled_mm"] / t["decode"])
+    assert d["fused_x_unfused"] == pytest.approx(t["quant_decode"] / t["linear_decode"])
+    assert d["dispatched_x_scaled_mm"] == pytest.approx(t["scaled_mm"] / t["dispatched"])
     assert d["pct_hbm"]["decode"] == pytest.approx(100 * 4096 * 4096 / 0.02e-3 / 1e12 * 1e3 / 3350.0)
     results = {"device": "NVIDIA H100 80GB HBM3", "device_slug": "nvidia-h100-80gb-hbm3", "sm_count": 132,
                "torch_version": torch.__version__, "cuda_version": "13.0", "git_commit": None, "l2_bytes": 50 * 2**20,
@@ -324,7 +326,11 @@ def test_bench_report_renders(tmp_path):
     from cutlass_w8a8.testing.timers import geomean
 
     report = bench.render_markdown(results, geomean)
-    for heading in ("## Times", "## Weight streaming rate", "## Geomean ratios", "## Fused quantization",
-                    "## Methods that did not run"):
+    for heading in ("## Times", "## Weight streaming rate", "## Target: every W8A8 GEMM", "## Geomean ratios",
+                    "## Fused quantization", "## Methods that did not run"):
         assert heading in report
+    # the read-rate target: dispatched at 0.03 ms per call over a 3000 GB/s read rate
+    share = 4096 * 4096 / 0.03e-3 / 3000e9
+    assert f"- M = 1: worst l3-70b-down" in report or f"- M = 1: worst l3-8b-o" in report
+    assert ("NOT met" in report) == (share < 0.85 or 8192 * 28672 / 0.03e-3 / 3000e9 < 0.85)
     bench.plot_results(results, str(tmp_path / "plot.png"))  # draws, or says that matplotlib is missing

@@ -22,9 +22,10 @@
 
 #include "core/checks.hpp"
 #include "core/device.hpp"
+#include "core/launch_policy.hpp"
 #include "graphs/graph_nodes.hpp"
 #include "ops.hpp"
-#include "quant/rowwise_reduce.cuh"  // to_float, from_float
+#include "quant/rowwise_reduce.cuh"  // to_float, from_float, PDL (allow_dependent_launch, wait_for_producers)
 
 namespace cutlass_w8a8 {
 namespace {
@@ -36,6 +37,8 @@ __global__ void rope_kv_cache_kernel(T* __restrict__ qkv, int64_t qkv_row_stride
                                      T* __restrict__ cache, const int64_t* __restrict__ slots, int64_t slots_stride,
                                      const int64_t* __restrict__ positions, int64_t positions_stride, int heads,
                                      int kv_heads, int head_dim, int64_t seq_len, int64_t num_slots) {
+  allow_dependent_launch();  // PDL: the successor (attention) may be scheduled; it waits for this grid
+  wait_for_producers();      // the qkv GEMM's output
   const int64_t b = blockIdx.x;
   const int y = blockIdx.y;
   const int half = head_dim / 2;
@@ -105,13 +108,15 @@ void rope_kv_cache_(at::Tensor& qkv, const at::Tensor& rope, at::Tensor& kv_cach
   cudaStream_t stream = current_stream(qkv);
   const dim3 grid(static_cast<unsigned>(b), static_cast<unsigned>(num_heads + 2 * num_kv_heads));
   const int threads = static_cast<int>(std::min<int64_t>(std::max<int64_t>(d / 2, 32), 256));
+  const bool pdl = kernels_use_pdl(qkv.get_device());
   auto launch = [&](auto tag) {
     using T = decltype(tag);
-    rope_kv_cache_kernel<T><<<grid, threads, 0, stream>>>(
-        reinterpret_cast<T*>(qkv.data_ptr()), qkv.stride(0), rope.data_ptr<float>(),
-        reinterpret_cast<T*>(kv_cache.data_ptr()), slots.data_ptr<int64_t>(), slots.stride(0),
-        positions.data_ptr<int64_t>(), positions.stride(0), static_cast<int>(num_heads),
-        static_cast<int>(num_kv_heads), static_cast<int>(d), kv_cache.size(3), kv_cache.size(0));
+    C10_CUDA_CHECK(launch_kernel(
+        rope_kv_cache_kernel<T>, grid, dim3(threads), 0, stream, pdl, reinterpret_cast<T*>(qkv.data_ptr()),
+        qkv.stride(0), rope.data_ptr<float>(), reinterpret_cast<T*>(kv_cache.data_ptr()),
+        slots.data_ptr<int64_t>(), slots.stride(0), positions.data_ptr<int64_t>(), positions.stride(0),
+        static_cast<int>(num_heads), static_cast<int>(num_kv_heads), static_cast<int>(d), kv_cache.size(3),
+        kv_cache.size(0)));
   };
   if (dt == at::kBFloat16) {
     launch(__nv_bfloat16{});
@@ -120,7 +125,6 @@ void rope_kv_cache_(at::Tensor& qkv, const at::Tensor& rope, at::Tensor& kv_cach
   } else {
     launch(float{});
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   graph_nodes::note_rowwise_launch(stream, b, "rope_kv_cache_");
 }
 

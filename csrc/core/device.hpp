@@ -16,12 +16,13 @@ inline cudaStream_t current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 }
 
-// Compute capability and multiprocessor count of a device, read once per device and cached. Raises for a
-// device index outside [0, 64).
+// Compute capability, multiprocessor count and L2 size of a device, read once per device and cached. Raises for
+// a device index outside [0, 64).
 struct DeviceInfo {
   int major = 0;
   int minor = 0;
   int sm_count = 0;
+  int l2_bytes = 0;
 };
 const DeviceInfo& device_info(int device);
 

@@ -1,15 +1,19 @@
-// Programmatic dependent launch: the one switch and the rules that use it (core/launch_policy.hpp).
+// Programmatic dependent launch and the decode-GEMM bound: the switches and the rules that use them
+// (core/launch_policy.hpp).
 #include "core/launch_policy.hpp"
 
 #include <atomic>
 #include <cstdlib>
 #include <string>
 
+#include <c10/util/Exception.h>
+
 namespace cutlass_w8a8 {
 namespace {
 
 // -1: not read from the environment yet; 0 off; 1 on.
 std::atomic<int> g_pdl{-1};
+std::atomic<int64_t> g_decode_max_m{kDecodeGemmMaxM};
 
 }  // namespace
 
@@ -34,9 +38,21 @@ bool gemm_uses_pdl(GemmBackend backend, int64_t m, bool recording) {
   return backend == GemmBackend::kSm90 && pdl_enabled() && (m <= kPdlMaxM || recording);
 }
 
-bool decode_uses_pdl(int device) {
+bool kernels_use_pdl(int device) {
   const DeviceInfo& info = device_info(device);
   return info.major * 10 + info.minor >= 90 && pdl_enabled();
+}
+
+int64_t decode_gemm_max_m() { return g_decode_max_m.load(std::memory_order_relaxed); }
+
+int64_t set_decode_gemm_max_m(int64_t m) {
+  TORCH_CHECK_VALUE(m >= 0 && m <= 16, "cutlass_w8a8._set_decode_gemm_max_m: `m` must be in [0, 16] (the decode "
+                    "GEMM serves M <= 16; 0 turns it off), got ", m);
+  return g_decode_max_m.exchange(m, std::memory_order_relaxed);
+}
+
+bool scaled_mm_uses_decode(GemmBackend backend, int64_t m, bool recording) {
+  return backend == GemmBackend::kSm90 && !recording && m <= decode_gemm_max_m();
 }
 
 }  // namespace cutlass_w8a8

@@ -59,12 +59,17 @@ cw8a8_scaled_mm_args check_and_pack_scaled_mm(const char* op, const at::Tensor& 
                                               const at::Tensor& b, const at::Tensor& scale_a,
                                               const at::Tensor& scale_b, const std::optional<at::Tensor>& bias);
 
-// Runs a packed argument block whose operands are already checked (gemm/scaled_mm_entry.cu): picks the kernel
+// Runs a packed argument block whose operands are already checked (gemm/scaled_mm_entry.cu): at decode sizes the
+// decode GEMM (core/launch_policy.hpp's scaled_mm_uses_decode; never with a forced `config`), else picks the kernel
 // library for the device (and the Ampere/Ada vector-scale form), takes PDL from core/launch_policy.hpp, launches
 // on the current stream of `a`'s device and records the launch for CUDA-graph node updates. `config` < 0 lets the
 // library choose by shape. `scale_a` may be an undefined tensor when args.scale_a points to M per-token scales at
 // a 16-byte aligned address. Does nothing for M = 0.
 void launch_scaled_mm(cw8a8_scaled_mm_args& args, const at::Tensor& a, const at::Tensor& scale_a,
                       const at::Tensor& scale_b, const std::optional<at::Tensor>& bias, int64_t config = -1);
+
+// The decode GEMM (gemm/decode/scaled_mm_decode.cu) on a packed, checked argument block with 1 <= M <= 16, on the
+// current stream of `a`'s device; its split-K workspace (if any) from the caching allocator.
+void launch_scaled_mm_decode(const cw8a8_scaled_mm_args& args, const at::Tensor& a);
 
 }  // namespace cutlass_w8a8

@@ -1,5 +1,6 @@
-// scaled_mm / scaled_mm_out / _scaled_mm_config: check and pack once (gemm/scaled_mm_args.hpp), pick the kernel
-// library by the device's GEMM backend (core/device.hpp, gemm/kernel_libraries.hpp), decide PDL
+// scaled_mm / scaled_mm_out / _scaled_mm_config: check and pack once (gemm/scaled_mm_args.hpp), send decode sizes to
+// the decode GEMM (gemm/decode; the bound: core/launch_policy.hpp), else pick the kernel library by the device's GEMM
+// backend (core/device.hpp, gemm/kernel_libraries.hpp), decide PDL
 // (core/launch_policy.hpp), launch, and record the launch for CUDA-graph node updates (graphs/graph_nodes.hpp).
 #include <optional>
 #include <string>
@@ -77,6 +78,10 @@ void launch_scaled_mm(cw8a8_scaled_mm_args& args, const at::Tensor& a, const at:
   const GemmBackend backend = gemm_backend(args.device, fp8);
   const KernelLibrary& kernels = scaled_mm_library(args.device, backend, fp8);
   const bool sm90 = backend == GemmBackend::kSm90;
+  if (config < 0 && scaled_mm_uses_decode(backend, args.m, graph_nodes::recording())) {
+    launch_scaled_mm_decode(args, a);
+    return;
+  }
   VectorOperands keep;
   if (!sm90) {
     if (scale_a.defined()) {  // undefined: args.scale_a is already a 16-byte aligned vector of M scales

@@ -18,10 +18,12 @@
 #include <tuple>
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "core/checks.hpp"
 #include "core/device.hpp"
+#include "core/launch_policy.hpp"
 #include "graphs/graph_nodes.hpp"
 #include "ops.hpp"
 #include "quant/quantize.hpp"
@@ -47,6 +49,7 @@ __global__ void __launch_bounds__(kBlock) per_token_regs_kernel(const T* __restr
                                                                   int64_t q_stride, float* __restrict__ scales,
                                                                   int k) {
   allow_dependent_launch();
+  wait_for_producers();
   constexpr int kElems = 16 / sizeof(T);  // elements per 16-byte vector
   struct alignas(16) Vec {
     T v[kElems];
@@ -93,6 +96,7 @@ __global__ void __launch_bounds__(kThreads) per_token_loop_kernel(const T* __res
                                                                   int64_t q_stride, float* __restrict__ scales,
                                                                   int k) {
   allow_dependent_launch();
+  wait_for_producers();
   const int64_t row = blockIdx.x;
   const T* xr = x + row * x_stride;
   typename Q::type* qr = q + row * q_stride;
@@ -118,6 +122,7 @@ __global__ void __launch_bounds__(kThreads) per_tensor_kernel(const T* __restric
                                                               const float* __restrict__ scale_ptr, int64_t k,
                                                               int64_t chunk) {
   allow_dependent_launch();
+  wait_for_producers();
   const float scale = *scale_ptr;
   const int64_t row = blockIdx.x;
   const T* xr = x + row * x_stride;
@@ -131,6 +136,7 @@ __global__ void __launch_bounds__(kThreads) per_tensor_kernel(const T* __restric
 
 template <class T, class Q>
 void launch_per_token(const quant::Rows& r, float* s, cudaStream_t stream) {
+  const bool pdl = kernels_use_pdl(c10::cuda::current_device());
   const int64_t m = r.m;
   const int k = r.k;
   const T* x = static_cast<const T*>(r.x);
@@ -140,38 +146,44 @@ void launch_per_token(const quant::Rows& r, float* s, cudaStream_t stream) {
                             r.q_stride % kElems == 0 && is_aligned(q, kElems);
   const int64_t nvec = k / kElems;
   const dim3 grid(static_cast<unsigned>(m));
+  cudaError_t err = cudaSuccess;
   if (vectorizable && nvec <= int64_t(kThreads) * 16) {
     const int per_thread = static_cast<int>((nvec + kThreads - 1) / kThreads);
     if (per_thread <= 1) {
-      per_token_regs_kernel<T, Q, 1><<<grid, kThreads, 0, stream>>>(x, r.x_stride, q, r.q_stride, s, k);
+      err = launch_kernel(per_token_regs_kernel<T, Q, 1>, grid, dim3(kThreads), 0, stream, pdl, x, r.x_stride, q,
+                          r.q_stride, s, k);
     } else if (per_thread <= 2) {
-      per_token_regs_kernel<T, Q, 2><<<grid, kThreads, 0, stream>>>(x, r.x_stride, q, r.q_stride, s, k);
+      err = launch_kernel(per_token_regs_kernel<T, Q, 2>, grid, dim3(kThreads), 0, stream, pdl, x, r.x_stride, q,
+                          r.q_stride, s, k);
     } else if (per_thread <= 4) {
-      per_token_regs_kernel<T, Q, 4><<<grid, kThreads, 0, stream>>>(x, r.x_stride, q, r.q_stride, s, k);
+      err = launch_kernel(per_token_regs_kernel<T, Q, 4>, grid, dim3(kThreads), 0, stream, pdl, x, r.x_stride, q,
+                          r.q_stride, s, k);
     } else if (per_thread <= 8) {
-      per_token_regs_kernel<T, Q, 8><<<grid, kThreads, 0, stream>>>(x, r.x_stride, q, r.q_stride, s, k);
+      err = launch_kernel(per_token_regs_kernel<T, Q, 8>, grid, dim3(kThreads), 0, stream, pdl, x, r.x_stride, q,
+                          r.q_stride, s, k);
     } else {  // 2049..4096 vectors: 512 threads x 8
-      per_token_regs_kernel<T, Q, 8, kWideThreads>
-          <<<grid, kWideThreads, 0, stream>>>(x, r.x_stride, q, r.q_stride, s, k);
+      err = launch_kernel(per_token_regs_kernel<T, Q, 8, kWideThreads>, grid, dim3(kWideThreads), 0, stream, pdl, x,
+                          r.x_stride, q, r.q_stride, s, k);
     }
   } else {
-    per_token_loop_kernel<T, Q><<<grid, kThreads, 0, stream>>>(x, r.x_stride, q, r.q_stride, s, k);
+    err = launch_kernel(per_token_loop_kernel<T, Q>, grid, dim3(kThreads), 0, stream, pdl, x, r.x_stride, q,
+                        r.q_stride, s, k);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(err);
   graph_nodes::note_rowwise_launch(stream, m, "quantize_per_token");
 }
 
 template <class T, class Q>
 void launch_per_tensor(const quant::Rows& r, const float* scale, cudaStream_t stream) {
+  const bool pdl = kernels_use_pdl(c10::cuda::current_device());
   const int64_t m = r.m;
   const int k = r.k;
   const int64_t chunks = std::min<int64_t>((k + kTensorChunk - 1) / kTensorChunk, 65535);
   const int64_t chunk = (k + chunks - 1) / chunks;
   const dim3 grid(static_cast<unsigned>(m), static_cast<unsigned>(chunks));
-  per_tensor_kernel<T, Q><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(r.x), r.x_stride,
-                                                         static_cast<typename Q::type*>(r.q), r.q_stride, scale, k,
-                                                         chunk);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(launch_kernel(per_tensor_kernel<T, Q>, grid, dim3(kThreads), 0, stream, pdl,
+                               static_cast<const T*>(r.x), r.x_stride, static_cast<typename Q::type*>(r.q),
+                               r.q_stride, scale, static_cast<int64_t>(k), chunk));
   graph_nodes::note_rowwise_launch(stream, m, "quantize_per_tensor");
 }
 

@@ -45,6 +45,7 @@
 
 #include "core/checks.hpp"
 #include "core/device.hpp"
+#include "core/launch_policy.hpp"
 #include "graphs/graph_nodes.hpp"
 #include "ops.hpp"
 #include "quant/quantize.hpp"
@@ -244,6 +245,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const char* op, const at::Tenso
   const at::Tensor* r = residual.has_value() ? &*residual : nullptr;
   const int64_t r_stride = r != nullptr ? quant::flat_row_stride(*r) : 0;
   const bool clusters = clusters_available(x.get_device());
+  const bool pdl = kernels_use_pdl(x.get_device());
   cudaStream_t stream = current_stream(x);
   dispatch_rowwise(quant::row_elem(x.scalar_type()), quant::row_out(qtype), [&](auto t, auto o) {
     using T = decltype(t);
@@ -265,8 +267,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const char* op, const at::Tenso
         k % N == 0 && p.x_stride % N == 0 && is_aligned(p.x, 16) && is_aligned(p.weight, 16) &&
         is_aligned(p.out, N * sizeof(OutT)) &&
         (p.residual == nullptr || (p.residual_stride % N == 0 && is_aligned(p.residual, 16)));
-    launch_rowwise<T, RmsNormRow<T, O>>(p, p.k / N, m, vectorizable, clusters, stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    C10_CUDA_CHECK((launch_rowwise<T, RmsNormRow<T, O>>(p, p.k / N, m, vectorizable, clusters, pdl, stream)));
   });
   graph_nodes::note_rowwise_launch(stream, m, op);
   return {out, scales};

@@ -3,7 +3,7 @@
 //
 //   element conversions   to_float / from_float (round to nearest even, as torch rounds a float32 result)
 //   8-bit outputs         Int8Out / Fp8Out: QMAX and the saturating conversion; quantize_one
-//   PDL                   allow_dependent_launch (griddepcontrol.launch_dependents)
+//   PDL                   allow_dependent_launch / wait_for_producers (griddepcontrol)
 //   reductions            block_max / block_sum over a block; ClusterReduce over a thread block cluster (sm90)
 //   a row's tail          finish_regs / finish_loop: store y, or quantize it (dynamic or static scale)
 //   launch shapes         with_register_config / with_cluster_config; the fused ops' kernels and launch_rowwise,
@@ -19,6 +19,8 @@
 #include <cuda_runtime.h>
 
 #include <cooperative_groups.h>
+
+#include "core/launch.hpp"
 
 #include <cstdint>
 #include <type_traits>
@@ -94,13 +96,21 @@ struct IsQuant<FloatOut<T>> : std::false_type {};
 
 // --- programmatic dependent launch --------------------------------------------------------------------
 //
-// Lets the next kernel on the stream, when it was launched with PDL (the sm90 GEMM that consumes q), be
-// scheduled as soon as every block of this grid has started, so its launch and prologue overlap this
-// kernel. Correctness does not depend on it: the GEMM's griddepcontrol.wait still waits for this whole grid
-// to finish and its writes to be visible. A no-op below sm90 and for dependents launched without PDL.
+// allow_dependent_launch lets the next kernel on the stream, when it was launched with PDL, be scheduled as
+// soon as every block of this grid has signalled (or exited), so its launch and prologue overlap this kernel.
+// Correctness does not depend on it: the dependent's griddepcontrol.wait still waits for this whole grid to
+// finish and its writes to be visible. wait_for_producers is that wait: a kernel launched with PDL
+// (core/launch.hpp) calls it before its first access to memory a predecessor may write, and returns at once
+// when it was launched without PDL. Both are no-ops below sm90.
 __device__ __forceinline__ void allow_dependent_launch() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_producers() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
 
@@ -356,6 +366,7 @@ bool with_cluster_config(int64_t nvec, F&& launch) {
 template <class Op, int kVecs, int kB>
 __global__ void __launch_bounds__(kB) rowwise_regs_kernel(const typename Op::Params p) {
   allow_dependent_launch();
+  wait_for_producers();
   Op::template regs<kVecs, kB, 1>(p);
 }
 
@@ -364,6 +375,7 @@ __global__ void CW8A8_CLUSTER_DIMS(1, C, 1) __launch_bounds__(kB)
     rowwise_cluster_kernel(const typename Op::Params p) {
 #if CW8A8_HAS_CLUSTERS
   allow_dependent_launch();
+  wait_for_producers();
   Op::template regs<kVecs, kB, C>(p);
 #else
   __trap();
@@ -373,38 +385,43 @@ __global__ void CW8A8_CLUSTER_DIMS(1, C, 1) __launch_bounds__(kB)
 template <class Op, int N, int kB>
 __global__ void __launch_bounds__(kB) rowwise_loop_kernel(const typename Op::Params p) {
   allow_dependent_launch();
+  wait_for_producers();
   Op::template loop<N, kB>(p);
 }
 
 // One launch of the fused row-wise op `Op` on M rows of nvec 16-byte vectors of T: the cluster kernel, the
-// register kernel or the loop kernel, in that order of preference (see above). The caller checks the launch
-// (C10_CUDA_KERNEL_LAUNCH_CHECK).
+// register kernel or the loop kernel, in that order of preference (see above), with PDL when `pdl`
+// (core/launch_policy.hpp's kernels_use_pdl). Returns the launch's error.
 template <class T, class Op>
-void launch_rowwise(const typename Op::Params& p, int64_t nvec, int64_t m, bool vectorizable, bool clusters,
-                    cudaStream_t stream) {
+[[nodiscard]] cudaError_t launch_rowwise(const typename Op::Params& p, int64_t nvec, int64_t m, bool vectorizable, bool clusters,
+                    bool pdl, cudaStream_t stream) {
   constexpr int N = 16 / sizeof(T);
   bool launched = false;
+  cudaError_t err = cudaSuccess;
   if constexpr (!std::is_same_v<T, float>) {
     if (vectorizable && clusters) {
       launched = with_cluster_config(nvec, [&](auto vecs, auto c) {
         const dim3 grid(static_cast<unsigned>(m), decltype(c)::value);
-        rowwise_cluster_kernel<Op, decltype(vecs)::value, kBlock, decltype(c)::value><<<grid, kBlock, 0, stream>>>(p);
+        err = launch_kernel(rowwise_cluster_kernel<Op, decltype(vecs)::value, kBlock, decltype(c)::value>, grid,
+                      dim3(kBlock), 0, stream, pdl, p);
       });
     }
   }
   const dim3 grid(static_cast<unsigned>(m));
   if (!launched && vectorizable) {
     launched = with_register_config(nvec, [&](auto vecs, auto block) {
-      rowwise_regs_kernel<Op, decltype(vecs)::value, decltype(block)::value><<<grid, block.value, 0, stream>>>(p);
+      err = launch_kernel(rowwise_regs_kernel<Op, decltype(vecs)::value, decltype(block)::value>, grid,
+                    dim3(block.value), 0, stream, pdl, p);
     });
   }
   if (!launched) {
     if (vectorizable) {
-      rowwise_loop_kernel<Op, N, kBlock><<<grid, kBlock, 0, stream>>>(p);
+      err = launch_kernel(rowwise_loop_kernel<Op, N, kBlock>, grid, dim3(kBlock), 0, stream, pdl, p);
     } else {
-      rowwise_loop_kernel<Op, 1, kBlock><<<grid, kBlock, 0, stream>>>(p);
+      err = launch_kernel(rowwise_loop_kernel<Op, 1, kBlock>, grid, dim3(kBlock), 0, stream, pdl, p);
     }
   }
+  return err;
 }
 
 // The element type of x and the output of a row-wise op, as the host names them.

@@ -26,6 +26,7 @@
 
 #include "core/checks.hpp"
 #include "core/device.hpp"
+#include "core/launch_policy.hpp"
 #include "graphs/graph_nodes.hpp"
 #include "ops.hpp"
 #include "quant/quantize.hpp"
@@ -128,6 +129,7 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_impl(const char* op, const at::Tenso
 
   const at::Tensor x2 = quant::rows_of(x);
   const bool clusters = clusters_available(x.get_device());
+  const bool pdl = kernels_use_pdl(x.get_device());
   cudaStream_t stream = current_stream(x);
   dispatch_rowwise(quant::row_elem(x.scalar_type()), quant::row_out(qtype), [&](auto t, auto o) {
     using T = decltype(t);
@@ -143,8 +145,7 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_impl(const char* op, const at::Tenso
     p.half = static_cast<int>(half);
     const bool vectorizable = half % N == 0 && p.x_stride % N == 0 && is_aligned(p.x, 16) &&
                               is_aligned(p.out, N * sizeof(OutT));
-    launch_rowwise<T, SiluMulRow<T, O>>(p, p.half / N, m, vectorizable, clusters, stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    C10_CUDA_CHECK((launch_rowwise<T, SiluMulRow<T, O>>(p, p.half / N, m, vectorizable, clusters, pdl, stream)));
   });
   graph_nodes::note_rowwise_launch(stream, m, op);
   return {out, scales};

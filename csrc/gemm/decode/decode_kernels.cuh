@@ -53,9 +53,10 @@
 // for bit. The absmax pass and the quantization are repeated by every CTA (M x K x 2 bytes read from L2 and
 // M x K divisions per CTA), which is why it only pays at small M: csrc/gemm/decode/README.md, "Crossover".
 //
-// PDL: the kernels wait on griddepcontrol before their first global access and signal
+// PDL: the kernels wait on griddepcontrol before their first access to memory another kernel writes (the main
+// kernel first asks L2 to prefetch the start of its weight rows: weights are nobody's output) and signal
 // launch_dependents once their loads are done; the host launches the main kernel with programmatic stream
-// serialization when core/launch_policy.hpp's decode_uses_pdl says so (the PDL switch on, sm90 or newer).
+// serialization when core/launch_policy.hpp's kernels_use_pdl says so (the PDL switch on, sm90 or newer).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -109,6 +110,9 @@ struct DecodeParams {
   int splits;                // CTAs along K (grid.y)
   int blocks_per_split;      // K blocks per split, a multiple of kWarps
   uint32_t zero;             // always 0: a value ptxas cannot fold (see tie_to_weight_loads)
+  uint32_t prefetch_bytes;   // per weight row: L2 prefetch of the first bytes of the CTA's K range (0: none)
+  uint32_t prefetch_ctas;    // only CTAs (x + y * gridDim.x) below this prefetch: the first wave, which may
+                             // start before the previous kernel ends (later CTAs would fetch what they load)
 };
 
 struct Int8Ab {
@@ -122,11 +126,14 @@ struct Fp8Ab {
 
 // --- device helpers ----------------------------------------------------------------------------------
 
-// Wait until the kernels this one depends on (programmatic dependent launch) have finished and their writes
-// are visible; returns at once when the kernel was launched without PDL.
-__device__ __forceinline__ void wait_for_producers() {
+// wait_for_producers (griddepcontrol.wait) and allow_dependent_launch: quant/rowwise_reduce.cuh.
+
+// Asks L2 to fetch `bytes` (a multiple of 16) from global address `p` (16-byte aligned): one bulk prefetch, no
+// registers, no completion to wait for (sm90's cp.async.bulk.prefetch.L2; nothing on older devices). A hint
+// only: the kernel's own loads still read the data, from L2 when the prefetch got there first.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 #endif
 }
 
@@ -444,7 +451,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemm_kernel(int64_t m64, D
   __shared__ float s_amax[kWarps][kMaxTokens];
   __shared__ float s_scale[kMaxTokens];
 
-  wait_for_producers();  // before any global access (PDL)
   const int m = static_cast<int>(m64);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -453,6 +459,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemm_kernel(int64_t m64, D
   const int nblk = (p.k + kBlockBytes - 1) / kBlockBytes;
   const int bs = static_cast<int>(blockIdx.y) * p.blocks_per_split;
   const int be = min(bs + p.blocks_per_split, nblk);
+  // Before the PDL wait: the weights are no kernel's output, so their first bytes can stream into L2 while the
+  // previous kernels finish (the gap a decode step would otherwise leave HBM idle in). One thread per row.
+  if (p.prefetch_bytes != 0 && threadIdx.x < kRows && blockIdx.x + blockIdx.y * gridDim.x < p.prefetch_ctas) {
+    const int kb = bs * kBlockBytes;
+    const int avail = (p.k - kb) & ~15;  // K is a multiple of 16 (checked), kb of 256
+    const uint32_t bytes = min(p.prefetch_bytes, static_cast<uint32_t>(max(avail, 0)));
+    if (bytes != 0) prefetch_l2(p.w + (row0 + threadIdx.x) * p.ldw + kb, bytes);
+  }
+  wait_for_producers();  // before any access to memory another kernel writes (PDL)
 
   Acc acc[NT][4];
 #pragma unroll
@@ -536,6 +551,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemm_kernel(int64_t m64, D
 // channel, tokens < m. Grid ceil(N / 256); launched after the main kernel (stream order).
 template <class Acc, class OutT>
 __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(int64_t m64, DecodeParams p) {
+  allow_dependent_launch();
   wait_for_producers();
   const int m = static_cast<int>(m64);
   const int64_t ch = static_cast<int64_t>(blockIdx.x) * kReduceThreads + threadIdx.x;

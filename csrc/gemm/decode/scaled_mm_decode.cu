@@ -8,7 +8,7 @@
 //
 // Checks: scaled_mm_decode makes scaled_mm's (gemm/scaled_mm_args.hpp, under its own name), then M in [1, 16] and
 // K <= 2**30; linear_decode makes ops/_checks.py check_linear_decode, in its order and wording. Whether the device runs
-// them: core/device.hpp's gemm_backend; PDL: core/launch_policy.hpp's decode_uses_pdl.
+// them: core/device.hpp's gemm_backend; PDL: core/launch_policy.hpp's kernels_use_pdl.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -22,6 +22,7 @@
 
 #include "core/checks.hpp"
 #include "core/device.hpp"
+#include "core/launch.hpp"
 #include "core/launch_policy.hpp"
 #include "core/limits.hpp"
 #include "gemm/decode/decode_kernels.cuh"
@@ -141,17 +142,19 @@ int choose_splits(int64_t n, int64_t k, int sms, int* blocks_per_split) {
 template <class... KArgs>
 void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t stream, bool pdl, int64_t m,
             const DecodeParams& p) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, m, p));
+  C10_CUDA_CHECK(launch_kernel(kernel, grid, block, 0, stream, pdl, m, p));
+}
+
+// L2 prefetch per weight row before the PDL wait (decode_kernels.cuh): what the CTAs resident at once (about two
+// per SM) can ask for within half of L2, so that the prefetched bytes are not evicted before the loads use them;
+// a multiple of the 256-byte block, at most the row's split. 0 when the weight rows are not 16-byte aligned.
+uint32_t choose_prefetch_bytes(const DeviceInfo& info, int64_t ldw, int blocks_per_split) {
+  if (ldw % 16 != 0 || info.l2_bytes <= 0) return 0;
+  const int64_t resident_rows = 2 * static_cast<int64_t>(info.sm_count) * kRows;
+  int64_t per_row = static_cast<int64_t>(info.l2_bytes) / 2 / resident_rows;
+  per_row = per_row / kBlockBytes * kBlockBytes;
+  per_row = std::min<int64_t>(per_row, static_cast<int64_t>(blocks_per_split) * kBlockBytes);
+  return static_cast<uint32_t>(std::max<int64_t>(per_row, 0));
 }
 
 template <class AB, class OutT, class XT>
@@ -165,7 +168,7 @@ void launch_typed(const char* op, int64_t m, DecodeParams& p, cudaStream_t strea
   graph_nodes::note_m_param_launch(stream, m, op, kMainParams);
   if (p.splits > 1) {
     const dim3 rgrid(static_cast<unsigned>((p.n + kReduceThreads - 1) / kReduceThreads));
-    launch(decode_reduce_kernel<typename AB::Acc, OutT>, rgrid, dim3(kReduceThreads), stream, false, m, p);
+    launch(decode_reduce_kernel<typename AB::Acc, OutT>, rgrid, dim3(kReduceThreads), stream, pdl, m, p);
     graph_nodes::note_m_param_launch(stream, m, op, kReduceParams);
   }
 }
@@ -198,7 +201,10 @@ void run(const char* op, int64_t m, DecodeParams& p, at::ScalarType ab, at::Scal
   const bool fused = xt != at::ScalarType::Undefined;  // linear_decode: x's type is the output type
   check_backend(op, device, ab == at::kFloat8_e4m3fn);
   c10::cuda::CUDAGuard guard(like.device());
-  p.splits = choose_splits(p.n, p.k, device_info(device).sm_count, &p.blocks_per_split);
+  const DeviceInfo& info = device_info(device);
+  p.splits = choose_splits(p.n, p.k, info.sm_count, &p.blocks_per_split);
+  p.prefetch_bytes = choose_prefetch_bytes(info, p.ldw, p.blocks_per_split);
+  p.prefetch_ctas = 2 * static_cast<uint32_t>(info.sm_count);
   at::Tensor workspace;
   if (p.splits > 1) {
     const int64_t partial_bytes = static_cast<int64_t>(p.splits) * kMaxTokens * p.n * 4;
@@ -211,7 +217,7 @@ void run(const char* op, int64_t m, DecodeParams& p, at::ScalarType ab, at::Scal
     }
   }
   cudaStream_t stream = current_stream(like);
-  const bool pdl = decode_uses_pdl(device);
+  const bool pdl = kernels_use_pdl(device);
   auto with_types = [&](auto ab_tag, auto out_tag) {
     using AB = decltype(ab_tag);
     using OutT = decltype(out_tag);
@@ -253,6 +259,25 @@ void run_linear_decode(at::Tensor& out, const at::Tensor& x, const at::Tensor& b
 }
 
 }  // namespace
+
+void launch_scaled_mm_decode(const cw8a8_scaled_mm_args& args, const at::Tensor& a) {
+  DecodeParams p{};
+  p.a = args.a;
+  p.lda = args.m <= 1 ? 0 : args.lda;
+  p.w = static_cast<const uint8_t*>(args.b);
+  p.ldw = args.ldb;
+  p.scale_a = args.scale_a;
+  p.scale_a_per_token = args.scale_a_per_token;
+  p.scale_b = args.scale_b;
+  p.scale_b_per_channel = args.scale_b_per_channel;
+  p.bias = args.bias;
+  p.out = args.d;
+  p.ldo = args.m <= 1 ? 0 : args.ldd;
+  p.n = args.n;
+  p.k = static_cast<int>(args.k);
+  run(kGemmOp, args.m, p, args.ab_type == CW8A8_AB_INT8 ? at::kChar : at::kFloat8_e4m3fn,
+      args.out_type == CW8A8_OUT_BF16 ? at::kBFloat16 : at::kHalf, at::ScalarType::Undefined, a);
+}
 
 void scaled_mm_decode_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                           const at::Tensor& scale_b, const std::optional<at::Tensor>& bias) {
