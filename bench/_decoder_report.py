@@ -1,35 +1,170 @@
-"""bench/bench_decoder.py's reports: the models and modes it compares and its targets at batch 1, the Markdown
-tables (latency, bandwidth, HBM bound, capture, kernels), `render_markdown` of a results dict and
-`plot_results` (needs matplotlib).
+"""bench/bench_decoder.py's models, derived numbers, targets and reports: `MODELS` and `model_spec`, `derive`
+(speedups, measured / HBM-limited time, the issue-18 targets), the Markdown tables (latency, bandwidth, HBM
+bound, kernel classes, PDL on/off, capture), `render_markdown` of a results dict and `plot_results` (needs
+matplotlib). Pure Python: nothing here needs a GPU.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-MODELS = ("bf16", "int8", "fp8")
+from _decoder_kernels import CLASS_BYTES_NOTES, CLASSES, OTHER_NAMES_MAX
+
+# Model names: a base ("bf16": nn.Linear layers; "int8" / "fp8": W8A8Linear decoder layers), "+lmh" = lm_head
+# quantized too (W8A8Linear); without it lm_head stays a bf16 nn.Linear. MODELS lists every accepted name in
+# report order; DEFAULT_MODELS are run by default.
+MODELS = ("bf16", "int8", "int8+lmh", "fp8", "fp8+lmh")
+DEFAULT_MODELS = ("bf16", "int8", "int8+lmh", "fp8")
 MODES = ("eager", "graph")
-# Targets at batch 1 (Llama-3-8B dimensions, all layers): int8 graph over bf16 graph, W8A8 graph over eager.
-TARGET_INT8_OVER_BF16 = 1.7
-TARGET_GRAPH_OVER_EAGER = 1.5
+LMH = "+lmh"
+
+# Targets (issue 18), Llama-3-8B dimensions, all 32 layers:
+TARGET_INT8_OVER_BF16 = 2.0    # int8 graph >= 2.0x bf16 graph at batch 1 (bf16 lm_head in both)
+TARGET_GRAPH_OVER_EAGER = 1.5  # W8A8 (int8) graph >= 1.5x its eager step at batch 1
+TARGET_B1_OVER_HBM = 1.25      # int8 graph at batch 1 <= 1.25x its HBM-limited time
+TARGET_B8_OVER_HBM = 1.3       # int8 graph at batch 8 <= 1.3x its HBM-limited time
+# The absolute batch-1 int8 graph step time of the issue, ms, by device name (first match; None: no target),
+# for its setting only: llama3-8b, 32 layers, --max-seq 512 (1.25x the limit of 8.07 GB at 3.35 / 4.8 TB/s).
+TARGET_B1_MS = (("H100 PCIe", None), ("H100 NVL", None), ("H100", 3.0), ("H200", 2.1))
+TARGET_B1_MS_SETTING = {"name": "llama3-8b", "num_layers": 32, "max_seq": 512}
+
+
+def model_spec(name: str) -> tuple[Optional[str], bool]:
+    """``(quant, quant_lm_head)`` of a model name of `MODELS`: ``"bf16"`` -> ``(None, False)``, ``"int8"`` ->
+    ``("int8", False)``, ``"int8+lmh"`` -> ``("int8", True)``. Raises ValueError for another name."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+    base = name[:-len(LMH)] if name.endswith(LMH) else name
+    return (None if base == "bf16" else base), name.endswith(LMH)
+
+
+def absolute_target_ms(device: str) -> Optional[float]:
+    """The issue's absolute batch-1 target (ms) for ``device`` (`TARGET_B1_MS`), None when it has none."""
+    return next((ms for key, ms in TARGET_B1_MS if key in device), None)
 
 
 def _fmt(value: Optional[float], spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
+def _num(v: Optional[float]) -> str:
+    """3 significant digits below 100 (0.00061, 3.98, 33.7), a whole number above; "–" for None."""
+    if v is None:
+        return "–"
+    return "0" if v == 0 else (f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}")
+
+
 def _mib(n: Optional[int]) -> str:
     return "–" if n is None else f"{n / 2**20:.0f}"
 
 
+def _models(results: dict[str, Any]) -> list[str]:
+    return [m for m in MODELS if m in results["models"]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# derived numbers and targets
+
+
+def _ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
+    return num / den if num is not None and den else None
+
+
+def _target(key: str, label: str, value: Optional[float], bound: Optional[float], sense: str,
+            detail: str = "") -> dict[str, Any]:
+    """One target: ``met`` is None where the value or the bound is missing."""
+    met = None
+    if value is not None and bound is not None:
+        met = value <= bound if sense == "<=" else value >= bound
+    return {"key": key, "label": label, "value": value, "bound": bound, "sense": sense, "met": met,
+            "detail": detail}
+
+
+def derive(results: dict[str, Any], copy_gbps: float) -> None:
+    """Add ``results["derived"]`` and ``results["targets"]``.
+
+    Per batch: speedups (baseline time / time: ``<m>_graph_x_bf16_graph``, ``<m>_graph_x_<m>_eager``), measured
+    / HBM-limited time (``<m>_<mode>_over_hbm_limit``; None where the device's bandwidth is unknown), and the
+    weight-read bandwidth of each graph step (bytes of the weights a step reads in full, all but the
+    embedding, / step time, GB/s = 1e9 B/s; and over ``copy_gbps``). Targets: a list of `_target` dicts, the
+    issue-18 ones (see the TARGET_* constants)."""
+    models = results["models"]
+
+    def point(name: str, b: int) -> Optional[dict]:
+        m = models.get(name)
+        return m["batches"].get(str(b)) if m and "batches" in m else None
+
+    def t(name: str, b: int, mode: str) -> Optional[float]:
+        p = point(name, b)
+        return p[mode]["median_ms"] if p else None
+
+    derived = {}
+    for b in results["batches"]:
+        row: dict[str, Any] = {}
+        for name in models:
+            if name != "bf16":
+                row[f"{name}_graph_x_bf16_graph"] = _ratio(t("bf16", b, "graph"), t(name, b, "graph"))
+            row[f"{name}_graph_x_{name}_eager"] = _ratio(t(name, b, "eager"), t(name, b, "graph"))
+            p = point(name, b)
+            limit = p.get("hbm_limit_ms") if p else None
+            for mode in MODES:
+                row[f"{name}_{mode}_over_hbm_limit"] = _ratio(t(name, b, mode), limit)
+            tg = t(name, b, "graph")
+            if tg is not None:
+                gbps = models[name]["weight_bytes_per_step"] / (tg * 1e-3) / 1e9
+                row[f"{name}_graph_weight_GBps"] = gbps
+                row[f"{name}_graph_weight_GBps_over_copy"] = gbps / copy_gbps
+        derived[str(b)] = row
+    results["derived"] = derived
+
+    d1, d8 = derived.get("1", {}), derived.get("8", {})
+    items = []
+    for name in ("int8", "int8+lmh"):
+        if name not in models:
+            continue
+        p1 = point(name, 1)
+        detail = (f"{p1['graph']['median_ms']:.3f} ms, limit {_fmt(p1.get('hbm_limit_ms'), '.3f')} ms "
+                  f"({p1['bytes_read'] / 1e9:.2f} GB)" if p1 else "batch 1 not measured")
+        items.append(_target(f"{name}_b1_over_hbm", f"{name} graph at batch 1 / its HBM-limited time",
+                             d1.get(f"{name}_graph_over_hbm_limit"), TARGET_B1_OVER_HBM, "<=", detail))
+    c = results["config"]
+    setting = (c["name"], c["num_layers"], results["max_seq"])
+    want = TARGET_B1_MS_SETTING
+    bound, note = None, ""
+    if setting != (want["name"], want["num_layers"], want["max_seq"]):
+        note = (f"only for {want['name']} x {want['num_layers']} layers, --max-seq {want['max_seq']} "
+                f"(this run: {setting[0]} x {setting[1]}, --max-seq {setting[2]})")
+    else:
+        bound = absolute_target_ms(results["device"])
+        if bound is None:
+            note = f"no absolute target for {results['device']} (H100 SXM <= 3.0 ms, H200 <= 2.1 ms)"
+    items.append(_target("int8_b1_ms", f"int8 graph at batch 1, ms ({results['device']})", t("int8", 1, "graph"),
+                         bound, "<=", note))
+    items.append(_target("int8_x_bf16_b1", "int8 graph vs bf16 graph at batch 1 (x; bf16 lm_head in both)",
+                         d1.get("int8_graph_x_bf16_graph"), TARGET_INT8_OVER_BF16, ">="))
+    p8 = point("int8", 8)
+    items.append(_target("int8_b8_over_hbm", "int8 graph at batch 8 / its HBM-limited time",
+                         d8.get("int8_graph_over_hbm_limit"), TARGET_B8_OVER_HBM, "<=",
+                         f"{p8['graph']['median_ms']:.3f} ms, limit {_fmt(p8.get('hbm_limit_ms'), '.3f')} ms"
+                         if p8 else "batch 8 not measured"))
+    items.append(_target("int8_graph_x_eager_b1", "W8A8 (int8) graph vs eager at batch 1 (x)",
+                         d1.get("int8_graph_x_int8_eager"), TARGET_GRAPH_OVER_EAGER, ">="))
+    bytes_ratio = None
+    if "bf16" in models and "int8" in models:
+        bytes_ratio = models["bf16"]["weight_bytes_per_step"] / models["int8"]["weight_bytes_per_step"]
+    results["targets"] = {"weight_bytes_bf16_over_int8": bytes_ratio, "items": items}
+
+
+# ----------------------------------------------------------------------------------------------------
+# tables
+
+
 def latency_table(results: dict[str, Any]) -> str:
     """Markdown: per-token latency (ms per step) of every model and mode, and the speedups, per batch."""
-    models = [m for m in MODELS if m in results["models"]]
+    models = _models(results)
     cols = [(m, mode) for m in models for mode in MODES]
-    speed = [("int8 graph / bf16 graph", "int8_graph_x_bf16_graph"), ("int8 graph / eager", "int8_graph_x_int8_eager"),
-             ("fp8 graph / bf16 graph", "fp8_graph_x_bf16_graph"), ("fp8 graph / eager", "fp8_graph_x_fp8_eager"),
-             ("bf16 graph / eager", "bf16_graph_x_bf16_eager")]
-    speed = [(label, key) for label, key in speed if key.split("_")[0] in models]
+    speed = [(f"{m} graph / bf16 graph", f"{m}_graph_x_bf16_graph") for m in models if m != "bf16" and "bf16" in models]
+    speed += [(f"{m} graph / eager", f"{m}_graph_x_{m}_eager") for m in models]
     head = "| batch | " + " | ".join(f"{m} {mode} ms" for m, mode in cols) + " | " + " | ".join(
         f"{label} (x)" for label, _ in speed) + " |"
     rows = [head, "|---:|" + "---:|" * (len(cols) + len(speed))]
@@ -41,8 +176,8 @@ def latency_table(results: dict[str, Any]) -> str:
 
 
 def bandwidth_table(results: dict[str, Any]) -> str:
-    """Markdown: weight bytes per step and the weight-read bandwidth of the graph steps."""
-    models = [m for m in MODELS if m in results["models"]]
+    """Markdown: the weight-read bandwidth of the graph steps (and its fraction of the copy bandwidth)."""
+    models = _models(results)
     rows = ["| batch | " + " | ".join(f"{m} graph GB/s (of copy)" for m in models) + " |",
             "|---:|" + "---:|" * len(models)]
     for b in results["batches"]:
@@ -55,7 +190,7 @@ def bandwidth_table(results: dict[str, Any]) -> str:
 
 def hbm_table(results: dict[str, Any]) -> str:
     """Markdown: bytes a step must read, the HBM-limited step time and measured / limit, per batch and model."""
-    models = [m for m in MODELS if m in results["models"]]
+    models = _models(results)
     rows = ["| batch | " + " | ".join(f"{m} GB read | {m} limit ms | {m} graph / limit | {m} eager / limit"
                                       for m in models) + " |",
             "|---:|" + "---:|" * (4 * len(models))]
@@ -63,68 +198,115 @@ def hbm_table(results: dict[str, Any]) -> str:
         d = results["derived"][str(b)]
         cells = []
         for m in models:
-            point = results["models"][m]["batches"][str(b)]
-            nbytes = point.get("bytes_read")
-            cells += [_fmt(nbytes / 1e9 if nbytes is not None else None, ".3f"), _fmt(point.get("hbm_limit_ms"), ".3f"),
+            p = results["models"][m]["batches"][str(b)]
+            nbytes = p.get("bytes_read")
+            cells += [_fmt(nbytes / 1e9 if nbytes is not None else None, ".3f"), _fmt(p.get("hbm_limit_ms"), ".3f"),
                       _fmt(d.get(f"{m}_graph_over_hbm_limit"), ".2f"), _fmt(d.get(f"{m}_eager_over_hbm_limit"), ".2f")]
         rows.append(f"| {b} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
-def capture_table(results: dict[str, Any]) -> str:
-    rows = ["| model | weights GiB | KV cache GiB | graphs | capture s | pool MiB | reserved +MiB "
-            "| logits SQNR vs bf16 dB |",
-            "|:---|---:|---:|---:|---:|---:|---:|---:|"]
-    for m in MODELS:
-        r = results["models"].get(m)
-        if r is None:
+def _class_batches(results: dict[str, Any], m: str) -> list[int]:
+    return [b for b in results["batches"] if "table" in results["models"][m]["batches"][str(b)].get("classes", {})]
+
+
+def class_tables(results: dict[str, Any]) -> str:
+    """Markdown: one table per model, a row per kernel class (and the total), per profiled batch: kernels, the
+    sum of their durations (ms), the MB the class must move, the time the HBM bandwidth allows for them
+    (ms) and measured / allowed."""
+    out = []
+    for m in _models(results):
+        batches = _class_batches(results, m)
+        if not batches:
             continue
+        head = "| class | " + " | ".join(f"b={b} n | b={b} ms | b={b} MB | b={b} allowed ms | b={b} x"
+                                          for b in batches) + " |"
+        rows = [f"### {m}", "", head, "|:---|" + "---:|" * (5 * len(batches))]
+        for cls in CLASSES + ("total",):
+            cells = []
+            for b in batches:
+                e = results["models"][m]["batches"][str(b)]["classes"]["table"][cls]
+                mb = e["bytes"] / 1e6 if e["bytes"] is not None else None
+                cells += [str(e["count"]), f"{e['ms']:.3f}", _num(mb), _num(e["allowed_ms"]), _num(e["ratio"])]
+            label = f"**{cls}**" if cls == "total" else cls
+            rows.append(f"| {label} | " + " | ".join(cells) + " |")
+        out.append("\n".join(rows))
+    return "\n\n".join(out) if out else "(no kernel profile)"
+
+
+def pdl_table(results: dict[str, Any]) -> str:
+    """Markdown: graph step time with PDL off and on (interleaved, same run), on / off, and the profiled
+    PDL-off step's kernel count and busy time (sum of durations; step - busy = the GPU's idle gaps)."""
+    rows = ["| model | batch | graph PDL off ms | graph PDL on ms | on / off | kernels (PDL off) | busy ms "
+            "| off step - busy ms |",
+            "|:---|---:|---:|---:|---:|---:|---:|---:|"]
+    for m in _models(results):
+        for b in results["batches"]:
+            p = results["models"][m]["batches"][str(b)]
+            pdl = p.get("pdl")
+            if not pdl:
+                continue
+            prof = p.get("classes", {}).get("profile", {})
+            off = pdl["off"]["median_ms"]
+            busy = prof.get("busy_ms")
+            rows.append(f"| {m} | {b} | {off:.3f} | {pdl['on']['median_ms']:.3f} | {_fmt(pdl['on_over_off'], '.3f')} "
+                        f"| {prof.get('kernels', '–')} | {_fmt(busy, '.3f')} "
+                        f"| {_fmt(off - busy if busy is not None else None, '.3f')} |")
+    return "\n".join(rows) if len(rows) > 2 else "(not measured)"
+
+
+def capture_table(results: dict[str, Any]) -> str:
+    rows = ["| model | lm_head | weights GiB | KV cache GiB | graphs | capture s | pool MiB | reserved +MiB "
+            "| logits SQNR vs bf16 dB |",
+            "|:---|:---|---:|---:|---:|---:|---:|---:|---:|"]
+    for m in _models(results):
+        r = results["models"][m]
         c = r["capture"]
         sq = r.get("logits_vs_bf16", {}).get("sqnr_db")
-        rows.append(f"| {m} | {r['weight_bytes'] / 2**30:.2f} | {r['cache_bytes'] / 2**30:.2f} | {len(c['sizes'])} "
-                    f"| {c['seconds']:.2f} | {_mib(c['pool_bytes'])} | {_mib(c['reserved_delta_bytes'])} "
-                    f"| {_fmt(sq, '.1f')} |")
+        rows.append(f"| {m} | {r.get('lm_head', '?')} | {r['weight_bytes'] / 2**30:.2f} "
+                    f"| {r['cache_bytes'] / 2**30:.2f} "
+                    f"| {len(c['sizes'])} | {c['seconds']:.2f} | {_mib(c['pool_bytes'])} "
+                    f"| {_mib(c['reserved_delta_bytes'])} | {_fmt(sq, '.1f')} |")
     return "\n".join(rows)
 
 
-def kernel_table(results: dict[str, Any]) -> str:
-    """Markdown: the kernels of one batch-1 step (profiled), by kind: count and busy milliseconds."""
-    kinds = ("gemm", "quant", "norm/act/rope", "attention", "copy", "other")
-    rows = ["| model | mode | step ms | kernels | busy ms | " + " | ".join(f"{k} n / ms" for k in kinds) + " |",
-            "|:---|:---|---:|---:|---:|" + "---:|" * len(kinds)]
-    for m in MODELS:
-        r = results["models"].get(m)
-        if r is None or "1" not in r["batches"]:
-            continue
-        point = r["batches"]["1"]
-        for mode in MODES:
-            prof = point.get(f"{mode}_kernels") or {}
-            if "error" in prof or not prof:
-                rows.append(f"| {m} | {mode} | {point[mode]['median_ms']:.3f} | – | – | "
-                            + " | ".join("–" for _ in kinds) + " |")
-                continue
-            cells = []
-            for k in kinds:
-                e = prof["by_kind"].get(k)
-                cells.append(f"{e['count']} / {e['ms']:.3f}" if e else "0")
-            rows.append(f"| {m} | {mode} | {point[mode]['median_ms']:.3f} | {prof['kernels']} "
-                        f"| {prof['busy_ms']:.3f} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+def targets_lines(results: dict[str, Any]) -> list[str]:
+    """Markdown bullets: each target with its value, bound and "met" / "NOT met" ("n/a" where not measured)."""
+    t = results["targets"]
+    lines = []
+    for item in t["items"]:
+        verdict = "n/a" if item["met"] is None else ("met" if item["met"] else "NOT met")
+        bound = "no target" if item["bound"] is None else f"target {item['sense']} {item['bound']}"
+        detail = f"; {item['detail']}" if item["detail"] else ""
+        lines.append(f"- {item['label']}: {_fmt(item['value'], '.3f')} ({bound}): {verdict}{detail}")
+    lines.append("- ratio of weight bytes read per step, bf16 / int8: "
+                 f"{_fmt(t['weight_bytes_bf16_over_int8'], '.2f')}x")
+    return lines
+
+
+def _other_names(results: dict[str, Any]) -> list[str]:
+    names: set[str] = set()
+    for r in results["models"].values():
+        for p in r.get("batches", {}).values():
+            names.update(p.get("classes", {}).get("profile", {}).get("other_names", []))
+    return sorted(names)[:OTHER_NAMES_MAX]
 
 
 def render_markdown(results: dict[str, Any]) -> str:
     commit = results.get("git_commit")
     commit_text = f"git {commit[:12]}{' (dirty)' if results.get('git_dirty') else ''}" if commit else "git: n/a"
     c = results["config"]
-    t = results["targets"]
+    lmh = [m for m in _models(results) if m.endswith(LMH)]
+    kv_read = next((m.get("kv_read") for m in results["models"].values() if m.get("kv_read")), "?")
+    other = _other_names(results)
     lines = [
         f"# Decoder benchmark: {results['device']}",
         "",
         f"- torch {results['torch_version']} (CUDA {results['cuda_version']}), {commit_text}",
         f"- {c['name']} dimensions, {c['num_layers']} layers: hidden {c['hidden_size']}, MLP {c['intermediate_size']}, "
         f"heads {c['num_heads']}/{c['num_kv_heads']} x {c['head_dim']}, vocab {c['vocab_size']}; random weights",
-        f"- KV cache {results['max_seq']} tokens (attention reads all of it every step); lm_head "
-        f"{'W8A8' if results['quant_lm_head'] else 'bf16'} in the W8A8 models; embedding bf16",
+        f"- KV cache {results['max_seq']} tokens, sequences at position {results['max_seq'] // 2}; lm_head bf16 "
+        f"in bf16/int8/fp8, W8A8 in {', '.join(lmh) if lmh else 'no model'} (\"+lmh\"); embedding bf16",
         f"- per-token latency = median of {results['timing']['steps']} steps timed by CUDA events around each "
         "step (host launches included), host inputs through pinned buffers",
         f"- device copy bandwidth {results['copy_GBps']:.0f} GB/s (bytes read + written)",
@@ -140,36 +322,40 @@ def render_markdown(results: dict[str, Any]) -> str:
         "## HBM-limited step time",
         "",
         f"- {results.get('hbm_note') or 'no HBM bandwidth recorded'}. Bytes read per step: every weight but the "
-        "embedding (lm_head included) + the KV cache the step's attention reads, "
-        f"{next((m.get('kv_read') for m in results['models'].values() if m.get('kv_read')), '?')}, at the "
-        f"benchmark's positions ({results['max_seq'] // 2}), for the rows of the step's bucket, each byte once "
-        "(1 GB = 1e9 B); limit = bytes / bandwidth; measured / limit >= 1.",
+        f"embedding (lm_head included) + the KV cache the step's attention reads, {kv_read}, at the benchmark's "
+        "positions, for the rows of the step's bucket, each byte once (1 GB = 1e9 B); limit = bytes / bandwidth; "
+        "measured / limit >= 1.",
         "",
         hbm_table(results),
         "",
-        "## Kernels of one step at batch 1 (torch.profiler; busy = sum of kernel durations)",
+        "## Kernel classes of one graph step, PDL off (torch.profiler)",
         "",
-        kernel_table(results),
+        "- The graph recaptured with PDL off (`cutlass_w8a8.set_pdl(False)`): with PDL a kernel starts early and "
+        "waits on griddepcontrol, and that wait would count in its duration. ms = sum of the class's kernel "
+        "durations; allowed ms = the bytes the class must move / the datasheet HBM bandwidth; x = ms / allowed "
+        "(latency-bound classes that move kilobytes show large ratios). Classes by kernel name "
+        "(bench/_decoder_kernels.py KERNEL_RULES). Bytes per class:",
+        *[f"  - {cls}: {note}" for cls, note in CLASS_BYTES_NOTES],
+        f"- kernels classed \"other\": {', '.join(f'`{n}`' for n in other) if other else 'none'}",
+        "",
+        class_tables(results),
+        "",
+        "## PDL on / off (graph step, interleaved replays)",
+        "",
+        f"- Graphs captured with PDL on and with PDL off, replayed in turn; PDL "
+        f"{'on' if results.get('pdl_default', True) else 'OFF (CUTLASS_W8A8_PDL=0)'} by default in this run "
+        "(the latency table's graphs). on / off < 1: PDL saves time.",
+        "",
+        pdl_table(results),
         "",
         "## Capture, memory, accuracy",
         "",
         capture_table(results),
         "",
-        "## Targets (batch 1)",
+        "## Targets (issue 18)",
         "",
+        *targets_lines(results),
     ]
-    if "int8_graph_x_bf16_graph" in t:
-        def verdict(met):
-            return "n/a" if met is None else ("met" if met else "NOT met")
-        lines += [
-            f"- int8 graph vs bf16 graph: {_fmt(t['int8_graph_x_bf16_graph'], '.2f')}x "
-            f"(target >= {t['int8_graph_x_bf16_graph_target']}): {verdict(t['int8_graph_x_bf16_graph_met'])}; "
-            f"ratio of weight bytes read per step: {_fmt(t['weight_bytes_bf16_over_int8'], '.2f')}x",
-            f"- W8A8 (int8) graph vs eager: {_fmt(t['w8a8_graph_x_eager'], '.2f')}x "
-            f"(target >= {t['w8a8_graph_x_eager_target']}): {verdict(t['w8a8_graph_x_eager_met'])}",
-        ]
-    else:
-        lines.append("- batch 1 not measured")
     if results["errors"]:
         lines += ["", "## Models that did not run", ""]
         lines += [f"- `{m}`: `{msg}`" for m, msg in results["errors"].items()]
@@ -185,19 +371,17 @@ def plot_results(results: dict[str, Any], path: str) -> None:
 
     fig, (ax_lat, ax_x) = plt.subplots(1, 2, figsize=(13, 5))
     batches = results["batches"]
-    for m in MODELS:
-        r = results["models"].get(m)
-        if r is None:
-            continue
+    for m in _models(results):
+        r = results["models"][m]
         for mode, style in (("eager", "--"), ("graph", "-")):
             ys = [r["batches"][str(b)][mode]["median_ms"] for b in batches]
             ax_lat.plot(batches, ys, style, marker="o", markersize=4, label=f"{m} {mode}")
     ax_lat.set_ylabel("ms per step (= per token of each sequence)")
     ax_lat.set_title("Per-token decode latency")
-    for key, label in (("int8_graph_x_bf16_graph", "int8 graph / bf16 graph"),
-                       ("int8_graph_x_int8_eager", "int8 graph / int8 eager"),
-                       ("fp8_graph_x_bf16_graph", "fp8 graph / bf16 graph"),
-                       ("bf16_graph_x_bf16_eager", "bf16 graph / bf16 eager")):
+    keys = [(f"{m}_graph_x_bf16_graph", f"{m} graph / bf16 graph") for m in _models(results) if m != "bf16"]
+    keys += [("int8_graph_x_int8_eager", "int8 graph / int8 eager"),
+             ("bf16_graph_x_bf16_eager", "bf16 graph / bf16 eager")]
+    for key, label in keys:
         xy = [(b, results["derived"][str(b)].get(key)) for b in batches]
         xy = [(b, y) for b, y in xy if y is not None]
         if xy:
@@ -222,4 +406,3 @@ def plot_results(results: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-

@@ -1,8 +1,9 @@
 """Decode benchmark: per-token latency of a Llama-3-8B-sized decoder, bf16 and W8A8, eager and CUDA graphs.
 
-For each model (``bf16``: ``nn.Linear`` layers; ``int8`` / ``fp8``: `W8A8Linear` decoder layers, the
-embedding and ``lm_head`` in bf16 unless ``--quant-lm-head``), built one at a time from the same seed
-(`cutlass_w8a8.models.LlamaDecoder`, random weights, all 32 layers by default), and each batch size:
+Models (``--models``, names in `_decoder_report.MODELS`; default bf16, int8, int8+lmh, fp8), built one at a time
+from the same seed (`cutlass_w8a8.models.LlamaDecoder`, random weights, all 32 layers by default): ``bf16``
+(``nn.Linear`` layers), ``int8`` / ``fp8`` (`W8A8Linear` decoder layers, the embedding and ``lm_head`` in
+bf16) and ``int8+lmh`` / ``fp8+lmh`` (the same with a W8A8 ``lm_head``). For each model and batch size:
 
 - ``eager``: `DecodeGraphRunner.step(..., use_graph=False)`: the step launched kernel by kernel.
 - ``graph``: the same step replayed from the bucket's CUDA graph (`DecodeGraphRunner`).
@@ -15,8 +16,7 @@ untimed ones; the median is reported. The events are recorded by the host around
 eager step that the host cannot launch as fast as the GPU runs it is charged its launch time: that cost is
 what the graphs remove. (`bench_utils.bench_gpu_time` is not used: it captures the function into its own
 graph, which would turn the eager step into a graph too. The weights, 8-16 GB, are far beyond the L2, so
-every step reads them cold anyway.) Attention reads the whole cache (``--max-seq`` tokens) every step, so the
-time does not depend on the positions.
+every step reads them cold anyway.)
 
 HBM limit: the step time that the datasheet HBM bandwidth allows (`bench_utils.hbm_bandwidth_gbps`, from
 ``torch.cuda.get_device_name()``; omitted with a note on other devices) for the bytes a step must read once:
@@ -27,18 +27,26 @@ is ``decode_attention``; all ``--max-seq`` positions of each row of the bucket w
 over the whole cache. Activations and any gathered copy of the cache are not counted: the limit is a floor.
 Reported beside the measured time, with measured / limit.
 
+Kernel classes and PDL (the batches of ``--class-batches``, default 1 and 8): two more graphs of the bucket are
+captured, one with PDL on and one with PDL off (`cutlass_w8a8.set_pdl`, restored after; a graph keeps the
+setting it was captured with), their replays timed interleaved (PDL on / off); then one PDL-off replay is
+profiled (torch.profiler) and its kernels sorted into classes by name (bench/_decoder_kernels.py): per class
+the count, the sum of durations and the time the HBM bandwidth allows for the bytes the class must move
+(`_decoder_kernels.step_class_bytes`). PDL off because a PDL kernel starts early and waits on
+griddepcontrol, and its duration would include the wait.
+
 Capture: wall-clock time of capturing every bucket (1, 2, 4, then multiples of 8 up to the largest batch,
 vLLM's sizes) and the memory of the graphs' shared pool (bytes of its segments, and the change of
 ``torch.cuda.memory_reserved``).
 
-Writes ``decoder_<device>.json`` (raw numbers), ``decoder_<device>.md`` (tables) and ``decoder_<device>.png``
-(latency and speedups against the batch size) to ``--out``.
+Writes ``decoder_<device>.json`` (raw numbers), ``decoder_<device>.md`` (tables, the issue-18 targets) and
+``decoder_<device>.png`` (latency and speedups against the batch size) to ``--out``.
 
 Examples::
 
     python bench/bench_decoder.py                          # Llama-3-8B dimensions, 32 layers, batch 1, 8, 32, 64
     python bench/bench_decoder.py --quick                  # 8 layers, fewer steps
-    python bench/bench_decoder.py --batches 1 --layers 32 --quant-lm-head
+    python bench/bench_decoder.py --batches 1 --models bf16,int8,int8+lmh
 """
 
 from __future__ import annotations
@@ -56,14 +64,14 @@ import torch
 from cutlass_w8a8.testing.cli import int_list, name_list
 from cutlass_w8a8.testing.report import provenance, publish, require_cuda_extension
 
-# bench/ is on sys.path (python bench/bench_decoder.py). The models and modes compared, the targets at batch 1
-# (TARGET_INT8_OVER_BF16, TARGET_GRAPH_OVER_EAGER) and the reports are in bench/_decoder_report.py.
-from _decoder_report import (
-    MODELS, MODES, TARGET_GRAPH_OVER_EAGER, TARGET_INT8_OVER_BF16, plot_results, render_markdown)
+# bench/ is on sys.path (python bench/bench_decoder.py). The models and modes compared, the derived numbers and
+# targets and the reports are in bench/_decoder_report.py; the kernel classes in bench/_decoder_kernels.py.
+from _decoder_kernels import class_table, step_class_bytes, summarize_kernels
+from _decoder_report import DEFAULT_MODELS, LMH, MODELS, MODES, derive, model_spec, plot_results, render_markdown
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-OPTIONAL_MODELS = frozenset({"fp8"})  # a build without fp8 kernels records the error and goes on
+OPTIONAL_MODELS = frozenset({"fp8", "fp8+lmh"})  # a build without fp8 kernels records the error and goes on
 # Accuracy guard: relative Frobenius error of the logits, graph replay against the eager step (the same
 # kernels: they should agree bitwise; anything above this is a broken capture, not rounding).
 GRAPH_EAGER_REL_TOL = 1e-3
@@ -88,18 +96,25 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="model dimensions (default: llama3-8b)")
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers (default: all of the config, 32 for llama3-8b; 8 with --quick)")
-    parser.add_argument("--models", type=name_list(MODELS), default=list(MODELS), metavar="LIST",
-                        help="comma-separated models among bf16,int8,fp8 (default: all; fp8 is skipped with "
+    parser.add_argument("--models", type=name_list(MODELS, ordered=True), default=list(DEFAULT_MODELS),
+                        metavar="LIST",
+                        help=f"comma-separated models among {','.join(MODELS)}, run in that order; '+lmh': "
+                             f"lm_head quantized too (default: {','.join(DEFAULT_MODELS)}; fp8 is skipped with "
                              "a note where its kernels are not built)")
     parser.add_argument("--max-seq", type=int, default=512,
-                        help="KV-cache length in tokens, a multiple of 16 (default 512); attention reads all of it")
+                        help="KV-cache length in tokens, a multiple of 16 (default 512); the sequences sit at position "
+                             "max_seq // 2 and attention reads positions 0..max_seq // 2")
     parser.add_argument("--steps", type=int, default=None,
                         help="timed steps per measurement (default 100; 30 with --quick)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed steps before them (default 10; 3 with --quick)")
     parser.add_argument("--quick", action="store_true", help="8 layers (unless --layers), fewer steps")
     parser.add_argument("--quant-lm-head", action="store_true",
-                        help="also quantize lm_head in the W8A8 models (default: bf16 lm_head)")
+                        help="run every W8A8 model of --models with its lm_head quantized: int8 -> int8+lmh, "
+                             "fp8 -> fp8+lmh (kept for compatibility; the +lmh names say the same)")
+    parser.add_argument("--class-batches", type=int_list(), default=[1, 8], metavar="LIST",
+                        help="batches (among --batches) whose graph step is profiled by kernel class with PDL "
+                             "off and timed with PDL off and on (default: 1,8)")
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results"), metavar="DIR",
                         help="output folder for decoder_<device>.{json,md,png} (default: bench/results)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the inputs")
@@ -109,6 +124,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.max_seq < 16 or args.max_seq % 16:
         parser.error("--max-seq must be a positive multiple of 16")
     args.batches = sorted(set(args.batches))
+    args.class_batches = sorted(set(args.class_batches) & set(args.batches))
+    if args.quant_lm_head:
+        lmh = [m if m == "bf16" or m.endswith(LMH) else m + LMH for m in args.models]
+        args.models = [m for m in MODELS if m in lmh]
     args.steps = args.steps if args.steps is not None else (30 if args.quick else 100)
     args.warmup = args.warmup if args.warmup is not None else (3 if args.quick else 10)
     if args.steps < 1 or args.warmup < 0:
@@ -120,41 +139,43 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 # measurements
 
 
-def time_steps(step: Callable[[], Any], steps: int, warmup: int) -> dict[str, float]:
-    """Milliseconds per call of ``step`` from CUDA events around each call: median, min, max over ``steps``
-    calls after ``warmup`` untimed ones, and the host wall-clock time per call."""
+def time_interleaved(fns: dict[str, Callable[[], Any]], steps: int, warmup: int) -> dict[str, dict[str, float]]:
+    """Milliseconds per call of each function of ``fns``, called in turn (one call of each per round, so slow
+    drifts of clocks or temperature hit them alike), from CUDA events around each call: per name the median,
+    min and max over ``steps`` calls after ``warmup`` untimed rounds, and the host wall-clock time per call
+    (of all functions together, / their number)."""
     for _ in range(warmup):
-        step()
+        for fn in fns.values():
+            fn()
     torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+    events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                     for _ in range(steps)] for name in fns}
     t0 = time.perf_counter()
-    for start, end in events:
-        start.record()
-        step()
-        end.record()
+    for i in range(steps):
+        for name, fn in fns.items():
+            start, end = events[name][i]
+            start.record()
+            fn()
+            end.record()
     torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    times = [start.elapsed_time(end) for start, end in events]
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
-            "wall_ms": wall_ms, "steps": steps}
+    wall_ms = (time.perf_counter() - t0) * 1e3 / (steps * len(fns))
+    out = {}
+    for name, evs in events.items():
+        times = [start.elapsed_time(end) for start, end in evs]
+        out[name] = {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times),
+                     "wall_ms": wall_ms, "steps": steps}
+    return out
 
 
-# Kernel kinds of the profile, matched in order against lowercased kernel names.
-# Our kernels live in namespace cutlass_w8a8, so "cutlass" alone does not mean a GEMM: the fused glue and the
-# attention are matched first.
-KERNEL_KINDS = (
-    ("copy", ("memcpy", "memset")),
-    ("attention", ("fmha", "attention", "flash", "cudnn", "softmax")),
-    ("norm/act/rope", ("rms_norm", "silu_mul", "rope_kv")),
-    ("quant", ("quant", "per_token", "per_tensor")),
-    ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "xmma", "sm90_", "cublas")),
-)
+def time_steps(step: Callable[[], Any], steps: int, warmup: int) -> dict[str, float]:
+    """`time_interleaved` of one function: median, min, max ms over ``steps`` calls, host wall-clock ms per call."""
+    return time_interleaved({"step": step}, steps, warmup)["step"]
 
 
 def profile_step(step: Callable[[], Any]) -> dict[str, Any]:
-    """The GPU kernels of one ``step`` (torch.profiler, CUDA activity): their count and busy time (sum of
-    durations, ms) by kind (`KERNEL_KINDS`, else "other"). Step time minus busy time is the time the GPU
-    waited (launch latency, host launches). Best effort: returns ``{"error": ...}`` where profiling fails."""
+    """The GPU kernels of one ``step`` (torch.profiler, CUDA activity) by class (`_decoder_kernels.summarize_kernels`:
+    ``kernels``, ``busy_ms`` = sum of durations, ``by_class``, ``other_names``). Step time minus busy time is
+    the time the GPU waited. Best effort: returns ``{"error": ...}`` where profiling fails."""
     try:
         from torch.profiler import ProfilerActivity, profile
 
@@ -163,21 +184,8 @@ def profile_step(step: Callable[[], Any]) -> dict[str, Any]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
-        kinds: dict[str, dict[str, float]] = {}
-        total = 0.0
-        count = 0
-        for e in prof.events():
-            if e.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            name = e.name.lower()
-            kind = next((k for k, keys in KERNEL_KINDS if any(key in name for key in keys)), "other")
-            us = e.time_range.elapsed_us()
-            entry = kinds.setdefault(kind, {"count": 0, "ms": 0.0})
-            entry["count"] += 1
-            entry["ms"] += us / 1e3
-            total += us / 1e3
-            count += 1
-        return {"kernels": count, "busy_ms": total, "by_kind": kinds}
+        return summarize_kernels((e.name, e.time_range.elapsed_us()) for e in prof.events()
+                                 if e.device_type == torch.autograd.DeviceType.CUDA)
     except Exception as exc:  # noqa: BLE001 (a diagnostic; the timings do not depend on it)
         return {"error": f"{type(exc).__name__}: {str(exc).strip()[:200]}"}
 
@@ -225,20 +233,70 @@ def hbm_limit_ms(nbytes: int, hbm_gbps: Optional[float]) -> Optional[float]:
     return nbytes / (hbm_gbps * 1e9) * 1e3 if hbm_gbps else None
 
 
+def measure_classes(model, runner, runner_mod: Any, cw: Any, inputs: dict[int, tuple], result: dict,
+                    args: argparse.Namespace, hbm_gbps: Optional[float]) -> None:
+    """PDL on / off and the kernel classes of the graph step at each batch of ``inputs`` (``{batch: (token
+    ids, positions, slots, graph logits of ``runner``)}``), stored in ``result["batches"][str(b)]`` under
+    ``"pdl"`` and ``"classes"``.
+
+    Two more `DecodeGraphRunner` of the batches' buckets are captured, with PDL on and with PDL off
+    (`cutlass_w8a8.set_pdl`, restored after: PDL is decided when a kernel is captured); their logits must match
+    ``runner``'s (else `AccuracyError`), their replays are timed interleaved (``--steps // 2`` rounds of both),
+    and one PDL-off replay is profiled and sorted into kernel classes (`_decoder_kernels.class_table`)."""
+    buckets = sorted({runner.bucket(b) for b in inputs})
+    prev = cw.set_pdl(True)
+    try:
+        graphs = {"on": runner_mod.DecodeGraphRunner(model, max_batch=buckets[-1], sizes=buckets)}
+        cw.set_pdl(False)
+        graphs["off"] = runner_mod.DecodeGraphRunner(model, max_batch=buckets[-1], sizes=buckets)
+    finally:
+        cw.set_pdl(prev)
+    torch.cuda.synchronize()
+    for b, (tok, pos, slots, ref) in inputs.items():
+        point = result["batches"][str(b)]
+        steps = {k: (lambda r=r, t=tok, p=pos, s=slots: r.step(t, p, s)) for k, r in graphs.items()}
+        equal = {}
+        for k, fn in steps.items():
+            out = fn().float()
+            err = rel_err(out, ref)
+            if not err <= GRAPH_EAGER_REL_TOL:
+                raise AccuracyError(f"batch {b}: graph captured with PDL {k} vs the default graph: relative error "
+                                    f"{err:.3g} (bound {GRAPH_EAGER_REL_TOL:g})")
+            equal[k] = bool(torch.equal(out, ref))
+        times = time_interleaved(steps, max(1, args.steps // 2), args.warmup)  # half: two graphs per round
+        point["pdl"] = {"default_on": bool(prev), "equals_default_graph": equal, "on": times["on"],
+                        "off": times["off"], "on_over_off": times["on"]["median_ms"] / times["off"]["median_ms"]}
+        prof = profile_step(steps["off"])
+        classes: dict[str, Any] = {"pdl": False, "profile": prof}
+        if "error" not in prof:
+            quant_kernels = prof["by_class"].get("quant", {}).get("count", 0)
+            nbytes = step_class_bytes(model, point["rows"], point["kv_positions_read"],
+                                      result["kv_bytes_per_position"], quant_kernels)
+            classes.update(bytes=nbytes, table=class_table(prof, nbytes, hbm_gbps))
+        point["classes"] = classes
+        print(f"    batch {b}: graph PDL off {times['off']['median_ms']:.3f} ms, on {times['on']['median_ms']:.3f} ms; "
+              f"{prof.get('kernels', '?')} kernels, busy {prof.get('busy_ms', float('nan')):.3f} ms (PDL off)",
+              flush=True)
+    graphs.clear()
+
+
 def measure_model(name: str, args: argparse.Namespace, config, mods: Any, probe_ref: Optional[torch.Tensor],
                   hbm_gbps: Optional[float] = None) -> dict:
-    """Build one model, check it, capture its graphs and time every (batch, mode); frees it on return.
+    """Build one model (`_decoder_report.model_spec` of ``name``), check it, capture its graphs and time every
+    (batch, mode), then `measure_classes` at ``args.class_batches``; frees it on return.
 
     ``hbm_gbps``: datasheet HBM bandwidth (GB/s) for the HBM-limited step time of each batch (None: omitted)."""
-    models, runner_mod = mods
-    quant = None if name == "bf16" else name
+    models, runner_mod, cw = mods
+    quant, quant_lm_head = model_spec(name)
     max_batch = max(args.batches)
     torch.cuda.empty_cache()
     t0 = time.perf_counter()
     model = models.LlamaDecoder(config, quant, max_batch=max_batch, max_seq_len=args.max_seq, device="cuda",
-                                seed=args.seed, quant_lm_head=args.quant_lm_head and quant is not None)
+                                seed=args.seed, quant_lm_head=quant_lm_head)
     torch.cuda.synchronize()
-    result: dict[str, Any] = {"build_s": time.perf_counter() - t0, "weight_bytes": model.weight_nbytes(),
+    result: dict[str, Any] = {"build_s": time.perf_counter() - t0, "quant": quant,
+                              "lm_head": quant if quant_lm_head else "bf16",
+                              "weight_bytes": model.weight_nbytes(),
                               "weight_bytes_per_step": model.weight_nbytes(include_embedding=False),
                               "cache_bytes": model.cache_nbytes(),
                               # one cache position (keys and values) over all layers: the cache holds
@@ -269,6 +327,7 @@ def measure_model(name: str, args: argparse.Namespace, config, mods: Any, probe_
 
         gen = torch.Generator().manual_seed(args.seed + 1)
         result["batches"] = {}
+        class_inputs = {}
         for b in args.batches:
             tok = torch.randint(0, config.vocab_size, (b,), generator=gen)
             pos = torch.full((b,), args.max_seq // 2, dtype=torch.int64)
@@ -290,75 +349,22 @@ def measure_model(name: str, args: argparse.Namespace, config, mods: Any, probe_
             point["hbm_limit_ms"] = hbm_limit_ms(point["bytes_read"], hbm_gbps)
             for mode in MODES:
                 use_graph = mode == "graph"
-                point[mode] = time_steps(lambda: runner.step(tok, pos, slots, use_graph=use_graph),
+                point[mode] = time_steps(lambda: runner.step(tok, pos, slots, use_graph=use_graph),  # noqa: B023
                                          args.steps, args.warmup)
-            if b == 1:
-                for mode in MODES:
-                    use_graph = mode == "graph"
-                    point[f"{mode}_kernels"] = profile_step(lambda: runner.step(tok, pos, slots, use_graph=use_graph))
             result["batches"][str(b)] = point
             limit = point["hbm_limit_ms"]
             limit_text = (f", HBM limit {limit:.3f} ms ({point['bytes_read'] / 1e9:.2f} GB at {hbm_gbps:.0f} GB/s; "
                           f"graph {point['graph']['median_ms'] / limit:.2f}x of it)" if limit else "")
             print(f"  {name} batch {b}: eager {point['eager']['median_ms']:.3f} ms, "
                   f"graph {point['graph']['median_ms']:.3f} ms{limit_text}", flush=True)
-    runner = model = None  # free the graphs, the pool and the weights before the next model
+            if b in args.class_batches and runner.bucket(b) is not None:
+                class_inputs[b] = (tok, pos, slots, graph_out)
+        if class_inputs:
+            measure_classes(model, runner, runner_mod, cw, class_inputs, result, args, hbm_gbps)
+    runner = model = class_inputs = None  # free the graphs, the pool and the weights before the next model
     gc.collect()
     torch.cuda.empty_cache()
     return result
-
-
-def derive(results: dict[str, Any], copy_gbps: float) -> None:
-    """Add speedups (baseline time / time) per batch, the weight-read bandwidth of each graph step (bytes of
-    the weights a step reads in full, i.e. all but the embedding, / step time; GB/s = 1e9 B/s) against the
-    copy bandwidth, measured time / HBM-limited time (``<model>_<mode>_over_hbm_limit``, None where the
-    device's bandwidth is unknown), and the batch-1 targets."""
-    models = results["models"]
-
-    def t(name: str, b: int, mode: str) -> Optional[float]:
-        m = models.get(name)
-        if not m or "batches" not in m:
-            return None
-        return m["batches"][str(b)][mode]["median_ms"]
-
-    def ratio(num, den) -> Optional[float]:
-        return num / den if num is not None and den is not None else None
-
-    derived = {}
-    for b in results["batches"]:
-        row: dict[str, Any] = {}
-        for name in ("int8", "fp8"):
-            row[f"{name}_graph_x_bf16_graph"] = ratio(t("bf16", b, "graph"), t(name, b, "graph"))
-            row[f"{name}_graph_x_{name}_eager"] = ratio(t(name, b, "eager"), t(name, b, "graph"))
-        row["bf16_graph_x_bf16_eager"] = ratio(t("bf16", b, "eager"), t("bf16", b, "graph"))
-        for name, m in models.items():
-            limit = m["batches"][str(b)].get("hbm_limit_ms") if "batches" in m else None
-            for mode in MODES:
-                tm = t(name, b, mode)
-                row[f"{name}_{mode}_over_hbm_limit"] = tm / limit if tm is not None and limit else None
-            tg = t(name, b, "graph")
-            if tg is not None:
-                gbps = m["weight_bytes_per_step"] / (tg * 1e-3) / 1e9
-                row[f"{name}_graph_weight_GBps"] = gbps
-                row[f"{name}_graph_weight_GBps_over_copy"] = gbps / copy_gbps
-        derived[str(b)] = row
-    results["derived"] = derived
-
-    bytes_ratio = None
-    if "bf16" in models and "int8" in models:
-        bytes_ratio = models["bf16"]["weight_bytes_per_step"] / models["int8"]["weight_bytes_per_step"]
-    targets = {"weight_bytes_bf16_over_int8": bytes_ratio}
-    if "1" in derived:
-        d = derived["1"]
-        x_bf16 = d.get("int8_graph_x_bf16_graph")
-        x_eager = d.get("int8_graph_x_int8_eager")
-        targets.update({
-            "int8_graph_x_bf16_graph": x_bf16, "int8_graph_x_bf16_graph_target": TARGET_INT8_OVER_BF16,
-            "int8_graph_x_bf16_graph_met": None if x_bf16 is None else x_bf16 >= TARGET_INT8_OVER_BF16,
-            "w8a8_graph_x_eager": x_eager, "w8a8_graph_x_eager_target": TARGET_GRAPH_OVER_EAGER,
-            "w8a8_graph_x_eager_met": None if x_eager is None else x_eager >= TARGET_GRAPH_OVER_EAGER,
-        })
-    results["targets"] = targets
 
 
 def run(args: argparse.Namespace, cw: Any, bu: Any, mods: Any) -> dict[str, Any]:
@@ -384,8 +390,9 @@ def run(args: argparse.Namespace, cw: Any, bu: Any, mods: Any) -> dict[str, Any]
         "config": {"name": args.config, **{k: getattr(config, k) for k in (
             "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")}},
         "max_seq": args.max_seq,
-        "quant_lm_head": args.quant_lm_head,
         "batches": args.batches,
+        "class_batches": args.class_batches,
+        "pdl_default": bool(cw.pdl_enabled()),
         "timing": {"method": "CUDA events around each step (host launches included), median",
                    "steps": args.steps, "warmup": args.warmup, "inputs": "host CPU tensors via pinned buffers"},
         "models": {},
@@ -395,7 +402,7 @@ def run(args: argparse.Namespace, cw: Any, bu: Any, mods: Any) -> dict[str, Any]
     for model_name in args.models:
         print(f"{model_name}: building {layers} layers", flush=True)
         try:
-            res = measure_model(model_name, args, config, mods, probe_ref, hbm_gbps)
+            res = measure_model(model_name, args, config, (*mods, cw), probe_ref, hbm_gbps)
         except AccuracyError:
             raise
         except (RuntimeError, NotImplementedError) as exc:
