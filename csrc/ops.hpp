@@ -66,6 +66,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, con
                             const at::Tensor& positions, double softmax_scale);
 void decode_attention_out(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                           const at::Tensor& slots, const at::Tensor& positions, double softmax_scale);
+// decode_attention, rounded to q's dtype, then quantized per token (or with a static scale) for o_proj: (q, scales)
+std::tuple<at::Tensor, at::Tensor> decode_attention_quant(const at::Tensor& q, const at::Tensor& kv_cache,
+                                                          const at::Tensor& slots, const at::Tensor& positions,
+                                                          double softmax_scale, at::ScalarType dtype,
+                                                          const std::optional<at::Tensor>& scale);
 
 // attention/rope_kv_cache.cu
 void rope_kv_cache_(at::Tensor& qkv, const at::Tensor& rope, at::Tensor& kv_cache, const at::Tensor& slots,

@@ -4,7 +4,7 @@
 // than in a TORCH_LIBRARY block here, so that a CPU-only install, which builds no extension, still has the ops with
 // their CPU reference implementations and fake (meta) kernels. This library adds their CUDA kernels.
 //
-// Non-tensor ops (status, PDL, CUDA-graph records): defined here, with catch-all kernels (they take no tensors, so
+// Non-tensor ops (status, PDL, the decode-GEMM bound, CUDA-graph records): defined here, with catch-all kernels (they take no tensors, so
 // they need no dispatch key); a CPU-only install simply does not have them, and cutlass_w8a8/_ext.py says so.
 // Handles (cudaGraph_t, cudaGraphExec_t) cross as int.
 //
@@ -25,6 +25,8 @@ namespace {
 
 bool get_pdl_op() { return pdl_enabled(); }
 bool set_pdl_op(bool enabled) { return set_pdl(enabled); }
+int64_t get_decode_gemm_max_m_op() { return decode_gemm_max_m(); }
+int64_t set_decode_gemm_max_m_op(int64_t m) { return set_decode_gemm_max_m(m); }
 bool supports_fp8_op(int64_t device) {
   TORCH_CHECK_VALUE(device >= 0, "cutlass_w8a8._supports_fp8: `device` must be a CUDA device index, got ", device);
   return supports_fp8(static_cast<int>(device));
@@ -52,6 +54,8 @@ TORCH_LIBRARY_FRAGMENT(cutlass_w8a8, m) {
   using namespace cutlass_w8a8;
   m.def("_get_pdl() -> bool", &get_pdl_op);
   m.def("_set_pdl(bool enabled) -> bool", &set_pdl_op);
+  m.def("_get_decode_gemm_max_m() -> int", &get_decode_gemm_max_m_op);
+  m.def("_set_decode_gemm_max_m(int m) -> int", &set_decode_gemm_max_m_op);
   m.def("_supports_fp8(int device) -> bool", &supports_fp8_op);
   m.def("_graph_record_begin() -> int", &graph_record_begin_op);
   m.def("_graph_record_end(bool check) -> int", &graph_record_end_op);
@@ -80,6 +84,7 @@ TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
   m.impl("silu_mul_quant", &cutlass_w8a8::silu_mul_quant);
   m.impl("decode_attention", &cutlass_w8a8::decode_attention);
   m.impl("decode_attention_out", &cutlass_w8a8::decode_attention_out);
+  m.impl("decode_attention_quant", &cutlass_w8a8::decode_attention_quant);
   m.impl("_graph_update_scaled_mm", &cutlass_w8a8::graph_nodes::graph_update_scaled_mm);
   m.impl("rope_kv_cache_", &cutlass_w8a8::rope_kv_cache_);
 }

@@ -1,6 +1,6 @@
-"""docs/MISUSE.md triggers for decode_attention, rope_kv_cache_, rms_norm / rms_norm_quant / silu_mul /
-silu_mul_quant: DEVICE_TRIGGERS (a function of the device), CPU_TRIGGERS and CUDA_TRIGGERS (functions of
-nothing), as in tests/_misuse_triggers_gemm.py, whose argument helpers they use.
+"""docs/MISUSE.md triggers for decode_attention, decode_attention_quant, rope_kv_cache_, rms_norm /
+rms_norm_quant / silu_mul / silu_mul_quant: DEVICE_TRIGGERS (a function of the device), CPU_TRIGGERS and
+CUDA_TRIGGERS (functions of nothing), as in tests/_misuse_triggers_gemm.py, whose argument helpers they use.
 """
 
 from __future__ import annotations
@@ -87,6 +87,62 @@ CUDA_TRIGGERS.update({
     "attn-op-kv-shape": lambda: attn_op(kv_cache=lambda kw: kw["kv_cache"][:, 0]),
     "attn-op-q-stride": lambda: attn_op(q=lambda kw: kw["q"].transpose(1, 2).contiguous().transpose(1, 2)),
     "attn-op-out-shape": lambda: attn_op(out=torch.empty(2, 32, dtype=torch.bfloat16, device="cuda")),
+})
+
+
+def attnq(device="cpu", **change):
+    """cw.decode_attention_quant on decode_attention's legal arguments, int8 with a static scale, with `change`
+    applied (a callable value gets the arguments)."""
+    kw = attn_operands(device)
+    kw.update(dtype=torch.int8, scale=torch.tensor([0.01], device=device))
+    kw = _changed(kw, change)
+    return cw.decode_attention_quant(kw["q"], kw["kv_cache"], kw["slots"], kw["positions"], kw["softmax_scale"],
+                                     kw["dtype"], kw["scale"])
+
+
+def attnq_meta(h=4, s=8):
+    """cw.decode_attention_quant on meta tensors: sizes no memory could hold."""
+    q = torch.empty(1, h, 16, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(1, 2, 1, s, 16, device="meta", dtype=torch.bfloat16)
+    idx = torch.zeros(1, dtype=torch.int64, device="meta")
+    return cw.decode_attention_quant(q, kv, idx, idx)
+
+
+DEVICE_TRIGGERS.update({
+    "attnq-not-tensor": lambda d: attnq(d, q=lambda kw: kw["q"].tolist()),
+    "attnq-q-dtype": lambda d: attnq(d, q=lambda kw: kw["q"].int()),
+    "attnq-kv-dtype": lambda d: attnq(d, kv_cache=lambda kw: kw["kv_cache"].float()),
+    "attnq-slots-dtype": lambda d: attnq(d, slots=lambda kw: kw["slots"].int()),
+    "attnq-positions-dtype": lambda d: attnq(d, positions=lambda kw: kw["positions"].int()),
+    "attnq-softmax-scale-type": lambda d: attnq(d, softmax_scale="0.25"),
+    "attnq-softmax-scale-finite": lambda d: attnq(d, softmax_scale=float("inf")),
+    "attnq-device-other": lambda d: attnq(d, kv_cache=lambda kw: kw["kv_cache"].to(_other_device(d))),
+    "attnq-q-not-3d": lambda d: attnq(d, q=lambda kw: kw["q"].flatten(1)),
+    "attnq-head-dim": lambda d: attnq(d, q=lambda kw: kw["q"][..., :12]),
+    "attnq-kv-shape": lambda d: attnq(d, kv_cache=lambda kw: kw["kv_cache"][:, 0]),
+    "attnq-kv-heads": lambda d: attnq(d, kv_cache=torch.zeros(3, 2, 3, 8, 16, dtype=torch.bfloat16, device=d)),
+    "attnq-slots-shape": lambda d: attnq(d, slots=torch.tensor([0, 1, 2], device=d)),
+    "attnq-positions-shape": lambda d: attnq(d, positions=lambda kw: kw["positions"][None]),
+    "attnq-q-stride": lambda d: attnq(d, q=lambda kw: kw["q"].transpose(1, 2).contiguous().transpose(1, 2)),
+    "attnq-kv-noncontig": lambda d: attnq(d, kv_cache=lambda kw: kw["kv_cache"].transpose(0, 1).contiguous()
+                                          .transpose(0, 1)),
+    "attnq-kv-misaligned": lambda d: attnq(d, kv_cache=torch.zeros(3 * 2 * 2 * 8 * 16 + 4, dtype=torch.bfloat16,
+                                                                   device=d)[4:].view(3, 2, 2, 8, 16)),
+    "attnq-dtype": lambda d: attnq(d, dtype=torch.float16),
+    "attnq-scale-not-tensor": lambda d: attnq(d, scale=0.1),
+    "attnq-scale-dtype": lambda d: attnq(d, scale=lambda kw: kw["scale"].half()),
+    "attnq-scale-device-other": lambda d: attnq(d, scale=lambda kw: kw["scale"].to(_other_device(d))),
+    "attnq-scale-shape": lambda d: attnq(d, scale=torch.ones(2, device=d)),
+})
+
+CPU_TRIGGERS.update({
+    "attnq-too-many-heads": lambda: attnq_meta(h=65536),
+    "attnq-seq-len": lambda: attnq_meta(s=2**31),
+})
+
+CUDA_TRIGGERS.update({
+    "attnq-cpu-slots": lambda: attnq("cuda", slots=lambda kw: kw["slots"].cpu()),
+    "attnq-scale-device-cpu": lambda: attnq("cuda", scale=torch.ones(1)),
 })
 
 

@@ -1,6 +1,8 @@
 """decode_attention on CPU: the reference implementation equals the decoder's former index_select + SDPA math
 bit for bit, agrees with an independent float64 reference, its out= form and fake kernel, opcheck, argument
 errors through the op itself, and the decoder's attention still computing what it computed before.
+decode_attention_quant on CPU: bit for bit the composition quantize_per_token / quantize_per_tensor of
+decode_attention, its scales, the wrapper's defaults, its fake kernel and its checks in their order.
 
 The wrapper's argument errors are triggered row by row in tests/test_misuse_table.py (docs/MISUSE.md).
 """
@@ -141,6 +143,125 @@ def test_op_checks_its_arguments(call):
                     OPS.decode_attention(*fake, 0.25)
     with pytest.raises(ValueError, match="`softmax_scale` must be finite"):
         OPS.decode_attention(q, kv, slots, pos, float("inf"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# decode_attention_quant: decode_attention, then the quantization of its output (o_proj's activation)
+
+QDTYPES = [torch.int8, torch.float8_e4m3fn]
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("qdtype", QDTYPES, ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-H{}-KVH{}-D{}-S{}".format(*s))
+def test_quant_equals_the_composition(shape, dtype, qdtype, static):
+    """Bit for bit quantize_per_token (or quantize_per_tensor) of decode_attention's output; the op's scales
+    are (B, 1) float32, in the static mode the given value in every row; the wrapper returns the given scale
+    object in that mode (as rms_norm_quant) and computes SDPA's default softmax scale."""
+    b, h, kvh, d, s = shape
+    positions = ([0, s - 1] + list(range(1, b)))[:b]
+    q, kv, slots, pos = make_inputs(b, h, kvh, d, s, dtype, "cpu", seed=b * 1000 + d + 1, positions=positions)
+    y = OPS.decode_attention(q, kv, slots, pos, 0.3)
+    scale = (y.float().abs().amax() / 100).reshape(1) if static else None  # a few values saturate in fp8
+    q_out, scales = OPS.decode_attention_quant(q, kv, slots, pos, 0.3, qdtype, scale)
+    assert q_out.shape == (b, h * d) and q_out.dtype == qdtype and q_out.is_contiguous()
+    assert scales.shape == (b, 1) and scales.dtype == torch.float32 and scales.is_contiguous()
+    if static:
+        expect_q, expect_s = OPS.quantize_per_tensor(y, scale, qdtype), scale.expand(b, 1)
+    else:
+        expect_q, expect_s = OPS.quantize_per_token(y, qdtype)
+    assert torch.equal(_bits(q_out), _bits(expect_q)) and torch.equal(scales, expect_s)
+    assert q_out.float().abs().amax() >= (100 if qdtype == torch.int8 else 64)  # the range is used
+
+    wq, ws = cw.decode_attention_quant(q, kv, slots, pos, dtype=qdtype, scale=scale)
+    default_q, default_s = OPS.decode_attention_quant(q, kv, slots, pos, 1.0 / math.sqrt(d), qdtype, scale)
+    assert torch.equal(_bits(wq), _bits(default_q))
+    assert (ws is scale) if static else torch.equal(ws, default_s)
+
+
+def test_quant_defaults_and_positional_form():
+    """The wrapper's defaults: int8, dynamic, 1 / sqrt(D); its arguments by position as in its signature."""
+    q, kv, slots, pos = make_inputs(4, 8, 2, 32, 24, torch.bfloat16, "cpu", seed=21)
+    q8, s = cw.decode_attention_quant(q, kv, slots, pos)
+    expect_q, expect_s = OPS.quantize_per_token(cw.decode_attention(q, kv, slots, pos), torch.int8)
+    assert q8.dtype == torch.int8 and torch.equal(q8, expect_q) and torch.equal(s, expect_s)
+    q8b, sb = cw.decode_attention_quant(q, kv, slots, pos, 0.5, torch.float8_e4m3fn, None)
+    expect_q, expect_s = OPS.quantize_per_token(cw.decode_attention(q, kv, slots, pos, 0.5), torch.float8_e4m3fn)
+    assert torch.equal(_bits(q8b), _bits(expect_q)) and torch.equal(sb, expect_s)
+
+
+def test_quant_empty_batch_and_fake_kernel():
+    q, kv, slots, pos = make_inputs(0, 4, 2, 16, 8, torch.bfloat16, "cpu")
+    q8, s = OPS.decode_attention_quant(q, kv, slots, pos, 0.25, torch.int8, None)
+    assert q8.shape == (0, 64) and q8.dtype == torch.int8 and s.shape == (0, 1) and s.dtype == torch.float32
+    q8, s = OPS.decode_attention_quant(q, kv, slots, pos, 0.25, torch.int8, torch.tensor([0.5]))
+    assert q8.shape == (0, 64) and s.shape == (0, 1)
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        qkv = torch.empty(5, 12, 128, dtype=torch.float16)
+        kv = torch.empty(9, 2, 2, 64, 128, dtype=torch.float16)
+        idx = torch.zeros(5, 3, dtype=torch.int64)
+        for qdtype, scale in ((torch.int8, None), (torch.float8_e4m3fn, torch.ones(1))):
+            q8, s = OPS.decode_attention_quant(qkv[:, :8], kv, idx[:, 2], idx[:, 1], 0.1, qdtype, scale)
+            assert q8.shape == (5, 1024) and q8.dtype == qdtype and q8.is_contiguous()
+            assert s.shape == (5, 1) and s.dtype == torch.float32
+        with pytest.raises(ValueError, match="^decode_attention_quant: `kv_cache` KVH = .* must divide H"):
+            OPS.decode_attention_quant(qkv[:, :7], kv, idx[:, 2], idx[:, 1], 0.1, torch.int8, None)
+
+
+def _quant_case(q, kv, slots, pos, softmax_scale=0.25, dtype=torch.int8, scale=None):
+    return (q, kv, slots, pos, softmax_scale, dtype, scale)
+
+
+@pytest.mark.parametrize("call", ["op", "fake"])
+def test_quant_checks_its_arguments(call):
+    """decode_attention's checks under the new op's name, then `dtype`, then `scale` (q the device reference),
+    in that order: a call with two errors gets the earlier one. Direct op calls and fake tensors alike."""
+    q, kv, slots, pos = make_inputs(2, 4, 2, 16, 8, torch.bfloat16, "cpu")
+    one = torch.tensor([0.5])
+    bad = [
+        (_quant_case(q.int(), kv, slots, pos), TypeError,
+         "decode_attention_quant: `q` must be bfloat16, float16 or float32, got torch.int32"),
+        (_quant_case(q, kv.float(), slots, pos), TypeError,
+         "decode_attention_quant: `kv_cache` must have q's dtype torch.bfloat16, got torch.float32"),
+        (_quant_case(q, kv, slots, pos.int()), TypeError, "decode_attention_quant: `positions` must be int64"),
+        (_quant_case(q, kv, slots, pos, float("nan")), ValueError,
+         "decode_attention_quant: `softmax_scale` must be finite, got nan"),
+        (_quant_case(q[..., :12], kv, slots, pos), ValueError, "decode_attention_quant: `q` head dim D"),
+        (_quant_case(q, kv, slots[:1], pos), ValueError,
+         r"decode_attention_quant: `slots` must be \(B,\) with B = q.shape\[0\] = 2, got shape \(1,\)"),
+        (_quant_case(q, kv[:, :1], slots, pos), ValueError,
+         r"decode_attention_quant: `kv_cache` must be \(num_slots, 2, KVH, S, D\)"),
+        # decode_attention's checks come before the dtype's, the dtype's before the scale's
+        (_quant_case(q[..., :12], kv, slots, pos, dtype=torch.float16), ValueError, "`q` head dim D"),
+        (_quant_case(q, kv, slots, pos, dtype=torch.float16), TypeError,
+         r"^decode_attention_quant: `dtype` must be torch.int8 or torch.float8_e4m3fn, got torch.float16$"),
+        (_quant_case(q, kv, slots, pos, dtype=torch.float16, scale=one.half()), TypeError, "`dtype` must be"),
+        (_quant_case(q, kv, slots, pos, scale=one.double()), TypeError,
+         r"^decode_attention_quant: `scale` must be float32, got torch.float64$"),
+        (_quant_case(q, kv, slots, pos, scale=torch.ones(2)), ValueError,
+         r"^decode_attention_quant: `scale` must hold one value \(static per-tensor\), got shape \(2,\)$"),
+        (_quant_case(q, kv, slots, pos, scale=torch.ones(2, device="meta")[:1]), ValueError,
+         r"^decode_attention_quant: `scale` is on meta but `q` is on cpu$"),
+    ]
+    for args, exc, msg in bad:
+        with pytest.raises(exc, match=msg):
+            if call == "op":
+                OPS.decode_attention_quant(*args)
+            else:
+                from torch._subclasses.fake_tensor import FakeTensorMode
+
+                mode = FakeTensorMode()
+                fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args]
+                with mode:
+                    OPS.decode_attention_quant(*fake)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ from cutlass_w8a8.testing.attention import assert_close_to_reference, make_input
 pytestmark = pytest.mark.cuda
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-# (H, KVH): Llama-3-8B's 32 / 8 (G = 4), the decoder tests' 4 / 2, multi-head, a single kv head (G = 16)
-HEADS = [(32, 8), (4, 2), (8, 8), (16, 1)]
+# (H, KVH): Llama-3-8B's 32 / 8 (G = 4), the decoder tests' 4 / 2, multi-head, a single kv head (G = 16), and
+# groups of 3 and 6 (12 / 4, 12 / 2), which the split kernel serves with CTAs of G' = 1 and 2 query heads
+HEADS = [(32, 8), (4, 2), (8, 8), (16, 1), (12, 4), (12, 2)]
 
 
 def poison_unread(kv, slots, positions):
@@ -80,12 +81,32 @@ def test_other_head_dims(d, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("s", [2048, 4096])
 @pytest.mark.parametrize("b", [1, 64])
-def test_long_cache(b, dtype):
-    """Llama-3-8B heads over S = 2048, positions 0 and S - 1 included."""
-    q, kv, slots, pos = make_inputs(b, 32, 8, 128, 2048, dtype, "cuda", seed=b,
-                                    positions=[2047] if b == 1 else positions_for(b, 2048, 3))
+def test_long_cache(b, s, dtype):
+    """Llama-3-8B heads over S = 2048 and 4096, positions 0 and S - 1 included: B = 1 at S - 1 is the case
+    split-KV exists for (one row of 8 head groups spread over many splits)."""
+    q, kv, slots, pos = make_inputs(b, 32, 8, 128, s, dtype, "cuda", seed=b + s,
+                                    positions=[s - 1] if b == 1 else positions_for(b, s, 3))
     run_checked(q, kv, slots, pos)
+
+
+# Around the split kernel's chunk edges (chunks are multiples of 8 positions, at least 32 of a full cache)
+EDGE_POSITIONS = [0, 1, 7, 8, 9, 31, 32, 33, 63, 64, 255, 256, 257, 1000, 4094, 4095]
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (12, 2), (64, 8)], ids=lambda hk: f"H{hk[0]}-KVH{hk[1]}")
+def test_mixed_short_and_long_rows(heads):
+    """Rows of very different lengths in one batch (S = 4096): each row's chunks come from its own position,
+    so short rows leave most splits idle and long rows use them all. Then B = 1 at each of those positions."""
+    h, kvh = heads
+    q, kv, slots, pos = make_inputs(len(EDGE_POSITIONS), h, kvh, 128, 4096, torch.bfloat16, "cuda", seed=h,
+                                    positions=EDGE_POSITIONS)
+    run_checked(q, kv, slots, pos, what="mixed batch")
+    for i in (0, 1, 5, 7, 11, 15):
+        q1, kv1, slots1, pos1 = make_inputs(1, h, kvh, 128, 4096, torch.bfloat16, "cuda", seed=h + i,
+                                            positions=[EDGE_POSITIONS[i]])
+        run_checked(q1, kv1, slots1, pos1, what=f"B = 1 at position {EDGE_POSITIONS[i]}")
 
 
 @pytest.mark.parametrize("q_scale", [4.0, 16.0])
@@ -107,14 +128,27 @@ def test_single_position_is_exactly_the_value():
 
 
 def test_rows_are_independent():
-    """Row-wise: row b of a batch equals the op on row b alone (nothing a row computes depends on B), the
-    property CUDA-graph node updates to fewer rows rely on."""
+    """Row-wise: at a given B, row b's output depends on row b's inputs only; changing the other rows' queries,
+    slots and positions leaves it bit for bit unchanged (CUDA-graph node updates to fewer rows rely on this;
+    tests/test_graph_update_cuda.py shrinks the captured nodes themselves). A smaller eager batch may choose
+    another split count, so the same row computed at another B agrees to rounding, not bitwise."""
     q, kv, slots, pos = make_inputs(64, 32, 8, 128, 256, torch.bfloat16, "cuda", seed=12)
     full = cw.decode_attention(q, kv, slots, pos)
+    keep = [0, 17, 63]
+    other = torch.ones(64, dtype=torch.bool, device="cuda")
+    other[keep] = False
+    q2, slots2, pos2 = q.clone(), slots.clone(), pos.clone()
+    q2[other] = torch.randn_like(q2[other])
+    slots2[other] = slots2[other].flip(0)
+    pos2[other] = 255 - pos2[other]
+    changed = cw.decode_attention(q2, kv, slots2, pos2)
+    assert torch.equal(changed[keep], full[keep])
+    assert not torch.equal(changed[other], full[other])
+    ref = reference(q, kv, slots, pos, 1.0 / math.sqrt(128))
     for k in (1, 5, 33):
-        assert torch.equal(cw.decode_attention(q[:k], kv, slots[:k], pos[:k]), full[:k])
-    for i in (0, 17, 63):
-        assert torch.equal(cw.decode_attention(q[i:i + 1], kv, slots[i:i + 1], pos[i:i + 1]), full[i:i + 1])
+        part = cw.decode_attention(q[:k], kv, slots[:k], pos[:k])
+        assert_close_to_reference(part, ref._replace(out=ref.out[:k], abs_v=ref.abs_v[:k], s_abs=ref.s_abs[:k],
+                                                     n=ref.n[:k]), torch.bfloat16, f"B = {k}")
 
 
 def test_empty_batch():

@@ -413,15 +413,26 @@ def test_torch_compile_reduce_overhead_decoder():
     assert max(errs) < COMPILE_REL, errs
 
 
-@pytest.mark.parametrize("quant", [None, "int8", "fp8"])
-def test_layer_op_equals_python_path_and_opcheck(quant):
+# Static input scales per projection for CFG's activations (normed inputs of about 1, attention outputs of
+# about 0.3, silu(gate) * up of about 0.05): about max|x| / QMAX, so the quantized values use the range.
+STATIC_SCALES = {"qkv_proj": 0.02, "o_proj": 4e-3, "gate_up_proj": 0.02, "down_proj": 1e-3}
+
+
+@pytest.mark.parametrize("quant, static", [(None, False), ("int8", False), ("fp8", False), ("int8", True),
+                                           ("fp8", True)])
+def test_layer_op_equals_python_path_and_opcheck(quant, static):
     """The one-call layer (decode_layer, csrc/models/decode_layer.cpp) against the layers' Python path on the GPU:
-    bitwise over 3 steps (same kernels, same order); and opcheck of the op on the first layer's operands (schema
+    bitwise over 3 steps (same kernels, same order: for a W8A8 o_proj, decode_attention_quant then the GEMM),
+    with dynamic and static activation scales; and opcheck of the op on the first layer's operands (schema
     mutations: residual and kv_cache; fake kernel; dispatch). The graph-runner tests above run the op (the
     default), so its capture and replay are covered there."""
     if quant == "fp8" and _fp8_unavailable():
         pytest.skip(_fp8_unavailable())
     model = build(quant, max_batch=8)
+    if static:
+        for layer in model.layers:
+            for name, mod in (*layer.self_attn.named_children(), *layer.mlp.named_children()):
+                mod.input_scale = torch.tensor([STATIC_SCALES[name]], device="cuda")
     tok = torch.tensor([3, 7, 11], device="cuda")
     slots = torch.tensor([0, 2, 5], device="cuda")
     outs = {}

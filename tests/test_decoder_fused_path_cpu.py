@@ -43,10 +43,10 @@ class _OpCounter(TorchDispatchMode):
 @torch.no_grad()
 def test_decoder_uses_the_fused_path(quant):
     """Per layer: two norms with the residual add fused (the first layer's first without: nothing to add
-    yet), quantizing for the W8A8 qkv and gate_up projections, and one silu_mul (quantizing for down_proj);
-    the final norm adds the last residual. The bf16 model runs the same ops without quantization. Neither
-    runs a separate add, norm or silu; the only separate quantization left is o_proj's (of the attention
-    output), inside its one w8a8_linear call."""
+    yet), quantizing for the W8A8 qkv and gate_up projections, one attention (quantizing for o_proj) and one
+    silu_mul (quantizing for down_proj); the final norm adds the last residual. The bf16 model runs the same
+    ops without quantization. Neither runs a separate add, norm, silu or quantization: every W8A8 projection
+    is one scaled_mm on a QuantizedActivation."""
     model = LlamaDecoder(TINY, quant, max_batch=4, max_seq_len=32)
     for layer in model.layers:  # the Python path of each layer (the layer op runs the same ops: below)
         layer.use_layer_op = False
@@ -60,13 +60,15 @@ def test_decoder_uses_the_fused_path(quant):
     if quant is None:
         # 2n - 1 norms with the add in the layers, plus the final one
         assert c.get("cutlass_w8a8::rms_norm") == 1 and c.get("cutlass_w8a8::fused_add_rms_norm") == 2 * n
-        assert c.get("cutlass_w8a8::silu_mul") == n
+        assert c.get("cutlass_w8a8::silu_mul") == n and c.get("cutlass_w8a8::decode_attention") == n
         assert not any(k in c for k in ("cutlass_w8a8::rms_norm_quant", "cutlass_w8a8::silu_mul_quant",
+                                        "cutlass_w8a8::decode_attention_quant",
                                         "cutlass_w8a8::quantize_per_token")), c
     else:
         assert c.get("cutlass_w8a8::rms_norm_quant") == 2 * n and c.get("cutlass_w8a8::silu_mul_quant") == n
-        # o_proj quantizes its input (the attention output) inside w8a8_linear; the others take QuantizedActivation
-        assert c.get("cutlass_w8a8::w8a8_linear") == n and c.get("cutlass_w8a8::scaled_mm") == 3 * n
+        # o_proj's quantization is folded into the attention: all four projections take a QuantizedActivation
+        assert c.get("cutlass_w8a8::decode_attention_quant") == n and "cutlass_w8a8::decode_attention" not in c
+        assert c.get("cutlass_w8a8::scaled_mm") == 4 * n and "cutlass_w8a8::w8a8_linear" not in c
         assert "cutlass_w8a8::quantize_per_token" not in c
         # the final norm feeds the bf16 lm_head
         assert c.get("cutlass_w8a8::fused_add_rms_norm") == 1 and "cutlass_w8a8::rms_norm" not in c
@@ -115,12 +117,63 @@ def test_rms_norm_module_float64_falls_back_to_torch():
     assert torch.equal(r, r0 + x) and torch.equal(y, F.rms_norm(r0 + x, (64,), norm.weight, EPS))
 
 
-@pytest.mark.parametrize("quant", [None, "int8", "fp8"])
-def test_decoder_layer_op_equals_python_path(quant):
+# Static input scales per projection, near max|x| / QMAX of TINY's activations (normed inputs of about 1,
+# attention outputs of about 0.1, silu(gate) * up of about 0.01), so the quantized values use the range.
+STATIC_SCALES = {"qkv_proj": 0.01, "o_proj": 1e-3, "gate_up_proj": 0.01, "down_proj": 1e-4}
+
+
+def _make_static(model):
+    """Give every W8A8 projection of the decoder layers a static per-tensor input scale."""
+    for layer in model.layers:
+        for name, mod in (*layer.self_attn.named_children(), *layer.mlp.named_children()):
+            assert isinstance(mod, cw.W8A8Linear)
+            mod.input_scale = torch.tensor([STATIC_SCALES[name]], device=mod.weight.device)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
+@torch.no_grad()
+def test_attention_quantizes_for_o_proj(quant, static, dtype):
+    """LlamaAttention with a W8A8 o_proj: one decode_attention_quant (o_proj's quant_dtype and input_scale)
+    whose QuantizedActivation o_proj takes, and the same output and cache, bit for bit, as o_proj quantizing
+    decode_attention's output itself (the attention as it was before the fold)."""
+    model = LlamaDecoder(TINY, quant, max_batch=4, max_seq_len=32, dtype=dtype)
+    if static:
+        _make_static(model)
+    attn = model.layers[1].self_attn
+    g = torch.Generator().manual_seed(4)
+    attn.kv_cache.copy_(torch.randn(attn.kv_cache.shape, generator=g).to(dtype))
+    x = torch.randn(3, TINY.hidden_size, generator=g).to(dtype)
+    ctx = model._context(torch.tensor([0, 31, 9]), torch.tensor([2, 0, 4]))
+    cache = attn.kv_cache.clone()
+    with _OpCounter() as counter:
+        y = attn(x, ctx)
+    c = counter.counts
+    assert c.get("cutlass_w8a8::decode_attention_quant") == 1 and "cutlass_w8a8::decode_attention" not in c, c
+    assert "cutlass_w8a8::w8a8_linear" in c and c.get("cutlass_w8a8::scaled_mm") == 1, c  # qkv, then o_proj
+
+    o_proj, (h, kvh, d) = attn.o_proj, (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    qkv = attn.qkv_proj(x).view(3, h + 2 * kvh, d)
+    cw.rope_kv_cache_(qkv, ctx.rope, cache, ctx.slots, ctx.positions, h, kvh)
+    out = cw.decode_attention(qkv[:, :h], cache, ctx.slots, ctx.positions)
+    assert_bits_equal(y, o_proj(out), f"{quant} static={static}")
+    assert torch.equal(attn.kv_cache, cache)
+    qa = o_proj.quantize_input(out)  # what the layer makes of the float output: nonzero, unsaturated
+    assert qa.q.float().abs().amax() > 8 and (qa.scale.numel() == 1) == static
+
+
+@pytest.mark.parametrize("quant, static", [(None, False), ("int8", False), ("fp8", False), ("int8", True),
+                                           ("fp8", True)])
+def test_decoder_layer_op_equals_python_path(quant, static):
     """One decode_layer call per layer, and the same logits bit for bit as the layers' Python path (it runs
-    the same ops in the same order), over two steps (the cache written by the first is read by the second)."""
+    the same ops in the same order: decode_attention_quant for a W8A8 o_proj), over two steps (the cache
+    written by the first is read by the second); dynamic and static activation scales."""
     torch.manual_seed(0)
     model = LlamaDecoder(TINY, quant, max_batch=4, max_seq_len=32)
+    if static:
+        _make_static(model)
     tok, pos, slots = torch.tensor([1, 2]), torch.tensor([0, 3]), torch.tensor([0, 1])
     with _OpCounter() as counter:
         fused = [model(tok, pos, slots), model(tok + 1, pos + 1, slots)]

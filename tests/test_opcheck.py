@@ -1,7 +1,8 @@
 """torch.library.opcheck on every op, for what tests/test_ops_cpu.py::test_opcheck_cpu and
 tests/test_scaled_mm_cuda.py::test_opcheck_cuda leave out: fp8 operands, the out= schema with fp8, the
 tuning op `_scaled_mm_config`, quantize_per_tensor to fp8, float16 / float32 inputs, M = 0, windowed
-(non-contiguous) operands, and non-contiguous quantization inputs.
+(non-contiguous) operands, non-contiguous quantization inputs, and decode_attention_quant (decode_attention's
+own cases are in tests/test_decode_attention_cpu.py / _cuda.py).
 
 opcheck runs the op against its schema (mutation annotations), its fake kernel (shapes, dtypes and strides
 of the outputs), autograd registration, and AOT dispatch; each argument tuple below is run on CPU and, with
@@ -63,6 +64,26 @@ def cases(device):
     out.append(("quantize_per_token padded rows", OPS.quantize_per_token, (x, torch.int8)))
     out.append(("quantize_per_token M=0", OPS.quantize_per_token,
                 (torch.empty(0, 64, device=device, dtype=torch.bfloat16), torch.int8)))
+    out += attention_quant_cases(device)
+    return out
+
+
+def attention_quant_cases(device):
+    """decode_attention_quant: int8 and fp8, dynamic and static, bf16 / f16 / f32 q (a strided view of qkv,
+    as the decoder passes it), and an empty batch."""
+    from cutlass_w8a8.testing.attention import make_inputs
+
+    out = []
+    for i, (dtype, qdtype, static) in enumerate([(torch.bfloat16, torch.int8, False),
+                                                 (torch.float16, torch.float8_e4m3fn, True),
+                                                 (torch.float32, torch.int8, True),
+                                                 (torch.bfloat16, torch.float8_e4m3fn, False)]):
+        q, kv, slots, pos = make_inputs(3, 8, 2, 64, 24, dtype, device, seed=30 + i, positions=[0, 23, 9])
+        scale = torch.tensor([0.01], device=device) if static else None
+        name = f"decode_attention_quant {dtype} {qdtype} {'static' if static else 'dynamic'}"
+        out.append((name, OPS.decode_attention_quant, (q, kv, slots, pos, 0.125, qdtype, scale)))
+    out.append(("decode_attention_quant B=0", OPS.decode_attention_quant,
+                (q.new_empty(0, 8, 64), kv, slots.new_empty(0), pos.new_empty(0), 0.125, torch.int8, None)))
     return out
 
 

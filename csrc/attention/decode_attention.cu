@@ -4,41 +4,56 @@
 //   p_s = softmax_{s <= positions[b]}(softmax_scale * <q[b, h], K[s]>)
 //   out[b, h * D : (h + 1) * D] = round(sum_{s <= positions[b]} p_s V[s])
 //
+// decode_attention_quant: the same row, rounded to q's dtype, then quantized per token (or with a static scale)
+// for the o_proj GEMM, exactly as quantize_per_token / quantize_per_tensor would quantize the stored row: o_proj's
+// activation quantization folded into attention, one kernel fewer per layer.
+//
 // Only positions 0..positions[b] of one slot are read, so the cost grows with the real batch and the real
 // sequence lengths, not with the cache's size. All arithmetic is float32 and the result is rounded once to
 // q's dtype. Scores are kept in base 2 (q is pre-multiplied by softmax_scale * log2(e), exp2f replaces
 // expf: flash-attention's form of the same softmax).
 //
-// Method: online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"), split over
-// the positions and merged afterwards as in flash-decoding (Dao et al. 2023). One block of 4 warps per (row
-// b, query head h): grid (B, H). Inside a warp, a "group" of kLanes lanes handles one position at a time,
-// each lane owning kVecs 16-byte slices of D (the dot product is a shuffle reduction over the group); the
-// 32 / kLanes groups of a warp read consecutive positions, so a warp's loads are contiguous. Each group keeps
-// its own running max m, running sum l and float32 accumulator of its D slice over positions group,
-// group + G, group + 2G, ... (G = groups per block), kUnroll positions per step to keep loads in flight.
-// The groups of a warp are then merged by shuffles and the 4 warps through shared memory:
-//   M = max_i m_i,  l = sum_i l_i 2^(m_i - M),  acc = sum_i acc_i 2^(m_i - M),  out = acc / l.
+// Method: split-KV ("flash-decoding", Dao, Haziza, Massa, Sizov 2023) over the online softmax (Milakov &
+// Gimelshein 2018, "Online normalizer calculation for softmax"), in two kernels:
 //
-// Block shape, measured (H100, Llama-3-8B heads 32 / 8 x 128, bf16, S = 2048, CUDA-graph replays): 4 warps
-// and 4 positions per group and step read B = 64 rows at position 2047 in 378 us (1.4 TB/s of cache; the
-// former index_select + SDPA took 589 us) and B = 1 in 42 us (former: 63 us). 8 warps ran B = 1 in 25 us
-// but B = 64 at position 128 in 42 us instead of 32 us; 8 positions per step lost from B = 16 on. Small
-// batches at long positions are latency-bound (H blocks, each stepping through its positions); splitting
-// the positions over several blocks per row (flash-decoding's split-KV and a combine kernel) would help them.
+//   decode_attention_split_kernel, grid (B, H / G', splits), 4 warps. CTA (b, y, z) takes the G' query heads
+//     y G' .. y G' + G' - 1, which share one key/value head (G' = the largest of 8, 4, 2, 1 dividing the GQA
+//     group H / KVH: every K and V row the CTA reads serves G' heads), and chunk z of row b's positions
+//     0..positions[b]. The chunk length is computed on the device from positions[b] (split_chunk below), so the
+//     grid -- chosen on the host from B, H, G', S and the SM count only -- stays valid in a CUDA graph whose
+//     positions change between replays. Inside a CTA, a "group" of kLanes lanes handles one position at a
+//     time, each lane owning kVecs 16-byte slices of D (dot products: a shuffle reduction over the group); the
+//     32 / kLanes groups of a warp read consecutive positions, kUnroll positions per group and step. Each group
+//     keeps, per head, its running max m, running sum l and float32 accumulator; groups merge by shuffles, warps
+//     through shared memory:
+//       M = max_i m_i,  l = sum_i l_i 2^(m_i - M),  acc = sum_i acc_i 2^(m_i - M).
+//     The CTA writes (M, l) and acc (unnormalized) per (b, h, z) to a float32 workspace from the caching
+//     allocator.
+//   decode_attention_combine_kernel, grid (B), 256 threads: merges the active splits of every head of row b the
+//     same way, out = acc / l, rounds to q's dtype, and stores the row or quantizes it (rowwise_reduce.cuh's
+//     finish_regs / finish_loop: the code the row-wise quantization kernels use, so the result equals
+//     quantize_per_token(decode_attention(...)) bit for bit).
 //
-// Row-wise (csrc/graphs/graph_nodes.hpp): block (x, y) reads only row x's q, slot and position and writes only row
-// x's output, and no kernel argument depends on B, so a captured node can be shrunk to fewer rows by its
-// gridDim.x alone. One launch on the current stream, no host synchronisation, no allocation beyond the
-// output of the functional form.
+// Before (one CTA per (row, head), no split; H100, Llama-3-8B heads 32 / 8 x 128, bf16): B = 1 at position 256
+// took about 10 us per layer, latency-bound on 32 CTAs each stepping through its positions.
+//
+// Row-wise (csrc/graphs/graph_nodes.hpp): block (x, y, z) of either kernel reads only row x's inputs and writes
+// only row x's outputs and workspace, and the one kernel argument chosen from B (the split count, which sizes the
+// workspace) stays valid for fewer rows, so a captured node can be shrunk to fewer rows by its gridDim.x alone. PDL: both kernels signal their dependents at their start and wait on
+// griddepcontrol before reading anything (core/launch_policy.hpp); no host synchronisation, no allocation beyond
+// the outputs and the workspace.
 //
 // Not checked (it would need a host synchronisation): slots in [0, num_slots) and positions in [0, S).
-// The kernel clamps both into range, so a bad value reads the wrong (but allocated) cache entries instead of
+// The kernels clamp both into range, so a bad value reads the wrong (but allocated) cache entries instead of
 // faulting; callers (LlamaDecoder, DecodeGraphRunner) validate them on the host.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 
 #include <c10/cuda/CUDAException.h>
@@ -46,22 +61,31 @@
 
 #include "core/checks.hpp"
 #include "core/device.hpp"
+#include "core/launch_policy.hpp"
 #include "core/limits.hpp"
 #include "graphs/graph_nodes.hpp"
 #include "ops.hpp"
+#include "quant/rowwise_args.hpp"
 #include "quant/rowwise_reduce.cuh"
 
 namespace cutlass_w8a8 {
 namespace {
 
 constexpr const char* kOp = "decode_attention";
+constexpr const char* kQuantOp = "decode_attention_quant";
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kUnroll = 4;       // positions per group and step (loads issued before the math)
 constexpr int64_t kMaxHeads = limits::kAttnMaxHeads;  // H: gridDim.y
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kChunkAlign = 8;   // split chunks are multiples of this many positions
+constexpr int kMinChunk = 32;    // the host never splits a cache of S positions into more than S / kMinChunk
+constexpr int kMaxSplits = 64;
+constexpr int kCombineThreads = 256;
+constexpr int kCombineVecs = 8;  // combine: up to 8 vectors of 4 elements per thread in registers (H * D <= 8192)
 
-// Element conversions (to_float, from_float): csrc/quant/rowwise_reduce.cuh.
+// Element conversions (to_float, from_float), PDL (allow_dependent_launch, wait_for_producers) and the row tails
+// (finish_regs, finish_loop): csrc/quant/rowwise_reduce.cuh.
 
 // 2^(m - ref), with 0 for an empty partial result (m = -inf): never (-inf) - (-inf).
 __device__ __forceinline__ float rescale(float m, float ref) { return m == -INFINITY ? 0.f : exp2f(m - ref); }
@@ -73,6 +97,7 @@ struct Args {
   int64_t q_stride_h;
   const T* kv;                // (num_slots, 2, KVH, S, D) contiguous, 16-byte aligned
   int64_t num_slots;
+  int heads;                  // H
   int kv_heads;
   int seq_len;                // S
   int head_dim;               // D
@@ -81,15 +106,36 @@ struct Args {
   int64_t slots_stride;
   const int64_t* positions;   // (B,), stride positions_stride
   int64_t positions_stride;
-  T* out;                     // (B, H * D) contiguous
   float scale_log2;           // softmax_scale * log2(e)
+  int splits;                 // gridDim.z of the split kernel
+  float* part_acc;            // workspace: (B, H, splits, D) float32, unnormalized accumulators
+  float2* part_ml;            // workspace: (B, H, splits) (running max M, running sum l)
+  // combine outputs: out (B, H * D) contiguous, in T (decode_attention) or the 8-bit type (decode_attention_quant)
+  void* out;
+  float* scales;              // decode_attention_quant: (B,) row scales
+  const float* static_scale;  // decode_attention_quant with a static per-tensor scale, else null
 };
 
-// kLanes lanes (a power of two, <= 32) per position, each owning kVecs 16-byte vectors of the D elements:
-// vector j of a row belongs to lane (j % kLanes) of the group, as its (j / kLanes)-th vector. Vectors at or
-// past D (when D is not kLanes * kVecs vectors) are zeros.
-template <class T, int kLanes, int kVecs>
-__global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Args<T> a) {
+// Row b's attended length (positions 0..pos, clamped into the cache) and its chunk length per split: both kernels
+// compute them the same way from the same inputs, so the combine reads exactly the splits that ran.
+template <class T>
+__device__ __forceinline__ int row_length(const Args<T>& a, int64_t b) {
+  int64_t pos = a.positions[b * a.positions_stride];
+  pos = pos < 0 ? 0 : (pos >= a.seq_len ? a.seq_len - 1 : pos);
+  return static_cast<int>(pos) + 1;
+}
+__device__ __forceinline__ int split_chunk(int len, int splits) {
+  const int per = (len + splits - 1) / splits;
+  return (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+}
+
+// kG query heads per CTA; kLanes lanes (a power of two, <= 32) per position, each owning kVecs 16-byte vectors of
+// the D elements: vector j of a row belongs to lane (j % kLanes) of the group, as its (j / kLanes)-th vector.
+// Vectors at or past D (when D is not kLanes * kVecs vectors) are zeros.
+template <class T, int kG, int kLanes, int kVecs>
+__global__ void __launch_bounds__(kThreads) decode_attention_split_kernel(const Args<T> a) {
+  allow_dependent_launch();  // the combine kernel may be scheduled; it waits for this grid
+  wait_for_producers();      // q and the cache row come from the rotary kernel
   constexpr int kPer = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte vector
   constexpr int kElems = kVecs * kPer;                     // elements of D per lane
   constexpr int kGroupsPerWarp = 32 / kLanes;
@@ -101,40 +147,52 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Args<T
   static_assert(sizeof(Vec) == 16, "16-byte vectors");
 
   const int64_t b = blockIdx.x;
-  const int h = blockIdx.y;
+  const int h0 = blockIdx.y * kG;
+  const int split = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int lane_in_group = lane % kLanes;
   const int group = warp * kGroupsPerWarp + lane / kLanes;
   const int nvec = a.head_dim / kPer;  // vectors per cached row of D elements
 
+  const int len = row_length(a, b);
+  const int chunk = split_chunk(len, a.splits);
+  const int s_begin = split * chunk;
+  if (s_begin >= len) return;  // an idle split: the combine does not read it
+  const int s_end = min(len, s_begin + chunk);
+
   int64_t slot = a.slots[b * a.slots_stride];
   slot = slot < 0 ? 0 : (slot >= a.num_slots ? a.num_slots - 1 : slot);
-  int64_t pos = a.positions[b * a.positions_stride];
-  pos = pos < 0 ? 0 : (pos >= a.seq_len ? a.seq_len - 1 : pos);
-  const int len = static_cast<int>(pos) + 1;  // positions 0..pos
-  const int kvh = h / a.group_size;
+  const int kvh = h0 / a.group_size;
   const int64_t head_rows = int64_t(a.seq_len) * nvec;  // vectors of one (slot, k/v, head)
   const Vec* k_rows = reinterpret_cast<const Vec*>(a.kv) + ((slot * 2) * a.kv_heads + kvh) * head_rows;
   const Vec* v_rows = k_rows + int64_t(a.kv_heads) * head_rows;
 
-  // this lane's slice of q, scaled (scalar loads: q is a strided view with no alignment promise)
-  float qf[kElems];
-  const T* q_row = a.q + b * a.q_stride_b + h * a.q_stride_h;
+  // this lane's slice of the kG queries, scaled (scalar loads: q is a strided view with no alignment promise)
+  float qf[kG][kElems];
 #pragma unroll
-  for (int i = 0; i < kVecs; ++i) {
-    const int j = lane_in_group + i * kLanes;
+  for (int g = 0; g < kG; ++g) {
+    const T* q_row = a.q + b * a.q_stride_b + int64_t(h0 + g) * a.q_stride_h;
 #pragma unroll
-    for (int e = 0; e < kPer; ++e) {
-      qf[i * kPer + e] = j < nvec ? to_float(q_row[j * kPer + e]) * a.scale_log2 : 0.f;
+    for (int i = 0; i < kVecs; ++i) {
+      const int j = lane_in_group + i * kLanes;
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) {
+        qf[g][i * kPer + e] = j < nvec ? to_float(q_row[j * kPer + e]) * a.scale_log2 : 0.f;
+      }
     }
   }
 
-  float m = -INFINITY, l = 0.f, acc[kElems];
+  float m[kG], l[kG], acc[kG][kElems];
 #pragma unroll
-  for (int e = 0; e < kElems; ++e) acc[e] = 0.f;
+  for (int g = 0; g < kG; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) acc[g][e] = 0.f;
+  }
 
-  // The bound is the same for every thread of the block, so the shuffles below always see full warps.
-  for (int base = 0; base < len; base += kStep) {
+  // The bounds are the same for every thread of the block, so the shuffles below always see full warps.
+  for (int base = s_begin; base < s_end; base += kStep) {
     Vec kr[kUnroll][kVecs], vr[kUnroll][kVecs];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -142,7 +200,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Args<T
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
         const int j = lane_in_group + i * kLanes;
-        if (s < len && j < nvec) {
+        if (s < s_end && j < nvec) {
           kr[u][i] = k_rows[int64_t(s) * nvec + j];
           vr[u][i] = v_rows[int64_t(s) * nvec + j];
         } else {
@@ -151,116 +209,228 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const Args<T
         }
       }
     }
-    float score[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float dot = 0.f;
-#pragma unroll
-      for (int i = 0; i < kVecs; ++i) {
-#pragma unroll
-        for (int e = 0; e < kPer; ++e) dot = fmaf(qf[i * kPer + e], to_float(kr[u][i].v[e]), dot);
-      }
-#pragma unroll
-      for (int off = kLanes / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-      score[u] = base + u * kGroups + group < len ? dot : -INFINITY;
-    }
-    float m_new = m;
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) m_new = fmaxf(m_new, score[u]);
-    if (m_new != -INFINITY) {  // else this group has had no position yet: nothing to add
-      const float alpha = rescale(m, m_new);
-      l *= alpha;
-#pragma unroll
-      for (int e = 0; e < kElems; ++e) acc[e] *= alpha;
+    for (int g = 0; g < kG; ++g) {
+      float score[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const float p = exp2f(score[u] - m_new);  // 0 for a position past len (-inf)
-        l += p;
+        float dot = 0.f;
 #pragma unroll
         for (int i = 0; i < kVecs; ++i) {
 #pragma unroll
-          for (int e = 0; e < kPer; ++e) acc[i * kPer + e] = fmaf(p, to_float(vr[u][i].v[e]), acc[i * kPer + e]);
+          for (int e = 0; e < kPer; ++e) dot = fmaf(qf[g][i * kPer + e], to_float(kr[u][i].v[e]), dot);
         }
+#pragma unroll
+        for (int off = kLanes / 2; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        score[u] = base + u * kGroups + group < s_end ? dot : -INFINITY;
       }
-      m = m_new;
+      float m_new = m[g];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) m_new = fmaxf(m_new, score[u]);
+      if (m_new != -INFINITY) {  // else this group has had no position yet: nothing to add
+        const float alpha = rescale(m[g], m_new);
+        l[g] *= alpha;
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) acc[g][e] *= alpha;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const float p = exp2f(score[u] - m_new);  // 0 for a position past the chunk (-inf)
+          l[g] += p;
+#pragma unroll
+          for (int i = 0; i < kVecs; ++i) {
+#pragma unroll
+            for (int e = 0; e < kPer; ++e) acc[g][i * kPer + e] = fmaf(p, to_float(vr[u][i].v[e]), acc[g][i * kPer + e]);
+          }
+        }
+        m[g] = m_new;
+      }
     }
   }
 
   // merge the groups of a warp: lanes kLanes, 2 kLanes, ... apart hold the same slice of D
 #pragma unroll
-  for (int off = kLanes; off < 32; off <<= 1) {
-    const float m_other = __shfl_xor_sync(0xffffffffu, m, off);
-    const float l_other = __shfl_xor_sync(0xffffffffu, l, off);
-    const float m_max = fmaxf(m, m_other);
-    const float w_self = rescale(m, m_max), w_other = rescale(m_other, m_max);
-    l = l * w_self + l_other * w_other;
+  for (int g = 0; g < kG; ++g) {
 #pragma unroll
-    for (int e = 0; e < kElems; ++e) {
-      const float acc_other = __shfl_xor_sync(0xffffffffu, acc[e], off);
-      acc[e] = acc[e] * w_self + acc_other * w_other;
+    for (int off = kLanes; off < 32; off <<= 1) {
+      const float m_other = __shfl_xor_sync(0xffffffffu, m[g], off);
+      const float l_other = __shfl_xor_sync(0xffffffffu, l[g], off);
+      const float m_max = fmaxf(m[g], m_other);
+      const float w_self = rescale(m[g], m_max), w_other = rescale(m_other, m_max);
+      l[g] = l[g] * w_self + l_other * w_other;
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) {
+        const float acc_other = __shfl_xor_sync(0xffffffffu, acc[g][e], off);
+        acc[g][e] = acc[g][e] * w_self + acc_other * w_other;
+      }
+      m[g] = m_max;
     }
-    m = m_max;
   }
 
   // merge the warps through shared memory; element d of the padded row is vector d / kPer of its lane
   constexpr int kRow = kLanes * kElems;  // >= D
-  __shared__ float s_m[kWarps], s_l[kWarps];
-  __shared__ float s_acc[kWarps][kRow];
+  __shared__ float s_m[kWarps][kG], s_l[kWarps][kG];
+  __shared__ float s_acc[kWarps][kG][kRow];
   if (lane < kLanes) {
 #pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
+    for (int g = 0; g < kG; ++g) {
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) s_acc[warp][(lane + i * kLanes) * kPer + e] = acc[i * kPer + e];
+      for (int i = 0; i < kVecs; ++i) {
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) s_acc[warp][g][(lane + i * kLanes) * kPer + e] = acc[g][i * kPer + e];
+      }
     }
   }
   if (lane == 0) {
-    s_m[warp] = m;
-    s_l[warp] = l;
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+      s_m[warp][g] = m[g];
+      s_l[warp][g] = l[g];
+    }
   }
   __syncthreads();
-  float m_max = s_m[0];
+  for (int g = 0; g < kG; ++g) {
+    float m_max = s_m[0][g];
 #pragma unroll
-  for (int w = 1; w < kWarps; ++w) m_max = fmaxf(m_max, s_m[w]);  // finite: position 0 is always read
-  float weight[kWarps], l_total = 0.f;
+    for (int w = 1; w < kWarps; ++w) m_max = fmaxf(m_max, s_m[w][g]);  // finite: the chunk is not empty
+    float weight[kWarps], l_total = 0.f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    weight[w] = rescale(s_m[w], m_max);
-    l_total += s_l[w] * weight[w];
-  }
-  T* out_row = a.out + b * (int64_t(a.group_size) * a.kv_heads * a.head_dim) + int64_t(h) * a.head_dim;
-  for (int d = threadIdx.x; d < a.head_dim; d += kThreads) {
-    float o = 0.f;
+    for (int w = 0; w < kWarps; ++w) {
+      weight[w] = rescale(s_m[w][g], m_max);
+      l_total += s_l[w][g] * weight[w];
+    }
+    const int64_t part = (b * a.heads + h0 + g) * a.splits + split;
+    float* acc_out = a.part_acc + part * a.head_dim;
+    for (int d = threadIdx.x; d < a.head_dim; d += kThreads) {
+      float o = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) o += s_acc[w][d] * weight[w];
-    out_row[d] = from_float<T>(o / l_total);
+      for (int w = 0; w < kWarps; ++w) o += s_acc[w][g][d] * weight[w];
+      acc_out[d] = o;
+    }
+    if (threadIdx.x == 0) a.part_ml[part] = make_float2(m_max, l_total);
   }
 }
 
-template <class T, int kLanes, int kVecs>
-void launch(const Args<T>& args, int64_t batch, int64_t heads, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(heads));
-  decode_attention_kernel<T, kLanes, kVecs><<<grid, kThreads, 0, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+// Vector idx (4 elements) of row b's attention output: the splits of its head merged, divided by the sum, rounded
+// to T. 4 divides D (a multiple of 8), so a vector never straddles two heads.
+template <class T>
+__device__ __forceinline__ Vec<T, 4> combine_vec(const Args<T>& a, int64_t b, int n_active, int idx) {
+  const int e = idx * 4;
+  const int h = e / a.head_dim, d = e - h * a.head_dim;
+  const int64_t part0 = (b * a.heads + h) * a.splits;
+  float m_max = -INFINITY;
+  for (int s = 0; s < n_active; ++s) m_max = fmaxf(m_max, a.part_ml[part0 + s].x);
+  float l_total = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int s = 0; s < n_active; ++s) {
+    const float2 ml = a.part_ml[part0 + s];
+    const float w = rescale(ml.x, m_max);
+    l_total += ml.y * w;
+    const float4 acc = *reinterpret_cast<const float4*>(a.part_acc + (part0 + s) * a.head_dim + d);
+    o[0] = fmaf(acc.x, w, o[0]);
+    o[1] = fmaf(acc.y, w, o[1]);
+    o[2] = fmaf(acc.z, w, o[2]);
+    o[3] = fmaf(acc.w, w, o[3]);
+  }
+  Vec<T, 4> y;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) y.v[j] = from_float<T>(o[j] / l_total);
+  return y;
+}
+
+// Row b = blockIdx.x: out row = the merged attention output (O = FloatOut<T>) or its quantization (Int8Out /
+// Fp8Out, dynamic per-token scale or a static one), through rowwise_reduce.cuh's row tails. kVecsRegs > 0: the
+// row's H * D / 4 vectors fit kVecsRegs per thread and are held in registers; 0: recomputed per pass.
+template <class T, class O, int kVecsRegs>
+__global__ void __launch_bounds__(kCombineThreads) decode_attention_combine_kernel(const Args<T> a) {
+  allow_dependent_launch();  // o_proj's GEMM may be scheduled (and prefetch its weights); it waits for this grid
+  wait_for_producers();      // the split kernel's workspace
+  const int64_t b = blockIdx.x;
+  const int len = row_length(a, b);
+  const int chunk = split_chunk(len, a.splits);
+  const int n_active = (len + chunk - 1) / chunk;
+  const int nvec = a.heads * a.head_dim / 4;
+  auto* out_row = static_cast<typename O::type*>(a.out) + b * (int64_t(nvec) * 4);
+  if constexpr (kVecsRegs > 0) {
+    Vec<T, 4> y[kVecsRegs];
+#pragma unroll
+    for (int i = 0; i < kVecsRegs; ++i) {
+      const int idx = threadIdx.x + i * kCombineThreads;
+      if (idx < nvec) y[i] = combine_vec(a, b, n_active, idx);
+    }
+    finish_regs<T, O, 4, kVecsRegs, kCombineThreads, 1>(y, 0, nvec, out_row, a.scales, a.static_scale, b);
+  } else {
+    finish_loop<T, O, 4, kCombineThreads>([&](int idx) { return combine_vec(a, b, n_active, idx); }, nvec, out_row,
+                                          a.scales, a.static_scale, b);
+  }
+}
+
+// Query heads per CTA: the largest of 8, 4, 2, 1 that divides the GQA group.
+int heads_per_cta(int64_t group_size) {
+  for (int g : {8, 4, 2}) {
+    if (group_size % g == 0) return g;
+  }
+  return 1;
+}
+
+// Splits per row: about two CTAs per SM over the B x H / G' (row, head group) pairs, at most S / kMinChunk (a
+// split of a full cache keeps at least kMinChunk positions) and kMaxSplits. From B, H, G', S and the SM count
+// only (never the positions: see the file comment).
+int choose_splits(int64_t batch, int64_t head_groups, int64_t seq_len, int sms) {
+  const int64_t pairs = batch * head_groups;
+  int64_t splits = (2 * static_cast<int64_t>(sms) + pairs - 1) / pairs;
+  splits = std::min<int64_t>(splits, std::max<int64_t>(seq_len / kMinChunk, 1));
+  splits = std::min<int64_t>(splits, kMaxSplits);
+  return static_cast<int>(std::max<int64_t>(splits, 1));
+}
+
+template <class T, int kG, int kLanes, int kVecs>
+void launch_split(const Args<T>& args, int64_t batch, int64_t heads, cudaStream_t stream, bool pdl) {
+  const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(heads / kG), static_cast<unsigned>(args.splits));
+  C10_CUDA_CHECK(launch_kernel(decode_attention_split_kernel<T, kG, kLanes, kVecs>, grid, dim3(kThreads), 0, stream,
+                               pdl, args));
 }
 
 // The narrowest group that holds a row of D elements: nvec 16-byte vectors over kLanes lanes.
-template <class T>
-void launch_for_head_dim(const Args<T>& args, int64_t batch, int64_t heads, cudaStream_t stream) {
+template <class T, int kG>
+void launch_split_for_head_dim(const Args<T>& args, int64_t batch, int64_t heads, cudaStream_t stream, bool pdl) {
   const int nvec = args.head_dim * static_cast<int>(sizeof(T)) / 16;
   if (nvec <= 1) {
-    launch<T, 1, 1>(args, batch, heads, stream);
+    launch_split<T, kG, 1, 1>(args, batch, heads, stream, pdl);
   } else if (nvec <= 2) {
-    launch<T, 2, 1>(args, batch, heads, stream);
+    launch_split<T, kG, 2, 1>(args, batch, heads, stream, pdl);
   } else if (nvec <= 4) {
-    launch<T, 4, 1>(args, batch, heads, stream);
+    launch_split<T, kG, 4, 1>(args, batch, heads, stream, pdl);
   } else if (nvec <= 8) {
-    launch<T, 8, 1>(args, batch, heads, stream);
+    launch_split<T, kG, 8, 1>(args, batch, heads, stream, pdl);
   } else if (nvec <= 16) {  // D = 128 in 16-bit types
-    launch<T, 16, 1>(args, batch, heads, stream);
+    launch_split<T, kG, 16, 1>(args, batch, heads, stream, pdl);
   } else if (nvec <= 32) {
-    launch<T, 32, 1>(args, batch, heads, stream);
+    launch_split<T, kG, 32, 1>(args, batch, heads, stream, pdl);
   } else if constexpr (sizeof(T) == 4) {  // float32 with D > 128 (16-bit types never get here: D <= 256)
-    launch<T, 32, 2>(args, batch, heads, stream);
+    launch_split<T, kG, 32, 2>(args, batch, heads, stream, pdl);
+  }
+}
+
+template <class T>
+void launch_split_for_group(const Args<T>& args, int64_t batch, int64_t heads, int g, cudaStream_t stream,
+                            bool pdl) {
+  switch (g) {
+    case 8: launch_split_for_head_dim<T, 8>(args, batch, heads, stream, pdl); break;
+    case 4: launch_split_for_head_dim<T, 4>(args, batch, heads, stream, pdl); break;
+    case 2: launch_split_for_head_dim<T, 2>(args, batch, heads, stream, pdl); break;
+    default: launch_split_for_head_dim<T, 1>(args, batch, heads, stream, pdl); break;
+  }
+}
+
+template <class T, class O>
+void launch_combine(const Args<T>& args, int64_t batch, cudaStream_t stream, bool pdl) {
+  const int64_t nvec = int64_t(args.heads) * args.head_dim / 4;
+  const dim3 grid(static_cast<unsigned>(batch));
+  if (nvec <= int64_t(kCombineThreads) * kCombineVecs) {
+    C10_CUDA_CHECK(launch_kernel(decode_attention_combine_kernel<T, O, kCombineVecs>, grid, dim3(kCombineThreads), 0,
+                                 stream, pdl, args));
+  } else {
+    C10_CUDA_CHECK(launch_kernel(decode_attention_combine_kernel<T, O, 0>, grid, dim3(kCombineThreads), 0, stream,
+                                 pdl, args));
   }
 }
 
@@ -269,64 +439,86 @@ const char* py_nonfinite(double v) { return std::isnan(v) ? "nan" : v > 0 ? "inf
 
 // The checks of the CPU and fake implementations (ops/_checks.py check_decode_attention), in their order, with their exception
 // types and first-line messages. A CPU tensor given with CUDA ones fails the device check of the one Python names.
-void check_args(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& slots,
+void check_args(const char* op, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& slots,
                 const at::Tensor& positions, double softmax_scale, const at::Tensor* out) {
   const auto qt = q.scalar_type();
-  CW8A8_CHECK_TYPE(qt == at::kBFloat16 || qt == at::kHalf || qt == at::kFloat, kOp, "q",
+  CW8A8_CHECK_TYPE(qt == at::kBFloat16 || qt == at::kHalf || qt == at::kFloat, op, "q",
                    "must be bfloat16, float16 or float32, got ", py_dtype(qt));
-  CW8A8_CHECK_TYPE(kv_cache.scalar_type() == qt, kOp, "kv_cache", "must have q's dtype ", py_dtype(qt), ", got ",
+  CW8A8_CHECK_TYPE(kv_cache.scalar_type() == qt, op, "kv_cache", "must have q's dtype ", py_dtype(qt), ", got ",
                    py_dtype(kv_cache.scalar_type()));
-  CW8A8_CHECK_TYPE(slots.scalar_type() == at::kLong, kOp, "slots", "must be int64, got ",
+  CW8A8_CHECK_TYPE(slots.scalar_type() == at::kLong, op, "slots", "must be int64, got ",
                    py_dtype(slots.scalar_type()));
-  CW8A8_CHECK_TYPE(positions.scalar_type() == at::kLong, kOp, "positions", "must be int64, got ",
+  CW8A8_CHECK_TYPE(positions.scalar_type() == at::kLong, op, "positions", "must be int64, got ",
                    py_dtype(positions.scalar_type()));
   if (out != nullptr) {
-    CW8A8_CHECK_TYPE(out->scalar_type() == qt, kOp, "out", "must have q's dtype ", py_dtype(qt), ", got ",
+    CW8A8_CHECK_TYPE(out->scalar_type() == qt, op, "out", "must have q's dtype ", py_dtype(qt), ", got ",
                      py_dtype(out->scalar_type()));
   }
-  CW8A8_CHECK_VALUE(std::isfinite(softmax_scale), kOp, "softmax_scale", "must be finite, got ",
+  CW8A8_CHECK_VALUE(std::isfinite(softmax_scale), op, "softmax_scale", "must be finite, got ",
                     py_nonfinite(softmax_scale));
-  check_same_device(kOp, "kv_cache", kv_cache, "q", q);
-  check_same_device(kOp, "slots", slots, "q", q);
-  check_same_device(kOp, "positions", positions, "q", q);
-  if (out != nullptr) check_same_device(kOp, "out", *out, "q", q);
+  check_same_device(op, "kv_cache", kv_cache, "q", q);
+  check_same_device(op, "slots", slots, "q", q);
+  check_same_device(op, "positions", positions, "q", q);
+  if (out != nullptr) check_same_device(op, "out", *out, "q", q);
 
-  CW8A8_CHECK_VALUE(q.dim() == 3, kOp, "q", "must be 3-D (B, H, D), got shape ", py_tuple(q.sizes()));
+  CW8A8_CHECK_VALUE(q.dim() == 3, op, "q", "must be 3-D (B, H, D), got shape ", py_tuple(q.sizes()));
   const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
-  CW8A8_CHECK_VALUE(d > 0 && d <= limits::kAttnMaxHeadDim && d % limits::kAttnHeadDimMultiple == 0, kOp, "q",
+  CW8A8_CHECK_VALUE(d > 0 && d <= limits::kAttnMaxHeadDim && d % limits::kAttnHeadDimMultiple == 0, op, "q",
                     "head dim D = q.shape[2] must be a multiple of ", limits::kAttnHeadDimMultiple, " in [",
                     limits::kAttnHeadDimMultiple, ", ", limits::kAttnMaxHeadDim, "], got ", d);
-  CW8A8_CHECK_VALUE(heads <= kMaxHeads, kOp, "q", "H = q.shape[1] must be at most ", kMaxHeads, ", got ", heads);
+  CW8A8_CHECK_VALUE(heads <= kMaxHeads, op, "q", "H = q.shape[1] must be at most ", kMaxHeads, ", got ", heads);
   CW8A8_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(0) >= 1 && kv_cache.size(1) == 2 &&
                         kv_cache.size(2) >= 1 && kv_cache.size(3) >= 1 && kv_cache.size(4) == d,
-                    kOp, "kv_cache", "must be (num_slots, 2, KVH, S, D) with D = q.shape[2] = ", d,
+                    op, "kv_cache", "must be (num_slots, 2, KVH, S, D) with D = q.shape[2] = ", d,
                     " and num_slots, KVH, S >= 1, got shape ", py_tuple(kv_cache.sizes()));
   const int64_t kv_heads = kv_cache.size(2);
-  CW8A8_CHECK_VALUE(heads % kv_heads == 0, kOp, "kv_cache", "KVH = kv_cache.shape[2] = ", kv_heads,
+  CW8A8_CHECK_VALUE(heads % kv_heads == 0, op, "kv_cache", "KVH = kv_cache.shape[2] = ", kv_heads,
                     " must divide H = q.shape[1] = ", heads);
-  CW8A8_CHECK_VALUE(kv_cache.size(3) < limits::kAttnMaxSeq, kOp, "kv_cache",
+  CW8A8_CHECK_VALUE(kv_cache.size(3) < limits::kAttnMaxSeq, op, "kv_cache",
                     "S = kv_cache.shape[3] must be below 2**31, got ", kv_cache.size(3));
-  CW8A8_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == batch, kOp, "slots",
+  CW8A8_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == batch, op, "slots",
                     "must be (B,) with B = q.shape[0] = ", batch, ", got shape ", py_tuple(slots.sizes()));
-  CW8A8_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == batch, kOp, "positions",
+  CW8A8_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == batch, op, "positions",
                     "must be (B,) with B = q.shape[0] = ", batch, ", got shape ", py_tuple(positions.sizes()));
-  CW8A8_CHECK_VALUE(q.stride(2) == 1, kOp, "q", "must have stride(2) == 1, got strides ", py_tuple(q.strides()));
-  check_contiguous(kOp, "kv_cache", kv_cache);
-  check_aligned16(kOp, "kv_cache", kv_cache);
+  CW8A8_CHECK_VALUE(q.stride(2) == 1, op, "q", "must have stride(2) == 1, got strides ", py_tuple(q.strides()));
+  check_contiguous(op, "kv_cache", kv_cache);
+  check_aligned16(op, "kv_cache", kv_cache);
   if (out != nullptr) {
-    CW8A8_CHECK_VALUE(out->dim() == 2 && out->size(0) == batch && out->size(1) == heads * d, kOp, "out",
+    CW8A8_CHECK_VALUE(out->dim() == 2 && out->size(0) == batch && out->size(1) == heads * d, op, "out",
                       "must be (B, H * D) = (", batch, ", ", heads * d, "), got shape ", py_tuple(out->sizes()));
-    check_contiguous(kOp, "out", *out);
+    check_contiguous(op, "out", *out);
   }
-  check_cuda(kOp, "q", q);  // holds after the device checks: the op reached CUDA through one of its tensors
+  check_cuda(op, "q", q);  // holds after the device checks: the op reached CUDA through one of its tensors
 }
 
+// decode_attention_quant's own checks, after decode_attention's (ops/_checks.py, in its order): the quantized
+// dtype, then the static scale (float32, on q's device, one value).
+void check_quant_args(const at::Tensor& q, at::ScalarType dtype, const std::optional<at::Tensor>& scale) {
+  quant::check_quant_dtype(kQuantOp, dtype);
+  if (!scale) return;
+  check_float32(kQuantOp, "scale", *scale);
+  check_same_device(kQuantOp, "scale", *scale, "q", q);
+  CW8A8_CHECK_VALUE(scale->numel() == 1, kQuantOp, "scale", "must hold one value (static per-tensor), got shape ",
+                    py_tuple(scale->sizes()));
+}
+
+// Both kernels on the current stream: the split kernel into a float32 workspace from the caching allocator, then
+// the combine kernel into `out` (B, H * D): q's dtype (qtype empty), or the 8-bit `qtype` with the row scales
+// written to `scales` (B,) (a static `scale`: its value).
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& slots,
-         const at::Tensor& positions, double softmax_scale) {
-  const int64_t batch = q.size(0), heads = q.size(1);
+         const at::Tensor& positions, double softmax_scale, std::optional<at::ScalarType> qtype, float* scales,
+         const float* static_scale, const char* op) {
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
   if (batch == 0 || heads == 0) return;
   c10::cuda::CUDAGuard guard(q.device());
   cudaStream_t stream = current_stream(q);
+  const int device = q.get_device();
+  const bool pdl = kernels_use_pdl(device);
+  const int64_t kv_heads = kv_cache.size(2);
+  const int g = heads_per_cta(heads / kv_heads);
+  const int splits = choose_splits(batch, heads / g, kv_cache.size(3), device_info(device).sm_count);
+  const int64_t parts = batch * heads * splits;
+  at::Tensor workspace = at::empty({parts * (d + 2)}, q.options().dtype(at::kFloat));
   auto fill = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     Args<T> args;
@@ -335,40 +527,67 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
     args.q_stride_h = q.stride(1);
     args.kv = reinterpret_cast<const T*>(kv_cache.data_ptr());
     args.num_slots = kv_cache.size(0);
-    args.kv_heads = static_cast<int>(kv_cache.size(2));
+    args.heads = static_cast<int>(heads);
+    args.kv_heads = static_cast<int>(kv_heads);
     args.seq_len = static_cast<int>(kv_cache.size(3));
-    args.head_dim = static_cast<int>(kv_cache.size(4));
-    args.group_size = static_cast<int>(heads / kv_cache.size(2));
+    args.head_dim = static_cast<int>(d);
+    args.group_size = static_cast<int>(heads / kv_heads);
     args.slots = slots.data_ptr<int64_t>();
     args.slots_stride = slots.stride(0);
     args.positions = positions.data_ptr<int64_t>();
     args.positions_stride = positions.stride(0);
-    args.out = reinterpret_cast<T*>(out.data_ptr());
     args.scale_log2 = static_cast<float>(softmax_scale) * kLog2e;
-    launch_for_head_dim<T>(args, batch, heads, stream);
+    args.splits = splits;
+    args.part_acc = workspace.data_ptr<float>();
+    args.part_ml = reinterpret_cast<float2*>(workspace.data_ptr<float>() + parts * d);  // 8-byte aligned: d even
+    args.out = out.data_ptr();
+    args.scales = scales;
+    args.static_scale = static_scale;
+    launch_split_for_group<T>(args, batch, heads, g, stream, pdl);
+    graph_nodes::note_rowwise_launch(stream, batch, op);
+    if (!qtype) {
+      launch_combine<T, FloatOut<T>>(args, batch, stream, pdl);
+    } else if (*qtype == at::kChar) {
+      launch_combine<T, Int8Out>(args, batch, stream, pdl);
+    } else {
+      launch_combine<T, Fp8Out>(args, batch, stream, pdl);
+    }
+    graph_nodes::note_rowwise_launch(stream, batch, op);
   };
   switch (q.scalar_type()) {
     case at::kBFloat16: fill(static_cast<__nv_bfloat16*>(nullptr)); break;
     case at::kHalf: fill(static_cast<__half*>(nullptr)); break;
     default: fill(static_cast<float*>(nullptr)); break;
   }
-  graph_nodes::note_rowwise_launch(stream, batch, kOp);
 }
 
 }  // namespace
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& slots,
                             const at::Tensor& positions, double softmax_scale) {
-  check_args(q, kv_cache, slots, positions, softmax_scale, nullptr);
+  check_args(kOp, q, kv_cache, slots, positions, softmax_scale, nullptr);
   at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
-  run(out, q, kv_cache, slots, positions, softmax_scale);
+  run(out, q, kv_cache, slots, positions, softmax_scale, std::nullopt, nullptr, nullptr, kOp);
   return out;
 }
 
 void decode_attention_out(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                           const at::Tensor& slots, const at::Tensor& positions, double softmax_scale) {
-  check_args(q, kv_cache, slots, positions, softmax_scale, &out);
-  run(out, q, kv_cache, slots, positions, softmax_scale);
+  check_args(kOp, q, kv_cache, slots, positions, softmax_scale, &out);
+  run(out, q, kv_cache, slots, positions, softmax_scale, std::nullopt, nullptr, nullptr, kOp);
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_attention_quant(const at::Tensor& q, const at::Tensor& kv_cache,
+                                                          const at::Tensor& slots, const at::Tensor& positions,
+                                                          double softmax_scale, at::ScalarType dtype,
+                                                          const std::optional<at::Tensor>& scale) {
+  check_args(kQuantOp, q, kv_cache, slots, positions, softmax_scale, nullptr);
+  check_quant_args(q, dtype, scale);
+  at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options().dtype(dtype));
+  at::Tensor scales = at::empty({q.size(0), 1}, q.options().dtype(at::kFloat));
+  run(out, q, kv_cache, slots, positions, softmax_scale, dtype, scales.data_ptr<float>(),
+      scale ? scale->data_ptr<float>() : nullptr, kQuantOp);
+  return {out, scales};
 }
 
 }  // namespace cutlass_w8a8

@@ -1,7 +1,7 @@
 // decode_layer: one decoder layer of the reference Llama decoder (cutlass_w8a8/models/llama.py,
 // LlamaDecoderLayer) in one op call, for eager decoding. It launches exactly the kernels the layer's Python code
-// launches through ten op calls -- the fused norms, the four GEMMs, rotary + cache write, decode attention, the
-// activation -- by calling the same C++ functions in the same order, so results are bit-identical to the
+// launches through its op calls -- the fused norms, the four GEMMs, rotary + cache write, decode attention (with
+// o_proj's quantization folded in for 8-bit weights), the activation -- by calling the same C++ functions in the same order, so results are bit-identical to the
 // Python path; what it removes is the host cost of ten Python-to-dispatcher crossings per layer (the eager step
 // of a small batch is host-bound: tens of microseconds per crossing on the GPU machines here).
 //
@@ -89,8 +89,17 @@ at::Tensor decode_layer(const std::optional<at::Tensor>& h, at::Tensor& residual
   // attention: qkv projection, rotary + cache write, decode attention over the slot's positions, o_proj
   at::Tensor qkv_out = project(qkv, x, q, s, dtype).view({b, num_heads + 2 * num_kv_heads, d});
   rope_kv_cache_(qkv_out, rope, kv_cache, slots, positions, num_heads, num_kv_heads);
-  const at::Tensor attn = decode_attention(qkv_out.narrow(1, 0, num_heads), kv_cache, slots, positions, softmax_scale);
-  const at::Tensor attn_out = quantized ? w8a8_linear(attn, o_w, *o_ws, o_is, std::nullopt, dtype) : at::linear(attn, o_w);
+  // o_proj: for 8-bit weights, attention's output comes quantized for it (decode_attention_quant, the same q and
+  // scales as quantizing the stored row), as the Python path's LlamaAttention does
+  at::Tensor attn_out;
+  if (quantized) {
+    std::tie(q, s) = decode_attention_quant(qkv_out.narrow(1, 0, num_heads), kv_cache, slots, positions,
+                                            softmax_scale, qtype, o_is);
+    attn_out = project(o, x, q, s, dtype);
+  } else {
+    attn_out = at::linear(decode_attention(qkv_out.narrow(1, 0, num_heads), kv_cache, slots, positions,
+                                           softmax_scale), o_w);
+  }
   // post_attention_layernorm (residual += attn_out), then the SwiGLU MLP
   if (quantized) {
     std::tie(q, s) = rms_norm_quant(attn_out, post_norm, eps, qtype, gate_up_is, residual);

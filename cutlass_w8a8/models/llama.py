@@ -137,9 +137,12 @@ class LlamaAttention(nn.Module):
     Buffer ``kv_cache``: ``(num_slots, 2, KVH, max_seq_len, D)`` in the model dtype (index 0 keys, 1 values),
     set by `LlamaDecoder.allocate_cache`. Query head ``h`` reads key/value head ``h // (H / KVH)``.
 
-    Attention is `cutlass_w8a8.ops.decode_attention`: each row reads positions ``0..position`` of its own slot
-    only (a CUDA kernel on the GPU; on the CPU, ``index_select`` of the slots and a masked
-    ``scaled_dot_product_attention``). It needs ``head_dim`` a multiple of 8 in [8, 256].
+    Attention reads positions ``0..position`` of each row's own slot only (split-KV CUDA kernels on the GPU; on
+    the CPU, ``index_select`` of the slots and a masked ``scaled_dot_product_attention``); ``head_dim`` must be
+    a multiple of 8 in [8, 256]. A `W8A8Linear` ``o_proj`` whose output dtype is the model's (bfloat16 /
+    float16) gets a `QuantizedActivation` from `cutlass_w8a8.ops.decode_attention_quant` (its ``quant_dtype``
+    and ``input_scale``: quantized in the attention's last kernel, the very values the layer would make from
+    `cutlass_w8a8.ops.decode_attention`'s output); any other ``o_proj`` gets that float output.
     """
 
     def __init__(self, config: LlamaConfig, device=None, dtype=None):
@@ -159,11 +162,16 @@ class LlamaAttention(nn.Module):
         # index_put_ of (B, 2 KVH) rows of D elements).
         torch.ops.cutlass_w8a8.rope_kv_cache_(qkv, ctx.rope, self.kv_cache, ctx.slots, ctx.positions, h, kvh)
         # The query heads (a strided view of qkv) over positions 0..position of each row's slot: (B, H * D).
-        # The op itself (as W8A8Linear calls scaled_mm), whose fake kernel checks the arguments under
-        # torch.compile; the scale is SDPA's default, 1 / sqrt(D).
+        # The ops themselves, whose fake kernels check the arguments under torch.compile; SDPA's default scale.
+        o_proj = self.o_proj
+        if isinstance(o_proj, W8A8Linear) and qkv.dtype == o_proj.dtype:  # bfloat16 / float16, the layer's output
+            q, s = torch.ops.cutlass_w8a8.decode_attention_quant(qkv[:, :h], self.kv_cache, ctx.slots,
+                                                                 ctx.positions, 1.0 / math.sqrt(d),
+                                                                 o_proj.quant_dtype, o_proj.input_scale)
+            return o_proj(_quantized_for(o_proj, q, s))
         out = torch.ops.cutlass_w8a8.decode_attention(qkv[:, :h], self.kv_cache, ctx.slots, ctx.positions,
                                                       1.0 / math.sqrt(d))
-        return self.o_proj(out)
+        return o_proj(out)
 
 
 class LlamaMLP(nn.Module):

@@ -2,7 +2,7 @@
 `_roles`), CPU implementations (`_reference`), fake kernels (`_fake`), and the public wrappers by family:
 `gemm` (scaled_mm, scaled_mm_decode, linear_decode, supports_fp8), `quant` (quantize_int8, quantize_fp8),
 `norm_act` (rms_norm, rms_norm_quant, silu_mul, silu_mul_quant), `attention` (decode_attention,
-rope_kv_cache_).
+decode_attention_quant, rope_kv_cache_).
 
 Importing this package defines every op of ``torch.ops.cutlass_w8a8`` with its CPU and fake kernels;
 ``cutlass_w8a8/__init__.py`` then loads `_C.so` (the CUDA kernels) and, if that failed, calls
@@ -14,11 +14,11 @@ from . import _fake, _reference  # noqa: F401 (register the CPU and fake kernels
 from ._checks import check_scaled_mm
 from ._limits import DECODE_MAX_M, INT8_MAX_K
 from ._schema import register_cuda_fallback
-from .attention import decode_attention, rope_kv_cache_
+from .attention import decode_attention, decode_attention_quant, rope_kv_cache_
 from .gemm import linear_decode, scaled_mm, scaled_mm_decode, supports_fp8
 from .norm_act import rms_norm, rms_norm_quant, silu_mul, silu_mul_quant
 from .quant import quantize_fp8, quantize_int8
 
 __all__ = ["scaled_mm", "scaled_mm_decode", "linear_decode", "supports_fp8", "quantize_int8", "quantize_fp8",
-           "rms_norm", "rms_norm_quant", "silu_mul", "silu_mul_quant", "decode_attention", "rope_kv_cache_",
-           "INT8_MAX_K", "DECODE_MAX_M", "check_scaled_mm", "register_cuda_fallback"]
+           "rms_norm", "rms_norm_quant", "silu_mul", "silu_mul_quant", "decode_attention", "decode_attention_quant",
+           "rope_kv_cache_", "INT8_MAX_K", "DECODE_MAX_M", "check_scaled_mm", "register_cuda_fallback"]

@@ -22,7 +22,8 @@ from ._roles import (aligned16, bias_vector, contiguous, cxx_dtype, cxx_list, de
 
 __all__ = ["check_scaled_mm", "check_scaled_mm_decode", "check_linear_decode", "check_w8a8_linear",
            "check_quantize", "check_rms_norm", "check_rms_norm_quant", "check_silu_mul", "check_silu_mul_quant",
-           "check_decode_attention", "check_rope_kv_cache", "check_decode_layer", "fail_type", "fail_value"]
+           "check_decode_attention", "check_decode_attention_quant", "check_rope_kv_cache", "check_decode_layer",
+           "fail_type", "fail_value"]
 
 
 # ---- GEMMs --------------------------------------------------------------------------------------------------
@@ -272,6 +273,16 @@ def check_decode_attention(op: str, q, kv_cache, slots, positions, softmax_scale
         if tuple(out.shape) != (b, h * d):
             fail_value(op, "out", f"must be (B, H * D) = ({b}, {h * d}), got shape {tuple(out.shape)}")
         contiguous(op, "out", out)
+
+
+def check_decode_attention_quant(q, kv_cache, slots, positions, softmax_scale, dtype, scale) -> None:
+    """decode_attention_quant: decode_attention's checks (no `out`), then the quantized `dtype`, then the
+    static `scale` (None, or float32 with one value on q's device)."""
+    op = "decode_attention_quant"
+    check_decode_attention(op, q, kv_cache, slots, positions, softmax_scale)
+    quant_dtype(op, dtype)
+    if scale is not None:
+        static_scale(op, q, scale, ref_name="q")
 
 
 def check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads) -> None:

@@ -106,6 +106,13 @@ def _decode_attention_out(out, q, kv_cache, slots, positions, softmax_scale):
     C.check_decode_attention("decode_attention", q, kv_cache, slots, positions, softmax_scale, out)
 
 
+@_fake("decode_attention_quant")
+def _decode_attention_quant(q, kv_cache, slots, positions, softmax_scale, dtype, scale=None):
+    C.check_decode_attention_quant(q, kv_cache, slots, positions, softmax_scale, dtype, scale)
+    return (q.new_empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=dtype),
+            q.new_empty((q.shape[0], 1), dtype=torch.float32))
+
+
 @_fake("rope_kv_cache_")
 def _rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads):
     C.check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads)

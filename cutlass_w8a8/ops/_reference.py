@@ -198,6 +198,14 @@ _decode_attention, _decode_attention_out = _same_args_pair("decode_attention", C
                                                            _decode_attention_reference)
 
 
+def _decode_attention_quant(q, kv_cache, slots, positions, softmax_scale, dtype, scale=None):
+    """decode_attention rounded to q's dtype, then quantized as quantize_per_token (scale None) or
+    quantize_per_tensor with the static scale (the scales returned (B, 1) either way): the composition itself,
+    so on the CPU the fused op equals the two ops bit for bit by construction."""
+    C.check_decode_attention_quant(q, kv_cache, slots, positions, softmax_scale, dtype, scale)
+    return _quantize_fused(_decode_attention_reference(q, kv_cache, slots, positions, softmax_scale), dtype, scale)
+
+
 def _rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads):
     """The torch formulation rope_kv_cache_ replaces: neox rotation of the q and k heads as a float32 complex
     multiply rounded once to qkv's dtype, then one index_put_ of the k and v heads into the cache."""
@@ -246,11 +254,13 @@ def decode_layer(h, residual, input_norm, post_norm, eps, qkv_w, qkv_ws, qkv_is,
     b = residual.shape[0]
     qkv = project(qkv_w, qkv_ws, qkv_is, x, q, s).view(b, num_heads + 2 * num_kv_heads, -1)
     ops.rope_kv_cache_(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads)
-    attn = ops.decode_attention(qkv[:, :num_heads], kv_cache, slots, positions, softmax_scale)
-    attn_out = ops.w8a8_linear(attn, o_w, o_ws, o_is, None, dtype) if quantized else F.linear(attn, o_w)
-    if quantized:
+    heads = qkv[:, :num_heads]
+    if quantized:  # attention quantizing its output for o_proj (LlamaAttention with a W8A8Linear o_proj)
+        q, s = ops.decode_attention_quant(heads, kv_cache, slots, positions, softmax_scale, qtype, o_is)
+        attn_out = project(o_w, o_ws, o_is, None, q, s)
         q, s = ops.rms_norm_quant(attn_out, post_norm, eps, qtype, gate_up_is, residual)
     else:
+        attn_out = F.linear(ops.decode_attention(heads, kv_cache, slots, positions, softmax_scale), o_w)
         x = ops.fused_add_rms_norm(attn_out, residual, post_norm, eps)
     gu = project(gate_up_w, gate_up_ws, gate_up_is, x, q, s)
     if quantized:
@@ -268,6 +278,7 @@ for _name, _fn in (
         ("quantize_per_tensor", _quantize_per_tensor), ("rms_norm", _rms_norm),
         ("fused_add_rms_norm", _fused_add_rms_norm), ("rms_norm_quant", _rms_norm_quant), ("silu_mul", _silu_mul),
         ("silu_mul_quant", _silu_mul_quant), ("decode_attention", _decode_attention),
-        ("decode_attention_out", _decode_attention_out), ("rope_kv_cache_", _rope_kv_cache),
+        ("decode_attention_out", _decode_attention_out), ("decode_attention_quant", _decode_attention_quant),
+        ("rope_kv_cache_", _rope_kv_cache),
         ("decode_layer", decode_layer)):
     lib.impl(_name, _fn, "CPU")

@@ -136,11 +136,12 @@ def per_channel_scale(op: str, name: str, scale, n: int) -> None:
     contiguous(op, name, scale)
 
 
-def static_scale(op: str, x, scale) -> None:
-    """A static per-tensor activation scale: a float32 tensor of one value on x's device."""
+def static_scale(op: str, x, scale, *, ref_name: str = "x") -> None:
+    """A static per-tensor activation scale: a float32 tensor of one value on the device of `x`, the op's
+    input named `ref_name` in the device message (``"q"`` for decode_attention_quant)."""
     tensor_arg(op, "scale", scale, optional=True)
     float32_scale(op, "scale", scale)
-    same_device(op, "x", x, [("scale", scale)])
+    same_device(op, ref_name, x, [("scale", scale)])
     if scale.numel() != 1:
         fail_value(op, "scale", f"must hold one value (static per-tensor), got shape {tuple(scale.shape)}")
 

@@ -25,6 +25,9 @@ Ops:
 - ``silu_mul_quant(x, dtype, scale=None) -> (q, scale)``: the same, then quantized
 - ``decode_attention(q, kv_cache, slots, positions, softmax_scale) -> Tensor``
 - ``decode_attention_out(out, q, kv_cache, slots, positions, softmax_scale) -> ()``
+- ``decode_attention_quant(q, kv_cache, slots, positions, softmax_scale, dtype, scale=None) -> (q_out, scale)``:
+  ``decode_attention`` then quantized for a W8A8 ``o_proj`` (per token, or per tensor with ``scale``), in
+  the attention's last kernel
 - ``rope_kv_cache_(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads) -> ()``: rotary embedding of
   the q and k heads in place, then the k and v heads into the slot cache (the decoder's glue before attention)
 - ``_scaled_mm_config(out, a, b, scale_a, scale_b, bias, config) -> ()``: force a kernel config (tuning only)
@@ -96,6 +99,10 @@ _define("decode_attention(Tensor q, Tensor kv_cache, Tensor slots, Tensor positi
         "-> Tensor")
 _define("decode_attention_out(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor slots, Tensor positions, "
         "float softmax_scale) -> ()")
+# decode_attention fused with the quantization of its output (o_proj's activation): the same attention, rounded to
+# q's dtype, then quantize_per_token (scale None) or quantize_per_tensor; the scales come back (B, 1) either way.
+_define("decode_attention_quant(Tensor q, Tensor kv_cache, Tensor slots, Tensor positions, float softmax_scale, "
+        "ScalarType dtype, Tensor? scale=None) -> (Tensor, Tensor)")
 # The glue between the qkv projection and decode_attention (csrc/attention/rope_kv_cache.cu): rotary embedding
 # of the q and k heads in place, then the k and v heads written into the slot cache.
 _define("rope_kv_cache_(Tensor(a!) qkv, Tensor rope, Tensor(b!) kv_cache, Tensor slots, Tensor positions, "

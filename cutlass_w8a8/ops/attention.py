@@ -1,4 +1,4 @@
-"""The attention ops' public wrappers: `decode_attention` and `rope_kv_cache_`.
+"""The attention ops' public wrappers: `decode_attention`, `decode_attention_quant` and `rope_kv_cache_`.
 
 Each wrapper calls its op once and returns; the op checks its arguments (C++ on CUDA, `_checks.py` on the CPU
 and in the fake kernels) and raises errors that name the op and the argument (docs/MISUSE.md).
@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from ._schema import OVERLOADS as _op
 
-__all__ = ["decode_attention", "rope_kv_cache_"]
+__all__ = ["decode_attention", "decode_attention_quant", "rope_kv_cache_"]
 
 
 def decode_attention(
@@ -80,15 +80,27 @@ def decode_attention(
     an out-of-range slot raises from ``index_select`` and an out-of-range position gives an unspecified
     result.
 
-    CUDA kernel (csrc/attention/decode_attention.cu): one block of 128 threads per (row, query head), so B = 1
-    still runs H blocks. The positions are split between the block's threads, each group of threads keeping an
-    online softmax (a running maximum, a running sum and a float32 accumulator, rescaled when the maximum
-    grows: Milakov & Gimelshein [1]_); the partial results are merged at the end, rescaled to the common
-    maximum, as flash-decoding [2]_ merges its splits. Block ``(b, h)`` reads only row ``b``'s inputs and
-    writes only its output (a row-wise kernel whose CUDA-graph node can be shrunk to fewer rows). One launch
-    on the current stream, no host synchronisation. The CPU implementation is the former reference math:
-    ``index_select`` of the B slots, then ``F.scaled_dot_product_attention`` over all S positions with an
-    additive ``-inf`` mask. The two agree to rounding (the order of the float32 sums differs).
+    CUDA kernels (csrc/attention/decode_attention.cu), split-KV ("flash-decoding" [2]_), two launches on the
+    current stream, no host synchronisation, both with programmatic dependent launch when PDL is on
+    (`cutlass_w8a8.pdl_enabled`):
+
+    1. ``decode_attention_split_kernel``, grid ``(B, H / G', splits)``: a block takes row ``b``, the ``G'``
+       query heads that share one key/value head (``G'`` the largest of 8, 4, 2, 1 dividing ``G = H / KVH``,
+       so each key/value row is read once for those heads) and one contiguous chunk of the positions
+       ``0..positions[b]``, and keeps an online softmax over it (a running maximum, a running sum and a
+       float32 accumulator, rescaled when the maximum grows: Milakov & Gimelshein [1]_). The chunk bounds
+       are computed on the device from ``positions[b]``; the number of splits is chosen from ``B``, ``H``,
+       ``KVH``, ``S`` and the SM count, never from the positions, so a CUDA graph stays valid when the
+       positions change between replays. It writes float32 partials (maximum, sum, accumulator) per
+       ``(b, h, split)`` to a workspace from torch's caching allocator.
+    2. ``decode_attention_combine_kernel``, grid ``(B,)``: one block per row merges the splits of its ``H``
+       heads, rescaled to their common maximum, and rounds the row once to ``q``'s dtype.
+
+    Both kernels index rows by ``blockIdx.x`` and row ``b`` reads only row ``b``'s inputs and writes only its
+    output (row-wise kernels whose CUDA-graph nodes can be shrunk to fewer rows). The CPU implementation is the
+    former reference math: ``index_select`` of the B slots, then ``F.scaled_dot_product_attention`` over all S
+    positions with an additive ``-inf`` mask. The two agree to rounding (the order of the float32 sums
+    differs). :func:`decode_attention_quant` is this op with its output quantized in the combine kernel.
 
     References
     ----------
@@ -102,12 +114,99 @@ def decode_attention(
     >>> y = o_proj(attn)
     """
     if softmax_scale is None:
-        valid = isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[2] > 0
-        softmax_scale = 1.0 / math.sqrt(q.shape[2]) if valid else 1.0  # SDPA's default; a bad q fails in the op
+        softmax_scale = _default_scale(q)
     if out is None:
         return _op.decode_attention(q, kv_cache, slots, positions, softmax_scale)
     _op.decode_attention_out(out, q, kv_cache, slots, positions, softmax_scale)
     return out
+
+
+def _default_scale(q) -> float:
+    """SDPA's default softmax scale, 1 / sqrt(D); 1.0 for a `q` the op will reject anyway (it names the error)."""
+    valid = isinstance(q, torch.Tensor) and q.dim() == 3 and q.shape[2] > 0
+    return 1.0 / math.sqrt(q.shape[2]) if valid else 1.0
+
+
+def decode_attention_quant(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    dtype: torch.dtype = torch.int8,
+    scale: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_attention` fused with the quantization of its output: the activation of a W8A8 ``o_proj``.
+
+    Exactly the composition::
+
+        y = decode_attention(q, kv_cache, slots, positions, softmax_scale)    # (B, H * D), rounded to q's dtype
+        q_out, s = quantize_per_token(y, dtype)              # scale None: s = max|y_b| / QMAX per row
+        q_out = quantize_per_tensor(y, scale, dtype)         # a static scale
+
+    with QMAX 127 (int8) or 448 (float8_e4m3fn). The attention output is rounded to ``q``'s dtype before it is
+    quantized, as the unfused chain stores it, so on one device the fused op equals the chain bit for bit
+    (on the CPU by construction; on the GPU the combine kernel rounds the row, then quantizes it as the
+    quantization kernels do). One op call and one kernel fewer per decoder layer than the chain, and the
+    rounded float row never goes to memory. `cutlass_w8a8.models.LlamaAttention` calls it when its ``o_proj`` is a `W8A8Linear`.
+
+    Parameters
+    ----------
+    q, kv_cache, slots, positions, softmax_scale
+        As :func:`decode_attention`: ``q`` ``(B, H, D)`` bfloat16, float16 or float32 (``stride(2) == 1``,
+        e.g. a strided view of a fused qkv output), ``kv_cache`` ``(num_slots, 2, KVH, S, D)`` in ``q``'s
+        dtype, contiguous; ``slots`` and ``positions`` ``(B,)`` int64; ``softmax_scale`` default
+        ``1 / sqrt(D)``.
+    dtype : torch.dtype
+        ``torch.int8`` (default) or ``torch.float8_e4m3fn``: the ``quant_dtype`` of the consuming layer.
+    scale : torch.Tensor, optional
+        float32 with one element (static per-tensor, e.g. ``o_proj.input_scale``), on ``q``'s device.
+        None: dynamic per-token.
+
+    Returns
+    -------
+    (q_out, scale) : tuple of torch.Tensor
+        ``q_out``: ``(B, H * D)`` in ``dtype``, contiguous, ``q``'s device: the heads of a row side by side,
+        as ``o_proj`` takes them. ``scale``: float32 ``(B, 1)`` per-token scales (dynamic), or the given
+        ``scale`` object (static), as :func:`rms_norm_quant` returns them; either way what `W8A8Linear`
+        takes as a `QuantizedActivation` with ``q_out``.
+
+    Raises
+    ------
+    TypeError
+        As :func:`decode_attention` (with the op name ``decode_attention_quant``); ``dtype`` not int8 /
+        float8_e4m3fn; ``scale`` not float32.
+    ValueError
+        As :func:`decode_attention`; ``scale`` not one element or on another device than ``q``.
+    RuntimeError
+        An argument is not of its schema type (torch's dispatcher names it); CUDA tensors were given but the
+        CUDA extension is not built.
+
+    Notes
+    -----
+    The checks run in this order, with these messages on every device (docs/MISUSE.md): decode_attention's
+    (without ``out``), then ``dtype``, then ``scale``. The values of ``slots`` and ``positions`` are not
+    checked (see :func:`decode_attention`). A row whose attention output is not finite gets an unspecified
+    ``q_out`` and scale, as the quantization ops document; other rows are unaffected. The op itself
+    (``torch.ops.cutlass_w8a8.decode_attention_quant``) returns per-row scales in both modes: in the static
+    one the given value repeated, ``(B, 1)``.
+
+    CUDA: :func:`decode_attention`'s two split-KV kernels; the combine kernel (one block per row) rounds the
+    merged row to ``q``'s dtype, then quantizes it (the row's absolute maximum, then each element divided by
+    the scale, rounded half to even and saturated) and writes ``q_out`` and the row's scale. Row-wise, no host
+    synchronisation, CUDA-graph safe with positions that change between replays.
+
+    Examples
+    --------
+    >>> qkv = qkv_proj(x).view(B, H + 2 * KVH, D)           # rotary already applied, new K/V written
+    >>> q8, s = decode_attention_quant(qkv[:, :H], kv_cache, slots, positions, dtype=o_proj.quant_dtype,
+    ...                                scale=o_proj.input_scale)
+    >>> y = o_proj(QuantizedActivation(q8, s))             # the GEMM only: no second quantization
+    """
+    if softmax_scale is None:
+        softmax_scale = _default_scale(q)
+    q_out, s = _op.decode_attention_quant(q, kv_cache, slots, positions, softmax_scale, dtype, scale)
+    return q_out, (s if scale is None else scale)
 
 
 def rope_kv_cache_(
