@@ -83,6 +83,7 @@ constexpr int kMinChunk = 32;    // the host never splits a cache of S positions
 constexpr int kMaxSplits = 64;
 constexpr int kCombineThreads = 256;
 constexpr int kCombineVecs = 8;  // combine: up to 8 vectors of 4 elements per thread in registers (H * D <= 8192)
+constexpr int64_t kCombineSmemFloats = 8192;  // combine: at most this many split weights (32 KiB of shared memory)
 
 // Element conversions (to_float, from_float), PDL (allow_dependent_launch, wait_for_producers) and the row tails
 // (finish_regs, finish_loop): csrc/quant/rowwise_reduce.cuh.
@@ -311,36 +312,99 @@ __global__ void __launch_bounds__(kThreads) decode_attention_split_kernel(const 
 }
 
 // Vector idx (4 elements) of row b's attention output: the splits of its head merged, divided by the sum, rounded
-// to T. 4 divides D (a multiple of 8), so a vector never straddles two heads.
+// to T. 4 divides D (a multiple of 8), so a vector never straddles two heads. `w` (shared memory, [H][n_active]):
+// each split's weight 2^(m_s - M) / l of its head (combine_weights), or null: computed here from the workspace.
 template <class T>
-__device__ __forceinline__ Vec<T, 4> combine_vec(const Args<T>& a, int64_t b, int n_active, int idx) {
+__device__ __forceinline__ Vec<T, 4> combine_vec(const Args<T>& a, int64_t b, int n_active, int idx,
+                                                 const float* w) {
   const int e = idx * 4;
   const int h = e / a.head_dim, d = e - h * a.head_dim;
   const int64_t part0 = (b * a.heads + h) * a.splits;
-  float m_max = -INFINITY;
-  for (int s = 0; s < n_active; ++s) m_max = fmaxf(m_max, a.part_ml[part0 + s].x);
-  float l_total = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int s = 0; s < n_active; ++s) {
-    const float2 ml = a.part_ml[part0 + s];
-    const float w = rescale(ml.x, m_max);
-    l_total += ml.y * w;
-    const float4 acc = *reinterpret_cast<const float4*>(a.part_acc + (part0 + s) * a.head_dim + d);
-    o[0] = fmaf(acc.x, w, o[0]);
-    o[1] = fmaf(acc.y, w, o[1]);
-    o[2] = fmaf(acc.z, w, o[2]);
-    o[3] = fmaf(acc.w, w, o[3]);
+  const float* acc0 = a.part_acc + part0 * a.head_dim + d;
+  float o[4] = {0.f, 0.f, 0.f, 0.f};
+  if (w != nullptr) {
+    const float* wh = w + h * n_active;
+    int s = 0;
+    for (; s + 4 <= n_active; s += 4) {  // four independent loads in flight
+      float4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = *reinterpret_cast<const float4*>(acc0 + int64_t(s + u) * a.head_dim);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float ws = wh[s + u];
+        o[0] = fmaf(v[u].x, ws, o[0]);
+        o[1] = fmaf(v[u].y, ws, o[1]);
+        o[2] = fmaf(v[u].z, ws, o[2]);
+        o[3] = fmaf(v[u].w, ws, o[3]);
+      }
+    }
+    for (; s < n_active; ++s) {
+      const float4 v = *reinterpret_cast<const float4*>(acc0 + int64_t(s) * a.head_dim);
+      const float ws = wh[s];
+      o[0] = fmaf(v.x, ws, o[0]);
+      o[1] = fmaf(v.y, ws, o[1]);
+      o[2] = fmaf(v.z, ws, o[2]);
+      o[3] = fmaf(v.w, ws, o[3]);
+    }
+  } else {
+    float m_max = -INFINITY;
+    for (int s = 0; s < n_active; ++s) m_max = fmaxf(m_max, a.part_ml[part0 + s].x);
+    float l_total = 0.f;
+    for (int s = 0; s < n_active; ++s) l_total += a.part_ml[part0 + s].y * rescale(a.part_ml[part0 + s].x, m_max);
+    const float inv = 1.f / l_total;
+    for (int s = 0; s < n_active; ++s) {
+      const float ws = rescale(a.part_ml[part0 + s].x, m_max) * inv;
+      const float4 v = *reinterpret_cast<const float4*>(acc0 + int64_t(s) * a.head_dim);
+      o[0] = fmaf(v.x, ws, o[0]);
+      o[1] = fmaf(v.y, ws, o[1]);
+      o[2] = fmaf(v.z, ws, o[2]);
+      o[3] = fmaf(v.w, ws, o[3]);
+    }
   }
   Vec<T, 4> y;
 #pragma unroll
-  for (int j = 0; j < 4; ++j) y.v[j] = from_float<T>(o[j] / l_total);
+  for (int j = 0; j < 4; ++j) y.v[j] = from_float<T>(o[j]);
   return y;
+}
+
+// w[h][s] = 2^(m_s - M_h) / l_h for the n_active (<= kMaxSplits = 64) splits of every head of row b, into shared
+// memory: one warp per head, its lanes over the splits (two each), warp reductions for M_h and l_h. Every thread
+// calls it (it synchronizes). The same float operations as the direct form of combine_vec, in a fixed order.
+template <class T>
+__device__ __forceinline__ void combine_weights(const Args<T>& a, int64_t b, int n_active, float* w) {
+  constexpr int kCombineWarps = kCombineThreads / 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int h = warp; h < a.heads; h += kCombineWarps) {
+    const int64_t part0 = (b * a.heads + h) * a.splits;
+    float2 ml[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int s = lane + 32 * i;
+      ml[i] = s < n_active ? a.part_ml[part0 + s] : make_float2(-INFINITY, 0.f);
+    }
+    float m_max = fmaxf(ml[0].x, ml[1].x);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m_max = fmaxf(m_max, __shfl_xor_sync(0xffffffffu, m_max, off));
+    float l = ml[0].y * rescale(ml[0].x, m_max) + ml[1].y * rescale(ml[1].x, m_max);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+    const float inv = 1.f / l;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int s = lane + 32 * i;
+      if (s < n_active) w[h * n_active + s] = rescale(ml[i].x, m_max) * inv;
+    }
+  }
+  __syncthreads();
 }
 
 // Row b = blockIdx.x: out row = the merged attention output (O = FloatOut<T>) or its quantization (Int8Out /
 // Fp8Out, dynamic per-token scale or a static one), through rowwise_reduce.cuh's row tails. kVecsRegs > 0: the
-// row's H * D / 4 vectors fit kVecsRegs per thread and are held in registers; 0: recomputed per pass.
+// row's H * D / 4 vectors fit kVecsRegs per thread and are held in registers, and the split weights are computed
+// once per head into dynamic shared memory (H * n_active floats, bounded by the host); 0: recomputed per pass.
 template <class T, class O, int kVecsRegs>
 __global__ void __launch_bounds__(kCombineThreads) decode_attention_combine_kernel(const Args<T> a) {
+  extern __shared__ float s_weights[];
   allow_dependent_launch();  // o_proj's GEMM may be scheduled (and prefetch its weights); it waits for this grid
   wait_for_producers();      // the split kernel's workspace
   const int64_t b = blockIdx.x;
@@ -350,16 +414,18 @@ __global__ void __launch_bounds__(kCombineThreads) decode_attention_combine_kern
   const int nvec = a.heads * a.head_dim / 4;
   auto* out_row = static_cast<typename O::type*>(a.out) + b * (int64_t(nvec) * 4);
   if constexpr (kVecsRegs > 0) {
+    combine_weights(a, b, n_active, s_weights);
     Vec<T, 4> y[kVecsRegs];
 #pragma unroll
     for (int i = 0; i < kVecsRegs; ++i) {
       const int idx = threadIdx.x + i * kCombineThreads;
-      if (idx < nvec) y[i] = combine_vec(a, b, n_active, idx);
+      if (idx < nvec) y[i] = combine_vec(a, b, n_active, idx, s_weights);
     }
     finish_regs<T, O, 4, kVecsRegs, kCombineThreads, 1>(y, 0, nvec, out_row, a.scales, a.static_scale, b);
   } else {
-    finish_loop<T, O, 4, kCombineThreads>([&](int idx) { return combine_vec(a, b, n_active, idx); }, nvec, out_row,
-                                          a.scales, a.static_scale, b);
+    finish_loop<T, O, 4, kCombineThreads>(
+        [&](int idx) { return combine_vec(a, b, n_active, idx, static_cast<const float*>(nullptr)); }, nvec,
+        out_row, a.scales, a.static_scale, b);
   }
 }
 
@@ -372,13 +438,15 @@ int heads_per_cta(int64_t group_size) {
 }
 
 // Splits per row: about two CTAs per SM over the B x H / G' (row, head group) pairs, at most S / kMinChunk (a
-// split of a full cache keeps at least kMinChunk positions) and kMaxSplits. From B, H, G', S and the SM count
+// split of a full cache keeps at least kMinChunk positions), kMaxSplits, and kCombineSmemFloats / H (the combine
+// kernel's H x splits weights in shared memory). From B, H, G', S and the SM count
 // only (never the positions: see the file comment).
-int choose_splits(int64_t batch, int64_t head_groups, int64_t seq_len, int sms) {
+int choose_splits(int64_t batch, int64_t heads, int64_t head_groups, int64_t seq_len, int sms) {
   const int64_t pairs = batch * head_groups;
   int64_t splits = (2 * static_cast<int64_t>(sms) + pairs - 1) / pairs;
   splits = std::min<int64_t>(splits, std::max<int64_t>(seq_len / kMinChunk, 1));
   splits = std::min<int64_t>(splits, kMaxSplits);
+  splits = std::min<int64_t>(splits, std::max<int64_t>(kCombineSmemFloats / heads, 1));  // the combine's weights
   return static_cast<int>(std::max<int64_t>(splits, 1));
 }
 
@@ -425,9 +493,10 @@ template <class T, class O>
 void launch_combine(const Args<T>& args, int64_t batch, cudaStream_t stream, bool pdl) {
   const int64_t nvec = int64_t(args.heads) * args.head_dim / 4;
   const dim3 grid(static_cast<unsigned>(batch));
-  if (nvec <= int64_t(kCombineThreads) * kCombineVecs) {
-    C10_CUDA_CHECK(launch_kernel(decode_attention_combine_kernel<T, O, kCombineVecs>, grid, dim3(kCombineThreads), 0,
-                                 stream, pdl, args));
+  if (nvec <= int64_t(kCombineThreads) * kCombineVecs) {  // H * D <= 8192, so H <= 1024: H * splits <= 8192
+    const size_t smem = sizeof(float) * static_cast<size_t>(args.heads) * args.splits;
+    C10_CUDA_CHECK(launch_kernel(decode_attention_combine_kernel<T, O, kCombineVecs>, grid, dim3(kCombineThreads),
+                                 smem, stream, pdl, args));
   } else {
     C10_CUDA_CHECK(launch_kernel(decode_attention_combine_kernel<T, O, 0>, grid, dim3(kCombineThreads), 0, stream,
                                  pdl, args));
@@ -516,7 +585,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
   const bool pdl = kernels_use_pdl(device);
   const int64_t kv_heads = kv_cache.size(2);
   const int g = heads_per_cta(heads / kv_heads);
-  const int splits = choose_splits(batch, heads / g, kv_cache.size(3), device_info(device).sm_count);
+  const int splits = choose_splits(batch, heads, heads / g, kv_cache.size(3), device_info(device).sm_count);
   const int64_t parts = batch * heads * splits;
   at::Tensor workspace = at::empty({parts * (d + 2)}, q.options().dtype(at::kFloat));
   auto fill = [&](auto* tag) {
