@@ -29,7 +29,7 @@
 //       M = max_i m_i,  l = sum_i l_i 2^(m_i - M),  acc = sum_i acc_i 2^(m_i - M).
 //     The CTA writes (M, l) and acc (unnormalized) per (b, h, z) to a float32 workspace from the caching
 //     allocator.
-//   decode_attention_combine_kernel, grid (B), 256 threads: merges the active splits of every head of row b the
+//   decode_attention_combine_kernel, grid (B), 1024 threads: merges the active splits of every head of row b the
 //     same way, out = acc / l, rounds to q's dtype, and stores the row or quantizes it (rowwise_reduce.cuh's
 //     finish_regs / finish_loop: the code the row-wise quantization kernels use, so the result equals
 //     quantize_per_token(decode_attention(...)) bit for bit).
@@ -79,10 +79,10 @@ constexpr int kUnroll = 4;       // positions per group and step (loads issued b
 constexpr int64_t kMaxHeads = limits::kAttnMaxHeads;  // H: gridDim.y
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kChunkAlign = 8;   // split chunks are multiples of this many positions
-constexpr int kMinChunk = 32;    // the host never splits a cache of S positions into more than S / kMinChunk
+constexpr int kMinChunk = 64;    // the host never splits a cache of S positions into more than S / kMinChunk
 constexpr int kMaxSplits = 64;
-constexpr int kCombineThreads = 256;
-constexpr int kCombineVecs = 8;  // combine: up to 8 vectors of 4 elements per thread in registers (H * D <= 8192)
+constexpr int kCombineThreads = 1024;  // one thread per 4 outputs of a Llama-3 row (H * D = 4096)
+constexpr int kCombineVecs = 2;  // combine: up to 2 vectors of 4 elements per thread in registers (H * D <= 8192)
 constexpr int64_t kCombineSmemFloats = 8192;  // combine: at most this many split weights (32 KiB of shared memory)
 
 // Element conversions (to_float, from_float), PDL (allow_dependent_launch, wait_for_producers) and the row tails
@@ -324,27 +324,22 @@ __device__ __forceinline__ Vec<T, 4> combine_vec(const Args<T>& a, int64_t b, in
   float o[4] = {0.f, 0.f, 0.f, 0.f};
   if (w != nullptr) {
     const float* wh = w + h * n_active;
-    int s = 0;
-    for (; s + 4 <= n_active; s += 4) {  // four independent loads in flight
+    for (int s0 = 0; s0 < n_active; s0 += 4) {  // up to four independent loads in flight, then their sums in order
       float4 v[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) v[u] = *reinterpret_cast<const float4*>(acc0 + int64_t(s + u) * a.head_dim);
+      for (int u = 0; u < 4; ++u) {
+        if (s0 + u < n_active) v[u] = *reinterpret_cast<const float4*>(acc0 + int64_t(s0 + u) * a.head_dim);
+      }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        const float ws = wh[s + u];
-        o[0] = fmaf(v[u].x, ws, o[0]);
-        o[1] = fmaf(v[u].y, ws, o[1]);
-        o[2] = fmaf(v[u].z, ws, o[2]);
-        o[3] = fmaf(v[u].w, ws, o[3]);
+        if (s0 + u < n_active) {
+          const float ws = wh[s0 + u];
+          o[0] = fmaf(v[u].x, ws, o[0]);
+          o[1] = fmaf(v[u].y, ws, o[1]);
+          o[2] = fmaf(v[u].z, ws, o[2]);
+          o[3] = fmaf(v[u].w, ws, o[3]);
+        }
       }
-    }
-    for (; s < n_active; ++s) {
-      const float4 v = *reinterpret_cast<const float4*>(acc0 + int64_t(s) * a.head_dim);
-      const float ws = wh[s];
-      o[0] = fmaf(v.x, ws, o[0]);
-      o[1] = fmaf(v.y, ws, o[1]);
-      o[2] = fmaf(v.z, ws, o[2]);
-      o[3] = fmaf(v.w, ws, o[3]);
     }
   } else {
     float m_max = -INFINITY;
@@ -493,7 +488,7 @@ template <class T, class O>
 void launch_combine(const Args<T>& args, int64_t batch, cudaStream_t stream, bool pdl) {
   const int64_t nvec = int64_t(args.heads) * args.head_dim / 4;
   const dim3 grid(static_cast<unsigned>(batch));
-  if (nvec <= int64_t(kCombineThreads) * kCombineVecs) {  // H * D <= 8192, so H <= 1024: H * splits <= 8192
+  if (nvec <= int64_t(kCombineThreads) * kCombineVecs) {  // H * splits <= kCombineSmemFloats (choose_splits)
     const size_t smem = sizeof(float) * static_cast<size_t>(args.heads) * args.splits;
     C10_CUDA_CHECK(launch_kernel(decode_attention_combine_kernel<T, O, kCombineVecs>, grid, dim3(kCombineThreads),
                                  smem, stream, pdl, args));

@@ -147,14 +147,17 @@ void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t stream
 
 // L2 prefetch per weight row before the PDL wait (decode_kernels.cuh): what the CTAs resident at once (about two
 // per SM) can ask for within half of L2, so that the prefetched bytes are not evicted before the loads use them;
-// a multiple of the 256-byte block, at most the row's split. 0 when the weight rows are not 16-byte aligned.
+// a multiple of the 256-byte block. Only a prefix of a longer split: on an H100 (bench_decode_gemm, cold-L2 graph
+// replays) prefetching whole rows slowed the K = 4096 projections (Llama-3-8B qkv 9.9 -> 11.1 us, o 7.4 -> 8.5 us:
+// every load then follows its own prefetch), while a 6 KiB prefix of the K = 14336 down projection's rows sped it
+// up (22.1 -> 20.5 us). 0 when the split fits the prefix or the weight rows are not 16-byte aligned.
 uint32_t choose_prefetch_bytes(const DeviceInfo& info, int64_t ldw, int blocks_per_split) {
   if (ldw % 16 != 0 || info.l2_bytes <= 0) return 0;
   const int64_t resident_rows = 2 * static_cast<int64_t>(info.sm_count) * kRows;
   int64_t per_row = static_cast<int64_t>(info.l2_bytes) / 2 / resident_rows;
   per_row = per_row / kBlockBytes * kBlockBytes;
-  per_row = std::min<int64_t>(per_row, static_cast<int64_t>(blocks_per_split) * kBlockBytes);
-  return static_cast<uint32_t>(std::max<int64_t>(per_row, 0));
+  if (per_row <= 0 || static_cast<int64_t>(blocks_per_split) * kBlockBytes <= per_row) return 0;
+  return static_cast<uint32_t>(per_row);
 }
 
 template <class AB, class OutT, class XT>
