@@ -21,7 +21,8 @@
 # go on PYTHONPATH. Without them those columns and tests are left out with a printed reason.
 # Any other wheels in .whl/ (compressed-tensors and what it needs, llm-compressor, ...: the checkpoint tests)
 # are installed with pip --no-deps --target /tmp/site as well, when their package is not importable.
-# $PYTEST_ARGS replaces the test stage's selection (default: tests, the whole suite).
+# $PYTEST_ARGS replaces the test stage's selection (default: tests, the whole suite); $PYTEST_SHARDS=N runs the
+# whole suite as N concurrent pytest processes instead.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_run.sh OUT_DIR [STAGES]}
 STAGES=${2:-build,test,demo,bench}
@@ -130,7 +131,24 @@ if has test || has hf; then
   fi
 fi
 
-if has test; then
+if has test && [ -n "${PYTEST_SHARDS:-}" ]; then
+  # The whole suite as PYTEST_SHARDS pytest processes on the one GPU at once, test files dealt round-robin (a clean
+  # build plus the serial suite no longer fit one 10-minute device call). Each shard: tests_<i>.log, junit_<i>.xml.
+  t0=$(date +%s)
+  files=(tests/test_*.py)
+  pids=()
+  for ((i = 0; i < PYTEST_SHARDS; i++)); do
+    shard=()
+    for ((j = i; j < ${#files[@]}; j += PYTEST_SHARDS)); do shard+=("${files[j]}"); done
+    $PY -m pytest "${shard[@]}" -q -rs -p no:cacheprovider --junitxml="$OUT/junit_$i.xml" >"$OUT/tests_$i.log" 2>&1 &
+    pids+=($!)
+  done
+  for ((i = 0; i < PYTEST_SHARDS; i++)); do
+    wait "${pids[i]}"; rc=$?
+    stamp "tests shard $i/$PYTEST_SHARDS: rc=$rc in $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/tests_$i.log")"
+    [ $rc -ne 0 ] && { grep -E "^(FAILED|ERROR)|Error" "$OUT/tests_$i.log" | head -30; status=1; }
+  done
+elif has test; then
   t0=$(date +%s)
   $PY -m pytest ${PYTEST_ARGS:-tests} -q -rs -p no:cacheprovider --junitxml="$OUT/junit.xml" >"$OUT/tests.log" 2>&1
   rc=$?

@@ -1,6 +1,7 @@
 // Programmatic dependent launch and the decode-GEMM bound: the switches and the rules that use them
 // (core/launch_policy.hpp).
 #include "core/launch_policy.hpp"
+#include "core/limits.hpp"
 
 #include <atomic>
 #include <cstdlib>
@@ -46,8 +47,9 @@ bool kernels_use_pdl(int device) {
 int64_t decode_gemm_max_m() { return g_decode_max_m.load(std::memory_order_relaxed); }
 
 int64_t set_decode_gemm_max_m(int64_t m) {
-  TORCH_CHECK_VALUE(m >= 0 && m <= 16, "cutlass_w8a8._set_decode_gemm_max_m: `m` must be in [0, 16] (the decode "
-                    "GEMM serves M <= 16; 0 turns it off), got ", m);
+  TORCH_CHECK_VALUE(m >= 0 && m <= limits::kDecodeMaxM, "cutlass_w8a8._set_decode_gemm_max_m: `m` must be in [0, ",
+                    limits::kDecodeMaxM, "] (the decode GEMM serves M <= ", limits::kDecodeMaxM,
+                    "; 0 turns it off), got ", m);
   return g_decode_max_m.exchange(m, std::memory_order_relaxed);
 }
 
