@@ -24,7 +24,7 @@ from .ops import quantize_fp8, quantize_int8, rms_norm, rms_norm_quant, silu_mul
 from .config import W8A8Config  # noqa: E402
 from .linear import QuantizedActivation, W8A8Linear  # noqa: E402
 from .quantize import quantize_  # noqa: E402
-from . import checkpoints, graphs, models, runner  # noqa: E402
+from . import checkpoints, distributed, graphs, models, runner  # noqa: E402
 from .checkpoints import from_pretrained, save_pretrained  # noqa: E402
 
 __version__ = "0.1.0"
@@ -52,6 +52,7 @@ __all__ = [
     "from_pretrained",
     "save_pretrained",
     "checkpoints",
+    "distributed",
     "graphs",
     "models",
     "runner",

@@ -40,7 +40,8 @@ def refuse_quantized_weight(where: str, linear: nn.Module, fqn: Optional[str] = 
 
 
 def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
-              filter_fn: Optional[Callable[[nn.Module, str], bool]] = None) -> nn.Module:
+              filter_fn: Optional[Callable[[nn.Module, str], bool]] = None, *, tp_group=None,
+              tp_plan: Optional[dict] = None) -> nn.Module:
     """Replace every ``nn.Linear`` in ``model`` by a `W8A8Linear`, in place (torchao's ``quantize_`` shape).
 
     Parameters
@@ -51,6 +52,15 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
         Quantized dtype and output dtype; default int8.
     filter_fn : callable, optional
         ``filter_fn(module, fqn) -> bool``; only linears for which it returns True are swapped.
+    tp_group : torch.distributed.ProcessGroup, optional
+        Also shard the model for tensor parallelism over this group, after quantizing it (per-channel scales
+        come from the full weights): `cutlass_w8a8.distributed.tensor_parallel_` with ``tp_plan``. Linears the
+        plan names become column- / row-parallel layers (`W8A8Linear` ones `ColumnParallelW8A8Linear` /
+        `RowParallelW8A8Linear`, those left in float their float counterparts), everything else stays
+        replicated. Every rank calls ``quantize_`` on an identical model. Default None: no sharding.
+    tp_plan : dict, optional
+        ``{name suffix: "colwise" | "rowwise"}`` (see `cutlass_w8a8.distributed.plan`); default
+        `cutlass_w8a8.distributed.LLAMA_TP_PLAN` (q/k/v/qkv/gate/up/gate_up colwise, o/down rowwise).
 
     Returns
     -------
@@ -65,12 +75,25 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
     TypeError
         A selected Linear already holds int8 / fp8 weights (a quantized checkpoint loaded into ``nn.Linear``):
         load such checkpoints with `cutlass_w8a8.from_pretrained`.
+    ValueError
+        With ``tp_group``: ``model`` is a bare Linear (shard it with ``ColumnParallelW8A8Linear.from_float`` /
+        ``RowParallelW8A8Linear.from_float``), or as `cutlass_w8a8.distributed.tensor_parallel_` (the same error
+        on every rank).
     """
     config = config or W8A8Config()
+    if tp_plan is not None and tp_group is None:
+        raise TypeError("quantize_: `tp_plan` is given without `tp_group`")
+    if tp_group is not None and isinstance(model, nn.Linear):
+        raise ValueError("quantize_: `tp_group` needs a model whose linears have names for `tp_plan` to match; "
+                         "shard a bare Linear with ColumnParallelW8A8Linear.from_float / "
+                         "RowParallelW8A8Linear.from_float")
 
     tied = _tied_to_other_modules(model)
 
     def eligible(linear: nn.Linear, fqn: str) -> bool:
+        if getattr(linear, "_tp", None) is not None:  # a float tensor-parallel shard (cutlass_w8a8.distributed)
+            raise TypeError(f"quantize_: {fqn or 'the model'} is already a tensor-parallel shard "
+                            f"({type(linear).__name__}); quantize the full model, with tp_group=..., instead")
         if filter_fn is not None and not filter_fn(linear, fqn):
             return False
         refuse_quantized_weight("quantize_", linear, fqn)
@@ -100,6 +123,10 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
                 swap(child, fqn)
 
     swap(model, "")
+    if tp_group is not None:
+        from .distributed.plan import tensor_parallel_
+
+        tensor_parallel_(model, tp_group, tp_plan)
     # A transformers model gets a compressed-tensors quantization_config describing its W8A8Linear layers, so
     # that its own save_pretrained writes a checkpoint transformers, vLLM and from_pretrained read back right.
     from .checkpoints.save import attach_quantization_config

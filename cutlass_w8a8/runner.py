@@ -108,6 +108,12 @@ class DecodeGraphRunner:
     writes into its own): the next step overwrites them, so clone what must outlive it. Replays of the
     graphs must not overlap (they share the pool), which holds when steps run on one stream.
 
+    A tensor-parallel model (``LlamaDecoder(..., tp_group=g)``, `cutlass_w8a8.distributed`) is captured the same
+    way on every rank, its NCCL all-reduces inside the graphs (torch.distributed collectives are capturable; keep
+    NVLink multicast off: ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``). Every rank must build its
+    runner with the same arguments and call ``step`` with the same inputs in the same order (the batch decides
+    which graph, hence which collectives, run). On the CPU (gloo) steps run eagerly.
+
     Host inputs (lists, CPU tensors) are written into one of ``ring`` pinned buffers and copied with
     ``non_blocking=True``; before a buffer is reused the runner waits for its previous copy, i.e. it blocks
     only when the device is ``ring`` steps behind the host. Device inputs are copied device to device.

@@ -29,7 +29,8 @@ _SHARED_KWARGS = ("trust_remote_code", "revision", "code_revision", "cache_dir",
 _QUANT_SUFFIXES = ("_scale", "_zero_point", "_packed", "_shape", "_g_idx", "global_scale")
 
 
-def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, model_cls=None, **hf_kwargs):
+def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, model_cls=None, tp_group=None,
+                    tp_plan=None, **hf_kwargs):
     """Load a compressed-tensors W8A8 checkpoint as a transformers model whose quantized linears are `W8A8Linear`
     layers holding the checkpoint's own int8 / float8_e4m3fn weights and scales (never dequantized and
     re-quantized).
@@ -48,6 +49,16 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
     model_cls : type, optional
         A transformers model class or auto class (``from_pretrained`` / ``from_config``); default
         ``transformers.AutoModelForCausalLM``.
+    tp_group : torch.distributed.ProcessGroup, optional
+        Load this rank's tensor-parallel shard (`cutlass_w8a8.distributed.checkpoint`): the linears ``tp_plan``
+        names become column- / row-parallel layers holding only this rank's rows / columns, read from the files as
+        slices (``safe_open(...).get_slice(name)[rows]``), never whole; the rest is replicated. The weights are not
+        loaded by transformers' loader then: the model is built on the meta device and filled from the files;
+        ``device`` is this rank's device; of ``hf_kwargs`` only those ``AutoConfig`` takes and
+        ``attn_implementation`` are accepted. Every rank calls with the same arguments. Default None: no sharding.
+    tp_plan : dict, optional
+        With ``tp_group``: ``{name suffix: "colwise" | "rowwise"}``, default
+        `cutlass_w8a8.distributed.LLAMA_TP_PLAN`.
     **hf_kwargs
         Passed to ``AutoConfig.from_pretrained`` and ``model_cls.from_pretrained`` (``trust_remote_code``,
         ``attn_implementation``, ``output_loading_info``, ...). ``quantization_config``, ``config``,
@@ -130,6 +141,13 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
     targeted = _targeted_linears(model_cls, config, parsed, shared)
     ckpt.check(targeted)
 
+    if tp_plan is not None and tp_group is None:
+        raise TypeError("cutlass_w8a8.from_pretrained: `tp_plan` is given without `tp_group`")
+    if tp_group is not None:
+        from ..distributed.checkpoint import load_tensor_parallel
+
+        return load_tensor_parallel(path, model_cls, config, parsed, targeted, ckpt, dtype, device, tp_group, tp_plan,
+                                    shared, model_kwargs)
     if device is not None:
         model_kwargs["device_map"] = str(torch.device(device)) if not isinstance(device, str) else device
     result = model_cls.from_pretrained(path, config=config, dtype=dtype, **shared, **model_kwargs)

@@ -331,6 +331,13 @@ class LlamaDecoder(nn.Module):
         Seed of the generator of the random weights (normal, std ``config.init_std``; norms are ones).
     quant_lm_head : bool
         Also quantize ``lm_head`` (default False: the logits stay a bf16 GEMM, as most W8A8 recipes keep it).
+    tp_group : torch.distributed.ProcessGroup, optional
+        Build this rank's tensor-parallel shard (`cutlass_w8a8.distributed.decoder`): attention heads and MLP
+        split over the group, one all-reduce after ``o_proj`` and one after ``down_proj``, embedding and
+        ``lm_head`` replicated, the KV cache holding this rank's ``num_kv_heads / tp`` heads. Every rank passes the
+        same arguments; the weights are the shards of the unsharded model of the same seed. Default None: no
+        tensor parallelism. ``tp_size`` (optional) is checked against the group's size on every rank;
+        ``tp_lm_head=True`` shards ``lm_head`` over the vocabulary too (its logits all-gathered).
 
     Attributes
     ----------
@@ -360,7 +367,8 @@ class LlamaDecoder(nn.Module):
 
     def __init__(self, config: LlamaConfig, quant: Union[None, str, torch.dtype] = None, *, max_batch: int = 8,
                  max_seq_len: Optional[int] = None, device=None, dtype: torch.dtype = torch.bfloat16,
-                 seed: int = 0, quant_lm_head: bool = False):
+                 seed: int = 0, quant_lm_head: bool = False, tp_group=None, tp_size: Optional[int] = None,
+                 tp_lm_head: bool = False):
         super().__init__()
         qdtype = _quant_dtype(quant)
         if dtype not in _MODEL_DTYPES:
@@ -382,6 +390,16 @@ class LlamaDecoder(nn.Module):
         self.dtype = dtype
         gen = torch.Generator(device=device).manual_seed(seed)
         w8a8 = W8A8Config(dtype=qdtype, out_dtype=dtype) if qdtype is not None else None
+        # Tensor parallelism (cutlass_w8a8.distributed.decoder): checked across ranks before anything is built;
+        # each layer is built full (the same weights as the unsharded model of this seed), then sharded.
+        self.tp_rank, self.tp_size, self._tp = 0, 1, None
+        shard = None
+        if tp_group is not None:
+            from ..distributed.decoder import DecoderSharder
+            from ..distributed._common import _GroupRef
+
+            shard = DecoderSharder(config, tp_group, self.quant, dtype, tp_size, tp_lm_head)
+            self.tp_rank, self.tp_size, self._tp = shard.rank, shard.world, _GroupRef(tp_group)
 
         def build(factory: Callable[..., nn.Module], quantize: bool) -> nn.Module:
             # Float module on the meta device, materialised where it lives, filled from the seeded
@@ -401,11 +419,14 @@ class LlamaDecoder(nn.Module):
 
         self.embed_tokens = build(lambda dtype: nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype),
                                   False)
-        self.layers = nn.ModuleList(build(lambda dtype: LlamaDecoderLayer(config, dtype=dtype), True)
+        layer_of = (lambda m: m) if shard is None else shard
+        self.layers = nn.ModuleList(layer_of(build(lambda dtype: LlamaDecoderLayer(config, dtype=dtype), True))
                                     for _ in range(config.num_layers))
         self.norm = build(lambda dtype: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype), False)
         self.lm_head = build(lambda dtype: nn.Linear(config.hidden_size, config.vocab_size, bias=False,
                                                      dtype=dtype), quant_lm_head)
+        if shard is not None and tp_lm_head:
+            self.lm_head = shard.shard_lm_head(self.lm_head)
         self.requires_grad_(False)
 
         # Rotary table: (max_position, D/2, 2) float32 (cos, sin), angles in float32 as Hugging Face's.
@@ -421,6 +442,11 @@ class LlamaDecoder(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
+
+    @property
+    def tp_group(self):
+        """The tensor-parallel process group (None when unsharded, ``tp_size == 1``)."""
+        return self._tp.group if self._tp is not None else None
 
     def allocate_cache(self, max_batch: int, max_seq_len: Optional[int] = None) -> None:
         """(Re)allocate the zeroed KV cache of every layer for ``max_batch`` sequences (+1 scratch slot) of
@@ -439,8 +465,8 @@ class LlamaDecoder(nn.Module):
         for layer in self.layers:
             layer.self_attn.kv_cache = None
         for layer in self.layers:
-            cache = torch.zeros(max_batch + 1, 2, cfg.num_kv_heads, max_seq_len, cfg.head_dim,
-                                device=device, dtype=dtype)
+            cache = torch.zeros(max_batch + 1, 2, layer.self_attn.num_kv_heads, max_seq_len, cfg.head_dim,
+                                device=device, dtype=dtype)  # this rank's key/value heads under tensor parallelism
             # A fixed address that the step mutates: tell torch.compile (cudagraph trees) it is static,
             # as Hugging Face's StaticCache does.
             torch._dynamo.mark_static_address(cache)
@@ -513,4 +539,5 @@ class LlamaDecoder(nn.Module):
         c = self.config
         return (f"quant={self.quant}, dtype={self.dtype}, layers={c.num_layers}, hidden={c.hidden_size}, "
                 f"heads={c.num_heads}/{c.num_kv_heads}x{c.head_dim}, vocab={c.vocab_size}, "
-                f"max_batch={self.max_batch}, max_seq_len={self.max_seq_len}")
+                f"max_batch={self.max_batch}, max_seq_len={self.max_seq_len}"
+                + (f", tp_rank={self.tp_rank}, tp_size={self.tp_size}" if self.tp_size > 1 else ""))

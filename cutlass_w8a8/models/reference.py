@@ -45,7 +45,15 @@ def float_reference(model: LlamaDecoder, dtype: torch.dtype = torch.float32) -> 
     Float layers and the KV cache are cast to ``dtype``; every `W8A8Linear` becomes a `DequantizedLinear`
     (dequantized weights, activations quantized with the same op as the kernel path, products in
     ``dtype``). The copy has its own cache, with the contents of ``model``'s at the time of the call.
+
+    Raises
+    ------
+    ValueError
+        ``model`` is a tensor-parallel shard (``tp_size > 1``): a copy of one rank's shard is not the model.
     """
+    if getattr(model, "tp_size", 1) > 1:
+        raise ValueError(f"float_reference: `model` is a tensor-parallel shard (tp_size = {model.tp_size}); "
+                         "build the reference from the unsharded model")
     ref = copy.deepcopy(model)
 
     def swap(module: nn.Module) -> None:

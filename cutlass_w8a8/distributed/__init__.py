@@ -1,0 +1,30 @@
+"""Tensor parallelism over ``torch.distributed`` (NCCL on GPUs, gloo on the CPU): vLLM's column- and
+row-parallel linears on `W8A8Linear` (`ColumnParallelW8A8Linear`, `RowParallelW8A8Linear`) and on float
+``nn.Linear`` (`ColumnParallelLinear`, `RowParallelLinear`), `shard_linear`, `fuse_w8a8` (q / k / v layers with
+per-tensor scales into one column-parallel-ready layer), plans by module name
+(`LLAMA_TP_PLAN`, `tensor_parallel_`, used by ``quantize_(..., tp_group=...)``), the reference decoder's
+sharding (`shard_decoder_`; ``LlamaDecoder(..., tp_group=...)``), and the sharded loading of compressed-tensors
+checkpoints (``from_pretrained(..., tp_group=...)``: `cutlass_w8a8.distributed.checkpoint`).
+
+Modules: `sharding` (which rows / columns each rank keeps; no communication), `linear`, `float_linear`, `plan`,
+`decoder`, `checkpoint`. Importing this package touches no GPU and needs no initialized process group.
+"""
+
+from . import sharding
+from .decoder import shard_decoder_
+from .float_linear import ColumnParallelLinear, RowParallelLinear
+from .linear import ColumnParallelW8A8Linear, RowParallelW8A8Linear, fuse_w8a8, shard_linear
+from .plan import LLAMA_TP_PLAN, tensor_parallel_
+
+__all__ = [
+    "ColumnParallelLinear",
+    "ColumnParallelW8A8Linear",
+    "LLAMA_TP_PLAN",
+    "RowParallelLinear",
+    "RowParallelW8A8Linear",
+    "fuse_w8a8",
+    "shard_decoder_",
+    "shard_linear",
+    "sharding",
+    "tensor_parallel_",
+]

@@ -1,0 +1,164 @@
+"""Tensor parallelism for the reference decoder (`cutlass_w8a8.models.LlamaDecoder`): `shard_decoder_` turns a
+full model into this rank's shard in place; ``LlamaDecoder(config, ..., tp_group=g)`` builds the shard directly
+(each layer sharded right after it is built, so no rank ever holds more than one full layer).
+
+Megatron-LM / vLLM layout, per decoder layer:
+
+- ``self_attn.qkv_proj``: column-parallel with ``output_sizes = [H * D, KVH * D, KVH * D]``: rank ``r`` keeps
+  query heads ``[r H / tp, (r + 1) H / tp)`` and key/value heads ``[r KVH / tp, (r + 1) KVH / tp)``; query head
+  ``h`` still reads key/value head ``h // (H / KVH)`` (the group size is unchanged). ``num_heads`` and
+  ``num_kv_heads`` of the attention become the per-rank counts, and the KV cache holds this rank's
+  ``KVH / tp`` heads: ``(max_batch + 1, 2, KVH / tp, max_seq_len, D)``.
+- ``self_attn.o_proj``: row-parallel over the ``H * D`` inputs (this rank's heads' outputs): one all-reduce.
+- ``mlp.gate_up_proj``: column-parallel with ``output_sizes = [I, I]`` (the rank's gate rows, then its up rows).
+- ``mlp.down_proj``: row-parallel over the ``I`` inputs: one all-reduce.
+
+The embedding, the norms and the rotary table are replicated, and so is ``lm_head`` by default (every rank
+computes the full logits; simplest, and the step's input and output stay identical on every rank). Two
+all-reduces per layer, of ``(B, hidden)`` in the model dtype. With ``tp_lm_head=True`` the ``lm_head`` is
+column-parallel over the vocabulary (vLLM's ``ParallelLMHead``): each rank computes ``vocab / tp`` logits and one
+all-gather returns the full ``(B, vocab)`` logits to every rank; a step then reads ``1 / tp`` of the ``lm_head``
+weight per rank instead of all of it (at Llama-3 sizes, 1 GiB of bf16 per rank less).
+
+A sharded layer runs its Python path: the one-op layer ``torch.ops.cutlass_w8a8.decode_layer`` cannot all-reduce
+(``use_layer_op`` is set False, and the op's operand check refuses the parallel layer types anyway). The fused
+ops (``rms_norm_quant``, ``decode_attention_quant``, ``silu_mul_quant``) work on the shards unchanged: the parallel
+layers are `W8A8Linear` subclasses.
+
+Requirements (ValueError naming the field otherwise, the same on every rank): ``num_heads``, ``num_kv_heads``
+and ``intermediate_size`` divisible by the world size (key/value heads are not replicated when
+``tp > num_kv_heads``); for W8A8 layers each shard's N and K multiples of 16.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..linear import W8A8Linear
+from ._group import check_same_on_all_ranks, dtype_code, group_rank_size
+from ._common import _GroupRef
+from .linear import shard_linear
+
+__all__ = ["DecoderSharder", "shard_decoder_"]
+
+
+class DecoderSharder:
+    """Checks a decoder's tensor-parallel split once (on every rank, with one all_gather), then shards its layers
+    one at a time (``sharder(layer)``, in place, no further collectives).
+
+    Parameters
+    ----------
+    config : LlamaConfig
+    tp_group : torch.distributed.ProcessGroup
+    quant : str or None
+        The model's quantization (``"int8"``, ``"fp8"`` or None), compared across ranks.
+    dtype : torch.dtype
+        The model dtype, compared across ranks.
+    tp_size : int, optional
+        The tensor-parallel size this rank was configured for; checked against the group.
+    tp_lm_head : bool
+        Whether `shard_lm_head` will be used (checked across ranks, and ``vocab_size`` divisibility).
+
+    Raises
+    ------
+    ValueError
+        The ranks disagree on the config, dtype, quantization, ``tp_size`` or ``tp_lm_head``; ``num_heads``,
+        ``num_kv_heads``, ``intermediate_size`` (or with ``tp_lm_head`` ``vocab_size``) is not divisible by the
+        world size.
+    """
+
+    where = "LlamaDecoder (tensor parallel)"
+
+    def __init__(self, config, tp_group, quant: Optional[str], dtype: torch.dtype, tp_size: Optional[int] = None,
+                 tp_lm_head: bool = False):
+        self.rank, self.world = group_rank_size(tp_group, self.where)
+        c = config
+        check_same_on_all_ranks(tp_group, self.where, {
+            "tp_size": -1 if tp_size is None else int(tp_size), "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_layers": c.num_layers,
+            "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+            "quant": {None: 0, "int8": 1, "fp8": 2}.get(quant, 3), "dtype": dtype_code(dtype),
+            "tp_lm_head": int(tp_lm_head)})
+        if tp_size is not None and tp_size != self.world:
+            raise ValueError(f"{self.where}: `tp_size` = {tp_size} but the tensor-parallel group has {self.world} "
+                             "ranks")
+        for name in ("num_heads", "num_kv_heads", "intermediate_size") + (("vocab_size",) if tp_lm_head else ()):
+            v = getattr(c, name)
+            if v % self.world:
+                raise ValueError(f"{self.where}: `config.{name}` = {v} is not divisible by the tensor-parallel world "
+                                 f"size {self.world}" + (" (key/value heads are not replicated)"
+                                                         if name == "num_kv_heads" else ""))
+        self.config, self.tp_group = c, tp_group
+
+    def __call__(self, layer: nn.Module) -> nn.Module:
+        """Shard one `LlamaDecoderLayer` in place (its four projections, the attention's head counts; its KV cache
+        is dropped: the decoder reallocates it) and return it."""
+        c, g = self.config, self.tp_group
+        attn, mlp = layer.self_attn, layer.mlp
+        d = c.head_dim
+        for mod in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if not (isinstance(mod, W8A8Linear) or type(mod) is nn.Linear):
+                raise TypeError(f"{self.where}: can only shard nn.Linear and W8A8Linear projections, got "
+                                f"{type(mod).__name__}")
+        attn.qkv_proj = shard_linear(attn.qkv_proj, "colwise", g, check=False,
+                                     output_sizes=[c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d])
+        attn.o_proj = shard_linear(attn.o_proj, "rowwise", g, check=False)
+        mlp.gate_up_proj = shard_linear(mlp.gate_up_proj, "colwise", g, check=False,
+                                        output_sizes=[c.intermediate_size, c.intermediate_size])
+        mlp.down_proj = shard_linear(mlp.down_proj, "rowwise", g, check=False)
+        attn.num_heads = c.num_heads // self.world
+        attn.num_kv_heads = c.num_kv_heads // self.world
+        attn.kv_cache = None
+        layer.use_layer_op = False
+        return layer
+
+    def shard_lm_head(self, lm_head: nn.Module) -> nn.Module:
+        """This rank's vocabulary slice of a full ``lm_head`` (``nn.Linear`` or `W8A8Linear`), column-parallel with
+        ``gather_output=True``: its ``forward`` returns the full ``(B, vocab)`` logits on every rank."""
+        head = shard_linear(lm_head, "colwise", self.tp_group, check=False)
+        head.gather_output = True
+        return head
+
+
+def shard_decoder_(model, tp_group, *, tp_size: Optional[int] = None, tp_lm_head: bool = False):
+    """Turn a full `cutlass_w8a8.models.LlamaDecoder` into this rank's tensor-parallel shard, in place.
+
+    Every rank must call it on an identical model (e.g. built from the same config and seed): its layers are
+    sharded as described in this module's docstring, its KV cache reallocated (zeroed, ``KVH / tp`` heads per
+    layer), and ``model.tp_group`` / ``tp_rank`` / ``tp_size`` set. The result's ``forward`` takes the same
+    ``(B,)`` inputs on every rank and returns the full ``(B, vocab)`` logits on every rank; its weights are
+    exactly the shards of the full model's (no re-quantization), so it can be compared with the full model.
+
+    Parameters
+    ----------
+    model : LlamaDecoder
+        Unsharded (``model.tp_size == 1``).
+    tp_group : torch.distributed.ProcessGroup
+    tp_size : int, optional
+        Checked against the group's size on every rank.
+    tp_lm_head : bool
+        Also shard ``lm_head`` over the vocabulary (`DecoderSharder.shard_lm_head`); default False: replicated.
+
+    Returns
+    -------
+    LlamaDecoder
+        ``model``.
+
+    Raises
+    ------
+    ValueError
+        As `DecoderSharder`; ``model`` is already sharded.
+    """
+    if getattr(model, "tp_size", 1) != 1:
+        raise ValueError(f"shard_decoder_: `model` is already sharded (tp_size = {model.tp_size})")
+    sharder = DecoderSharder(model.config, tp_group, model.quant, model.dtype, tp_size, tp_lm_head)
+    for layer in model.layers:
+        sharder(layer)
+    if tp_lm_head:
+        model.lm_head = sharder.shard_lm_head(model.lm_head)
+    model._tp, model.tp_rank, model.tp_size = _GroupRef(tp_group), sharder.rank, sharder.world
+    model.allocate_cache(model.max_batch, model.max_seq_len)
+    return model

@@ -1,0 +1,410 @@
+"""Tensor-parallel linears: `ColumnParallelW8A8Linear` and `RowParallelW8A8Linear` (subclasses of `W8A8Linear`,
+whose GEMM they run unchanged on their shard), their float counterparts `ColumnParallelLinear` and
+`RowParallelLinear` (for layers left unquantized), and `shard_linear`, which builds the right one.
+
+Semantics are vLLM's (vllm/model_executor/layers/linear.py): a column-parallel layer keeps a slice of the
+output features and returns its slice of the output (``gather_output=False``, the default; the next layer is
+row-parallel and takes that slice as its input); a row-parallel layer keeps a slice of the input features,
+takes the matching slice of the input (``input_is_parallel=True``), and all-reduces (SUM) its partial output
+over the group, then adds its bias once, after the reduce. Which rows and columns each rank keeps:
+`cutlass_w8a8.distributed.sharding`.
+
+Every constructor first checks, with one all_gather over the group (`check_same_on_all_ranks`), that every
+rank is building the same layer (full shapes, dtypes, ``output_sizes``, expected tensor-parallel size), then
+checks divisibility and kernel alignment; both raise the same ValueError on every rank.
+
+Activation quantization of a row-parallel W8A8 layer is per shard: with dynamic per-token quantization each
+rank quantizes its ``K / world`` input columns with their own per-token scale ``amax(x_r) / 127`` (as vLLM
+does), which is never larger than the full row's ``amax(x) / 127``. The result therefore differs from the
+unsharded layer's by the two activation quantizations (and the rounding of the partial outputs to the layer
+dtype before the reduce), not by more: `cutlass_w8a8.testing.tp.row_parallel_bound` writes the element-wise
+bound out; tests/test_tp_cpu.py checks it. A static ``input_scale`` is shared by all shards, so the shards'
+quantized inputs are exactly the slices of the unsharded layer's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..config import W8A8Config
+from ..linear import QuantizedActivation, W8A8Linear
+from ..ops._schema import OVERLOADS as _op
+from . import sharding as S
+from ._common import _all_reduce_, _check_tp_size, _fields, _gather_columns, _set_tp, _TensorParallel
+from ._group import check_same_on_all_ranks, dtype_code, group_rank_size, sequence_code
+from .float_linear import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["ColumnParallelW8A8Linear", "RowParallelW8A8Linear", "fuse_w8a8", "shard_linear"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# W8A8
+
+
+class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
+    """A `W8A8Linear` holding rank ``tp_rank``'s rows of the output features: ``(N / tp_size, K)``.
+
+    Build it with `from_float` (a full float ``nn.Linear``, quantized per channel, then sharded), `from_full` (a
+    full `W8A8Linear`) or `from_shard` (weights already sharded, e.g. read from a checkpoint). The buffers are
+    `W8A8Linear`'s, holding the shard: ``weight`` ``(N / tp, K)``, ``weight_scale`` ``(N / tp,)`` per channel (the
+    shard's own channels' scales) or ``(1,)`` per tensor, ``bias`` ``(N / tp,)``, ``input_scale`` ``(1,)``.
+
+    ``forward(x)``: ``x`` ``(..., K)``, the full input, replicated on every rank (float or a
+    `QuantizedActivation`); returns ``(..., N / tp)``, this rank's output columns (in the shard's order: the
+    rank's rows of each matrix of ``output_sizes``), or with ``gather_output=True`` the full ``(..., N)`` in the
+    unsharded layer's order (one all_gather). Each output element equals the unsharded layer's exactly (same
+    quantized input, same weight row, same scales).
+
+    Attributes
+    ----------
+    output_sizes : list of int
+        The logical matrices stacked along the full N (``[N]`` for a plain layer).
+    gather_output : bool
+    tp_group, tp_rank, tp_size, full_out_features, full_in_features
+    """
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, tp_group, *, output_sizes: Optional[Sequence[int]] = None,
+                   config: Optional[W8A8Config] = None, input_scale: Optional[torch.Tensor] = None,
+                   gather_output: bool = False, tp_size: Optional[int] = None,
+                   check: bool = True) -> "ColumnParallelW8A8Linear":
+        """Quantize a full float ``linear`` (``(N, K)`` weight, per-channel; `W8A8Linear.from_float` with
+        ``config`` and ``input_scale``) and keep this rank's shard.
+
+        Parameters
+        ----------
+        linear : nn.Linear
+            The full layer, identical on every rank.
+        tp_group : torch.distributed.ProcessGroup
+        output_sizes : sequence of int, optional
+            Logical matrices stacked along N (``[q, k, v]``, ``[inter, inter]``); default one matrix.
+        gather_output : bool
+            All-gather the full output in ``forward`` (default False).
+        tp_size : int, optional
+            The tensor-parallel size this rank was configured for; checked against the group on every rank.
+        check : bool
+            Run the cross-rank agreement check (default True; a caller that checked a whole model once passes
+            False).
+
+        Raises
+        ------
+        ValueError
+            The ranks disagree (shapes, dtypes, ``output_sizes``, ``tp_size``); N or a matrix size is not
+            divisible by the world size; the shard breaks the kernels' multiple-of-16 alignment.
+        """
+        n, k = linear.weight.shape
+        where = cls.__name__
+        rank, world = group_rank_size(tp_group, where)
+        config = config or W8A8Config()
+        if check:
+            check_same_on_all_ranks(tp_group, where, _fields(
+                "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or [])},
+                quant_dtype=dtype_code(config.dtype), bias=linear.bias is not None,
+                static_input=input_scale is not None, gather_output=gather_output))
+        _check_tp_size(where, tp_size, world)
+        S.check_column_shardable(n, k, world, output_sizes, where)
+        full = W8A8Linear.from_float(linear, config, input_scale)
+        return cls._build(full, tp_group, rank, world, output_sizes, gather_output)
+
+    @classmethod
+    def from_full(cls, layer: W8A8Linear, tp_group, *, output_sizes: Optional[Sequence[int]] = None,
+                  gather_output: bool = False, tp_size: Optional[int] = None,
+                  check: bool = True) -> "ColumnParallelW8A8Linear":
+        """This rank's shard of a full `W8A8Linear` (weights and scales as they are: no re-quantization).
+        Arguments and errors as `from_float`."""
+        if not isinstance(layer, W8A8Linear) or isinstance(layer, _TensorParallel):
+            raise TypeError(f"{cls.__name__}.from_full: `layer` must be an unsharded W8A8Linear, got "
+                            f"{type(layer).__name__}")
+        n, k, where = layer.out_features, layer.in_features, cls.__name__
+        rank, world = group_rank_size(tp_group, where)
+        if check:
+            check_same_on_all_ranks(tp_group, where, _fields(
+                "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or [])},
+                quant_dtype=dtype_code(layer.quant_dtype), dtype=dtype_code(layer.dtype),
+                bias=layer.bias is not None, per_channel=layer.per_channel,
+                static_input=layer.input_scale is not None, gather_output=gather_output))
+        _check_tp_size(where, tp_size, world)
+        S.check_column_shardable(n, k, world, output_sizes, where)
+        return cls._build(layer, tp_group, rank, world, output_sizes, gather_output)
+
+    @classmethod
+    def _build(cls, full: W8A8Linear, group, rank, world, output_sizes, gather_output):
+        sizes = list(output_sizes) if output_sizes is not None else [full.out_features]
+        b = full._buffers
+        scale = b["weight_scale"]
+        if scale.numel() > 1:
+            scale = S.shard_rows(scale, sizes, rank, world)
+        mod = cls.from_quantized(
+            S.shard_rows(b["weight"], sizes, rank, world), scale,
+            bias=None if b["bias"] is None else S.shard_rows(b["bias"], sizes, rank, world),
+            input_scale=b["input_scale"], dtype=full.dtype)
+        mod._init_column(group, rank, world, full.out_features, full.in_features, sizes, gather_output)
+        return mod
+
+    @classmethod
+    def from_shard(cls, weight: torch.Tensor, weight_scale: torch.Tensor, tp_group, *, output_sizes: Sequence[int],
+                   bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None,
+                   dtype: torch.dtype = torch.bfloat16, gather_output: bool = False, tp_size: Optional[int] = None,
+                   check: bool = True) -> "ColumnParallelW8A8Linear":
+        """A layer around this rank's already-sharded operands (`from_quantized` semantics, no copy).
+
+        ``weight``: ``(N / tp, K)`` int8 / e4m3, the rank's rows (`sharding.column_rows`); ``weight_scale``:
+        ``N / tp`` values (the same rows) or one; ``bias``: ``N / tp`` values; ``output_sizes``: the full
+        layer's logical matrices (they give the full N). Errors as `from_float`.
+        """
+        sizes = [int(s) for s in output_sizes]
+        n, k, where = sum(sizes), weight.shape[1], cls.__name__
+        rank, world = group_rank_size(tp_group, where)
+        if check:
+            check_same_on_all_ranks(tp_group, where, _fields(
+                "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(sizes)},
+                quant_dtype=dtype_code(weight.dtype),
+                dtype=dtype_code(dtype), bias=bias is not None, per_channel=weight_scale.numel() > 1,
+                static_input=input_scale is not None, gather_output=gather_output))
+        _check_tp_size(where, tp_size, world)
+        S.check_column_shardable(n, k, world, sizes, where)
+        if weight.shape[0] != n // world:
+            raise ValueError(f"{where}.from_shard: `weight` must have N / tp_size = {n // world} rows, got "
+                             f"{weight.shape[0]}")
+        mod = cls.from_quantized(weight, weight_scale, bias=bias, input_scale=input_scale, dtype=dtype)
+        mod._init_column(tp_group, rank, world, n, k, sizes, gather_output)
+        return mod
+
+    def _init_column(self, group, rank, world, full_n, full_k, sizes, gather_output):
+        _set_tp(self, group, rank, world, full_n, full_k)
+        self.output_sizes, self.gather_output = list(sizes), gather_output
+
+    def forward(self, x: Union[torch.Tensor, QuantizedActivation]) -> torch.Tensor:
+        y = super().forward(x)
+        if self.gather_output and self.tp_size > 1:
+            y = _gather_columns(y, self.tp_group, self.tp_size, self.output_sizes)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, tp_rank={self.tp_rank}, tp_size={self.tp_size}, "
+                f"full_out_features={self.full_out_features}, output_sizes={self.output_sizes}, "
+                f"gather_output={self.gather_output}")
+
+
+class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
+    """A `W8A8Linear` holding rank ``tp_rank``'s columns of the input features: ``(N, K / tp_size)``.
+
+    Build it with `from_float`, `from_full` or `from_shard` (as `ColumnParallelW8A8Linear`). Buffers hold the
+    shard: ``weight`` ``(N, K / tp)``; ``weight_scale`` the full ``(N,)`` per-channel scale (or ``(1,)``);
+    ``bias`` the full ``(N,)``, replicated, added once after the reduce; ``input_scale`` ``(1,)``.
+
+    ``forward(x)``: ``x`` ``(..., K / tp)``, this rank's slice of the input (``input_is_parallel=True``, the
+    output of a column-parallel layer or of attention over this rank's heads; float or a
+    `QuantizedActivation`), or the full ``(..., K)`` with ``input_is_parallel=False`` (sliced here). The GEMM
+    gives the partial output ``(..., N)`` in ``dtype``; it is all-reduced (SUM) over ``tp_group`` with
+    ``torch.distributed.all_reduce`` (NCCL on CUDA, ordered after the GEMM on the current stream and capturable
+    in a CUDA graph; gloo on the CPU), then ``bias`` is added. Returns ``(..., N)``, equal on every rank.
+
+    Activation quantization is per shard (dynamic per-token: each rank's own per-token scales): see the
+    module docstring for what that means for agreement with the unsharded layer.
+
+    Attributes
+    ----------
+    input_is_parallel : bool
+    reduce_results : bool
+        All-reduce the partial outputs (default True). False returns this rank's partial sum (plus the bias):
+        only for measuring the reduce's share of a step (bench/bench_tp.py); the result is then not the
+        layer's output.
+    tp_group, tp_rank, tp_size, full_out_features, full_in_features
+    """
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, tp_group, *, config: Optional[W8A8Config] = None,
+                   input_scale: Optional[torch.Tensor] = None, input_is_parallel: bool = True,
+                   tp_size: Optional[int] = None, check: bool = True) -> "RowParallelW8A8Linear":
+        """Quantize a full float ``linear`` (per-channel scales over its full K), then keep this rank's columns.
+
+        Raises
+        ------
+        ValueError
+            The ranks disagree; K is not divisible by the world size; the shard breaks the kernels'
+            multiple-of-16 alignment.
+        """
+        n, k = linear.weight.shape
+        where = cls.__name__
+        rank, world = group_rank_size(tp_group, where)
+        config = config or W8A8Config()
+        if check:
+            check_same_on_all_ranks(tp_group, where, _fields(
+                "rowwise", n, k, tp_size, quant_dtype=dtype_code(config.dtype), bias=linear.bias is not None,
+                static_input=input_scale is not None, input_is_parallel=input_is_parallel))
+        _check_tp_size(where, tp_size, world)
+        S.check_row_shardable(n, k, world, where)
+        full = W8A8Linear.from_float(linear, config, input_scale)
+        return cls._build(full, tp_group, rank, world, input_is_parallel)
+
+    @classmethod
+    def from_full(cls, layer: W8A8Linear, tp_group, *, input_is_parallel: bool = True,
+                  tp_size: Optional[int] = None, check: bool = True) -> "RowParallelW8A8Linear":
+        """This rank's columns of a full `W8A8Linear` (no re-quantization). Errors as `from_float`."""
+        if not isinstance(layer, W8A8Linear) or isinstance(layer, _TensorParallel):
+            raise TypeError(f"{cls.__name__}.from_full: `layer` must be an unsharded W8A8Linear, got "
+                            f"{type(layer).__name__}")
+        n, k, where = layer.out_features, layer.in_features, cls.__name__
+        rank, world = group_rank_size(tp_group, where)
+        if check:
+            check_same_on_all_ranks(tp_group, where, _fields(
+                "rowwise", n, k, tp_size, quant_dtype=dtype_code(layer.quant_dtype), dtype=dtype_code(layer.dtype),
+                bias=layer.bias is not None, per_channel=layer.per_channel,
+                static_input=layer.input_scale is not None, input_is_parallel=input_is_parallel))
+        _check_tp_size(where, tp_size, world)
+        S.check_row_shardable(n, k, world, where)
+        return cls._build(layer, tp_group, rank, world, input_is_parallel)
+
+    @classmethod
+    def _build(cls, full: W8A8Linear, group, rank, world, input_is_parallel):
+        b = full._buffers
+        mod = cls.from_quantized(S.shard_cols(b["weight"], rank, world), b["weight_scale"].clone(),
+                                 bias=None if b["bias"] is None else b["bias"].clone(),
+                                 input_scale=b["input_scale"], dtype=full.dtype)
+        mod._init_row(group, rank, world, full.out_features, full.in_features, input_is_parallel)
+        return mod
+
+    @classmethod
+    def from_shard(cls, weight: torch.Tensor, weight_scale: torch.Tensor, tp_group, *,
+                   bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None,
+                   dtype: torch.dtype = torch.bfloat16, input_is_parallel: bool = True, tp_size: Optional[int] = None,
+                   check: bool = True) -> "RowParallelW8A8Linear":
+        """A layer around this rank's already-sharded operands: ``weight`` ``(N, K / tp)`` (the rank's columns,
+        `sharding.shard_range` of K), ``weight_scale`` the full N values or one, ``bias`` the full N values.
+        Errors as `from_float`."""
+        n, k_local, where = weight.shape[0], weight.shape[1], cls.__name__
+        rank, world = group_rank_size(tp_group, where)
+        k = k_local * world
+        if check:
+            check_same_on_all_ranks(tp_group, where, _fields(
+                "rowwise", n, k, tp_size, quant_dtype=dtype_code(weight.dtype), dtype=dtype_code(dtype),
+                bias=bias is not None, per_channel=weight_scale.numel() > 1, static_input=input_scale is not None,
+                input_is_parallel=input_is_parallel))
+        _check_tp_size(where, tp_size, world)
+        S.check_row_shardable(n, k, world, where)
+        mod = cls.from_quantized(weight, weight_scale, bias=bias, input_scale=input_scale, dtype=dtype)
+        mod._init_row(tp_group, rank, world, n, k, input_is_parallel)
+        return mod
+
+    def _init_row(self, group, rank, world, full_n, full_k, input_is_parallel):
+        _set_tp(self, group, rank, world, full_n, full_k)
+        self.input_is_parallel = input_is_parallel
+        self.reduce_results = True
+
+    def _split_input(self, x):
+        a, b = S.shard_range(self.full_in_features, self.tp_rank, self.tp_size, type(self).__name__, "in_features")
+        if isinstance(x, QuantizedActivation):  # per-token scales stay valid for any slice of their row
+            if x.q.shape[-1] != self.full_in_features:
+                raise ValueError(f"{type(self).__name__}: input_is_parallel=False needs the full input, last "
+                                 f"dimension {self.full_in_features}, got shape {tuple(x.q.shape)}")
+            return QuantizedActivation(x.q[..., a:b].contiguous(), x.scale)
+        if x.shape[-1] != self.full_in_features:
+            raise ValueError(f"{type(self).__name__}: input_is_parallel=False needs the full input, last dimension "
+                             f"{self.full_in_features}, got shape {tuple(x.shape)}")
+        return x[..., a:b].contiguous()
+
+    def forward(self, x: Union[torch.Tensor, QuantizedActivation]) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = self._split_input(x)
+        b = self._buffers
+        if isinstance(x, QuantizedActivation):
+            self._check_quantized(x)
+            lead = x.q.shape[:-1]
+            s = x.scale if x.scale.numel() == 1 else x.scale.reshape(-1, 1).contiguous()
+            y = _op.scaled_mm(x.q.reshape(-1, self.in_features), b["weight"].t(), s, b["weight_scale"], self.dtype,
+                              None).reshape(*lead, self.out_features)
+            in_dtype = self.dtype
+        else:
+            if x.shape[-1] != self.in_features:
+                raise ValueError(f"{type(self).__name__}: input's last dimension must be in_features (this rank's "
+                                 f"K / tp_size) = {self.in_features}, got shape {tuple(x.shape)}")
+            y = _op.w8a8_linear(x, b["weight"], b["weight_scale"], b["input_scale"], None, self.dtype)
+            in_dtype = x.dtype
+        if self.reduce_results and self.tp_size > 1:
+            _all_reduce_(y, self.tp_group)
+        if b["bias"] is not None:
+            y = y + b["bias"]
+        return y if y.dtype == in_dtype else y.to(in_dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, tp_rank={self.tp_rank}, tp_size={self.tp_size}, "
+                f"full_in_features={self.full_in_features}, input_is_parallel={self.input_is_parallel}")
+
+
+def shard_linear(linear: nn.Module, style: str, tp_group, *, output_sizes: Optional[Sequence[int]] = None,
+                 tp_size: Optional[int] = None, check: bool = True) -> nn.Module:
+    """This rank's shard of a full layer, by ``style`` (``"colwise"`` or ``"rowwise"``): a `W8A8Linear` becomes a
+    `ColumnParallelW8A8Linear` / `RowParallelW8A8Linear` (its quantized weights as they are), a float
+    ``nn.Linear`` a `ColumnParallelLinear` / `RowParallelLinear`. To quantize and shard a float layer in one step
+    use ``ColumnParallelW8A8Linear.from_float``.
+
+    ``output_sizes`` (colwise only): the logical matrices stacked along N. Raises TypeError for another module
+    type or an already-sharded layer, ValueError for an unknown style and as the constructors.
+    """
+    if style not in S.STYLES:
+        raise ValueError(f"shard_linear: `style` must be 'colwise' or 'rowwise', got {style!r}")
+    if isinstance(linear, _TensorParallel):
+        raise TypeError(f"shard_linear: `linear` is already sharded ({type(linear).__name__})")
+    if style == "rowwise" and output_sizes is not None:
+        raise ValueError("shard_linear: `output_sizes` is for style='colwise'")
+    kw = dict(tp_size=tp_size, check=check)
+    if isinstance(linear, W8A8Linear):
+        if style == "colwise":
+            return ColumnParallelW8A8Linear.from_full(linear, tp_group, output_sizes=output_sizes, **kw)
+        return RowParallelW8A8Linear.from_full(linear, tp_group, **kw)
+    if type(linear) is nn.Linear:
+        if style == "colwise":
+            return ColumnParallelLinear.from_linear(linear, tp_group, output_sizes=output_sizes, **kw)
+        return RowParallelLinear.from_linear(linear, tp_group, **kw)
+    raise TypeError(f"shard_linear: `linear` must be an nn.Linear or a W8A8Linear, got {type(linear).__name__}")
+
+
+def fuse_w8a8(layers: Sequence[W8A8Linear]) -> tuple[W8A8Linear, list[int]]:
+    """Stack full `W8A8Linear` layers that share an input (``q``, ``k``, ``v``; ``gate``, ``up``) into one layer
+    along N, and return it with its ``output_sizes``, ready for ``ColumnParallelW8A8Linear.from_full(fused,
+    tp_group, output_sizes=sizes)``.
+
+    Weight scales: kept per tensor ``(1,)`` when every layer has the same per-tensor scale; otherwise per channel
+    ``(sum N,)``, each layer's per-tensor scale repeated over its rows (exact: the same scale multiplies the same
+    rows). This is how a compressed-tensors checkpoint's per-tensor q / k / v scales become one fused layer.
+    Activations: all dynamic, or all static with the same ``input_scale`` (one activation quantization serves the
+    fused GEMM). The weights are copied (concatenated).
+
+    Raises
+    ------
+    ValueError
+        Fewer than one layer; the layers differ in ``in_features``, ``quant_dtype``, ``dtype``, bias presence or
+        activation quantization; their static ``input_scale`` values differ.
+    """
+    layers = list(layers)
+    if not layers or not all(isinstance(m, W8A8Linear) and not isinstance(m, _TensorParallel) for m in layers):
+        raise ValueError("fuse_w8a8: `layers` must be one or more unsharded W8A8Linear")
+    first = layers[0]
+    for name in ("in_features", "quant_dtype", "dtype"):
+        values = [getattr(m, name) for m in layers]
+        if any(v != values[0] for v in values):
+            raise ValueError(f"fuse_w8a8: the layers differ in `{name}`: {values}")
+    for name in ("bias", "input_scale"):
+        present = [m._buffers[name] is not None for m in layers]
+        if any(p != present[0] for p in present):
+            raise ValueError(f"fuse_w8a8: some layers have `{name}` and others do not: {present}")
+    if first.input_scale is not None:
+        scales = [float(m.input_scale.reshape(())) for m in layers]
+        if any(v != scales[0] for v in scales):
+            raise ValueError(f"fuse_w8a8: the layers' static `input_scale` values differ ({scales}): one activation "
+                             "quantization cannot serve the fused GEMM (quantize them with one scale, or dynamically)")
+    sizes = [m.out_features for m in layers]
+    ws = [m.weight_scale for m in layers]
+    if all(w.numel() == 1 for w in ws) and all(torch.equal(w, ws[0]) for w in ws):
+        scale = ws[0].clone()
+    else:
+        scale = torch.cat([w.expand(n) if w.numel() == 1 else w for w, n in zip(ws, sizes)])
+    weight = torch.cat([m.weight for m in layers], dim=0)
+    bias = torch.cat([m.bias for m in layers]) if first.bias is not None else None
+    fused = W8A8Linear.from_quantized(weight, scale, bias=bias, input_scale=first.input_scale, dtype=first.dtype)
+    return fused, sizes
+

@@ -1,0 +1,178 @@
+"""Tensor-parallel plans: which linears of a model are column- or row-parallel, by the end of their name
+(transformers' ``base_model_tp_plan`` names), and `tensor_parallel_`, which shards a whole model in place by one.
+
+A plan is a dict ``{pattern: style}``: ``pattern`` is a dotted suffix of a module's fully qualified name, each
+component matched with ``fnmatch`` (``"q_proj"``, ``"self_attn.q_proj"``, ``"layers.*.self_attn.q_proj"``);
+``style`` is ``"colwise"``, ``"rowwise"``, or ``("colwise", output_sizes)`` for a fused layer. The first pattern
+(in dict order) that matches decides. `LLAMA_TP_PLAN` is the default: the projections of Llama-family models
+(transformers' names, and vLLM's fused ``qkv_proj`` / ``gate_up_proj``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import zlib
+from typing import Optional
+
+from torch import nn
+
+from ..linear import W8A8Linear
+from ._group import check_same_on_all_ranks, group_rank_size, sequence_code
+from ._common import _TensorParallel
+from .linear import shard_linear
+from .sharding import STYLES
+
+__all__ = ["LLAMA_TP_PLAN", "match_plan", "tensor_parallel_"]
+
+#: The default plan: attention and MLP projections of Llama-family models (transformers' ``LlamaConfig.
+#: base_model_tp_plan`` names, plus the fused ``qkv_proj`` / ``gate_up_proj`` of vLLM's layout and of
+#: `cutlass_w8a8.models.LlamaDecoder`). Embeddings and ``lm_head`` are not in it: they stay replicated.
+LLAMA_TP_PLAN = {
+    "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "qkv_proj": "colwise",
+    "o_proj": "rowwise",
+    "gate_proj": "colwise", "up_proj": "colwise", "gate_up_proj": "colwise",
+    "down_proj": "rowwise",
+}
+
+_WHERE = "tensor_parallel_"
+
+
+def _matches(pattern: str, fqn: str) -> bool:
+    p, f = pattern.split("."), fqn.split(".")
+    return len(f) >= len(p) and all(fnmatch.fnmatchcase(fc, pc) for fc, pc in zip(f[-len(p):], p))
+
+
+def match_plan(fqn: str, plan: dict):
+    """``(style, output_sizes or None)`` of the first pattern of ``plan`` matching ``fqn``, or None."""
+    for pattern, spec in plan.items():
+        if _matches(pattern, fqn):
+            if isinstance(spec, str):
+                style, sizes = spec, None
+            else:
+                style, sizes = spec[0], list(spec[1])
+            if style not in STYLES:
+                raise ValueError(f"{_WHERE}: `tp_plan[{pattern!r}]` must be 'colwise', 'rowwise' or ('colwise', "
+                                 f"output_sizes), got {spec!r}")
+            if style == "rowwise" and sizes is not None:
+                raise ValueError(f"{_WHERE}: `tp_plan[{pattern!r}]`: output_sizes are for 'colwise' layers")
+            return style, sizes
+    return None
+
+
+def _heads(config) -> Optional[tuple[int, int, int]]:
+    """``(num_heads, num_kv_heads, head_dim)`` from a transformers or cutlass_w8a8 config, or None."""
+    if config is None:
+        return None
+    h = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None)
+    if not h:
+        return None
+    kvh = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or h
+    d = getattr(config, "head_dim", None) or config.hidden_size // h
+    return int(h), int(kvh), int(d)
+
+
+def _inferred_sizes(fqn: str, linear: nn.Module, config) -> Optional[list]:
+    """output_sizes of a fused ``qkv_proj`` (from the config's head counts) or ``gate_up_proj`` (two halves)."""
+    leaf = fqn.rsplit(".", 1)[-1]
+    n = linear.weight.shape[0]
+    if leaf == "gate_up_proj":
+        return [n // 2, n // 2] if n % 2 == 0 else None
+    if leaf == "qkv_proj":
+        heads = _heads(config)
+        if heads is None:
+            raise ValueError(f"{_WHERE}: cannot tell the q, k and v sizes of the fused {fqn!r} (the model has no "
+                             "config with head counts): give them in the plan, ('colwise', [q, k, v])")
+        h, kvh, d = heads
+        sizes = [h * d, kvh * d, kvh * d]
+        if sum(sizes) != n:
+            raise ValueError(f"{_WHERE}: {fqn!r} has {n} outputs but the config's heads give q, k, v = {sizes}")
+        return sizes
+    return None
+
+
+def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None, *,
+                     tp_size: Optional[int] = None) -> nn.Module:
+    """Shard ``model`` in place for tensor parallelism over ``tp_group`` by ``tp_plan``.
+
+    Every ``nn.Linear`` or `W8A8Linear` whose name matches the plan is replaced by its shard (`shard_linear`):
+    `W8A8Linear` -> `ColumnParallelW8A8Linear` / `RowParallelW8A8Linear`, float ``nn.Linear`` ->
+    `ColumnParallelLinear` / `RowParallelLinear`; everything else stays replicated. A fused ``qkv_proj`` /
+    ``gate_up_proj`` without explicit output sizes gets them from the model's config / as two halves.
+
+    A `cutlass_w8a8.models.LlamaDecoder` is sharded by `shard_decoder_` (its attention's head counts and KV cache
+    change with its projections; ``tp_plan`` must be None). A transformers model works when its attention infers
+    the head count from the projection's output (``view(..., -1, head_dim)``, as Llama, Qwen2, Mistral do) and
+    uses a dynamic KV cache (a static cache sized from ``config.num_key_value_heads`` would be too large).
+
+    Parameters
+    ----------
+    model : nn.Module
+        Identical on every rank.
+    tp_group : torch.distributed.ProcessGroup
+    tp_plan : dict, optional
+        Default `LLAMA_TP_PLAN`.
+    tp_size : int, optional
+        The tensor-parallel size this rank was configured for; checked against the group on every rank.
+
+    Raises
+    ------
+    ValueError
+        (the same on every rank) the ranks disagree on the model's planned layers, their shapes or ``tp_size``;
+        no layer matches the plan; a planned layer's size, or the config's ``num_attention_heads`` /
+        ``num_key_value_heads`` when attention projections are planned, is not divisible by the world size; a
+        W8A8 shard breaks the kernels' alignment.
+    TypeError
+        A planned module is neither ``nn.Linear`` nor `W8A8Linear`, or is already sharded.
+    """
+    from ..models.llama import LlamaDecoder
+
+    if isinstance(model, LlamaDecoder):
+        if tp_plan is not None:
+            raise ValueError(f"{_WHERE}: a LlamaDecoder is sharded by its own layout; `tp_plan` must be None")
+        from .decoder import shard_decoder_
+
+        return shard_decoder_(model, tp_group, tp_size=tp_size)
+    _, world = group_rank_size(tp_group, _WHERE)
+    plan = LLAMA_TP_PLAN if tp_plan is None else tp_plan
+    config = getattr(model, "config", None)
+    planned = []
+    for fqn, mod in model.named_modules():
+        if not fqn:
+            continue
+        spec = match_plan(fqn, plan)
+        if spec is None:
+            continue
+        if isinstance(mod, _TensorParallel):
+            raise TypeError(f"{_WHERE}: {fqn!r} is already sharded ({type(mod).__name__})")
+        if not (isinstance(mod, W8A8Linear) or type(mod) is nn.Linear):
+            continue  # a container matched by a loose pattern
+        style, sizes = spec
+        if style == "colwise" and sizes is None:
+            sizes = _inferred_sizes(fqn, mod, config)
+        planned.append((fqn, mod, style, sizes))
+    n, k = [m.weight.shape[0] for _, m, _, _ in planned], [m.weight.shape[1] for _, m, _, _ in planned]
+    heads = _heads(config)
+    check_same_on_all_ranks(tp_group, _WHERE, {
+        "tp_size": -1 if tp_size is None else int(tp_size), "planned layers": len(planned),
+        "#layer names": zlib.crc32(",".join(f for f, _, _, _ in planned).encode()) & 0x7FFFFFFF,
+        "#styles": sequence_code([1 if s == "colwise" else 2 for _, _, s, _ in planned]),
+        "#out_features": sequence_code(n), "#in_features": sequence_code(k),
+        "#quantized": sequence_code([isinstance(m, W8A8Linear) for _, m, _, _ in planned]),
+        "#heads": sequence_code(heads or ())})
+    if tp_size is not None and tp_size != world:
+        raise ValueError(f"{_WHERE}: `tp_size` = {tp_size} but the tensor-parallel group has {world} ranks")
+    if not planned:
+        raise ValueError(f"{_WHERE}: no nn.Linear / W8A8Linear of {type(model).__name__} matches `tp_plan` "
+                         f"({list(plan)})")
+    if heads is not None and any(f.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+                                 for f, _, _, _ in planned):
+        for name, v in (("num_attention_heads", heads[0]), ("num_key_value_heads", heads[1])):
+            if v % world:
+                raise ValueError(f"{_WHERE}: `config.{name}` = {v} is not divisible by the tensor-parallel world "
+                                 f"size {world}")
+    for fqn, mod, style, sizes in planned:
+        new = shard_linear(mod, style, tp_group, output_sizes=sizes, check=False)
+        new.train(mod.training)
+        parent, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return model

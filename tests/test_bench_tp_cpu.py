@@ -1,0 +1,114 @@
+"""bench/bench_tp.py on the CPU: its command line, the options it sends to its processes, and the derived numbers
+and report rendered from a synthetic results dict (target met / NOT met). The benchmark itself needs two GPUs
+(tests/test_tp_cuda.py covers what it runs); this keeps its pieces honest between GPU runs."""
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_tp", BENCH / "bench_tp.py")
+    mod = importlib.util.module_from_spec(spec)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "bench_tp", mod)
+        spec.loader.exec_module(mod)
+        yield mod
+
+
+def test_defaults_and_quick(bench):
+    a = bench.parse_args([])
+    assert (a.layers, a.batches, a.quant, a.steps, a.warmup, a.max_seq, a.tp_lm_head) == (8, [1, 8], "int8", 100, 10,
+                                                                                          512, False)
+    q = bench.parse_args(["--quick", "--batches", "8,1,8", "--tp-lm-head"])
+    assert (q.layers, q.steps, q.warmup, q.batches, q.tp_lm_head) == (2, 20, 3, [1, 8], True)
+    assert bench.parse_args(["--quick", "--layers", "5"]).layers == 5
+    assert bench.result_prefix(a) == "tp_8l" and bench.result_prefix(q) == "tp_2l_vocab_lm_head"
+
+
+@pytest.mark.parametrize("argv", [["--layers", "0"], ["--max-seq", "24"], ["--max-seq", "16384"], ["--steps", "0"],
+                                  ["--batches", "0"], ["--quant", "int4"]])
+def test_bad_arguments_exit(bench, argv):
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)
+
+
+def test_worker_options_are_plain_llama3_70b_dims(bench):
+    opts = bench.worker_options(bench.parse_args(["--layers", "3", "--quant", "fp8"]))
+    json.dumps(opts)  # plain data: it is pickled to the spawned processes
+    from cutlass_w8a8.models import LlamaConfig
+
+    c = LlamaConfig(**opts["config"])
+    assert (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim,
+            c.vocab_size) == (3, 8192, 28672, 64, 8, 128, 128256)
+    # the 70B shapes shard over 2 ranks with every W8A8 N and K a multiple of 16
+    assert c.num_heads % 2 == c.num_kv_heads % 2 == 0 and (c.intermediate_size // 2) % 16 == 0
+    assert opts["quant"] == "fp8" and opts["batches"] == [1, 8]
+
+
+def _rank(ms, no_reduce=None, nccl=None, nbytes=100e9, rel=0.0):
+    b = {}
+    for batch, t in ms.items():
+        b[str(batch)] = {"graph": {"median_ms": t}, "graph_vs_eager_rel": rel, "nccl_kernel_ms": nccl}
+        if no_reduce is not None:
+            b[str(batch)]["no_reduce"] = {"median_ms": no_reduce[batch]}
+    return {"batches": b, "weight_bytes_per_step": nbytes}
+
+
+def _results(tp2_ms_batch1):
+    return {"device": "NVIDIA H100 80GB HBM3", "git_commit": "abc", "batches": [1, 8], "quant": "int8", "max_seq": 512,
+            "steps": 100, "tp_lm_head": False, "config": {**bench_config(), "num_layers": 8},
+            "tp_vs_tp1_rel": {"1": 0.011, "8": 0.012},
+            "tp1": [_rank({1: 4.0, 8: 4.4}, nbytes=9.0e9)],
+            "tp2": [_rank({1: tp2_ms_batch1, 8: 2.9}, {1: 2.1, 8: 2.5}, nccl=0.2, nbytes=5.5e9),
+                    _rank({1: tp2_ms_batch1 - 0.1, 8: 3.0}, {1: 2.0, 8: 2.6}, nccl=0.25, nbytes=5.5e9)]}
+
+
+def bench_config():
+    return dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_heads=64, num_kv_heads=8,
+                head_dim=128)
+
+
+def test_derive_takes_the_slower_rank(bench):
+    r = bench.derive(_results(2.4))
+    d1, d8 = r["derived"]["1"], r["derived"]["8"]
+    assert d1["tp1_ms"] == 4.0 and d1["tp2_ms"] == 2.4 and d1["speedup"] == pytest.approx(4.0 / 2.4)
+    assert d1["allreduce_share"] == pytest.approx(1 - 2.1 / 2.4)
+    assert d1["nccl_kernel_share"] == pytest.approx(0.25 / 2.4)
+    assert d8["tp2_ms"] == 3.0 and d8["tp2_no_reduce_ms"] == 2.6
+    assert r["bytes_bound_speedup"] == pytest.approx(9.0 / 5.5)
+    assert r["target"]["met"] is True
+
+
+@pytest.mark.parametrize("tp2_ms, verdict", [(2.4, "**met**"), (2.6, "**NOT met**")])
+def test_report(bench, tp2_ms, verdict):
+    r = bench.derive(_results(tp2_ms))
+    md = bench.render_markdown(r)
+    assert verdict in md and "NVIDIA H100 80GB HBM3" in md and "8 layers" in md
+    row = next(line for line in md.splitlines() if line.startswith("| 1 |"))
+    assert f"| 4.000 | {tp2_ms:.3f} | {4.0 / tp2_ms:.2f}x |" in row
+    assert "gain at most 1.64x" in md and "batch 8: 0.012" in md
+
+
+def test_report_without_batch_1(bench):
+    r = _results(2.4)
+    r["batches"] = [8]
+    md = bench.render_markdown(bench.derive(r))
+    assert "not measured (batch 1 not run)" in md and "| 1 |" not in md
+
+
+def test_plot_writes_a_png_when_matplotlib_is_there(bench, tmp_path):
+    path = tmp_path / "tp.png"
+    bench.plot_results(bench.derive(_results(2.4)), str(path))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not path.exists()
+    else:
+        assert path.read_bytes()[:4] == b"\x89PNG"
