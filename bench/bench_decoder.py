@@ -63,6 +63,7 @@ import torch
 
 from cutlass_w8a8.testing.cli import int_list, name_list
 from cutlass_w8a8.testing.report import provenance, publish, require_cuda_extension
+from cutlass_w8a8.testing.timers import cuda_kernel_times
 
 # bench/ is on sys.path (python bench/bench_decoder.py). The models and modes compared, the derived numbers and
 # targets and the reports are in bench/_decoder_report.py; the kernel classes in bench/_decoder_kernels.py.
@@ -177,15 +178,7 @@ def profile_step(step: Callable[[], Any]) -> dict[str, Any]:
     ``kernels``, ``busy_ms`` = sum of durations, ``by_class``, ``other_names``). Step time minus busy time is
     the time the GPU waited. Best effort: returns ``{"error": ...}`` where profiling fails."""
     try:
-        from torch.profiler import ProfilerActivity, profile
-
-        step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-        return summarize_kernels((e.name, e.time_range.elapsed_us()) for e in prof.events()
-                                 if e.device_type == torch.autograd.DeviceType.CUDA)
+        return summarize_kernels(cuda_kernel_times(step))
     except Exception as exc:  # noqa: BLE001 (a diagnostic; the timings do not depend on it)
         return {"error": f"{type(exc).__name__}: {str(exc).strip()[:200]}"}
 

@@ -53,6 +53,7 @@ from typing import Any, Optional
 import torch
 
 from cutlass_w8a8.testing.cli import int_list
+from cutlass_w8a8.testing.timers import cuda_kernel_times
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -147,15 +148,7 @@ def _time_interleaved(fns: dict, steps: int, warmup: int) -> dict:
 def _nccl_kernel_ms(step) -> Optional[float]:
     """Summed duration (ms) of the NCCL kernels of one ``step()`` under torch.profiler, or None when unavailable."""
     try:
-        from torch.profiler import ProfilerActivity, profile
-
-        step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-        us = [e.time_range.elapsed_us() for e in prof.events()
-              if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.name.lower()]
+        us = [t for name, t in cuda_kernel_times(step) if "nccl" in name.lower()]
         return sum(us) / 1e3 if us else None
     except Exception:  # noqa: BLE001 (a diagnostic)
         return None

@@ -13,7 +13,7 @@
 // Prints microseconds per step (median of 20 timed runs, CUDA events). Also checks the final row (each step adds
 // the running mean; the three must agree exactly, same float operations in the same order).
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -o /tmp/kernel_floor scripts/kernel_floor.cu && /tmp/kernel_floor
+//   nvcc -O3 -std=c++17 -arch=sm_90a -Icsrc -o /tmp/kernel_floor scripts/kernel_floor.cu && /tmp/kernel_floor
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
@@ -21,6 +21,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+
+#include "core/launch.hpp"  // launch_kernel: the extension's own PDL launch (torch-free)
 
 namespace cg = cooperative_groups;
 
@@ -76,16 +78,7 @@ __global__ void persistent_kernel(float* a, float* b, int steps) {
 }
 
 static void launch_glue(const float* in, float* out, cudaStream_t stream, bool pdl) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(1);
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  CHECK(cudaLaunchKernelEx(&cfg, glue_kernel, in, out));
+  CHECK(cutlass_w8a8::launch_kernel(glue_kernel, dim3(1), dim3(kThreads), 0, stream, pdl, in, out));
 }
 
 static float median(std::vector<float> v) {

@@ -40,6 +40,16 @@ from .float_linear import ColumnParallelLinear, RowParallelLinear
 __all__ = ["ColumnParallelW8A8Linear", "RowParallelW8A8Linear", "fuse_w8a8", "shard_linear"]
 
 
+def _unsharded(cls, layer, tp_group):
+    """``(N, K, where, rank, world)`` for ``cls.from_full(layer, tp_group)``; TypeError unless ``layer`` is an
+    unsharded `W8A8Linear`."""
+    if not isinstance(layer, W8A8Linear) or isinstance(layer, _TensorParallel):
+        raise TypeError(f"{cls.__name__}.from_full: `layer` must be an unsharded W8A8Linear, got "
+                        f"{type(layer).__name__}")
+    rank, world = group_rank_size(tp_group, cls.__name__)
+    return layer.out_features, layer.in_features, cls.__name__, rank, world
+
+
 # ----------------------------------------------------------------------------------------------------
 # W8A8
 
@@ -115,11 +125,7 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
                   check: bool = True) -> "ColumnParallelW8A8Linear":
         """This rank's shard of a full `W8A8Linear` (weights and scales as they are: no re-quantization).
         Arguments and errors as `from_float`."""
-        if not isinstance(layer, W8A8Linear) or isinstance(layer, _TensorParallel):
-            raise TypeError(f"{cls.__name__}.from_full: `layer` must be an unsharded W8A8Linear, got "
-                            f"{type(layer).__name__}")
-        n, k, where = layer.out_features, layer.in_features, cls.__name__
-        rank, world = group_rank_size(tp_group, where)
+        n, k, where, rank, world = _unsharded(cls, layer, tp_group)
         if check:
             check_same_on_all_ranks(tp_group, where, _fields(
                 "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or [])},
@@ -245,11 +251,7 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
     def from_full(cls, layer: W8A8Linear, tp_group, *, input_is_parallel: bool = True,
                   tp_size: Optional[int] = None, check: bool = True) -> "RowParallelW8A8Linear":
         """This rank's columns of a full `W8A8Linear` (no re-quantization). Errors as `from_float`."""
-        if not isinstance(layer, W8A8Linear) or isinstance(layer, _TensorParallel):
-            raise TypeError(f"{cls.__name__}.from_full: `layer` must be an unsharded W8A8Linear, got "
-                            f"{type(layer).__name__}")
-        n, k, where = layer.out_features, layer.in_features, cls.__name__
-        rank, world = group_rank_size(tp_group, where)
+        n, k, where, rank, world = _unsharded(cls, layer, tp_group)
         if check:
             check_same_on_all_ranks(tp_group, where, _fields(
                 "rowwise", n, k, tp_size, quant_dtype=dtype_code(layer.quant_dtype), dtype=dtype_code(layer.dtype),

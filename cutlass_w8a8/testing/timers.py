@@ -27,6 +27,7 @@ __all__ = [
     "HBM_BANDWIDTH_GBPS",
     "bench_gpu_time",
     "copy_bandwidth_gbps",
+    "cuda_kernel_times",
     "dense_peak_tops",
     "device_slug",
     "geomean",
@@ -340,6 +341,20 @@ def bench_gpu_time_interleaved(cases: dict, *, replay_ms: float = 1.0, replays: 
         out[name] = GpuTiming(median_ms=statistics.median(times), min_ms=min(times), max_ms=max(times),
                               calls_per_replay=calls, copies=copies, replays=replays)
     return out
+
+
+def cuda_kernel_times(step: Callable[[], Any]) -> list[tuple[str, float]]:
+    """``(kernel name, microseconds)`` of every GPU kernel (and memcpy / memset) of one call of ``step``, from
+    torch.profiler's CUDA activity, after one unprofiled call (warm-up). Raises what the profiler raises."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def copy_bandwidth_gbps(nbytes: int = 2**30, replays: int = 10) -> float:
