@@ -20,6 +20,10 @@ constexpr int64_t kMaxRowK = int64_t{1} << 31;
 // (32-bit K byte offsets).
 constexpr int64_t kDecodeMaxM = 16;
 constexpr int64_t kDecodeMaxK = int64_t{1} << 30;
+// Block-scaled fp8 (DeepSeek-V3 / compressed-tensors FP8_BLOCK): activations in 1 x kBlockSize groups along K,
+// weights in kBlockSize x kBlockSize blocks; scaled_mm's K must then be a multiple of it (and N any multiple of
+// kGemmAlign: the last weight block may be partial). The sm90 blockwise kernels' TileK and scale granularity.
+constexpr int64_t kBlockSize = 128;
 // decode_attention: head dim D a multiple of 8 in [8, 256]; at most 65535 query heads (gridDim.y); S (cache
 // positions) below 2^31.
 constexpr int64_t kAttnMaxHeadDim = 256;
