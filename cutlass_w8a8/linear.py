@@ -122,9 +122,11 @@ class W8A8Linear(nn.Module):
     Raises
     ------
     ValueError
-        K or N is not a positive multiple of 16; at call time, the input's last dimension is not K.
+        K or N is not a positive multiple of 16; at call time, the input has no dimension (0-d) or its last
+        dimension is not K.
     TypeError
-        ``dtype`` or ``quant_dtype`` is not supported.
+        ``dtype`` or ``quant_dtype`` is not supported; at call time, the input is neither a tensor nor a
+        `QuantizedActivation` (a list).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
@@ -156,10 +158,27 @@ class W8A8Linear(nn.Module):
         """Quantize a float ``nn.Linear``: weights per-channel symmetric (absmax / 127, or / 448 for fp8).
 
         ``input_scale`` (float32, one element) switches activations to static per-tensor quantization.
-        The new module lives on the linear's device. Raises ValueError when K or N is not a multiple of 16.
+        The new module lives on the linear's device.
+
+        Raises TypeError when ``linear`` is not an ``nn.Linear`` (a ``Conv1d``, or a `W8A8Linear`, whose float
+        weights are gone) or holds 8-bit weights, or ``config`` is not a `W8A8Config`; ValueError when K or N is
+        not a multiple of 16.
         """
-        config = config or W8A8Config()
-        refuse_quantized_weight("W8A8Linear.from_float", linear)
+        where = "W8A8Linear.from_float"
+        if config is None:
+            config = W8A8Config()
+        elif not isinstance(config, W8A8Config):
+            raise TypeError(f"{where}: `config` must be a cutlass_w8a8.W8A8Config, got {type(config).__name__} "
+                            f"({config!r}); e.g. W8A8Config(dtype=torch.int8)")
+        if isinstance(linear, W8A8Linear):
+            raise TypeError(f"{where}: `linear` is already a W8A8Linear (quant_dtype {linear.quant_dtype}); its "
+                            "float weights are gone, so it cannot be quantized again: use it as is, or call "
+                            "from_float on the float nn.Linear")
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{where}: `linear` must be a torch.nn.Linear (weight (out_features, in_features)), got "
+                            f"{type(linear).__name__}; other layers (Conv1d, transformers' Conv1D) are not "
+                            "supported")
+        refuse_quantized_weight(where, linear)
         n, k = linear.weight.shape
         out_dtype = config.out_dtype or (linear.weight.dtype if linear.weight.dtype in _OUT_DTYPES else torch.bfloat16)
         mod = cls(k, n, bias=linear.bias is not None, device=linear.weight.device, dtype=out_dtype,
@@ -291,9 +310,14 @@ class W8A8Linear(nn.Module):
         (``scale`` ``(..., 1)``) or static per-tensor with ``input_scale`` (``scale`` is that buffer).
         ``self(self.quantize_input(x))`` equals ``self(x)`` when ``x`` has the layer's ``dtype``.
 
-        Raises ValueError when the last dimension of ``x`` is not ``in_features``.
+        Raises TypeError when ``x`` is not a tensor, ValueError when it has no dimension or its last dimension
+        is not ``in_features``.
         """
-        if x.shape[-1] != self.in_features:
+        try:
+            k = x.shape[-1]
+        except (AttributeError, IndexError, TypeError):
+            self._refuse_input(x)
+        if k != self.in_features:
             raise ValueError(f"W8A8Linear: input's last dimension must be in_features = {self.in_features}, "
                              f"got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
@@ -324,6 +348,15 @@ class W8A8Linear(nn.Module):
         if scale.device != q.device:
             raise ValueError(f"W8A8Linear: `scale` is on {scale.device} but `q` is on {q.device}")
 
+    def _refuse_input(self, x) -> None:
+        """The error for an ``x`` without a last dimension: not a tensor (a list), or a 0-d tensor."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"W8A8Linear: `x` must be a torch.Tensor (..., in_features = {self.in_features}) or a "
+                            f"QuantizedActivation, got {type(x).__name__}; convert it with torch.tensor(x, "
+                            "dtype=layer.dtype, device=layer.weight.device)")
+        raise ValueError(f"W8A8Linear: `x` must have at least one dimension (..., in_features = "
+                         f"{self.in_features}), got shape {tuple(x.shape)}")
+
     def forward(self, x: Union[torch.Tensor, QuantizedActivation]) -> torch.Tensor:
         if isinstance(x, QuantizedActivation):
             self._check_quantized(x)
@@ -332,7 +365,11 @@ class W8A8Linear(nn.Module):
             y = _op.scaled_mm(x.q.reshape(-1, self.in_features), self.weight.t(), s,
                                                  self.weight_scale, self.dtype, self.bias)
             return y.reshape(*lead, self.out_features)
-        if x.shape[-1] != self.in_features:
+        try:  # free unless it raises: a list has no .shape, a 0-d tensor no last dimension
+            k = x.shape[-1]
+        except (AttributeError, IndexError, TypeError):
+            self._refuse_input(x)
+        if k != self.in_features:
             raise ValueError(f"W8A8Linear: input's last dimension must be in_features = {self.in_features}, "
                              f"got shape {tuple(x.shape)}")
         # One op call: the activation quantization and the GEMM, checked once (in C++ on CUDA). The operands come

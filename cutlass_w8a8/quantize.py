@@ -51,7 +51,8 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
     config : W8A8Config, optional
         Quantized dtype and output dtype; default int8.
     filter_fn : callable, optional
-        ``filter_fn(module, fqn) -> bool``; only linears for which it returns True are swapped.
+        ``filter_fn(module, fqn) -> bool``; only linears for which it returns True are swapped. It is also asked
+        about the `W8A8Linear` layers already in ``model`` (those it selects must match ``config``, below).
     tp_group : torch.distributed.ProcessGroup, optional
         Also shard the model for tensor parallelism over this group, after quantizing it (per-channel scales
         come from the full weights): `cutlass_w8a8.distributed.tensor_parallel_` with ``tp_plan``. Linears the
@@ -68,19 +69,39 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
         ``model`` (or the replacement of a bare linear).
 
     Linears whose K or N is not a multiple of 16, and linears whose weight is shared with another module (an
-    ``lm_head`` tied to the input embedding), are left as they are, with a warning.
+    ``lm_head`` tied to the input embedding), are left as they are, with a warning naming the module
+    (``module 'lm_head'``) that points at the line calling ``quantize_``.
+
+    `W8A8Linear` layers already in ``model`` (a model quantized before, or loaded with `from_pretrained`) are
+    never quantized again: their float weights are gone. Those that ``filter_fn`` selects must match ``config``
+    (its ``dtype``, and its ``out_dtype`` when given), else ValueError; when they all match and no float Linear
+    was swapped, the call changes nothing and warns that the model is already quantized. Quantizing parts of a
+    model with different configs (mixed schemes) works when each call's ``filter_fn`` selects only its part.
 
     Raises
     ------
     TypeError
-        A selected Linear already holds int8 / fp8 weights (a quantized checkpoint loaded into ``nn.Linear``):
-        load such checkpoints with `cutlass_w8a8.from_pretrained`.
+        ``model`` is not an ``nn.Module``, ``config`` not a `W8A8Config` (``quantize_(model, "int8")``: pass
+        ``W8A8Config(dtype=torch.int8)``), ``filter_fn`` not callable; a selected Linear already holds int8 / fp8
+        weights (a quantized checkpoint loaded into ``nn.Linear``): load such checkpoints with
+        `cutlass_w8a8.from_pretrained`.
     ValueError
-        With ``tp_group``: ``model`` is a bare Linear (shard it with ``ColumnParallelW8A8Linear.from_float`` /
+        A `W8A8Linear` already in ``model`` that ``filter_fn`` selects does not match ``config`` (the message
+        names the module). With ``tp_group``: ``model`` is a bare Linear (shard it with ``ColumnParallelW8A8Linear.from_float`` /
         ``RowParallelW8A8Linear.from_float``), or as `cutlass_w8a8.distributed.tensor_parallel_` (the same error
         on every rank).
     """
-    config = config or W8A8Config()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_: `model` must be a torch.nn.Module, got {type(model).__name__}")
+    if config is None:
+        config = W8A8Config()
+    elif not isinstance(config, W8A8Config):
+        raise TypeError(f"quantize_: `config` must be a cutlass_w8a8.W8A8Config, got {type(config).__name__} "
+                        f"({config!r}); e.g. quantize_(model, W8A8Config(dtype=torch.int8)) or "
+                        "W8A8Config(dtype=torch.float8_e4m3fn)")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"quantize_: `filter_fn` must be callable as filter_fn(module, fqn) -> bool, got "
+                        f"{type(filter_fn).__name__}")
     if tp_plan is not None and tp_group is None:
         raise TypeError("quantize_: `tp_plan` is given without `tp_group`")
     if tp_group is not None and isinstance(model, nn.Linear):
@@ -89,6 +110,9 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
                          "RowParallelW8A8Linear.from_float")
 
     tied = _tied_to_other_modules(model)
+    # Why a Linear stays in float, emitted once the walk is done with stacklevel=2: the warning points at the
+    # caller's line, not at this file (the walk below recurses, so no fixed stacklevel would from there).
+    left_in_float: list = []
 
     def eligible(linear: nn.Linear, fqn: str) -> bool:
         if getattr(linear, "_tp", None) is not None:  # a float tensor-parallel shard (cutlass_w8a8.distributed)
@@ -97,32 +121,54 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
         if filter_fn is not None and not filter_fn(linear, fqn):
             return False
         refuse_quantized_weight("quantize_", linear, fqn)
+        what = f"module {fqn!r}" if fqn else "the model"
         if id(linear.weight) in tied:
-            warnings.warn(f"quantize_: leaving {fqn} in float: its weight is shared with {tied[id(linear.weight)]} "
-                          "(tied embeddings); quantizing it would untie them", stacklevel=3)
+            left_in_float.append(f"quantize_: leaving {what} in float: its weight is shared with module "
+                                 f"{tied[id(linear.weight)]!r} (tied embeddings); quantizing it would untie them")
             return False
         n, k = linear.weight.shape
         if not shape_supported(n, k):
-            warnings.warn(f"quantize_: leaving {fqn or 'the model'} in float: in_features={k} and "
-                          f"out_features={n} must be multiples of 16", stacklevel=3)
+            left_in_float.append(f"quantize_: leaving {what} in float: in_features={k} and out_features={n} "
+                                 "must be multiples of 16")
             return False
         return True
 
     from .linear import W8A8Linear
 
     if isinstance(model, nn.Linear):
-        return W8A8Linear.from_float(model, config) if eligible(model, "") else model
+        new = W8A8Linear.from_float(model, config) if eligible(model, "") else model
+        for message in left_in_float:
+            warnings.warn(message, stacklevel=2)
+        return new
+
+    swapped, already = 0, 0
 
     def swap(module: nn.Module, prefix: str) -> None:
+        nonlocal swapped, already
         for name, child in list(module.named_children()):
             fqn = f"{prefix}.{name}" if prefix else name
             if isinstance(child, nn.Linear):
                 if eligible(child, fqn):
                     setattr(module, name, W8A8Linear.from_float(child, config))
+                    swapped += 1
+            elif isinstance(child, W8A8Linear):
+                if filter_fn is None or filter_fn(child, fqn):
+                    _refuse_other_scheme(child, fqn, config)
+                    already += 1
             else:
                 swap(child, fqn)
 
-    swap(model, "")
+    if isinstance(model, W8A8Linear):
+        if filter_fn is None or filter_fn(model, ""):
+            _refuse_other_scheme(model, "", config)
+            already += 1
+    else:
+        swap(model, "")
+    for message in left_in_float:
+        warnings.warn(message, stacklevel=2)
+    if already and not swapped:
+        warnings.warn(f"quantize_: the model is already quantized: its {already} W8A8Linear layer(s) match "
+                      "`config` and no float nn.Linear was left to quantize, so nothing changed", stacklevel=2)
     if tp_group is not None:
         from .distributed.plan import tensor_parallel_
 
@@ -133,6 +179,24 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
 
     attach_quantization_config(model)
     return model
+
+
+def _refuse_other_scheme(layer: nn.Module, fqn: str, config: W8A8Config) -> None:
+    """Raise ValueError when the `W8A8Linear` ``layer`` (module ``fqn`` of the model) is not what ``config`` would
+    make of its float Linear: its float weights are gone, so it cannot be quantized again."""
+    have = [("dtype", config.dtype, "quant_dtype", layer.quant_dtype)]
+    if config.out_dtype is not None:
+        have.append(("out_dtype", config.out_dtype, "dtype", layer.dtype))
+    # block-scaled fp8 (W8A8Config.weight_block_size / W8A8Linear.weight_block_size), where present
+    have.append(("weight_block_size", getattr(config, "weight_block_size", None), "weight_block_size",
+                 getattr(layer, "weight_block_size", None)))
+    for cname, want, lname, got in have:
+        if want != got:
+            what = f"module {fqn!r}" if fqn else "`model`"
+            raise ValueError(
+                f"quantize_: `config` asks for {cname}={want} but {what} is already a W8A8Linear with "
+                f"{lname}={got}; its float weights are gone, so it cannot be quantized again. Quantize the float "
+                "model (reload it) with this config, or leave the module out with filter_fn")
 
 
 def _tied_to_other_modules(model: nn.Module) -> dict:

@@ -1,6 +1,7 @@
 """W8A8Linear and quantize_: construction, the module swap, state_dict, and the forward pass."""
 
 import io
+import sys
 import warnings
 
 import pytest
@@ -58,11 +59,72 @@ def test_quantize_swaps_and_skips_with_warning():
         cw.quantize_(model)
     messages = sorted(str(w.message) for w in record)
     assert len(messages) == 2
-    assert "leaving 2.0 in float: in_features=128 and out_features=40" in messages[0]
-    assert "leaving 2.1 in float: in_features=40 and out_features=64" in messages[1]
+    assert "leaving module '2.0' in float: in_features=128 and out_features=40" in messages[0]
+    assert "leaving module '2.1' in float: in_features=40 and out_features=64" in messages[1]
+    assert {w.filename for w in record} == {__file__}  # stacklevel: the caller's line, not quantize.py
     assert isinstance(model[0], cw.W8A8Linear)
     assert isinstance(model[2][0], nn.Linear) and not isinstance(model[2][0], cw.W8A8Linear)
     assert isinstance(model[2][1], nn.Linear)  # K = 40
+
+
+def test_quantize_warning_names_a_numbered_module_at_the_callers_line():
+    """A module named by its index reads as a module, not a count ("leaving module '4'", not "leaving 4"), and
+    the warning points at the line that called quantize_, for a bare Linear too."""
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)], nn.Linear(64, 10))
+    with pytest.warns(UserWarning) as record:
+        cw.quantize_(model); line = sys._getframe().f_lineno  # noqa: E702
+    assert [str(w.message) for w in record] == [
+        "quantize_: leaving module '4' in float: in_features=64 and out_features=10 must be multiples of 16"]
+    assert (record[0].filename, record[0].lineno) == (__file__, line)
+    with pytest.warns(UserWarning, match="leaving the model in float") as record:
+        lin = nn.Linear(40, 64)
+        assert cw.quantize_(lin) is lin; line = sys._getframe().f_lineno  # noqa: E702
+    assert (record[0].filename, record[0].lineno) == (__file__, line)
+
+
+def test_quantize_tied_weight_warning_names_both_modules():
+    emb = nn.Embedding(32, 64)
+    model = nn.ModuleDict({"embed": emb, "head": nn.Linear(64, 32, bias=False)})
+    model["head"].weight = emb.weight
+    with pytest.warns(UserWarning) as record:
+        cw.quantize_(model)
+    assert [str(w.message) for w in record] == [
+        "quantize_: leaving module 'head' in float: its weight is shared with module 'embed' (tied embeddings); "
+        "quantizing it would untie them"]
+    assert record[0].filename == __file__
+
+
+def test_quantize_on_a_quantized_model_warns_when_it_matches():
+    """A second quantize_ with the same config changes nothing and says so (it used to be silent)."""
+    model = cw.quantize_(mlp())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for config in (None, cw.W8A8Config(), cw.W8A8Config(out_dtype=torch.bfloat16)):
+        with pytest.warns(UserWarning, match=r"already quantized: its 2 W8A8Linear layer\(s\) match `config`") as rec:
+            assert cw.quantize_(model, config) is model
+        assert rec[0].filename == __file__
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    with pytest.warns(UserWarning, match="already quantized: its 1 W8A8Linear"):
+        cw.quantize_(model[0])  # a bare W8A8Linear
+
+
+def test_quantize_on_a_quantized_model_raises_for_another_scheme():
+    """An int8 model asked for fp8 (or another output dtype) raises, naming `config` and the module, instead of
+    keeping the int8 layers silently; a filter_fn that leaves them out makes a mixed model."""
+    model = cw.quantize_(mlp())
+    with pytest.raises(ValueError, match=r"^quantize_: `config` asks for dtype=torch.float8_e4m3fn but module '0' "
+                                         r"is already a W8A8Linear with quant_dtype=torch.int8; "):
+        cw.quantize_(model, cw.W8A8Config(dtype=torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match=r"asks for out_dtype=torch.float16 but module '0' .* with dtype=torch.bfloat16"):
+        cw.quantize_(model, cw.W8A8Config(out_dtype=torch.float16))
+    mixed = mlp()
+    cw.quantize_(mixed, filter_fn=lambda m, fqn: fqn == "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cw.quantize_(mixed, cw.W8A8Config(dtype=torch.float8_e4m3fn), filter_fn=lambda m, fqn: fqn == "2")
+    assert (mixed[0].quant_dtype, mixed[2].quant_dtype) == (torch.int8, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="module '2' is already a W8A8Linear with quant_dtype=torch.float8_e4m3fn"):
+        cw.quantize_(mixed)  # no filter_fn: every layer must match
 
 
 def test_quantize_filter_fn_gets_module_and_fqn():
