@@ -17,10 +17,11 @@ _ext._load()
 ops.register_cuda_fallback()  # without _C.so: CUDA tensors get "the CUDA extension is not built" from every op
 
 from ._ext import cuda_ops_available, extension_status, pdl_enabled, set_pdl  # noqa: E402
-from .ops import DECODE_MAX_M, INT8_MAX_K, supports_fp8  # noqa: E402
+from .ops import BLOCK_SIZE, DECODE_MAX_M, INT8_MAX_K, supports_fp8  # noqa: E402
 from .ops import decode_attention, decode_attention_quant, rope_kv_cache_  # noqa: E402
 from .ops import linear_decode, scaled_mm, scaled_mm_decode  # noqa: E402
 from .ops import quantize_fp8, quantize_int8, rms_norm, rms_norm_quant, silu_mul, silu_mul_quant  # noqa: E402
+from .ops import quantize_per_token_group  # noqa: E402
 from .config import W8A8Config  # noqa: E402
 from .linear import QuantizedActivation, W8A8Linear  # noqa: E402
 from .quantize import quantize_  # noqa: E402
@@ -36,6 +37,8 @@ __all__ = [
     "DECODE_MAX_M",
     "quantize_int8",
     "quantize_fp8",
+    "quantize_per_token_group",
+    "BLOCK_SIZE",
     "decode_attention",
     "decode_attention_quant",
     "rope_kv_cache_",

@@ -26,6 +26,7 @@ PAIRS = {
     "kAttnHeadDimMultiple": "ATTN_HEAD_DIM_MULTIPLE",
     "kAttnMaxHeads": "ATTN_MAX_HEADS",
     "kAttnMaxSeq": "ATTN_MAX_SEQ",
+    "kBlockSize": "BLOCK_SIZE",
 }
 
 
@@ -53,3 +54,8 @@ def test_int8_max_k_is_the_overflow_bound():
     """The largest multiple of the GEMM alignment with K * 128 * 128 <= 2**31 - 1."""
     k = _limits.INT8_MAX_K
     assert k % _limits.GEMM_ALIGN == 0 and k * 128 * 128 <= 2**31 - 1 < (k + _limits.GEMM_ALIGN) * 128 * 128
+
+
+def test_block_size_is_the_gemm_alignment_multiple():
+    """1 x 128 groups and 128 x 128 blocks: K % 128 == 0 implies the GEMM's K % 16 == 0."""
+    assert _limits.BLOCK_SIZE == 128 and _limits.BLOCK_SIZE % _limits.GEMM_ALIGN == 0

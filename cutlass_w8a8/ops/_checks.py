@@ -14,14 +14,15 @@ import math
 import torch
 
 from ._limits import (AB_DTYPES, ATTN_DTYPES, ATTN_HEAD_DIM_MULTIPLE, ATTN_MAX_HEAD_DIM, ATTN_MAX_HEADS,
-                      ATTN_MAX_SEQ, DECODE_MAX_K, DECODE_X_DTYPES, GEMM_ALIGN, MAX_M, OUT_DTYPES)
-from ._roles import (aligned16, bias_vector, contiguous, cxx_dtype, cxx_list, decode_m, eight_bit, float32_scale,
+                      ATTN_MAX_SEQ, BLOCK_SIZE, DECODE_MAX_K, DECODE_X_DTYPES, GEMM_ALIGN, MAX_M, OUT_DTYPES)
+from ._roles import (aligned16, bias_vector, block_scaled, block_scales, block_weight_scaled, contiguous, cxx_dtype,
+                     cxx_list, decode_m, eight_bit, float32_scale,
                      float_input, gemm_shapes, gemm_size, int8_k_bound, out_matrix, output_dtype, per_channel_scale,
                      limit_text, quant_dtype, row_input, row_major, same_device, static_scale, tensor_arg,
                      weight_columns, fail_type, fail_value, flat_row_stride)
 
 __all__ = ["check_scaled_mm", "check_scaled_mm_decode", "check_linear_decode", "check_w8a8_linear",
-           "check_quantize", "check_rms_norm", "check_rms_norm_quant", "check_silu_mul", "check_silu_mul_quant",
+           "check_quantize", "check_quantize_group", "check_rms_norm", "check_rms_norm_quant", "check_silu_mul", "check_silu_mul_quant",
            "check_decode_attention", "check_decode_attention_quant", "check_rope_kv_cache", "check_decode_layer",
            "fail_type", "fail_value"]
 
@@ -31,7 +32,8 @@ __all__ = ["check_scaled_mm", "check_scaled_mm_decode", "check_linear_decode", "
 
 def check_scaled_mm(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None) -> None:
     """scaled_mm(_out) and _scaled_mm_config (op names the caller: "scaled_mm", "scaled_mm_decode",
-    "graph_update_scaled_mm", ...). `out_dtype` is ``out.dtype`` when `out` is given."""
+    "graph_update_scaled_mm", ...). `out_dtype` is ``out.dtype`` when `out` is given. Block-scaled calls
+    (`_roles.block_scaled`) check the block scale shapes where row-wise calls check theirs."""
     for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
         tensor_arg(op, name, t)
     eight_bit(op, "a", a)
@@ -54,12 +56,15 @@ def check_scaled_mm(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None) 
     gemm_size(op, "a", "K = a.shape[1]", k)
     gemm_size(op, "b", "N = b.shape[1]", n)
     int8_k_bound(op, "a", a.dtype, k)
-    if not (scale_a.numel() == 1 or tuple(scale_a.shape) in ((m, 1), (m,))):
-        fail_value(op, "scale_a", f"must be [1] (per-tensor) or [M, 1] (per-token) with M = {m}, "
-                   f"got shape {tuple(scale_a.shape)}")
-    if not (scale_b.numel() == 1 or tuple(scale_b.shape) in ((n,), (1, n), (n, 1))):
-        fail_value(op, "scale_b", f"must be [1] (per-tensor), [N], [1, N] or [N, 1] (per-channel) with N = {n}, "
-                   f"got shape {tuple(scale_b.shape)}")
+    if block_scaled(a, b, scale_a, scale_b):
+        block_scales(op, a, scale_a, scale_b, m, k, n)
+    else:
+        if not (scale_a.numel() == 1 or tuple(scale_a.shape) in ((m, 1), (m,))):
+            fail_value(op, "scale_a", f"must be [1] (per-tensor) or [M, 1] (per-token) with M = {m}, "
+                       f"got shape {tuple(scale_a.shape)}")
+        if not (scale_b.numel() == 1 or tuple(scale_b.shape) in ((n,), (1, n), (n, 1))):
+            fail_value(op, "scale_b", f"must be [1] (per-tensor), [N], [1, N] or [N, 1] (per-channel) with N = {n}, "
+                       f"got shape {tuple(scale_b.shape)}")
     contiguous(op, "scale_a", scale_a)
     contiguous(op, "scale_b", scale_b)
     bias_vector(op, bias, n)
@@ -114,7 +119,9 @@ def check_linear_decode(op: str, x, b, scale_b, bias, dtype, out=None) -> None:
 
 
 def check_w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype) -> None:
-    """w8a8_linear: x (..., K) float, weight (N, K) row-major 8-bit; csrc/gemm/w8a8_linear.cu raises the same."""
+    """w8a8_linear: x (..., K) float, weight (N, K) row-major 8-bit; csrc/gemm/w8a8_linear.cu raises the same.
+    With block weight scales (`_roles.block_weight_scaled`) `input_scale` must be None and K a multiple of 128,
+    checked where the row-wise weight_scale shape is."""
     op = "w8a8_linear"
     for name, t in (("x", x), ("weight", weight), ("weight_scale", weight_scale)):
         tensor_arg(op, name, t)
@@ -141,7 +148,14 @@ def check_w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype) -> 
     gemm_size(op, "weight", "N = weight.shape[0]", n)
     int8_k_bound(op, "weight", weight.dtype, k)
     sb = weight_scale.numel()
-    if weight_scale.dim() > 2 or not (sb == 1 or (sb == n and (weight_scale.dim() == 1 or 1 in weight_scale.shape))):
+    if block_weight_scaled(weight, weight_scale):
+        if input_scale is not None:
+            fail_value(op, "input_scale", "must be None with block weight scales (activations are quantized per "
+                       "1x128 group at run time), got a tensor")
+        if k % BLOCK_SIZE != 0:
+            fail_value(op, "weight", f"K = weight.shape[1] must be a multiple of {BLOCK_SIZE} with block scales, "
+                       f"got {k}")
+    elif weight_scale.dim() > 2 or not (sb == 1 or (sb == n and (weight_scale.dim() == 1 or 1 in weight_scale.shape))):
         fail_value(op, "weight_scale", f"must hold 1 (per-tensor) or N = {n} (per-channel: (N,), (N, 1) or (1, N)) "
                    f"values, got shape {tuple(weight_scale.shape)}")
     contiguous(op, "weight_scale", weight_scale)
@@ -163,6 +177,32 @@ def check_quantize(op: str, x, dtype, scale=None) -> None:
     if x.dim() < 1:
         fail_value(op, "x", "must have at least one dimension [..., K]")
     if scale is not None:
+        static_scale(op, x, scale)
+
+
+def check_quantize_group(x, group_size, dtype) -> None:
+    """quantize_per_token_group: quantize_per_token's checks of x (..., K) and dtype, then group_size = 128
+    and K a multiple of it."""
+    op = "quantize_per_token_group"
+    check_quantize(op, x, dtype)
+    if group_size != BLOCK_SIZE:
+        fail_value(op, "group_size", f"must be {BLOCK_SIZE}, got {group_size}")
+    if x.shape[-1] % group_size != 0:
+        fail_value(op, "x", f"K = x.shape[1] must be a multiple of group_size = {group_size}, got {x.shape[-1]}")
+
+
+def _group_quant(op: str, x, k: int, scale, group_size) -> None:
+    """The quantization mode of rms_norm_quant / silu_mul_quant: group_size 0 (per-token, or per-tensor with
+    the static `scale`) or 128 (dynamic 1 x 128 groups of the output row of length `k`)."""
+    if group_size not in (0, BLOCK_SIZE):
+        fail_value(op, "group_size", f"must be 0 (per-token) or {BLOCK_SIZE}, got {group_size}")
+    if group_size:
+        if scale is not None:
+            fail_value(op, "scale", f"must be None with group_size = {group_size} (dynamic per-group scales), got a "
+                       "tensor")
+        if k % group_size != 0:
+            fail_value(op, "x", f"the output row length {k} must be a multiple of group_size = {group_size}")
+    elif scale is not None:
         static_scale(op, x, scale)
 
 
@@ -198,12 +238,11 @@ def check_rms_norm(op: str, x, weight, eps, residual) -> None:
         fail_value(op, "residual", f"rows overlap: row stride {stride} < K = {k}")
 
 
-def check_rms_norm_quant(x, weight, eps, dtype, scale, residual) -> None:
+def check_rms_norm_quant(x, weight, eps, dtype, scale, residual, group_size=0) -> None:
     op = "rms_norm_quant"
     check_rms_norm(op, x, weight, eps, residual)
     quant_dtype(op, dtype)
-    if scale is not None:
-        static_scale(op, x, scale)
+    _group_quant(op, x, x.shape[-1], scale, group_size)
 
 
 def check_silu_mul(op: str, x) -> None:
@@ -214,12 +253,11 @@ def check_silu_mul(op: str, x) -> None:
                    f"got shape {tuple(x.shape)}")
 
 
-def check_silu_mul_quant(x, dtype, scale) -> None:
+def check_silu_mul_quant(x, dtype, scale, group_size=0) -> None:
     op = "silu_mul_quant"
     check_silu_mul(op, x)
     quant_dtype(op, dtype)
-    if scale is not None:
-        static_scale(op, x, scale)
+    _group_quant(op, x, x.shape[-1] // 2, scale, group_size)
 
 
 # ---- attention ----------------------------------------------------------------------------------------------

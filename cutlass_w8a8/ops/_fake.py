@@ -58,6 +58,18 @@ def _quantize_per_token(x, dtype):
     return x.new_empty(x.shape, dtype=dtype), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
+@_fake("quantize_per_token_group")
+def _quantize_per_token_group(x, group_size, dtype):
+    C.check_quantize_group(x, group_size, dtype)
+    return (x.new_empty(x.shape, dtype=dtype),
+            x.new_empty((*x.shape[:-1], x.shape[-1] // group_size), dtype=torch.float32))
+
+
+def _fused_scale(y_shape, group_size):
+    """The scale output of the fused quantizing ops: (..., 1), or (..., K / group_size) for K = y's row."""
+    return (*y_shape[:-1], y_shape[-1] // group_size if group_size else 1)
+
+
 @_fake("quantize_per_tensor")
 def _quantize_per_tensor(x, scale, dtype):
     C.check_quantize("quantize_per_tensor", x, dtype, scale)
@@ -77,9 +89,9 @@ def _fused_add_rms_norm(x, residual, weight, eps):
 
 
 @_fake("rms_norm_quant")
-def _rms_norm_quant(x, weight, eps, dtype, scale=None, residual=None):
-    C.check_rms_norm_quant(x, weight, eps, dtype, scale, residual)
-    return x.new_empty(x.shape, dtype=dtype), x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+def _rms_norm_quant(x, weight, eps, dtype, scale=None, residual=None, group_size=0):
+    C.check_rms_norm_quant(x, weight, eps, dtype, scale, residual, group_size)
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty(_fused_scale(x.shape, group_size), dtype=torch.float32)
 
 
 @_fake("silu_mul")
@@ -89,10 +101,10 @@ def _silu_mul(x):
 
 
 @_fake("silu_mul_quant")
-def _silu_mul_quant(x, dtype, scale=None):
-    C.check_silu_mul_quant(x, dtype, scale)
-    return (x.new_empty((*x.shape[:-1], x.shape[-1] // 2), dtype=dtype),
-            x.new_empty((*x.shape[:-1], 1), dtype=torch.float32))
+def _silu_mul_quant(x, dtype, scale=None, group_size=0):
+    C.check_silu_mul_quant(x, dtype, scale, group_size)
+    y_shape = (*x.shape[:-1], x.shape[-1] // 2)
+    return x.new_empty(y_shape, dtype=dtype), x.new_empty(_fused_scale(y_shape, group_size), dtype=torch.float32)
 
 
 @_fake("decode_attention")

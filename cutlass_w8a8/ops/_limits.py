@@ -29,6 +29,11 @@ ATTN_HEAD_DIM_MULTIPLE = 8
 ATTN_MAX_SEQ = 2**31
 ATTN_MAX_HEADS = 65535
 
+# Block-scaled fp8 (DeepSeek-V3 / compressed-tensors FP8_BLOCK): activations in 1 x BLOCK_SIZE groups along K,
+# weights in BLOCK_SIZE x BLOCK_SIZE blocks; the GEMM's K must be a multiple of it, and so is the only group size
+# quantize_per_token_group accepts.
+BLOCK_SIZE = 128
+
 # Largest finite magnitude of each quantized dtype: the divisor of the dynamic scales (amax / QMAX).
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 # 8-bit GEMM operands (and the quantization ops' target dtypes).

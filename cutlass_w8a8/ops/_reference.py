@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from . import _checks as C
-from ._limits import AB_DTYPES, QMAX
+from ._limits import AB_DTYPES, BLOCK_SIZE, QMAX
+from ._roles import block_scaled, block_weight_scaled
 from ._schema import lib
 
 # ---- GEMMs --------------------------------------------------------------------------------------------------
@@ -29,16 +30,45 @@ def scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias):
     return d.to(out_dtype)
 
 
+def block_scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias):
+    """Block-scaled fp8, checked operands: `a` (M, K) e4m3, `b` (K, N) e4m3, `scale_a` (M, K/128) and `scale_b`
+    (ceil(N/128), K/128) float32, K a multiple of 128:
+
+        out[m, n] = round_out( sum_kb  p_kb[m, n] * (scale_a[m, kb] * scale_b[n // 128, kb])  + bias[n] )
+
+    with p_kb the dot product over K block kb (128 e4m3 products, exact in float64, rounded once to float32:
+    the kernels' float32 partial accumulator), the sum over kb in float32 in order of kb, the bias added in
+    float32, one rounding to `out_dtype`."""
+    m, k = a.shape
+    n = b.shape[1]
+    sb = scale_b.repeat_interleave(BLOCK_SIZE, dim=0)[:n]  # (N, KB): each weight row's block scales
+    acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    for kb in range(k // BLOCK_SIZE):
+        ks = slice(kb * BLOCK_SIZE, (kb + 1) * BLOCK_SIZE)
+        part = (a[:, ks].to(torch.float64) @ b[ks].to(torch.float64)).to(torch.float32)
+        acc = acc + part * (scale_a[:, kb].reshape(m, 1) * sb[:, kb].reshape(1, n))
+    if bias is not None:
+        acc = acc + bias.to(torch.float32)
+    return acc.to(out_dtype)
+
+
+def gemm_reference(a, b, scale_a, scale_b, out_dtype, bias):
+    """The reference of a checked scaled_mm-shaped call: block-scaled or row-wise."""
+    if block_scaled(a, b, scale_a, scale_b):
+        return block_scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias)
+    return scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias)
+
+
 def _gemm_pair(op: str, check):
     """The CPU functional and out= implementations of a scaled_mm-shaped op (`check` is its contract)."""
 
     def functional(a, b, scale_a, scale_b, out_dtype, bias=None):
         check(op, a, b, scale_a, scale_b, out_dtype, bias)
-        return scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias)
+        return gemm_reference(a, b, scale_a, scale_b, out_dtype, bias)
 
     def out_variant(out, a, b, scale_a, scale_b, bias=None):
         check(op, a, b, scale_a, scale_b, out.dtype, bias, out)
-        out.copy_(scaled_mm_reference(a, b, scale_a, scale_b, out.dtype, bias))
+        out.copy_(gemm_reference(a, b, scale_a, scale_b, out.dtype, bias))
 
     return functional, out_variant
 
@@ -53,9 +83,14 @@ def _scaled_mm_config(out, a, b, scale_a, scale_b, bias, config):
 
 def _w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype=torch.bfloat16):
     C.check_w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype)
-    # quantize_per_token / quantize_per_tensor, then scaled_mm: the CUDA op's definition
+    # quantize_per_token / quantize_per_tensor (quantize_per_token_group with block weight scales), then
+    # scaled_mm: the CUDA op's definition
     k, n = weight.shape[1], weight.shape[0]
     x2 = x.reshape(-1, k)
+    if block_weight_scaled(weight, weight_scale):
+        q, scale_a = quantize_groups(x2, BLOCK_SIZE, weight.dtype)
+        y = block_scaled_mm_reference(q, weight.t(), scale_a, weight_scale, out_dtype, bias)
+        return y.reshape(*x.shape[:-1], n)
     if input_scale is None:
         q, scale_a = _quantize_per_token(x2, weight.dtype)
     else:
@@ -117,14 +152,33 @@ def _quantize_per_token(x, dtype):
     return quantize_rows(xf, scale, dtype), scale
 
 
+def quantize_groups(x, group_size, dtype):
+    """(q, scale) of x (..., K) in 1 x group_size groups along K (K a multiple of group_size): per group
+    scale = absmax / QMAX (float32, IEEE division; 0 for a group of zeros, whose q is 0), q = sat(rne(x / scale))
+    as quantize_per_token does per row. q has x's shape, scale is (..., K / group_size); both contiguous."""
+    k = x.shape[-1]
+    xf = x.to(torch.float32).reshape(*x.shape[:-1], k // group_size, group_size)
+    scale = xf.abs().amax(dim=-1, keepdim=True) / torch.tensor(QMAX[dtype], dtype=torch.float32, device=x.device)
+    q = quantize_rows(xf, scale, dtype).reshape(x.shape)
+    return q, scale.reshape(*x.shape[:-1], k // group_size).contiguous()
+
+
+def _quantize_per_token_group(x, group_size, dtype):
+    C.check_quantize_group(x, group_size, dtype)
+    return quantize_groups(x, group_size, dtype)
+
+
 def _quantize_per_tensor(x, scale, dtype):
     C.check_quantize("quantize_per_tensor", x, dtype, scale)
     return quantize_rows(x.to(torch.float32), scale.reshape(()), dtype)
 
 
-def _quantize_fused(y, dtype, scale):
-    """(q, scale) of the fused ops: quantize_per_token of y, or quantize_per_tensor with the static `scale`
-    and that scale repeated per row ([..., 1]) as the second output."""
+def _quantize_fused(y, dtype, scale, group_size=0):
+    """(q, scale) of the fused ops: quantize_per_token of y, quantize_per_token_group of y (group_size 128:
+    scale (..., K / 128)), or quantize_per_tensor with the static `scale` and that scale repeated per row
+    ([..., 1]) as the second output."""
+    if group_size:
+        return quantize_groups(y, group_size, dtype)
     if scale is None:
         return _quantize_per_token(y, dtype)
     per_row = scale.reshape(1).to(torch.float32).expand((*y.shape[:-1], 1)).contiguous()
@@ -158,9 +212,9 @@ def _fused_add_rms_norm(x, residual, weight, eps):
     return _rms_norm_reference(x, weight, eps, residual)
 
 
-def _rms_norm_quant(x, weight, eps, dtype, scale=None, residual=None):
-    C.check_rms_norm_quant(x, weight, eps, dtype, scale, residual)
-    return _quantize_fused(_rms_norm_reference(x, weight, eps, residual), dtype, scale)
+def _rms_norm_quant(x, weight, eps, dtype, scale=None, residual=None, group_size=0):
+    C.check_rms_norm_quant(x, weight, eps, dtype, scale, residual, group_size)
+    return _quantize_fused(_rms_norm_reference(x, weight, eps, residual), dtype, scale, group_size)
 
 
 def _silu_mul(x):
@@ -168,9 +222,9 @@ def _silu_mul(x):
     return _silu_mul_reference(x)
 
 
-def _silu_mul_quant(x, dtype, scale=None):
-    C.check_silu_mul_quant(x, dtype, scale)
-    return _quantize_fused(_silu_mul_reference(x), dtype, scale)
+def _silu_mul_quant(x, dtype, scale=None, group_size=0):
+    C.check_silu_mul_quant(x, dtype, scale, group_size)
+    return _quantize_fused(_silu_mul_reference(x), dtype, scale, group_size)
 
 
 # ---- attention ----------------------------------------------------------------------------------------------
@@ -275,6 +329,7 @@ for _name, _fn in (
         ("w8a8_linear", _w8a8_linear), ("scaled_mm_decode", _scaled_mm_decode),
         ("scaled_mm_decode_out", _scaled_mm_decode_out), ("linear_decode", _linear_decode),
         ("linear_decode_out", _linear_decode_out), ("quantize_per_token", _quantize_per_token),
+        ("quantize_per_token_group", _quantize_per_token_group),
         ("quantize_per_tensor", _quantize_per_tensor), ("rms_norm", _rms_norm),
         ("fused_add_rms_norm", _fused_add_rms_norm), ("rms_norm_quant", _rms_norm_quant), ("silu_mul", _silu_mul),
         ("silu_mul_quant", _silu_mul_quant), ("decode_attention", _decode_attention),

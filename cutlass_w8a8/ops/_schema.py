@@ -7,22 +7,28 @@ ops (PDL, fp8 support, CUDA-graph records) are defined by `_C.so` itself and exi
 
 Ops:
 
-- ``scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor``
+- ``scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor``: row-wise scales (per-tensor, per-token
+  ``scale_a``, per-channel ``scale_b``) or block-scaled fp8 (``scale_a`` (M, K/128) 1x128 groups, ``scale_b``
+  (ceil(N/128), K/128) 128x128 blocks), told apart by the scales' shapes (`_roles.block_scaled`)
 - ``scaled_mm_out(out, a, b, scale_a, scale_b, bias=None) -> ()``
 - ``w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype) -> Tensor``: a `W8A8Linear`
-  forward in one call: quantize ``x (..., K)`` (per token, or per tensor with ``input_scale``), then the GEMM with
-  the ``(N, K)`` weight
+  forward in one call: quantize ``x (..., K)`` (per token, or per tensor with ``input_scale``; per 1x128 group with
+  block weight scales (ceil(N/128), K/128)), then the GEMM with the ``(N, K)`` weight
 - ``decode_layer(h, residual, input_norm, post_norm, eps, qkv_w, qkv_ws, qkv_is, o_w, ..., down_is, kv_cache, rope,
   slots, positions, num_heads, num_kv_heads, softmax_scale) -> Tensor``: one layer of the reference decoder
   (`cutlass_w8a8.models.LlamaDecoderLayer`) in one call, for eager decoding; ``residual`` and ``kv_cache`` are
   updated in place
 - ``quantize_per_token(x, dtype) -> (q, scale)``
 - ``quantize_per_tensor(x, scale, dtype) -> q``
+- ``quantize_per_token_group(x, group_size, dtype) -> (q, scale)``: dynamic per 1 x group_size group along K
+  (group_size 128), ``scale`` (..., K / group_size)
 - ``rms_norm(x, weight, eps) -> y``: RMSNorm
 - ``fused_add_rms_norm(x, residual, weight, eps) -> y``: ``residual += x`` in place, then RMSNorm of it (vLLM's)
-- ``rms_norm_quant(x, weight, eps, dtype, scale=None, residual=None) -> (q, scale)``: either, then quantized
+- ``rms_norm_quant(x, weight, eps, dtype, scale=None, residual=None, group_size=0) -> (q, scale)``: either, then
+  quantized (per token, per tensor with ``scale``, or per 1x128 group with ``group_size=128``)
 - ``silu_mul(x) -> y``: ``silu(gate) * up`` of ``x = [gate | up]``
-- ``silu_mul_quant(x, dtype, scale=None) -> (q, scale)``: the same, then quantized
+- ``silu_mul_quant(x, dtype, scale=None, group_size=0) -> (q, scale)``: the same, then quantized (as
+  ``rms_norm_quant``)
 - ``decode_attention(q, kv_cache, slots, positions, softmax_scale) -> Tensor``
 - ``decode_attention_out(out, q, kv_cache, slots, positions, softmax_scale) -> ()``
 - ``decode_attention_quant(q, kv_cache, slots, positions, softmax_scale, dtype, scale=None) -> (q_out, scale)``:
@@ -86,15 +92,18 @@ _define("linear_decode_out(Tensor(a!) out, Tensor x, Tensor b, Tensor scale_b, T
         "ScalarType dtype) -> ()")
 _define("quantize_per_token(Tensor x, ScalarType dtype) -> (Tensor, Tensor)")
 _define("quantize_per_tensor(Tensor x, Tensor scale, ScalarType dtype) -> Tensor")
+# Block-scaled fp8 activations: one scale per 1 x group_size group along K (csrc/quant/)
+_define("quantize_per_token_group(Tensor x, int group_size, ScalarType dtype) -> (Tensor, Tensor)")
 # Fused non-GEMM steps of a decoder layer (csrc/quant/); `residual` is updated in place.
 # rms_norm without and with the residual are two ops: torch 2.13's inductor fails to lower an op that returns a
 # single Tensor when its `Tensor(a!)?` argument is None (rms_norm_quant, returning two, is not affected).
 _define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _define("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor")
+# group_size: 0 quantizes per token (or per tensor with `scale`), 128 per 1x128 group of the output row.
 _define("rms_norm_quant(Tensor x, Tensor weight, float eps, ScalarType dtype, Tensor? scale=None, "
-        "Tensor(a!)? residual=None) -> (Tensor, Tensor)")
+        "Tensor(a!)? residual=None, int group_size=0) -> (Tensor, Tensor)")
 _define("silu_mul(Tensor x) -> Tensor")
-_define("silu_mul_quant(Tensor x, ScalarType dtype, Tensor? scale=None) -> (Tensor, Tensor)")
+_define("silu_mul_quant(Tensor x, ScalarType dtype, Tensor? scale=None, int group_size=0) -> (Tensor, Tensor)")
 _define("decode_attention(Tensor q, Tensor kv_cache, Tensor slots, Tensor positions, float softmax_scale) "
         "-> Tensor")
 _define("decode_attention_out(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor slots, Tensor positions, "

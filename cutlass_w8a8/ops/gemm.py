@@ -32,6 +32,22 @@ def scaled_mm(
     by ``scale_b`` then ``scale_a`` in float32, adds ``bias`` and rounds once to ``out_dtype``
     (csrc/gemm/EPILOGUES.md).
 
+    **Block-scaled fp8** (DeepSeek-V3's format, also Qwen3-FP8's, transformers' ``finegrained_fp8`` and
+    compressed-tensors' ``FP8_BLOCK``): when ``scale_a`` is ``(M, K/128)`` (one scale per 1x128 group of a row
+    of ``a``, from :func:`quantize_per_token_group`) and ``scale_b`` is ``(ceil(N/128), K/128)`` (one scale per
+    128x128 block of the ``(N, K)`` weight, N-major: the checkpoint's ``weight_scale_inv`` / ``weight_scale``
+    as stored), both float32, row-major, contiguous, ``a`` and ``b`` float8_e4m3fn and K a multiple of 128::
+
+        D[m, n] = round( sum_kb scale_a[m, kb] * scale_b[n // 128, kb] * (a[m, kb*128:(kb+1)*128] .
+                         b[kb*128:(kb+1)*128, n]) + bias[n] )
+
+    accumulated in float32 (each 128-long partial dot product scaled and added), one rounding to ``out_dtype``.
+    N only needs to be a multiple of 16 (its last block may be partial). The mode is told from the scales'
+    shapes (`cutlass_w8a8.ops._roles.block_scaled`: ``scale_a`` 2-D with more than one column, or ``scale_b``
+    ``(ceil(N/128), ceil(K/128))`` with more than one element and not ``(N, 1)`` / ``(1, N)``); with K = 128
+    and N <= 128 the block scales ``(M, 1)`` x ``(1, 1)`` are the same product as per-token x per-tensor. On
+    the GPU block mode needs sm90 (the CUTLASS blockwise FP8 kernels, or the decode GEMM at decode M).
+
     Parameters
     ----------
     a : torch.Tensor
@@ -42,10 +58,12 @@ def scaled_mm(
         K and N must be positive multiples of 16; for int8, ``K <= INT8_MAX_K`` (131056) so the int32
         accumulator cannot overflow.
     scale_a : torch.Tensor
-        float32, ``(1,)`` per-tensor or ``(M, 1)`` per-token, contiguous, on ``a``'s device.
+        float32, ``(1,)`` per-tensor or ``(M, 1)`` per-token, contiguous, on ``a``'s device; block-scaled:
+        ``(M, K/128)``, row-major contiguous.
     scale_b : torch.Tensor
         float32, ``(1,)`` per-tensor or ``(N,)`` / ``(1, N)`` / ``(N, 1)`` per-channel (the last is what
-        compressed-tensors checkpoints store and ``quantize_int8(weight)`` returns), contiguous.
+        compressed-tensors checkpoints store and ``quantize_int8(weight)`` returns), contiguous; block-scaled:
+        ``(ceil(N/128), K/128)``, row-major contiguous.
     out_dtype : torch.dtype
         ``torch.bfloat16`` (default) or ``torch.float16``. Ignored when ``out`` is given.
     bias : torch.Tensor, optional
@@ -62,17 +80,23 @@ def scaled_mm(
     Raises
     ------
     TypeError
-        A dtype is wrong (``a``, ``b``, scales, ``bias``, ``out_dtype``, ``out``).
+        A dtype is wrong (``a``, ``b``, scales, ``bias``, ``out_dtype``, ``out``); block scales with int8
+        operands (``a`` must be float8_e4m3fn with block scales).
     ValueError
-        A shape, layout, alignment or device is wrong; the message names the argument.
+        A shape, layout, alignment or device is wrong; the message names the argument. Block-scaled: K not a
+        multiple of 128, ``scale_a`` not ``(M, K/128)``, ``scale_b`` not ``(ceil(N/128), K/128)``.
     RuntimeError
         An argument is not of its schema type, e.g. a list for a tensor (torch's dispatcher names it); CUDA
         tensors were given but the CUDA extension is not built, or the device has no kernels.
+    NotImplementedError
+        Block scales on a GPU whose kernels are not sm90's (sm80 / sm89, or ``CUTLASS_W8A8_FORCE_ARCH=sm80``).
 
     Examples
     --------
     >>> x_q, x_s = quantize_int8(x)                  # x: (M, K) bf16 -> per-token int8
     >>> y = scaled_mm(x_q, w_q.t(), x_s, w_s, torch.bfloat16, bias)
+    >>> x_q, x_s = quantize_per_token_group(x)       # block-scaled fp8: x_s (M, K / 128)
+    >>> y = scaled_mm(x_q, w_q.t(), x_s, w_s, torch.bfloat16)   # w_q e4m3 (N, K), w_s (ceil(N / 128), K / 128)
     """
     if out is None:
         return _op.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
@@ -112,10 +136,12 @@ def scaled_mm_decode(
         weight is fine). K and N positive multiples of 16 (K need not be a multiple of 64); int8 needs
         ``K <= INT8_MAX_K`` (131056), any dtype ``K <= 2**30``.
     scale_a : torch.Tensor
-        float32, ``(1,)`` per-tensor or ``(M, 1)`` / ``(M,)`` per-token, contiguous.
+        float32, ``(1,)`` per-tensor or ``(M, 1)`` / ``(M,)`` per-token, contiguous; or block-scaled fp8
+        ``(M, K/128)`` as in :func:`scaled_mm`.
     scale_b : torch.Tensor
         float32, ``(1,)`` per-tensor or ``(N,)`` / ``(1, N)`` / ``(N, 1)`` per-channel (the last is what
-        compressed-tensors checkpoints store and ``quantize_int8(weight)`` returns), contiguous.
+        compressed-tensors checkpoints store and ``quantize_int8(weight)`` returns), contiguous; or
+        block-scaled ``(ceil(N/128), K/128)`` (then K a multiple of 128, e4m3 operands; sm90 only).
     out_dtype : torch.dtype
         ``torch.bfloat16`` (default) or ``torch.float16``; ignored when ``out`` is given.
     bias : torch.Tensor, optional

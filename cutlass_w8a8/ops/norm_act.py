@@ -78,14 +78,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
-                   scale: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None):
+                   scale: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+                   group_size: int = 0):
     """`rms_norm` (with the optional in-place residual add) fused with activation quantization.
 
     ``y`` is computed exactly as by :func:`rms_norm`, rounded to ``x``'s dtype, and then quantized as
     :func:`quantize_int8` / :func:`quantize_fp8` quantize a stored ``y``: dynamic per token
     (``scale = max|y| / QMAX`` per row, QMAX 127 or 448) when ``scale`` is None, else static per tensor with
-    ``scale``. The rounding of ``y`` to ``x``'s dtype before quantizing is deliberate: it makes
-    ``rms_norm_quant`` equal the unfused chain ``rms_norm`` -> ``quantize_*`` bit for bit (on the GPU: the
+    ``scale``; with ``group_size=128``, dynamic per 1 x 128 group of each row as
+    :func:`quantize_per_token_group` (the activations of a block-scaled fp8 `W8A8Linear`, whose ``group_size``
+    attribute says which to pass). The rounding of ``y`` to ``x``'s dtype before quantizing is deliberate: it
+    makes ``rms_norm_quant`` equal the unfused chain ``rms_norm`` -> ``quantize_*`` bit for bit (on the GPU: the
     GPU's ``rms_norm`` followed by the GPU's quantization). One kernel launch (rows x blocks per row), no host
     synchronisation; the output is what `W8A8Linear` accepts as a `QuantizedActivation`. vLLM fuses the
     same steps (``rms_norm_dynamic_per_token_quant``, ``fused_add_rms_norm_static_fp8_quant``).
@@ -97,20 +100,25 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: tor
     dtype : torch.dtype
         ``torch.int8`` or ``torch.float8_e4m3fn``.
     scale : torch.Tensor, optional
-        float32 with one element (static per-tensor), on ``x``'s device. None: dynamic per-token.
+        float32 with one element (static per-tensor), on ``x``'s device. None: dynamic per-token (or per group).
+    group_size : int
+        0 (default): per-token (or per-tensor with ``scale``). 128: dynamic per 1 x 128 group; K must be a
+        multiple of 128 and ``scale`` None.
 
     Returns
     -------
     (q, scale) : tuple of torch.Tensor
         ``q``: ``dtype``, ``x``'s shape, contiguous. ``scale``: float32 ``(..., 1)`` per-token scales
-        (dynamic), or the given ``scale`` object (static), as :func:`quantize_int8` returns them.
+        (dynamic), ``(..., K / 128)`` per-group scales (``group_size=128``), or the given ``scale`` object
+        (static), as :func:`quantize_int8` / :func:`quantize_per_token_group` return them.
 
     Raises
     ------
     TypeError
         As :func:`rms_norm`; ``dtype`` is not int8 / float8_e4m3fn; ``scale`` is not float32.
     ValueError
-        As :func:`rms_norm`; ``scale`` is not one element or is on another device.
+        As :func:`rms_norm`; ``scale`` is not one element or is on another device; ``group_size`` is not 0 or
+        128; with ``group_size=128``, ``scale`` is given or K is not a multiple of 128.
 
     Notes
     -----
@@ -119,7 +127,7 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: tor
     (``torch.ops.cutlass_w8a8.rms_norm_quant``) returns per-row scales in both modes: in the static one the
     given value repeated, ``(..., 1)``.
     """
-    q, s = _op.rms_norm_quant(x, weight, eps, dtype, scale, residual)
+    q, s = _op.rms_norm_quant(x, weight, eps, dtype, scale, residual, group_size)
     return q, (s if scale is None else scale)
 
 
@@ -160,39 +168,42 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return _op.silu_mul(x)
 
 
-def silu_mul_quant(x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor] = None):
+def silu_mul_quant(x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor] = None,
+                   group_size: int = 0):
     """:func:`silu_mul` fused with activation quantization (the input of a W8A8 ``down_proj``).
 
     ``y = silu(gate) * up`` as :func:`silu_mul` computes it, rounded to ``x``'s dtype, then quantized as
     :func:`quantize_int8` / :func:`quantize_fp8` quantize a stored ``y``: dynamic per token when ``scale`` is
-    None, else static per tensor. Equal to the unfused chain ``silu_mul`` -> ``quantize_*`` bit for bit on
+    None, else static per tensor; with ``group_size=128`` dynamic per 1 x 128 group of ``y``'s rows as
+    :func:`quantize_per_token_group` (I a multiple of 128, ``scale`` None). Equal to the unfused chain ``silu_mul`` -> ``quantize_*`` bit for bit on
     the same device. One kernel launch: one block per row, or on sm90 a cluster of up to 8 for long rows.
 
     Parameters
     ----------
     x : torch.Tensor
         ``(..., 2 * I)`` ``[gate | up]``, bfloat16, float16 or float32, ``I > 0``.
-    dtype, scale
-        As :func:`rms_norm_quant`: the quantized dtype, and the static per-tensor scale or None (dynamic
-        per-token).
+    dtype, scale, group_size
+        As :func:`rms_norm_quant`: the quantized dtype, the static per-tensor scale or None (dynamic), and 0
+        (per-token) or 128 (per 1 x 128 group of the output row).
 
     Returns
     -------
     (q, scale) : tuple of torch.Tensor
-        ``q``: ``dtype``, ``(..., I)``, contiguous. ``scale``: float32 ``(..., 1)`` (dynamic), or the given
-        ``scale`` object (static).
+        ``q``: ``dtype``, ``(..., I)``, contiguous. ``scale``: float32 ``(..., 1)`` (dynamic), ``(..., I / 128)``
+        (``group_size=128``), or the given ``scale`` object (static).
 
     Raises
     ------
     TypeError
         ``x``, ``dtype`` or ``scale`` has the wrong dtype (a non-tensor is torch's dispatcher ``RuntimeError``).
     ValueError
-        ``x``'s last dimension is 0 or odd; ``scale`` is not one element or is on another device.
+        ``x``'s last dimension is 0 or odd; ``scale`` is not one element or is on another device; ``group_size``
+        is not 0 or 128; with ``group_size=128``, ``scale`` is given or I is not a multiple of 128.
 
     Notes
     -----
     A row with a non-finite ``y`` gets an unspecified ``q`` and scale; other rows are unaffected. The op
     itself returns per-row scales in both modes (static: the given value repeated, ``(..., 1)``).
     """
-    q, s = _op.silu_mul_quant(x, dtype, scale)
+    q, s = _op.silu_mul_quant(x, dtype, scale, group_size)
     return q, (s if scale is None else scale)
