@@ -1,5 +1,6 @@
 """Helpers for the checkpoint tests: tiny transformers models, compressed-tensors checkpoints written by
-compressed-tensors itself, and the reference model decompressed by transformers.
+compressed-tensors itself, and the reference model dequantized by the tests from the checkpoint's files (no
+transformers quantizer: it changes between transformers versions).
 
 Also the ``ckpt`` fixture (checkpoints written on first use, once per test module that imports it), the
 checkpoint table it writes from, and the small model helpers the checkpoint test files share.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 
 import pytest
@@ -136,39 +138,90 @@ def fake_quant(x: torch.Tensor, quant_dtype: torch.dtype, input_scale=None) -> t
     return q * scale
 
 
+def _matches(target: str, name: str, module) -> bool:
+    """compressed-tensors' ``targets`` / ``ignore`` entries, as the test checkpoints use them: a module class name
+    (``"Linear"``), ``"re:<regex>"`` (matched against the whole module name) or a module name."""
+    if target.startswith("re:"):
+        return re.fullmatch(target[3:], name) is not None
+    return target == name or target == type(module).__name__
+
+
+def _scheme_of(qc: dict, name: str, module):
+    """The ``config_groups`` entry of ``quantization_config`` ``qc`` that quantizes module ``name`` (None when no
+    group targets it or ``ignore`` names it)."""
+    if any(_matches(t, name, module) for t in qc.get("ignore") or []):
+        return None
+    groups = [g for g in qc["config_groups"].values() if any(_matches(t, name, module) for t in g["targets"])]
+    assert len(groups) <= 1, f"{name}: matched by {len(groups)} config groups"
+    return groups[0] if groups else None
+
+
+class FakeQuantLinear(torch.nn.Module):
+    """A quantized Linear of the reference: ``fake_quant(x) @ weight^T + bias`` in float32 (weight the dequantized
+    checkpoint weight, ``q * weight_scale``), the output cast back to ``x``'s dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias, quant_dtype: torch.dtype, input_scale=None):
+        super().__init__()
+        self.register_buffer("weight", weight.float())
+        self.register_buffer("bias", None if bias is None else bias.float())
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.float())
+        self.quant_dtype = quant_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(fake_quant(x, self.quant_dtype, self.input_scale), self.weight, self.bias).to(x.dtype)
+
+
 def decompressed_reference(path, full_float32: bool = False):
-    """The checkpoint as transformers decompresses it (``CompressedTensorsConfig(dequantize=True)``, float32, so
-    the dequantized weights ``q * scale`` are exact), with the activation quantization of `W8A8Linear` applied in
-    float32 to the input of each quantized Linear (`fake_quant`, compressed-tensors' own fake-quant disabled).
+    """The checkpoint at ``path`` dequantized by these tests from its safetensors files, as a plain float
+    transformers model with the activation quantization of `W8A8Linear` applied in float32 (no transformers
+    quantizer, no compressed-tensors module state: only the files and the config's ``quantization_config``).
 
-    ``full_float32=False`` (default): the rest of the model (embedding, norms, attention, lm_head) is transformers'
-    bf16 model dequantized the same way, and each quantized Linear computes ``fake_quant(x) @ W^T + b`` in float32
-    and rounds to bf16 - the math of our layers, in another order. ``full_float32=True``: the whole model in float32
-    (the accuracy of the bf16 model against exact arithmetic).
+    Each quantized Linear (one with a ``weight_scale`` in the files) becomes a `FakeQuantLinear` holding the float32
+    weight ``q * weight_scale`` (exact: per channel, scale ``[N, 1]``, or per tensor, ``[1]``) and computing
+    ``fake_quant(x) @ W^T + b`` in float32: per token when its config group's ``input_activations`` are dynamic
+    per ``token``, with the stored ``input_scale`` when they are static per ``tensor``. The group is matched from
+    ``targets`` / ``ignore`` and must agree with the files (an ``input_scale`` exactly where the activations are
+    static; int8 weights for ``type: int``, e4m3 for ``float``), else AssertionError. Every other tensor is loaded
+    as stored (cast to the model dtype) with ``load_state_dict(strict=True)``.
+
+    ``full_float32=False`` (default): the model (embedding, norms, attention, lm_head) in bf16, each quantized
+    Linear computing in float32 and rounding to bf16 - the math of our layers, in another order.
+    ``full_float32=True``: the whole model in float32 (the accuracy of the bf16 model against exact arithmetic).
     """
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    def load(dtype):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "You passed `quantization_config` ... loading attributes overwritten"
-            return AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True))
-
-    ref32 = load(torch.float32)
-    model = ref32 if full_float32 else load(torch.bfloat16)
-    for name, m in ref32.named_modules():
-        s = getattr(m, "quantization_scheme", None)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    qc = cfg.pop("quantization_config")
+    dtype = torch.float32 if full_float32 else torch.bfloat16
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg.pop("model_type"), **cfg), dtype=dtype)
+    stored = stored_tensors(path)
+    quantized = {k[: -len(".weight_scale")] for k in stored if k.endswith(".weight_scale")}
+    swaps, state = {}, {}
+    for name, m in model.named_modules():
+        s = _scheme_of(qc, name, m) if isinstance(m, torch.nn.Linear) else None
+        assert (s is not None) == (name in quantized), f"{name}: config group {s} but weight_scale stored: " \
+                                                      f"{name in quantized}"
         if s is None:
             continue
-        qd = torch.int8 if s.input_activations.type == "int" else torch.float8_e4m3fn
-        w32 = m.weight.detach().clone()
-        b32 = None if m.bias is None else m.bias.detach().clone()
-        xs = m.input_scale.detach().float().clone() if s.input_activations.dynamic is False else None
-
-        def forward(x, qd=qd, w32=w32, b32=b32, xs=xs):
-            return F.linear(fake_quant(x, qd, xs), w32, b32).to(x.dtype)
-
-        model.get_submodule(name).forward = forward
+        w, a = s["weights"], s["input_activations"]
+        q, ws = stored.pop(f"{name}.weight"), stored.pop(f"{name}.weight_scale").float()
+        assert q.dtype == {"int": torch.int8, "float": torch.float8_e4m3fn}[w["type"]], (name, q.dtype, w)
+        assert ws.numel() == {"channel": q.shape[0], "tensor": 1}[w["strategy"]], (name, ws.shape, w)
+        static = (a["strategy"], a["dynamic"]) == ("tensor", False)
+        assert static or (a["strategy"], a["dynamic"]) == ("token", True), (name, a)
+        assert (f"{name}.input_scale" in stored) == static, name
+        xs = stored.pop(f"{name}.input_scale") if static else None
+        qd = {"int": torch.int8, "float": torch.float8_e4m3fn}[a["type"]]
+        swaps[name] = FakeQuantLinear(q.float() * ws.reshape(-1, 1), stored.pop(f"{name}.bias", None), qd, xs)
+        state[f"{name}.weight"] = m.weight  # replaced below; keeps load_state_dict strict
+        if m.bias is not None:
+            state[f"{name}.bias"] = m.bias
+    state.update({k: v.to(dtype) for k, v in stored.items()})
+    model.load_state_dict(state, strict=True)
+    for name, layer in swaps.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
     return model.eval()
 
 

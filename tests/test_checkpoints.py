@@ -1,5 +1,6 @@
 """compressed-tensors checkpoints loaded by `cutlass_w8a8.checkpoints.from_pretrained`: the stored tensors, the
-logits and greedy tokens against the checkpoint as transformers decompresses it (a, b), sharded files, options.
+logits and greedy tokens against the checkpoint dequantized by the tests from its files (a, b), sharded files,
+options.
 What it refuses is in test_checkpoints_refusals.py, our writer in test_checkpoints_save.py, the CLI in
 test_checkpoints_cli.py.
 
@@ -7,9 +8,12 @@ Checkpoints are written by compressed-tensors itself (and by llm-compressor's ``
 tiny random Llama / Qwen2 models, in temporary directories; nothing is downloaded. On the CPU the layers run the
 reference ops (float64 GEMMs), so the models are tiny.
 
-Accuracy (measured on the CPU, torch 2.13, transformers 5.17, compressed-tensors 0.19; the SQNR of our logits,
-bf16 model, against the checkpoint decompressed by transformers with our activation quantization applied in
-float32 to each quantized Linear's input):
+Accuracy (measured on the CPU, torch 2.13, the same with transformers 5.17 / compressed-tensors 0.19 and
+transformers 5.24 / compressed-tensors 0.20; the SQNR of our logits, bf16 model, against the reference
+`_checkpoints.decompressed_reference`: a plain transformers model holding the weights dequantized from the
+safetensors files, ``q * weight_scale``, with our activation quantization applied in float32 to each quantized
+Linear's input, per token or with the stored ``input_scale`` as the checkpoint's config says; no transformers
+quantizer is involved, so the reference does not change with transformers' compressed-tensors integration):
 
 =========================  ======================  ========================
 checkpoint                 vs bf16 model, float32   vs all-float32 model
@@ -56,7 +60,7 @@ SQNR_MIN_FLOAT32 = {torch.int8: 35.0, torch.float8_e4m3fn: 28.0}
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# (a), (b): against the checkpoint as transformers decompresses it
+# (a), (b): against the checkpoint dequantized from its files (decompressed_reference)
 
 
 ALL_CHECKPOINTS = list(CT_CHECKPOINTS) + ["llama_int8_smoothquant_gptq"]

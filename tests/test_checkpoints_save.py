@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from packaging.version import Version
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
@@ -56,6 +57,14 @@ def _round_scales_to_bf16(model):
     return model
 
 
+# From transformers 5.23 on, `CompressedTensorsConfig(dequantize=True)` builds a dense model: each checkpoint
+# weight is dequantized as it loads into a plain nn.Linear, no quantization scheme or activation quantization is
+# attached, and a static layer's `input_scale` has no parameter to load into, so transformers reports it as an
+# unexpected key (for compressed-tensors' own checkpoints too: test_transformers_dequantize_and_static_input_scales).
+# Before 5.23 it attached compressed-tensors' quantized modules (with an input_scale) and then decompressed them.
+TRANSFORMERS_DENSE_DEQUANTIZE = Version(transformers.__version__).release >= (5, 23)
+
+
 ROUND_TRIP = {
     "qwen2 int8": lambda: _quantized_tiny("qwen2", torch.int8),
     "llama fp8": lambda: _quantized_tiny("llama", torch.float8_e4m3fn),
@@ -76,11 +85,18 @@ def test_round_trip(tmp_path, case, bf16_scales):
     stored = stored_tensors(tmp_path)
     assert all(v.dtype == torch.float32 for k, v in stored.items() if k.endswith("_scale"))
 
-    # transformers' loader, decompressing: no missing or unexpected keys; weights equal ours dequantized (exactly
-    # when the scales are bf16 values; else within the bf16 rounding of the scales, 2**-8 relative)
+    # transformers' loader as it loads any compressed-tensors checkpoint (kept compressed): no missing, unexpected or
+    # mismatched keys
+    _, info = _transformers_load(tmp_path, dtype=torch.bfloat16, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    # decompressing: weights equal ours dequantized (exactly when the scales are bf16 values; else within the bf16
+    # rounding of the scales, 2**-8 relative). No missing keys; the static layers' input_scale are unexpected from
+    # transformers 5.23 on (TRANSFORMERS_DENSE_DEQUANTIZE)
     loaded, info = _transformers_load(tmp_path, dtype=torch.bfloat16, output_loading_info=True,
                                       quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    static = {f"{n}.input_scale" for n, m in _w8a8_modules(ours).items() if m.input_scale is not None}
+    assert set(info["unexpected_keys"]) == (static if TRANSFORMERS_DENSE_DEQUANTIZE else set())
     for n, m in _w8a8_modules(ours).items():
         deq = (m.weight.float() * m.weight_scale.reshape(-1, 1)).to(torch.bfloat16)
         got = loaded.get_submodule(n).weight
@@ -104,6 +120,21 @@ def test_round_trip(tmp_path, case, bf16_scales):
     again = stored_tensors(model_dir)
     assert again.keys() == stored.keys() and all(torch.equal(again[k].view(torch.uint8), stored[k].view(torch.uint8))
                                                  for k in stored)
+
+
+def test_transformers_dequantize_and_static_input_scales(ckpt):
+    """The difference TRANSFORMERS_DENSE_DEQUANTIZE describes is transformers', not our writer's: a static checkpoint
+    written by compressed-tensors itself loads the same way (no unexpected key kept compressed; every input_scale
+    unexpected when decompressed from transformers 5.23 on)."""
+    path = ckpt("qwen2_int8_static")
+    static = {k for k in stored_tensors(path) if k.endswith(".input_scale")}
+    assert len(static) == 14
+    _, info = _transformers_load(path, dtype=torch.bfloat16, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    _, info = _transformers_load(path, dtype=torch.bfloat16, output_loading_info=True,
+                                 quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+    assert not info["missing_keys"]
+    assert set(info["unexpected_keys"]) == (static if TRANSFORMERS_DENSE_DEQUANTIZE else set())
 
 
 def test_quantization_config_forms():
