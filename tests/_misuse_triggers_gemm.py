@@ -1,5 +1,6 @@
 """docs/MISUSE.md triggers for the GEMM family: scaled_mm and the quantizers, W8A8Linear and quantize_, the
-CUDA graphs and their updates, scaled_mm_decode / linear_decode, w8a8_linear, and two GPUs.
+CUDA graphs and their updates, scaled_mm_decode / linear_decode, w8a8_linear, block-scaled fp8 (the GEMMs,
+quantize_per_token_group, w8a8_linear, W8A8Linear / W8A8Config), and two GPUs.
 
 DEVICE_TRIGGERS maps a `cpu` row to a function of the device; CPU_TRIGGERS and CUDA_TRIGGERS map a row to a
 function of nothing; TWO_GPU_TRIGGERS the `2 gpus` rows. The helpers (operands, _changed, misaligned,
@@ -327,6 +328,74 @@ CPU_TRIGGERS.update({
     "linear-scale-shape": lambda: _linear_on(scale=torch.ones(4)),
     "linear-q-device": lambda: _linear_on(q=torch.zeros(4, 64, dtype=torch.int8, device="meta")),
     "linear-scale-device": lambda: _linear_on(scale=torch.ones(4, 1, device="meta")),
+})
+
+
+# ---- block-scaled fp8: scaled_mm / scaled_mm_decode, quantize_per_token_group, w8a8_linear, the layer -------
+
+
+def block_operands(device="cpu", k=256, dtype=torch.float8_e4m3fn):
+    """Legal block-scaled operands: a (4, K), b = w.t() with w (208, K) (a partial last row block), scale_a
+    (4, K/128 rounded up), scale_b (2, K/128 rounded up)."""
+    kb = (k + 127) // 128
+    return dict(a=torch.zeros(4, k, device=device).to(dtype), b=torch.zeros(208, k, device=device).to(dtype).t(),
+                scale_a=torch.ones(4, kb, device=device), scale_b=torch.ones(2, kb, device=device),
+                out_dtype=torch.bfloat16, bias=None)
+
+
+def block_mm(device="cpu", fn=None, k=256, dtype=torch.float8_e4m3fn, **change):
+    """cw.scaled_mm (or `fn`) on block operands with `change` applied."""
+    kw = _changed(block_operands(device, k, dtype), change)
+    return (fn or cw.scaled_mm)(kw["a"], kw["b"], kw["scale_a"], kw["scale_b"], kw["out_dtype"], kw["bias"])
+
+
+def block_linear_op(device, k=256, **change):
+    """torch.ops.cutlass_w8a8.w8a8_linear with block weight scales: x (4, K) bf16, e4m3 weight (208, K),
+    weight_scale (2, ceil(K/128)), no input_scale, no bias."""
+    kw = block_operands(device, k)
+    return linear_op(device, x=torch.zeros(4, k, dtype=torch.bfloat16, device=device), weight=kw["b"].t(),
+                     weight_scale=kw["scale_b"], bias=None, **change)
+
+
+def _fp8_zeros(*shape):
+    return torch.zeros(*shape).to(torch.float8_e4m3fn)
+
+
+DEVICE_TRIGGERS.update({
+    "block-a-int8": lambda d: block_mm(d, dtype=torch.int8),
+    "block-k-not-128": lambda d: block_mm(d, k=144),
+    "block-scale_a-shape": lambda d: block_mm(d, scale_a=lambda kw: kw["scale_a"][:, :1].contiguous()),
+    "block-scale_b-shape": lambda d: block_mm(d, scale_b=lambda kw: kw["scale_b"][:1]),
+    "decode-block-scale_b-shape": lambda d: block_mm(d, fn=cw.scaled_mm_decode,
+                                                     scale_b=lambda kw: kw["scale_b"][:1]),
+    "group-x-dtype": lambda d: cw.quantize_per_token_group(torch.zeros(4, 128, dtype=torch.int32, device=d)),
+    "group-dtype": lambda d: cw.quantize_per_token_group(torch.zeros(4, 128, device=d), 128, torch.float16),
+    "group-size": lambda d: cw.quantize_per_token_group(torch.zeros(4, 128, device=d), 64),
+    "group-k": lambda d: cw.quantize_per_token_group(torch.zeros(4, 144, device=d)),
+    "w8a8-block-input_scale": lambda d: block_linear_op(d, input_scale=torch.ones(1, device=d)),
+    "w8a8-block-k": lambda d: block_linear_op(d, k=144),
+})
+
+
+def _block_layer(**kw):
+    return cw.W8A8Linear(256, 32, quant_dtype=torch.float8_e4m3fn, weight_block_size=(128, 128), **kw)
+
+
+CPU_TRIGGERS.update({
+    "linear-block-scale-shape": lambda: _block_layer()(cw.QuantizedActivation(_fp8_zeros(4, 256), torch.ones(4, 1))),
+    "linear-block-size": lambda: cw.W8A8Linear(256, 32, quant_dtype=torch.float8_e4m3fn, weight_block_size=(64, 64)),
+    "linear-block-dtype": lambda: cw.W8A8Linear(256, 32, weight_block_size=(128, 128)),
+    "linear-block-k": lambda: cw.W8A8Linear(144, 32, quant_dtype=torch.float8_e4m3fn, weight_block_size=(128, 128)),
+    "linear-block-static": lambda: _block_layer(static_input_scale=True),
+    "from-quantized-block-dtype": lambda: cw.W8A8Linear.from_quantized(torch.zeros(208, 256, dtype=torch.int8),
+                                                                       torch.ones(2, 2)),
+    "from-quantized-block-shape": lambda: cw.W8A8Linear.from_quantized(_fp8_zeros(208, 256), torch.ones(3, 2),
+                                                                       weight_block_size=(128, 128)),
+    "from-quantized-block-k": lambda: cw.W8A8Linear.from_quantized(_fp8_zeros(208, 144), torch.ones(2, 2)),
+    "from-quantized-block-input_scale": lambda: cw.W8A8Linear.from_quantized(_fp8_zeros(208, 256), torch.ones(2, 2),
+                                                                             input_scale=torch.ones(1)),
+    "config-block-size": lambda: cw.W8A8Config(dtype=torch.float8_e4m3fn, weight_block_size=(128, 64)),
+    "config-block-dtype": lambda: cw.W8A8Config(weight_block_size=(128, 128)),
 })
 
 

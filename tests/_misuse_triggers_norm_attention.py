@@ -216,6 +216,10 @@ DEVICE_TRIGGERS.update({
     "fused-scale-dtype": lambda d: cw.silu_mul_quant(_x(d), torch.int8, torch.ones(1, dtype=torch.float16,
                                                                                    device=d)),
     "fused-scale-shape": lambda d: cw.rms_norm_quant(_x(d), _w(d), 1e-5, torch.int8, torch.ones(2, device=d)),
+    "fused-group-size": lambda d: cw.rms_norm_quant(_x(d), _w(d), 1e-5, torch.int8, group_size=64),
+    "fused-group-scale": lambda d: cw.silu_mul_quant(_x(d), torch.float8_e4m3fn, torch.ones(1, device=d),
+                                                     group_size=128),
+    "fused-group-k": lambda d: cw.rms_norm_quant(_x(d), _w(d), 1e-5, torch.float8_e4m3fn, group_size=128),
 })
 
 CPU_TRIGGERS.update({

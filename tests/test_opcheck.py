@@ -1,8 +1,10 @@
 """torch.library.opcheck on every op, for what tests/test_ops_cpu.py::test_opcheck_cpu and
 tests/test_scaled_mm_cuda.py::test_opcheck_cuda leave out: fp8 operands, the out= schema with fp8, the
 tuning op `_scaled_mm_config`, quantize_per_tensor to fp8, float16 / float32 inputs, M = 0, windowed
-(non-contiguous) operands, non-contiguous quantization inputs, and decode_attention_quant (decode_attention's
-own cases are in tests/test_decode_attention_cpu.py / _cuda.py).
+(non-contiguous) operands, non-contiguous quantization inputs, decode_attention_quant (decode_attention's
+own cases are in tests/test_decode_attention_cpu.py / _cuda.py), and block-scaled fp8: scaled_mm(_out) and
+scaled_mm_decode with (M, K/128) x (ceil(N/128), K/128) scales, w8a8_linear with block weight scales,
+quantize_per_token_group, and rms_norm_quant / silu_mul_quant with group_size=128.
 
 opcheck runs the op against its schema (mutation annotations), its fake kernel (shapes, dtypes and strides
 of the outputs), autograd registration, and AOT dispatch; each argument tuple below is run on CPU and, with
@@ -31,6 +33,56 @@ def gemm_args(m, n, k, dtype, device, per_token=True, out_dtype=torch.bfloat16, 
     sb = rand_scale((n,) if per_token else (1,), device, mb, g)
     bias = torch.randn(n, device=device, generator=g).to(out_dtype)
     return a, w.t(), sa, sb, bias
+
+
+def block_args(m, n, k, device, seed=0):
+    """Block-scaled fp8 operands: a (M, K), b = w.t() (K, N), scale_a (M, K/128), scale_b (ceil(N/128), K/128),
+    a bf16 bias."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    fp8 = torch.float8_e4m3fn
+    a, w = rand_operand((m, k), fp8, device, g), rand_operand((n, k), fp8, device, g)
+    ma, mb = scale_magnitudes(fp8, k)
+    sa = rand_scale((m, k // 128), device, ma, g)
+    sb = rand_scale(((n + 127) // 128, k // 128), device, mb, g)
+    bias = torch.randn(n, device=device, generator=g).to(torch.bfloat16)
+    return a, w.t(), sa, sb, bias
+
+
+def block_cases(device):
+    """Block-scaled fp8 GEMMs (N = 208: a partial last row block), the group quantization and the fused ops with
+    group_size=128."""
+    fp8 = torch.float8_e4m3fn
+    out = []
+    a, b, sa, sb, bias = block_args(24, 208, 384, device)
+    out.append(("scaled_mm block bias", OPS.scaled_mm, (a, b, sa, sb, torch.bfloat16, bias)))
+    out.append(("scaled_mm block f16", OPS.scaled_mm, (a, b, sa, sb, torch.float16, None)))
+    d = torch.empty(24, 208, dtype=torch.bfloat16, device=device)
+    out.append(("scaled_mm_out block", OPS.scaled_mm_out, (d, a, b, sa, sb, bias)))
+    a0, b0, sa0, sb0, _ = block_args(0, 208, 384, device)
+    out.append(("scaled_mm block M=0", OPS.scaled_mm, (a0, b0, sa0, sb0, torch.bfloat16, None)))
+    a, b, sa, sb, bias = block_args(4, 256, 256, device, seed=1)
+    out.append(("scaled_mm_decode block", OPS.scaled_mm_decode, (a, b, sa, sb, torch.bfloat16, bias)))
+    a, b, sa, sb, bias = block_args(4, 208, 384, device, seed=2)
+    x = torch.randn(2, 3, 384, device=device).to(torch.bfloat16)
+    out.append(("w8a8_linear block", OPS.w8a8_linear, (x, b.t(), sb, None, bias, torch.bfloat16)))
+    g = torch.Generator(device=device).manual_seed(3)
+    for xdtype, qdtype in ((torch.bfloat16, fp8), (torch.float16, torch.int8), (torch.float32, fp8)):
+        x = torch.randn(5, 256, device=device, generator=g).to(xdtype)
+        out.append((f"quantize_per_token_group {xdtype} {qdtype}", OPS.quantize_per_token_group, (x, 128, qdtype)))
+    x = torch.randn(6, 512, device=device, generator=g).to(torch.bfloat16)[:, 128:384]  # padded rows
+    out.append(("quantize_per_token_group padded rows", OPS.quantize_per_token_group, (x, 128, fp8)))
+    out.append(("quantize_per_token_group 3-D", OPS.quantize_per_token_group,
+                (torch.randn(2, 3, 128, device=device, generator=g), 128, fp8)))
+    out.append(("quantize_per_token_group M=0", OPS.quantize_per_token_group,
+                (torch.empty(0, 256, device=device, dtype=torch.bfloat16), 128, fp8)))
+    x = torch.randn(3, 256, device=device, generator=g).to(torch.bfloat16)
+    w = torch.randn(256, device=device, generator=g).to(torch.bfloat16)
+    r = torch.randn(3, 256, device=device, generator=g).to(torch.bfloat16)
+    out.append(("rms_norm_quant group", OPS.rms_norm_quant, (x, w, 1e-5, fp8, None, None, 128)))
+    out.append(("rms_norm_quant group residual", OPS.rms_norm_quant, (x, w, 1e-5, fp8, None, r, 128)))
+    out.append(("silu_mul_quant group", OPS.silu_mul_quant,
+                (torch.randn(3, 512, device=device, generator=g).to(torch.bfloat16), fp8, None, 128)))
+    return out
 
 
 def cases(device):
@@ -65,6 +117,7 @@ def cases(device):
     out.append(("quantize_per_token M=0", OPS.quantize_per_token,
                 (torch.empty(0, 64, device=device, dtype=torch.bfloat16), torch.int8)))
     out += attention_quant_cases(device)
+    out += block_cases(device)
     return out
 
 
