@@ -16,6 +16,14 @@ Weights are random, drawn from a seeded generator on the model's device: nothing
 and W8A8 models built from the same config and seed share their float weights (the W8A8 model quantizes
 exactly the weights the bf16 model uses), so they can be compared.
 
+Block-scaled fp8 (``quant="fp8-block"``, DeepSeek-V3's format): every decoder projection a `W8A8Linear` with one
+weight scale per 128 x 128 block and activations quantized per 1 x 128 group at run time. The fused projections
+are quantized as one weight: with the parts' N multiples of 128 (q, k, v heads of 128 dims; Llama-3-8B's MLP of
+14336 = 112 x 128) no block straddles two parts, so this is exactly the parts quantized one by one (where a part's
+N is not, a block spans the boundary and takes the larger absmax of the two: still a valid block layer, not the
+parts' own quantization). The fused norms and SiLU*mul quantize per group for them (``group_size=128``);
+attention, which has no group-quantizing variant, hands ``o_proj`` its float output.
+
 Examples
 --------
 >>> from cutlass_w8a8.models import LlamaDecoder, SMALL
@@ -34,12 +42,16 @@ from torch import nn
 
 from ..config import W8A8Config
 from ..linear import QuantizedActivation, W8A8Linear
+from ..ops._limits import BLOCK_SIZE
 from ..quantize import quantize_
 from .config import LlamaConfig
 
 __all__ = ["LlamaDecoder", "LlamaDecoderLayer"]
 
 _QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+# quant name -> W8A8Config fields (dtype, weight_block_size): per-channel int8 / fp8, or 128 x 128 block fp8
+_QUANT_SCHEMES = {"int8": (torch.int8, None), "fp8": (torch.float8_e4m3fn, None),
+                  "fp8-block": (torch.float8_e4m3fn, (BLOCK_SIZE, BLOCK_SIZE))}
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -102,9 +114,10 @@ class RMSNorm(nn.Module):
     - ``residual``: ``x``'s shape; first ``residual += x`` in place (vLLM's ``fused_add_rms_norm``), then the
       norm of the sum. That is how the decoder carries its residual stream.
     - ``quant_for``: the layer that consumes the output. A `W8A8Linear` gets a `QuantizedActivation` made in
-      the same kernel (`cutlass_w8a8.ops.rms_norm_quant` with the layer's ``quant_dtype`` and
-      ``input_scale``), equal to what the layer would make from the float output; anything else (None,
-      ``nn.Linear``, `DequantizedLinear`) gets the float output.
+      the same kernel (`cutlass_w8a8.ops.rms_norm_quant` with the layer's ``quant_dtype``, ``input_scale`` and
+      ``group_size``: per token, per tensor, or per 1 x 128 group for a block-scaled layer), equal to what the
+      layer would make from the float output; anything else (None, ``nn.Linear``, `DequantizedLinear`) gets the
+      float output.
     """
 
     def __init__(self, hidden: int, eps: float, device=None, dtype=None):
@@ -121,7 +134,7 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         if isinstance(quant_for, W8A8Linear):
             q, s = torch.ops.cutlass_w8a8.rms_norm_quant(x, self.weight, self.eps, quant_for.quant_dtype,
-                                                         quant_for.input_scale, residual)
+                                                         quant_for.input_scale, residual, quant_for.group_size)
             return _quantized_for(quant_for, q, s)
         if residual is None:
             return torch.ops.cutlass_w8a8.rms_norm(x, self.weight, self.eps)
@@ -139,10 +152,12 @@ class LlamaAttention(nn.Module):
 
     Attention reads positions ``0..position`` of each row's own slot only (split-KV CUDA kernels on the GPU; on
     the CPU, ``index_select`` of the slots and a masked ``scaled_dot_product_attention``); ``head_dim`` must be
-    a multiple of 8 in [8, 256]. A `W8A8Linear` ``o_proj`` whose output dtype is the model's (bfloat16 /
-    float16) gets a `QuantizedActivation` from `cutlass_w8a8.ops.decode_attention_quant` (its ``quant_dtype``
-    and ``input_scale``: quantized in the attention's last kernel, the very values the layer would make from
-    `cutlass_w8a8.ops.decode_attention`'s output); any other ``o_proj`` gets that float output.
+    a multiple of 8 in [8, 256]. A per-token or per-tensor `W8A8Linear` ``o_proj`` whose output dtype is the
+    model's (bfloat16 / float16) gets a `QuantizedActivation` from `cutlass_w8a8.ops.decode_attention_quant` (its
+    ``quant_dtype`` and ``input_scale``: quantized in the attention's last kernel, the very values the layer would
+    make from `cutlass_w8a8.ops.decode_attention`'s output); any other ``o_proj`` (a block-scaled one included:
+    there is no group-quantizing attention, so it quantizes the float output itself, per 1 x 128 group) gets that
+    float output.
     """
 
     def __init__(self, config: LlamaConfig, device=None, dtype=None):
@@ -164,7 +179,8 @@ class LlamaAttention(nn.Module):
         # The query heads (a strided view of qkv) over positions 0..position of each row's slot: (B, H * D).
         # The ops themselves, whose fake kernels check the arguments under torch.compile; SDPA's default scale.
         o_proj = self.o_proj
-        if isinstance(o_proj, W8A8Linear) and qkv.dtype == o_proj.dtype:  # bfloat16 / float16, the layer's output
+        # bfloat16 / float16, the layer's output; per token or per tensor (a block layer takes the float output)
+        if isinstance(o_proj, W8A8Linear) and qkv.dtype == o_proj.dtype and o_proj.weight_block_size is None:
             q, s = torch.ops.cutlass_w8a8.decode_attention_quant(qkv[:, :h], self.kv_cache, ctx.slots,
                                                                  ctx.positions, 1.0 / math.sqrt(d),
                                                                  o_proj.quant_dtype, o_proj.input_scale)
@@ -179,8 +195,9 @@ class LlamaMLP(nn.Module):
     ``MergedColumnParallelLinear`` layout: the gate rows first).
 
     ``silu(gate) * up`` is one fused kernel, which also quantizes for a `W8A8Linear` ``down_proj``
-    (`cutlass_w8a8.ops.silu_mul_quant`; else `cutlass_w8a8.ops.silu_mul`), with the same result as the torch
-    chain followed by the layer's own quantization. ``x``: float ``(..., hidden)``, or a
+    (`cutlass_w8a8.ops.silu_mul_quant` with its ``quant_dtype``, ``input_scale`` and ``group_size``; else
+    `cutlass_w8a8.ops.silu_mul`), with the same result as the torch chain followed by the layer's own
+    quantization. ``x``: float ``(..., hidden)``, or a
     `QuantizedActivation` for a `W8A8Linear` ``gate_up_proj``.
     """
 
@@ -198,7 +215,8 @@ class LlamaMLP(nn.Module):
             gate, up = gate_up.chunk(2, dim=-1)
             return down(F.silu(gate) * up)
         if isinstance(down, W8A8Linear):
-            q, s = torch.ops.cutlass_w8a8.silu_mul_quant(gate_up, down.quant_dtype, down.input_scale)
+            q, s = torch.ops.cutlass_w8a8.silu_mul_quant(gate_up, down.quant_dtype, down.input_scale,
+                                                         down.group_size)
             return down(_quantized_for(down, q, s))
         return down(torch.ops.cutlass_w8a8.silu_mul(gate_up))
 
@@ -216,13 +234,15 @@ class LlamaDecoderLayer(nn.Module):
     becomes the stream: it is updated in place. The stream after the layer is ``mlp_output + residual``,
     added by the next layer's (or the final) norm.
 
-    When the four projections are all bias-free `W8A8Linear` of one quantized dtype, or all bias-free
-    ``nn.Linear`` in the model dtype, and the model dtype is bfloat16 or float16, the layer runs as one op call,
+    When the four projections are all bias-free per-token / per-tensor `W8A8Linear` of one quantized dtype, or all
+    bias-free ``nn.Linear`` in the model dtype, and the model dtype is bfloat16 or float16, the layer runs as one op
+    call,
     ``torch.ops.cutlass_w8a8.decode_layer`` (csrc/models/decode_layer.cpp): the same kernels in the same order as the
     Python path below, so the same results bit for bit, but one Python-to-dispatcher crossing instead of ten,
     which is what an eager decode step of a small batch waits for. ``use_layer_op = False`` (an attribute of
     each layer) forces the Python path; any other projection type (`DequantizedLinear`, a float64 reference)
-    takes it anyway.
+    takes it anyway, and so do block-scaled `W8A8Linear` projections (``decode_layer`` is not taught their group
+    quantization: its activations are per token, which the block GEMM refuses).
     """
 
     def __init__(self, config: LlamaConfig, device=None, dtype=None):
@@ -235,9 +255,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def _layer_op_operands(self, h: torch.Tensor) -> Optional[list]:
         """decode_layer's operands from the first norm weight to kv_cache, or None when the layer must run its
-        Python path: every projection a bias-free `W8A8Linear` (output dtype ``h.dtype``) or a bias-free
-        ``nn.Linear`` in ``h.dtype``, all with weights of one dtype, ``h`` bfloat16 or float16. Read through the
-        modules' dicts, without generators: this runs once per layer and step on the host-bound path."""
+        Python path: every projection a bias-free `W8A8Linear` without weight blocks (output dtype ``h.dtype``) or
+        a bias-free ``nn.Linear`` in ``h.dtype``, all with weights of one dtype, ``h`` bfloat16 or float16. Read
+        through the modules' dicts, without generators: this runs once per layer and step on the host-bound
+        path."""
         dtype = h.dtype
         if not self.use_layer_op or (dtype is not torch.bfloat16 and dtype is not torch.float16):
             return None
@@ -256,7 +277,7 @@ class LlamaDecoderLayer(nn.Module):
             kind = type(mod)
             if kind is W8A8Linear:
                 b = mod._buffers
-                if b["bias"] is not None or mod.dtype != dtype:
+                if b["bias"] is not None or mod.dtype != dtype or mod.weight_block_size is not None:
                     return None
                 w = b["weight"]
                 out += (w, b["weight_scale"], b["input_scale"])
@@ -295,14 +316,16 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-def _quant_dtype(quant) -> Optional[torch.dtype]:
+def _quant_scheme(quant) -> Optional[str]:
+    """The name in `_QUANT_SCHEMES` of ``quant`` (None, "bf16", "none", a name, or torch.int8 / float8_e4m3fn)."""
     if quant is None or quant == "bf16" or quant == "none":
         return None
-    if isinstance(quant, str) and quant in _QUANT_DTYPES:
-        return _QUANT_DTYPES[quant]
-    if quant in _QUANT_DTYPES.values():
+    if isinstance(quant, str) and quant in _QUANT_SCHEMES:
         return quant
-    raise ValueError(f"LlamaDecoder: `quant` must be None, 'int8' or 'fp8', got {quant!r}")
+    for name, dtype in _QUANT_DTYPES.items():
+        if quant is dtype:
+            return name
+    raise ValueError(f"LlamaDecoder: `quant` must be None, 'int8', 'fp8' or 'fp8-block', got {quant!r}")
 
 
 class LlamaDecoder(nn.Module):
@@ -312,10 +335,14 @@ class LlamaDecoder(nn.Module):
     ----------
     config : LlamaConfig
         Dimensions; see `SMALL` and `LLAMA3_8B`.
-    quant : {None, "int8", "fp8"}
+    quant : {None, "int8", "fp8", "fp8-block"}
         None: every linear is a float ``nn.Linear`` in ``dtype``. "int8" / "fp8": the linears of the decoder
         layers are `W8A8Linear` (per-channel weights, dynamic per-token activations), quantized from the
-        very float weights the ``quant=None`` model of the same seed has.
+        very float weights the ``quant=None`` model of the same seed has. "fp8-block": block-scaled fp8
+        `W8A8Linear` (``W8A8Config(dtype=torch.float8_e4m3fn, weight_block_size=(128, 128))``: a scale per
+        128 x 128 weight block, activations per 1 x 128 group), from the same float weights; needs
+        ``hidden_size``, ``num_heads * head_dim`` and ``intermediate_size`` (the projections' K) to be multiples
+        of 128.
     max_batch : int
         Number of cache slots (sequences the cache can hold). One more slot, ``scratch_slot = max_batch``,
         is kept for padded rows: a padded row writes its keys and values there and nowhere else.
@@ -370,12 +397,12 @@ class LlamaDecoder(nn.Module):
                  seed: int = 0, quant_lm_head: bool = False, tp_group=None, tp_size: Optional[int] = None,
                  tp_lm_head: bool = False):
         super().__init__()
-        qdtype = _quant_dtype(quant)
+        scheme = _quant_scheme(quant)
         if dtype not in _MODEL_DTYPES:
             raise TypeError(f"LlamaDecoder: `dtype` must be bfloat16, float16 or float32, got {dtype}")
-        if qdtype is not None and dtype == torch.float32:
+        if scheme is not None and dtype == torch.float32:
             raise TypeError("LlamaDecoder: W8A8 layers output bfloat16 or float16; use that `dtype` with `quant`")
-        if qdtype is not None:
+        if scheme is not None:
             sizes = {"hidden_size": config.hidden_size, "qkv_size": config.qkv_size,
                      "num_heads * head_dim": config.num_heads * config.head_dim,
                      "intermediate_size": config.intermediate_size}
@@ -384,12 +411,23 @@ class LlamaDecoder(nn.Module):
             for name, v in sizes.items():
                 if v % 16:
                     raise ValueError(f"LlamaDecoder: W8A8 layers need multiples of 16, `{name}` is {v}")
+        if scheme == "fp8-block":
+            # the K of qkv / gate_up (and lm_head), o_proj, down_proj: the block GEMM's K is a multiple of 128
+            for name, v in (("hidden_size", config.hidden_size),
+                            ("num_heads * head_dim", config.num_heads * config.head_dim),
+                            ("intermediate_size", config.intermediate_size)):
+                if v % BLOCK_SIZE:
+                    raise ValueError(f"LlamaDecoder: quant='fp8-block' needs the projections' K to be multiples of "
+                                     f"{BLOCK_SIZE}, `{name}` is {v}")
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.config = config
-        self.quant = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}.get(qdtype)
+        self.quant = scheme
         self.dtype = dtype
         gen = torch.Generator(device=device).manual_seed(seed)
-        w8a8 = W8A8Config(dtype=qdtype, out_dtype=dtype) if qdtype is not None else None
+        w8a8 = None
+        if scheme is not None:
+            qdtype, block = _QUANT_SCHEMES[scheme]
+            w8a8 = W8A8Config(dtype=qdtype, out_dtype=dtype, weight_block_size=block)
         # Tensor parallelism (cutlass_w8a8.distributed.decoder): checked across ranks before anything is built;
         # each layer is built full (the same weights as the unsharded model of this seed), then sharded.
         self.tp_rank, self.tp_size, self._tp = 0, 1, None

@@ -9,30 +9,46 @@ import torch
 from torch import nn
 
 from ..linear import W8A8Linear, quantize_activations
+from ..ops._limits import BLOCK_SIZE
 from .llama import LlamaDecoder
 
 __all__ = ["DequantizedLinear", "float_reference"]
 
 
+def _expand_blocks(scale: torch.Tensor, rows: int, cols: int, block_rows: int) -> torch.Tensor:
+    """A per-group / per-block scale spread over the elements it scales: ``scale`` ``(ceil(rows / block_rows),
+    cols / 128)`` -> ``(rows, cols)`` (``block_rows`` 1: 1 x 128 groups; 128: 128 x 128 blocks)."""
+    out = scale.repeat_interleave(BLOCK_SIZE, dim=1)[:, :cols]
+    return out.repeat_interleave(block_rows, dim=0)[:rows] if block_rows > 1 else out
+
+
 class DequantizedLinear(nn.Module):
     """Float model of a `W8A8Linear`: the kernel's arithmetic without its rounding to the output dtype.
 
-    ``y = dequant(quant(x)) @ (weight * weight_scale[:, None]).T + bias``, where ``quant`` is the layer's own
-    activation quantizer (``torch.ops.cutlass_w8a8.quantize_per_token``, or ``quantize_per_tensor`` with
-    its static ``input_scale``) applied to ``x`` in the input's dtype, and everything else runs in the
-    input's dtype (float32 in `float_reference`). Shapes as `W8A8Linear`.
+    ``y = dequant(quant(x)) @ dequant(weight).T + bias``, where ``quant`` is the layer's own activation quantizer
+    (``torch.ops.cutlass_w8a8.quantize_per_token``, ``quantize_per_tensor`` with its static ``input_scale``, or
+    ``quantize_per_token_group`` with 1 x 128 groups for a block-scaled layer) applied to ``x`` in the input's
+    dtype, ``dequant(weight)`` is ``weight * weight_scale`` per channel, per tensor or per 128 x 128 block, and
+    everything else runs in the input's dtype (float32 in `float_reference`). Shapes as `W8A8Linear`.
     """
 
     def __init__(self, mod: W8A8Linear):
         super().__init__()
         self.in_features, self.out_features, self.quant_dtype = mod.in_features, mod.out_features, mod.quant_dtype
-        self.register_buffer("weight", mod.weight.float() * mod.weight_scale.reshape(-1, 1))
+        self.group_size = mod.group_size
+        if self.group_size:
+            scale = _expand_blocks(mod.weight_scale.float(), mod.out_features, mod.in_features, BLOCK_SIZE)
+        else:
+            scale = mod.weight_scale.reshape(-1, 1)
+        self.register_buffer("weight", mod.weight.float() * scale)
         self.register_buffer("bias", mod.bias.float() if mod.bias is not None else None)
         self.register_buffer("input_scale", mod.input_scale.clone() if mod.input_scale is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        q, s = quantize_activations(x2, self.input_scale, self.quant_dtype)
+        q, s = quantize_activations(x2, self.input_scale, self.quant_dtype, self.group_size)
+        if self.group_size:
+            s = _expand_blocks(s, *q.shape, 1)
         y = (q.to(x.dtype) * s.to(x.dtype)) @ self.weight.to(x.dtype).t()
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
