@@ -50,6 +50,9 @@ void linear_decode_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& b
 // quant/quantize.cu
 std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, at::ScalarType dtype);
 at::Tensor quantize_per_tensor(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype);
+// quant/quantize_group.cu: dynamic 1 x 128 groups, (q [..., K], scale float32 [..., K / 128])
+std::tuple<at::Tensor, at::Tensor> quantize_per_token_group(const at::Tensor& x, int64_t group_size,
+                                                            at::ScalarType dtype);
 
 // quant/rms_norm.cu, quant/silu_mul.cu: RMSNorm (with the residual add) and SiLU-and-mul, optionally fused with quantization
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -77,6 +77,7 @@ TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
   m.impl("linear_decode_out", &cutlass_w8a8::linear_decode_out);
   m.impl("quantize_per_token", &cutlass_w8a8::quantize_per_token);
   m.impl("quantize_per_tensor", &cutlass_w8a8::quantize_per_tensor);
+  m.impl("quantize_per_token_group", &cutlass_w8a8::quantize_per_token_group);
   m.impl("rms_norm", &cutlass_w8a8::rms_norm);
   m.impl("fused_add_rms_norm", &cutlass_w8a8::fused_add_rms_norm);
   m.impl("rms_norm_quant", &cutlass_w8a8::rms_norm_quant);

@@ -5,6 +5,13 @@
 // The result equals quantize_per_token / quantize_per_tensor followed by
 // scaled_mm(q, weight.t(), scale, weight_scale, out_dtype, bias) bit for bit.
 //
+// Block weight scales (e4m3 weight [N, K], weight_scale float32 [ceil(N/128), ceil(K/128)]: DeepSeek-V3 /
+// compressed-tensors FP8_BLOCK; is_block_weight_scaled below, ops/_roles.py block_weight_scaled): x is quantized
+// per 1 x 128 group (quant/quantize_group.cu) into the temporary (q [M, K], then scales [M, K/128]) and the
+// block-scaled GEMM runs (cw8a8_scaled_mm_args.scale_block): equal to quantize_per_token_group(x, 128, e4m3)
+// followed by scaled_mm(q, weight.t(), scales, weight_scale, out_dtype, bias) bit for bit. input_scale must then
+// be None and K a multiple of 128.
+//
 // The messages are the ones the CPU and fake implementations raise (Python's _check_w8a8_linear): dtypes and
 // shapes are printed as Python prints them.
 #include <optional>
@@ -24,6 +31,16 @@ namespace {
 constexpr const char* kOp = "w8a8_linear";
 
 bool is_float_act(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; }
+
+// ops/_roles.py block_weight_scaled: an e4m3 [N, K] weight whose 2-D weight_scale is (ceil(N/128), ceil(K/128)),
+// holds more than one value and is not a per-channel (N, 1) / (1, N).
+bool is_block_weight_scaled(const at::Tensor& weight, const at::Tensor& weight_scale) {
+  if (weight.dim() != 2 || weight.scalar_type() != at::kFloat8_e4m3fn || weight_scale.dim() != 2) return false;
+  const int64_t n = weight.size(0), k = weight.size(1), bs = limits::kBlockSize;
+  const int64_t rows = weight_scale.size(0), cols = weight_scale.size(1);
+  const bool per_channel = (rows == n && cols == 1) || (rows == 1 && cols == n);
+  return rows == (n + bs - 1) / bs && cols == (k + bs - 1) / bs && weight_scale.numel() > 1 && !per_channel;
+}
 
 void check(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
            const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,
@@ -51,11 +68,18 @@ void check(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weig
   check_gemm_dim(kOp, "weight", "N = weight.shape[0]", n);
   check_int8_k(kOp, "weight", weight.scalar_type(), k);
   const int64_t sb = weight_scale.numel();
-  CW8A8_CHECK_VALUE(weight_scale.dim() <= 2 && (sb == 1 || (sb == n && (weight_scale.dim() == 1 ||
-                                                                         weight_scale.size(0) == 1 ||
-                                                                         weight_scale.size(1) == 1))),
-                    kOp, "weight_scale", "must hold 1 (per-tensor) or N = ", n,
-                    " (per-channel: (N,), (N, 1) or (1, N)) values, got shape ", py_tuple(weight_scale.sizes()));
+  if (is_block_weight_scaled(weight, weight_scale)) {
+    CW8A8_CHECK_VALUE(!input_scale, kOp, "input_scale", "must be None with block weight scales (activations are "
+                      "quantized per 1x128 group at run time), got a tensor");
+    CW8A8_CHECK_VALUE(k % limits::kBlockSize == 0, kOp, "weight", "K = weight.shape[1] must be a multiple of ",
+                      limits::kBlockSize, " with block scales, got ", k);
+  } else {
+    CW8A8_CHECK_VALUE(weight_scale.dim() <= 2 && (sb == 1 || (sb == n && (weight_scale.dim() == 1 ||
+                                                                           weight_scale.size(0) == 1 ||
+                                                                           weight_scale.size(1) == 1))),
+                      kOp, "weight_scale", "must hold 1 (per-tensor) or N = ", n,
+                      " (per-channel: (N,), (N, 1) or (1, N)) values, got shape ", py_tuple(weight_scale.sizes()));
+  }
   check_contiguous(kOp, "weight_scale", weight_scale);
   if (input_scale) {
     CW8A8_CHECK_VALUE(input_scale->numel() == 1, kOp, "input_scale",
@@ -89,16 +113,22 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   at::Tensor out = at::empty(out_shape, x.options().dtype(out_dtype));
   if (m == 0) return out;
 
-  // One temporary for the quantized rows and, per-token, their scales: q [M, K] then, 16-byte aligned, M floats.
+  // One temporary for the quantized rows and their dynamic scales: q [M, K] then, 16-byte aligned, M floats
+  // (per token) or M x K/128 floats (block weight scales: per 1 x 128 group, row-major); none with input_scale.
   const at::ScalarType qtype = weight.scalar_type();
+  const bool block = is_block_weight_scaled(weight, weight_scale);
+  const int64_t groups = k / limits::kBlockSize;
   const int64_t q_bytes = (m * k + 15) / 16 * 16;
-  at::Tensor workspace = at::empty({q_bytes + (input_scale ? 0 : 4 * m)}, x.options().dtype(at::kByte));
+  const int64_t scale_count = input_scale ? 0 : block ? m * groups : m;
+  at::Tensor workspace = at::empty({q_bytes + 4 * scale_count}, x.options().dtype(at::kByte));
   auto* q = static_cast<uint8_t*>(workspace.data_ptr());
   float* token_scales = input_scale ? nullptr : reinterpret_cast<float*>(q + q_bytes);
   const cudaStream_t stream = current_stream(x);
   const quant::Rows rows{x2.data_ptr(), x2.stride(0), q, k, m, static_cast<int>(k), x.scalar_type()};
   if (input_scale) {
     quant::launch_quantize_per_tensor(rows, input_scale->data_ptr<float>(), qtype, stream);
+  } else if (block) {
+    quant::launch_quantize_per_token_group(rows, token_scales, groups, qtype, stream);
   } else {
     quant::launch_quantize_per_token(rows, token_scales, qtype, stream);
   }
@@ -119,9 +149,10 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   g.d = out.data_ptr();
   g.ldd = n;
   g.scale_a = input_scale ? input_scale->data_ptr<float>() : token_scales;
-  g.scale_a_per_token = !input_scale;
+  g.scale_a_per_token = !input_scale && !block;
   g.scale_b = weight_scale.data_ptr<float>();
-  g.scale_b_per_channel = weight_scale.numel() != 1;
+  g.scale_b_per_channel = weight_scale.numel() != 1 && !block;
+  g.scale_block = block;
   g.bias = bias ? bias->data_ptr() : nullptr;
   g.device = x.device().index();
   cw8a8_scaled_mm_args args = pack_scaled_mm(g);

@@ -1,5 +1,5 @@
 // The activation quantizers of quantize.cu as launch functions, for ops that quantize on their way into a GEMM
-// (w8a8_linear in linear.cu). The tensors are trusted: the caller has checked dtypes, devices and shapes.
+// (w8a8_linear in gemm/w8a8_linear.cu). The tensors are trusted: the caller has checked dtypes, devices and shapes.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -28,5 +28,10 @@ void launch_quantize_per_token(const Rows& r, float* scales, at::ScalarType dtyp
 
 // Static per-tensor with the one float32 value at `scale` (device memory).
 void launch_quantize_per_tensor(const Rows& r, const float* scale, at::ScalarType dtype, cudaStream_t stream);
+
+// Dynamic per-token-group (quantize_group.cu), 1 x 128 groups: q[m, k] = sat(rne(x[m, k] / s[m, k / 128])),
+// s[m, g] = max |x[m, 128 g .. 128 g + 127]| / QMAX written to scales[m * scale_stride + g]. r.k a multiple of 128.
+void launch_quantize_per_token_group(const Rows& r, float* scales, int64_t scale_stride, at::ScalarType dtype,
+                                     cudaStream_t stream);
 
 }  // namespace cutlass_w8a8::quant

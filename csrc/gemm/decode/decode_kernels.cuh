@@ -82,6 +82,8 @@ constexpr int kSteps = 4;                                  // steps per block
 constexpr int kBlockBytes = kStepBytes * kSteps;           // 256: one warp's unit of work
 constexpr int kChunkBytes = kBlockBytes * kWarps;          // 2048: linear_decode's shared-memory chunk of K
 constexpr int kChunkPitch = kChunkBytes + 64;              // row pitch = 64 (mod 128): conflict-free LDS.128
+constexpr int kGroupBytes = static_cast<int>(limits::kBlockSize);  // block scales: a 1 x 128 group of K, 2 steps
+constexpr int kGroupsPerBlock = kBlockBytes / kGroupBytes;         // 2: steps 0, 1 and steps 2, 3 of a block
 constexpr int kReduceThreads = 256;
 constexpr int kMainParams = 2;                             // (int64_t m, DecodeParams p)
 constexpr int kReduceParams = 2;
@@ -89,6 +91,10 @@ constexpr int kReduceParams = 2;
 // int8 K is bounded by limits::kInt8MaxK, the same bound as scaled_mm. Any K for fp8 up to limits::kDecodeMaxK
 // (2^30), so that K byte offsets (plus a block) stay 32-bit integers in the kernels.
 static_assert(limits::kDecodeMaxK + kBlockBytes <= INT32_MAX, "K byte offsets must stay 32-bit");
+// Block scales: a group is whole steps, a CTA's 16 rows lie in one 128-row block of N (one scale_b value per CTA
+// and group).
+static_assert(kGroupBytes % kStepBytes == 0 && kBlockBytes % kGroupBytes == 0 && kGroupBytes % kRows == 0,
+              "block-scale groups must be whole steps of a block, and a CTA's rows one 128-row block");
 
 // Everything but M, so that one captured launch serves every M <= its own (see the file comment).
 struct DecodeParams {
@@ -96,8 +102,9 @@ struct DecodeParams {
   int64_t lda;               // row stride of a, elements
   const uint8_t* w;          // the [N, K] row-major weight (b = w.t()), bytes
   int64_t ldw;               // row stride of w, bytes (= elements)
-  const float* scale_a;      // [1] or [M]; linear_decode with splits > 1: the in-kernel scales (workspace)
-  const float* scale_b;      // [1] or [N]
+  const float* scale_a;      // [1] or [M]; linear_decode with splits > 1: the in-kernel scales (workspace);
+                             // block scales: [M, K/128] row-major
+  const float* scale_b;      // [1] or [N]; block scales: [ceil(N/128), K/128] row-major
   const void* bias;          // [N] in the output type, or nullptr
   void* out;                 // [M, N] row-major, output type
   int64_t ldo;               // row stride of out, elements
@@ -105,7 +112,7 @@ struct DecodeParams {
   float* scales_out;         // linear_decode with splits > 1: where CTA (0, 0) writes the 16 row scales
   int64_t n;
   int k;                     // K <= limits::kDecodeMaxK: K offsets are 32-bit in the kernels (fewer registers)
-  int scale_a_per_token;
+  int scale_a_per_token;     // (both ignored with block scales: the kernel's kBlockScaled)
   int scale_b_per_channel;
   int splits;                // CTAs along K (grid.y)
   int blocks_per_split;      // K blocks per split, a multiple of kWarps
@@ -216,10 +223,21 @@ __device__ __forceinline__ OutT epilogue(Acc acc, float sa, float sb, float bias
   return from_float<OutT>(__fmaf_rn(sa, __fmul_rn(sb, acc_to_float(acc)), bias));
 }
 
+// Block scales: the accumulator is already scaled (mma_block_scaled); round_out(acc + c), one addition in float32.
+template <class OutT>
+__device__ __forceinline__ OutT epilogue_scaled(float acc, float bias) {
+  return from_float<OutT>(__fadd_rn(acc, bias));
+}
+
+template <class OutT>
+__device__ __forceinline__ float bias_term(const DecodeParams& p, int64_t ch) {
+  return p.bias != nullptr ? to_float(static_cast<const OutT*>(p.bias)[ch]) : 0.f;
+}
+
 template <class OutT>
 __device__ __forceinline__ void channel_terms(const DecodeParams& p, int64_t ch, float* sb, float* bias) {
   *sb = p.scale_b_per_channel ? p.scale_b[ch] : p.scale_b[0];
-  *bias = p.bias != nullptr ? to_float(static_cast<const OutT*>(p.bias)[ch]) : 0.f;
+  *bias = bias_term<OutT>(p, ch);
 }
 
 // One block of one warp: the weight fragments of rows g and g + 8 and the activation fragments of token 8j + g
@@ -343,6 +361,77 @@ __device__ __forceinline__ void mma_block(Acc (&acc)[NT][4], const BlockFrags<NT
   for (int u = 0; u < kSteps; ++u) mma_step(acc, f.w[u], f.x[u]);
 }
 
+// --- block scales (e4m3, scale_a [M, K/128], scale_b [ceil(N/128), K/128]) ---------------------------------------
+//
+// Block `blk` holds groups 2 blk (steps 0, 1) and 2 blk + 1 (steps 2, 3) of K. A thread's accumulators are
+// tokens 8j + 2t (c0, c2) and 8j + 2t + 1 (c1, c3) of tile j, for rows g and g + 8 of the CTA, which all lie in
+// weight-row block row0 / 128. So per group a thread needs scale_b[row0 / 128, kb] (one value for the whole CTA)
+// and scale_a[token, kb] for its 2 NT tokens: s[h][j][e] = scale_a[8j + 2t + e, 2 blk + h] * scale_b[.., 2 blk + h],
+// 0 for a token >= m or a group past K (whose weight fragments are zero anyway). Loaded with the block's other
+// operands, before its MMAs.
+template <int NT>
+struct BlockScales {
+  float s[kGroupsPerBlock][NT][2];
+};
+
+template <int NT>
+__device__ __forceinline__ void load_block_scales(BlockScales<NT>& sc, const float* scale_a, const float* sb_row,
+                                                  int kgroups, int m, int blk, int t) {
+#pragma unroll
+  for (int h = 0; h < kGroupsPerBlock; ++h) {
+    const int kb = blk * kGroupsPerBlock + h;
+    const bool in_k = kb < kgroups;
+    const float sb = in_k ? __ldg(sb_row + kb) : 0.f;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int token = 8 * j + 2 * t + e;
+        const float sa = in_k && token < m ? __ldg(scale_a + token * kgroups + kb) : 0.f;
+        sc.s[h][j][e] = __fmul_rn(sa, sb);
+      }
+    }
+  }
+}
+
+// As tie_to_weight_loads for the block's scales: without it ptxas issued the scale loads after the block's first
+// MMA (which waits for the weights from HBM), and the first group's scaling then waited for a second, L2 round
+// trip. The scales come from L1 / L2 before the weights arrive, so the tie costs no time; 2 NT logic instructions.
+template <int NT>
+__device__ __forceinline__ void tie_to_scale_loads(BlockFrags<NT>& f, const BlockScales<NT>& sc, uint32_t zero) {
+  uint32_t d = zero;
+#pragma unroll
+  for (int h = 0; h < kGroupsPerBlock; ++h) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) d &= __float_as_uint(sc.s[h][j][0]) & __float_as_uint(sc.s[h][j][1]);
+  }
+  f.w[0][0].x |= d;
+}
+
+// The block's MMAs group by group: each group's 2 steps accumulate from zero in float32, and the partial dot
+// products are added to the accumulators scaled by their token's s (acc = fma(part, s, acc)).
+template <int NT>
+__device__ __forceinline__ void mma_block_scaled(float (&acc)[NT][4], const BlockFrags<NT>& f,
+                                                 const BlockScales<NT>& sc) {
+  constexpr int kStepsPerGroup = kGroupBytes / kStepBytes;
+#pragma unroll
+  for (int h = 0; h < kGroupsPerBlock; ++h) {
+    float part[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) part[j][i] = 0.f;
+    }
+#pragma unroll
+    for (int u = h * kStepsPerGroup; u < (h + 1) * kStepsPerGroup; ++u) mma_step(part, f.w[u], f.x[u]);
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[j][i] = __fmaf_rn(part[j][i], sc.s[h][j][i % 2], acc[j][i]);
+    }
+  }
+}
+
 // 8 consecutive activations (16 bytes) of a bf16 / fp16 row.
 template <class XT>
 struct alignas(16) XVec {
@@ -439,11 +528,14 @@ __device__ __forceinline__ void quantize_chunk(const XT* x, int64_t ldx, int m, 
 
 // AB: Int8Ab / Fp8Ab. OutT: __nv_bfloat16 / __half. NT: token tiles (m <= 8 NT). XT: void (scaled_mm_decode:
 // `a` holds the quantized activations) or the type of x (linear_decode: quantized here; the output type is
-// x's). Grid (N / 16, splits), 256 threads.
-template <class AB, class OutT, int NT, class XT>
+// x's). kBlockScaled: e4m3 with block scales (scaled_mm_decode only; scale_a [M, K/128], scale_b
+// [ceil(N/128), K/128], K a multiple of 128): each group's partial dot products are scaled into the float32
+// accumulators (mma_block_scaled), and the epilogue adds only the bias. Grid (N / 16, splits), 256 threads.
+template <class AB, class OutT, int NT, class XT, bool kBlockScaled = false>
 __global__ void __launch_bounds__(kThreads, 2) decode_gemm_kernel(int64_t m64, DecodeParams p) {
   using Acc = typename AB::Acc;
   constexpr bool kFused = !std::is_void_v<XT>;
+  static_assert(!kBlockScaled || (std::is_same_v<AB, Fp8Ab> && !kFused), "block scales: scaled_mm_decode, e4m3");
   constexpr int kQRows = kFused ? 8 * NT : 1;
   constexpr int kQPitch = kFused ? kChunkPitch : 16;
   __shared__ alignas(16) Acc red[kWarps][NT][32][4];        // the warps' partial accumulators
@@ -477,7 +569,20 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemm_kernel(int64_t m64, D
   }
   BlockFrags<NT> f;
 
-  if constexpr (!kFused) {
+  if constexpr (kBlockScaled) {
+    const uint8_t* a = static_cast<const uint8_t*>(p.a);
+    const int kgroups = p.k / kGroupBytes;  // K / 128: the row length of both scale matrices
+    const float* sb_row = p.scale_b + (row0 / kGroupBytes) * kgroups;
+    BlockScales<NT> sc;
+    for (int blk = bs + warp; blk < be; blk += kWarps) {
+      load_block_weights(f, wg, p.ldw, blk, t, p.k);
+      load_block_acts_global(f, a, p.lda, m, blk, g, t, p.k);
+      load_block_scales(sc, p.scale_a, sb_row, kgroups, m, blk, t);
+      tie_to_weight_loads(f, p.zero);
+      tie_to_scale_loads(f, sc, p.zero);
+      mma_block_scaled(acc, f, sc);
+    }
+  } else if constexpr (!kFused) {
     const uint8_t* a = static_cast<const uint8_t*>(p.a);
     for (int blk = bs + warp; blk < be; blk += kWarps) {
       load_block_weights(f, wg, p.ldw, blk, t, p.k);
@@ -529,15 +634,19 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemm_kernel(int64_t m64, D
     for (int w = 1; w < kWarps; ++w) sum += red[w][j][src][reg];
     const int64_t ch = row0 + row;
     if (p.splits == 1) {
-      float sa;
-      if constexpr (kFused) {
-        sa = s_scale[token];
+      if constexpr (kBlockScaled) {
+        static_cast<OutT*>(p.out)[token * p.ldo + ch] = epilogue_scaled<OutT>(sum, bias_term<OutT>(p, ch));
       } else {
-        sa = p.scale_a_per_token ? p.scale_a[token] : p.scale_a[0];
+        float sa;
+        if constexpr (kFused) {
+          sa = s_scale[token];
+        } else {
+          sa = p.scale_a_per_token ? p.scale_a[token] : p.scale_a[0];
+        }
+        float sb, bias;
+        channel_terms<OutT>(p, ch, &sb, &bias);
+        static_cast<OutT*>(p.out)[token * p.ldo + ch] = epilogue<OutT>(sum, sa, sb, bias);
       }
-      float sb, bias;
-      channel_terms<OutT>(p, ch, &sb, &bias);
-      static_cast<OutT*>(p.out)[token * p.ldo + ch] = epilogue<OutT>(sum, sa, sb, bias);
     } else {
       static_cast<Acc*>(p.partials)[(static_cast<int64_t>(blockIdx.y) * kMaxTokens + token) * p.n + ch] = sum;
       if constexpr (kFused) {
@@ -548,8 +657,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemm_kernel(int64_t m64, D
 }
 
 // splits > 1: D[token, ch] = epilogue(sum over splits s = 0, 1, ... of partials[s][token][ch]). One thread per
-// channel, tokens < m. Grid ceil(N / 256); launched after the main kernel (stream order).
-template <class Acc, class OutT>
+// channel, tokens < m. Grid ceil(N / 256); launched after the main kernel (stream order). kBlockScaled: the
+// partials are already scaled, so only the bias is added (epilogue_scaled).
+template <class Acc, class OutT, bool kBlockScaled = false>
 __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(int64_t m64, DecodeParams p) {
   allow_dependent_launch();
   wait_for_producers();
@@ -557,13 +667,21 @@ __global__ void __launch_bounds__(kReduceThreads) decode_reduce_kernel(int64_t m
   const int64_t ch = static_cast<int64_t>(blockIdx.x) * kReduceThreads + threadIdx.x;
   if (ch >= p.n) return;
   const Acc* part = static_cast<const Acc*>(p.partials);
-  float sb, bias;
-  channel_terms<OutT>(p, ch, &sb, &bias);
+  float sb = 1.f, bias;
+  if constexpr (kBlockScaled) {
+    bias = bias_term<OutT>(p, ch);
+  } else {
+    channel_terms<OutT>(p, ch, &sb, &bias);
+  }
   for (int token = 0; token < m; ++token) {
     Acc sum = part[token * p.n + ch];
     for (int s = 1; s < p.splits; ++s) sum += part[(static_cast<int64_t>(s) * kMaxTokens + token) * p.n + ch];
-    const float sa = p.scale_a_per_token ? p.scale_a[token] : p.scale_a[0];
-    static_cast<OutT*>(p.out)[token * p.ldo + ch] = epilogue<OutT>(sum, sa, sb, bias);
+    if constexpr (kBlockScaled) {
+      static_cast<OutT*>(p.out)[token * p.ldo + ch] = epilogue_scaled<OutT>(sum, bias);
+    } else {
+      const float sa = p.scale_a_per_token ? p.scale_a[token] : p.scale_a[0];
+      static_cast<OutT*>(p.out)[token * p.ldo + ch] = epilogue<OutT>(sum, sa, sb, bias);
+    }
   }
 }
 

@@ -5,6 +5,12 @@
 //                     acc = A[M, K] @ W[N, K]^T (int8: exact int32; e4m3: float32)
 //   linear_decode:    the same with A = quantize_per_token(x) computed inside the kernel, bit for bit as
 //                     csrc/quant/quantize.cu computes it (so the two paths give identical D).
+//   block scales:     scaled_mm_decode with e4m3 operands, scale_a [M, K/128] and scale_b [ceil(N/128), K/128]
+//                     (core/checks.hpp is_block_scaled; cw8a8_scaled_mm_args.scale_block from scaled_mm):
+//                     D[m, n] = round(sum_kb scale_a[m, kb] * scale_b[n / 128, kb] * acc_kb[m, n] + bias[n]),
+//                     acc_kb the float32 dot product over K group kb. linear_decode has no block path: its
+//                     scale_b check refuses a [ceil(N/128), K/128] scale (w8a8_linear quantizes per group and
+//                     runs this GEMM instead).
 //
 // Checks: scaled_mm_decode makes scaled_mm's (gemm/scaled_mm_args.hpp, under its own name), then M in [1, 16] and
 // K <= 2**30; linear_decode makes ops/_checks.py check_linear_decode, in its order and wording. Whether the device runs
@@ -16,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -160,18 +167,19 @@ uint32_t choose_prefetch_bytes(const DeviceInfo& info, int64_t ldw, int blocks_p
   return static_cast<uint32_t>(per_row);
 }
 
-template <class AB, class OutT, class XT>
+template <class AB, class OutT, class XT, bool kBlockScaled = false>
 void launch_typed(const char* op, int64_t m, DecodeParams& p, cudaStream_t stream, bool pdl) {
   const dim3 grid(static_cast<unsigned>(p.n / kRows), static_cast<unsigned>(p.splits));
   if (m <= 8) {
-    launch(decode_gemm_kernel<AB, OutT, 1, XT>, grid, dim3(kThreads), stream, pdl, m, p);
+    launch(decode_gemm_kernel<AB, OutT, 1, XT, kBlockScaled>, grid, dim3(kThreads), stream, pdl, m, p);
   } else {
-    launch(decode_gemm_kernel<AB, OutT, 2, XT>, grid, dim3(kThreads), stream, pdl, m, p);
+    launch(decode_gemm_kernel<AB, OutT, 2, XT, kBlockScaled>, grid, dim3(kThreads), stream, pdl, m, p);
   }
   graph_nodes::note_m_param_launch(stream, m, op, kMainParams);
   if (p.splits > 1) {
     const dim3 rgrid(static_cast<unsigned>((p.n + kReduceThreads - 1) / kReduceThreads));
-    launch(decode_reduce_kernel<typename AB::Acc, OutT>, rgrid, dim3(kReduceThreads), stream, pdl, m, p);
+    launch(decode_reduce_kernel<typename AB::Acc, OutT, kBlockScaled>, rgrid, dim3(kReduceThreads), stream, pdl, m,
+           p);
     graph_nodes::note_m_param_launch(stream, m, op, kReduceParams);
   }
 }
@@ -197,11 +205,14 @@ DecodeParams common_params(const at::Tensor& act, const at::Tensor& b, const at:
 }
 
 // Fills the M-independent launch fields shared by both ops, allocates the split-K workspace, launches.
-// `xt` is the type of linear_decode's x, or Undefined for scaled_mm_decode.
+// `xt` is the type of linear_decode's x, or Undefined for scaled_mm_decode. `block`: e4m3 with block scales
+// (scaled_mm_decode only; p.scale_a [M, K/128], p.scale_b [ceil(N/128), K/128]).
 void run(const char* op, int64_t m, DecodeParams& p, at::ScalarType ab, at::ScalarType out_type,
-         at::ScalarType xt, const at::Tensor& like) {
+         at::ScalarType xt, const at::Tensor& like, bool block = false) {
   const int device = like.device().index();
   const bool fused = xt != at::ScalarType::Undefined;  // linear_decode: x's type is the output type
+  TORCH_CHECK(!block || (!fused && ab == at::kFloat8_e4m3fn), "cutlass_w8a8.", op,
+              ": block scales need float8_e4m3fn operands and quantized activations");  // the callers' checks hold it
   check_backend(op, device, ab == at::kFloat8_e4m3fn);
   c10::cuda::CUDAGuard guard(like.device());
   const DeviceInfo& info = device_info(device);
@@ -226,6 +237,12 @@ void run(const char* op, int64_t m, DecodeParams& p, at::ScalarType ab, at::Scal
     using OutT = decltype(out_tag);
     if (fused) {
       launch_typed<AB, OutT, OutT>(op, m, p, stream, pdl);
+    } else if constexpr (std::is_same_v<AB, Fp8Ab>) {
+      if (block) {
+        launch_typed<AB, OutT, void, true>(op, m, p, stream, pdl);
+      } else {
+        launch_typed<AB, OutT, void>(op, m, p, stream, pdl);
+      }
     } else {
       launch_typed<AB, OutT, void>(op, m, p, stream, pdl);
     }
@@ -250,7 +267,8 @@ void run_scaled_mm_decode(at::Tensor& out, const at::Tensor& a, const at::Tensor
   DecodeParams p = common_params(a, b, scale_b, bias, out);
   p.scale_a = scale_a.data_ptr<float>();
   p.scale_a_per_token = scale_a.numel() == 1 ? 0 : 1;
-  run(kGemmOp, a.size(0), p, a.scalar_type(), out.scalar_type(), at::ScalarType::Undefined, a);
+  const bool block = is_block_scaled(a, b, scale_a, scale_b);  // checked by check_scaled_mm: e4m3, K % 128 == 0
+  run(kGemmOp, a.size(0), p, a.scalar_type(), out.scalar_type(), at::ScalarType::Undefined, a, block);
 }
 
 void run_linear_decode(at::Tensor& out, const at::Tensor& x, const at::Tensor& b, const at::Tensor& scale_b,
@@ -279,7 +297,8 @@ void launch_scaled_mm_decode(const cw8a8_scaled_mm_args& args, const at::Tensor&
   p.n = args.n;
   p.k = static_cast<int>(args.k);
   run(kGemmOp, args.m, p, args.ab_type == CW8A8_AB_INT8 ? at::kChar : at::kFloat8_e4m3fn,
-      args.out_type == CW8A8_OUT_BF16 ? at::kBFloat16 : at::kHalf, at::ScalarType::Undefined, a);
+      args.out_type == CW8A8_OUT_BF16 ? at::kBFloat16 : at::kHalf, at::ScalarType::Undefined, a,
+      args.scale_block != 0);
 }
 
 void scaled_mm_decode_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
