@@ -47,8 +47,9 @@ KERNEL_RULES: tuple[Rule, ...] = (
     # template argument names the op: RmsNormRow (csrc/quant/rms_norm.cu: rms_norm, fused_add_rms_norm,
     # rms_norm_quant) or SiluMulRow (csrc/quant/silu_mul.cu: silu_mul, silu_mul_quant)
     Rule("norm/act (+quant)", head=("rowwise_",), name=("rmsnormrow", "silumulrow")),
-    # csrc/quant/quantize.cu: the standalone activation quantizers (quantize_per_token / quantize_per_tensor)
-    Rule("quant", head=("per_token_regs_kernel", "per_token_loop_kernel", "per_tensor_kernel")),
+    # csrc/quant/quantize.cu: the standalone activation quantizers (quantize_per_token / quantize_per_tensor);
+    # csrc/quant/quantize_group.cu: per 1 x 128 group (quantize_per_token_group, a block-scaled layer's input)
+    Rule("quant", head=("per_token_regs_kernel", "per_token_loop_kernel", "per_tensor_kernel", "per_group_kernel")),
     # csrc/gemm/decode/decode_kernels.cuh: the M <= 16 GEMM and its split-K reduction
     Rule("gemm w8a8", head=("decode_gemm_kernel", "decode_reduce_kernel")),
     # csrc/gemm/sm90 (CUTLASS 3.x: cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<...>>) and
@@ -125,17 +126,20 @@ def summarize_kernels(events: Iterable[tuple[str, float]]) -> dict[str, Any]:
 
 CLASS_BYTES_NOTES = (
     ("gemm w8a8", "every 8-bit weight with its float32 scales (the 8-bit lm_head included when quantized) + per "
-                  "GEMM the rows' 8-bit input with a float32 scale per row and their output in the model dtype"),
+                  "GEMM the rows' 8-bit input with its float32 scales (one per row; one per 1x128 group for a "
+                  "block-scaled layer) and their output in the model dtype"),
     ("gemm bf16", "the weights of the float nn.Linear layers (the bf16 lm_head; every linear of the bf16 model) + "
                   "per GEMM the rows' input and output in the model dtype"),
     ("attention", "the KV-cache positions read (as in the HBM-limited step time) + per layer the rows' query "
-                  "heads and their output (8-bit with a row scale when o_proj is W8A8: the quantization folded "
-                  "into attention; else the model dtype)"),
+                  "heads and their output (8-bit with a row scale when o_proj is a per-token W8A8 layer: the "
+                  "quantization folded into attention; else, a block-scaled o_proj included, the model dtype)"),
     ("norm/act (+quant)", "per RMSNorm its weight, the rows in (x, and the residual stream when there is one) "
-                          "and out (the stream, and y: 8-bit with a row scale when its consumer is W8A8); per "
-                          "SiLU*mul the rows' gate and up in, the product out (8-bit likewise)"),
+                          "and out (the stream, and y: 8-bit with its scales when its consumer is W8A8: one per "
+                          "row, or one per 1x128 group for a block-scaled layer); per SiLU*mul the rows' gate and "
+                          "up in, the product out (8-bit likewise)"),
     ("quant", "per standalone quantization kernel that ran: the rows of o_proj's input (num_heads * head_dim) "
-              "in the model dtype, out in 8 bits with a row scale"),
+              "in the model dtype, out in 8 bits with o_proj's scales (per row, or per 1x128 group: a "
+              "block-scaled o_proj quantizes attention's output itself)"),
     ("rope + kv write", "per layer the rows' q, k, v heads in, the rotated q and k heads out, k and v into the "
                         "cache, and the rows' (cos, sin) float32 table entries"),
     ("copy", "not counted (the step's host-to-device input copy)"),
@@ -182,21 +186,28 @@ def step_class_bytes(model: Any, rows: int, kv_positions: int, kv_bytes_per_posi
     def nbytes(t) -> int:
         return 0 if t is None else t.numel() * t.element_size()
 
-    def out_bytes(width: int, consumer) -> int:  # a row-wise output for `consumer`: 8-bit + row scale, or float
-        return rows * (width + 4) if isinstance(consumer, W8A8Linear) else rows * width * e
+    def scale_bytes(width: int, consumer) -> int:  # float32 activation scales of one row for a W8A8 consumer
+        return 4 * (width // 128) if getattr(consumer, "group_size", 0) else 4
+
+    def out_bytes(width: int, consumer) -> int:  # a row-wise output for `consumer`: 8-bit + its scales, or float
+        return rows * (width + scale_bytes(width, consumer)) if isinstance(consumer, W8A8Linear) else rows * width * e
+
+    def attention_out(o_proj) -> int:  # quantized inside attention only for a per-token / per-tensor o_proj
+        return out_bytes(heads * d, o_proj) if not getattr(o_proj, "group_size", 0) else rows * heads * d * e
 
     w8 = [m for m in model.modules() if isinstance(m, W8A8Linear)]
     fl = [m for m in model.modules() if isinstance(m, nn.Linear)]
     gemm_w8a8 = _parts(
         weights=sum(nbytes(m.weight) + nbytes(m.weight_scale) + nbytes(m.input_scale) + nbytes(m.bias) for m in w8),
-        activations=sum(rows * (m.in_features + 4) + rows * m.out_features * e for m in w8))
+        activations=sum(rows * (m.in_features + scale_bytes(m.in_features, m)) + rows * m.out_features * e
+                        for m in w8))
     gemm_bf16 = _parts(weights=sum(nbytes(m.weight) + nbytes(m.bias) for m in fl),
                        activations=sum(rows * (m.in_features + m.out_features) * e for m in fl))
 
     layers = list(model.layers)
     o_projs = [layer.self_attn.o_proj for layer in layers]
     attention = _parts(kv=kv_positions * kv_bytes_per_position,
-                       activations=sum(rows * heads * d * e + out_bytes(heads * d, o) for o in o_projs))
+                       activations=sum(rows * heads * d * e + attention_out(o) for o in o_projs))
 
     norm_w, norm_a = 0, 0
     norms = []
@@ -213,7 +224,9 @@ def step_class_bytes(model: Any, rows: int, kv_positions: int, kv_bytes_per_posi
         norm_a += rows * 2 * inter * e + out_bytes(inter, layer.mlp.down_proj)
     norm_act = _parts(weights=norm_w, activations=norm_a)
 
-    quant = _parts(activations=quant_kernels * rows * (heads * d * e + heads * d + 4))
+    # the standalone quantization kernels that ran quantize o_proj's input (a block-scaled o_proj's, per group)
+    o_scale = scale_bytes(heads * d, o_projs[0]) if o_projs else 4
+    quant = _parts(activations=quant_kernels * rows * (heads * d * e + heads * d + o_scale))
     rope = _parts(activations=len(layers) * rows * ((heads + 2 * kvh) * d * e + (heads + kvh) * d * e
                                                     + 2 * kvh * d * e + d * 4))
     other = _parts(activations=rows * hidden * e * 2 + rows * d * 4 * 2)

@@ -10,11 +10,12 @@ from typing import Any, Optional
 
 from _decoder_kernels import CLASS_BYTES_NOTES, CLASSES, OTHER_NAMES_MAX
 
-# Model names: a base ("bf16": nn.Linear layers; "int8" / "fp8": W8A8Linear decoder layers), "+lmh" = lm_head
-# quantized too (W8A8Linear); without it lm_head stays a bf16 nn.Linear. MODELS lists every accepted name in
-# report order; DEFAULT_MODELS are run by default.
-MODELS = ("bf16", "int8", "int8+lmh", "fp8", "fp8+lmh")
-DEFAULT_MODELS = ("bf16", "int8", "int8+lmh", "fp8")
+# Model names: a base ("bf16": nn.Linear layers; "int8" / "fp8": W8A8Linear decoder layers, per-channel weights and
+# per-token activations; "fp8-block": block-scaled fp8 W8A8Linear, 128x128 weight blocks and 1x128 activation
+# groups), "+lmh" = lm_head quantized too (W8A8Linear); without it lm_head stays a bf16 nn.Linear. MODELS lists
+# every accepted name in report order; DEFAULT_MODELS are run by default.
+MODELS = ("bf16", "int8", "int8+lmh", "fp8", "fp8+lmh", "fp8-block", "fp8-block+lmh")
+DEFAULT_MODELS = ("bf16", "int8", "int8+lmh", "fp8", "fp8-block")
 MODES = ("eager", "graph")
 LMH = "+lmh"
 
@@ -23,6 +24,8 @@ TARGET_INT8_OVER_BF16 = 2.0    # int8 graph >= 2.0x bf16 graph at batch 1 (bf16 
 TARGET_GRAPH_OVER_EAGER = 1.5  # W8A8 (int8) graph >= 1.5x its eager step at batch 1
 TARGET_B1_OVER_HBM = 1.25      # int8 graph at batch 1 <= 1.25x its HBM-limited time
 TARGET_B8_OVER_HBM = 1.3       # int8 graph at batch 8 <= 1.3x its HBM-limited time
+# Target (issue 26): the block-scaled fp8 graph step at batch 1 <= 1.1x the row-wise fp8 one (bf16 lm_head in both).
+TARGET_BLOCK_OVER_FP8 = 1.1
 # The absolute batch-1 int8 graph step time of the issue, ms, by device name (first match; None: no target),
 # for its setting only: llama3-8b, 32 layers, --max-seq 512 (1.25x the limit of 8.07 GB at 3.35 / 4.8 TB/s).
 TARGET_B1_MS = (("H100 PCIe", None), ("H100 NVL", None), ("H100", 3.0), ("H200", 2.1))
@@ -31,7 +34,8 @@ TARGET_B1_MS_SETTING = {"name": "llama3-8b", "num_layers": 32, "max_seq": 512}
 
 def model_spec(name: str) -> tuple[Optional[str], bool]:
     """``(quant, quant_lm_head)`` of a model name of `MODELS`: ``"bf16"`` -> ``(None, False)``, ``"int8"`` ->
-    ``("int8", False)``, ``"int8+lmh"`` -> ``("int8", True)``. Raises ValueError for another name."""
+    ``("int8", False)``, ``"int8+lmh"`` -> ``("int8", True)``, ``"fp8-block"`` -> ``("fp8-block", False)``
+    (`cutlass_w8a8.models.LlamaDecoder`'s ``quant``). Raises ValueError for another name."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
     base = name[:-len(LMH)] if name.endswith(LMH) else name
@@ -86,8 +90,9 @@ def derive(results: dict[str, Any], copy_gbps: float) -> None:
     Per batch: speedups (baseline time / time: ``<m>_graph_x_bf16_graph``, ``<m>_graph_x_<m>_eager``), measured
     / HBM-limited time (``<m>_<mode>_over_hbm_limit``; None where the device's bandwidth is unknown), and the
     weight-read bandwidth of each graph step (bytes of the weights a step reads in full, all but the
-    embedding, / step time, GB/s = 1e9 B/s; and over ``copy_gbps``). Targets: a list of `_target` dicts, the
-    issue-18 ones (see the TARGET_* constants)."""
+    embedding, / step time, GB/s = 1e9 B/s; and over ``copy_gbps``); with the block model, its graph step time
+    over the row-wise fp8 one (``fp8-block_graph_over_fp8_graph``). Targets: a list of `_target` dicts, the
+    issue-18 ones (see the TARGET_* constants) and, where both fp8 models ran, issue 26's (``issue`` 26)."""
     models = results["models"]
 
     def point(name: str, b: int) -> Optional[dict]:
@@ -114,6 +119,10 @@ def derive(results: dict[str, Any], copy_gbps: float) -> None:
                 gbps = models[name]["weight_bytes_per_step"] / (tg * 1e-3) / 1e9
                 row[f"{name}_graph_weight_GBps"] = gbps
                 row[f"{name}_graph_weight_GBps_over_copy"] = gbps / copy_gbps
+        for lmh in ("", LMH):
+            if f"fp8-block{lmh}" in models and f"fp8{lmh}" in models:
+                row[f"fp8-block{lmh}_graph_over_fp8{lmh}_graph"] = _ratio(t(f"fp8-block{lmh}", b, "graph"),
+                                                                          t(f"fp8{lmh}", b, "graph"))
         derived[str(b)] = row
     results["derived"] = derived
 
@@ -149,6 +158,13 @@ def derive(results: dict[str, Any], copy_gbps: float) -> None:
                          if p8 else "batch 8 not measured"))
     items.append(_target("int8_graph_x_eager_b1", "W8A8 (int8) graph vs eager at batch 1 (x)",
                          d1.get("int8_graph_x_int8_eager"), TARGET_GRAPH_OVER_EAGER, ">="))
+    if "fp8-block" in models and "fp8" in models:
+        pb, pf = point("fp8-block", 1), point("fp8", 1)
+        detail = (f"{pb['graph']['median_ms']:.3f} ms vs {pf['graph']['median_ms']:.3f} ms" if pb and pf
+                  else "batch 1 not measured")
+        items.append({**_target("fp8_block_over_fp8_b1", "fp8-block graph / fp8 (row-wise) graph at batch 1 (x)",
+                                d1.get("fp8-block_graph_over_fp8_graph"), TARGET_BLOCK_OVER_FP8, "<=", detail),
+                      "issue": 26})
     bytes_ratio = None
     if "bf16" in models and "int8" in models:
         bytes_ratio = models["bf16"]["weight_bytes_per_step"] / models["int8"]["weight_bytes_per_step"]
@@ -270,18 +286,45 @@ def capture_table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def targets_lines(results: dict[str, Any]) -> list[str]:
-    """Markdown bullets: each target with its value, bound and "met" / "NOT met" ("n/a" where not measured)."""
+def targets_lines(results: dict[str, Any], issue: int = 18) -> list[str]:
+    """Markdown bullets: each target of ``issue`` (an item's ``"issue"``, 18 when absent) with its value, bound and
+    "met" / "NOT met" ("n/a" where not measured); issue 18's end with the ratio of weight bytes, bf16 / int8."""
     t = results["targets"]
     lines = []
     for item in t["items"]:
+        if item.get("issue", 18) != issue:
+            continue
         verdict = "n/a" if item["met"] is None else ("met" if item["met"] else "NOT met")
         bound = "no target" if item["bound"] is None else f"target {item['sense']} {item['bound']}"
         detail = f"; {item['detail']}" if item["detail"] else ""
         lines.append(f"- {item['label']}: {_fmt(item['value'], '.3f')} ({bound}): {verdict}{detail}")
-    lines.append("- ratio of weight bytes read per step, bf16 / int8: "
-                 f"{_fmt(t['weight_bytes_bf16_over_int8'], '.2f')}x")
+    if issue == 18:
+        lines.append("- ratio of weight bytes read per step, bf16 / int8: "
+                     f"{_fmt(t['weight_bytes_bf16_over_int8'], '.2f')}x")
     return lines
+
+
+def block_lines(results: dict[str, Any]) -> list[str]:
+    """Markdown: the block-scaled fp8 model's graph step over the row-wise fp8 one per batch, and issue 26's target
+    (empty without both models)."""
+    keys = [(f"fp8-block{lmh}", f"fp8{lmh}") for lmh in ("", LMH)
+            if f"fp8-block{lmh}" in results["models"] and f"fp8{lmh}" in results["models"]]
+    if not keys:
+        return []
+    rows = ["| batch | " + " | ".join(f"{b} graph ms | {f} graph ms | {b} / {f}" for b, f in keys) + " |",
+            "|---:|" + "---:|" * (3 * len(keys))]
+    for batch in results["batches"]:
+        cells = []
+        for blk, fp8 in keys:
+            cells += [_fmt(results["models"][m]["batches"][str(batch)]["graph"]["median_ms"], ".3f") for m in (blk, fp8)]
+            cells.append(_fmt(results["derived"][str(batch)].get(f"{blk}_graph_over_{fp8}_graph"), ".3f"))
+        rows.append(f"| {batch} | " + " | ".join(cells) + " |")
+    return ["", "## Block-scaled fp8 (issue 26)", "",
+            "- fp8-block: every decoder projection a `W8A8Linear` with 128x128 weight blocks, activations quantized "
+            "per 1x128 group (the fused norms and SiLU*mul with group_size = 128; o_proj quantizes attention's "
+            "float output itself); the layers run the Python path (no one-op `decode_layer`). fp8: per-channel "
+            "weights, per-token activations. Graph steps, bf16 lm_head unless +lmh.", "",
+            "\n".join(rows), "", "### Targets (issue 26)", "", *targets_lines(results, 26)]
 
 
 def _other_names(results: dict[str, Any]) -> list[str]:
@@ -355,6 +398,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         "## Targets (issue 18)",
         "",
         *targets_lines(results),
+        *block_lines(results),
     ]
     if results["errors"]:
         lines += ["", "## Models that did not run", ""]

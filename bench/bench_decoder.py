@@ -1,9 +1,11 @@
 """Decode benchmark: per-token latency of a Llama-3-8B-sized decoder, bf16 and W8A8, eager and CUDA graphs.
 
-Models (``--models``, names in `_decoder_report.MODELS`; default bf16, int8, int8+lmh, fp8), built one at a time
-from the same seed (`cutlass_w8a8.models.LlamaDecoder`, random weights, all 32 layers by default): ``bf16``
-(``nn.Linear`` layers), ``int8`` / ``fp8`` (`W8A8Linear` decoder layers, the embedding and ``lm_head`` in
-bf16) and ``int8+lmh`` / ``fp8+lmh`` (the same with a W8A8 ``lm_head``). For each model and batch size:
+Models (``--models``, names in `_decoder_report.MODELS`; default bf16, int8, int8+lmh, fp8, fp8-block), built one at
+a time from the same seed (`cutlass_w8a8.models.LlamaDecoder`, random weights, all 32 layers by default): ``bf16``
+(``nn.Linear`` layers), ``int8`` / ``fp8`` (`W8A8Linear` decoder layers, per-channel weights and per-token
+activations, the embedding and ``lm_head`` in bf16), ``fp8-block`` (block-scaled fp8 `W8A8Linear`: 128x128 weight
+blocks, 1x128 activation groups; issue 26's target: its graph step at batch 1 <= 1.1x fp8's) and ``int8+lmh`` /
+``fp8+lmh`` / ``fp8-block+lmh`` (the same with a W8A8 ``lm_head``). For each model and batch size:
 
 - ``eager``: `DecodeGraphRunner.step(..., use_graph=False)`: the step launched kernel by kernel.
 - ``graph``: the same step replayed from the bucket's CUDA graph (`DecodeGraphRunner`).
@@ -72,7 +74,8 @@ from _decoder_report import DEFAULT_MODELS, LMH, MODELS, MODES, derive, model_sp
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-OPTIONAL_MODELS = frozenset({"fp8", "fp8+lmh"})  # a build without fp8 kernels records the error and goes on
+# a build without fp8 (or block fp8: sm90 only) kernels records the error and goes on
+OPTIONAL_MODELS = frozenset({"fp8", "fp8+lmh", "fp8-block", "fp8-block+lmh"})
 # Accuracy guard: relative Frobenius error of the logits, graph replay against the eager step (the same
 # kernels: they should agree bitwise; anything above this is a broken capture, not rounding).
 GRAPH_EAGER_REL_TOL = 1e-3

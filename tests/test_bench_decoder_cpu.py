@@ -3,6 +3,7 @@ class must move in one step (against arithmetic on the config of a tiny model), 
 command line, and the report (every table, the "met" / "NOT met" targets) rendered from a synthetic results
 dict. The benchmark itself needs a GPU; this keeps its pieces honest between GPU runs."""
 
+import copy
 import functools
 import importlib.util
 import math
@@ -52,6 +53,9 @@ KERNEL_NAMES = [
      "int)", "quant"),
     (f"void {_A}per_tensor_kernel<__nv_bfloat16, {_A}Int8Out>(__nv_bfloat16 const*, long, signed char*, long, "
      "float const*, long, long)", "quant"),
+    # csrc/quant/quantize_group.cu (quantize_per_token_group: a block-scaled o_proj quantizes attention's output)
+    (f"void {_A}per_group_kernel<__nv_bfloat16, {_A}Fp8Out>(__nv_bfloat16 const*, long, __nv_fp8_storage_t*, long, "
+     "float*, long, long)", "quant"),
     # csrc/gemm/decode/decode_kernels.cuh (scaled_mm_decode, and linear_decode with XT = the input type)
     (f"void {_A}decode_gemm_kernel<{_A}Int8Ab, __nv_bfloat16, 1, void>(long, {_A}DecodeParams)", "gemm w8a8"),
     (f"void {_A}decode_gemm_kernel<{_A}Fp8Ab, __half, 2, __half>(long, {_A}DecodeParams)", "gemm w8a8"),
@@ -200,6 +204,37 @@ def test_step_class_bytes(bench, quant, lmh):
     assert weights == model.weight_nbytes(include_embedding=False)
 
 
+@pytest.mark.parametrize("lmh", [False, True])
+def test_step_class_bytes_block(bench, lmh):
+    """A block-scaled fp8 model (128x128 weight blocks, 1x128 activation groups): its weight scales, one float32 per
+    128x128 block, and per row one activation scale per 128 columns wherever an 8-bit activation is made; attention
+    hands o_proj its float output, which o_proj's standalone group quantization reads."""
+    from cutlass_w8a8.models import LlamaConfig, LlamaDecoder
+
+    c = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=384, num_layers=2, num_heads=4,
+                    num_kv_heads=2)
+    model = LlamaDecoder(c, "fp8-block", max_batch=4, max_seq_len=32, quant_lm_head=lmh)
+    rows, kv_positions, quant_kernels, e = 3, 7, 2, 2
+    h, hd, inter, kvh, d, nl = c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size, c.num_kv_heads, \
+        c.head_dim, c.num_layers
+    kv_per_position = nl * 2 * kvh * d * e
+    got = bench.kernels.step_class_bytes(model, rows, kv_positions, kv_per_position, quant_kernels)
+    w8 = [(h, (c.num_heads + 2 * kvh) * d), (hd, h), (h, 2 * inter), (inter, h)] * nl + ([(h, c.vocab_size)] if lmh else [])
+    blocks = sum(-(-n // 128) * (k // 128) for k, n in w8)
+    assert got["gemm w8a8"]["weights"] == sum(n * k for k, n in w8) + 4 * blocks
+    assert got["gemm w8a8"]["activations"] == sum(rows * (k + 4 * (k // 128)) + rows * n * e for k, n in w8)
+    assert got["attention"]["activations"] == nl * 2 * rows * hd * e  # q in, the float output out
+    assert got["quant"]["total"] == quant_kernels * rows * (hd * e + hd + 4 * (hd // 128))
+
+    def y(width, consumer_q8):
+        return rows * (width + 4 * (width // 128)) if consumer_q8 else rows * width * e
+    norm = sum((rows * h * e * (3 if i > 0 else 1) + y(h, True)) + (rows * h * e * 3 + y(h, True)) for i in range(nl))
+    norm += rows * h * e * 3 + y(h, lmh)
+    assert got["norm/act (+quant)"]["activations"] == norm + nl * (rows * 2 * inter * e + y(inter, True))
+    weights = sum(p["weights"] for p in got.values() if p is not None)
+    assert weights == model.weight_nbytes(include_embedding=False)
+
+
 def test_class_table(bench):
     k = bench.kernels
     prof = {"by_class": {"gemm w8a8": {"count": 129, "ms": 2.5}, "attention": {"count": 64, "ms": 0.2},
@@ -228,16 +263,19 @@ def test_class_table(bench):
 def test_parse_args(bench):
     b = bench.main
     args = b.parse_args([])
-    assert args.models == ["bf16", "int8", "int8+lmh", "fp8"] and args.class_batches == [1, 8]
+    assert args.models == ["bf16", "int8", "int8+lmh", "fp8", "fp8-block"] and args.class_batches == [1, 8]
     args = b.parse_args(["--models", "fp8,bf16,int8", "--quant-lm-head", "--batches", "1,32",
                          "--class-batches", "8,1"])
     assert args.models == ["bf16", "int8+lmh", "fp8+lmh"] and args.class_batches == [1]
+    args = b.parse_args(["--models", "fp8-block,fp8", "--quant-lm-head"])
+    assert args.models == ["fp8+lmh", "fp8-block+lmh"]
     assert b.parse_args(["--models", "int8+lmh,int8"]).models == ["int8", "int8+lmh"]
     with pytest.raises(SystemExit):
         b.parse_args(["--models", "int4"])
     r = bench.report
     assert r.model_spec("bf16") == (None, False) and r.model_spec("int8") == ("int8", False)
     assert r.model_spec("int8+lmh") == ("int8", True) and r.model_spec("fp8+lmh") == ("fp8", True)
+    assert r.model_spec("fp8-block") == ("fp8-block", False) and r.model_spec("fp8-block+lmh") == ("fp8-block", True)
     with pytest.raises(ValueError):
         r.model_spec("bf16+lmh")
     assert r.absolute_target_ms("NVIDIA H100 80GB HBM3") == 3.0 and r.absolute_target_ms("NVIDIA H200") == 2.1
@@ -318,6 +356,31 @@ def test_derive_targets(bench):
     assert _verdicts(_synthetic_results(bench, device="NVIDIA A100-SXM4-80GB"))["int8_b1_ms"] is None
     assert _verdicts(_synthetic_results(bench, layers=8))["int8_b1_ms"] is None
     assert _verdicts(_synthetic_results(bench, max_seq=1024))["int8_b1_ms"] is None
+
+
+def test_block_model_target_and_section(bench):
+    """With fp8-block beside fp8: its graph step over fp8's per batch, issue 26's target (<= 1.1x at batch 1) and
+    the report's block section; without fp8-block neither appears (the issue-18 list is unchanged)."""
+    res = _synthetic_results(bench)
+    assert "fp8_block_over_fp8_b1" not in _verdicts(res) and "## Block-scaled fp8" not in bench.report.render_markdown(res)
+    for graph_b1, met in ((3.2, True), (3.4, False)):  # fp8 graph at batch 1: 3.0 ms
+        res = _synthetic_results(bench)
+        block = copy.deepcopy(res["models"]["fp8"])
+        block["batches"]["1"]["graph"] = {"median_ms": graph_b1}
+        res["models"]["fp8-block"] = block
+        bench.report.derive(res, 2400.0)
+        assert res["derived"]["1"]["fp8-block_graph_over_fp8_graph"] == pytest.approx(graph_b1 / 3.0)
+        assert res["derived"]["8"]["fp8-block_graph_over_fp8_graph"] == pytest.approx(1.0)
+        assert _verdicts(res)["fp8_block_over_fp8_b1"] is met
+        report = bench.report.render_markdown(res)
+        lines = report.splitlines()
+        assert "## Block-scaled fp8 (issue 26)" in report and "### Targets (issue 26)" in report
+        target = [ln for ln in lines if ln.startswith("- fp8-block graph / fp8 (row-wise) graph at batch 1")]
+        assert len(target) == 1 and target[0].endswith(("): met" if met else "): NOT met") + f"; {graph_b1:.3f} ms vs 3.000 ms")
+        # issue 26's target is listed under its own heading only
+        issue18 = report[report.index("## Targets (issue 18)"):report.index("## Block-scaled fp8 (issue 26)")]
+        assert "fp8-block graph /" not in issue18
+        assert [ln for ln in lines if ln.startswith("| 1 | ")][-1].endswith(f"| {graph_b1 / 3.0:.3f} |")
 
 
 def test_render_markdown(bench, tmp_path):
@@ -420,7 +483,8 @@ def test_run_flow_on_cpu(bench, monkeypatch, tmp_path):
     profiled = []
     monkeypatch.setattr(b, "profile_step", lambda step: (profiled.append(step()), bench.kernels.summarize_kernels(
         kernel_events))[1])
-    tiny = models.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    # every K a multiple of 128 (the block model's projections): hidden 128, attention 4 x 32, MLP 128
+    tiny = models.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=128, num_layers=2, num_heads=4,
                               num_kv_heads=2)
 
     def build(config, quant, **kw):
@@ -438,12 +502,13 @@ def test_run_flow_on_cpu(bench, monkeypatch, tmp_path):
     cw = SimpleNamespace(set_pdl=set_pdl, pdl_enabled=lambda: pdl_state[0])
     bu = SimpleNamespace(copy_bandwidth_gbps=lambda: 2400.0, hbm_bandwidth_gbps=timers.hbm_bandwidth_gbps)
     args = b.parse_args(["--config", "small", "--layers", "1", "--batches", "1,3,8", "--class-batches", "1,3,16",
-                         "--steps", "1", "--warmup", "0", "--max-seq", "16", "--models", "bf16,int8,int8+lmh"])
+                         "--steps", "1", "--warmup", "0", "--max-seq", "16", "--models",
+                         "bf16,int8,int8+lmh,fp8,fp8-block"])
     res = b.run(args, cw, bu, (fake_models, runner))
 
-    assert pdl_state == [True] and pdl_calls == [True, False, True] * 3  # on, off, restored, per model
-    assert list(res["models"]) == ["bf16", "int8", "int8+lmh"] and res["class_batches"] == [1, 3]
-    assert len(profiled) == 2 * 3
+    assert pdl_state == [True] and pdl_calls == [True, False, True] * 5  # on, off, restored, per model
+    assert list(res["models"]) == ["bf16", "int8", "int8+lmh", "fp8", "fp8-block"] and res["class_batches"] == [1, 3]
+    assert len(profiled) == 2 * 5 and res["errors"] == {}
     for m, r in res["models"].items():
         assert r["lm_head"] == ("int8" if m == "int8+lmh" else "bf16")
         for batch in ("1", "3", "8"):
@@ -459,6 +524,9 @@ def test_run_flow_on_cpu(bench, monkeypatch, tmp_path):
             assert table["total"]["count"] == len(KERNEL_NAMES)
             w8 = table["gemm w8a8"]["bytes"]
             assert (w8 > 0) == (m != "bf16") and (table["gemm bf16"]["bytes"] > 0) == (m != "int8+lmh")
-    assert res["derived"]["1"]["int8+lmh_graph_x_bf16_graph"] > 0
-    assert {item["key"] for item in res["targets"]["items"]} >= {"int8_b1_over_hbm", "int8_x_bf16_b1"}
-    assert "### int8+lmh" in bench.report.render_markdown(res)
+    assert res["derived"]["1"]["int8+lmh_graph_x_bf16_graph"] > 0 and res["derived"]["8"]["fp8-block_graph_over_fp8_graph"] > 0
+    assert {item["key"] for item in res["targets"]["items"]} >= {"int8_b1_over_hbm", "int8_x_bf16_b1",
+                                                                 "fp8_block_over_fp8_b1"}
+    assert res["models"]["fp8-block"]["quant"] == "fp8-block"
+    report = bench.report.render_markdown(res)
+    assert "### int8+lmh" in report and "### fp8-block" in report and "## Block-scaled fp8 (issue 26)" in report
