@@ -31,22 +31,44 @@ def log(msg: str) -> None:
     print(f"cutlass_w8a8 setup: {msg}", file=sys.stderr)
 
 
-def cuda_build_possible() -> bool:
+def cuda_build_possible() -> tuple:
+    """``(True, "")`` when the CUDA extension can be built, else ``(False, label)``: the local version label that
+    says why not (see `version`)."""
     if os.environ.get("CUTLASS_W8A8_NO_CUDA") == "1":
         log("CUTLASS_W8A8_NO_CUDA=1: installing without the CUDA extension")
-        return False
+        return False, "nocuda.env"
     try:
         import torch
         from torch.utils.cpp_extension import CUDA_HOME
     except ImportError:
         log("torch is not importable (install torch first, then pip install --no-build-isolation): "
             "installing without the CUDA extension")
-        return False
-    if torch.version.cuda is None or CUDA_HOME is None:
-        log(f"torch {torch.__version__} has no CUDA or no CUDA toolkit was found: "
-            "installing without the CUDA extension")
-        return False
-    return True
+        return False, "nocuda.notorch"
+    if torch.version.cuda is None:
+        log(f"torch {torch.__version__} is a CPU-only build: installing without the CUDA extension")
+        return False, "nocuda.cputorch"
+    if CUDA_HOME is None:
+        log(f"torch {torch.__version__} has CUDA {torch.version.cuda} but no CUDA toolkit (nvcc) was found "
+            "(set CUDA_HOME): installing without the CUDA extension")
+        return False, "nocuda.nonvcc"
+    return True, ""
+
+
+def version(label: str) -> str:
+    """``cutlass_w8a8.__version__`` plus the local label ``label``, e.g. ``0.1.0+cu130.sm90a``.
+
+    pip shows a build's own output only with ``-v`` (checked with pip 23.2 and 26.3: the `log` lines above are
+    hidden on success), but it always prints the installed version, "Successfully installed
+    cutlass_w8a8-0.1.0+nocuda.cputorch": so the label says what was built. ``cu<CUDA>.sm<arch>...``: the CUDA
+    extension for those arches; ``nocuda.<why>``: the pure-Python package only, because of ``env``
+    (CUTLASS_W8A8_NO_CUDA=1), ``notorch`` (torch not importable), ``cputorch`` (a CPU-only torch) or ``nonvcc``
+    (a CUDA torch but no CUDA toolkit).
+    """
+    import re
+
+    with open(os.path.join(ROOT, "cutlass_w8a8", "__init__.py")) as f:
+        base = re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+    return f"{base}+{label}"
 
 
 def cutlass_include_dirs() -> list:
@@ -204,10 +226,18 @@ def checked_build_ext():
     return CheckedBuildExtension.with_options(no_python_abi_suffix=True, use_ninja=True)
 
 
-if cuda_build_possible():
-    ext_modules = extensions()
+build_cuda, label = cuda_build_possible()
+if build_cuda:
+    import re
+
+    import torch
+
+    ext_modules = extensions()  # sets TORCH_CUDA_ARCH_LIST when it was unset
     cmdclass = {"build_ext": checked_build_ext()}
+    arches = os.environ["TORCH_CUDA_ARCH_LIST"].replace(";", " ").split()
+    label = "cu" + torch.version.cuda.replace(".", "") + "".join(
+        ".sm" + re.sub(r"[^0-9a-z]", "", a.lower()) for a in arches)
 else:
     ext_modules, cmdclass = [], {}
 
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+setup(version=version(label), ext_modules=ext_modules, cmdclass=cmdclass)
