@@ -316,7 +316,8 @@ def block_lines(results: dict[str, Any]) -> list[str]:
     for batch in results["batches"]:
         cells = []
         for blk, fp8 in keys:
-            cells += [_fmt(results["models"][m]["batches"][str(batch)]["graph"]["median_ms"], ".3f") for m in (blk, fp8)]
+            cells += [_fmt(results["models"][m]["batches"][str(batch)]["graph"]["median_ms"], ".3f")
+                      for m in (blk, fp8)]
             cells.append(_fmt(results["derived"][str(batch)].get(f"{blk}_graph_over_{fp8}_graph"), ".3f"))
         rows.append(f"| {batch} | " + " | ".join(cells) + " |")
     return ["", "## Block-scaled fp8 (issue 26)", "",

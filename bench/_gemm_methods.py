@@ -1,6 +1,7 @@
 """bench/bench_gemm.py's methods: the names of the timed methods, the inputs of a point (`Weights` of a shape,
 `Activations` of an M) and `build_methods`, which gives ``name -> (fn, args)`` for every method but the torchao
-peers (bench/_gemm_torchao.py). Every tensor is on the current CUDA device.
+peers (bench/_gemm_torchao.py). Every tensor is on `DEVICE`, the current CUDA device
+(tests/test_bench_gemm_block_cpu.py runs the sweep's flow with ``"cpu"``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 import torch
+
+DEVICE = "cuda"
 
 # torchao peers: (method, torchao.quantization config class, label). See `TorchaoPeers`.
 TORCHAO_PEERS = (
@@ -34,7 +37,8 @@ OPTIONAL_METHODS = frozenset({"int_mm_scaled", "torch_fp8_rowwise", "ours_fp8", 
 class Weights:
     """The ``(N, K)`` weights of one shape: bf16, int8 and fp8 copies, per-channel scale ``(N,)`` float32,
     the bf16 ``nn.Linear`` with its int8 ``W8A8Linear`` and (when asked for) its fp8 one, or why that one
-    could not be built, and the torchao peers' quantized copies of the linear by method name."""
+    could not be built, the torchao peers' quantized copies of the linear by method name, and (when asked for)
+    the block-scaled fp8 operands."""
 
     w_bf16: torch.Tensor
     w_int8: torch.Tensor
@@ -45,6 +49,12 @@ class Weights:
     qlinear_fp8: Optional[torch.nn.Module] = None
     qlinear_fp8_error: Optional[str] = None
     torchao: dict = dataclasses.field(default_factory=dict)
+    # block-scaled fp8 (bench/_gemm_block.py), when asked for: the (ceil(N/128), K/128) weight block scales of
+    # w_fp8, torch's layout of them, and the linear's block-scaled W8A8Linear (or why it could not be built)
+    scale_b_block: Optional[torch.Tensor] = None
+    scale_b_block_torch: Optional[torch.Tensor] = None
+    qlinear_block: Optional[torch.nn.Module] = None
+    qlinear_block_error: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -58,22 +68,22 @@ class Activations:
 
 
 def _random_int8(*shape: int) -> torch.Tensor:
-    return torch.randint(-128, 128, shape, dtype=torch.int8, device="cuda")
+    return torch.randint(-128, 128, shape, dtype=torch.int8, device=DEVICE)
 
 
 def _random_fp8(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, dtype=torch.bfloat16, device="cuda").to(torch.float8_e4m3fn)
+    return torch.randn(*shape, dtype=torch.bfloat16, device=DEVICE).to(torch.float8_e4m3fn)
 
 
 def _random_scales(*shape: int) -> torch.Tensor:
     """Positive float32 scales, uniform in [0.5e-3, 1.5e-3)."""
-    return (torch.rand(*shape, dtype=torch.float32, device="cuda") + 0.5) * 1e-3
+    return (torch.rand(*shape, dtype=torch.float32, device=DEVICE) + 0.5) * 1e-3
 
 
 def make_weights(n: int, k: int, w8a8_linear: type, fp8_config: Any = None) -> Weights:
     """Random weights of one shape; ``fp8_config`` (a ``W8A8Config`` with fp8) also builds the fp8 linear."""
-    linear = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
-    wts = Weights(w_bf16=torch.randn(n, k, dtype=torch.bfloat16, device="cuda"), w_int8=_random_int8(n, k),
+    linear = torch.nn.Linear(k, n, bias=False, device=DEVICE, dtype=torch.bfloat16).requires_grad_(False)
+    wts = Weights(w_bf16=torch.randn(n, k, dtype=torch.bfloat16, device=DEVICE), w_int8=_random_int8(n, k),
                   w_fp8=_random_fp8(n, k), scale_b=_random_scales(n), linear=linear,
                   qlinear=w8a8_linear.from_float(linear))
     if fp8_config is not None:
@@ -85,7 +95,7 @@ def make_weights(n: int, k: int, w8a8_linear: type, fp8_config: Any = None) -> W
 
 
 def make_activations(m: int, k: int) -> Activations:
-    return Activations(x_bf16=torch.randn(m, k, dtype=torch.bfloat16, device="cuda"), a_int8=_random_int8(m, k),
+    return Activations(x_bf16=torch.randn(m, k, dtype=torch.bfloat16, device=DEVICE), a_int8=_random_int8(m, k),
                        a_fp8=_random_fp8(m, k), scale_a=_random_scales(m, 1))
 
 

@@ -15,6 +15,9 @@ For every (shape, M) point, on the current CUDA device, in one process:
   the default (on).
 - ``linear_w8a8_fp8``: ``W8A8Linear.from_float`` of the same linear with ``W8A8Config(dtype=float8_e4m3fn)``
   (per-token fp8 quantization of x plus our fp8 GEMM), with ``--fp8``.
+- ``ours_block`` / ``torch_block`` / ``linear_w8a8_block`` (and at M <= 16 the kernel family the dispatch does
+  not pick): block-scaled fp8, 1x128 activation groups x 128x128 weight blocks, ours against torch's blockwise
+  ``F.scaled_mm`` (bench/_gemm_block.py), with ``--fp8`` and ``--block-columns`` (default on).
 - torchao peers, with ``--torchao`` (default: on when ``import torchao`` works): a copy of the bf16
   ``nn.Linear`` quantized by ``torchao.quantization.quantize_`` with ``Int8WeightOnlyConfig()``
   (``torchao_int8wo``), ``Int8DynamicActivationInt8WeightConfig()`` (``torchao_int8dq``) and, with ``--fp8`` on
@@ -31,8 +34,16 @@ methods of a point are all captured first and their timed replays interleaved (s
 Before the timings of a point, ours is checked against a bf16 GEMM of the dequantized operands, and the
 quantized linears (ours and torchao's) against the bf16 ``nn.Linear``.
 
+fp8 accuracy (reported, every point): each fp8 GEMM path (CUTLASS row-wise, decode GEMM, block, torch's) against a
+float64 GEMM of the dequantized operands (bench/_gemm_accuracy.fp8_path_errors).
+
 Writes ``gemm_<device>.json`` (raw numbers), ``gemm_<device>.md`` (tables) and ``gemm_<device>.png``
 (speedup over bf16 and TOPS against M) to ``--out``.
+
+``--block``: only the block-scaled fp8 comparison (issue 26), on the DeepSeek-V3 and Qwen3 shapes
+(`cutlass_w8a8.testing.shapes.BLOCK_SHAPES`): ours block, torch blockwise, our and torch's row-wise fp8, bf16, the
+row-wise and block fp8 ``W8A8Linear``, and the read rate measured in the same run; writes
+``gemm_block_<device>.{json,md,png}``.
 
 Examples::
 
@@ -40,6 +51,8 @@ Examples::
     python bench/bench_gemm.py --quick --shapes 8b   # Llama-3-8B shapes, 6 values of M
     python bench/bench_gemm.py --m 1,128,4096 --no-fp8
     python bench/bench_gemm.py --quick --no-torchao     # without the torchao columns
+    python bench/bench_gemm.py --block                  # block fp8 vs torch blockwise, DeepSeek-V3 + Qwen3 shapes
+    python bench/bench_gemm.py --block --shapes dsv3 --quick
 """
 
 from __future__ import annotations
@@ -53,11 +66,15 @@ import torch
 
 from cutlass_w8a8.testing.cli import int_list
 from cutlass_w8a8.testing.report import provenance, publish, require_cuda_extension
-from cutlass_w8a8.testing.shapes import SHAPES, select_shapes
+from cutlass_w8a8.testing.shapes import BLOCK_SHAPES, SHAPES, select_shapes
 
 # bench/ is on sys.path (python bench/bench_gemm.py): the methods, the accuracy guard, the torchao peers and
 # the reports live in bench/_gemm_*.py.
-from _gemm_accuracy import GEMM_REL_TOL, LINEAR_REL_TOL, AccuracyError, check_accuracy
+from _gemm_accuracy import (ACCURACY_COLS, ACCURACY_ROWS, FP8_LINEAR_REL_TOL, GEMM_REL_TOL, LINEAR_REL_TOL,
+                            AccuracyError, check_accuracy, fp8_path_errors, rel_fro_error)
+from _gemm_block import (BLOCK_MODE_METHODS, BLOCK_OPTIONAL, accuracy_paths, block_linear, block_methods,
+                         block_operands, block_sections, block_targets, block_weight_scales, derive_block, plot_block,
+                         render_block_markdown)
 from _gemm_methods import OPTIONAL_METHODS, Weights, build_methods, make_activations, make_weights, short_error
 from _gemm_report import plot_results, render_markdown
 from _gemm_torchao import TorchaoPeers, check_torchao, make_torchao_peers
@@ -82,9 +99,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ms.add_argument("--quick", action="store_true", help=f"M in {{{','.join(map(str, QUICK_MS))}}}")
     parser.add_argument("--shapes", default=None, metavar="LIST",
                         help="comma-separated substrings; keep the shapes whose name contains one "
-                             f"(names: {', '.join(s[0] for s in SHAPES)})")
+                             f"(names: {', '.join(s[0] for s in SHAPES)}; with --block: "
+                             f"{', '.join(s[0] for s in BLOCK_SHAPES)})")
     parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True,
                         help="also time cutlass_w8a8 with float8_e4m3fn operands (default: on)")
+    parser.add_argument("--block", action="store_true",
+                        help="only the block-scaled fp8 comparison (ours vs torch blockwise F.scaled_mm, row-wise "
+                             "fp8, bf16) on the DeepSeek-V3 and Qwen3 shapes; writes gemm_block_<device>.*")
+    parser.add_argument("--block-columns", action=argparse.BooleanOptionalAction, default=True,
+                        help="in the full sweep, also time block-scaled fp8 (ours, torch blockwise, the block "
+                             "W8A8Linear) with --fp8 (default: on)")
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results"), metavar="DIR",
                         help="output folder for gemm_<device>.{json,md,png} (default: bench/results)")
     parser.add_argument("--replays", type=int, default=25, help="timed CUDA-graph replays per measurement")
@@ -104,9 +128,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.replays < 1:
         parser.error("--replays must be >= 1")
     args.m_values = sorted(set(args.m or (QUICK_MS if args.quick else DEFAULT_MS)))
-    args.shape_list = select_shapes(args.shapes)
+    if args.block and not args.fp8:
+        parser.error("--block needs fp8 (drop --no-fp8)")
+    table = BLOCK_SHAPES if args.block else SHAPES
+    args.shape_list = select_shapes(args.shapes, table)
     if not args.shape_list:
-        parser.error(f"--shapes {args.shapes!r} matches none of {', '.join(s[0] for s in SHAPES)}")
+        parser.error(f"--shapes {args.shapes!r} matches none of {', '.join(s[0] for s in table)}")
+    if args.block and args.torchao:
+        parser.error("--block times no torchao peers (drop --torchao)")
+    if args.block:
+        args.torchao = False
     return args
 
 
@@ -117,13 +148,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def time_methods(methods: dict, errors: dict[str, str], bu: Any, l2_bytes: int,
-                 args: argparse.Namespace) -> tuple[dict[str, float], dict[str, dict]]:
+                 args: argparse.Namespace, optional: frozenset = OPTIONAL_METHODS | BLOCK_OPTIONAL
+                 ) -> tuple[dict[str, float], dict[str, dict]]:
     """Time every method not already in ``errors``; ``(ms per call by method, timing details by method)``.
 
     All methods of the point are captured first and their timed replays interleaved
     (`bench_utils.bench_gpu_time_interleaved`), so every method runs under the same clocks. Timing them one
     after the other made the same kernel differ by up to 25% at large M on an H200, depending on its place
     in the sequence (2026-11-21: ``ours_int8`` against ``ours_int8_nopdl``, identical launches at M > 16).
+    A method of ``optional`` that fails is recorded in ``errors``; any other failure raises.
     """
     max_bytes = int(args.rotate_gb * 2**30)
     cases = {}
@@ -133,19 +166,19 @@ def time_methods(methods: dict, errors: dict[str, str], bu: Any, l2_bytes: int,
         try:
             fn(*fn_args)  # first call: torch's unsupported shapes fail here, not inside a capture
         except Exception as exc:  # noqa: BLE001
-            if name not in OPTIONAL_METHODS:
+            if name not in optional:
                 raise
             errors[name] = short_error(exc)
             continue
         try:
             cases[name] = (fn, bu.rotating_arg_sets(fn_args, l2_bytes, max_bytes))
         except Exception as exc:  # noqa: BLE001 (e.g. a module that cannot be deep-copied)
-            if name not in OPTIONAL_METHODS:
+            if name not in optional:
                 raise
             errors[name] = short_error(exc)
 
     def on_error(name: str, exc: BaseException) -> None:
-        if name not in OPTIONAL_METHODS:
+        if name not in optional:
             raise exc
         errors[name] = short_error(exc)
 
@@ -239,6 +272,9 @@ def run_sweep(args: argparse.Namespace, cw: Any, bu: Any, peers: Optional[Torcha
         "tolerances": {"gemm_rel_fro": GEMM_REL_TOL, "linear_rel_fro": LINEAR_REL_TOL},
         "fp8": args.fp8,
         "torchao": {"enabled": False, "reason": torchao_note},
+        "block_columns": bool(args.fp8 and args.block_columns),
+        "decode_gemm_max_m": cw._ext.decode_gemm_max_m(),
+        "accuracy_corner": f"{ACCURACY_ROWS} x {ACCURACY_COLS}",
         "m_values": args.m_values,
         "shapes": [{"name": s, "N": n, "K": k} for s, n, k in args.shape_list],
         "points": [],
@@ -248,6 +284,8 @@ def run_sweep(args: argparse.Namespace, cw: Any, bu: Any, peers: Optional[Torcha
         fp8_config = cw.W8A8Config(dtype=torch.float8_e4m3fn) if args.fp8 else None
         for shape, n, k in args.shape_list:
             wts = make_weights(n, k, cw.W8A8Linear, fp8_config)
+            if results["block_columns"]:
+                add_block_weights(wts, n, k, cw)
             if peers is not None:
                 wts.torchao = peers.quantize(wts.linear)
             for m in args.m_values:
@@ -266,7 +304,61 @@ def run_sweep(args: argparse.Namespace, cw: Any, bu: Any, peers: Optional[Torcha
             bar.close()
         if peers is not None:
             results["torchao"] = peers.summary()
+    if results["block_columns"]:
+        finish_block(results, bu, read_gbps, copy_gbps)
     return results
+
+
+def add_block_weights(wts: Weights, n: int, k: int, cw: Any) -> None:
+    """Give ``wts`` block-scaled fp8 operands: random ``(ceil(N/128), K/128)`` scales for ``wts.w_fp8`` (and torch's
+    layout of them) and the block-scaled ``W8A8Linear`` of ``wts.linear`` (or why it could not be built)."""
+    wts.scale_b_block, wts.scale_b_block_torch = block_weight_scales(n, k)
+    wts.qlinear_block, wts.qlinear_block_error = block_linear(wts.linear, cw)
+
+
+def check_fp8_guard(methods: dict, errors: dict[str, str], accuracy: dict, where: str) -> dict[str, float]:
+    """The accuracy guard of the fp8 methods that `check_accuracy` does not cover: ``ours_fp8`` and ``ours_block``
+    (as dispatched) against float64 (`GEMM_REL_TOL`), and the fp8 linears of ``methods`` not yet checked
+    (``linear_w8a8_block``; ``linear_w8a8_fp8`` in ``--block`` mode) against ``linear_bf16``
+    (`FP8_LINEAR_REL_TOL`). Raises AccuracyError past a bound; a linear that fails is recorded in ``errors``
+    and dropped from ``methods``. Returns the linears' relative errors."""
+    for name in ("ours_fp8", "ours_block"):
+        err = accuracy.get(name, {}).get("rel_fro")
+        if err is not None and not err < GEMM_REL_TOL:
+            raise AccuracyError(f"{where}: {name} relative Frobenius error {err:.3g} against float64 is not below "
+                                f"{GEMM_REL_TOL:g}")
+    rel: dict[str, float] = {}
+    names = [n for n in ("linear_w8a8_fp8", "linear_w8a8_block") if n in methods]
+    if not names:
+        return rel
+    ref_fn, ref_args = methods.get("linear_bf16") or (None, None)
+    ref = ref_fn(*ref_args)
+    for name in names:
+        fn, args = methods[name]
+        try:
+            out = fn(*args)
+        except Exception as exc:  # noqa: BLE001 (an optional layer that does not run is a result)
+            errors[name] = short_error(exc)
+            del methods[name]
+            continue
+        rel[name] = rel_fro_error(out, ref)
+        if not rel[name] < FP8_LINEAR_REL_TOL:  # also catches NaN
+            raise AccuracyError(f"{where}: {name} relative Frobenius error {rel[name]:.3g} against linear_bf16 is "
+                                f"not below {FP8_LINEAR_REL_TOL:g}")
+    return rel
+
+
+def finish_block(results: dict[str, Any], bu: Any, read_start: float, copy_gbps: float) -> None:
+    """After the sweep: the read rate measured again (``results["read_GBps_end"]``; the block weight-stream
+    fraction uses the higher of the two, ``block_read_GBps``), each point's block numbers (`derive_block`) and the
+    issue-26 targets (``results["block_targets"]``)."""
+    read_end = bu.read_bandwidth_gbps()
+    results["read_GBps_end"] = read_end
+    results["block_read_GBps"] = max(read_start, read_end)
+    for p in results["points"]:
+        if any(name in p["time_ms"] for name in ("ours_block", "torch_block")):
+            p["block"] = derive_block(p["M"], p["N"], p["K"], p["time_ms"], results["block_read_GBps"], copy_gbps)
+    results["block_targets"] = block_targets(results["points"], bu.geomean)
 
 
 def measure_point(shape: str, m: int, n: int, k: int, wts: Weights, args: argparse.Namespace, cw: Any, bu: Any,
@@ -279,16 +371,101 @@ def measure_point(shape: str, m: int, n: int, k: int, wts: Weights, args: argpar
     errors: dict[str, str] = {}
     if args.fp8 and wts.qlinear_fp8_error is not None:
         errors["linear_w8a8_fp8"] = wts.qlinear_fp8_error
+    blk = None
+    if args.fp8 and wts.scale_b_block is not None:
+        blk = block_operands(m, k, wts.scale_b_block, wts.scale_b_block_torch)
+        methods.update(block_methods(cw, wts.w_fp8, act.a_fp8, blk, act.x_bf16, wts.qlinear_block,
+                                     cw._ext.decode_gemm_max_m()))
+        if wts.qlinear_block_error is not None:
+            errors["linear_w8a8_block"] = wts.qlinear_block_error
     if peers is not None:
         methods.update(peers.methods(wts.torchao, act.x_bf16))
-    rel = check_accuracy(methods, errors, f"{shape} M={m}")
+    where = f"{shape} M={m}"
+    rel = check_accuracy(methods, errors, where)
+    accuracy: dict = {}
+    if args.fp8:
+        accuracy = fp8_path_errors(accuracy_paths(cw, act.a_fp8, wts.w_fp8, act.scale_a, wts.scale_b, blk), errors)
+        # linear_w8a8_fp8 was checked by check_accuracy; a method that failed here is in `errors`, which
+        # time_methods skips
+        rel.update(check_fp8_guard({name: v for name, v in methods.items() if name != "linear_w8a8_fp8"}, errors,
+                                   accuracy, where))
     if peers is not None:
-        rel.update(check_torchao(methods, errors, f"{shape} M={m}", peers))
+        rel.update(check_torchao(methods, errors, where, peers))
     times, details = time_methods(methods, errors, bu, l2_bytes, args)
-    del methods, act
+    del methods, act, blk
     torch.cuda.empty_cache()
     return {"shape": shape, "N": n, "K": k, "M": m, "time_ms": times, "errors": errors, "rel_err": rel,
-            "timing": details, "derived": derive(m, n, k, times, copy_gbps, peak, read_gbps)}
+            "accuracy": accuracy, "timing": details, "derived": derive(m, n, k, times, copy_gbps, peak, read_gbps)}
+
+
+def measure_block_point(shape: str, m: int, n: int, k: int, wts: Weights, args: argparse.Namespace, cw: Any,
+                        bu: Any, l2_bytes: int, decode_max_m: int) -> dict[str, Any]:
+    """``--block``: check and time one (shape, M) point of the block comparison (`BLOCK_MODE_METHODS`); times in ms
+    per call, the fp8 paths' errors against float64 under ``accuracy``."""
+    act = make_activations(m, k)
+    blk = block_operands(m, k, wts.scale_b_block, wts.scale_b_block_torch)
+    base = build_methods(cw.scaled_mm, wts, act, True, None)
+    methods = {name: base[name] for name in BLOCK_MODE_METHODS if name in base}
+    methods.update(block_methods(cw, wts.w_fp8, act.a_fp8, blk, act.x_bf16, wts.qlinear_block, decode_max_m))
+    errors: dict[str, str] = {}
+    for name, why in (("linear_w8a8_fp8", wts.qlinear_fp8_error), ("linear_w8a8_block", wts.qlinear_block_error)):
+        if why is not None:
+            errors[name] = why
+    where = f"{shape} M={m}"
+    accuracy = fp8_path_errors(accuracy_paths(cw, act.a_fp8, wts.w_fp8, act.scale_a, wts.scale_b, blk), errors)
+    rel = check_fp8_guard({**methods, "linear_bf16": base["linear_bf16"]}, errors, accuracy, where)
+    times, details = time_methods(methods, errors, bu, l2_bytes, args)
+    del methods, base, act, blk
+    torch.cuda.empty_cache()
+    return {"shape": shape, "N": n, "K": k, "M": m, "time_ms": times, "errors": errors, "rel_err": rel,
+            "accuracy": accuracy, "timing": details}
+
+
+def run_block_sweep(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any]:
+    """``--block``: measure every (shape, M) point of the block comparison; the results dict that `main` writes."""
+    name = torch.cuda.get_device_name()
+    l2_bytes = bu.l2_cache_bytes()
+    copy_gbps = bu.copy_bandwidth_gbps()
+    read_gbps = bu.read_bandwidth_gbps()
+    decode_max_m = cw._ext.decode_gemm_max_m()
+    results = {
+        **provenance(name, REPO_ROOT),
+        "mode": "block",
+        "l2_bytes": l2_bytes,
+        "copy_GBps": copy_gbps,
+        "read_GBps": read_gbps,
+        "pdl": bool(cw.pdl_enabled()),
+        "decode_gemm_max_m": decode_max_m,
+        "timing": {"method": "CUDA-graph replay over rotating input copies (> 2x L2), median replay / calls",
+                   "replays": args.replays, "replay_ms": args.replay_ms, "rotate_gb": args.rotate_gb,
+                   "order": "the methods of a point captured first, their timed replays interleaved"},
+        "tolerances": {"gemm_rel_fro_vs_fp64": GEMM_REL_TOL, "fp8_linear_rel_fro": FP8_LINEAR_REL_TOL},
+        "accuracy_corner": f"{ACCURACY_ROWS} x {ACCURACY_COLS}",
+        "methods": list(BLOCK_MODE_METHODS),
+        "m_values": args.m_values,
+        "shapes": [{"name": s, "N": n, "K": k} for s, n, k in args.shape_list],
+        "points": [],
+    }
+    bar = _progress(len(args.shape_list) * len(args.m_values))
+    try:
+        fp8_config = cw.W8A8Config(dtype=torch.float8_e4m3fn)
+        for shape, n, k in args.shape_list:
+            wts = make_weights(n, k, cw.W8A8Linear, fp8_config)
+            add_block_weights(wts, n, k, cw)
+            for m in args.m_values:
+                if bar is not None:
+                    bar.set_postfix_str(f"{shape} M={m}")
+                results["points"].append(measure_block_point(shape, m, n, k, wts, args, cw, bu, l2_bytes,
+                                                             decode_max_m))
+                if bar is not None:
+                    bar.update()
+            del wts
+            torch.cuda.empty_cache()
+    finally:
+        if bar is not None:
+            bar.close()
+    finish_block(results, bu, read_gbps, copy_gbps)
+    return results
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -299,14 +476,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     cw = require_cuda_extension("bench_gemm.py")
     from cutlass_w8a8.testing import timers as bu
-    peers, torchao_note = make_torchao_peers(args)
     torch.manual_seed(args.seed)
+    if args.block:
+        with torch.no_grad():
+            try:
+                results = run_block_sweep(args, cw, bu)
+            except AccuracyError as exc:
+                sys.exit(f"bench_gemm.py --block: aborted, wrong results: {exc}")
+        publish(results, render_block_markdown(results, bu.geomean), args.out, "gemm_block", plot_block)
+        return 0
+    peers, torchao_note = make_torchao_peers(args)
     with torch.no_grad():
         try:
             results = run_sweep(args, cw, bu, peers, torchao_note)
         except AccuracyError as exc:
             sys.exit(f"bench_gemm.py: aborted, wrong results: {exc}")
-    publish(results, render_markdown(results, bu.geomean), args.out, "gemm", plot_results)
+    report = render_markdown(results, bu.geomean) + "".join(line + "\n" for line in block_sections(results, bu.geomean))
+    publish(results, report, args.out, "gemm", plot_results)
     return 0
 
 

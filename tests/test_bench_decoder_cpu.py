@@ -219,7 +219,8 @@ def test_step_class_bytes_block(bench, lmh):
         c.head_dim, c.num_layers
     kv_per_position = nl * 2 * kvh * d * e
     got = bench.kernels.step_class_bytes(model, rows, kv_positions, kv_per_position, quant_kernels)
-    w8 = [(h, (c.num_heads + 2 * kvh) * d), (hd, h), (h, 2 * inter), (inter, h)] * nl + ([(h, c.vocab_size)] if lmh else [])
+    w8 = [(h, (c.num_heads + 2 * kvh) * d), (hd, h), (h, 2 * inter), (inter, h)] * nl
+    w8 += [(h, c.vocab_size)] if lmh else []
     blocks = sum(-(-n // 128) * (k // 128) for k, n in w8)
     assert got["gemm w8a8"]["weights"] == sum(n * k for k, n in w8) + 4 * blocks
     assert got["gemm w8a8"]["activations"] == sum(rows * (k + 4 * (k // 128)) + rows * n * e for k, n in w8)
@@ -362,7 +363,8 @@ def test_block_model_target_and_section(bench):
     """With fp8-block beside fp8: its graph step over fp8's per batch, issue 26's target (<= 1.1x at batch 1) and
     the report's block section; without fp8-block neither appears (the issue-18 list is unchanged)."""
     res = _synthetic_results(bench)
-    assert "fp8_block_over_fp8_b1" not in _verdicts(res) and "## Block-scaled fp8" not in bench.report.render_markdown(res)
+    assert "fp8_block_over_fp8_b1" not in _verdicts(res)
+    assert "## Block-scaled fp8" not in bench.report.render_markdown(res)
     for graph_b1, met in ((3.2, True), (3.4, False)):  # fp8 graph at batch 1: 3.0 ms
         res = _synthetic_results(bench)
         block = copy.deepcopy(res["models"]["fp8"])
@@ -376,7 +378,8 @@ def test_block_model_target_and_section(bench):
         lines = report.splitlines()
         assert "## Block-scaled fp8 (issue 26)" in report and "### Targets (issue 26)" in report
         target = [ln for ln in lines if ln.startswith("- fp8-block graph / fp8 (row-wise) graph at batch 1")]
-        assert len(target) == 1 and target[0].endswith(("): met" if met else "): NOT met") + f"; {graph_b1:.3f} ms vs 3.000 ms")
+        verdict = "): met" if met else "): NOT met"
+        assert len(target) == 1 and target[0].endswith(f"{verdict}; {graph_b1:.3f} ms vs 3.000 ms")
         # issue 26's target is listed under its own heading only
         issue18 = report[report.index("## Targets (issue 18)"):report.index("## Block-scaled fp8 (issue 26)")]
         assert "fp8-block graph /" not in issue18
@@ -524,7 +527,8 @@ def test_run_flow_on_cpu(bench, monkeypatch, tmp_path):
             assert table["total"]["count"] == len(KERNEL_NAMES)
             w8 = table["gemm w8a8"]["bytes"]
             assert (w8 > 0) == (m != "bf16") and (table["gemm bf16"]["bytes"] > 0) == (m != "int8+lmh")
-    assert res["derived"]["1"]["int8+lmh_graph_x_bf16_graph"] > 0 and res["derived"]["8"]["fp8-block_graph_over_fp8_graph"] > 0
+    assert res["derived"]["1"]["int8+lmh_graph_x_bf16_graph"] > 0
+    assert res["derived"]["8"]["fp8-block_graph_over_fp8_graph"] > 0
     assert {item["key"] for item in res["targets"]["items"]} >= {"int8_b1_over_hbm", "int8_x_bf16_b1",
                                                                  "fp8_block_over_fp8_b1"}
     assert res["models"]["fp8-block"]["quant"] == "fp8-block"
