@@ -1,9 +1,11 @@
 """`W8A8Linear`, a drop-in replacement for `nn.Linear`; `quantize_` (cutlass_w8a8/quantize.py) swaps it in.
 
 Weights are quantized once, symmetric per output channel; activations are quantized on every call, dynamic
-per-token (or static per-tensor with a calibrated `input_scale`). The GEMM dequantizes in its epilogue
-(`cutlass_w8a8.scaled_mm`). Activations already quantized by a fused op (`cutlass_w8a8.rms_norm_quant`,
-`cutlass_w8a8.silu_mul_quant`) are passed as a `QuantizedActivation` instead of a float tensor.
+per-token (or static per-tensor with a calibrated `input_scale`). Block-scaled fp8 layers
+(``weight_block_size=(128, 128)``, DeepSeek-V3's format) hold one weight scale per 128 x 128 block and quantize
+activations per 1 x 128 group. The GEMM dequantizes in its epilogue (`cutlass_w8a8.scaled_mm`). Activations
+already quantized by a fused op (`cutlass_w8a8.rms_norm_quant`, `cutlass_w8a8.silu_mul_quant`) are passed as a
+`QuantizedActivation` instead of a float tensor.
 """
 
 from __future__ import annotations
@@ -15,23 +17,96 @@ from torch import nn
 
 from .config import W8A8Config
 from .ops._limits import AB_DTYPES as _QUANT_DTYPES
+from .ops._limits import BLOCK_SIZE, QMAX
 from .ops._limits import OUT_DTYPES as _OUT_DTYPES
+from .ops._reference import quantize_rows
 from .ops._schema import OVERLOADS as _op
 from .quantize import refuse_quantized_weight, shape_supported
 
-__all__ = ["QuantizedActivation", "W8A8Linear", "quantize_activations"]
+__all__ = ["QuantizedActivation", "W8A8Linear", "quantize_activations", "quantize_weight_blocks"]
 
 # The ops' overloads, looked up once (ops/_schema.OVERLOADS): W8A8Linear.forward is on the host-bound path of
 # small batches.
 _w8a8_linear = _op.w8a8_linear
 
 
-def quantize_activations(x2: torch.Tensor, input_scale: Optional[torch.Tensor], quant_dtype: torch.dtype):
+def quantize_activations(x2: torch.Tensor, input_scale: Optional[torch.Tensor], quant_dtype: torch.dtype,
+                         group_size: int = 0):
     """``(q, scale)`` of ``(M, K)`` activations as `W8A8Linear` quantizes them: dynamic per-token (``scale``
-    ``(M, 1)``) when ``input_scale`` is None, else static per-tensor with it (``scale`` is ``input_scale``)."""
+    ``(M, 1)``) when ``input_scale`` is None, else static per-tensor with it (``scale`` is ``input_scale``);
+    with ``group_size`` 128 (a block-scaled layer's ``group_size``) dynamic per 1 x 128 group (``scale``
+    ``(M, K / 128)``)."""
+    if group_size:
+        return _op.quantize_per_token_group(x2, group_size, quant_dtype)
     if input_scale is None:
         return _op.quantize_per_token(x2, quant_dtype)
     return _op.quantize_per_tensor(x2, input_scale, quant_dtype), input_scale
+
+
+def _blocks(v: int) -> int:
+    return -(-v // BLOCK_SIZE)
+
+
+def _block_shaped(n: int, k: int, weight_scale: torch.Tensor) -> bool:
+    """The w8a8_linear op's rule (`ops._roles.block_weight_scaled`) on the scale's shape alone."""
+    ws = tuple(weight_scale.shape)
+    return (weight_scale.dim() == 2 and ws == (_blocks(n), _blocks(k)) and weight_scale.numel() > 1
+            and ws not in ((n, 1), (1, n)))
+
+
+def _check_block_operands(weight, weight_scale, input_scale, block) -> None:
+    """from_quantized with block scales: the weight's dtype, the scales' shape, K and the absent input_scale."""
+    where = "W8A8Linear.from_quantized"
+    n, k = weight.shape
+    if (tuple(block) if isinstance(block, (list, tuple)) else None) != (BLOCK_SIZE, BLOCK_SIZE):
+        raise ValueError(f"{where}: `weight_block_size` must be None or ({BLOCK_SIZE}, {BLOCK_SIZE}), got {block!r}")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{where}: `weight` must be float8_e4m3fn with 128x128 block scales, got {weight.dtype}")
+    if isinstance(weight_scale, torch.Tensor) and tuple(weight_scale.shape) != (_blocks(n), _blocks(k)):
+        raise ValueError(f"{where}: `weight_scale` must be [ceil(N/128), ceil(K/128)] = [{_blocks(n)}, {_blocks(k)}] "
+                         f"(128x128 blocks) for N = {n}, K = {k}, got shape {tuple(weight_scale.shape)}")
+    if k % BLOCK_SIZE != 0:
+        raise ValueError(f"{where}: `weight` K = {k} must be a multiple of {BLOCK_SIZE} with block scales (the "
+                         f"activations' 1x{BLOCK_SIZE} groups); such a layer stays in float")
+    if input_scale is not None:
+        raise ValueError(f"{where}: `input_scale` must be None with block weight scales (activations are quantized "
+                         f"per 1x{BLOCK_SIZE} group at run time), got a tensor")
+
+
+def _check_block(where: str, weight_block_size, quant_dtype, in_features: int, static_input_scale: bool) -> tuple:
+    """``weight_block_size`` as a tuple, after the checks of a block-scaled layer (each names its argument)."""
+    block = tuple(weight_block_size) if isinstance(weight_block_size, (list, tuple)) else None
+    if block != (BLOCK_SIZE, BLOCK_SIZE):
+        raise ValueError(f"{where}: `weight_block_size` must be None or ({BLOCK_SIZE}, {BLOCK_SIZE}), got "
+                         f"{weight_block_size!r}")
+    if quant_dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{where}: `weight_block_size` needs quant_dtype=torch.float8_e4m3fn (block scales are "
+                         f"fp8 only), got {quant_dtype}")
+    if in_features % BLOCK_SIZE != 0:
+        raise ValueError(f"{where}: `in_features` must be a multiple of {BLOCK_SIZE} with weight_block_size "
+                         f"(1x{BLOCK_SIZE} activation groups), got {in_features}")
+    if static_input_scale:
+        raise ValueError(f"{where}: `static_input_scale` must be False with weight_block_size (activations are "
+                         f"quantized per 1x{BLOCK_SIZE} group at run time)")
+    return block
+
+
+def quantize_weight_blocks(weight: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn):
+    """``(q, scale)`` of a float ``(N, K)`` weight quantized per 128 x 128 block (block-scaled fp8, DeepSeek-V3's
+    format): ``scale[i, j] = max |weight[128 i : 128 (i + 1), 128 j : 128 (j + 1)]| / QMAX`` (float32, IEEE
+    division; QMAX 448 for float8_e4m3fn, 127 for int8) and ``q = sat(round_half_even(weight / scale))`` in
+    float32, the per-token rules applied per block; a block of zeros gets scale 0 and q = 0. The last row / column
+    blocks may be partial. ``q``: ``dtype`` ``(N, K)`` contiguous; ``scale``: float32 ``(ceil(N / 128),
+    ceil(K / 128))``, N-major (the checkpoints' ``weight_scale_inv`` layout). Plain torch on ``weight``'s device,
+    the same bits on the CPU and on CUDA."""
+    n, k = weight.shape
+    nb, kb = _blocks(n), _blocks(k)
+    padded = weight.new_zeros((nb * BLOCK_SIZE, kb * BLOCK_SIZE), dtype=torch.float32)
+    padded[:n, :k] = weight.to(torch.float32)
+    blocks = padded.view(nb, BLOCK_SIZE, kb, BLOCK_SIZE)
+    scale = blocks.abs().amax(dim=(1, 3)) / torch.tensor(QMAX[dtype], dtype=torch.float32, device=weight.device)
+    q = quantize_rows(blocks, scale.view(nb, 1, kb, 1), dtype).view(nb * BLOCK_SIZE, kb * BLOCK_SIZE)
+    return q[:n, :k].contiguous(), scale
 
 
 class QuantizedActivation(NamedTuple):
@@ -48,7 +123,9 @@ class QuantizedActivation(NamedTuple):
         ``(..., K)``, int8 or float8_e4m3fn (the layer's ``quant_dtype``), on the layer's device.
     scale : torch.Tensor
         float32: ``(..., 1)`` per-token scales (one per row of ``q``), or one element (per-tensor, e.g. the
-        layer's static ``input_scale``). ``x ~= q * scale``.
+        layer's static ``input_scale``). ``x ~= q * scale``. For a block-scaled layer: ``(..., K / 128)``, one
+        per 1 x 128 group of each row (``quantize_per_token_group``, or a fused op with ``group_size=128``),
+        ``x[..., k] ~= q[..., k] * scale[..., k // 128]``.
     """
 
     q: torch.Tensor
@@ -74,7 +151,9 @@ class W8A8Linear(nn.Module):
     - ``weight``: ``(out_features, in_features)`` = ``(N, K)``, int8 or float8_e4m3fn, row-major; passed to
       the GEMM as ``weight.t()`` without a copy.
     - ``weight_scale``: float32, ``(N,)`` per-channel symmetric (``W[n, :] ~= weight[n, :] * weight_scale[n]``,
-      the default) or ``(1,)`` per-tensor (``per_channel=False``).
+      the default) or ``(1,)`` per-tensor (``per_channel=False``); with ``weight_block_size=(128, 128)``
+      ``(ceil(N / 128), K / 128)``, one per 128 x 128 block (``W[n, k] ~= weight[n, k] *
+      weight_scale[n // 128, k // 128]``), saved as is (compressed-tensors' FP8_BLOCK ``weight_scale``).
     - ``bias``: ``(N,)`` in ``dtype``, or None.
     - ``input_scale``: ``(1,)`` float32 static per-tensor activation scale, present only when
       ``static_input_scale=True``; otherwise activations are quantized dynamically per token.
@@ -82,7 +161,9 @@ class W8A8Linear(nn.Module):
     ``state_dict`` uses compressed-tensors' layout (what llm-compressor writes and vLLM reads): a per-channel
     ``weight_scale`` is saved as ``(N, 1)``. Loading accepts ``(N,)``, ``(N, 1)``, ``(1, N)`` or one value, in
     any float dtype (cast to float32, exact for bf16 / fp16), and may switch the layer between per-channel and
-    per-tensor weight scales; a ``weight`` of another dtype than the layer's is an error, not a cast.
+    per-tensor weight scales; a ``weight`` of another dtype than the layer's is an error, not a cast. A
+    block-scaled layer saves and loads its ``(ceil(N / 128), K / 128)`` ``weight_scale`` as is (any float dtype
+    loaded, cast to float32), with no ``input_scale`` key.
 
     Dtype casts (``.to(dtype)``, ``.half()``, ``.bfloat16()``, ``.float()``, a model's ``.to(torch.float16)``)
     never touch the 8-bit ``weight`` or the float32 scales, as torchao's quantized tensors behave: a cast to
@@ -106,6 +187,12 @@ class W8A8Linear(nn.Module):
         Quantize activations with the fixed ``input_scale`` buffer instead of per token.
     per_channel : bool
         ``weight_scale`` holds one scale per output channel ``(N,)`` (default) or one for the tensor ``(1,)``.
+        Ignored with ``weight_block_size``.
+    weight_block_size : tuple of int, optional
+        ``(128, 128)``: block-scaled fp8 (DeepSeek-V3 / Qwen3-FP8 / compressed-tensors ``FP8_BLOCK``): one weight
+        scale per 128 x 128 block, activations quantized dynamically per 1 x 128 group. Needs
+        ``quant_dtype=torch.float8_e4m3fn``, K a multiple of 128 (N any multiple of 16: the last row block may
+        be partial) and no static input scale; the GEMM needs an sm90 GPU. None (default): row-wise scales.
 
     Shapes: input ``(..., K)``, output ``(..., N)``. The input is a float tensor (quantized here, then cast
     back: the output has the input's dtype) or a `QuantizedActivation` (output in ``dtype``).
@@ -118,12 +205,18 @@ class W8A8Linear(nn.Module):
     input_scale : torch.Tensor or None
         The static per-tensor activation scale (``(1,)`` float32 buffer), or None for dynamic per-token
         quantization: the ``scale`` to give a fused quantizing op.
+    weight_block_size : tuple of int or None
+        ``(128, 128)`` for a block-scaled layer, else None.
+    group_size : int
+        The ``group_size`` to give a fused quantizing op (`cutlass_w8a8.rms_norm_quant`, ...): 128 for a
+        block-scaled layer (its activations are 1 x 128 groups), else 0.
 
     Raises
     ------
     ValueError
         K or N is not a positive multiple of 16; at call time, the input has no dimension (0-d) or its last
-        dimension is not K.
+        dimension is not K. With ``weight_block_size``: it is not (128, 128), ``quant_dtype`` is not
+        float8_e4m3fn, K is not a multiple of 128, or ``static_input_scale`` is set.
     TypeError
         ``dtype`` or ``quant_dtype`` is not supported; at call time, the input is neither a tensor nor a
         `QuantizedActivation` (a list).
@@ -131,7 +224,8 @@ class W8A8Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype: torch.dtype = torch.bfloat16, quant_dtype: torch.dtype = torch.int8,
-                 static_input_scale: bool = False, per_channel: bool = True):
+                 static_input_scale: bool = False, per_channel: bool = True,
+                 weight_block_size: Optional[tuple] = None):
         super().__init__()
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not shape_supported(v, v):
@@ -140,13 +234,20 @@ class W8A8Linear(nn.Module):
             raise TypeError(f"W8A8Linear: `dtype` must be torch.bfloat16 or torch.float16, got {dtype}")
         if quant_dtype not in _QUANT_DTYPES:
             raise TypeError(f"W8A8Linear: `quant_dtype` must be torch.int8 or torch.float8_e4m3fn, got {quant_dtype}")
+        if weight_block_size is not None:
+            weight_block_size = _check_block("W8A8Linear", weight_block_size, quant_dtype, in_features,
+                                             static_input_scale)
         self.in_features = in_features
         self.out_features = out_features
         self.dtype = dtype
         self.quant_dtype = quant_dtype
+        self.weight_block_size = weight_block_size
+        if weight_block_size is not None:
+            scale_shape = (_blocks(out_features), in_features // BLOCK_SIZE)
+        else:
+            scale_shape = (out_features if per_channel else 1,)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=quant_dtype, device=device))
-        self.register_buffer("weight_scale", torch.ones(out_features if per_channel else 1, dtype=torch.float32,
-                                                        device=device))
+        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
         # bias and input_scale are buffers even when absent (None): forward reads all operands from _buffers
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
         self.register_buffer("input_scale",
@@ -155,10 +256,11 @@ class W8A8Linear(nn.Module):
     @classmethod
     def from_float(cls, linear: nn.Linear, config: Optional[W8A8Config] = None,
                    input_scale: Optional[torch.Tensor] = None) -> "W8A8Linear":
-        """Quantize a float ``nn.Linear``: weights per-channel symmetric (absmax / 127, or / 448 for fp8).
+        """Quantize a float ``nn.Linear``: weights per-channel symmetric (absmax / 127, or / 448 for fp8), or
+        per 128 x 128 block with ``config.weight_block_size`` (`quantize_weight_blocks`).
 
-        ``input_scale`` (float32, one element) switches activations to static per-tensor quantization.
-        The new module lives on the linear's device.
+        ``input_scale`` (float32, one element) switches activations to static per-tensor quantization (not with
+        block scales). The new module lives on the linear's device.
 
         Raises TypeError when ``linear`` is not an ``nn.Linear`` (a ``Conv1d``, or a `W8A8Linear`, whose float
         weights are gone) or holds 8-bit weights, or ``config`` is not a `W8A8Config`; ValueError when K or N is
@@ -181,13 +283,17 @@ class W8A8Linear(nn.Module):
         refuse_quantized_weight(where, linear)
         n, k = linear.weight.shape
         out_dtype = config.out_dtype or (linear.weight.dtype if linear.weight.dtype in _OUT_DTYPES else torch.bfloat16)
+        block = config.weight_block_size
         mod = cls(k, n, bias=linear.bias is not None, device=linear.weight.device, dtype=out_dtype,
-                  quant_dtype=config.dtype, static_input_scale=input_scale is not None)
+                  quant_dtype=config.dtype, static_input_scale=input_scale is not None, weight_block_size=block)
         with torch.no_grad():
-            # Per-channel absmax quantization of the [N, K] weight is per-row, i.e. the per-token kernel.
-            w_q, w_s = torch.ops.cutlass_w8a8.quantize_per_token(linear.weight.detach().float(), config.dtype)
+            if block is not None:
+                w_q, w_s = quantize_weight_blocks(linear.weight.detach(), config.dtype)
+            else:
+                # Per-channel absmax quantization of the [N, K] weight is per-row, i.e. the per-token kernel.
+                w_q, w_s = torch.ops.cutlass_w8a8.quantize_per_token(linear.weight.detach().float(), config.dtype)
             mod.weight.copy_(w_q)
-            mod.weight_scale.copy_(w_s.reshape(n))
+            mod.weight_scale.copy_(w_s.reshape(mod.weight_scale.shape))
             if linear.bias is not None:
                 mod.bias.copy_(linear.bias.detach().to(out_dtype))
             if input_scale is not None:
@@ -196,8 +302,8 @@ class W8A8Linear(nn.Module):
 
     @classmethod
     def from_quantized(cls, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                       input_scale: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.bfloat16
-                       ) -> "W8A8Linear":
+                       input_scale: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.bfloat16,
+                       weight_block_size: Optional[tuple] = None) -> "W8A8Linear":
         """A layer around weights that are already quantized (a checkpoint's), without re-quantizing them.
 
         Parameters
@@ -207,16 +313,24 @@ class W8A8Linear(nn.Module):
             contiguous); its dtype becomes the layer's ``quant_dtype``. K and N positive multiples of 16.
         weight_scale : torch.Tensor
             Symmetric weight scales, any float dtype: N values (per-channel: ``(N,)``, ``(N, 1)`` or
-            ``(1, N)``) or one (per-tensor). Stored as float32 (exact from bf16 / fp16).
+            ``(1, N)``) or one (per-tensor). Stored as float32 (exact from bf16 / fp16). Block-scaled fp8:
+            ``(ceil(N / 128), ceil(K / 128))``, one per 128 x 128 block (a DeepSeek-V3 / Qwen3-FP8
+            ``weight_scale_inv``, a compressed-tensors FP8_BLOCK ``weight_scale``), kept 2-D.
         bias : torch.Tensor, optional
             N values, cast to ``dtype``.
         input_scale : torch.Tensor, optional
-            One value: static per-tensor activation scale (float32 after the cast); None: dynamic per-token.
+            One value: static per-tensor activation scale (float32 after the cast); None: dynamic per-token
+            (per 1 x 128 group with block scales, which take no ``input_scale``).
         dtype : torch.dtype
             The layer's output and bias dtype, ``torch.bfloat16`` (default) or ``torch.float16``.
+        weight_block_size : tuple of int, optional
+            ``(128, 128)``: ``weight_scale`` holds block scales. None (default): told from the shape, by the rule
+            of the ``w8a8_linear`` op (2-D ``(ceil(N / 128), ceil(K / 128))`` with more than one element, not
+            ``(N, 1)`` / ``(1, N)``); pass it to keep a layer with one block (N <= 128, K = 128) block-scaled.
 
-        The layer lives on ``weight``'s device. Raises TypeError for a weight that is not int8 / e4m3 or scales
-        that are not floating point, ValueError for shapes that do not match (the message names the argument).
+        The layer lives on ``weight``'s device. Raises TypeError for a weight that is not int8 / e4m3 (e4m3 with
+        block scales) or scales that are not floating point, ValueError for shapes that do not match, block
+        scales with K not a multiple of 128 or with an ``input_scale`` (the message names the argument).
         """
         if not isinstance(weight, torch.Tensor) or weight.dtype not in _QUANT_DTYPES:
             raise TypeError("W8A8Linear.from_quantized: `weight` must be an int8 or float8_e4m3fn tensor, got "
@@ -224,6 +338,11 @@ class W8A8Linear(nn.Module):
         if weight.dim() != 2:
             raise ValueError(f"W8A8Linear.from_quantized: `weight` must be 2-D (N, K), got shape {tuple(weight.shape)}")
         n, k = weight.shape
+        block = weight_block_size
+        if block is None and isinstance(weight_scale, torch.Tensor) and _block_shaped(n, k, weight_scale):
+            block = (BLOCK_SIZE, BLOCK_SIZE)
+        if block is not None:
+            _check_block_operands(weight, weight_scale, input_scale, block)
         for name, t, allowed in (("weight_scale", weight_scale, (1, n)), ("input_scale", input_scale, (1,)),
                                  ("bias", bias, (n,))):
             if t is None:
@@ -231,16 +350,20 @@ class W8A8Linear(nn.Module):
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise TypeError(f"W8A8Linear.from_quantized: `{name}` must be a floating-point tensor, got "
                                 f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
-            if t.numel() not in allowed or (t.numel() > 1 and max(t.shape) != t.numel()):
+            if name == "weight_scale" and block is not None:
+                pass  # its block shape is checked above
+            elif t.numel() not in allowed or (t.numel() > 1 and max(t.shape) != t.numel()):
                 raise ValueError(f"W8A8Linear.from_quantized: `{name}` must hold "
                                  f"{' or '.join(map(str, allowed))} values for N = {n}, got shape {tuple(t.shape)}")
             if t.device != weight.device:
                 raise ValueError(f"W8A8Linear.from_quantized: `{name}` is on {t.device} but `weight` is on "
                                  f"{weight.device}")
         mod = cls(k, n, bias=bias is not None, device="meta", dtype=dtype, quant_dtype=weight.dtype,
-                  static_input_scale=input_scale is not None, per_channel=weight_scale.numel() > 1)
+                  static_input_scale=input_scale is not None, per_channel=weight_scale.numel() > 1,
+                  weight_block_size=block)
         mod._buffers["weight"] = weight if weight.stride(1) == 1 and weight.stride(0) % 16 == 0 else weight.contiguous()
-        mod._buffers["weight_scale"] = weight_scale.detach().reshape(-1).to(torch.float32).contiguous()
+        scale_shape = mod.weight_scale.shape if block is not None else (-1,)
+        mod._buffers["weight_scale"] = weight_scale.detach().reshape(scale_shape).to(torch.float32).contiguous()
         if bias is not None:
             mod._buffers["bias"] = bias.detach().reshape(n).to(dtype).contiguous()
         if input_scale is not None:
@@ -249,17 +372,27 @@ class W8A8Linear(nn.Module):
 
     @property
     def per_channel(self) -> bool:
-        """Whether ``weight_scale`` has one scale per output channel (else one for the whole weight)."""
-        return self.weight_scale.numel() > 1
+        """Whether ``weight_scale`` has one scale per output channel (else one for the whole weight, or one per
+        128 x 128 block: see ``weight_block_size``)."""
+        return self.weight_block_size is None and self.weight_scale.numel() > 1
+
+    @property
+    def group_size(self) -> int:
+        """128 when activations are quantized per 1 x 128 group (a block-scaled layer), else 0: the
+        ``group_size`` argument of the fused quantizing ops that feed this layer a `QuantizedActivation`."""
+        return BLOCK_SIZE if self.weight_block_size is not None else 0
 
     def _apply(self, fn, recurse=True):
         # nn.Module.half() / .float() / .to(dtype) cast every floating buffer, which would turn the fp8 weight
         # and the float32 scales into something the kernels reject (and lose the scales' precision). Probe what
-        # fn does to a tensor of the layer's dtype: without a dtype change (device moves, to_empty, ...) fn
-        # applies as usual; with one, the 8-bit weight and the scales only follow the device, and a cast to
-        # bf16 / fp16 becomes the layer's new output dtype (bias included).
+        # fn does to a tensor of the layer's dtype and to a float32 one (the scales'): without a dtype change of
+        # either (device moves, to_empty, ...) fn applies as usual; with one, the 8-bit weight and the scales only
+        # follow the device, and a cast to bf16 / fp16 becomes the layer's new output dtype (bias included). The
+        # float32 probe catches a cast to the layer's own dtype (``.to(torch.bfloat16)`` on a bf16 layer), which
+        # the first probe cannot see.
         probe = fn(torch.empty(0, dtype=self.dtype, device=self.weight.device))
-        if not isinstance(probe, torch.Tensor) or probe.dtype == self.dtype:
+        probe32 = fn(torch.empty(0, dtype=torch.float32, device=self.weight.device))
+        if not isinstance(probe, torch.Tensor) or (probe.dtype == self.dtype and probe32.dtype == torch.float32):
             return super()._apply(fn, recurse)
         new_dtype = probe.dtype if probe.dtype in _OUT_DTYPES else self.dtype
         for name, buf in self._buffers.items():
@@ -275,7 +408,7 @@ class W8A8Linear(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         key = prefix + "weight_scale"
-        if key in destination and self.weight_scale.numel() == self.out_features:
+        if key in destination and self.weight_block_size is None and self.weight_scale.numel() == self.out_features:
             # compressed-tensors' channel layout, (N, 1): what transformers' and vLLM's loaders expect
             destination[key] = destination[key].reshape(-1, 1)
 
@@ -288,7 +421,15 @@ class W8A8Linear(nn.Module):
                               f"but the layer's quant_dtype is {self.weight.dtype} (a cast would corrupt it)")
             return
         s = state_dict.get(s_key)
-        if isinstance(s, torch.Tensor):
+        if isinstance(s, torch.Tensor) and self.weight_block_size is not None:
+            if tuple(s.shape) != tuple(self.weight_scale.shape):
+                error_msgs.append(f"W8A8Linear {prefix[:-1] or '(root)'}: `weight_scale` must be [ceil(N/128), "
+                                  f"K/128] = {list(self.weight_scale.shape)} (128x128 blocks), got shape "
+                                  f"{tuple(s.shape)}")
+                return
+            state_dict = dict(state_dict)
+            state_dict[s_key] = s.to(torch.float32)
+        elif isinstance(s, torch.Tensor):
             n = self.out_features
             if s.numel() not in (1, n) or (s.numel() > 1 and max(s.shape) != s.numel()):
                 error_msgs.append(f"W8A8Linear {prefix[:-1] or '(root)'}: `weight_scale` must hold 1 or N = {n} "
@@ -307,7 +448,8 @@ class W8A8Linear(nn.Module):
 
     def quantize_input(self, x: torch.Tensor) -> QuantizedActivation:
         """Quantize float activations ``x`` ``(..., K)`` exactly as ``forward`` does: dynamic per-token
-        (``scale`` ``(..., 1)``) or static per-tensor with ``input_scale`` (``scale`` is that buffer).
+        (``scale`` ``(..., 1)``), static per-tensor with ``input_scale`` (``scale`` is that buffer), or, for a
+        block-scaled layer, dynamic per 1 x 128 group (``scale`` ``(..., K / 128)``).
         ``self(self.quantize_input(x))`` equals ``self(x)`` when ``x`` has the layer's ``dtype``.
 
         Raises TypeError when ``x`` is not a tensor, ValueError when it has no dimension or its last dimension
@@ -321,9 +463,10 @@ class W8A8Linear(nn.Module):
             raise ValueError(f"W8A8Linear: input's last dimension must be in_features = {self.in_features}, "
                              f"got shape {tuple(x.shape)}")
         lead = x.shape[:-1]
-        q, s = quantize_activations(x.reshape(-1, self.in_features), self.input_scale, self.quant_dtype)
+        g = self.group_size
+        q, s = quantize_activations(x.reshape(-1, self.in_features), self.input_scale, self.quant_dtype, g)
         if self.input_scale is None:
-            s = s.reshape(*lead, 1)
+            s = s.reshape(*lead, self.in_features // g if g else 1)
         return QuantizedActivation(q.reshape(*lead, self.in_features), s)
 
     def _check_quantized(self, x: QuantizedActivation) -> None:
@@ -339,10 +482,16 @@ class W8A8Linear(nn.Module):
         if q.dim() < 1 or q.shape[-1] != self.in_features:
             raise ValueError(f"W8A8Linear: `q` must have the last dimension in_features = {self.in_features}, "
                              f"got shape {tuple(q.shape)}")
-        per_token = (*q.shape[:-1], 1)
-        if scale.numel() != 1 and tuple(scale.shape) != per_token:
-            raise ValueError(f"W8A8Linear: `scale` must have one element (per-tensor) or shape {per_token} "
-                             f"(per-token), got shape {tuple(scale.shape)}")
+        if self.weight_block_size is not None:
+            groups = (*q.shape[:-1], self.in_features // BLOCK_SIZE)
+            if tuple(scale.shape) != groups:
+                raise ValueError(f"W8A8Linear: `scale` must have shape {groups} (one per 1x{BLOCK_SIZE} group of q's "
+                                 f"rows) for a block-scaled layer, got shape {tuple(scale.shape)}")
+        else:
+            per_token = (*q.shape[:-1], 1)
+            if scale.numel() != 1 and tuple(scale.shape) != per_token:
+                raise ValueError(f"W8A8Linear: `scale` must have one element (per-tensor) or shape {per_token} "
+                                 f"(per-token), got shape {tuple(scale.shape)}")
         if q.device != self.weight.device:
             raise ValueError(f"W8A8Linear: `q` is on {q.device} but the layer is on {self.weight.device}")
         if scale.device != q.device:
@@ -361,7 +510,10 @@ class W8A8Linear(nn.Module):
         if isinstance(x, QuantizedActivation):
             self._check_quantized(x)
             lead = x.q.shape[:-1]
-            s = x.scale if x.scale.numel() == 1 else x.scale.reshape(-1, 1).contiguous()
+            if self.weight_block_size is not None:  # (M, K / 128) group scales: block-scaled scaled_mm
+                s = x.scale.reshape(-1, self.in_features // BLOCK_SIZE).contiguous()
+            else:
+                s = x.scale if x.scale.numel() == 1 else x.scale.reshape(-1, 1).contiguous()
             y = _op.scaled_mm(x.q.reshape(-1, self.in_features), self.weight.t(), s,
                                                  self.weight_scale, self.dtype, self.bias)
             return y.reshape(*lead, self.out_features)
@@ -380,6 +532,10 @@ class W8A8Linear(nn.Module):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        act = "static per-tensor" if self.input_scale is not None else "dynamic per-token"
+        if self.weight_block_size is not None:
+            act = f"dynamic per-group (1x{BLOCK_SIZE})"
+        else:
+            act = "static per-tensor" if self.input_scale is not None else "dynamic per-token"
+        block = "" if self.weight_block_size is None else f", weight_block_size={self.weight_block_size}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"dtype={self.dtype}, quant_dtype={self.quant_dtype}, activations={act}")
+                f"dtype={self.dtype}, quant_dtype={self.quant_dtype}{block}, activations={act}")

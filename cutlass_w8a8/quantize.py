@@ -11,14 +11,18 @@ import torch
 from torch import nn
 
 from .config import W8A8Config
-from .ops._limits import GEMM_ALIGN
+from .ops._limits import BLOCK_SIZE, GEMM_ALIGN
 
 __all__ = ["quantize_", "shape_supported", "refuse_quantized_weight"]
 
 
-def shape_supported(out_features: int, in_features: int) -> bool:
+def shape_supported(out_features: int, in_features: int, weight_block_size: Optional[tuple] = None) -> bool:
     """Whether a Linear of these sizes can be a `W8A8Linear`: N and K positive multiples of 16
-    (``ops._limits.GEMM_ALIGN``, the GEMM kernels' alignment)."""
+    (``ops._limits.GEMM_ALIGN``, the GEMM kernels' alignment); with ``weight_block_size`` (block-scaled fp8)
+    also K a multiple of 128 (``ops._limits.BLOCK_SIZE``: 1 x 128 activation groups; N's last block may be
+    partial)."""
+    if weight_block_size is not None and (in_features <= 0 or in_features % BLOCK_SIZE != 0):
+        return False
     return all(v > 0 and v % GEMM_ALIGN == 0 for v in (out_features, in_features))
 
 
@@ -68,7 +72,8 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
     nn.Module
         ``model`` (or the replacement of a bare linear).
 
-    Linears whose K or N is not a multiple of 16, and linears whose weight is shared with another module (an
+    Linears whose K or N is not a multiple of 16 (with ``config.weight_block_size``, whose K is not a multiple
+    of 128), and linears whose weight is shared with another module (an
     ``lm_head`` tied to the input embedding), are left as they are, with a warning naming the module
     (``module 'lm_head'``) that points at the line calling ``quantize_``.
 
@@ -130,6 +135,11 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
         if not shape_supported(n, k):
             left_in_float.append(f"quantize_: leaving {what} in float: in_features={k} and out_features={n} "
                                  "must be multiples of 16")
+            return False
+        if not shape_supported(n, k, config.weight_block_size):
+            left_in_float.append(f"quantize_: leaving {what} in float: in_features={k} must be a multiple of "
+                                 f"{BLOCK_SIZE} for weight_block_size={config.weight_block_size} (1x{BLOCK_SIZE} "
+                                 "activation groups)")
             return False
         return True
 

@@ -22,7 +22,8 @@ from ._roles import (aligned16, bias_vector, block_scaled, block_scales, block_w
                      weight_columns, fail_type, fail_value, flat_row_stride)
 
 __all__ = ["check_scaled_mm", "check_scaled_mm_decode", "check_linear_decode", "check_w8a8_linear",
-           "check_quantize", "check_quantize_group", "check_rms_norm", "check_rms_norm_quant", "check_silu_mul", "check_silu_mul_quant",
+           "check_quantize", "check_quantize_group", "check_rms_norm", "check_rms_norm_quant", "check_silu_mul",
+           "check_silu_mul_quant",
            "check_decode_attention", "check_decode_attention_quant", "check_rope_kv_cache", "check_decode_layer",
            "fail_type", "fail_value"]
 

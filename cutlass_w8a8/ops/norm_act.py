@@ -175,8 +175,8 @@ def silu_mul_quant(x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Te
     ``y = silu(gate) * up`` as :func:`silu_mul` computes it, rounded to ``x``'s dtype, then quantized as
     :func:`quantize_int8` / :func:`quantize_fp8` quantize a stored ``y``: dynamic per token when ``scale`` is
     None, else static per tensor; with ``group_size=128`` dynamic per 1 x 128 group of ``y``'s rows as
-    :func:`quantize_per_token_group` (I a multiple of 128, ``scale`` None). Equal to the unfused chain ``silu_mul`` -> ``quantize_*`` bit for bit on
-    the same device. One kernel launch: one block per row, or on sm90 a cluster of up to 8 for long rows.
+    :func:`quantize_per_token_group` (I a multiple of 128, ``scale`` None). Equal to the unfused chain
+    ``silu_mul`` -> ``quantize_*`` bit for bit on the same device. One kernel launch: one block per row, or on sm90 a cluster of up to 8 for long rows.
 
     Parameters
     ----------
