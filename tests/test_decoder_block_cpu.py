@@ -170,6 +170,29 @@ def test_block_step_uses_group_quantizing_ops():
             assert tuple(scale_a.shape) == (b, k // 128) and scale_b.dim() == 2, (scale_a.shape, scale_b.shape)
 
 
+def _block_layer_operands(layer):
+    """decode_layer's operands of a block layer, taken past `_layer_op_operands` (which returns None for it)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    ops = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps]
+    for mod in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        ops += [mod.weight, mod.weight_scale, mod.input_scale]
+    return ops + [attn.kv_cache]
+
+
+def test_decode_layer_refuses_block_layers():
+    """The one-op layer is bypassed for block layers (`_layer_op_operands` is None); given their operands anyway it
+    raises the block GEMM's scale_a error (its activations are quantized per token), not a wrong result."""
+    model = tiny()
+    layer = model.layers[0]
+    residual = torch.randn(2, TINY.hidden_size).to(torch.bfloat16)
+    assert layer.use_layer_op and layer._layer_op_operands(residual) is None
+    ctx = model._context(torch.tensor([0, 3]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"scaled_mm: `scale_a` must be \[M, K/128\] = \[2, 2\] \(1x128 groups\) with "
+                                         r"block scales, got shape \(2, 1\)"):
+        torch.ops.cutlass_w8a8.decode_layer(None, residual, *_block_layer_operands(layer), ctx.rope, ctx.slots,
+                                            ctx.positions, TINY.num_heads, TINY.num_kv_heads, 0.125)
+
+
 def _unfused_forward(model, tok, pos, slots):
     """The step without the fused ops: F.rms_norm, each projection on its float input (a block W8A8Linear then
     quantizes it per group itself), attention without quantization, F.silu(gate) * up."""
