@@ -5,8 +5,10 @@ Needs a build with the tuning candidates::
     CUTLASS_W8A8_TUNE=1 TORCH_CUDA_ARCH_LIST=9.0a pip install --no-build-isolation -e .
     python bench/tune_sm90.py --out bench/results
 
-For each operand type, shape and M, every config (shipped ones and candidates, bfloat16 output,
-per-token x per-channel scales) is checked against the default config's output and timed by CUDA-graph
+For each config table (``--dtypes``: ``int8``, ``fp8``: per-token x per-channel scales on the Llama-3 shapes;
+``fp8-block``: block-scaled fp8, 1x128 activation groups x 128x128 weight blocks, on the DeepSeek-V3 and Qwen3 shapes
+of `cutlass_w8a8.testing.shapes.BLOCK_SHAPES`), shape and M, every config (shipped ones and candidates, bfloat16
+output) is checked against the default config's output and timed by CUDA-graph
 replay over rotating inputs with a cold L2, the replays of a point's configs interleaved
 (cutlass_w8a8.testing.timers.bench_gpu_time_interleaved). Writes
 ``tune_<device>_<dtypes>.json`` (every time) and ``tune_<device>_<dtypes>.md``: the best config per point, and for each M the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Optional
@@ -30,26 +33,43 @@ SHAPES = [
     ("l3-70b-gate_up", 57344, 8192), ("l3-70b-down", 8192, 28672),
 ]
 M_VALUES = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-AB_TYPE = {"int8": 0, "fp8": 1}  # cw8a8_ab_type in csrc/gemm/kernel_api.h
+# cw8a8_config_table in csrc/gemm/kernel_api.h: the ids of the int8 and fp8 tables equal their cw8a8_ab_type
+TABLES = {"int8": 0, "fp8": 1, "fp8-block": 2}
+BLOCK = 128  # cutlass_w8a8.ops._limits.BLOCK_SIZE
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dtypes", default="int8,fp8", help="comma list of int8, fp8 (default both)")
+    p.add_argument("--dtypes", default="int8,fp8",
+                   help="comma list of config tables: int8, fp8, fp8-block (default int8,fp8)")
     p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of M values")
     p.add_argument("--shapes", default=None, help="comma list of substrings to select shapes")
     p.add_argument("--replays", type=int, default=10, help="timed graph replays per config (default 10)")
     p.add_argument("--replay-ms", type=float, default=0.5, help="target ms per replay (default 0.5)")
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.dtype_list = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    unknown = [d for d in args.dtype_list if d not in TABLES]
+    if unknown or not args.dtype_list:
+        p.error(f"--dtypes: unknown {unknown or args.dtypes!r}; choose among {', '.join(TABLES)}")
+    return args
+
+
+def shapes_for(dtype: str, filters: Optional[str]) -> list[tuple[str, int, int]]:
+    """The shapes swept for a table: the Llama-3 linears, or for ``fp8-block`` the block-scaled models' shapes
+    (`cutlass_w8a8.testing.shapes.BLOCK_SHAPES`), filtered by the comma-separated substrings of ``filters``."""
+    from cutlass_w8a8.testing.shapes import BLOCK_SHAPES
+
+    table = BLOCK_SHAPES if dtype == "fp8-block" else SHAPES
+    return [s for s in table if not filters or any(f in s[0] for f in filters.split(","))]
 
 
 def config_names(lib, dtype: str) -> list[str]:
     import ctypes
 
     lib.cw8a8_sm90_config_name.restype = ctypes.c_char_p
-    count = lib.cw8a8_sm90_num_configs(AB_TYPE[dtype])
-    return [lib.cw8a8_sm90_config_name(AB_TYPE[dtype], i).decode() for i in range(count)]
+    count = lib.cw8a8_sm90_num_configs(TABLES[dtype])
+    return [lib.cw8a8_sm90_config_name(TABLES[dtype], i).decode() for i in range(count)]
 
 
 def plausible(name: str, m: int) -> bool:
@@ -65,21 +85,32 @@ def plausible(name: str, m: int) -> bool:
     return m >= 32
 
 
+def scale_shapes(dtype: str, m: int, n: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(scale_a, scale_b)`` shapes of a table's GEMM: per-token ``(M, 1)`` x per-channel ``(N,)``, or for
+    ``fp8-block`` 1x128 groups ``(M, K/128)`` x 128x128 blocks ``(ceil(N/128), K/128)``."""
+    if dtype == "fp8-block":
+        return (m, k // BLOCK), (-(-n // BLOCK), k // BLOCK)
+    return (m, 1), (n,)
+
+
 def random_operands(dtype: str, m: int, n: int, k: int, copies: int):
     def q(*shape):
         if dtype == "int8":
             return torch.randint(-128, 128, shape, dtype=torch.int8, device="cuda")
         return torch.randn(shape, device="cuda").to(torch.float8_e4m3fn)
 
+    sa_shape, sb_shape = scale_shapes(dtype, m, n, k)
     sets = []
     for _ in range(copies):  # weights rotate too: at small M the GEMM is a stream of the weight
         sets.append((torch.empty(m, n, dtype=torch.bfloat16, device="cuda"), q(m, k), q(n, k),
-                     torch.rand(m, 1, device="cuda") * 1e-2 + 1e-3, torch.rand(n, device="cuda") * 1e-2 + 1e-3))
+                     torch.rand(sa_shape, device="cuda") * 1e-2 + 1e-3,
+                     torch.rand(sb_shape, device="cuda") * 1e-2 + 1e-3))
     return sets
 
 
 def tune_point(bu, dtype, names, m, n, k, args, l2_bytes) -> dict:
-    set_bytes = m * k + n * k + 2 * m * n
+    sa_shape, sb_shape = scale_shapes(dtype, m, n, k)
+    set_bytes = m * k + n * k + 2 * m * n + 4 * (math.prod(sa_shape) + math.prod(sb_shape))
     copies = bu.rotation_count(set_bytes, l2_bytes, 4 * 2**30)
     sets = random_operands(dtype, m, n, k, copies)
     op = torch.ops.cutlass_w8a8._scaled_mm_config
@@ -153,18 +184,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.exit(f"tune_sm90.py: the sm90 kernels are not loaded: {cw.extension_status()}")
     from tqdm import tqdm
 
-    dtypes = args.dtypes.split(",")
+    dtypes = args.dtype_list
     m_values = [int(x) for x in args.m.split(",")]
-    shapes = [s for s in SHAPES if not args.shapes or any(f in s[0] for f in args.shapes.split(","))]
+    shapes = {d: shapes_for(d, args.shapes) for d in dtypes}
     l2_bytes = bu.l2_cache_bytes()
     points = []
     names_by_dtype = {d: config_names(lib, d) for d in dtypes}
     for d, names in names_by_dtype.items():
         print(f"{d}: {len(names)} configs: {', '.join(names)}", flush=True)
-    bar = tqdm(total=len(dtypes) * len(shapes) * len(m_values), mininterval=5, file=sys.stdout)
+    bar = tqdm(total=sum(len(s) for s in shapes.values()) * len(m_values), mininterval=5, file=sys.stdout)
     with torch.no_grad():
         for dtype in dtypes:
-            for shape, n, k in shapes:
+            for shape, n, k in shapes[dtype]:
                 for m in m_values:
                     p = tune_point(bu, dtype, names_by_dtype[dtype], m, n, k, args, l2_bytes)
                     p.update(dtype=dtype, shape=shape)
@@ -175,8 +206,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = torch.cuda.get_device_name()
     slug = bu.device_slug(device)
     os.makedirs(args.out, exist_ok=True)
-    report = (f"# sm90 config sweep: {device}\n\nbfloat16 out, per-token x per-channel scales, cold-L2 graph "
-              f"replays (median of {args.replays}); torch {torch.__version__}.\n" + summarize(points, bu.geomean))
+    report = (f"# sm90 config sweep: {device}\n\nbfloat16 out, per-token x per-channel scales (fp8-block: 1x128 "
+              f"activation groups x 128x128 weight blocks), cold-L2 graph replays (median of {args.replays}); "
+              f"torch {torch.__version__}.\n" + summarize(points, bu.geomean))
     stem = f"tune_{slug}_{'_'.join(dtypes)}"
     with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump({"device": device, "configs": names_by_dtype, "points": points}, f, indent=1)

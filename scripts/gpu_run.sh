@@ -16,7 +16,7 @@
 # (bench/bench_m1_torchao.py: W8A8Linear vs torchao int8 weight-only + compile at M = 1; $M1_ARGS), host (bench/bench_host.py: host time per eager call), hf (bench/bench_hf.py:
 # transformers Llama-3-8B dims, bf16 vs W8A8, eager and compiled; extra arguments in $HF_ARGS), fuzz (scripts/fuzz.py, 1000 cases), soak (scripts/soak.py),
 # sanitize (scripts/sanitize.py; the tools in $SANITIZE_TOOLS, default all four), build-tune + tune (the sm90 tuning build and
-# bench/tune_sm90.py). Offline: the nvidia-cutlass wheel is taken from .whl/ (git-ignored; copy
+# bench/tune_sm90.py, one run per config table in $TUNE_DTYPES, default "int8 fp8 fp8-block"). Offline: the nvidia-cutlass wheel is taken from .whl/ (git-ignored; copy
 # nvidia_cutlass-4.2.0.0-py3-none-any.whl there) when cutlass_library is not importable.
 # Optional, also from .whl/ when present and not importable, outside the Python environment: a torchao wheel
 # (torchao-*.whl, installed with --target /tmp/site: bench_gemm.py's torchao columns) and Warp without its CPU
@@ -206,7 +206,7 @@ if has sanitize; then
 fi
 
 if has tune; then
-  for dtype in int8 fp8; do  # one file each, so a run cut short keeps what finished
+  for dtype in ${TUNE_DTYPES:-int8 fp8 fp8-block}; do  # one file each, so a run cut short keeps what finished
     run_stage "tune $dtype" "tune_$dtype.log" $PY bench/tune_sm90.py --dtypes $dtype --out "$OUT"
   done
 fi

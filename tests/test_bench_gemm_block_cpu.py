@@ -423,3 +423,33 @@ def test_full_sweep_flow_with_block_columns_on_cpu(bench, monkeypatch, tmp_path)
     p = res["points"][0]
     assert "ours_block" not in p["time_ms"] and "block" not in p and "cutlass_fp8" in p["accuracy"]
     assert "block_targets" not in res
+
+
+# ---- bench/tune_sm90.py's block table ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tune():
+    spec = importlib.util.spec_from_file_location("tune_sm90", BENCH / "tune_sm90.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tune_sm90_block_table(tune):
+    """The tables are csrc/gemm/kernel_api.h's cw8a8_config_table ids; fp8-block sweeps the block shapes with group
+    and block scale shapes; the command line refuses an unknown table."""
+    header = (BENCH.parent / "csrc" / "gemm" / "kernel_api.h").read_text()
+    for name, key in (("int8", "CW8A8_TABLE_INT8"), ("fp8", "CW8A8_TABLE_FP8"), ("fp8-block", "CW8A8_TABLE_FP8_BLOCK")):
+        assert f"{key} = {tune.TABLES[name]}," in header, key
+    assert tune.parse_args(["--dtypes", "int8,fp8-block"]).dtype_list == ["int8", "fp8-block"]
+    with pytest.raises(SystemExit):
+        tune.parse_args(["--dtypes", "fp8,int4"])
+    assert tune.shapes_for("fp8-block", None) == list(BLOCK_SHAPES)
+    assert tune.shapes_for("fp8", "70b") == [s for s in SHAPES if "70b" in s[0]]
+    assert tune.scale_shapes("fp8-block", 3, 200, 384) == ((3, 3), (2, 3))
+    assert tune.scale_shapes("int8", 3, 200, 384) == ((3, 1), (200,))
+    points = [{"dtype": "fp8-block", "M": 16, "shape": s, "times_us": {"swap_128x16x128": t1, "swap_128x32x128": t2}}
+              for s, t1, t2 in (("a", 10.0, 12.0), ("b", 11.0, 10.0))]
+    text = tune.summarize(points, geomean)
+    assert "## fp8-block: best config per point" in text and "| 16 | a | swap_128x16x128 | 10.0 |" in text
