@@ -12,6 +12,7 @@ GEMM = ROOT / "csrc" / "gemm"
 SHIPPED_TABLES = [
     ("sm90/scaled_mm_sm90_dispatch.cuh", "Int8Configs", "sm90", "int8"),
     ("sm90/scaled_mm_sm90_dispatch.cuh", "Fp8Configs", "sm90", "fp8"),
+    ("sm90/scaled_mm_sm90_dispatch.cuh", "Fp8BlockConfigs", "sm90", "fp8block"),
     ("sm80/scaled_mm_sm80_dispatch.cuh", "Int8Configs", "sm80", "int8"),
     ("sm80/scaled_mm_sm80_dispatch.cuh", "Fp8Configs", "sm89", "fp8"),
 ]
@@ -67,7 +68,9 @@ def test_every_shipped_config_is_a_named_bucket_with_its_files(header, table, fo
         for out in ("bf16", "f16"):
             rel = f"{folder}/instantiations/{prefix}_{bucket}_{out}.cu"
             assert rel in on_disk, f"{alias} has no {rel}: rerun the generator"
-            assert re.search(rf"run_scaled_mm<[^;]*, {alias}>\(", on_disk[rel]), f"{rel} does not instantiate {alias}"
+            # run_scaled_mm<...> (row-wise scales) or run_scaled_mm_block<...> (block-scaled fp8)
+            assert re.search(rf"run_scaled_mm(_block)?<[^;]*, {alias}>\(", on_disk[rel]), \
+                f"{rel} does not instantiate {alias}"
 
 
 def test_dispatch_returns_named_indices():

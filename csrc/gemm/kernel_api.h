@@ -30,6 +30,12 @@ enum cw8a8_out_type { CW8A8_OUT_BF16 = 0, CW8A8_OUT_F16 = 1 };
 //   D: row-major, element (m, n) at d[m * ldd + n].
 //   scale_a: float32, M values (per-token) or 1 (per-tensor); scale_b: N values (per-channel) or 1.
 //   bias: N values of the output type, or NULL.
+// Block-scaled fp8 (scale_block = 1; float8_e4m3fn operands, K a multiple of 128, KB = K / 128):
+//   D[m, n] = sum over kb of scale_a[m * KB + kb] * scale_b[(n / 128) * KB + kb]
+//             * (A[m, 128 kb : 128 kb + 128] @ B[128 kb : 128 kb + 128, n])  (+ bias[n]),
+//   scale_a float32 [M, KB] row-major (1x128 groups of A), scale_b float32 [ceil(N / 128), KB] row-major (128x128
+//   blocks of the [N, K] weight), both contiguous; scale_a_per_token / scale_b_per_channel are then ignored. Only
+//   the sm90 library and the decode GEMM implement it (csrc/gemm/EPILOGUES.md writes out the math).
 typedef struct cw8a8_scaled_mm_args {
   const void* a;
   const void* b;
@@ -41,11 +47,13 @@ typedef struct cw8a8_scaled_mm_args {
   int64_t lda, ldb, ldd;  // leading strides, in elements
   int scale_a_per_token;    // 1: scale_a has M values; 0: one value
   int scale_b_per_channel;  // 1: scale_b has N values; 0: one value
+  int scale_block;          // 1: block-scaled fp8 (above): scale_a [M, K/128], scale_b [ceil(N/128), K/128]
   int ab_type;              // cw8a8_ab_type
   int out_type;             // cw8a8_out_type
   int device;               // CUDA device ordinal the pointers live on
   int sm_count;             // multiprocessors on that device
-  int config;               // -1: choose by shape; >= 0: force this entry of the config table (tuning)
+  int config;               // -1: choose by shape; >= 0: force this entry of the config table (tuning) that
+                            // cw8a8_config_table_of(this) names
   int pdl;                  // 1: launch with programmatic dependent launch where the kernel supports it
                             // (the sm90 kernels wait on griddepcontrol before touching global memory)
   cudaStream_t stream;
@@ -69,6 +77,9 @@ typedef struct cw8a8_kernel_node {
   unsigned cluster[3];      // thread-block cluster shape the kernel was compiled for (1, 1, 1: none)
   size_t smem_bytes;        // dynamic shared memory
   int config;               // the config table entry this describes
+  int pdl_safe;             // 1: every global read of the kernel waits on griddepcontrol, so it may sit behind a
+                            // programmatic (PDL) edge; 0: the library launches it without PDL, and a graph node
+                            // captured with a PDL edge must never be switched to it
   size_t params_bytes;      // bytes of `params` used
   unsigned char params[CW8A8_NODE_PARAMS_BYTES];  // the kernel's parameter block (CUTLASS Params), bytes
 } cw8a8_kernel_node;
@@ -83,10 +94,27 @@ typedef int (*cw8a8_scaled_mm_node_fn)(const cw8a8_scaled_mm_args* args, cw8a8_k
                                        cudaGraphExec_t exec, cudaGraphNode_t graph_node, char* err,
                                        size_t err_len);
 
-// Number of entries in a library's config table for an operand type (shipped configs, then any tuning
-// candidates built in) and the name of entry i (NULL past the end).
-typedef int (*cw8a8_num_configs_fn)(int ab_type);
-typedef const char* (*cw8a8_config_name_fn)(int ab_type, int i);
+// A library's config tables, one per kernel family. The ids of the first two equal the cw8a8_ab_type of their
+// operands (per-tensor / per-token / per-channel scales), so callers that pass an ab_type keep working; block-scaled
+// fp8 (scale_block = 1) has a table of its own. `config` of cw8a8_scaled_mm_args, cw8a8_kernel_node.config and
+// _scaled_mm_config's `config` index the table of their arguments, cw8a8_config_table_of.
+enum cw8a8_config_table {
+  CW8A8_TABLE_INT8 = 0,       // = CW8A8_AB_INT8
+  CW8A8_TABLE_FP8 = 1,        // = CW8A8_AB_FP8_E4M3
+  CW8A8_TABLE_FP8_BLOCK = 2,  // float8_e4m3fn with scale_block = 1 (sm90 only; the other libraries have 0 entries)
+};
+
+static inline int cw8a8_config_table_of(const cw8a8_scaled_mm_args* args) {
+  return args->scale_block ? CW8A8_TABLE_FP8_BLOCK : args->ab_type;
+}
+
+// Number of entries in a library's config table `table` (a cw8a8_config_table: shipped configs, then any tuning
+// candidates built in; 0 for a table the library does not have) and the name of entry i (NULL past the end).
+// The sm90 library exports them as cw8a8_sm90_num_configs / cw8a8_sm90_config_name (bench/tune_sm90.py reads them
+// with ctypes; names read "[swap_]<tile M>x<N>x<K>_c<cluster M>x<N>_<pingpong|cooperative>_persistent[_fastaccum]"
+// in every table, the kernel's own frame).
+typedef int (*cw8a8_num_configs_fn)(int table);
+typedef const char* (*cw8a8_config_name_fn)(int table, int i);
 
 #ifdef __cplusplus
 }

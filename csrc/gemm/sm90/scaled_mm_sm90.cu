@@ -1,4 +1,5 @@
-// C entry points of the sm90 kernel library (see csrc/gemm/kernel_api.h): choose a config and run it.
+// C entry points of the sm90 kernel library (see csrc/gemm/kernel_api.h): choose a config from the table of the
+// arguments (int8, fp8, block-scaled fp8: cw8a8_config_table_of) and run it, or describe its launch.
 #include <cstdio>
 #include <string>
 #include <type_traits>
@@ -44,19 +45,53 @@ constexpr bool kTuneBuild = true;
 constexpr bool kTuneBuild = false;
 #endif
 
-template <class ElementAB>
+// The config tables, keyed by their operand type (int8_t, cutlass::float_e4m3_t) or BlockFp8 (block-scaled fp8):
+// the shipped configs, the tuning candidates, the choice by shape, and the kernel functions of a config.
+struct BlockFp8 {};
+
+template <class Key>
 struct Tables;
 template <>
 struct Tables<int8_t> {
   using Shipped = Int8Configs;
   using Candidates = Int8TuneCandidates;
   static int select(int64_t m, int64_t n, int64_t k, int sms) { return select_int8(m, n, k, sms); }
+  template <class ElementD, class Cfg>
+  static int run(const cw8a8_scaled_mm_args& a, cw8a8_alloc_fn alloc, void* ctx, char* err, size_t err_len) {
+    return run_scaled_mm<int8_t, ElementD, Cfg>(a, alloc, ctx, err, err_len);
+  }
+  template <class ElementD, class Cfg>
+  static int node(const cw8a8_scaled_mm_args& a, cw8a8_kernel_node* node, char* err, size_t err_len) {
+    return scaled_mm_node<int8_t, ElementD, Cfg>(a, node, err, err_len);
+  }
 };
 template <>
 struct Tables<cutlass::float_e4m3_t> {
   using Shipped = Fp8Configs;
   using Candidates = Fp8TuneCandidates;
   static int select(int64_t m, int64_t n, int64_t k, int sms) { return select_fp8(m, n, k, sms); }
+  template <class ElementD, class Cfg>
+  static int run(const cw8a8_scaled_mm_args& a, cw8a8_alloc_fn alloc, void* ctx, char* err, size_t err_len) {
+    return run_scaled_mm<cutlass::float_e4m3_t, ElementD, Cfg>(a, alloc, ctx, err, err_len);
+  }
+  template <class ElementD, class Cfg>
+  static int node(const cw8a8_scaled_mm_args& a, cw8a8_kernel_node* node, char* err, size_t err_len) {
+    return scaled_mm_node<cutlass::float_e4m3_t, ElementD, Cfg>(a, node, err, err_len);
+  }
+};
+template <>
+struct Tables<BlockFp8> {
+  using Shipped = Fp8BlockConfigs;
+  using Candidates = Fp8BlockTuneCandidates;
+  static int select(int64_t m, int64_t n, int64_t k, int sms) { return select_fp8_block(m, n, k, sms); }
+  template <class ElementD, class Cfg>
+  static int run(const cw8a8_scaled_mm_args& a, cw8a8_alloc_fn alloc, void* ctx, char* err, size_t err_len) {
+    return run_scaled_mm_block<ElementD, Cfg>(a, alloc, ctx, err, err_len);
+  }
+  template <class ElementD, class Cfg>
+  static int node(const cw8a8_scaled_mm_args& a, cw8a8_kernel_node* node, char* err, size_t err_len) {
+    return scaled_mm_block_node<ElementD, Cfg>(a, node, err, err_len);
+  }
 };
 
 // Calls f(Cfg{}) with Cfg entry `index` of `Table` (configs are empty tag types); -1 when the index is not in it.
@@ -68,9 +103,9 @@ int visit_index(int index, F&& f, std::index_sequence<I...>) {
 }
 
 // Calls f(Cfg{}) with the config of table index `index` (shipped entries, then tuning candidates).
-template <class ElementAB, class ElementD, class F>
+template <class Key, class ElementD, class F>
 int visit_typed(int index, F&& f, char* err, size_t err_len) {
-  using Tb = Tables<ElementAB>;
+  using Tb = Tables<Key>;
   constexpr int shipped = size_of<typename Tb::Shipped>();
   if (index < shipped) {
     return visit_index<typename Tb::Shipped>(index, f, std::make_index_sequence<shipped>{});
@@ -85,9 +120,9 @@ int visit_typed(int index, F&& f, char* err, size_t err_len) {
 }
 
 // The table index args.config, or the one dispatch chooses for the shape when it is negative.
-template <class ElementAB>
+template <class Key>
 int config_index(const cw8a8_scaled_mm_args& args) {
-  return args.config >= 0 ? args.config : Tables<ElementAB>::select(args.m, args.n, args.k, args.sm_count);
+  return args.config >= 0 ? args.config : Tables<Key>::select(args.m, args.n, args.k, args.sm_count);
 }
 
 // Calls f.template operator()<ElementD>() for the output type of args; an error for an unknown type.
@@ -104,32 +139,55 @@ int visit_out(const cw8a8_scaled_mm_args& args, F&& f, char* err, size_t err_len
   }
 }
 
-template <class ElementAB>
-int run_ab(const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc, void* ctx, char* err, size_t err_len) {
-  const int index = config_index<ElementAB>(args);
+template <class Key>
+int run_table(const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc, void* ctx, char* err, size_t err_len) {
+  const int index = config_index<Key>(args);
   return visit_out(args, [&](auto d) {
     using ElementD = decltype(d);
-    return visit_typed<ElementAB, ElementD>(index, [&](auto cfg) {
-      return run_scaled_mm<ElementAB, ElementD, decltype(cfg)>(args, alloc, ctx, err, err_len);
+    return visit_typed<Key, ElementD>(index, [&](auto cfg) {
+      return Tables<Key>::template run<ElementD, decltype(cfg)>(args, alloc, ctx, err, err_len);
     }, err, err_len);
   }, err, err_len);
 }
 
-template <class ElementAB>
-int node_ab(const cw8a8_scaled_mm_args& args, cw8a8_kernel_node* node, char* err, size_t err_len) {
-  const int index = config_index<ElementAB>(args);
+template <class Key>
+int node_table(const cw8a8_scaled_mm_args& args, cw8a8_kernel_node* node, char* err, size_t err_len) {
+  const int index = config_index<Key>(args);
   node->config = index;
   return visit_out(args, [&](auto d) {
     using ElementD = decltype(d);
-    return visit_typed<ElementAB, ElementD>(index, [&](auto cfg) {
-      return scaled_mm_node<ElementAB, ElementD, decltype(cfg)>(args, node, err, err_len);
+    return visit_typed<Key, ElementD>(index, [&](auto cfg) {
+      return Tables<Key>::template node<ElementD, decltype(cfg)>(args, node, err, err_len);
     }, err, err_len);
   }, err, err_len);
 }
 
-template <class ElementAB>
+// Calls f(Key{}) with the table key of the arguments (cw8a8_config_table_of); an error for an unknown operand type,
+// or block scales with int8 operands (the caller's checks refuse those first).
+template <class F>
+int visit_table(const cw8a8_scaled_mm_args& args, F&& f, char* err, size_t err_len) {
+  if (args.ab_type != CW8A8_AB_INT8 && args.ab_type != CW8A8_AB_FP8_E4M3) {
+    std::snprintf(err, err_len, "sm90 scaled_mm: unsupported operand type %d", args.ab_type);
+    return 1;
+  }
+  switch (cw8a8_config_table_of(&args)) {
+    case CW8A8_TABLE_INT8:
+      return f(int8_t{});
+    case CW8A8_TABLE_FP8:
+      return f(cutlass::float_e4m3_t{});
+    case CW8A8_TABLE_FP8_BLOCK:
+      if (args.ab_type == CW8A8_AB_FP8_E4M3) return f(BlockFp8{});
+      [[fallthrough]];
+    default:
+      std::snprintf(err, err_len, "sm90 scaled_mm: block scales need float8_e4m3fn operands (operand type %d)",
+                    args.ab_type);
+      return 1;
+  }
+}
+
+template <class Key>
 int num_configs() {
-  using Tb = Tables<ElementAB>;
+  using Tb = Tables<Key>;
   return size_of<typename Tb::Shipped>() + (kTuneBuild ? size_of<typename Tb::Candidates>() : 0);
 }
 
@@ -154,14 +212,18 @@ const std::string* names_of(std::index_sequence<I...>) {
   return names;
 }
 
-template <class ElementAB>
+template <class Key>
 const char* name_of(int index) {
-  using Tb = Tables<ElementAB>;
+  using Tb = Tables<Key>;
   constexpr int shipped = size_of<typename Tb::Shipped>();
   constexpr int candidates = size_of<typename Tb::Candidates>();
-  if (index < 0 || index >= num_configs<ElementAB>()) return nullptr;
+  if (index < 0 || index >= num_configs<Key>()) return nullptr;
   if (index < shipped) return names_of<typename Tb::Shipped>(std::make_index_sequence<shipped>{})[index].c_str();
-  return names_of<typename Tb::Candidates>(std::make_index_sequence<candidates>{})[index - shipped].c_str();
+  if constexpr (candidates == 0) {  // (an empty table has no names array)
+    return nullptr;
+  } else {
+    return names_of<typename Tb::Candidates>(std::make_index_sequence<candidates>{})[index - shipped].c_str();
+  }
 }
 
 }  // namespace
@@ -173,15 +235,9 @@ __attribute__((visibility("default"))) int cw8a8_sm90_scaled_mm(const cw8a8_scal
                                                                  cw8a8_alloc_fn alloc, void* alloc_ctx,
                                                                  char* err, size_t err_len) {
   using namespace cutlass_w8a8::sm90;
-  switch (args->ab_type) {
-    case CW8A8_AB_INT8:
-      return run_ab<int8_t>(*args, alloc, alloc_ctx, err, err_len);
-    case CW8A8_AB_FP8_E4M3:
-      return run_ab<cutlass::float_e4m3_t>(*args, alloc, alloc_ctx, err, err_len);
-    default:
-      std::snprintf(err, err_len, "sm90 scaled_mm: unsupported operand type %d", args->ab_type);
-      return 1;
-  }
+  return visit_table(*args, [&](auto key) {
+    return run_table<decltype(key)>(*args, alloc, alloc_ctx, err, err_len);
+  }, err, err_len);
 }
 
 __attribute__((visibility("default"))) int cw8a8_sm90_scaled_mm_node(const cw8a8_scaled_mm_args* args,
@@ -190,18 +246,9 @@ __attribute__((visibility("default"))) int cw8a8_sm90_scaled_mm_node(const cw8a8
                                                                       cudaGraphNode_t graph_node, char* err,
                                                                       size_t err_len) {
   using namespace cutlass_w8a8::sm90;
-  int rc = 1;
-  switch (args->ab_type) {
-    case CW8A8_AB_INT8:
-      rc = node_ab<int8_t>(*args, node, err, err_len);
-      break;
-    case CW8A8_AB_FP8_E4M3:
-      rc = node_ab<cutlass::float_e4m3_t>(*args, node, err, err_len);
-      break;
-    default:
-      std::snprintf(err, err_len, "sm90 scaled_mm: unsupported operand type %d", args->ab_type);
-      return 1;
-  }
+  const int rc = visit_table(*args, [&](auto key) {
+    return node_table<decltype(key)>(*args, node, err, err_len);
+  }, err, err_len);
   if (rc != 0 || exec == nullptr) return rc;
   void* params[] = {node->params};
   cudaKernelNodeParams kp{};
@@ -219,14 +266,25 @@ __attribute__((visibility("default"))) int cw8a8_sm90_scaled_mm_node(const cw8a8
   return 0;
 }
 
-__attribute__((visibility("default"))) int cw8a8_sm90_num_configs(int ab_type) {
+// `table`: a cw8a8_config_table (0 int8, 1 fp8, 2 block-scaled fp8); 0 configs / NULL for any other value.
+__attribute__((visibility("default"))) int cw8a8_sm90_num_configs(int table) {
   using namespace cutlass_w8a8::sm90;
-  return ab_type == CW8A8_AB_INT8 ? num_configs<int8_t>() : num_configs<cutlass::float_e4m3_t>();
+  switch (table) {
+    case CW8A8_TABLE_INT8: return num_configs<int8_t>();
+    case CW8A8_TABLE_FP8: return num_configs<cutlass::float_e4m3_t>();
+    case CW8A8_TABLE_FP8_BLOCK: return num_configs<BlockFp8>();
+    default: return 0;
+  }
 }
 
-__attribute__((visibility("default"))) const char* cw8a8_sm90_config_name(int ab_type, int i) {
+__attribute__((visibility("default"))) const char* cw8a8_sm90_config_name(int table, int i) {
   using namespace cutlass_w8a8::sm90;
-  return ab_type == CW8A8_AB_INT8 ? name_of<int8_t>(i) : name_of<cutlass::float_e4m3_t>(i);
+  switch (table) {
+    case CW8A8_TABLE_INT8: return name_of<int8_t>(i);
+    case CW8A8_TABLE_FP8: return name_of<cutlass::float_e4m3_t>(i);
+    case CW8A8_TABLE_FP8_BLOCK: return name_of<BlockFp8>(i);
+    default: return nullptr;
+  }
 }
 
 }  // extern "C"

@@ -58,4 +58,15 @@ int run_scaled_mm(const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc, void* 
 template <class ElementAB, class ElementD, class Cfg>
 int scaled_mm_node(const cw8a8_scaled_mm_args& args, cw8a8_kernel_node* node, char* err, size_t err_len);
 
+// The block-scaled fp8 GEMM (cw8a8_scaled_mm_args.scale_block = 1, float8_e4m3fn operands): defined in
+// scaled_mm_sm90_blockwise.cuh, instantiated one (ElementD, Config) per file under instantiations/
+// (fp8block_<bucket>_<out>.cu), with its graph-node description beside it. A block Config is read as the others
+// are, in the kernel's own frame; it never uses fast accumulation (the mainloop promotes and scales the tensor
+// cores' partial sums at every 128-element K block).
+template <class ElementD, class Cfg>
+int run_scaled_mm_block(const cw8a8_scaled_mm_args& args, cw8a8_alloc_fn alloc, void* alloc_ctx, char* err,
+                        size_t err_len);
+template <class ElementD, class Cfg>
+int scaled_mm_block_node(const cw8a8_scaled_mm_args& args, cw8a8_kernel_node* node, char* err, size_t err_len);
+
 }  // namespace cutlass_w8a8::sm90

@@ -1,10 +1,12 @@
-// sm90 scaled_mm configurations and the choice among them by problem shape.
+// sm90 scaled_mm configurations and the choice among them by problem shape: int8, fp8 (per-tensor / per-token /
+// per-channel scales) and block-scaled fp8, one table each.
 //
 // Every shipped config has a name by the bucket it serves (`Int8_M32`: M in [1, 32]) and is compiled once per
 // output type, one file each under instantiations/ named after it (`int8_M32_bf16.cu`, written by
 // generate_instantiations.py from the headers: rerun it after editing a table). The tables list those names;
-// their order is a runtime contract: a table index is what select_int8 / select_fp8 return, what the private
-// op cutlass_w8a8::_scaled_mm_config forces (bench/tune_sm90.py) and what a CUDA-graph record stores. Index
+// their order is a runtime contract: a table index is what select_int8 / select_fp8 / select_fp8_block return,
+// what the private op cutlass_w8a8::_scaled_mm_config forces (bench/tune_sm90.py; the table is the one of its
+// arguments, kernel_api.h cw8a8_config_table_of) and what a CUDA-graph record stores. Index
 // i < size(shipped) names shipped entry i; the tuning candidates follow, compiled (bfloat16 output only, one
 // file each under instantiations_tune/ named by shape) when the package is built with CUTLASS_W8A8_TUNE=1.
 //
@@ -112,6 +114,56 @@ inline int select_fp8(int64_t m, int64_t n, int64_t k, int sm_count) {
   return index_of<Fp8_MLarge, Fp8Configs>;
 }
 
+// ---- block-scaled fp8: e4m3 x e4m3, 1x128 activation groups x 128x128 weight blocks ---------------------
+// Its own table (kernel_api.h: CW8A8_TABLE_FP8_BLOCK), run by scaled_mm_sm90_blockwise.cuh. Written without a GPU
+// and not yet measured: each bucket below says why it was chosen; bench/tune_sm90.py is to retune them on an H100.
+// Constraints: TileK is 128 (one scale per K tile); the weight's side of a tile must be a multiple of 128 (its
+// scale granularity), so the swapped configs have TileM = 128, twice the row-wise small-M configs' 64, and half as
+// many CTAs at a given N (N = 4096: 32 weight tiles). They rely on deep pipelines instead: TileK 128 keeps a stage
+// at 16 KiB of weight plus the token tile, so ~12 stages (~200 KiB) are in flight per SM. Pingpong unless noted:
+// the cooperative kernel cannot be launched with PDL (scaled_mm_sm90_blockwise.cuh, kPdlSafe), and the small-M
+// buckets are the ones that launch with it. No fast accumulation exists for this mainloop.
+
+// M in [1, 16] (M <= decode_gemm_max_m() goes to the decode GEMM unless it is off or an UpdatableGraph
+// records): swapped, the weight's N on a 128-row tile and the tokens on a 16-column tile (as the row-wise
+// Fp8_M16); one pass over the weight, 16 + 16 accumulators per thread.
+using Fp8Block_M16 = Config<128, 16, 128, 1, 1, PP, PE, true>;
+// M in (16, 64]: the same with 32 token columns. At M = 64 each weight tile is read twice (two token tiles, the
+// second from L2) and there are twice the CTAs, which the bandwidth-bound small-M GEMM needs more than one pass.
+using Fp8Block_M64 = Config<128, 32, 128, 1, 1, PP, PE, true>;
+// M in (64, 128]: 64 token columns (64 + 64 float32 accumulator registers per thread: the blockwise mainloop keeps
+// a second set for the current K block's partial sums).
+using Fp8Block_M128 = Config<128, 64, 128, 1, 1, PP, PE, true>;
+// M > 128 when Fp8Block_MLarge's tiles would leave much of their last wave idle (select_fp8_block): unswapped,
+// tokens on a 64-row tile, weight on a 128-column tile (a single consumer warpgroup per tile, 64 + 64
+// accumulators per thread), twice as many CTAs as Fp8Block_MLarge; the same rule as the int8 table's FewTiles.
+using Fp8Block_MLarge_FewTiles = Config<64, 128, 128, 1, 1, PP, PE, false>;
+// M > 128 otherwise: 128x128 cooperative (two warpgroups split the 128 token rows: 64 + 64 accumulators each, the
+// most the blockwise mainloop's second accumulator set leaves room for; a 128x128 pingpong tile would need 256),
+// pairs of CTAs along N sharing the token tile through TMA multicast, as CUTLASS's blockwise example 67 runs it.
+// Launched without PDL (M > 16 launches without it anyway, except while an UpdatableGraph records).
+using Fp8Block_MLarge = Config<128, 128, 128, 1, 2, CO, PE, false>;
+
+// Table indices 0..4, in this order (see the top of this file).
+using Fp8BlockConfigs = std::tuple<Fp8Block_M16, Fp8Block_M64, Fp8Block_M128, Fp8Block_MLarge_FewTiles,
+                                   Fp8Block_MLarge>;
+
+// Returns an index into Fp8BlockConfigs. M > 128: Fp8Block_MLarge unless Fp8Block_MLarge_FewTiles fills its last
+// wave better by more than 0.05 (a 1x2 cluster pads the N tiles to pairs).
+inline int select_fp8_block(int64_t m, int64_t n, int64_t k, int sm_count) {
+  (void)k;
+  if (m <= 16) return index_of<Fp8Block_M16, Fp8BlockConfigs>;
+  if (m <= 64) return index_of<Fp8Block_M64, Fp8BlockConfigs>;
+  if (m <= 128) return index_of<Fp8Block_M128, Fp8BlockConfigs>;
+  const int64_t tiles_n = (n + 127) / 128;
+  const int64_t tiles_n_pairs = (tiles_n + 1) / 2 * 2;
+  const int sms = sm_count > 0 ? sm_count : 132;
+  const double fill_few = wave_fill(((m + 63) / 64) * tiles_n, sms);
+  const double fill_large = wave_fill(((m + 127) / 128) * tiles_n_pairs, sms);
+  return fill_few > fill_large + 0.05 ? index_of<Fp8Block_MLarge_FewTiles, Fp8BlockConfigs>
+                                      : index_of<Fp8Block_MLarge, Fp8BlockConfigs>;
+}
+
 // ---- tuning candidates (bfloat16 output; built with CUTLASS_W8A8_TUNE=1) ----------------------------
 // Everything the sweep measures besides the shipped configs. No stream-K: CUTLASS 4.2's sm90 stream-K
 // scheduler does not compile with CUTLASS_ENABLE_GDC_FOR_SM90, which PDL needs (its const is_last_tile
@@ -156,6 +208,11 @@ using Fp8TuneCandidates = std::tuple<
     // fast accumulation
     Config<128, 128, 128, 2, 1, CO, PE, false, true>,
     Config<256, 128, 128, 2, 1, CO, PE, false, true>>;
+
+// Block-scaled candidates (none yet: each is one more kernel in a CUTLASS_W8A8_TUNE build). To sweep some, list
+// Config<...>s here (TileK 128, the weight's side a multiple of 128, no fast accumulation) and rerun
+// generate_instantiations.py.
+using Fp8BlockTuneCandidates = std::tuple<>;
 
 template <class Tuple>
 constexpr int size_of() {
