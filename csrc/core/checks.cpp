@@ -93,6 +93,36 @@ void check_bias_shape(const char* op, const std::optional<at::Tensor>& bias, int
   CW8A8_CHECK_VALUE(bias->is_contiguous(), op, "bias", "must be contiguous");
 }
 
+namespace {
+// ceil(v / 128): 128-wide blocks, the last one possibly partial.
+int64_t blocks(int64_t v) { return (v + limits::kBlockSize - 1) / limits::kBlockSize; }
+}  // namespace
+
+bool is_block_scaled(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b) {
+  if (a.dim() != 2 || b.dim() != 2) return false;
+  const int64_t k = a.size(1), n = b.size(1);
+  if (scale_a.dim() == 2 && scale_a.size(1) > 1) return true;
+  if (scale_b.dim() != 2 || scale_b.numel() <= 1) return false;
+  const int64_t rows = scale_b.size(0), cols = scale_b.size(1);
+  return rows == blocks(n) && cols == blocks(k) && !(rows == n && cols == 1) && !(rows == 1 && cols == n);
+}
+
+void check_block_scales(const char* op, const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& scale_b,
+                        int64_t m, int64_t k, int64_t n) {
+  CW8A8_CHECK_TYPE(a.scalar_type() == at::kFloat8_e4m3fn, op, "a",
+                   "must be float8_e4m3fn with block scales (scale_a [M, K/128], scale_b [ceil(N/128), K/128]), got ",
+                   py_dtype(a.scalar_type()));
+  CW8A8_CHECK_VALUE(k % limits::kBlockSize == 0, op, "a", "K = a.shape[1] must be a multiple of ", limits::kBlockSize,
+                    " with block scales, got ", k);
+  const int64_t kb = k / limits::kBlockSize, nb = blocks(n);
+  CW8A8_CHECK_VALUE(scale_a.dim() == 2 && scale_a.size(0) == m && scale_a.size(1) == kb, op, "scale_a",
+                    "must be [M, K/128] = [", m, ", ", kb, "] (1x128 groups) with block scales, got shape ",
+                    py_tuple(scale_a.sizes()));
+  CW8A8_CHECK_VALUE(scale_b.dim() == 2 && scale_b.size(0) == nb && scale_b.size(1) == kb, op, "scale_b",
+                    "must be [ceil(N/128), K/128] = [", nb, ", ", kb, "] (128x128 blocks) with block scales, got shape ",
+                    py_tuple(scale_b.sizes()));
+}
+
 void check_row_major(const char* op, const char* name, const at::Tensor& t, int64_t width, const char* width_name,
                      int64_t multiple) {
   const int64_t rows = t.size(0), pitch = t.stride(0);

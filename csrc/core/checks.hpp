@@ -69,6 +69,18 @@ void check_scale_b_shape(const char* op, const char* name, const at::Tensor& t, 
 // checked with the other dtypes.
 void check_bias_shape(const char* op, const std::optional<at::Tensor>& bias, int64_t n);
 
+// ---- block-scaled fp8 (1x128 activation groups, 128x128 weight blocks; limits::kBlockSize) ---------------------
+// Whether a scaled_mm call (a [M, K], b [K, N]) is block-scaled: the one detection rule, ops/_roles.py block_scaled.
+// With KB = ceil(K / 128), NB = ceil(N / 128): scale_a 2-D with more than one column, or scale_b of shape (NB, KB)
+// with more than one element and not a per-channel (N, 1) / (1, N). False unless a and b are 2-D.
+bool is_block_scaled(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b);
+// The shape checks of a block-scaled call, in place of the row-wise scale shapes (ops/_roles.py block_scales), in
+// this order: a float8_e4m3fn (TypeError, "`a` must be float8_e4m3fn with block scales (scale_a [M, K/128], scale_b
+// [ceil(N/128), K/128]), got torch.int8"), K a multiple of 128, scale_a [M, K/128], scale_b [ceil(N/128), K/128]
+// (ValueError). Contiguity is separate.
+void check_block_scales(const char* op, const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& scale_b,
+                        int64_t m, int64_t k, int64_t n);
+
 // ---- layouts (ValueError) -------------------------------------------------------------------------------------
 // Rows of a row-major matrix with `width` elements per row (`width_name`, e.g. "K"), read with 16-byte accesses:
 // stride(1) == 1, and for more than one row stride(0) >= width and a multiple of `multiple` elements. Padded rows

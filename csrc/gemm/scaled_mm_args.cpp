@@ -40,11 +40,16 @@ void check_scaled_mm(const char* op, const at::Tensor& a, const at::Tensor& b, c
   check_gemm_dim(op, "a", "K = a.shape[1]", k);
   check_gemm_dim(op, "b", "N = b.shape[1]", n);
   check_int8_k(op, "a", a.scalar_type(), k);
-  const bool sa_ok = scale_a.numel() == 1 || (scale_a.dim() == 2 && scale_a.size(0) == m && scale_a.size(1) == 1) ||
-                     (scale_a.dim() == 1 && scale_a.size(0) == m);
-  CW8A8_CHECK_VALUE(sa_ok, op, "scale_a", "must be [1] (per-tensor) or [M, 1] (per-token) with M = ", m,
-                    ", got shape ", py_tuple(scale_a.sizes()));
-  check_scale_b_shape(op, "scale_b", scale_b, n);
+  if (is_block_scaled(a, b, scale_a, scale_b)) {
+    check_block_scales(op, a, scale_a, scale_b, m, k, n);
+  } else {
+    const bool sa_ok = scale_a.numel() == 1 ||
+                       (scale_a.dim() == 2 && scale_a.size(0) == m && scale_a.size(1) == 1) ||
+                       (scale_a.dim() == 1 && scale_a.size(0) == m);
+    CW8A8_CHECK_VALUE(sa_ok, op, "scale_a", "must be [1] (per-tensor) or [M, 1] (per-token) with M = ", m,
+                      ", got shape ", py_tuple(scale_a.sizes()));
+    check_scale_b_shape(op, "scale_b", scale_b, n);
+  }
   check_contiguous(op, "scale_a", scale_a);
   check_contiguous(op, "scale_b", scale_b);
   check_bias_shape(op, bias, n);
@@ -73,8 +78,9 @@ cw8a8_scaled_mm_args pack_scaled_mm(const GemmOperands& g) {
   args.lda = g.m <= 1 ? (g.k + 15) / 16 * 16 : g.lda;
   args.ldb = g.ldb;
   args.ldd = g.m <= 1 ? (g.n + 7) / 8 * 8 : g.ldd;
-  args.scale_a_per_token = g.scale_a_per_token ? 1 : 0;
-  args.scale_b_per_channel = g.scale_b_per_channel ? 1 : 0;
+  args.scale_block = g.scale_block ? 1 : 0;
+  args.scale_a_per_token = g.scale_a_per_token && !g.scale_block ? 1 : 0;
+  args.scale_b_per_channel = g.scale_b_per_channel && !g.scale_block ? 1 : 0;
   args.ab_type = g.ab == at::kChar ? CW8A8_AB_INT8 : CW8A8_AB_FP8_E4M3;
   args.out_type = g.out == at::kBFloat16 ? CW8A8_OUT_BF16 : CW8A8_OUT_F16;
   args.device = g.device;
@@ -98,10 +104,11 @@ cw8a8_scaled_mm_args pack_scaled_mm(const at::Tensor& out, const at::Tensor& a, 
   g.ldb = b.stride(1);
   g.d = out.data_ptr();
   g.ldd = out.stride(0);
+  g.scale_block = is_block_scaled(a, b, scale_a, scale_b);
   g.scale_a = scale_a.data_ptr<float>();
-  g.scale_a_per_token = scale_a.numel() != 1;
+  g.scale_a_per_token = !g.scale_block && scale_a.numel() != 1;
   g.scale_b = scale_b.data_ptr<float>();
-  g.scale_b_per_channel = scale_b.numel() != 1;
+  g.scale_b_per_channel = !g.scale_block && scale_b.numel() != 1;
   g.bias = bias ? bias->data_ptr() : nullptr;
   g.device = a.device().index();
   return pack_scaled_mm(g);

@@ -18,6 +18,9 @@ namespace cutlass_w8a8 {
 //   b        (K, N) a's dtype, column-major (the [N, K] row-major weight's .t()), N a positive multiple of 16
 //   scale_a  float32, one value or (M, 1) / (M,), contiguous
 //   scale_b  float32, one value or (N,) / (1, N) / (N, 1), contiguous
+//            or, block-scaled fp8 (core/checks.hpp is_block_scaled): a and b float8_e4m3fn, K a multiple of 128,
+//            scale_a (M, K/128) (1x128 groups of a) and scale_b (ceil(N/128), K/128) (128x128 blocks of the weight),
+//            both contiguous (check_block_scales, where the row-wise scale shapes are checked)
 //   bias     None or (N,) of the output dtype, contiguous
 //   out      nullptr (the functional op: then `out_dtype` is checked) or (M, N) bfloat16 / float16, row-major
 //            (pitch a multiple of 8 elements), 16-byte aligned
@@ -41,6 +44,8 @@ struct GemmOperands {
   bool scale_a_per_token = false;
   const float* scale_b = nullptr;        // N values (per channel) or one
   bool scale_b_per_channel = false;
+  bool scale_block = false;              // block-scaled fp8: scale_a [M, K/128], scale_b [ceil(N/128), K/128],
+                                         // row-major (kernel_api.h); the two flags above are then false
   const void* bias = nullptr;            // N values of the output type, or null
   int device = 0;
 };
@@ -61,7 +66,8 @@ cw8a8_scaled_mm_args check_and_pack_scaled_mm(const char* op, const at::Tensor& 
 
 // Runs a packed argument block whose operands are already checked (gemm/scaled_mm_entry.cu): at decode sizes the
 // decode GEMM (core/launch_policy.hpp's scaled_mm_uses_decode; never with a forced `config`), else picks the kernel
-// library for the device (and the Ampere/Ada vector-scale form), takes PDL from core/launch_policy.hpp, launches
+// library for the device (and the Ampere/Ada vector-scale form; block-scaled fp8 off sm90: NotImplementedError),
+// takes PDL from core/launch_policy.hpp, launches
 // on the current stream of `a`'s device and records the launch for CUDA-graph node updates. `config` < 0 lets the
 // library choose by shape. `scale_a` may be an undefined tensor when args.scale_a points to M per-token scales at
 // a 16-byte aligned address. Does nothing for M = 0.

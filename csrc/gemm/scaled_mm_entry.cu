@@ -76,6 +76,16 @@ void launch_scaled_mm(cw8a8_scaled_mm_args& args, const at::Tensor& a, const at:
   c10::cuda::CUDAGuard guard(a.device());
   const bool fp8 = args.ab_type == CW8A8_AB_FP8_E4M3;
   const GemmBackend backend = gemm_backend(args.device, fp8);
+  // Only the sm90 library and the decode GEMM (on sm90) implement block scales. CUTLASS_W8A8_FORCE_ARCH=sm80 keeps
+  // row-wise fp8 on the sm90 kernels (there is no Ampere fp8), but block mode is refused as on a non-sm90 device:
+  // the switch is how Hopper machines test the other architectures' behaviour.
+  if (args.scale_block) {
+    const DeviceInfo& info = device_info(args.device);
+    TORCH_CHECK_NOT_IMPLEMENTED(backend == GemmBackend::kSm90 && !force_sm80(), kOp,
+                                ": block-scaled fp8 (scale_a [M, K/128], scale_b [ceil(N/128), K/128]) needs an sm90 "
+                                "GPU; this device is sm_", info.major, info.minor,
+                                force_sm80() ? " run as sm80 (CUTLASS_W8A8_FORCE_ARCH=sm80)" : "");
+  }
   const KernelLibrary& kernels = scaled_mm_library(args.device, backend, fp8);
   const bool sm90 = backend == GemmBackend::kSm90;
   if (config < 0 && scaled_mm_uses_decode(backend, args.m, graph_nodes::recording())) {
@@ -97,8 +107,8 @@ void launch_scaled_mm(cw8a8_scaled_mm_args& args, const at::Tensor& a, const at:
       args.bias = keep.bias.data_ptr();
     }
   }
-  if (config >= 0) {
-    const int count = kernels.num_configs(args.ab_type);
+  if (config >= 0) {  // an index into the table of the arguments (int8, fp8 or block-scaled fp8)
+    const int count = kernels.num_configs(cw8a8_config_table_of(&args));
     TORCH_CHECK_VALUE(config < count, "_scaled_mm_config: `config` must be in [0, ", count, "), got ", config);
   }
   args.config = static_cast<int>(config);

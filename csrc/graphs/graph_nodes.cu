@@ -35,8 +35,9 @@ struct Record {
   int num_params = 0;  // kMParam nodes: the kernel's parameter count (parameter 0 is `int64_t m`)
   // GEMM nodes
   cw8a8_scaled_mm_args args{};  // what the node runs now (args.config: -1, dispatch by shape)
-  int config = -1;              // config at capture
+  int config = -1;              // config at capture (an index into the table of args: cw8a8_config_table_of)
   unsigned cluster[3] = {1, 1, 1};
+  bool pdl_edge = false;        // captured behind a programmatic (PDL) edge: only PDL-safe kernels may run here
 };
 
 std::mutex g_mutex;
@@ -84,14 +85,18 @@ Record& record_at(int64_t id, const char* what) {
 
 // Describes (and, with exec, applies) the GEMM node for `args`: the config dispatch picks for the new shape
 // when it has the captured config's cluster shape (a node's cluster dimensions are a launch attribute the
-// update cannot change), else the captured config, which is correct for any M.
+// update cannot change) and, for a node captured behind a PDL edge, is PDL-safe (an edge the update cannot remove:
+// a kernel that reads memory before griddepcontrol.wait must not run behind it), else the captured config, which
+// is correct for any M.
 void apply_gemm(const Record& r, cw8a8_scaled_mm_args args, cudaGraphExec_t exec, cw8a8_kernel_node* desc) {
   cw8a8_scaled_mm_node_fn node_fn = sm90_scaled_mm_node_fn();
   char err[512] = {0};
   args.config = -1;
   TORCH_CHECK(node_fn(&args, desc, nullptr, nullptr, err, sizeof(err)) == 0, "cutlass_w8a8 graph update (",
               r.op, "): ", err);
-  if (std::memcmp(desc->cluster, r.cluster, sizeof(r.cluster)) != 0) args.config = r.config;
+  if (std::memcmp(desc->cluster, r.cluster, sizeof(r.cluster)) != 0 || (r.pdl_edge && desc->pdl_safe == 0)) {
+    args.config = r.config;
+  }
   TORCH_CHECK(node_fn(&args, desc, exec, r.node, err, sizeof(err)) == 0, "cutlass_w8a8 graph update (", r.op,
               "): ", err);
 }
@@ -201,6 +206,8 @@ void check_records(int64_t first, int64_t end) {
                   desc.block[0], ", smem ", desc.smem_bytes, ")");
       r.config = desc.config;
       std::memcpy(r.cluster, desc.cluster, sizeof(r.cluster));
+      // The library launches a kernel that is not PDL-safe without PDL whatever args.pdl says (kernel_api.h).
+      r.pdl_edge = r.args.pdl != 0 && desc.pdl_safe != 0;
     }
     r.checked = true;
   }
@@ -225,6 +232,11 @@ void graph_update_scaled_mm(int64_t graph_exec, int64_t record, const at::Tensor
                    r.args.ab_type == CW8A8_AB_INT8 ? "int8" : "float8_e4m3fn", ")");
   TORCH_CHECK_TYPE(args.out_type == r.args.out_type, op, ": `out` must have the captured output dtype (",
                    r.args.out_type == CW8A8_OUT_BF16 ? "bfloat16" : "float16", ")");
+  // Block-scaled and row-wise GEMMs are different kernels (config tables): a node keeps its kind of scales.
+  TORCH_CHECK_VALUE(args.scale_block == r.args.scale_block, op, ": `scale_a` and `scale_b` must be ",
+                    r.args.scale_block ? "block scales (scale_a [M, K/128], scale_b [ceil(N/128), K/128])"
+                                       : "row-wise scales (per-tensor, per-token or per-channel)",
+                    " as captured");
   TORCH_CHECK_VALUE(args.n == r.args.n && args.k == r.args.k, op, ": `b` must keep the captured N = ", r.args.n,
                     " and K = ", r.args.k, ", got N = ", args.n, ", K = ", args.k);
   TORCH_CHECK_VALUE(args.m >= 1 && args.m <= r.captured_rows, op, ": `a` must have M = a.shape[0] in [1, ",
