@@ -8,6 +8,7 @@ downloaded.
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -67,3 +68,37 @@ def test_cli_ignore_patterns_and_refusals(tmp_path, capsys):
                       "model.layers.1.mlp.down_proj"]
     assert cli.main([str(dst), str(tmp_path / "again")]) == 1  # already quantized
     assert "already quantized" in capsys.readouterr().err
+
+
+def test_cli_refuses_before_loading(tmp_path, capsys):
+    """What used to fail only after the model was loaded and quantized is refused first, with exit status 1 and
+    the reason: a DST that is a file (save_pretrained logged a line and wrote nothing, then NotADirectoryError),
+    --device cuda on a torch without CUDA (AssertionError from torch), a config.json that is not JSON (a bare
+    JSONDecodeError)."""
+    src = tmp_path / "src"
+    _write_float_checkpoint(src)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("kept")
+    assert cli.main([str(src), str(a_file)]) == 1
+    assert (f"python -m cutlass_w8a8 quantize: DST {a_file} is an existing file, not a directory; give a directory"
+            in capsys.readouterr().err)
+    assert a_file.read_text() == "kept"
+
+    dst = tmp_path / "dst"
+    with mock.patch.object(torch.cuda, "is_available", return_value=False), \
+            mock.patch.object(torch.backends.cuda, "is_built", return_value=False):
+        assert cli.main([str(src), str(dst), "--device", "cuda"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("python -m cutlass_w8a8 quantize: `--device` is 'cuda', but this torch build has no CUDA "
+                          "support")
+    assert err.rstrip().endswith("or load on the CPU with --device cpu")
+    assert not dst.exists()
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "qwen2",')
+    assert cli.main([str(bad), str(dst)]) == 1
+    err = capsys.readouterr().err
+    assert f"python -m cutlass_w8a8 quantize: {bad / 'config.json'} is not valid JSON: " in err
+    assert "repair the file or download the checkpoint again" in err
+    assert not dst.exists()

@@ -10,6 +10,8 @@ kernels compute exactly, and name the field and value of anything else.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -130,6 +132,9 @@ def parse_quantization_config(raw: dict, where: str, key: str = "quantization_co
     try:
         config = QuantizationConfig.model_validate(raw)
     except Exception as e:  # pydantic.ValidationError, or the NotImplementedError / ValueError of CT's validators
+        first = _validation_error(e, key)
+        if first is not None:
+            raise ValueError(f"{where}: {first}") from e
         raise ValueError(f"{where}: {key} is not a valid compressed-tensors config: {e}") from e
 
     status = getattr(config.quantization_status, "value", config.quantization_status)
@@ -182,6 +187,62 @@ def parse_quantization_config(raw: dict, where: str, key: str = "quantization_co
                                      static_input=a.dynamic is False)
     version = raw.get("version")
     return ParsedConfig(key=key, config=config, schemes=schemes, version=version if isinstance(version, str) else None)
+
+
+def _validation_error(e: Exception, key: str) -> Optional[str]:
+    """One line for a pydantic ValidationError of compressed-tensors' parser: the field, its value and what is
+    valid (``quantization_config.config_groups.group_0.weights.strategy = 'banana' is not valid: ... (valid:
+    'tensor', 'channel', ...)``), or None for another exception.
+
+    pydantic reports a failed union once per member: a config group is a scheme or a list of names, so a bad
+    field in a scheme also gives "input should be a valid list" for the group. A member that failed only because
+    the value is not of its type at all is dropped when another member of the union got further; member tags
+    (``function-after[...]``, ``list[str]``) are left out of the field name."""
+    errors = getattr(e, "errors", None)
+    if not callable(errors):
+        return None
+    try:
+        errs = list(errors())
+    except Exception:
+        return None
+
+    def tags(loc):
+        return [i for i, p in enumerate(loc) if isinstance(p, str) and ("[" in p or "(" in p)]
+
+    def spurious(err):
+        loc = err["loc"]
+        t = tags(loc)
+        if not t or t[-1] != len(loc) - 1 or not err["type"].endswith("_type"):
+            return False
+        prefix = loc[:t[-1]]
+        return any(o is not err and o["loc"][:len(prefix)] == prefix and len(o["loc"]) > len(prefix)
+                   and o["loc"][len(prefix)] != loc[-1] for o in errs)
+
+    kept = [err for err in errs if not spurious(err)] or errs
+    if not kept:
+        return None
+    err = kept[0]
+    field = key
+    for p in err["loc"]:
+        if isinstance(p, int):
+            field += f"[{p}]"
+        elif not ("[" in p or "(" in p):
+            field += f".{p}"
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    msg = msg[:1].lower() + msg[1:]
+    valid = ""
+    m = re.search(r"is not a valid (\w+)$", msg)
+    if m:
+        import compressed_tensors.quantization as ctq
+
+        cls = getattr(ctq, m.group(1), None)
+        if isinstance(cls, type) and issubclass(cls, enum.Enum):
+            valid = " (valid: " + ", ".join(repr(v.value) for v in cls) + ")"
+    more = f"; and {len(kept) - 1} more error(s)" if len(kept) > 1 else ""
+    value = f" = {err['input']!r}" if "input" in err and not isinstance(err["input"], dict) else ""
+    return f"{field}{value} is not valid: {msg}{valid}{more}"
 
 
 def _check_args(where: str, field: str, args) -> None:

@@ -59,13 +59,33 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..config import W8A8Config
     from ..linear import W8A8Linear
     from ..quantize import quantize_
+    from .load import check_device
     from .save import save_pretrained
 
+    # what would fail only after the model is loaded and quantized, checked first
+    where = "python -m cutlass_w8a8 quantize"
+    if os.path.exists(args.dst) and not os.path.isdir(args.dst):
+        print(f"{where}: DST {args.dst} is an existing file, not a directory; give a directory (it is created if "
+              "missing)", file=sys.stderr)
+        return 1
+    try:
+        check_device(where, args.device, "`--device`", "--device cpu")
+    except (RuntimeError, ValueError) as e:
+        print(e, file=sys.stderr)
+        return 1
     try:
         with open(os.path.join(args.src, "config.json")) as f:
             cfg = json.load(f)
     except OSError as e:
-        print(f"python -m cutlass_w8a8 quantize: cannot read {args.src}/config.json: {e}", file=sys.stderr)
+        print(f"{where}: cannot read {args.src}/config.json: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:  # json.JSONDecodeError
+        print(f"{where}: {os.path.join(args.src, 'config.json')} is not valid JSON: {e}; repair the file or "
+              "download the checkpoint again", file=sys.stderr)
+        return 1
+    if not isinstance(cfg, dict):
+        print(f"{where}: {os.path.join(args.src, 'config.json')} must hold a JSON object, got {type(cfg).__name__}",
+              file=sys.stderr)
         return 1
     if cfg.get("quantization_config") or cfg.get("compression_config"):
         print(f"python -m cutlass_w8a8 quantize: {args.src} is already quantized; load it with "

@@ -98,9 +98,13 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
     Raises
     ------
     ValueError
-        The config or checkpoint holds something the kernels cannot run exactly (the message names the field and
+        ``path``'s config.json is not valid JSON; ``device`` is a GPU index past the visible ones; the config or
+        checkpoint holds something the kernels cannot run exactly (the message names the field and
         its value, e.g. ``quantization_config.config_groups.group_0.weights.strategy = 'group' is not supported
         (supported: 'channel', 'tensor')``), or ``path`` is not a compressed-tensors safetensors checkpoint.
+    RuntimeError
+        ``device`` is a CUDA device but torch was built without CUDA or sees no GPU (raised before any file is
+        read).
     TypeError
         ``dtype`` is not bfloat16 / float16, or ``hf_kwargs`` holds an argument this function sets.
 
@@ -116,13 +120,13 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
         if k in hf_kwargs:
             raise TypeError(f"{_WHERE}: `{k}` cannot be passed through: it is set here (use `device=` / `dtype=`; "
                             "a sub-folder checkpoint is loaded by passing that folder as `path`)")
+    check_device(_WHERE, device)
     path = os.fspath(path)
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"{_WHERE}: {path!r} is not a checkpoint directory with a config.json (a Hub model must be "
                          "downloaded first, e.g. huggingface_hub.snapshot_download)")
-    with open(config_path) as f:
-        config_json = json.load(f)
+    config_json = read_config_json(_WHERE, config_path)
     key, raw = find_quantization_config(config_json, _WHERE)
     parsed = parse_quantization_config(raw, _WHERE, key)
     ckpt = _SafetensorsCheckpoint(path)
@@ -207,6 +211,49 @@ def _targeted_linears(model_cls, config, parsed: ParsedConfig, shared: dict) -> 
         raise ValueError(f"{_WHERE}: no nn.Linear module of {type(meta).__name__} matches the targets of "
                          f"{key}.config_groups (less `ignore`)")
     return targeted
+
+
+def check_device(where: str, device, arg: str = "`device`", on_cpu: str = "device='cpu'") -> None:
+    """Raise, before any file is read, when ``device`` names a CUDA device this process cannot use: RuntimeError
+    for a torch built without CUDA or with no GPU visible (instead of torch's ``AssertionError: Torch not compiled
+    with CUDA enabled`` from deep inside the loader), ValueError for an index past the visible GPUs. A value that
+    is not a torch device (``"auto"``, a ``device_map`` dict) is left to transformers. ``arg`` names the argument
+    in the message and ``on_cpu`` the way to load on the CPU instead (the CLI's ``--device`` / ``--device cpu``)."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return
+    if dev.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        if not torch.backends.cuda.is_built():
+            raise RuntimeError(f"{where}: {arg} is {str(device)!r}, but this torch build has no CUDA support (torch "
+                               f"{torch.__version__}); install a CUDA build of torch (README.md, 'Install') or load on "
+                               f"the CPU with {on_cpu}")
+        raise RuntimeError(f"{where}: {arg} is {str(device)!r}, but torch sees no CUDA device "
+                           "(torch.cuda.is_available() is False: no GPU or driver, or CUDA_VISIBLE_DEVICES hides "
+                           f"them); load on the CPU with {on_cpu}")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"{where}: {arg} is {str(device)!r}, but only {count} CUDA device(s) are visible "
+                         f"(cuda:0 to cuda:{count - 1})")
+
+
+def read_config_json(where: str, config_path: str) -> dict:
+    """A checkpoint's ``config.json`` as a dict; ValueError naming the file when it is not JSON (instead of a bare
+    JSONDecodeError) or not a JSON object."""
+    try:
+        with open(config_path) as f:
+            config_json = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: `path`'s config.json is not valid JSON ({config_path}: {e}); repair the file or "
+                         "download the checkpoint again") from e
+    if not isinstance(config_json, dict):
+        raise ValueError(f"{where}: `path`'s config.json must hold a JSON object, got {type(config_json).__name__} "
+                         f"({config_path})")
+    return config_json
 
 
 class _SafetensorsCheckpoint:

@@ -3,6 +3,7 @@ checkpoint that transformers, vLLM and `from_pretrained` load."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Optional
 
@@ -68,7 +69,7 @@ def save_pretrained(model: nn.Module, path, **save_kwargs) -> None:
     model : transformers.PreTrainedModel
         Holding at least one `W8A8Linear`.
     path : str or os.PathLike
-        Output directory.
+        Output directory, created if missing (an existing one is written into); not an existing file.
     **save_kwargs
         Passed to ``model.save_pretrained`` (``max_shard_size``, ...).
 
@@ -83,6 +84,7 @@ def save_pretrained(model: nn.Module, path, **save_kwargs) -> None:
     TypeError
         ``model`` is not a transformers ``PreTrainedModel``.
     ValueError
+        ``path`` is an existing file (transformers' ``save_pretrained`` would only log that and write nothing);
         ``model`` holds no `W8A8Linear`.
     """
     if "transformers" in sys.modules:
@@ -92,6 +94,9 @@ def save_pretrained(model: nn.Module, path, **save_kwargs) -> None:
     if PreTrainedModel is None or not isinstance(model, PreTrainedModel):
         raise TypeError("cutlass_w8a8.save_pretrained: `model` must be a transformers PreTrainedModel, got "
                         f"{type(model).__name__} (save another module's state_dict with torch.save or safetensors)")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"cutlass_w8a8.save_pretrained: `path` {os.fspath(path)!r} is an existing file, not a "
+                         "directory; give a directory (it is created if missing)")
     qc = quantization_config_of(model)
     if qc is None:
         raise ValueError("cutlass_w8a8.save_pretrained: `model` holds no W8A8Linear (quantize it with "
