@@ -92,9 +92,9 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
         `cutlass_w8a8.from_pretrained`.
     ValueError
         A `W8A8Linear` already in ``model`` that ``filter_fn`` selects does not match ``config`` (the message
-        names the module). With ``tp_group``: ``model`` is a bare Linear (shard it with ``ColumnParallelW8A8Linear.from_float`` /
-        ``RowParallelW8A8Linear.from_float``), or as `cutlass_w8a8.distributed.tensor_parallel_` (the same error
-        on every rank).
+        names the module). With ``tp_group``: ``model`` is a bare Linear (shard it with
+        ``ColumnParallelW8A8Linear.from_float`` / ``RowParallelW8A8Linear.from_float``), or as
+        `cutlass_w8a8.distributed.tensor_parallel_` (the same error on every rank).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_: `model` must be a torch.nn.Module, got {type(model).__name__}")

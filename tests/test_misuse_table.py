@@ -6,8 +6,9 @@ triggered here on every run, `cuda` rows with the `cuda` marker, `2 gpus` rows w
 needs a trigger and each trigger a row, so neither side can drift.
 
 The rows are read by tests/_misuse_table.py; the triggers are in tests/_misuse_triggers_gemm.py (scaled_mm,
-quantizers, W8A8Linear, graphs, decode GEMMs, w8a8_linear) and tests/_misuse_triggers_norm_attention.py
-(decode_attention, rope_kv_cache_, rms_norm / silu_mul and their quantizing forms). DEVICE_TRIGGERS map a
+quantizers, W8A8Linear, graphs, decode GEMMs, w8a8_linear), tests/_misuse_triggers_norm_attention.py
+(decode_attention, rope_kv_cache_, rms_norm / silu_mul and their quantizing forms) and
+tests/_misuse_triggers_api.py (quantize_, W8A8Linear.from_float and its inputs, the checkpoints). DEVICE_TRIGGERS map a
 `cpu` row to a function of the device: test_cpu_row runs it with "cpu" (the CPU implementations,
 ops/_checks.py), test_row_on_cuda with "cuda" (the C++ checks), and both must raise the row.
 """
@@ -19,6 +20,7 @@ import re
 import pytest
 import torch
 
+import _misuse_triggers_api as api
 import _misuse_triggers_gemm as gemm
 import _misuse_triggers_norm_attention as norm_attention
 import cutlass_w8a8 as cw
@@ -34,9 +36,9 @@ def _merged(*tables: dict) -> dict:
     return out
 
 
-DEVICE_TRIGGERS = _merged(gemm.DEVICE_TRIGGERS, norm_attention.DEVICE_TRIGGERS)
-CPU_TRIGGERS = _merged(gemm.CPU_TRIGGERS, norm_attention.CPU_TRIGGERS)
-CUDA_TRIGGERS = _merged(gemm.CUDA_TRIGGERS, norm_attention.CUDA_TRIGGERS)
+DEVICE_TRIGGERS = _merged(gemm.DEVICE_TRIGGERS, norm_attention.DEVICE_TRIGGERS, api.DEVICE_TRIGGERS)
+CPU_TRIGGERS = _merged(gemm.CPU_TRIGGERS, norm_attention.CPU_TRIGGERS, api.CPU_TRIGGERS)
+CUDA_TRIGGERS = _merged(gemm.CUDA_TRIGGERS, norm_attention.CUDA_TRIGGERS, api.CUDA_TRIGGERS)
 TWO_GPU_TRIGGERS = gemm.TWO_GPU_TRIGGERS
 
 CPU_TRIGGERS.update({row: (lambda f: lambda: f("cpu"))(f) for row, f in DEVICE_TRIGGERS.items()})
@@ -64,15 +66,16 @@ def test_every_row_has_a_trigger_and_every_trigger_a_row(checked):
 
 
 def test_messages_name_the_argument():
-    """Every argument error names its argument: ours in backticks after `op: `, torch's dispatcher (a value
-    not of the schema's type) in quotes after `cutlass_w8a8::op()`."""
+    """Every argument error names its argument: ours in backticks after `op: ` (or, for a field of a checkpoint's
+    config.json, its dotted name and value: `quantization_config.x.y = 'v'`), torch's dispatcher (a value not of
+    the schema's type) in quotes after `cutlass_w8a8::op()`."""
     dispatcher = re.compile(r"^cutlass_w8a8::\w+\(\) Expected a value of type '[\w\[\]]+' for argument '\w+' "
                             r"but instead found type \{type\}\.$")
     for r in ROWS:
         if r["message"].startswith("cutlass_w8a8::"):
             assert r["exception"] == "RuntimeError" and dispatcher.match(r["message"]), r
         elif r["exception"] in ("TypeError", "ValueError") and not r["id"].startswith(("graph-", "linear-input")):
-            assert re.match(r"^[\w.]+: `\w+`", r["message"]), r
+            assert re.match(r"^[\w.]+: (`\w+`|quantization_config\.[\w.]+ = )", r["message"]), r
 
 
 def test_message_regex_is_strict():

@@ -66,7 +66,33 @@ OPS: list = []  # the names of the ops defined here, in order
 
 def _define(schema: str) -> None:
     lib.define(schema)
-    OPS.append(schema.split("(", 1)[0])
+    name = schema.split("(", 1)[0]
+    OPS.append(name)
+    lib.impl(name, _no_kernel(name, schema), "CompositeExplicitAutograd")
+
+
+def _no_kernel(op: str, schema: str):
+    """The kernel the dispatcher falls back to where the op has none of its own: a call with no tensor at all
+    (every tensor given as None, e.g. ``quantize_int8(None)``) gets the TypeError the checks raise for a None
+    tensor (`_roles.tensor_arg`), naming the first required tensor argument, instead of the dispatcher's
+    NotImplementedError ("There were no tensor arguments to this function ..."); tensors of a backend without
+    kernels (MPS, XPU) get a NotImplementedError naming their device. CPU, CUDA and Meta calls never reach it:
+    their kernels are registered for those keys."""
+    args = torch._C.parse_schema(f"cutlass_w8a8::{schema}").arguments
+
+    def kernel(*given, **by_name):
+        values = [given[i] if i < len(given) else by_name.get(arg.name) for i, arg in enumerate(args)]
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if tensors:
+            raise NotImplementedError(f"cutlass_w8a8.{op}: no kernel for {tensors[0].device.type} tensors "
+                                      "(the ops run on CPU and CUDA tensors)")
+        for arg, v in zip(args, values):
+            if str(arg.type) == "Tensor":
+                raise TypeError(f"{op}: `{arg.name}` must be a torch.Tensor, got {type(v).__name__}")
+        raise TypeError(f"{op}: no tensor argument was given")
+
+    kernel.__name__ = f"{op}_no_kernel"
+    return kernel
 
 
 _define("scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, "
