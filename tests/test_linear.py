@@ -127,6 +127,16 @@ def test_quantize_on_a_quantized_model_raises_for_another_scheme():
         cw.quantize_(mixed)  # no filter_fn: every layer must match
 
 
+def test_quantize_on_a_block_quantized_model_compares_the_block_size():
+    block = cw.W8A8Config(dtype=torch.float8_e4m3fn, weight_block_size=(128, 128))
+    model = cw.quantize_(nn.Sequential(nn.Linear(256, 256)).bfloat16(), block)
+    with pytest.warns(UserWarning, match="already quantized"):
+        cw.quantize_(model, cw.W8A8Config(dtype=torch.float8_e4m3fn, weight_block_size=[128, 128]))
+    with pytest.raises(ValueError, match=r"asks for weight_block_size=None but module '0' is already a W8A8Linear "
+                                         r"with weight_block_size=\(128, 128\)"):
+        cw.quantize_(model, cw.W8A8Config(dtype=torch.float8_e4m3fn))
+
+
 def test_quantize_filter_fn_gets_module_and_fqn():
     model = mlp()
     seen = []
