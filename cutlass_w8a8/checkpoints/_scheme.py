@@ -9,6 +9,7 @@ kernels compute exactly, and name the field and value of anything else.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import re
@@ -16,11 +17,15 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["LinearScheme", "ParsedConfig", "find_quantization_config", "parse_quantization_config",
-           "scheme_of", "build_quantization_config"]
+from ..ops._limits import BLOCK_SIZE
+
+__all__ = ["LinearScheme", "ParsedConfig", "Target", "BLOCK_SCHEME", "find_quantization_config",
+           "parse_quantization_config", "scheme_of", "build_quantization_config"]
 
 # Formats whose tensors are the 8-bit weight as is (`weight`) plus `weight_scale` (and `input_scale`).
 SUPPORTED_FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
+#: The one weight block (and activation group) size the block GEMM runs: 128 x 128 weight blocks, 1 x 128 groups.
+BLOCK = [BLOCK_SIZE, BLOCK_SIZE]
 _QUANT_DTYPE = {"int": torch.int8, "float": torch.float8_e4m3fn}
 _TYPE_OF = {torch.int8: "int", torch.float8_e4m3fn: "float"}
 _FORMAT_OF = {torch.int8: "int-quantized", torch.float8_e4m3fn: "float-quantized"}
@@ -40,11 +45,28 @@ class LinearScheme:
     static_input : bool
         Static per-tensor activation scale (``dynamic: false``, ``strategy: tensor``, ``input_scale`` ``(1,)``)
         or dynamic per-token scales (``dynamic: true``, ``strategy: token``).
+    block : bool
+        Block-scaled e4m3 weights (``type: float``, ``strategy: block``, ``block_structure: [128, 128]``,
+        ``weight_scale`` ``[ceil(N / 128), ceil(K / 128)]``) with dynamic activations per 1 x 128 group
+        (``strategy: group``, ``group_size: 128``, ``dynamic: true``): compressed-tensors' ``FP8_BLOCK`` preset,
+        DeepSeek-V3's and Qwen3-FP8's scheme. ``per_channel`` and ``static_input`` are then False.
     """
 
     quant_dtype: torch.dtype
     per_channel: bool
     static_input: bool
+    block: bool = False
+
+
+class Target(collections.namedtuple("Target", "scheme group in_features out_features scale_leaf",
+                                    defaults=("weight_scale",))):
+    """A quantized nn.Linear of a checkpoint: its `LinearScheme`, the config group (or field) that quantizes it,
+    its K and N, and the name of its weight-scale tensor (``weight_scale``; ``weight_scale_inv`` in the
+    transformers-native fp8 format)."""
+
+
+#: Block-scaled fp8: e4m3 weights in 128 x 128 blocks, e4m3 activations per dynamic 1 x 128 group.
+BLOCK_SCHEME = LinearScheme(quant_dtype=torch.float8_e4m3fn, per_channel=False, static_input=False, block=True)
 
 
 @dataclasses.dataclass
@@ -122,7 +144,8 @@ def parse_quantization_config(raw: dict, where: str, key: str = "quantization_co
 
     method = raw.get("quant_method", "compressed-tensors")
     if method != "compressed-tensors":
-        raise _unsupported(where, f"{key}.quant_method", method, "'compressed-tensors'")
+        raise _unsupported(where, f"{key}.quant_method", method,
+                           "'compressed-tensors'; 'fp8' with 128 x 128 blocks, transformers' native format")
     # Fields compressed-tensors' QuantizationConfig drops (extra="ignore") but that change what the tensors mean.
     for extra in ("sparsity_config", "transform_config"):
         if raw.get(extra):
@@ -163,8 +186,15 @@ def parse_quantization_config(raw: dict, where: str, key: str = "quantization_co
                                "8-bit symmetric activations; weight-only schemes have no W8A8 kernel")
         _check_args(where, f"{g}.weights", w)
         _check_args(where, f"{g}.input_activations", a)
+        if w.strategy == "block":
+            _check_block(where, g, w, a)
+            if not scheme.targets:
+                raise _unsupported(where, f"{g}.targets", scheme.targets, "a non-empty list")
+            schemes[name] = BLOCK_SCHEME
+            continue
         if w.strategy not in ("channel", "tensor"):
-            raise _unsupported(where, f"{g}.weights.strategy", w.strategy, "'channel', 'tensor'")
+            raise _unsupported(where, f"{g}.weights.strategy", w.strategy,
+                               "'channel', 'tensor'; 'block' with type 'float'")
         if w.dynamic is not False:
             raise _unsupported(where, f"{g}.weights.dynamic", w.dynamic, "false")
         if a.type != w.type:
@@ -187,6 +217,28 @@ def parse_quantization_config(raw: dict, where: str, key: str = "quantization_co
                                      static_input=a.dynamic is False)
     version = raw.get("version")
     return ParsedConfig(key=key, config=config, schemes=schemes, version=version if isinstance(version, str) else None)
+
+
+def _check_block(where: str, g: str, w, a) -> None:
+    """Block weights: e4m3 128 x 128 blocks with dynamic 1 x 128 group activations of the same type, or a
+    ValueError naming the first field that differs."""
+    if w.type != "float":
+        raise _unsupported(where, f"{g}.weights.type", w.type,
+                           "'float' with strategy 'block': e4m3 blocks; there is no int8 block-scaled kernel")
+    if list(w.block_structure or []) != BLOCK:
+        raise _unsupported(where, f"{g}.weights.block_structure", w.block_structure, repr(BLOCK))
+    if w.dynamic is not False:
+        raise _unsupported(where, f"{g}.weights.dynamic", w.dynamic, "false")
+    if a.type != w.type:
+        raise _unsupported(where, f"{g}.input_activations.type", a.type, f"{w.type!r}, the weights' type")
+    if a.dynamic is not True:
+        raise _unsupported(where, f"{g}.input_activations.dynamic", getattr(a.dynamic, "value", a.dynamic),
+                           "true with block weights (activation scales per 1 x 128 group, computed at run time)")
+    if a.strategy != "group":
+        raise _unsupported(where, f"{g}.input_activations.strategy", a.strategy,
+                           f"'group' (group_size {BLOCK_SIZE}) with block weights")
+    if a.group_size != BLOCK_SIZE:
+        raise _unsupported(where, f"{g}.input_activations.group_size", a.group_size, f"{BLOCK_SIZE}")
 
 
 def _validation_error(e: Exception, key: str) -> Optional[str]:
@@ -258,7 +310,9 @@ def _check_args(where: str, field: str, args) -> None:
 
 
 def scheme_of(module) -> LinearScheme:
-    """The `LinearScheme` of a `W8A8Linear`."""
+    """The `LinearScheme` of a `W8A8Linear` (`BLOCK_SCHEME` when it has block-scaled weights)."""
+    if getattr(module, "weight_block_size", None) is not None:
+        return BLOCK_SCHEME
     return LinearScheme(quant_dtype=module.quant_dtype, per_channel=module.per_channel,
                         static_input=module.input_scale is not None)
 
@@ -268,7 +322,11 @@ def _scheme_dict(scheme: LinearScheme, targets: List[str]) -> dict:
     t = _TYPE_OF[scheme.quant_dtype]
     weights = {"num_bits": 8, "type": t, "symmetric": True, "strategy": "channel" if scheme.per_channel else "tensor",
                "dynamic": False}
-    if scheme.static_input:
+    if scheme.block:  # compressed-tensors' FP8_BLOCK preset
+        weights.update(strategy="block", block_structure=list(BLOCK))
+        inputs = {"num_bits": 8, "type": t, "symmetric": True, "strategy": "group", "group_size": BLOCK_SIZE,
+                  "dynamic": True}
+    elif scheme.static_input:
         inputs = {"num_bits": 8, "type": t, "symmetric": True, "strategy": "tensor", "dynamic": False}
     else:
         inputs = {"num_bits": 8, "type": t, "symmetric": True, "strategy": "token", "dynamic": True}

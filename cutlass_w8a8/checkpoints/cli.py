@@ -1,6 +1,8 @@
 """``python -m cutlass_w8a8 quantize SRC DST``: a bf16 / fp16 Hugging Face checkpoint to a compressed-tensors W8A8
-checkpoint (int8 or fp8 e4m3, per-channel weights, dynamic per-token activations), with `quantize_` and
-`save_pretrained`. The result loads with `cutlass_w8a8.checkpoints.from_pretrained`, transformers and vLLM.
+checkpoint, with `quantize_` and `save_pretrained`. Schemes (``--scheme``): ``int8`` / ``fp8`` (per-channel
+weights, dynamic per-token activations; ``--dtype`` says the same), ``fp8-block`` (e4m3 weights in 128 x 128
+blocks, dynamic 1 x 128 group activations: compressed-tensors' FP8_BLOCK; a linear whose K is not a multiple of
+128 is left in float). The result loads with `cutlass_w8a8.checkpoints.from_pretrained`, transformers and vLLM.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import List, Optional
 import torch
 
 __all__ = ["main"]
+
+_SCHEMES = ("int8", "fp8", "fp8-block")
 
 # Files beside the weights that a quantized checkpoint needs to be used the same way (tokenizer, chat template,
 # generation defaults); copied when present.
@@ -46,18 +50,27 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", metavar="SRC", help="Hugging Face checkpoint directory (float weights)")
     p.add_argument("dst", metavar="DST", help="output directory")
-    p.add_argument("--dtype", choices=["int8", "fp8"], default="int8", help="quantized type (default int8)")
+    p.add_argument("--scheme", choices=list(_SCHEMES), default=None,
+                   help="int8 / fp8: per-channel weights, dynamic per-token activations; fp8-block: e4m3 128x128 "
+                        "weight blocks, dynamic 1x128 activation groups (default: --dtype's)")
+    p.add_argument("--dtype", choices=["int8", "fp8"], default=None,
+                   help="quantized type of the per-channel schemes (default int8); the same as --scheme int8 / fp8")
     p.add_argument("--ignore", nargs="*", default=None, metavar="NAME",
                    help="linears left in float: module names or re: patterns (default: lm_head, as llm-compressor "
                         "checkpoints do; giving --ignore replaces the default)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to load and quantize")
     args = p.parse_args(argv)
     ignore = ["lm_head"] if args.ignore is None else args.ignore
+    if args.scheme is not None and args.dtype is not None and (args.scheme, args.dtype) not in (
+            ("int8", "int8"), ("fp8", "fp8"), ("fp8-block", "fp8")):
+        p.error(f"--scheme {args.scheme} and --dtype {args.dtype} disagree")
+    scheme = args.scheme or args.dtype or "int8"
 
     import transformers
 
     from ..config import W8A8Config
     from ..linear import W8A8Linear
+    from ..ops._limits import BLOCK_SIZE
     from ..quantize import quantize_
     from .load import check_device
     from .save import save_pretrained
@@ -95,9 +108,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     stored = cfg.get("dtype") or cfg.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
     dtype = torch.float16 if stored == "float16" else torch.bfloat16
     model = transformers.AutoModelForCausalLM.from_pretrained(args.src, dtype=dtype, device_map=args.device)
-    qdtype = torch.int8 if args.dtype == "int8" else torch.float8_e4m3fn
+    block = scheme == "fp8-block"
+    config = W8A8Config(dtype=torch.int8 if scheme == "int8" else torch.float8_e4m3fn,
+                        **({"weight_block_size": (BLOCK_SIZE, BLOCK_SIZE)} if block else {}))
+    # block weights need K a multiple of 128 (the block GEMM's K granularity): other linears stay in float
+    k_left = [fqn for fqn, m in model.named_modules()
+              if block and type(m) is torch.nn.Linear and m.in_features % BLOCK_SIZE and not _ignored(fqn, ignore)]
     try:
-        quantize_(model, W8A8Config(dtype=qdtype), filter_fn=lambda m, fqn: not _ignored(fqn, ignore))
+        quantize_(model, config, filter_fn=lambda m, fqn: not _ignored(fqn, ignore) and fqn not in k_left)
     except TypeError as e:
         print(f"python -m cutlass_w8a8 quantize: {e}", file=sys.stderr)
         return 1
@@ -105,7 +123,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     n_f = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     if n_q == 0:
         print("python -m cutlass_w8a8 quantize: no linear was quantized (all ignored, or none with K and N "
-              "multiples of 16)", file=sys.stderr)
+              f"multiples of 16{', K a multiple of 128' if block else ''})", file=sys.stderr)
         return 1
     save_pretrained(model, args.dst)
     for pattern in _AUX_PATTERNS:
@@ -113,8 +131,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             dst = os.path.join(args.dst, os.path.basename(src))
             if os.path.isfile(src) and not os.path.exists(dst):
                 shutil.copy2(src, dst)
-    print(f"{args.dst}: {n_q} linears quantized to {args.dtype} (per-channel weights, dynamic per-token "
-          f"activations), {n_f} left in {dtype}")
+    how = ("fp8 (e4m3 128x128 weight blocks, dynamic 1x128 activation groups)" if block else
+           f"{scheme} (per-channel weights, dynamic per-token activations)")
+    print(f"{args.dst}: {n_q} linears quantized to {how}, {n_f} left in {dtype}" +
+          (f" ({len(k_left)} with K not a multiple of {BLOCK_SIZE}: {', '.join(k_left[:4])}"
+           f"{', ...' if len(k_left) > 4 else ''})" if k_left else ""))
     return 0
 
 

@@ -1,4 +1,5 @@
-"""`from_pretrained`: a compressed-tensors W8A8 checkpoint as a transformers model with `W8A8Linear` layers."""
+"""`from_pretrained`: a compressed-tensors W8A8 checkpoint, or a transformers-native block-fp8 one, as a
+transformers model with `W8A8Linear` layers."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import torch
 from torch import nn
 
 from ..linear import W8A8Linear
+from ..ops._limits import BLOCK_SIZE
 from ..ops._limits import OUT_DTYPES as _OUT_DTYPES
 from ..quantize import shape_supported
-from ._scheme import ParsedConfig, find_quantization_config, parse_quantization_config
+from ._direct import block_size, build_meta, load_unsharded
+from ._native_fp8 import is_native_fp8, native_targets, parse_native_fp8
+from ._scheme import ParsedConfig, Target, find_quantization_config, parse_quantization_config
 
 __all__ = ["from_pretrained"]
 
@@ -31,15 +35,16 @@ _QUANT_SUFFIXES = ("_scale", "_zero_point", "_packed", "_shape", "_g_idx", "glob
 
 def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, model_cls=None, tp_group=None,
                     tp_plan=None, **hf_kwargs):
-    """Load a compressed-tensors W8A8 checkpoint as a transformers model whose quantized linears are `W8A8Linear`
-    layers holding the checkpoint's own int8 / float8_e4m3fn weights and scales (never dequantized and
-    re-quantized).
+    """Load a compressed-tensors W8A8 checkpoint, or a transformers-native block-fp8 one, as a transformers model
+    whose quantized linears are `W8A8Linear` layers holding the checkpoint's own int8 / float8_e4m3fn weights and
+    scales (never dequantized and re-quantized).
 
     Parameters
     ----------
     path : str or os.PathLike
         A local checkpoint directory: ``config.json`` with a compressed-tensors ``quantization_config`` (or the
-        older ``compression_config`` key), and ``model.safetensors`` or a sharded ``model.safetensors.index.json``.
+        older ``compression_config`` key), or transformers' native fp8 one (``quant_method: fp8``, 128 x 128
+        blocks: DeepSeek-V3, Qwen3-FP8), and ``model.safetensors`` or a sharded ``model.safetensors.index.json``.
         What llm-compressor and ``compressed_tensors.ModelCompressor`` write, and `save_pretrained`.
     device : str or torch.device, optional
         Where the model is loaded (``device_map=device`` for transformers); default: transformers' default (CPU).
@@ -63,6 +68,8 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
         Passed to ``AutoConfig.from_pretrained`` and ``model_cls.from_pretrained`` (``trust_remote_code``,
         ``attn_implementation``, ``output_loading_info``, ...). ``quantization_config``, ``config``,
         ``device_map``, ``dtype`` / ``torch_dtype`` and ``subfolder`` are refused: this function sets them.
+        A native fp8 checkpoint is not loaded by ``model_cls.from_pretrained`` (see below): of ``hf_kwargs`` only
+        those ``AutoConfig`` takes and ``attn_implementation`` are accepted then.
 
     Returns
     -------
@@ -95,18 +102,35 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
     ``weight_scale`` / ``input_scale`` parameters in the model dtype, so transformers would round float32 scales
     to bfloat16 on load, while the kernels take float32 scales; reading the stored values keeps them exact.
 
+    Block-scaled fp8 (compressed-tensors' ``FP8_BLOCK``: weights ``strategy: block``, ``block_structure: [128,
+    128]``; activations ``strategy: group``, ``group_size: 128``, dynamic) loads the same way, each layer a
+    `W8A8Linear` with ``weight_scale`` float32 ``[ceil(N / 128), K / 128]``; a targeted layer must have K a
+    multiple of 128 (N may end in a partial block). Other block structures, and block weights with static or
+    per-token activations, are refused naming the field.
+
+    The transformers-native fp8 format (``quant_method: fp8``: `cutlass_w8a8.checkpoints._native_fp8` describes
+    it and what is refused) is not given to transformers' loader, which would dequantize it to bf16 on a CPU or
+    swap in its own ``FP8Linear`` on a GPU: the model is built on the meta device from the config without its
+    ``quantization_config``, each linear stored with an e4m3 weight becomes a `W8A8Linear` from its ``weight``
+    and ``weight_scale_inv`` (cast to float32: exact from bf16), and every other tensor is read from the files
+    (`cutlass_w8a8.checkpoints._direct`). ``model.config.quantization_config`` is then the compressed-tensors
+    FP8_BLOCK dict describing the loaded layers (what their ``state_dict`` holds).
+
     Raises
     ------
     ValueError
         ``path``'s config.json is not valid JSON; ``device`` is a GPU index past the visible ones; the config or
         checkpoint holds something the kernels cannot run exactly (the message names the field and
         its value, e.g. ``quantization_config.config_groups.group_0.weights.strategy = 'group' is not supported
-        (supported: 'channel', 'tensor')``), or ``path`` is not a compressed-tensors safetensors checkpoint.
+        (supported: 'channel', 'tensor')``, ``quantization_config.activation_scheme = 'static' is not supported``),
+        a block-scaled layer has K not a multiple of 128 (the message names the layer and K), or ``path`` is not a
+        compressed-tensors / native fp8 safetensors checkpoint.
     RuntimeError
         ``device`` is a CUDA device but torch was built without CUDA or sees no GPU (raised before any file is
         read).
     TypeError
-        ``dtype`` is not bfloat16 / float16, or ``hf_kwargs`` holds an argument this function sets.
+        ``dtype`` is not bfloat16 / float16, or ``hf_kwargs`` holds an argument this function sets (or, for a
+        native fp8 checkpoint, one only transformers' loader understands).
 
     Examples
     --------
@@ -127,6 +151,10 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
         raise ValueError(f"{_WHERE}: {path!r} is not a checkpoint directory with a config.json (a Hub model must be "
                          "downloaded first, e.g. huggingface_hub.snapshot_download)")
     config_json = read_config_json(_WHERE, config_path)
+    if tp_plan is not None and tp_group is None:
+        raise TypeError("cutlass_w8a8.from_pretrained: `tp_plan` is given without `tp_group`")
+    if is_native_fp8(config_json):
+        return _from_native_fp8(path, config_json, device, dtype, model_cls, tp_group, tp_plan, hf_kwargs)
     key, raw = find_quantization_config(config_json, _WHERE)
     parsed = parse_quantization_config(raw, _WHERE, key)
     ckpt = _SafetensorsCheckpoint(path)
@@ -145,8 +173,6 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
     targeted = _targeted_linears(model_cls, config, parsed, shared)
     ckpt.check(targeted)
 
-    if tp_plan is not None and tp_group is None:
-        raise TypeError("cutlass_w8a8.from_pretrained: `tp_plan` is given without `tp_group`")
     if tp_group is not None:
         from ..distributed.checkpoint import load_tensor_parallel
 
@@ -161,12 +187,34 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
     return result
 
 
-class _Target(collections.namedtuple("_Target", "scheme group in_features out_features")):
-    """A targeted nn.Linear: its LinearScheme, config group name and K, N."""
+def _from_native_fp8(path, config_json, device, dtype, model_cls, tp_group, tp_plan, hf_kwargs):
+    """`from_pretrained` of a transformers-native block-fp8 checkpoint (see its docstring)."""
+    parsed = parse_native_fp8(config_json["quantization_config"], _WHERE)
+    ckpt = _SafetensorsCheckpoint(path)
+
+    import transformers
+
+    model_cls = model_cls or transformers.AutoModelForCausalLM
+    config, model_kwargs = transformers.AutoConfig.from_pretrained(path, return_unused_kwargs=True, **hf_kwargs)
+    # built without the fp8 config, so that transformers' quantizer does not replace the linears
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    shared = {k: hf_kwargs[k] for k in _SHARED_KWARGS if k in hf_kwargs}
+    meta = build_meta(model_cls, config, dtype, shared, model_kwargs, _WHERE)
+    targeted = native_targets(meta, parsed, ckpt.meta, _WHERE)
+    del meta
+    if tp_group is not None:
+        from ..distributed.checkpoint import load_tensor_parallel
+
+        return load_tensor_parallel(path, model_cls, config, parsed, targeted, ckpt, dtype, device, tp_group, tp_plan,
+                                    shared, model_kwargs)
+    model = load_unsharded(path, model_cls, config, targeted, ckpt, dtype, device, shared, model_kwargs, _WHERE)
+    model.config.quantization_config = parsed.to_dict()
+    return model
 
 
-def _targeted_linears(model_cls, config, parsed: ParsedConfig, shared: dict) -> Dict[str, _Target]:
-    """``{module name: _Target}`` of the modules compressed-tensors will quantize, found with its own matching on
+def _targeted_linears(model_cls, config, parsed: ParsedConfig, shared: dict) -> Dict[str, Target]:
+    """``{module name: Target}`` of the modules compressed-tensors will quantize, found with its own matching on
     the model built on the meta device; raises for a targeted module `W8A8Linear` cannot replace."""
     from compressed_tensors.quantization.lifecycle.initialize import is_cached_attention_module
     from compressed_tensors.utils import is_narrow_match, match_named_modules, match_targets
@@ -201,7 +249,11 @@ def _targeted_linears(model_cls, config, parsed: ParsedConfig, shared: dict) -> 
                 raise ValueError(f"{_WHERE}: module {name!r} (nn.Linear, in_features={k}, out_features={n}) is "
                                  f"targeted by {field} = {targets!r}: W8A8Linear needs in_features and "
                                  "out_features to be multiples of 16 (add it to `ignore`)")
-            targeted[name] = _Target(parsed.schemes[gname], gname, k, n)
+            if parsed.schemes[gname].block and k % BLOCK_SIZE:
+                raise ValueError(f"{_WHERE}: module {name!r} (nn.Linear, in_features={k}, out_features={n}) is "
+                                 f"targeted by {field} = {targets!r} with block-scaled weights, but K = {k} is not a "
+                                 f"multiple of {BLOCK_SIZE} (the block GEMM's K granularity; add it to `ignore`)")
+            targeted[name] = Target(parsed.schemes[gname], gname, k, n)
         elif isinstance(module, nn.Embedding):
             raise ValueError(f"{_WHERE}: module {name!r} (nn.Embedding) is targeted by {field} = {targets!r}: "
                              "only nn.Linear modules are supported")
@@ -284,13 +336,16 @@ class _SafetensorsCheckpoint:
                     self.file_of[k] = full
                     self.meta[k] = (sl.get_dtype(), list(sl.get_shape()))
 
-    def check(self, targeted: Dict[str, _Target]) -> None:
+    def check(self, targeted: Dict[str, Target]) -> None:
         """Raise ValueError unless every targeted module has exactly the tensors its scheme implies, with their
         dtypes and shapes, and no other tensor looks quantized."""
         for name, t in targeted.items():
             s, n, k = t.scheme, t.out_features, t.in_features
-            expect = {"weight": ((_ST_QUANT[s.quant_dtype],), [n, k]),
-                      "weight_scale": (_ST_SCALE, [n, 1] if s.per_channel else [1])}
+            if s.block:
+                scale_shape = [-(-n // BLOCK_SIZE), -(-k // BLOCK_SIZE)]
+            else:
+                scale_shape = [n, 1] if s.per_channel else [1]
+            expect = {"weight": ((_ST_QUANT[s.quant_dtype],), [n, k]), "weight_scale": (_ST_SCALE, scale_shape)}
             if s.static_input:
                 expect["input_scale"] = (_ST_SCALE, [1])
             for leaf, (dtypes, shape) in expect.items():
@@ -333,7 +388,7 @@ class _SafetensorsCheckpoint:
         return out
 
 
-def _swap_to_w8a8(model: nn.Module, targeted: Dict[str, _Target], ckpt: _SafetensorsCheckpoint,
+def _swap_to_w8a8(model: nn.Module, targeted: Dict[str, Target], ckpt: _SafetensorsCheckpoint,
                   dtype: torch.dtype) -> None:
     loaded = {name for name, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None}
     if loaded != set(targeted):
@@ -350,9 +405,10 @@ def _swap_to_w8a8(model: nn.Module, targeted: Dict[str, _Target], ckpt: _Safeten
                                f"nn.Linear with {t.scheme.quant_dtype}; please report this")
         dev = module.weight.device
         new = W8A8Linear.from_quantized(
-            module.weight.detach(), scales[f"{name}.weight_scale"].to(dev),
+            module.weight.detach(), scales[f"{name}.weight_scale"].to(dev).float(),
             bias=None if module.bias is None else module.bias.detach(),
-            input_scale=scales[f"{name}.input_scale"].to(dev) if t.scheme.static_input else None, dtype=dtype)
+            input_scale=scales[f"{name}.input_scale"].to(dev) if t.scheme.static_input else None, dtype=dtype,
+            weight_block_size=block_size(t.scheme))
         new.train(module.training)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)

@@ -60,9 +60,12 @@ def attach_quantization_config(model: nn.Module) -> None:
 def save_pretrained(model: nn.Module, path, **save_kwargs) -> None:
     """Write ``model`` (a transformers model whose quantized linears are `W8A8Linear`, from `quantize_` or
     `from_pretrained`) as a compressed-tensors checkpoint: the 8-bit ``weight``, ``weight_scale`` (``(N, 1)``
-    per channel or ``(1,)`` per tensor), ``input_scale`` (``(1,)``, static activations) and ``bias`` of each
-    layer, and ``config.json`` with the ``quantization_config`` that describes them (``quantization_status:
-    compressed``, format int-quantized / float-quantized; see `quantization_config_of`).
+    per channel, ``(1,)`` per tensor, or ``[ceil(N / 128), K / 128]`` for block-scaled fp8 layers),
+    ``input_scale`` (``(1,)``, static activations) and ``bias`` of each layer, and ``config.json`` with the
+    ``quantization_config`` that describes them (``quantization_status: compressed``, format int-quantized /
+    float-quantized; block layers as compressed-tensors' ``FP8_BLOCK`` preset: weights ``strategy: block``,
+    ``block_structure: [128, 128]``, activations ``strategy: group``, ``group_size: 128``, dynamic; see
+    `quantization_config_of`).
 
     Parameters
     ----------
@@ -74,7 +77,8 @@ def save_pretrained(model: nn.Module, path, **save_kwargs) -> None:
         Passed to ``model.save_pretrained`` (``max_shard_size``, ...).
 
     Scales are saved in float32, what the kernels use, so `from_pretrained` of the result gives back the same
-    scales bit for bit. transformers' own loader (compressed-tensors' quantizer) creates the scale parameters in
+    scales bit for bit (llm-compressor writes the scales in the model dtype, usually bfloat16; the readers cast
+    either). transformers' own loader (compressed-tensors' quantizer) creates the scale parameters in
     the model dtype and so rounds them to e.g. bfloat16 when loading: its dequantized weights equal ours exactly
     where the scales are representable in bfloat16, and differ by that rounding (at most 2**-9 relative)
     elsewhere. `from_pretrained` reads the stored float32 values.

@@ -20,6 +20,12 @@ unsharded layer's by the two activation quantizations (and the rounding of the p
 dtype before the reduce), not by more: `cutlass_w8a8.testing.tp.row_parallel_bound` writes the element-wise
 bound out; tests/test_tp_cpu.py checks it. A static ``input_scale`` is shared by all shards, so the shards'
 quantized inputs are exactly the slices of the unsharded layer's.
+
+Block-scaled fp8 layers (128 x 128 weight blocks, activations per 1 x 128 group) are split on block boundaries
+only (`cutlass_w8a8.distributed.sharding`): a shard keeps the scale rows (column-parallel) or columns
+(row-parallel) of its own blocks. A row-parallel shard's ``K / tp`` columns are whole activation groups, so its
+quantized input is exactly the slice of the unsharded layer's: only the rounding of the partial outputs to the
+layer dtype before the reduce separates it from the unsharded layer.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from torch import nn
 
 from ..config import W8A8Config
 from ..linear import QuantizedActivation, W8A8Linear
+from ..ops._limits import BLOCK_SIZE
+from ..ops._roles import block_weight_scaled
 from ..ops._schema import OVERLOADS as _op
 from . import sharding as S
 from ._common import _all_reduce_, _check_tp_size, _fields, _gather_columns, _set_tp, _TensorParallel
@@ -38,6 +46,17 @@ from ._group import check_same_on_all_ranks, dtype_code, group_rank_size, sequen
 from .float_linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["ColumnParallelW8A8Linear", "RowParallelW8A8Linear", "fuse_w8a8", "shard_linear"]
+
+
+def _is_block(layer) -> bool:
+    """Whether a `W8A8Linear` has block-scaled fp8 weights (128 x 128 blocks)."""
+    return getattr(layer, "weight_block_size", None) is not None
+
+
+def _shard_block(weight, weight_scale, weight_block_size) -> bool:
+    """Whether `from_shard`'s operands are block-scaled: ``weight_block_size`` given, or the scale's shape says
+    so (`ops._roles.block_weight_scaled`, the op's rule)."""
+    return weight_block_size is not None or block_weight_scaled(weight, weight_scale)
 
 
 def _unsharded(cls, layer, tp_group):
@@ -66,7 +85,9 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
     `QuantizedActivation`); returns ``(..., N / tp)``, this rank's output columns (in the shard's order: the
     rank's rows of each matrix of ``output_sizes``), or with ``gather_output=True`` the full ``(..., N)`` in the
     unsharded layer's order (one all_gather). Each output element equals the unsharded layer's exactly (same
-    quantized input, same weight row, same scales).
+    quantized input, same weight row, same scales). A block-scaled fp8 layer keeps whole row blocks: its
+    ``weight_scale`` is the shard's ``[N / tp / 128, K / 128]`` rows of the block scale, and each matrix of
+    ``output_sizes`` must split into multiples of 128 rows.
 
     Attributes
     ----------
@@ -109,13 +130,14 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
         where = cls.__name__
         rank, world = group_rank_size(tp_group, where)
         config = config or W8A8Config()
+        block = getattr(config, "weight_block_size", None) is not None
         if check:
             check_same_on_all_ranks(tp_group, where, _fields(
                 "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or [])},
                 quant_dtype=dtype_code(config.dtype), bias=linear.bias is not None,
-                static_input=input_scale is not None, gather_output=gather_output))
+                static_input=input_scale is not None, gather_output=gather_output, block=block))
         _check_tp_size(where, tp_size, world)
-        S.check_column_shardable(n, k, world, output_sizes, where)
+        S.check_column_shardable(n, k, world, output_sizes, where, block=block)
         full = W8A8Linear.from_float(linear, config, input_scale)
         return cls._build(full, tp_group, rank, world, output_sizes, gather_output)
 
@@ -131,9 +153,9 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
                 "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or [])},
                 quant_dtype=dtype_code(layer.quant_dtype), dtype=dtype_code(layer.dtype),
                 bias=layer.bias is not None, per_channel=layer.per_channel,
-                static_input=layer.input_scale is not None, gather_output=gather_output))
+                static_input=layer.input_scale is not None, gather_output=gather_output, block=_is_block(layer)))
         _check_tp_size(where, tp_size, world)
-        S.check_column_shardable(n, k, world, output_sizes, where)
+        S.check_column_shardable(n, k, world, output_sizes, where, block=_is_block(layer))
         return cls._build(layer, tp_group, rank, world, output_sizes, gather_output)
 
     @classmethod
@@ -141,12 +163,14 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
         sizes = list(output_sizes) if output_sizes is not None else [full.out_features]
         b = full._buffers
         scale = b["weight_scale"]
-        if scale.numel() > 1:
+        if _is_block(full):  # [ceil(N / 128), K / 128]: the rows of the shard's row blocks
+            scale = S.shard_block_rows(scale, sizes, rank, world)
+        elif scale.numel() > 1:
             scale = S.shard_rows(scale, sizes, rank, world)
         mod = cls.from_quantized(
             S.shard_rows(b["weight"], sizes, rank, world), scale,
             bias=None if b["bias"] is None else S.shard_rows(b["bias"], sizes, rank, world),
-            input_scale=b["input_scale"], dtype=full.dtype)
+            input_scale=b["input_scale"], dtype=full.dtype, weight_block_size=full.weight_block_size)
         mod._init_column(group, rank, world, full.out_features, full.in_features, sizes, gather_output)
         return mod
 
@@ -154,28 +178,33 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
     def from_shard(cls, weight: torch.Tensor, weight_scale: torch.Tensor, tp_group, *, output_sizes: Sequence[int],
                    bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None,
                    dtype: torch.dtype = torch.bfloat16, gather_output: bool = False, tp_size: Optional[int] = None,
-                   check: bool = True) -> "ColumnParallelW8A8Linear":
+                   check: bool = True, weight_block_size: Optional[tuple] = None) -> "ColumnParallelW8A8Linear":
         """A layer around this rank's already-sharded operands (`from_quantized` semantics, no copy).
 
         ``weight``: ``(N / tp, K)`` int8 / e4m3, the rank's rows (`sharding.column_rows`); ``weight_scale``:
-        ``N / tp`` values (the same rows) or one; ``bias``: ``N / tp`` values; ``output_sizes``: the full
-        layer's logical matrices (they give the full N). Errors as `from_float`.
+        ``N / tp`` values (the same rows) or one, or for block-scaled e4m3 weights the float32 block scale of the
+        shard, ``[N / tp / 128, K / 128]`` (`sharding.shard_block_rows`); ``bias``: ``N / tp`` values;
+        ``output_sizes``: the full layer's logical matrices (they give the full N); ``weight_block_size``:
+        ``(128, 128)`` for block scales (None: told from the scale's shape, as `W8A8Linear.from_quantized` does).
+        Errors as `from_float`.
         """
         sizes = [int(s) for s in output_sizes]
         n, k, where = sum(sizes), weight.shape[1], cls.__name__
         rank, world = group_rank_size(tp_group, where)
+        block = _shard_block(weight, weight_scale, weight_block_size)
         if check:
             check_same_on_all_ranks(tp_group, where, _fields(
                 "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(sizes)},
                 quant_dtype=dtype_code(weight.dtype),
                 dtype=dtype_code(dtype), bias=bias is not None, per_channel=weight_scale.numel() > 1,
-                static_input=input_scale is not None, gather_output=gather_output))
+                static_input=input_scale is not None, gather_output=gather_output, block=block))
         _check_tp_size(where, tp_size, world)
-        S.check_column_shardable(n, k, world, sizes, where)
+        S.check_column_shardable(n, k, world, sizes, where, block=block)
         if weight.shape[0] != n // world:
             raise ValueError(f"{where}.from_shard: `weight` must have N / tp_size = {n // world} rows, got "
                              f"{weight.shape[0]}")
-        mod = cls.from_quantized(weight, weight_scale, bias=bias, input_scale=input_scale, dtype=dtype)
+        mod = cls.from_quantized(weight, weight_scale, bias=bias, input_scale=input_scale, dtype=dtype,
+                                 weight_block_size=weight_block_size)
         mod._init_column(tp_group, rank, world, n, k, sizes, gather_output)
         return mod
 
@@ -199,7 +228,9 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
     """A `W8A8Linear` holding rank ``tp_rank``'s columns of the input features: ``(N, K / tp_size)``.
 
     Build it with `from_float`, `from_full` or `from_shard` (as `ColumnParallelW8A8Linear`). Buffers hold the
-    shard: ``weight`` ``(N, K / tp)``; ``weight_scale`` the full ``(N,)`` per-channel scale (or ``(1,)``);
+    shard: ``weight`` ``(N, K / tp)``; ``weight_scale`` the full ``(N,)`` per-channel scale (or ``(1,)``), or
+    for block-scaled fp8 weights the shard's columns ``[ceil(N / 128), K / tp / 128]`` of the block scale
+    (``K / tp`` a multiple of 128);
     ``bias`` the full ``(N,)``, replicated, added once after the reduce; ``input_scale`` ``(1,)``.
 
     ``forward(x)``: ``x`` ``(..., K / tp)``, this rank's slice of the input (``input_is_parallel=True``, the
@@ -238,12 +269,13 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
         where = cls.__name__
         rank, world = group_rank_size(tp_group, where)
         config = config or W8A8Config()
+        block = getattr(config, "weight_block_size", None) is not None
         if check:
             check_same_on_all_ranks(tp_group, where, _fields(
                 "rowwise", n, k, tp_size, quant_dtype=dtype_code(config.dtype), bias=linear.bias is not None,
-                static_input=input_scale is not None, input_is_parallel=input_is_parallel))
+                static_input=input_scale is not None, input_is_parallel=input_is_parallel, block=block))
         _check_tp_size(where, tp_size, world)
-        S.check_row_shardable(n, k, world, where)
+        S.check_row_shardable(n, k, world, where, block=block)
         full = W8A8Linear.from_float(linear, config, input_scale)
         return cls._build(full, tp_group, rank, world, input_is_parallel)
 
@@ -256,17 +288,23 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
             check_same_on_all_ranks(tp_group, where, _fields(
                 "rowwise", n, k, tp_size, quant_dtype=dtype_code(layer.quant_dtype), dtype=dtype_code(layer.dtype),
                 bias=layer.bias is not None, per_channel=layer.per_channel,
-                static_input=layer.input_scale is not None, input_is_parallel=input_is_parallel))
+                static_input=layer.input_scale is not None, input_is_parallel=input_is_parallel,
+                block=_is_block(layer)))
         _check_tp_size(where, tp_size, world)
-        S.check_row_shardable(n, k, world, where)
+        S.check_row_shardable(n, k, world, where, block=_is_block(layer))
         return cls._build(layer, tp_group, rank, world, input_is_parallel)
 
     @classmethod
     def _build(cls, full: W8A8Linear, group, rank, world, input_is_parallel):
         b = full._buffers
-        mod = cls.from_quantized(S.shard_cols(b["weight"], rank, world), b["weight_scale"].clone(),
+        if _is_block(full):  # [ceil(N / 128), K / 128]: the columns of the shard's column blocks
+            scale = S.shard_block_cols(b["weight_scale"], full.in_features, rank, world)
+        else:  # one scale per output row (or one), common to all of its columns
+            scale = b["weight_scale"].clone()
+        mod = cls.from_quantized(S.shard_cols(b["weight"], rank, world), scale,
                                  bias=None if b["bias"] is None else b["bias"].clone(),
-                                 input_scale=b["input_scale"], dtype=full.dtype)
+                                 input_scale=b["input_scale"], dtype=full.dtype,
+                                 weight_block_size=full.weight_block_size)
         mod._init_row(group, rank, world, full.out_features, full.in_features, input_is_parallel)
         return mod
 
@@ -274,21 +312,25 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
     def from_shard(cls, weight: torch.Tensor, weight_scale: torch.Tensor, tp_group, *,
                    bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None,
                    dtype: torch.dtype = torch.bfloat16, input_is_parallel: bool = True, tp_size: Optional[int] = None,
-                   check: bool = True) -> "RowParallelW8A8Linear":
+                   check: bool = True, weight_block_size: Optional[tuple] = None) -> "RowParallelW8A8Linear":
         """A layer around this rank's already-sharded operands: ``weight`` ``(N, K / tp)`` (the rank's columns,
-        `sharding.shard_range` of K), ``weight_scale`` the full N values or one, ``bias`` the full N values.
-        Errors as `from_float`."""
+        `sharding.shard_range` of K), ``weight_scale`` the full N values or one, or for block-scaled e4m3 weights
+        the float32 block scale's columns of the shard, ``[ceil(N / 128), K / tp / 128]``
+        (`sharding.shard_block_cols`); ``bias`` the full N values; ``weight_block_size`` as in
+        `ColumnParallelW8A8Linear.from_shard`. Errors as `from_float`."""
         n, k_local, where = weight.shape[0], weight.shape[1], cls.__name__
         rank, world = group_rank_size(tp_group, where)
         k = k_local * world
+        block = _shard_block(weight, weight_scale, weight_block_size)
         if check:
             check_same_on_all_ranks(tp_group, where, _fields(
                 "rowwise", n, k, tp_size, quant_dtype=dtype_code(weight.dtype), dtype=dtype_code(dtype),
                 bias=bias is not None, per_channel=weight_scale.numel() > 1, static_input=input_scale is not None,
-                input_is_parallel=input_is_parallel))
+                input_is_parallel=input_is_parallel, block=block))
         _check_tp_size(where, tp_size, world)
-        S.check_row_shardable(n, k, world, where)
-        mod = cls.from_quantized(weight, weight_scale, bias=bias, input_scale=input_scale, dtype=dtype)
+        S.check_row_shardable(n, k, world, where, block=block)
+        mod = cls.from_quantized(weight, weight_scale, bias=bias, input_scale=input_scale, dtype=dtype,
+                                 weight_block_size=weight_block_size)
         mod._init_row(tp_group, rank, world, n, k, input_is_parallel)
         return mod
 
@@ -299,10 +341,14 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
 
     def _split_input(self, x):
         a, b = S.shard_range(self.full_in_features, self.tp_rank, self.tp_size, type(self).__name__, "in_features")
-        if isinstance(x, QuantizedActivation):  # per-token scales stay valid for any slice of their row
+        if isinstance(x, QuantizedActivation):
             if x.q.shape[-1] != self.full_in_features:
                 raise ValueError(f"{type(self).__name__}: input_is_parallel=False needs the full input, last "
                                  f"dimension {self.full_in_features}, got shape {tuple(x.q.shape)}")
+            if _is_block(self):  # 1 x 128 group scales: the shard's groups (K / tp is a multiple of 128)
+                return QuantizedActivation(x.q[..., a:b].contiguous(),
+                                           x.scale[..., a // BLOCK_SIZE:b // BLOCK_SIZE].contiguous())
+            # per-token scales stay valid for any slice of their row
             return QuantizedActivation(x.q[..., a:b].contiguous(), x.scale)
         if x.shape[-1] != self.full_in_features:
             raise ValueError(f"{type(self).__name__}: input_is_parallel=False needs the full input, last dimension "
@@ -316,7 +362,10 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
         if isinstance(x, QuantizedActivation):
             self._check_quantized(x)
             lead = x.q.shape[:-1]
-            s = x.scale if x.scale.numel() == 1 else x.scale.reshape(-1, 1).contiguous()
+            if _is_block(self):  # (..., K / 128) group scales -> (M, K / 128)
+                s = x.scale.reshape(-1, self.in_features // BLOCK_SIZE).contiguous()
+            else:
+                s = x.scale if x.scale.numel() == 1 else x.scale.reshape(-1, 1).contiguous()
             y = _op.scaled_mm(x.q.reshape(-1, self.in_features), b["weight"].t(), s, b["weight_scale"], self.dtype,
                               None).reshape(*lead, self.out_features)
             in_dtype = self.dtype
@@ -373,14 +422,18 @@ def fuse_w8a8(layers: Sequence[W8A8Linear]) -> tuple[W8A8Linear, list[int]]:
     Weight scales: kept per tensor ``(1,)`` when every layer has the same per-tensor scale; otherwise per channel
     ``(sum N,)``, each layer's per-tensor scale repeated over its rows (exact: the same scale multiplies the same
     rows). This is how a compressed-tensors checkpoint's per-tensor q / k / v scales become one fused layer.
+    Block-scaled fp8 layers (all of them, or none) fuse by stacking their block scales' rows, exact when every
+    layer but the last has N a multiple of 128 (each layer keeps its own row blocks; the last may end in a
+    partial block); otherwise a fused block would mix two layers' rows under one scale, which is refused.
     Activations: all dynamic, or all static with the same ``input_scale`` (one activation quantization serves the
     fused GEMM). The weights are copied (concatenated).
 
     Raises
     ------
     ValueError
-        Fewer than one layer; the layers differ in ``in_features``, ``quant_dtype``, ``dtype``, bias presence or
-        activation quantization; their static ``input_scale`` values differ.
+        Fewer than one layer; the layers differ in ``in_features``, ``quant_dtype``, ``dtype``, bias presence,
+        activation quantization or block scaling; their static ``input_scale`` values differ; a block-scaled
+        layer other than the last has N not a multiple of 128.
     """
     layers = list(layers)
     if not layers or not all(isinstance(m, W8A8Linear) and not isinstance(m, _TensorParallel) for m in layers):
@@ -401,12 +454,23 @@ def fuse_w8a8(layers: Sequence[W8A8Linear]) -> tuple[W8A8Linear, list[int]]:
                              "quantization cannot serve the fused GEMM (quantize them with one scale, or dynamically)")
     sizes = [m.out_features for m in layers]
     ws = [m.weight_scale for m in layers]
-    if all(w.numel() == 1 for w in ws) and all(torch.equal(w, ws[0]) for w in ws):
+    blocks = [_is_block(m) for m in layers]
+    if any(b != blocks[0] for b in blocks):
+        raise ValueError(f"fuse_w8a8: some layers have block-scaled weights and others do not: {blocks}")
+    if blocks[0]:
+        for i, n in enumerate(sizes[:-1]):
+            if n % BLOCK_SIZE:
+                raise ValueError(f"fuse_w8a8: block-scaled layer {i} has N = {n}, not a multiple of {BLOCK_SIZE}: "
+                                 "stacked under the next layer, its last row block would share a scale with that "
+                                 "layer's rows (only the last layer may end in a partial block)")
+        scale = torch.cat(ws, dim=0)
+    elif all(w.numel() == 1 for w in ws) and all(torch.equal(w, ws[0]) for w in ws):
         scale = ws[0].clone()
     else:
         scale = torch.cat([w.expand(n) if w.numel() == 1 else w for w, n in zip(ws, sizes)])
     weight = torch.cat([m.weight for m in layers], dim=0)
     bias = torch.cat([m.bias for m in layers]) if first.bias is not None else None
-    fused = W8A8Linear.from_quantized(weight, scale, bias=bias, input_scale=first.input_scale, dtype=first.dtype)
+    fused = W8A8Linear.from_quantized(weight, scale, bias=bias, input_scale=first.input_scale, dtype=first.dtype,
+                                      weight_block_size=first.weight_block_size)
     return fused, sizes
 

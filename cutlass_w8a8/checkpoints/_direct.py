@@ -1,0 +1,175 @@
+"""Loading a checkpoint without transformers' weight loader: the model is built on the meta device from its
+config, the quantized linears are built from the safetensors tensors (`W8A8Linear.from_quantized`, or a
+tensor-parallel shard of them), every other parameter and persistent buffer is read whole from the files, and
+the buffers the checkpoint does not hold (the rotary ``inv_freq``) are computed by the model's own
+``_init_weights``.
+
+Used for the transformers-native block-fp8 format (``quant_method: fp8``), which transformers' own loader would
+dequantize (on a CPU or a GPU before sm89) or turn into its own ``FP8Linear`` layers, and by the sharded loader
+(`cutlass_w8a8.distributed.checkpoint`). The checkpoint's tensor names must be the model's parameter names
+(transformers' load-time renames, e.g. of merged MoE experts, are not applied).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Dict
+
+import torch
+from torch import nn
+
+from ..linear import W8A8Linear
+from ..ops._limits import BLOCK_SIZE
+
+__all__ = ["Reader", "build_meta", "set_module", "load_rest", "init_missing_buffers", "load_generation_config",
+           "block_rows", "block_size", "load_unsharded"]
+
+
+class Reader:
+    """Reads of whole tensors or of row / column slices from the checkpoint's files (each opened once, for the
+    life of ``stack``)."""
+
+    def __init__(self, file_of: Dict[str, str], stack: contextlib.ExitStack):
+        from safetensors import safe_open
+
+        self.file_of = file_of
+        self._files = {f: stack.enter_context(safe_open(f, framework="pt")) for f in sorted(set(file_of.values()))}
+
+    def whole(self, key: str) -> torch.Tensor:
+        return self._files[self.file_of[key]].get_tensor(key)
+
+    def rows(self, key: str, ranges) -> torch.Tensor:
+        """Rows ``[a, b)`` of each ``(a, b)`` in ``ranges``, concatenated."""
+        sl = self._files[self.file_of[key]].get_slice(key)
+        parts = [sl[a:b] for a, b in ranges]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def cols(self, key: str, a: int, b: int) -> torch.Tensor:
+        """Columns ``[a, b)`` of a 2-D tensor."""
+        return self._files[self.file_of[key]].get_slice(key)[:, a:b]
+
+
+def block_size(scheme):
+    """The ``weight_block_size`` to give `W8A8Linear.from_quantized` for a layer of ``scheme``: ``(128, 128)``
+    for block-scaled weights (explicit, so that a layer of one block stays block-scaled), else None."""
+    return (BLOCK_SIZE, BLOCK_SIZE) if scheme.block else None
+
+
+def block_rows(ranges) -> list:
+    """The rows of a ``[ceil(N / 128), ...]`` block-scale tensor that cover weight rows ``ranges`` (each
+    ``(a, b)`` starting on a block boundary; ``b`` on one too, or N)."""
+    return [(a // BLOCK_SIZE, -(-b // BLOCK_SIZE)) for a, b in ranges]
+
+
+def build_meta(model_cls, config, dtype: torch.dtype, shared: dict, model_kwargs: dict, where: str) -> nn.Module:
+    """The model of ``config`` on the meta device in ``dtype``. ``model_kwargs`` (AutoConfig's unused keyword
+    arguments) may hold only ``attn_implementation``: TypeError for anything else, which only transformers'
+    own loader understands."""
+    from transformers import PreTrainedModel
+
+    kw = {}
+    model_kwargs = dict(model_kwargs)
+    if "attn_implementation" in model_kwargs:
+        kw["attn_implementation"] = model_kwargs.pop("attn_implementation")
+    if model_kwargs:
+        raise TypeError(f"{where}: {sorted(model_kwargs)} cannot be used here (this checkpoint is not loaded through "
+                        "transformers' from_pretrained)")
+    with torch.device("meta"):
+        if isinstance(model_cls, type) and issubclass(model_cls, PreTrainedModel):
+            return model_cls._from_config(config, dtype=dtype, **kw)
+        if "trust_remote_code" in shared:
+            kw["trust_remote_code"] = shared["trust_remote_code"]
+        return model_cls.from_config(config, dtype=dtype, **kw)
+
+
+def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def load_rest(model: nn.Module, reader: Reader, meta: dict, replaced: set, device, config, where: str) -> None:
+    """Every parameter and persistent buffer outside the ``replaced`` modules, read whole and cast to the dtype
+    the meta model gave it; a missing output embedding is tied to the input embedding when the config says so.
+    ValueError naming the first tensor the checkpoint (``meta``: its tensor index) lacks."""
+    missing = []
+    for mod_name, mod in model.named_modules():
+        if mod_name in replaced or any(mod_name.startswith(r + ".") for r in replaced):
+            continue
+        persistent = [b for b in mod._buffers if b not in mod._non_persistent_buffers_set]
+        for leaf in list(mod._parameters) + persistent:
+            t = mod._parameters[leaf] if leaf in mod._parameters else mod._buffers[leaf]
+            if t is None or t.device.type != "meta":
+                continue
+            key = f"{mod_name}.{leaf}" if mod_name else leaf
+            if key not in meta:
+                missing.append(key)
+                continue
+            value = reader.whole(key).to(device=device, dtype=t.dtype)
+            if leaf in mod._parameters:
+                mod._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+            else:
+                mod._buffers[leaf] = value
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tie = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                  "tie_word_embeddings", False)
+    if out_emb is not None and in_emb is not None and tie and out_emb.weight.device.type == "meta":
+        out_emb.weight = in_emb.weight
+        missing = [m for m in missing if not m.endswith(".weight") or model.get_submodule(m[:-7]) is not out_emb]
+    if missing:
+        raise ValueError(f"{where}: the checkpoint has no tensor {missing[0]!r}" +
+                         (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") +
+                         ", which the model needs")
+
+
+def init_missing_buffers(model: nn.Module, device, where: str) -> None:
+    """Buffers the checkpoint does not hold (non-persistent: the rotary ``inv_freq``) are still on the meta
+    device: allocate them and let the model's ``_init_weights`` compute them."""
+    for name, mod in model.named_modules():
+        if any(b is not None and b.device.type == "meta" for b in mod._buffers.values()):
+            if any(p is not None and p.device.type == "meta" for p in mod._parameters.values()):
+                raise RuntimeError(f"{where}: module {name!r} still has parameters on the meta device; please report "
+                                   "this")
+            mod.to_empty(device=device, recurse=False)
+            model._init_weights(mod)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"{where}: {left[:4]} were neither in the checkpoint nor initialized by the model")
+
+
+def load_generation_config(model: nn.Module, path: str) -> None:
+    """``generation_config.json`` of the checkpoint, when there is one, as the model's generation config."""
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen) and getattr(model, "generation_config", None) is not None:
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)
+
+
+def load_unsharded(path: str, model_cls, config, targeted: dict, ckpt, dtype: torch.dtype, device, shared: dict,
+                   model_kwargs: dict, where: str) -> nn.Module:
+    """The whole checkpoint as a transformers model on ``device`` whose ``targeted`` linears (``{name: target}``
+    with ``target.scale_leaf``, the scale tensor's name, and ``target.scheme``) are `W8A8Linear` layers holding
+    the stored 8-bit weights as they are and the stored scales cast to float32 (exact from bf16 / fp16)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    model = build_meta(model_cls, config, dtype, shared, model_kwargs, where)
+    with contextlib.ExitStack() as stack:
+        reader = Reader(ckpt.file_of, stack)
+        for name, t in targeted.items():
+            lin = model.get_submodule(name)
+            if type(lin) is not nn.Linear:
+                raise RuntimeError(f"{where}: {name!r} is a {type(lin).__name__}, expected nn.Linear; please report "
+                                   "this")
+            bias = reader.whole(f"{name}.bias").to(device) if lin.bias is not None else None
+            input_scale = reader.whole(f"{name}.input_scale").to(device) if t.scheme.static_input else None
+            new = W8A8Linear.from_quantized(
+                reader.whole(f"{name}.weight").to(device), reader.whole(f"{name}.{t.scale_leaf}").to(device).float(),
+                bias=bias, input_scale=input_scale, dtype=dtype, weight_block_size=block_size(t.scheme))
+            new.train(False)
+            set_module(model, name, new)
+        load_rest(model, reader, ckpt.meta, set(targeted), device, config, where)
+    init_missing_buffers(model, device, where)
+    model.eval()
+    load_generation_config(model, path)
+    return model
