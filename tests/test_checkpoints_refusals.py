@@ -44,9 +44,11 @@ QC = "quantization_config"
 UNSUPPORTED = {
     "group weights": (lambda c: _group(c)["weights"].update(strategy="group", group_size=16),
                       f"{QC}.config_groups.group_0.weights.strategy = 'group' is not supported "
-                      "(supported: 'channel', 'tensor')"),
-    "block weights": (lambda c: _group(c)["weights"].update(strategy="block", block_structure=[16, 16]),
-                      f"{QC}.config_groups.group_0.weights.strategy = 'block'"),
+                      "(supported: 'channel', 'tensor'; 'block' with type 'float')"),
+    # int8 weights in blocks: block scales are fp8 only (the fp8 block refusals: test_checkpoints_block_refusals.py)
+    "int8 block weights": (lambda c: _group(c)["weights"].update(strategy="block", block_structure=[16, 16]),
+                           f"{QC}.config_groups.group_0.weights.type = 'int' is not supported (supported: 'float' "
+                           "with strategy 'block'"),
     "asymmetric weights": (_set(G0 + ("weights", "symmetric"), False),
                            f"{QC}.config_groups.group_0.weights.symmetric = False"),
     "asymmetric activations": (_set(G0 + ("input_activations", "symmetric"), False),
@@ -74,7 +76,8 @@ UNSUPPORTED = {
     "sparsity": (_set(("sparsity_config",), {"format": "sparse-24-bitmask", "sparsity_structure": "2:4"}),
                  f"{QC}.sparsity_config = "),
     "frozen (dense) weights": (_set(("quantization_status",), "frozen"), f"{QC}.quantization_status = 'frozen'"),
-    "another quant method": (_set(("quant_method",), "fp8"), f"{QC}.quant_method = 'fp8'"),
+    "another quant method": (_set(("quant_method",), "awq"), f"{QC}.quant_method = 'awq' is not supported "
+                             "(supported: 'compressed-tensors'; 'fp8'"),
     "embedding targeted": (_set(G0 + ("targets",), ["Linear", "Embedding"]),
                            "module 'model.embed_tokens' (nn.Embedding) is targeted by "
                            f"{QC}.config_groups.group_0.targets"),
