@@ -57,12 +57,13 @@ std::tuple<at::Tensor, at::Tensor> quantize_per_token_group(const at::Tensor& x,
 // quant/rms_norm.cu, quant/silu_mul.cu: RMSNorm (with the residual add) and SiLU-and-mul, optionally fused with quantization
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+// group_size: 0 (per token, or per tensor with `scale`) or 128 (per 1 x 128 group: scale [..., K / 128])
 std::tuple<at::Tensor, at::Tensor> rms_norm_quant(const at::Tensor& x, const at::Tensor& weight, double eps,
                                                   at::ScalarType dtype, const std::optional<at::Tensor>& scale,
-                                                  const std::optional<at::Tensor>& residual);
+                                                  const std::optional<at::Tensor>& residual, int64_t group_size);
 at::Tensor silu_mul(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> silu_mul_quant(const at::Tensor& x, at::ScalarType dtype,
-                                                  const std::optional<at::Tensor>& scale);
+                                                  const std::optional<at::Tensor>& scale, int64_t group_size);
 
 // attention/decode_attention.cu
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& slots,

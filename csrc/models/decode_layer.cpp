@@ -81,8 +81,8 @@ at::Tensor decode_layer(const std::optional<at::Tensor>& h, at::Tensor& residual
   // input_layernorm, with the residual add (vLLM's fused_add_rms_norm) after the first layer
   at::Tensor x, q, s;
   if (quantized) {
-    std::tie(q, s) = h ? rms_norm_quant(*h, input_norm, eps, qtype, qkv_is, residual)
-                       : rms_norm_quant(residual, input_norm, eps, qtype, qkv_is, std::nullopt);
+    std::tie(q, s) = h ? rms_norm_quant(*h, input_norm, eps, qtype, qkv_is, residual, 0)
+                       : rms_norm_quant(residual, input_norm, eps, qtype, qkv_is, std::nullopt, 0);
   } else {
     x = h ? fused_add_rms_norm(*h, residual, input_norm, eps) : rms_norm(residual, input_norm, eps);
   }
@@ -102,13 +102,13 @@ at::Tensor decode_layer(const std::optional<at::Tensor>& h, at::Tensor& residual
   }
   // post_attention_layernorm (residual += attn_out), then the SwiGLU MLP
   if (quantized) {
-    std::tie(q, s) = rms_norm_quant(attn_out, post_norm, eps, qtype, gate_up_is, residual);
+    std::tie(q, s) = rms_norm_quant(attn_out, post_norm, eps, qtype, gate_up_is, residual, 0);
   } else {
     x = fused_add_rms_norm(attn_out, residual, post_norm, eps);
   }
   const at::Tensor gu = project(gate_up, x, q, s, dtype);
   if (quantized) {
-    std::tie(q, s) = silu_mul_quant(gu, qtype, down_is);
+    std::tie(q, s) = silu_mul_quant(gu, qtype, down_is, 0);
   } else {
     x = silu_mul(gu);
   }

@@ -3,7 +3,8 @@
 //   rms_norm(x, weight, eps)                      y = rms_norm(x) * weight
 //   fused_add_rms_norm(x, residual, weight, eps)  residual += x in place; y = rms_norm(residual) * weight
 //   rms_norm_quant(x, weight, eps, dtype,         either of those y (residual optional), then quantized to
-//                  scale, residual)               int8 / float8_e4m3fn
+//                  scale, residual, group_size)   int8 / float8_e4m3fn: per token, per tensor (static `scale`)
+//                                                 or per 1 x 128 group of the row (group_size 128)
 //
 // (rms_norm and fused_add_rms_norm are two ops rather than one with an optional mutable residual: torch 2.13's
 // inductor fails to lower a single-Tensor-returning op whose `Tensor(a!)?` argument is None.)
@@ -15,7 +16,8 @@
 //   rms_norm       inv = 1 / sqrt(sum_k(float(s)^2) / K + float(eps));  y = T((float(s) * inv) * float(w))
 //                  (F.rms_norm: float32 inside, one rounding to T at the end; s = r, or x without residual)
 //   quantization   of float(y), i.e. of y AFTER its rounding to T, exactly as quantize_per_token /
-//                  quantize_per_tensor (quantize.cu) would quantize the stored y: so fused == unfused chain.
+//                  quantize_per_tensor (quantize.cu) or quantize_per_token_group (quantize_group.cu) would
+//                  quantize the stored y: so fused == unfused chain.
 //
 // The float32 sum of squares runs in a fixed order (each thread's elements, a butterfly over lanes and warps,
 // then the blocks of a cluster in rank order) that depends only on K, the dtype, the row's alignment and the
@@ -65,8 +67,8 @@ struct RmsNormParams {
   int64_t residual_stride;
   const T* weight;  // [K]
   OutT* out;        // [M, K] contiguous
-  float* scales;    // [M] (quantized outputs only)
-  const float* static_scale;  // one float32 (static per-tensor), or nullptr (dynamic per-token)
+  float* scales;    // [M] (quantized outputs only), or [M, K / 128] (GroupOut)
+  const float* static_scale;  // one float32 (static per-tensor), or nullptr (dynamic per-token or per-group)
   float eps;
   int k;
 };
@@ -137,7 +139,8 @@ struct RmsNormRow {
       const int idx = begin + threadIdx.x + i * kB;
       if (idx < end) s[i] = normalize<T, N>(s[i], wv[idx], inv_rms);  // s[i] now holds y
     }
-    finish_regs<T, O, N, kVecs, kB, C>(s, begin, end, p.out + row * int64_t(p.k), p.scales, p.static_scale, row);
+    finish_regs<T, O, N, kVecs, kB, C>(s, begin, end, p.out + row * int64_t(p.k), p.scales, p.static_scale, row,
+                                       p.k / kGroupElems);
   }
 
   // Any row length; N elements per access (N = 1: any alignment). Passes: residual add and sum of squares;
@@ -160,7 +163,8 @@ struct RmsNormRow {
     const V* src = rr != nullptr ? reinterpret_cast<const V*>(rr) : xr;
     const V* wv = reinterpret_cast<const V*>(p.weight);
     auto produce = [&](int idx) { return normalize<T, N>(src[idx], wv[idx], inv_rms); };
-    finish_loop<T, O, N, kB>(produce, nvec, p.out + row * int64_t(p.k), p.scales, p.static_scale, row);
+    finish_loop<T, O, N, kB>(produce, nvec, p.out + row * int64_t(p.k), p.scales, p.static_scale, row,
+                             p.k / kGroupElems);
   }
 };
 
@@ -228,15 +232,16 @@ void check_rms_norm(const char* op, const at::Tensor& x, const at::Tensor& weigh
   CW8A8_CHECK_VALUE(x.numel() / k <= 1 || rs >= k, op, "residual", "rows overlap: row stride ", rs, " < K = ", k);
 }
 
-// The checked op: allocates y (or q and the [..., 1] scales), launches one kernel.
+// The checked op: allocates y (or q and the [..., 1] or [..., K / 128] scales), launches one kernel.
 std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const char* op, const at::Tensor& x, const at::Tensor& weight,
                                                  double eps, std::optional<at::ScalarType> qtype,
                                                  const std::optional<at::Tensor>& scale,
-                                                 const std::optional<at::Tensor>& residual) {
+                                                 const std::optional<at::Tensor>& residual, int64_t group_size = 0) {
   quant::check_on_cuda(op, x);
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t k = x.size(-1), m = x.numel() / k;
-  const quant::RowOutputs y = quant::empty_row_outputs(x, k, qtype.value_or(x.scalar_type()), qtype.has_value());
+  const quant::RowOutputs y =
+      quant::empty_row_outputs(x, k, qtype.value_or(x.scalar_type()), qtype.has_value(), group_size);
   const at::Tensor& out = y.out;
   const at::Tensor& scales = y.scales;
   if (m == 0) return {out, scales};
@@ -247,7 +252,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const char* op, const at::Tenso
   const bool clusters = clusters_available(x.get_device());
   const bool pdl = kernels_use_pdl(x.get_device());
   cudaStream_t stream = current_stream(x);
-  dispatch_rowwise(quant::row_elem(x.scalar_type()), quant::row_out(qtype), [&](auto t, auto o) {
+  auto launch = [&](auto t, auto o) {
     using T = decltype(t);
     using O = decltype(o);
     using OutT = typename O::type;
@@ -267,8 +272,15 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const char* op, const at::Tenso
         k % N == 0 && p.x_stride % N == 0 && is_aligned(p.x, 16) && is_aligned(p.weight, 16) &&
         is_aligned(p.out, N * sizeof(OutT)) &&
         (p.residual == nullptr || (p.residual_stride % N == 0 && is_aligned(p.residual, 16)));
-    C10_CUDA_CHECK((launch_rowwise<T, RmsNormRow<T, O>>(p, p.k / N, m, vectorizable, clusters, pdl, stream)));
-  });
+    const int64_t part_multiple = IsGroup<O>::value ? kGroupElems / N : 1;  // no group across two cluster blocks
+    C10_CUDA_CHECK((launch_rowwise<T, RmsNormRow<T, O>>(p, p.k / N, m, vectorizable, clusters, pdl, stream,
+                                                        part_multiple)));
+  };
+  if (group_size != 0) {
+    dispatch_rowwise_groups(quant::row_elem(x.scalar_type()), quant::row_out(qtype), launch);
+  } else {
+    dispatch_rowwise(quant::row_elem(x.scalar_type()), quant::row_out(qtype), launch);
+  }
   graph_nodes::note_rowwise_launch(stream, m, op);
   return {out, scales};
 }
@@ -290,12 +302,12 @@ at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const a
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_quant(const at::Tensor& x, const at::Tensor& weight, double eps,
                                                   at::ScalarType dtype, const std::optional<at::Tensor>& scale,
-                                                  const std::optional<at::Tensor>& residual) {
+                                                  const std::optional<at::Tensor>& residual, int64_t group_size) {
   constexpr const char* op = "rms_norm_quant";
   check_rms_norm(op, x, weight, eps, residual);
   quant::check_quant_dtype(op, dtype);
-  if (scale.has_value()) quant::check_static_scale(op, x, *scale);
-  return rms_norm_impl(op, x, weight, eps, dtype, scale, residual);
+  quant::check_group_quant(op, x, x.size(-1), scale, group_size);
+  return rms_norm_impl(op, x, weight, eps, dtype, scale, residual, group_size);
 }
 
 }  // namespace cutlass_w8a8

@@ -17,6 +17,8 @@
 
 namespace cutlass_w8a8::quant {
 
+static_assert(kGroupElems == limits::kBlockSize, "the fused ops' quantization groups are the block-scale groups");
+
 inline bool is_row_dtype(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; }
 
 // `dtype`, the quantized output: int8 or float8_e4m3fn (TypeError).
@@ -41,6 +43,23 @@ inline void check_static_scale(const char* op, const at::Tensor& x, const at::Te
   check_same_device(op, "scale", scale, "x", x);
   CW8A8_CHECK_VALUE(scale.numel() == 1, op, "scale", "must hold one value (static per-tensor), got shape ",
                     py_tuple(scale.sizes()));
+}
+
+// The quantization mode of rms_norm_quant / silu_mul_quant (ops/_checks.py _group_quant), after their dtype check:
+// group_size 0 (per token, or per tensor with a static `scale`) or 128 (dynamic 1 x 128 groups of the output row of
+// length `k`; `scale` must then be None).
+inline void check_group_quant(const char* op, const at::Tensor& x, int64_t k, const std::optional<at::Tensor>& scale,
+                              int64_t group_size) {
+  CW8A8_CHECK_VALUE(group_size == 0 || group_size == limits::kBlockSize, op, "group_size", "must be 0 (per-token) or ",
+                    limits::kBlockSize, ", got ", group_size);
+  if (group_size != 0) {
+    CW8A8_CHECK_VALUE(!scale.has_value(), op, "scale", "must be None with group_size = ", group_size,
+                      " (dynamic per-group scales), got a tensor");
+    CW8A8_CHECK_VALUE(k % group_size == 0, op, "x", "the output row length ", k,
+                      " must be a multiple of group_size = ", group_size);
+  } else if (scale.has_value()) {
+    check_static_scale(op, x, *scale);
+  }
 }
 
 // `x` of the fused ops: bfloat16 / float16 / float32 [..., K] with 0 < K < 2**31 and at most 2**31 - 1 rows
@@ -77,18 +96,20 @@ inline int64_t flat_row_stride(const at::Tensor& t) {
 }
 
 // The outputs of a row-wise op on x [..., K]: `out` [..., width] in `out_dtype`, and with `with_scales` the
-// float32 per-row scales [..., 1]. Contiguous, from the caching allocator on x's device.
+// float32 scales [..., 1] per row (group_size 0) or [..., width / group_size] per group. Contiguous, from the
+// caching allocator on x's device.
 struct RowOutputs {
   at::Tensor out;
   at::Tensor scales;  // undefined without scales
 };
-inline RowOutputs empty_row_outputs(const at::Tensor& x, int64_t width, at::ScalarType out_dtype, bool with_scales) {
+inline RowOutputs empty_row_outputs(const at::Tensor& x, int64_t width, at::ScalarType out_dtype, bool with_scales,
+                                    int64_t group_size = 0) {
   auto shape = x.sizes().vec();
   shape.back() = width;
   RowOutputs r;
   r.out = at::empty(shape, x.options().dtype(out_dtype));
   if (with_scales) {
-    shape.back() = 1;
+    shape.back() = group_size != 0 ? width / group_size : 1;
     r.scales = at::empty(shape, x.options().dtype(at::kFloat));
   }
   return r;

@@ -5,7 +5,8 @@
 //   8-bit outputs         Int8Out / Fp8Out: QMAX and the saturating conversion; quantize_one
 //   PDL                   allow_dependent_launch / wait_for_producers (griddepcontrol)
 //   reductions            block_max / block_sum over a block; ClusterReduce over a thread block cluster (sm90)
-//   a row's tail          finish_regs / finish_loop: store y, or quantize it (dynamic or static scale)
+//   a row's tail          finish_regs / finish_loop: store y, or quantize it (dynamic per row, static, or dynamic
+//                         per 1 x 128 group: GroupOut)
 //   launch shapes         with_register_config / with_cluster_config; the fused ops' kernels and launch_rowwise,
 //                         which picks one from K, the dtype, the alignment and the device only (never M)
 //
@@ -89,10 +90,27 @@ struct FloatOut {
   using type = T;
 };
 
+// Dynamic per-group quantization of a fused op's output row (rms_norm_quant / silu_mul_quant with group_size 128):
+// Q's conversion, one scale per kGroupElems consecutive elements of the row, scale[row, g] = max |y| over group g /
+// QMAX, exactly quantize_per_token_group's rule (quantize_group.cu).
+constexpr int kGroupElems = 128;  // limits::kBlockSize (quant/rowwise_args.hpp asserts it)
+
+template <class Q>
+struct GroupOut {
+  using type = typename Q::type;
+  static constexpr float kMax = Q::kMax;
+  __device__ __forceinline__ static type convert(float v) { return Q::convert(v); }
+};
+
 template <class O>
 struct IsQuant : std::true_type {};
 template <class T>
 struct IsQuant<FloatOut<T>> : std::false_type {};
+
+template <class O>
+struct IsGroup : std::false_type {};
+template <class Q>
+struct IsGroup<GroupOut<Q>> : std::true_type {};
 
 // --- programmatic dependent launch --------------------------------------------------------------------
 //
@@ -218,7 +236,9 @@ __device__ __forceinline__ void block_part(int nvec, int& begin, int& end) {
 //
 // Unquantized (O = FloatOut<T>): store y. Quantized (O = Int8Out / Fp8Out): scale = max|y| / QMAX (dynamic;
 // `static_scale` null) or *static_scale, written to scales[row] either way, then q = quantize_one(y, scale),
-// as quantize.cu quantizes a stored y.
+// as quantize.cu quantizes a stored y. Per group (O = GroupOut<Q>): scale[g] = max|y| over the 128 elements of
+// group g / QMAX, written to scales[row * groups + g], q = quantize_one(y, scale[g]), as quantize_group.cu
+// quantizes a stored y (`static_scale` unused: group scales are dynamic).
 
 template <class T, int N>
 struct alignas(sizeof(T) * N) Vec {
@@ -243,11 +263,33 @@ __device__ __forceinline__ Vec<typename O::type, N> quantize_vec(const Vec<T, N>
 
 // y held in registers: kVecs vectors of N elements per thread, vector idx = begin + threadIdx.x + i * kB, valid
 // below `end`: this block's part [begin, end) of the row, of a cluster of C blocks (C = 1: the whole row).
+//
+// GroupOut: the 128 / N vectors of a group are held by 128 / N consecutive threads (16: a half warp, or 32: a warp)
+// for the same i, since begin is a multiple of 128 / N (the caller's launch guarantees it: cluster parts are used
+// only when they split the row on group boundaries) and kB is a multiple of 32; so the group's absmax is a
+// butterfly over those lanes, and idx < end holds for all of them or none (end is a multiple of 128 / N too).
 template <class T, class O, int N, int kVecs, int kB, int C>
 __device__ __forceinline__ void finish_regs(const Vec<T, N> (&y)[kVecs], int begin, int end,
                                             typename O::type* out_row, float* scales, const float* static_scale,
-                                            int64_t row) {
-  if constexpr (!IsQuant<O>::value) {
+                                            int64_t row, int groups = 0) {
+  if constexpr (IsGroup<O>::value) {
+    constexpr int kGroupVecs = kGroupElems / N;
+    static_assert(kGroupVecs == 16 || kGroupVecs == 32, "a group is a half warp or a warp of 16-byte vectors");
+    const unsigned mask = kGroupVecs == 32 ? 0xffffffffu : 0xffffu << (threadIdx.x % 32 / 16 * 16);
+    auto* out = reinterpret_cast<Vec<typename O::type, N>*>(out_row);
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int idx = begin + threadIdx.x + i * kB;
+      if (idx < end) {
+        float amax = vec_amax(0.f, y[i]);
+#pragma unroll
+        for (int off = kGroupVecs / 2; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(mask, amax, off));
+        const float scale = amax / O::kMax;
+        if (idx % kGroupVecs == 0) scales[row * groups + idx / kGroupVecs] = scale;
+        out[idx] = quantize_vec<O>(y[i], scale);
+      }
+    }
+  } else if constexpr (!IsQuant<O>::value) {
     auto* out = reinterpret_cast<Vec<T, N>*>(out_row);
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
@@ -277,10 +319,41 @@ __device__ __forceinline__ void finish_regs(const Vec<T, N> (&y)[kVecs], int beg
 }
 
 // y recomputed by `produce(idx)` on each pass over the row (rows too long for registers, or misaligned).
+// GroupOut: warp w takes groups w, w + kB / 32, ...; lane l produces vectors l, l + 32, ... of the group (N = 1:
+// 4 elements a lane; 16-byte vectors: one, or none for lanes 16..31 when a group is 16 vectors), the group's absmax
+// is a butterfly over the warp. (rms_norm's loop reads back residual elements other threads wrote: the block
+// reduction before this tail synchronized the block, which makes them visible.)
 template <class T, class O, int N, int kB, class Produce>
 __device__ __forceinline__ void finish_loop(Produce produce, int nvec, typename O::type* out_row, float* scales,
-                                            const float* static_scale, int64_t row) {
-  if constexpr (!IsQuant<O>::value) {
+                                            const float* static_scale, int64_t row, int groups = 0) {
+  if constexpr (IsGroup<O>::value) {
+    constexpr int kGroupVecs = kGroupElems / N;
+    constexpr int kPerLane = (kGroupVecs + 31) / 32;
+    static_assert(kGroupElems % N == 0 && kB % 32 == 0, "whole vectors per group, whole warps");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    auto* out = reinterpret_cast<Vec<typename O::type, N>*>(out_row);
+    for (int grp = warp; grp < groups; grp += kB / 32) {
+      Vec<T, N> y[kPerLane];
+      float amax = 0.f;
+#pragma unroll
+      for (int r = 0; r < kPerLane; ++r) {
+        const int v = lane + 32 * r;
+        if (v < kGroupVecs) {
+          y[r] = produce(grp * kGroupVecs + v);
+          amax = vec_amax(amax, y[r]);
+        }
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      const float scale = amax / O::kMax;
+      if (lane == 0) scales[row * groups + grp] = scale;
+#pragma unroll
+      for (int r = 0; r < kPerLane; ++r) {
+        const int v = lane + 32 * r;
+        if (v < kGroupVecs) out[grp * kGroupVecs + v] = quantize_vec<O>(y[r], scale);
+      }
+    }
+  } else if constexpr (!IsQuant<O>::value) {
     auto* out = reinterpret_cast<Vec<T, N>*>(out_row);
     for (int idx = threadIdx.x; idx < nvec; idx += kB) out[idx] = produce(idx);
   } else {
@@ -314,6 +387,7 @@ __device__ __forceinline__ void finish_loop(Produce produce, int nvec, typename 
 
 constexpr int kBlock = 256;
 constexpr int kWideBlock = 512;
+constexpr int kClusterBlocks = 8;  // C of every cluster config
 
 // Calls launch(kVecs constant, kBlock constant) for the one-block register kernel that fits `nvec` vectors, or
 // returns false when none does.
@@ -346,11 +420,11 @@ bool with_cluster_config(int64_t nvec, F&& launch) {
   using std::integral_constant;
   if (nvec <= 4 * kBlock) return false;
   if (nvec <= 8 * kBlock) {
-    launch(integral_constant<int, 1>{}, integral_constant<int, 8>{});
+    launch(integral_constant<int, 1>{}, integral_constant<int, kClusterBlocks>{});
   } else if (nvec <= 16 * kBlock) {
-    launch(integral_constant<int, 2>{}, integral_constant<int, 8>{});
+    launch(integral_constant<int, 2>{}, integral_constant<int, kClusterBlocks>{});
   } else if (nvec <= 32 * kBlock) {
-    launch(integral_constant<int, 4>{}, integral_constant<int, 8>{});
+    launch(integral_constant<int, 4>{}, integral_constant<int, kClusterBlocks>{});
   } else {
     return false;
   }
@@ -391,15 +465,17 @@ __global__ void __launch_bounds__(kB) rowwise_loop_kernel(const typename Op::Par
 
 // One launch of the fused row-wise op `Op` on M rows of nvec 16-byte vectors of T: the cluster kernel, the
 // register kernel or the loop kernel, in that order of preference (see above), with PDL when `pdl`
-// (core/launch_policy.hpp's kernels_use_pdl). Returns the launch's error.
+// (core/launch_policy.hpp's kernels_use_pdl). `part_multiple`: the cluster kernel only when each block's part of
+// the row (ceil(nvec / C) vectors) is a multiple of it (GroupOut: the vectors of a 128-element group, so that no
+// group straddles two blocks). Returns the launch's error.
 template <class T, class Op>
 [[nodiscard]] cudaError_t launch_rowwise(const typename Op::Params& p, int64_t nvec, int64_t m, bool vectorizable, bool clusters,
-                    bool pdl, cudaStream_t stream) {
+                    bool pdl, cudaStream_t stream, int64_t part_multiple = 1) {
   constexpr int N = 16 / sizeof(T);
   bool launched = false;
   cudaError_t err = cudaSuccess;
   if constexpr (!std::is_same_v<T, float>) {
-    if (vectorizable && clusters) {
+    if (vectorizable && clusters && (nvec + kClusterBlocks - 1) / kClusterBlocks % part_multiple == 0) {
       launched = with_cluster_config(nvec, [&](auto vecs, auto c) {
         const dim3 grid(static_cast<unsigned>(m), decltype(c)::value);
         err = launch_kernel(rowwise_cluster_kernel<Op, decltype(vecs)::value, kBlock, decltype(c)::value>, grid,
@@ -427,6 +503,24 @@ template <class T, class Op>
 // The element type of x and the output of a row-wise op, as the host names them.
 enum class RowElem { kBFloat16, kHalf, kFloat };
 enum class RowOut { kSame, kInt8, kFp8 };  // kSame: y itself, in x's dtype (unquantized)
+
+// Calls f(T{}, GroupOut<Q>{}) with T the element type of x and Q = Int8Out (`out` kInt8) or Fp8Out (kFp8): the
+// fused ops' per-group quantization (group_size 128).
+template <class F>
+void dispatch_rowwise_groups(RowElem x, RowOut out, F&& f) {
+  auto with_out = [&](auto t) {
+    if (out == RowOut::kInt8) {
+      f(t, GroupOut<Int8Out>{});
+    } else {
+      f(t, GroupOut<Fp8Out>{});
+    }
+  };
+  switch (x) {
+    case RowElem::kBFloat16: with_out(__nv_bfloat16{}); break;
+    case RowElem::kHalf: with_out(__half{}); break;
+    case RowElem::kFloat: with_out(float{}); break;
+  }
+}
 
 // Calls f(T{}, O{}) with T the element type of x (__nv_bfloat16, __half or float) and O the output conversion:
 // FloatOut<T>, Int8Out or Fp8Out.

@@ -1,14 +1,16 @@
 // SiLU-and-multiply of a decoder layer's MLP, with or without the activation quantization that follows it:
 //
 //   silu_mul(x)                      y = silu(gate) * up with x = [gate | up] ([..., 2 * I] -> [..., I])
-//   silu_mul_quant(x, dtype, scale)  the same y, then quantized to int8 / float8_e4m3fn
+//   silu_mul_quant(x, dtype, scale,  the same y, then quantized to int8 / float8_e4m3fn: per token, per tensor
+//                  group_size)       (static `scale`) or per 1 x 128 group of the row (group_size 128)
 //
 // Arithmetic, chosen so that each op equals torch's unfused chain in the tensor's dtype T (the CPU reference):
 //
 //   silu_mul       y = T(float(T(g / (1 + exp(-g)))) * float(u))        (F.silu(gate) * up in T: silu is
 //                  rounded to T, then the product; the silu formula is torch's CUDA kernel's)
 //   quantization   of float(y), i.e. of y AFTER its rounding to T, exactly as quantize_per_token /
-//                  quantize_per_tensor (quantize.cu) would quantize the stored y: so fused == unfused chain.
+//                  quantize_per_tensor (quantize.cu) or quantize_per_token_group (quantize_group.cu) would
+//                  quantize the stored y: so fused == unfused chain.
 //
 // Kernel shape: row-wise, as rms_norm.cu's (grid (M, C, 1), blocks (x, *) touch row x only, no parameter
 // depends on M; csrc/graphs/graph_nodes.hpp relies on it). One launch per call, on the current stream, no host
@@ -43,7 +45,7 @@ struct SiluMulParams {
   const T* x;  // [M, 2 * I] rows, x_stride apart: gate = x[:, :I], up = x[:, I:]
   int64_t x_stride;
   OutT* out;  // [M, I] contiguous
-  float* scales;
+  float* scales;              // [M], or [M, I / 128] (GroupOut)
   const float* static_scale;
   int half;  // I
 };
@@ -91,7 +93,8 @@ struct SiluMulRow {
     for (int i = 0; i < kVecs; ++i) {
       if (begin + threadIdx.x + i * kB < end) g[i] = silu_mul_vec<T, N>(g[i], u[i]);  // g[i] now holds y
     }
-    finish_regs<T, O, N, kVecs, kB, C>(g, begin, end, p.out + row * int64_t(p.half), p.scales, p.static_scale, row);
+    finish_regs<T, O, N, kVecs, kB, C>(g, begin, end, p.out + row * int64_t(p.half), p.scales, p.static_scale, row,
+                                       p.half / kGroupElems);
   }
 
 
@@ -102,7 +105,8 @@ struct SiluMulRow {
     const V* gate = reinterpret_cast<const V*>(p.x + row * p.x_stride);
     const V* up = reinterpret_cast<const V*>(p.x + row * p.x_stride + p.half);
     auto produce = [&](int idx) { return silu_mul_vec<T, N>(gate[idx], up[idx]); };
-    finish_loop<T, O, N, kB>(produce, p.half / N, p.out + row * int64_t(p.half), p.scales, p.static_scale, row);
+    finish_loop<T, O, N, kB>(produce, p.half / N, p.out + row * int64_t(p.half), p.scales, p.static_scale, row,
+                             p.half / kGroupElems);
   }
 };
 
@@ -115,14 +119,15 @@ void check_silu_mul(const char* op, const at::Tensor& x) {
                     "must have an even last dimension [..., 2 * I] (gate then up), got shape ", py_tuple(x.sizes()));
 }
 
-// The checked op: allocates y (or q and the [..., 1] scales), launches one kernel.
+// The checked op: allocates y (or q and the [..., 1] or [..., I / 128] scales), launches one kernel.
 std::tuple<at::Tensor, at::Tensor> silu_mul_impl(const char* op, const at::Tensor& x,
                                                  std::optional<at::ScalarType> qtype,
-                                                 const std::optional<at::Tensor>& scale) {
+                                                 const std::optional<at::Tensor>& scale, int64_t group_size = 0) {
   quant::check_on_cuda(op, x);
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t k = x.size(-1), m = x.numel() / k, half = k / 2;
-  const quant::RowOutputs y = quant::empty_row_outputs(x, half, qtype.value_or(x.scalar_type()), qtype.has_value());
+  const quant::RowOutputs y =
+      quant::empty_row_outputs(x, half, qtype.value_or(x.scalar_type()), qtype.has_value(), group_size);
   const at::Tensor& out = y.out;
   const at::Tensor& scales = y.scales;
   if (m == 0) return {out, scales};
@@ -131,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_impl(const char* op, const at::Tenso
   const bool clusters = clusters_available(x.get_device());
   const bool pdl = kernels_use_pdl(x.get_device());
   cudaStream_t stream = current_stream(x);
-  dispatch_rowwise(quant::row_elem(x.scalar_type()), quant::row_out(qtype), [&](auto t, auto o) {
+  auto launch = [&](auto t, auto o) {
     using T = decltype(t);
     using O = decltype(o);
     using OutT = typename O::type;
@@ -145,8 +150,15 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_impl(const char* op, const at::Tenso
     p.half = static_cast<int>(half);
     const bool vectorizable = half % N == 0 && p.x_stride % N == 0 && is_aligned(p.x, 16) &&
                               is_aligned(p.out, N * sizeof(OutT));
-    C10_CUDA_CHECK((launch_rowwise<T, SiluMulRow<T, O>>(p, p.half / N, m, vectorizable, clusters, pdl, stream)));
-  });
+    const int64_t part_multiple = IsGroup<O>::value ? kGroupElems / N : 1;  // no group across two cluster blocks
+    C10_CUDA_CHECK((launch_rowwise<T, SiluMulRow<T, O>>(p, p.half / N, m, vectorizable, clusters, pdl, stream,
+                                                        part_multiple)));
+  };
+  if (group_size != 0) {
+    dispatch_rowwise_groups(quant::row_elem(x.scalar_type()), quant::row_out(qtype), launch);
+  } else {
+    dispatch_rowwise(quant::row_elem(x.scalar_type()), quant::row_out(qtype), launch);
+  }
   graph_nodes::note_rowwise_launch(stream, m, op);
   return {out, scales};
 }
@@ -160,12 +172,12 @@ at::Tensor silu_mul(const at::Tensor& x) {
 }
 
 std::tuple<at::Tensor, at::Tensor> silu_mul_quant(const at::Tensor& x, at::ScalarType dtype,
-                                                  const std::optional<at::Tensor>& scale) {
+                                                  const std::optional<at::Tensor>& scale, int64_t group_size) {
   constexpr const char* op = "silu_mul_quant";
   check_silu_mul(op, x);
   quant::check_quant_dtype(op, dtype);
-  if (scale.has_value()) quant::check_static_scale(op, x, *scale);
-  return silu_mul_impl(op, x, dtype, scale);
+  quant::check_group_quant(op, x, x.size(-1) / 2, scale, group_size);
+  return silu_mul_impl(op, x, dtype, scale, group_size);
 }
 
 }  // namespace cutlass_w8a8
