@@ -7,6 +7,9 @@
 //                     acc = A[M, K] @ W[N, K]^T (int8: exact int32; e4m3: float32)
 //   linear_decode:    the same with A = quantize_per_token(x) computed inside the kernel, bit for bit as
 //                     csrc/quant/quantize.cu computes it (so the two paths give identical D).
+//   block scales:     (scaled_mm_decode, e4m3; kBlockScaled) D[m, n] = round(sum_kb scale_a[m, kb] *
+//                     scale_b[n / 128, kb] * acc_kb[m, n] + bias[n]), acc_kb the float32 dot product over the
+//                     128-wide K group kb: see "block scales" below and README.md, "Block scales".
 //
 // Tensor-core mapping (PTX ISA, "Matrix Fragments for mma.m16n8k32"): 16 weight rows (output channels) sit on
 // the MMA's M, up to 8 tokens on its N, K on its K. For thread (g = lane / 4, t = lane % 4):
