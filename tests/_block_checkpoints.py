@@ -43,10 +43,12 @@ def tiny_block_model(kind: str, seed: int = 0, intermediate: int = None):
     ``"llama"``: 4 heads of 128, 2 KV heads (q N 512, k / v N 256, o K 512), MLP 512: every K a multiple of 128
     and every projection splits into whole 128-row blocks over 2 ranks (the tensor-parallel tests).
     ``"qwen3"``: q_norm / k_norm, 4 heads of 64, 1 KV head (q N 256, k / v N 64: one partial block), MLP 384.
+    ``"qwen2"``: q / k / v biases (drawn N(0, 0.1) so that they matter), 4 heads of 64, 2 KV heads (k / v N
+    128), MLP 384.
     ``intermediate`` overrides the MLP size (384 makes the llama's 2-rank split of gate / up / down break
     blocks; 320 gives down_proj K = 320, not a multiple of 128).
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -55,6 +57,8 @@ def tiny_block_model(kind: str, seed: int = 0, intermediate: int = None):
         config = LlamaConfig(**common, intermediate_size=intermediate or 512, num_key_value_heads=2, head_dim=128)
     elif kind == "qwen3":
         config = Qwen3Config(**common, intermediate_size=intermediate or 384, num_key_value_heads=1, head_dim=64)
+    elif kind == "qwen2":
+        config = Qwen2Config(**common, intermediate_size=intermediate or 384, num_key_value_heads=2)
     else:
         raise ValueError(kind)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -62,6 +66,8 @@ def tiny_block_model(kind: str, seed: int = 0, intermediate: int = None):
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif name.endswith("proj.bias"):
+                p.normal_(0, 0.1)
     return model.eval()
 
 
@@ -330,6 +336,8 @@ BLOCK_CHECKPOINTS = {
     "qwen3_native_f32": ("qwen3", "native", torch.float32, ("lm_head",)),
     "llama_native_bf16": ("llama", "native", torch.bfloat16, ("lm_head",)),
     "qwen3_native_bf16": ("qwen3", "native", torch.bfloat16, ()),
+    "qwen2_ct": ("qwen2", "ct", torch.bfloat16, ("lm_head",)),  # q / k / v biases
+    "qwen2_native_f32": ("qwen2", "native", torch.float32, ("lm_head",)),
 }
 
 
