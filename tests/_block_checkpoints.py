@@ -37,7 +37,7 @@ E4M3_MAX = 448.0
 # ---- models ------------------------------------------------------------------------------------------------
 
 
-def tiny_block_model(kind: str, seed: int = 0, intermediate: int = None):
+def tiny_block_model(kind: str, seed: int = 0, intermediate: int = None, tie: bool = False):
     """A random bf16 transformers model for the block tests (2 layers, hidden 256, vocab 320, untied lm_head).
 
     ``"llama"``: 4 heads of 128, 2 KV heads (q N 512, k / v N 256, o K 512), MLP 512: every K a multiple of 128
@@ -46,13 +46,14 @@ def tiny_block_model(kind: str, seed: int = 0, intermediate: int = None):
     ``"qwen2"``: q / k / v biases (drawn N(0, 0.1) so that they matter), 4 heads of 64, 2 KV heads (k / v N
     128), MLP 384.
     ``intermediate`` overrides the MLP size (384 makes the llama's 2-rank split of gate / up / down break
-    blocks; 320 gives down_proj K = 320, not a multiple of 128).
+    blocks; 320 gives down_proj K = 320, not a multiple of 128). ``tie``: lm_head tied to the input embedding
+    (as the small Qwen3 models are).
     """
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=128, tie_word_embeddings=False)
+                  max_position_embeddings=128, tie_word_embeddings=tie)
     if kind == "llama":
         config = LlamaConfig(**common, intermediate_size=intermediate or 512, num_key_value_heads=2, head_dim=128)
     elif kind == "qwen3":
@@ -111,8 +112,11 @@ def write_native_fp8(model, path, scale_dtype=torch.float32, not_convert=(), qua
 
     os.makedirs(path, exist_ok=True)
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    tied = model.config.tie_word_embeddings
+    if tied:  # the tied lm_head is not stored (its weight is the input embedding's)
+        del state["lm_head.weight"]
     for name, m in model.named_modules():
-        if type(m) is nn.Linear and name not in not_convert:
+        if type(m) is nn.Linear and name not in not_convert and not (tied and name == "lm_head"):
             q, s = quantize_blocks(m.weight.detach(), scale_dtype)
             state[f"{name}.weight"] = q
             state[f"{name}.weight_scale_inv"] = s.contiguous()
@@ -293,7 +297,8 @@ def dequantized_reference(path, full_float32: bool = False, act_quant: bool = Tr
         state[key] = deq[module] if module in deq and leaf == "weight" else t
     missing, unexpected = model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False)
     assert not unexpected, unexpected
-    assert all(k.endswith("inv_freq") for k in missing), missing
+    tied = model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(k.endswith("inv_freq") or (tied and k == "lm_head.weight") for k in missing), missing
     if act_quant:
         for name in deq:
             lin = model.get_submodule(name)
@@ -339,6 +344,31 @@ BLOCK_CHECKPOINTS = {
     "qwen2_ct": ("qwen2", "ct", torch.bfloat16, ("lm_head",)),  # q / k / v biases
     "qwen2_native_f32": ("qwen2", "native", torch.float32, ("lm_head",)),
 }
+
+
+def write_tied_qwen3(path) -> None:
+    """A native bf16-scale Qwen3 whose lm_head is tied to the input embedding (not stored), as the small
+    ``Qwen/Qwen3-*-FP8`` checkpoints are."""
+    write_native_fp8(tiny_block_model("qwen3", seed=6, tie=True), path, torch.bfloat16)
+
+
+def write_sharded_copy(src, dst) -> None:
+    """``src``'s tensors split over two safetensors files with a ``model.safetensors.index.json``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    os.makedirs(dst, exist_ok=True)
+    shutil.copy(os.path.join(src, "config.json"), os.path.join(dst, "config.json"))
+    tensors = stored_tensors(src)
+    keys = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((keys[: len(keys) // 2], keys[len(keys) // 2:])):
+        fname = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, os.path.join(dst, fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in part})
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
 def write_block_checkpoint(name, path, seed=0, intermediate=None) -> None:

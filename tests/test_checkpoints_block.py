@@ -169,6 +169,30 @@ def test_transformers_reads_the_native_test_checkpoints_alike(block_ckpt, name):
         assert torch.equal(model.get_submodule(n).weight, w.to(torch.bfloat16)), n
 
 
+def test_tied_lm_head(tmp_path):
+    """A native checkpoint whose lm_head is tied to the input embedding and not stored (the small Qwen3-FP8
+    models): the lm_head stays a float nn.Linear sharing the embedding's weight."""
+    from _block_checkpoints import write_tied_qwen3
+
+    write_tied_qwen3(tmp_path)
+    model = from_pretrained(tmp_path)
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight
+    assert len(w8a8_modules(model)) == 14
+    x = ids()
+    assert sqnr_db(logits(model, x), logits(dequantized_reference(tmp_path), x)) >= SQNR_MIN_SAME_MATH
+
+
+def test_sharded_files_load_like_one(block_ckpt, tmp_path):
+    from _block_checkpoints import write_sharded_copy
+
+    for name in ("llama_native_f32", "llama_ct"):
+        write_sharded_copy(block_ckpt(name), tmp_path / name)
+        a, b = from_pretrained(tmp_path / name), from_pretrained(block_ckpt(name))
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys()
+        assert all(torch.equal(sa[k].view(torch.uint8), sb[k].view(torch.uint8)) for k in sa)
+
+
 def test_float16_model(block_ckpt):
     path = block_ckpt("qwen3_native_bf16")
     model = from_pretrained(path, dtype=torch.float16)
