@@ -8,6 +8,10 @@
 // Projections: all four 8-bit (int8 or float8_e4m3fn [N, K] weights with float32 weight scales and optional
 // static input scales: the W8A8 path, activations quantized by the fused norm / SiLU ops) or all in the model
 // dtype (plain x @ w^T through at::linear, as nn.Linear: the bf16 model). Biases are not supported (the decoder has none).
+// Block-scaled fp8 layers (2-D weight scales [ceil(N/128), K/128]) are not served here: the decoder runs their Python
+// path (LlamaDecoderLayer._layer_op_operands), which quantizes per 1 x 128 group. Given to this op anyway, their GEMM
+// refuses the per-token activation scales this op makes (scaled_mm: "`scale_a` must be [M, K/128] ..."). The fused
+// ops are called with group_size 0 (per token, or per tensor with a static input scale).
 // CUDA-graph capture and node recording work as for the individual ops (the same launch functions record).
 #include <optional>
 #include <tuple>
