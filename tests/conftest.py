@@ -5,8 +5,24 @@ about to run (and cached).
 """
 
 import functools
+import os
 
 import pytest
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N``), each worker runs torch with cores // N threads (at least 1), and so do the
+    processes it starts (``OMP_NUM_THREADS``, read when they import torch): N workers each running a pool as large
+    as the machine wait on each other's descheduled threads (a tiny decoder step on 2 cores with 2 workers: about
+    10x slower). Serial runs keep torch's default."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is None:
+        return
+    threads = max(1, (os.cpu_count() or 1) // int(workers))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=None)

@@ -50,6 +50,10 @@ def _worker(fn, rank: int, world: int, backend: str, init_method: str, init_time
     os.environ.update(env)
     import torch.distributed as dist
 
+    if backend == "gloo":
+        # the ranks share the CPU: each a pool as large as the machine would oversubscribe it
+        torch.set_num_threads(max(1, torch.get_num_threads() // world))
+
     result = RankResult(rank)
     try:
         kw = {}
@@ -80,8 +84,9 @@ def run_workers(fn: Callable, world_size: int = 2, args: Sequence[Any] = (), *, 
     Each worker sets ``env`` (plus `NCCL_ENV` for NCCL) before initializing ``torch.distributed`` with
     ``backend`` (``init_method`` a ``file://`` rendezvous in a fresh temporary directory, ``timeout`` =
     ``group_timeout_s``, so a collective that a rank never joins fails after that long instead of hanging); with
-    NCCL, rank ``r`` uses ``cuda:r``. The parent waits at most ``timeout_s`` seconds for all of them, kills the
-    ones still running and raises `WorkerTimeout` naming them: the caller never hangs.
+    NCCL, rank ``r`` uses ``cuda:r``; with gloo each rank runs torch with ``torch.get_num_threads() // world_size``
+    threads (at least 1), the ranks sharing the CPU. The parent waits at most ``timeout_s`` seconds for all of
+    them, kills the ones still running and raises `WorkerTimeout` naming them: the caller never hangs.
 
     Parameters
     ----------
