@@ -449,13 +449,6 @@ def test_block_checks_match_cpu(case):
     assert str(on_cpu.value).splitlines()[0] == message, f"{name} (CPU)"
 
 
-def test_opcheck_block():
-    a, w, sa, sb, b = block_problem(24, 272, 512, seed=91)
-    out = torch.empty(24, 272, dtype=torch.bfloat16, device="cuda")
-    torch.library.opcheck(OPS.scaled_mm, (a, w.t(), sa, sb, torch.bfloat16, b))
-    torch.library.opcheck(OPS.scaled_mm_out, (out, a, w.t(), sa, sb, b))
-
-
 FORCED_SM80_CHILD = textwrap.dedent("""
     import torch
     import cutlass_w8a8 as cw
