@@ -14,7 +14,8 @@ Environment:
   MAX_JOBS                  parallel compile jobs (ninja)
   CUTLASS_W8A8_CUTLASS_DIR  a CUTLASS checkout to use instead of the nvidia-cutlass package
   CUTLASS_W8A8_NO_CUDA=1    install the pure-Python package only (also automatic with a CPU-only torch)
-  CUTLASS_W8A8_TUNE=1       also build the sm90 tuning candidates (bench/tune_sm90.py)
+  CUTLASS_W8A8_TUNE=1       also build the sm90 tuning candidates (bench/tune_sm90.py); a comma list of tables
+                            (int8, fp8, fp8-block, e.g. CUTLASS_W8A8_TUNE=fp8-block) builds only theirs
 """
 
 import glob
@@ -120,12 +121,12 @@ NVCC_COMMON = ["-O3", "-DNDEBUG", "--expt-relaxed-constexpr", *UNDEF_NO_HALF]
 CXX_COMMON = ["-O3", "-DNDEBUG"]
 
 
-def kernel_library(name: str, entry: str, folders: list, cutlass_inc: list, gencode: list):
-    """One torch-free kernel library (csrc/gemm/kernel_api.h), compiled only for `gencode`'s targets."""
+def kernel_library(name: str, entry: str, patterns: list, cutlass_inc: list, gencode: list):
+    """One torch-free kernel library (csrc/gemm/kernel_api.h), compiled only for `gencode`'s targets, from `entry`
+    and the files matching `patterns` (globs relative to the repository root)."""
     from torch.utils.cpp_extension import CUDAExtension
 
-    sources = [entry] + sorted(os.path.relpath(p, ROOT) for f in folders
-                               for p in glob.glob(os.path.join(ROOT, f, "*.cu")))
+    sources = [entry] + sorted({os.path.relpath(p, ROOT) for f in patterns for p in glob.glob(os.path.join(ROOT, f))})
     return CUDAExtension(
         name=f"cutlass_w8a8.{name}",
         sources=sources,
@@ -148,6 +149,29 @@ TORCH_SOURCE_DIRS = ("csrc", "csrc/core", "csrc/gemm", "csrc/gemm/decode", "csrc
                      "csrc/attention", "csrc/models")
 
 
+# CUTLASS_W8A8_TUNE's table names -> (file prefix under csrc/gemm/sm90/instantiations_tune/, macro). The macro makes
+# scaled_mm_sm90.cu count and dispatch that table's candidates, and compiles the candidates that run a shipped
+# config's kernel in its file (csrc/gemm/generate_instantiations.py).
+TUNE_TABLES = {"int8": ("int8_", "CUTLASS_W8A8_TUNE_INT8"), "fp8": ("fp8_", "CUTLASS_W8A8_TUNE_FP8"),
+               "fp8-block": ("fp8block_", "CUTLASS_W8A8_TUNE_FP8_BLOCK")}
+
+
+def tune_tables() -> list:
+    """The tables whose tuning candidates CUTLASS_W8A8_TUNE asks for: all for "1" (or "all"), none when unset, empty
+    or "0", else its comma list of TUNE_TABLES names. Raises ValueError naming CUTLASS_W8A8_TUNE for another value."""
+    value = os.environ.get("CUTLASS_W8A8_TUNE", "").strip()
+    if value in ("", "0"):
+        return []
+    if value in ("1", "all"):
+        return list(TUNE_TABLES)
+    tables = [t.strip() for t in value.split(",") if t.strip()]
+    unknown = [t for t in tables if t not in TUNE_TABLES]
+    if unknown or not tables:
+        raise ValueError(f"CUTLASS_W8A8_TUNE must be 1, all, 0 or a comma list of {', '.join(TUNE_TABLES)}, "
+                         f"got {value!r}")
+    return [t for t in TUNE_TABLES if t in tables]
+
+
 def torch_sources() -> list:
     return sorted(os.path.relpath(p, ROOT) for d in TORCH_SOURCE_DIRS for ext in ("*.cu", "*.cpp")
                   for p in glob.glob(os.path.join(ROOT, d, ext)))
@@ -168,15 +192,18 @@ def extensions():
             libraries=["dl"],
         )
     ]
-    tune = os.environ.get("CUTLASS_W8A8_TUNE") == "1"
+    tables = tune_tables()
+    tune = bool(tables)
     numbers = sorted({a.split("+")[0].rstrip("a") for a in arches})  # "8.0", "8.9", "9.0", ...
     if "9.0" in numbers:
-        folders = ["instantiations"] + (["instantiations_tune"] if tune else [])
-        tune_flags = ["-DCUTLASS_W8A8_TUNE"] if tune else []
+        patterns = ["csrc/gemm/sm90/instantiations/*.cu"]
+        patterns += [f"csrc/gemm/sm90/instantiations_tune/{TUNE_TABLES[t][0]}*.cu" for t in tables]
+        tune_flags = ["-DCUTLASS_W8A8_TUNE"] + [f"-D{TUNE_TABLES[t][1]}" for t in tables] if tune else []
         if tune:
-            log("CUTLASS_W8A8_TUNE=1: building the sm90 tuning candidates, and no other arch's kernels")
+            log(f"CUTLASS_W8A8_TUNE={os.environ['CUTLASS_W8A8_TUNE']}: building the sm90 tuning candidates of "
+                f"{', '.join(tables)}, and no other arch's kernels")
         exts.append(kernel_library(
-            "_kernels_sm90", "csrc/gemm/sm90/scaled_mm_sm90.cu", [f"csrc/gemm/sm90/{f}" for f in folders], cutlass_inc,
+            "_kernels_sm90", "csrc/gemm/sm90/scaled_mm_sm90.cu", patterns, cutlass_inc,
             # wgmma and setmaxnreg need the arch-specific sm_90a target; GDC makes CUTLASS's kernels wait on
             # griddepcontrol before their first global access, which launching them with PDL requires
             # The TMA descriptor encoder resolved once per process instead of per launch (scaled_mm_sm90.cu)
@@ -192,11 +219,11 @@ def extensions():
         codes = ["compute_80"] + [f"sm_{n.replace('.', '')}" for n in ("8.0", "9.0") if n in numbers]
         gencode = [f"-gencode=arch=compute_80,code={c}" for c in codes]
         gencode += [f"-gencode=arch=compute_{d},code=sm_{d}" for d in (n.replace(".", "") for n in sm8x) if d != "80"]
-        exts.append(kernel_library("_kernels_sm80", "csrc/gemm/sm80/scaled_mm_sm80.cu", ["csrc/gemm/sm80/instantiations"],
-                                   cutlass_inc, gencode))
+        exts.append(kernel_library("_kernels_sm80", "csrc/gemm/sm80/scaled_mm_sm80.cu",
+                                   ["csrc/gemm/sm80/instantiations/*.cu"], cutlass_inc, gencode))
     if "8.9" in sm8x and not tune:
         exts.append(kernel_library("_kernels_sm89", "csrc/gemm/sm89/scaled_mm_sm89.cu",
-                                   ["csrc/gemm/sm89/instantiations"], cutlass_inc,
+                                   ["csrc/gemm/sm89/instantiations/*.cu"], cutlass_inc,
                                    ["-gencode=arch=compute_89,code=sm_89"]))
     return exts
 

@@ -73,6 +73,49 @@ def test_every_shipped_config_is_a_named_bucket_with_its_files(header, table, fo
                 f"{rel} does not instantiate {alias}"
 
 
+def setup_tune_tables() -> dict:
+    """setup.py's TUNE_TABLES literal ({table: (file prefix, macro)}), read without running setup.py."""
+    import ast
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "TUNE_TABLES" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py has no TUNE_TABLES")
+
+
+def test_tune_tables_select_their_candidates_only():
+    """CUTLASS_W8A8_TUNE=<tables>: each table's glob under instantiations_tune/ matches exactly the files of its
+    candidates, its macro is the one guarding its candidates in shipped files, and every candidate config is
+    instantiated once, in a file that table's build compiles."""
+    gen = load_generator()
+    tune_tables = setup_tune_tables()
+    assert set(tune_tables) == {"int8", "fp8", "fp8-block"}
+    by_prefix = {"Int8": "int8", "Fp8": "fp8", "Fp8Block": "fp8-block"}
+    assert {by_prefix[k]: v for k, v in gen.TUNE_MACROS.items()} == {t: m for t, (_, m) in tune_tables.items()}
+    tune_files = {p.name: p.read_text() for p in (GEMM / "sm90" / "instantiations_tune").glob("*.cu")}
+    shipped_files = {p.name: p.read_text() for p in (GEMM / "sm90" / "instantiations").glob("*.cu")}
+    claimed = set()
+    for prefix, table in by_prefix.items():
+        file_prefix, macro = tune_tables[table]
+        mine = {name for name in tune_files if name.startswith(file_prefix)}
+        assert not mine & claimed, f"{table}'s glob {file_prefix}*.cu also matches another table's files"
+        claimed |= mine
+        # the candidates' instantiations a build of this table compiles: its tune files, and its #ifdef blocks
+        texts = [tune_files[n] for n in mine]
+        for name, text in shipped_files.items():
+            for block in re.findall(rf"#ifdef {macro}\n(.*?)#endif", text, re.S):
+                texts.append(block)
+            assert not re.search(r"#ifdef CUTLASS_W8A8_TUNE\b(?!_)", text), name
+        code = "\n".join(texts)
+        for config in table_items("sm90/scaled_mm_sm90_dispatch.cuh", f"{prefix}TuneCandidates"):
+            if not config:
+                continue
+            hits = re.findall(rf"template int run_scaled_mm(?:_block)?<[^;]*, {re.escape(config)}>\(", code)
+            assert len(hits) == 1, f"{table}: {config} is instantiated {len(hits)} times in its tuning build's files"
+    assert claimed == set(tune_files), f"files no table builds: {set(tune_files) - claimed}"
+
+
 def test_dispatch_returns_named_indices():
     """select_* return index_of<Alias, Table>, never a bare table index."""
     for header in ("sm90/scaled_mm_sm90_dispatch.cuh", "sm80/scaled_mm_sm80_dispatch.cuh"):

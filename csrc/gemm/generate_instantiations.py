@@ -18,9 +18,14 @@ File names never hold a table index (inserting a row must not rename the files a
   - sm80/instantiations/: int8 on sm80/86/89, sm80 `Int8Configs` with ArchTag Sm80;
   - sm89/instantiations/: e4m3 on sm89, sm80 `Fp8Configs` with ArchTag Sm89.
 - sm90 tuning candidates (`Int8TuneCandidates`, `Fp8TuneCandidates`, `Fp8BlockTuneCandidates`: no bucket,
-  bfloat16 output only, built with CUTLASS_W8A8_TUNE=1) are named by their shape in sm90/instantiations_tune/:
+  bfloat16 output only, built with CUTLASS_W8A8_TUNE=1 or with their table named in it, e.g.
+  CUTLASS_W8A8_TUNE=fp8-block) are named by their kernel in sm90/instantiations_tune/:
   `<int8|fp8|fp8block>_tile<M>x<N>x<K>_cluster<M>x<N>_<pp|co>[_swap][_fastaccum]_bf16.cu`
-  (pp: pingpong, co: cooperative; the persistent tile scheduler is the only one).
+  (pp: pingpong, co: cooperative; the persistent tile scheduler is the only one). Candidates that differ only in
+  the scheduler's swizzle (Config's last argument, a runtime setting of the same kernel) share one file, so the
+  kernel is compiled once; a candidate that runs a shipped config's kernel with another swizzle is instantiated in
+  that config's bf16 file instead, inside `#ifdef CUTLASS_W8A8_TUNE_<INT8|FP8|FP8_BLOCK>` (setup.py defines the
+  macro of each table a tuning build compiles).
 
 The tables are parsed from the headers: a shipped table lists alias names, a candidate table `Config<...>`s.
 """
@@ -121,15 +126,39 @@ def shipped_files(header, folder, template, tables, **fmt) -> dict:
     return files
 
 
-def candidate_name(op: str, config: str) -> str:
-    """`int8_tile64x16x128_cluster1x1_pp_swap` for an sm90 `Config<64, 16, 128, 1, 1, PP, PE, true>`."""
+# Table prefix -> the macro setup.py defines when a tuning build compiles that table's candidates.
+TUNE_MACROS = {"Int8": "CUTLASS_W8A8_TUNE_INT8", "Fp8": "CUTLASS_W8A8_TUNE_FP8", "Fp8Block": "CUTLASS_W8A8_TUNE_FP8_BLOCK"}
+
+
+def config_args(config: str) -> list:
+    """The arguments of an sm90 `Config<...>` with the defaults filled in: [TileM, TileN, TileK, ClusterM,
+    ClusterN, schedule, scheduler, swap, fast accumulation, swizzle], as written ("64", "PP", "true", ...)."""
     args = [a.strip() for a in config[len("Config<"):-1].split(",")]
-    tm, tn, tk, cm, cn, sched, scheduler, swap = args[:8]
-    fast = args[8] if len(args) > 8 else "false"
-    if scheduler != "PE" or sched not in SCHEDULES or swap not in ("true", "false") or fast not in ("true", "false"):
+    if not 8 <= len(args) <= 10:
+        raise SystemExit(f"cannot read the config {config}")
+    return args + ["false", "1"][len(args) - 8:]
+
+
+def kernel_key(config: str) -> tuple:
+    """What decides the compiled kernel of a config: all its arguments but the swizzle (a runtime argument)."""
+    return tuple(config_args(config)[:9])
+
+
+def candidate_name(op: str, config: str) -> str:
+    """`int8_tile64x16x128_cluster1x1_pp_swap` for an sm90 `Config<64, 16, 128, 1, 1, PP, PE, true>` (the swizzle
+    is not in the name: the file is the kernel's)."""
+    tm, tn, tk, cm, cn, sched, scheduler, swap, fast, swizzle = config_args(config)
+    if (scheduler != "PE" or sched not in SCHEDULES or swap not in ("true", "false") or fast not in ("true", "false")
+            or swizzle not in ("1", "2", "4", "8")):
         raise SystemExit(f"cannot name the tuning candidate {config}")
     return (f"{op}_tile{tm}x{tn}x{tk}_cluster{cm}x{cn}_{SCHEDULES[sched]}"
             + ("_swap" if swap == "true" else "") + ("_fastaccum" if fast == "true" else ""))
+
+
+def instantiation(template: str, cfg: str, ab: str, out: str) -> str:
+    """The explicit instantiations (run and graph node) of one config, cut from a file template."""
+    body = template.format(what="", ab=ab, out=out, cfg=cfg)
+    return body.split("namespace cutlass_w8a8::sm90 {\n", 1)[1].rsplit("}  // namespace", 1)[0]
 
 
 def expected_files() -> dict:
@@ -141,16 +170,41 @@ def expected_files() -> dict:
     files.update(shipped_files(sm80, "sm80", SM80, ["Int8Configs"], arch="Sm80"))
     files.update(shipped_files(sm80, "sm89", SM80, ["Fp8Configs"], arch="Sm89"))
     aliases, tables = parse_header(sm90)
+    out = OUTPUTS["bf16"]
     for prefix, (op, ab) in OPERANDS.items():
         table = f"{prefix}TuneCandidates"
-        shipped = {aliases[alias] for alias in tables[f"{prefix}Configs"]}
+        template = SM90_TEMPLATES[prefix]
+        # the shipped configs' kernels: key -> that alias's bf16 file
+        shipped = {kernel_key(aliases[alias]): f"sm90/instantiations/{op}_{alias[len(prefix) + 1:]}_bf16.cu"
+                   for alias in tables[f"{prefix}Configs"]}
+        shipped_configs = {tuple(config_args(aliases[alias])) for alias in tables[f"{prefix}Configs"]}
+        seen = set()
+        by_kernel = {}  # kernel key -> [config, ...] of the candidates without a shipped kernel, in table order
+        extra = {}      # shipped file -> [config, ...] of the candidates running its kernel
         for config in tables[table]:
-            path = f"sm90/instantiations_tune/{candidate_name(op, config)}_bf16.cu"
-            if path in files or config in shipped:  # one explicit instantiation per kernel
+            full = tuple(config_args(config))
+            if full in seen or full in shipped_configs:  # one explicit instantiation per config
                 raise SystemExit(f"{table}: {config} is listed twice or is a shipped config")
-            files[path] = SM90_TEMPLATES[prefix].format(
-                what=f"tuning candidate ({table}), {ab} operands, {OUTPUTS['bf16']} output",
-                ab=ab, out=OUTPUTS["bf16"], cfg=config)
+            seen.add(full)
+            candidate_name(op, config)  # checks the arguments
+            key = kernel_key(config)
+            if key in shipped:
+                extra.setdefault(shipped[key], []).append(config)
+            else:
+                by_kernel.setdefault(key, []).append(config)
+        for configs in by_kernel.values():
+            path = f"sm90/instantiations_tune/{candidate_name(op, configs[0])}_bf16.cu"
+            what = (f"tuning candidate{'s' if len(configs) > 1 else ''} ({table}), {ab} operands, {out} output"
+                    + ("".join(f"\n// {c}" for c in configs) if len(configs) > 1 else ""))
+            text = template.format(what=what, ab=ab, out=out, cfg=configs[0])
+            for c in configs[1:]:
+                text = text.replace("}  // namespace", instantiation(template, c, ab, out) + "}  // namespace")
+            files[path] = text
+        for path, configs in extra.items():
+            block = "".join(instantiation(template, c, ab, out) for c in configs)
+            files[path] += (f"\n// Tuning candidates ({table}) running this kernel with another scheduler swizzle:\n"
+                            f"#ifdef {TUNE_MACROS[prefix]}\nnamespace cutlass_w8a8::sm90 {{\n{block}"
+                            f"}}  // namespace cutlass_w8a8::sm90\n#endif  // {TUNE_MACROS[prefix]}\n")
     return files
 
 

@@ -39,14 +39,26 @@ extern "C" CUresult cw8a8_cuTensorMapEncodeTiled(CUtensorMap* tensor_map, CUtens
 namespace cutlass_w8a8::sm90 {
 namespace {
 
-#ifdef CUTLASS_W8A8_TUNE
-constexpr bool kTuneBuild = true;
+// Which tables' tuning candidates this build compiled (setup.py: CUTLASS_W8A8_TUNE=1 all, or a list of tables).
+#ifdef CUTLASS_W8A8_TUNE_INT8
+constexpr bool kTuneInt8 = true;
 #else
-constexpr bool kTuneBuild = false;
+constexpr bool kTuneInt8 = false;
+#endif
+#ifdef CUTLASS_W8A8_TUNE_FP8
+constexpr bool kTuneFp8 = true;
+#else
+constexpr bool kTuneFp8 = false;
+#endif
+#ifdef CUTLASS_W8A8_TUNE_FP8_BLOCK
+constexpr bool kTuneFp8Block = true;
+#else
+constexpr bool kTuneFp8Block = false;
 #endif
 
 // The config tables, keyed by their operand type (int8_t, cutlass::float_e4m3_t) or BlockFp8 (block-scaled fp8):
-// the shipped configs, the tuning candidates, the choice by shape, and the kernel functions of a config.
+// the shipped configs, the tuning candidates (kTuned: compiled into this build), the choice by shape, and the kernel
+// functions of a config.
 struct BlockFp8 {};
 
 template <class Key>
@@ -54,6 +66,7 @@ struct Tables;
 template <>
 struct Tables<int8_t> {
   using Shipped = Int8Configs;
+  static constexpr bool kTuned = kTuneInt8;
   using Candidates = Int8TuneCandidates;
   static int select(int64_t m, int64_t n, int64_t k, int sms) { return select_int8(m, n, k, sms); }
   template <class ElementD, class Cfg>
@@ -68,6 +81,7 @@ struct Tables<int8_t> {
 template <>
 struct Tables<cutlass::float_e4m3_t> {
   using Shipped = Fp8Configs;
+  static constexpr bool kTuned = kTuneFp8;
   using Candidates = Fp8TuneCandidates;
   static int select(int64_t m, int64_t n, int64_t k, int sms) { return select_fp8(m, n, k, sms); }
   template <class ElementD, class Cfg>
@@ -82,6 +96,7 @@ struct Tables<cutlass::float_e4m3_t> {
 template <>
 struct Tables<BlockFp8> {
   using Shipped = Fp8BlockConfigs;
+  static constexpr bool kTuned = kTuneFp8Block;
   using Candidates = Fp8BlockTuneCandidates;
   static int select(int64_t m, int64_t n, int64_t k, int sms) { return select_fp8_block(m, n, k, sms); }
   template <class ElementD, class Cfg>
@@ -110,12 +125,12 @@ int visit_typed(int index, F&& f, char* err, size_t err_len) {
   if (index < shipped) {
     return visit_index<typename Tb::Shipped>(index, f, std::make_index_sequence<shipped>{});
   }
-  if constexpr (kTuneBuild && std::is_same_v<ElementD, cutlass::bfloat16_t>) {
+  if constexpr (Tb::kTuned && std::is_same_v<ElementD, cutlass::bfloat16_t>) {
     constexpr int candidates = size_of<typename Tb::Candidates>();
     return visit_index<typename Tb::Candidates>(index - shipped, f, std::make_index_sequence<candidates>{});
   }
-  std::snprintf(err, err_len, "sm90 scaled_mm: config %d is a tuning candidate, built only with "
-                "CUTLASS_W8A8_TUNE=1 and bfloat16 output", index);
+  std::snprintf(err, err_len, "sm90 scaled_mm: config %d is a tuning candidate, built only with bfloat16 output "
+                "by CUTLASS_W8A8_TUNE=1 or a CUTLASS_W8A8_TUNE list naming its table (int8, fp8, fp8-block)", index);
   return 1;
 }
 
@@ -188,7 +203,7 @@ int visit_table(const cw8a8_scaled_mm_args& args, F&& f, char* err, size_t err_l
 template <class Key>
 int num_configs() {
   using Tb = Tables<Key>;
-  return size_of<typename Tb::Shipped>() + (kTuneBuild ? size_of<typename Tb::Candidates>() : 0);
+  return size_of<typename Tb::Shipped>() + (Tb::kTuned ? size_of<typename Tb::Candidates>() : 0);
 }
 
 const char* schedule_name(Schedule s) { return s == Schedule::kPingpong ? "pingpong" : "cooperative"; }
@@ -198,12 +213,15 @@ std::string config_name() {
   using namespace cute;
   char buf[128];
   // "_persistent": the tile scheduler (the only one now); kept so that names match earlier sweeps' results.
+  // "_swizzle<S>": the tile scheduler's max_swizzle_size, named only when it is not CUTLASS's default 1.
   std::snprintf(buf, sizeof(buf), "%s%dx%dx%d_c%dx%d_%s_persistent%s", Cfg::kSwapAB ? "swap_" : "",
                 int(size<0>(typename Cfg::TileShape{})), int(size<1>(typename Cfg::TileShape{})),
                 int(size<2>(typename Cfg::TileShape{})), int(size<0>(typename Cfg::ClusterShape{})),
                 int(size<1>(typename Cfg::ClusterShape{})), schedule_name(Cfg::kSchedule),
                 Cfg::kFastAccum ? "_fastaccum" : "");
-  return buf;
+  std::string name = buf;
+  if (Cfg::kSwizzle != 1) name += "_swizzle" + std::to_string(Cfg::kSwizzle);
+  return name;
 }
 
 template <class Table, size_t... I>
@@ -274,6 +292,20 @@ __attribute__((visibility("default"))) int cw8a8_sm90_num_configs(int table) {
     case CW8A8_TABLE_FP8: return num_configs<cutlass::float_e4m3_t>();
     case CW8A8_TABLE_FP8_BLOCK: return num_configs<BlockFp8>();
     default: return 0;
+  }
+}
+
+// The index select_int8 / select_fp8 / select_fp8_block return for a shape (the config scaled_mm runs there when it
+// does not take the decode GEMM), for bench/tune_sm90.py's comparison against the shipped choice; -1 for an unknown
+// table. sm_count <= 0 reads as 132 (an H100 SXM), as in the select functions.
+__attribute__((visibility("default"))) int cw8a8_sm90_select_config(int table, int64_t m, int64_t n, int64_t k,
+                                                                     int sm_count) {
+  using namespace cutlass_w8a8::sm90;
+  switch (table) {
+    case CW8A8_TABLE_INT8: return Tables<int8_t>::select(m, n, k, sm_count);
+    case CW8A8_TABLE_FP8: return Tables<cutlass::float_e4m3_t>::select(m, n, k, sm_count);
+    case CW8A8_TABLE_FP8_BLOCK: return Tables<BlockFp8>::select(m, n, k, sm_count);
+    default: return -1;
   }
 }
 

@@ -171,6 +171,7 @@ struct BlockScaledMmKernel {
     };
     args.hw_info.device_id = p.device;
     args.hw_info.sm_count = p.sm_count;
+    args.scheduler.max_swizzle_size = Cfg::kSwizzle;  // raster: CUTLASS heuristic (along M if more N tiles)
     return args;
   }
 };

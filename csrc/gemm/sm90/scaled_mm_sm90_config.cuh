@@ -32,8 +32,12 @@ enum class Scheduler {
 // which the small-M (decode) buckets need because the MMA's M is at least 64 while its N can be 8.
 // `FastAccum` (fp8 only) keeps the whole K loop in the tensor cores' own accumulator instead of adding it
 // into a float32 accumulator every 4 MMAs (128 products); it is faster and less exact (csrc/gemm/EPILOGUES.md).
+// `Swizzle` is the persistent tile scheduler's max_swizzle_size (1, 2, 4 or 8; CUTLASS's default 1): consecutive
+// work tiles walk up to that many tiles across the raster direction before moving along it, so the CTAs of a
+// wave share more A and B tiles in L2. A runtime argument of the same kernel: configs that differ only in it
+// are compiled together (generate_instantiations.py puts them in one file).
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, Schedule Sched, Scheduler TileSched,
-          bool SwapAB, bool FastAccum = false>
+          bool SwapAB, bool FastAccum = false, int Swizzle = 1>
 struct Config {
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
@@ -41,6 +45,8 @@ struct Config {
   static constexpr Scheduler kScheduler = TileSched;
   static constexpr bool kSwapAB = SwapAB;
   static constexpr bool kFastAccum = FastAccum;
+  static constexpr int kSwizzle = Swizzle;
+  static_assert(Swizzle == 1 || Swizzle == 2 || Swizzle == 4 || Swizzle == 8, "max_swizzle_size: 1, 2, 4 or 8");
 };
 
 // index_of<Cfg, Table> (gemm/config_index.hpp): a config's position in a dispatch table, by name.

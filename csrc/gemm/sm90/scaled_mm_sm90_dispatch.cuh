@@ -8,7 +8,9 @@
 // what the private op cutlass_w8a8::_scaled_mm_config forces (bench/tune_sm90.py; the table is the one of its
 // arguments, kernel_api.h cw8a8_config_table_of) and what a CUDA-graph record stores. Index
 // i < size(shipped) names shipped entry i; the tuning candidates follow, compiled (bfloat16 output only, one
-// file each under instantiations_tune/ named by shape) when the package is built with CUTLASS_W8A8_TUNE=1.
+// file each under instantiations_tune/ named by kernel) when the package is built with CUTLASS_W8A8_TUNE=1, or
+// with the table named in it (CUTLASS_W8A8_TUNE=fp8-block: only the block table's; then the other tables'
+// candidate indices are refused with an error naming the setting).
 //
 // Reading a config: Config<TileM, TileN, TileK, ClusterM, ClusterN, schedule, tile scheduler, swap A/B
 // [, fp8 fast accumulation]>, in the kernel's own frame: with the swap, the kernel's M is the weight's N
@@ -164,7 +166,7 @@ inline int select_fp8_block(int64_t m, int64_t n, int64_t k, int sm_count) {
                                       : index_of<Fp8Block_MLarge, Fp8BlockConfigs>;
 }
 
-// ---- tuning candidates (bfloat16 output; built with CUTLASS_W8A8_TUNE=1) ----------------------------
+// ---- tuning candidates (bfloat16 output; built with CUTLASS_W8A8_TUNE=1, or =int8,fp8,fp8-block: some tables) --
 // Everything the sweep measures besides the shipped configs. No stream-K: CUTLASS 4.2's sm90 stream-K
 // scheduler does not compile with CUTLASS_ENABLE_GDC_FOR_SM90, which PDL needs (its const is_last_tile
 // binds a member to a non-const reference, sm90_tile_scheduler_stream_k.hpp:337). Its candidates (six int8,
@@ -209,10 +211,29 @@ using Fp8TuneCandidates = std::tuple<
     Config<128, 128, 128, 2, 1, CO, PE, false, true>,
     Config<256, 128, 128, 2, 1, CO, PE, false, true>>;
 
-// Block-scaled candidates (none yet: each is one more kernel in a CUTLASS_W8A8_TUNE build). To sweep some, list
-// Config<...>s here (TileK 128, the weight's side a multiple of 128, no fast accumulation) and rerun
-// generate_instantiations.py.
-using Fp8BlockTuneCandidates = std::tuple<>;
+// Block-scaled candidates (TileK 128, the weight's side a multiple of 128, no fast accumulation), chosen after the
+// first H100 run (M >= 256 at 0.73-0.95x torch's cuBLASLt blockwise GEMM). Each consumer warpgroup holds its
+// accumulator twice (the running float32 sum and the current K block's tensor-core partials): 64x128 per warpgroup
+// is 64 + 64 registers per thread, and every config below compiles without spills (nvcc 13.0 -Xptxas -v, sm_90a).
+// 128x128 per warpgroup would need 256 of the 240 a consumer thread gets: the 128x128 pingpong and 256x128
+// cooperative tiles spill (576 / 572 bytes), and CUTLASS 4.2 refuses a 128x256 one ("Accumulator and scaleB must
+// have same shape", fp8_accumulation.hpp), so none is listed. Swizzle variants run the kernel of the config they
+// vary (one compile; a shipped kernel's variants are compiled in its file).
+using Fp8BlockTuneCandidates = std::tuple<
+    // M >= 256, unswapped: the cooperative 128x128 tile without a cluster, with 2x1 (CTA pairs along M share the
+    // weight tile: the weight is the larger operand whenever M < N), and the shipped 1x2 with L2 swizzles
+    Config<128, 128, 128, 1, 1, CO, PE, false>,
+    Config<128, 128, 128, 2, 1, CO, PE, false>,
+    Config<128, 128, 128, 2, 1, CO, PE, false, false, 8>,
+    Config<128, 128, 128, 1, 2, CO, PE, false, false, 4>,
+    Config<128, 128, 128, 1, 2, CO, PE, false, false, 8>,
+    // the 64x128 pingpong tile (one warpgroup per tile, epilogue overlapped) in clusters, and swizzled
+    Config<64, 128, 128, 2, 1, PP, PE, false>,
+    Config<64, 128, 128, 1, 2, PP, PE, false>,
+    Config<64, 128, 128, 1, 1, PP, PE, false, false, 8>,
+    // M in (64, 256], swapped: 128 weight rows split over two warpgroups (64 + 64 registers at 128 token columns)
+    Config<128, 64, 128, 1, 1, CO, PE, true>,
+    Config<128, 128, 128, 1, 1, CO, PE, true>>;
 
 template <class Tuple>
 constexpr int size_of() {

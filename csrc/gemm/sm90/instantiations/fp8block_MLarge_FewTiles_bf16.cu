@@ -9,3 +9,13 @@ template int run_scaled_mm_block<cutlass::bfloat16_t, Fp8Block_MLarge_FewTiles>(
 template int scaled_mm_block_node<cutlass::bfloat16_t, Fp8Block_MLarge_FewTiles>(
     const cw8a8_scaled_mm_args&, cw8a8_kernel_node*, char*, size_t);
 }  // namespace cutlass_w8a8::sm90
+
+// Tuning candidates (Fp8BlockTuneCandidates) running this kernel with another scheduler swizzle:
+#ifdef CUTLASS_W8A8_TUNE_FP8_BLOCK
+namespace cutlass_w8a8::sm90 {
+template int run_scaled_mm_block<cutlass::bfloat16_t, Config<64, 128, 128, 1, 1, PP, PE, false, false, 8>>(
+    const cw8a8_scaled_mm_args&, cw8a8_alloc_fn, void*, char*, size_t);
+template int scaled_mm_block_node<cutlass::bfloat16_t, Config<64, 128, 128, 1, 1, PP, PE, false, false, 8>>(
+    const cw8a8_scaled_mm_args&, cw8a8_kernel_node*, char*, size_t);
+}  // namespace cutlass_w8a8::sm90
+#endif  // CUTLASS_W8A8_TUNE_FP8_BLOCK
