@@ -1,9 +1,13 @@
 """Measure every sm90 kernel config on the Llama-3 shapes, to choose the dispatch table by measurement.
 
-Needs a build with the tuning candidates::
+Needs a build with the tuning candidates (all tables, or only those to be swept)::
 
     CUTLASS_W8A8_TUNE=1 TORCH_CUDA_ARCH_LIST=9.0a pip install --no-build-isolation -e .
     python bench/tune_sm90.py --out bench/results
+    CUTLASS_W8A8_TUNE=fp8-block TORCH_CUDA_ARCH_LIST=9.0a pip install --no-build-isolation -e .
+    python bench/tune_sm90.py --dtypes fp8-block --m 256,1024 --shapes dsv3
+
+A table whose candidates the build left out is swept over its shipped configs only (the log lists the configs).
 
 For each config table (``--dtypes``: ``int8``, ``fp8``: per-token x per-channel scales on the Llama-3 shapes;
 ``fp8-block``: block-scaled fp8, 1x128 activation groups x 128x128 weight blocks, on the DeepSeek-V3 and Qwen3 shapes
@@ -11,8 +15,10 @@ of `cutlass_w8a8.testing.shapes.BLOCK_SHAPES`), shape and M, every config (shipp
 output) is checked against the default config's output and timed by CUDA-graph
 replay over rotating inputs with a cold L2, the replays of a point's configs interleaved
 (cutlass_w8a8.testing.timers.bench_gpu_time_interleaved). Writes
-``tune_<device>_<dtypes>.json`` (every time) and ``tune_<device>_<dtypes>.md``: the best config per point, and for each M the
-config that is best in geomean over the shapes with its loss against the per-point best.
+``tune_<device>_<dtypes>.json`` (every time) and ``tune_<device>_<dtypes>.md``: the best config per point, for each M the
+config that is best in geomean over the shapes with its loss against the per-point best, and for each M every
+config's geomean time ratio against the config the shipped dispatch picks at each point (the library's
+``cw8a8_sm90_select_config``), the table to read when deciding whether a candidate should replace a shipped bucket.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Optional
 
 import torch
@@ -33,6 +40,9 @@ SHAPES = [
     ("l3-70b-gate_up", 57344, 8192), ("l3-70b-down", 8192, 28672),
 ]
 M_VALUES = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+# fp8-block's default: M <= 8 runs the decode GEMM, not a table config (M = 16 does only when decode_gemm_max_m()
+# is 16 and the call is not forced)
+BLOCK_M_VALUES = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 # cw8a8_config_table in csrc/gemm/kernel_api.h: the ids of the int8 and fp8 tables equal their cw8a8_ab_type
 TABLES = {"int8": 0, "fp8": 1, "fp8-block": 2}
 BLOCK = 128  # cutlass_w8a8.ops._limits.BLOCK_SIZE
@@ -42,8 +52,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", default="int8,fp8",
                    help="comma list of config tables: int8, fp8, fp8-block (default int8,fp8)")
-    p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of M values")
-    p.add_argument("--shapes", default=None, help="comma list of substrings to select shapes")
+    p.add_argument("--m", default=None,
+                   help=f"comma list of M values (default {','.join(map(str, M_VALUES))}; fp8-block "
+                        f"{','.join(map(str, BLOCK_M_VALUES))})")
+    p.add_argument("--shapes", default=None, help="comma list of substrings to select shapes (e.g. dsv3, q3-8b)")
+    p.add_argument("--configs", default=None,
+                   help="comma list of substrings: time only the configs whose name contains one (the shipped "
+                        "choice of each point is always timed)")
     p.add_argument("--replays", type=int, default=10, help="timed graph replays per config (default 10)")
     p.add_argument("--replay-ms", type=float, default=0.5, help="target ms per replay (default 0.5)")
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results"))
@@ -52,7 +67,20 @@ def parse_args(argv=None):
     unknown = [d for d in args.dtype_list if d not in TABLES]
     if unknown or not args.dtype_list:
         p.error(f"--dtypes: unknown {unknown or args.dtypes!r}; choose among {', '.join(TABLES)}")
+    try:
+        args.m_list = [int(x) for x in args.m.split(",") if x.strip()] if args.m else None
+    except ValueError:
+        p.error(f"--m: a comma list of integers, got {args.m!r}")
+    if args.m_list is not None and (not args.m_list or min(args.m_list) < 1):
+        p.error(f"--m: M values must be >= 1, got {args.m!r}")
     return args
+
+
+def m_values_for(dtype: str, m_list: Optional[list[int]]) -> list[int]:
+    """The M values swept for a table: ``--m``'s, else `M_VALUES` (`BLOCK_M_VALUES` for ``fp8-block``)."""
+    if m_list:
+        return list(m_list)
+    return list(BLOCK_M_VALUES if dtype == "fp8-block" else M_VALUES)
 
 
 def shapes_for(dtype: str, filters: Optional[str]) -> list[tuple[str, int, int]]:
@@ -70,6 +98,20 @@ def config_names(lib, dtype: str) -> list[str]:
     lib.cw8a8_sm90_config_name.restype = ctypes.c_char_p
     count = lib.cw8a8_sm90_num_configs(TABLES[dtype])
     return [lib.cw8a8_sm90_config_name(TABLES[dtype], i).decode() for i in range(count)]
+
+
+def shipped_index(lib, dtype: str, m: int, n: int, k: int, sms: int) -> Optional[int]:
+    """The table index the library's dispatch picks for the shape (cw8a8_sm90_select_config), or None when the
+    library predates that export."""
+    import ctypes
+
+    fn = getattr(lib, "cw8a8_sm90_select_config", None)
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    index = fn(TABLES[dtype], m, n, k, sms)
+    return index if index >= 0 else None
 
 
 def plausible(name: str, m: int) -> bool:
@@ -108,7 +150,7 @@ def random_operands(dtype: str, m: int, n: int, k: int, copies: int):
     return sets
 
 
-def tune_point(bu, dtype, names, m, n, k, args, l2_bytes) -> dict:
+def tune_point(bu, dtype, names, m, n, k, args, l2_bytes, shipped: Optional[int] = None) -> dict:
     sa_shape, sb_shape = scale_shapes(dtype, m, n, k)
     set_bytes = m * k + n * k + 2 * m * n + 4 * (math.prod(sa_shape) + math.prod(sb_shape))
     copies = bu.rotation_count(set_bytes, l2_bytes, 4 * 2**30)
@@ -117,10 +159,13 @@ def tune_point(bu, dtype, names, m, n, k, args, l2_bytes) -> dict:
     ref = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     torch.ops.cutlass_w8a8.scaled_mm_out(ref, sets[0][1], sets[0][2].t(), sets[0][3], sets[0][4], None)
     ref = ref.float()
-    result = {"M": m, "N": n, "K": k, "times_us": {}, "errors": {}}
+    result = {"M": m, "N": n, "K": k, "times_us": {}, "errors": {},
+              "shipped": names[shipped] if shipped is not None and 0 <= shipped < len(names) else None}
+    keys = [c.strip() for c in (args.configs or "").split(",") if c.strip()]
     cases = {}
     for i, name in enumerate(names):
-        if not plausible(name, m):
+        wanted = plausible(name, m) and (not keys or any(c in name for c in keys))
+        if not wanted and name != result["shipped"]:
             continue
         out = sets[0][0]
         try:
@@ -168,7 +213,36 @@ def summarize(points: list[dict], geomean) -> str:
                 continue
             second = ranked[1] if len(ranked) > 1 else ("–", float("nan"))
             lines.append(f"| {m} | {ranked[0][0]} | {ranked[0][1]:.3f} | {second[0]} | {second[1]:.3f} |")
+        lines += vs_shipped(points, dtype, geomean)
     return "\n".join(lines)
+
+
+def vs_shipped(points: list[dict], dtype: str, geomean) -> list[str]:
+    """Markdown lines: for each M, every config's time / the shipped choice's time at the same point (geomean and
+    range over the shapes where both ran; < 1: faster than what ships), and at how many points it was the best."""
+    pts = [p for p in points if p["dtype"] == dtype and p.get("shipped") in p["times_us"]]
+    if not pts:
+        return []
+    lines = [f"\n## {dtype}: every config against the shipped choice (time / shipped time, < 1 is faster)\n"]
+    for m in sorted({p["M"] for p in pts}):
+        at_m = [p for p in pts if p["M"] == m]
+        shipped = sorted({p["shipped"] for p in at_m})
+        ratios: dict = {}
+        wins: dict = {}
+        for p in at_m:
+            base = p["times_us"][p["shipped"]]
+            for name, t in p["times_us"].items():
+                ratios.setdefault(name, []).append(t / base)
+            best = min(p["times_us"], key=p["times_us"].get)
+            wins[best] = wins.get(best, 0) + 1
+        ranked = sorted(ratios.items(), key=lambda kv: geomean(kv[1]))
+        lines += [f"M = {m}: {len(at_m)} shapes; shipped: {', '.join(shipped)}\n",
+                  "| config | geomean | min | max | shapes | best at |", "|:---|---:|---:|---:|---:|---:|"]
+        for name, rs in ranked:
+            lines.append(f"| {name} | {geomean(rs):.3f} | {min(rs):.3f} | {max(rs):.3f} | {len(rs)} | "
+                         f"{wins.get(name, 0)} |")
+        lines.append("")
+    return lines
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -185,19 +259,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     from tqdm import tqdm
 
     dtypes = args.dtype_list
-    m_values = [int(x) for x in args.m.split(",")]
+    m_values = {d: m_values_for(d, args.m_list) for d in dtypes}
     shapes = {d: shapes_for(d, args.shapes) for d in dtypes}
     l2_bytes = bu.l2_cache_bytes()
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     points = []
     names_by_dtype = {d: config_names(lib, d) for d in dtypes}
+    t_start = time.perf_counter()
     for d, names in names_by_dtype.items():
         print(f"{d}: {len(names)} configs: {', '.join(names)}", flush=True)
-    bar = tqdm(total=sum(len(s) for s in shapes.values()) * len(m_values), mininterval=5, file=sys.stdout)
+        print(f"{d}: M {','.join(map(str, m_values[d]))}; shapes {', '.join(s[0] for s in shapes[d])}", flush=True)
+    bar = tqdm(total=sum(len(shapes[d]) * len(m_values[d]) for d in dtypes), mininterval=5, file=sys.stdout)
     with torch.no_grad():
         for dtype in dtypes:
             for shape, n, k in shapes[dtype]:
-                for m in m_values:
-                    p = tune_point(bu, dtype, names_by_dtype[dtype], m, n, k, args, l2_bytes)
+                for m in m_values[dtype]:
+                    shipped = shipped_index(lib, dtype, m, n, k, sms)
+                    p = tune_point(bu, dtype, names_by_dtype[dtype], m, n, k, args, l2_bytes, shipped)
                     p.update(dtype=dtype, shape=shape)
                     points.append(p)
                     bar.update()
@@ -208,7 +286,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     report = (f"# sm90 config sweep: {device}\n\nbfloat16 out, per-token x per-channel scales (fp8-block: 1x128 "
               f"activation groups x 128x128 weight blocks), cold-L2 graph replays (median of {args.replays}); "
-              f"torch {torch.__version__}.\n" + summarize(points, bu.geomean))
+              f"torch {torch.__version__}; {sms} SMs; {time.perf_counter() - t_start:.0f} s.\n"
+              + summarize(points, bu.geomean))
     stem = f"tune_{slug}_{'_'.join(dtypes)}"
     with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump({"device": device, "configs": names_by_dtype, "points": points}, f, indent=1)

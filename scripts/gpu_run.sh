@@ -15,8 +15,10 @@
 # (bench/bench_graph_update.py), decode-gemm (bench/bench_decode_gemm.py; $DECODE_GEMM_ARGS), m1-torchao
 # (bench/bench_m1_torchao.py: W8A8Linear vs torchao int8 weight-only + compile at M = 1; $M1_ARGS), host (bench/bench_host.py: host time per eager call), hf (bench/bench_hf.py:
 # transformers Llama-3-8B dims, bf16 vs W8A8, eager and compiled; extra arguments in $HF_ARGS), fuzz (scripts/fuzz.py, 1000 cases), soak (scripts/soak.py),
-# sanitize (scripts/sanitize.py; the tools in $SANITIZE_TOOLS, default all four), build-tune + tune (the sm90 tuning build and
-# bench/tune_sm90.py, one run per config table in $TUNE_DTYPES, default "int8 fp8 fp8-block"). Offline: the nvidia-cutlass wheel is taken from .whl/ (git-ignored; copy
+# sanitize (scripts/sanitize.py; the tools in $SANITIZE_TOOLS, default all four), build-tune + tune (the sm90 tuning build,
+# of the tables in $TUNE_TABLES: CUTLASS_W8A8_TUNE's value, default 1 = all, e.g. "fp8-block" or "fp8,fp8-block"; then
+# bench/tune_sm90.py, one run per config table in $TUNE_DTYPES, default $TUNE_TABLES' or all three, extra arguments in
+# $TUNE_ARGS, e.g. "--m 256,1024 --shapes dsv3"). Offline: the nvidia-cutlass wheel is taken from .whl/ (git-ignored; copy
 # nvidia_cutlass-4.2.0.0-py3-none-any.whl there) when cutlass_library is not importable.
 # Optional, also from .whl/ when present and not importable, outside the Python environment: a torchao wheel
 # (torchao-*.whl, installed with --target /tmp/site: bench_gemm.py's torchao columns) and Warp without its CPU
@@ -69,12 +71,12 @@ if has build || has build-tune || has rebuild; then
       || { stamp "FAIL: setuptools < 77 and no usable setuptools wheel in .whl/"; exit 1; }
   fi
   if has build || has build-tune; then rm -rf build cutlass_w8a8/*.so; fi  # rebuild: ninja redoes changed sources only
-  has build-tune && export CUTLASS_W8A8_TUNE=1
+  has build-tune && export CUTLASS_W8A8_TUNE=${TUNE_TABLES:-1}
   t0=$(date +%s)
   $PY -m pip install --no-build-isolation --no-deps -v -e . >"$OUT/build.log" 2>&1
   rc=$?
   t1=$(date +%s)
-  stamp "build: rc=$rc in $((t1 - t0)) s (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS${CUTLASS_W8A8_TUNE:+ TUNE})"
+  stamp "build: rc=$rc in $((t1 - t0)) s (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS${CUTLASS_W8A8_TUNE:+ TUNE=$CUTLASS_W8A8_TUNE})"
   if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; fi
   ls -la cutlass_w8a8/*.so | tee -a "$OUT/summary.txt"
   $PY -c "import cutlass_w8a8 as cw; print(cw.extension_status())" | tee -a "$OUT/summary.txt"
@@ -206,8 +208,10 @@ if has sanitize; then
 fi
 
 if has tune; then
-  for dtype in ${TUNE_DTYPES:-int8 fp8 fp8-block}; do  # one file each, so a run cut short keeps what finished
-    run_stage "tune $dtype" "tune_$dtype.log" $PY bench/tune_sm90.py --dtypes $dtype --out "$OUT"
+  tune_default="int8 fp8 fp8-block"  # or the tables $TUNE_TABLES built
+  case "${TUNE_TABLES:-1}" in 1|all) ;; *) tune_default=${TUNE_TABLES//,/ } ;; esac
+  for dtype in ${TUNE_DTYPES:-$tune_default}; do  # one file each, so a run cut short keeps what finished
+    run_stage "tune $dtype" "tune_$dtype.log" $PY bench/tune_sm90.py --dtypes $dtype --out "$OUT" ${TUNE_ARGS:-}
   done
 fi
 

@@ -453,3 +453,27 @@ def test_tune_sm90_block_table(tune):
               for s, t1, t2 in (("a", 10.0, 12.0), ("b", 11.0, 10.0))]
     text = tune.summarize(points, geomean)
     assert "## fp8-block: best config per point" in text and "| 16 | a | swap_128x16x128 | 10.0 |" in text
+
+
+def test_tune_sm90_m_lists_and_vs_shipped(tune):
+    """fp8-block sweeps its own M list unless --m is given; --m is checked; the vs-shipped section divides each
+    config's time by the shipped choice's at the same point and counts the points each config won."""
+    args = tune.parse_args(["--dtypes", "fp8,fp8-block"])
+    assert args.m_list is None
+    assert tune.m_values_for("fp8-block", None) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert tune.m_values_for("fp8", None) == tune.M_VALUES
+    assert tune.m_values_for("fp8-block", tune.parse_args(["--m", "256,1024"]).m_list) == [256, 1024]
+    for bad in ("x", "0", ","):
+        with pytest.raises(SystemExit):
+            tune.parse_args(["--m", bad])
+    assert tune.parse_args(["--configs", "c2x1,swizzle"]).configs == "c2x1,swizzle"
+    points = [{"dtype": "fp8-block", "M": 256, "shape": s, "shipped": "ship",
+               "times_us": {"ship": ship, "cand": cand}}
+              for s, ship, cand in (("a", 10.0, 8.0), ("b", 10.0, 12.5))]
+    points.append({"dtype": "fp8-block", "M": 256, "shape": "c", "shipped": None, "times_us": {"ship": 1.0}})
+    lines = tune.vs_shipped(points, "fp8-block", geomean)
+    text = "\n".join(lines)
+    assert "M = 256: 2 shapes; shipped: ship" in text
+    assert "| cand | 1.000 | 0.800 | 1.250 | 2 | 1 |" in text and "| ship | 1.000 | 1.000 | 1.000 | 2 | 1 |" in text
+    assert tune.vs_shipped(points, "int8", geomean) == []
+    assert "every config against the shipped choice" in tune.summarize(points, geomean)
