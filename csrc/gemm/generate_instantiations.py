@@ -11,7 +11,7 @@ One specialization per file keeps each nvcc invocation small, so a 16-core build
 File names never hold a table index (inserting a row must not rename the files after it):
 
 - Shipped configs are aliases named by the bucket they serve, `<Int8|Fp8|Fp8Block>_<bucket>` (`Int8_M32`,
-  `Fp8_MLarge_KBig`, `Fp8Block_M16`); each is compiled per output type `<out>` (bf16, f16) as
+  `Fp8_MLarge_KBig`, `Fp8Block_M32`); each is compiled per output type `<out>` (bf16, f16) as
   `<int8|fp8|fp8block>_<bucket>_<out>.cu`, which instantiates the alias itself:
   - sm90/instantiations/: sm90 `Int8Configs`, `Fp8Configs` (e.g. sm90/instantiations/int8_M32_bf16.cu) and
     `Fp8BlockConfigs` (block-scaled fp8, scaled_mm_sm90_blockwise.cuh: sm90/instantiations/fp8block_M16_bf16.cu);

@@ -117,8 +117,8 @@ inline int select_fp8(int64_t m, int64_t n, int64_t k, int sm_count) {
 }
 
 // ---- block-scaled fp8: e4m3 x e4m3, 1x128 activation groups x 128x128 weight blocks ---------------------
-// Its own table (kernel_api.h: CW8A8_TABLE_FP8_BLOCK), run by scaled_mm_sm90_blockwise.cuh. Written without a GPU
-// and not yet measured: each bucket below says why it was chosen; bench/tune_sm90.py is to retune them on an H100.
+// Its own table (kernel_api.h: CW8A8_TABLE_FP8_BLOCK), run by scaled_mm_sm90_blockwise.cuh, chosen by measurement
+// (below).
 // Constraints: TileK is 128 (one scale per K tile); the weight's side of a tile must be a multiple of 128 (its
 // scale granularity), so the swapped configs have TileM = 128, twice the row-wise small-M configs' 64, and half as
 // many CTAs at a given N (N = 4096: 32 weight tiles). They rely on deep pipelines instead: TileK 128 keeps a stage
@@ -126,43 +126,44 @@ inline int select_fp8(int64_t m, int64_t n, int64_t k, int sm_count) {
 // the cooperative kernel cannot be launched with PDL (scaled_mm_sm90_blockwise.cuh, kPdlSafe), and the small-M
 // buckets are the ones that launch with it. No fast accumulation exists for this mainloop.
 
-// M in [1, 16] (M <= decode_gemm_max_m() goes to the decode GEMM unless it is off or an UpdatableGraph
-// records): swapped, the weight's N on a 128-row tile and the tokens on a 16-column tile (as the row-wise
-// Fp8_M16); one pass over the weight, 16 + 16 accumulators per thread.
-using Fp8Block_M16 = Config<128, 16, 128, 1, 1, PP, PE, true>;
-// M in (16, 64]: the same with 32 token columns. At M = 64 each weight tile is read twice (two token tiles, the
-// second from L2) and there are twice the CTAs, which the bandwidth-bound small-M GEMM needs more than one pass.
+// Measured on an H200 (bench/tune_sm90.py --dtypes fp8-block, 2026-11-27: bench/results/tune_nvidia-h200_fp8-block.md,
+// the 13 DeepSeek-V3 / Qwen3 shapes at M = 16 .. 8192, configs' replays interleaved); each bucket names its evidence.
+
+// M in [1, 32] (M <= decode_gemm_max_m() goes to the decode GEMM unless it is off or an UpdatableGraph records):
+// swapped, the weight's N on a 128-row tile and the tokens on a 16-column tile; one pass over the weight, 16 + 16
+// accumulators per thread. Best at 13 of 13 shapes at M = 16 and at 11 of 13 at M = 32 (geomean 0.926 of the
+// 32-column tile's time there: twice the CTAs).
+using Fp8Block_M32 = Config<128, 16, 128, 1, 1, PP, PE, true>;
+// M in (32, 64]: the same with 32 token columns (best at 11 of 13 at M = 64).
 using Fp8Block_M64 = Config<128, 32, 128, 1, 1, PP, PE, true>;
-// M in (64, 128]: 64 token columns (64 + 64 float32 accumulator registers per thread: the blockwise mainloop keeps
-// a second set for the current K block's partial sums).
-using Fp8Block_M128 = Config<128, 64, 128, 1, 1, PP, PE, true>;
-// M > 128 when Fp8Block_MLarge's tiles would leave much of their last wave idle (select_fp8_block): unswapped,
-// tokens on a 64-row tile, weight on a 128-column tile (a single consumer warpgroup per tile, 64 + 64
-// accumulators per thread), twice as many CTAs as Fp8Block_MLarge; the same rule as the int8 table's FewTiles.
-using Fp8Block_MLarge_FewTiles = Config<64, 128, 128, 1, 1, PP, PE, false>;
+// M in (64, 128], and M > 128 when Fp8Block_MLarge's tiles would leave much of their last wave idle
+// (select_fp8_block): unswapped, tokens on a 64-row tile, weight on a 128-column tile (one consumer warpgroup per
+// tile, 64 + 64 accumulators per thread). At M = 128: 0.852 of the swapped 128x64 tile's time in geomean (no shape
+// slower), which the first table shipped.
+using Fp8Block_M128 = Config<64, 128, 128, 1, 1, PP, PE, false>;
 // M > 128 otherwise: 128x128 cooperative (two warpgroups split the 128 token rows: 64 + 64 accumulators each, the
-// most the blockwise mainloop's second accumulator set leaves room for; a 128x128 pingpong tile would need 256),
-// pairs of CTAs along N sharing the token tile through TMA multicast, as CUTLASS's blockwise example 67 runs it.
-// Launched without PDL (M > 16 launches without it anyway, except while an UpdatableGraph records).
-using Fp8Block_MLarge = Config<128, 128, 128, 1, 2, CO, PE, false>;
+// most the blockwise mainloop's second accumulator set leaves room for; a 128x128 pingpong tile spills), no
+// cluster. Best at 13 of 13 shapes at M = 1024 and 2048, 10 of 13 at 4096: 0.923 / 0.963 / 0.978 of the 1x2-cluster
+// tile (CUTLASS example 67's, which the first table shipped) in geomean; 2x1 clusters and scheduler swizzles 4 / 8
+// were slower. Launched without PDL (the cooperative blockwise kernel's scale loads do not wait on griddepcontrol;
+// M > 16 launches without it anyway, except while an UpdatableGraph records).
+using Fp8Block_MLarge = Config<128, 128, 128, 1, 1, CO, PE, false>;
 
-// Table indices 0..4, in this order (see the top of this file).
-using Fp8BlockConfigs = std::tuple<Fp8Block_M16, Fp8Block_M64, Fp8Block_M128, Fp8Block_MLarge_FewTiles,
-                                   Fp8Block_MLarge>;
+// Table indices 0..3, in this order (see the top of this file).
+using Fp8BlockConfigs = std::tuple<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp8Block_MLarge>;
 
-// Returns an index into Fp8BlockConfigs. M > 128: Fp8Block_MLarge unless Fp8Block_MLarge_FewTiles fills its last
-// wave better by more than 0.05 (a 1x2 cluster pads the N tiles to pairs).
+// Returns an index into Fp8BlockConfigs. M > 128: Fp8Block_MLarge unless Fp8Block_M128 fills its last wave better by
+// more than 0.05.
 inline int select_fp8_block(int64_t m, int64_t n, int64_t k, int sm_count) {
   (void)k;
-  if (m <= 16) return index_of<Fp8Block_M16, Fp8BlockConfigs>;
+  if (m <= 32) return index_of<Fp8Block_M32, Fp8BlockConfigs>;
   if (m <= 64) return index_of<Fp8Block_M64, Fp8BlockConfigs>;
   if (m <= 128) return index_of<Fp8Block_M128, Fp8BlockConfigs>;
   const int64_t tiles_n = (n + 127) / 128;
-  const int64_t tiles_n_pairs = (tiles_n + 1) / 2 * 2;
   const int sms = sm_count > 0 ? sm_count : 132;
   const double fill_few = wave_fill(((m + 63) / 64) * tiles_n, sms);
-  const double fill_large = wave_fill(((m + 127) / 128) * tiles_n_pairs, sms);
-  return fill_few > fill_large + 0.05 ? index_of<Fp8Block_MLarge_FewTiles, Fp8BlockConfigs>
+  const double fill_large = wave_fill(((m + 127) / 128) * tiles_n, sms);
+  return fill_few > fill_large + 0.05 ? index_of<Fp8Block_M128, Fp8BlockConfigs>
                                       : index_of<Fp8Block_MLarge, Fp8BlockConfigs>;
 }
 
@@ -220,9 +221,9 @@ using Fp8TuneCandidates = std::tuple<
 // have same shape", fp8_accumulation.hpp), so none is listed. Swizzle variants run the kernel of the config they
 // vary (one compile; a shipped kernel's variants are compiled in its file).
 using Fp8BlockTuneCandidates = std::tuple<
-    // M >= 256, unswapped: the cooperative 128x128 tile without a cluster, with 2x1 (CTA pairs along M share the
-    // weight tile: the weight is the larger operand whenever M < N), and the shipped 1x2 with L2 swizzles
-    Config<128, 128, 128, 1, 1, CO, PE, false>,
+    // M >= 256, unswapped: the cooperative 128x128 tile in 1x2 clusters (the first table's), 2x1 (CTA pairs along M
+    // share the weight tile: the weight is the larger operand whenever M < N), and with L2 swizzles
+    Config<128, 128, 128, 1, 2, CO, PE, false>,
     Config<128, 128, 128, 2, 1, CO, PE, false>,
     Config<128, 128, 128, 2, 1, CO, PE, false, false, 8>,
     Config<128, 128, 128, 1, 2, CO, PE, false, false, 4>,
@@ -233,6 +234,7 @@ using Fp8BlockTuneCandidates = std::tuple<
     Config<64, 128, 128, 1, 1, PP, PE, false, false, 8>,
     // M in (64, 256], swapped: 128 weight rows split over two warpgroups (64 + 64 registers at 128 token columns)
     Config<128, 64, 128, 1, 1, CO, PE, true>,
+    Config<128, 64, 128, 1, 1, PP, PE, true>,
     Config<128, 128, 128, 1, 1, CO, PE, true>>;
 
 template <class Tuple>
