@@ -35,7 +35,7 @@ BLOCK = 128
 FROBENIUS = {torch.bfloat16: 2.5e-3, torch.float16: 1e-3}
 # Fp8BlockConfigs (csrc/gemm/sm90/scaled_mm_sm90_dispatch.cuh), in table order: (name, select_fp8_block's M range)
 BLOCK_CONFIGS = ["swap_128x16x128_c1x1_pingpong_persistent", "swap_128x32x128_c1x1_pingpong_persistent",
-                 "64x128x128_c1x1_pingpong_persistent", "128x128x128_c1x1_cooperative_persistent"]
+                 "64x128x128_c1x1_pingpong_persistent", "128x128x128_c1x2_cooperative_persistent"]
 # Crosses every bucket of select_fp8_block: [1, 32], (32, 64], (64, 128], > 128 (two tile shapes by wave fill).
 M_BUCKETS = [1, 7, 16, 17, 32, 33, 64, 100, 128, 129, 1024, 2048]
 
@@ -110,7 +110,7 @@ def large_m_config(m: int, n: int) -> str:
         return tiles / (waves * sms)
 
     few = fill(-(-m // 64) * blocks(n))
-    large = fill(-(-m // 128) * blocks(n))
+    large = fill(-(-m // 128) * ((blocks(n) + 1) // 2 * 2))  # a 1x2 cluster pads the N tiles to pairs
     return BLOCK_CONFIGS[2] if few > large + 0.05 else BLOCK_CONFIGS[3]
 
 
@@ -317,16 +317,16 @@ def test_updatable_graph_set_rows():
 
 
 @torch.no_grad()
-def test_updatable_graph_from_the_large_config():
-    """Captured at M = 1024 (N = 4096: on 132 SMs the 128x128 cooperative tile, launched without PDL); the node
-    moves to smaller and back to larger M and stays right."""
+def test_updatable_graph_keeps_cluster_config():
+    """Captured at M = 1024 (N = 4096: on 132 SMs the 128x128 cooperative tile, cluster 1x2, launched without
+    PDL); smaller M keep that config (a node's cluster shape cannot change) and stay right."""
     if large_m_config(1024, 4096) != BLOCK_CONFIGS[3]:
         pytest.skip("on this GPU's SM count dispatch picks the 64x128 tile at M = 1024, N = 4096")
     g, node, w, sb, b = _updatable_gemm(1024, 4096, 512, seed=31)
     assert BLOCK_CONFIGS[node.config] == BLOCK_CONFIGS[3], node
     for i, m in enumerate([100, 1, 513, 1024]):
         g.set_rows(m)
-        _replay_rows(g, w, sb, b, m, seed=40 + i, what=f"128x128 cooperative, set_rows({m})")
+        _replay_rows(g, w, sb, b, m, seed=40 + i, what=f"cluster 1x2, set_rows({m})")
 
 
 @pytest.mark.parametrize("captured_m,n", [(16, 2048), (1024, 4096)])

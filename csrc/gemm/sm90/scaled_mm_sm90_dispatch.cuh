@@ -142,12 +142,14 @@ using Fp8Block_M64 = Config<128, 32, 128, 1, 1, PP, PE, true>;
 // slower), which the first table shipped.
 using Fp8Block_M128 = Config<64, 128, 128, 1, 1, PP, PE, false>;
 // M > 128 otherwise: 128x128 cooperative (two warpgroups split the 128 token rows: 64 + 64 accumulators each, the
-// most the blockwise mainloop's second accumulator set leaves room for; a 128x128 pingpong tile spills), no
-// cluster. Best at 13 of 13 shapes at M = 1024 and 2048, 10 of 13 at 4096: 0.923 / 0.963 / 0.978 of the 1x2-cluster
-// tile (CUTLASS example 67's, which the first table shipped) in geomean; 2x1 clusters and scheduler swizzles 4 / 8
-// were slower. Launched without PDL (the cooperative blockwise kernel's scale loads do not wait on griddepcontrol;
-// M > 16 launches without it anyway, except while an UpdatableGraph records).
-using Fp8Block_MLarge = Config<128, 128, 128, 1, 1, CO, PE, false>;
+// most the blockwise mainloop's second accumulator set leaves room for; a 128x128 pingpong tile spills), pairs of
+// CTAs along N sharing the token tile through TMA multicast (CUTLASS example 67's cluster). The H200 sweep preferred
+// no cluster by 2-8% at M >= 512 (geomean 0.923 at M = 1024, 0.980 at 8192), but on the H100 the no-cluster tile
+// then ran 8% (M = 4096) and 13% (M = 8192) slower in geomean over the same shapes (bench/results/
+// gemm_block_nvidia-h100-80gb-hbm3.md, the runs at 6025f1a and b6fde77), so the cluster stays: neither GPU loses
+// more than 2-8% with it. Launched without PDL (the cooperative blockwise kernel's scale loads do not wait on
+// griddepcontrol; M > 16 launches without it anyway, except while an UpdatableGraph records).
+using Fp8Block_MLarge = Config<128, 128, 128, 1, 2, CO, PE, false>;
 
 // Table indices 0..3, in this order (see the top of this file).
 using Fp8BlockConfigs = std::tuple<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp8Block_MLarge>;
@@ -160,9 +162,10 @@ inline int select_fp8_block(int64_t m, int64_t n, int64_t k, int sm_count) {
   if (m <= 64) return index_of<Fp8Block_M64, Fp8BlockConfigs>;
   if (m <= 128) return index_of<Fp8Block_M128, Fp8BlockConfigs>;
   const int64_t tiles_n = (n + 127) / 128;
+  const int64_t tiles_n_pairs = (tiles_n + 1) / 2 * 2;  // a 1x2 cluster pads the N tiles to pairs
   const int sms = sm_count > 0 ? sm_count : 132;
   const double fill_few = wave_fill(((m + 63) / 64) * tiles_n, sms);
-  const double fill_large = wave_fill(((m + 127) / 128) * tiles_n, sms);
+  const double fill_large = wave_fill(((m + 127) / 128) * tiles_n_pairs, sms);
   return fill_few > fill_large + 0.05 ? index_of<Fp8Block_M128, Fp8BlockConfigs>
                                       : index_of<Fp8Block_MLarge, Fp8BlockConfigs>;
 }
@@ -221,9 +224,9 @@ using Fp8TuneCandidates = std::tuple<
 // have same shape", fp8_accumulation.hpp), so none is listed. Swizzle variants run the kernel of the config they
 // vary (one compile; a shipped kernel's variants are compiled in its file).
 using Fp8BlockTuneCandidates = std::tuple<
-    // M >= 256, unswapped: the cooperative 128x128 tile in 1x2 clusters (the first table's), 2x1 (CTA pairs along M
-    // share the weight tile: the weight is the larger operand whenever M < N), and with L2 swizzles
-    Config<128, 128, 128, 1, 2, CO, PE, false>,
+    // M >= 256, unswapped: the cooperative 128x128 tile without a cluster, with 2x1 (CTA pairs along M share the
+    // weight tile: the weight is the larger operand whenever M < N), and the shipped 1x2 with L2 swizzles
+    Config<128, 128, 128, 1, 1, CO, PE, false>,
     Config<128, 128, 128, 2, 1, CO, PE, false>,
     Config<128, 128, 128, 2, 1, CO, PE, false, false, 8>,
     Config<128, 128, 128, 1, 2, CO, PE, false, false, 4>,
