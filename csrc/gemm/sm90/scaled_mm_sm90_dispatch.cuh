@@ -146,8 +146,8 @@ using Fp8Block_M128 = Config<64, 128, 128, 1, 1, PP, PE, false>;
 // CTAs along N sharing the token tile through TMA multicast (CUTLASS example 67's cluster). The H200 sweep preferred
 // no cluster by 2-8% at M >= 512 (geomean 0.923 at M = 1024, 0.980 at 8192), but on the H100 the no-cluster tile
 // then ran 8% (M = 4096) and 13% (M = 8192) slower in geomean over the same shapes (bench/results/
-// gemm_block_nvidia-h100-80gb-hbm3.md, the runs at 6025f1a and b6fde77), so the cluster stays: neither GPU loses
-// more than 2-8% with it. Launched without PDL (the cooperative blockwise kernel's scale loads do not wait on
+// gemm_block_table1_6025f1a_* against gemm_block_table2_b6fde77_*, two H100 runs), so the cluster stays: neither
+// GPU loses more than 2-8% with it. Launched without PDL (the cooperative blockwise kernel's scale loads do not wait on
 // griddepcontrol; M > 16 launches without it anyway, except while an UpdatableGraph records).
 using Fp8Block_MLarge = Config<128, 128, 128, 1, 2, CO, PE, false>;
 
