@@ -42,7 +42,7 @@ SHAPES = [(2112, 7168), (5120, 25600)]
 SHAPE_IDS = ["dsv3-n2112-k7168", "q3-32b-down"]
 
 # Relative Frobenius error bounds against float64 (csrc/gemm/EPILOGUES.md; measured on an H100 over the 13
-# BLOCK_SHAPES and M 1..8192, bench/results/gemm_block_nvidia-h100-80gb-hbm3.md):
+# BLOCK_SHAPES and M 1..8192, bench/results/gemm_block_table1_6025f1a_nvidia-h100-80gb-hbm3.md):
 CUTLASS_ROWWISE_REL = 5e-3   # fast accumulation: measured 4.3e-3 to 4.5e-3
 DECODE_ROWWISE_REL = 2.5e-3  # float32 accumulation: measured 1.7e-3 (= the bf16 rounding floor)
 BLOCK_REL = 2.5e-3           # CUTLASS blockwise and decode block, both promoted: measured 1.7e-3 (issue 26's bound)
