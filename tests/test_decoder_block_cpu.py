@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cutlass_w8a8 as cw
+from cutlass_w8a8.testing.references import rel_err
 from cutlass_w8a8.linear import quantize_weight_blocks
 from cutlass_w8a8.models import DequantizedLinear, LlamaConfig, LlamaDecoder, float_reference, generate_greedy
 from cutlass_w8a8.runner import DecodeGraphRunner
@@ -31,12 +32,6 @@ BLOCK = (128, 128)
 
 def tiny(quant="fp8-block", dtype=torch.bfloat16, seed=0, **kw):
     return LlamaDecoder(TINY, quant, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ, dtype=dtype, seed=seed, **kw)
-
-
-def rel_err(out, ref):
-    """Relative Frobenius error ``||out - ref|| / ||ref||`` in float64."""
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm())
 
 
 def sqnr_db(out, ref):

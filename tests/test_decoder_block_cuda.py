@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import cutlass_w8a8 as cw
+from cutlass_w8a8.testing.references import rel_err
 from cutlass_w8a8.models import LlamaConfig, LlamaDecoder, float_reference, generate_greedy
 from cutlass_w8a8.runner import DecodeGraphRunner, cuda_graph_batch_sizes
 
@@ -32,12 +33,6 @@ CFG = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_l
                   num_kv_heads=2, max_position=256)
 MAX_BATCH, MAX_SEQ = 32, 64
 EAGER_VS_FP32_REL = 1.5e-1
-
-
-def rel_err(out, ref):
-    """Relative Frobenius error ``||out - ref|| / ||ref||`` in float64."""
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm())
 
 
 @functools.lru_cache(maxsize=None)

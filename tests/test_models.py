@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import cutlass_w8a8 as cw
+from cutlass_w8a8.testing.references import rel_err
 from cutlass_w8a8.models import (LLAMA3_8B, SMALL, DequantizedLinear, LlamaConfig, LlamaDecoder, float_reference,
                                  generate_greedy)
 from cutlass_w8a8.runner import DecodeGraphRunner, cuda_graph_batch_sizes
@@ -25,12 +26,6 @@ MAX_BATCH, MAX_SEQ = 8, 32
 
 def tiny(quant=None, dtype=torch.bfloat16, seed=0, **kw):
     return LlamaDecoder(TINY, quant, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ, dtype=dtype, seed=seed, **kw)
-
-
-def rel_err(out, ref):
-    """Relative Frobenius error ``||out - ref|| / ||ref||`` in float64."""
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm())
 
 
 def sqnr_db(out, ref):

@@ -112,3 +112,9 @@ def assert_within(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, wha
         raise AssertionError(
             f"{what}: {int(bad.sum())} of {bad.numel()} elements out of tolerance; first at {index_name}"
             f"{list(idx)}: out={out[idx].item()!r} ref={ref[idx].item()!r} bound={bound[idx].item()!r}")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error ``||out - ref|| / ||ref||``, computed in float64."""
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm())
