@@ -119,6 +119,48 @@ typedef int (*cw8a8_num_configs_fn)(int table);
 typedef const char* (*cw8a8_config_name_fn)(int table, int i);
 typedef int (*cw8a8_select_config_fn)(int table, int64_t m, int64_t n, int64_t k, int sm_count);
 
+// Grouped GEMM for mixture-of-experts (issue 27): the rows of A are grouped by expert, expert e owning rows
+// [offsets[e - 1], offsets[e]) (offsets[-1] read as 0), and
+//   D[t, n] = scale_a(t) * scale_b(e, n) * (A[t, :] @ B_e[:, n]) (+ bias[e * N + n])   for t in expert e's rows,
+//   A: [T, K] row-major, element (t, k) at a[t * lda + k].
+//   B_e: column-major [K, N] (the expert's [N, K] row-major weight), element (k, n) at b[e * stride_b_e + n * ldb + k].
+//   D: [T, N] row-major, element (t, n) at d[t * ldd + n]; rows t >= offsets[E - 1] are not written.
+//   scale_a: float32, T values (per-token) or 1 (per-tensor); scale_b: E * N values (per-channel, [E, N] row-major)
+//   or E values (one per expert).
+//   Block-scaled fp8 (scale_block = 1; e4m3 operands, K % 128 == 0, KB = K / 128, NB = ceil(N / 128)):
+//   D[t, n] = sum over kb of scale_a[t * KB + kb] * scale_b[(e * NB + n / 128) * KB + kb] * (A[t, kb] . B_e[kb, n]).
+//   offsets: int32 [E] in device memory, read only on the device (no host synchronisation); the library clamps
+//   them into a non-decreasing sequence within [0, T] before use, so bad offsets cannot make it read or write
+//   out of bounds (the CPU reference raises on them instead).
+typedef struct cw8a8_grouped_mm_args {
+  const void* a;
+  const void* b;
+  void* d;
+  const float* scale_a;
+  const float* scale_b;
+  const void* bias;         // E * N values of the output type ([E, N] row-major), or NULL
+  const int32_t* offsets;   // [E], device
+  int64_t t, n, k, num_experts;
+  int64_t lda, ldb, ldd;    // leading strides, in elements
+  int64_t stride_b_e;       // elements between two experts' weights (N * K for a contiguous [E, N, K] weight)
+  int scale_a_per_token;    // 1: scale_a has T values; 0: one value
+  int scale_b_per_channel;  // 1: scale_b has E * N values; 0: E values
+  int scale_block;          // 1: block-scaled fp8 (above)
+  int ab_type;              // cw8a8_ab_type
+  int out_type;             // cw8a8_out_type
+  int device;
+  int sm_count;
+  int config;               // -1: choose by shape; >= 0: force an entry of the library's grouped table
+  int pdl;
+  cudaStream_t stream;
+} cw8a8_grouped_mm_args;
+
+// Same conventions as cw8a8_scaled_mm_fn (workspace from `alloc`: the per-expert problem sizes and pointer arrays,
+// built on the device by a small kernel on `stream` before the GEMM). The sm90 library exports it as
+// cw8a8_sm90_grouped_mm.
+typedef int (*cw8a8_grouped_mm_fn)(const cw8a8_grouped_mm_args* args, cw8a8_alloc_fn alloc, void* alloc_ctx,
+                                   char* err, size_t err_len);
+
 #ifdef __cplusplus
 }
 #endif
