@@ -1,0 +1,6 @@
+"""Mixture-of-experts layers: `W8A8MoE` (the experts of one MoE block with 8-bit weights and activations) and the
+transformers integration (`cutlass_w8a8.moe.hf`: which MoE blocks `quantize_` swaps, and how)."""
+
+from .layer import W8A8MoE
+
+__all__ = ["W8A8MoE"]
