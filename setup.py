@@ -146,7 +146,7 @@ def kernel_library(name: str, entry: str, patterns: list, cutlass_inc: list, gen
 # attention and decode kernels). A new .cu / .cpp in one of them is built without editing this file; the
 # CUTLASS kernels live in the per-arch libraries below (csrc/gemm/sm80, sm89, sm90), never in `_C`.
 TORCH_SOURCE_DIRS = ("csrc", "csrc/core", "csrc/gemm", "csrc/gemm/decode", "csrc/graphs", "csrc/quant",
-                     "csrc/attention", "csrc/models")
+                     "csrc/attention", "csrc/models", "csrc/moe")
 
 
 # CUTLASS_W8A8_TUNE's table names -> (file prefix under csrc/gemm/sm90/instantiations_tune/, macro). The macro makes

@@ -27,6 +27,7 @@ PAIRS = {
     "kAttnMaxHeads": "ATTN_MAX_HEADS",
     "kAttnMaxSeq": "ATTN_MAX_SEQ",
     "kBlockSize": "BLOCK_SIZE",
+    "kMoeMaxExperts": "MOE_MAX_EXPERTS",
 }
 
 

@@ -137,3 +137,40 @@ def _decode_layer(h, residual, input_norm, post_norm, eps, qkv_w, qkv_ws, qkv_is
     C.check_decode_layer(residual, qkv_w, qkv_ws, qkv_is, o_w, o_ws, o_is, gate_up_w, gate_up_ws, gate_up_is,
                          down_w, down_ws, down_is, num_heads, num_kv_heads)
     return residual.new_empty((residual.shape[0], down_w.shape[0]))
+
+
+# ---- MoE routing --------------------------------------------------------------------------------------------
+
+
+@_fake("moe_topk_softmax")
+def _moe_topk_softmax(router_logits, top_k, renormalize):
+    C.check_moe_topk_softmax(router_logits, top_k, renormalize)
+    t = router_logits.shape[0]
+    return (router_logits.new_empty((t, top_k), dtype=torch.float32),
+            router_logits.new_empty((t, top_k), dtype=torch.int32))
+
+
+@_fake("moe_align")
+def _moe_align(topk_ids, num_experts):
+    C.check_moe_align(topk_ids, num_experts)
+    pairs = topk_ids.shape[0] * topk_ids.shape[1]
+    return (topk_ids.new_empty((pairs,), dtype=torch.int32), topk_ids.new_empty((pairs,), dtype=torch.int32),
+            topk_ids.new_empty((num_experts,), dtype=torch.int32))
+
+
+@_fake("moe_permute_quant")
+def _moe_permute_quant(x, sorted_pairs, top_k, dtype, scale=None, group_size=0):
+    C.check_moe_permute_quant(x, sorted_pairs, top_k, dtype, scale, group_size)
+    y_shape = (x.shape[0] * top_k, x.shape[1])
+    return x.new_empty(y_shape, dtype=dtype), x.new_empty(_fused_scale(y_shape, group_size), dtype=torch.float32)
+
+
+@_fake("moe_unpermute")
+def _moe_unpermute(y, dst_pos, topk_weights):
+    C.check_moe_unpermute(y, dst_pos, topk_weights)
+    return y.new_empty((topk_weights.shape[0], y.shape[1]))
+
+
+@_fake("moe_unpermute_out")
+def _moe_unpermute_out(out, y, dst_pos, topk_weights):
+    C.check_moe_unpermute(y, dst_pos, topk_weights, out)

@@ -324,6 +324,99 @@ def decode_layer(h, residual, input_norm, post_norm, eps, qkv_w, qkv_ws, qkv_is,
     return project(down_w, down_ws, down_is, x, q, s)
 
 
+# ---- MoE routing --------------------------------------------------------------------------------------------
+
+
+def moe_topk_softmax_reference(router_logits, top_k, renormalize):
+    """(topk_weights float32 [T, top_k], topk_ids int32 [T, top_k]) of checked router logits [T, E]: softmax over
+    E in float32; the top_k experts ranked by logit, descending, the lower expert index first on equal logits
+    (a stable sort; softmax is increasing, so this is the ranking of the probabilities before their rounding);
+    renormalize divides the chosen probabilities by their float32 sum taken in rank order."""
+    logits = router_logits.to(torch.float32)
+    probs = torch.softmax(logits, dim=-1)
+    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = probs.gather(1, ids)
+    if renormalize and top_k > 0:
+        total = weights[:, 0]
+        for j in range(1, top_k):  # j ascending, one float32 addition at a time (the kernel's order)
+            total = total + weights[:, j]
+        weights = weights / total.unsqueeze(1)
+    return weights.contiguous(), ids.to(torch.int32).contiguous()
+
+
+def moe_align_reference(topk_ids, num_experts):
+    """(sorted_pairs, dst_pos, offsets) of checked topk_ids [T, k]: pair p = t * k + j goes to bucket
+    topk_ids[t, j] when in [0, num_experts), else to bucket num_experts (unrouted, after every expert); a stable
+    sort of the pairs by bucket (ties: increasing p). sorted_pairs[s] = the pair at position s, dst_pos[p] = its
+    position (-1 when unrouted), offsets[e] = the number of pairs in buckets <= e. All int32."""
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    routed = (ids >= 0) & (ids < num_experts)
+    bucket = torch.where(routed, ids, torch.full_like(ids, num_experts))
+    order = torch.sort(bucket, stable=True).indices
+    dst = torch.empty_like(order)
+    dst[order] = torch.arange(order.numel(), dtype=order.dtype, device=order.device)
+    dst = torch.where(routed, dst, torch.full_like(dst, -1))
+    offsets = torch.bincount(bucket, minlength=num_experts + 1)[:num_experts].cumsum(0)
+    return order.to(torch.int32), dst.to(torch.int32), offsets.to(torch.int32)
+
+
+def moe_permute_quant_reference(x, sorted_pairs, top_k, dtype, scale=None, group_size=0):
+    """(q, scale) of checked operands: row s = x[sorted_pairs[s] // top_k] (a pair index outside [0, T * top_k)
+    clamped into it, as the CUDA kernel does: it cannot check device data), quantized as silu_mul_quant
+    quantizes its y (per token; per tensor with `scale`, scale repeated per row; per 1x128 group)."""
+    n = sorted_pairs.numel()
+    src = sorted_pairs.to(torch.int64).clamp(0, max(n - 1, 0)) // top_k
+    return _quantize_fused(x.index_select(0, src), dtype, scale, group_size)
+
+
+def moe_unpermute_reference(y, dst_pos, topk_weights):
+    """out [T, H] in y's dtype of checked operands: out[t] = sum over j = 0 .. k-1, in float32, one j at a time,
+    of topk_weights[t, j] * float32(y[dst_pos[t*k+j]]) (product rounded, then the sum), skipping positions
+    outside [0, T*k) (-1: an unrouted pair); one rounding to y's dtype."""
+    t, k = topk_weights.shape
+    n, h = t * k, y.shape[1]
+    pos = dst_pos.to(torch.int64).reshape(t, k)
+    valid = (pos >= 0) & (pos < n)
+    yf = y.to(torch.float32)
+    acc = torch.zeros(t, h, dtype=torch.float32, device=y.device)
+    for j in range(k):
+        rows = yf.index_select(0, pos[:, j].clamp(0, max(n - 1, 0)))
+        acc = torch.where(valid[:, j:j + 1], acc + topk_weights[:, j:j + 1] * rows, acc)
+    return acc.to(y.dtype)
+
+
+def _moe_topk_softmax(router_logits, top_k, renormalize):
+    C.check_moe_topk_softmax(router_logits, top_k, renormalize)
+    return moe_topk_softmax_reference(router_logits, top_k, renormalize)
+
+
+def _moe_align(topk_ids, num_experts):
+    C.check_moe_align(topk_ids, num_experts)
+    return moe_align_reference(topk_ids, num_experts)
+
+
+def _moe_permute_quant(x, sorted_pairs, top_k, dtype, scale=None, group_size=0):
+    C.check_moe_permute_quant(x, sorted_pairs, top_k, dtype, scale, group_size)
+    return moe_permute_quant_reference(x, sorted_pairs, top_k, dtype, scale, group_size)
+
+
+def _moe_unpermute(y, dst_pos, topk_weights):
+    C.check_moe_unpermute(y, dst_pos, topk_weights)
+    return moe_unpermute_reference(y, dst_pos, topk_weights)
+
+
+def _moe_unpermute_out(out, y, dst_pos, topk_weights):
+    C.check_moe_unpermute(y, dst_pos, topk_weights, out)
+    out.copy_(moe_unpermute_reference(y, dst_pos, topk_weights))
+
+
+for _name, _fn in (
+        ("moe_topk_softmax", _moe_topk_softmax), ("moe_align", _moe_align),
+        ("moe_permute_quant", _moe_permute_quant), ("moe_unpermute", _moe_unpermute),
+        ("moe_unpermute_out", _moe_unpermute_out)):
+    lib.impl(_name, _fn, "CPU")
+
+
 for _name, _fn in (
         ("scaled_mm", _scaled_mm), ("scaled_mm_out", _scaled_mm_out), ("_scaled_mm_config", _scaled_mm_config),
         ("w8a8_linear", _w8a8_linear), ("scaled_mm_decode", _scaled_mm_decode),

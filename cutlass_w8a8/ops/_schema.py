@@ -41,6 +41,14 @@ Ops:
 - ``scaled_mm_decode_out(out, a, b, scale_a, scale_b, bias=None) -> ()``
 - ``linear_decode(x, b, scale_b, bias, dtype) -> Tensor``: per-token quantization of x and the GEMM, one kernel
 - ``linear_decode_out(out, x, b, scale_b, bias, dtype) -> ()``
+- ``moe_topk_softmax(router_logits, top_k, renormalize) -> (topk_weights, topk_ids)``: the router's softmax over
+  the E experts in float32 and its top_k largest (ties: lower expert first), optionally renormalized
+- ``moe_align(topk_ids, num_experts) -> (sorted_pairs, dst_pos, offsets)``: the (token, expert) pairs sorted by
+  expert (stable), the inverse permutation and the end row of each expert's group
+- ``moe_permute_quant(x, sorted_pairs, top_k, dtype, scale=None, group_size=0) -> (q, scale)``: the tokens
+  gathered into that order and quantized (per token, per tensor, or per 1x128 group)
+- ``moe_unpermute(y, dst_pos, topk_weights) -> Tensor``: out[t] = sum_j topk_weights[t, j] * y[dst_pos[t*k+j]]
+- ``moe_unpermute_out(out, y, dst_pos, topk_weights) -> ()``
 - ``_graph_update_scaled_mm(graph_exec, record, out, a, b, scale_a, scale_b, bias) -> ()``: a CUDA-graph node
   update (`cutlass_w8a8.graphs.UpdatableGraph.update_scaled_mm`); no CPU or fake kernel, it changes an
   instantiated graph, not tensors
@@ -145,6 +153,16 @@ _define("rope_kv_cache_(Tensor(a!) qkv, Tensor rope, Tensor(b!) kv_cache, Tensor
 # CUDA-graph node update (cutlass_w8a8/graphs, UpdatableGraph.update_scaled_mm): CUDA only
 _define("_graph_update_scaled_mm(int graph_exec, int record, Tensor out, Tensor a, Tensor b, Tensor scale_a, "
         "Tensor scale_b, Tensor? bias) -> ()")
+
+
+# MoE routing (csrc/moe/): top-k of the router's softmax, the stable counting sort of the (token, expert) pairs by
+# expert, the gather of the tokens into that order fused with their quantization, and the weighted sum back.
+_define("moe_topk_softmax(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)")
+_define("moe_align(Tensor topk_ids, int num_experts) -> (Tensor, Tensor, Tensor)")
+_define("moe_permute_quant(Tensor x, Tensor sorted_pairs, int top_k, ScalarType dtype, Tensor? scale=None, "
+        "int group_size=0) -> (Tensor, Tensor)")
+_define("moe_unpermute(Tensor y, Tensor dst_pos, Tensor topk_weights) -> Tensor")
+_define("moe_unpermute_out(Tensor(a!) out, Tensor y, Tensor dst_pos, Tensor topk_weights) -> ()")
 
 
 def extension_missing(op: str):

@@ -1,0 +1,210 @@
+"""The mixture-of-experts ops' public wrappers: the routing (`moe_topk_softmax`, `moe_align`, `moe_permute_quant`,
+`moe_unpermute`) around the grouped GEMM of the experts.
+
+A W8A8 MoE layer runs, for T tokens routed to top_k of E experts (T * top_k (token, expert) pairs):
+
+    topk_weights, topk_ids = moe_topk_softmax(router_logits, top_k, renormalize)    # [T, top_k] each
+    sorted_pairs, dst_pos, offsets = moe_align(topk_ids, E)                         # pairs grouped by expert
+    q, s = moe_permute_quant(x, sorted_pairs, top_k, dtype)                         # [T * top_k, H] 8-bit
+    h = grouped_scaled_mm(q, w13, s, w13_scale, offsets, x.dtype)                   # [T * top_k, 2I]
+    q2, s2 = silu_mul_quant(h, dtype)                                               # [T * top_k, I]
+    y = grouped_scaled_mm(q2, w2, s2, w2_scale, offsets, x.dtype)                   # [T * top_k, H]
+    out = moe_unpermute(y, dst_pos, topk_weights)                                   # [T, H]
+
+Every shape depends on T, top_k, E, H and I only, never on the routing, and no op synchronises with the host: the
+chain captures into a CUDA graph and replays with new router logits. Each wrapper calls its op once and returns;
+the op checks its arguments (C++ on CUDA, `_checks.py` on the CPU and in the fake kernels) and raises errors that
+name the op and the argument (docs/MISUSE.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._schema import OVERLOADS as _op
+
+__all__ = ["moe_topk_softmax", "moe_align", "moe_permute_quant", "moe_unpermute"]
+
+
+def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
+    """The experts of each token: the ``top_k`` largest of the router's softmax, and their weights.
+
+    ``p = softmax(float32(router_logits), dim=-1)`` over the E experts; ``topk_ids[t]`` are the ``top_k`` experts
+    of token ``t`` by decreasing logit (so by decreasing probability), the lower expert index first among equal
+    logits; ``topk_weights[t, j] = p[t, topk_ids[t, j]]``, divided by their float32 sum (taken in order of
+    ``j``) when ``renormalize``. This is the router of transformers' Qwen2-MoE / Qwen3-MoE (``norm_topk_prob``
+    selects ``renormalize``) and Mixtral (always renormalized). One kernel launch (a warp per token), no host
+    synchronisation.
+
+    Parameters
+    ----------
+    router_logits : torch.Tensor
+        ``(T, E)``, bfloat16, float16 or float32, ``1 <= E <= 1024``, any strides (the router ``gate``'s output).
+    top_k : int
+        The number of experts per token, ``1 <= top_k <= E``.
+    renormalize : bool, default True
+        Divide the chosen probabilities by their sum (they then sum to 1 up to rounding).
+
+    Returns
+    -------
+    (topk_weights, topk_ids) : tuple of torch.Tensor
+        ``topk_weights``: float32 ``(T, top_k)``; ``topk_ids``: int32 ``(T, top_k)``, values in ``[0, E)``. Both
+        contiguous, on ``router_logits``' device.
+
+    Raises
+    ------
+    TypeError
+        ``router_logits`` is not a tensor of those dtypes.
+    ValueError
+        ``router_logits`` is not 2-D, E is 0 or above 1024, or ``top_k`` is not in ``[1, E]``.
+
+    Notes
+    -----
+    The weights are computed in float32 with the device's ``exp``: CUDA and CPU agree to a few float32 ulps,
+    the ids exactly (they compare the same float32 logits). A row holding NaN gets unspecified weights and ids
+    (ids stay in ``[0, E)``); other rows are unaffected. ``T = 0`` returns empty tensors.
+
+    Examples
+    --------
+    >>> logits = gate(hidden_states)                               # (T, E)
+    >>> topk_weights, topk_ids = moe_topk_softmax(logits, 8, True)  # Qwen3-MoE: top-8, norm_topk_prob
+    """
+    return _op.moe_topk_softmax(router_logits, top_k, renormalize)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int):
+    """Group the (token, expert) pairs by expert: a stable counting sort, on the device.
+
+    Pair ``p = t * top_k + j`` is token ``t``'s ``j``-th expert ``topk_ids[t, j]``. The pairs are sorted by expert,
+    and within one expert by increasing ``p`` (stable, deterministic: the same ids give the same output on every
+    run and device). Ids outside ``[0, num_experts)`` (expert parallelism's -1 for an expert on another rank) are
+    not routed: they are placed after every expert's group and get ``dst_pos`` -1. One kernel launch (one thread
+    block), no host synchronisation, output shapes fixed by ``T * top_k`` and ``num_experts``.
+
+    Parameters
+    ----------
+    topk_ids : torch.Tensor
+        ``(T, top_k)`` int32 or int64 (``moe_topk_softmax``'s ids, or transformers' ``top_k_index``), any
+        strides.
+    num_experts : int
+        E, ``1 <= E <= 1024``.
+
+    Returns
+    -------
+    (sorted_pairs, dst_pos, offsets) : tuple of torch.Tensor
+        All int32, contiguous, on ``topk_ids``' device.
+
+        - ``sorted_pairs`` ``(T * top_k,)``: row ``s`` of the permuted buffer holds pair ``sorted_pairs[s]``
+          (token ``sorted_pairs[s] // top_k``); rows ``>= offsets[E - 1]`` hold the unrouted pairs, by increasing
+          pair index.
+        - ``dst_pos`` ``(T * top_k,)``: the inverse, ``dst_pos[p] = s``, or -1 for an unrouted pair.
+        - ``offsets`` ``(E,)``: the end row of each expert's group (cumulative counts, torch's ``offs``
+          convention of ``grouped_scaled_mm``); ``offsets[E - 1]`` is the number of routed pairs. Expert ``e``'s
+          rows are ``[offsets[e - 1], offsets[e])`` (``offsets[-1]`` read as 0); empty experts are fine.
+
+    Raises
+    ------
+    TypeError
+        ``topk_ids`` is not int32 / int64.
+    ValueError
+        ``topk_ids`` is not 2-D or has more than 2**31 - 1 pairs, or ``num_experts`` is not in ``[1, 1024]``.
+    """
+    return _op.moe_align(topk_ids, num_experts)
+
+
+def moe_permute_quant(x: torch.Tensor, sorted_pairs: torch.Tensor, top_k: int, dtype: torch.dtype,
+                      scale: Optional[torch.Tensor] = None, group_size: Optional[int] = None):
+    """Gather the tokens into the experts' order and quantize them, in one kernel: the first grouped GEMM's ``a``.
+
+    Row ``s`` of the output is ``x[sorted_pairs[s] // top_k]`` quantized to ``dtype`` exactly as
+    :func:`quantize_int8` / :func:`quantize_fp8` quantize it per token (``scale`` and ``group_size`` None), per
+    tensor (``scale`` given), or as :func:`quantize_per_token_group` per 1 x 128 group (``group_size=128``):
+    bit for bit the same bytes and scales as gathering the rows, then quantizing them. One launch, one block (or
+    on sm90 a cluster of up to 8 for long rows) per output row, no host synchronisation.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(T, H)`` hidden states, bfloat16, float16 or float32, ``H > 0``, unit column stride (other layouts are
+        copied).
+    sorted_pairs : torch.Tensor
+        int32 ``(T * top_k,)`` on ``x``'s device: :func:`moe_align`'s first output. Values are not checked (that
+        would need a host synchronisation): a value outside ``[0, T * top_k)`` is clamped into it.
+    top_k : int
+        Experts per token, ``>= 1``.
+    dtype : torch.dtype
+        ``torch.int8`` or ``torch.float8_e4m3fn``.
+    scale : torch.Tensor, optional
+        Static per-tensor activation scale: float32, one element, on ``x``'s device. None: dynamic.
+    group_size : int, optional
+        None or 0: per token (or per tensor with ``scale``); 128: dynamic per 1 x 128 group (block fp8's
+        activations; ``H`` a multiple of 128, ``scale`` None).
+
+    Returns
+    -------
+    (q, q_scale) : tuple of torch.Tensor
+        ``q``: ``dtype``, ``(T * top_k, H)``, contiguous. ``q_scale``: float32 ``(T * top_k, 1)`` (per token),
+        ``(T * top_k, H / 128)`` (``group_size=128``), or the given ``scale`` object (static).
+
+    Raises
+    ------
+    TypeError
+        ``x``, ``sorted_pairs``, ``dtype`` or ``scale`` has the wrong dtype.
+    ValueError
+        ``x`` is not 2-D or has ``H = 0``; ``sorted_pairs`` is not ``(T * top_k,)`` or is on another device;
+        ``top_k < 1``; ``scale`` is not one element or is on another device; ``group_size`` is not 0 / None or
+        128; with ``group_size=128``, ``scale`` is given or ``H`` is not a multiple of 128.
+
+    Notes
+    -----
+    A row with a non-finite value gets an unspecified ``q`` and scale; other rows are unaffected. The op itself
+    (``torch.ops.cutlass_w8a8.moe_permute_quant``, ``group_size`` an int) returns per-row scales in the static
+    mode too (the given value repeated, ``(T * top_k, 1)``).
+    """
+    q, s = _op.moe_permute_quant(x, sorted_pairs, top_k, dtype, scale, group_size or 0)
+    return q, (s if scale is None else scale)
+
+
+def moe_unpermute(y: torch.Tensor, dst_pos: torch.Tensor, topk_weights: torch.Tensor,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Weight and sum each token's expert outputs back into token order.
+
+    ``out[t] = sum_{j = 0 .. top_k - 1} topk_weights[t, j] * y[dst_pos[t * top_k + j]]`` in float32: each product
+    rounded to float32, added one ``j`` at a time in increasing ``j`` starting from 0, pairs with ``dst_pos`` -1
+    (unrouted) skipped, then rounded once to ``y``'s dtype. The CUDA kernel and the CPU implementation do the
+    same float32 operations in the same order, so they agree bit for bit. One launch (a block per token), no
+    host synchronisation.
+
+    Parameters
+    ----------
+    y : torch.Tensor
+        ``(T * top_k, H)`` bfloat16, float16 or float32: the experts' outputs in :func:`moe_align`'s order (the
+        second grouped GEMM's output). Rows past ``offsets[E - 1]`` are never read (only unrouted pairs point
+        there, and they are skipped). Unit column stride (other layouts are copied).
+    dst_pos : torch.Tensor
+        int32 ``(T * top_k,)``: :func:`moe_align`'s second output. Values are not checked (no host
+        synchronisation): a value outside ``[0, T * top_k)`` is skipped like -1.
+    topk_weights : torch.Tensor
+        float32 ``(T, top_k)``: :func:`moe_topk_softmax`'s weights (or transformers' ``top_k_weights`` cast to
+        float32).
+    out : torch.Tensor, optional
+        ``(T, H)`` contiguous, ``y``'s dtype and device: written and returned (a static buffer for CUDA graphs).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(T, H)`` in ``y``'s dtype, contiguous (``out`` when given). A token with no routed pair gets zeros.
+
+    Raises
+    ------
+    TypeError
+        ``y``, ``dst_pos``, ``topk_weights`` or ``out`` has the wrong dtype.
+    ValueError
+        A shape or device is wrong (the message names the argument), or ``out`` is not contiguous.
+    """
+    if out is None:
+        return _op.moe_unpermute(y, dst_pos, topk_weights)
+    _op.moe_unpermute_out(out, y, dst_pos, topk_weights)
+    return out
