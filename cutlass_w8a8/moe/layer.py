@@ -1,4 +1,13 @@
-"""`W8A8MoE`: the experts of one mixture-of-experts block with 8-bit weights and activations (skeleton)."""
+"""`W8A8MoE`: the experts of one mixture-of-experts block with 8-bit weights and activations.
+
+One forward is a fixed chain of device ops with shapes static in ``T x top_k`` (no host sync, capturable into a
+CUDA graph whatever the routing), all from `cutlass_w8a8.ops.moe` and `cutlass_w8a8.ops`:
+
+``moe_topk_softmax`` (router-logits mode only) -> ``moe_align`` -> ``moe_permute_quant`` ->
+``grouped_scaled_mm`` (w13) -> ``silu_mul_quant`` -> ``grouped_scaled_mm`` (w2) -> ``moe_unpermute``.
+
+On the CPU the same ops run their references.
+"""
 
 from __future__ import annotations
 
@@ -8,33 +17,122 @@ import torch
 from torch import nn
 
 from ..config import W8A8Config
-from ..ops._limits import BLOCK_SIZE
+from ..linear import quantize_weight_blocks
+from ..ops import moe as _moe
+from ..ops import silu_mul_quant
+from ..ops._limits import BLOCK_SIZE, GEMM_ALIGN, OUT_DTYPES
+from ..ops._schema import OVERLOADS as _op
 
-__all__ = ["W8A8MoE"]
+__all__ = ["W8A8MoE", "quantize_expert_weights"]
 
 
 def _blocks(v: int) -> int:
     return -(-v // BLOCK_SIZE)
 
 
+def quantize_expert_weights(weight: torch.Tensor, dtype: torch.dtype, weight_block_size: Optional[tuple] = None):
+    """``(q, scale)`` of stacked float expert weights ``[E, N, K]`` (each expert an ``[N, K]`` Linear weight), as
+    `W8A8Linear.from_float` quantizes one weight: per output channel (``scale[e, n] = max_k |w[e, n, k]| / QMAX``,
+    QMAX 127 for int8, 448 for float8_e4m3fn; the per-token quantization op on the ``[E * N, K]`` rows), or with
+    ``weight_block_size=(128, 128)`` per 128 x 128 block of each expert (`cutlass_w8a8.linear.quantize_weight_blocks`).
+
+    Returns ``q``: ``dtype`` ``[E, N, K]`` contiguous, on ``weight``'s device, and ``scale``: float32 ``[E, N]``
+    (per-channel) or ``[E, ceil(N / 128), ceil(K / 128)]`` (block)."""
+    e, n, k = weight.shape
+    w = weight.detach()
+    if weight_block_size is not None:
+        qs, ss = zip(*(quantize_weight_blocks(w[i], dtype) for i in range(e)))
+        return torch.stack(qs), torch.stack(ss)
+    q, s = _op.quantize_per_token(w.reshape(e * n, k).to(torch.float32), dtype)
+    return q.reshape(e, n, k), s.reshape(e, n)
+
+
 class W8A8MoE(nn.Module):
-    """Experts of one MoE block (skeleton: constructor and buffers final, forward to come)."""
+    """The experts of one MoE block (SwiGLU experts, top-k routing) with 8-bit weights and activations.
+
+    For each token ``t`` routed to experts ``e_j`` with weights ``w_j`` (j < top_k):
+    ``out[t] = sum_j w_j * down_e(silu(gate_e(x_t)) * up_e(x_t))``, each projection a W8A8 GEMM: weights quantized
+    once per output channel (or per 128 x 128 block), activations quantized on every call per token (or per
+    1 x 128 group for block-scaled fp8, or static per tensor with ``a13_scale`` / ``a2_scale``).
+
+    Buffers (names fixed: checkpoints and tensor parallelism rely on them; E experts, hidden H, intermediate I):
+
+    - ``w13``: ``[E, 2I, H]`` int8 / float8_e4m3fn, each expert's ``[gate_proj; up_proj]`` weight (rows ``[0, I)``
+      gate, ``[I, 2I)`` up: transformers' ``gate_up_proj`` layout), row-major; passed to the GEMM as
+      ``w13.transpose(1, 2)``.
+    - ``w13_scale``: float32 ``[E, 2I]`` per output channel, or ``[E, ceil(2I / 128), H / 128]`` per 128 x 128
+      block (``weight_block_size``).
+    - ``w2``: ``[E, H, I]``, each expert's ``down_proj`` weight; ``w2_scale``: ``[E, H]`` or
+      ``[E, ceil(H / 128), I / 128]``.
+    - ``a13_scale``, ``a2_scale``: float32 ``[1]`` static per-tensor activation scales of the first (gate/up) and
+      second (down) GEMM's input, present only with ``static_input_scale=True`` (None: dynamic).
+
+    Parameters
+    ----------
+    num_experts : int
+        E >= 1.
+    top_k : int
+        Experts per token, 1 <= top_k <= E (used in router-logits mode; a given ``topk_ids`` sets its own k).
+    hidden_size, intermediate_size : int
+        H and I (one expert's), positive multiples of 16; multiples of 128 with block scales.
+    config : W8A8Config, optional
+        ``dtype`` (int8 default, or float8_e4m3fn), ``out_dtype`` (the GEMMs' output dtype, bfloat16 default, or
+        float16) and ``weight_block_size`` (``(128, 128)``: block-scaled fp8).
+    renormalize : bool
+        Router-logits mode: divide the top-k softmax probabilities by their sum (Mixtral; Qwen's
+        ``norm_topk_prob``).
+    activation : str
+        ``"silu"`` (SwiGLU), the only one supported.
+    device : torch.device, optional
+    static_input_scale : bool, keyword-only
+        Hold ``a13_scale`` / ``a2_scale`` buffers (static per-tensor activation quantization). Not with block
+        scales.
+
+    Raises
+    ------
+    TypeError
+        ``config`` is not a `W8A8Config`.
+    ValueError
+        A size is out of range (the message names it), ``activation`` is not ``"silu"``, or ``static_input_scale``
+        is given with block scales.
+    """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  config: Optional[W8A8Config] = None, renormalize: bool = True, activation: str = "silu",
                  device=None, *, static_input_scale: bool = False):
         super().__init__()
-        config = W8A8Config() if config is None else config
+        if config is None:
+            config = W8A8Config()
+        elif not isinstance(config, W8A8Config):
+            raise TypeError(f"W8A8MoE: `config` must be a cutlass_w8a8.W8A8Config, got {type(config).__name__}")
+        block = config.weight_block_size
+        for name, v in (("num_experts", num_experts), ("top_k", top_k), ("hidden_size", hidden_size),
+                        ("intermediate_size", intermediate_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"W8A8MoE: `{name}` must be a positive int, got {v!r}")
+        if top_k > num_experts:
+            raise ValueError(f"W8A8MoE: `top_k` = {top_k} must be <= num_experts = {num_experts}")
+        align = BLOCK_SIZE if block is not None else GEMM_ALIGN
+        for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if v % align != 0:
+                why = (f" with weight_block_size={block} (the GEMMs' K: 1x{BLOCK_SIZE} activation groups)"
+                       if block is not None else " (the GEMM kernels' alignment)")
+                raise ValueError(f"W8A8MoE: `{name}` = {v} must be a multiple of {align}{why}")
+        if activation != "silu":
+            raise ValueError(f"W8A8MoE: `activation` must be 'silu' (SwiGLU experts), got {activation!r}")
+        if static_input_scale and block is not None:
+            raise ValueError("W8A8MoE: `static_input_scale` must be False with weight_block_size (activations are "
+                             f"quantized per 1x{BLOCK_SIZE} group at run time)")
         e, h, i = num_experts, hidden_size, intermediate_size
         self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = e, top_k, h, i
         self.renormalize, self.activation = bool(renormalize), activation
         self.quant_dtype = config.dtype
         self.dtype = config.out_dtype or torch.bfloat16
-        self.weight_block_size = config.weight_block_size
-        self.register_buffer("w13", torch.empty(e, 2 * i, h, dtype=config.dtype, device=device))
-        self.register_buffer("w2", torch.empty(e, h, i, dtype=config.dtype, device=device))
-        if self.weight_block_size is not None:
-            s13, s2 = (e, _blocks(2 * i), _blocks(h)), (e, _blocks(h), _blocks(i))
+        self.weight_block_size = block
+        self.register_buffer("w13", torch.zeros(e, 2 * i, h, dtype=config.dtype, device=device))
+        self.register_buffer("w2", torch.zeros(e, h, i, dtype=config.dtype, device=device))
+        if block is not None:
+            s13, s2 = (e, _blocks(2 * i), h // BLOCK_SIZE), (e, _blocks(h), i // BLOCK_SIZE)
         else:
             s13, s2 = (e, 2 * i), (e, h)
         self.register_buffer("w13_scale", torch.ones(s13, dtype=torch.float32, device=device))
@@ -44,5 +142,203 @@ class W8A8MoE(nn.Module):
         self.register_buffer("a2_scale", torch.ones(1, dtype=torch.float32, device=device)
                              if static_input_scale else None)
 
-    def forward(self, hidden_states, router_logits_or_topk_ids, topk_weights=None):
-        raise NotImplementedError("W8A8MoE.forward: skeleton")
+    @property
+    def group_size(self) -> int:
+        """128 when activations are quantized per 1 x 128 group (block-scaled fp8), else 0."""
+        return BLOCK_SIZE if self.weight_block_size is not None else 0
+
+    @classmethod
+    def from_float(cls, experts: nn.Module, config: Optional[W8A8Config] = None, top_k: int = 2,
+                   renormalize: bool = True, *, a13_scale: Optional[torch.Tensor] = None,
+                   a2_scale: Optional[torch.Tensor] = None) -> "W8A8MoE":
+        """Quantize a transformers experts module (Qwen2-MoE / Qwen3-MoE / Mixtral ``experts``, transformers 5's
+        fused 3-D parameters) or any module with the same two parameters.
+
+        Parameters
+        ----------
+        experts : nn.Module
+            Holds ``gate_up_proj`` ``[E, 2I, H]`` (rows ``[0, I)`` gate, ``[I, 2I)`` up) and ``down_proj``
+            ``[E, H, I]`` float tensors. When it carries transformers' ``use_experts_implementation`` flags they
+            must describe that layout (``is_transposed`` False, ``is_concatenated`` True, ``has_gate`` True,
+            ``has_bias`` False), and an ``act_fn`` must be SiLU.
+        config : W8A8Config, optional
+            As the constructor; the output dtype defaults to the experts' dtype when bfloat16 / float16.
+        top_k, renormalize
+            The router's, for router-logits mode (see the constructor).
+        a13_scale, a2_scale : torch.Tensor, optional, keyword-only
+            One-element static per-tensor activation scales (both or neither); None: dynamic.
+
+        Weights are quantized per output channel (absmax / 127 for int8, / 448 for e4m3), or per 128 x 128
+        block with ``config.weight_block_size``, exactly as `W8A8Linear.from_float` quantizes each expert's
+        ``[N, K]`` weight. The layer lives on the experts' device.
+
+        Raises
+        ------
+        TypeError
+            ``experts`` lacks the parameters, or they are not floating point (already quantized), or ``config``
+            is not a `W8A8Config`.
+        ValueError
+            The parameters' shapes disagree, the layout flags or activation are not the supported ones, only one
+            of ``a13_scale`` / ``a2_scale`` is given, or as the constructor.
+        """
+        where = "W8A8MoE.from_float"
+        if config is None:
+            config = W8A8Config()
+        elif not isinstance(config, W8A8Config):
+            raise TypeError(f"{where}: `config` must be a cutlass_w8a8.W8A8Config, got {type(config).__name__}")
+        if isinstance(experts, W8A8MoE):
+            raise TypeError(f"{where}: `experts` is already a W8A8MoE (quant_dtype {experts.quant_dtype}); its "
+                            "float weights are gone, so it cannot be quantized again")
+        gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+        if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor):
+            raise TypeError(f"{where}: `experts` ({type(experts).__name__}) must hold 3-D `gate_up_proj` [E, 2I, H] "
+                            "and `down_proj` [E, H, I] tensors (transformers 5's fused experts)")
+        for name, t in (("gate_up_proj", gu), ("down_proj", dn)):
+            if not t.is_floating_point():
+                raise TypeError(f"{where}: `experts.{name}` holds {t.dtype} values (a quantized checkpoint loaded "
+                                "into float experts?); quantizing them again would ignore their scales. Load the "
+                                "checkpoint with cutlass_w8a8.from_pretrained(path) instead")
+        for flag, want in (("is_transposed", False), ("is_concatenated", True), ("has_gate", True),
+                           ("has_bias", False)):
+            got = getattr(experts, flag, want)
+            if got != want:
+                raise ValueError(f"{where}: `experts.{flag}` must be {want} (gate_up_proj [E, 2I, H] = [gate; up], "
+                                 f"no bias), got {got}")
+        act = getattr(experts, "act_fn", None)
+        if act is not None and not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLUActivation",):
+            raise ValueError(f"{where}: `experts.act_fn` must be SiLU (SwiGLU experts), got {type(act).__name__}")
+        if gu.dim() != 3 or dn.dim() != 3 or gu.shape[1] % 2 != 0:
+            raise ValueError(f"{where}: `experts.gate_up_proj` must be [E, 2I, H] and `experts.down_proj` [E, H, I], "
+                             f"got shapes {tuple(gu.shape)} and {tuple(dn.shape)}")
+        e, i2, h = gu.shape
+        i = i2 // 2
+        if tuple(dn.shape) != (e, h, i):
+            raise ValueError(f"{where}: `experts.down_proj` must be [E, H, I] = [{e}, {h}, {i}] for gate_up_proj "
+                             f"{tuple(gu.shape)}, got {tuple(dn.shape)}")
+        if (a13_scale is None) != (a2_scale is None):
+            raise ValueError(f"{where}: give both `a13_scale` and `a2_scale` (static per-tensor) or neither")
+        out_dtype = config.out_dtype or (gu.dtype if gu.dtype in OUT_DTYPES else torch.bfloat16)
+        cfg = W8A8Config(dtype=config.dtype, out_dtype=out_dtype, weight_block_size=config.weight_block_size)
+        mod = cls(e, top_k, h, i, cfg, renormalize, "silu", device=gu.device,
+                  static_input_scale=a13_scale is not None)
+        with torch.no_grad():
+            for wname, sname, w in (("w13", "w13_scale", gu), ("w2", "w2_scale", dn)):
+                q, s = quantize_expert_weights(w, config.dtype, config.weight_block_size)
+                getattr(mod, wname).copy_(q)
+                getattr(mod, sname).copy_(s)
+            if a13_scale is not None:
+                mod.a13_scale.copy_(a13_scale.detach().reshape(1).float())
+                mod.a2_scale.copy_(a2_scale.detach().reshape(1).float())
+        return mod
+
+    def _apply(self, fn, recurse=True):
+        # As W8A8Linear: dtype casts (.half(), .to(torch.bfloat16), a model's .to(dtype)) must not touch the 8-bit
+        # weights or the float32 scales; a cast to bf16 / fp16 becomes the layer's output dtype, device moves
+        # apply to every buffer.
+        probe = fn(torch.empty(0, dtype=self.dtype, device=self.w13.device))
+        probe32 = fn(torch.empty(0, dtype=torch.float32, device=self.w13.device))
+        if not isinstance(probe, torch.Tensor) or (probe.dtype == self.dtype and probe32.dtype == torch.float32):
+            return super()._apply(fn, recurse)
+        self.dtype = probe.dtype if probe.dtype in OUT_DTYPES else self.dtype
+        for name, buf in self._buffers.items():
+            if buf is not None:
+                self._buffers[name] = buf.to(device=probe.device)
+        return self
+
+    def _check_inputs(self, x: torch.Tensor, second: torch.Tensor, topk_weights: Optional[torch.Tensor]) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"W8A8MoE: `hidden_states` must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"W8A8MoE: `hidden_states` must be [..., hidden_size = {self.hidden_size}], got shape "
+                             f"{tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"W8A8MoE: `hidden_states` must be floating point, got {x.dtype}")
+        if x.device != self.w13.device:
+            raise ValueError(f"W8A8MoE: `hidden_states` is on {x.device} but the layer is on {self.w13.device}")
+        t = x.numel() // self.hidden_size
+        if not isinstance(second, torch.Tensor):
+            raise TypeError("W8A8MoE: `router_logits_or_topk_ids` must be a torch.Tensor, got "
+                            f"{type(second).__name__}")
+        if topk_weights is None:
+            if not second.is_floating_point():
+                raise TypeError("W8A8MoE: without `topk_weights` the second argument is router logits and must be "
+                                f"floating point [T, E = {self.num_experts}], got {second.dtype} (pass topk_weights "
+                                "with topk_ids)")
+            if second.numel() != t * self.num_experts or second.shape[-1] != self.num_experts:
+                raise ValueError(f"W8A8MoE: router logits must be [T = {t}, E = {self.num_experts}], got shape "
+                                 f"{tuple(second.shape)}")
+        else:
+            if not isinstance(topk_weights, torch.Tensor):
+                raise TypeError(f"W8A8MoE: `topk_weights` must be a torch.Tensor, got {type(topk_weights).__name__}")
+            if second.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"W8A8MoE: `topk_ids` (the second argument with topk_weights) must be int32 or int64, "
+                                f"got {second.dtype}")
+            if second.dim() < 1 or second.shape[-1] < 1 or second.numel() != t * second.shape[-1]:
+                raise ValueError(f"W8A8MoE: `topk_ids` must be [T = {t}, k], got shape {tuple(second.shape)}")
+            if tuple(topk_weights.shape) != tuple(second.shape):
+                raise ValueError(f"W8A8MoE: `topk_weights` must have topk_ids' shape {tuple(second.shape)}, got "
+                                 f"{tuple(topk_weights.shape)}")
+            if not topk_weights.is_floating_point():
+                raise TypeError(f"W8A8MoE: `topk_weights` must be floating point, got {topk_weights.dtype}")
+        for name, v in (("router_logits_or_topk_ids", second), ("topk_weights", topk_weights)):
+            if v is not None and v.device != x.device:
+                raise ValueError(f"W8A8MoE: `{name}` is on {v.device} but `hidden_states` is on {x.device}")
+
+    def forward(self, hidden_states: torch.Tensor, router_logits_or_topk_ids: torch.Tensor,
+                topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run the experts.
+
+        Parameters
+        ----------
+        hidden_states : torch.Tensor
+            ``[T, H]`` or ``[..., H]`` (T = the product of the leading dimensions), any float dtype, on the
+            layer's device. Quantized from the layer's ``dtype`` (cast first when it differs).
+        router_logits_or_topk_ids : torch.Tensor
+            Without ``topk_weights``: router logits ``[T, E]`` (``[..., E]``), float32 / bfloat16 / float16; the
+            routing is ``moe_topk_softmax(logits, top_k, renormalize)``. With ``topk_weights``: the chosen experts
+            ``[T, k]`` int32 / int64 (transformers' ``top_k_index``; ids outside ``[0, E)`` are not routed).
+        topk_weights : torch.Tensor, optional
+            ``[T, k]`` float, the routing weights (transformers' ``top_k_weights``), applied in float32.
+
+        Returns
+        -------
+        torch.Tensor
+            ``hidden_states``' shape and dtype.
+
+        Raises TypeError / ValueError naming the argument for a wrong dtype, shape or device. Only static shapes
+        and device ops: capturable into a CUDA graph, routings changing between replays.
+        """
+        self._check_inputs(hidden_states, router_logits_or_topk_ids, topk_weights)
+        h = self.hidden_size
+        x = hidden_states.reshape(-1, h)
+        if x.dtype != self.dtype:
+            x = x.to(self.dtype)
+        if topk_weights is None:
+            logits = router_logits_or_topk_ids.reshape(-1, self.num_experts)
+            topk_weights, topk_ids = _moe.moe_topk_softmax(logits, self.top_k, self.renormalize)
+        else:
+            topk_ids = router_logits_or_topk_ids.reshape(x.shape[0], -1)
+            topk_weights = topk_weights.reshape(x.shape[0], -1).to(torch.float32)
+        k = topk_ids.shape[1]
+        group = self.group_size
+        sorted_pairs, dst_pos, offsets = _moe.moe_align(topk_ids, self.num_experts)
+        q, q_scale = _moe.moe_permute_quant(x, sorted_pairs, k, self.quant_dtype, scale=self.a13_scale,
+                                            group_size=group or None)
+        y13 = _moe.grouped_scaled_mm(q, self.w13.transpose(1, 2), q_scale, self.w13_scale, offsets, self.dtype)
+        q2, q2_scale = silu_mul_quant(y13, self.quant_dtype, self.a2_scale, group)
+        y2 = _moe.grouped_scaled_mm(q2, self.w2.transpose(1, 2), q2_scale, self.w2_scale, offsets, self.dtype)
+        out = _moe.moe_unpermute(y2, dst_pos, topk_weights)
+        if out.dtype != hidden_states.dtype:
+            out = out.to(hidden_states.dtype)
+        return out.reshape(hidden_states.shape)
+
+    def extra_repr(self) -> str:
+        if self.weight_block_size is not None:
+            act = f"dynamic per-group (1x{BLOCK_SIZE})"
+        else:
+            act = "static per-tensor" if self.a13_scale is not None else "dynamic per-token"
+        block = "" if self.weight_block_size is None else f", weight_block_size={self.weight_block_size}"
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, renormalize={self.renormalize}, "
+                f"activation={self.activation}, dtype={self.dtype}, quant_dtype={self.quant_dtype}{block}, "
+                f"activations={act}")
