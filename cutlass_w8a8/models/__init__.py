@@ -1,23 +1,29 @@
 """Reference models on cutlass_w8a8 layers: a Llama-style decoder for CUDA-graph decode.
 
-Modules: `config` (`LlamaConfig`, `SMALL`, `LLAMA3_8B`), `llama` (the decoder and its layers), `reference`
-(float references for tests), `generation` (`generate_greedy`).
+Modules: `config` (`LlamaConfig`, `SMALL`, `LLAMA3_8B`, `QWEN3_30B_A3B`), `llama` (the decoder and its layers),
+`moe` (the Qwen3-MoE sparse block and its float experts), `reference` (float references for tests), `generation`
+(`generate_greedy`).
 """
 
-from . import config, generation, llama, reference
-from .config import CONFIGS, LLAMA3_8B, SMALL, LlamaConfig
+from . import config, generation, llama, moe, reference
+from .config import CONFIGS, LLAMA3_8B, QWEN3_30B_A3B, SMALL, LlamaConfig
 from .generation import generate_greedy
 from .llama import LlamaDecoder, LlamaDecoderLayer
-from .reference import DequantizedLinear, float_reference
+from .moe import MoEExperts, SparseMoeBlock
+from .reference import DequantizedLinear, DequantizedMoE, float_reference
 
 __all__ = [
     "CONFIGS",
     "LLAMA3_8B",
+    "QWEN3_30B_A3B",
     "SMALL",
     "DequantizedLinear",
+    "DequantizedMoE",
     "LlamaConfig",
     "LlamaDecoder",
     "LlamaDecoderLayer",
+    "MoEExperts",
+    "SparseMoeBlock",
     "float_reference",
     "generate_greedy",
 ]

@@ -1,11 +1,12 @@
-"""Architectures of the reference Llama decoder: `LlamaConfig` and the named configs `SMALL`, `LLAMA3_8B`."""
+"""Architectures of the reference Llama decoder: `LlamaConfig` and the named configs `SMALL`, `LLAMA3_8B`,
+`QWEN3_30B_A3B` (a Qwen3-MoE decoder: q/k head norms and a mixture-of-experts MLP)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
-__all__ = ["CONFIGS", "LLAMA3_8B", "SMALL", "LlamaConfig"]
+__all__ = ["CONFIGS", "LLAMA3_8B", "QWEN3_30B_A3B", "SMALL", "LlamaConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,20 @@ class LlamaConfig:
         Length of the rotary table: positions must be below it (and below the cache length).
     init_std : float
         Standard deviation of the random normal weights (Hugging Face's ``initializer_range``).
+    qk_norm : bool
+        Qwen3's head norms: an RMSNorm over ``head_dim`` (weights ``q_norm``, ``k_norm``) on every query and key
+        head after ``qkv_proj``, before the rotary embedding. Default False (Llama).
+    num_experts : int
+        0 (default): every layer has the dense SwiGLU MLP of ``intermediate_size``. > 0: every layer's MLP is a
+        mixture of experts (Qwen3-MoE's sparse block): a bf16 router ``gate`` (hidden -> ``num_experts``), softmax
+        in float32, the ``num_experts_per_tok`` largest, and that many SwiGLU experts of
+        ``moe_intermediate_size`` per token, their outputs summed with the routing weights.
+    num_experts_per_tok : int
+        Experts per token (top-k); required (``1 <= k <= num_experts``) when ``num_experts > 0``.
+    moe_intermediate_size : int, optional
+        Width ``I`` of one expert's SwiGLU (its ``gate_up_proj`` has ``2 I`` outputs); required with experts.
+    norm_topk_prob : bool
+        Renormalize the top-k routing weights to sum to 1 (Qwen3-MoE's ``norm_topk_prob``; default True).
 
     Notes
     -----
@@ -53,6 +68,11 @@ class LlamaConfig:
     rope_theta: float = 500000.0
     max_position: int = 4096
     init_std: float = 0.02
+    qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: Optional[int] = None
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -69,6 +89,25 @@ class LlamaConfig:
                              f"`num_heads` ({self.num_heads})")
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig: `head_dim` must be even (rotary pairs), got {self.head_dim}")
+        if self.num_experts < 0:
+            raise ValueError(f"LlamaConfig: `num_experts` must be >= 0, got {self.num_experts}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"LlamaConfig: `num_experts_per_tok` must be in [1, num_experts = "
+                                 f"{self.num_experts}], got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size is None or self.moe_intermediate_size <= 0:
+                raise ValueError(f"LlamaConfig: `moe_intermediate_size` must be positive with experts, got "
+                                 f"{self.moe_intermediate_size}")
+
+    @property
+    def is_moe(self) -> bool:
+        """True when every layer's MLP is a mixture of experts (``num_experts > 0``)."""
+        return self.num_experts > 0
+
+    @property
+    def mlp_intermediate_size(self) -> int:
+        """The K of the MLP's down projection: ``moe_intermediate_size`` with experts, else ``intermediate_size``."""
+        return self.moe_intermediate_size if self.is_moe else self.intermediate_size
 
     @property
     def qkv_size(self) -> int:
@@ -89,4 +128,12 @@ LLAMA3_8B = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
                         num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
                         max_position=8192)
 
-CONFIGS = {"small": SMALL, "llama3-8b": LLAMA3_8B}
+#: Qwen3-30B-A3B's dimensions (Qwen/Qwen3-30B-A3B config.json): 48 layers, hidden 2048, 32 query and 4 key/value
+#: heads of 128 with q/k head norms, 128 experts of width 768 with 8 per token (renormalized), vocabulary 151936,
+#: rope_theta 1e6, rms_norm_eps 1e-6. ``intermediate_size`` (6144) is the checkpoint's dense width, unused here.
+QWEN3_30B_A3B = LlamaConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+                            num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                            max_position=40960, qk_norm=True, num_experts=128, num_experts_per_tok=8,
+                            moe_intermediate_size=768, norm_topk_prob=True)
+
+CONFIGS = {"small": SMALL, "llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}

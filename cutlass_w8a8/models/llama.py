@@ -24,6 +24,12 @@ N is not, a block spans the boundary and takes the larger absmax of the two: sti
 parts' own quantization). The fused norms and SiLU*mul quantize per group for them (``group_size=128``);
 attention, which has no group-quantizing variant, hands ``o_proj`` its float output.
 
+Qwen3-MoE (a config with ``num_experts > 0``, e.g. `cutlass_w8a8.models.QWEN3_30B_A3B`): each layer's MLP is a
+`cutlass_w8a8.models.moe.SparseMoeBlock` (a bf16 router ``gate`` and the experts: `MoEExperts` in the bf16 model,
+`cutlass_w8a8.W8A8MoE` from the same float weights in a W8A8 one, the router left in the model dtype); with
+``qk_norm`` attention norms every query and key head (``q_norm`` / ``k_norm``, RMSNorm over ``head_dim``) before
+the rotary embedding. Such layers take the Python path (not the one-op ``decode_layer``).
+
 Examples
 --------
 >>> from cutlass_w8a8.models import LlamaDecoder, SMALL
@@ -45,6 +51,7 @@ from ..linear import QuantizedActivation, W8A8Linear
 from ..ops._limits import BLOCK_SIZE
 from ..quantize import quantize_
 from .config import LlamaConfig
+from .moe import MoEExperts, SparseMoeBlock
 
 __all__ = ["LlamaDecoder", "LlamaDecoderLayer"]
 
@@ -147,6 +154,10 @@ class LlamaAttention(nn.Module):
     Submodules: ``qkv_proj`` (hidden -> ``(H + 2 KVH) * D``, rows ordered q heads, k heads, v heads, as vLLM's
     ``QKVParallelLinear``) and ``o_proj`` (``H * D`` -> hidden), both without bias.
 
+    With ``config.qk_norm`` (Qwen3), ``q_norm`` and ``k_norm`` (`RMSNorm` of ``(D,)``) normalize every query and key
+    head of the ``qkv_proj`` output in place before the rotary embedding (one norm kernel each, plus the copies of
+    the strided heads in and out); otherwise they are None.
+
     Buffer ``kv_cache``: ``(num_slots, 2, KVH, max_seq_len, D)`` in the model dtype (index 0 keys, 1 values),
     set by `LlamaDecoder.allocate_cache`. Query head ``h`` reads key/value head ``h // (H / KVH)``.
 
@@ -166,12 +177,24 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, config.qkv_size, bias=False, device=device, dtype=dtype)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False,
                                 device=device, dtype=dtype)
+        # Qwen3's head norms (config.qk_norm): RMSNorm over head_dim of every query / key head, before the rotary
+        # embedding; None for Llama
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, device, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, device, dtype) if config.qk_norm else None
         self.register_buffer("kv_cache", None, persistent=False)
+
+    def _norm_heads_(self, qkv: torch.Tensor) -> None:
+        """``q_norm`` / ``k_norm`` of the query and key heads of ``qkv`` ``(B, H + 2 KVH, D)``, in place."""
+        h, kvh = self.num_heads, self.num_kv_heads
+        for heads, norm in ((qkv[:, :h], self.q_norm), (qkv[:, h:h + kvh], self.k_norm)):
+            heads.copy_(norm(heads))
 
     def forward(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
         b = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(b, h + 2 * kvh, d)
+        if self.q_norm is not None:
+            self._norm_heads_(qkv)
         # Rotary embedding of the q and k heads in place, and this step's keys and values into the cache: one
         # row-wise kernel over the B rows (on the CPU: the torch formulation, a float32 complex multiply and one
         # index_put_ of (B, 2 KVH) rows of D elements).
@@ -242,7 +265,8 @@ class LlamaDecoderLayer(nn.Module):
     which is what an eager decode step of a small batch waits for. ``use_layer_op = False`` (an attribute of
     each layer) forces the Python path; any other projection type (`DequantizedLinear`, a float64 reference)
     takes it anyway, and so do block-scaled `W8A8Linear` projections (``decode_layer`` is not taught their group
-    quantization: its activations are per token, which the block GEMM refuses).
+    quantization: its activations are per token, which the block GEMM refuses), and Qwen3-MoE layers (head norms,
+    ``mlp`` a `cutlass_w8a8.models.moe.SparseMoeBlock`, which gets the float output of the second norm).
     """
 
     def __init__(self, config: LlamaConfig, device=None, dtype=None):
@@ -250,7 +274,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.self_attn = LlamaAttention(config, device, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.mlp = LlamaMLP(config, device, dtype)
+        self.mlp = (SparseMoeBlock(config, device, dtype) if config.is_moe else LlamaMLP(config, device, dtype))
         self.use_layer_op = True
 
     def _layer_op_operands(self, h: torch.Tensor) -> Optional[list]:
@@ -264,6 +288,8 @@ class LlamaDecoderLayer(nn.Module):
             return None
         mods = self._modules
         attn, mlp = mods["self_attn"], mods["mlp"]
+        if type(mlp) is not LlamaMLP or attn.q_norm is not None:  # Qwen3-MoE layers: the Python path
+            return None
         norm1, norm2 = mods["input_layernorm"], mods["post_attention_layernorm"]
         if type(norm1) is not RMSNorm or type(norm2) is not RMSNorm or norm1.eps != norm2.eps:
             return None
@@ -312,8 +338,23 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x = self.input_layernorm(h, residual, quant_for=qkv_proj)  # residual += h, then the norm
         h = self.self_attn(x, ctx)
-        x = self.post_attention_layernorm(h, residual, quant_for=self.mlp.gate_up_proj)
-        return self.mlp(x), residual
+        mlp = self.mlp
+        # the MoE block quantizes inside its experts (per routed pair): it gets the float output
+        x = self.post_attention_layernorm(h, residual, quant_for=getattr(mlp, "gate_up_proj", None))
+        return mlp(x), residual
+
+
+def _quantize_moe_experts(mod: nn.Module, w8a8: W8A8Config) -> nn.Module:
+    """Replace the `MoEExperts` of every `SparseMoeBlock` in ``mod`` by ``cutlass_w8a8.W8A8MoE.from_float`` of them
+    (``w8a8``'s dtype, per-channel or 128 x 128 block weights), in place; returns ``mod``."""
+    blocks = [m for m in mod.modules() if isinstance(m, SparseMoeBlock) and isinstance(m.experts, MoEExperts)]
+    if blocks:
+        from ..moe.layer import W8A8MoE
+
+        for block in blocks:
+            experts = block.experts
+            block.experts = W8A8MoE.from_float(experts, w8a8, experts.top_k, experts.renormalize)
+    return mod
 
 
 def _quant_scheme(quant) -> Optional[str]:
@@ -334,7 +375,9 @@ class LlamaDecoder(nn.Module):
     Parameters
     ----------
     config : LlamaConfig
-        Dimensions; see `SMALL` and `LLAMA3_8B`.
+        Dimensions; see `SMALL`, `LLAMA3_8B` and `QWEN3_30B_A3B` (Qwen3-MoE: head norms, mixture-of-experts MLPs
+        whose experts become `cutlass_w8a8.W8A8MoE` under ``quant``, their routers staying in ``dtype``; no tensor
+        parallelism: ``tp_group`` raises NotImplementedError).
     quant : {None, "int8", "fp8", "fp8-block"}
         None: every linear is a float ``nn.Linear`` in ``dtype``. "int8" / "fp8": the linears of the decoder
         layers are `W8A8Linear` (per-channel weights, dynamic per-token activations), quantized from the
@@ -360,11 +403,12 @@ class LlamaDecoder(nn.Module):
         Also quantize ``lm_head`` (default False: the logits stay a bf16 GEMM, as most W8A8 recipes keep it).
     tp_group : torch.distributed.ProcessGroup, optional
         Build this rank's tensor-parallel shard (`cutlass_w8a8.distributed.decoder`): attention heads and MLP
-        split over the group, one all-reduce after ``o_proj`` and one after ``down_proj``, embedding and
-        ``lm_head`` replicated, the KV cache holding this rank's ``num_kv_heads / tp`` heads. Every rank passes the
-        same arguments; the weights are the shards of the unsharded model of the same seed. Default None: no
-        tensor parallelism. ``tp_size`` (optional) is checked against the group's size on every rank;
-        ``tp_lm_head=True`` shards ``lm_head`` over the vocabulary too (its logits all-gathered).
+        split over the group, one all-reduce after ``o_proj`` and one after ``down_proj``, embedding replicated, the
+        KV cache holding this rank's ``num_kv_heads / tp`` heads (one head, replicated, when ``num_kv_heads < tp``).
+        Every rank passes the same arguments; the weights are the shards of the unsharded model of the same seed.
+        Default None: no tensor parallelism. ``tp_size`` (optional) is checked against the group's size on every
+        rank. ``tp_lm_head``: None (default) shards ``lm_head`` over the vocabulary (its logits all-gathered) when
+        ``vocab_size`` is divisible by the world size, True always, False keeps it replicated.
 
     Attributes
     ----------
@@ -395,7 +439,7 @@ class LlamaDecoder(nn.Module):
     def __init__(self, config: LlamaConfig, quant: Union[None, str, torch.dtype] = None, *, max_batch: int = 8,
                  max_seq_len: Optional[int] = None, device=None, dtype: torch.dtype = torch.bfloat16,
                  seed: int = 0, quant_lm_head: bool = False, tp_group=None, tp_size: Optional[int] = None,
-                 tp_lm_head: bool = False):
+                 tp_lm_head: Optional[bool] = None):
         super().__init__()
         scheme = _quant_scheme(quant)
         if dtype not in _MODEL_DTYPES:
@@ -405,7 +449,8 @@ class LlamaDecoder(nn.Module):
         if scheme is not None:
             sizes = {"hidden_size": config.hidden_size, "qkv_size": config.qkv_size,
                      "num_heads * head_dim": config.num_heads * config.head_dim,
-                     "intermediate_size": config.intermediate_size}
+                     ("moe_intermediate_size" if config.is_moe else "intermediate_size"):
+                         config.mlp_intermediate_size}
             if quant_lm_head:
                 sizes["vocab_size"] = config.vocab_size
             for name, v in sizes.items():
@@ -415,10 +460,14 @@ class LlamaDecoder(nn.Module):
             # the K of qkv / gate_up (and lm_head), o_proj, down_proj: the block GEMM's K is a multiple of 128
             for name, v in (("hidden_size", config.hidden_size),
                             ("num_heads * head_dim", config.num_heads * config.head_dim),
-                            ("intermediate_size", config.intermediate_size)):
+                            ("moe_intermediate_size" if config.is_moe else "intermediate_size",
+                             config.mlp_intermediate_size)):
                 if v % BLOCK_SIZE:
                     raise ValueError(f"LlamaDecoder: quant='fp8-block' needs the projections' K to be multiples of "
                                      f"{BLOCK_SIZE}, `{name}` is {v}")
+        if tp_group is not None and config.is_moe:
+            raise NotImplementedError("LlamaDecoder: tensor parallelism of the mixture-of-experts layers "
+                                      f"(num_experts = {config.num_experts}) is not implemented; pass tp_group=None")
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.config = config
         self.quant = scheme
@@ -451,8 +500,13 @@ class LlamaDecoder(nn.Module):
                         sub.weight.fill_(1.0)
                     elif isinstance(sub, (nn.Linear, nn.Embedding)):
                         sub.weight.normal_(0.0, config.init_std, generator=gen)
+                    elif isinstance(sub, MoEExperts):
+                        sub.gate_up_proj.normal_(0.0, config.init_std, generator=gen)
+                        sub.down_proj.normal_(0.0, config.init_std, generator=gen)
             if quantize and w8a8 is not None:
-                mod = quantize_(mod, w8a8)
+                mod = _quantize_moe_experts(mod, w8a8)
+                # the MoE routers (`mlp.gate`) stay in the model dtype
+                mod = quantize_(mod, w8a8, filter_fn=lambda m, fqn: not fqn.endswith("mlp.gate"))
             return mod
 
         self.embed_tokens = build(lambda dtype: nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype),
@@ -463,7 +517,7 @@ class LlamaDecoder(nn.Module):
         self.norm = build(lambda dtype: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype), False)
         self.lm_head = build(lambda dtype: nn.Linear(config.hidden_size, config.vocab_size, bias=False,
                                                      dtype=dtype), quant_lm_head)
-        if shard is not None and tp_lm_head:
+        if shard is not None and shard.tp_lm_head:
             self.lm_head = shard.shard_lm_head(self.lm_head)
         self.requires_grad_(False)
 
@@ -533,6 +587,16 @@ class LlamaDecoder(nn.Module):
                 total += b.numel() * b.element_size()
         if not include_embedding:
             total -= self.embed_tokens.weight.numel() * self.embed_tokens.weight.element_size()
+        return total
+
+    def expert_nbytes(self) -> int:
+        """Bytes of the experts' weights (and scales) of every MoE layer; 0 for a dense model. A step reads only the
+        experts its tokens are routed to: ``weight_nbytes(False) - expert_nbytes()`` plus that share of this."""
+        total = 0
+        for layer in self.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is not None:
+                total += sum(t.numel() * t.element_size() for t in (*experts.parameters(), *experts.buffers()))
         return total
 
     # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,116 @@
+"""The mixture-of-experts MLP of the reference decoder (Qwen3-MoE's sparse block): a router and the experts.
+
+- `route_topk`: softmax over the experts in float32, the top-k, optionally renormalized (torch ops).
+- `MoEExperts`: the float experts, ``gate_up_proj`` ``(E, 2I, H)`` and ``down_proj`` ``(E, H, I)`` parameters (the
+  layout of transformers 5's fused experts, so `cutlass_w8a8.W8A8MoE.from_float` quantizes them), computed with
+  ``torch._grouped_mm`` over the pairs sorted by expert where torch has it for the dtype, else per pair.
+- `SparseMoeBlock`: ``gate`` (the router, an ``nn.Linear`` kept in the model dtype) and ``experts`` (a
+  `MoEExperts`, a `cutlass_w8a8.W8A8MoE` in a W8A8 model, or `cutlass_w8a8.models.reference.DequantizedMoE` in the
+  float reference); ``forward(x) = experts(x, gate(x))``.
+
+Every step is a fixed sequence of kernels on tensors whose shapes depend on the batch only (no host sync, no
+data-dependent shape), so the block captures into a CUDA graph like the rest of the decoder.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["MoEExperts", "SparseMoeBlock", "route_topk"]
+
+# dtypes of cutlass_w8a8.ops.silu_mul (the fused SiLU*mul); others take the torch chain
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing of ``router_logits`` ``(T, E)`` (any float dtype): ``(weights (T, top_k) float32, ids (T, top_k)
+    int64)``, the ``top_k`` largest of ``softmax(router_logits.float())`` in descending order, divided by their sum
+    when ``renormalize`` (Qwen3-MoE's ``norm_topk_prob``; Mixtral always). The semantics of
+    `cutlass_w8a8.ops.moe_topk_softmax` (which returns int32 ids)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _grouped_mm_ok(x: torch.Tensor) -> bool:
+    # torch._grouped_mm: bfloat16 (CPU; CUDA from sm80 on). Elsewhere the per-pair fallback.
+    if not hasattr(torch, "_grouped_mm") or x.dtype is not torch.bfloat16:
+        return False
+    return x.device.type == "cpu" or (x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 8)
+
+
+class MoEExperts(nn.Module):
+    """The float experts of one MoE block: SwiGLU experts ``down_e(silu(gate_e(x)) * up_e(x))``.
+
+    Parameters ``gate_up_proj`` ``(E, 2I, H)`` (rows ``[0, I)`` the gate projection, ``[I, 2I)`` the up one) and
+    ``down_proj`` ``(E, H, I)``, in the model dtype; attributes ``num_experts``, ``hidden_dim``,
+    ``intermediate_dim``, ``top_k``, ``renormalize`` (as transformers' ``Qwen3MoeExperts`` names them).
+
+    ``forward(x, router_logits)``: ``x`` ``(T, H)``, ``router_logits`` ``(T, E)``; routes with `route_topk` and
+    returns ``(T, H)`` in ``x``'s dtype, ``out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` summed in float32
+    (j ascending) and rounded once. The pairs are sorted by expert (a stable argsort), the group ends found by
+    ``searchsorted``, both GEMMs are ``torch._grouped_mm`` over the sorted pairs (bfloat16 on the CPU or a CUDA
+    device of compute capability >= 8), SiLU*mul is `cutlass_w8a8.ops.silu_mul`; other dtypes gather each pair's
+    expert weights and multiply per pair (a reference for small sizes only: it copies the weights).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, top_k: int,
+                 renormalize: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_size, intermediate_size
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, device=device,
+                                                     dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, device=device,
+                                                  dtype=dtype))
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_topk(router_logits, self.top_k, self.renormalize)
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        if _grouped_mm_ok(x):
+            order = torch.argsort(flat, stable=True)  # position s of the sorted buffer holds pair order[s]
+            offs = torch.searchsorted(flat[order], torch.arange(self.num_experts, device=x.device), right=True,
+                                      out_int32=True)
+            gate_up = torch._grouped_mm(x[order // k], self.gate_up_proj.transpose(1, 2), offs=offs)
+            act = torch.ops.cutlass_w8a8.silu_mul(gate_up)
+            y_sorted = torch._grouped_mm(act, self.down_proj.transpose(1, 2), offs=offs)
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(order.numel(), device=x.device)
+            y = y_sorted[inverse]  # (T * k, H) in pair order
+        else:
+            xp = x.repeat_interleave(k, dim=0)  # pair p = t * k + j holds token t
+            gate_up = torch.einsum("ph,pnh->pn", xp, self.gate_up_proj[flat])
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = (torch.ops.cutlass_w8a8.silu_mul(gate_up) if x.dtype in _FUSED_DTYPES
+                   else F.silu(gate) * up)
+            y = torch.einsum("pi,phi->ph", act, self.down_proj[flat])
+        out = (y.float().view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
+                f"top_k={self.top_k}, renormalize={self.renormalize}")
+
+
+class SparseMoeBlock(nn.Module):
+    """Qwen3-MoE's sparse MLP block: ``experts(x, gate(x))``.
+
+    Submodules: ``gate``, the router ``nn.Linear(hidden, num_experts, bias=False)`` in the model dtype (never
+    quantized: W8A8 recipes keep it in bf16), and ``experts`` (`MoEExperts`, `cutlass_w8a8.W8A8MoE` or
+    `cutlass_w8a8.models.reference.DequantizedMoE`: any module called as ``experts(x (T, H), router_logits (T, E))
+    -> (T, H)`` that routes itself). ``x``: float ``(T, hidden)``; returns ``(T, hidden)`` in ``x``'s dtype.
+    """
+
+    def __init__(self, config, device=None, dtype=None):
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False, device=device, dtype=dtype)
+        self.experts = MoEExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                  config.num_experts_per_tok, config.norm_topk_prob, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x))
