@@ -26,6 +26,8 @@ from .ops import moe_align, moe_permute_quant, moe_topk_softmax, moe_unpermute  
 from .config import W8A8Config  # noqa: E402
 from .linear import QuantizedActivation, W8A8Linear  # noqa: E402
 from .quantize import quantize_  # noqa: E402
+from . import moe  # noqa: E402 (registers the MoE experts swap with quantize_)
+from .moe import W8A8MoE  # noqa: E402
 from . import checkpoints, distributed, graphs, models, runner  # noqa: E402
 from .checkpoints import from_pretrained, save_pretrained  # noqa: E402
 
@@ -56,6 +58,8 @@ __all__ = [
     "W8A8Linear",
     "QuantizedActivation",
     "W8A8Config",
+    "W8A8MoE",
+    "moe",
     "quantize_",
     "from_pretrained",
     "save_pretrained",

@@ -13,7 +13,51 @@ from torch import nn
 from .config import W8A8Config
 from .ops._limits import BLOCK_SIZE, GEMM_ALIGN
 
-__all__ = ["quantize_", "shape_supported", "refuse_quantized_weight"]
+__all__ = ["quantize_", "shape_supported", "refuse_quantized_weight", "ModuleSwap", "register_module_swap"]
+
+
+class ModuleSwap:
+    """A kind of module that `quantize_` swaps besides ``nn.Linear`` (the experts of MoE blocks: `W8A8MoE`).
+
+    The layering rule keeps this file from importing the layers above it (``cutlass_w8a8.moe``), so such a layer
+    registers its swap here with `register_module_swap` when it is imported (``import cutlass_w8a8`` imports
+    them all). `quantize_` asks each registered swap, in order, about every child module that is not a Linear:
+
+    - ``claims(parent, name, module) -> bool``: the swap handles ``parent.<name>`` (float or already quantized);
+      then ``filter_fn`` is asked about it as about a Linear;
+    - ``is_quantized(module) -> bool``: it is already quantized; it must then match ``config`` as a `W8A8Linear`
+      does (its ``quant_dtype``, ``dtype`` and ``weight_block_size`` attributes), else ValueError;
+    - ``swap(parent, name, module, fqn, config) -> (replacement, None)`` or ``(None, reason)``: the quantized
+      module, set on ``parent`` by `quantize_`, or None and why it stays in float (warned at the caller's line;
+      its children are then visited as usual). It raises for modules that must not be quantized.
+    """
+
+    def claims(self, parent: nn.Module, name: str, module: nn.Module) -> bool:
+        raise NotImplementedError
+
+    def is_quantized(self, module: nn.Module) -> bool:
+        raise NotImplementedError
+
+    def swap(self, parent: nn.Module, name: str, module: nn.Module, fqn: str, config: W8A8Config):
+        raise NotImplementedError
+
+
+_MODULE_SWAPS: list = []
+
+
+def register_module_swap(swap: ModuleSwap) -> None:
+    """Register a `ModuleSwap` with `quantize_` (once per object; registering it again does nothing)."""
+    if not isinstance(swap, ModuleSwap):
+        raise TypeError(f"register_module_swap: `swap` must be a ModuleSwap, got {type(swap).__name__}")
+    if swap not in _MODULE_SWAPS:
+        _MODULE_SWAPS.append(swap)
+
+
+def _claimed(parent: nn.Module, name: str, module: nn.Module) -> Optional[ModuleSwap]:
+    for swap in _MODULE_SWAPS:
+        if swap.claims(parent, name, module):
+            return swap
+    return None
 
 
 def shape_supported(out_features: int, in_features: int, weight_block_size: Optional[tuple] = None) -> bool:
@@ -77,6 +121,16 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
     ``lm_head`` tied to the input embedding), are left as they are, with a warning naming the module
     (``module 'lm_head'``) that points at the line calling ``quantize_``.
 
+    Mixture-of-experts blocks: the ``experts`` child of transformers' ``Qwen2MoeSparseMoeBlock``,
+    ``Qwen3MoeSparseMoeBlock`` and ``MixtralSparseMoeBlock`` (fused 3-D ``gate_up_proj`` / ``down_proj``) becomes a
+    `W8A8MoE` (`W8A8MoE.from_float`, top-k and renormalization from the block's router); the router ``gate``
+    stays in float, Qwen2-MoE's shared expert is quantized as Linears. ``filter_fn`` is asked about each
+    ``experts`` module as about a Linear. Experts whose H or I is not a multiple of 16 (128 with
+    ``weight_block_size``) or whose activation is not SiLU, and any other module holding 3-D expert parameters,
+    are left in float with a warning naming the module and its class. The swap is registered by
+    ``cutlass_w8a8.moe`` (`register_module_swap`); `W8A8MoE` layers already in ``model`` follow the rules of
+    `W8A8Linear` ones below.
+
     `W8A8Linear` layers already in ``model`` (a model quantized before, or loaded with `from_pretrained`) are
     never quantized again: their float weights are gone. Those that ``filter_fn`` selects must match ``config``
     (its ``dtype``, and its ``out_dtype`` when given), else ValueError; when they all match and no float Linear
@@ -88,8 +142,8 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
     TypeError
         ``model`` is not an ``nn.Module``, ``config`` not a `W8A8Config` (``quantize_(model, "int8")``: pass
         ``W8A8Config(dtype=torch.int8)``), ``filter_fn`` not callable; a selected Linear already holds int8 / fp8
-        weights (a quantized checkpoint loaded into ``nn.Linear``): load such checkpoints with
-        `cutlass_w8a8.from_pretrained`.
+        weights (a quantized checkpoint loaded into ``nn.Linear``), or selected MoE experts hold them: load such
+        checkpoints with `cutlass_w8a8.from_pretrained`.
     ValueError
         A `W8A8Linear` already in ``model`` that ``filter_fn`` selects does not match ``config`` (the message
         names the module). With ``tp_group``: ``model`` is a bare Linear (shard it with
@@ -151,10 +205,11 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
             warnings.warn(message, stacklevel=2)
         return new
 
-    swapped, already = 0, 0
+    swapped = 0
+    already: dict = {}  # class name -> count of the already-quantized layers that match config
 
     def swap(module: nn.Module, prefix: str) -> None:
-        nonlocal swapped, already
+        nonlocal swapped
         for name, child in list(module.named_children()):
             fqn = f"{prefix}.{name}" if prefix else name
             if isinstance(child, nn.Linear):
@@ -164,20 +219,34 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
             elif isinstance(child, W8A8Linear):
                 if filter_fn is None or filter_fn(child, fqn):
                     _refuse_other_scheme(child, fqn, config)
-                    already += 1
+                    already[type(child).__name__] = already.get(type(child).__name__, 0) + 1
             else:
-                swap(child, fqn)
+                kind = _claimed(module, name, child)  # a registered ModuleSwap (MoE experts)
+                if kind is None or (filter_fn is not None and not filter_fn(child, fqn)):
+                    swap(child, fqn)
+                elif kind.is_quantized(child):
+                    _refuse_other_scheme(child, fqn, config)
+                    already[type(child).__name__] = already.get(type(child).__name__, 0) + 1
+                else:
+                    new, why = kind.swap(module, name, child, fqn, config)
+                    if new is None:
+                        left_in_float.append(why)
+                        swap(child, fqn)
+                    else:
+                        setattr(module, name, new)
+                        swapped += 1
 
     if isinstance(model, W8A8Linear):
         if filter_fn is None or filter_fn(model, ""):
             _refuse_other_scheme(model, "", config)
-            already += 1
+            already["W8A8Linear"] = 1
     else:
         swap(model, "")
     for message in left_in_float:
         warnings.warn(message, stacklevel=2)
     if already and not swapped:
-        warnings.warn(f"quantize_: the model is already quantized: its {already} W8A8Linear layer(s) match "
+        layers = " and ".join(f"{n} {cls} layer(s)" for cls, n in already.items())
+        warnings.warn(f"quantize_: the model is already quantized: its {layers} match "
                       "`config` and no float nn.Linear was left to quantize, so nothing changed", stacklevel=2)
     if tp_group is not None:
         from .distributed.plan import tensor_parallel_
@@ -192,7 +261,7 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
 
 
 def _refuse_other_scheme(layer: nn.Module, fqn: str, config: W8A8Config) -> None:
-    """Raise ValueError when the `W8A8Linear` ``layer`` (module ``fqn`` of the model) is not what ``config`` would
+    """Raise ValueError when the `W8A8Linear` (or `ModuleSwap`-quantized, e.g. `W8A8MoE`) ``layer`` (module ``fqn`` of the model) is not what ``config`` would
     make of its float Linear: its float weights are gone, so it cannot be quantized again."""
     have = [("dtype", config.dtype, "quant_dtype", layer.quant_dtype)]
     if config.out_dtype is not None:
@@ -204,7 +273,7 @@ def _refuse_other_scheme(layer: nn.Module, fqn: str, config: W8A8Config) -> None
         if want != got:
             what = f"module {fqn!r}" if fqn else "`model`"
             raise ValueError(
-                f"quantize_: `config` asks for {cname}={want} but {what} is already a W8A8Linear with "
+                f"quantize_: `config` asks for {cname}={want} but {what} is already a {type(layer).__name__} with "
                 f"{lname}={got}; its float weights are gone, so it cannot be quantized again. Quantize the float "
                 "model (reload it) with this config, or leave the module out with filter_fn")
 
