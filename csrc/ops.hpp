@@ -35,6 +35,17 @@ at::Tensor decode_layer(const std::optional<at::Tensor>& h, at::Tensor& residual
                         const at::Tensor& slots, const at::Tensor& positions, int64_t num_heads,
                         int64_t num_kv_heads, double softmax_scale);
 
+// gemm/grouped_mm_entry.cu: the mixture-of-experts grouped GEMM (a [T, K] rows grouped by expert, b [E, K, N],
+// offsets int32 [E] end rows); T <= grouped_decode_max_rows() runs the grouped decode kernel, larger T the sm90
+// CUTLASS ptr-array grouped GEMM
+at::Tensor grouped_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                             const at::Tensor& scale_b, const at::Tensor& offsets, at::ScalarType out_dtype,
+                             const std::optional<at::Tensor>& bias);
+void grouped_scaled_mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                           const at::Tensor& scale_b, const at::Tensor& offsets,
+                           const std::optional<at::Tensor>& bias);
+int64_t grouped_decode_max_rows_op();
+
 // gemm/decode/scaled_mm_decode.cu: M <= 16 GEMMs that stream the weights with every SM busy; linear_decode also
 // quantizes x per token inside the kernel
 at::Tensor scaled_mm_decode(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
@@ -79,5 +90,15 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_quant(const at::Tensor& q, c
 // attention/rope_kv_cache.cu
 void rope_kv_cache_(at::Tensor& qkv, const at::Tensor& rope, at::Tensor& kv_cache, const at::Tensor& slots,
                     const at::Tensor& positions, int64_t num_heads, int64_t num_kv_heads);
+
+// moe/routing.cu, moe/permute_quant.cu: the MoE routing around the grouped GEMMs (cutlass_w8a8/ops/moe.py)
+std::tuple<at::Tensor, at::Tensor> moe_topk_softmax(const at::Tensor& router_logits, int64_t top_k, bool renormalize);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align(const at::Tensor& topk_ids, int64_t num_experts);
+std::tuple<at::Tensor, at::Tensor> moe_permute_quant(const at::Tensor& x, const at::Tensor& sorted_pairs,
+                                                     int64_t top_k, at::ScalarType dtype,
+                                                     const std::optional<at::Tensor>& scale, int64_t group_size);
+at::Tensor moe_unpermute(const at::Tensor& y, const at::Tensor& dst_pos, const at::Tensor& topk_weights);
+void moe_unpermute_out(at::Tensor& out, const at::Tensor& y, const at::Tensor& dst_pos,
+                       const at::Tensor& topk_weights);
 
 }  // namespace cutlass_w8a8

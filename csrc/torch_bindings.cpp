@@ -57,6 +57,8 @@ TORCH_LIBRARY_FRAGMENT(cutlass_w8a8, m) {
   m.def("_get_decode_gemm_max_m() -> int", &get_decode_gemm_max_m_op);
   m.def("_set_decode_gemm_max_m(int m) -> int", &set_decode_gemm_max_m_op);
   m.def("_supports_fp8(int device) -> bool", &supports_fp8_op);
+  // the largest T grouped_scaled_mm sends to the grouped decode kernel (tests pick T on both sides of it)
+  m.def("_grouped_decode_max_rows() -> int", &grouped_decode_max_rows_op);
   m.def("_graph_record_begin() -> int", &graph_record_begin_op);
   m.def("_graph_record_end(bool check) -> int", &graph_record_end_op);
   m.def("_graph_record_info(int record) -> (int[], str)", &graph_record_info_op);
@@ -88,4 +90,11 @@ TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
   m.impl("decode_attention_quant", &cutlass_w8a8::decode_attention_quant);
   m.impl("_graph_update_scaled_mm", &cutlass_w8a8::graph_nodes::graph_update_scaled_mm);
   m.impl("rope_kv_cache_", &cutlass_w8a8::rope_kv_cache_);
+  m.impl("grouped_scaled_mm", &cutlass_w8a8::grouped_scaled_mm);
+  m.impl("grouped_scaled_mm_out", &cutlass_w8a8::grouped_scaled_mm_out);
+  m.impl("moe_topk_softmax", &cutlass_w8a8::moe_topk_softmax);
+  m.impl("moe_align", &cutlass_w8a8::moe_align);
+  m.impl("moe_permute_quant", &cutlass_w8a8::moe_permute_quant);
+  m.impl("moe_unpermute", &cutlass_w8a8::moe_unpermute);
+  m.impl("moe_unpermute_out", &cutlass_w8a8::moe_unpermute_out);
 }

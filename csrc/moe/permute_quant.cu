@@ -1,0 +1,140 @@
+// moe_permute_quant: the tokens gathered into the experts' order (moe_align's sorted_pairs) and quantized for the
+// first grouped GEMM, in one kernel:
+//
+//   row s of q = quantize(x[sorted_pairs[s] / top_k])      s in [0, T * top_k)
+//
+// per token (dynamic: scale[s] = max |row| / QMAX), per tensor (a static scale, repeated into scale[s]) or per 1 x
+// 128 group (scale[s, g]), to int8 or float8_e4m3fn. The quantization is the row-wise kernels' tail
+// (quant/rowwise_reduce.cuh finish_regs / finish_loop), the code silu_mul_quant and rms_norm_quant run and that
+// equals quantize_per_token / quantize_per_tensor / quantize_per_token_group bit for bit; so q and the scales are
+// those of gathering the rows, then quantizing them. The launch shapes are launch_rowwise's (one block per output
+// row, a cluster of 8 on sm90 for rows of more than 8192 bf16 elements): chosen from H, the dtype and the alignment,
+// never from the routing. A pair index outside [0, T * top_k) (device data, not checked: no host sync) is clamped
+// into it, as the CPU reference does.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "core/checks.hpp"
+#include "core/device.hpp"
+#include "core/launch_policy.hpp"
+#include "graphs/graph_nodes.hpp"
+#include "moe/moe_args.hpp"
+#include "ops.hpp"
+#include "quant/rowwise_args.hpp"
+#include "quant/rowwise_reduce.cuh"
+
+namespace cutlass_w8a8 {
+namespace {
+
+template <class T, class OutT>
+struct PermuteParams {
+  const T* x;  // [T, H] rows, x_stride apart
+  int64_t x_stride;
+  const int* sorted_pairs;  // [n]
+  int64_t n;                // T * top_k: the output rows
+  int top_k;
+  OutT* out;                  // [n, H] contiguous
+  float* scales;              // [n] (per row), or [n, H / 128] (GroupOut)
+  const float* static_scale;  // null: dynamic
+  int h;                      // H
+};
+
+// The source row of output row `row`: the pair's token, the pair clamped into [0, n).
+template <class P>
+__device__ __forceinline__ int64_t source_row(const P& p, int64_t row) {
+  int64_t pair = p.sorted_pairs[row];
+  pair = pair < 0 ? 0 : (pair >= p.n ? p.n - 1 : pair);
+  return pair / p.top_k;
+}
+
+// The row-wise kernels of quant/rowwise_reduce.cuh run these (launch_rowwise): y = the gathered row, as loaded.
+template <class T, class O>
+struct PermuteRow {
+  using Params = PermuteParams<T, typename O::type>;
+
+  template <int kVecs, int kB, int C>
+  __device__ __forceinline__ static void regs(const Params& p) {
+    constexpr int N = 16 / sizeof(T);
+    using V = Vec<T, N>;
+    const int64_t row = blockIdx.x;
+    const V* in = reinterpret_cast<const V*>(p.x + source_row(p, row) * p.x_stride);
+    int begin, end;
+    block_part<C>(p.h / N, begin, end);
+    V y[kVecs];
+#pragma unroll
+    for (int i = 0; i < kVecs; ++i) {
+      const int idx = begin + threadIdx.x + i * kB;
+      if (idx < end) y[i] = in[idx];
+    }
+    finish_regs<T, O, N, kVecs, kB, C>(y, begin, end, p.out + row * int64_t(p.h), p.scales, p.static_scale, row,
+                                       p.h / kGroupElems);
+  }
+
+  template <int N, int kB>
+  __device__ __forceinline__ static void loop(const Params& p) {
+    using V = Vec<T, N>;
+    const int64_t row = blockIdx.x;
+    const V* in = reinterpret_cast<const V*>(p.x + source_row(p, row) * p.x_stride);
+    auto produce = [&](int idx) { return in[idx]; };
+    finish_loop<T, O, N, kB>(produce, p.h / N, p.out + row * int64_t(p.h), p.scales, p.static_scale, row,
+                             p.h / kGroupElems);
+  }
+};
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> moe_permute_quant(const at::Tensor& x, const at::Tensor& sorted_pairs,
+                                                     int64_t top_k, at::ScalarType dtype,
+                                                     const std::optional<at::Tensor>& scale, int64_t group_size) {
+  constexpr const char* op = "moe_permute_quant";
+  moe::check_permute_quant(op, x, sorted_pairs, top_k, dtype, scale, group_size);
+  quant::check_on_cuda(op, x);
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t t = x.size(0), h = x.size(1), n = t * top_k;
+  at::Tensor q = at::empty({n, h}, x.options().dtype(dtype));
+  at::Tensor scales = at::empty({n, group_size != 0 ? h / group_size : 1}, x.options().dtype(at::kFloat));
+  if (n == 0) return {q, scales};
+
+  const at::Tensor x2 = x.stride(1) == 1 ? x : x.contiguous();
+  const at::Tensor pairs = sorted_pairs.contiguous();
+  const bool clusters = clusters_available(x.get_device());
+  const bool pdl = kernels_use_pdl(x.get_device());
+  cudaStream_t stream = current_stream(x);
+  auto launch = [&](auto tt, auto o) {
+    using T = decltype(tt);
+    using O = decltype(o);
+    using OutT = typename O::type;
+    constexpr int N = 16 / sizeof(T);
+    PermuteParams<T, OutT> p;
+    p.x = reinterpret_cast<const T*>(x2.data_ptr());
+    p.x_stride = t > 1 ? x2.stride(0) : h;
+    p.sorted_pairs = pairs.data_ptr<int>();
+    p.n = n;
+    p.top_k = static_cast<int>(top_k);
+    p.out = reinterpret_cast<OutT*>(q.data_ptr());
+    p.scales = scales.data_ptr<float>();
+    p.static_scale = scale.has_value() ? scale->data_ptr<float>() : nullptr;
+    p.h = static_cast<int>(h);
+    const bool vectorizable = h % N == 0 && p.x_stride % N == 0 && is_aligned(p.x, 16) &&
+                              is_aligned(p.out, N * sizeof(OutT));
+    const int64_t part_multiple = IsGroup<O>::value ? kGroupElems / N : 1;  // no group across two cluster blocks
+    C10_CUDA_CHECK((launch_rowwise<T, PermuteRow<T, O>>(p, p.h / N, n, vectorizable, clusters, pdl, stream,
+                                                        part_multiple)));
+  };
+  if (group_size != 0) {
+    dispatch_rowwise_groups(quant::row_elem(x.scalar_type()), quant::row_out(dtype), launch);
+  } else {
+    dispatch_rowwise(quant::row_elem(x.scalar_type()), quant::row_out(dtype), launch);
+  }
+  graph_nodes::refuse_launch(stream, op);
+  return {q, scales};
+}
+
+}  // namespace cutlass_w8a8
