@@ -109,3 +109,67 @@ CPU_TRIGGERS = {
 }
 
 CUDA_TRIGGERS: dict = {}
+
+
+# ---- MoE routing: moe_topk_softmax, moe_align, moe_permute_quant, moe_unpermute --------------------------------
+
+
+def _i32(*shape, d="cpu"):
+    return torch.zeros(*shape, dtype=torch.int32, device=d)
+
+
+def _unpermute(d, y=None, dst=None, w=None, **kw):
+    """moe_unpermute with T = 2, top_k = 2, H = 8 legal operands on device d, one replaced."""
+    y = torch.zeros(4, 8, device=d) if y is None else y
+    dst = _i32(4, d=d) if dst is None else dst
+    w = torch.zeros(2, 2, device=d) if w is None else w
+    return cw.moe_unpermute(y, dst, w, **kw)
+
+
+def _permute(d, x=None, sp=None, top_k=2, dtype=torch.int8, group_size=None):
+    x = torch.zeros(2, 128, dtype=torch.bfloat16, device=d) if x is None else x
+    sp = _i32(4, d=d) if sp is None else sp
+    return cw.moe_permute_quant(x, sp, top_k, dtype, None, group_size)
+
+
+_MOE_DEVICE_TRIGGERS = {
+    "moe-logits-dtype": lambda d: cw.moe_topk_softmax(torch.zeros(2, 4, dtype=torch.float64, device=d), 1),
+    "moe-logits-shape": lambda d: cw.moe_topk_softmax(torch.zeros(2, 3, 4, device=d), 1),
+    "moe-logits-experts": lambda d: cw.moe_topk_softmax(torch.zeros(2, 1025, device=d), 1),
+    "moe-top-k": lambda d: cw.moe_topk_softmax(torch.zeros(2, 4, device=d), 5),
+    "moe-ids-dtype": lambda d: cw.moe_align(torch.zeros(2, 2, device=d), 4),
+    "moe-ids-shape": lambda d: cw.moe_align(_i32(4, d=d), 4),
+    "moe-num-experts": lambda d: cw.moe_align(_i32(2, 2, d=d), 0),
+    "moe-permute-x-shape": lambda d: _permute(d, x=torch.zeros(2, 2, 128, device=d)),
+    "moe-pairs-dtype": lambda d: _permute(d, sp=torch.zeros(4, dtype=torch.int64, device=d)),
+    "moe-permute-top-k": lambda d: _permute(d, top_k=0),
+    "moe-pairs-shape": lambda d: _permute(d, sp=_i32(3, d=d)),
+    "moe-permute-dtype": lambda d: _permute(d, dtype=torch.float16),
+    "moe-permute-group-k": lambda d: _permute(d, x=torch.zeros(2, 64, device=d), dtype=torch.float8_e4m3fn,
+                                              group_size=128),
+    "moe-y-dtype": lambda d: _unpermute(d, y=_i32(4, 8, d=d)),
+    "moe-dst-dtype": lambda d: _unpermute(d, dst=torch.zeros(4, device=d)),
+    "moe-weights-dtype": lambda d: _unpermute(d, w=torch.zeros(2, 2, dtype=torch.bfloat16, device=d)),
+    "moe-out-dtype": lambda d: _unpermute(d, out=torch.zeros(2, 8, dtype=torch.bfloat16, device=d)),
+    "moe-weights-shape": lambda d: _unpermute(d, w=torch.zeros(4, device=d)),
+    "moe-y-shape": lambda d: _unpermute(d, y=torch.zeros(5, 8, device=d)),
+    "moe-dst-shape": lambda d: _unpermute(d, dst=_i32(5, d=d)),
+    "moe-out-shape": lambda d: _unpermute(d, out=torch.zeros(2, 9, device=d)),
+    "moe-out-contiguous": lambda d: _unpermute(d, out=torch.zeros(8, 2, device=d).t()),
+}
+DEVICE_TRIGGERS.update(_MOE_DEVICE_TRIGGERS)
+
+CPU_TRIGGERS.update({
+    "moe-logits-too-many-rows": lambda: cw.moe_topk_softmax(torch.empty(2**31, 8, device="meta"), 2),
+    "moe-ids-too-many": lambda: cw.moe_align(torch.empty(2**28, 8, dtype=torch.int32, device="meta"), 8),
+    "moe-permute-rows": lambda: _permute("meta", x=torch.empty(2**30, 128, dtype=torch.bfloat16, device="meta"),
+                                         sp=_i32(0, d="meta"), top_k=4),
+    "moe-y-too-many-rows": lambda: _unpermute("meta", y=torch.empty(2**31, 8, device="meta"),
+                                              w=torch.empty(2**31, 1, device="meta")),
+    "moe-y-h-too-large": lambda: _unpermute("meta", y=torch.empty(4, 2**31, device="meta")),
+})
+
+CUDA_TRIGGERS.update({
+    "moe-pairs-device": lambda: _permute("cuda", sp=_i32(4)),
+    "moe-weights-device": lambda: _unpermute("cuda", w=torch.zeros(2, 2)),
+})
