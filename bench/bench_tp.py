@@ -30,15 +30,15 @@ Writes ``tp_<layers>l[_vocab_lm_head]_<device>.json`` and ``.md`` (and ``.png`` 
 
 Bytes, and what they allow: at batch 1 a step reads its weights once, so TP=2 can gain at most the ratio of the
 bytes per GPU. With few layers the replicated bf16 ``lm_head`` (2.1 GB at Llama-3's vocabulary) weighs on that
-ratio: 8 int8 layers (6.8 GB) + lm_head give 8.95 GB at TP=1 and 5.5 GB per GPU at TP=2, at most 1.62x; with
-``--tp-lm-head`` 4.5 GB, at most 2.0x; with all 80 layers (about 73 GB at TP=1: an H200, or an 80 GB H100 with
-little to spare) 1.94x replicated.
+ratio: 8 int8 layers (6.8 GB) + lm_head give 8.95 GB at TP=1 and, with ``--replicated-lm-head``, 5.5 GB per GPU at
+TP=2, at most 1.62x; sharded over the vocabulary (the default, as `LlamaDecoder`'s) 4.5 GB, at most 2.0x; with all
+80 layers (about 73 GB at TP=1: an H200, or an 80 GB H100 with little to spare) 1.94x replicated.
 
 Examples::
 
     python bench/bench_tp.py                       # Llama-3-70B dims, 8 layers, int8, batch 1 and 8
     python bench/bench_tp.py --layers 4 --quick
-    python bench/bench_tp.py --tp-lm-head          # lm_head sharded over the vocabulary at TP=2
+    python bench/bench_tp.py --replicated-lm-head  # lm_head replicated at TP=2 (default: sharded over the vocabulary)
 """
 
 from __future__ import annotations
@@ -84,9 +84,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="KV-cache length, a multiple of 16 (default 512); steps run at position max_seq // 2")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 100; 20 with --quick)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps before them (default 10; 3 --quick)")
-    parser.add_argument("--tp-lm-head", action="store_true",
-                        help="at TP=2 shard lm_head over the vocabulary (logits all-gathered) instead of "
-                             "replicating it")
+    parser.add_argument("--tp-lm-head", dest="tp_lm_head", action="store_true", default=True,
+                        help="at TP=2 shard lm_head over the vocabulary (logits all-gathered; the default)")
+    parser.add_argument("--replicated-lm-head", dest="tp_lm_head", action="store_false",
+                        help="at TP=2 replicate lm_head on both ranks instead of sharding it")
     parser.add_argument("--quick", action="store_true", help="2 layers (unless --layers), fewer steps")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs")
     parser.add_argument("--timeout", type=float, default=1500.0,

@@ -25,15 +25,15 @@ VOCAB = 256
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
-def tiny_model(kind: str, seed: int = 0):
+def tiny_model(kind: str, seed: int = 0, num_key_value_heads: int = 2):
     """A random bf16 ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (q/k/v biases, drawn N(0, 0.1) so they matter):
-    hidden 64, MLP 128, 4 heads, 2 KV heads (k/v N = 32), 2 layers, vocab 256. Every Linear has K and N multiples
-    of 16."""
+    hidden 64, MLP 128, 4 heads, 2 KV heads (k/v N = 32; ``num_key_value_heads`` 1: N = 16), 2 layers, vocab 256.
+    Every Linear has K and N multiples of 16."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+                  num_key_value_heads=num_key_value_heads, max_position_embeddings=128, tie_word_embeddings=False)
     if kind not in ("llama", "qwen2"):
         raise ValueError(kind)
     config = LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)

@@ -24,6 +24,8 @@ from cutlass_w8a8.runner import DecodeGraphRunner
 #: heads of 32 (qkv 256 -> 128 per rank: q 64, k 32, v 32), MLP 256 (gate_up 512 -> 256, down K 256 -> 128).
 TINY = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=32, max_position=64)
+#: TINY with one key/value head: at TP=2 it is replicated (each rank keeps head 0 and 2 of the 4 query heads).
+TINY_KV1 = TINY.replace(num_kv_heads=1)
 QUANT = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 COL_SIZES = [64, 16, 16]  # a fused layer of three matrices (q, k, v), N = 96
 
@@ -141,7 +143,8 @@ def _misaligned_row(rank, world):
 
 
 def _indivisible_kv_heads(rank, world):
-    return LlamaDecoder(TINY.replace(num_kv_heads=1), quant="int8", max_batch=2, max_seq_len=16,
+    # 3 key/value heads over 2 ranks: neither split (2 does not divide 3) nor replicated (3 does not divide 2)
+    return LlamaDecoder(TINY.replace(num_heads=6, num_kv_heads=3), quant="int8", max_batch=2, max_seq_len=16,
                         device=_device(rank), tp_group=dist.group.WORLD)
 
 
@@ -187,7 +190,7 @@ def dequantized_float_model(model: nn.Module) -> nn.Module:
 
 
 def _decoder(rank: int, world: int, quant, dtype: torch.dtype, steps: int, config: LlamaConfig,
-             tp_lm_head: bool = False) -> dict:
+             tp_lm_head=None) -> dict:
     if quant == "fp8" and dist.get_backend() == "nccl" and not cw.supports_fp8():
         return "skip: no fp8 kernels on this device"
     group, dev = dist.group.WORLD, _device(rank)
@@ -223,10 +226,12 @@ def _decoder(rank: int, world: int, quant, dtype: torch.dtype, steps: int, confi
 
 
 def decoder_cases(rank: int, world: int, cases, steps: int = 4, config: LlamaConfig = TINY) -> dict:
-    """``cases``: ``[(name, quant, dtype[, tp_lm_head])]``; each: TP model (constructor and `shard_decoder_` of a full
-    copy) vs the full model, its `DecodeGraphRunner` (graphs on CUDA, eager on the CPU), and the dequantized float
+    """``cases``: ``[(name, quant, dtype[, tp_lm_head[, config]])]`` (``tp_lm_head`` None: the default, sharded over
+    the vocabulary; ``config`` default ``config``); each: TP model (constructor and `shard_decoder_` of a full copy)
+    vs the full model, its `DecodeGraphRunner` (graphs on CUDA, eager on the CPU), and the dequantized float
     reference."""
-    return {c[0]: _catch(_decoder, rank, world, c[1], c[2], steps, config, *c[3:]) for c in cases}
+    return {c[0]: _catch(_decoder, rank, world, c[1], c[2], steps, c[4] if len(c) > 4 else config, *c[3:4])
+            for c in cases}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -357,11 +362,37 @@ def _hf_quantize(rank, world, ids):
                          o_type=type(model.model.layers[0].self_attn.o_proj).__name__))
 
 
-def hf_cases(rank: int, world: int, path: str, ids: torch.Tensor) -> dict:
+def _hf_kv1_from_pretrained(rank, world, path, ids):
+    model = cw.from_pretrained(path, tp_group=dist.group.WORLD)
+    with torch.no_grad():
+        logits = model(ids).logits
+    attn = model.model.layers[0].self_attn
+    return _cpu(dict(logits=logits, k_w=attn.k_proj.weight, v_w=attn.v_proj.weight, q_w=attn.q_proj.weight,
+                     k_type=type(attn.k_proj).__name__, groups=attn.num_key_value_groups))
+
+
+def _hf_kv1_float(rank, world, ids):
+    """The float32 tiny Llama with one key/value head, sharded by ``tensor_parallel_`` (the head replicated)."""
+    from _checkpoints import tiny_model
+
+    from cutlass_w8a8.distributed import tensor_parallel_
+
+    model = tensor_parallel_(tiny_model("llama", seed=1, num_key_value_heads=1).float(), dist.group.WORLD)
+    with torch.no_grad():
+        return _cpu(dict(logits=model(ids).logits, groups=model.model.layers[0].self_attn.num_key_value_groups))
+
+
+def hf_cases(rank: int, world: int, path: str, ids: torch.Tensor, path_kv1: str = None) -> dict:
     """A compressed-tensors checkpoint of a tiny Llama loaded with ``from_pretrained(tp_group=...)`` (with every
-    safetensors read recorded), and the float tiny Llama quantized with ``quantize_(tp_group=...)``."""
-    return {"from_pretrained": _catch(_hf_from_pretrained, rank, world, path, ids),
-            "quantize_": _catch(_hf_quantize, rank, world, ids)}
+    safetensors read recorded), and the float tiny Llama quantized with ``quantize_(tp_group=...)``; with
+    ``path_kv1``, the same checkpoint loading for a tiny Llama with one key/value head (replicated at TP=2), and
+    that model in float32 sharded by ``tensor_parallel_``."""
+    out = {"from_pretrained": _catch(_hf_from_pretrained, rank, world, path, ids),
+           "quantize_": _catch(_hf_quantize, rank, world, ids)}
+    if path_kv1 is not None:
+        out["from_pretrained_kv1"] = _catch(_hf_kv1_from_pretrained, rank, world, path_kv1, ids)
+        out["float_kv1"] = _catch(_hf_kv1_float, rank, world, ids)
+    return out
 
 
 def cpu_core_cases(rank: int, world: int) -> dict:
@@ -369,12 +400,16 @@ def cpu_core_cases(rank: int, world: int) -> dict:
     return {"layers": layer_cases(rank, world), "errors": error_cases(rank, world),
             "decoder": decoder_cases(rank, world, [("int8", "int8", torch.bfloat16), ("fp8", "fp8", torch.bfloat16),
                                                    ("float32", None, torch.float32),
-                                                   ("int8_tp_lm_head", "int8", torch.bfloat16, True)]),
+                                                   ("int8_replicated_lm_head", "int8", torch.bfloat16, False),
+                                                   ("int8_kv1", "int8", torch.bfloat16, None, TINY_KV1),
+                                                   ("float32_kv1", None, torch.float32, None, TINY_KV1)]),
             "quantize": quantize_cases(rank, world)}
 
 
 #: The CUDA tests' decoder: SMALL's dimensions (hidden 1024, 16 / 4 heads of 64, MLP 2816, vocab 8192), 2 layers.
 SMALL2 = LlamaConfig(num_layers=2)
+#: SMALL2 with one key/value head: replicated at TP=2 (each rank keeps it and 8 of the 16 query heads).
+SMALL2_KV1 = SMALL2.replace(num_kv_heads=1)
 
 
 def cuda_cases(rank: int, world: int) -> dict:
@@ -383,7 +418,8 @@ def cuda_cases(rank: int, world: int) -> dict:
         raise RuntimeError(f"the CUDA extension is not built: {cw.extension_status()}")
     return {"layers": layer_cases(rank, world), "errors": error_cases(rank, world),
             "decoder": decoder_cases(rank, world, [("int8", "int8", torch.bfloat16), ("fp8", "fp8", torch.bfloat16),
-                                                   ("int8_tp_lm_head", "int8", torch.bfloat16, True)],
+                                                   ("int8_replicated_lm_head", "int8", torch.bfloat16, False),
+                                                   ("int8_kv1", "int8", torch.bfloat16, None, SMALL2_KV1)],
                                      steps=4, config=SMALL2)}
 
 
@@ -405,7 +441,7 @@ ERRORS = {
     "indivisible_sizes": r"ColumnParallelW8A8Linear: `output_sizes\[0\]` = 33 is not divisible by the tensor-parallel "
                          r"world size 2",
     "misaligned_row": r"RowParallelW8A8Linear: the shard of each rank would have in_features = 24",
-    "indivisible_kv_heads": r"`config.num_kv_heads` = 1 is not divisible by the tensor-parallel world size 2",
+    "indivisible_kv_heads": r"`config.num_kv_heads` = 3 and the tensor-parallel world size 2 divide neither way",
 }
 
 

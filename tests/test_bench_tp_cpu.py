@@ -25,11 +25,13 @@ def bench():
 def test_defaults_and_quick(bench):
     a = bench.parse_args([])
     assert (a.layers, a.batches, a.quant, a.steps, a.warmup, a.max_seq, a.tp_lm_head) == (8, [1, 8], "int8", 100, 10,
-                                                                                          512, False)
+                                                                                          512, True)
     q = bench.parse_args(["--quick", "--batches", "8,1,8", "--tp-lm-head"])
     assert (q.layers, q.steps, q.warmup, q.batches, q.tp_lm_head) == (2, 20, 3, [1, 8], True)
     assert bench.parse_args(["--quick", "--layers", "5"]).layers == 5
-    assert bench.result_prefix(a) == "tp_8l" and bench.result_prefix(q) == "tp_2l_vocab_lm_head"
+    assert bench.result_prefix(a) == "tp_8l_vocab_lm_head" and bench.result_prefix(q) == "tp_2l_vocab_lm_head"
+    r = bench.parse_args(["--replicated-lm-head"])
+    assert r.tp_lm_head is False and bench.result_prefix(r) == "tp_8l"
 
 
 @pytest.mark.parametrize("argv", [["--layers", "0"], ["--max-seq", "24"], ["--max-seq", "16384"], ["--steps", "0"],

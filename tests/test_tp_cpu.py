@@ -281,36 +281,41 @@ def test_group_works_after_the_errors(core):
     assert [ok_value(core[r]["errors"]["group_still_works"]) for r in range(WORLD)] == [3.0, 3.0]
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8", "float32", "int8_tp_lm_head"])
+@pytest.mark.parametrize("name", ["int8", "fp8", "float32", "int8_replicated_lm_head", "int8_kv1", "float32_kv1"])
 def test_decoder_shard_structure(core, name):
     for rank in range(WORLD):
         d = ok_value(core[rank]["decoder"][name])
         assert d["same_weights"]  # LlamaDecoder(tp_group=...) == shard_decoder_(full model of the same seed)
-        assert d["heads"] == (2, 1)  # 4 query / 2 key-value heads over 2 ranks
+        # 4 query / 2 key-value heads over 2 ranks; with one key-value head (kv1) it is replicated: also (2, 1)
+        assert d["heads"] == (2, 1)
         assert d["kv_cache_shape"] == (5, 2, 1, 32, 32)
         assert d["use_layer_op"] == [False, False]
-        par = ["ColumnParallelW8A8Linear", "RowParallelW8A8Linear"] if name != "float32" else \
+        par = ["ColumnParallelW8A8Linear", "RowParallelW8A8Linear"] if not name.startswith("float32") else \
             ["ColumnParallelLinear", "RowParallelLinear"]
         assert set(par) <= set(d["types"])
-        assert d["lm_head"] == ("ColumnParallelLinear" if name.endswith("tp_lm_head") else "Linear")
+        # lm_head: sharded over the vocabulary by default, replicated on request
+        assert d["lm_head"] == ("Linear" if name.endswith("replicated_lm_head") else "ColumnParallelLinear")
         # the runner (eager on the CPU, batch 3 padded to its bucket 4) gives the model's rows: exactly for W8A8
         # (the CPU GEMM sums in float64), within float32 summation order for float32 (BLAS blocks by M)
         for a, b, c in zip(d["runner"], d["runner_eager"], d["tp"]):
             assert torch.equal(a, b)
-            if name == "float32":
+            if name.startswith("float32"):
                 assert float((a - c).norm() / c.norm()) <= FLOAT32_TP_REL
             else:
                 assert torch.equal(a, c)
 
 
-def test_decoder_float32_tp_equals_tp1(core):
+@pytest.mark.parametrize("name", ["float32", "float32_kv1"])
+def test_decoder_float32_tp_equals_tp1(core, name):
+    """Also with one key/value head replicated on both ranks (kv1): a rank holding the wrong key/value head, or
+    attention grouping its query heads wrongly, would change the logits by far more than the summation order."""
     for rank in range(WORLD):
-        d = ok_value(core[rank]["decoder"]["float32"])
+        d = ok_value(core[rank]["decoder"][name])
         l1, l2 = torch.stack(d["full"]), torch.stack(d["tp"])
         assert float((l2 - l1).norm() / l1.norm()) <= FLOAT32_TP_REL
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8", "int8_tp_lm_head"])
+@pytest.mark.parametrize("name", ["int8", "fp8", "int8_replicated_lm_head", "int8_kv1"])
 def test_decoder_w8a8_tp_vs_tp1(core, name):
     d0, d1 = (ok_value(core[r]["decoder"][name]) for r in range(WORLD))
     for key in ("full", "tp"):  # replicated logits: identical on both ranks
@@ -352,9 +357,11 @@ def hf(tmp_path_factory):
 
     path = str(tmp_path_factory.mktemp("tp_ckpt") / "llama_int8")
     write_ct_checkpoint(tiny_model("llama"), scheme("W8A8"), path)
+    path_kv1 = str(tmp_path_factory.mktemp("tp_ckpt_kv1") / "llama_kv1_int8")
+    write_ct_checkpoint(tiny_model("llama", seed=1, num_key_value_heads=1), scheme("W8A8"), path_kv1)
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
-    res = run_workers(scen.hf_cases, WORLD, args=(path, ids), timeout_s=TIMEOUT_S, group_timeout_s=60)
-    return path, ids, [r.value for r in res]
+    res = run_workers(scen.hf_cases, WORLD, args=(path, ids, path_kv1), timeout_s=TIMEOUT_S, group_timeout_s=60)
+    return path, ids, [r.value for r in res], path_kv1
 
 
 def _logits(model, ids):
@@ -372,7 +379,7 @@ def _check_tp_accuracy(l1, l2, lf):
 def test_from_pretrained_tp_reads_only_its_shards(hf):
     from _checkpoints import stored_tensors
 
-    path, _, res = hf
+    path, _, res, _ = hf
     stored = stored_tensors(path)
     planned = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "o_proj": 1, "down_proj": 1}
     for rank in range(WORLD):
@@ -394,7 +401,7 @@ def test_from_pretrained_tp_reads_only_its_shards(hf):
 def test_from_pretrained_tp_weights_are_the_stored_slices(hf):
     from _checkpoints import stored_tensors
 
-    path, _, res = hf
+    path, _, res, _ = hf
     st = stored_tensors(path)
     pre = "model.layers.0."
     for rank in range(WORLD):
@@ -408,7 +415,7 @@ def test_from_pretrained_tp_weights_are_the_stored_slices(hf):
 
 
 def test_from_pretrained_tp_logits_vs_tp1(hf):
-    path, ids, res = hf
+    path, ids, res, _ = hf
     full = cw.from_pretrained(path)
     l1 = _logits(full, ids)
     lf = _logits(scen.dequantized_float_model(full), ids)
@@ -420,7 +427,7 @@ def test_from_pretrained_tp_logits_vs_tp1(hf):
 def test_quantize_tp_on_a_transformers_model(hf):
     from _checkpoints import tiny_model
 
-    _, ids, res = hf
+    _, ids, res, _ = hf
     full = cw.quantize_(tiny_model("llama", seed=0), filter_fn=lambda m, fqn: fqn != "lm_head")
     l1 = _logits(full, ids)
     lf = _logits(scen.dequantized_float_model(full), ids)
@@ -428,3 +435,54 @@ def test_quantize_tp_on_a_transformers_model(hf):
     assert d[0]["q_type"] == "ColumnParallelW8A8Linear" and d[0]["o_type"] == "RowParallelW8A8Linear"
     assert torch.equal(d[0]["logits"], d[1]["logits"])
     _check_tp_accuracy(l1, d[0]["logits"].double(), lf)
+
+
+# ---- key/value heads fewer than the ranks: replicated ---------------------------------------------------------
+
+
+def test_kv_replicas_rule():
+    assert [S.kv_replicas(8, kvh, 4) for kvh in (8, 4, 2, 1)] == [1, 1, 2, 4]
+    assert S.column_rows([64, 16, 16], 3, 4, [1, 4, 4]) == [(48, 64), (64, 80), (80, 96)]  # head 0 on every rank
+    assert [S.column_rows([64, 32, 32], r, 4, [1, 2, 2])[1] for r in range(4)] == [(64, 80)] * 2 + [(80, 96)] * 2
+    with pytest.raises(ValueError, match=r"`config.num_key_value_heads` = 3 and the tensor-parallel world size 2 "
+                                         r"divide neither way"):
+        S.kv_replicas(6, 3, 2)
+    with pytest.raises(ValueError, match=r"`config.num_attention_heads` = 6 is not divisible by the tensor-parallel "
+                                         r"world size 4"):
+        S.kv_replicas(6, 2, 4)
+    with pytest.raises(ValueError, match=r"`replicas\[1\]` = 3 does not divide the tensor-parallel world size 4"):
+        S.check_column_shardable(96, 64, 4, [64, 16, 16], replicas=[1, 3, 3])
+
+
+def test_from_pretrained_tp_replicates_one_kv_head(hf):
+    """One key/value head at TP=2: both ranks hold the whole k_proj / v_proj (head 0) and half the query heads,
+    attention groups the rank's 2 query heads on it, and the logits meet the TP criterion against TP=1."""
+    from _checkpoints import stored_tensors
+
+    _, ids, res, path = hf
+    st = stored_tensors(path)
+    full = cw.from_pretrained(path)
+    l1 = _logits(full, ids)
+    lf = _logits(scen.dequantized_float_model(full), ids)
+    d = [ok_value(res[r]["from_pretrained_kv1"]) for r in range(WORLD)]
+    pre = "model.layers.0.self_attn."
+    for rank in range(WORLD):
+        assert d[rank]["k_type"] == "ColumnParallelW8A8Linear" and d[rank]["groups"] == 2
+        assert torch.equal(d[rank]["k_w"], st[pre + "k_proj.weight"]) and torch.equal(d[rank]["v_w"],
+                                                                                      st[pre + "v_proj.weight"])
+        assert torch.equal(d[rank]["q_w"], st[pre + "q_proj.weight"][rank * 32:(rank + 1) * 32])
+    assert torch.equal(d[0]["logits"], d[1]["logits"])
+    _check_tp_accuracy(l1, d[0]["logits"].double(), lf)
+
+
+def test_tensor_parallel_float32_one_kv_head_equals_tp1(hf):
+    """Float32, one key/value head replicated at TP=2: only the summation order of the row-parallel layers and the
+    2-way reduce differ from TP=1 (the FLOAT32_TP_REL criterion of the decoder)."""
+    from _checkpoints import tiny_model
+
+    _, ids, res, _ = hf
+    l1 = _logits(tiny_model("llama", seed=1, num_key_value_heads=1).float(), ids)
+    for rank in range(WORLD):
+        d = ok_value(res[rank]["float_kv1"])
+        assert d["groups"] == 2
+        assert float((d["logits"].double() - l1).norm() / l1.norm()) <= FLOAT32_TP_REL

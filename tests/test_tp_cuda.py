@@ -98,15 +98,17 @@ def test_misuse_raises_the_same_error_on_every_rank_nccl(nccl, name):
     assert [ok_value(nccl[r]["errors"]["group_still_works"]) for r in range(WORLD)] == [3.0, 3.0]
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8", "int8_tp_lm_head"])
+@pytest.mark.parametrize("name", ["int8", "fp8", "int8_replicated_lm_head", "int8_kv1"])
 def test_decoder_tp2_vs_tp1_and_graph_replay(nccl, name):
     d = [ok_value(nccl[r]["decoder"][name]) for r in range(WORLD)]
     if isinstance(d[0], str):
         pytest.skip(d[0])
-    cfg = scen.SMALL2
+    cfg = scen.SMALL2_KV1 if name == "int8_kv1" else scen.SMALL2
     for r in range(WORLD):
         assert d[r]["same_weights"] and d[r]["use_layer_op"] == [False, False]
-        assert d[r]["heads"] == (cfg.num_heads // WORLD, cfg.num_kv_heads // WORLD)
+        # one key/value head (kv1) is replicated: each rank keeps it
+        assert d[r]["heads"] == (cfg.num_heads // WORLD, max(cfg.num_kv_heads // WORLD, 1))
+        assert d[r]["lm_head"] == ("Linear" if name == "int8_replicated_lm_head" else "ColumnParallelLinear")
         assert d[r]["graphs"] == 3  # buckets 1, 2, 4 of max_batch 4, each capturing 2 all-reduces per layer
         for graph, eager in zip(d[r]["runner"], d[r]["runner_eager"]):
             assert torch.equal(graph, eager)

@@ -11,7 +11,9 @@ model's own ``_init_weights`` (the meta-model machinery is `cutlass_w8a8.checkpo
 
 What a transformers model needs for this: attention that infers its head count from the projection output
 (``view(*shape, -1, head_dim)``: Llama, Mistral, Qwen2 and most decoders of transformers 5), a dynamic KV cache,
-and ``config.num_attention_heads`` / ``num_key_value_heads`` divisible by the world size. The embedding,
+``config.num_attention_heads`` divisible by the world size, and ``num_key_value_heads`` divisible by it or dividing
+it: with fewer key/value heads than ranks each rank reads the one head it needs (``r * KVH // world``, replicated
+over ``world / KVH`` ranks, as vLLM does; `cutlass_w8a8.distributed.plan.tensor_parallel_`). The embedding,
 ``lm_head`` and norms are replicated.
 """
 
@@ -31,7 +33,8 @@ from . import sharding as S
 from ._group import check_same_on_all_ranks, group_rank_size, sequence_code
 from .float_linear import ColumnParallelLinear, RowParallelLinear
 from .linear import ColumnParallelW8A8Linear, RowParallelW8A8Linear
-from .plan import LLAMA_TP_PLAN, _heads, _inferred_sizes, match_plan
+from .plan import (LLAMA_TP_PLAN, _heads, _inferred_sizes, head_replicas, layer_replicas, match_plan,
+                   set_attention_groups_)
 
 __all__ = ["load_tensor_parallel"]
 
@@ -83,17 +86,13 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
         "dtype": {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)})
     if not planned:
         raise ValueError(f"{_WHERE}: no nn.Linear of {type(model).__name__} matches `tp_plan` ({list(plan)})")
-    if heads is not None:
-        for label, v in (("num_attention_heads", heads[0]), ("num_key_value_heads", heads[1])):
-            if v % world:
-                raise ValueError(f"{_WHERE}: `config.{label}` = {v} is not divisible by the tensor-parallel world "
-                                 f"size {world}")
+    rep = head_replicas(heads, names, world, _WHERE)
     for name, (style, sizes) in planned.items():  # every shape error before any read
         lin, t = linears[name], targeted.get(name)
         block = t is not None and t.scheme.block
         if style == "colwise":
             S.check_column_shardable(lin.out_features, lin.in_features, world, sizes, f"{_WHERE} {name!r}",
-                                     quantized=t is not None, block=block)
+                                     quantized=t is not None, block=block, replicas=layer_replicas(name, sizes, rep))
         else:
             S.check_row_shardable(lin.out_features, lin.in_features, world, f"{_WHERE} {name!r}",
                                   quantized=t is not None, block=block)
@@ -105,19 +104,22 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
             spec, t = planned.get(name), targeted.get(name)
             if spec is None and t is None:
                 continue  # a float, replicated linear: loaded with the other parameters below
-            new = _load_linear(reader, name, lin, spec, t, dtype, device, tp_group, rank, world)
+            replicas = layer_replicas(name, spec[1], rep) if spec is not None and spec[0] == "colwise" else None
+            new = _load_linear(reader, name, lin, spec, t, dtype, device, tp_group, rank, world, replicas)
             new.train(False)
             set_module(model, name, new)
             replaced.add(name)
         load_rest(model, reader, ckpt.meta, replaced, device, config, _WHERE)
     init_missing_buffers(model, device, _WHERE)
+    set_attention_groups_(model, heads, world, rep)
     model.eval()
     model.config.quantization_config = parsed.to_dict()
     load_generation_config(model, path)
     return model
 
 
-def _load_linear(reader: Reader, name: str, lin: nn.Linear, spec, target, dtype, device, group, rank, world):
+def _load_linear(reader: Reader, name: str, lin: nn.Linear, spec, target, dtype, device, group, rank, world,
+                 replicas=None):
     n, k = lin.out_features, lin.in_features
     has_bias = lin.bias is not None
 
@@ -130,10 +132,10 @@ def _load_linear(reader: Reader, name: str, lin: nn.Linear, spec, target, dtype,
     if target is None:  # a float linear the plan shards
         style, sizes = spec
         if style == "colwise":
-            ranges = S.column_rows(sizes, rank, world)
+            ranges = S.column_rows(sizes, rank, world, replicas)
             w = reader.rows(key("weight"), ranges).to(device=device, dtype=dtype)
             b = reader.rows(key("bias"), ranges).to(device=device, dtype=dtype) if has_bias else None
-            return ColumnParallelLinear.from_shard(w, group, output_sizes=sizes, bias=b)
+            return ColumnParallelLinear.from_shard(w, group, output_sizes=sizes, bias=b, replicas=replicas)
         a, z = S.shard_range(k, rank, world)
         w = reader.cols(key("weight"), a, z).to(device=device, dtype=dtype)
         b = reader.whole(key("bias")).to(device=device, dtype=dtype) if has_bias else None
@@ -148,7 +150,7 @@ def _load_linear(reader: Reader, name: str, lin: nn.Linear, spec, target, dtype,
             weight_block_size=block_size(s))
     style, sizes = spec
     if style == "colwise":
-        ranges = S.column_rows(sizes, rank, world)
+        ranges = S.column_rows(sizes, rank, world, replicas)
         if s.block:  # the scale rows of the shard's row blocks (check_column_shardable: whole blocks)
             scale = reader.rows(scale_key, block_rows(ranges))
         elif s.per_channel:  # (N, 1) per channel (ckpt.check verified the shape), else (1,)
@@ -158,7 +160,7 @@ def _load_linear(reader: Reader, name: str, lin: nn.Linear, spec, target, dtype,
         return ColumnParallelW8A8Linear.from_shard(
             dev(reader.rows(key("weight"), ranges)), dev(scale.float()), group, output_sizes=sizes,
             bias=dev(reader.rows(key("bias"), ranges)) if has_bias else None, input_scale=input_scale, dtype=dtype,
-            weight_block_size=block_size(s), check=False)
+            weight_block_size=block_size(s), check=False, replicas=replicas)
     a, z = S.shard_range(k, rank, world)
     # block scales: the shard's column blocks (check_row_shardable: K / world is a multiple of 128)
     scale = reader.cols(scale_key, a // BLOCK_SIZE, z // BLOCK_SIZE) if s.block else reader.whole(scale_key)

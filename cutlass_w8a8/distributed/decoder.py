@@ -8,26 +8,30 @@ Megatron-LM / vLLM layout, per decoder layer:
   query heads ``[r H / tp, (r + 1) H / tp)`` and key/value heads ``[r KVH / tp, (r + 1) KVH / tp)``; query head
   ``h`` still reads key/value head ``h // (H / KVH)`` (the group size is unchanged). ``num_heads`` and
   ``num_kv_heads`` of the attention become the per-rank counts, and the KV cache holds this rank's
-  ``KVH / tp`` heads: ``(max_batch + 1, 2, KVH / tp, max_seq_len, D)``.
+  ``KVH / tp`` heads: ``(max_batch + 1, 2, KVH / tp, max_seq_len, D)``. With fewer key/value heads than ranks
+  (``tp % KVH == 0``) the key/value heads are replicated, as vLLM does: rank ``r`` keeps the one key/value head
+  ``r * KVH // tp`` (the head its query heads read) and a cache of one head.
 - ``self_attn.o_proj``: row-parallel over the ``H * D`` inputs (this rank's heads' outputs): one all-reduce.
 - ``mlp.gate_up_proj``: column-parallel with ``output_sizes = [I, I]`` (the rank's gate rows, then its up rows).
 - ``mlp.down_proj``: row-parallel over the ``I`` inputs: one all-reduce.
 
-The embedding, the norms and the rotary table are replicated, and so is ``lm_head`` by default (every rank
-computes the full logits; simplest, and the step's input and output stay identical on every rank). Two
-all-reduces per layer, of ``(B, hidden)`` in the model dtype. With ``tp_lm_head=True`` the ``lm_head`` is
-column-parallel over the vocabulary (vLLM's ``ParallelLMHead``): each rank computes ``vocab / tp`` logits and one
-all-gather returns the full ``(B, vocab)`` logits to every rank; a step then reads ``1 / tp`` of the ``lm_head``
-weight per rank instead of all of it (at Llama-3 sizes, 1 GiB of bf16 per rank less).
+The embedding, the norms and the rotary table are replicated. Two all-reduces per layer, of ``(B, hidden)`` in
+the model dtype. The ``lm_head`` is column-parallel over the vocabulary by default (``tp_lm_head=None`` when
+``vocab_size`` is divisible by the world size, or ``True``; vLLM's ``ParallelLMHead``): each rank computes
+``vocab / tp`` logits and one all-gather returns the full ``(B, vocab)`` logits to every rank, so a step reads
+``1 / tp`` of the ``lm_head`` weight per rank instead of all of it (at Llama-3 sizes, 1 GiB of bf16 per rank less;
+issue 27, TP=2 at 70B dims, 8 layers, batch 1: 1.68x TP=1 sharded against 1.42x replicated).
+``tp_lm_head=False`` (or ``None`` with a vocabulary the world size does not divide) keeps it replicated: every rank
+computes the full logits itself. Either way every rank returns the same full logits.
 
 A sharded layer runs its Python path: the one-op layer ``torch.ops.cutlass_w8a8.decode_layer`` cannot all-reduce
 (``use_layer_op`` is set False, and the op's operand check refuses the parallel layer types anyway). The fused
 ops (``rms_norm_quant``, ``decode_attention_quant``, ``silu_mul_quant``) work on the shards unchanged: the parallel
 layers are `W8A8Linear` subclasses.
 
-Requirements (ValueError naming the field otherwise, the same on every rank): ``num_heads``, ``num_kv_heads``
-and ``intermediate_size`` divisible by the world size (key/value heads are not replicated when
-``tp > num_kv_heads``); for W8A8 layers each shard's N and K multiples of 16.
+Requirements (ValueError naming the field otherwise, the same on every rank): ``num_heads`` and
+``intermediate_size`` divisible by the world size, ``num_kv_heads`` divisible by it or dividing it (replicated);
+for W8A8 layers each shard's N and K multiples of 16.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from ..linear import W8A8Linear
 from ._group import check_same_on_all_ranks, dtype_code, group_rank_size
 from ._common import _GroupRef
 from .linear import shard_linear
+from .sharding import kv_replicas
 
 __all__ = ["DecoderSharder", "shard_decoder_"]
 
@@ -59,23 +64,28 @@ class DecoderSharder:
         The model dtype, compared across ranks.
     tp_size : int, optional
         The tensor-parallel size this rank was configured for; checked against the group.
-    tp_lm_head : bool
-        Whether `shard_lm_head` will be used (checked across ranks, and ``vocab_size`` divisibility).
+    tp_lm_head : bool or None
+        Whether `shard_lm_head` will be used: None (default) when ``vocab_size`` is divisible by the world size,
+        True always (``vocab_size`` must be divisible), False never. Resolved into the bool attribute
+        ``tp_lm_head``; checked across ranks.
 
     Raises
     ------
     ValueError
         The ranks disagree on the config, dtype, quantization, ``tp_size`` or ``tp_lm_head``; ``num_heads``,
-        ``num_kv_heads``, ``intermediate_size`` (or with ``tp_lm_head`` ``vocab_size``) is not divisible by the
-        world size.
+        ``intermediate_size`` (or with ``tp_lm_head`` ``vocab_size``) is not divisible by the world size;
+        ``num_kv_heads`` and the world size divide neither way.
     """
 
     where = "LlamaDecoder (tensor parallel)"
 
     def __init__(self, config, tp_group, quant: Optional[str], dtype: torch.dtype, tp_size: Optional[int] = None,
-                 tp_lm_head: bool = False):
+                 tp_lm_head: Optional[bool] = None):
         self.rank, self.world = group_rank_size(tp_group, self.where)
         c = config
+        if tp_lm_head is None:
+            tp_lm_head = self.world > 1 and c.vocab_size % self.world == 0
+        self.tp_lm_head = bool(tp_lm_head)
         check_same_on_all_ranks(tp_group, self.where, {
             "tp_size": -1 if tp_size is None else int(tp_size), "vocab_size": c.vocab_size,
             "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_layers": c.num_layers,
@@ -85,12 +95,14 @@ class DecoderSharder:
         if tp_size is not None and tp_size != self.world:
             raise ValueError(f"{self.where}: `tp_size` = {tp_size} but the tensor-parallel group has {self.world} "
                              "ranks")
-        for name in ("num_heads", "num_kv_heads", "intermediate_size") + (("vocab_size",) if tp_lm_head else ()):
+        #: ranks sharing each key/value head (1: split; tp / KVH: replicated)
+        self.kv_replicas = kv_replicas(c.num_heads, c.num_kv_heads, self.world, self.where,
+                                       ("num_heads", "num_kv_heads"))
+        for name in ("intermediate_size",) + (("vocab_size",) if tp_lm_head else ()):
             v = getattr(c, name)
             if v % self.world:
                 raise ValueError(f"{self.where}: `config.{name}` = {v} is not divisible by the tensor-parallel world "
-                                 f"size {self.world}" + (" (key/value heads are not replicated)"
-                                                         if name == "num_kv_heads" else ""))
+                                 f"size {self.world}")
         self.config, self.tp_group = c, tp_group
 
     def __call__(self, layer: nn.Module) -> nn.Module:
@@ -103,14 +115,16 @@ class DecoderSharder:
             if not (isinstance(mod, W8A8Linear) or type(mod) is nn.Linear):
                 raise TypeError(f"{self.where}: can only shard nn.Linear and W8A8Linear projections, got "
                                 f"{type(mod).__name__}")
+        r = self.kv_replicas
         attn.qkv_proj = shard_linear(attn.qkv_proj, "colwise", g, check=False,
-                                     output_sizes=[c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d])
+                                     output_sizes=[c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d],
+                                     replicas=None if r == 1 else [1, r, r])
         attn.o_proj = shard_linear(attn.o_proj, "rowwise", g, check=False)
         mlp.gate_up_proj = shard_linear(mlp.gate_up_proj, "colwise", g, check=False,
                                         output_sizes=[c.intermediate_size, c.intermediate_size])
         mlp.down_proj = shard_linear(mlp.down_proj, "rowwise", g, check=False)
         attn.num_heads = c.num_heads // self.world
-        attn.num_kv_heads = c.num_kv_heads // self.world
+        attn.num_kv_heads = c.num_kv_heads * r // self.world
         attn.kv_cache = None
         layer.use_layer_op = False
         return layer
@@ -123,7 +137,7 @@ class DecoderSharder:
         return head
 
 
-def shard_decoder_(model, tp_group, *, tp_size: Optional[int] = None, tp_lm_head: bool = False):
+def shard_decoder_(model, tp_group, *, tp_size: Optional[int] = None, tp_lm_head: Optional[bool] = None):
     """Turn a full `cutlass_w8a8.models.LlamaDecoder` into this rank's tensor-parallel shard, in place.
 
     Every rank must call it on an identical model (e.g. built from the same config and seed): its layers are
@@ -139,8 +153,9 @@ def shard_decoder_(model, tp_group, *, tp_size: Optional[int] = None, tp_lm_head
     tp_group : torch.distributed.ProcessGroup
     tp_size : int, optional
         Checked against the group's size on every rank.
-    tp_lm_head : bool
-        Also shard ``lm_head`` over the vocabulary (`DecoderSharder.shard_lm_head`); default False: replicated.
+    tp_lm_head : bool or None
+        Shard ``lm_head`` over the vocabulary (`DecoderSharder.shard_lm_head`): None (default) when ``vocab_size``
+        is divisible by the world size, True always, False never (replicated).
 
     Returns
     -------
@@ -157,7 +172,7 @@ def shard_decoder_(model, tp_group, *, tp_size: Optional[int] = None, tp_lm_head
     sharder = DecoderSharder(model.config, tp_group, model.quant, model.dtype, tp_size, tp_lm_head)
     for layer in model.layers:
         sharder(layer)
-    if tp_lm_head:
+    if sharder.tp_lm_head:
         model.lm_head = sharder.shard_lm_head(model.lm_head)
     model._tp, model.tp_rank, model.tp_size = _GroupRef(tp_group), sharder.rank, sharder.world
     model.allocate_cache(model.max_batch, model.max_seq_len)

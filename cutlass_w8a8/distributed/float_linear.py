@@ -33,43 +33,49 @@ class ColumnParallelLinear(_TensorParallel, nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, tp_group, *, output_sizes: Optional[Sequence[int]] = None,
                     gather_output: bool = False, tp_size: Optional[int] = None,
-                    check: bool = True) -> "ColumnParallelLinear":
-        """This rank's rows of a full float ``linear``. Errors as `ColumnParallelW8A8Linear.from_float` (no
-        alignment requirement)."""
+                    check: bool = True, replicas: Optional[Sequence[int]] = None) -> "ColumnParallelLinear":
+        """This rank's rows of a full float ``linear``. Arguments (``replicas`` included) and errors as
+        `ColumnParallelW8A8Linear.from_float` (no alignment requirement)."""
         n, k = linear.weight.shape
         where = cls.__name__
         rank, world = group_rank_size(tp_group, where)
         if check:
             check_same_on_all_ranks(tp_group, where, _fields(
-                "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or [])},
+                "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or []),
+                                             "#replicas": sequence_code(replicas or [])},
                 dtype=dtype_code(linear.weight.dtype), bias=linear.bias is not None, gather_output=gather_output))
         _check_tp_size(where, tp_size, world)
-        sizes = S.check_column_shardable(n, k, world, output_sizes, where, quantized=False)
+        sizes = S.check_column_shardable(n, k, world, output_sizes, where, quantized=False, replicas=replicas)
         w = linear.weight.detach()
-        mod = _float_layer(cls, S.shard_rows(w, sizes, rank, world),
-                           None if linear.bias is None else S.shard_rows(linear.bias.detach(), sizes, rank, world),
+        mod = _float_layer(cls, S.shard_rows(w, sizes, rank, world, replicas),
+                           None if linear.bias is None else S.shard_rows(linear.bias.detach(), sizes, rank, world,
+                                                                         replicas),
                            linear.weight.requires_grad)
         _set_tp(mod, tp_group, rank, world, n, k)
         mod.output_sizes, mod.gather_output = sizes, gather_output
+        mod.output_replicas = [1] * len(sizes) if replicas is None else [int(r) for r in replicas]
         return mod
 
     @classmethod
     def from_shard(cls, weight: torch.Tensor, tp_group, *, output_sizes: Sequence[int],
-                   bias: Optional[torch.Tensor] = None, gather_output: bool = False) -> "ColumnParallelLinear":
+                   bias: Optional[torch.Tensor] = None, gather_output: bool = False,
+                   replicas: Optional[Sequence[int]] = None) -> "ColumnParallelLinear":
         """A layer around this rank's rows (``weight`` ``(N / tp, K)``, ``bias`` ``(N / tp,)``, `sharding.column_rows`
-        of the full layer's ``output_sizes``); no cross-rank check (the caller made one)."""
+        of the full layer's ``output_sizes`` and ``replicas``); no cross-rank check (the caller made one)."""
         sizes = [int(v) for v in output_sizes]
         rank, world = group_rank_size(tp_group, cls.__name__)
-        S.check_column_shardable(sum(sizes), weight.shape[1], world, sizes, cls.__name__, quantized=False)
+        S.check_column_shardable(sum(sizes), weight.shape[1], world, sizes, cls.__name__, quantized=False,
+                                 replicas=replicas)
         mod = _float_layer(cls, weight, bias, False)
         _set_tp(mod, tp_group, rank, world, sum(sizes), weight.shape[1])
         mod.output_sizes, mod.gather_output = sizes, gather_output
+        mod.output_replicas = [1] * len(sizes) if replicas is None else [int(r) for r in replicas]
         return mod
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
         if self.gather_output and self.tp_size > 1:
-            y = _gather_columns(y, self.tp_group, self.tp_size, self.output_sizes)
+            y = _gather_columns(y, self.tp_group, self.tp_size, self.output_sizes, self.output_replicas)
         return y
 
 

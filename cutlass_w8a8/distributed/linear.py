@@ -93,6 +93,9 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
     ----------
     output_sizes : list of int
         The logical matrices stacked along the full N (``[N]`` for a plain layer).
+    output_replicas : list of int
+        Per matrix, how many ranks share each of its parts (`cutlass_w8a8.distributed.sharding`: the key / value
+        matrices of a fused ``qkv_proj`` when there are fewer key/value heads than ranks); all 1 for a plain split.
     gather_output : bool
     tp_group, tp_rank, tp_size, full_out_features, full_in_features
     """
@@ -101,7 +104,7 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
     def from_float(cls, linear: nn.Linear, tp_group, *, output_sizes: Optional[Sequence[int]] = None,
                    config: Optional[W8A8Config] = None, input_scale: Optional[torch.Tensor] = None,
                    gather_output: bool = False, tp_size: Optional[int] = None,
-                   check: bool = True) -> "ColumnParallelW8A8Linear":
+                   check: bool = True, replicas: Optional[Sequence[int]] = None) -> "ColumnParallelW8A8Linear":
         """Quantize a full float ``linear`` (``(N, K)`` weight, per-channel; `W8A8Linear.from_float` with
         ``config`` and ``input_scale``) and keep this rank's shard.
 
@@ -119,6 +122,9 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
         check : bool
             Run the cross-rank agreement check (default True; a caller that checked a whole model once passes
             False).
+        replicas : sequence of int, optional
+            Per matrix of ``output_sizes``, how many ranks share each of its parts (default all 1: each matrix
+            split ``tp_size`` ways; `sharding.kv_replicas` for key/value heads fewer than the ranks).
 
         Raises
         ------
@@ -133,60 +139,64 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
         block = getattr(config, "weight_block_size", None) is not None
         if check:
             check_same_on_all_ranks(tp_group, where, _fields(
-                "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or [])},
+                "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or []),
+                                             "#replicas": sequence_code(replicas or [])},
                 quant_dtype=dtype_code(config.dtype), bias=linear.bias is not None,
                 static_input=input_scale is not None, gather_output=gather_output, block=block))
         _check_tp_size(where, tp_size, world)
-        S.check_column_shardable(n, k, world, output_sizes, where, block=block)
+        S.check_column_shardable(n, k, world, output_sizes, where, block=block, replicas=replicas)
         full = W8A8Linear.from_float(linear, config, input_scale)
-        return cls._build(full, tp_group, rank, world, output_sizes, gather_output)
+        return cls._build(full, tp_group, rank, world, output_sizes, gather_output, replicas)
 
     @classmethod
     def from_full(cls, layer: W8A8Linear, tp_group, *, output_sizes: Optional[Sequence[int]] = None,
                   gather_output: bool = False, tp_size: Optional[int] = None,
-                  check: bool = True) -> "ColumnParallelW8A8Linear":
+                  check: bool = True, replicas: Optional[Sequence[int]] = None) -> "ColumnParallelW8A8Linear":
         """This rank's shard of a full `W8A8Linear` (weights and scales as they are: no re-quantization).
         Arguments and errors as `from_float`."""
         n, k, where, rank, world = _unsharded(cls, layer, tp_group)
         if check:
             check_same_on_all_ranks(tp_group, where, _fields(
-                "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or [])},
+                "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or []),
+                                             "#replicas": sequence_code(replicas or [])},
                 quant_dtype=dtype_code(layer.quant_dtype), dtype=dtype_code(layer.dtype),
                 bias=layer.bias is not None, per_channel=layer.per_channel,
                 static_input=layer.input_scale is not None, gather_output=gather_output, block=_is_block(layer)))
         _check_tp_size(where, tp_size, world)
-        S.check_column_shardable(n, k, world, output_sizes, where, block=_is_block(layer))
-        return cls._build(layer, tp_group, rank, world, output_sizes, gather_output)
+        S.check_column_shardable(n, k, world, output_sizes, where, block=_is_block(layer), replicas=replicas)
+        return cls._build(layer, tp_group, rank, world, output_sizes, gather_output, replicas)
 
     @classmethod
-    def _build(cls, full: W8A8Linear, group, rank, world, output_sizes, gather_output):
+    def _build(cls, full: W8A8Linear, group, rank, world, output_sizes, gather_output, replicas=None):
         sizes = list(output_sizes) if output_sizes is not None else [full.out_features]
         b = full._buffers
         scale = b["weight_scale"]
         if _is_block(full):  # [ceil(N / 128), K / 128]: the rows of the shard's row blocks
-            scale = S.shard_block_rows(scale, sizes, rank, world)
+            scale = S.shard_block_rows(scale, sizes, rank, world, replicas)
         elif scale.numel() > 1:
-            scale = S.shard_rows(scale, sizes, rank, world)
+            scale = S.shard_rows(scale, sizes, rank, world, replicas)
         mod = cls.from_quantized(
-            S.shard_rows(b["weight"], sizes, rank, world), scale,
-            bias=None if b["bias"] is None else S.shard_rows(b["bias"], sizes, rank, world),
+            S.shard_rows(b["weight"], sizes, rank, world, replicas), scale,
+            bias=None if b["bias"] is None else S.shard_rows(b["bias"], sizes, rank, world, replicas),
             input_scale=b["input_scale"], dtype=full.dtype, weight_block_size=full.weight_block_size)
-        mod._init_column(group, rank, world, full.out_features, full.in_features, sizes, gather_output)
+        mod._init_column(group, rank, world, full.out_features, full.in_features, sizes, gather_output, replicas)
         return mod
 
     @classmethod
     def from_shard(cls, weight: torch.Tensor, weight_scale: torch.Tensor, tp_group, *, output_sizes: Sequence[int],
                    bias: Optional[torch.Tensor] = None, input_scale: Optional[torch.Tensor] = None,
                    dtype: torch.dtype = torch.bfloat16, gather_output: bool = False, tp_size: Optional[int] = None,
-                   check: bool = True, weight_block_size: Optional[tuple] = None) -> "ColumnParallelW8A8Linear":
+                   check: bool = True, weight_block_size: Optional[tuple] = None,
+                   replicas: Optional[Sequence[int]] = None) -> "ColumnParallelW8A8Linear":
         """A layer around this rank's already-sharded operands (`from_quantized` semantics, no copy).
 
         ``weight``: ``(N / tp, K)`` int8 / e4m3, the rank's rows (`sharding.column_rows`); ``weight_scale``:
         ``N / tp`` values (the same rows) or one, or for block-scaled e4m3 weights the float32 block scale of the
         shard, ``[N / tp / 128, K / 128]`` (`sharding.shard_block_rows`); ``bias``: ``N / tp`` values;
         ``output_sizes``: the full layer's logical matrices (they give the full N); ``weight_block_size``:
-        ``(128, 128)`` for block scales (None: told from the scale's shape, as `W8A8Linear.from_quantized` does).
-        Errors as `from_float`.
+        ``(128, 128)`` for block scales (None: told from the scale's shape, as `W8A8Linear.from_quantized` does);
+        ``replicas``: as in `from_float` (the shard then has ``sum(n_j * replicas[j] / tp)`` rows). Errors as
+        `from_float`.
         """
         sizes = [int(s) for s in output_sizes]
         n, k, where = sum(sizes), weight.shape[1], cls.__name__
@@ -194,34 +204,38 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
         block = _shard_block(weight, weight_scale, weight_block_size)
         if check:
             check_same_on_all_ranks(tp_group, where, _fields(
-                "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(sizes)},
+                "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(sizes),
+                                             "#replicas": sequence_code(replicas or [])},
                 quant_dtype=dtype_code(weight.dtype),
                 dtype=dtype_code(dtype), bias=bias is not None, per_channel=weight_scale.numel() > 1,
                 static_input=input_scale is not None, gather_output=gather_output, block=block))
         _check_tp_size(where, tp_size, world)
-        S.check_column_shardable(n, k, world, sizes, where, block=block)
-        if weight.shape[0] != n // world:
-            raise ValueError(f"{where}.from_shard: `weight` must have N / tp_size = {n // world} rows, got "
-                             f"{weight.shape[0]}")
+        S.check_column_shardable(n, k, world, sizes, where, block=block, replicas=replicas)
+        local = sum(z - a for a, z in S.column_rows(sizes, rank, world, replicas))
+        if weight.shape[0] != local:
+            raise ValueError(f"{where}.from_shard: `weight` must have N / tp_size = {local} rows (with `replicas`: "
+                             f"the rows of this rank's parts), got {weight.shape[0]}")
         mod = cls.from_quantized(weight, weight_scale, bias=bias, input_scale=input_scale, dtype=dtype,
                                  weight_block_size=weight_block_size)
-        mod._init_column(tp_group, rank, world, n, k, sizes, gather_output)
+        mod._init_column(tp_group, rank, world, n, k, sizes, gather_output, replicas)
         return mod
 
-    def _init_column(self, group, rank, world, full_n, full_k, sizes, gather_output):
+    def _init_column(self, group, rank, world, full_n, full_k, sizes, gather_output, replicas=None):
         _set_tp(self, group, rank, world, full_n, full_k)
         self.output_sizes, self.gather_output = list(sizes), gather_output
+        self.output_replicas = [1] * len(sizes) if replicas is None else [int(r) for r in replicas]
 
     def forward(self, x: Union[torch.Tensor, QuantizedActivation]) -> torch.Tensor:
         y = super().forward(x)
         if self.gather_output and self.tp_size > 1:
-            y = _gather_columns(y, self.tp_group, self.tp_size, self.output_sizes)
+            y = _gather_columns(y, self.tp_group, self.tp_size, self.output_sizes, self.output_replicas)
         return y
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, tp_rank={self.tp_rank}, tp_size={self.tp_size}, "
                 f"full_out_features={self.full_out_features}, output_sizes={self.output_sizes}, "
-                f"gather_output={self.gather_output}")
+                + (f"output_replicas={self.output_replicas}, " if any(r > 1 for r in self.output_replicas) else "")
+                + f"gather_output={self.gather_output}")
 
 
 class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
@@ -387,29 +401,33 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
 
 
 def shard_linear(linear: nn.Module, style: str, tp_group, *, output_sizes: Optional[Sequence[int]] = None,
-                 tp_size: Optional[int] = None, check: bool = True) -> nn.Module:
+                 tp_size: Optional[int] = None, check: bool = True,
+                 replicas: Optional[Sequence[int]] = None) -> nn.Module:
     """This rank's shard of a full layer, by ``style`` (``"colwise"`` or ``"rowwise"``): a `W8A8Linear` becomes a
     `ColumnParallelW8A8Linear` / `RowParallelW8A8Linear` (its quantized weights as they are), a float
     ``nn.Linear`` a `ColumnParallelLinear` / `RowParallelLinear`. To quantize and shard a float layer in one step
     use ``ColumnParallelW8A8Linear.from_float``.
 
-    ``output_sizes`` (colwise only): the logical matrices stacked along N. Raises TypeError for another module
+    ``output_sizes`` (colwise only): the logical matrices stacked along N; ``replicas`` (colwise only): per matrix,
+    how many ranks share each of its parts (replicated key/value heads, `sharding.kv_replicas`). Raises TypeError for another module
     type or an already-sharded layer, ValueError for an unknown style and as the constructors.
     """
     if style not in S.STYLES:
         raise ValueError(f"shard_linear: `style` must be 'colwise' or 'rowwise', got {style!r}")
     if isinstance(linear, _TensorParallel):
         raise TypeError(f"shard_linear: `linear` is already sharded ({type(linear).__name__})")
-    if style == "rowwise" and output_sizes is not None:
-        raise ValueError("shard_linear: `output_sizes` is for style='colwise'")
+    if style == "rowwise" and (output_sizes is not None or replicas is not None):
+        raise ValueError("shard_linear: `output_sizes` and `replicas` are for style='colwise'")
     kw = dict(tp_size=tp_size, check=check)
     if isinstance(linear, W8A8Linear):
         if style == "colwise":
-            return ColumnParallelW8A8Linear.from_full(linear, tp_group, output_sizes=output_sizes, **kw)
+            return ColumnParallelW8A8Linear.from_full(linear, tp_group, output_sizes=output_sizes, replicas=replicas,
+                                                      **kw)
         return RowParallelW8A8Linear.from_full(linear, tp_group, **kw)
     if type(linear) is nn.Linear:
         if style == "colwise":
-            return ColumnParallelLinear.from_linear(linear, tp_group, output_sizes=output_sizes, **kw)
+            return ColumnParallelLinear.from_linear(linear, tp_group, output_sizes=output_sizes, replicas=replicas,
+                                                    **kw)
         return RowParallelLinear.from_linear(linear, tp_group, **kw)
     raise TypeError(f"shard_linear: `linear` must be an nn.Linear or a W8A8Linear, got {type(linear).__name__}")
 

@@ -90,6 +90,47 @@ def _inferred_sizes(fqn: str, linear: nn.Module, config) -> Optional[list]:
     return None
 
 
+_KV_LEAVES = ("k_proj", "v_proj")
+_ATTN_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+
+
+def layer_replicas(fqn: str, sizes, rep: int) -> Optional[list]:
+    """The ``replicas`` of a planned column-parallel layer (`sharding.column_rows`) when each key/value head is
+    shared by ``rep`` ranks (`sharding.kv_replicas`): ``[rep]`` for ``k_proj`` / ``v_proj``, ``[1, rep, rep]`` for
+    a fused ``qkv_proj`` (``output_sizes`` q, k, v), None otherwise (and whenever ``rep`` is 1)."""
+    if rep == 1:
+        return None
+    leaf = fqn.rsplit(".", 1)[-1]
+    if leaf in _KV_LEAVES:
+        return [rep]
+    if leaf == "qkv_proj" and sizes is not None and len(sizes) == 3:
+        return [1, rep, rep]
+    return None
+
+
+def head_replicas(heads, planned_names, world: int, where: str) -> int:
+    """`sharding.kv_replicas` of the config's heads when the plan shards attention projections, else 1.
+    ValueError (naming the config field) when the head counts cannot be split over ``world`` ranks."""
+    if heads is None or not any(f.rsplit(".", 1)[-1] in _ATTN_LEAVES for f in planned_names):
+        return 1
+    from .sharding import kv_replicas
+
+    return kv_replicas(heads[0], heads[1], world, where)
+
+
+def set_attention_groups_(model: nn.Module, heads, world: int, rep: int) -> None:
+    """After a shard with replicated key/value heads (``rep > 1``), give transformers' attention modules their
+    per-rank ``num_key_value_groups``: this rank's ``H / world`` query heads all read its one key/value head (the
+    config's ``H / KVH`` would repeat that head too often: `repeat_kv`)."""
+    if rep == 1 or heads is None:
+        return
+    h, kvh, _ = heads
+    local_q, local_kv = h // world, kvh * rep // world
+    for mod in model.modules():
+        if hasattr(mod, "num_key_value_groups") and isinstance(getattr(mod, "num_key_value_groups"), int):
+            mod.num_key_value_groups = local_q // local_kv
+
+
 def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None, *,
                      tp_size: Optional[int] = None) -> nn.Module:
     """Shard ``model`` in place for tensor parallelism over ``tp_group`` by ``tp_plan``.
@@ -103,6 +144,16 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
     change with its projections; ``tp_plan`` must be None). A transformers model works when its attention infers
     the head count from the projection's output (``view(..., -1, head_dim)``, as Llama, Qwen2, Mistral do) and
     uses a dynamic KV cache (a static cache sized from ``config.num_key_value_heads`` would be too large).
+
+    Key/value heads fewer than the ranks (``KVH < world``, ``world % KVH == 0``) are replicated, as vLLM does:
+    rank ``r`` keeps key/value head ``r * KVH // world`` (its rows of ``k_proj`` / ``v_proj``, or of a fused
+    ``qkv_proj``'s k and v parts) and its ``H / world`` query heads, which are exactly those that read that head;
+    the attention modules' ``num_key_value_groups`` becomes ``H / world``.
+
+    Mixture-of-experts experts: every `cutlass_w8a8.moe.W8A8MoE` in ``model`` (the ``experts`` that ``quantize_``
+    swapped in) is replaced by its `TensorParallelW8A8MoE` shard (`cutlass_w8a8.distributed.moe`: each expert's
+    intermediate size split over the ranks, the output all-reduced), whatever ``tp_plan`` says; the routers stay
+    replicated.
 
     Parameters
     ----------
@@ -119,8 +170,8 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
     ValueError
         (the same on every rank) the ranks disagree on the model's planned layers, their shapes or ``tp_size``;
         no layer matches the plan; a planned layer's size, or the config's ``num_attention_heads`` /
-        ``num_key_value_heads`` when attention projections are planned, is not divisible by the world size; a
-        W8A8 shard breaks the kernels' alignment.
+        ``num_key_value_heads`` when attention projections are planned, is not divisible by the world size (the
+        key/value heads: unless they divide it); a W8A8 shard breaks the kernels' alignment.
     TypeError
         A planned module is neither ``nn.Linear`` nor `W8A8Linear`, or is already sharded.
     """
@@ -164,15 +215,15 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
     if not planned:
         raise ValueError(f"{_WHERE}: no nn.Linear / W8A8Linear of {type(model).__name__} matches `tp_plan` "
                          f"({list(plan)})")
-    if heads is not None and any(f.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
-                                 for f, _, _, _ in planned):
-        for name, v in (("num_attention_heads", heads[0]), ("num_key_value_heads", heads[1])):
-            if v % world:
-                raise ValueError(f"{_WHERE}: `config.{name}` = {v} is not divisible by the tensor-parallel world "
-                                 f"size {world}")
+    rep = head_replicas(heads, [f for f, _, _, _ in planned], world, _WHERE)
+    from .moe import shard_experts_
+
+    shard_experts_(model, tp_group)  # its own cross-rank check; every experts layer's split checked before any shard
     for fqn, mod, style, sizes in planned:
-        new = shard_linear(mod, style, tp_group, output_sizes=sizes, check=False)
+        replicas = layer_replicas(fqn, sizes, rep) if style == "colwise" else None
+        new = shard_linear(mod, style, tp_group, output_sizes=sizes, check=False, replicas=replicas)
         new.train(mod.training)
         parent, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
+    set_attention_groups_(model, heads, world, rep)
     return model
