@@ -1,0 +1,754 @@
+"""MoE benchmark (issue 27): the grouped GEMM alone and the whole MoE layer, at Qwen3-30B-A3B and Mixtral-8x7B dims.
+
+Models (``--models``): ``qwen3-30b-a3b`` (E 128, top-8, H 2048, I 768) and ``mixtral-8x7b`` (E 8, top-2, H 4096,
+I 14336). T = tokens, from 1 to 8192 (``--tokens``); rows = T * top_k; the routing of every token is k distinct
+experts drawn uniformly at random (seeded), the rows sorted by expert, ``offsets`` = the cumulative counts (int32).
+
+Part ``gemm`` (the grouped GEMM alone, on the w13 GEMM, N = 2I, K = H, and the w2 GEMM, N = H, K = I):
+
+- ``ours_int8`` / ``ours_fp8``: ``cw.grouped_scaled_mm(a, w.transpose(1, 2), scale_a [rows, 1], scale_b [E, N],
+  offsets, bf16)``, a int8 / e4m3 with per-token scales, weights per-channel;
+- ``ours_block``: the same with block fp8 scales (scale_a [rows, K/128], scale_b [E, N/128, K/128]);
+- ``torch_fp8``: torch's row-wise fp8 grouped GEMM, ``F.scaled_grouped_mm(a, w.transpose(1, 2), scale_a [rows],
+  ScalingType.RowWise, scale_b [E, N], ScalingType.RowWise, offs=offsets, output_dtype=bf16)`` where torch has it,
+  else ``torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offsets, out_dtype=bf16)``; a point where it raises
+  (e.g. CUBLAS_STATUS_NOT_SUPPORTED) is recorded as "did not run" with the message;
+- ``torch_bf16``: ``torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)`` in bfloat16.
+
+Reported per point: time (us), TOPS (2 * rows * N * K), the ratio torch_fp8 time / ours (> 1: ours faster) and, at
+T <= 16, the active experts' weight bytes (experts with at least one row, N * K bytes each, plus their scales) /
+time as a fraction of the read rate measured in the same run (``x.amax()`` over 1 GiB, at the start and the end:
+the higher one). Before timing, every method's rows are checked against a float64 GEMM of the dequantized operands
+(the first rows, up to 64): ours past `GEMM_REL_TOL` aborts the run.
+
+Part ``layer`` (the whole experts module, the routing given as ``top_k_index`` / ``top_k_weights`` to all):
+
+- ``ours_int8`` / ``ours_fp8`` / ``ours_block``: ``cw.W8A8MoE.from_float`` of the bf16 experts, called as
+  ``layer(x, topk_ids, topk_weights)`` (align, permute + quantize, two grouped GEMMs, SiLU*mul + quantize,
+  unpermute);
+- ``hf_grouped_mm``: transformers' ``Qwen3MoeExperts`` (fused ``gate_up_proj`` / ``down_proj``; Mixtral's experts
+  have the same layout) built from a ``Qwen3MoeConfig`` at those dims with random weights, with
+  ``experts_implementation="grouped_mm"`` (torch._grouped_mm, capturable);
+- ``hf_eager``: the same module with ``experts_implementation="eager"`` (a loop over the hit experts: it reads the
+  routing back to the host, so it cannot be captured); timed with CUDA events around eager calls, host launches
+  included, at T <= ``--eager-max-t`` only.
+
+Timing (`cutlass_w8a8.testing.timers.bench_gpu_time_interleaved`, as bench_gemm.py): CUDA-graph replays of R calls
+over rotating input sets (each with its own routing, so the active experts change from call to call and the
+weights are read cold), the methods of a point captured first and their replays interleaved; the median replay / R.
+The layer's eager wall-clock time per call (host launches included: what an uncaptured step pays) is reported
+beside its graph time for ours.
+
+Targets (issue 27): grouped GEMM ours >= 1.0x torch_fp8 at every T >= 64 and geomean >= 1.2x; at T <= 16 the active
+weights streamed at >= 80% of the read rate; the MoE layer (ours vs transformers' bf16 grouped_mm experts, graphs)
+>= 1.8x at T = 1 (Qwen3-30B-A3B dims) and >= 1.4x at T = 4096.
+
+Writes ``moe_<device>.json``, ``.md`` and ``.png`` to ``--out``.
+
+Examples::
+
+    python bench/bench_moe.py --quick          # ~60 s on an H100
+    python bench/bench_moe.py                  # every T, ~150 s
+    python bench/bench_moe.py --parts layer --models qwen3-30b-a3b --tokens 1,4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from cutlass_w8a8.testing.cli import int_list, name_list
+from cutlass_w8a8.testing.report import provenance, publish, require_cuda_extension
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICE = "cuda"  # tests run the flow on the CPU (the ops' references) by setting this
+
+# name -> (num_experts, top_k, hidden, intermediate, renormalize)
+MOE_MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768, True), "mixtral-8x7b": (8, 2, 4096, 14336, True)}
+PARTS = ("gemm", "layer")
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+QUICK_TOKENS = (1, 16, 64, 512, 4096)
+LAYER_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
+QUICK_LAYER_TOKENS = (1, 16, 256, 4096)
+GEMM_METHODS = ("ours_int8", "ours_fp8", "ours_block", "torch_fp8", "torch_bf16")
+OURS_GEMM = ("ours_int8", "ours_fp8", "ours_block")
+LAYER_METHODS = ("ours_int8", "ours_fp8", "ours_block", "hf_grouped_mm", "hf_eager")
+OURS_LAYER = ("ours_int8", "ours_fp8", "ours_block")
+OPTIONAL = frozenset({"ours_block", "torch_fp8", "torch_bf16", "hf_grouped_mm", "hf_eager"})
+DECODE_T = 16
+LAYER_SETS = 8  # rotating input sets (routings) of a layer point
+GEMM_REL_TOL = 2e-2      # ours vs float64 of the dequantized operands (bf16 output rounding, fp8 accumulation)
+LAYER_REL_TOL = 1.5e-1   # ours vs transformers' bf16 experts (8-bit quantization of weights and activations)
+TARGET_X_TORCH_MIN, TARGET_X_TORCH_GEOMEAN, TARGET_X_TORCH_FROM_T = 1.0, 1.2, 64
+TARGET_READ_FRACTION = 0.8
+TARGET_LAYER = ((1, "qwen3-30b-a3b", 1.8), (4096, "qwen3-30b-a3b", 1.4))
+
+
+class AccuracyError(RuntimeError):
+    """Our result is wrong: the timings would be meaningless."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# command line
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="MoE grouped GEMM (ours int8 / fp8 / block fp8 vs torch's fp8 scaled_grouped_mm and bf16 "
+                    "_grouped_mm) and the whole MoE layer (W8A8MoE vs transformers' bf16 experts) at Qwen3-30B-A3B "
+                    "and Mixtral-8x7B dims, cold-L2 CUDA-graph timing.")
+    parser.add_argument("--models", type=name_list(tuple(MOE_MODELS), ordered=True), default=list(MOE_MODELS),
+                        metavar="LIST", help=f"comma-separated among {','.join(MOE_MODELS)} (default: both)")
+    parser.add_argument("--parts", type=name_list(PARTS, ordered=True), default=list(PARTS), metavar="LIST",
+                        help="gemm (the grouped GEMM alone), layer (the whole MoE layer); default both")
+    parser.add_argument("--tokens", type=int_list(), default=None, metavar="LIST",
+                        help=f"tokens T of the GEMM part (default {','.join(map(str, DEFAULT_TOKENS))}; --quick "
+                             f"{','.join(map(str, QUICK_TOKENS))})")
+    parser.add_argument("--layer-tokens", type=int_list(), default=None, metavar="LIST",
+                        help=f"tokens T of the layer part (default {','.join(map(str, LAYER_TOKENS))}; --quick "
+                             f"{','.join(map(str, QUICK_LAYER_TOKENS))})")
+    parser.add_argument("--quick", action="store_true", help="fewer T and replays (~60 s on an H100)")
+    parser.add_argument("--eager-max-t", type=int, default=256,
+                        help="time transformers' eager experts (not capturable) at T <= this (default 256; 0: never)")
+    parser.add_argument("--replays", type=int, default=None, help="timed replays per point (default 20; 10 quick)")
+    parser.add_argument("--eager-steps", type=int, default=None,
+                        help="timed eager calls per layer point (default 20; 10 quick)")
+    parser.add_argument("--replay-ms", type=float, default=None,
+                        help="target duration of one replay in ms (default 1.0; 0.5 quick)")
+    parser.add_argument("--rotate-gb", type=float, default=2.0,
+                        help="memory cap in GiB for the rotating activation copies of one point")
+    parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results"), metavar="DIR",
+                        help="output folder for moe_<device>.{json,md,png} (default: bench/results)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the routings")
+    args = parser.parse_args(argv)
+    args.tokens = sorted(set(args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)))
+    args.layer_tokens = sorted(set(args.layer_tokens or (QUICK_LAYER_TOKENS if args.quick else LAYER_TOKENS)))
+    args.replays = args.replays if args.replays is not None else (10 if args.quick else 20)
+    args.eager_steps = args.eager_steps if args.eager_steps is not None else (10 if args.quick else 20)
+    args.replay_ms = args.replay_ms if args.replay_ms is not None else (0.5 if args.quick else 1.0)
+    if args.replays < 1 or args.eager_steps < 1 or args.replay_ms <= 0 or args.eager_max_t < 0:
+        parser.error("--replays and --eager-steps must be >= 1, --replay-ms > 0 and --eager-max-t >= 0")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------
+# operands
+
+
+def random_routing(tokens: int, num_experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    """``(tokens, top_k)`` int64 expert ids, each row ``top_k`` distinct experts uniformly at random (CPU)."""
+    return torch.rand(tokens, num_experts, generator=gen).argsort(dim=1)[:, :top_k]
+
+
+def routing_offsets(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int32 ``[E]`` end rows of each expert's group of the pairs sorted by expert (CPU)."""
+    return torch.bincount(ids.reshape(-1), minlength=num_experts).cumsum(0).to(torch.int32)
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def short_error(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-300))
+
+
+def _quant_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric quantization of float ``x`` ``(R, C)``: ``(q, scale (R, 1) float32)``."""
+    qmax = 127.0 if dtype == torch.int8 else 448.0
+    scale = (x.abs().amax(dim=1, keepdim=True).float() / qmax).clamp_min(1e-12)
+    q = (x.float() / scale)
+    q = q.round().clamp(-127, 127).to(dtype) if dtype == torch.int8 else q.clamp(-448, 448).to(dtype)
+    return q, scale
+
+
+def _quant_blocks(w: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 per (rows x cols) block of ``w`` ``(E, N, K)``: ``(q, scale (E, ceil(N/rows), K/cols))``."""
+    e, n, k = w.shape
+    nb = -(-n // rows)
+    pad = torch.zeros(e, nb * rows, k, dtype=w.dtype, device=w.device)
+    pad[:, :n] = w
+    blocks = pad.view(e, nb, rows, k // cols, cols)
+    scale = (blocks.abs().amax(dim=(2, 4)).float() / 448.0).clamp_min(1e-12)
+    q = (blocks.float() / scale[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.view(e, nb * rows, k)[:, :n].contiguous(), scale
+
+
+class GemmWeights:
+    """One GEMM's weights (``(E, N, K)`` bf16 random, std 0.02, from the CUDA generator ``gen``) and their int8 /
+    e4m3 per-channel and block forms."""
+
+    def __init__(self, e: int, n: int, k: int, gen: torch.Generator):
+        self.e, self.n, self.k = e, n, k
+        self.w_bf16 = (torch.randn(e, n, k, generator=gen, device=DEVICE) * 0.02).to(torch.bfloat16)
+        flat = self.w_bf16.view(e * n, k)
+        q8, s8 = _quant_rows(flat, torch.int8)
+        qf, sf = _quant_rows(flat, torch.float8_e4m3fn)
+        self.w_int8, self.s_int8 = q8.view(e, n, k), s8.view(e, n)
+        self.w_fp8, self.s_fp8 = qf.view(e, n, k), sf.view(e, n)
+        self.w_block, self.s_block = _quant_blocks(self.w_bf16, 128, 128)
+
+
+def gemm_activations(rows: int, k: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Activations of one point (CUDA generator ``gen``): bf16 ``x`` and its int8 / e4m3 per-token and e4m3
+    1x128-group forms."""
+    x = torch.randn(rows, k, generator=gen, device=DEVICE).to(torch.bfloat16)
+    a8, sa8 = _quant_rows(x, torch.int8)
+    af, saf = _quant_rows(x, torch.float8_e4m3fn)
+    g = x.view(rows, k // 128, 128).float()
+    sab = (g.abs().amax(dim=2) / 448.0).clamp_min(1e-12)
+    ab = (g / sab[:, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(rows, k)
+    return {"x": x, "a_int8": a8, "sa_int8": sa8, "a_fp8": af, "sa_fp8": saf, "a_block": ab, "sa_block": sab}
+
+
+def torch_fp8_grouped() -> tuple[Optional[Callable], str]:
+    """torch's row-wise fp8 grouped GEMM as ``fn(a, b, scale_a [R], scale_b [E, N], offs) -> bf16``, and its name."""
+    F = torch.nn.functional
+    if hasattr(F, "scaled_grouped_mm") and hasattr(F, "ScalingType"):
+        rw = F.ScalingType.RowWise
+
+        def fn(a, b, sa, sb, offs):
+            return F.scaled_grouped_mm(a, b, sa, rw, sb, rw, offs=offs, output_dtype=torch.bfloat16)
+        return fn, "F.scaled_grouped_mm(RowWise)"
+    if hasattr(torch, "_scaled_grouped_mm"):
+        def fn(a, b, sa, sb, offs):
+            return torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+        return fn, "torch._scaled_grouped_mm"
+    return None, "torch has no fp8 grouped GEMM"
+
+
+def gemm_methods(cw: Any, wts: GemmWeights, torch_fp8: Optional[Callable]) -> dict[str, Callable]:
+    """``name -> fn(act, offs)``: each method as a function of one rotating input set (`gemm_activations`, the
+    offsets on the device)."""
+    gsm = cw.grouped_scaled_mm
+    bf16 = torch.bfloat16
+    b8, bf, bb, bw = (w.transpose(1, 2) for w in (wts.w_int8, wts.w_fp8, wts.w_block, wts.w_bf16))
+    m = {
+        "ours_int8": lambda a, o: gsm(a["a_int8"], b8, a["sa_int8"], wts.s_int8, o, bf16),
+        "ours_fp8": lambda a, o: gsm(a["a_fp8"], bf, a["sa_fp8"], wts.s_fp8, o, bf16),
+        "ours_block": lambda a, o: gsm(a["a_block"], bb, a["sa_block"], wts.s_block, o, bf16),
+        "torch_bf16": lambda a, o: torch._grouped_mm(a["x"], bw, offs=o),
+    }
+    if torch_fp8 is not None:
+        m["torch_fp8"] = lambda a, o: torch_fp8(a["a_fp8"], bf, a["sa_fp8"].view(-1), wts.s_fp8, o)
+    return m
+
+
+def gemm_reference(wts: GemmWeights, act: dict, offs_cpu: torch.Tensor, method: str, rows: int) -> torch.Tensor:
+    """float64 ``(rows, N)`` of the first ``rows`` rows of ``method``'s dequantized operands."""
+    ends = offs_cpu.tolist()
+    out = torch.empty(rows, wts.n, dtype=torch.float64, device=DEVICE)
+    start = 0
+    for e, end in enumerate(ends):
+        lo, hi = start, min(end, rows)
+        start = end
+        if hi <= lo:
+            continue
+        if method in ("ours_int8", "ours_fp8", "torch_fp8"):
+            kind = "int8" if method == "ours_int8" else "fp8"
+            a = act[f"a_{kind}"][lo:hi].double() * act[f"sa_{kind}"][lo:hi].double()
+            w = getattr(wts, f"w_{kind}")[e].double() * getattr(wts, f"s_{kind}")[e].double()[:, None]
+        elif method == "ours_block":
+            a = act["a_block"][lo:hi].double() * act["sa_block"][lo:hi].double().repeat_interleave(128, 1)
+            s = wts.s_block[e].double().repeat_interleave(128, 0)[:wts.n].repeat_interleave(128, 1)
+            w = wts.w_block[e].double() * s
+        else:
+            a, w = act["x"][lo:hi].double(), wts.w_bf16[e].double()
+        out[lo:hi] = a @ w.t()
+        if end >= rows:
+            break
+    return out
+
+
+def active_weight_bytes(wts: GemmWeights, offs_cpu: torch.Tensor, method: str) -> int:
+    """Bytes of the weights (and scales) of the experts with at least one row."""
+    counts = torch.diff(offs_cpu.long(), prepend=torch.zeros(1, dtype=torch.long))
+    active = int((counts > 0).sum())
+    per = wts.n * wts.k * (2 if method == "torch_bf16" else 1)
+    if method == "ours_block":
+        per += wts.s_block[0].numel() * 4
+    elif method != "torch_bf16":
+        per += wts.n * 4
+    return active * per
+
+
+def time_cases(cases: dict, errors: dict, bu: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """`bench_gpu_time_interleaved` of ``cases`` (``name -> (fn, arg_sets)``); failures of optional methods go to
+    ``errors``."""
+    def on_error(name: str, exc: BaseException) -> None:
+        if name not in OPTIONAL:
+            raise exc
+        errors[name] = short_error(exc)
+
+    return bu.bench_gpu_time_interleaved(cases, replay_ms=args.replay_ms, replays=args.replays, on_error=on_error)
+
+
+def copies_for(set_bytes: int, bu: Any, args: argparse.Namespace, l2_bytes: int) -> int:
+    """Rotating input sets of a point: enough that their active weights and activations exceed twice the L2."""
+    return max(4, min(bu.rotation_count(set_bytes, l2_bytes, int(args.rotate_gb * 2**30), 4), 32))
+
+
+def measure_gemm_point(model: str, gemm: str, t: int, wts: GemmWeights, top_k: int, args: argparse.Namespace,
+                       cw: Any, bu: Any, l2_bytes: int, torch_fp8: Optional[Callable], gen: torch.Generator,
+                       cgen: torch.Generator) -> dict:
+    """Check and time one (model, GEMM, T) point over rotating input sets, each with its own routing (``gen``, CPU)
+    and activations (``cgen``, CUDA); times in ms per call."""
+    rows = t * top_k
+    sets, offs_list = [], []
+    first = None
+    n_sets = None
+    while n_sets is None or len(sets) < n_sets:
+        ids = random_routing(t, wts.e, top_k, gen)
+        offs_cpu = routing_offsets(ids, wts.e)
+        act = gemm_activations(rows, wts.k, cgen)
+        sets.append((act, offs_cpu.to(DEVICE)))
+        offs_list.append(offs_cpu)
+        if n_sets is None:
+            first = offs_cpu
+            set_bytes = active_weight_bytes(wts, offs_cpu, "ours_fp8") + sum(v.numel() * v.element_size()
+                                                                             for v in act.values())
+            n_sets = copies_for(set_bytes, bu, args, l2_bytes)
+    methods = gemm_methods(cw, wts, torch_fp8)
+    errors: dict[str, str] = {}
+    if torch_fp8 is None:
+        errors["torch_fp8"] = "torch has no fp8 grouped GEMM"
+    accuracy: dict[str, float] = {}
+    check_rows = min(rows, 64)
+    for name, fn in list(methods.items()):
+        try:
+            out = fn(*sets[0])
+            _sync()
+        except Exception as exc:  # noqa: BLE001 (torch's unsupported cases are results)
+            if name not in OPTIONAL:
+                raise
+            errors[name] = short_error(exc)
+            del methods[name]
+            continue
+        err = rel_err(out[:check_rows], gemm_reference(wts, sets[0][0], first, name, check_rows))
+        accuracy[name] = err
+        if name.startswith("ours") and not err < GEMM_REL_TOL:
+            raise AccuracyError(f"{model} {gemm} T={t}: {name} relative error {err:.3g} vs float64 "
+                                f"(bound {GEMM_REL_TOL:g})")
+    cases = {name: (fn, sets) for name, fn in methods.items()}
+    timings = time_cases(cases, errors, bu, args)
+    times = {name: tm.median_ms for name, tm in timings.items()}
+    active = {name: active_weight_bytes(wts, first, name) for name in GEMM_METHODS}
+    # the active bytes of the timed calls: the mean over the rotating sets
+    active_mean = {name: statistics.mean(active_weight_bytes(wts, o, name) for o in offs_list) for name in times}
+    del cases, methods, sets
+    return {"model": model, "gemm": gemm, "T": t, "rows": rows, "N": wts.n, "K": wts.k, "E": wts.e,
+            "time_ms": times, "errors": errors, "rel_err_vs_fp64": accuracy,
+            "active_experts": int((torch.diff(first.long(), prepend=torch.zeros(1, dtype=torch.long)) > 0).sum()),
+            "active_weight_bytes": active, "active_weight_bytes_mean": active_mean,
+            "timing": {name: {"calls_per_replay": tm.calls_per_replay, "copies": tm.copies, "min_ms": tm.min_ms,
+                              "max_ms": tm.max_ms} for name, tm in timings.items()}}
+
+
+def run_gemm(args: argparse.Namespace, cw: Any, bu: Any, results: dict) -> None:
+    l2_bytes = bu.l2_cache_bytes()
+    torch_fp8, results["torch_fp8_api"] = torch_fp8_grouped()
+    gen = torch.Generator().manual_seed(args.seed)
+    cgen = torch.Generator(device=DEVICE).manual_seed(args.seed)
+    for model in args.models:
+        e, k_top, h, inter, _ = MOE_MODELS[model]
+        for gemm, (n, k) in (("w13", (2 * inter, h)), ("w2", (h, inter))):
+            wts = GemmWeights(e, n, k, cgen)
+            for t in args.tokens:
+                p = measure_gemm_point(model, gemm, t, wts, k_top, args, cw, bu, l2_bytes, torch_fp8, gen, cgen)
+                results["gemm_points"].append(p)
+                tm = p["time_ms"]
+                print(f"  gemm {model} {gemm} T={t}: " + ", ".join(f"{m} {tm[m] * 1e3:.1f} us" for m in tm)
+                      + ("" if not p["errors"] else f" (did not run: {', '.join(p['errors'])})"), flush=True)
+            del wts
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------------
+# the layer
+
+
+def hf_experts(e: int, top_k: int, h: int, inter: int, implementation: str, gen: torch.Generator,
+               weights: Optional[torch.nn.Module] = None) -> torch.nn.Module:
+    """transformers' Qwen3MoeExperts at these dims, bf16 on the GPU, ``experts_implementation`` as given; random
+    weights (std 0.02, CUDA generator ``gen``) or ``weights``' parameters shared."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=inter, num_experts=e, num_experts_per_tok=top_k,
+                         norm_topk_prob=True, hidden_act="silu")
+    cfg._experts_implementation = implementation
+    with torch.device("meta"):
+        mod = Qwen3MoeExperts(cfg)
+    if weights is not None:
+        mod.gate_up_proj, mod.down_proj = weights.gate_up_proj, weights.down_proj
+        return mod.requires_grad_(False)
+    mod = mod.to_empty(device=DEVICE).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in (mod.gate_up_proj, mod.down_proj):
+            p.copy_(torch.randn(p.shape, generator=gen, device=DEVICE) * 0.02)
+    return mod.requires_grad_(False)
+
+
+def time_eager(fns: dict[str, Callable[[], Any]], steps: int, warmup: int = 3) -> dict[str, dict[str, float]]:
+    """Milliseconds per eager call from CUDA events around each call (host launches included), the functions
+    interleaved; median, and the host wall-clock per call of each function."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    _sync()
+    out = {}
+    events = {n: [] for n in fns}
+    walls = {n: 0.0 for n in fns}
+    for _ in range(steps):
+        for n, fn in fns.items():
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            s.record()
+            fn()
+            e.record()
+            walls[n] += time.perf_counter() - t0
+            events[n].append((s, e))
+    _sync()
+    for n, evs in events.items():
+        out[n] = {"median_ms": statistics.median(s.elapsed_time(e) for s, e in evs),
+                  "host_ms": walls[n] * 1e3 / steps}
+    return out
+
+
+def measure_layer_point(model: str, t: int, layers: dict, top_k: int, e: int, h: int, args: argparse.Namespace,
+                        bu: Any, l2_bytes: int, gen: torch.Generator, cgen: torch.Generator) -> dict:
+    """Check (ours vs transformers' bf16 experts) and time one (model, T) layer point over `LAYER_SETS` rotating
+    input sets, each with its own routing; ms per call."""
+    sets = []
+    for _ in range(LAYER_SETS):
+        ids = random_routing(t, e, top_k, gen).to(DEVICE)
+        w = torch.rand(t, top_k, generator=gen)
+        w = (w / w.sum(1, keepdim=True)).to(DEVICE)
+        x = torch.randn(t, h, generator=cgen, device=DEVICE).to(torch.bfloat16)
+        sets.append((x, ids, w))
+    errors: dict[str, str] = {}
+    accuracy: dict[str, float] = {}
+    ref = None
+    if "hf_grouped_mm" in layers:
+        try:
+            ref = layers["hf_grouped_mm"](*sets[0]).float()
+        except Exception as exc:  # noqa: BLE001
+            errors["hf_grouped_mm"] = short_error(exc)
+    cases = {}
+    for name, mod in layers.items():
+        if name == "hf_eager" or name in errors:
+            continue
+        fn = (lambda x, i, w, mod=mod: mod(x, i, w))
+        try:
+            out = fn(*sets[0])
+            _sync()
+        except Exception as exc:  # noqa: BLE001
+            if name not in OPTIONAL:
+                raise
+            errors[name] = short_error(exc)
+            continue
+        if ref is not None and name != "hf_grouped_mm":
+            accuracy[name] = rel_err(out, ref)
+            if not accuracy[name] < LAYER_REL_TOL:
+                raise AccuracyError(f"{model} layer T={t}: {name} relative error {accuracy[name]:.3g} vs "
+                                    f"transformers' bf16 experts (bound {LAYER_REL_TOL:g})")
+        cases[name] = (fn, sets)
+    timings = time_cases(cases, errors, bu, args)
+    times = {name: tm.median_ms for name, tm in timings.items()}
+    eager_fns = {name: (lambda mod=layers[name], s=sets[0]: mod(*s)) for name in OURS_LAYER if name in cases}
+    if "hf_eager" in layers and t <= args.eager_max_t:
+        eager_fns["hf_eager"] = lambda mod=layers["hf_eager"], s=sets[0]: mod(*s)
+    eager = {}
+    try:
+        eager = time_eager(eager_fns, steps=args.eager_steps, warmup=min(3, args.eager_steps))
+    except Exception as exc:  # noqa: BLE001
+        errors["eager"] = short_error(exc)
+    if "hf_eager" in eager:
+        times["hf_eager"] = eager["hf_eager"]["median_ms"]
+    return {"model": model, "T": t, "time_ms": times, "eager_ms": {n: v["median_ms"] for n, v in eager.items()},
+            "eager_host_ms": {n: v["host_ms"] for n, v in eager.items()}, "errors": errors,
+            "rel_err_vs_hf_bf16": accuracy}
+
+
+def run_layer(args: argparse.Namespace, cw: Any, bu: Any, results: dict) -> None:
+    l2_bytes = bu.l2_cache_bytes()
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    cgen = torch.Generator(device=DEVICE).manual_seed(args.seed + 1)
+    try:
+        import transformers
+        results["transformers_version"] = transformers.__version__
+    except ImportError as exc:
+        results["layer_note"] = f"transformers not importable ({exc}): no transformers baseline"
+    for model in args.models:
+        e, top_k, h, inter, renorm = MOE_MODELS[model]
+        layers: dict[str, torch.nn.Module] = {}
+        try:
+            base = hf_experts(e, top_k, h, inter, "grouped_mm", cgen)
+            layers["hf_grouped_mm"] = base
+            layers["hf_eager"] = hf_experts(e, top_k, h, inter, "eager", gen, weights=base)
+        except Exception as exc:  # noqa: BLE001 (no transformers, or its API moved: ours still runs)
+            results.setdefault("layer_errors", {})[model] = short_error(exc)
+            base = torch.nn.Module()
+            base.gate_up_proj = torch.nn.Parameter((torch.randn(e, 2 * inter, h, generator=cgen, device=DEVICE)
+                                                    * 0.02).to(torch.bfloat16), requires_grad=False)
+            base.down_proj = torch.nn.Parameter((torch.randn(e, h, inter, generator=cgen, device=DEVICE)
+                                                 * 0.02).to(torch.bfloat16), requires_grad=False)
+        configs = {"ours_int8": cw.W8A8Config(dtype=torch.int8),
+                   "ours_fp8": cw.W8A8Config(dtype=torch.float8_e4m3fn),
+                   "ours_block": cw.W8A8Config(dtype=torch.float8_e4m3fn, weight_block_size=(128, 128))}
+        built = {}
+        for name, cfg in configs.items():
+            try:
+                built[name] = cw.W8A8MoE.from_float(base, cfg, top_k, renorm)
+            except Exception as exc:  # noqa: BLE001
+                if name not in OPTIONAL:
+                    raise
+                results.setdefault("layer_errors", {})[f"{model} {name}"] = short_error(exc)
+        layers = {**built, **layers}
+        for t in args.layer_tokens:
+            p = measure_layer_point(model, t, layers, top_k, e, h, args, bu, l2_bytes, gen, cgen)
+            results["layer_points"].append(p)
+            tm = p["time_ms"]
+            print(f"  layer {model} T={t}: " + ", ".join(f"{m} {tm[m] * 1e3:.1f} us" for m in tm)
+                  + ("" if not p["errors"] else f" (did not run: {', '.join(p['errors'])})"), flush=True)
+        del layers, built, base
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------------
+# derived numbers, targets, reports
+
+
+def derive(results: dict[str, Any], geomean: Callable) -> None:
+    """Per GEMM point ``derived`` (TOPS, x torch_fp8, x torch_bf16, read fraction at T <= 16); per layer point the
+    speedups over transformers; ``results["targets"]``."""
+    read = results.get("read_GBps_max")
+    for p in results["gemm_points"]:
+        tm = p["time_ms"]
+        ops = 2 * p["rows"] * p["N"] * p["K"]
+        d: dict[str, Any] = {"tops": {m: ops / (v * 1e-3) / 1e12 for m, v in tm.items()}}
+        for m in OURS_GEMM:
+            if m in tm:
+                d[f"{m}_x_torch_fp8"] = tm["torch_fp8"] / tm[m] if "torch_fp8" in tm else None
+                d[f"{m}_x_torch_bf16"] = tm["torch_bf16"] / tm[m] if "torch_bf16" in tm else None
+                if p["T"] <= DECODE_T and read:
+                    gbps = p["active_weight_bytes_mean"][m] / (tm[m] * 1e-3) / 1e9
+                    d[f"{m}_weight_GBps"] = gbps
+                    d[f"{m}_read_fraction"] = gbps / read
+        p["derived"] = d
+    for p in results["layer_points"]:
+        tm = p["time_ms"]
+        p["derived"] = {f"{m}_x_{b}": (tm[b] / tm[m] if m in tm and b in tm else None)
+                        for m in OURS_LAYER for b in ("hf_grouped_mm", "hf_eager")}
+    items = []
+    for m in OURS_GEMM:
+        ratios = [p["derived"].get(f"{m}_x_torch_fp8") for p in results["gemm_points"]
+                  if p["T"] >= TARGET_X_TORCH_FROM_T]
+        missing = sum(r is None for r in ratios)
+        ratios = [r for r in ratios if r is not None]
+        lo = min(ratios) if ratios else None
+        gm = geomean(ratios) if ratios else None
+        note = f" ({missing} points without torch_fp8)" if missing else ""
+        items.append({"key": f"{m}_min_x_torch", "label": f"{m}: min over T >= {TARGET_X_TORCH_FROM_T} of torch_fp8 / "
+                      f"ours{note}", "value": lo, "bound": TARGET_X_TORCH_MIN, "sense": ">=",
+                      "met": None if lo is None else lo >= TARGET_X_TORCH_MIN})
+        items.append({"key": f"{m}_geomean_x_torch", "label": f"{m}: geomean over T >= {TARGET_X_TORCH_FROM_T} of "
+                      f"torch_fp8 / ours{note}", "value": gm, "bound": TARGET_X_TORCH_GEOMEAN, "sense": ">=",
+                      "met": None if gm is None else gm >= TARGET_X_TORCH_GEOMEAN})
+        fr = [p["derived"].get(f"{m}_read_fraction") for p in results["gemm_points"] if p["T"] <= DECODE_T]
+        fr = [f for f in fr if f is not None]
+        lo = min(fr) if fr else None
+        items.append({"key": f"{m}_decode_read_fraction", "label": f"{m}: min over T <= {DECODE_T} of active "
+                      "weight bytes / time / read rate", "value": lo, "bound": TARGET_READ_FRACTION, "sense": ">=",
+                      "met": None if lo is None else lo >= TARGET_READ_FRACTION})
+    for t, model, bound in TARGET_LAYER:
+        for m in OURS_LAYER:
+            p = next((p for p in results["layer_points"] if p["T"] == t and p["model"] == model), None)
+            v = p["derived"].get(f"{m}_x_hf_grouped_mm") if p else None
+            items.append({"key": f"layer_{m}_T{t}", "label": f"MoE layer {model} T={t}: transformers bf16 grouped_mm "
+                          f"/ {m} (graphs)", "value": v, "bound": bound, "sense": ">=",
+                          "met": None if v is None else v >= bound})
+    results["targets"] = {"items": items}
+
+
+def _f(v: Optional[float], spec: str = ".3g") -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    lines = [f"# MoE grouped GEMM and layer: {results.get('device', '?')}", "",
+             f"torch {results.get('torch_version')}, CUDA {results.get('cuda_version')}, commit "
+             f"{results.get('git_commit')}{' (dirty)' if results.get('git_dirty') else ''}; transformers "
+             f"{results.get('transformers_version', '–')}; torch fp8 grouped GEMM: {results.get('torch_fp8_api', '–')}.",
+             f"Read rate (x.amax over 1 GiB) {_f(results.get('read_GBps'), '.0f')} GB/s at the start, "
+             f"{_f(results.get('read_GBps_end'), '.0f')} at the end. Timing: {results.get('timing', {}).get('method')}.",
+             ""]
+    lines += ["## Targets (issue 27)", "", "| target | value | bound | met |", "|---|---|---|---|"]
+    for it in results.get("targets", {}).get("items", []):
+        met = "–" if it["met"] is None else ("met" if it["met"] else "NOT met")
+        lines.append(f"| {it['label']} | {_f(it['value'])} | {it['sense']} {it['bound']} | {met} |")
+    lines.append("")
+    if results["gemm_points"]:
+        lines += ["## Grouped GEMM", "",
+                  "Times in us; x torch = torch_fp8 time / ours (> 1: ours faster); read % = active experts' weight "
+                  "bytes / time / read rate (T <= 16).", ""]
+        groups: dict = {}
+        for p in results["gemm_points"]:
+            groups.setdefault((p["model"], p["gemm"], p["N"], p["K"], p["E"]), []).append(p)
+        for (model, gemm, n, k, e), pts in groups.items():
+            lines += [f"### {model} {gemm} (E {e}, N {n}, K {k})", "",
+                      "| T | rows | experts hit | ours int8 | ours fp8 | ours block | torch fp8 | torch bf16 | "
+                      "int8 x torch | fp8 x torch | block x torch | fp8 TOPS | int8 read % | fp8 read % | "
+                      "block read % |", "|" + "---|" * 15]
+            for p in pts:
+                tm, d = p["time_ms"], p["derived"]
+
+                def us(m):
+                    return _f(tm[m] * 1e3, ".1f") if m in tm else ("did not run" if m in p["errors"] else "–")
+
+                def pct(m):
+                    v = d.get(f"{m}_read_fraction")
+                    return _f(None if v is None else 100 * v, ".0f")
+                lines.append(f"| {p['T']} | {p['rows']} | {p['active_experts']} | {us('ours_int8')} | {us('ours_fp8')} "
+                             f"| {us('ours_block')} | {us('torch_fp8')} | {us('torch_bf16')} | "
+                             f"{_f(d.get('ours_int8_x_torch_fp8'), '.2f')} | {_f(d.get('ours_fp8_x_torch_fp8'), '.2f')} | "
+                             f"{_f(d.get('ours_block_x_torch_fp8'), '.2f')} | {_f(d['tops'].get('ours_fp8'), '.0f')} | "
+                             f"{pct('ours_int8')} | {pct('ours_fp8')} | {pct('ours_block')} |")
+            lines.append("")
+        errs = [(p, m, msg) for p in results["gemm_points"] for m, msg in p["errors"].items()]
+        if errs:
+            lines += ["Did not run:", ""]
+            seen = set()
+            for p, m, msg in errs:
+                if (m, msg) not in seen:
+                    seen.add((m, msg))
+                    lines.append(f"- {m} ({p['model']} {p['gemm']} T={p['T']} and others): {msg}")
+            lines.append("")
+    if results["layer_points"]:
+        lines += ["## MoE layer (experts module, routing given)", "",
+                  "Graph times in us (hf_eager: eager calls, host launches included); x hf = transformers' bf16 "
+                  "grouped_mm experts time / ours; eager = our layer called eagerly (CUDA events, host included) "
+                  "and its host time per call.", "",
+                  "| model | T | ours int8 | ours fp8 | ours block | hf grouped_mm | hf eager | int8 x hf | fp8 x hf | "
+                  "block x hf | int8 eager / host |", "|" + "---|" * 11]
+        for p in results["layer_points"]:
+            tm, d = p["time_ms"], p["derived"]
+
+            def us(m):
+                return _f(tm[m] * 1e3, ".1f") if m in tm else ("did not run" if m in p["errors"] else "–")
+            eg, host = p["eager_ms"].get("ours_int8"), p["eager_host_ms"].get("ours_int8")
+            lines.append(f"| {p['model']} | {p['T']} | {us('ours_int8')} | {us('ours_fp8')} | {us('ours_block')} | "
+                         f"{us('hf_grouped_mm')} | {us('hf_eager')} | {_f(d.get('ours_int8_x_hf_grouped_mm'), '.2f')} | "
+                         f"{_f(d.get('ours_fp8_x_hf_grouped_mm'), '.2f')} | "
+                         f"{_f(d.get('ours_block_x_hf_grouped_mm'), '.2f')} | "
+                         f"{_f(None if eg is None else eg * 1e3, '.0f')} / {_f(None if host is None else host * 1e3, '.0f')} |")
+        lines.append("")
+        for key in ("layer_errors",):
+            for where, msg in results.get(key, {}).items():
+                lines.append(f"- {where}: {msg}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_results(results: dict[str, Any], path: str) -> None:
+    """ours / torch_fp8 speedup against T for each GEMM, and the layer speedups over transformers."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax = axes[0]
+    groups: dict = {}
+    for p in results["gemm_points"]:
+        groups.setdefault(f"{p['model']} {p['gemm']}", []).append(p)
+    for label, pts in groups.items():
+        for m in OURS_GEMM:
+            xs = [(p["T"], p["derived"].get(f"{m}_x_torch_fp8")) for p in pts]
+            xs = [(t, v) for t, v in xs if v is not None]
+            if xs:
+                ax.plot(*zip(*xs), marker="o", label=f"{label} {m}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel("torch fp8 time / ours")
+    ax.set_title("grouped GEMM vs torch scaled_grouped_mm")
+    ax.legend(fontsize=6)
+    ax = axes[1]
+    lgroups: dict = {}
+    for p in results["layer_points"]:
+        lgroups.setdefault(p["model"], []).append(p)
+    for model, pts in lgroups.items():
+        for m in OURS_LAYER:
+            xs = [(p["T"], p["derived"].get(f"{m}_x_hf_grouped_mm")) for p in pts]
+            xs = [(t, v) for t, v in xs if v is not None]
+            if xs:
+                ax.plot(*zip(*xs), marker="o", label=f"{model} {m}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel("transformers bf16 time / ours")
+    ax.set_title("MoE layer vs transformers grouped_mm experts")
+    ax.legend(fontsize=6)
+    fig.suptitle(results.get("device", ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------
+# main
+
+
+def run(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any]:
+    name = torch.cuda.get_device_name()
+    results: dict[str, Any] = {
+        **provenance(name, REPO_ROOT),
+        "read_GBps": bu.read_bandwidth_gbps(),
+        "models": {m: dict(zip(("E", "top_k", "H", "I", "renormalize"), MOE_MODELS[m])) for m in args.models},
+        "parts": args.parts, "tokens": args.tokens, "layer_tokens": args.layer_tokens,
+        "timing": {"method": "CUDA-graph replay over rotating input sets (own routing each), methods interleaved, "
+                             "median replay / calls", "replays": args.replays, "replay_ms": args.replay_ms},
+        "tolerances": {"gemm_rel_vs_fp64": GEMM_REL_TOL, "layer_rel_vs_hf_bf16": LAYER_REL_TOL},
+        "gemm_points": [], "layer_points": [],
+    }
+    if "gemm" in args.parts:
+        run_gemm(args, cw, bu, results)
+    if "layer" in args.parts:
+        run_layer(args, cw, bu, results)
+    results["read_GBps_end"] = bu.read_bandwidth_gbps()
+    results["read_GBps_max"] = max(results["read_GBps"], results["read_GBps_end"])
+    derive(results, bu.geomean)
+    return results
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    cw = require_cuda_extension("bench_moe.py")
+    from cutlass_w8a8.testing import timers as bu
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        try:
+            results = run(args, cw, bu)
+        except AccuracyError as exc:
+            sys.exit(f"bench_moe.py: aborted, wrong results: {exc}")
+    results["total_seconds"] = time.perf_counter() - t0
+    publish(results, render_markdown(results), args.out, "moe", plot_results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
