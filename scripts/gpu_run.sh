@@ -11,7 +11,10 @@
 # (every M), bench-block (bench/bench_gemm.py --block: block-scaled fp8 against torch's blockwise scaled_mm, row-wise
 # fp8 and bf16 on the DeepSeek-V3 and Qwen3 shapes, every M, and the fp8 accuracy table; extra arguments in
 # $BLOCK_ARGS, e.g. "--shapes dsv3" / "--shapes q3" to split it over two calls, or "--quick"), decoder
-# (bench/bench_decoder.py; extra arguments in $DECODER_ARGS), graph-update
+# (bench/bench_decoder.py; extra arguments in $DECODER_ARGS, e.g. "--config qwen3-30b-a3b --batches 1,8" for the
+# Qwen3-MoE decoder), moe (bench/bench_moe.py: the grouped GEMM, ours int8 / fp8 / block vs torch's fp8
+# scaled_grouped_mm and bf16 _grouped_mm, and the whole MoE layer vs transformers' bf16 experts, at Qwen3-30B-A3B and
+# Mixtral-8x7B dims; extra arguments in $MOE_ARGS, e.g. "--quick"), graph-update
 # (bench/bench_graph_update.py), decode-gemm (bench/bench_decode_gemm.py; $DECODE_GEMM_ARGS), m1-torchao
 # (bench/bench_m1_torchao.py: W8A8Linear vs torchao int8 weight-only + compile at M = 1; $M1_ARGS), host (bench/bench_host.py: host time per eager call), hf (bench/bench_hf.py:
 # transformers Llama-3-8B dims, bf16 vs W8A8, eager and compiled; extra arguments in $HF_ARGS), fuzz (scripts/fuzz.py, 1000 cases), soak (scripts/soak.py),
@@ -192,6 +195,7 @@ run_stage() {  # name, log, command...: run, stamp rc, print the log's tail, rem
 
 has bench-block && run_stage bench-block bench_block.log $PY bench/bench_gemm.py --block --out "$OUT" ${BLOCK_ARGS:-}
 has decoder && run_stage decoder decoder.log $PY bench/bench_decoder.py --out "$OUT" ${DECODER_ARGS:-}
+has moe && run_stage moe moe.log $PY bench/bench_moe.py --out "$OUT" ${MOE_ARGS:-}
 has decode-gemm && run_stage decode-gemm decode_gemm.log $PY bench/bench_decode_gemm.py --out "$OUT" ${DECODE_GEMM_ARGS:-}
 has m1-torchao && run_stage m1-torchao m1_torchao.log $PY bench/bench_m1_torchao.py --out "$OUT" ${M1_ARGS:-}
 has host && run_stage host host.log $PY bench/bench_host.py --out "$OUT" ${HOST_ARGS:-}
