@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 import cutlass_w8a8 as cw
 from cutlass_w8a8.distributed.moe import TensorParallelW8A8MoE, shard_moe
 
-from _tp_scenarios import _catch, _cpu, _device
+from _tp_scenarios import _catch, _cpu, _device, as_fp8
 
 E, TOP_K, T = 8, 2, 32
 
@@ -78,10 +79,36 @@ def _moe_one(rank: int, world: int, name: str) -> dict:
         tp.reduce_results = True
     b, fb = tp._buffers, full._buffers
     return _cpu(dict(
-        x=x, ids=ids, w=w, logits=logits, full_y=full_y, tp_y=tp_y, tp2_y=tp2_y, full_yl=full_yl, tp_yl=tp_yl, partial=partial,
+        x=x, ids=ids, w=w, logits=logits, full_y=full_y, tp_y=tp_y, tp2_y=tp2_y, full_yl=full_yl, tp_yl=tp_yl,
+        partial=partial,
         full={k: v for k, v in fb.items() if v is not None}, shard={k: v for k, v in b.items() if v is not None},
         sizes=(tp.intermediate_size, tp.full_intermediate_size, tp.tp_rank, tp.tp_size),
         types=[type(m).__name__ for m in (tp, tp2)], repr=repr(tp)))
+
+
+def float_reference(d, ids=None, w=None):
+    """Y_f in float64: dequantized weights, exact activations, the given routing (default the scenario's)."""
+    from _moe_models import dequantize_experts
+
+    f = d["full"]
+    w13 = dequantize_experts(as_fp8(f["w13"]), f["w13_scale"], torch.float64)
+    w2 = dequantize_experts(as_fp8(f["w2"]), f["w2_scale"], torch.float64)
+    x = d["x"].double()
+    ids, w = (d["ids"], d["w"].double()) if ids is None else (ids, w.double())
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            out[t] += w[t, j] * (w2[e] @ (F.silu(gate) * up))
+    return out
+
+
+def w13_rows(i: int, rank: int, world: int) -> torch.Tensor:
+    """The rows of a full ``[E, 2I, H]`` w13 that rank ``rank`` keeps: its gate rows, then the same up rows."""
+    part = i // world
+    return torch.cat([torch.arange(rank * part, (rank + 1) * part),
+                      torch.arange(i + rank * part, i + (rank + 1) * part)])
 
 
 def _block_indivisible(rank, world):

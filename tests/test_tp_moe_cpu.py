@@ -30,7 +30,7 @@ from cutlass_w8a8.distributed import sharding as S
 from cutlass_w8a8.testing.tp import run_workers
 
 import _tp_moe_scenarios as scen
-from _tp_scenarios import TP_VS_TP1_ACCURACY, as_fp8, ok_value
+from _tp_scenarios import TP_VS_TP1_ACCURACY, ok_value
 
 WORLD = 2
 TIMEOUT_S = 240
@@ -89,16 +89,6 @@ def moe():
     return [r.value for r in res]
 
 
-def _rows(i, rank, world=WORLD):
-    part = i // world
-    return torch.cat([torch.arange(rank * part, (rank + 1) * part), torch.arange(i + rank * part, i + (rank + 1) * part)])
-
-
-def _same(a, b):
-    return torch.equal(as_fp8(a).view(torch.uint8), as_fp8(b).view(torch.uint8)) if a.dtype == torch.uint8 \
-        else torch.equal(a, b)
-
-
 @pytest.mark.parametrize("name", sorted(scen.CASES))
 def test_shard_buffers_are_the_full_layers_slices(moe, name):
     _, block, static, h, i = scen.CASES[name]
@@ -107,9 +97,9 @@ def test_shard_buffers_are_the_full_layers_slices(moe, name):
         f, s = d["full"], d["shard"]
         assert d["types"] == ["TensorParallelW8A8MoE"] * 2
         assert d["sizes"] == (i // 2, i, rank, 2)
-        rows = _rows(i, rank)
+        rows = scen.w13_rows(i, rank, WORLD)
         cols = torch.arange(rank * i // 2, (rank + 1) * i // 2)
-        assert _same(s["w13"], f["w13"][:, rows]) and _same(s["w2"], f["w2"][..., cols])
+        assert torch.equal(s["w13"], f["w13"][:, rows]) and torch.equal(s["w2"], f["w2"][..., cols])  # fp8 as uint8
         if block:
             brows = torch.cat([torch.arange(rank * i // 256, (rank + 1) * i // 256),
                                torch.arange(i // 128 + rank * i // 256, i // 128 + (rank + 1) * i // 256)])
@@ -133,28 +123,10 @@ def test_output_is_the_bf16_sum_of_the_partials(moe, name):
     assert not torch.equal(d0["partial"], expected)  # a partial alone is not the output
 
 
-def _float_reference(d, ids=None, w=None):
-    """Y_f in float64: dequantized weights, exact activations, the given routing (default the scenario's)."""
-    from _moe_models import dequantize_experts
-
-    f = d["full"]
-    w13 = dequantize_experts(as_fp8(f["w13"]), f["w13_scale"], torch.float64)
-    w2 = dequantize_experts(as_fp8(f["w2"]), f["w2_scale"], torch.float64)
-    x = d["x"].double()
-    ids, w = (d["ids"], d["w"].double()) if ids is None else (ids, w.double())
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gate, up = (w13[e] @ x[t]).chunk(2)
-            out[t] += w[t, j] * (w2[e] @ (F.silu(gate) * up))
-    return out
-
-
 @pytest.mark.parametrize("name", sorted(scen.CASES))
 def test_sharded_vs_unsharded_against_the_float_model(moe, name):
     d = ok_value(moe[0][name])
-    yf = _float_reference(d)
+    yf = scen.float_reference(d)
     y1, y2 = d["full_y"].double(), d["tp_y"].double()
     e1, e2 = float((y1 - yf).norm()), float((y2 - yf).norm())
     assert e1 / float(yf.norm()) < 0.1, e1 / float(yf.norm())
@@ -163,7 +135,7 @@ def test_sharded_vs_unsharded_against_the_float_model(moe, name):
     # router-logits mode: the routing (softmax, top-2, renormalized) computed here, then the same criterion
     p = torch.softmax(d["logits"].double(), -1)
     w, ids = torch.topk(p, 2, -1)
-    yf = _float_reference(d, ids, w / w.sum(-1, keepdim=True))
+    yf = scen.float_reference(d, ids, w / w.sum(-1, keepdim=True))
     y1, y2 = d["full_yl"].double(), d["tp_yl"].double()
     e1, e2 = float((y1 - yf).norm()), float((y2 - yf).norm())
     assert e1 / float(yf.norm()) < 0.1, e1 / float(yf.norm())

@@ -409,8 +409,8 @@ def shard_linear(linear: nn.Module, style: str, tp_group, *, output_sizes: Optio
     use ``ColumnParallelW8A8Linear.from_float``.
 
     ``output_sizes`` (colwise only): the logical matrices stacked along N; ``replicas`` (colwise only): per matrix,
-    how many ranks share each of its parts (replicated key/value heads, `sharding.kv_replicas`). Raises TypeError for another module
-    type or an already-sharded layer, ValueError for an unknown style and as the constructors.
+    how many ranks share each of its parts (replicated key/value heads, `sharding.kv_replicas`). Raises TypeError
+    for another module type or an already-sharded layer, ValueError for an unknown style and as the constructors.
     """
     if style not in S.STYLES:
         raise ValueError(f"shard_linear: `style` must be 'colwise' or 'rowwise', got {style!r}")
