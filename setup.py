@@ -196,7 +196,8 @@ def extensions():
     tune = bool(tables)
     numbers = sorted({a.split("+")[0].rstrip("a") for a in arches})  # "8.0", "8.9", "9.0", ...
     if "9.0" in numbers:
-        patterns = ["csrc/gemm/sm90/instantiations/*.cu"]
+        # the dense GEMMs' instantiations and the grouped (mixture-of-experts) GEMM (csrc/gemm/sm90/grouped)
+        patterns = ["csrc/gemm/sm90/instantiations/*.cu", "csrc/gemm/sm90/grouped/*.cu"]
         patterns += [f"csrc/gemm/sm90/instantiations_tune/{TUNE_TABLES[t][0]}*.cu" for t in tables]
         tune_flags = ["-DCUTLASS_W8A8_TUNE"] + [f"-D{TUNE_TABLES[t][1]}" for t in tables] if tune else []
         if tune:

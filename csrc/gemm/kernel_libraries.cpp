@@ -37,6 +37,8 @@ KernelLibrary open_library(const char* name, const char* scaled_mm_symbol, const
     return k;
   }
   if (node_symbol != nullptr) k.node = reinterpret_cast<cw8a8_scaled_mm_node_fn>(dlsym(handle, node_symbol));
+  // Optional (only the sm90 library exports it, and one built before it does not): the MoE grouped GEMM.
+  k.grouped_mm = reinterpret_cast<cw8a8_grouped_mm_fn>(dlsym(handle, "cw8a8_sm90_grouped_mm"));
   return k;
 }
 
@@ -90,6 +92,12 @@ cw8a8_scaled_mm_node_fn sm90_scaled_mm_node_fn() {
   const KernelLibrary& k = require(sm90_library(), "sm90", "9.0a");
   TORCH_CHECK(k.node != nullptr, "cutlass_w8a8: ", k.library, " has no cw8a8_sm90_scaled_mm_node (rebuild it)");
   return k.node;
+}
+
+cw8a8_grouped_mm_fn sm90_grouped_mm_fn() {
+  const KernelLibrary& k = require(sm90_library(), "sm90", "9.0a");
+  TORCH_CHECK(k.grouped_mm != nullptr, "cutlass_w8a8: ", k.library, " has no cw8a8_sm90_grouped_mm (rebuild it)");
+  return k.grouped_mm;
 }
 
 bool supports_fp8(int device) {

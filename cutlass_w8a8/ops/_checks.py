@@ -20,9 +20,9 @@ from ._roles import (aligned16, bias_vector, block_scaled, block_scales, block_w
                      cxx_list, decode_m, eight_bit, float32_scale,
                      float_input, gemm_shapes, gemm_size, int8_k_bound, out_matrix, output_dtype, per_channel_scale,
                      limit_text, quant_dtype, row_input, row_major, same_device, static_scale, tensor_arg,
-                     weight_columns, fail_type, fail_value, flat_row_stride)
+                     weight_columns, fail_type, fail_value, flat_row_stride, expert_weights)
 
-__all__ = ["check_scaled_mm", "check_scaled_mm_decode", "check_linear_decode", "check_w8a8_linear",
+__all__ = ["check_scaled_mm", "check_scaled_mm_decode", "check_grouped_scaled_mm", "check_linear_decode", "check_w8a8_linear",
            "check_quantize", "check_quantize_group", "check_rms_norm", "check_rms_norm_quant", "check_silu_mul",
            "check_silu_mul_quant",
            "check_decode_attention", "check_decode_attention_quant", "check_rope_kv_cache", "check_decode_layer",
@@ -86,6 +86,88 @@ def check_scaled_mm_decode(op: str, a, b, scale_a, scale_b, out_dtype, bias, out
     decode_m(op, "a", a.shape[0])
     if a.shape[1] > DECODE_MAX_K:
         fail_value(op, "a", f"K = {a.shape[1]} must be at most {limit_text(DECODE_MAX_K)}")
+
+
+def check_grouped_scaled_mm(op: str, a, b, scale_a, scale_b, offsets, out_dtype, bias, out=None) -> None:
+    """grouped_scaled_mm(_out): a (T, K) 8-bit rows grouped by expert, b (E, K, N) the experts' weights
+    (`_roles.expert_weights`), offsets int32 (E,); row-wise scales (scale_a (), (1,), (T,), (T, 1); scale_b (E, N),
+    (E,), (E, 1)) or block fp8 (scale_b 3-D: scale_a (T, K/128), scale_b (E, ceil(N/128), K/128)); bias (E, N);
+    out (T, N) contiguous. csrc/gemm/grouped_mm_entry.cu raises the same messages in the same order. The values
+    of `offsets` are not checked here (device data: the CPU reference checks them, the CUDA kernels clamp them)."""
+    for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("offsets", offsets)):
+        tensor_arg(op, name, t)
+    eight_bit(op, "a", a)
+    if b.dtype != a.dtype:
+        fail_type(op, "b", f"must have a's dtype {a.dtype}, got {b.dtype}")
+    float32_scale(op, "scale_a", scale_a)
+    float32_scale(op, "scale_b", scale_b)
+    if offsets.dtype != torch.int32:
+        fail_type(op, "offsets", f"must be int32, got {offsets.dtype}")
+    if out is not None and out.dtype not in OUT_DTYPES:
+        fail_type(op, "out", f"must be bfloat16 or float16, got {out.dtype}")
+    output_dtype(op, out_dtype)
+    tensor_arg(op, "bias", bias, optional=True)
+    if bias is not None and bias.dtype != out_dtype:
+        fail_type(op, "bias", f"must have the output dtype {out_dtype}, got {bias.dtype}")
+    tensor_arg(op, "out", out, optional=True)
+    same_device(op, "a", a, [("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("offsets", offsets),
+                             ("bias", bias), ("out", out)])
+
+    if a.dim() != 2:
+        fail_value(op, "a", f"must be 2-D [T, K], got shape {tuple(a.shape)}")
+    if b.dim() != 3:
+        fail_value(op, "b", f"must be 3-D [E, K, N] (each expert's [N, K] weight transposed), got shape "
+                   f"{tuple(b.shape)}")
+    t, k = a.shape
+    e, n = b.shape[0], b.shape[2]
+    if b.shape[1] != k:
+        fail_value(op, "b", f"must be [E, K, N] with K = a.shape[1] = {k}, got shape {tuple(b.shape)}")
+    if t >= MAX_M:
+        fail_value(op, "a", f"T = a.shape[0] must be below {limit_text(MAX_M)}, got {t}")
+    gemm_size(op, "a", "K = a.shape[1]", k)
+    gemm_size(op, "b", "N = b.shape[2]", n)
+    if not 1 <= e <= MOE_MAX_EXPERTS:
+        fail_value(op, "b", f"E = b.shape[0] must be in [1, {MOE_MAX_EXPERTS}], got {e}")
+    int8_k_bound(op, "a", a.dtype, k)
+    if tuple(offsets.shape) != (e,):
+        fail_value(op, "offsets", f"must be [E] = [{e}] (the end row of each expert's group), got shape "
+                   f"{tuple(offsets.shape)}")
+    if scale_b.dim() == 3:  # block-scaled fp8
+        if a.dtype != torch.float8_e4m3fn:
+            fail_type(op, "a", "must be float8_e4m3fn with block scales (scale_a [T, K/128], scale_b "
+                      f"[E, ceil(N/128), K/128]), got {a.dtype}")
+        if k % BLOCK_SIZE != 0:
+            fail_value(op, "a", f"K = a.shape[1] must be a multiple of {BLOCK_SIZE} with block scales, got {k}")
+        kb, nb = k // BLOCK_SIZE, -(-n // BLOCK_SIZE)
+        if tuple(scale_a.shape) != (t, kb):
+            fail_value(op, "scale_a", f"must be [T, K/128] = [{t}, {kb}] (1x128 groups) with block scales, got "
+                       f"shape {tuple(scale_a.shape)}")
+        if tuple(scale_b.shape) != (e, nb, kb):
+            fail_value(op, "scale_b", f"must be [E, ceil(N/128), K/128] = [{e}, {nb}, {kb}] (128x128 blocks) with "
+                       f"block scales, got shape {tuple(scale_b.shape)}")
+    else:
+        if not (scale_a.numel() == 1 or tuple(scale_a.shape) in ((t,), (t, 1))):
+            fail_value(op, "scale_a", f"must be [1] (per-tensor), [T] or [T, 1] (per-token) with T = {t}, got shape "
+                       f"{tuple(scale_a.shape)}")
+        if tuple(scale_b.shape) not in ((e, n), (e,), (e, 1)):
+            fail_value(op, "scale_b", f"must be [E, N] (per-channel), [E] or [E, 1] (per-expert) with E = {e}, "
+                       f"N = {n}, or [E, ceil(N/128), K/128] (block fp8), got shape {tuple(scale_b.shape)}")
+    contiguous(op, "scale_a", scale_a)
+    contiguous(op, "scale_b", scale_b)
+    contiguous(op, "offsets", offsets)
+    if bias is not None:
+        if tuple(bias.shape) != (e, n):
+            fail_value(op, "bias", f"must be [E, N] = [{e}, {n}], got shape {tuple(bias.shape)}")
+        contiguous(op, "bias", bias)
+    row_major(op, "a", a, t, k, "K", GEMM_ALIGN)
+    expert_weights(op, b, k, n)
+    aligned16(op, "a", a)
+    aligned16(op, "b", b)
+    if out is not None:
+        if tuple(out.shape) != (t, n):
+            fail_value(op, "out", f"must be [T, N] = [{t}, {n}], got shape {tuple(out.shape)}")
+        contiguous(op, "out", out)
+        aligned16(op, "out", out)
 
 
 def check_linear_decode(op: str, x, b, scale_b, bias, dtype, out=None) -> None:

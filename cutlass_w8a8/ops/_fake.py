@@ -30,6 +30,17 @@ _gemm_pair("scaled_mm", C.check_scaled_mm)
 _gemm_pair("scaled_mm_decode", C.check_scaled_mm_decode)
 
 
+@_fake("grouped_scaled_mm")
+def _grouped_scaled_mm(a, b, scale_a, scale_b, offsets, out_dtype, bias=None):
+    C.check_grouped_scaled_mm("grouped_scaled_mm", a, b, scale_a, scale_b, offsets, out_dtype, bias)
+    return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype)
+
+
+@_fake("grouped_scaled_mm_out")
+def _grouped_scaled_mm_out(out, a, b, scale_a, scale_b, offsets, bias=None):
+    C.check_grouped_scaled_mm("grouped_scaled_mm", a, b, scale_a, scale_b, offsets, out.dtype, bias, out)
+
+
 @_fake("_scaled_mm_config")
 def _scaled_mm_config(out, a, b, scale_a, scale_b, bias, config):
     C.check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out.dtype, bias, out)

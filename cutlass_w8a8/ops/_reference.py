@@ -99,6 +99,58 @@ def _w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype
     return y.reshape(*x.shape[:-1], n)
 
 
+def grouped_offsets(offsets, t: int) -> list:
+    """The values of a checked int32 `offsets` [E] (the end row of each expert's group) as a list; raises
+    ValueError naming `offsets` unless they are non-decreasing within [0, T]. The CUDA kernels cannot check device
+    data without a host synchronisation: they clamp instead (c[e] = min(T, max(c[e - 1], offsets[e])), c[-1] = 0)."""
+    values = [int(v) for v in offsets.tolist()]
+    prev = 0
+    for e, v in enumerate(values):
+        if v < prev or v > t:
+            raise ValueError(f"grouped_scaled_mm: `offsets` must be non-decreasing values in [0, T] with T = {t} (the "
+                             f"end row of each expert's group), got offsets[{e}] = {v} after {prev}")
+        prev = v
+    return values
+
+
+def grouped_scaled_mm_reference(a, b, scale_a, scale_b, offsets, out_dtype, bias, out=None):
+    """grouped_scaled_mm of checked operands: for each expert e with rows [offsets[e - 1], offsets[e]) (offsets[-1]
+    read as 0), those rows of the result are scaled_mm's (or block fp8's) reference of the rows of `a`, the
+    expert's weight b[e] (K, N) and its scales and bias; every expert's math is its dense reference's (exact
+    products in float64, float32 scaling, one rounding to out_dtype). Rows >= offsets[E - 1] are left as they are
+    in `out`, or zero in a fresh result."""
+    t, n = a.shape[0], b.shape[2]
+    ends = grouped_offsets(offsets, t)
+    result = torch.zeros(t, n, dtype=out_dtype, device=a.device) if out is None else out
+    block = scale_b.dim() == 3
+    per_token = scale_a.numel() != 1
+    per_channel = scale_b.dim() == 2 and scale_b.shape[1] == n
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            rows = slice(start, end)
+            be = bias[e] if bias is not None else None
+            if block:
+                y = block_scaled_mm_reference(a[rows], b[e], scale_a[rows], scale_b[e], out_dtype, be)
+            else:
+                sa = scale_a.reshape(-1)[rows] if per_token else scale_a.reshape(1)
+                sb = scale_b[e].reshape(-1) if per_channel else scale_b.reshape(-1)[e:e + 1]
+                y = scaled_mm_reference(a[rows], b[e], sa, sb, out_dtype, be)
+            result[rows] = y
+        start = end
+    return result
+
+
+def _grouped_scaled_mm(a, b, scale_a, scale_b, offsets, out_dtype, bias=None):
+    C.check_grouped_scaled_mm("grouped_scaled_mm", a, b, scale_a, scale_b, offsets, out_dtype, bias)
+    return grouped_scaled_mm_reference(a, b, scale_a, scale_b, offsets, out_dtype, bias)
+
+
+def _grouped_scaled_mm_out(out, a, b, scale_a, scale_b, offsets, bias=None):
+    C.check_grouped_scaled_mm("grouped_scaled_mm", a, b, scale_a, scale_b, offsets, out.dtype, bias, out)
+    grouped_scaled_mm_reference(a, b, scale_a, scale_b, offsets, out.dtype, bias, out)
+
+
 # linear_decode: the CPU per-token quantization, then scaled_mm's reference (the CUDA kernel equals
 # quantize_per_token followed by scaled_mm_decode bit for bit; on the CPU that chain is the definition).
 
@@ -428,5 +480,6 @@ for _name, _fn in (
         ("silu_mul_quant", _silu_mul_quant), ("decode_attention", _decode_attention),
         ("decode_attention_out", _decode_attention_out), ("decode_attention_quant", _decode_attention_quant),
         ("rope_kv_cache_", _rope_kv_cache),
-        ("decode_layer", decode_layer)):
+        ("decode_layer", decode_layer), ("grouped_scaled_mm", _grouped_scaled_mm),
+        ("grouped_scaled_mm_out", _grouped_scaled_mm_out)):
     lib.impl(_name, _fn, "CPU")

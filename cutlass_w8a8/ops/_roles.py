@@ -231,6 +231,23 @@ def weight_columns(op: str, b, k: int) -> None:
         fail_value(op, "b", f"stride(1) must be a multiple of {GEMM_ALIGN} elements, got {b.stride(1)}")
 
 
+def expert_weights(op: str, b, k: int, n: int) -> None:
+    """`b` of grouped_scaled_mm: (E, K, N) with unit-stride K, i.e. the row-major (E, N, K) expert weights as
+    ``w.transpose(1, 2)``; rows of K padded to a multiple of 16 elements and padded experts are fine."""
+    if b.stride(1) != 1:
+        fail_value(op, "b", "must be [E, K, N] with stride(1) == 1 (w.transpose(1, 2) of a row-major [E, N, K] "
+                   f"weight), got strides {b.stride()}")
+    if b.stride(2) < k:
+        fail_value(op, "b", f"columns overlap: stride(2) = {b.stride(2)} < K = {k}")
+    if b.stride(2) % GEMM_ALIGN != 0:
+        fail_value(op, "b", f"stride(2) must be a multiple of {GEMM_ALIGN} elements, got {b.stride(2)}")
+    if b.shape[0] > 1:
+        if b.stride(0) < n * b.stride(2):
+            fail_value(op, "b", f"experts overlap: stride(0) = {b.stride(0)} < N * stride(2) = {n * b.stride(2)}")
+        if b.stride(0) % GEMM_ALIGN != 0:
+            fail_value(op, "b", f"stride(0) must be a multiple of {GEMM_ALIGN} elements, got {b.stride(0)}")
+
+
 def out_matrix(op: str, out, m: int, n: int) -> None:
     """A GEMM destination: (M, N), row-major, rows padded to a multiple of 8 elements, 16-byte aligned."""
     if tuple(out.shape) != (m, n):

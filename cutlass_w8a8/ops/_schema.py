@@ -49,6 +49,11 @@ Ops:
   gathered into that order and quantized (per token, per tensor, or per 1x128 group)
 - ``moe_unpermute(y, dst_pos, topk_weights) -> Tensor``: out[t] = sum_j topk_weights[t, j] * y[dst_pos[t*k+j]]
 - ``moe_unpermute_out(out, y, dst_pos, topk_weights) -> ()``
+- ``grouped_scaled_mm(a, b, scale_a, scale_b, offsets, out_dtype, bias=None) -> Tensor``: the mixture-of-experts
+  grouped GEMM: ``a`` (T, K) rows grouped by expert, ``b`` (E, K, N), ``offsets`` int32 (E,) the end row of each
+  expert's group (torch's ``offs``); per-token / per-tensor ``scale_a``, per-channel / per-expert ``scale_b``, or
+  block fp8 (``scale_a`` (T, K/128), ``scale_b`` (E, ceil(N/128), K/128))
+- ``grouped_scaled_mm_out(out, a, b, scale_a, scale_b, offsets, bias=None) -> ()``
 - ``_graph_update_scaled_mm(graph_exec, record, out, a, b, scale_a, scale_b, bias) -> ()``: a CUDA-graph node
   update (`cutlass_w8a8.graphs.UpdatableGraph.update_scaled_mm`); no CPU or fake kernel, it changes an
   instantiated graph, not tensors
@@ -157,6 +162,12 @@ _define("_graph_update_scaled_mm(int graph_exec, int record, Tensor out, Tensor 
 
 # MoE routing (csrc/moe/): top-k of the router's softmax, the stable counting sort of the (token, expert) pairs by
 # expert, the gather of the tokens into that order fused with their quantization, and the weighted sum back.
+# MoE grouped GEMM (csrc/gemm/grouped_mm_entry.cu): the grouped decode kernel at small T, the sm90 CUTLASS ptr-array
+# grouped GEMM above it.
+_define("grouped_scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor offsets, ScalarType out_dtype, "
+        "Tensor? bias=None) -> Tensor")
+_define("grouped_scaled_mm_out(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor offsets, "
+        "Tensor? bias=None) -> ()")
 _define("moe_topk_softmax(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)")
 _define("moe_align(Tensor topk_ids, int num_experts) -> (Tensor, Tensor, Tensor)")
 _define("moe_permute_quant(Tensor x, Tensor sorted_pairs, int top_k, ScalarType dtype, Tensor? scale=None, "

@@ -25,7 +25,7 @@ import torch
 
 from ._schema import OVERLOADS as _op
 
-__all__ = ["moe_topk_softmax", "moe_align", "moe_permute_quant", "moe_unpermute"]
+__all__ = ["moe_topk_softmax", "moe_align", "moe_permute_quant", "moe_unpermute", "grouped_scaled_mm"]
 
 
 def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
@@ -207,4 +207,81 @@ def moe_unpermute(y: torch.Tensor, dst_pos: torch.Tensor, topk_weights: torch.Te
     if out is None:
         return _op.moe_unpermute(y, dst_pos, topk_weights)
     _op.moe_unpermute_out(out, y, dst_pos, topk_weights)
+    return out
+
+
+def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                      offsets: torch.Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The experts' GEMMs of a mixture-of-experts layer in one call: ``a``'s rows are grouped by expert.
+
+    Expert ``e`` owns the rows ``[offsets[e - 1], offsets[e])`` of ``a`` (``offsets[-1]`` read as 0: torch's
+    ``offs`` convention of ``torch._grouped_mm`` / ``F.scaled_grouped_mm``, and :func:`moe_align`'s third output),
+    and for each of its rows ``t``::
+
+        out[t, n] = scale_a(t) * scale_b(e, n) * sum_k a[t, k] * b[e, k, n]  (+ bias[e, n])
+
+    with the products exact (int8: int32 accumulation; e4m3: float32 accumulation, the row-wise kernels with fast
+    accumulation as :func:`scaled_mm`), the scaling in float32 and one rounding to ``out_dtype``. With block
+    scales (``scale_b`` 3-D, e4m3 only) each 128-deep K block's float32 partial sum is multiplied by
+    ``scale_a[t, kb] * scale_b[e, n // 128, kb]`` before it is added, as :func:`scaled_mm`'s block mode
+    (CUTLASS example 68's grouped blockwise-scaled GEMM).
+
+    On CUDA (sm90 only) T up to the grouped decode kernel's bound runs that kernel (it streams only the weights of
+    the experts that have rows); larger T runs a CUTLASS ptr-array grouped GEMM whose per-expert problem sizes
+    and pointers are built on the device. Neither reads ``offsets`` on the host: the call never synchronises and
+    captures into a CUDA graph whatever the routing (a replay with new ``offsets`` computes the new routing).
+    Experts with no rows are skipped.
+
+    Parameters
+    ----------
+    a : torch.Tensor
+        ``(T, K)`` int8 or float8_e4m3fn, row-major (``stride(1) == 1``, ``stride(0)`` a multiple of 16 and at
+        least K), 16-byte aligned; K a positive multiple of 16 (of 128 with block scales), at most 131056 for int8.
+    b : torch.Tensor
+        ``(E, K, N)``, ``a``'s dtype: the experts' row-major ``(E, N, K)`` weights as ``w.transpose(1, 2)``
+        (``stride(1) == 1``; ``stride(2)`` >= K and ``stride(0)`` >= N * ``stride(2)``, multiples of 16);
+        ``1 <= E <= 1024``, N a positive multiple of 16.
+    scale_a : torch.Tensor
+        float32, contiguous: per-token ``(T,)`` or ``(T, 1)``, per-tensor (one value), or with block scales
+        ``(T, K/128)`` (one scale per 1x128 group, :func:`quantize_per_token_group`'s).
+    scale_b : torch.Tensor
+        float32, contiguous: per-channel ``(E, N)``, per-expert ``(E,)`` or ``(E, 1)``, or block fp8
+        ``(E, ceil(N/128), K/128)`` (one scale per 128x128 block of each expert's (N, K) weight).
+    offsets : torch.Tensor
+        int32 ``(E,)``, contiguous, on ``a``'s device: the end row of each expert's group, non-decreasing within
+        ``[0, T]``. The CPU implementation raises ``ValueError`` naming ``offsets`` otherwise; the CUDA kernels
+        cannot check device data without a host synchronisation, so they clamp instead: ``c[e] = min(T,
+        max(c[e - 1], offsets[e]))`` with ``c[-1] = 0``, and expert e owns rows ``[c[e - 1], c[e])``.
+    out_dtype : torch.dtype
+        torch.bfloat16 or torch.float16.
+    bias : torch.Tensor, optional
+        ``(E, N)`` contiguous, ``out_dtype``: expert e's bias is added to its rows.
+    out : torch.Tensor, optional
+        ``(T, N)`` contiguous, ``out_dtype``, 16-byte aligned: written and returned (a static buffer for CUDA
+        graphs).
+
+    Returns
+    -------
+    torch.Tensor
+        ``(T, N)`` ``out_dtype``, contiguous (``out`` when given). Rows ``t >= offsets[E - 1]`` (pairs routed to no
+        expert) are not written: unspecified in a fresh CUDA result (zero in a fresh CPU one), unchanged in
+        ``out``.
+
+    Raises
+    ------
+    TypeError
+        A dtype is wrong (``a`` not 8-bit, ``b`` of another dtype, a scale not float32, ``offsets`` not int32,
+        ``out_dtype`` / ``bias`` / ``out`` not bfloat16 / float16 or not matching), or block scales with int8.
+    ValueError
+        A shape, layout, alignment or device is wrong (the message names the argument), or, on the CPU, the
+        values of ``offsets`` are not non-decreasing within ``[0, T]``.
+    NotImplementedError
+        On a CUDA device other than sm90 (the message names the device).
+    RuntimeError
+        The CUDA extension or the sm90 kernel library is not built or not loaded.
+    """
+    if out is None:
+        return _op.grouped_scaled_mm(a, b, scale_a, scale_b, offsets, out_dtype, bias)
+    _op.grouped_scaled_mm_out(out, a, b, scale_a, scale_b, offsets, bias)
     return out

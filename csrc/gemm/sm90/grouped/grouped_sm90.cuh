@@ -1,0 +1,412 @@
+// The sm90 grouped (mixture-of-experts) GEMM: CUTLASS's ptr-array grouped kernels
+// (KernelPtrArrayTmaWarpSpecialized{Cooperative,Pingpong}[FP8FastAccum | FP8Blockwise], GroupProblemShape) with the
+// per-group problem sizes, operand pointers, strides and scale pointers built on the device, so that nothing about
+// the routing is read on the host (no synchronisation; the launch captures into a CUDA graph whatever the routing).
+//
+// One call (cw8a8_grouped_mm_args, gemm/kernel_api.h):
+//   1. one allocation from the caller's allocator: the per-group arrays below, then CUTLASS's workspace (the
+//      per-SM TMA descriptors the kernel rewrites when it moves to another group);
+//   2. grouped_setup_kernel on args.stream (one CTA): reads `offsets`, clamps them to a non-decreasing sequence
+//      within [0, T] (a running maximum, then min T), and writes for each expert e with rows [start, end):
+//      problem size, A / B / D pointers and strides, the scale and bias pointers (and the block-scale layouts);
+//   3. the CUTLASS kernel, its grid sized by the SM count (the host problem sizes are null, so the persistent group
+//      tile scheduler walks the device problem sizes; a group with no rows has no tiles and is skipped).
+// Both are launched without programmatic dependent launch: the group tile scheduler reads the problem sizes before
+// any griddepcontrol wait, so the GEMM must not start before the setup kernel has finished.
+//
+// Epilogues (the kernel's own frame; swapped configs have the weight's N as rows and the tokens as columns):
+//   row-wise: D = scale_tok * (scale_ch * float(acc)) + bias, rounded once, as the dense kernel (scaled_mm_sm90.cuh),
+//     the broadcasts in their array-of-pointers form (Sm90ColBroadcast / Sm90RowBroadcast with a float* element:
+//     one pointer per group) and a run-time bool stride choosing vector or scalar: per-token scale_a (pointer
+//     scale_a + start, vector) or per-tensor (scale_a, scalar); per-channel scale_b (scale_b + e * N, vector) or
+//     per-expert (scale_b + e, scalar); bias (bias + e * N, vector) or no bias (a null array: zero).
+//   block fp8: example 68's mainloop with per-group scale pointers and layouts (scale_a + start * KB with M = rows of
+//     the group; scale_b + e * NB * KB), D = acc + bias.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/detail/blockwise_scale_layout.hpp>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include "gemm/sm90/grouped/grouped_sm90_config.cuh"
+#include "gemm/sm90/scaled_mm_sm90_launch.cuh"  // GemmLauncher::ensure_smem_attribute, detail::fail, the GDC guard
+
+namespace cutlass_w8a8::sm90::grouped {
+
+namespace detail {
+
+template <Schedule S, bool FastAccum, bool Block>
+struct GroupedScheduleTypes {
+  static constexpr bool kPingpong = S == Schedule::kPingpong;
+  using Pingpong = cute::conditional_t<
+      Block, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
+      cute::conditional_t<FastAccum, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
+                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong>>;
+  using Cooperative = cute::conditional_t<
+      Block, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
+      cute::conditional_t<FastAccum, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum,
+                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>>;
+  using Kernel = cute::conditional_t<kPingpong, Pingpong, Cooperative>;
+  using Epilogue = cute::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+};
+
+constexpr size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+}  // namespace detail
+
+// What the setup kernel reads: cw8a8_grouped_mm_args' device pointers and sizes.
+struct SetupInputs {
+  const void* a;
+  const void* b;
+  void* d;
+  const float* scale_a;
+  const float* scale_b;
+  const void* bias;
+  const int32_t* offsets;
+  int64_t t, n, k, num_experts;
+  int64_t lda, ldb, ldd, stride_b_e;
+  int scale_a_per_token;
+  int scale_b_per_channel;
+};
+
+template <class ElementAB_, class ElementD_, class Cfg, bool kBlock>
+struct GroupedMmKernel {
+  using ElementAB = ElementAB_;
+  using ElementD = ElementD_;
+  static constexpr bool kIsInt8 = cute::is_same_v<ElementAB, int8_t>;
+  static constexpr bool kSwapAB = Cfg::kSwapAB;
+  using ElementAcc = cute::conditional_t<kIsInt8, int32_t, float>;
+  using ElementCompute = float;
+  using TileShape = typename Cfg::TileShape;
+  using ClusterShape = typename Cfg::ClusterShape;
+  static_assert(!(kIsInt8 && Cfg::kFastAccum), "fast accumulation is an fp8 option");
+  static_assert(!(kBlock && Cfg::kFastAccum), "the blockwise mainloop always promotes");
+  static_assert(!kBlock || cute::is_same_v<ElementAB, cutlass::float_e4m3_t>, "block scales are fp8 only");
+  using Sched = detail::GroupedScheduleTypes<Cfg::kSchedule, Cfg::kFastAccum, kBlock>;
+
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+  using UnderlyingProblemShape = typename ProblemShape::UnderlyingProblemShape;
+
+  using LayoutA = cutlass::layout::RowMajor;     // K-major
+  using LayoutB = cutlass::layout::ColumnMajor;  // K-major
+  using LayoutD = cute::conditional_t<kSwapAB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<ElementAB>::value;
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+
+  // Block scales (used only when kBlock): K-major, granularity 1 on the tokens' side and 128 on the weight's.
+  static constexpr int kScaleBlock = 128;
+  static constexpr int kGranM = kSwapAB ? kScaleBlock : 1;
+  static constexpr int kGranN = kSwapAB ? 1 : kScaleBlock;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<kGranM, kGranN, kScaleBlock, cute::GMMA::Major::K,
+                                                                  cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  static_assert(!kBlock || cute::size<2>(TileShape{}) == kScaleBlock, "block: TileK must be 128");
+  static_assert(!kBlock || (kSwapAB ? cute::size<0>(TileShape{}) % kScaleBlock == 0
+                                    : cute::size<1>(TileShape{}) % kScaleBlock == 0),
+                "block: the weight's side of the tile must be a multiple of 128");
+
+  // Array-of-pointers broadcasts (one pointer per group); the bool stride picks vector (true) or scalar (false).
+  using RowVector = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, float*, float,
+                                                                cute::Stride<cute::_0, bool, cute::_0>>;
+  using ColVector = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float*, float,
+                                                                cute::Stride<bool, cute::_0, cute::_0>>;
+  using BiasRow = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, ElementD*, float,
+                                                              cute::Stride<cute::_0, cute::_1, cute::_0>>;
+  using BiasCol = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, ElementD*, float,
+                                                              cute::Stride<cute::_1, cute::_0, cute::_0>>;
+  using ScaleTokens = cute::conditional_t<kSwapAB, RowVector, ColVector>;
+  using ScaleChannels = cute::conditional_t<kSwapAB, ColVector, RowVector>;
+  using Bias = cute::conditional_t<kSwapAB, BiasCol, BiasRow>;
+
+  using Acc = cutlass::epilogue::fusion::Sm90AccFetch;
+  using ScaleChTimesAcc = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, ElementCompute, ElementCompute,
+                                             cutlass::FloatRoundStyle::round_to_nearest>,
+      ScaleChannels, Acc>;
+  using RowwiseEVT = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::multiply_add, ElementD, ElementCompute,
+                                             cutlass::FloatRoundStyle::round_to_nearest>,
+      ScaleTokens, ScaleChTimesAcc, Bias>;
+  using BlockEVT = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, ElementCompute,
+                                             cutlass::FloatRoundStyle::round_to_nearest>,
+      Acc, Bias>;
+  using EpilogueEVT = cute::conditional_t<kBlock, BlockEVT, RowwiseEVT>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementCompute, void, LayoutD*, kAlignD,
+      ElementD, LayoutD*, kAlignD, typename Sched::Epilogue, EpilogueEVT>::CollectiveOp;
+
+  using MainloopLayoutA = cute::conditional_t<kBlock, cute::tuple<LayoutA*, LayoutSFA*>, LayoutA*>;
+  using MainloopLayoutB = cute::conditional_t<kBlock, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, MainloopLayoutA, kAlignAB, ElementAB,
+      MainloopLayoutB, kAlignAB, ElementAcc, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Sched::Kernel>::CollectiveOp;
+
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+
+  using StrideA = typename GemmKernel::InternalStrideA;
+  using StrideB = typename GemmKernel::InternalStrideB;
+  using StrideD = typename GemmKernel::InternalStrideD;
+
+  // The per-group arrays, in the workspace (each segment 128-byte aligned).
+  struct Arrays {
+    UnderlyingProblemShape* problem;
+    const ElementAB** ptr_a;
+    const ElementAB** ptr_b;
+    ElementD** ptr_d;
+    StrideA* stride_a;
+    StrideB* stride_b;
+    StrideD* stride_d;
+    const float** scale_row;  // ScaleTokens' pointers unswapped... see write_group: the kernel rows' broadcast
+    const float** scale_col;  // the kernel columns' broadcast
+    const ElementD** bias;
+    const float** sfa;        // block: the kernel rows' scale factors
+    const float** sfb;        // block: the kernel columns' scale factors
+    LayoutSFA* layout_sfa;
+    LayoutSFB* layout_sfb;
+  };
+
+  // Bytes of the arrays for `e` groups, and their placement at `base` (128-byte aligned).
+  static size_t arrays_bytes(int64_t e, Arrays* out, char* base) {
+    size_t off = 0;
+    auto take = [&](auto*& p, size_t elem_bytes) {
+      using P = std::remove_reference_t<decltype(p)>;
+      if (out != nullptr) p = reinterpret_cast<P>(base + off);
+      off = detail::align_up(off + elem_bytes * static_cast<size_t>(e), 128);
+    };
+    Arrays tmp{};
+    Arrays& a = out != nullptr ? *out : tmp;
+    take(a.problem, sizeof(UnderlyingProblemShape));
+    take(a.ptr_a, sizeof(void*));
+    take(a.ptr_b, sizeof(void*));
+    take(a.ptr_d, sizeof(void*));
+    take(a.stride_a, sizeof(StrideA));
+    take(a.stride_b, sizeof(StrideB));
+    take(a.stride_d, sizeof(StrideD));
+    take(a.scale_row, sizeof(void*));
+    take(a.scale_col, sizeof(void*));
+    take(a.bias, sizeof(void*));
+    if constexpr (kBlock) {
+      take(a.sfa, sizeof(void*));
+      take(a.sfb, sizeof(void*));
+      take(a.layout_sfa, sizeof(LayoutSFA));
+      take(a.layout_sfb, sizeof(LayoutSFB));
+    }
+    return off;
+  }
+
+  // Expert e's rows [start, end) of A and D.
+  CUTLASS_DEVICE static void write_group(const SetupInputs& p, const Arrays& arr, int64_t e, int64_t start,
+                                         int64_t end) {
+    const int rows = static_cast<int>(end - start);
+    const int n = static_cast<int>(p.n);
+    const int k = static_cast<int>(p.k);
+    const ElementAB* act = static_cast<const ElementAB*>(p.a) + start * p.lda;
+    const ElementAB* wgt = static_cast<const ElementAB*>(p.b) + e * p.stride_b_e;
+    ElementD* out = static_cast<ElementD*>(p.d) + start * p.ldd;
+    const float* tok_scale = nullptr;
+    const float* ch_scale = nullptr;
+    if constexpr (kBlock) {
+      const int64_t kb = p.k / kScaleBlock;
+      const int64_t nb = (p.n + kScaleBlock - 1) / kScaleBlock;
+      tok_scale = p.scale_a + start * kb;
+      ch_scale = p.scale_b + e * nb * kb;
+    } else {
+      tok_scale = p.scale_a_per_token ? p.scale_a + start : p.scale_a;
+      ch_scale = p.scale_b_per_channel ? p.scale_b + e * p.n : p.scale_b + e;
+    }
+    StrideA sa{};
+    StrideB sb{};
+    StrideD sd{};
+    if constexpr (kSwapAB) {
+      arr.problem[e] = UnderlyingProblemShape{n, rows, k};
+      arr.ptr_a[e] = wgt;
+      arr.ptr_b[e] = act;
+      cute::get<0>(sa) = p.ldb;
+      cute::get<0>(sb) = p.lda;
+      cute::get<1>(sd) = p.ldd;  // column-major in the kernel's frame: D^T
+      arr.scale_row[e] = ch_scale;
+      arr.scale_col[e] = tok_scale;
+    } else {
+      arr.problem[e] = UnderlyingProblemShape{rows, n, k};
+      arr.ptr_a[e] = act;
+      arr.ptr_b[e] = wgt;
+      cute::get<0>(sa) = p.lda;
+      cute::get<0>(sb) = p.ldb;
+      cute::get<0>(sd) = p.ldd;
+      arr.scale_row[e] = tok_scale;
+      arr.scale_col[e] = ch_scale;
+    }
+    arr.ptr_d[e] = out;
+    arr.stride_a[e] = sa;
+    arr.stride_b[e] = sb;
+    arr.stride_d[e] = sd;
+    arr.bias[e] = p.bias != nullptr ? static_cast<const ElementD*>(p.bias) + e * p.n : nullptr;
+    if constexpr (kBlock) {
+      arr.sfa[e] = arr.scale_row[e];
+      arr.sfb[e] = arr.scale_col[e];
+      const auto shape = kSwapAB ? cute::make_shape(n, rows, k, 1) : cute::make_shape(rows, n, k, 1);
+      arr.layout_sfa[e] = ScaleConfig::tile_atom_to_shape_SFA(shape);
+      arr.layout_sfb[e] = ScaleConfig::tile_atom_to_shape_SFB(shape);
+    }
+  }
+
+  template <class Bcast>
+  static typename Bcast::Arguments vector_args(const float* const* ptrs, int is_vector) {
+    if constexpr (cute::is_same_v<Bcast, RowVector>) {
+      return {ptrs, 0.f, {cute::_0{}, is_vector != 0, cute::_0{}}};
+    } else {
+      return {ptrs, 0.f, {is_vector != 0, cute::_0{}, cute::_0{}}};
+    }
+  }
+
+  static typename Gemm::Arguments make_arguments(const cw8a8_grouped_mm_args& p, const Arrays& arr) {
+    typename Bias::Arguments bias_args{p.bias != nullptr ? arr.bias : nullptr, ElementD(0.f), {}};
+    typename EpilogueEVT::Arguments evt_args{};
+    typename CollectiveMainloop::Arguments mainloop_args{};
+    if constexpr (kBlock) {
+      evt_args = {{}, bias_args, {}};
+      mainloop_args = {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b, arr.sfa, arr.layout_sfa, arr.sfb,
+                       arr.layout_sfb};
+    } else {
+      // kernel rows: tokens unswapped (ScaleTokens = ColVector), channels swapped (ScaleChannels = ColVector)
+      const int rows_vector = kSwapAB ? p.scale_b_per_channel : p.scale_a_per_token;
+      const int cols_vector = kSwapAB ? p.scale_a_per_token : p.scale_b_per_channel;
+      typename ColVector::Arguments row_scale = vector_args<ColVector>(arr.scale_row, rows_vector);
+      typename RowVector::Arguments col_scale = vector_args<RowVector>(arr.scale_col, cols_vector);
+      if constexpr (kSwapAB) {
+        // ScaleTokens = RowVector (columns), ScaleChannels = ColVector (rows)
+        evt_args = {col_scale, {row_scale, {}, {}}, bias_args, {}};
+      } else {
+        evt_args = {row_scale, {col_scale, {}, {}}, bias_args, {}};
+      }
+      mainloop_args = {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b};
+    }
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGrouped,
+        {static_cast<int>(p.num_experts), arr.problem, nullptr},
+        mainloop_args,
+        {evt_args, nullptr, nullptr, arr.ptr_d, arr.stride_d},
+    };
+    args.hw_info.device_id = p.device;
+    args.hw_info.sm_count = p.sm_count;
+    return args;
+  }
+};
+
+constexpr int kSetupThreads = 1024;
+
+// One CTA of kSetupThreads: the clamped offsets by a running maximum (chunks of kSetupThreads experts, a
+// Hillis-Steele scan in shared memory each), then each thread writes its expert's group.
+template <class K>
+__global__ void __launch_bounds__(kSetupThreads) grouped_setup_kernel(SetupInputs p, typename K::Arrays arr) {
+  __shared__ int64_t scan[kSetupThreads];
+  const int tid = static_cast<int>(threadIdx.x);
+  int64_t carry = 0;  // the clamped end of the last expert of the previous chunks
+  for (int64_t base = 0; base < p.num_experts; base += kSetupThreads) {
+    const int64_t e = base + tid;
+    int64_t v = 0;
+    if (e < p.num_experts) {
+      const int64_t o = static_cast<int64_t>(p.offsets[e]);
+      v = o < 0 ? 0 : (o > p.t ? p.t : o);
+    }
+    scan[tid] = v;
+    __syncthreads();
+    for (int s = 1; s < kSetupThreads; s <<= 1) {
+      const int64_t x = tid >= s ? scan[tid - s] : int64_t{0};
+      __syncthreads();
+      if (x > scan[tid]) scan[tid] = x;
+      __syncthreads();
+    }
+    const int64_t end = scan[tid] > carry ? scan[tid] : carry;
+    const int64_t prev = tid == 0 ? carry : scan[tid - 1];
+    const int64_t start = prev > carry ? prev : carry;
+    const int64_t last = scan[kSetupThreads - 1];
+    __syncthreads();
+    if (e < p.num_experts) K::write_group(p, arr, e, start, end);
+    if (last > carry) carry = last;
+  }
+}
+
+template <class K>
+int run_grouped(const cw8a8_grouped_mm_args& p, cw8a8_alloc_fn alloc, void* alloc_ctx, char* err, size_t err_len) {
+  using Gemm = typename K::Gemm;
+  using GemmKernel = typename K::GemmKernel;
+  if (p.t == 0 || p.num_experts == 0) return 0;
+
+  // Sizes first (no pointers yet): the arrays, then CUTLASS's workspace, from one allocation.
+  typename K::Arrays arr{};
+  const size_t arrays = K::arrays_bytes(p.num_experts, nullptr, nullptr);
+  typename Gemm::Arguments args = K::make_arguments(p, arr);
+  const size_t cutlass_ws = Gemm::get_workspace_size(args);
+  char* ws = static_cast<char*>(alloc(alloc_ctx, arrays + cutlass_ws + 128));
+  if (ws == nullptr) {
+    std::snprintf(err, err_len, "could not allocate a %zu-byte workspace", arrays + cutlass_ws + 128);
+    return 1;
+  }
+  ws = reinterpret_cast<char*>(detail::align_up(reinterpret_cast<uintptr_t>(ws), 128));
+  K::arrays_bytes(p.num_experts, &arr, ws);
+  void* gemm_ws = cutlass_ws > 0 ? static_cast<void*>(ws + arrays) : nullptr;
+  args = K::make_arguments(p, arr);
+
+  cutlass::Status st = Gemm::can_implement(args);
+  if (st != cutlass::Status::kSuccess) return ::cutlass_w8a8::sm90::detail::fail(err, err_len, "CUTLASS can_implement", st);
+
+  SetupInputs in{p.a, p.b, p.d, p.scale_a, p.scale_b, p.bias, p.offsets, p.t, p.n, p.k, p.num_experts,
+                 p.lda, p.ldb, p.ldd, p.stride_b_e, p.scale_a_per_token, p.scale_b_per_channel};
+  grouped_setup_kernel<K><<<1, kSetupThreads, 0, p.stream>>>(in, arr);
+  cudaError_t ce = cudaGetLastError();
+  if (ce != cudaSuccess) {
+    std::snprintf(err, err_len, "grouped setup kernel launch failed: %s", cudaGetErrorString(ce));
+    return 1;
+  }
+
+  if (cutlass_ws > 0) {
+    st = GemmKernel::initialize_workspace(args, gemm_ws, p.stream, nullptr);
+    if (st != cutlass::Status::kSuccess) {
+      return ::cutlass_w8a8::sm90::detail::fail(err, err_len, "CUTLASS initialize_workspace", st);
+    }
+  }
+  if (GemmLauncher<K>::ensure_smem_attribute(p.device, err, err_len) != 0) return 1;
+  typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, gemm_ws);
+  // Without PDL (see the top of this file).
+  st = Gemm::run(params, p.stream, /*cuda_adapter=*/nullptr, /*launch_with_pdl=*/false);
+  if (st != cutlass::Status::kSuccess) {
+    ce = cudaGetLastError();
+    std::snprintf(err, err_len, "CUTLASS run: %s (%s)", cutlass::cutlassGetStatusString(st), cudaGetErrorString(ce));
+    return 1;
+  }
+  ce = cudaGetLastError();
+  if (ce != cudaSuccess) {
+    std::snprintf(err, err_len, "kernel launch failed: %s", cudaGetErrorString(ce));
+    return 1;
+  }
+  return 0;
+}
+
+template <class ElementAB, class ElementD, class Cfg, bool kBlock>
+int run_grouped_mm(const cw8a8_grouped_mm_args& args, cw8a8_alloc_fn alloc, void* alloc_ctx, char* err,
+                   size_t err_len) {
+  return run_grouped<GroupedMmKernel<ElementAB, ElementD, Cfg, kBlock>>(args, alloc, alloc_ctx, err, err_len);
+}
+
+}  // namespace cutlass_w8a8::sm90::grouped
