@@ -26,6 +26,9 @@ TARGET_B1_OVER_HBM = 1.25      # int8 graph at batch 1 <= 1.25x its HBM-limited 
 TARGET_B8_OVER_HBM = 1.3       # int8 graph at batch 8 <= 1.3x its HBM-limited time
 # Target (issue 26): the block-scaled fp8 graph step at batch 1 <= 1.1x the row-wise fp8 one (bf16 lm_head in both).
 TARGET_BLOCK_OVER_FP8 = 1.1
+# Target (issue 27): Qwen3-30B-A3B dims (the "qwen3-30b-a3b" config), W8A8 graph step >= 1.6x the bf16 one at batch 1.
+TARGET_MOE_W8A8_OVER_BF16 = 1.6
+MOE_CONFIG = "qwen3-30b-a3b"
 # The absolute batch-1 int8 graph step time of the issue, ms, by device name (first match; None: no target),
 # for its setting only: llama3-8b, 32 layers, --max-seq 512 (1.25x the limit of 8.07 GB at 3.35 / 4.8 TB/s).
 TARGET_B1_MS = (("H100 PCIe", None), ("H100 NVL", None), ("H100", 3.0), ("H200", 2.1))
@@ -116,7 +119,9 @@ def derive(results: dict[str, Any], copy_gbps: float) -> None:
                 row[f"{name}_{mode}_over_hbm_limit"] = _ratio(t(name, b, mode), limit)
             tg = t(name, b, "graph")
             if tg is not None:
-                gbps = models[name]["weight_bytes_per_step"] / (tg * 1e-3) / 1e9
+                # a MoE step reads only its tokens' experts: the point's expected weight bytes where recorded
+                wbytes = (p or {}).get("weight_bytes_read", models[name]["weight_bytes_per_step"])
+                gbps = wbytes / (tg * 1e-3) / 1e9
                 row[f"{name}_graph_weight_GBps"] = gbps
                 row[f"{name}_graph_weight_GBps_over_copy"] = gbps / copy_gbps
         for lmh in ("", LMH):
@@ -165,6 +170,13 @@ def derive(results: dict[str, Any], copy_gbps: float) -> None:
         items.append({**_target("fp8_block_over_fp8_b1", "fp8-block graph / fp8 (row-wise) graph at batch 1 (x)",
                                 d1.get("fp8-block_graph_over_fp8_graph"), TARGET_BLOCK_OVER_FP8, "<=", detail),
                       "issue": 26})
+    if results["config"].get("name") == MOE_CONFIG:
+        for name in ("int8", "fp8", "fp8-block"):
+            if name in models:
+                items.append({**_target(f"moe_{name}_x_bf16_b1", f"Qwen3-MoE decoder ({results['config']['num_layers']} "
+                                        f"layers): {name} graph vs bf16 graph at batch 1 (x)",
+                                        d1.get(f"{name}_graph_x_bf16_graph"), TARGET_MOE_W8A8_OVER_BF16, ">="),
+                              "issue": 27})
     bytes_ratio = None
     if "bf16" in models and "int8" in models:
         bytes_ratio = models["bf16"]["weight_bytes_per_step"] / models["int8"]["weight_bytes_per_step"]
@@ -347,8 +359,10 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"# Decoder benchmark: {results['device']}",
         "",
         f"- torch {results['torch_version']} (CUDA {results['cuda_version']}), {commit_text}",
-        f"- {c['name']} dimensions, {c['num_layers']} layers: hidden {c['hidden_size']}, MLP {c['intermediate_size']}, "
-        f"heads {c['num_heads']}/{c['num_kv_heads']} x {c['head_dim']}, vocab {c['vocab_size']}; random weights",
+        f"- {c['name']} dimensions, {c['num_layers']} layers: hidden {c['hidden_size']}, "
+        + (f"MoE MLP: {c['num_experts']} experts of {c['moe_intermediate_size']}, top-{c['num_experts_per_tok']}, "
+           "bf16 router, q/k head norms" if c.get("num_experts") else f"MLP {c['intermediate_size']}")
+        + f", heads {c['num_heads']}/{c['num_kv_heads']} x {c['head_dim']}, vocab {c['vocab_size']}; random weights",
         f"- KV cache {results['max_seq']} tokens, sequences at position {results['max_seq'] // 2}; lm_head bf16 "
         f"in bf16/int8/fp8, W8A8 in {', '.join(lmh) if lmh else 'no model'} (\"+lmh\"); embedding bf16",
         f"- per-token latency = median of {results['timing']['steps']} steps timed by CUDA events around each "
@@ -401,6 +415,11 @@ def render_markdown(results: dict[str, Any]) -> str:
         *targets_lines(results),
         *block_lines(results),
     ]
+    if any(item.get("issue") == 27 for item in results.get("targets", {}).get("items", [])):
+        lines += ["", "## Qwen3-MoE decoder (issue 27)", "",
+                  "- Bytes read per step count the non-expert weights and, per MoE layer, the experts that B tokens "
+                  "with uniform random routing hit in expectation (E (1 - (1 - k/E)^B) of E).", "",
+                  *targets_lines(results, 27)]
     if results["errors"]:
         lines += ["", "## Models that did not run", ""]
         lines += [f"- `{m}`: `{msg}`" for m, msg in results["errors"].items()]

@@ -5,7 +5,12 @@ a time from the same seed (`cutlass_w8a8.models.LlamaDecoder`, random weights, a
 (``nn.Linear`` layers), ``int8`` / ``fp8`` (`W8A8Linear` decoder layers, per-channel weights and per-token
 activations, the embedding and ``lm_head`` in bf16), ``fp8-block`` (block-scaled fp8 `W8A8Linear`: 128x128 weight
 blocks, 1x128 activation groups; issue 26's target: its graph step at batch 1 <= 1.1x fp8's) and ``int8+lmh`` /
-``fp8+lmh`` / ``fp8-block+lmh`` (the same with a W8A8 ``lm_head``). For each model and batch size:
+``fp8+lmh`` / ``fp8-block+lmh`` (the same with a W8A8 ``lm_head``). ``--config qwen3-30b-a3b`` (issue 27): the
+Qwen3-30B-A3B dims (48 layers by default, ``--layers`` to cut it): q/k head norms and MoE MLPs, the experts in bf16
+(``torch._grouped_mm``) in the bf16 model and `W8A8MoE` in the W8A8 ones, the routers bf16 in all; target: the
+int8 / fp8 graph step >= 1.6x the bf16 one at batch 1; the bytes a step reads count the experts its rows hit in
+expectation (`step_weight_bytes`), and the kernel-class table is left out (its byte model is the dense layer's).
+For each model and batch size:
 
 - ``eager``: `DecodeGraphRunner.step(..., use_graph=False)`: the step launched kernel by kernel.
 - ``graph``: the same step replayed from the bucket's CUDA graph (`DecodeGraphRunner`).
@@ -49,6 +54,7 @@ Examples::
     python bench/bench_decoder.py                          # Llama-3-8B dimensions, 32 layers, batch 1, 8, 32, 64
     python bench/bench_decoder.py --quick                  # 8 layers, fewer steps
     python bench/bench_decoder.py --batches 1 --models bf16,int8,int8+lmh
+    python bench/bench_decoder.py --config qwen3-30b-a3b --batches 1,8 --models bf16,int8,fp8
 """
 
 from __future__ import annotations
@@ -90,16 +96,19 @@ class AccuracyError(RuntimeError):
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    config_names = ("llama3-8b", "small")  # cutlass_w8a8.models.CONFIGS; listed here so --help needs no import
+    # cutlass_w8a8.models.CONFIGS; listed here so --help needs no import
+    config_names = ("llama3-8b", "small", "qwen3-30b-a3b")
     parser = argparse.ArgumentParser(
         description="Per-token decode latency of a Llama-style decoder (random weights): bf16 vs W8A8 "
                     "(int8, fp8), eager vs CUDA graphs captured per batch-size bucket.")
     parser.add_argument("--batches", type=int_list(), default=[1, 8, 32, 64], metavar="LIST",
                         help="comma-separated batch sizes (default: 1,8,32,64)")
     parser.add_argument("--config", choices=config_names, default="llama3-8b",
-                        help="model dimensions (default: llama3-8b)")
+                        help="model dimensions (default: llama3-8b; qwen3-30b-a3b: the Qwen3-MoE decoder, 128 "
+                             "experts of 768, top-8, q/k head norms, issue 27's target W8A8 >= 1.6x bf16 at batch 1)")
     parser.add_argument("--layers", type=int, default=None,
-                        help="decoder layers (default: all of the config, 32 for llama3-8b; 8 with --quick)")
+                        help="decoder layers (default: all of the config, 32 for llama3-8b, 48 for qwen3-30b-a3b; 8 "
+                             "with --quick)")
     parser.add_argument("--models", type=name_list(MODELS, ordered=True), default=list(DEFAULT_MODELS),
                         metavar="LIST",
                         help=f"comma-separated models among {','.join(MODELS)}, run in that order; '+lmh': "
@@ -224,6 +233,19 @@ def kv_tokens_read(models_mod: Any, batch: int, rows: int, position: int, max_se
     return batch * (position + 1) + (rows - batch), "positions 0..position of each row (decode_attention)"
 
 
+def step_weight_bytes(model, weight_bytes_per_step: int, rows: int) -> int:
+    """Weight bytes a step of ``rows`` rows reads: all of ``weight_bytes_per_step`` for a dense model; for a
+    mixture-of-experts one (``model.expert_nbytes()`` > 0) the experts' share scaled by the expected fraction of
+    experts that ``rows`` tokens routed uniformly at random to ``k`` of ``E`` experts hit, ``1 - (1 - k/E)^rows``
+    (the random router of the benchmark's models spreads tokens about uniformly)."""
+    experts = model.expert_nbytes() if hasattr(model, "expert_nbytes") else 0
+    if not experts:
+        return weight_bytes_per_step
+    cfg = model.config
+    hit = 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** rows
+    return int(weight_bytes_per_step - experts + hit * experts)
+
+
 def hbm_limit_ms(nbytes: int, hbm_gbps: Optional[float]) -> Optional[float]:
     """Milliseconds to read ``nbytes`` bytes at ``hbm_gbps`` GB/s (1e9 B/s); None without a bandwidth."""
     return nbytes / (hbm_gbps * 1e9) * 1e3 if hbm_gbps else None
@@ -264,7 +286,7 @@ def measure_classes(model, runner, runner_mod: Any, cw: Any, inputs: dict[int, t
                         "off": times["off"], "on_over_off": times["on"]["median_ms"] / times["off"]["median_ms"]}
         prof = profile_step(steps["off"])
         classes: dict[str, Any] = {"pdl": False, "profile": prof}
-        if "error" not in prof:
+        if "error" not in prof and not getattr(model.config, "is_moe", False):  # step_class_bytes: dense layers
             quant_kernels = prof["by_class"].get("quant", {}).get("count", 0)
             nbytes = step_class_bytes(model, point["rows"], point["kv_positions_read"],
                                       result["kv_bytes_per_position"], quant_kernels)
@@ -341,7 +363,8 @@ def measure_model(name: str, args: argparse.Namespace, config, mods: Any, probe_
             kv_tokens, result["kv_read"] = kv_tokens_read(models, b, rows, args.max_seq // 2, args.max_seq)
             point["rows"] = rows
             point["kv_positions_read"] = kv_tokens
-            point["bytes_read"] = result["weight_bytes_per_step"] + kv_tokens * result["kv_bytes_per_position"]
+            point["weight_bytes_read"] = step_weight_bytes(model, result["weight_bytes_per_step"], rows)
+            point["bytes_read"] = point["weight_bytes_read"] + kv_tokens * result["kv_bytes_per_position"]
             point["hbm_limit_ms"] = hbm_limit_ms(point["bytes_read"], hbm_gbps)
             for mode in MODES:
                 use_graph = mode == "graph"
@@ -384,7 +407,9 @@ def run(args: argparse.Namespace, cw: Any, bu: Any, mods: Any) -> dict[str, Any]
         "hbm_GBps": hbm_gbps,
         "hbm_note": hbm_note,
         "config": {"name": args.config, **{k: getattr(config, k) for k in (
-            "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")}},
+            "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")},
+                   **({k: getattr(config, k) for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                       "qk_norm")} if getattr(config, "is_moe", False) else {})},
         "max_seq": args.max_seq,
         "batches": args.batches,
         "class_batches": args.class_batches,
