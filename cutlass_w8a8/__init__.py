@@ -29,7 +29,10 @@ from .quantize import quantize_  # noqa: E402
 from . import moe  # noqa: E402 (registers the MoE experts swap with quantize_)
 from .moe import W8A8MoE  # noqa: E402
 from . import checkpoints, distributed, graphs, models, runner  # noqa: E402
-from .checkpoints import from_pretrained, save_pretrained  # noqa: E402
+from . import hf  # noqa: E402
+# from_pretrained / save_pretrained are hf's: the checkpoint loader then optimize_ (optimize=True by default), and the
+# unfused layout for saving (checkpoints/ sits below hf/ and cannot call it)
+from .hf import from_pretrained, generate, optimize_, save_pretrained  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -69,6 +72,9 @@ __all__ = [
     "graphs",
     "models",
     "runner",
+    "hf",
+    "optimize_",
+    "generate",
     "cuda_ops_available",
     "extension_status",
     "pdl_enabled",

@@ -1,0 +1,436 @@
+"""`optimize_`: transformers decoder layers rebuilt in place around fused W8A8 projections and fused
+norm / activation quantization, and `unfused` (the layout checkpoints are written in).
+
+What a recognised decoder layer (Llama, Mistral, Qwen2, Qwen3; ``SUPPORTED_LAYERS``) becomes:
+
+- ``self_attn``: ``q_proj`` / ``k_proj`` / ``v_proj`` (`W8A8Linear`) are replaced by one ``qkv_proj``
+  (`cutlass_w8a8.distributed.fuse_w8a8`: rows stacked ``[q | k | v]``; per-tensor weight scales become
+  per-channel scales, each layer's value repeated over its rows, which is exact). The module keeps its transformers
+  class as a base: its class is swapped for a subclass (``Fused<Class>``) whose ``forward`` runs ``qkv_proj``
+  once, splits the result into q, k and v views, and then runs the same steps as transformers' own forward with
+  transformers' own functions (the model module's ``apply_rotary_pos_emb``, ``ALL_ATTENTION_FUNCTIONS`` /
+  ``eager_attention_forward``, the cache's ``update``), so ``attn_implementation``, ``DynamicCache`` /
+  ``StaticCache``, masks and ``generate`` behave as before.
+- ``mlp``: ``gate_proj`` / ``up_proj`` become one ``gate_up_proj`` ``[gate | up]``, and ``act_fn(gate) * up``
+  before a `W8A8Linear` ``down_proj`` becomes `cutlass_w8a8.silu_mul_quant`, which hands ``down_proj`` a
+  `QuantizedActivation` (one kernel instead of silu, mul and the activation quantization).
+- ``input_layernorm`` / ``post_attention_layernorm``: replaced by `RMSNormQuant`, which runs
+  `cutlass_w8a8.rms_norm_quant` with the quantization of the fused projection that follows it and returns a
+  `QuantizedActivation` (the decoder layer passes the norm's output straight to ``self_attn`` / ``mlp``). It holds
+  the norm's own ``weight`` parameter, so ``state_dict`` keys do not change.
+
+The residual adds stay in transformers' decoder-layer code (not fused).
+
+Numerics: the fused GEMMs equal the separate ones (per-channel scales, the same quantized activation; bit for bit
+on the CPU reference and for int8 on the GPU). ``silu_mul_quant`` equals ``act_fn(gate) * up`` then the
+per-token quantization bit for bit. ``rms_norm_quant`` computes ``(x * rsqrt(mean(x^2) + eps)) * weight`` in
+float32 and rounds once, where transformers' RMSNorm rounds ``x * rsqrt(...)`` to the model dtype and then
+multiplies by ``weight`` in the model dtype (a second rounding): with norm weights that are all 1 the two agree
+bit for bit, otherwise an element may differ by one unit in the last place of bfloat16 before quantization
+(tests/test_hf_optimize_cpu.py states the tolerance).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import warnings
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..distributed.linear import fuse_w8a8
+from ..linear import QuantizedActivation, W8A8Linear
+from ..ops._schema import OVERLOADS as _op
+
+__all__ = ["optimize_", "unfused", "RMSNormQuant", "SUPPORTED_LAYERS", "TESTED_TRANSFORMERS", "is_optimized"]
+
+# decoder-layer class -> (attention class, MLP class, RMSNorm class), all by name (transformers is not imported here)
+SUPPORTED_LAYERS = {
+    "LlamaDecoderLayer": ("LlamaAttention", "LlamaMLP", "LlamaRMSNorm"),
+    "MistralDecoderLayer": ("MistralAttention", "MistralMLP", "MistralRMSNorm"),
+    "Qwen2DecoderLayer": ("Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
+    "Qwen3DecoderLayer": ("Qwen3Attention", "Qwen3MLP", "Qwen3RMSNorm"),
+}
+# the transformers versions these layers' code was read from and the tests run with (pyproject.toml's range)
+TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")
+
+
+def _version_tuple(v: str) -> tuple:
+    out = []
+    for part in v.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def check_transformers_version(where: str = "optimize_") -> Optional[str]:
+    """Warn when the installed transformers is outside ``TESTED_TRANSFORMERS`` (inclusive); return its version
+    (None when transformers is not installed)."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    v = transformers.__version__
+    lo, hi = TESTED_TRANSFORMERS
+    if not (_version_tuple(lo) <= _version_tuple(v) <= _version_tuple(hi)):
+        warnings.warn(f"cutlass_w8a8.{where}: transformers {v} is outside the tested range {lo} .. {hi}; the fused "
+                      "layers follow the decoder code of those versions and may not match this one", stacklevel=3)
+    return v
+
+
+# ---- the modules --------------------------------------------------------------------------------------------
+
+
+class RMSNormQuant(nn.Module):
+    """An RMSNorm fused with the activation quantization of the `W8A8Linear` it feeds (`rms_norm_quant`).
+
+    ``forward(hidden_states)``: ``hidden_states`` ``(..., K)`` in ``weight``'s dtype (bfloat16 / float16) ->
+    `QuantizedActivation` (``q`` ``(..., K)`` int8 / float8_e4m3fn; ``scale`` float32 ``(..., 1)`` per token,
+    ``(..., K / 128)`` per 1 x 128 group for a block-scaled target, or the target's static ``(1,)``
+    ``input_scale``).
+
+    Attributes
+    ----------
+    weight : nn.Parameter
+        The replaced norm's own ``(K,)`` weight (the same Parameter object).
+    variance_epsilon : float
+    quant_dtype : torch.dtype
+        The target layer's ``quant_dtype``.
+    group_size : int
+        The target layer's ``group_size`` (0 or 128).
+    input_scale : torch.Tensor or None
+        The target layer's static ``(1,)`` float32 activation scale (a non-persistent buffer: not in
+        ``state_dict``), or None (dynamic).
+    """
+
+    def __init__(self, norm: nn.Module, target: W8A8Linear):
+        super().__init__()
+        self.weight = norm.weight
+        self.variance_epsilon = float(norm.variance_epsilon)
+        self.quant_dtype = target.quant_dtype
+        self.group_size = target.group_size
+        self.register_buffer("input_scale", target.input_scale, persistent=False)
+        self._cw_original = (norm,)  # a tuple: not registered as a submodule; restored by `unfused`
+
+    def forward(self, hidden_states: torch.Tensor) -> QuantizedActivation:
+        q, s = _op.rms_norm_quant(hidden_states, self.weight, self.variance_epsilon, self.quant_dtype,
+                                  self.input_scale, None, self.group_size)
+        return QuantizedActivation(q, s if self.input_scale is None else self.input_scale)
+
+    def extra_repr(self) -> str:
+        return (f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, quant_dtype={self.quant_dtype}, "
+                f"group_size={self.group_size}, static={self.input_scale is not None}")
+
+
+class _FusedQKVAttention:
+    """The forward of ``Fused<Attention>`` classes (first in their MRO; the transformers class is the base)."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                cache=None, **kwargs):
+        cls = type(self)
+        mod = sys.modules[cls._cw_base.__module__]  # the modeling module: transformers' own functions
+        cache = cache if cache is not None else past_key_values
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q, k, v = self.qkv_proj(hidden_states).split(self._cw_qkv_sizes, dim=-1)
+        q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
+        if self._cw_qk_norm:  # Qwen3: RMSNorm over each head of q and k
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = mod.apply_rotary_pos_emb(q, k, cos, sin)
+        if cache is not None:
+            if cls._cw_update_kwargs:
+                k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+            else:
+                k, v = cache.update(k, v, self.layer_idx)
+        attention_interface = mod.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                                        mod.eager_attention_forward)
+        extra = {}
+        if self._cw_sliding == "attr":  # Qwen2 / Qwen3: per-layer window (None on full-attention layers)
+            extra["sliding_window"] = self.sliding_window
+        elif self._cw_sliding == "config":  # Mistral
+            extra["sliding_window"] = getattr(self.config, "sliding_window", None)
+        out, weights = attention_interface(self, q, k, v, attention_mask,
+                                           dropout=0.0 if not self.training else self.attention_dropout,
+                                           scaling=self.scaling, **extra, **kwargs)
+        out = out.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(out), weights
+
+
+class _FusedGateUpMLP:
+    """The forward of ``Fused<MLP>`` classes: one ``gate_up_proj`` GEMM, then ``silu_mul_quant`` into a W8A8
+    ``down_proj`` (or ``act_fn(gate) * up`` when ``down_proj`` is not a `W8A8Linear` or the activation is not
+    SiLU)."""
+
+    def forward(self, x):
+        gu = self.gate_up_proj(x)
+        down = self.down_proj
+        if self._cw_silu_quant:
+            q, s = _op.silu_mul_quant(gu, down.quant_dtype, down.input_scale, down.group_size)
+            return down(QuantizedActivation(q, s if down.input_scale is None else down.input_scale))
+        gate, up = gu.chunk(2, dim=-1)
+        return down(self.act_fn(gate) * up)
+
+
+_FUSED_CLASSES: dict = {}
+
+
+def _fused_class(mixin: type, base: type) -> type:
+    """``Fused<base>``: ``mixin``'s forward over transformers' ``base``, made once per base and kept in this
+    module's namespace (so that ``pickle`` finds it by name)."""
+    key = (mixin, base)
+    if key not in _FUSED_CLASSES:
+        name = f"Fused{base.__name__}"
+        attrs = {"__module__": __name__, "_cw_base": base}
+        if mixin is _FusedQKVAttention:
+            params = inspect.signature(base.forward).parameters
+            attrs["_cw_update_kwargs"] = "cache" in params  # transformers >= 5.24: cache.update(..., kwargs=kwargs)
+        cls = type(name, (mixin, base), attrs)
+        cls.__qualname__ = name
+        _FUSED_CLASSES[key] = cls
+        globals()[name] = cls
+    return _FUSED_CLASSES[key]
+
+
+# ---- the surgery ------------------------------------------------------------------------------------------
+
+
+def _is_rmsnorm(m: nn.Module, cls_name: str) -> bool:
+    w = getattr(m, "weight", None)
+    return (type(m).__name__ == cls_name and isinstance(w, torch.Tensor) and w.dim() == 1
+            and isinstance(getattr(m, "variance_epsilon", None), float))
+
+
+def _plain_w8a8(m) -> bool:
+    """A full (not tensor-parallel) `W8A8Linear`."""
+    return isinstance(m, W8A8Linear) and getattr(m, "_tp", None) is None and type(m) is W8A8Linear
+
+
+def _why_not_parts(owner: nn.Module, names) -> Optional[str]:
+    for n in names:
+        m = getattr(owner, n, None)
+        if m is None:
+            return f"it has no `{n}`"
+        if not _plain_w8a8(m):
+            return (f"`{n}` is {type(m).__name__}, not a W8A8Linear (quantize the model with cutlass_w8a8.quantize_ "
+                    "or load it with cutlass_w8a8.from_pretrained first; tensor-parallel layers are not fused)")
+    return None
+
+
+def _fuse_attention(layer: nn.Module, norm_cls: str, fqn: str, notes: list) -> bool:
+    attn = layer.self_attn
+    why = _why_not_parts(attn, ("q_proj", "k_proj", "v_proj"))
+    if why:
+        notes.append(f"{fqn}.self_attn: left unfused: {why}")
+        return False
+    parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+    try:
+        fused, sizes = fuse_w8a8(parts)
+    except ValueError as e:
+        notes.append(f"{fqn}.self_attn: left unfused: {e}")
+        return False
+    fused.train(attn.q_proj.training)
+    meta = [("q_proj", *_part_meta(attn.q_proj)), ("k_proj", *_part_meta(attn.k_proj)),
+            ("v_proj", *_part_meta(attn.v_proj))]
+    base = type(attn)
+    for n in ("q_proj", "k_proj", "v_proj"):
+        delattr(attn, n)
+    attn.qkv_proj = fused
+    attn._cw_qkv_sizes = list(sizes)
+    attn._cw_parts = meta
+    attn._cw_qk_norm = isinstance(getattr(attn, "q_norm", None), nn.Module)
+    attn._cw_sliding = ("config" if base.__name__ == "MistralAttention"
+                        else "attr" if "sliding_window" in attn.__dict__ else None)
+    attn.__class__ = _fused_class(_FusedQKVAttention, base)
+    _fuse_norm(layer, "input_layernorm", norm_cls, fused, fqn, notes)
+    return True
+
+
+def _fuse_mlp(layer: nn.Module, norm_cls: str, fqn: str, notes: list) -> bool:
+    mlp = layer.mlp
+    why = _why_not_parts(mlp, ("gate_proj", "up_proj"))
+    if why:
+        notes.append(f"{fqn}.mlp: left unfused: {why}")
+        return False
+    try:
+        fused, sizes = fuse_w8a8([mlp.gate_proj, mlp.up_proj])
+    except ValueError as e:
+        notes.append(f"{fqn}.mlp: left unfused: {e}")
+        return False
+    fused.train(mlp.gate_proj.training)
+    meta = [("gate_proj", *_part_meta(mlp.gate_proj)), ("up_proj", *_part_meta(mlp.up_proj))]
+    base = type(mlp)
+    del mlp.gate_proj, mlp.up_proj
+    mlp.gate_up_proj = fused
+    mlp._cw_parts = meta
+    down = getattr(mlp, "down_proj", None)
+    mlp._cw_silu_quant = (_plain_w8a8(down) and _is_silu(getattr(mlp, "act_fn", None))
+                          and down.dtype == fused.dtype)
+    mlp.__class__ = _fused_class(_FusedGateUpMLP, base)
+    _fuse_norm(layer, "post_attention_layernorm", norm_cls, fused, fqn, notes)
+    return True
+
+
+def _is_silu(act) -> bool:
+    """``nn.SiLU`` or transformers' ``SiLUActivation`` (``ACT2FN["silu"]``, whose forward is ``F.silu``)."""
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _fuse_norm(layer: nn.Module, name: str, norm_cls: str, target: W8A8Linear, fqn: str, notes: list) -> None:
+    norm = getattr(layer, name, None)
+    if not _is_rmsnorm(norm, norm_cls):
+        notes.append(f"{fqn}.{name}: left as is: {type(norm).__name__} is not {norm_cls}")
+        return
+    if norm.weight.dtype != target.dtype:
+        notes.append(f"{fqn}.{name}: left as is: the norm's weight is {norm.weight.dtype} but the fused "
+                     f"projection's output dtype is {target.dtype} (load the model in {target.dtype})")
+        return
+    setattr(layer, name, RMSNormQuant(norm, target))
+
+
+def _part_meta(m: W8A8Linear) -> tuple:
+    """What a part of a fused layer needs to be rebuilt exactly: N, and whether its weight scale was one value."""
+    return (m.out_features, m.weight_block_size is None and m.weight_scale.numel() == 1)
+
+
+def is_optimized(model: nn.Module) -> bool:
+    """Whether `optimize_` fused any layer of ``model``."""
+    return any(isinstance(m, (_FusedQKVAttention, _FusedGateUpMLP, RMSNormQuant)) for m in model.modules())
+
+
+def optimize_(model: nn.Module) -> nn.Module:
+    """Fuse, in place, the projections and norm / activation quantization of a quantized transformers model's
+    decoder layers (the module docstring says what each part becomes).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A transformers model (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+        ``Qwen3ForCausalLM``, or their base models) whose q / k / v and gate / up projections are `W8A8Linear`
+        (`cutlass_w8a8.quantize_`, `cutlass_w8a8.from_pretrained`): int8 or fp8, per-channel or per-tensor
+        weights, dynamic per-token or static per-tensor activations, or block-scaled fp8.
+
+    Returns
+    -------
+    torch.nn.Module
+        ``model``. Calling it again changes nothing.
+
+    Warnings
+    --------
+    One ``UserWarning`` listing what was left as it was, each naming the module and why: a decoder layer of a class
+    not in ``SUPPORTED_LAYERS`` (e.g. ``'model.layers.0' (GPT2Block) is not a recognised decoder layer``), float or
+    tensor-parallel projections, projections `fuse_w8a8` refuses to stack (different static ``input_scale`` values,
+    ...), a norm whose dtype differs from the projection's output dtype. Also a ``UserWarning`` when transformers
+    is outside ``TESTED_TRANSFORMERS``.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not an ``nn.Module``.
+
+    Notes
+    -----
+    ``cutlass_w8a8.save_pretrained`` writes an optimized model in the unfused layout (`unfused`); transformers'
+    own ``model.save_pretrained`` would write the fused modules, which no loader reads: use the former.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"optimize_: `model` must be a torch.nn.Module, got {type(model).__name__}")
+    check_transformers_version()
+    notes: list = []
+    fused_layers = 0
+    for fqn, layer in list(model.named_modules()):
+        cls = type(layer).__name__
+        if cls in SUPPORTED_LAYERS:
+            attn_cls, mlp_cls, norm_cls = SUPPORTED_LAYERS[cls]
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            did = False
+            for part, want in ((attn, attn_cls), (mlp, mlp_cls)):
+                if part is not None and type(part).__name__ != want and not isinstance(
+                        part, (_FusedQKVAttention, _FusedGateUpMLP)):
+                    notes.append(f"{fqn}: left as is: its {'self_attn' if part is attn else 'mlp'} is "
+                                 f"{type(part).__name__}, not {want}")
+                    part = None
+            if type(attn).__name__ == attn_cls:
+                did |= _fuse_attention(layer, norm_cls, fqn, notes)
+            if type(mlp).__name__ == mlp_cls:
+                did |= _fuse_mlp(layer, norm_cls, fqn, notes)
+            fused_layers += did
+        elif cls.endswith("DecoderLayer") or (hasattr(layer, "self_attn") and hasattr(layer, "mlp")):
+            notes.append(f"{fqn!r} ({cls}) is not a recognised decoder layer (supported: "
+                         f"{', '.join(SUPPORTED_LAYERS)}); left as is")
+    if notes:
+        shown = notes[:8] + ([f"... and {len(notes) - 8} more"] if len(notes) > 8 else [])
+        warnings.warn("cutlass_w8a8.optimize_: " + "; ".join(shown), stacklevel=2)
+    return model
+
+
+# ---- back to the unfused layout ---------------------------------------------------------------------------
+
+
+def _split(fused: W8A8Linear, parts: list) -> list:
+    """The parts of a fused layer as `W8A8Linear` layers over row views of its weight (no copy of the weight),
+    each with its original weight-scale layout: ``(1,)`` for a part that had one per-tensor scale (its value, the
+    same for all its rows), its rows of the per-channel scale, or its row blocks of the block scales."""
+    out, start = [], 0
+    block = fused.weight_block_size is not None
+    for name, n, per_tensor in parts:
+        w = fused.weight[start:start + n]
+        if block:
+            scale = fused.weight_scale[start // 128: -(-(start + n) // 128)].clone()
+        elif fused.weight_scale.numel() == 1:
+            scale = fused.weight_scale.clone()
+        elif per_tensor:
+            scale = fused.weight_scale[start:start + 1].clone()
+        else:
+            scale = fused.weight_scale[start:start + n].clone()
+        bias = None if fused.bias is None else fused.bias[start:start + n].clone()
+        inp = None if fused.input_scale is None else fused.input_scale.clone()
+        m = W8A8Linear.from_quantized(w, scale, bias=bias, input_scale=inp, dtype=fused.dtype,
+                                      weight_block_size=fused.weight_block_size)
+        m.train(fused.training)
+        out.append((name, m))
+        start += n
+    return out
+
+
+@contextlib.contextmanager
+def unfused(model: nn.Module):
+    """Inside the block ``model`` has its unfused transformers layout again: each optimized attention / MLP its
+    transformers class and its ``q_proj`` / ``k_proj`` / ``v_proj`` / ``gate_proj`` / ``up_proj`` `W8A8Linear`
+    layers (views of the fused weights' rows, their scales in the original layout), each `RMSNormQuant` the
+    original norm module. On exit the fused modules are put back (the same objects). ``cutlass_w8a8.save_pretrained``
+    saves through it, so the checkpoint has the unfused tensor names and bytes. Do not run the model's ``forward``
+    or move it to another device inside the block."""
+    undo = []
+    for fqn, m in list(model.named_modules()):
+        for child_name, child in list(m.named_children()):
+            if isinstance(child, RMSNormQuant):
+                orig = child._cw_original[0]
+                orig.weight = child.weight
+                setattr(m, child_name, orig)
+                undo.append((m, child_name, child))
+        if isinstance(m, (_FusedQKVAttention, _FusedGateUpMLP)):
+            fused_name = "qkv_proj" if isinstance(m, _FusedQKVAttention) else "gate_up_proj"
+            fused = getattr(m, fused_name)
+            fused_cls = type(m)
+            delattr(m, fused_name)
+            for name, part in _split(fused, m._cw_parts):
+                setattr(m, name, part)
+            m.__class__ = fused_cls._cw_base
+            undo.append((m, fused_name, (fused, fused_cls)))
+    try:
+        yield model
+    finally:
+        for m, name, what in reversed(undo):
+            if isinstance(what, tuple):
+                fused, fused_cls = what
+                for pname, *_ in m._cw_parts:
+                    delattr(m, pname)
+                setattr(m, name, fused)
+                m.__class__ = fused_cls
+            else:
+                setattr(m, name, what)
