@@ -173,3 +173,77 @@ CUDA_TRIGGERS.update({
     "moe-pairs-device": lambda: _permute("cuda", sp=_i32(4)),
     "moe-weights-device": lambda: _unpermute("cuda", w=torch.zeros(2, 2)),
 })
+
+
+# ---- grouped_scaled_mm ----------------------------------------------------------------------------------------
+
+
+def _grouped_operands(d, t=8, k=64, n=32, e=4):
+    g = torch.Generator(device=d).manual_seed(0)
+    a = torch.randint(-8, 8, (t, k), dtype=torch.int8, device=d, generator=g)
+    w = torch.randint(-8, 8, (e, n, k), dtype=torch.int8, device=d, generator=g)
+    return dict(a=a, b=w.transpose(1, 2), scale_a=torch.rand(t, 1, device=d, generator=g) * 0.01,
+                scale_b=torch.rand(e, n, device=d, generator=g) * 0.01,
+                offsets=torch.tensor([2, 4, 6, 8], dtype=torch.int32, device=d)[:e],
+                out_dtype=torch.bfloat16, bias=torch.zeros(e, n, dtype=torch.bfloat16, device=d), out=None)
+
+
+def _grouped(d, **change):
+    """cw.grouped_scaled_mm on legal operands on device d with `change` applied (a callable gets the operands)."""
+    kw = _grouped_operands(d)
+    for key, v in change.items():
+        kw[key] = v(kw) if callable(v) else v
+    return cw.grouped_scaled_mm(kw["a"], kw["b"], kw["scale_a"], kw["scale_b"], kw["offsets"], kw["out_dtype"],
+                                kw["bias"], out=kw["out"])
+
+
+def _grouped_fp8(kw):
+    kw["a"], kw["b"] = kw["a"].to(torch.float8_e4m3fn), kw["b"].to(torch.float8_e4m3fn)
+    return kw
+
+
+def _grouped_block_scale_a(d):
+    kw = _grouped_fp8(_grouped_operands(d, k=256))
+    return _grouped(d, a=kw["a"], b=kw["b"], scale_b=torch.ones(4, 1, 2, device=d))
+
+
+def _grouped_block_scale_b(d):
+    kw = _grouped_fp8(_grouped_operands(d, k=256))
+    return _grouped(d, a=kw["a"], b=kw["b"], scale_a=torch.ones(8, 2, device=d), scale_b=torch.ones(5, 1, 2, device=d))
+
+
+def _grouped_padded_weights(d):
+    wbuf = torch.zeros(4, 32, 72, dtype=torch.int8, device=d)
+    return _grouped(d, b=wbuf[:, :, :64].transpose(1, 2))
+
+
+DEVICE_TRIGGERS.update({
+    "grouped-a-dtype": lambda d: _grouped(d, a=lambda kw: kw["a"].half()),
+    "grouped-b-dtype": lambda d: _grouped(d, b=lambda kw: kw["b"].to(torch.float8_e4m3fn)),
+    "grouped-offsets-dtype": lambda d: _grouped(d, offsets=lambda kw: kw["offsets"].long()),
+    "grouped-offsets-device": lambda d: _grouped(d, offsets=lambda kw: kw["offsets"].to(
+        "meta" if d == "cpu" else "cpu")),
+    "grouped-b-not-3d": lambda d: _grouped(d, b=lambda kw: kw["b"][0]),
+    "grouped-k-mismatch": lambda d: _grouped(d, a=lambda kw: kw["a"][:, :32]),
+    "grouped-n-not-16": lambda d: _grouped(d, b=lambda kw: kw["b"][:, :, :24], scale_b=torch.ones(4, 24, device=d),
+                                           bias=None),
+    "grouped-e-range": lambda d: _grouped(d, b=torch.zeros(1025, 32, 64, dtype=torch.int8, device=d).transpose(1, 2)),
+    "grouped-offsets-shape": lambda d: _grouped(d, offsets=lambda kw: kw["offsets"][:3]),
+    "grouped-scale_a-shape": lambda d: _grouped(d, scale_a=lambda kw: kw["scale_a"][:5]),
+    "grouped-scale_b-shape": lambda d: _grouped(d, scale_b=lambda kw: kw["scale_b"][0]),
+    "grouped-block-a-int8": lambda d: _grouped(d, scale_b=torch.ones(4, 1, 1, device=d)),
+    "grouped-block-scale_a-shape": _grouped_block_scale_a,
+    "grouped-block-scale_b-shape": _grouped_block_scale_b,
+    "grouped-offsets-noncontig": lambda d: _grouped(d, offsets=torch.arange(8, dtype=torch.int32, device=d)[::2]),
+    "grouped-bias-shape": lambda d: _grouped(d, bias=lambda kw: kw["bias"][0]),
+    "grouped-b-layout": lambda d: _grouped(d, b=lambda kw: kw["b"].transpose(1, 2).reshape(4, 64, 32)),
+    "grouped-b-pitch": _grouped_padded_weights,
+    "grouped-b-experts-overlap": lambda d: _grouped(d, b=lambda kw: kw["b"][:1].expand(4, 64, 32)),
+    "grouped-out-shape": lambda d: _grouped(d, out=torch.zeros(8, 16, dtype=torch.bfloat16, device=d)),
+    "grouped-out-noncontig": lambda d: _grouped(d, out=torch.zeros(8, 48, dtype=torch.bfloat16, device=d)[:, :32]),
+})
+
+CPU_TRIGGERS.update({
+    # CPU only: the CUDA kernels clamp device offsets instead (no host synchronisation)
+    "grouped-offsets-values": lambda: _grouped("cpu", offsets=torch.tensor([2, 1, 6, 8], dtype=torch.int32)),
+})
