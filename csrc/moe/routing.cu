@@ -12,6 +12,11 @@
 // and parameters fixed by the shapes (never by the routing), so a captured CUDA graph replays with new logits.
 // Device data (ids, positions) is never trusted for addressing: out-of-range values are routed nowhere or
 // clamped, as the CPU implementations (ops/_reference.py) define.
+//
+// The launches are not recorded for UpdatableGraph.set_rows (graphs/graph_nodes.hpp): in a graph whose row-wise
+// nodes are updated to fewer rows, these kernels run over every captured token, as torch's kernels there do.
+// Each token's routing, rows and sum depend on that token alone, so the real tokens' results are right and the
+// padded tokens only cost time.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -26,7 +31,6 @@
 #include "core/device.hpp"
 #include "core/launch.hpp"
 #include "core/launch_policy.hpp"
-#include "graphs/graph_nodes.hpp"
 #include "moe/moe_args.hpp"
 #include "ops.hpp"
 #include "quant/rowwise_reduce.cuh"
@@ -328,7 +332,6 @@ void unpermute_impl(const char* op, at::Tensor& out, const at::Tensor& y, const 
                                  yp, y_stride, d2.data_ptr<int>(), w2.data_ptr<float>(), static_cast<int>(k),
                                  t * k, static_cast<int>(h), op_out));
   });
-  graph_nodes::refuse_launch(stream, op);
 }
 
 }  // namespace
@@ -355,7 +358,6 @@ std::tuple<at::Tensor, at::Tensor> moe_topk_softmax(const at::Tensor& router_log
                                  router_logits.stride(1), t, static_cast<int>(e), static_cast<int>(top_k),
                                  renormalize, weights.data_ptr<float>(), ids.data_ptr<int>()));
   });
-  graph_nodes::refuse_launch(stream, op);
   return {weights, ids};
 }
 
@@ -387,7 +389,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align(const at::Tensor& topk_
   } else {
     launch(int64_t{});
   }
-  graph_nodes::refuse_launch(stream, op);
   return {sorted_pairs, dst_pos, offsets};
 }
 
