@@ -113,7 +113,8 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, compute_dtype=torch
 
 class FakeQuantExperts(nn.Module):
     """The float reference of a `W8A8MoE`: its dequantized weights in ``compute_dtype`` (float32 or float64), the
-    layer's activation quantization (`fake_quant_act`) and its rounding points: each GEMM's output rounded to the
+    layer's activation quantization (`fake_quant_act`, of bf16 / fp16 / float32 hidden states as given) and its
+    rounding points: each GEMM's output rounded to the
     layer's ``dtype``, ``silu(gate) * up`` in that dtype (silu rounded, then the product), the top-k weighted sum
     in float32 over j ascending, rounded once. Same call as W8A8MoE (router logits, or topk ids and weights)."""
 
@@ -136,7 +137,9 @@ class FakeQuantExperts(nn.Module):
 
     def forward(self, hidden_states, router_logits_or_topk_ids, topk_weights=None):
         h = hidden_states.shape[-1]
-        x = hidden_states.reshape(-1, h).to(self.dtype)
+        x = hidden_states.reshape(-1, h)
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            x = x.float()
         if topk_weights is None:
             topk_weights, ids = self.route(router_logits_or_topk_ids.reshape(x.shape[0], -1))
         else:
@@ -163,37 +166,41 @@ class FakeQuantExperts(nn.Module):
 
 
 class FakeQuantLinear(nn.Module):
-    """A `W8A8Linear` computed from its dequantized weight in float32 with its activation quantization, the output
-    rounded to the layer's dtype, then to the input's."""
+    """A `W8A8Linear` computed from its dequantized weight in ``compute_dtype`` (float32 or float64) with its
+    activation quantization (of the input as given), the output rounded to the layer's dtype, then to the
+    input's."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, compute_dtype: torch.dtype = torch.float32):
         super().__init__()
-        w, s = layer.weight.float(), layer.weight_scale.float()
+        self.compute_dtype = compute_dtype
+        w, s = layer.weight.to(compute_dtype), layer.weight_scale.to(compute_dtype)
         if layer.weight_block_size is not None:
             n, k = w.shape
             s = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
         else:
             s = s.reshape(-1, 1)
         self.register_buffer("weight", w * s)
-        self.register_buffer("bias", None if layer.bias is None else layer.bias.float())
+        self.register_buffer("bias", None if layer.bias is None else layer.bias.to(compute_dtype))
         self.input_scale, self.quant_dtype, self.group_size = layer.input_scale, layer.quant_dtype, layer.group_size
         self.dtype = layer.dtype
 
     def forward(self, x):
-        xq = fake_quant_act(x.to(self.dtype), self.quant_dtype, self.input_scale, self.group_size)
+        xq = fake_quant_act(x, self.quant_dtype, self.input_scale, self.group_size, self.compute_dtype)
         return F.linear(xq, self.weight, self.bias).to(self.dtype).to(x.dtype)
 
 
 def dequantized_reference(model: nn.Module, compute_dtype: torch.dtype = torch.float32) -> nn.Module:
     """A deep copy of the quantized ``model`` with every `W8A8MoE` replaced by a `FakeQuantExperts` and every
-    `W8A8Linear` by a `FakeQuantLinear`: the model dequantized (float32 math, the same activation quantization and
-    rounding points); the rest (routers, norms, attention, lm_head) as is."""
+    `W8A8Linear` by a `FakeQuantLinear`: the model dequantized (``compute_dtype`` math, the same activation
+    quantization and rounding points to the layers' dtype); the rest (routers, norms, attention, lm_head) as is.
+    float64 makes the quantized layers' only difference from this reference the float32 rounding of their
+    accumulator and scaling (rarely one bf16 ulp), so that routings and greedy tokens agree."""
     ref = copy.deepcopy(model)
     for name, m in list(ref.named_modules()):
         if isinstance(m, cw.W8A8MoE):
             new = FakeQuantExperts(m, compute_dtype)
         elif isinstance(m, cw.W8A8Linear):
-            new = FakeQuantLinear(m)
+            new = FakeQuantLinear(m, compute_dtype)
         else:
             continue
         parent, _, child = name.rpartition(".")

@@ -25,6 +25,9 @@ from ..ops._schema import OVERLOADS as _op
 
 __all__ = ["W8A8MoE", "quantize_expert_weights"]
 
+# hidden-state dtypes the first quantization (moe_permute_quant) takes as they are
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 
 def _blocks(v: int) -> int:
     return -(-v // BLOCK_SIZE)
@@ -292,7 +295,8 @@ class W8A8MoE(nn.Module):
         ----------
         hidden_states : torch.Tensor
             ``[T, H]`` or ``[..., H]`` (T = the product of the leading dimensions), any float dtype, on the
-            layer's device. Quantized from the layer's ``dtype`` (cast first when it differs).
+            layer's device. bfloat16 / float16 / float32 are quantized as they are (as `W8A8Linear` does),
+            float64 after a cast to float32. The GEMMs output the layer's ``dtype``.
         router_logits_or_topk_ids : torch.Tensor
             Without ``topk_weights``: router logits ``[T, E]`` (``[..., E]``), float32 / bfloat16 / float16; the
             routing is ``moe_topk_softmax(logits, top_k, renormalize)``. With ``topk_weights``: the chosen experts
@@ -311,8 +315,8 @@ class W8A8MoE(nn.Module):
         self._check_inputs(hidden_states, router_logits_or_topk_ids, topk_weights)
         h = self.hidden_size
         x = hidden_states.reshape(-1, h)
-        if x.dtype != self.dtype:
-            x = x.to(self.dtype)
+        if x.dtype not in _ACT_DTYPES:  # quantized as given, as W8A8Linear does (float64 through float32)
+            x = x.to(torch.float32)
         if topk_weights is None:
             logits = router_logits_or_topk_ids.reshape(-1, self.num_experts)
             topk_weights, topk_ids = _moe.moe_topk_softmax(logits, self.top_k, self.renormalize)
