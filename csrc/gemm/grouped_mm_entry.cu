@@ -183,9 +183,9 @@ void launch_grouped(const at::Tensor& out, const at::Tensor& a, const at::Tensor
   c10::cuda::CUDAGuard guard(a.device());
   const int device = a.device().index();
   const DeviceInfo& info = device_info(device);
-  TORCH_CHECK_NOT_IMPLEMENTED(info.major == 9 && info.minor == 0, "cutlass_w8a8.", kOp,
-                              ": needs compute capability 9.0 (sm90: the grouped kernels use wgmma and TMA); device ",
-                              device, " is ", info.major, ".", info.minor);
+  TORCH_CHECK_NOT_IMPLEMENTED(info.major == 9 && info.minor == 0,
+                              "cutlass_w8a8.grouped_scaled_mm: needs compute capability 9.0 (sm90: the grouped "
+                              "kernels use wgmma and TMA); device ", device, " is ", info.major, ".", info.minor);
   if (a.size(0) == 0) return;
   cw8a8_grouped_mm_args args = pack_grouped(out, a, b, scale_a, scale_b, offsets, bias);
   args.stream = current_stream(a);
