@@ -21,7 +21,8 @@
 // inactive expert's weight, scales and bias are never read.
 //
 // Rows: an expert's rows go in chunks of 16 (two 8-token tiles); a chunk of at most 8 rows runs the one-tile
-// steps (NT = 1: half the MMAs and activation loads), else two tiles. A second chunk (an expert with more than 16
+// steps (NT = 1: half the MMAs and activation loads), else two tiles. At T <= 8 a one-tile-only kernel runs
+// (fewer registers: three CTAs per SM instead of two). A second chunk (an expert with more than 16
 // rows, possible only at T > 16) streams the CTA's [16, K] weight slice again; it was read microseconds before, so
 // it mostly comes from L2 (README.md: "Grouped decode GEMM").
 //
@@ -65,8 +66,7 @@ namespace {
 // real routings grow past a tile, and the CUTLASS kernel's reuse of each weight tile across 64-128 rows wins.
 // bench/bench_moe.py measures both sides; lower this if it shows the CUTLASS path ahead at 17..64.
 constexpr int64_t kGroupedDecodeMaxRows = 64;
-constexpr int kChunkRows = 8 * 2;  // rows per chunk: two 8-token tiles (NT = 2)
-static_assert(kChunkRows <= kMaxTokens, "a chunk is at most the dense decode kernel's token tiles");
+static_assert(2 * 8 <= kMaxTokens, "a chunk (two 8-token tiles) is at most the dense decode kernel's token tiles");
 
 struct GroupedParams {
   const uint8_t* a;          // [T, K] int8 / e4m3, row stride lda (0 when T == 1)
@@ -234,11 +234,25 @@ __device__ __forceinline__ void grouped_chunk(const GroupedParams& p, int e, int
   __syncthreads();  // `red` is read before the next chunk overwrites it
 }
 
-// Grid (N / 16, min(E, T)), 256 threads, two CTAs per SM (as the dense decode kernel: at most 128 registers).
-template <class AB, class OutT, bool kBlockScaled>
-__global__ void __launch_bounds__(kThreads, 2) grouped_decode_kernel(GroupedParams p) {
+// Grid (N / 16, min(E, T)), 256 threads. kMaxNT = 2 (T > 8): chunks of 16 rows, each run with one token tile when
+// it holds at most 8 rows, else two; the two-tile code sets the register count (<= 128: two CTAs per SM, as the
+// dense decode kernel). kMaxNT = 1 (T <= 8, so no expert has more than 8 rows): the one-tile code only, whose
+// smaller register count lets three CTAs share an SM (row-wise scales; launch bounds 3), so that one CTA's expert
+// search (an L2 round trip for the offsets, with no weight load in flight) overlaps two others' weight streams.
+//
+// CTAs per SM the one-tile row-wise kernels are compiled for (ptxas then keeps them within 80 registers; nvcc 13.0,
+// sm_90a: int8 80 registers and no spill, e4m3 80 and an 8-byte spill: one LDL.64 per 256-byte K block, from L1).
+// The block-scaled one-tile kernel stays at two (at three it spilled 40 bytes, two local stores per K block).
+// An A/B knob for the first GPU run (README.md, "Grouped decode GEMM").
+constexpr int kOneTileCtasPerSm = 3;
+
+template <class AB, class OutT, int kMaxNT, bool kBlockScaled>
+__global__ void __launch_bounds__(kThreads, kMaxNT == 1 && !kBlockScaled ? kOneTileCtasPerSm : 2)
+    grouped_decode_kernel(GroupedParams p) {
   static_assert(!kBlockScaled || std::is_same_v<AB, Fp8Ab>, "block scales: e4m3 only");
+  static_assert(kMaxNT == 1 || kMaxNT == 2, "one or two token tiles");
   using Acc = typename AB::Acc;
+  constexpr int kRowsPerChunk = 8 * kMaxNT;
   __shared__ alignas(16) Acc red[kWarps][2][32][4];
   __shared__ int s_warp[kWarps];
   __shared__ int s_found[3];
@@ -247,12 +261,17 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_decode_kernel(GroupedPara
   const ExpertRows er = find_slot_expert(p, static_cast<int>(blockIdx.y), s_warp, s_found);
   if (er.expert < 0) return;  // fewer active experts than slots: never touches a weight
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRows;
-  for (int r0 = er.start; r0 < er.end; r0 += kChunkRows) {
-    const int m = min(kChunkRows, er.end - r0);
-    if (m <= 8) {
-      grouped_chunk<AB, OutT, 1, kBlockScaled>(p, er.expert, r0, m, row0, red);
-    } else {
-      grouped_chunk<AB, OutT, 2, kBlockScaled>(p, er.expert, r0, m, row0, red);
+  if constexpr (kMaxNT == 1) {
+    // T <= 8: the clamped rows of one expert are at most T, one chunk (no loop: fewer live registers).
+    grouped_chunk<AB, OutT, 1, kBlockScaled>(p, er.expert, er.start, min(er.end - er.start, 8), row0, red);
+  } else {
+    for (int r0 = er.start; r0 < er.end; r0 += kRowsPerChunk) {
+      const int m = min(kRowsPerChunk, er.end - r0);
+      if (m <= 8) {
+        grouped_chunk<AB, OutT, 1, kBlockScaled>(p, er.expert, r0, m, row0, red);
+      } else {
+        grouped_chunk<AB, OutT, 2, kBlockScaled>(p, er.expert, r0, m, row0, red);
+      }
     }
   }
 }
@@ -261,8 +280,13 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 template <class AB, class OutT, bool kBlockScaled>
 void launch_typed(const GroupedParams& p, dim3 grid, cudaStream_t stream, bool pdl) {
-  C10_CUDA_CHECK(
-      launch_kernel(grouped_decode_kernel<AB, OutT, kBlockScaled>, grid, dim3(kThreads), 0, stream, pdl, p));
+  if (p.t <= 8) {
+    C10_CUDA_CHECK(
+        launch_kernel(grouped_decode_kernel<AB, OutT, 1, kBlockScaled>, grid, dim3(kThreads), 0, stream, pdl, p));
+  } else {
+    C10_CUDA_CHECK(
+        launch_kernel(grouped_decode_kernel<AB, OutT, 2, kBlockScaled>, grid, dim3(kThreads), 0, stream, pdl, p));
+  }
 }
 
 }  // namespace
