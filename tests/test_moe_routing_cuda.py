@@ -25,10 +25,6 @@ DEV = "cuda"
 QUANT = {torch.int8: cw.quantize_int8, FP8: cw.quantize_fp8}
 
 
-def cpu_all(*ts):
-    return [t.cpu() for t in ts]
-
-
 # ---- moe_topk_softmax ---------------------------------------------------------------------------------------
 
 
