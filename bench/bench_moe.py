@@ -217,16 +217,27 @@ def gemm_activations(rows: int, k: int, gen: torch.Generator) -> dict[str, torch
 def torch_fp8_grouped() -> tuple[Optional[Callable], str]:
     """torch's row-wise fp8 grouped GEMM as ``fn(a, b, scale_a [R], scale_b [E, N], offs) -> bf16``, and its name."""
     F = torch.nn.functional
-    if hasattr(F, "scaled_grouped_mm") and hasattr(F, "ScalingType"):
-        rw = F.ScalingType.RowWise
+    private = getattr(torch, "_scaled_grouped_mm", None)
+
+    def private_fn(a, b, sa, sb, offs):
+        return private(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16)
+
+    rw = getattr(getattr(F, "ScalingType", None), "RowWise", None)
+    if hasattr(F, "scaled_grouped_mm") and rw is not None:
+        state = {"public": True}
 
         def fn(a, b, sa, sb, offs):
-            return F.scaled_grouped_mm(a, b, sa, rw, sb, rw, offs=offs, output_dtype=torch.bfloat16)
-        return fn, "F.scaled_grouped_mm(RowWise)"
-    if hasattr(torch, "_scaled_grouped_mm"):
-        def fn(a, b, sa, sb, offs):
-            return torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16)
-        return fn, "torch._scaled_grouped_mm"
+            if state["public"]:
+                try:
+                    return F.scaled_grouped_mm(a, b, sa, rw, sb, rw, offs=offs, output_dtype=torch.bfloat16)
+                except TypeError:  # another signature in this torch: the private op from now on
+                    if private is None:
+                        raise
+                    state["public"] = False
+            return private_fn(a, b, sa, sb, offs)
+        return fn, "F.scaled_grouped_mm(RowWise) (torch._scaled_grouped_mm if its signature differs)"
+    if private is not None:
+        return private_fn, "torch._scaled_grouped_mm"
     return None, "torch has no fp8 grouped GEMM"
 
 
@@ -297,8 +308,9 @@ def time_cases(cases: dict, errors: dict, bu: Any, args: argparse.Namespace) -> 
 
 
 def copies_for(set_bytes: int, bu: Any, args: argparse.Namespace, l2_bytes: int) -> int:
-    """Rotating input sets of a point: enough that their active weights and activations exceed twice the L2."""
-    return max(4, min(bu.rotation_count(set_bytes, l2_bytes, int(args.rotate_gb * 2**30), 4), 32))
+    """Rotating input sets of a point: enough that their active weights and activations exceed twice the L2 (at
+    least 4 routings, at most 32), within ``--rotate-gb`` (but never fewer than 2 routings)."""
+    return max(2, min(bu.rotation_count(set_bytes, l2_bytes, int(args.rotate_gb * 2**30), 4), 32))
 
 
 def measure_gemm_point(model: str, gemm: str, t: int, wts: GemmWeights, top_k: int, args: argparse.Namespace,
@@ -436,7 +448,8 @@ def measure_layer_point(model: str, t: int, layers: dict, top_k: int, e: int, h:
     for _ in range(LAYER_SETS):
         ids = random_routing(t, e, top_k, gen).to(DEVICE)
         w = torch.rand(t, top_k, generator=gen)
-        w = (w / w.sum(1, keepdim=True)).to(DEVICE)
+        # bf16 routing weights, as transformers' router hands them to its experts
+        w = (w / w.sum(1, keepdim=True)).to(torch.bfloat16).to(DEVICE)
         x = torch.randn(t, h, generator=cgen, device=DEVICE).to(torch.bfloat16)
         sets.append((x, ids, w))
     errors: dict[str, str] = {}
@@ -468,7 +481,10 @@ def measure_layer_point(model: str, t: int, layers: dict, top_k: int, e: int, h:
         cases[name] = (fn, sets)
     timings = time_cases(cases, errors, bu, args)
     times = {name: tm.median_ms for name, tm in timings.items()}
-    eager_fns = {name: (lambda mod=layers[name], s=sets[0]: mod(*s)) for name in OURS_LAYER if name in cases}
+    # eager calls (host launches included) of every method that ran eagerly: ours, and transformers' grouped_mm
+    # (also where its capture failed)
+    eager_fns = {name: (lambda mod=layers[name], s=sets[0]: mod(*s)) for name in (*OURS_LAYER, "hf_grouped_mm")
+                 if name in cases}
     if "hf_eager" in layers and t <= args.eager_max_t:
         eager_fns["hf_eager"] = lambda mod=layers["hf_eager"], s=sets[0]: mod(*s)
     eager = {}
@@ -643,18 +659,21 @@ def render_markdown(results: dict[str, Any]) -> str:
                   "grouped_mm experts time / ours; eager = our layer called eagerly (CUDA events, host included) "
                   "and its host time per call.", "",
                   "| model | T | ours int8 | ours fp8 | ours block | hf grouped_mm | hf eager | int8 x hf | fp8 x hf | "
-                  "block x hf | int8 eager / host |", "|" + "---|" * 11]
+                  "block x hf | int8 eager / host | hf grouped_mm eager / host |", "|" + "---|" * 12]
         for p in results["layer_points"]:
             tm, d = p["time_ms"], p["derived"]
 
             def us(m):
                 return _f(tm[m] * 1e3, ".1f") if m in tm else ("did not run" if m in p["errors"] else "–")
             eg, host = p["eager_ms"].get("ours_int8"), p["eager_host_ms"].get("ours_int8")
+            heg, hhost = p["eager_ms"].get("hf_grouped_mm"), p["eager_host_ms"].get("hf_grouped_mm")
             lines.append(f"| {p['model']} | {p['T']} | {us('ours_int8')} | {us('ours_fp8')} | {us('ours_block')} | "
                          f"{us('hf_grouped_mm')} | {us('hf_eager')} | {_f(d.get('ours_int8_x_hf_grouped_mm'), '.2f')} | "
                          f"{_f(d.get('ours_fp8_x_hf_grouped_mm'), '.2f')} | "
                          f"{_f(d.get('ours_block_x_hf_grouped_mm'), '.2f')} | "
-                         f"{_f(None if eg is None else eg * 1e3, '.0f')} / {_f(None if host is None else host * 1e3, '.0f')} |")
+                         f"{_f(None if eg is None else eg * 1e3, '.0f')} / {_f(None if host is None else host * 1e3, '.0f')} | "
+                         f"{_f(None if heg is None else heg * 1e3, '.0f')} / "
+                         f"{_f(None if hhost is None else hhost * 1e3, '.0f')} |")
         lines.append("")
         for key in ("layer_errors",):
             for where, msg in results.get(key, {}).items():
