@@ -12,7 +12,8 @@ Part ``gemm`` (the grouped GEMM alone, on the w13 GEMM, N = 2I, K = H, and the w
 - ``torch_fp8``: torch's row-wise fp8 grouped GEMM, ``F.scaled_grouped_mm(a, w.transpose(1, 2), scale_a [rows],
   ScalingType.RowWise, scale_b [E, N], ScalingType.RowWise, offs=offsets, output_dtype=bf16)`` where torch has it,
   else ``torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs=offsets, out_dtype=bf16)``; a point where it raises
-  (e.g. CUBLAS_STATUS_NOT_SUPPORTED) is recorded as "did not run" with the message;
+  (e.g. CUBLAS_STATUS_NOT_SUPPORTED) is recorded as "did not run" with the message; torch's default accumulation
+  (``use_fast_accum=False``), as bench_gemm.py's ``torch_fp8_rowwise``;
 - ``torch_bf16``: ``torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)`` in bfloat16.
 
 Reported per point: time (us), TOPS (2 * rows * N * K), the ratio torch_fp8 time / ours (> 1: ours faster) and, at
