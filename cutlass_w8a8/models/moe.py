@@ -76,12 +76,12 @@ class MoEExperts(nn.Module):
             order = torch.argsort(flat, stable=True)  # position s of the sorted buffer holds pair order[s]
             offs = torch.searchsorted(flat[order], torch.arange(self.num_experts, device=x.device), right=True,
                                       out_int32=True)
-            gate_up = torch._grouped_mm(x[order // k], self.gate_up_proj.transpose(1, 2), offs=offs)
+            gate_up = torch._grouped_mm(x.index_select(0, order // k), self.gate_up_proj.transpose(1, 2), offs=offs)
             act = torch.ops.cutlass_w8a8.silu_mul(gate_up)
             y_sorted = torch._grouped_mm(act, self.down_proj.transpose(1, 2), offs=offs)
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(order.numel(), device=x.device)
-            y = y_sorted[inverse]  # (T * k, H) in pair order
+            # the inverse permutation by a scatter (no host sync), then the rows back in pair order: (T * k, H)
+            inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+            y = y_sorted.index_select(0, inverse)
         else:
             xp = x.repeat_interleave(k, dim=0)  # pair p = t * k + j holds token t
             gate_up = torch.einsum("ph,pnh->pn", xp, self.gate_up_proj[flat])
