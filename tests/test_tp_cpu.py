@@ -135,7 +135,7 @@ def test_fuse_w8a8_refusals():
 def test_match_plan_by_name_suffix():
     assert match_plan("model.layers.3.self_attn.q_proj", LLAMA_TP_PLAN) == ("colwise", None)
     assert match_plan("layers.0.mlp.down_proj", LLAMA_TP_PLAN) == ("rowwise", None)
-    assert match_plan("lm_head", LLAMA_TP_PLAN) is None
+    assert match_plan("lm_head", LLAMA_TP_PLAN) == ("vocab", None)  # sharded over the vocabulary by default
     assert match_plan("model.embed_tokens", LLAMA_TP_PLAN) is None
     plan = {"layers.*.attn.wqkv": ("colwise", [64, 16, 16]), "layers.*.attn.wo": "rowwise"}
     assert match_plan("model.layers.7.attn.wqkv", plan) == ("colwise", [64, 16, 16])
@@ -381,7 +381,8 @@ def test_from_pretrained_tp_reads_only_its_shards(hf):
 
     path, _, res, _ = hf
     stored = stored_tensors(path)
-    planned = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "o_proj": 1, "down_proj": 1}
+    planned = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "o_proj": 1, "down_proj": 1,
+               "lm_head": 0}  # lm_head: this rank's vocab / 2 rows
     for rank in range(WORLD):
         d = ok_value(res[rank]["from_pretrained"])
         reads = {(name, kind): shape for name, kind, shape in d["reads"]}
@@ -394,7 +395,7 @@ def test_from_pretrained_tp_reads_only_its_shards(hf):
                 assert reads[(key, "slice")] == ((n // 2, k) if planned[proj] == 0 else (n, k // 2))
             else:
                 assert (key, "whole") in reads or (key, "slice") in reads, f"{key} was not read"
-        assert d["types"]["lm_head"] == "Linear" and d["types"]["model.layers.1.mlp.down_proj"] == \
+        assert d["types"]["lm_head"] == "ColumnParallelLinear" and d["types"]["model.layers.1.mlp.down_proj"] == \
             "RowParallelW8A8Linear"
 
 
@@ -416,7 +417,7 @@ def test_from_pretrained_tp_weights_are_the_stored_slices(hf):
 
 def test_from_pretrained_tp_logits_vs_tp1(hf):
     path, ids, res, _ = hf
-    full = cw.from_pretrained(path)
+    full = cw.from_pretrained(path, optimize=False)  # as the TP load (not optimized): same layers
     l1 = _logits(full, ids)
     lf = _logits(scen.dequantized_float_model(full), ids)
     l2 = [ok_value(res[r]["from_pretrained"])["logits"].double() for r in range(WORLD)]
@@ -461,7 +462,7 @@ def test_from_pretrained_tp_replicates_one_kv_head(hf):
 
     _, ids, res, path = hf
     st = stored_tensors(path)
-    full = cw.from_pretrained(path)
+    full = cw.from_pretrained(path, optimize=False)  # as the TP load (not optimized): same layers
     l1 = _logits(full, ids)
     lf = _logits(scen.dequantized_float_model(full), ids)
     d = [ok_value(res[r]["from_pretrained_kv1"]) for r in range(WORLD)]

@@ -13,8 +13,10 @@ What a transformers model needs for this: attention that infers its head count f
 (``view(*shape, -1, head_dim)``: Llama, Mistral, Qwen2 and most decoders of transformers 5), a dynamic KV cache,
 ``config.num_attention_heads`` divisible by the world size, and ``num_key_value_heads`` divisible by it or dividing
 it: with fewer key/value heads than ranks each rank reads the one head it needs (``r * KVH // world``, replicated
-over ``world / KVH`` ranks, as vLLM does; `cutlass_w8a8.distributed.plan.tensor_parallel_`). The embedding,
-``lm_head`` and norms are replicated.
+over ``world / KVH`` ranks, as vLLM does; `cutlass_w8a8.distributed.plan.tensor_parallel_`). The embedding and
+norms are replicated; ``lm_head`` (style ``"vocab"`` of the default plan) is read and computed over this rank's
+``vocab / world`` rows, its logits all-gathered, unless it is tied to the embedding or its N does not split
+(`cutlass_w8a8.distributed.plan`): then it is replicated.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ._group import check_same_on_all_ranks, group_rank_size, sequence_code
 from .float_linear import ColumnParallelLinear, RowParallelLinear
 from .linear import ColumnParallelW8A8Linear, RowParallelW8A8Linear
 from .plan import (LLAMA_TP_PLAN, _heads, _inferred_sizes, head_replicas, layer_replicas, match_plan,
-                   set_attention_groups_)
+                   set_attention_groups_, vocab_shardable)
 
 __all__ = ["load_tensor_parallel"]
 
@@ -68,10 +70,17 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
     plan = LLAMA_TP_PLAN if tp_plan is None else tp_plan
     linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
     planned = {}
+    tied = bool(getattr(config, "tie_word_embeddings", False))
     for name, mod in linears.items():
         spec = match_plan(name, plan)
         if spec is not None:
             style, sizes = spec
+            if style == "vocab":  # the lm_head over the vocabulary, where it splits (else replicated)
+                t = targeted.get(name)
+                if tied or not vocab_shardable(mod.out_features, mod.in_features, world, t is not None,
+                                               t is not None and t.scheme.block):
+                    continue
+                sizes = [mod.out_features]
             if style == "colwise" and sizes is None:
                 sizes = _inferred_sizes(name, mod, config) or [mod.out_features]
             planned[name] = (style, sizes)
@@ -82,7 +91,7 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
             [v for n in names for v in (linears[n].out_features, linears[n].in_features)]),
         "#quantized layers": sequence_code([n in targeted for n in names]),
         "#block layers": sequence_code([n in targeted and targeted[n].scheme.block for n in names]),
-        "#heads": sequence_code(heads or ()),
+        "#heads": sequence_code(heads or ()), "#vocab layers": sequence_code([planned[n][0] == "vocab" for n in names]),
         "dtype": {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)})
     if not planned:
         raise ValueError(f"{_WHERE}: no nn.Linear of {type(model).__name__} matches `tp_plan` ({list(plan)})")
@@ -90,7 +99,7 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
     for name, (style, sizes) in planned.items():  # every shape error before any read
         lin, t = linears[name], targeted.get(name)
         block = t is not None and t.scheme.block
-        if style == "colwise":
+        if style in ("colwise", "vocab"):
             S.check_column_shardable(lin.out_features, lin.in_features, world, sizes, f"{_WHERE} {name!r}",
                                      quantized=t is not None, block=block, replicas=layer_replicas(name, sizes, rep))
         else:
@@ -106,6 +115,8 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
                 continue  # a float, replicated linear: loaded with the other parameters below
             replicas = layer_replicas(name, spec[1], rep) if spec is not None and spec[0] == "colwise" else None
             new = _load_linear(reader, name, lin, spec, t, dtype, device, tp_group, rank, world, replicas)
+            if spec is not None and spec[0] == "vocab":
+                new.gather_output = True  # every rank returns the full logits
             new.train(False)
             set_module(model, name, new)
             replaced.add(name)
@@ -122,6 +133,8 @@ def _load_linear(reader: Reader, name: str, lin: nn.Linear, spec, target, dtype,
                  replicas=None):
     n, k = lin.out_features, lin.in_features
     has_bias = lin.bias is not None
+    if spec is not None and spec[0] == "vocab":  # column-parallel over the vocabulary (the caller gathers)
+        spec = ("colwise", spec[1])
 
     def key(leaf: str) -> str:
         return f"{name}.{leaf}"

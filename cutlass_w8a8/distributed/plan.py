@@ -1,6 +1,12 @@
 """Tensor-parallel plans: which linears of a model are column- or row-parallel, by the end of their name
 (transformers' ``base_model_tp_plan`` names), and `tensor_parallel_`, which shards a whole model in place by one.
 
+Style ``"vocab"`` (the default plan's ``lm_head``): column-parallel over the vocabulary with the logits all-gathered
+(``gather_output=True``: every rank returns the full logits, each computing ``vocab / world`` of them and reading
+``1 / world`` of the weight; vLLM's ``ParallelLMHead``). It applies only where it can: a layer tied to the input
+embedding, or whose N does not split (not divisible by the world size, a W8A8 shard not a multiple of 16 rows, a
+block-scaled shard not whole 128-row blocks), stays replicated. A plan without ``lm_head`` keeps it replicated.
+
 A plan is a dict ``{pattern: style}``: ``pattern`` is a dotted suffix of a module's fully qualified name, each
 component matched with ``fnmatch`` (``"q_proj"``, ``"self_attn.q_proj"``, ``"layers.*.self_attn.q_proj"``);
 ``style`` is ``"colwise"``, ``"rowwise"``, or ``("colwise", output_sizes)`` for a fused layer. The first pattern
@@ -26,13 +32,18 @@ __all__ = ["LLAMA_TP_PLAN", "match_plan", "tensor_parallel_"]
 
 #: The default plan: attention and MLP projections of Llama-family models (transformers' ``LlamaConfig.
 #: base_model_tp_plan`` names, plus the fused ``qkv_proj`` / ``gate_up_proj`` of vLLM's layout and of
-#: `cutlass_w8a8.models.LlamaDecoder`). Embeddings and ``lm_head`` are not in it: they stay replicated.
+#: `cutlass_w8a8.models.LlamaDecoder`), and ``lm_head`` over the vocabulary (style ``"vocab"``). Embeddings stay
+#: replicated.
 LLAMA_TP_PLAN = {
     "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "qkv_proj": "colwise",
     "o_proj": "rowwise",
     "gate_proj": "colwise", "up_proj": "colwise", "gate_up_proj": "colwise",
     "down_proj": "rowwise",
+    "lm_head": "vocab",
 }
+
+#: The styles a plan may name: `sharding.STYLES` and ``"vocab"`` (column-parallel, output gathered; see above).
+PLAN_STYLES = STYLES + ("vocab",)
 
 _WHERE = "tensor_parallel_"
 
@@ -50,10 +61,10 @@ def match_plan(fqn: str, plan: dict):
                 style, sizes = spec, None
             else:
                 style, sizes = spec[0], list(spec[1])
-            if style not in STYLES:
-                raise ValueError(f"{_WHERE}: `tp_plan[{pattern!r}]` must be 'colwise', 'rowwise' or ('colwise', "
-                                 f"output_sizes), got {spec!r}")
-            if style == "rowwise" and sizes is not None:
+            if style not in PLAN_STYLES:
+                raise ValueError(f"{_WHERE}: `tp_plan[{pattern!r}]` must be 'colwise', 'rowwise', 'vocab' or "
+                                 f"('colwise', output_sizes), got {spec!r}")
+            if style != "colwise" and sizes is not None:
                 raise ValueError(f"{_WHERE}: `tp_plan[{pattern!r}]`: output_sizes are for 'colwise' layers")
             return style, sizes
     return None
@@ -131,6 +142,24 @@ def set_attention_groups_(model: nn.Module, heads, world: int, rep: int) -> None
             mod.num_key_value_groups = local_q // local_kv
 
 
+def vocab_shardable(n: int, k: int, world: int, quantized: bool, block: bool) -> bool:
+    """Whether a ``"vocab"`` layer (N = vocabulary) splits over ``world`` ranks (`sharding.check_column_shardable`
+    passes); when not, it stays replicated."""
+    from .sharding import check_column_shardable
+
+    try:
+        check_column_shardable(n, k, world, None, "vocab", quantized=quantized, block=block)
+    except ValueError:
+        return False
+    return world > 1
+
+
+def _tied_to_input_embedding(model: nn.Module, mod: nn.Module) -> bool:
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    return emb is not None and getattr(emb, "weight", None) is getattr(mod, "weight", None)
+
+
 def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None, *,
                      tp_size: Optional[int] = None) -> nn.Module:
     """Shard ``model`` in place for tensor parallelism over ``tp_group`` by ``tp_plan``.
@@ -198,6 +227,10 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
         if not (isinstance(mod, W8A8Linear) or type(mod) is nn.Linear):
             continue  # a container matched by a loose pattern
         style, sizes = spec
+        if style == "vocab" and (_tied_to_input_embedding(model, mod) or not vocab_shardable(
+                mod.weight.shape[0], mod.weight.shape[1], world, isinstance(mod, W8A8Linear),
+                getattr(mod, "weight_block_size", None) is not None)):
+            continue  # stays replicated
         if style == "colwise" and sizes is None:
             sizes = _inferred_sizes(fqn, mod, config)
         planned.append((fqn, mod, style, sizes))
@@ -206,7 +239,7 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
     check_same_on_all_ranks(tp_group, _WHERE, {
         "tp_size": -1 if tp_size is None else int(tp_size), "planned layers": len(planned),
         "#layer names": zlib.crc32(",".join(f for f, _, _, _ in planned).encode()) & 0x7FFFFFFF,
-        "#styles": sequence_code([1 if s == "colwise" else 2 for _, _, s, _ in planned]),
+        "#styles": sequence_code([PLAN_STYLES.index(s) for _, _, s, _ in planned]),
         "#out_features": sequence_code(n), "#in_features": sequence_code(k),
         "#quantized": sequence_code([isinstance(m, W8A8Linear) for _, m, _, _ in planned]),
         "#heads": sequence_code(heads or ())})
@@ -221,7 +254,10 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
     shard_experts_(model, tp_group)  # its own cross-rank check; every experts layer's split checked before any shard
     for fqn, mod, style, sizes in planned:
         replicas = layer_replicas(fqn, sizes, rep) if style == "colwise" else None
-        new = shard_linear(mod, style, tp_group, output_sizes=sizes, check=False, replicas=replicas)
+        new = shard_linear(mod, "colwise" if style == "vocab" else style, tp_group, output_sizes=sizes, check=False,
+                           replicas=replicas)
+        if style == "vocab":
+            new.gather_output = True
         new.train(mod.training)
         parent, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
