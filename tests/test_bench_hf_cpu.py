@@ -1,5 +1,6 @@
-"""bench/bench_hf.py's whole flow on the CPU (``--tiny``): build, quantize, static-cache prefill and decode, the
-correctness checks, the interleaved timing loop and the reports. The GPU run is the benchmark; this keeps the
+"""bench/bench_hf.py's whole flow on the CPU (``--tiny``): build, quantize, optimize, static-cache prefill and
+decode (eager, and cutlass_w8a8.generate's graph step run eagerly), the correctness checks, the warm-up times, the
+interleaved timing loop and the reports. The GPU run is the benchmark; this keeps the
 script working between GPU runs."""
 
 import importlib.util
@@ -23,24 +24,33 @@ def load_bench():
 def test_bench_hf_tiny(tmp_path):
     bench = load_bench()
     rc = bench.main(["--tiny", "--batches", "1,2", "--reps", "2", "--steps", "2", "--check-steps", "3",
-                     "--prompt-len", "8", "--max-cache-len", "16", "--out", str(tmp_path)])
+                     "--prompt-len", "8", "--max-cache-len", "16", "--out", str(tmp_path), "--dtypes",
+                     "bf16,int8,fp8-block,int8-opt,fp8-block-opt"])
     assert rc == 0
     with open(tmp_path / "hf_decode_cpu.json") as f:
         res = json.load(f)
-    assert res["tiny"] and res["modes"] == ["eager"] and res["dtypes"] == ["bf16", "int8", "fp8"]
-    assert res["failures"] == []
-    assert res["models"]["int8"]["w8a8_linears"] == res["models"]["fp8"]["w8a8_linears"] == 2 * 7
+    models = ["bf16", "int8", "fp8-block", "int8-opt", "fp8-block-opt"]
+    assert res["tiny"] and res["modes"] == ["eager", "graph"] and res["dtypes"] == models
+    assert res["failures"] == [] and not res["full_size"]
+    for m in models[1:]:
+        assert res["models"][m]["w8a8_linears"] == 2 * (4 if m.endswith("-opt") else 7)  # qkv, o, gate_up, down
+        assert res["models"][m]["optimized"] == m.endswith("-opt")
     assert res["models"]["bf16"]["w8a8_linears"] == 0
     for b in ("1", "2"):
-        for m in ("bf16", "int8", "fp8"):
-            t = res["points"][b][m]["eager"]
-            assert t["reps"] == 2 and t["steps"] == 2 and 0 < t["min_ms"] <= t["median_ms"] <= t["max_ms"]
-        for m, floor in (("int8", 30.0), ("fp8", 20.0)):  # the tiny model measured ~42 and ~32 dB
+        for m in models:
+            for mode in ("eager", "graph"):
+                t = res["points"][b][m][mode]
+                assert t["reps"] == 2 and t["steps"] == 2 and 0 < t["min_ms"] <= t["median_ms"] <= t["max_ms"]
+                assert res["warmup"][b][m][mode]["first_token_s"] > 0
+            # the graph path's steps run the eager step's calls: equal logits
+            assert res["accuracy"][b][m]["graph_vs_eager"]["max_abs"] == 0
+        for m, floor in (("int8", 30.0), ("fp8-block", 20.0), ("int8-opt", 30.0), ("fp8-block-opt", 20.0)):
+            # the tiny model measured ~36 dB (int8) and ~24 dB (block fp8)
             assert res["accuracy"][b][m]["eager_sqnr_vs_bf16_db"] > floor
-        assert res["derived"][b]["eager"]["int8_x_bf16"] > 0
-    assert all(t["met"] is None for t in res["targets"])  # no timing claims on the CPU
+        assert res["derived"][b]["eager"]["int8-opt"]["x_bf16_same_mode"] > 0
+    assert res["targets"] and all(t["met"] is None for t in res["targets"])  # no timing claims on the CPU
     report = (tmp_path / "hf_decode_cpu.md").read_text()
-    assert "not measurements" in report and "| 2 | eager |" in report
+    assert "not measurements" in report and "| 2 | graph | fp8-block-opt |" in report
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -52,10 +62,13 @@ def test_bench_hf_tiny(tmp_path):
 def test_bench_hf_args():
     bench = load_bench()
     args = bench.parse_args(["--quick", "--batches", "8,1,8", "--dtypes", "int8,bf16", "--no-compile"])
-    assert (args.layers, args.batches, args.dtypes, args.modes) == (8, [1, 8], ["bf16", "int8"], ["eager"])
-    assert bench.parse_args([]).modes == ["eager", "compiled"] and bench.parse_args([]).layers == 32
-    assert bench.parse_args(["--tiny"]).modes == ["eager"]
-    assert bench.parse_args(["--tiny", "--compile"]).modes == ["eager", "compiled"]
+    assert (args.layers, args.batches, args.dtypes, args.modes) == (2, [1, 8], ["bf16", "int8"], ["eager", "graph"])
+    quick = bench.parse_args(["--quick"])
+    assert quick.dtypes == ["bf16", "int8", "int8-opt", "fp8-opt", "fp8-block-opt"] and (quick.reps, quick.steps) == (3, 12)
+    assert bench.parse_args([]).modes == ["eager", "compiled", "graph"] and bench.parse_args([]).layers == 32
+    assert len(bench.parse_args([]).dtypes) == 7
+    assert bench.parse_args(["--tiny"]).modes == ["eager", "graph"]
+    assert bench.parse_args(["--tiny", "--compile", "--no-graph"]).modes == ["eager", "compiled"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--dtypes", "int4"])
     with pytest.raises(SystemExit):

@@ -158,6 +158,8 @@ class GraphGenerator:
         self.warmup_seconds: dict = {}
         self.record_logits = False
         self.logits_history: list = []
+        self._current = None  # (bucket, B, L) of the batch prefill started
+        self._written = 0  # cache columns written (prompt + decode steps)
 
     # ---- buckets ----------------------------------------------------------------------------------------
 
@@ -215,6 +217,79 @@ class GraphGenerator:
             bk.graph.replay()
             return bk.logits
         return self._decode(bk)
+
+    # ---- prefill and decode steps ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                pad_token_id: int = 0) -> torch.Tensor:
+        """Start a sequence batch: pad it up to its bucket, reset the bucket's cache and run the prompt through
+        ``model.forward`` eagerly (creating the bucket, and capturing its graph, on its first use).
+
+        Parameters
+        ----------
+        input_ids : torch.Tensor
+            ``(B, L)`` int64 on the model's device (as `generate`; L <= ``max_cache_len``).
+        attention_mask : torch.Tensor, optional
+            ``(B, L)`` 0 / 1, left padding (as `generate`); default all ones.
+        pad_token_id : int
+            The token of the bucket's extra rows.
+
+        Returns
+        -------
+        torch.Tensor
+            ``(B, V)`` logits of each prompt's last position (the model's dtype).
+        """
+        b_in, _, am = self._check_inputs(input_ids, 1, attention_mask)
+        return self._prefill(input_ids, am, pad_token_id)[:b_in]
+
+    def _prefill(self, input_ids, am, pad):
+        b_in, length = input_ids.shape
+        dev = self.device
+        bk = self._bucket(self.bucket_size(b_in))
+        b = bk.size
+        ids = torch.full((b, length), pad, dtype=torch.int64, device=dev)
+        ids[:b_in] = input_ids
+        mask2d = torch.ones((b, length), dtype=torch.int64, device=dev)
+        mask2d[:b_in] = am
+        pos = mask2d.cumsum(-1) - 1
+        pos = pos.masked_fill(mask2d == 0, 0)
+        bk.cache.reset()
+        bk.valid.zero_()
+        bk.valid[:, :length] = mask2d.bool()
+        bk.tokens.fill_(pad)
+        out = self.model(input_ids=ids, attention_mask=mask2d, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **{self._cache_kw: bk.cache})
+        bk.positions.copy_(pos[:, -1:])
+        self._current = (bk, b_in, length)
+        self._written = length
+        return out.logits[:, -1, :]
+
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step of the batch `prefill` started: ``tokens`` ``(B,)`` int64 (the tokens just chosen, on
+        the device) are written into the bucket's static inputs (``copy_``), the positions advance by one, the next
+        cache column becomes valid, and the graph replays (or the step runs eagerly).
+
+        Returns
+        -------
+        torch.Tensor
+            ``(B, V)`` logits: a view of the graph's static output, overwritten by the next step (clone to keep).
+
+        Raises
+        ------
+        RuntimeError
+            No `prefill` before, or the cache is full (``max_cache_len`` columns written).
+        """
+        if getattr(self, "_current", None) is None:
+            raise RuntimeError("GraphGenerator.decode: call prefill first")
+        bk, b_in, _ = self._current
+        if self._written >= self.max_cache_len:
+            raise RuntimeError(f"GraphGenerator.decode: the cache's {self.max_cache_len} positions are full")
+        bk.tokens[:b_in, 0] = tokens
+        bk.positions += 1
+        bk.valid[:, self._written] = True
+        self._written += 1
+        return self._step(bk)[:b_in]
 
     # ---- generate ---------------------------------------------------------------------------------------
 
@@ -284,24 +359,7 @@ class GraphGenerator:
             pad = int(eos[0]) if eos is not None else 0
         generator = kwargs.get("generator")
         dev = self.device
-
-        bk = self._bucket(self.bucket_size(b_in))
-        b = bk.size
-        ids = torch.full((b, length), pad, dtype=torch.int64, device=dev)
-        ids[:b_in] = input_ids
-        mask2d = torch.ones((b, length), dtype=torch.int64, device=dev)
-        mask2d[:b_in] = am
-        pos = mask2d.cumsum(-1) - 1
-        pos = pos.masked_fill(mask2d == 0, 0)
-        bk.cache.reset()
-        bk.valid.zero_()
-        bk.valid[:, :length] = mask2d.bool()
-        bk.tokens.fill_(pad)
-        out = self.model(input_ids=ids, attention_mask=mask2d, position_ids=pos, use_cache=True, logits_to_keep=1,
-                         **{self._cache_kw: bk.cache})
-        logits = out.logits[:, -1, :]
-        bk.positions.copy_(pos[:, -1:])
-
+        logits = self._prefill(input_ids, am, pad)
         new = torch.empty((b_in, max_new_tokens), dtype=torch.int64, device=dev)
         unfinished = torch.ones(b_in, dtype=torch.bool, device=dev)
         all_done = torch.zeros(max_new_tokens, dtype=torch.bool, device=dev)
@@ -328,10 +386,7 @@ class GraphGenerator:
                 break
             if eos_t is not None and (i + 1) % _EOS_CHECK_EVERY == 0 and bool(all_done[: i + 1].any()):
                 break
-            bk.tokens[:b_in, 0] = tok
-            bk.positions += 1
-            bk.valid[:, length + i] = True
-            logits = self._step(bk)
+            logits = self.decode(tok)
         if eos_t is not None:
             done = torch.nonzero(all_done).flatten()
             if done.numel():
