@@ -3,6 +3,8 @@ top-level ``cutlass_w8a8.from_pretrained`` / ``cutlass_w8a8.save_pretrained``.""
 
 from __future__ import annotations
 
+from torch import nn
+
 from .. import checkpoints
 from .optimize import optimize_, unfused
 
@@ -44,5 +46,7 @@ def save_pretrained(model, path, **save_kwargs) -> None:
     unoptimized model would write them (the same file bytes; split from the fused tensors exactly, see
     `cutlass_w8a8.hf.unfused`), and stays optimized afterwards. Same arguments and errors as
     `cutlass_w8a8.checkpoints.save_pretrained`."""
+    if not isinstance(model, nn.Module):  # the loader's own TypeError names the argument
+        return checkpoints.save_pretrained(model, path, **save_kwargs)
     with unfused(model):
         checkpoints.save_pretrained(model, path, **save_kwargs)
