@@ -438,6 +438,8 @@ def kernel_names(fn):
 @pytest.mark.parametrize("t", [1, 16, MAX_ROWS, MAX_ROWS + 1])
 def test_dispatch_uses_decode_kernel(t):
     """grouped_scaled_mm sends T <= grouped_decode_max_rows() (64) to this kernel and larger T elsewhere."""
+    if hasattr(OPS, "_grouped_decode_max_rows"):
+        assert OPS._grouped_decode_max_rows() == MAX_ROWS
     e, n, k = 8, 64, 256
     a, w, sa, sb, b = rowwise_problem(t, e, n, k, FP8, True, "channel", False, torch.bfloat16, 11)
     offsets = offsets_of(routing_counts(t, e, "random", torch.Generator().manual_seed(11)))
