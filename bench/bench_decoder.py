@@ -47,7 +47,8 @@ vLLM's sizes) and the memory of the graphs' shared pool (bytes of its segments, 
 ``torch.cuda.memory_reserved``).
 
 Writes ``decoder_<device>.json`` (raw numbers), ``decoder_<device>.md`` (tables, the issue-18 targets) and
-``decoder_<device>.png`` (latency and speedups against the batch size) to ``--out``.
+``decoder_<device>.png`` (latency and speedups against the batch size) to ``--out``; with ``--config qwen3-30b-a3b``
+``decoder_moe_<device>.*`` (`results_prefix`), so a MoE run does not overwrite the Llama one.
 
 Examples::
 
@@ -446,6 +447,11 @@ def run(args: argparse.Namespace, cw: Any, bu: Any, mods: Any) -> dict[str, Any]
 # main
 
 
+def results_prefix(config: str) -> str:
+    """The results files' prefix: ``decoder_moe`` for the Qwen3-MoE config, ``decoder`` otherwise."""
+    return "decoder_moe" if config == "qwen3-30b-a3b" else "decoder"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     cw = require_cuda_extension("bench_decoder.py")
@@ -458,7 +464,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except AccuracyError as exc:
         sys.exit(f"bench_decoder.py: aborted, wrong results: {exc}")
     results["total_seconds"] = time.perf_counter() - t0
-    publish(results, render_markdown(results), args.out, "decoder", plot_results)
+    publish(results, render_markdown(results), args.out, results_prefix(args.config), plot_results)
     return 0
 
 

@@ -262,6 +262,7 @@ def test_decoder_bench_moe_flow_on_cpu(decoder_bench, monkeypatch, with_w8a8):
     args = b.parse_args(["--config", "qwen3-30b-a3b", "--batches", "1,3", "--class-batches", "1", "--steps", "1",
                          "--warmup", "0", "--max-seq", "16", "--models", names])
     res = b.run(args, cw_fake, bu, (fake_models, runner))
+    assert b.results_prefix("qwen3-30b-a3b") == "decoder_moe" and b.results_prefix("llama3-8b") == "decoder"
     assert res["config"]["num_experts"] == 8 and res["config"]["qk_norm"] is True and res["errors"] == {}
     r = res["models"]["bf16"]
     experts = 2 * 8 * (256 * 128 + 128 * 128)  # bf16 gate_up + down, one layer
