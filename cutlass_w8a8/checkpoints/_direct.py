@@ -6,8 +6,10 @@ the buffers the checkpoint does not hold (the rotary ``inv_freq``) are computed 
 
 Used for the transformers-native block-fp8 format (``quant_method: fp8``), which transformers' own loader would
 dequantize (on a CPU or a GPU before sm89) or turn into its own ``FP8Linear`` layers, and by the sharded loader
-(`cutlass_w8a8.distributed.checkpoint`). The checkpoint's tensor names must be the model's parameter names
-(transformers' load-time renames, e.g. of merged MoE experts, are not applied).
+(`cutlass_w8a8.distributed.checkpoint`), and for MoE checkpoints (each block's per-expert tensors read into one
+`W8A8MoE` by `cutlass_w8a8.checkpoints._moe`, Mixtral's ``block_sparse_moe`` names mapped to the model's
+``mlp``). Otherwise the checkpoint's tensor names must be the model's parameter names (transformers' other
+load-time renames are not applied).
 """
 
 from __future__ import annotations
@@ -88,9 +90,12 @@ def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def load_rest(model: nn.Module, reader: Reader, meta: dict, replaced: set, device, config, where: str) -> None:
+def load_rest(model: nn.Module, reader: Reader, meta: dict, replaced: set, device, config, where: str,
+              rename=None) -> None:
     """Every parameter and persistent buffer outside the ``replaced`` modules, read whole and cast to the dtype
     the meta model gave it; a missing output embedding is tied to the input embedding when the config says so.
+    ``rename(model tensor name) -> checkpoint tensor name`` where the files name a tensor otherwise (Mixtral's
+    ``block_sparse_moe``; `cutlass_w8a8.checkpoints._moe.checkpoint_renamer`), None: the same names.
     ValueError naming the first tensor the checkpoint (``meta``: its tensor index) lacks."""
     missing = []
     for mod_name, mod in model.named_modules():
@@ -102,6 +107,8 @@ def load_rest(model: nn.Module, reader: Reader, meta: dict, replaced: set, devic
             if t is None or t.device.type != "meta":
                 continue
             key = f"{mod_name}.{leaf}" if mod_name else leaf
+            if rename is not None:
+                key = rename(key)
             if key not in meta:
                 missing.append(key)
                 continue
@@ -148,10 +155,17 @@ def load_generation_config(model: nn.Module, path: str) -> None:
 
 
 def load_unsharded(path: str, model_cls, config, targeted: dict, ckpt, dtype: torch.dtype, device, shared: dict,
-                   model_kwargs: dict, where: str) -> nn.Module:
+                   model_kwargs: dict, where: str, moe: dict = None) -> nn.Module:
     """The whole checkpoint as a transformers model on ``device`` whose ``targeted`` linears (``{name: target}``
     with ``target.scale_leaf``, the scale tensor's name, and ``target.scheme``) are `W8A8Linear` layers holding
-    the stored 8-bit weights as they are and the stored scales cast to float32 (exact from bf16 / fp16)."""
+    the stored 8-bit weights as they are and the stored scales cast to float32 (exact from bf16 / fp16).
+
+    ``moe``: ``{experts module name: MoeTarget}`` (`cutlass_w8a8.checkpoints._moe`), each experts module becoming
+    a `W8A8MoE` built from the per-expert tensors (`_moe.build_moe`), the other tensors of those blocks read under
+    the files' names."""
+    from ._moe import build_moe, checkpoint_renamer
+
+    moe = moe or {}
     device = torch.device(device) if device is not None else torch.device("cpu")
     model = build_meta(model_cls, config, dtype, shared, model_kwargs, where)
     with contextlib.ExitStack() as stack:
@@ -168,7 +182,10 @@ def load_unsharded(path: str, model_cls, config, targeted: dict, ckpt, dtype: to
                 bias=bias, input_scale=input_scale, dtype=dtype, weight_block_size=block_size(t.scheme))
             new.train(False)
             set_module(model, name, new)
-        load_rest(model, reader, ckpt.meta, set(targeted), device, config, where)
+        for name, t in moe.items():
+            set_module(model, name, build_moe(t, reader, device, dtype, where))
+        load_rest(model, reader, ckpt.meta, set(targeted) | set(moe), device, config, where,
+                  rename=checkpoint_renamer([t.block for t in moe.values()]))
     init_missing_buffers(model, device, where)
     model.eval()
     load_generation_config(model, path)

@@ -127,11 +127,15 @@ def _not_converted(name: str, patterns: List[str]) -> Optional[str]:
     return None
 
 
-def native_targets(model: nn.Module, parsed: NativeFp8Config, meta: Dict[str, tuple], where: str) -> Dict[str, Target]:
+def native_targets(model: nn.Module, parsed: NativeFp8Config, meta: Dict[str, tuple], where: str,
+                   claimed=frozenset(), allow_empty: bool = False) -> Dict[str, Target]:
     """``{module name: Target}`` of the block-quantized linears of ``model`` (built on the meta device from the
     config): each ``nn.Linear`` whose stored ``weight`` is e4m3. Sets ``parsed.ignore`` to the other linears.
 
-    ``meta``: ``{tensor name: (safetensors dtype, shape)}`` of the checkpoint.
+    ``meta``: ``{tensor name: (safetensors dtype, shape)}`` of the checkpoint. ``claimed``: tensors already
+    accounted for (the MoE experts' per-expert tensors, `cutlass_w8a8.checkpoints._moe`), skipped by the check for
+    8-bit tensors of no linear. ``allow_empty``: no e4m3 linear is not an error (a model whose only quantized
+    layers are MoE experts).
 
     Raises
     ------
@@ -187,10 +191,12 @@ def native_targets(model: nn.Module, parsed: NativeFp8Config, meta: Dict[str, tu
                 raise ValueError(f"{where}: checkpoint tensor {skey!r} is stored for the {dt} (not e4m3) weight "
                                  f"{wkey!r}")
             floats.append(name)
-    if not targeted:
+    if not targeted and not allow_empty:
         raise ValueError(f"{where}: no nn.Linear of {type(model).__name__} has an e4m3 weight in the checkpoint "
                          f"({_KEY}.quant_method = 'fp8')")
     for key, (dt, _) in meta.items():
+        if key in claimed:
+            continue
         module, _, leaf = key.rpartition(".")
         if module in targeted:
             if leaf not in ("weight", _SCALE_LEAF, "bias"):

@@ -16,6 +16,7 @@ from ..ops._limits import BLOCK_SIZE
 from ..ops._limits import OUT_DTYPES as _OUT_DTYPES
 from ..quantize import shape_supported
 from ._direct import block_size, build_meta, load_unsharded
+from ._moe import ct_moe_targets, find_moe_blocks, native_moe_targets
 from ._native_fp8 import is_native_fp8, native_targets, parse_native_fp8
 from ._scheme import ParsedConfig, Target, find_quantization_config, parse_quantization_config
 
@@ -116,8 +117,24 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
     (`cutlass_w8a8.checkpoints._direct`). ``model.config.quantization_config`` is then the compressed-tensors
     FP8_BLOCK dict describing the loaded layers (what their ``state_dict`` holds).
 
+    Mixture-of-experts checkpoints (Qwen2-MoE, Qwen3-MoE, Mixtral; compressed-tensors W8A8 / FP8-dynamic /
+    static / FP8_BLOCK as llm-compressor writes them, and the native block-fp8 format): the per-expert linears
+    (``<layer>.mlp.experts.{e}.{gate,up,down}_proj``, Mixtral's ``<layer>.block_sparse_moe.experts.{e}.{w1,w3,w2}``)
+    of each block become one `cutlass_w8a8.W8A8MoE` holding their stored 8-bit weights and float32 scales (gate rows
+    then up rows in ``w13`` [E, 2I, H], ``w2`` [E, H, I]; a per-tensor weight scale is repeated per channel, the same
+    dequantized weight; static input scales: the largest of each GEMM's, with a UserWarning when the experts'
+    differ); the router (``mlp.gate``, left in float by the checkpoint's ``ignore``) stays transformers' own module
+    and the block calls the `W8A8MoE` as its ``experts``; Qwen2-MoE's shared expert linears are `W8A8Linear` layers.
+    Such a checkpoint is not given to transformers' loader (which would dequantize the merged experts to bf16): the
+    model is built on the meta device and filled from the files as for the native format (so the same
+    ``hf_kwargs`` limits apply). `cutlass_w8a8.checkpoints._moe` describes the layout and what is refused:
+    other MoE blocks (any module holding 3-D expert parameters), experts left in float, experts of one block
+    under different config groups, a missing, extra or mis-shaped expert tensor (the message names it).
+
     Raises
     ------
+    NotImplementedError
+        ``tp_group`` with an MoE checkpoint (tensor-parallel experts are not loaded yet).
     ValueError
         ``path``'s config.json is not valid JSON; ``device`` is a GPU index past the visible ones; the config or
         checkpoint holds something the kernels cannot run exactly (the message names the field and
@@ -170,7 +187,15 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
         del config.compression_config
     shared = {k: hf_kwargs[k] for k in _SHARED_KWARGS if k in hf_kwargs}
 
-    targeted = _targeted_linears(model_cls, config, parsed, shared)
+    meta = _meta_model(model_cls, config, shared)
+    blocks = find_moe_blocks(meta, ckpt.meta, _WHERE)
+    targeted = _targeted_linears(meta, parsed, allow_empty=bool(blocks))
+    del meta
+    if blocks:
+        moe = ct_moe_targets(blocks, parsed, ckpt.meta, _WHERE)
+        ckpt.check(targeted, claimed={k for t in moe.values() for k in t.keys()})
+        return _load_moe(path, model_cls, config, targeted, moe, ckpt, dtype, device, tp_group, shared, model_kwargs,
+                         parsed.to_dict())
     ckpt.check(targeted)
 
     if tp_group is not None:
@@ -201,8 +226,18 @@ def _from_native_fp8(path, config_json, device, dtype, model_cls, tp_group, tp_p
         del config.quantization_config
     shared = {k: hf_kwargs[k] for k in _SHARED_KWARGS if k in hf_kwargs}
     meta = build_meta(model_cls, config, dtype, shared, model_kwargs, _WHERE)
-    targeted = native_targets(meta, parsed, ckpt.meta, _WHERE)
+    blocks = find_moe_blocks(meta, ckpt.meta, _WHERE)
+    moe = native_moe_targets(blocks, parsed.modules_to_not_convert, ckpt.meta, _WHERE) if blocks else {}
+    targeted = native_targets(meta, parsed, ckpt.meta, _WHERE, claimed={k for t in moe.values() for k in t.keys()},
+                              allow_empty=bool(moe))
     del meta
+    if moe:
+        model = _load_moe(path, model_cls, config, targeted, moe, ckpt, dtype, device, tp_group, shared, model_kwargs,
+                          None)
+        from .save import quantization_config_of
+
+        model.config.quantization_config = quantization_config_of(model)
+        return model
     if tp_group is not None:
         from ..distributed.checkpoint import load_tensor_parallel
 
@@ -213,19 +248,39 @@ def _from_native_fp8(path, config_json, device, dtype, model_cls, tp_group, tp_p
     return model
 
 
-def _targeted_linears(model_cls, config, parsed: ParsedConfig, shared: dict) -> Dict[str, Target]:
-    """``{module name: Target}`` of the modules compressed-tensors will quantize, found with its own matching on
-    the model built on the meta device; raises for a targeted module `W8A8Linear` cannot replace."""
-    from compressed_tensors.quantization.lifecycle.initialize import is_cached_attention_module
-    from compressed_tensors.utils import is_narrow_match, match_named_modules, match_targets
+def _load_moe(path, model_cls, config, targeted, moe, ckpt, dtype, device, tp_group, shared, model_kwargs, qc):
+    """`from_pretrained` of a checkpoint with MoE experts: not through transformers' loader (which merges the
+    per-expert tensors into its 3-D experts and dequantizes them), but built on the meta device and filled from
+    the files (`_direct.load_unsharded`), each experts module a `W8A8MoE` (`_moe.build_moe`)."""
+    if tp_group is not None:
+        raise NotImplementedError(f"{_WHERE}: `tp_group` with an MoE checkpoint ({len(moe)} MoE blocks): "
+                                  "tensor-parallel loading of W8A8MoE experts is not available yet")
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config  # built without it, so that no transformers quantizer touches the model
+    model = load_unsharded(path, model_cls, config, targeted, ckpt, dtype, device, shared, model_kwargs, _WHERE,
+                           moe=moe)
+    if qc is not None:
+        model.config.quantization_config = qc
+    return model
+
+
+def _meta_model(model_cls, config, shared: dict) -> nn.Module:
+    """The model of ``config`` on the meta device (for matching module names before any weight is read)."""
     from transformers import PreTrainedModel
 
     with torch.device("meta"):
         if isinstance(model_cls, type) and issubclass(model_cls, PreTrainedModel):
-            meta = model_cls._from_config(config)
-        else:
-            kw = {"trust_remote_code": shared["trust_remote_code"]} if "trust_remote_code" in shared else {}
-            meta = model_cls.from_config(config, **kw)
+            return model_cls._from_config(config)
+        kw = {"trust_remote_code": shared["trust_remote_code"]} if "trust_remote_code" in shared else {}
+        return model_cls.from_config(config, **kw)
+
+
+def _targeted_linears(meta: nn.Module, parsed: ParsedConfig, allow_empty: bool = False) -> Dict[str, Target]:
+    """``{module name: Target}`` of the modules compressed-tensors will quantize, found with its own matching on
+    the model built on the meta device (`_meta_model`); raises for a targeted module `W8A8Linear` cannot replace,
+    and (unless ``allow_empty``: the MoE experts are quantized) when nothing is targeted."""
+    from compressed_tensors.quantization.lifecycle.initialize import is_cached_attention_module
+    from compressed_tensors.utils import is_narrow_match, match_named_modules, match_targets
 
     # the order compressed-tensors' apply_quantization_config resolves a module matched by several groups in
     target_to_group = collections.OrderedDict()
@@ -259,7 +314,7 @@ def _targeted_linears(model_cls, config, parsed: ParsedConfig, shared: dict) -> 
                              "only nn.Linear modules are supported")
         # Any other match (a container such as `mlp` matched by a `re:` target) compressed-tensors leaves alone;
         # tensors stored for it are caught by the checkpoint check.
-    if not targeted:
+    if not targeted and not allow_empty:
         raise ValueError(f"{_WHERE}: no nn.Linear module of {type(meta).__name__} matches the targets of "
                          f"{key}.config_groups (less `ignore`)")
     return targeted
@@ -336,9 +391,10 @@ class _SafetensorsCheckpoint:
                     self.file_of[k] = full
                     self.meta[k] = (sl.get_dtype(), list(sl.get_shape()))
 
-    def check(self, targeted: Dict[str, Target]) -> None:
+    def check(self, targeted: Dict[str, Target], claimed=frozenset()) -> None:
         """Raise ValueError unless every targeted module has exactly the tensors its scheme implies, with their
-        dtypes and shapes, and no other tensor looks quantized."""
+        dtypes and shapes, and no other tensor looks quantized (``claimed``: tensors checked elsewhere, the MoE
+        experts')."""
         for name, t in targeted.items():
             s, n, k = t.scheme, t.out_features, t.in_features
             if s.block:
@@ -361,7 +417,7 @@ class _SafetensorsCheckpoint:
         allowed = {f"{name}.{leaf}" for name, t in targeted.items()
                    for leaf in ("weight", "weight_scale", "bias") + (("input_scale",) if t.scheme.static_input else ())}
         for key, (dt, _) in self.meta.items():
-            if key in allowed:
+            if key in allowed or key in claimed:
                 continue
             module, _, leaf = key.rpartition(".")
             if module in targeted:

@@ -10,7 +10,8 @@ from typing import Optional
 from torch import nn
 
 from ..linear import W8A8Linear
-from ._scheme import build_quantization_config, scheme_of
+from ._moe import moe_state_dict, router_ignore
+from ._scheme import BLOCK_SCHEME, LinearScheme, build_quantization_config, scheme_of
 
 __all__ = ["save_pretrained", "attach_quantization_config", "quantization_config_of"]
 
@@ -25,16 +26,43 @@ def quantization_config_of(model: nn.Module) -> Optional[dict]:
     """
     by_scheme = {}
     floats = []
+    moe_cls = _moe_class()
     for name, m in model.named_modules():
         if isinstance(m, W8A8Linear):
             by_scheme.setdefault(scheme_of(m), []).append(name)
+        elif moe_cls is not None and isinstance(m, moe_cls):
+            by_scheme.setdefault(moe_scheme_of(m), []).extend(_expert_linear_names(model, name, m))
         elif isinstance(m, nn.Linear):
             floats.append(name)
     if not by_scheme:
         return None
     if len(by_scheme) == 1:
-        return build_quantization_config([(next(iter(by_scheme)), ["Linear"])], floats)
+        routers = router_ignore(model) if moe_cls is not None else []
+        return build_quantization_config([(next(iter(by_scheme)), ["Linear"])], floats + routers)
     return build_quantization_config(list(by_scheme.items()), [])
+
+
+def _moe_class():
+    """`W8A8MoE` when `cutlass_w8a8.moe` is imported (a model can only hold one then), else None."""
+    mod = sys.modules.get("cutlass_w8a8.moe")
+    return getattr(mod, "W8A8MoE", None)
+
+
+def moe_scheme_of(moe) -> LinearScheme:
+    """The `LinearScheme` of a `W8A8MoE`'s expert linears, from its buffers."""
+    if moe.w13_scale.dim() == 3:
+        return BLOCK_SCHEME
+    return LinearScheme(quant_dtype=moe.w13.dtype, per_channel=True, static_input=moe.a13_scale is not None)
+
+
+def _expert_linear_names(model: nn.Module, name: str, moe) -> list:
+    """The per-expert linear names a `W8A8MoE` is written as (`_moe.moe_state_dict`'s tensors, less the leaf)."""
+    from ._moe import moe_linear_names
+
+    try:
+        return moe_linear_names(model, name, moe, "cutlass_w8a8.save_pretrained")
+    except ValueError:  # not in a known block: no layout (save_pretrained refuses it; attach_quantization_config
+        return [name]  # must not raise, quantize_ calls it)
 
 
 def attach_quantization_config(model: nn.Module) -> None:
@@ -76,6 +104,15 @@ def save_pretrained(model: nn.Module, path, **save_kwargs) -> None:
     **save_kwargs
         Passed to ``model.save_pretrained`` (``max_shard_size``, ...).
 
+    A `W8A8MoE` (the ``experts`` of a Qwen2-MoE / Qwen3-MoE / Mixtral block) is written as llm-compressor writes
+    MoE checkpoints: one quantized linear per expert and projection (``<layer>.mlp.experts.{e}.{gate,up,down}_proj``,
+    Mixtral ``<layer>.block_sparse_moe.experts.{e}.{w1,w3,w2}``) with its rows of ``w13`` / ``w2`` and scales
+    (``weight_scale`` ``[N, 1]`` or its 128 x 128 blocks; ``input_scale`` ``a13_scale`` for gate and up,
+    ``a2_scale`` for down), and the routers in ``ignore`` (``re:.*mlp.gate$`` / ``re:.*block_sparse_moe.gate$``).
+    A model loaded from a native block-fp8 checkpoint is written in compressed-tensors' FP8_BLOCK form, as for
+    dense models. Only this function writes that layout: transformers' own ``model.save_pretrained`` would store
+    the merged ``w13`` / ``w2`` buffers, which no reader understands.
+
     Scales are saved in float32, what the kernels use, so `from_pretrained` of the result gives back the same
     scales bit for bit (llm-compressor writes the scales in the model dtype, usually bfloat16; the readers cast
     either). transformers' own loader (compressed-tensors' quantizer) creates the scale parameters in
@@ -91,7 +128,8 @@ def save_pretrained(model: nn.Module, path, **save_kwargs) -> None:
         ``model`` is not a transformers ``PreTrainedModel``.
     ValueError
         ``path`` is an existing file (transformers' ``save_pretrained`` would only log that and write nothing);
-        ``model`` holds no `W8A8Linear`.
+        ``model`` holds no `W8A8Linear` or `W8A8MoE`; a `W8A8MoE` is not the ``experts`` of a Qwen2-MoE /
+        Qwen3-MoE / Mixtral block, or has block scales with an intermediate size not a multiple of 128.
     """
     if "transformers" in sys.modules:
         from transformers import PreTrainedModel
@@ -108,4 +146,10 @@ def save_pretrained(model: nn.Module, path, **save_kwargs) -> None:
         raise ValueError("cutlass_w8a8.save_pretrained: `model` holds no W8A8Linear (quantize it with "
                          "cutlass_w8a8.quantize_ first, or save a float model with model.save_pretrained)")
     model.config.quantization_config = qc
+    moe_sd = moe_state_dict(model, "cutlass_w8a8.save_pretrained")
+    if moe_sd is not None:
+        if "state_dict" in save_kwargs:
+            raise TypeError("cutlass_w8a8.save_pretrained: `state_dict` cannot be passed for a model with W8A8MoE "
+                            "layers (their per-expert tensors are built here)")
+        save_kwargs["state_dict"] = moe_sd
     model.save_pretrained(path, **save_kwargs)
