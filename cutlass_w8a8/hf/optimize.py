@@ -53,6 +53,10 @@ SUPPORTED_LAYERS = {
     "MistralDecoderLayer": ("MistralAttention", "MistralMLP", "MistralRMSNorm"),
     "Qwen2DecoderLayer": ("Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
     "Qwen3DecoderLayer": ("Qwen3Attention", "Qwen3MLP", "Qwen3RMSNorm"),
+    # mixture-of-experts layers: the attention side (and a dense MLP where a layer has one); their sparse MoE
+    # blocks are left as they are, without a warning (W8A8MoE quantizes its own activations after the router)
+    "Qwen3MoeDecoderLayer": ("Qwen3MoeAttention", "Qwen3MoeMLP", "Qwen3MoeRMSNorm"),
+    "MixtralDecoderLayer": ("MixtralAttention", "MixtralMLP", "MixtralRMSNorm"),
 }
 # the transformers versions these layers' code was read from and the tests run with (pyproject.toml's range)
 TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")
@@ -275,6 +279,12 @@ def _fuse_mlp(layer: nn.Module, norm_cls: str, fqn: str, notes: list) -> bool:
     return True
 
 
+def _is_moe_block(m) -> bool:
+    """A sparse mixture-of-experts block (transformers' ``*SparseMoeBlock``, or one holding a W8A8MoE)."""
+    name = type(m).__name__
+    return "Moe" in name or "MoE" in name or any("MoE" in type(c).__name__ for c in m.children())
+
+
 def _is_silu(act) -> bool:
     """``nn.SiLU`` or transformers' ``SiLUActivation`` (``ACT2FN["silu"]``, whose forward is ``F.silu``)."""
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
@@ -349,6 +359,8 @@ def optimize_(model: nn.Module) -> nn.Module:
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             did = False
             for part, want in ((attn, attn_cls), (mlp, mlp_cls)):
+                if part is mlp and _is_moe_block(mlp):
+                    continue
                 if part is not None and type(part).__name__ != want and not isinstance(
                         part, (_FusedQKVAttention, _FusedGateUpMLP)):
                     notes.append(f"{fqn}: left as is: its {'self_attn' if part is attn else 'mlp'} is "
