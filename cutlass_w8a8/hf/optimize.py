@@ -1,7 +1,8 @@
 """`optimize_`: transformers decoder layers rebuilt in place around fused W8A8 projections and fused
 norm / activation quantization, and `unfused` (the layout checkpoints are written in).
 
-What a recognised decoder layer (Llama, Mistral, Qwen2, Qwen3; ``SUPPORTED_LAYERS``) becomes:
+What a recognised decoder layer (Llama, Mistral, Qwen2, Qwen3; the attention side of Qwen3-MoE and Mixtral;
+``SUPPORTED_LAYERS``) becomes:
 
 - ``self_attn``: ``q_proj`` / ``k_proj`` / ``v_proj`` (`W8A8Linear`) are replaced by one ``qkv_proj``
   (`cutlass_w8a8.distributed.fuse_w8a8`: rows stacked ``[q | k | v]``; per-tensor weight scales become
@@ -320,7 +321,8 @@ def optimize_(model: nn.Module) -> nn.Module:
     ----------
     model : torch.nn.Module
         A transformers model (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-        ``Qwen3ForCausalLM``, or their base models) whose q / k / v and gate / up projections are `W8A8Linear`
+        ``Qwen3ForCausalLM``, or their base models; ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM``: the attention
+        side and any dense MLP layer) whose q / k / v and gate / up projections are `W8A8Linear`
         (`cutlass_w8a8.quantize_`, `cutlass_w8a8.from_pretrained`): int8 or fp8, per-channel or per-tensor
         weights, dynamic per-token or static per-tensor activations, or block-scaled fp8.
 
