@@ -165,10 +165,10 @@ def test_from_float_quantizes_each_expert_as_w8a8linear(scheme):
 
 def test_from_float_out_dtype():
     experts, _ = experts_module(dtype=torch.float16)
-    assert cw.W8A8MoE.from_float(experts).dtype == torch.float16
-    assert cw.W8A8MoE.from_float(experts, cw.W8A8Config(out_dtype=torch.bfloat16)).dtype == torch.bfloat16
+    assert cw.W8A8MoE.from_float(experts, None, TOP_K).dtype == torch.float16
+    assert cw.W8A8MoE.from_float(experts, cw.W8A8Config(out_dtype=torch.bfloat16), TOP_K).dtype == torch.bfloat16
     experts32, _ = experts_module(dtype=torch.float32)
-    assert cw.W8A8MoE.from_float(experts32).dtype == torch.bfloat16
+    assert cw.W8A8MoE.from_float(experts32, None, TOP_K).dtype == torch.bfloat16
 
 
 class _Experts(nn.Module):
@@ -196,10 +196,12 @@ def _transposed():
     (_transposed, {}, ValueError, "`experts.is_transposed` must be False"),
     (lambda: experts_module()[0], dict(a13_scale=torch.ones(1)), ValueError, "give both `a13_scale` and `a2_scale`"),
     (lambda: layer(), {}, TypeError, "`experts` is already a W8A8MoE"),
+    (lambda: experts_module()[0], dict(top_k=None), ValueError, r"`top_k` must be given \(Qwen3MoeExperts has no"),
 ])
 def test_from_float_refusals(make, kw, exc, match):
+    kw = dict(top_k=TOP_K) | kw
     with pytest.raises(exc, match=match):
-        cw.W8A8MoE.from_float(make(), None, TOP_K, True, **kw)
+        cw.W8A8MoE.from_float(make(), None, renormalize=True, **kw)
 
 
 def test_extra_repr():

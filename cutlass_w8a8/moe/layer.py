@@ -151,7 +151,7 @@ class W8A8MoE(nn.Module):
         return BLOCK_SIZE if self.weight_block_size is not None else 0
 
     @classmethod
-    def from_float(cls, experts: nn.Module, config: Optional[W8A8Config] = None, top_k: int = 2,
+    def from_float(cls, experts: nn.Module, config: Optional[W8A8Config] = None, top_k: Optional[int] = None,
                    renormalize: bool = True, *, a13_scale: Optional[torch.Tensor] = None,
                    a2_scale: Optional[torch.Tensor] = None) -> "W8A8MoE":
         """Quantize a transformers experts module (Qwen2-MoE / Qwen3-MoE / Mixtral ``experts``, transformers 5's
@@ -167,7 +167,8 @@ class W8A8MoE(nn.Module):
         config : W8A8Config, optional
             As the constructor; the output dtype defaults to the experts' dtype when bfloat16 / float16.
         top_k, renormalize
-            The router's, for router-logits mode (see the constructor).
+            The router's, for router-logits mode (see the constructor). ``top_k`` None: the ``top_k`` attribute of
+            ``experts`` (ValueError when it has none; transformers' experts do not, their router ``gate`` has it).
         a13_scale, a2_scale : torch.Tensor, optional, keyword-only
             One-element static per-tensor activation scales (both or neither); None: dynamic.
 
@@ -218,6 +219,11 @@ class W8A8MoE(nn.Module):
         if tuple(dn.shape) != (e, h, i):
             raise ValueError(f"{where}: `experts.down_proj` must be [E, H, I] = [{e}, {h}, {i}] for gate_up_proj "
                              f"{tuple(gu.shape)}, got {tuple(dn.shape)}")
+        if top_k is None:
+            top_k = getattr(experts, "top_k", None)
+            if not isinstance(top_k, int):
+                raise ValueError(f"{where}: `top_k` must be given ({type(experts).__name__} has no int `top_k`; "
+                                 "transformers' blocks hold it in their router, `block.gate.top_k`)")
         if (a13_scale is None) != (a2_scale is None):
             raise ValueError(f"{where}: give both `a13_scale` and `a2_scale` (static per-tensor) or neither")
         out_dtype = config.out_dtype or (gu.dtype if gu.dtype in OUT_DTYPES else torch.bfloat16)
