@@ -265,6 +265,7 @@ class GraphGenerator:
         self._written = length
         return out.logits[:, -1, :]
 
+    @torch.no_grad()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """One decode step of the batch `prefill` started: ``tokens`` ``(B,)`` int64 (the tokens just chosen, on
         the device) are written into the bucket's static inputs (``copy_``), the positions advance by one, the next
