@@ -43,7 +43,7 @@ def tiny_moe_config(kind: str):
 
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
-                  num_experts_per_tok=TOP_K, hidden_act="silu")
+                  num_experts_per_tok=TOP_K, hidden_act="silu", eos_token_id=None)  # no EOS: generate runs to the end
     if kind == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, head_dim=64, intermediate_size=256, moe_intermediate_size=MOE_I,
                                            num_experts=EXPERTS, norm_topk_prob=True, decoder_sparse_step=1)
