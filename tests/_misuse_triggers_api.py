@@ -35,7 +35,45 @@ def _quantize_other_scheme(device):
     cw.quantize_(model, cw.W8A8Config(dtype=torch.float8_e4m3fn))
 
 
+def _moe(device):
+    return cw.W8A8MoE(8, 2, 256, 128, device=device)
+
+
+def _moe_call(device, what):
+    x = torch.randn(4, 256, device=device).to(torch.bfloat16)
+    logits = torch.randn(4, 8, device=device)
+    ids = torch.tensor([[0, 1]] * 4, device=device)
+    w = torch.full((4, 2), 0.5, device=device)
+    args = {"hidden": (x[:, :128], logits), "logits": (x, logits[:, :4]), "ids-as-logits": (x, ids),
+            "weights": (x, ids, w[:, :1])}[what]
+    _moe(device)(*args)
+
+
+def _quantize_int8_experts(device):
+    # a transformers-named block (quantize_ matches MixtralSparseMoeBlock by class name) whose experts hold int8
+    class MixtralSparseMoeBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Module()
+            self.gate.top_k = 2
+            self.experts = nn.Module()
+            self.experts.gate_up_proj = nn.Parameter(torch.zeros(4, 64, 32, dtype=torch.int8, device=device),
+                                                     requires_grad=False)
+            self.experts.down_proj = nn.Parameter(torch.zeros(4, 32, 32, dtype=torch.int8, device=device),
+                                                  requires_grad=False)
+
+    cw.quantize_(nn.Sequential(MixtralSparseMoeBlock()))
+
+
 DEVICE_TRIGGERS = {
+    "moe-layer-sizes": lambda d: cw.W8A8MoE(8, 2, 200, 128, device=d),
+    "moe-layer-top-k": lambda d: cw.W8A8MoE(8, 9, 256, 128, device=d),
+    "moe-layer-hidden-states": lambda d: _moe_call(d, "hidden"),
+    "moe-layer-router-logits": lambda d: _moe_call(d, "logits"),
+    "moe-layer-logits-dtype": lambda d: _moe_call(d, "ids-as-logits"),
+    "moe-layer-topk-weights-shape": lambda d: _moe_call(d, "weights"),
+    "moe-layer-from-float-quantized": lambda d: cw.W8A8MoE.from_float(_moe(d), None, 2),
+    "moe-layer-from-8bit": _quantize_int8_experts,
     "quantize-config-type": lambda d: cw.quantize_(_model(d), "int8"),
     "quantize-filter-fn": lambda d: cw.quantize_(_model(d), filter_fn="lm_head"),
     "quantize-other-scheme": _quantize_other_scheme,

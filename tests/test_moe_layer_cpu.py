@@ -291,8 +291,8 @@ def _bad_inputs():
         ((x[:, :128], logits), ValueError, r"`hidden_states` must be \[\.\.\., hidden_size = 256\]"),
         ((x.to(torch.int32), logits), TypeError, "`hidden_states` must be floating point"),
         (([1.0], logits), TypeError, "`hidden_states` must be a torch.Tensor"),
-        ((x, logits[:, :4]), ValueError, r"router logits must be \[T = 4, E = 8\]"),
-        ((x, ids), TypeError, "without `topk_weights` the second argument is router logits"),
+        ((x, logits[:, :4]), ValueError, r"`router_logits_or_topk_ids` \(router logits\) must be \[T = 4, E = 8\]"),
+        ((x, ids), TypeError, "`router_logits_or_topk_ids` must be floating-point router logits"),
         ((x, ids.float(), w), TypeError, "`topk_ids` .* must be int32 or int64"),
         ((x, ids[:3], w[:3]), ValueError, r"`topk_ids` must be \[T = 4, k\]"),
         ((x, ids, w[:, :1]), ValueError, "`topk_weights` must have topk_ids' shape"),
@@ -487,6 +487,6 @@ def test_quantize_refuses_integer_experts():
     model = tiny_moe_model("mixtral")
     ex = model.model.layers[0].mlp.experts
     ex.gate_up_proj = nn.Parameter(torch.zeros(ex.gate_up_proj.shape, dtype=torch.int8), requires_grad=False)
-    with pytest.raises(TypeError, match=r"module 'model.layers.0.mlp.experts' \(MixtralExperts\) already holds "
+    with pytest.raises(TypeError, match=r"`experts` module 'model.layers.0.mlp.experts' \(MixtralExperts\) already holds "
                                         "torch.int8 `gate_up_proj` weights"):
         cw.quantize_(model)

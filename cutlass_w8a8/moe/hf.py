@@ -94,7 +94,7 @@ class _TransformersExpertsSwap(ModuleSwap):
                           "(transformers 5's fused experts)")
         for pname, t in (("gate_up_proj", gu), ("down_proj", dn)):
             if not t.is_floating_point() or t.element_size() == 1:
-                raise TypeError(f"quantize_: {what} already holds {t.dtype} `{pname}` weights (a quantized "
+                raise TypeError(f"quantize_: `experts` {what} already holds {t.dtype} `{pname}` weights (a quantized "
                                 "checkpoint loaded into float experts?); quantizing them again would treat the "
                                 "integers as float weights and ignore their scales. Load the checkpoint with "
                                 "cutlass_w8a8.from_pretrained(path) instead.")

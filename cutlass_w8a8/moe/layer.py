@@ -270,12 +270,12 @@ class W8A8MoE(nn.Module):
                             f"{type(second).__name__}")
         if topk_weights is None:
             if not second.is_floating_point():
-                raise TypeError("W8A8MoE: without `topk_weights` the second argument is router logits and must be "
-                                f"floating point [T, E = {self.num_experts}], got {second.dtype} (pass topk_weights "
-                                "with topk_ids)")
+                raise TypeError("W8A8MoE: `router_logits_or_topk_ids` must be floating-point router logits [T, E = "
+                                f"{self.num_experts}] when topk_weights is None, got {second.dtype} (pass "
+                                "topk_weights with topk ids)")
             if second.numel() != t * self.num_experts or second.shape[-1] != self.num_experts:
-                raise ValueError(f"W8A8MoE: router logits must be [T = {t}, E = {self.num_experts}], got shape "
-                                 f"{tuple(second.shape)}")
+                raise ValueError(f"W8A8MoE: `router_logits_or_topk_ids` (router logits) must be [T = {t}, E = "
+                                 f"{self.num_experts}], got shape {tuple(second.shape)}")
         else:
             if not isinstance(topk_weights, torch.Tensor):
                 raise TypeError(f"W8A8MoE: `topk_weights` must be a torch.Tensor, got {type(topk_weights).__name__}")
