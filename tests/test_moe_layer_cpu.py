@@ -280,8 +280,8 @@ def test_shapes_and_dtypes():
     r = FakeQuantExperts(mod, torch.float64)(x32, logits)
     assert r.dtype == torch.float32 and rel_err(y32, r) <= LAYER_REL_ERR
     assert mod(x.half(), logits).dtype == torch.float16
-    empty = mod(x[:0], logits[:0])
-    assert empty.shape == (0, HIDDEN)
+    assert mod(x[:0], logits[:0]).shape == (0, HIDDEN)
+    assert mod(x[:0], ids[:0], w[:0]).shape == (0, HIDDEN)
 
 
 def _bad_inputs():

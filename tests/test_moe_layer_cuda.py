@@ -129,6 +129,8 @@ def test_float32_input_and_empty():
     assert y.dtype == torch.float32
     assert sqnr_db(y, ref(x, logits)) >= LAYER_SQNR_DB["int8"]
     assert mod(x[:0].cuda(), logits[:0].cuda()).shape == (0, HIDDEN)
+    ids, w = topk_for("random", 5, 2)
+    assert mod(x[:0].cuda(), ids[:0].cuda(), w[:0].cuda()).shape == (0, HIDDEN)
 
 
 def _graph_case(mode, route, t, seed):

@@ -327,8 +327,9 @@ class W8A8MoE(nn.Module):
             logits = router_logits_or_topk_ids.reshape(-1, self.num_experts)
             topk_weights, topk_ids = _moe.moe_topk_softmax(logits, self.top_k, self.renormalize)
         else:
-            topk_ids = router_logits_or_topk_ids.reshape(x.shape[0], -1)
-            topk_weights = topk_weights.reshape(x.shape[0], -1).to(torch.float32)
+            k = router_logits_or_topk_ids.shape[-1]
+            topk_ids = router_logits_or_topk_ids.reshape(x.shape[0], k)
+            topk_weights = topk_weights.reshape(x.shape[0], k).to(torch.float32)
         k = topk_ids.shape[1]
         group = self.group_size
         sorted_pairs, dst_pos, offsets = _moe.moe_align(topk_ids, self.num_experts)
