@@ -29,7 +29,10 @@ qwen2 int8 (shared)   73.3 dB                   35.5 dB          85.1 dB
 qwen3 FP8_BLOCK       55.8 dB                   26.3 dB          82.1 dB
 mixtral FP8_BLOCK     inf (equal)               27.4 dB          79.1 dB
 qwen3 native fp8      32.4 dB (1 routing flip)  25.7 dB          81.2 dB
+mixtral native fp8    66.6 dB                   27.2 dB          100.2 dB
 qwen3 int8 static     61.5 dB (max scales)      -                88.2 dB
+qwen3 int8, experts   inf (equal)               -                -
+left in float
 ====================  ========================  ===============  ===========================
 
 The thresholds (SQNR_MIN_*) say why the first column is not held at the dense tests' 50 dB for fp8.
@@ -76,6 +79,8 @@ MOE_CHECKPOINTS = {
     "qwen3_fp8_block": ("qwen3_moe", "FP8_BLOCK", torch.float8_e4m3fn),
     "mixtral_fp8_block": ("mixtral", "FP8_BLOCK", torch.float8_e4m3fn),
     "qwen3_native": ("qwen3_moe", "native", torch.float8_e4m3fn),
+    # written with the model's names (`mlp.experts.{e}.w1`, not `block_sparse_moe`): both namings are read
+    "mixtral_native": ("mixtral", "native", torch.float8_e4m3fn),
     "qwen3_int8_static": ("qwen3_moe", "INT8_STATIC", torch.int8),
 }
 
@@ -205,6 +210,16 @@ def file_reference(path, full_float32=False):
         m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)", name)
         if m:
             experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = name
+    float_experts = {}
+    for k in [k for k in stored if re.fullmatch(r".*\.experts\.\d+\.\w+\.weight", k)]:
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", k)
+        float_experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = stored.pop(k).float()
+    for ename, items in float_experts.items():  # experts the checkpoint left in float
+        block = model.get_submodule(ename.rpartition(".")[0])
+        g, u, d = _LEAVES.get(type(block).__name__, _QWEN_LEAVES)
+        e_ = block.experts.gate_up_proj.shape[0]
+        stored[f"{ename}.gate_up_proj"] = torch.stack([torch.cat([items[(e, g)], items[(e, u)]]) for e in range(e_)])
+        stored[f"{ename}.down_proj"] = torch.stack([items[(e, d)] for e in range(e_)])
     state = dict(model.state_dict())
     for k in list(state):
         if k in stored:
@@ -278,8 +293,9 @@ def test_layers_hold_the_stored_tensors(moe_ckpt, name):
     kind, writer, qd = MOE_CHECKPOINTS[name]
     model = from_pretrained(path)
     stored = stored_tensors(path)
-    block_sparse = kind == "mixtral"
-    leaves = ("w1", "w3", "w2") if block_sparse else _QWEN_LEAVES
+    block_sparse = any(".block_sparse_moe." in k for k in stored)
+    assert block_sparse == (kind == "mixtral" and writer != "native")
+    leaves = ("w1", "w3", "w2") if kind == "mixtral" else _QWEN_LEAVES
     sleaf = "weight_scale_inv" if writer == "native" else "weight_scale"
     layers = moes(model)
     assert sorted(layers) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
@@ -559,12 +575,51 @@ def test_refuses_mismatched_shapes(moe_ckpt, tmp_path):
         from_pretrained(path)
 
 
-def test_refuses_float_experts(moe_ckpt, tmp_path):
+def test_refuses_ignored_experts_stored_8bit(moe_ckpt, tmp_path):
     path = copy_checkpoint(moe_ckpt("qwen3_int8"), tmp_path / "c",
                            edit_config_fn=lambda c: c["quantization_config"]["ignore"].append("re:.*experts.*"))
     with pytest.raises(ValueError, match=r"expert linear 'model.layers.0.mlp.experts.0.gate_proj' is named by "
-                                         r"quantization_config.ignore: MoE experts left in float are not supported"):
+                                         r"quantization_config.ignore \(its weight is stored I8\), while 0 of the 48 "
+                                         r"expert linears are quantized"):
         from_pretrained(path)
+
+
+def test_refuses_some_experts_quantized(moe_ckpt, tmp_path):
+    path = copy_checkpoint(moe_ckpt("mixtral_int8"), tmp_path / "c", edit_config_fn=lambda c: c[
+        "quantization_config"]["ignore"].append("re:model.layers.1.block_sparse_moe.experts.5.w3"))
+    with pytest.raises(ValueError, match=r"expert linear 'model.layers.1.block_sparse_moe.experts.5.w3' is named by "
+                                         r"quantization_config.ignore \(its weight is stored I8\), while 47 of the "
+                                         r"48 expert linears are quantized"):
+        from_pretrained(path)
+
+
+def test_float_experts_load_as_a_dense_checkpoint(tmp_path):
+    """Experts left in float by the checkpoint (an ``ignore`` naming them): read into transformers' experts module
+    in float (transformers 5.17's own loader reports them missing and leaves them uninitialized), the attention
+    linears W8A8Linear layers; logits as the reference's."""
+    model = unfuse(tiny_moe_model("qwen3_moe", seed=5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        write_ct_checkpoint(model, scheme("W8A8"), tmp_path, ignore=IGNORE + ["re:.*experts.*"])
+    stored = stored_tensors(tmp_path)
+    assert stored["model.layers.0.mlp.experts.3.up_proj.weight"].dtype == torch.bfloat16
+    ours = from_pretrained(tmp_path)
+    assert not moes(ours)
+    assert {n for n, m in ours.named_modules() if isinstance(m, cw.W8A8Linear)} == {
+        f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"}
+    experts = ours.model.layers[1].mlp.experts
+    assert torch.equal(experts.gate_up_proj[3], torch.cat([stored["model.layers.1.mlp.experts.3.gate_proj.weight"],
+                                                           stored["model.layers.1.mlp.experts.3.up_proj.weight"]]))
+    assert torch.equal(experts.down_proj[3], stored["model.layers.1.mlp.experts.3.down_proj.weight"])
+    same = sqnr_db(logits(ours, ids()), logits(file_reference(tmp_path), ids()))
+    print(f"\nMoE checkpoint SQNR (CPU): qwen3 int8, float experts {same:.1f} dB same math")
+    assert same >= SQNR_MIN_SAME_MATH[torch.int8]
+    # written back with the float experts and the routers in `ignore`, and read back the same
+    save_pretrained(ours, tmp_path / "again")
+    with open(tmp_path / "again" / "config.json") as f:
+        assert {"re:.*mlp.gate$", "re:.*mlp.experts.*"} <= set(json.load(f)["quantization_config"]["ignore"])
+    assert set(stored_tensors(tmp_path / "again")) == set(stored)
+    _same_state(ours, from_pretrained(tmp_path / "again"))
 
 
 def test_refuses_other_moe_blocks(moe_ckpt, tmp_path):

@@ -163,7 +163,7 @@ def load_unsharded(path: str, model_cls, config, targeted: dict, ckpt, dtype: to
     ``moe``: ``{experts module name: MoeTarget}`` (`cutlass_w8a8.checkpoints._moe`), each experts module becoming
     a `W8A8MoE` built from the per-expert tensors (`_moe.build_moe`), the other tensors of those blocks read under
     the files' names."""
-    from ._moe import build_moe, checkpoint_renamer
+    from ._moe import build_moe, checkpoint_renamer, fill_float_experts
 
     moe = moe or {}
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -183,7 +183,10 @@ def load_unsharded(path: str, model_cls, config, targeted: dict, ckpt, dtype: to
             new.train(False)
             set_module(model, name, new)
         for name, t in moe.items():
-            set_module(model, name, build_moe(t, reader, device, dtype, where))
+            if t.scheme is None:
+                fill_float_experts(model, t, reader, device, dtype)
+            else:
+                set_module(model, name, build_moe(t, reader, device, dtype, where))
         load_rest(model, reader, ckpt.meta, set(targeted) | set(moe), device, config, where,
                   rename=checkpoint_renamer([t.block for t in moe.values()]))
     init_missing_buffers(model, device, where)

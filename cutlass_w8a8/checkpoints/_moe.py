@@ -48,6 +48,7 @@ from ..ops._limits import BLOCK_SIZE
 from ._scheme import BLOCK_SCHEME, LinearScheme, ParsedConfig
 
 __all__ = ["MoeBlock", "MoeTarget", "find_moe_blocks", "ct_moe_targets", "native_moe_targets", "build_moe",
+           "fill_float_experts",
            "moe_state_dict", "moe_linear_names", "router_ignore", "checkpoint_renamer", "PROJS"]
 
 #: the three projections of an expert, in the order of `MoeTarget.leaves`
@@ -58,7 +59,9 @@ _FAMILIES = {
     "Qwen3MoeSparseMoeBlock": (None, ("gate_proj", "up_proj", "down_proj")),
     "MixtralSparseMoeBlock": ("block_sparse_moe", ("w1", "w3", "w2")),
 }
+_EXPERT_PARAMS = ("gate_up_proj", "down_proj", "up_proj", "gate_proj", "w1", "w2", "w3")
 _ST_QUANT = {torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3"}
+_ST_8BIT = ("I8", "U8", "F8_E4M3", "F8_E5M2", "I32")
 _ST_SCALE = ("F32", "BF16", "F16")
 
 
@@ -111,8 +114,9 @@ class MoeBlock:
 
 @dataclasses.dataclass
 class MoeTarget:
-    """A quantized MoE block of a checkpoint: the block, the `LinearScheme` of its experts, the config group (or
-    field) that quantizes them and the name of their weight-scale tensors."""
+    """An MoE block of a checkpoint: the block, the `LinearScheme` of its experts (None: experts stored in float,
+    loaded into transformers' own experts module), the config group (or field) that quantizes them and the name of
+    their weight-scale tensors."""
 
     block: MoeBlock
     scheme: LinearScheme
@@ -121,6 +125,8 @@ class MoeTarget:
 
     def keys(self) -> List[str]:
         """Every checkpoint tensor of the experts."""
+        if self.scheme is None:
+            return [self.block.key(e, p, "weight") for e in range(self.block.num_experts) for p in PROJS]
         leaves = ("weight", self.scale_leaf) + (("input_scale",) if self.scheme.static_input else ())
         return [self.block.key(e, p, leaf) for e in range(self.block.num_experts) for p in PROJS for leaf in leaves]
 
@@ -174,7 +180,10 @@ def find_moe_blocks(model: nn.Module, ckpt_meta: Dict[str, tuple], where: str) -
     for name, m in model.named_modules():
         if name in family_experts:
             continue
-        three_d = [p for p, t in m.named_parameters(recurse=False) if t is not None and t.dim() == 3]
+        cls = type(m).__name__.lower()
+        expertish = "expert" in cls or "moe" in cls
+        three_d = [p for p, t in m.named_parameters(recurse=False) if t is not None and t.dim() == 3
+                   and (expertish or p in _EXPERT_PARAMS)]  # not a convolution's 3-D weight (Mamba, ...)
         if three_d:
             raise ValueError(f"{where}: module {name!r} ({type(m).__name__}) holds 3-D expert parameters "
                              f"{three_d}: only the experts of Qwen2-MoE, Qwen3-MoE and Mixtral blocks (softmax top-k "
@@ -199,7 +208,9 @@ def checkpoint_renamer(blocks: List[MoeBlock]):
     return rename
 
 
-def _expected(scheme: LinearScheme, n: int, k: int, scale_leaf: str) -> Dict[str, Tuple[tuple, list]]:
+def _expected(scheme: Optional[LinearScheme], n: int, k: int, scale_leaf: str) -> Dict[str, Tuple[tuple, list]]:
+    if scheme is None:
+        return {"weight": (_ST_SCALE, [n, k])}
     if scheme.block:
         scale_shape = [-(-n // BLOCK_SIZE), -(-k // BLOCK_SIZE)]
     else:
@@ -214,7 +225,7 @@ def _check_tensors(t: MoeTarget, ckpt_meta: Dict[str, tuple], where: str) -> Non
     """Every expert tensor ``t`` implies, with its dtype and shape; I and H multiples of 128 for block scales."""
     b = t.block
     h, i = b.hidden_size, b.intermediate_size
-    if t.scheme.block and (i % BLOCK_SIZE or h % BLOCK_SIZE):
+    if t.scheme is not None and t.scheme.block and (i % BLOCK_SIZE or h % BLOCK_SIZE):
         raise ValueError(f"{where}: MoE block {b.name!r} has block-scaled fp8 experts with hidden_size {h} and "
                          f"intermediate_size {i}: both must be multiples of {BLOCK_SIZE} (the block GEMM's K, and "
                          "gate / up blocks must not share a 128-row block of w13)")
@@ -244,8 +255,14 @@ def ct_moe_targets(blocks: List[MoeBlock], parsed: ParsedConfig, ckpt_meta: Dict
     files (and, for Mixtral, as in the model: an ``ignore`` written for either name applies), checked to be the
     same group for every expert linear of a block, then every tensor it implies checked (`_check_tensors`).
 
-    Raises ValueError naming the linear or tensor: an expert linear no group targets (experts in float), or
-    ignored; experts of one block under different groups; a missing or mis-shaped tensor."""
+    When no expert linear is quantized (all ignored or untargeted) and none is stored 8-bit, each block's target
+    has ``scheme`` None: float experts, read into transformers' own experts module (`fill_float_experts`; its
+    loader, transformers 5.17's compressed-tensors integration, leaves them uninitialized, reporting them
+    missing).
+
+    Raises ValueError naming the linear or tensor: some expert linears quantized and others not (ignored or
+    untargeted), or an unquantized one stored 8-bit; experts of one block under different groups; a missing or
+    mis-shaped tensor."""
     from compressed_tensors.utils import is_match, match_targets
 
     target_to_group = {}
@@ -254,24 +271,42 @@ def ct_moe_targets(blocks: List[MoeBlock], parsed: ParsedConfig, ckpt_meta: Dict
             target_to_group.setdefault(tg, gname)
     ignore = list(parsed.config.ignore or [])
     key = parsed.key
-    out = {}
+    groups_of, untargeted, total = {}, [], 0
     for b in blocks:
-        groups = set()
+        groups = groups_of.setdefault(b.experts, set())
         for e in range(b.num_experts):
             for proj, (n, k) in zip(PROJS, ((b.intermediate_size, b.hidden_size),) * 2 +
                                     ((b.hidden_size, b.intermediate_size),)):
+                total += 1
                 with torch.device("meta"):
                     lin = nn.Linear(k, n, bias=False)
                 names = [b.linear(e, proj)] + ([b.linear(e, proj, True)] if b.name != b.ckpt_name else [])
                 if any(is_match(nm, lin, ignore) for nm in names):
-                    raise ValueError(f"{where}: expert linear {names[0]!r} is named by {key}.ignore: MoE experts "
-                                     "left in float are not supported (every expert linear must be quantized)")
+                    untargeted.append((b, e, proj, f"is named by {key}.ignore"))
+                    continue
                 matched = next((match_targets(nm, lin, target_to_group) for nm in names
                                 if match_targets(nm, lin, target_to_group)), [])
                 if not matched:
-                    raise ValueError(f"{where}: expert linear {names[0]!r} is targeted by no group of "
-                                     f"{key}.config_groups: MoE experts left in float are not supported")
+                    untargeted.append((b, e, proj, f"is targeted by no group of {key}.config_groups"))
+                    continue
                 groups.add(target_to_group[matched[0]])
+    if untargeted:
+        stored_8bit = [(b, e, p, why) for b, e, p, why in untargeted
+                       if ckpt_meta.get(b.key(e, p, "weight"), ("",))[0] in _ST_8BIT]
+        if len(untargeted) == total and not stored_8bit:
+            out = {}
+            for b in blocks:
+                out[b.experts] = MoeTarget(b, None, "the float experts (no group quantizes them)")
+                _check_tensors(out[b.experts], ckpt_meta, where)
+            return out
+        b, e, p, why = (stored_8bit or untargeted)[0]
+        dt = ckpt_meta.get(b.key(e, p, "weight"), ("absent",))[0]
+        raise ValueError(f"{where}: expert linear {b.linear(e, p)!r} {why} (its weight is stored {dt}), while "
+                         f"{total - len(untargeted)} of the {total} expert linears are quantized: MoE experts load "
+                         "8-bit when every expert linear is quantized, or as float when none is")
+    out = {}
+    for b in blocks:
+        groups = groups_of[b.experts]
         if len(groups) != 1:
             raise ValueError(f"{where}: the experts of {b.name!r} are quantized by several groups of "
                              f"{key}.config_groups ({sorted(groups)}): W8A8MoE runs one scheme for all its experts")
@@ -387,21 +422,39 @@ def build_moe(t: MoeTarget, reader, device, dtype: torch.dtype, where: str, shar
     return moe
 
 
+def fill_float_experts(model: nn.Module, t: MoeTarget, reader, device, dtype: torch.dtype) -> None:
+    """Experts stored in float (``t.scheme`` None): transformers' experts module of the block gets
+    ``gate_up_proj[e]`` = expert e's gate rows then up rows and ``down_proj[e]`` its down weight, in ``dtype``."""
+    b = t.block
+    experts = model.get_submodule(b.experts)
+    gu = torch.stack([torch.cat([reader.whole(b.key(e, "gate", "weight")), reader.whole(b.key(e, "up", "weight"))])
+                      for e in range(b.num_experts)])
+    dn = torch.stack([reader.whole(b.key(e, "down", "weight")) for e in range(b.num_experts)])
+    experts.gate_up_proj = nn.Parameter(gu.to(device=device, dtype=dtype), requires_grad=False)
+    experts.down_proj = nn.Parameter(dn.to(device=device, dtype=dtype), requires_grad=False)
+
+
 # ---- writing -----------------------------------------------------------------------------------------------------
 
 
 def router_ignore(model: nn.Module) -> List[str]:
-    """compressed-tensors ``ignore`` entries for the routers of ``model``'s MoE blocks that hold a `W8A8MoE`, as
-    llm-compressor writes them: ``re:.*mlp.gate$`` (Qwen) / ``re:.*block_sparse_moe.gate$`` (Mixtral)."""
+    """compressed-tensors ``ignore`` entries for ``model``'s Qwen2-MoE / Qwen3-MoE / Mixtral blocks, as
+    llm-compressor writes them: their routers (``re:.*mlp.gate$``, Mixtral ``re:.*block_sparse_moe.gate$``: a
+    reader that builds the router as an ``nn.Linear``, vLLM's, must leave it in float), and the experts of blocks
+    whose experts are still transformers' float module (``re:.*mlp.experts.*``), so that they are read back in
+    float."""
     from ..moe import W8A8MoE
 
     out = []
     for name, m in model.named_modules():
-        if isinstance(getattr(m, "experts", None), W8A8MoE):
-            fam = _FAMILIES.get(type(m).__name__)
-            entry = f"re:.*{(fam[0] if fam and fam[0] else 'mlp')}.gate$"
-            if entry not in out:
-                out.append(entry)
+        fam = _FAMILIES.get(type(m).__name__)
+        if fam is None:
+            continue
+        block = fam[0] or "mlp"
+        entries = [f"re:.*{block}.gate$"]
+        if not isinstance(getattr(m, "experts", None), W8A8MoE):
+            entries.append(f"re:.*{block}.experts.*")
+        out += [x for x in entries if x not in out]
     return out
 
 

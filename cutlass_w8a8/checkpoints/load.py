@@ -128,8 +128,11 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
     Such a checkpoint is not given to transformers' loader (which would dequantize the merged experts to bf16): the
     model is built on the meta device and filled from the files as for the native format (so the same
     ``hf_kwargs`` limits apply). `cutlass_w8a8.checkpoints._moe` describes the layout and what is refused:
-    other MoE blocks (any module holding 3-D expert parameters), experts left in float, experts of one block
-    under different config groups, a missing, extra or mis-shaped expert tensor (the message names it).
+    other MoE blocks (any module holding 3-D expert parameters), some experts quantized and others not,
+    experts of one block under different config groups, a missing, extra or mis-shaped expert tensor (the message
+    names it). A compressed-tensors checkpoint whose experts are all left in float (ignored) loads the same way,
+    the float experts read into transformers' own experts module (transformers 5.17's loader would leave them
+    uninitialized) and the quantized linears `W8A8Linear`.
 
     Raises
     ------
@@ -189,10 +192,10 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
 
     meta = _meta_model(model_cls, config, shared)
     blocks = find_moe_blocks(meta, ckpt.meta, _WHERE)
-    targeted = _targeted_linears(meta, parsed, allow_empty=bool(blocks))
+    moe = ct_moe_targets(blocks, parsed, ckpt.meta, _WHERE) if blocks else {}
+    targeted = _targeted_linears(meta, parsed, allow_empty=any(t.scheme is not None for t in moe.values()))
     del meta
-    if blocks:
-        moe = ct_moe_targets(blocks, parsed, ckpt.meta, _WHERE)
+    if moe:
         ckpt.check(targeted, claimed={k for t in moe.values() for k in t.keys()})
         return _load_moe(path, model_cls, config, targeted, moe, ckpt, dtype, device, tp_group, shared, model_kwargs,
                          parsed.to_dict())

@@ -37,7 +37,7 @@ def quantization_config_of(model: nn.Module) -> Optional[dict]:
     if not by_scheme:
         return None
     if len(by_scheme) == 1:
-        routers = router_ignore(model) if moe_cls is not None else []
+        routers = router_ignore(model)
         return build_quantization_config([(next(iter(by_scheme)), ["Linear"])], floats + routers)
     return build_quantization_config(list(by_scheme.items()), [])
 
