@@ -263,8 +263,9 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
 
 
 def _refuse_other_scheme(layer: nn.Module, fqn: str, config: W8A8Config) -> None:
-    """Raise ValueError when the `W8A8Linear` (or `ModuleSwap`-quantized, e.g. `W8A8MoE`) ``layer`` (module ``fqn`` of the model) is not what ``config`` would
-    make of its float Linear: its float weights are gone, so it cannot be quantized again."""
+    """Raise ValueError when the `W8A8Linear` (or `ModuleSwap`-quantized layer, e.g. `W8A8MoE`) ``layer`` (module
+    ``fqn`` of the model) is not what ``config`` would make of its float module: its float weights are gone, so it
+    cannot be quantized again."""
     have = [("dtype", config.dtype, "quant_dtype", layer.quant_dtype)]
     if config.out_dtype is not None:
         have.append(("out_dtype", config.out_dtype, "dtype", layer.dtype))

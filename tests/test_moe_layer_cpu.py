@@ -487,6 +487,6 @@ def test_quantize_refuses_integer_experts():
     model = tiny_moe_model("mixtral")
     ex = model.model.layers[0].mlp.experts
     ex.gate_up_proj = nn.Parameter(torch.zeros(ex.gate_up_proj.shape, dtype=torch.int8), requires_grad=False)
-    with pytest.raises(TypeError, match=r"`experts` module 'model.layers.0.mlp.experts' \(MixtralExperts\) already holds "
-                                        "torch.int8 `gate_up_proj` weights"):
+    with pytest.raises(TypeError, match=r"`experts` module 'model.layers.0.mlp.experts' \(MixtralExperts\) "
+                                        "already holds torch.int8 `gate_up_proj` weights"):
         cw.quantize_(model)

@@ -133,6 +133,17 @@ def test_float32_input_and_empty():
     assert mod(x[:0].cuda(), ids[:0].cuda(), w[:0].cuda()).shape == (0, HIDDEN)
 
 
+def test_static_activation_scales():
+    """Static per-tensor a13_scale / a2_scale (moe_permute_quant and silu_mul_quant with a scale) on the GPU."""
+    block = moe_blocks(tiny_moe_model("qwen3_moe"))[0][1]
+    cpu = cw.W8A8MoE.from_float(block.experts, SCHEMES["int8"], TOP_K, True, a13_scale=torch.tensor([0.03]),
+                                a2_scale=torch.tensor([0.002]))
+    mod, ref = copy.deepcopy(cpu).to("cuda"), FakeQuantExperts(cpu, torch.float64)
+    for t in (3, 40):
+        x, logits = hidden(t, t), logits_for("random", t, t + 1)
+        assert sqnr_db(mod(x.cuda(), logits.cuda()), ref(x, logits)) >= LAYER_SQNR_DB["int8"], t
+
+
 def _graph_case(mode, route, t, seed):
     x = hidden(t, seed).cuda()
     if mode == "logits":
