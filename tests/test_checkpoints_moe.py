@@ -751,3 +751,21 @@ def _moe_float_config(path):
     cfg = transformers.AutoConfig.from_pretrained(path)
     del cfg.quantization_config
     return cfg
+
+
+def test_quantize_cli_on_a_moe_checkpoint(tmp_path, capsys):
+    """``python -m cutlass_w8a8 quantize`` on a float Mixtral: the experts become W8A8MoE layers, written per
+    expert, and load back as they were quantized."""
+    from cutlass_w8a8.checkpoints import cli
+
+    model = tiny_moe_model("mixtral", seed=7)
+    model.save_pretrained(tmp_path / "src")
+    assert cli.main(["quantize", str(tmp_path / "src"), str(tmp_path / "dst"), "--scheme", "int8"]) == 0
+    assert "8 linears and 2 MoE experts modules (W8A8MoE) quantized to int8" in capsys.readouterr().out
+    stored = stored_tensors(tmp_path / "dst")
+    assert stored["model.layers.0.block_sparse_moe.experts.5.w3.weight"].dtype == torch.int8
+    back = _load(tmp_path / "dst")
+    want = cw.W8A8MoE.from_float(model.model.layers[1].mlp.experts, cw.W8A8Config(), top_k=2)
+    got = back.model.layers[1].mlp.experts
+    assert torch.equal(got.w13, want.w13) and torch.equal(got.w13_scale, want.w13_scale)
+    assert torch.equal(got.w2, want.w2) and torch.equal(got.w2_scale, want.w2_scale)

@@ -2,7 +2,9 @@
 checkpoint, with `quantize_` and `save_pretrained`. Schemes (``--scheme``): ``int8`` / ``fp8`` (per-channel
 weights, dynamic per-token activations; ``--dtype`` says the same), ``fp8-block`` (e4m3 weights in 128 x 128
 blocks, dynamic 1 x 128 group activations: compressed-tensors' FP8_BLOCK; a linear whose K is not a multiple of
-128 is left in float). The result loads with `cutlass_w8a8.checkpoints.from_pretrained`, transformers and vLLM.
+128 is left in float). The experts of Qwen2-MoE / Qwen3-MoE / Mixtral blocks become `W8A8MoE` layers, written
+per expert as llm-compressor writes MoE checkpoints. The result loads with
+`cutlass_w8a8.checkpoints.from_pretrained`, transformers and vLLM.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from ..config import W8A8Config
     from ..linear import W8A8Linear
+    from ..moe import W8A8MoE
     from ..ops._limits import BLOCK_SIZE
     from ..quantize import quantize_
     from .load import check_device
@@ -120,8 +123,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"python -m cutlass_w8a8 quantize: {e}", file=sys.stderr)
         return 1
     n_q = sum(isinstance(m, W8A8Linear) for m in model.modules())
+    n_moe = sum(isinstance(m, W8A8MoE) for m in model.modules())
     n_f = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    if n_q == 0:
+    if n_q == 0 and n_moe == 0:
         print("python -m cutlass_w8a8 quantize: no linear was quantized (all ignored, or none with K and N "
               f"multiples of 16{', K a multiple of 128' if block else ''})", file=sys.stderr)
         return 1
@@ -133,7 +137,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 shutil.copy2(src, dst)
     how = ("fp8 (e4m3 128x128 weight blocks, dynamic 1x128 activation groups)" if block else
            f"{scheme} (per-channel weights, dynamic per-token activations)")
-    print(f"{args.dst}: {n_q} linears quantized to {how}, {n_f} left in {dtype}" +
+    moe = f" and {n_moe} MoE experts modules (W8A8MoE)" if n_moe else ""
+    print(f"{args.dst}: {n_q} linears{moe} quantized to {how}, {n_f} left in {dtype}" +
           (f" ({len(k_left)} with K not a multiple of {BLOCK_SIZE}: {', '.join(k_left[:4])}"
            f"{', ...' if len(k_left) > 4 else ''})" if k_left else ""))
     return 0
