@@ -127,7 +127,9 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
     and the block calls the `W8A8MoE` as its ``experts``; Qwen2-MoE's shared expert linears are `W8A8Linear` layers.
     Such a checkpoint is not given to transformers' loader (which would dequantize the merged experts to bf16): the
     model is built on the meta device and filled from the files as for the native format (so the same
-    ``hf_kwargs`` limits apply). `cutlass_w8a8.checkpoints._moe` describes the layout and what is refused:
+    ``hf_kwargs`` limits apply). With ``tp_group`` each experts module becomes a
+    `cutlass_w8a8.distributed.TensorParallelW8A8MoE` holding this rank's ``I / world`` intermediate channels of
+    every expert, read as slices (I / world a multiple of 16, of 128 with block scales, else ValueError). `cutlass_w8a8.checkpoints._moe` describes the layout and what is refused:
     other MoE blocks (any module holding 3-D expert parameters), some experts quantized and others not,
     experts of one block under different config groups, a missing, extra or mis-shaped expert tensor (the message
     names it). A compressed-tensors checkpoint whose experts are all left in float (ignored) loads the same way,
@@ -136,8 +138,6 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
 
     Raises
     ------
-    NotImplementedError
-        ``tp_group`` with an MoE checkpoint (tensor-parallel experts are not loaded yet).
     ValueError
         ``path``'s config.json is not valid JSON; ``device`` is a GPU index past the visible ones; the config or
         checkpoint holds something the kernels cannot run exactly (the message names the field and
@@ -197,8 +197,8 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
     del meta
     if moe:
         ckpt.check(targeted, claimed={k for t in moe.values() for k in t.keys()})
-        return _load_moe(path, model_cls, config, targeted, moe, ckpt, dtype, device, tp_group, shared, model_kwargs,
-                         parsed.to_dict())
+        return _load_moe(path, model_cls, config, parsed, targeted, moe, ckpt, dtype, device, tp_group, tp_plan,
+                         shared, model_kwargs, parsed.to_dict())
     ckpt.check(targeted)
 
     if tp_group is not None:
@@ -235,11 +235,12 @@ def _from_native_fp8(path, config_json, device, dtype, model_cls, tp_group, tp_p
                               allow_empty=bool(moe))
     del meta
     if moe:
-        model = _load_moe(path, model_cls, config, targeted, moe, ckpt, dtype, device, tp_group, shared, model_kwargs,
-                          None)
-        from .save import quantization_config_of
+        model = _load_moe(path, model_cls, config, parsed, targeted, moe, ckpt, dtype, device, tp_group, tp_plan,
+                          shared, model_kwargs, None)
+        if tp_group is None:
+            from .save import quantization_config_of
 
-        model.config.quantization_config = quantization_config_of(model)
+            model.config.quantization_config = quantization_config_of(model)
         return model
     if tp_group is not None:
         from ..distributed.checkpoint import load_tensor_parallel
@@ -251,15 +252,22 @@ def _from_native_fp8(path, config_json, device, dtype, model_cls, tp_group, tp_p
     return model
 
 
-def _load_moe(path, model_cls, config, targeted, moe, ckpt, dtype, device, tp_group, shared, model_kwargs, qc):
+def _load_moe(path, model_cls, config, parsed, targeted, moe, ckpt, dtype, device, tp_group, tp_plan, shared,
+              model_kwargs, qc):
     """`from_pretrained` of a checkpoint with MoE experts: not through transformers' loader (which merges the
     per-expert tensors into its 3-D experts and dequantizes them), but built on the meta device and filled from
-    the files (`_direct.load_unsharded`), each experts module a `W8A8MoE` (`_moe.build_moe`)."""
-    if tp_group is not None:
-        raise NotImplementedError(f"{_WHERE}: `tp_group` with an MoE checkpoint ({len(moe)} MoE blocks): "
-                                  "tensor-parallel loading of W8A8MoE experts is not available yet")
+    the files (`_direct.load_unsharded`), each experts module a `W8A8MoE` (`_moe.build_moe`); with ``tp_group``,
+    `cutlass_w8a8.distributed.checkpoint.load_tensor_parallel` (experts split over I)."""
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config  # built without it, so that no transformers quantizer touches the model
+    if tp_group is not None:
+        from ..distributed.checkpoint import load_tensor_parallel
+
+        model = load_tensor_parallel(path, model_cls, config, parsed, targeted, ckpt, dtype, device, tp_group,
+                                     tp_plan, shared, model_kwargs, moe=moe)
+        if qc is not None:
+            model.config.quantization_config = qc
+        return model
     model = load_unsharded(path, model_cls, config, targeted, ckpt, dtype, device, shared, model_kwargs, _WHERE,
                            moe=moe)
     if qc is not None:

@@ -29,12 +29,14 @@ from torch import nn
 
 from ..checkpoints._direct import (Reader, block_rows, block_size, build_meta, init_missing_buffers,
                                    load_generation_config, load_rest, set_module)
+from ..checkpoints._moe import build_moe, checkpoint_renamer, fill_float_experts
 from ..linear import W8A8Linear
 from ..ops._limits import BLOCK_SIZE
 from . import sharding as S
 from ._group import check_same_on_all_ranks, group_rank_size, sequence_code
 from .float_linear import ColumnParallelLinear, RowParallelLinear
 from .linear import ColumnParallelW8A8Linear, RowParallelW8A8Linear
+from .moe import TensorParallelW8A8MoE
 from .plan import (LLAMA_TP_PLAN, _heads, _inferred_sizes, head_replicas, layer_replicas, match_plan,
                    set_attention_groups_, vocab_shardable)
 
@@ -44,10 +46,15 @@ _WHERE = "cutlass_w8a8.from_pretrained(tp_group=...)"
 
 
 def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, ckpt, dtype: torch.dtype, device,
-                         tp_group, tp_plan: Optional[dict], shared: dict, model_kwargs: dict) -> nn.Module:
+                         tp_group, tp_plan: Optional[dict], shared: dict, model_kwargs: dict,
+                         moe: Optional[dict] = None) -> nn.Module:
     """This rank's tensor-parallel shard of the checkpoint at ``path`` as a transformers model (see the module
     docstring); the arguments are those `from_pretrained` has parsed and checked (``targeted``: the quantized
     linears, their schemes and the name of their scale tensor; ``ckpt``: the checkpoint's tensor index).
+
+    ``moe``: ``{experts module name: MoeTarget}`` of an MoE checkpoint (`cutlass_w8a8.checkpoints._moe`): each
+    quantized experts module becomes a `TensorParallelW8A8MoE` built from this rank's ``I / world`` intermediate
+    channels of every expert, read as slices (`_moe.build_moe` with ``shard``); float experts are replicated.
 
     Block-scaled fp8 layers (128 x 128 weight blocks) are split on block boundaries: a column-parallel shard
     keeps whole row blocks (its ``N / world`` rows, each stacked matrix's share a multiple of 128) and the
@@ -106,9 +113,28 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
             S.check_row_shardable(lin.out_features, lin.in_features, world, f"{_WHERE} {name!r}",
                                   quantized=t is not None, block=block)
 
+    moe = moe or {}
+    for name, t in moe.items():  # before any read
+        if t.scheme is not None:
+            S.check_moe_shardable(t.block.intermediate_size, world, t.scheme.block, f"{_WHERE} {name!r}")
+
     with contextlib.ExitStack() as stack:
         reader = Reader(ckpt.file_of, stack)
         replaced = set()
+        for name, t in moe.items():
+            replaced.add(name)
+            if t.scheme is None:
+                fill_float_experts(model, t, reader, device, dtype)
+                continue
+            i = t.block.intermediate_size
+            local = i // world
+            part = build_moe(t, reader, device, dtype, _WHERE, shard=(rank * local, (rank + 1) * local))
+            new = TensorParallelW8A8MoE.from_shard(
+                part.w13, part.w13_scale, part.w2, part.w2_scale, tp_group, top_k=part.top_k, intermediate_size=i,
+                dtype=dtype, renormalize=part.renormalize, weight_block_size=part.weight_block_size,
+                a13_scale=part.a13_scale, a2_scale=part.a2_scale)
+            new.train(False)
+            set_module(model, name, new)
         for name, lin in linears.items():
             spec, t = planned.get(name), targeted.get(name)
             if spec is None and t is None:
@@ -120,7 +146,8 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
             new.train(False)
             set_module(model, name, new)
             replaced.add(name)
-        load_rest(model, reader, ckpt.meta, replaced, device, config, _WHERE)
+        load_rest(model, reader, ckpt.meta, replaced, device, config, _WHERE,
+                  rename=checkpoint_renamer([t.block for t in moe.values()]))
     init_missing_buffers(model, device, _WHERE)
     set_attention_groups_(model, heads, world, rep)
     model.eval()
