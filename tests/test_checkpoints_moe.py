@@ -87,10 +87,10 @@ MOE_CHECKPOINTS = {
 
 # dB, see the module docstring. Layer by layer on the same inputs (test_each_layer_matches_its_reference) ours and
 # the reference differ only where a float32 sum rounds to the other bf16 neighbour of our exact sum: 69-106 dB
-# measured (worst layer per checkpoint), held at 60. Through the whole model such a flip feeds the next layer's 8-bit quantization, where it
-# can move an element one e4m3 step (3 mantissa bits) or flip a top-2 routing choice, so the logits are held at
-# SAME_MATH (measured: int8 >= 60 dB, fp8 32-inf dB, the 32 dB being one routing flip in qwen3_native); the
-# all-float32 column is the accuracy of the bf16 model itself (measured int8 31-36 dB, fp8 25-27 dB).
+# measured (worst layer per checkpoint), held at 60. Through the whole model such a flip feeds the next layer's
+# 8-bit quantization, where it can move an element one e4m3 step (3 mantissa bits) or flip a top-2 routing choice,
+# so the logits are held at SAME_MATH (measured: int8 >= 60 dB, fp8 32-inf dB, the 32 dB being one routing flip in
+# qwen3_native); the all-float32 column is the accuracy of the bf16 model itself (int8 31-36 dB, fp8 25-27 dB).
 SQNR_MIN_LAYER = 60.0
 SQNR_MIN_SAME_MATH = {torch.int8: 50.0, torch.float8_e4m3fn: 30.0}
 SQNR_MIN_FLOAT32 = {torch.int8: 28.0, torch.float8_e4m3fn: 22.0}
@@ -671,7 +671,8 @@ def test_from_pretrained_tensor_parallel(moe_ckpt, tmp_path, names):
     the rank's intermediate channels of the full load's (gate rows, the same up rows, down columns; block scales
     whole 128-blocks) bit for bit; both ranks return the same logits L2, which differ from the full load's L1 by
     the down GEMM's input quantized per rank with its own per-token scales (measured 26-39 dB), and are as accurate:
-    ||L2 - Lf|| <= 1.25 ||L1 - Lf|| against the all-float32 reference Lf (tests/test_tp_cpu.py's criterion). The tiny block-fp8 models' k / v projections (N = 128) cannot split over 2 ranks
+    ||L2 - Lf|| <= 1.25 ||L1 - Lf|| against the all-float32 reference Lf (tests/test_tp_cpu.py's criterion). The
+    tiny block-fp8 models' k / v projections (N = 128) cannot split over 2 ranks
     (a block per shard), so block experts are covered by test_build_moe_shard_is_a_slice_of_the_whole."""
     from cutlass_w8a8.testing.tp import run_workers
 

@@ -129,7 +129,8 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
     model is built on the meta device and filled from the files as for the native format (so the same
     ``hf_kwargs`` limits apply). With ``tp_group`` each experts module becomes a
     `cutlass_w8a8.distributed.TensorParallelW8A8MoE` holding this rank's ``I / world`` intermediate channels of
-    every expert, read as slices (I / world a multiple of 16, of 128 with block scales, else ValueError). `cutlass_w8a8.checkpoints._moe` describes the layout and what is refused:
+    every expert, read as slices (I / world a multiple of 16, of 128 with block scales, else ValueError).
+    `cutlass_w8a8.checkpoints._moe` describes the layout and what is refused:
     other MoE blocks (any module holding 3-D expert parameters), some experts quantized and others not,
     experts of one block under different config groups, a missing, extra or mis-shaped expert tensor (the message
     names it). A compressed-tensors checkpoint whose experts are all left in float (ignored) loads the same way,
