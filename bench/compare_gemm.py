@@ -94,7 +94,7 @@ def main() -> None:
     text = render(before, after, compare(before, after, args.min_m), tuple(args.labels))
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
+        with open(args.out, "w", encoding="utf-8") as f:
             f.write(text)
 
 

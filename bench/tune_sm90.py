@@ -289,9 +289,9 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"torch {torch.__version__}; {sms} SMs; {time.perf_counter() - t_start:.0f} s.\n"
               + summarize(points, bu.geomean))
     stem = f"tune_{slug}_{'_'.join(dtypes)}"
-    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
+    with open(os.path.join(args.out, f"{stem}.json"), "w", encoding="utf-8") as f:
         json.dump({"device": device, "configs": names_by_dtype, "points": points}, f, indent=1)
-    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
+    with open(os.path.join(args.out, f"{stem}.md"), "w", encoding="utf-8") as f:
         f.write(report + "\n")
     print(report)
     errors = {(p["dtype"], name, e) for p in points for name, e in p["errors"].items()}

