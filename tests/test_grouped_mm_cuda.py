@@ -1,5 +1,5 @@
 """grouped_scaled_mm on an sm90 GPU (issue 27): the grouped decode kernel (T <= _grouped_decode_max_rows()) and the
-CUTLASS ptr-array grouped GEMM (csrc/gemm/sm90/grouped: its *_Small configs while T <= 64 E, *_Large above) against
+CUTLASS ptr-array grouped GEMM (csrc/gemm/sm90/grouped: its *_Small configs while T <= 16 E, *_Large above) against
 the float64 product of the dequantized operands, expert by expert.
 
 Tolerances are the dense GEMMs': row-wise int8 / fp8 as tests/test_scaled_mm_cuda.py (assert_close_to_reference:

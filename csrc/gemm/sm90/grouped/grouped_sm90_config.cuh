@@ -26,8 +26,12 @@ constexpr S GPP = S::kPingpong;
 constexpr S GCO = S::kCooperative;
 constexpr Scheduler GPE = Scheduler::kPersistent;
 
-// Average rows per expert up to which the swapped *_Small configs run.
-constexpr int64_t kSmallRowsPerExpert = 64;
+// Average rows per expert up to which the swapped *_Small configs run. Their 32-token tiles re-read the expert's
+// weight once per 32 rows, so past ~32 rows per expert they read it twice or more: on an H100 (bench_moe, 59d6a17,
+// when this was 64) Mixtral w13 at 64 rows per expert took 748 us against torch's fp8 grouped GEMM's 367 (0.49x),
+// Qwen3-30B-A3B w13 at 64 rows 0.70x, both at 32 rows 0.87-1.01x, and 1.09-1.20x at <= 16 rows; the *_Large 128-row
+// tile reads each weight once per 128 rows (1.06-1.32x at 128 rows per expert).
+constexpr int64_t kSmallRowsPerExpert = 16;
 
 // int8 x int8 -> int32
 using GInt8_Small = Config<64, 32, 256, 1, 1, GPP, GPE, true>;
