@@ -272,7 +272,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const char* op, const at::Tenso
         k % N == 0 && p.x_stride % N == 0 && is_aligned(p.x, 16) && is_aligned(p.weight, 16) &&
         is_aligned(p.out, N * sizeof(OutT)) &&
         (p.residual == nullptr || (p.residual_stride % N == 0 && is_aligned(p.residual, 16)));
-    const int64_t part_multiple = IsGroup<O>::value ? kGroupElems / N : 1;  // no group across two cluster blocks
+    // No group across two cluster blocks. The launch shape fixes the order of the float32 sum of squares, so it
+    // must not depend on the output (O): with the group rule for group-quantized outputs only, rms_norm took an
+    // 8-block cluster where rms_norm_quant(group_size=128) took the register or loop kernel (16-bit K = 8320,
+    // 40064, ...: cluster parts of 130, 626 vectors), and the two sums, hence inv_rms and y, could differ in
+    // the last bit, breaking fused == quantize_per_token_group(rms_norm(...)) bit for bit. So every output of
+    // a row whose K could be group-quantized (K % 128 == 0) follows the group rule, whatever the output.
+    const int64_t part_multiple = k % kGroupElems == 0 ? kGroupElems / N : 1;
     C10_CUDA_CHECK((launch_rowwise<T, RmsNormRow<T, O>>(p, p.k / N, m, vectorizable, clusters, pdl, stream,
                                                         part_multiple)));
   };
