@@ -13,6 +13,7 @@ Nothing here touches the GPU at import.
 """
 
 import math
+import zlib
 
 import torch
 
@@ -46,7 +47,9 @@ def assert_bits_equal(got, expect, what=""):
 
 
 def seed_of(*parts) -> int:
-    return sum((i + 1) * hash(str(p)) % 1000003 for i, p in enumerate(parts)) % (2**31)
+    """A seed fixed by `parts` in every process (crc32, not hash(): str hashes change with PYTHONHASHSEED, which
+    gave each pytest run different inputs and made failures look like run-to-run nondeterminism)."""
+    return sum((i + 1) * zlib.crc32(str(p).encode()) % 1000003 for i, p in enumerate(parts)) % (2**31)
 
 
 def poison_allocator(*nbytes, byte=0xFF):

@@ -9,7 +9,7 @@ tail GroupOut of quant/rowwise_reduce.cuh): the output row quantized per 1 x 128
 - Row lengths that take every launch shape in group mode: one block holding the row in registers (128 ..
   4096 elements; 8320 bf16, whose 8-block cluster parts of 130 vectors would split a group, so the register
   kernel), an 8-block cluster on sm90 (14336, 24576: parts of whole groups), the vectorized loop (70016 and
-  float32 40064) and the scalar loop (misaligned rows).
+  40064: every dtype) and the scalar loop (misaligned rows).
 - The C++ checks of the new argument, with the CPU implementation's messages.
 """
 
@@ -41,8 +41,13 @@ NORM_SHAPES = [(1, 128), (7, 4096), (5, 8320), (33, 14336), (2, 24576), (3, 7001
 
 @pytest.mark.parametrize("qdtype", QDTYPES, ids=str)
 @pytest.mark.parametrize("dtype", XDTYPES, ids=str)
-@pytest.mark.parametrize("shape", NORM_SHAPES + [(4, 40064)], ids=str)
+@pytest.mark.parametrize("shape", NORM_SHAPES + [(128, 40064)], ids=str)
 def test_rms_norm_quant_groups_equal_the_chain(shape, dtype, qdtype):
+    """K = 8320 and 40064 (16-bit x): rms_norm alone could take an 8-block cluster there (parts of 130 and 626
+    vectors) while the group-quantized op cannot, so the two summed the squares in different orders and y differed
+    in the last bit on some rows (a float32 emulation of the two orders at 40064: inv_rms differed on 1 row in 6, a
+    q on 1 row in 50). 128 rows make that regression show on almost every run; rms_norm.cu now picks one launch
+    shape per K for all its outputs."""
     x, w, r = gaussian(shape, dtype, seed_of("norm-group", shape, dtype, qdtype))
     x.view(-1, shape[-1])[0, :G] = 0  # a group of zeros: y 0 there, scale 0, q 0
     r.view(-1, shape[-1])[0, :G] = 0
