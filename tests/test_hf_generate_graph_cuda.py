@@ -27,7 +27,7 @@ SCHEMES = ["int8", "fp8", pytest.param("fp8-block", marks=pytest.mark.sm90)]
 # 8-bit activation level flipped by a bf16 rounding), so their logits on the same prefix differ by bf16 noise and
 # the tiny random models' frequent near-ties (logits ~0.7, bf16 ulp 2^-8, many exact ties) flip greedy tokens.
 # Bound on ||ours - reference|| / ||reference|| of one row's logits on the same prefix: measured on the CPU up to
-# 4.6e-2 between the `sdpa` and `eager` attention paths of these models (expected larger than the GPU's
+# 4.9e-2 between the `sdpa` and `eager` attention paths of these models (expected larger than the GPU's
 # roundings; not measured on a GPU), while a decode step with the padding keys visible, its own key masked or its
 # positions not advanced measured 0.15 and more there (with QK_GAIN).
 LOGITS_REL_TOL = 0.1
