@@ -49,7 +49,7 @@ def test_bench_hf_tiny(tmp_path):
             assert res["accuracy"][b][m]["eager_sqnr_vs_bf16_db"] > floor
         assert res["derived"][b]["eager"]["int8-opt"]["x_bf16_same_mode"] > 0
     assert res["targets"] and all(t["met"] is None for t in res["targets"])  # no timing claims on the CPU
-    report = (tmp_path / "hf_decode_cpu.md").read_text()
+    report = (tmp_path / "hf_decode_cpu.md").read_text(encoding="utf-8")
     assert "not measurements" in report and "| 2 | graph | fp8-block-opt |" in report
     try:
         import matplotlib  # noqa: F401
@@ -85,7 +85,7 @@ def test_bench_hf_recheck(tmp_path):
                                         "eager_sqnr_vs_bf16_db": 10.0}}}}
     path = tmp_path / "in.json"
     path.write_text(json.dumps(base))
-    res = json.loads(path.read_text())
+    res = json.loads(path.read_text(encoding="utf-8"))
     bench.recheck(res, str(path))
     assert res["accuracy"]["1"]["bf16"]["compiled_vs_eager"]["ok"]
     assert not res["accuracy"]["1"]["int8"]["compiled_vs_eager"]["ok"] and res["accuracy"]["1"]["int8"]["w8a8_ok"]

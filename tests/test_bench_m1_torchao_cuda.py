@@ -51,7 +51,7 @@ def run_script(tmp_path, *extra):
     slug = device_slug(torch.cuda.get_device_name())
     with open(tmp_path / f"m1_torchao_{slug}.json") as f:
         results = json.load(f)
-    report = (tmp_path / f"m1_torchao_{slug}.md").read_text()
+    report = (tmp_path / f"m1_torchao_{slug}.md").read_text(encoding="utf-8")
     assert report.startswith("# W8A8Linear at M = ") and torch.cuda.get_device_name() in report.splitlines()[0]
     return results, report
 
