@@ -683,6 +683,26 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _plot_speedups(ax, points: list, key: str, methods, ref: str, ylabel: str, title: str) -> None:
+    """One speedup panel: for each group of ``points`` (grouped by ``key(p)``) and each method ``m`` in
+    ``methods``, plot ``p["derived"]["{m}_x_{ref}"]`` against tokens T (log2 axis), skipping missing values."""
+    groups: dict = {}
+    for p in points:
+        groups.setdefault(key(p), []).append(p)
+    for label, pts in groups.items():
+        for m in methods:
+            xs = [(p["T"], p["derived"].get(f"{m}_x_{ref}")) for p in pts]
+            xs = [(t, v) for t, v in xs if v is not None]
+            if xs:
+                ax.plot(*zip(*xs), marker="o", label=f"{label} {m}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=6)
+
+
 def plot_results(results: dict[str, Any], path: str) -> None:
     """ours / torch_fp8 speedup against T for each GEMM, and the layer speedups over transformers."""
     import matplotlib
@@ -690,38 +710,10 @@ def plot_results(results: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax = axes[0]
-    groups: dict = {}
-    for p in results["gemm_points"]:
-        groups.setdefault(f"{p['model']} {p['gemm']}", []).append(p)
-    for label, pts in groups.items():
-        for m in OURS_GEMM:
-            xs = [(p["T"], p["derived"].get(f"{m}_x_torch_fp8")) for p in pts]
-            xs = [(t, v) for t, v in xs if v is not None]
-            if xs:
-                ax.plot(*zip(*xs), marker="o", label=f"{label} {m}")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens T")
-    ax.set_ylabel("torch fp8 time / ours")
-    ax.set_title("grouped GEMM vs torch scaled_grouped_mm")
-    ax.legend(fontsize=6)
-    ax = axes[1]
-    lgroups: dict = {}
-    for p in results["layer_points"]:
-        lgroups.setdefault(p["model"], []).append(p)
-    for model, pts in lgroups.items():
-        for m in OURS_LAYER:
-            xs = [(p["T"], p["derived"].get(f"{m}_x_hf_grouped_mm")) for p in pts]
-            xs = [(t, v) for t, v in xs if v is not None]
-            if xs:
-                ax.plot(*zip(*xs), marker="o", label=f"{model} {m}")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens T")
-    ax.set_ylabel("transformers bf16 time / ours")
-    ax.set_title("MoE layer vs transformers grouped_mm experts")
-    ax.legend(fontsize=6)
+    _plot_speedups(axes[0], results["gemm_points"], lambda p: f"{p['model']} {p['gemm']}", OURS_GEMM,
+                   "torch_fp8", "torch fp8 time / ours", "grouped GEMM vs torch scaled_grouped_mm")
+    _plot_speedups(axes[1], results["layer_points"], lambda p: p["model"], OURS_LAYER,
+                   "hf_grouped_mm", "transformers bf16 time / ours", "MoE layer vs transformers grouped_mm experts")
     fig.suptitle(results.get("device", ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
