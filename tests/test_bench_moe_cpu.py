@@ -4,7 +4,6 @@ results dict, the message without a GPU, and the measuring flow end to end at ti
 (the timers faked). The benchmark itself needs a GPU; this keeps its pieces honest between GPU runs."""
 
 import importlib.util
-import pathlib
 import sys
 import time
 from types import SimpleNamespace
@@ -15,16 +14,12 @@ import torch
 import cutlass_w8a8 as cw
 from cutlass_w8a8.testing import timers
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+from _bench_cpu import BENCH, loaded_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_moe", BENCH / "bench_moe.py")
-    mod = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "bench_moe", mod)
-        spec.loader.exec_module(mod)
+    with loaded_bench("bench_moe") as mod:
         yield mod
 
 

@@ -2,23 +2,16 @@
 and report rendered from a synthetic results dict (target met / NOT met). The benchmark itself needs two GPUs
 (tests/test_tp_cuda.py covers what it runs); this keeps its pieces honest between GPU runs."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+from _bench_cpu import loaded_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_tp", BENCH / "bench_tp.py")
-    mod = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "bench_tp", mod)
-        spec.loader.exec_module(mod)
+    with loaded_bench("bench_tp") as mod:
         yield mod
 
 

@@ -1,0 +1,25 @@
+"""Support shared by the CPU tests of the bench/ scripts: a script loaded from its file under its own module name.
+The benchmarks themselves need a GPU; these tests keep their pieces honest between GPU runs."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+
+
+@contextlib.contextmanager
+def loaded_bench(name: str):
+    """bench/{name}.py executed as module ``name``, which is put in ``sys.modules`` (the scripts import their
+    siblings by name) for the duration of the ``with`` block and removed after. Yields the module."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, name, mod)
+        spec.loader.exec_module(mod)
+        yield mod
