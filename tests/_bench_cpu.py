@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import pathlib
 import sys
+import time
 
 import pytest
 
@@ -23,3 +24,17 @@ def loaded_bench(name: str):
         mp.setitem(sys.modules, name, mod)
         spec.loader.exec_module(mod)
         yield mod
+
+
+class FakeEvent:
+    """Stand-in for ``torch.cuda.Event`` on the CPU: ``record`` notes ``time.perf_counter()`` and ``elapsed_time``
+    returns the wall time between two recorded events in milliseconds (the unit CUDA events report)."""
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3

@@ -15,6 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from _bench_cpu import FakeEvent
+
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -454,19 +456,6 @@ def test_import_is_cpu_safe(bench):
 # ---- the measuring flow, with the CUDA pieces faked --------------------------------------------------------------
 
 
-class _FakeEvent:
-    def __init__(self, enable_timing=False):
-        self.t = None
-
-    def record(self, stream=None):
-        import time
-
-        self.t = time.perf_counter()
-
-    def elapsed_time(self, end):
-        return (end.t - self.t) * 1e3
-
-
 def test_run_flow_on_cpu(bench, monkeypatch, tmp_path):
     """bench_decoder.run end to end on tiny CPU models: CUDA events, synchronisation, memory queries, PDL and the
     profiler faked; DecodeGraphRunner runs without graphs on the CPU. Checks the structure of the results (every
@@ -475,7 +464,7 @@ def test_run_flow_on_cpu(bench, monkeypatch, tmp_path):
     from cutlass_w8a8.testing import timers
 
     b = bench.main
-    for name, value in (("Event", _FakeEvent), ("synchronize", lambda *a: None), ("empty_cache", lambda: None),
+    for name, value in (("Event", FakeEvent), ("synchronize", lambda *a: None), ("empty_cache", lambda: None),
                         ("memory_reserved", lambda *a: 0), ("memory_allocated", lambda *a: 0),
                         ("get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")):
         monkeypatch.setattr(torch.cuda, name, value)

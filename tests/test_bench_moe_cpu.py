@@ -14,7 +14,7 @@ import torch
 import cutlass_w8a8 as cw
 from cutlass_w8a8.testing import timers
 
-from _bench_cpu import BENCH, loaded_bench
+from _bench_cpu import BENCH, FakeEvent, loaded_bench
 
 
 @pytest.fixture(scope="module")
@@ -144,17 +144,6 @@ def test_derive_targets_and_report(bench, tmp_path):
     assert (tmp_path / "moe.png").stat().st_size > 0
 
 
-class _FakeEvent:
-    def __init__(self, enable_timing=False):
-        self.t = None
-
-    def record(self, stream=None):
-        self.t = time.perf_counter()
-
-    def elapsed_time(self, end):
-        return (end.t - self.t) * 1e3
-
-
 def _fake_timers():
     def interleaved(cases, replay_ms, replays, on_error=None):
         out = {}
@@ -183,7 +172,7 @@ def test_run_flow_on_cpu(on_cpu, monkeypatch, tmp_path):
     b = on_cpu
     monkeypatch.setattr(b, "MOE_MODELS", {"qwen3-30b-a3b": (8, 2, 256, 128, True)})
     monkeypatch.setattr(b, "LAYER_SETS", 2)
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(b, "provenance", lambda device, root: {"device": device, "git_commit": None})
     args = b.parse_args(["--models", "qwen3-30b-a3b", "--tokens", "1,5", "--layer-tokens", "1,5", "--replays", "1",
@@ -233,7 +222,7 @@ def test_decoder_bench_moe_flow_on_cpu(decoder_bench, monkeypatch, with_w8a8):
     from cutlass_w8a8 import models, runner
 
     b = decoder_bench.main
-    for name, value in (("Event", _FakeEvent), ("synchronize", lambda *a: None), ("empty_cache", lambda: None),
+    for name, value in (("Event", FakeEvent), ("synchronize", lambda *a: None), ("empty_cache", lambda: None),
                         ("memory_reserved", lambda *a: 0), ("memory_allocated", lambda *a: 0),
                         ("get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")):
         monkeypatch.setattr(torch.cuda, name, value)
