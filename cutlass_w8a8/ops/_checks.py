@@ -33,17 +33,20 @@ __all__ = ["check_scaled_mm", "check_scaled_mm_decode", "check_grouped_scaled_mm
 # ---- GEMMs --------------------------------------------------------------------------------------------------
 
 
-def check_scaled_mm(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None) -> None:
-    """scaled_mm(_out) and _scaled_mm_config (op names the caller: "scaled_mm", "scaled_mm_decode",
-    "graph_update_scaled_mm", ...). `out_dtype` is ``out.dtype`` when `out` is given. Block-scaled calls
-    (`_roles.block_scaled`) check the block scale shapes where row-wise calls check theirs."""
-    for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
-        tensor_arg(op, name, t)
+def _gemm_operand_dtypes(op: str, a, b, scale_a, scale_b) -> None:
+    """The GEMMs' operand dtypes, in the order the C++ entries check them: a 8-bit (int8 or fp8 e4m3), b of a's
+    dtype, scale_a and scale_b float32. Raises TypeError naming the argument."""
     eight_bit(op, "a", a)
     if b.dtype != a.dtype:
         fail_type(op, "b", f"must have a's dtype {a.dtype}, got {b.dtype}")
     float32_scale(op, "scale_a", scale_a)
     float32_scale(op, "scale_b", scale_b)
+
+
+def _gemm_out_dtypes(op: str, out_dtype, bias, out) -> None:
+    """The GEMMs' output-side dtypes, in the order the C++ entries check them: out (when given) bfloat16 or
+    float16, `out_dtype` an output dtype, bias (optional tensor) of `out_dtype`, out a tensor. Raises TypeError
+    naming the argument."""
     if out is not None and out.dtype not in OUT_DTYPES:
         fail_type(op, "out", f"must be bfloat16 or float16, got {out.dtype}")
     output_dtype(op, out_dtype)
@@ -51,6 +54,16 @@ def check_scaled_mm(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None) 
     if bias is not None and bias.dtype != out_dtype:
         fail_type(op, "bias", f"must have the output dtype {out_dtype}, got {bias.dtype}")
     tensor_arg(op, "out", out, optional=True)
+
+
+def check_scaled_mm(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None) -> None:
+    """scaled_mm(_out) and _scaled_mm_config (op names the caller: "scaled_mm", "scaled_mm_decode",
+    "graph_update_scaled_mm", ...). `out_dtype` is ``out.dtype`` when `out` is given. Block-scaled calls
+    (`_roles.block_scaled`) check the block scale shapes where row-wise calls check theirs."""
+    for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
+        tensor_arg(op, name, t)
+    _gemm_operand_dtypes(op, a, b, scale_a, scale_b)
+    _gemm_out_dtypes(op, out_dtype, bias, out)
     same_device(op, "a", a, [("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("bias", bias), ("out", out)])
 
     m, k, n = gemm_shapes(op, "a", a, b)
@@ -96,20 +109,10 @@ def check_grouped_scaled_mm(op: str, a, b, scale_a, scale_b, offsets, out_dtype,
     of `offsets` are not checked here (device data: the CPU reference checks them, the CUDA kernels clamp them)."""
     for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("offsets", offsets)):
         tensor_arg(op, name, t)
-    eight_bit(op, "a", a)
-    if b.dtype != a.dtype:
-        fail_type(op, "b", f"must have a's dtype {a.dtype}, got {b.dtype}")
-    float32_scale(op, "scale_a", scale_a)
-    float32_scale(op, "scale_b", scale_b)
+    _gemm_operand_dtypes(op, a, b, scale_a, scale_b)
     if offsets.dtype != torch.int32:
         fail_type(op, "offsets", f"must be int32, got {offsets.dtype}")
-    if out is not None and out.dtype not in OUT_DTYPES:
-        fail_type(op, "out", f"must be bfloat16 or float16, got {out.dtype}")
-    output_dtype(op, out_dtype)
-    tensor_arg(op, "bias", bias, optional=True)
-    if bias is not None and bias.dtype != out_dtype:
-        fail_type(op, "bias", f"must have the output dtype {out_dtype}, got {bias.dtype}")
-    tensor_arg(op, "out", out, optional=True)
+    _gemm_out_dtypes(op, out_dtype, bias, out)
     same_device(op, "a", a, [("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("offsets", offsets),
                              ("bias", bias), ("out", out)])
 
