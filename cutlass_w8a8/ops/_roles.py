@@ -220,27 +220,29 @@ def aligned16(op: str, name: str, t) -> None:
         fail_value(op, name, f"data must be 16-byte aligned (storage offset {t.storage_offset()})")
 
 
+def _k_major(op: str, b, k: int, k_dim: int, n_dim: int, layout: str) -> None:
+    """`b` with unit stride along its K dimension `k_dim` and, along its N dimension `n_dim`, a column pitch of at
+    least K elements that is a multiple of GEMM_ALIGN. Raises ValueError on "b": ``layout`` (what b must be) with
+    the strides when K is not unit-stride, else the overlap or the pitch alignment."""
+    if b.stride(k_dim) != 1:
+        fail_value(op, "b", f"{layout}, got strides {b.stride()}")
+    if b.stride(n_dim) < k:
+        fail_value(op, "b", f"columns overlap: stride({n_dim}) = {b.stride(n_dim)} < K = {k}")
+    if b.stride(n_dim) % GEMM_ALIGN != 0:
+        fail_value(op, "b", f"stride({n_dim}) must be a multiple of {GEMM_ALIGN} elements, got {b.stride(n_dim)}")
+
+
 def weight_columns(op: str, b, k: int) -> None:
     """`b` of the GEMMs: (K, N) column-major, i.e. the row-major (N, K) weight as weight.t()."""
-    if b.stride(0) != 1:
-        fail_value(op, "b", "must be column-major [K, N] (the transpose of a row-major [N, K] weight, "
-                   f"stride(0) == 1), got strides {b.stride()}")
-    if b.stride(1) < k:
-        fail_value(op, "b", f"columns overlap: stride(1) = {b.stride(1)} < K = {k}")
-    if b.stride(1) % GEMM_ALIGN != 0:
-        fail_value(op, "b", f"stride(1) must be a multiple of {GEMM_ALIGN} elements, got {b.stride(1)}")
+    _k_major(op, b, k, 0, 1, "must be column-major [K, N] (the transpose of a row-major [N, K] weight, "
+             "stride(0) == 1)")
 
 
 def expert_weights(op: str, b, k: int, n: int) -> None:
     """`b` of grouped_scaled_mm: (E, K, N) with unit-stride K, i.e. the row-major (E, N, K) expert weights as
     ``w.transpose(1, 2)``; rows of K padded to a multiple of 16 elements and padded experts are fine."""
-    if b.stride(1) != 1:
-        fail_value(op, "b", "must be [E, K, N] with stride(1) == 1 (w.transpose(1, 2) of a row-major [E, N, K] "
-                   f"weight), got strides {b.stride()}")
-    if b.stride(2) < k:
-        fail_value(op, "b", f"columns overlap: stride(2) = {b.stride(2)} < K = {k}")
-    if b.stride(2) % GEMM_ALIGN != 0:
-        fail_value(op, "b", f"stride(2) must be a multiple of {GEMM_ALIGN} elements, got {b.stride(2)}")
+    _k_major(op, b, k, 1, 2, "must be [E, K, N] with stride(1) == 1 (w.transpose(1, 2) of a row-major [E, N, K] "
+             "weight)")
     if b.shape[0] > 1:
         if b.stride(0) < n * b.stride(2):
             fail_value(op, "b", f"experts overlap: stride(0) = {b.stride(0)} < N * stride(2) = {n * b.stride(2)}")
