@@ -109,6 +109,18 @@ def quantize_weight_blocks(weight: torch.Tensor, dtype: torch.dtype = torch.floa
     return q[:n, :k].contiguous(), scale
 
 
+def quantization_repr(weight_block_size, static_input_scale: bool) -> str:
+    """The tail of W8A8Linear's and W8A8MoE's ``extra_repr``: ``", weight_block_size=[bn, bk]"`` when the weights
+    are block-scaled (else nothing), then ``", activations=..."``: dynamic per-group (1x128) with block weights,
+    else static per-tensor when the layer holds an input scale, else dynamic per-token."""
+    if weight_block_size is not None:
+        act = f"dynamic per-group (1x{BLOCK_SIZE})"
+    else:
+        act = "static per-tensor" if static_input_scale else "dynamic per-token"
+    block = "" if weight_block_size is None else f", weight_block_size={weight_block_size}"
+    return f"{block}, activations={act}"
+
+
 class QuantizedActivation(NamedTuple):
     """Activations already quantized for a `W8A8Linear`, accepted by its ``forward`` in place of ``x``.
 
@@ -532,10 +544,6 @@ class W8A8Linear(nn.Module):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        if self.weight_block_size is not None:
-            act = f"dynamic per-group (1x{BLOCK_SIZE})"
-        else:
-            act = "static per-tensor" if self.input_scale is not None else "dynamic per-token"
-        block = "" if self.weight_block_size is None else f", weight_block_size={self.weight_block_size}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"dtype={self.dtype}, quant_dtype={self.quant_dtype}{block}, activations={act}")
+                f"dtype={self.dtype}, quant_dtype={self.quant_dtype}"
+                f"{quantization_repr(self.weight_block_size, self.input_scale is not None)}")

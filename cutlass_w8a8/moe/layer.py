@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..config import W8A8Config
-from ..linear import quantize_weight_blocks
+from ..linear import quantization_repr, quantize_weight_blocks
 from ..ops import moe as _moe
 from ..ops import silu_mul_quant
 from ..ops._limits import BLOCK_SIZE, GEMM_ALIGN, OUT_DTYPES
@@ -344,12 +344,7 @@ class W8A8MoE(nn.Module):
         return out.reshape(hidden_states.shape)
 
     def extra_repr(self) -> str:
-        if self.weight_block_size is not None:
-            act = f"dynamic per-group (1x{BLOCK_SIZE})"
-        else:
-            act = "static per-tensor" if self.a13_scale is not None else "dynamic per-token"
-        block = "" if self.weight_block_size is None else f", weight_block_size={self.weight_block_size}"
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, renormalize={self.renormalize}, "
-                f"activation={self.activation}, dtype={self.dtype}, quant_dtype={self.quant_dtype}{block}, "
-                f"activations={act}")
+                f"activation={self.activation}, dtype={self.dtype}, quant_dtype={self.quant_dtype}"
+                f"{quantization_repr(self.weight_block_size, self.a13_scale is not None)}")
