@@ -352,6 +352,17 @@ def _logits(model, ids):
         return model(ids).logits
 
 
+def logits_sqnr_vs_references(path, reference, input_ids: torch.Tensor) -> tuple:
+    """The checkpoint at `path` loaded by `cutlass_w8a8.checkpoints.from_pretrained`: the SQNR in dB of its logits for
+    `input_ids` (int64 (batch, seq)) against `reference(path)` (the same math: a bf16 model with float32 quantized
+    layers) and against `reference(path, full_float32=True)` (a float32 model), as (same_math, float32)."""
+    from cutlass_w8a8.checkpoints import from_pretrained
+
+    ours = _logits(from_pretrained(path), input_ids)
+    return (sqnr_db(ours, _logits(reference(path), input_ids)),
+            sqnr_db(ours, _logits(reference(path, full_float32=True), input_ids)))
+
+
 def _transformers_load(path, **kw):
     import transformers
 

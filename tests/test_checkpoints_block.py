@@ -49,6 +49,8 @@ pytest.importorskip("safetensors")
 from cutlass_w8a8.checkpoints import from_pretrained  # noqa: E402
 from cutlass_w8a8.testing.references import fp8_accum_bound  # noqa: E402
 
+from _checkpoints import logits_sqnr_vs_references  # noqa: E402
+
 # block_ckpt: the checkpoint fixture, imported so that pytest finds it in this module
 from _block_checkpoints import (  # noqa: E402, F401
     BLOCK, BLOCK_CHECKPOINTS, FakeQuantBlockLinear, block_ckpt, dequantized_reference, dequantized_weights,
@@ -131,11 +133,7 @@ def test_each_layer_matches_its_dequantized_reference(block_ckpt, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_match_dequantized_checkpoint(block_ckpt, name):
-    path = block_ckpt(name)
-    x = ids()
-    ours = logits(from_pretrained(path), x)
-    same_math = sqnr_db(ours, logits(dequantized_reference(path), x))
-    full32 = sqnr_db(ours, logits(dequantized_reference(path, full_float32=True), x))
+    same_math, full32 = logits_sqnr_vs_references(block_ckpt(name), dequantized_reference, ids())
     print(f"{name}: SQNR {same_math:.1f} dB vs bf16 model with float32 linears, {full32:.1f} dB vs float32 model")
     assert same_math >= SQNR_MIN_SAME_MATH
     assert full32 >= SQNR_MIN_FLOAT32

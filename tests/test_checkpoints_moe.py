@@ -59,7 +59,7 @@ import cutlass_w8a8 as cw  # noqa: E402
 from cutlass_w8a8.checkpoints import from_pretrained, quantization_config_of, save_pretrained  # noqa: E402
 
 from _block_checkpoints import copy_checkpoint, expand_blocks, write_ct_fp8_block, write_native_fp8  # noqa: E402
-from _checkpoints import scheme, sqnr_db, stored_tensors, write_ct_checkpoint  # noqa: E402
+from _checkpoints import logits_sqnr_vs_references, scheme, sqnr_db, stored_tensors, write_ct_checkpoint  # noqa: E402
 from _moe_models import FakeQuantExperts, FakeQuantLinear, moe_blocks, tiny_moe_model  # noqa: E402
 from _tp_scenarios import TP_VS_TP1_ACCURACY  # noqa: E402
 
@@ -335,11 +335,7 @@ def test_layers_hold_the_stored_tensors(moe_ckpt, name):
 
 @pytest.mark.parametrize("name", DYNAMIC)
 def test_logits_match_dequantized_checkpoint(moe_ckpt, name):
-    path = moe_ckpt(name)
-    x = ids()
-    ours = logits(from_pretrained(path), x)
-    same = sqnr_db(ours, logits(file_reference(path), x))
-    full = sqnr_db(ours, logits(file_reference(path, full_float32=True), x))
+    same, full = logits_sqnr_vs_references(moe_ckpt(name), file_reference, ids())
     print(f"\nMoE checkpoint SQNR (CPU): {name:<18} {same:6.1f} dB vs bf16 model with float32 quantized layers, "
           f"{full:6.1f} dB vs float32 model")
     assert same >= SQNR_MIN_SAME_MATH[MOE_CHECKPOINTS[name][2]]
