@@ -16,7 +16,7 @@ from torch import nn
 import cutlass_w8a8 as cw
 from cutlass_w8a8.distributed.moe import TensorParallelW8A8MoE, shard_moe
 
-from _tp_scenarios import _catch, _cpu, _device, as_fp8
+from _tp_scenarios import TP_VS_TP1_ACCURACY, _catch, _cpu, _device, as_fp8
 
 E, TOP_K, T = 8, 2, 32
 
@@ -102,6 +102,22 @@ def float_reference(d, ids=None, w=None):
             gate, up = (w13[e] @ x[t]).chunk(2)
             out[t] += w[t, j] * (w2[e] @ (F.silu(gate) * up))
     return out
+
+
+def assert_sharded_vs_unsharded(d: dict, yf: torch.Tensor, full: str = "full_y", tp: str = "tp_y",
+                                check_tp_vs_tp1: bool = True) -> None:
+    """The TP criterion on one rank's results `d` against `yf`, the float64 reference output (`float_reference`):
+    the unsharded layer's output ``d[full]`` within 10 % of `yf` (relative L2 norm), the sharded ``d[tp]`` at most
+    TP_VS_TP1_ACCURACY times the unsharded error and, with `check_tp_vs_tp1`, the two at most (1 +
+    TP_VS_TP1_ACCURACY) times that error apart. Raises AssertionError with the norms (called by the tests in the
+    parent, not by the workers)."""
+    y1, y2 = d[full].double(), d[tp].double()
+    e1, e2 = float((y1 - yf).norm()), float((y2 - yf).norm())
+    assert e1 / float(yf.norm()) < 0.1, e1 / float(yf.norm())
+    assert e2 <= TP_VS_TP1_ACCURACY * e1, (e1, e2)
+    if check_tp_vs_tp1:
+        e12 = float((y2 - y1).norm())
+        assert e12 <= (1 + TP_VS_TP1_ACCURACY) * e1, (e12, e1)
 
 
 def w13_rows(i: int, rank: int, world: int) -> torch.Tensor:
