@@ -71,3 +71,61 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``|out - ref| / |ref|`` (Frobenius), in float64."""
     out, ref = out.double(), ref.double()
     return float((out - ref).norm() / ref.norm())
+
+
+# Our decode step and transformers' compute the same function with other roundings on the GPU (the batch padded
+# to its bucket, 4 rows instead of 3, can pick other GEMM / lm_head kernels; another 4-D mask construction; an
+# 8-bit activation level flipped by a bf16 rounding), so their logits on the same prefix differ by bf16 noise and
+# the tiny random models' frequent near-ties (logits ~0.7, bf16 ulp 2^-8, many exact ties) flip greedy tokens.
+# Bound on ||ours - reference|| / ||reference|| of one row's logits on the same prefix: measured on the CPU up to
+# 4.9e-2 between the `sdpa` and `eager` attention paths of these models (expected larger than the GPU's
+# roundings; not measured on a GPU), while a decode step with the padding keys visible, its own key masked or its
+# positions not advanced measured 0.15 and more there (with QK_GAIN).
+LOGITS_REL_TOL = 0.1
+# The greedy test's q / k projections are scaled by this: transformers' init (std 0.02) gives Llama near-uniform
+# attention that hardly sees positions (a decode step that does not advance the positions moved its logits by
+# <= 3e-2 relative, under LOGITS_REL_TOL); x4 makes that bug move them by 0.15 - 0.43. (Qwen3's q / k norms undo
+# the gain: it sees positions already.)
+QK_GAIN = 4.0
+# Fewest (row, step) token comparisons on equal prefixes the greedy test must make over its 3 rows.
+MIN_CHECKED = 6  # half of the greedy tests' 12 new tokens
+
+
+def check_greedy_against_transformers(ours, ours_logits, ref, length):
+    """Our greedy tokens against transformers', row by row, while the prefixes are equal.
+
+    ``ours``: ``(B, L + NEW)`` tokens with ``ours_logits`` (``NEW`` ``(B, V)`` float32 logits that picked them,
+    `GraphGenerator.logits_history`); ``ref``: ``model.generate(..., output_logits=True,
+    return_dict_in_generate=True)`` (``ref.logits``: the raw, unprocessed logits of each step). At each step of a
+    row whose tokens so far are equal (so both paths saw the same prefix):
+
+    - each path's token is the argmax of its own logits (greedy picks what its logits say);
+    - the two logit rows differ by at most ``LOGITS_REL_TOL`` (relative, Frobenius): a wrong mask / position /
+      cache column / logits row fails here;
+    - the tokens are equal, or, where they differ, the reference prefers its token over ours by at most
+      ``2 * d``, ``d`` the largest |logit difference| of the two paths at this step: a near-tie that bf16 noise of
+      that size can flip. Any larger gap is a wrong token. The row is then not compared further (the prefixes
+      differ).
+
+    Returns the number of (row, step) pairs whose tokens were compared equal on equal prefixes."""
+    assert ref.sequences.shape == ours.shape
+    assert len(ours_logits) == len(ref.logits) == ours.shape[1] - length
+    checked = 0
+    for r in range(ours.shape[0]):
+        assert torch.equal(ours[r, :length], ref.sequences[r, :length])
+        for i in range(ours.shape[1] - length):
+            o, w = ours_logits[i][r].double(), ref.logits[i][r].double()
+            t_o, t_w = int(ours[r, length + i]), int(ref.sequences[r, length + i])
+            where = f"row {r} step {i}"
+            assert o[t_o] == o.max(), f"{where}: our token {t_o} is not the argmax of our logits"
+            assert w[t_w] == w.max(), f"{where}: transformers' token {t_w} is not the argmax of its logits"
+            err = rel_err(o, w)
+            assert err <= LOGITS_REL_TOL, f"{where}: logits differ from transformers' by {err:.3e} (relative)"
+            if t_o == t_w:
+                checked += 1
+                continue
+            d, gap = float((o - w).abs().max()), float(w[t_w] - w[t_o])
+            assert gap <= 2 * d, (f"{where}: token {t_o} instead of transformers' {t_w}, whose logit is ahead by "
+                                  f"{gap:.3e} > 2 x the paths' max |logit difference| {d:.3e}")
+            break
+    return checked

@@ -1,5 +1,6 @@
-"""`cutlass_w8a8.generate` / `cutlass_w8a8.hf.GraphGenerator` on the CPU (no graphs: the same steps run eagerly),
-on tiny transformers models (tests/_hf_tiny.py), optimized W8A8 and plain bf16:
+"""`cutlass_w8a8.generate` / `cutlass_w8a8.hf.GraphGenerator` with ``step="transformers"`` (the model's own forward as
+the decode step) on the CPU (no graphs: the same steps run eagerly), on tiny transformers models
+(tests/_hf_tiny.py), optimized W8A8 and plain bf16 (the ``"cw"`` step: tests/test_hf_decode_step_cpu.py):
 
 - greedy tokens equal ``model.generate(..., do_sample=False)``'s given a ``StaticCache`` of the same length (the
   same attention arithmetic: with the same masks the logits are bit for bit those of transformers' loop), for a
@@ -57,7 +58,7 @@ def _hf(model, ids, am, **kw):
 def test_greedy_tokens_equal_transformers(kind, scheme, attn):
     model = _model(kind, scheme, attn)
     ids, am = _batch()
-    gen = GraphGenerator(model, max_cache_len=CACHE)
+    gen = GraphGenerator(model, max_cache_len=CACHE, step="transformers")
     assert not gen.use_graphs and gen.bucket_size(3) == 4
     ours = gen.generate(ids, NEW, attention_mask=am, do_sample=False)
     ref = _hf(model, ids, am, do_sample=False)
@@ -71,7 +72,7 @@ def test_greedy_tokens_equal_transformers(kind, scheme, attn):
 def test_batch_one_without_mask_equals_transformers():
     model = _model("qwen3", "int8")
     ids, _ = _batch(b=1)
-    ours = cw.generate(model, ids, NEW, max_cache_len=CACHE)
+    ours = cw.generate(model, ids, NEW, max_cache_len=CACHE, step="transformers")
     ref = _hf(model, ids, torch.ones_like(ids), do_sample=False)
     assert torch.equal(ours, ref)
 
@@ -79,7 +80,7 @@ def test_batch_one_without_mask_equals_transformers():
 def test_sampling_draws_transformers_tokens():
     model = _model("llama", "int8")
     ids, am = _batch()
-    gen = GraphGenerator(model, max_cache_len=CACHE)
+    gen = GraphGenerator(model, max_cache_len=CACHE, step="transformers")
     kw = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
     torch.manual_seed(123)
     ref = _hf(model, ids, am, **kw)
@@ -93,7 +94,7 @@ def test_sampling_draws_transformers_tokens():
 def test_eos_pads_finished_rows_and_stops_early():
     model = _model("llama", "int8")
     ids, am = _batch()
-    gen = GraphGenerator(model, max_cache_len=CACHE)
+    gen = GraphGenerator(model, max_cache_len=CACHE, step="transformers")
     free = gen.generate(ids, NEW, attention_mask=am)
     eos = int(free[0, 7 + 2])  # row 0's third new token
     ours = gen.generate(ids, NEW, attention_mask=am, eos_token_id=eos, pad_token_id=0)
@@ -112,7 +113,7 @@ def test_generation_config_defaults_apply():
     ids, am = _batch()
     model.generation_config.do_sample = True
     model.generation_config.top_k = 5
-    gen = GraphGenerator(model, max_cache_len=CACHE)
+    gen = GraphGenerator(model, max_cache_len=CACHE, step="transformers")
     torch.manual_seed(7)
     ref = _hf(model, ids, am)
     torch.manual_seed(7)
@@ -133,7 +134,7 @@ def test_generate_keeps_its_generator_on_the_model():
 def test_refusals():
     model = _model("llama", "int8", layers=1)
     ids, am = _batch()
-    gen = GraphGenerator(model, max_cache_len=CACHE)
+    gen = GraphGenerator(model, max_cache_len=CACHE, step="transformers")
     with pytest.raises(ValueError, match=r"unsupported argument\(s\) \['repetition_penalty'\]; supported: "):
         gen.generate(ids, 2, repetition_penalty=1.2)
     with pytest.raises(ValueError, match=r"`attention_mask` must be left-padded"):
@@ -155,13 +156,13 @@ def test_refusals():
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match=r"`model.config._attn_implementation` must be one of \('sdpa', 'eager'\), "
                                          r"got 'flex_attention'"):
-        GraphGenerator(model)
+        GraphGenerator(model, step="transformers")
 
 
 def test_sliding_window_model_is_refused():
     model = tiny_model("mistral", layers=1)
     model.config.sliding_window = 16
-    gen = GraphGenerator(model, max_cache_len=CACHE)
+    gen = GraphGenerator(model, max_cache_len=CACHE, step="transformers")
     ids, am = _batch()
     with pytest.raises(ValueError, match=r"sliding-window attention layers"):
         gen.generate(ids, 2, attention_mask=am)

@@ -12,8 +12,9 @@ function is called.
 """
 
 from .api import from_pretrained, save_pretrained
+from .decode_step import DecodeStep
 from .generate import GraphGenerator, SUPPORTED_GENERATE_KWARGS, generate
 from .optimize import SUPPORTED_LAYERS, TESTED_TRANSFORMERS, RMSNormQuant, is_optimized, optimize_, unfused
 
 __all__ = ["optimize_", "unfused", "is_optimized", "RMSNormQuant", "SUPPORTED_LAYERS", "TESTED_TRANSFORMERS",
-           "generate", "GraphGenerator", "SUPPORTED_GENERATE_KWARGS", "from_pretrained", "save_pretrained"]
+           "generate", "GraphGenerator", "DecodeStep", "SUPPORTED_GENERATE_KWARGS", "from_pretrained", "save_pretrained"]

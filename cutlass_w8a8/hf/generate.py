@@ -16,7 +16,19 @@ key-validity row ``valid`` ``(b, max_cache_len)`` bool) and, on CUDA, one decode
    writes it into the static ``tokens``, advances ``positions`` and marks the new cache column valid (``copy_`` /
    in-place writes), and replays the graph (or runs the same step eagerly: on the CPU, or ``use_graphs=False``).
 
-The decode step is ``model(input_ids=tokens, position_ids=positions, attention_mask=mask, <cache>=cache,
+Two decode steps (``step=``):
+
+- ``"cw"`` (chosen by ``"auto"`` for an `optimize_`d model that `DecodeStep.why_not` accepts): `DecodeStep`, the
+  package's decoder-layer code over the model's own fused modules and weights (fused residual-add + norm +
+  quantization, one rotary + KV-write kernel, split-KV decode attention with ``o_proj``'s quantization fused, the
+  four GEMMs; on per-token / per-tensor layers one ``decode_layer`` op per layer) on a KV cache of its own
+  ``(slots, 2, KVH, max_cache_len, D)`` per layer, one for all buckets. The prefill runs through ``model.forward``
+  on a ``DynamicCache`` as below; its keys and values are then copied into that cache, each left-padded row moved
+  to start at column 0, so that column = position. Logits equal transformers' eager step up to bf16 rounding (not
+  bit for bit: see `cutlass_w8a8.hf.decode_step`).
+- ``"transformers"`` (any other model, or asked for): the model's own forward, captured, as follows.
+
+The transformers decode step is ``model(input_ids=tokens, position_ids=positions, attention_mask=mask, <cache>=cache,
 use_cache=True)`` with a 4-D mask built inside the step from ``valid``, in the form transformers builds it for
 the model's ``attn_implementation``: bool ``(b, 1, 1, max_cache_len)`` (True = attend) for ``sdpa``, additive
 ``0 / finfo(dtype).min`` in the model dtype for ``eager``. transformers returns a 4-D mask unchanged, so no mask
@@ -24,8 +36,9 @@ code with host synchronisation runs in the captured step. The StaticCache keeps 
 tensor that the step advances in place, so replays need no host state.
 
 Supported: decoder-only transformers causal LMs whose cache layers are all full attention (no sliding window:
-transformers' sliding ``StaticCache`` layers keep a host-side length), ``attn_implementation`` ``"sdpa"`` or
-``"eager"``, left-padded batches. Options: `SUPPORTED_GENERATE_KWARGS`; anything else is a ValueError naming it.
+transformers' sliding ``StaticCache`` layers keep a host-side length), left-padded batches; with the
+transformers step, ``attn_implementation`` ``"sdpa"`` or ``"eager"`` (the ``"cw"`` step's prefill runs whatever
+the model is set to). Options: `SUPPORTED_GENERATE_KWARGS`; anything else is a ValueError naming it.
 Defaults come from ``model.generation_config`` and then transformers' own defaults (``do_sample=False``,
 ``temperature=1.0``, ``top_k=50``, ``top_p=1.0``), as ``model.generate`` resolves them; other fields of
 ``model.generation_config`` (repetition penalty, ...) are not applied.
@@ -41,6 +54,7 @@ from torch import nn
 
 from ..graphs import capture
 from ..runner import cuda_graph_batch_sizes
+from .decode_step import DecodeStep
 
 __all__ = ["generate", "GraphGenerator", "SUPPORTED_GENERATE_KWARGS"]
 
@@ -48,6 +62,7 @@ SUPPORTED_GENERATE_KWARGS = ("attention_mask", "do_sample", "temperature", "top_
                              "pad_token_id", "generator")
 _HF_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
 _ATTN = ("sdpa", "eager")
+_STEPS = ("auto", "cw", "transformers")
 # how often (in steps) the loop reads back whether every row has produced an EOS (one host sync each time)
 _EOS_CHECK_EVERY = 8
 
@@ -69,6 +84,7 @@ class _Bucket:
         self.tokens = self.positions = self.valid = None
         self.graph = None
         self.logits = None  # the graph's static output (b, V)
+        self.slots = None  # the "cw" step's cache slots 0 .. b - 1
 
 
 class GraphGenerator:
@@ -91,9 +107,18 @@ class GraphGenerator:
         steps eagerly (the CPU path, and the reference the graph tests compare with).
     warmup : int
         Eager decode steps on the side stream before each capture (default 2).
+    step : {"auto", "cw", "transformers"}
+        The decode step (module docstring). ``"auto"`` (default): ``"cw"`` when `DecodeStep.why_not` accepts the
+        model, else ``"transformers"``.
 
     Attributes
     ----------
+    step : str
+        The step chosen: ``"cw"`` or ``"transformers"``.
+    requested_step : str
+        The ``step`` argument (``"auto"``, ``"cw"`` or ``"transformers"``).
+    step_reason : str or None
+        Why ``step="auto"`` chose ``"transformers"`` (`DecodeStep.why_not`'s reason); None otherwise.
     warmup_seconds : dict
         ``{bucket size: seconds}`` spent creating each bucket (cache allocation, warm-up and capture; host time,
         the GPU work queued by then not waited for).
@@ -108,20 +133,29 @@ class GraphGenerator:
     TypeError
         ``model`` is not an ``nn.Module`` with a ``config``.
     ValueError
-        ``max_cache_len`` / ``max_batch`` / ``sizes`` not positive; ``attn_implementation`` not supported;
-        ``use_graphs=True`` on a model that is not on a CUDA device.
+        ``max_cache_len`` / ``max_batch`` / ``sizes`` not positive; ``step`` not one of the three, or ``"cw"`` on
+        a model `DecodeStep` does not run (the message gives its reason); ``attn_implementation`` not supported
+        by the transformers step; ``use_graphs=True`` on a model that is not on a CUDA device.
     """
 
     def __init__(self, model: nn.Module, *, max_cache_len: Optional[int] = None, max_batch: int = 8,
-                 sizes=None, use_graphs: Optional[bool] = None, warmup: int = 2):
+                 sizes=None, use_graphs: Optional[bool] = None, warmup: int = 2, step: str = "auto"):
         if not isinstance(model, nn.Module) or getattr(model, "config", None) is None:
             raise TypeError(f"GraphGenerator: `model` must be a transformers model (an nn.Module with a config), "
                             f"got {type(model).__name__}")
         cfg = model.config
         if getattr(cfg, "is_encoder_decoder", False):
             raise ValueError("GraphGenerator: `model` must be a decoder-only causal LM, got an encoder-decoder")
+        if step not in _STEPS:
+            raise ValueError(f"GraphGenerator: `step` must be one of {_STEPS}, got {step!r}")
+        why = DecodeStep.why_not(model)
+        if step == "cw" and why is not None:
+            raise ValueError(f"GraphGenerator: step='cw' cannot run this model: {why}")
+        self.requested_step = step
+        self.step = "cw" if why is None and step != "transformers" else "transformers"
+        self.step_reason = why if step == "auto" and self.step == "transformers" else None
         attn = getattr(cfg, "_attn_implementation", None)
-        if attn not in _ATTN:
+        if self.step == "transformers" and attn not in _ATTN:
             raise ValueError(f"GraphGenerator: `model.config._attn_implementation` must be one of {_ATTN}, got "
                              f"{attn!r} (load the model with attn_implementation='sdpa')")
         if max_cache_len is None:
@@ -160,6 +194,7 @@ class GraphGenerator:
         self.logits_history: list = []
         self._current = None  # (bucket, B, L) of the batch prefill started
         self._written = 0  # cache columns written (prompt + decode steps)
+        self._cw = DecodeStep(model, max_cache_len) if self.step == "cw" else None
 
     # ---- buckets ----------------------------------------------------------------------------------------
 
@@ -172,6 +207,8 @@ class GraphGenerator:
 
     def _decode(self, bk: _Bucket) -> torch.Tensor:
         """One decode step on ``bk``'s static inputs; the last position's logits ``(b, V)``."""
+        if self._cw is not None:
+            return self._cw(bk.tokens.view(-1), bk.positions.view(-1), bk.slots)
         if self.attn == "sdpa":
             mask = bk.valid[:, None, None, :]
         else:
@@ -191,8 +228,15 @@ class GraphGenerator:
 
         t0 = time.perf_counter()
         bk = _Bucket(size)
-        bk.cache = self._transformers.StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
-        if any(getattr(layer, "is_sliding", False) for layer in getattr(bk.cache, "layers", [])):
+        if self._cw is not None:
+            # one cache for every bucket (one batch runs at a time), with the largest bucket's slots; a larger
+            # batch reallocates it, and the graphs captured on the old one are dropped (captured again on use)
+            if self._cw.allocate(max(size, max(self.sizes))):
+                self._buckets.clear()
+            bk.slots = torch.arange(size, device=self.device)
+        else:
+            bk.cache = self._transformers.StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
+        if bk.cache is not None and any(getattr(layer, "is_sliding", False) for layer in getattr(bk.cache, "layers", [])):
             raise ValueError("GraphGenerator: the model has sliding-window attention layers (config.sliding_window / "
                              "layer_types); their StaticCache layers keep a host-side length, which a CUDA graph "
                              "cannot replay: use model.generate")
@@ -254,12 +298,19 @@ class GraphGenerator:
         mask2d[:b_in] = am
         pos = mask2d.cumsum(-1) - 1
         pos = pos.masked_fill(mask2d == 0, 0)
-        bk.cache.reset()
         bk.valid.zero_()
         bk.valid[:, :length] = mask2d.bool()
         bk.tokens.fill_(pad)
+        if self._cw is not None:
+            cache = self._transformers.DynamicCache()
+        else:
+            cache = bk.cache
+            cache.reset()
         out = self.model(input_ids=ids, attention_mask=mask2d, position_ids=pos, use_cache=True, logits_to_keep=1,
-                         **{self._cache_kw: bk.cache})
+                         **{self._cache_kw: cache})
+        if self._cw is not None:  # the prompt's keys / values, each row moved left by its padding
+            pads = length - mask2d.sum(-1) if bool((am == 0).any()) else None
+            self._cw.load_prefill(cache, pads, length)
         bk.positions.copy_(pos[:, -1:])
         self._current = (bk, b_in, length)
         self._written = length
@@ -460,10 +511,10 @@ class GraphGenerator:
 
 
 def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, max_cache_len: Optional[int] = None,
-             use_graphs: Optional[bool] = None, **kwargs) -> torch.Tensor:
+             use_graphs: Optional[bool] = None, step: str = "auto", **kwargs) -> torch.Tensor:
     """`GraphGenerator.generate` with a `GraphGenerator` kept on ``model`` (made on the first call, with
-    ``max_cache_len`` and ``use_graphs``; made again when a call asks for a larger ``max_cache_len`` or other
-    ``use_graphs``), so its captured graphs serve later calls.
+    ``max_cache_len``, ``use_graphs`` and ``step``; made again when a call asks for a larger ``max_cache_len``,
+    other ``use_graphs`` or another ``step``), so its captured graphs serve later calls.
 
     Parameters
     ----------
@@ -474,6 +525,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, 
         to a multiple of 256.
     use_graphs : bool, optional
         As `GraphGenerator` (default: on CUDA).
+    step : {"auto", "cw", "transformers"}
+        As `GraphGenerator` (default ``"auto"``: the package's own decode step for an `optimize_`d model).
 
     Returns
     -------
@@ -491,8 +544,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, 
     gen = model.__dict__.get("_cw_graph_generator")
     want_graphs = gen.use_graphs if (gen is not None and use_graphs is None) else use_graphs
     if (gen is None or (max_cache_len is not None and max_cache_len != gen.max_cache_len)
-            or gen.max_cache_len < need - 1 or (want_graphs is not None and want_graphs != gen.use_graphs)):
+            or gen.max_cache_len < need - 1 or (want_graphs is not None and want_graphs != gen.use_graphs)
+            or step != gen.requested_step):
         size = max_cache_len if max_cache_len is not None else -(-need // 256) * 256
-        gen = GraphGenerator(model, max_cache_len=size, use_graphs=use_graphs)
+        gen = GraphGenerator(model, max_cache_len=size, use_graphs=use_graphs, step=step)
         model.__dict__["_cw_graph_generator"] = gen
     return gen.generate(input_ids, max_new_tokens, **kwargs)

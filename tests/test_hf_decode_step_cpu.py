@@ -1,0 +1,164 @@
+"""`GraphGenerator` with ``step="cw"`` (`cutlass_w8a8.hf.DecodeStep`: the package's decoder-layer code over an
+optimized transformers model's own modules) on the CPU, where the same steps run eagerly (the ops' CPU references),
+on tiny transformers models (tests/_hf_tiny.py):
+
+- greedy tokens agree with ``model.generate`` (`_hf_tiny.check_greedy_against_transformers`: equal tokens on equal
+  prefixes except near-ties within the two paths' measured logit difference, logits within ``LOGITS_REL_TOL``),
+  for a left-padded batch in a larger bucket, every supported family and scheme;
+- a left-padded row gives the tokens and logits the same prompt gives alone without padding (the prefill's keys
+  and values moved to column 0);
+- ``"auto"`` picks it for an optimized model and says why not for others; ``"cw"`` on a model it cannot run is a
+  ValueError with the reason; nothing of the model is copied or changed;
+- a batch above the buckets reallocates the shared cache.
+"""
+
+import pytest
+import torch
+
+import cutlass_w8a8 as cw
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from _hf_tiny import (MIN_CHECKED, QK_GAIN, check_greedy_against_transformers, quantized, rel_err,  # noqa: E402
+                      tiny_model)
+
+from cutlass_w8a8.hf import DecodeStep, GraphGenerator, optimize_  # noqa: E402
+
+CACHE = 48
+NEW = 12
+
+
+def _model(kind="llama", scheme="int8", qk_gain=QK_GAIN, layers=2):
+    base = tiny_model(kind, layers=layers)
+    if qk_gain != 1.0:
+        with torch.no_grad():
+            for name, p in base.named_parameters():
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    p.mul_(qk_gain)
+    return optimize_(quantized(base, scheme))
+
+
+def _batch(b=3, length=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 256, (b, length), generator=g)
+    am = torch.ones_like(ids)
+    if b > 1:
+        am[1, :3] = 0
+    if b > 2:
+        am[2, :1] = 0
+    return ids.masked_fill(am == 0, 0), am
+
+
+@pytest.mark.parametrize("kind,scheme", [("llama", "int8"), ("llama", "fp8"), ("qwen3", "fp8"), ("qwen2", "int8"),
+                                         ("mistral", "fp8-block"), ("qwen3", "fp8-block")])
+def test_greedy_agrees_with_transformers(kind, scheme):
+    model = _model(kind, scheme)
+    ids, am = _batch()
+    gen = GraphGenerator(model, max_cache_len=CACHE)
+    assert gen.step == "cw" and gen.step_reason is None and not gen.use_graphs
+    gen.record_logits = True
+    ours = gen.generate(ids, NEW, attention_mask=am)
+    assert gen.bucket_size(3) == 4 and gen._cw.slots == 8  # the largest default bucket's slots, shared
+    cache = transformers.StaticCache(config=model.config, max_cache_len=CACHE)
+    ref = model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=NEW, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    checked = check_greedy_against_transformers(ours, gen.logits_history, ref, ids.shape[1])
+    assert checked >= MIN_CHECKED, f"only {checked} token steps compared on equal prefixes"
+    # a second call (the cache reused, the prefill reloaded) gives the same tokens
+    assert torch.equal(gen.generate(ids, NEW, attention_mask=am), ours)
+
+
+def test_left_padded_row_equals_the_prompt_alone():
+    """Row 1 of the batch has 3 pads: its tokens and logits equal those of its 4-token prompt run alone. The CPU
+    references are row-wise, so the match is exact; a decode step that attends to the padding columns or writes
+    at the wrong column changes the logits."""
+    model = _model("llama", "int8")
+    ids, am = _batch()
+    gen = GraphGenerator(model, max_cache_len=CACHE)
+    gen.record_logits = True
+    batch = gen.generate(ids, NEW, attention_mask=am)
+    batch_logits = [x[1].clone() for x in gen.logits_history]
+    alone = gen.generate(ids[1:2, 3:], NEW)
+    assert torch.equal(batch[1, 7:], alone[0, 4:])
+    for i, (a, b) in enumerate(zip(batch_logits, gen.logits_history)):
+        assert rel_err(a, b[0]) < 1e-6, f"step {i}"
+
+
+def test_step_matches_the_transformers_step_on_one_prefix():
+    """The first decode step's logits of both steps from the same prefill (same prefix, no divergence yet)."""
+    model = _model("qwen2", "int8", qk_gain=1.0)
+    ids, am = _batch()
+    ours = GraphGenerator(model, max_cache_len=CACHE, step="cw")
+    theirs = GraphGenerator(model, max_cache_len=CACHE, step="transformers")
+    ours.prefill(ids, am)
+    theirs.prefill(ids, am)
+    tok = torch.tensor([5, 6, 7])
+    a, b = ours.decode(tok).float(), theirs.decode(tok).float()
+    for r in range(3):
+        assert rel_err(a[r], b[r]) < 0.05, f"row {r}"
+
+
+def test_auto_choice_and_refusals():
+    bf16 = tiny_model("llama", layers=1)
+    gen = GraphGenerator(bf16, max_cache_len=CACHE)
+    assert gen.step == "transformers"
+    assert "`model.model.layers.0.self_attn` (LlamaAttention) is not fused" in gen.step_reason
+    with pytest.raises(ValueError, match=r"step='cw' cannot run this model: `model.model.layers.0.self_attn` "
+                                         r"\(LlamaAttention\) is not fused: run cutlass_w8a8.optimize_"):
+        GraphGenerator(bf16, step="cw")
+    with pytest.raises(ValueError, match=r"`step` must be one of \('auto', 'cw', 'transformers'\), got 'fast'"):
+        GraphGenerator(bf16, step="fast")
+    model = _model("llama", "int8", layers=1)
+    assert GraphGenerator(model, step="transformers").step_reason is None
+    model.config.sliding_window = 16
+    assert "sliding-window attention" in DecodeStep.why_not(model)
+    # the "cw" step's prefill runs any attention implementation transformers has
+    model = _model("llama", "int8", layers=1)
+    model.config._attn_implementation = "flex_attention"
+    assert GraphGenerator(model).step == "cw"
+
+
+def test_shares_the_model_and_changes_nothing():
+    model = _model("qwen3", "int8", layers=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {n: p.requires_grad for n, p in model.named_parameters()}
+    gen = GraphGenerator(model, max_cache_len=CACHE)
+    step = gen._cw
+    layer, hf = step.layers[0], model.model.layers[0]
+    assert layer.self_attn.qkv_proj is hf.self_attn.qkv_proj and layer.mlp.down_proj is hf.mlp.down_proj
+    assert layer.input_layernorm.weight is hf.input_layernorm.weight
+    assert layer.self_attn.q_norm.weight is hf.self_attn.q_norm.weight
+    assert step.embed_tokens is model.model.embed_tokens and step.lm_head is model.lm_head
+    gen.generate(*_batch()[:1], 3)
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert grads == {n: p.requires_grad for n, p in model.named_parameters()}
+    # the rotary table is the model's rotary_emb at positions 0 .. S - 1
+    pos = torch.tensor([[0, 5, CACHE - 1]])
+    cos, sin = model.model.rotary_emb(torch.zeros((), dtype=torch.float32), pos)
+    half = cos.shape[-1] // 2
+    assert torch.equal(step.rope_table[pos[0], :, 0], cos[0, :, :half])
+    assert torch.equal(step.rope_table[pos[0], :, 1], sin[0, :, :half])
+
+
+def test_batch_above_the_buckets_reallocates_the_cache():
+    model = _model("llama", "int8", layers=1)
+    gen = GraphGenerator(model, max_cache_len=CACHE, max_batch=2)
+    ids, am = _batch(b=2)
+    two = gen.generate(ids, 4, attention_mask=am)
+    assert gen._cw.slots == 2
+    ids3 = torch.cat([ids, ids[:1]])
+    three = gen.generate(ids3, 4, attention_mask=torch.cat([am, am[:1]]))
+    assert gen._cw.slots == 3 and list(gen._buckets) == [3]
+    assert torch.equal(three[:2], two) and torch.equal(three[2], two[0])
+
+
+def test_generate_wrapper_takes_step():
+    model = _model("llama", "int8", layers=1)
+    ids, _ = _batch(b=1)
+    cw.generate(model, ids, 3, max_cache_len=CACHE)
+    assert model.__dict__["_cw_graph_generator"].step == "cw"
+    cw.generate(model, ids, 3, step="transformers")
+    assert model.__dict__["_cw_graph_generator"].step == "transformers"
