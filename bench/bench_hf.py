@@ -33,9 +33,24 @@ ones included: runs before issue 28 timed that.)
   dynamo's automatic dynamic shapes would recompile the second batch size with a symbolic batch). Only the
   decode step is compiled: the prefill runs the uncompiled forward. One compile per (model, batch), and
   ``torch.compiler.cudagraph_mark_step_begin()`` before each compiled step (one inference step per call).
-- ``graph``: ``cutlass_w8a8.hf.GraphGenerator(model, max_cache_len=..., sizes=[B])``: the same decode call captured
-  eagerly into a CUDA graph by ``cutlass_w8a8.graphs.capture`` (no torch.compile), static inputs written with
-  ``copy_``, replayed; its own StaticCache, prefilled eagerly.
+- ``graph``: ``cutlass_w8a8.hf.GraphGenerator(model, max_cache_len=..., sizes=[B], step=--graph-step)``: a decode
+  step captured eagerly into a CUDA graph by ``cutlass_w8a8.graphs.capture`` (no torch.compile), static inputs
+  written with ``copy_``, replayed; prefilled eagerly through ``model.forward``. Its step (``gen.step``, recorded per
+  model and batch as "graph step", with ``gen.step_reason`` where ``step="auto"`` fell back): ``cw``, the package's
+  decoder-layer code over the ``optimize_``d model's fused modules (split-KV decode attention, fused rope + KV
+  write, on a KV cache of its own), or ``transformers``, the same ``model.forward`` call as above on a StaticCache.
+  (A cutlass_w8a8 whose ``GraphGenerator`` has no ``step=`` runs the transformers step, recorded as such.)
+
+``--decoder`` adds, in graph mode, the package's own reference decoder (``decoder int8 (cutlass_w8a8.models)``):
+``cutlass_w8a8.models.LlamaDecoder(config, quant="int8", max_batch=max(--batches), max_seq_len=--max-cache-len
+rounded up to a multiple of 16, device="cuda", dtype=torch.bfloat16)`` at the same dimensions and layers (random
+weights of its own seed; its embedding and ``lm_head`` are replaced by the bf16 model's, the same shapes, so that
+they are not held twice), its decode step captured by ``cutlass_w8a8.runner.DecodeGraphRunner(model, max_batch=B,
+sizes=[B])`` (as bench/bench_decoder.py does) and fed device inputs. Its prefill is the prompt fed through the step
+token by token (the decoder has no prefill op) after zeroing the cache, so its timed steps run at the same positions
+as the transformers models'. It is timed interleaved with the other variants of the batch, and each ``-opt`` model's
+graph path is judged against it (issue 28: within 1.1x of our decoder's graph step, same run). Checked: its graph
+replay against its eager step (``DecodeGraphRunner.step(..., use_graph=False)``) on the check tokens.
 
 Warm-up: per (model, batch, mode), the seconds from the path's first use to the first decode token: eager, the
 prefill and first step; compiled, the prefill and the first step, which compiles (its CUDA graph is recorded on
@@ -61,8 +76,10 @@ repetitions (min and max in the JSON).
 ``--tiny`` runs the same flow on the CPU (the ops' CPU reference implementations) with a tiny config, eager
 only unless ``--compile``: it exercises the code (CI runs it), its times are not measurements of anything.
 
-Writes ``hf_decode_<device>.json`` (raw numbers), ``.md`` (tables) and ``.png`` (latency and speedups; left out,
-with a note, where matplotlib is not installed) to ``--out``. A variant whose check raises (a failed compile, say)
+Writes ``hf_decode[_<tag>]_<device>.json`` (raw numbers), ``.md`` (tables, naming the device) and ``.png`` (latency
+and speedups; left out, with a note, where matplotlib is not installed) to ``--out``. ``<tag>``: ``--tag``, else
+``b`` and the batches (``b1``, ``b8``, ``b1-2``) unless they are the default 1 and 8 (then none), so that runs of
+one batch each do not overwrite each other. A variant whose check raises (a failed compile, say)
 is recorded with its error and left out of the timing; the others still run. Exits 1 when a check failed or a
 variant raised (the outputs are written first), 2 when it cannot run.
 
@@ -72,6 +89,8 @@ Examples::
     python bench/bench_hf.py --quick              # 2 layers, bf16,int8,int8-opt,fp8-opt,fp8-block-opt, 3 x 12 steps:
                                                   # the flow and a first look in ~2 minutes (ratios not the 8B's)
     python bench/bench_hf.py --batches 1 --dtypes bf16,int8-opt --no-compile
+    python bench/bench_hf.py --batches 1 --dtypes bf16,int8-opt,fp8-opt,fp8-block-opt --decoder
+                                                  # writes hf_decode_b1_<device>.*; --batches 8: hf_decode_b8_*
     python bench/bench_hf.py --tiny --out /tmp/hf # CPU, tiny config: the flow only, no timing claims
 """
 
@@ -79,8 +98,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
+import inspect
 import os
+import re
 import sys
 import tempfile
 import time
@@ -91,8 +113,9 @@ import torch
 
 from cutlass_w8a8.testing.cli import int_list, name_list
 from cutlass_w8a8.testing.hf_decode_report import (
-    COMPILED_MIN_SQNR_DB, GRAPH_MIN_SQNR_DB, MODELS, MODES, W8A8_MIN_SQNR_DB, _size, apply_gates, derive, recheck,
-    render_markdown, write_outputs)
+    COMPILED_MIN_SQNR_DB, GRAPH_MIN_SQNR_DB, MODELS, MODES, W8A8_MIN_SQNR_DB, _size, apply_gates, derive,
+    latency_table, plot_results, recheck, render_markdown)
+from cutlass_w8a8.testing.report import write_results
 from cutlass_w8a8.testing.hf_decode_steps import (
     GraphPoint, Point, Timer, check_mode, sqnr_db, step_inputs, time_interleaved)
 
@@ -102,6 +125,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUANT = {"int8": (torch.int8, None), "fp8": (torch.float8_e4m3fn, None),
          "fp8-block": (torch.float8_e4m3fn, (128, 128))}
 QUICK_MODELS = ["bf16", "int8", "int8-opt", "fp8-opt", "fp8-block-opt"]
+# GraphGenerator(step=...): "auto" picks the package's decoder-layer step ("cw") where the model supports it
+GRAPH_STEPS = ("auto", "cw", "transformers")
+# --decoder: the package's own reference decoder, a row of the graph mode, and issue 28's bound on the graph path
+DECODER = "decoder int8 (cutlass_w8a8.models)"
+DECODER_WITHIN = 1.1  # each -opt model's graph ms/token <= 1.1 x the decoder's graph step, same run
 # MODELS, MODES, the speedup and warm-up TARGETS and the logits gates (COMPILED_MIN_SQNR_DB, GRAPH_MIN_SQNR_DB,
 # W8A8_MIN_SQNR_DB) are defined, with the reasons for their values, in cutlass_w8a8/testing/hf_decode_report.py,
 # which applies them.
@@ -130,6 +158,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              "the 32-layer model's")
     parser.add_argument("--no-compile", action="store_true", help="no torch.compile mode")
     parser.add_argument("--no-graph", action="store_true", help="no cutlass_w8a8.generate graph mode")
+    parser.add_argument("--graph-step", choices=GRAPH_STEPS, default="auto",
+                        help="GraphGenerator's step= (default auto: cw for the -opt models, transformers for the "
+                             "others; cw raises for a model it cannot run, recorded as that variant's error); the "
+                             "step each graph ran is reported")
+    parser.add_argument("--decoder", action="store_true",
+                        help="also time the package's own decoder (cutlass_w8a8.models.LlamaDecoder, int8, same dims "
+                             "and layers) captured by DecodeGraphRunner, in graph mode, and judge each -opt model's "
+                             "graph path against it (within 1.1x); about 7 GiB more at 32 layers")
+    parser.add_argument("--tag", default=None,
+                        help="file-name tag: hf_decode_<tag>_<device>.* (default: b<batches>, e.g. b1 or b8, none for "
+                             "the default 1,8); letters, digits, '.', '_', '-'")
     parser.add_argument("--tiny", action="store_true",
                         help="CPU, tiny config (hidden 64): runs the flow on the ops' CPU reference "
                              "implementations, eager only unless --compile; no timing claims")
@@ -146,7 +185,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--max-cache-len", type=int, default=256,
                         help="StaticCache length (default 256); attention reads all of it every step")
     parser.add_argument("--out", default=None, metavar="DIR",
-                        help="output folder for hf_decode_<device>.{json,md,png} (default: bench/results; "
+                        help="output folder for hf_decode[_<tag>]_<device>.{json,md,png} (default: bench/results; "
                              "with --tiny a folder under the system temp dir)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokens")
     parser.add_argument("--recheck", metavar="JSON", default=None,
@@ -159,6 +198,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--compile only applies to --tiny (the GPU run compiles unless --no-compile)")
     if args.check_steps < 3:
         parser.error("--check-steps must be >= 3 (the compiled steps: compile + warm-up, CUDA graph record, replay)")
+    if args.decoder and args.no_graph:
+        parser.error("--decoder times our decoder in graph mode and compares the graph paths with it: drop --no-graph")
+    if args.tag is not None and not re.fullmatch(r"[A-Za-z0-9._-]*", args.tag):
+        parser.error(f"--tag may hold letters, digits, '.', '_' and '-' only, got {args.tag!r}")
     args.layers = args.layers or (2 if args.tiny or args.quick else 32)
     args.reps = args.reps if args.reps is not None else (2 if args.tiny else 3 if args.quick else 7)
     args.steps = args.steps if args.steps is not None else (4 if args.tiny else 12 if args.quick else 24)
@@ -169,12 +212,25 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.prompt_len < 1 or args.max_cache_len < args.prompt_len + max(args.steps, args.check_steps):
         parser.error("--max-cache-len must hold --prompt-len + max(--steps, --check-steps) positions")
     args.batches = sorted(set(args.batches))
+    args.tag_given = args.tag is not None
+    args.tag = file_tag(args.batches) if args.tag is None else args.tag
     args.modes = [m for m in MODES if not ((m == "compiled" and (args.no_compile or (args.tiny and not args.compile)))
                                            or (m == "graph" and args.no_graph))]
     if args.out is None:
         args.out = (os.path.join(tempfile.gettempdir(), "cutlass_w8a8_bench_hf") if args.tiny
                     else os.path.join(REPO_ROOT, "bench", "results"))
     return args
+
+
+def file_tag(batches: list[int]) -> str:
+    """The default file-name tag: ``""`` for the default batches 1 and 8, else ``"b"`` and the batches joined by
+    ``-`` (``[1] -> "b1"``, ``[1, 2] -> "b1-2"``)."""
+    return "" if list(batches) == [1, 8] else "b" + "-".join(str(b) for b in batches)
+
+
+def results_prefix(tag: str) -> str:
+    """``hf_decode`` or ``hf_decode_<tag>``: the files are ``<prefix>_<device slug>.{json,md,png}``."""
+    return f"hf_decode_{tag}" if tag else "hf_decode"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -229,6 +285,109 @@ def model_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 
+def graph_generator(cw: Any, step: str):
+    """``cutlass_w8a8.hf.GraphGenerator`` with ``step=step`` bound where its constructor takes ``step=`` (issue 28);
+    a cutlass_w8a8 without it has only the transformers step: ``step="auto"`` then passes nothing, any other value
+    is a ValueError."""
+    cls = cw.hf.GraphGenerator
+    if "step" in inspect.signature(cls).parameters:
+        return functools.partial(cls, step=step)
+    if step != "auto":
+        raise ValueError(f"--graph-step {step}: this cutlass_w8a8's GraphGenerator has no `step` argument "
+                         "(only the transformers step); use --graph-step auto")
+    return cls
+
+
+def graph_step_of(gen: Any) -> dict[str, Optional[str]]:
+    """The step a ``GraphGenerator`` runs, ``{"step": "cw" | "transformers", "reason": why step="auto" fell back to
+    transformers, or None}``; a generator without the ``step`` attribute runs the transformers step."""
+    step = getattr(gen, "step", None)
+    reason = getattr(gen, "step_reason", None)
+    return {"step": step if isinstance(step, str) else "transformers",
+            "reason": reason if isinstance(reason, str) else None}
+
+
+def decoder_config(models: Any, config):
+    """The `cutlass_w8a8.models.LlamaConfig` of the transformers Llama ``config``'s dimensions and layers (for the
+    Llama-3-8B dimensions: ``LLAMA3_8B.replace(num_layers=...)``)."""
+    return models.LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+        rope_theta=float(config.rope_parameters["rope_theta"]), max_position=config.max_position_embeddings,
+        init_std=config.initializer_range)
+
+
+@torch.no_grad()
+def build_decoder(models: Any, cw: Any, config, bf16, max_batch: int, max_cache_len: int, device: torch.device,
+                  seed: int):
+    """Our reference decoder at ``config``'s dimensions: ``LlamaDecoder(decoder_config(config), quant="int8",
+    max_batch=max_batch, max_seq_len=max_cache_len rounded up to a multiple of 16, device, bfloat16, seed)``, its
+    embedding and ``lm_head`` then replaced by ``bf16``'s (the same shapes and dtype: held once). Returns the model
+    and its ``results["models"]`` entry."""
+    t0 = time.perf_counter()
+    max_seq = -(-max_cache_len // 16) * 16
+    dec = models.LlamaDecoder(decoder_config(models, config), quant="int8", max_batch=max_batch, max_seq_len=max_seq,
+                              device=device, dtype=torch.bfloat16, seed=seed)
+    for name, ours, theirs in (("embed_tokens", dec.embed_tokens, bf16.model.embed_tokens),
+                               ("lm_head", dec.lm_head, bf16.lm_head)):
+        if ours.weight.shape != theirs.weight.shape or ours.weight.dtype != theirs.weight.dtype:
+            raise ValueError(f"build_decoder: the decoder's {name} {tuple(ours.weight.shape)} {ours.weight.dtype} "
+                             f"is not the bf16 model's {tuple(theirs.weight.shape)} {theirs.weight.dtype}")
+    dec.embed_tokens, dec.lm_head = bf16.model.embed_tokens, bf16.lm_head
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the decoder's own embedding and lm_head, dropped
+    info = {"weight_bytes": dec.weight_nbytes(), "w8a8_linears": sum(isinstance(m, cw.W8A8Linear)
+                                                                     for m in dec.modules()),
+            "optimized": None, "build_s": time.perf_counter() - t0, "quant": "int8", "max_batch": max_batch,
+            "max_seq_len": max_seq, "cache_bytes": dec.cache_nbytes(),
+            "shared": "embedding and lm_head of the bf16 model",
+            "call": f"cutlass_w8a8.models.LlamaDecoder(config, quant='int8', max_batch={max_batch}, "
+                    f"max_seq_len={max_seq}, device='{device.type}', dtype=torch.bfloat16, seed={seed})"}
+    return dec, info
+
+
+class DecoderPoint:
+    """Our decoder at one batch ``B``, its decode step captured by ``DecodeGraphRunner(model, max_batch=B,
+    sizes=[B])`` (on the CPU the runner runs it eagerly), for `check_mode` and `time_interleaved`:
+
+    - ``prefill()``: the cache zeroed, then the prompt ``(B, L)`` fed through the step token by token (positions
+      ``0 .. L - 1``, slots ``0 .. B - 1``; the decoder has no prefill op); the last logits ``(B, 1, V)``.
+    - ``step(mode, tokens, positions)``: ``tokens``, ``positions`` ``(B, 1)`` int64 on the device; ``mode``
+      ``"graph"`` replays the graph, ``"eager"`` runs the same step kernel by kernel; logits ``(B, 1, V)``, a view
+      of the runner's static output (valid until the next step).
+
+    ``setup_s``: the seconds the runner's creation took (warm-up and capture); ``capture_s``: the runner's own
+    ``capture_seconds``."""
+
+    def __init__(self, runner_mod: Any, model, prompt: torch.Tensor):
+        self.model = model
+        self.prompt = prompt
+        self.batch, length = prompt.shape
+        t0 = time.perf_counter()
+        self.runner = runner_mod.DecodeGraphRunner(model, max_batch=self.batch, sizes=[self.batch])
+        if prompt.is_cuda:
+            torch.cuda.synchronize()
+        self.setup_s = time.perf_counter() - t0
+        self.capture_s = self.runner.capture_seconds
+        self.slots = torch.arange(self.batch, device=prompt.device)
+        self._prompt_steps = [(prompt[:, i].contiguous(), torch.full((self.batch,), i, dtype=torch.int64,
+                                                                      device=prompt.device)) for i in range(length)]
+
+    @torch.no_grad()
+    def prefill(self) -> torch.Tensor:
+        self.model.reset_cache()
+        out = None
+        for tok, pos in self._prompt_steps:
+            out = self.runner.step(tok, pos, self.slots)
+        return out[:, None, :]
+
+    @torch.no_grad()
+    def step(self, mode: str, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.runner.step(tokens[:, 0], positions[:, 0], self.slots, use_graph=mode == "graph")[:, None, :]
+
+
 # ----------------------------------------------------------------------------------------------------
 # run
 
@@ -245,9 +404,11 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     import transformers
 
     import cutlass_w8a8 as cw
+    from cutlass_w8a8 import models as cw_models, runner as cw_runner
     from cutlass_w8a8.testing import timers as bu
 
     device = torch.device("cpu" if args.tiny else "cuda")
+    make_generator = graph_generator(cw, args.graph_step)  # before any build: a bad --graph-step fails at once
     name = "cpu" if args.tiny else torch.cuda.get_device_name()
     commit, dirty = bu.git_commit(REPO_ROOT)
     config = llama_config(transformers, args.tiny, args.layers)
@@ -281,6 +442,16 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                        "graph_vs_eager_min_sqnr_db": GRAPH_MIN_SQNR_DB,
                        "w8a8_vs_bf16_min_sqnr_db": W8A8_MIN_SQNR_DB},
         "full_size": not args.tiny and args.layers == 32,
+        "tag": args.tag,
+        # GraphGenerator(step=...) asked for (None: the constructor takes no step=), and per batch and model the
+        # step it ran ({"step": "cw" | "transformers", "reason": why "auto" fell back, or None})
+        "graph_step_requested": (args.graph_step if isinstance(make_generator, functools.partial) else None)
+        if "graph" in args.modes else None,
+        "graph_step": {},
+        # --decoder: our reference decoder's build (also under "models"), per batch its runner's setup; and each
+        # -opt model's graph path against its graph step (issue 28: within DECODER_WITHIN)
+        "decoder": None,
+        "targets_vs_decoder": [],
         "models": {},
         "points": {},
         "accuracy": {},
@@ -312,6 +483,24 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         results["models"][m] = {"weight_bytes": model_bytes(models[m]), "w8a8_linears": n_q,
                                 "optimized": cw.hf.is_optimized(models[m]), "build_s": time.perf_counter() - t0}
         log(f"{m}: {_size(model_bytes(models[m]))} of weights, {n_q} W8A8Linear")
+    failures: list[str] = []
+    decoder = None
+    if args.decoder:
+        log(f"building our decoder: LlamaDecoder int8, {args.layers} layers, max_batch {max(args.batches)}")
+        try:
+            decoder, info = build_decoder(cw_models, cw, config, bf16, max(args.batches), args.max_cache_len, device,
+                                          args.seed)
+        except Exception as exc:  # noqa: BLE001 (recorded; the transformers models still run)
+            traceback.print_exc()
+            msg = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"[:400]
+            results["errors"][DECODER] = msg
+            failures.append(f"{DECODER}: build: {msg}")
+        else:
+            results["models"][DECODER] = info
+            results["decoder"] = {"build_s": info["build_s"], "batches": {}}
+            dtypes.append(DECODER)  # a row of the graph mode (the latency table lists results["dtypes"])
+            log(f"{DECODER}: {_size(info['weight_bytes'])} of weights (embedding and lm_head shared), "
+                f"{info['w8a8_linears']} W8A8Linear, built in {info['build_s']:.1f} s")
     results["dtypes"] = dtypes
     if device.type == "cuda":
         results["memory_after_build_GiB"] = torch.cuda.memory_allocated() / 2**30
@@ -320,7 +509,6 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                                       else "cache_size_limit")
     setattr(cfg, key, max(getattr(cfg, key), len(dtypes) * len(args.batches) + 2))
 
-    failures: list[str] = []
     timer = Timer(device)
     gen = torch.Generator().manual_seed(args.seed + 1)
     for b in args.batches:
@@ -331,8 +519,11 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         check: dict[str, dict[str, list[torch.Tensor]]] = {}
         acc: dict[str, Any] = {}
         warm: dict[str, Any] = {}
+        steps_of: dict[str, Any] = {}
         results["accuracy"][str(b)] = acc
         results["warmup"][str(b)] = warm
+        if "graph" in args.modes:
+            results["graph_step"][str(b)] = steps_of
         for m, model in models.items():
             t0 = time.perf_counter()
             acc[m], check[m], warm[m] = {}, {}, {}
@@ -348,8 +539,11 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                         point.compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True,
                                                        dynamic=False)
                     if mode == "graph":
-                        p = GraphPoint(cw.hf.GraphGenerator, model, prompt, args.max_cache_len)
+                        p = GraphPoint(make_generator, model, prompt, args.max_cache_len)
                         setup_s = p.setup_s
+                        steps_of[m] = graph_step_of(p.gen)
+                        log(f"batch {b}, {m}, graph: step {steps_of[m]['step']}"
+                            + (f" (auto fell back: {steps_of[m]['reason']})" if steps_of[m]["reason"] else ""))
                     else:
                         p = point
                     check[m][mode], step_s = check_mode(p, check_inputs, mode)
@@ -392,23 +586,186 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                     log(f"batch {b}, {m}: last-step logits vs bf16: " + ", ".join(
                         f"{mode} {acc[m][f'{mode}_sqnr_vs_bf16_db']:.1f} dB" for mode in check[m]))
 
+        if decoder is not None:
+            check_decoder(cw_runner, decoder, prompt, check_inputs, b, points, results, failures, log)
+
         # the variants whose check ran (a failed compile leaves its model's eager variant in)
         variants = {key: (p, time_inputs) for key, p in points.items()}
         log(f"batch {b}: timing {len(variants)} variants, {args.reps} interleaved repetitions of {args.steps} steps")
         timings = time_interleaved(variants, args.reps, args.steps, timer, log)
+        names = list(models) + ([DECODER] if (DECODER, "graph") in timings else [])
         results["points"][str(b)] = {m: {mode: timings[(m, mode)] for mode in args.modes if (m, mode) in timings}
-                                     for m in models}
+                                     for m in names}
         for mode in args.modes:
             log(f"batch {b}, {mode}: " + ", ".join(f"{m} {timings[(m, mode)]['median_ms']:.3f} ms/token"
-                                                   for m in models if (m, mode) in timings))
+                                                   for m in names if (m, mode) in timings))
         points = variants = p = point = None
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
             results.setdefault("max_memory_allocated_GiB", {})[str(b)] = torch.cuda.max_memory_allocated() / 2**30
+    decoder = None
+    gc.collect()
     results["failures"] = failures + apply_gates(results)
     derive(results)
+    results["targets_vs_decoder"] = targets_vs_decoder(results)
     return results
+
+
+def check_decoder(runner_mod: Any, decoder, prompt: torch.Tensor, check_inputs: list, b: int, points: dict,
+                  results: dict[str, Any], failures: list, log: Log) -> None:
+    """Our decoder at batch ``b``: its `DecoderPoint` (runner captured), the check steps eager and then replayed
+    (``results["accuracy"][b][DECODER]["graph_vs_eager"]``, gated like the other graph paths), and
+    ``points[(DECODER, "graph")]`` for the timing; an exception is recorded as the variant's error."""
+    log(f"batch {b}, {DECODER}: capture, check, {len(check_inputs)} steps eager and replayed")
+    try:
+        p = DecoderPoint(runner_mod, decoder, prompt)
+        eager, _ = check_mode(p, check_inputs, "eager")
+        graph, _ = check_mode(p, check_inputs, "graph")
+    except Exception as exc:  # noqa: BLE001 (recorded; the other variants still run)
+        traceback.print_exc()
+        msg = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"[:400]
+        results["errors"][f"{DECODER} graph batch {b}"] = msg
+        failures.append(f"batch {b} {DECODER} graph: {msg}")
+        log(f"batch {b}, {DECODER}: FAILED: {msg}")
+        return
+    results["decoder"]["batches"][str(b)] = {"runner": f"DecodeGraphRunner(model, max_batch={b}, sizes=[{b}])",
+                                             "graphs": bool(p.runner.use_graphs), "setup_s": p.setup_s,
+                                             "capture_s": p.capture_s}
+    worst = min(sqnr_db(o, r) for o, r in zip(graph, eager))
+    max_abs = max(float((o - r).abs().max()) for o, r in zip(graph, eager))
+    results["accuracy"][str(b)][DECODER] = {"graph_vs_eager": {
+        "worst_sqnr_db": worst, "max_abs": max_abs, "logits_max_abs": float(max(r.abs().max() for r in eager))}}
+    points[(DECODER, "graph")] = p
+    log(f"batch {b}, {DECODER}: runner ready after {p.setup_s:.2f} s; graph vs eager logits: worst SQNR "
+        f"{worst:.1f} dB, max |diff| {max_abs:.3g}")
+
+
+def targets_vs_decoder(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 28: each ``-opt`` model's graph ms/token over our decoder's graph step at the same batch (same run),
+    ``ratio <= DECODER_WITHIN``; ``met`` is None where the ratio is missing or the run is not the full 32-layer GPU
+    model (``results["full_size"]``)."""
+    out = []
+    for b in results["batches"]:
+        point = results["points"].get(str(b), {})
+        dec = point.get(DECODER, {}).get("graph")
+        if dec is None:
+            continue
+        for m in results["dtypes"]:
+            if not m.endswith("-opt"):
+                continue
+            cur = point.get(m, {}).get("graph")
+            ratio = cur["median_ms"] / dec["median_ms"] if cur else None
+            step = results.get("graph_step", {}).get(str(b), {}).get(m, {}).get("step")
+            out.append({"model": m, "mode": "graph", "batch": b, "graph_step": step,
+                        "ms_per_token": cur["median_ms"] if cur else None, "decoder_ms": dec["median_ms"],
+                        "ratio": ratio, "target_max": DECODER_WITHIN,
+                        "met": None if ratio is None or not results["full_size"] else ratio <= DECODER_WITHIN})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# report: cutlass_w8a8.testing.hf_decode_report's, with the graph step of each row, our decoder and its targets
+
+
+def _graph_step_table(results: dict[str, Any], table: str) -> str:
+    """``table`` (`latency_table`'s) with a last column "graph step": per graph row the step its GraphGenerator ran
+    (``cw`` / ``transformers``, with a numbered note where ``step="auto"`` fell back), ``DecodeGraphRunner`` for our
+    decoder; the notes follow the table."""
+    lines = table.splitlines()
+    out = [lines[0] + " graph step |", lines[1] + ":---|"]
+    reasons: list[str] = []
+    for row in lines[2:]:
+        b, mode, m = (c.strip() for c in row.strip().strip("|").split("|")[:3])
+        cell = "–"
+        if mode == "graph" and m == DECODER:
+            cell = "DecodeGraphRunner" if (results.get("decoder") or {}).get("batches", {}).get(b, {}).get(
+                "graphs", True) else "DecodeGraphRunner (eager: no CUDA)"
+        elif mode == "graph":
+            st = results.get("graph_step", {}).get(b, {}).get(m)
+            if st:
+                cell = st["step"]
+                if st.get("reason"):
+                    if st["reason"] not in reasons:
+                        reasons.append(st["reason"])
+                    cell += f" (auto fell back, note {reasons.index(st['reason']) + 1})"
+        out.append(f"{row} {cell} |")
+    if reasons:
+        out += [""] + [f"{i}. `step='auto'` chose the transformers step: {r}" for i, r in enumerate(reasons, 1)]
+    return "\n".join(out)
+
+
+def _notes(results: dict[str, Any]) -> list[str]:
+    lines = []
+    if "graph" in results["modes"]:
+        req = results.get("graph_step_requested")
+        lines.append("- graph step: the decode step the graph path captured, "
+                     + (f"`GraphGenerator(..., step='{req}')`" if req else "a GraphGenerator without `step=`")
+                     + ": `cw`, the package's decoder-layer code over the optimize_d model's fused modules (fused "
+                     "norm + quantization, rope + KV write, split-KV decode attention, on a KV cache of its own); "
+                     "`transformers`, the `model.forward` call above")
+    info = results["models"].get(DECODER)
+    if info:
+        lines.append(f"- {DECODER}: `{info['call']}` at the same dimensions and layers (random weights; embedding "
+                     "and lm_head: the bf16 model's), its decode step captured by `DecodeGraphRunner(model, "
+                     "max_batch=B, sizes=[B])` with device inputs; per repetition its cache zeroed and the prompt "
+                     "fed through the step (its prefill, untimed), then the same decode steps at the same positions, "
+                     "timed round-robin with the other variants")
+    return lines
+
+
+def _decoder_target_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
+    for t in results.get("targets_vs_decoder", []):
+        verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
+        value = ("–" if t["ratio"] is None else
+                 f"{t['ms_per_token']:.3f} ms/token = {t['ratio']:.2f}x our decoder's graph step "
+                 f"({t['decoder_ms']:.3f} ms, same run)")
+        step = f" (graph step {t['graph_step']})" if t.get("graph_step") else ""
+        lines.append(f"- {t['model']} graph{step} batch {t['batch']}: {value} (target: graph ms/token within "
+                     f"{t['target_max']}x of our decoder's graph step): {verdict}")
+    return lines
+
+
+def render(results: dict[str, Any]) -> str:
+    """`render_markdown`'s report with the "graph step" column, the notes on the graph step and our decoder, and
+    the targets against our decoder in place of the report's "not measured here" line (after the other targets
+    where that line is not there)."""
+    md = render_markdown(results)
+    table = latency_table(results)
+    if table in md:
+        md = md.replace(table, _graph_step_table(results, table), 1)
+    notes = _notes(results)
+    anchor = "\n\n## Per-token latency and warm-up"
+    if notes:
+        md = md.replace(anchor, "\n" + "\n".join(notes) + anchor, 1) if anchor in md else md + "\n".join(notes) + "\n"
+    lines = md.split("\n")
+    mine = _decoder_target_lines(results)
+    old = [i for i, line in enumerate(lines)
+           if line.startswith("- graph path within 1.1x of the package's own decoder")]
+    if mine and old:
+        lines[old[0]:old[0] + 1] = mine
+    elif mine:
+        at = lines.index("## Targets") + 2 if "## Targets" in lines else len(lines)
+        while at < len(lines) and lines[at].startswith("- "):
+            at += 1
+        lines[at:at] = mine
+    return "\n".join(lines)
+
+
+def write(results: dict[str, Any], out_dir: str) -> dict[str, str]:
+    """Write ``<results_prefix(results["tag"])>_<device slug>.{json,md,png}`` to ``out_dir`` (`render`'s report; the
+    PNG left out, with a note in the report, where matplotlib is not installed); the paths written by extension."""
+    try:
+        import matplotlib  # noqa: F401
+        plot = plot_results
+    except ImportError:
+        results["png_note"] = "no PNG: matplotlib is not installed"
+
+        def plot(results, path):
+            return None
+    paths = write_results(results, render(results), out_dir, results_prefix(results.get("tag") or ""), plot)
+    return {ext: p for ext, p in paths.items() if os.path.exists(p)}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -421,11 +778,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.recheck:
         import json
 
-        with open(args.recheck) as f:
+        with open(args.recheck, encoding="utf-8") as f:
             results = json.load(f)
         recheck(results, args.recheck)
-        paths = write_outputs(results, args.out)
-        print(render_markdown(results))
+        if args.tag_given or "tag" not in results:  # else the file's own tag
+            results["tag"] = args.tag if args.tag_given else file_tag(results["batches"])
+        paths = write(results, args.out)
+        print(render(results))
         log("wrote " + ", ".join(paths.values()))
         return 1 if results["failures"] else 0
     if not args.tiny:
@@ -444,10 +803,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ImportError as exc:
         print(f"bench_hf.py: needs transformers ({exc})", file=sys.stderr)
         return 2
+    import cutlass_w8a8 as cw
+
+    try:
+        graph_generator(cw, args.graph_step)
+    except ValueError as exc:
+        print(f"bench_hf.py: {exc}", file=sys.stderr)
+        return 2
     results = run(args, log)
     results["total_seconds"] = time.perf_counter() - log.t0
-    paths = write_outputs(results, args.out)
-    print(render_markdown(results))
+    paths = write(results, args.out)
+    print(render(results))
     log("wrote " + ", ".join(paths.values()))
     if results["failures"]:
         print("bench_hf.py: correctness checks FAILED:\n  " + "\n  ".join(results["failures"]), file=sys.stderr)
