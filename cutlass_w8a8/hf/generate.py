@@ -128,6 +128,15 @@ class GraphGenerator:
     logits_history : list of torch.Tensor
         ``(B, V)`` float32 per new token, on the model's device, when ``record_logits``.
 
+    Warnings
+    --------
+    Do not interleave these graphs' replays with ``torch.compile(mode="reduce-overhead")`` models in one process
+    until the following is understood. On an H100 (bench_hf at Llama-3-8B dims, 2026-11-27), compiled models
+    stepped between replays of the ``"cw"`` step's graphs (or of `cutlass_w8a8.runner.DecodeGraphRunner`'s) failed
+    with an illegal memory access inside a later compiled step. It failed the same way with PDL off, and did not
+    fail without the compiled models. The cause is not found; ``scripts/repro_compile_and_graphs.py`` separates
+    the cases.
+
     Raises
     ------
     TypeError
