@@ -67,6 +67,36 @@ def quantized(model, scheme: str):
     return cw.quantize_(copy.deepcopy(model), SCHEMES[scheme], filter_fn=lambda m, fqn: "lm_head" not in fqn)
 
 
+def optimized(kind: str, scheme, *, qk_gain: float = 1.0, device="cpu", **kw):
+    """``tiny_model(kind, **kw)`` with its q and k projections' weights times ``qk_gain`` (before quantization),
+    quantized with ``scheme`` (`quantized`) and `cutlass_w8a8.optimize_`d, on ``device``; ``scheme`` None: the bf16
+    model itself (``qk_gain`` applied)."""
+    from cutlass_w8a8.hf import optimize_
+
+    base = tiny_model(kind, **kw)
+    if qk_gain != 1.0:
+        with torch.no_grad():
+            for name, p in base.named_parameters():
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    p.mul_(qk_gain)
+    if scheme is None:
+        return base.to(device)
+    return optimize_(quantized(base, scheme).to(device))
+
+
+def left_padded_batch(b: int = 3, length: int = 7, seed: int = 0, device="cpu"):
+    """``(input_ids, attention_mask)`` ``(b, length)`` int64: random tokens in [2, 256), left padding of 3 in row 1
+    and 1 in row 2 (when they exist), padded positions holding token 0."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 256, (b, length), generator=g)
+    am = torch.ones_like(ids)
+    if b > 1:
+        am[1, :3] = 0
+    if b > 2:
+        am[2, :1] = 0
+    return ids.masked_fill(am == 0, 0).to(device), am.to(device)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``|out - ref| / |ref|`` (Frobenius), in float64."""
     out, ref = out.double(), ref.double()

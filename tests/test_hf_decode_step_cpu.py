@@ -20,34 +20,20 @@ import cutlass_w8a8 as cw
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from _hf_tiny import (MIN_CHECKED, QK_GAIN, check_greedy_against_transformers, quantized, rel_err,  # noqa: E402
-                      tiny_model)
+from _hf_tiny import (MIN_CHECKED, QK_GAIN, check_greedy_against_transformers, left_padded_batch,  # noqa: E402
+                      optimized, rel_err, tiny_model)
 
-from cutlass_w8a8.hf import DecodeStep, GraphGenerator, optimize_  # noqa: E402
+from cutlass_w8a8.hf import DecodeStep, GraphGenerator  # noqa: E402
 
 CACHE = 48
 NEW = 12
 
 
 def _model(kind="llama", scheme="int8", qk_gain=QK_GAIN, layers=2):
-    base = tiny_model(kind, layers=layers)
-    if qk_gain != 1.0:
-        with torch.no_grad():
-            for name, p in base.named_parameters():
-                if name.endswith(("q_proj.weight", "k_proj.weight")):
-                    p.mul_(qk_gain)
-    return optimize_(quantized(base, scheme))
+    return optimized(kind, scheme, qk_gain=qk_gain, layers=layers)
 
 
-def _batch(b=3, length=7, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, 256, (b, length), generator=g)
-    am = torch.ones_like(ids)
-    if b > 1:
-        am[1, :3] = 0
-    if b > 2:
-        am[2, :1] = 0
-    return ids.masked_fill(am == 0, 0), am
+_batch = left_padded_batch
 
 
 @pytest.mark.parametrize("kind,scheme", [("llama", "int8"), ("llama", "fp8"), ("qwen3", "fp8"), ("qwen2", "int8"),

@@ -19,31 +19,19 @@ import cutlass_w8a8 as cw
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from _hf_tiny import quantized, tiny_model  # noqa: E402
+from _hf_tiny import left_padded_batch, optimized, tiny_model  # noqa: E402
 
-from cutlass_w8a8.hf import GraphGenerator, optimize_  # noqa: E402
+from cutlass_w8a8.hf import GraphGenerator  # noqa: E402
 
 CACHE = 48
 NEW = 8
 
 
 def _model(kind="llama", scheme="int8", attn="sdpa", **kw):
-    m = tiny_model(kind, attn=attn, **kw)
-    if scheme is None:
-        return m
-    return optimize_(quantized(m, scheme))
+    return optimized(kind, scheme, attn=attn, **kw)
 
 
-def _batch(b=3, length=7, seed=0):
-    """Left-padded prompts: row 1 has 3 pads, row 2 one."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, 256, (b, length), generator=g)
-    am = torch.ones_like(ids)
-    if b > 1:
-        am[1, :3] = 0
-    if b > 2:
-        am[2, :1] = 0
-    return ids.masked_fill(am == 0, 0), am
+_batch = left_padded_batch
 
 
 def _hf(model, ids, am, **kw):

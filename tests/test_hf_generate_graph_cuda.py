@@ -13,36 +13,28 @@ import cutlass_w8a8 as cw
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from _hf_tiny import MIN_CHECKED, QK_GAIN, check_greedy_against_transformers, quantized, tiny_model  # noqa: E402
+from _hf_tiny import (MIN_CHECKED, QK_GAIN, check_greedy_against_transformers, left_padded_batch,  # noqa: E402
+                      optimized)
 
-from cutlass_w8a8.hf import GraphGenerator, optimize_  # noqa: E402
+from cutlass_w8a8.hf import GraphGenerator  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
 CACHE = 64
 NEW = 12
 SCHEMES = ["int8", "fp8", pytest.param("fp8-block", marks=pytest.mark.sm90)]
+
+
 def _model(kind, scheme, attn="sdpa", qk_gain=1.0, device="cuda"):
-    """The tiny model ``kind``, its q and k projections' weights times ``qk_gain`` (before quantization), W8A8
-    ``scheme``, optimized, on ``device``."""
+    """`_hf_tiny.optimized` (W8A8 ``scheme``, q / k times ``qk_gain``) on ``device``; skips fp8 where the device
+    has no fp8 kernels."""
     if device == "cuda" and scheme != "int8" and not cw.supports_fp8():
         pytest.skip("no fp8 kernels on this device")
-    base = tiny_model(kind, attn=attn)
-    if qk_gain != 1.0:
-        with torch.no_grad():
-            for name, p in base.named_parameters():
-                if name.endswith(("q_proj.weight", "k_proj.weight")):
-                    p.mul_(qk_gain)
-    return optimize_(quantized(base, scheme).to(device))
+    return optimized(kind, scheme, qk_gain=qk_gain, device=device, attn=attn)
 
 
 def _batch(b=3, length=7, seed=0, device="cuda"):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, 256, (b, length), generator=g)
-    am = torch.ones_like(ids)
-    am[1, :3] = 0
-    am[2, :1] = 0
-    return ids.masked_fill(am == 0, 0).to(device), am.to(device)
+    return left_padded_batch(b, length, seed, device)
 
 
 @pytest.mark.parametrize("step,attn", [("cw", "sdpa"), ("transformers", "sdpa"), ("transformers", "eager")])
