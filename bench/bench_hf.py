@@ -113,9 +113,8 @@ import torch
 
 from cutlass_w8a8.testing.cli import int_list, name_list
 from cutlass_w8a8.testing.hf_decode_report import (
-    COMPILED_MIN_SQNR_DB, GRAPH_MIN_SQNR_DB, MODELS, MODES, W8A8_MIN_SQNR_DB, _size, apply_gates, derive,
-    latency_table, plot_results, recheck, render_markdown)
-from cutlass_w8a8.testing.report import write_results
+    COMPILED_MIN_SQNR_DB, DECODER, GRAPH_MIN_SQNR_DB, MODELS, MODES, W8A8_MIN_SQNR_DB, _size,
+    apply_gates, derive, recheck, render_markdown, targets_vs_decoder, write_outputs)
 from cutlass_w8a8.testing.hf_decode_steps import (
     GraphPoint, Point, Timer, check_mode, sqnr_db, step_inputs, time_interleaved)
 
@@ -127,12 +126,10 @@ QUANT = {"int8": (torch.int8, None), "fp8": (torch.float8_e4m3fn, None),
 QUICK_MODELS = ["bf16", "int8", "int8-opt", "fp8-opt", "fp8-block-opt"]
 # GraphGenerator(step=...): "auto" picks the package's decoder-layer step ("cw") where the model supports it
 GRAPH_STEPS = ("auto", "cw", "transformers")
-# --decoder: the package's own reference decoder, a row of the graph mode, and issue 28's bound on the graph path
-DECODER = "decoder int8 (cutlass_w8a8.models)"
-DECODER_WITHIN = 1.1  # each -opt model's graph ms/token <= 1.1 x the decoder's graph step, same run
-# MODELS, MODES, the speedup and warm-up TARGETS and the logits gates (COMPILED_MIN_SQNR_DB, GRAPH_MIN_SQNR_DB,
-# W8A8_MIN_SQNR_DB) are defined, with the reasons for their values, in cutlass_w8a8/testing/hf_decode_report.py,
-# which applies them.
+# MODELS, MODES, the speedup and warm-up TARGETS, the logits gates (COMPILED_MIN_SQNR_DB, GRAPH_MIN_SQNR_DB,
+# W8A8_MIN_SQNR_DB), and --decoder's row name DECODER and bound DECODER_WITHIN (each -opt model's graph ms/token
+# <= 1.1 x our decoder's graph step, same run; `targets_vs_decoder`) are defined, with the reasons for their values,
+# in cutlass_w8a8/testing/hf_decode_report.py, which applies them and renders the report.
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -641,131 +638,15 @@ def check_decoder(runner_mod: Any, decoder, prompt: torch.Tensor, check_inputs: 
         f"{worst:.1f} dB, max |diff| {max_abs:.3g}")
 
 
-def targets_vs_decoder(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 28: each ``-opt`` model's graph ms/token over our decoder's graph step at the same batch (same run),
-    ``ratio <= DECODER_WITHIN``; ``met`` is None where the ratio is missing or the run is not the full 32-layer GPU
-    model (``results["full_size"]``)."""
-    out = []
-    for b in results["batches"]:
-        point = results["points"].get(str(b), {})
-        dec = point.get(DECODER, {}).get("graph")
-        if dec is None:
-            continue
-        for m in results["dtypes"]:
-            if not m.endswith("-opt"):
-                continue
-            cur = point.get(m, {}).get("graph")
-            ratio = cur["median_ms"] / dec["median_ms"] if cur else None
-            step = results.get("graph_step", {}).get(str(b), {}).get(m, {}).get("step")
-            out.append({"model": m, "mode": "graph", "batch": b, "graph_step": step,
-                        "ms_per_token": cur["median_ms"] if cur else None, "decoder_ms": dec["median_ms"],
-                        "ratio": ratio, "target_max": DECODER_WITHIN,
-                        "met": None if ratio is None or not results["full_size"] else ratio <= DECODER_WITHIN})
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------
-# report: cutlass_w8a8.testing.hf_decode_report's, with the graph step of each row, our decoder and its targets
-
-
-def _graph_step_table(results: dict[str, Any], table: str) -> str:
-    """``table`` (`latency_table`'s) with a last column "graph step": per graph row the step its GraphGenerator ran
-    (``cw`` / ``transformers``, with a numbered note where ``step="auto"`` fell back), ``DecodeGraphRunner`` for our
-    decoder; the notes follow the table."""
-    lines = table.splitlines()
-    out = [lines[0] + " graph step |", lines[1] + ":---|"]
-    reasons: list[str] = []
-    for row in lines[2:]:
-        b, mode, m = (c.strip() for c in row.strip().strip("|").split("|")[:3])
-        cell = "–"
-        if mode == "graph" and m == DECODER:
-            cell = "DecodeGraphRunner" if (results.get("decoder") or {}).get("batches", {}).get(b, {}).get(
-                "graphs", True) else "DecodeGraphRunner (eager: no CUDA)"
-        elif mode == "graph":
-            st = results.get("graph_step", {}).get(b, {}).get(m)
-            if st:
-                cell = st["step"]
-                if st.get("reason"):
-                    if st["reason"] not in reasons:
-                        reasons.append(st["reason"])
-                    cell += f" (auto fell back, note {reasons.index(st['reason']) + 1})"
-        out.append(f"{row} {cell} |")
-    if reasons:
-        out += [""] + [f"{i}. `step='auto'` chose the transformers step: {r}" for i, r in enumerate(reasons, 1)]
-    return "\n".join(out)
-
-
-def _notes(results: dict[str, Any]) -> list[str]:
-    lines = []
-    if "graph" in results["modes"]:
-        req = results.get("graph_step_requested")
-        lines.append("- graph step: the decode step the graph path captured, "
-                     + (f"`GraphGenerator(..., step='{req}')`" if req else "a GraphGenerator without `step=`")
-                     + ": `cw`, the package's decoder-layer code over the optimize_d model's fused modules (fused "
-                     "norm + quantization, rope + KV write, split-KV decode attention, on a KV cache of its own); "
-                     "`transformers`, the `model.forward` call above")
-    info = results["models"].get(DECODER)
-    if info:
-        lines.append(f"- {DECODER}: `{info['call']}` at the same dimensions and layers (random weights; embedding "
-                     "and lm_head: the bf16 model's), its decode step captured by `DecodeGraphRunner(model, "
-                     "max_batch=B, sizes=[B])` with device inputs; per repetition its cache zeroed and the prompt "
-                     "fed through the step (its prefill, untimed), then the same decode steps at the same positions, "
-                     "timed round-robin with the other variants")
-    return lines
-
-
-def _decoder_target_lines(results: dict[str, Any]) -> list[str]:
-    lines = []
-    for t in results.get("targets_vs_decoder", []):
-        verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
-        value = ("–" if t["ratio"] is None else
-                 f"{t['ms_per_token']:.3f} ms/token = {t['ratio']:.2f}x our decoder's graph step "
-                 f"({t['decoder_ms']:.3f} ms, same run)")
-        step = f" (graph step {t['graph_step']})" if t.get("graph_step") else ""
-        lines.append(f"- {t['model']} graph{step} batch {t['batch']}: {value} (target: graph ms/token within "
-                     f"{t['target_max']}x of our decoder's graph step): {verdict}")
-    return lines
-
-
-def render(results: dict[str, Any]) -> str:
-    """`render_markdown`'s report with the "graph step" column, the notes on the graph step and our decoder, and
-    the targets against our decoder in place of the report's "not measured here" line (after the other targets
-    where that line is not there)."""
-    md = render_markdown(results)
-    table = latency_table(results)
-    if table in md:
-        md = md.replace(table, _graph_step_table(results, table), 1)
-    notes = _notes(results)
-    anchor = "\n\n## Per-token latency and warm-up"
-    if notes:
-        md = md.replace(anchor, "\n" + "\n".join(notes) + anchor, 1) if anchor in md else md + "\n".join(notes) + "\n"
-    lines = md.split("\n")
-    mine = _decoder_target_lines(results)
-    old = [i for i, line in enumerate(lines)
-           if line.startswith("- graph path within 1.1x of the package's own decoder")]
-    if mine and old:
-        lines[old[0]:old[0] + 1] = mine
-    elif mine:
-        at = lines.index("## Targets") + 2 if "## Targets" in lines else len(lines)
-        while at < len(lines) and lines[at].startswith("- "):
-            at += 1
-        lines[at:at] = mine
-    return "\n".join(lines)
+# report (rendered by cutlass_w8a8.testing.hf_decode_report: tables, graph steps, our decoder's row and targets)
 
 
 def write(results: dict[str, Any], out_dir: str) -> dict[str, str]:
-    """Write ``<results_prefix(results["tag"])>_<device slug>.{json,md,png}`` to ``out_dir`` (`render`'s report; the
-    PNG left out, with a note in the report, where matplotlib is not installed); the paths written by extension."""
-    try:
-        import matplotlib  # noqa: F401
-        plot = plot_results
-    except ImportError:
-        results["png_note"] = "no PNG: matplotlib is not installed"
-
-        def plot(results, path):
-            return None
-    paths = write_results(results, render(results), out_dir, results_prefix(results.get("tag") or ""), plot)
-    return {ext: p for ext, p in paths.items() if os.path.exists(p)}
+    """Write ``<results_prefix(results["tag"])>_<device slug>.{json,md,png}`` to ``out_dir`` (hf_decode_report's
+    `write_outputs`: `render_markdown`'s report, the PNG left out, with a note in the report, where matplotlib is
+    not installed); the paths written by extension."""
+    return write_outputs(results, out_dir, results_prefix(results.get("tag") or ""))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -784,7 +665,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.tag_given or "tag" not in results:  # else the file's own tag
             results["tag"] = args.tag if args.tag_given else file_tag(results["batches"])
         paths = write(results, args.out)
-        print(render(results))
+        print(render_markdown(results))
         log("wrote " + ", ".join(paths.values()))
         return 1 if results["failures"] else 0
     if not args.tiny:
@@ -813,7 +694,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     results = run(args, log)
     results["total_seconds"] = time.perf_counter() - log.t0
     paths = write(results, args.out)
-    print(render(results))
+    print(render_markdown(results))
     log("wrote " + ", ".join(paths.values()))
     if results["failures"]:
         print("bench_hf.py: correctness checks FAILED:\n  " + "\n  ".join(results["failures"]), file=sys.stderr)

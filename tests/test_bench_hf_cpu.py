@@ -221,3 +221,118 @@ def test_bench_hf_recheck(tmp_path):
     assert res["failures"][0] == "batch 1 int8 compiled: RuntimeError: x"  # a raised variant stays a failure
     assert len(res["failures"]) == 2 and "compiled vs eager logits SQNR 2.0 dB" in res["failures"][1]
     assert res["accuracy"]["1"]["int8"]["compiled_vs_eager"]["worst_sqnr_db"] == 2.0 and "in.json" in res["rechecked"]
+
+
+def _report_results(report, with_decoder: bool = True) -> dict:
+    """A bench_hf results dict (batch 1, eager and graph) as `run` leaves it before `derive`: bf16 and int8 whose
+    graph path fell back to the transformers step (one reason, shared), int8-opt on the cw step, and, with
+    ``with_decoder``, our decoder's graph row."""
+    dec = report.DECODER
+
+    def pt(ms):
+        return {"median_ms": ms, "min_ms": ms, "max_ms": ms, "reps": 1, "steps": 1}
+
+    fell_back = {"step": "transformers", "reason": "`model.model.layers.0.self_attn` (LlamaAttention) is not fused"}
+    res = {
+        "device": "NVIDIA Test GPU", "device_slug": "nvidia-test-gpu", "tiny": False, "full_size": True,
+        "torch_version": "2.x", "cuda_version": "13.0", "transformers_version": "5.x",
+        "git_commit": "0123456789abcdef0123456789abcdef01234567", "git_dirty": False,
+        "config": {"name": "llama3-8b", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+                   "rope_theta": 500000.0, "attn_implementation": "sdpa"},
+        "batches": [1], "modes": ["eager", "graph"], "dtypes": ["bf16", "int8", "int8-opt"],
+        "prompt_len": 32, "max_cache_len": 256, "compile": None,
+        "timing": {"method": "CUDA events", "reps": 1, "steps": 1},
+        "models": {m: {"weight_bytes": 2**30} for m in ("bf16", "int8", "int8-opt")},
+        "points": {"1": {"bf16": {"eager": pt(50.0), "graph": pt(9.0)}, "int8": {"eager": pt(45.0), "graph": pt(6.0)},
+                         "int8-opt": {"eager": pt(40.0), "graph": pt(3.6)}}},
+        "accuracy": {"1": {}}, "warmup": {"1": {}},
+        "graph_step_requested": "auto",
+        "graph_step": {"1": {"bf16": dict(fell_back), "int8": dict(fell_back), "int8-opt": {"step": "cw", "reason": None}}},
+        "decoder": None, "failures": [], "errors": {},
+    }
+    if with_decoder:
+        res["dtypes"].append(dec)
+        res["models"][dec] = {"weight_bytes": 2**30, "call": "cutlass_w8a8.models.LlamaDecoder(config, quant='int8')"}
+        res["points"]["1"][dec] = {"graph": pt(3.5)}
+        res["decoder"] = {"build_s": 1.0, "batches": {"1": {"graphs": True}}}
+    report.derive(res)
+    res["targets_vs_decoder"] = report.targets_vs_decoder(res)
+    return res
+
+
+def test_bench_hf_report_renders_graph_step_and_decoder(tmp_path, monkeypatch):
+    """The "graph step" column, auto's fall-back notes, our decoder's row, description bullet and targets come from
+    cutlass_w8a8.testing.hf_decode_report's renderer for a results dict (no GPU, no run), and bench_hf.py writes
+    that report unchanged; the PNG plots the decoder's row."""
+    from cutlass_w8a8.testing import hf_decode_report as report
+
+    dec = report.DECODER
+    res = _report_results(report)
+    md = report.render_markdown(res)
+    lines = md.splitlines()
+
+    def row(mode, m):
+        (found,) = [ln for ln in lines if ln.startswith(f"| 1 | {mode} | {m} |")]
+        return found
+
+    assert "| graphs replay after s | graph step |" in md and "|---:|:---|:---|---:|---:|---:|---:|---:|:---|" in md
+    assert row("eager", "int8-opt").endswith("| – |")
+    assert row("graph", "int8-opt").startswith("| 1 | graph | int8-opt | 3.600 | 2.50x |")
+    assert row("graph", "int8-opt").endswith("| cw |")
+    for m in ("bf16", "int8"):  # one reason: one note, numbered 1, for both rows
+        assert row("graph", m).endswith("| transformers (auto fell back, note 1) |")
+    assert [ln for ln in lines if ln.startswith(("1. ", "2. "))] == [
+        "1. `step='auto'` chose the transformers step: `model.model.layers.0.self_attn` (LlamaAttention) is not fused"]
+    assert row("graph", dec).startswith(f"| 1 | graph | {dec} | 3.500 | 2.57x |")
+    assert row("graph", dec).endswith("| DecodeGraphRunner |")
+    assert not [ln for ln in lines if ln.startswith(f"| 1 | eager | {dec} |")]
+    # description: the graph bullet names both steps; the graph-step and decoder bullets
+    (graph_bullet,) = [ln for ln in lines if ln.startswith("- graph: ")]
+    assert "GraphGenerator(model, sizes=[B], step='auto')" in graph_bullet
+    assert "`cutlass_w8a8.hf.DecodeStep`" in graph_bullet and "`DynamicCache`" in graph_bullet
+    assert "With step `transformers`" in graph_bullet and "`StaticCache`" in graph_bullet
+    assert "- graph step: the decode step the graph path captured, `GraphGenerator(..., step='auto')`" in md
+    assert f"- {dec}: `cutlass_w8a8.models.LlamaDecoder(config, quant='int8')` at the same dimensions" in md
+    assert md.index(f"- {dec}: ") < md.index("## Per-token latency and warm-up")
+    # targets against our decoder in place of the "not measured here" line
+    assert ("- int8-opt graph (graph step cw) batch 1: 3.600 ms/token = 1.03x our decoder's graph step (3.500 ms, "
+            "same run) (target: graph ms/token within 1.1x of our decoder's graph step): met") in lines
+    assert "not measured here" not in md and md.index("## Targets") < md.index("(graph step cw) batch 1")
+    assert ", git 0123456789ab\n" in md  # a hash: its first 12 digits
+
+    # bench_hf.py writes the renderer's report as it is (no post-processing of the Markdown)
+    bench = load_bench()
+    paths = bench.write(dict(res, tag="b1"), str(tmp_path))
+    assert os.path.basename(paths["md"]) == "hf_decode_b1_nvidia-test-gpu.md"
+    written = (tmp_path / "hf_decode_b1_nvidia-test-gpu.md").read_text(encoding="utf-8")
+    assert written == report.render_markdown(json.loads((tmp_path / "hf_decode_b1_nvidia-test-gpu.json").read_text()))
+    assert not hasattr(bench, "render")
+
+    # without our decoder: no decoder row or bullet, the "not measured here" line; a non-hash commit note shown whole
+    res = _report_results(report, with_decoder=False)
+    assert res["targets_vs_decoder"] == []
+    res["git_commit"] = "e99cc65 (stale .git of the copy)"
+    md = report.render_markdown(res)
+    assert dec not in md and "DecodeGraphRunner" not in md and "| cw |" in md
+    assert "(not measured here)" in md and ", git e99cc65 (stale .git of the copy)\n" in md
+    # a GraphGenerator without step= (older results): the transformers step only
+    res["graph_step_requested"] = None
+    md = report.render_markdown(res)
+    assert "- graph: `cutlass_w8a8.hf.GraphGenerator(model, sizes=[B])`'s decode step (the same call" in md
+    assert "DecodeStep" not in md
+
+    # the PNG: our decoder is a bar series of the latency panel, with a bar in the graph group only
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    figs, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figs.append)
+    report.plot_results(_report_results(report), str(tmp_path / "plot.png"))
+    (fig,) = figs
+    ax_lat = fig.axes[0]
+    labels = [t.get_text() for t in ax_lat.get_legend().get_texts()]
+    assert labels == ["bf16", "int8", "int8-opt", dec]
+    heights = [bar.get_height() for bar in ax_lat.containers[labels.index(dec)]]
+    assert heights[1] == 3.5 and heights[0] != heights[0]  # graph group: 3.5 ms; eager group: NaN (no bar)
+    close(fig)

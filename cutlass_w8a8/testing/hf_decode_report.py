@@ -1,7 +1,8 @@
-"""bench/bench_hf.py's gates and reports: the speedup and warm-up targets and logits gates, the Markdown tables
-(latency with warm-up, accuracy), `recheck` (a results file re-evaluated with the current gates),
-`render_markdown`, `plot_results` and `write_outputs` (``hf_decode_<device>.{json,md,png}``). Here so that the
-script keeps working when loaded by path (tests/test_bench_hf_cpu.py); importing it touches no GPU.
+"""bench/bench_hf.py's gates and reports: the speedup and warm-up targets and logits gates, the targets against
+the package's own decoder (`targets_vs_decoder`), the Markdown tables (latency with warm-up and the graph step each
+graph row ran, accuracy), `recheck` (a results file re-evaluated with the current gates), `render_markdown`,
+`plot_results` and `write_outputs` (``<prefix>_<device>.{json,md,png}``). Here so that the script keeps working
+when loaded by path (tests/test_bench_hf_cpu.py); importing it touches no GPU.
 """
 
 from __future__ import annotations
@@ -17,8 +18,13 @@ MODELS = ("bf16", "int8", "fp8", "fp8-block", "int8-opt", "fp8-opt", "fp8-block-
 W8A8 = MODELS[1:]
 OPTIMIZED = ("int8-opt", "fp8-opt", "fp8-block-opt")
 # eager: model.forward; compiled: torch.compile(reduce-overhead) of model.forward; graph: cutlass_w8a8.generate's
-# decode step (GraphGenerator: eager capture of model.forward into a CUDA graph, no torch.compile)
+# decode step (GraphGenerator: its step, "cw" or "transformers", captured eagerly into a CUDA graph, no torch.compile)
 MODES = ("eager", "compiled", "graph")
+# bench_hf.py --decoder: the package's own reference decoder (cutlass_w8a8.models.LlamaDecoder, int8) through
+# DecodeGraphRunner, a row of the graph mode (a "model" of results["dtypes"] / results["points"]); issue 28 wants
+# each -opt model's graph ms/token within DECODER_WITHIN x the decoder's graph step, same run
+DECODER = "decoder int8 (cutlass_w8a8.models)"
+DECODER_WITHIN = 1.1
 
 # Speedup targets: (models, mode, batch, baseline mode) -> W8A8 ms/token of bf16 in the baseline mode over the
 # model's own. Issue 28 (optimized models): compiled >= 1.65x bf16 compiled at batch 1 and >= 1.5x at batch 8;
@@ -59,9 +65,35 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
+def _graph_step_cell(results: dict[str, Any], b: str, mode: str, m: str, reasons: list[str]) -> str:
+    """The "graph step" cell of one latency row: ``–`` outside the graph mode (and where the results record no
+    step); ``DecodeGraphRunner`` for our decoder (``(eager: no CUDA)`` where its runner captured no graph); else the
+    step the model's GraphGenerator ran (``results["graph_step"][b][m]["step"]``), with ``(auto fell back, note
+    i)`` where ``step="auto"`` fell back, its reason appended to ``reasons`` (once; ``i`` is its 1-based index)."""
+    if mode != "graph":
+        return "–"
+    if m == DECODER:
+        graphs = (results.get("decoder") or {}).get("batches", {}).get(b, {}).get("graphs", True)
+        return "DecodeGraphRunner" if graphs else "DecodeGraphRunner (eager: no CUDA)"
+    st = results.get("graph_step", {}).get(b, {}).get(m)
+    if not st:
+        return "–"
+    cell = st["step"]
+    if st.get("reason"):
+        if st["reason"] not in reasons:
+            reasons.append(st["reason"])
+        cell += f" (auto fell back, note {reasons.index(st['reason']) + 1})"
+    return cell
+
+
 def latency_table(results: dict[str, Any]) -> str:
+    """The per-token latency table (Markdown): one row per (batch, mode, model) measured, in the order of
+    ``results["batches"]``, ``["modes"]`` and ``["dtypes"]`` (our decoder's graph row included), with ms/token,
+    the speedups over bf16, the warm-up seconds and the graph step (`_graph_step_cell`); followed, after a blank
+    line, by the numbered notes on why ``step="auto"`` fell back to the transformers step, where it did."""
     rows = ["| batch | mode | model | ms/token | x bf16 same mode | x bf16 compiled | first token s | "
-            "graphs replay after s |", "|---:|:---|:---|---:|---:|---:|---:|---:|"]
+            "graphs replay after s | graph step |", "|---:|:---|:---|---:|---:|---:|---:|---:|:---|"]
+    reasons: list[str] = []
     for b in results["batches"]:
         point = results["points"].get(str(b), {})
         for mode in results["modes"]:
@@ -71,10 +103,13 @@ def latency_table(results: dict[str, Any]) -> str:
                     continue
                 d = results["derived"].get(str(b), {}).get(mode, {}).get(m, {})
                 w = results["warmup"].get(str(b), {}).get(m, {}).get(mode, {})
-                rows.append(f"| {b} | {mode} | {m} | {t['median_ms']:.3f} | {_fmt(d.get('x_bf16_same_mode'), '.2f')}x "
-                            f"| {_fmt(d.get('x_bf16_compiled'), '.2f')}x | {_fmt(w.get('first_token_s'), '.2f')} "
-                            f"| {_fmt(w.get('replaying_after_s'), '.2f')} |")
-    return "\n".join(rows).replace("–x", "–")
+                row = (f"| {b} | {mode} | {m} | {t['median_ms']:.3f} | {_fmt(d.get('x_bf16_same_mode'), '.2f')}x "
+                       f"| {_fmt(d.get('x_bf16_compiled'), '.2f')}x | {_fmt(w.get('first_token_s'), '.2f')} "
+                       f"| {_fmt(w.get('replaying_after_s'), '.2f')} |").replace("–x", "–")
+                rows.append(f"{row} {_graph_step_cell(results, str(b), mode, m, reasons)} |")
+    if reasons:
+        rows += [""] + [f"{i}. `step='auto'` chose the transformers step: {r}" for i, r in enumerate(reasons, 1)]
+    return "\n".join(rows)
 
 
 def _gate(results: dict[str, Any], failures: list, b, m: str, a: dict) -> None:
@@ -151,6 +186,30 @@ def derive(results: dict[str, Any]) -> None:
     results["targets"] = targets
 
 
+def targets_vs_decoder(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 28: each ``-opt`` model's graph ms/token over our decoder's graph step (`DECODER`) at the same batch
+    (same run), ``ratio <= DECODER_WITHIN``; one entry per (batch with a decoder graph point, ``-opt`` model of
+    ``results["dtypes"]``), ``ratio`` None where the model has no graph point; ``met`` is None where the ratio is
+    missing or the run is not the full 32-layer GPU model (``results["full_size"]``)."""
+    out = []
+    for b in results["batches"]:
+        point = results["points"].get(str(b), {})
+        dec = point.get(DECODER, {}).get("graph")
+        if dec is None:
+            continue
+        for m in results["dtypes"]:
+            if not m.endswith("-opt"):
+                continue
+            cur = point.get(m, {}).get("graph")
+            ratio = cur["median_ms"] / dec["median_ms"] if cur else None
+            step = results.get("graph_step", {}).get(str(b), {}).get(m, {}).get("step")
+            out.append({"model": m, "mode": "graph", "batch": b, "graph_step": step,
+                        "ms_per_token": cur["median_ms"] if cur else None, "decoder_ms": dec["median_ms"],
+                        "ratio": ratio, "target_max": DECODER_WITHIN,
+                        "met": None if ratio is None or not results["full_size"] else ratio <= DECODER_WITHIN})
+    return out
+
+
 def accuracy_table(results: dict[str, Any]) -> str:
     rows = ["| batch | model | eager logits SQNR vs bf16 dB | compiled vs eager: worst SQNR dB / max abs "
             "| graph vs eager: worst SQNR dB / max abs | checks |", "|---:|:---|---:|---:|---:|:---|"]
@@ -171,9 +230,75 @@ def accuracy_table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def render_markdown(results: dict[str, Any]) -> str:
+def _graph_bullet(results: dict[str, Any]) -> str:
+    """The "graph:" description bullet: the GraphGenerator call and both of its decode steps (the transformers step
+    only where the results record no ``graph_step_requested``: a GraphGenerator without ``step=``)."""
+    req = results.get("graph_step_requested")
+    capture = "captured eagerly with `cutlass_w8a8.graphs.capture`, inputs written with `copy_`, replayed"
+    if not req:
+        return f"- graph: `cutlass_w8a8.hf.GraphGenerator(model, sizes=[B])`'s decode step (the same call, {capture})"
+    return (f"- graph: `cutlass_w8a8.hf.GraphGenerator(model, sizes=[B], step='{req}')`'s decode step, {capture}. "
+            "With step `cw` (`step='auto'`'s choice for an `optimize_`d model) the step is "
+            "`cutlass_w8a8.hf.DecodeStep`: the package's decoder-layer code over the model's own fused modules and "
+            "weights (fused residual add + RMSNorm + activation quantization, one rotary + KV-write kernel, split-KV "
+            "decode attention with `o_proj`'s quantization fused, the qkv, o_proj, gate_up and down GEMMs) on a KV "
+            "cache of its own; the prefill runs through `model.forward` on a `DynamicCache`, its keys and values "
+            "then copied into that cache. With step `transformers`: the model's own forward, the decode-step call "
+            "above on a `StaticCache`, captured; prefill eager through `model.forward`")
+
+
+def _step_notes(results: dict[str, Any]) -> list[str]:
+    """The description bullets on the graph step (where the graph mode ran) and on our decoder (where it was
+    built)."""
+    lines = []
+    if "graph" in results["modes"]:
+        req = results.get("graph_step_requested")
+        lines.append("- graph step: the decode step the graph path captured, "
+                     + (f"`GraphGenerator(..., step='{req}')`" if req else "a GraphGenerator without `step=`")
+                     + ": `cw`, the package's decoder-layer code over the optimize_d model's fused modules (fused "
+                     "norm + quantization, rope + KV write, split-KV decode attention, on a KV cache of its own); "
+                     "`transformers`, the `model.forward` call above")
+    info = results["models"].get(DECODER)
+    if info:
+        lines.append(f"- {DECODER}: `{info['call']}` at the same dimensions and layers (random weights; embedding "
+                     "and lm_head: the bf16 model's), its decode step captured by `DecodeGraphRunner(model, "
+                     "max_batch=B, sizes=[B])` with device inputs; per repetition its cache zeroed and the prompt "
+                     "fed through the step (its prefill, untimed), then the same decode steps at the same positions, "
+                     "timed round-robin with the other variants")
+    return lines
+
+
+def _decoder_target_lines(results: dict[str, Any]) -> list[str]:
+    """The Markdown lines of ``results["targets_vs_decoder"]`` (`targets_vs_decoder`'s entries)."""
+    lines = []
+    for t in results.get("targets_vs_decoder", []):
+        verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")
+        value = ("–" if t["ratio"] is None else
+                 f"{t['ms_per_token']:.3f} ms/token = {t['ratio']:.2f}x our decoder's graph step "
+                 f"({t['decoder_ms']:.3f} ms, same run)")
+        step = f" (graph step {t['graph_step']})" if t.get("graph_step") else ""
+        lines.append(f"- {t['model']} graph{step} batch {t['batch']}: {value} (target: graph ms/token within "
+                     f"{t['target_max']}x of our decoder's graph step): {verdict}")
+    return lines
+
+
+def _commit_text(results: dict[str, Any]) -> str:
+    """``git <commit>`` (a hex hash cut to 12 digits; any other text, such as a note on where the hash came from,
+    whole), `` (dirty)`` appended where ``git_dirty``; ``git: n/a`` without a commit."""
     commit = results.get("git_commit")
-    commit_text = f"git {commit[:12]}{' (dirty)' if results.get('git_dirty') else ''}" if commit else "git: n/a"
+    if not commit:
+        return "git: n/a"
+    shown = commit[:12] if all(ch in "0123456789abcdef" for ch in commit.lower()) else commit
+    return f"git {shown}{' (dirty)' if results.get('git_dirty') else ''}"
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """The Markdown report of ``results`` (bench_hf.py's results dict, or a results file as `recheck` leaves it):
+    the run's description (the graph step and our decoder included), the latency table with the graph step of each
+    row and the notes on ``step="auto"``'s fall-backs, the correctness table, the targets (over bf16, warm-up, and
+    against our decoder's graph step where ``results["targets_vs_decoder"]`` has entries), failures, left-out
+    variants and notes. Ends with a newline."""
+    commit_text = _commit_text(results)
     c = results["config"]
     t = results["timing"]
     lines = [f"# transformers LlamaForCausalLM decode: {results['device']}", ""]
@@ -203,14 +328,14 @@ def render_markdown(results: dict[str, Any]) -> str:
     if results["compile"]:
         lines.append(f"- compiled: `{results['compile']['call']}`, the decode step only (prefill eager)")
     if "graph" in results["modes"]:
-        lines.append("- graph: `cutlass_w8a8.hf.GraphGenerator(model, sizes=[B])`'s decode step (the same call, "
-                     "captured eagerly with `cutlass_w8a8.graphs.capture`, inputs written with `copy_`, replayed)")
+        lines.append(_graph_bullet(results))
     lines += [
         f"- ms/token = median over {t['reps']} repetitions of {t['steps']} decode steps ({t['method']}); the "
         "variants of a batch timed round-robin",
         "- first token s: from the start of the path's first use (graph: bucket creation with warm-up and "
         "capture, then the prefill) to the first decode step's logits; compiled: the compile is in the first step, "
         "its CUDA graph recorded in the second (graphs replay after)",
+        *_step_notes(results),
         "",
         "## Per-token latency and warm-up",
         "",
@@ -234,8 +359,9 @@ def render_markdown(results: dict[str, Any]) -> str:
             value = "–" if tgt["value"] is None else f"{tgt['value']:.2f}x"
             lines.append(f"- {tgt['model']} {tgt['mode']} batch {tgt['batch']}: {value} over {tgt['baseline']} "
                          f"(target >= {tgt['target']}x): {verdict}")
-    lines.append("- graph path within 1.1x of the package's own decoder's graph step at the same dims: compare the "
-                 "graph rows with bench/bench_decoder.py's results on this device (not measured here)")
+    lines += _decoder_target_lines(results) or [
+        f"- graph path within {DECODER_WITHIN}x of the package's own decoder's graph step at the same dims: compare "
+        "the graph rows with bench/bench_decoder.py's results on this device (not measured here)"]
     if results["failures"]:
         lines += ["", "## FAILED checks", ""] + [f"- {f}" for f in results["failures"]]
     if results["errors"]:
@@ -248,14 +374,15 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 
 def plot_results(results: dict[str, Any], path: str) -> None:
-    """PNG: ms/token per (batch, mode) for each model, and each W8A8 model's speedup over bf16 compiled."""
+    """PNG: ms/token per (batch, mode) for each model, and each W8A8 model's speedup over bf16 compiled; our
+    decoder (`DECODER`, bench_hf.py --decoder) is one more model, its bars in the graph groups only."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     groups = [(b, mode) for b in results["batches"] for mode in results["modes"]]
     labels = [f"B={b}\n{mode}" for b, mode in groups]
-    models = [m for m in MODELS if m in results["models"]]
+    models = [m for m in (*MODELS, DECODER) if m in results["models"]]
     fig, (ax_lat, ax_x) = plt.subplots(1, 2, figsize=(15, 5.5))
     width = 0.8 / max(1, len(models))
     for i, m in enumerate(models):
@@ -289,10 +416,10 @@ def plot_results(results: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def write_outputs(results: dict[str, Any], out_dir: str) -> dict[str, str]:
-    """Write ``hf_decode_<slug>.json``, ``.md`` and ``.png`` to ``out_dir`` (cutlass_w8a8.testing.report's
-    write_results); without matplotlib the PNG is left out and the report says so. Returns the paths written, by
-    extension."""
+def write_outputs(results: dict[str, Any], out_dir: str, prefix: str = "hf_decode") -> dict[str, str]:
+    """Write ``<prefix>_<slug>.json``, ``.md`` (`render_markdown`) and ``.png`` (`plot_results`) to ``out_dir``
+    (cutlass_w8a8.testing.report's write_results; ``<slug>``: ``results["device_slug"]``); without matplotlib the
+    PNG is left out and the report says so. Returns the paths written, by extension."""
     try:
         import matplotlib  # noqa: F401
         plot = plot_results
@@ -301,5 +428,5 @@ def write_outputs(results: dict[str, Any], out_dir: str) -> dict[str, str]:
 
         def plot(results, path):
             return None
-    paths = write_results(results, render_markdown(results), out_dir, "hf_decode", plot)
+    paths = write_results(results, render_markdown(results), out_dir, prefix, plot)
     return {ext: p for ext, p in paths.items() if os.path.exists(p)}
