@@ -1,8 +1,28 @@
 """`capture`: the one warm-up + CUDA-graph capture of cutlass_w8a8 (graphs, the decode runner, the bench timers).
 
 The pattern is the one flash-attention's decoding helper and vLLM's model runner use: a few eager calls on a
-side stream first (lazy initialisation, kernel selection, allocator growth and per-stream workspaces happen
-there, outside the capture), then the capture on that same stream, optionally into a shared memory pool.
+side stream first (lazy initialisation, kernel selection, allocator growth happen there, outside the capture), then
+the capture on that same stream, optionally into a shared memory pool.
+
+The cuBLAS workspaces are the exception, handled the way torch's own CUDA-graph trees handle them
+(``torch._inductor.cudagraph_trees.clear_cublass_cache``). torch keeps one cuBLAS workspace per (handle, stream),
+allocated on first use from the caching allocator. A graph that records a cuBLAS GEMM bakes that workspace's
+address into its kernel node, but does not own the memory. ``torch._C._cuda_clearCublasWorkspaces()`` then frees
+it, while the graph still uses it. torch.compile's ``mode="reduce-overhead"`` calls that function around every
+warm-up and recording, and torch's ``CUDAGraph`` reset calls it for its stream.
+
+So a graph captured here after warming up on the side stream could later write its GEMM workspace into memory the
+allocator had handed to another tensor. Suspected on an H100 (2026-11-27): a W8A8 decode graph (its bf16 lm_head
+GEMM) interleaved with compiled transformers models in one process ended in an illegal address inside a compiled
+step. Such discussions as pytorch/pytorch#193402 and #192061 describe the same lifetime problem.
+
+`capture` therefore clears the workspaces just before the capture begins and again just after it ends. The
+workspace a captured GEMM needs is then allocated during the capture from the graph's memory pool, where it stays
+reserved while the graph lives. Clearing afterwards keeps later eager GEMMs off the pool's memory.
+
+Like the graph trees, the clear drops every stream's cached workspace, not only the side stream's. A graph that
+another library captured with a workspace from the general pool is exposed to this exactly as it already is to
+torch.compile's ``reduce-overhead`` mode.
 """
 
 from __future__ import annotations
@@ -40,7 +60,7 @@ def capture(fn: Callable, inputs: Sequence[Any] = (), *, warmup: int = 3, pool=N
         graphs, e.g. one per batch-size bucket; default: a private pool.
     stream : torch.cuda.Stream, optional
         The side stream, for warm-up and capture, on ``device``; default a new stream of ``device``. Pass a
-        long-lived one when capturing often: torch keeps a cuBLAS workspace per stream until exit.
+        long-lived one when capturing often: torch keeps a cuBLAS handle per stream until exit.
     graph : torch.cuda.CUDAGraph, optional
         The graph to capture into, e.g. ``torch.cuda.CUDAGraph(keep_graph=True)``; default a new one.
     around_capture : context manager, optional
@@ -69,9 +89,21 @@ def capture(fn: Callable, inputs: Sequence[Any] = (), *, warmup: int = 3, pool=N
                 fn(*inputs)
         current.wait_stream(side)
         with around_capture if around_capture is not None else contextlib.nullcontext(), _no_gc():
-            with torch.cuda.graph(graph, pool=pool, stream=side):
-                outputs = fn(*inputs)
+            _clear_cublas_workspaces()  # the captured GEMMs' workspace: allocated in the graph's pool (module doc)
+            try:
+                with torch.cuda.graph(graph, pool=pool, stream=side):
+                    outputs = fn(*inputs)
+            finally:
+                _clear_cublas_workspaces()
     return graph, outputs
+
+
+def _clear_cublas_workspaces() -> None:
+    """``torch._C._cuda_clearCublasWorkspaces()`` (what torch's CUDA-graph trees call around a recording); a no-op
+    on a torch without it."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 @contextlib.contextmanager

@@ -130,12 +130,12 @@ class GraphGenerator:
 
     Warnings
     --------
-    Do not interleave these graphs' replays with ``torch.compile(mode="reduce-overhead")`` models in one process
-    until the following is understood. On an H100 (bench_hf at Llama-3-8B dims, 2026-11-27), compiled models
-    stepped between replays of the ``"cw"`` step's graphs (or of `cutlass_w8a8.runner.DecodeGraphRunner`'s) failed
-    with an illegal memory access inside a later compiled step. It failed the same way with PDL off, and did not
-    fail without the compiled models. The cause is not found; ``scripts/repro_compile_and_graphs.py`` separates
-    the cases.
+    On an H100 (bench_hf at Llama-3-8B dims, 2026-11-27), ``torch.compile(mode="reduce-overhead")`` models were
+    stepped between replays of these graphs (or of `cutlass_w8a8.runner.DecodeGraphRunner`'s). A later compiled step
+    then failed with an illegal memory access. The probable cause is a captured bf16 GEMM's cuBLAS workspace: it was
+    allocated outside the graph, and torch.compile's graph trees free it. `cutlass_w8a8.graphs.capture` now
+    allocates that workspace inside the graph's pool (see its module docstring). That fix has not yet been run on a
+    GPU (tests/test_graphs_cublas_workspace_cuda.py, scripts/repro_compile_and_graphs.py).
 
     Raises
     ------
