@@ -10,6 +10,11 @@ CUDA_LAUNCH_BLOCKING=1, and prints one line: the variant, "ok" or the error and 
   D  A + a torch-only function (matmul + softmax) captured with cutlass_w8a8.graphs.capture (control for any capture)
   E  A + GraphGenerator(step="cw") decode steps of an optimized int8 copy of the same model
 
+The probable cause is a captured cuBLAS GEMM (D's matmul; B's and E's bf16 lm_head) whose workspace is freed
+by the graph trees' `_cuda_clearCublasWorkspaces()`. `cutlass_w8a8.graphs.capture` clears the workspaces around
+each capture since f18b1cc, so with that fix every variant should print "ok". The script had not been run when
+the fix was written.
+
 Usage: python scripts/repro_compile_and_graphs.py [--layers 2] [--steps 150] [VARIANT ...]
 """
 
