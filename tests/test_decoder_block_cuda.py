@@ -22,8 +22,9 @@ import torch
 
 import cutlass_w8a8 as cw
 from cutlass_w8a8.testing.references import rel_err
-from cutlass_w8a8.models import LlamaConfig, LlamaDecoder, float_reference, generate_greedy
+from cutlass_w8a8.models import LlamaConfig, LlamaDecoder, float_reference
 from cutlass_w8a8.runner import DecodeGraphRunner, cuda_graph_batch_sizes
+from _runner_greedy import greedy_graph_and_eager
 
 pytestmark = [pytest.mark.cuda, pytest.mark.sm90]
 
@@ -107,20 +108,7 @@ def test_greedy_graph_equals_eager_without_host_sync():
     torch.manual_seed(0)
     prompt = torch.randint(0, CFG.vocab_size, (4, 4), device="cuda")
     slots = torch.tensor([3, 30, 7, 12], device="cuda")
-    for n in (3, 4):
-        model.reset_cache()
-        eager = generate_greedy(lambda t, p, s: runner.step(t, p, s, use_graph=False), prompt[:n], 16, slots[:n])
-        model.reset_cache()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            with torch.cuda.stream(stream):
-                graph = generate_greedy(runner.step, prompt[:n], 16, slots[:n])
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        stream.synchronize()
+    for n, (graph, eager) in greedy_graph_and_eager(runner, model, prompt, slots, 16).items():
         assert graph.shape == (n, 16) and torch.equal(graph, eager), f"{n} rows"
 
 

@@ -1,0 +1,35 @@
+"""The decoder CUDA tests' greedy check of `cutlass_w8a8.runner.DecodeGraphRunner`: graph replays on a side stream
+under sync debug mode "error" against the runner's eager steps (tests/test_decoder_block_cuda.py,
+tests/test_decoder_moe_cuda.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from cutlass_w8a8.models import generate_greedy
+
+
+def greedy_graph_and_eager(runner, model, prompt: torch.Tensor, slots: torch.Tensor, new_tokens: int,
+                           rows=(3, 4)) -> dict:
+    """For each ``n`` in ``rows``: ``model``'s cache reset, ``new_tokens`` greedy tokens after ``prompt[:n]`` (slots
+    ``slots[:n]``) through the runner's eager steps; the cache reset again, the same through its graphs on a side
+    stream with torch's sync debug mode "error" (a host synchronisation raises). Returns ``{n: (graph, eager)}``,
+    each ``(n, new_tokens)`` int64."""
+    out = {}
+    for n in rows:
+        model.reset_cache()
+        eager = generate_greedy(lambda t, p, s: runner.step(t, p, s, use_graph=False), prompt[:n], new_tokens,
+                                slots[:n])
+        model.reset_cache()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(stream):
+                graph = generate_greedy(runner.step, prompt[:n], new_tokens, slots[:n])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        stream.synchronize()
+        out[n] = (graph, eager)
+    return out
