@@ -7,7 +7,8 @@ Quick start::
     y = model(x)                                # per-token int8 activations, fused-dequant GEMM
     model = cw.from_pretrained("Llama-3-8B-W8A8", device="cuda")  # a compressed-tensors checkpoint
 
-See README.md for the ops (`scaled_mm`, `quantize_int8`, ...) and the CUDA-graph helpers.
+README.md has the quick start; docs/GEMM.md the ops (`scaled_mm`, `quantize_int8`, ...), docs/GRAPHS.md the CUDA-graph
+helpers.
 """
 
 from . import ops  # noqa: F401 (defines the op schemas; must come before the compiled implementations load)

@@ -14,7 +14,7 @@ Owners: ``torch`` (``torch.cuda.graph``; the Warp kernel launched on torch's cur
 to a ``torch.cuda.MemPool`` of their own, kept alive with the graph, so that the caching allocator never
 hands the graph's memory to anything else).
 
-Needs Warp: warp-lang 1.5.1 without its CPU compiler (CUDA kernels only), see the README's Tests section;
+Needs Warp: warp-lang 1.5.1 without its CPU compiler (CUDA kernels only), see docs/TESTING.md, "Warp";
 skips cleanly without it.
 """
 
@@ -37,7 +37,7 @@ try:
 except Exception as exc:  # noqa: BLE001 (ImportError, or a Warp whose native library fails to load)
     wp = None
     _WARP_MISSING = (f"warp is not importable ({type(exc).__name__}: {exc}); untar "
-                     ".whl/warp-1.5.1-cuda-only.tar.xz and put its directory on PYTHONPATH (see the README)")
+                     ".whl/warp-1.5.1-cuda-only.tar.xz and put its directory on PYTHONPATH (docs/TESTING.md, \"Warp\")")
 else:
     _WARP_MISSING = ""
 

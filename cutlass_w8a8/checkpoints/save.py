@@ -119,8 +119,8 @@ def save_pretrained(model: nn.Module, path, **save_kwargs) -> None:
     the model dtype and so rounds them to e.g. bfloat16 when loading: its dequantized weights equal ours exactly
     where the scales are representable in bfloat16, and differ by that rounding (at most 2**-9 relative)
     elsewhere (transformers >= 5.23 with ``dequantize=True`` dequantizes from the stored float32 scales instead,
-    and also reports static layers' ``input_scale`` as unexpected keys: its dense model has none; README.md,
-    "Checkpoints"). `from_pretrained` reads the stored float32 values.
+    and also reports static layers' ``input_scale`` as unexpected keys: its dense model has none; docs/CHECKPOINTS.md,
+    "save_pretrained"). `from_pretrained` reads the stored float32 values.
 
     Raises
     ------
