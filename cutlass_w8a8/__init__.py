@@ -33,7 +33,7 @@ from . import checkpoints, distributed, graphs, models, runner  # noqa: E402
 from . import hf  # noqa: E402
 # from_pretrained / save_pretrained are hf's: the checkpoint loader then optimize_ (optimize=True by default), and the
 # unfused layout for saving (checkpoints/ sits below hf/ and cannot call it)
-from .hf import from_pretrained, generate, optimize_, save_pretrained  # noqa: E402
+from .hf import from_pretrained, generate, optimize_, save_pretrained, unoptimize_  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -75,6 +75,7 @@ __all__ = [
     "runner",
     "hf",
     "optimize_",
+    "unoptimize_",
     "generate",
     "cuda_ops_available",
     "extension_status",

@@ -1,5 +1,6 @@
 """transformers models at the speed of the package's own decoder: `optimize_` (fused q/k/v and gate/up
-`W8A8Linear` layers, RMSNorm and SiLU*mul fused with the activation quantization), `generate` (eager prefill,
+`W8A8Linear` layers, RMSNorm and SiLU*mul fused with the activation quantization; transformers' state-dict layout
+and module names kept; `unoptimize_` undoes it), `generate` (eager prefill,
 then decode steps replayed from CUDA graphs on a ``StaticCache``; `GraphGenerator`), and the loading / saving
 entry points that know about them (`from_pretrained` with ``optimize=True``, `save_pretrained` writing the
 unfused layout).
@@ -14,7 +15,9 @@ function is called.
 from .api import from_pretrained, save_pretrained
 from .decode_step import DecodeStep
 from .generate import GraphGenerator, SUPPORTED_GENERATE_KWARGS, generate
-from .optimize import SUPPORTED_LAYERS, TESTED_TRANSFORMERS, RMSNormQuant, is_optimized, optimize_, unfused
+from .optimize import (SUPPORTED_LAYERS, TESTED_TRANSFORMERS, RMSNormQuant, is_optimized, optimize_, unfused,
+                       unoptimize_)
 
-__all__ = ["optimize_", "unfused", "is_optimized", "RMSNormQuant", "SUPPORTED_LAYERS", "TESTED_TRANSFORMERS",
-           "generate", "GraphGenerator", "DecodeStep", "SUPPORTED_GENERATE_KWARGS", "from_pretrained", "save_pretrained"]
+__all__ = ["optimize_", "unoptimize_", "unfused", "is_optimized", "RMSNormQuant", "SUPPORTED_LAYERS",
+           "TESTED_TRANSFORMERS", "generate", "GraphGenerator", "DecodeStep", "SUPPORTED_GENERATE_KWARGS",
+           "from_pretrained", "save_pretrained"]

@@ -43,9 +43,11 @@ def from_pretrained(path, *, optimize: bool = True, **kwargs):
 def save_pretrained(model, path, **save_kwargs) -> None:
     """`cutlass_w8a8.checkpoints.save_pretrained` of ``model`` in its unfused layout: an `optimize_`d model is
     written with its ``q_proj`` / ``k_proj`` / ``v_proj`` / ``gate_proj`` / ``up_proj`` tensors and scales as the
-    unoptimized model would write them (the same file bytes; split from the fused tensors exactly, see
-    `cutlass_w8a8.hf.unfused`), and stays optimized afterwards. Same arguments and errors as
-    `cutlass_w8a8.checkpoints.save_pretrained`."""
+    unoptimized model would write them (the same file bytes; split from the fused tensors exactly), and stays
+    optimized afterwards. The fused model's ``state_dict`` already has that layout (`optimize_`'s hooks); saving
+    inside `cutlass_w8a8.hf.unfused` also gives the ``quantization_config``, which is built from the modules, the
+    unfused layers' names and schemes (a part with a per-tensor weight scale is per-channel once fused). Same
+    arguments and errors as `cutlass_w8a8.checkpoints.save_pretrained`."""
     if not isinstance(model, nn.Module):  # the loader's own TypeError names the argument
         return checkpoints.save_pretrained(model, path, **save_kwargs)
     with unfused(model):
