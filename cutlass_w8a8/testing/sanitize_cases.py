@@ -1273,7 +1273,8 @@ def _graph_update(ctx: Ctx) -> None:
             w_h = _operand(ctx, (n, k), dtype)
             ws_h = (_block_scales(ctx, (_ceil(n, BLOCK), k // BLOCK), k) if block else
                     rand_scale((n, 1), "cpu", scale_magnitudes(dtype, k)[1], ctx.g))
-            w, ws = ctx.to(w_h), ctx.to(ws_h)
+            bias_h = ctx.randn(n, dtype=BF16, std=2.0)  # captured with a bias, updated to another
+            w, ws, bias = ctx.to(w_h), ctx.to(ws_h), ctx.to(bias_h)
             out = ctx.nan((m, n), BF16)
 
             def quant(x):
@@ -1281,7 +1282,7 @@ def _graph_update(ctx: Ctx) -> None:
 
             def fn(x):
                 q, s = quant(x)
-                Q.scaled_mm_out(out, q, w.t(), s, ws, None)
+                Q.scaled_mm_out(out, q, w.t(), s, ws, bias)
                 return out
 
             x_h = ctx.randn(m, k, dtype=BF16, std=2.0)
@@ -1297,11 +1298,11 @@ def _graph_update(ctx: Ctx) -> None:
                 assert torch.isnan(got[rows:].float()).all(), f"{what}: rows >= {rows} were written"
             else:
                 q, s = quant(ctx.to(x_h[:rows]))
-                Q.scaled_mm_out(out[:rows], q, w.t(), s, ws, None)
+                Q.scaled_mm_out(out[:rows], q, w.t(), s, ws, bias)
                 got = out
             q_h, s_h = quant(x_h[:rows])
-            check_gemm(got[:rows], q_h, w_h.t(), s_h, ws_h if block else ws_h.reshape(-1), None, f"{what}: set_rows",
-                       block)
+            check_gemm(got[:rows], q_h, w_h.t(), s_h, ws_h if block else ws_h.reshape(-1), bias_h,
+                       f"{what}: set_rows", block)
             # new operands of another M for the GEMM node
             a2_h, w2_h = _operand(ctx, (m2, k), dtype), _operand(ctx, (n, k), dtype)
             if block:
@@ -1311,8 +1312,7 @@ def _graph_update(ctx: Ctx) -> None:
                 sa2_h, sb2_h = _rowwise_scales(ctx, m2, n, k, dtype, True)
             bias2_h = ctx.randn(n, dtype=BF16, std=2.0)
             out2 = ctx.nan((m2, n), BF16)
-            operands = [ctx.to(x) for x in (a2_h, w2_h)]
-            a2, w2 = operands
+            a2, w2 = ctx.to(a2_h), ctx.to(w2_h)
             if ctx.cuda:
                 g.update_scaled_mm(node, out2, a2, w2.t(), ctx.to(sa2_h), ctx.to(sb2_h), ctx.to(bias2_h))
                 out.copy_(ctx.nan(out.shape, out.dtype))
