@@ -172,6 +172,8 @@ def parse_report(text: str) -> dict:
         driver_line=driver_line,
         cases=int(cases.group(1)) if cases else None,
         failed_cases=[ln for ln in text.splitlines() if ln.startswith("case ") and ": FAILED" in ln],
+        case_seconds={m.group(1): float(m.group(2)) for m in re.finditer(
+            r"^case (\S+): \w+ \(\d+ checks, \d+ op calls, ([\d.]+) s\)", text, re.MULTILINE)},
     )
 
 
@@ -290,8 +292,10 @@ def run_tool(tool: str, args) -> tuple[bool, list]:
     for r in runs:
         summary = " ".join(r["summaries"]) or "no summary (the sanitizer or the driver crashed or timed out)"
         rc = r["rc"] if r["rc"] is not None else "timeout"
+        slowest = sorted(r["case_seconds"].items(), key=lambda kv: -kv[1])[:3]
         lines.append(f"    {r['group']}: {summary}; {r['driver_line'] or 'no DRIVER line'}; rc {rc}; "
-                     f"{r['seconds']:.0f} s; log {r['log']}")
+                     f"{r['seconds']:.0f} s (slowest cases: {', '.join(f'{n} {t:.0f} s' for n, t in slowest) or '-'}); "
+                     f"log {r['log']}")
         for f in r["failed_cases"][:5]:
             lines.append(f"        {f}")
         for label, blocks in (("ours", r["ours"]), ("elsewhere", r["others"])):

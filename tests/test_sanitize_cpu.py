@@ -186,6 +186,7 @@ def test_summary_line_counts_cases_and_errors(script):
                  _report("DRIVER OK: 3 cases, 80 op calls on cuda", "ERROR SUMMARY: 0 errors"))
     clean, line = script.tool_summary("memcheck", runs)
     assert clean and line.startswith("memcheck: 24 cases, 0 errors (ours 0, elsewhere 0); drivers ok")
+    assert runs[0]["case_seconds"] == {"x": 1.0}  # per-case times, for the slowest-cases note
 
     race = ["Error: Race reported between Write access at 0x50 in void cutlass_w8a8::(anonymous namespace)::"
             "rowwise_regs_kernel<Op>(Params)", "and Read access at 0x90 in the same kernel"]
