@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from _decoder_kernels import CLASS_BYTES_NOTES, CLASSES, OTHER_NAMES_MAX
+from cutlass_w8a8.testing.physical import judge, mark, physical_check, verdict
 
 # Model names: a base ("bf16": nn.Linear layers; "int8" / "fp8": W8A8Linear decoder layers, per-channel weights and
 # per-token activations; "fp8-block": block-scaled fp8 W8A8Linear, 128x128 weight blocks and 1x128 activation
@@ -78,13 +79,21 @@ def _ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
 
 
 def _target(key: str, label: str, value: Optional[float], bound: Optional[float], sense: str,
-            detail: str = "") -> dict[str, Any]:
-    """One target: ``met`` is None where the value or the bound is missing."""
+            detail: str = "", invalid: Optional[str] = None) -> dict[str, Any]:
+    """One target: ``met`` is None where the value or the bound is missing, or where ``invalid`` (a
+    `physical_check` reason) says the value is impossible."""
     met = None
     if value is not None and bound is not None:
         met = value <= bound if sense == "<=" else value >= bound
+    met, invalid = judge(met, invalid)
     return {"key": key, "label": label, "value": value, "bound": bound, "sense": sense, "met": met,
-            "detail": detail}
+            "detail": detail, "invalid": invalid}
+
+
+def hbm_limit_check(value: Optional[float], what: str) -> Optional[str]:
+    """A step's time over its HBM-limited time (the bytes it must read at the datasheet bandwidth) is at least 1:
+    `physical_check` with ``sense=">="``."""
+    return physical_check(value, 1.0, what, sense=">=")
 
 
 def derive(results: dict[str, Any], copy_gbps: float) -> None:
@@ -139,8 +148,10 @@ def derive(results: dict[str, Any], copy_gbps: float) -> None:
         p1 = point(name, 1)
         detail = (f"{p1['graph']['median_ms']:.3f} ms, limit {_fmt(p1.get('hbm_limit_ms'), '.3f')} ms "
                   f"({p1['bytes_read'] / 1e9:.2f} GB)" if p1 else "batch 1 not measured")
+        v = d1.get(f"{name}_graph_over_hbm_limit")
         items.append(_target(f"{name}_b1_over_hbm", f"{name} graph at batch 1 / its HBM-limited time",
-                             d1.get(f"{name}_graph_over_hbm_limit"), TARGET_B1_OVER_HBM, "<=", detail))
+                             v, TARGET_B1_OVER_HBM, "<=", detail,
+                             hbm_limit_check(v, f"{name} graph at batch 1 / its HBM-limited time")))
     c = results["config"]
     setting = (c["name"], c["num_layers"], results["max_seq"])
     want = TARGET_B1_MS_SETTING
@@ -157,10 +168,12 @@ def derive(results: dict[str, Any], copy_gbps: float) -> None:
     items.append(_target("int8_x_bf16_b1", "int8 graph vs bf16 graph at batch 1 (x; bf16 lm_head in both)",
                          d1.get("int8_graph_x_bf16_graph"), TARGET_INT8_OVER_BF16, ">="))
     p8 = point("int8", 8)
+    v = d8.get("int8_graph_over_hbm_limit")
     items.append(_target("int8_b8_over_hbm", "int8 graph at batch 8 / its HBM-limited time",
-                         d8.get("int8_graph_over_hbm_limit"), TARGET_B8_OVER_HBM, "<=",
+                         v, TARGET_B8_OVER_HBM, "<=",
                          f"{p8['graph']['median_ms']:.3f} ms, limit {_fmt(p8.get('hbm_limit_ms'), '.3f')} ms"
-                         if p8 else "batch 8 not measured"))
+                         if p8 else "batch 8 not measured",
+                         hbm_limit_check(v, "int8 graph at batch 8 / its HBM-limited time")))
     items.append(_target("int8_graph_x_eager_b1", "W8A8 (int8) graph vs eager at batch 1 (x)",
                          d1.get("int8_graph_x_int8_eager"), TARGET_GRAPH_OVER_EAGER, ">="))
     if "fp8-block" in models and "fp8" in models:
@@ -228,8 +241,10 @@ def hbm_table(results: dict[str, Any]) -> str:
         for m in models:
             p = results["models"][m]["batches"][str(b)]
             nbytes = p.get("bytes_read")
-            cells += [_fmt(nbytes / 1e9 if nbytes is not None else None, ".3f"), _fmt(p.get("hbm_limit_ms"), ".3f"),
-                      _fmt(d.get(f"{m}_graph_over_hbm_limit"), ".2f"), _fmt(d.get(f"{m}_eager_over_hbm_limit"), ".2f")]
+            cells += [_fmt(nbytes / 1e9 if nbytes is not None else None, ".3f"), _fmt(p.get("hbm_limit_ms"), ".3f")]
+            for mode in ("graph", "eager"):  # below 1: faster than the bytes allow, INVALID
+                v = d.get(f"{m}_{mode}_over_hbm_limit")
+                cells.append(mark(_fmt(v, ".2f"), hbm_limit_check(v, "time / HBM-limited time")))
         rows.append(f"| {b} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -306,10 +321,10 @@ def targets_lines(results: dict[str, Any], issue: int = 18) -> list[str]:
     for item in t["items"]:
         if item.get("issue", 18) != issue:
             continue
-        verdict = "n/a" if item["met"] is None else ("met" if item["met"] else "NOT met")
         bound = "no target" if item["bound"] is None else f"target {item['sense']} {item['bound']}"
         detail = f"; {item['detail']}" if item["detail"] else ""
-        lines.append(f"- {item['label']}: {_fmt(item['value'], '.3f')} ({bound}): {verdict}{detail}")
+        lines.append(f"- {item['label']}: {_fmt(item['value'], '.3f')} ({bound}): "
+                     f"{verdict(item['met'], item.get('invalid'))}{detail}")
     if issue == 18:
         lines.append("- ratio of weight bytes read per step, bf16 / int8: "
                      f"{_fmt(t['weight_bytes_bf16_over_int8'], '.2f')}x")

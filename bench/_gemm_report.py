@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from _gemm_methods import TORCHAO_METHODS
+from cutlass_w8a8.testing.physical import mark, physical_check, share_check
 
 # Upper bounds (inclusive) of the M groups of the summary table: decode, mid-size batches, prefill.
 M_GROUP_BOUNDS = (16, 512, None)
@@ -18,19 +19,25 @@ def _fmt(value: Optional[float], spec: str) -> str:
 
 
 def point_table(points: list[dict]) -> str:
-    """Markdown table, one row per (shape, M)."""
+    """Markdown table, one row per (shape, M). A figure beyond its physical bound is marked INVALID
+    (`cutlass_w8a8.testing.physical`): %peak above 100, a share outside [0, 1]."""
     rows = ["| M | shape | ours us | TOPS | %peak | weight GB/s | x bf16 | x fp8-torch | x int_mm | fp8 x fp8-torch "
             "| linear x bf16 | quant GB/s | quant share | quant visible | PDL gain | linear PDL gain |",
             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in points:
         d = p["derived"]
+        peak = mark(_fmt(d["ours_pct_peak"], ".1f"), physical_check(d["ours_pct_peak"], 100.0, "% of peak"))
+        share = mark(_fmt(d["quant_share_of_linear_w8a8"], ".2f"),
+                     share_check(d["quant_share_of_linear_w8a8"], "quant share"))
+        visible = mark(_fmt(d.get("quant_visible_share"), ".2f"),
+                       share_check(d.get("quant_visible_share"), "quant visible share"))
         rows.append(f"| {p['M']} | {p['shape']} | {_fmt(d['time_us'].get('ours_int8'), '.1f')} "
-                    f"| {_fmt(d['ours_tops'], '.1f')} | {_fmt(d['ours_pct_peak'], '.1f')} "
+                    f"| {_fmt(d['ours_tops'], '.1f')} | {peak} "
                     f"| {_fmt(d['ours_weight_GBps'], '.0f')} | {_fmt(d['ours_x_bf16'], '.2f')} "
                     f"| {_fmt(d['ours_x_torch_fp8'], '.2f')} | {_fmt(d['ours_x_int_mm'], '.2f')} "
                     f"| {_fmt(d['ours_fp8_x_torch_fp8'], '.2f')} | {_fmt(d['linear_w8a8_x_bf16'], '.2f')} "
-                    f"| {_fmt(d['quant_GBps'], '.0f')} | {_fmt(d['quant_share_of_linear_w8a8'], '.2f')} "
-                    f"| {_fmt(d.get('quant_visible_share'), '.2f')} | {_fmt(d.get('pdl_gain_ours_int8'), '.2f')} "
+                    f"| {_fmt(d['quant_GBps'], '.0f')} | {share} "
+                    f"| {visible} | {_fmt(d.get('pdl_gain_ours_int8'), '.2f')} "
                     f"| {_fmt(d.get('pdl_gain_linear_w8a8'), '.2f')} |")
     return "\n".join(rows)
 

@@ -65,6 +65,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from cutlass_w8a8.testing.cli import int_list, name_list
+from cutlass_w8a8.testing.physical import judge, mark, physical_check, verdict
 from cutlass_w8a8.testing.report import provenance, publish, require_cuda_extension
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -585,12 +586,16 @@ def derive(results: dict[str, Any], geomean: Callable) -> None:
         items.append({"key": f"{m}_geomean_x_torch", "label": f"{m}: geomean over T >= {TARGET_X_TORCH_FROM_T} of "
                       f"torch_fp8 / ours{note}", "value": gm, "bound": TARGET_X_TORCH_GEOMEAN, "sense": ">=",
                       "met": None if gm is None else gm >= TARGET_X_TORCH_GEOMEAN})
-        fr = [p["derived"].get(f"{m}_read_fraction") for p in results["gemm_points"] if p["T"] <= DECODE_T]
-        fr = [f for f in fr if f is not None]
-        lo = min(fr) if fr else None
+        fr = [(p["derived"].get(f"{m}_read_fraction"), p) for p in results["gemm_points"] if p["T"] <= DECODE_T]
+        fr = [(f, p) for f, p in fr if f is not None]
+        lo = min(f for f, _ in fr) if fr else None
+        # a weight stream above the read rate measured in the run (its stated peak) is a broken measurement
+        met, invalid = judge(None if lo is None else lo >= TARGET_READ_FRACTION,
+                             *(physical_check(f, 1.0, f"{m} {p['model']} {p['gemm']} T={p['T']} read fraction")
+                               for f, p in fr))
         items.append({"key": f"{m}_decode_read_fraction", "label": f"{m}: min over T <= {DECODE_T} of active "
                       "weight bytes / time / read rate", "value": lo, "bound": TARGET_READ_FRACTION, "sense": ">=",
-                      "met": None if lo is None else lo >= TARGET_READ_FRACTION})
+                      "met": met, "invalid": invalid})
     for t, model, bound in TARGET_LAYER:
         for m in OURS_LAYER:
             p = next((p for p in results["layer_points"] if p["T"] == t and p["model"] == model), None)
@@ -615,7 +620,7 @@ def render_markdown(results: dict[str, Any]) -> str:
              ""]
     lines += ["## Targets (issue 27)", "", "| target | value | bound | met |", "|---|---|---|---|"]
     for it in results.get("targets", {}).get("items", []):
-        met = "–" if it["met"] is None else ("met" if it["met"] else "NOT met")
+        met = verdict(it["met"], it.get("invalid"), na="–")
         lines.append(f"| {it['label']} | {_f(it['value'])} | {it['sense']} {it['bound']} | {met} |")
     lines.append("")
     if results["gemm_points"]:
@@ -638,7 +643,7 @@ def render_markdown(results: dict[str, Any]) -> str:
 
                 def pct(m):
                     v = d.get(f"{m}_read_fraction")
-                    return _f(None if v is None else 100 * v, ".0f")
+                    return mark(_f(None if v is None else 100 * v, ".0f"), physical_check(v, 1.0, "read fraction"))
                 lines.append(f"| {p['T']} | {p['rows']} | {p['active_experts']} | {us('ours_int8')} | {us('ours_fp8')} "
                              f"| {us('ours_block')} | {us('torch_fp8')} | {us('torch_bf16')} | "
                              f"{_f(d.get('ours_int8_x_torch_fp8'), '.2f')} | {_f(d.get('ours_fp8_x_torch_fp8'), '.2f')} | "

@@ -4,7 +4,10 @@ at TP=1 on one GPU and at TP=2 on two GPUs over NCCL, per-token latency, speedup
 The script launches its own processes (`cutlass_w8a8.testing.tp.run_workers`, NCCL with ``NCCL_NVLS_ENABLE=0`` and
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``): first one process on cuda:0 (TP=1), then two on cuda:0 and cuda:1 (TP=2),
 each building `cutlass_w8a8.models.LlamaDecoder` from the same config and seed (random weights; at TP=2 the exact
-shards of the TP=1 weights, `cutlass_w8a8.distributed.decoder`). No torchrun needed.
+shards of the TP=1 weights, `cutlass_w8a8.distributed.decoder`). Do not start it under torchrun: it refuses, with
+exit status 2, when WORLD_SIZE, RANK, LOCAL_RANK or another launcher variable is set
+(`cutlass_w8a8.testing.tp.refuse_under_launcher`; under ``torchrun --nproc-per-node 2`` two copies once ran at once
+and timed each other).
 
 Per process and batch B (``--batches``, default 1 and 8): a `DecodeGraphRunner` with one graph per batch (the
 all-reduces after ``o_proj`` and ``down_proj`` captured in it); the step takes host inputs (token ids, positions at
@@ -21,9 +24,10 @@ All-reduce share, two ways (TP=2):
   time. It includes the time a kernel waits for the other rank.
 
 Also reported: the bytes of weights a step reads per GPU (all but the embedding) and the speedup that the ratio of
-those bytes allows (the step is bandwidth-bound at batch 1); the agreement of TP=2 with TP=1 (relative Frobenius
-error of the logits of one step from empty caches: W8A8 TP=2 quantizes the row-parallel inputs per shard, see
-`cutlass_w8a8.distributed.linear`); graph replay against the eager step (must agree bit for bit).
+those bytes allows (the step reads its weights once); a speedup above it, or a share outside [0, 100 %], is marked
+INVALID and the run's target is then not judged (`cutlass_w8a8.testing.physical`); the agreement of TP=2 with TP=1
+(relative Frobenius error of the logits of one step from empty caches: W8A8 TP=2 quantizes the row-parallel inputs
+per shard, see `cutlass_w8a8.distributed.linear`); graph replay against the eager step (must agree bit for bit).
 
 Writes ``tp_<layers>l[_vocab_lm_head]_<device>.json`` and ``.md`` (and ``.png`` when matplotlib is installed) to
 ``--out``.
@@ -53,7 +57,9 @@ from typing import Any, Optional
 import torch
 
 from cutlass_w8a8.testing.cli import int_list
+from cutlass_w8a8.testing.physical import judge, mark, physical_check, share_check, verdict
 from cutlass_w8a8.testing.timers import cuda_kernel_times
+from cutlass_w8a8.testing.tp import refuse_under_launcher
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -219,8 +225,17 @@ def measure(rank: int, world: int, opts: dict) -> dict:
 
 def derive(results: dict) -> dict:
     """Per batch: TP=1 and TP=2 ms (the slower rank), speedup, all-reduce share (no-reduce graphs and NCCL kernel
-    time), the bytes-bound speedup; and whether the batch-1 target is met. Stored as ``results["derived"]``."""
+    time), the bytes-bound speedup; and whether the batch-1 target is met. Stored as ``results["derived"]``.
+
+    Physical bounds (`cutlass_w8a8.testing.physical`): a step reads its weights once, so the speedup is at most the
+    ratio of the weight bytes per GPU (``bytes_bound_speedup``), and each share lies in [0, 1]. A figure beyond its
+    bound is listed in the batch's ``invalid`` and in ``results["invalid"]``, and then the target is not judged:
+    ``target["met"]`` None, ``target["invalid"]`` the reasons (a run with an impossible figure anywhere, such as two
+    copies started by torchrun timing each other, has no trustworthy figure)."""
     tp1, tp2 = results["tp1"], results["tp2"]
+    bytes1 = tp1[0]["weight_bytes_per_step"]
+    bytes2 = max(r["weight_bytes_per_step"] for r in tp2)
+    bound = bytes1 / bytes2
     derived = {}
     for b in results["batches"]:
         k = str(b)
@@ -228,21 +243,28 @@ def derive(results: dict) -> dict:
         t2 = max(r["batches"][k]["graph"]["median_ms"] for r in tp2)
         nr = max(r["batches"][k]["no_reduce"]["median_ms"] for r in tp2)
         nccl = [r["batches"][k]["nccl_kernel_ms"] for r in tp2]
-        derived[k] = {"tp1_ms": t1, "tp2_ms": t2, "speedup": t1 / t2, "tp2_no_reduce_ms": nr,
-                      "allreduce_share": 1.0 - nr / t2,
-                      "nccl_kernel_share": (max(nccl) / t2) if all(v is not None for v in nccl) else None}
-    bytes1 = tp1[0]["weight_bytes_per_step"]
-    bytes2 = max(r["weight_bytes_per_step"] for r in tp2)
+        d = {"tp1_ms": t1, "tp2_ms": t2, "speedup": t1 / t2, "tp2_no_reduce_ms": nr,
+             "allreduce_share": 1.0 - nr / t2,
+             "nccl_kernel_share": (max(nccl) / t2) if all(v is not None for v in nccl) else None}
+        checks = {"speedup": physical_check(d["speedup"], bound, f"batch {b} speedup TP=1 / TP=2 (weight-byte "
+                                            "bound)"),
+                  "allreduce_share": share_check(d["allreduce_share"], f"batch {b} all-reduce share"),
+                  "nccl_kernel_share": share_check(d["nccl_kernel_share"], f"batch {b} NCCL kernel share")}
+        d["invalid"] = {key: why for key, why in checks.items() if why}
+        derived[k] = d
     s1 = derived["1"]["speedup"] if "1" in derived else None
+    reasons = [why for d in derived.values() for why in d["invalid"].values()]
+    met, invalid = judge(None if s1 is None else s1 >= TARGET_SPEEDUP_BATCH1, *reasons)
     results["derived"] = derived
-    results["bytes_bound_speedup"] = bytes1 / bytes2
-    results["target"] = {"speedup_batch1": TARGET_SPEEDUP_BATCH1,
-                         "met": None if s1 is None else s1 >= TARGET_SPEEDUP_BATCH1}
+    results["bytes_bound_speedup"] = bound
+    results["invalid"] = reasons
+    results["target"] = {"speedup_batch1": TARGET_SPEEDUP_BATCH1, "met": met, "invalid": invalid}
     return results
 
 
 def render_markdown(results: dict) -> str:
-    """The report: setup, the per-batch table, the target, accuracy."""
+    """The report: setup, the per-batch table (figures beyond their physical bound marked INVALID), the target,
+    accuracy."""
     c = results["config"]
     lines = [f"# Tensor-parallel decode step: TP=1 vs TP=2 ({results['device']})", "",
              f"Llama-3-70B dimensions with {c['num_layers']} layers (hidden {c['hidden_size']}, MLP "
@@ -255,13 +277,20 @@ def render_markdown(results: dict) -> str:
              "NCCL kernel share |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for b in results["batches"]:
         d = results["derived"][str(b)]
-        nk = "n/a" if d["nccl_kernel_share"] is None else f"{100 * d['nccl_kernel_share']:.1f} %"
-        lines.append(f"| {b} | {d['tp1_ms']:.3f} | {d['tp2_ms']:.3f} | {d['speedup']:.2f}x | "
-                     f"{d['tp2_no_reduce_ms']:.3f} | {100 * d['allreduce_share']:.1f} % | {nk} |")
+        bad = d.get("invalid", {})
+        nk = "n/a" if d["nccl_kernel_share"] is None else mark(f"{100 * d['nccl_kernel_share']:.1f} %",
+                                                                bad.get("nccl_kernel_share"))
+        speedup = mark(f"{d['speedup']:.2f}x", bad.get("speedup"))
+        share = mark(f"{100 * d['allreduce_share']:.1f} %", bad.get("allreduce_share"))
+        lines.append(f"| {b} | {d['tp1_ms']:.3f} | {d['tp2_ms']:.3f} | {speedup} | {d['tp2_no_reduce_ms']:.3f} | "
+                     f"{share} | {nk} |")
     t = results["target"]
-    verdict = "not measured (batch 1 not run)" if t["met"] is None else ("met" if t["met"] else "NOT met")
-    lines += ["", f"Target (issue 19): TP=2 at batch 1 >= {t['speedup_batch1']}x faster than TP=1: **{verdict}**.",
-              "", f"Weight bytes a step reads per GPU (all but the embedding): TP=1 "
+    lines += ["", f"Target (issue 19): TP=2 at batch 1 >= {t['speedup_batch1']}x faster than TP=1: "
+              f"**{verdict(t['met'], t.get('invalid'), na='not measured (batch 1 not run)')}**."]
+    if results.get("invalid"):
+        lines += ["", f"**{len(results['invalid'])} figures beyond their physical bound** (a broken measurement, e.g. "
+                  "another process on the GPUs; the run judges nothing): " + "; ".join(results["invalid"]) + "."]
+    lines += ["", f"Weight bytes a step reads per GPU (all but the embedding): TP=1 "
               f"{results['tp1'][0]['weight_bytes_per_step'] / 1e9:.2f} GB, TP=2 "
               f"{max(r['weight_bytes_per_step'] for r in results['tp2']) / 1e9:.2f} GB: a bandwidth-bound step can "
               f"gain at most {results['bytes_bound_speedup']:.2f}x.", "",
@@ -314,6 +343,7 @@ def _strip(rank_results: list) -> list:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    refuse_under_launcher("bench/bench_tp.py")  # it starts its own ranks: never one copy per torchrun rank
     args = parse_args(argv)
     from cutlass_w8a8.testing.report import provenance, publish, require_cuda_extension
     from cutlass_w8a8.testing.tp import run_workers

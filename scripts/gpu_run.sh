@@ -18,7 +18,8 @@
 # (bench/bench_graph_update.py), decode-gemm (bench/bench_decode_gemm.py; $DECODE_GEMM_ARGS), m1-torchao
 # (bench/bench_m1_torchao.py: W8A8Linear vs torchao int8 weight-only + compile at M = 1; $M1_ARGS), host (bench/bench_host.py: host time per eager call), hf (bench/bench_hf.py:
 # transformers Llama-3-8B dims, bf16 vs W8A8, eager and compiled; extra arguments in $HF_ARGS), fuzz (scripts/fuzz.py, 1000 cases), soak (scripts/soak.py),
-# sanitize (scripts/sanitize.py; the tools in $SANITIZE_TOOLS, default all four), build-tune + tune (the sm90 tuning build,
+# sanitize (scripts/sanitize.py, every schema op; the tools in $SANITIZE_TOOLS, default all four, $SANITIZE_JOBS at a
+# time, default 4; see the stage), build-tune + tune (the sm90 tuning build,
 # of the tables in $TUNE_TABLES: CUTLASS_W8A8_TUNE's value, default 1 = all, e.g. "fp8-block" or "fp8,fp8-block"; then
 # bench/tune_sm90.py, one run per config table in $TUNE_DTYPES, default $TUNE_TABLES' or all three, extra arguments in
 # $TUNE_ARGS, e.g. "--m 256,1024 --shapes dsv3"). Offline: the nvidia-cutlass wheel is taken from .whl/ (git-ignored; copy
@@ -204,11 +205,18 @@ has graph-update && run_stage graph-update graph_update.log $PY bench/bench_grap
 has fuzz && run_stage fuzz fuzz.log $PY scripts/fuzz.py --cases 1000 --seed 0 --dtypes int8,fp8 --max-seconds 400
 has soak && run_stage soak soak.log $PY scripts/soak.py
 if has sanitize; then
-  for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
-    quick=; [ $tool = racecheck ] && quick=--quick
-    run_stage "sanitize $tool" "sanitize_$tool.log" $PY scripts/sanitize.py --tools $tool $quick \
-      --timeout ${SANITIZE_TIMEOUT:-400} --log-dir "$OUT/sanitize"
-  done
+  # scripts/sanitize.py: every schema op under each tool, the tools $SANITIZE_JOBS at a time (default 4: all at once,
+  # one sanitizer process each on the one GPU), racecheck (the slowest) with its --quick selection. Each tool's two
+  # driver processes (eager cases uncached, CUDA-graph cases cached) share $SANITIZE_TIMEOUT seconds, by default
+  # 520 s divided over the rounds the jobs need, so the stage fits one 10-minute device call. Extra arguments in
+  # $SANITIZE_ARGS (e.g. "--cases grouped|moe"). Full reports: $OUT/sanitize/<tool>_<eager|graphs>.log.
+  san_tools=$(echo ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck} | tr ' ' ',')
+  san_jobs=${SANITIZE_JOBS:-4}
+  san_n=$(echo "$san_tools" | tr ',' '\n' | wc -l)
+  san_rounds=$(( (san_n + san_jobs - 1) / san_jobs ))
+  run_stage sanitize sanitize.log $PY scripts/sanitize.py --tools "$san_tools" --jobs "$san_jobs" \
+    --quick-tools racecheck --timeout "${SANITIZE_TIMEOUT:-$((520 / san_rounds))}" --log-dir "$OUT/sanitize" \
+    ${SANITIZE_ARGS:-}
 fi
 
 if has tune; then

@@ -361,6 +361,21 @@ def test_derive_targets(bench):
     assert _verdicts(_synthetic_results(bench, max_seq=1024))["int8_b1_ms"] is None
 
 
+def test_step_faster_than_its_hbm_limit_is_invalid(bench):
+    """A graph step below the time its bytes take at the datasheet HBM bandwidth is a broken measurement: the target
+    is INVALID (not judged), never met, and the HBM table marks the cell."""
+    res = _synthetic_results(bench)
+    res["models"]["int8"]["batches"]["1"]["graph"]["median_ms"] = 2.0  # limit 2.4 ms: 0.83x
+    bench.report.derive(res, 2400.0)
+    item = next(it for it in res["targets"]["items"] if it["key"] == "int8_b1_over_hbm")
+    assert item["met"] is None and "HBM-limited time = 0.8333 is beyond its physical bound (>= 1)" in item["invalid"]
+    report = bench.report.render_markdown(res)
+    line = next(ln for ln in report.splitlines() if ln.startswith("- int8 graph at batch 1 / its HBM-limited time:"))
+    assert "): INVALID (" in line and "): met" not in line
+    assert "| 0.83 INVALID |" in report
+    assert "INVALID" not in bench.report.render_markdown(_synthetic_results(bench))
+
+
 def test_block_model_target_and_section(bench):
     """With fp8-block beside fp8: its graph step over fp8's per batch, issue 26's target (<= 1.1x at batch 1) and
     the report's block section; without fp8-block neither appears (the issue-18 list is unchanged)."""

@@ -273,6 +273,20 @@ def test_block_targets(bench):
     assert bench.block.block_targets([], geomean)[0]["met"] is None
 
 
+def test_read_rate_above_the_measured_peak_is_invalid(bench):
+    """A weight stream faster than the read rate measured in the same run (cold L2) is a broken measurement: the
+    read-fraction target is INVALID (not judged), never met, and the "of read" cells say so."""
+    res = _synthetic(bench, read_frac=1.07)
+    t = {x["key"]: x for x in res["block_targets"]}
+    assert t["read_fraction"]["met"] is None and "measured read rate = 1.07" in t["read_fraction"]["invalid"]
+    assert t["x_torch_min"]["met"] is True and t["x_torch_min"]["invalid"] is None
+    report = bench.block.render_block_markdown(res, geomean)
+    line = next(ln for ln in report.splitlines() if ln.startswith("- weight stream / measured read rate"))
+    assert "INVALID (" in line and ": met" not in line
+    assert "| 1.07 INVALID |" in report
+    assert "INVALID" not in bench.block.render_block_markdown(_synthetic(bench), geomean)
+
+
 def test_render_block_markdown(bench):
     res = _synthetic(bench)
     report = bench.block.render_block_markdown(res, geomean)
@@ -477,3 +491,17 @@ def test_tune_sm90_m_lists_and_vs_shipped(tune):
     assert "| cand | 1.000 | 0.800 | 1.250 | 2 | 1 |" in text and "| ship | 1.000 | 1.000 | 1.000 | 2 | 1 |" in text
     assert tune.vs_shipped(points, "int8", geomean) == []
     assert "every config against the shipped choice" in tune.summarize(points, geomean)
+
+
+def test_point_table_marks_impossible_figures(bench):
+    """bench_gemm's per-point table: a TOPS figure above the dense peak, or a share outside [0, 1], is marked INVALID
+    (`cutlass_w8a8.testing.physical`); possible ones are not."""
+    m, n, k = 4096, 8192, 8192
+    times = {"ours_int8": 1.0, "quant_int8": 1.5, "linear_w8a8": 1.2}  # 550 TOPS; quant 1.25x the whole forward
+    d = bench.main.derive(m, n, k, times, 2500.0, 100.0)
+    assert d["ours_pct_peak"] == pytest.approx(2 * m * n * k / 1e-3 / 1e12)
+    row = bench.report.point_table([{"M": m, "shape": "big", "derived": d}]).splitlines()[-1]
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[5] == "549.8 INVALID" and cells[13] == "1.25 INVALID" and cells[14] == "0.17"
+    ok = bench.main.derive(m, n, k, {"ours_int8": 1.0, "quant_int8": 0.1, "linear_w8a8": 1.1}, 2500.0, 1000.0)
+    assert "INVALID" not in bench.report.point_table([{"M": m, "shape": "big", "derived": ok}])

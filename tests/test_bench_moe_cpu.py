@@ -144,6 +144,21 @@ def test_derive_targets_and_report(bench, tmp_path):
     assert (tmp_path / "moe.png").stat().st_size > 0
 
 
+def test_read_fraction_above_the_measured_peak_is_invalid(bench):
+    """Active weight bytes streamed faster than the read rate measured in the run: INVALID, not judged, never met."""
+    res = _synthetic(bench)
+    res["gemm_points"][1]["time_ms"]["ours_int8"] = 7e-3  # 25.2 MB in 7 us: 3595 GB/s, 116% of 3100 GB/s
+    bench.derive(res, timers.geomean)
+    items = {it["key"]: it for it in res["targets"]["items"]}
+    it = items["ours_int8_decode_read_fraction"]
+    assert it["met"] is None and "ours_int8 qwen3-30b-a3b w13 T=16 read fraction = 1.16" in it["invalid"]
+    assert items["ours_fp8_decode_read_fraction"]["invalid"] is None  # the others are judged as before
+    md = bench.render_markdown(res)
+    row = next(ln for ln in md.splitlines() if ln.startswith("| ours_int8: min over T <= 16"))
+    assert "| INVALID (" in row and "| met |" not in row
+    assert "| 116 INVALID |" in md
+
+
 def _fake_timers():
     def interleaved(cases, replay_ms, replays, on_error=None):
         out = {}

@@ -61,8 +61,8 @@ def _results(tp2_ms_batch1):
             "steps": 100, "tp_lm_head": False, "config": {**bench_config(), "num_layers": 8},
             "tp_vs_tp1_rel": {"1": 0.011, "8": 0.012},
             "tp1": [_rank({1: 4.0, 8: 4.4}, nbytes=9.0e9)],
-            "tp2": [_rank({1: tp2_ms_batch1, 8: 2.9}, {1: 2.1, 8: 2.5}, nccl=0.2, nbytes=5.5e9),
-                    _rank({1: tp2_ms_batch1 - 0.1, 8: 3.0}, {1: 2.0, 8: 2.6}, nccl=0.25, nbytes=5.5e9)]}
+            "tp2": [_rank({1: tp2_ms_batch1, 8: 2.9}, {1: 2.1, 8: 2.5}, nccl=0.2, nbytes=4.5e9),
+                    _rank({1: tp2_ms_batch1 - 0.1, 8: 3.0}, {1: 2.0, 8: 2.6}, nccl=0.25, nbytes=4.5e9)]}
 
 
 def bench_config():
@@ -77,7 +77,7 @@ def test_derive_takes_the_slower_rank(bench):
     assert d1["allreduce_share"] == pytest.approx(1 - 2.1 / 2.4)
     assert d1["nccl_kernel_share"] == pytest.approx(0.25 / 2.4)
     assert d8["tp2_ms"] == 3.0 and d8["tp2_no_reduce_ms"] == 2.6
-    assert r["bytes_bound_speedup"] == pytest.approx(9.0 / 5.5)
+    assert r["bytes_bound_speedup"] == pytest.approx(9.0 / 4.5)
     assert r["target"]["met"] is True
 
 
@@ -88,7 +88,8 @@ def test_report(bench, tp2_ms, verdict):
     assert verdict in md and "NVIDIA H100 80GB HBM3" in md and "8 layers" in md
     row = next(line for line in md.splitlines() if line.startswith("| 1 |"))
     assert f"| 4.000 | {tp2_ms:.3f} | {4.0 / tp2_ms:.2f}x |" in row
-    assert "gain at most 1.64x" in md and "batch 8: 0.012" in md
+    assert "gain at most 2.00x" in md and "batch 8: 0.012" in md
+    assert "INVALID" not in md and r["invalid"] == []
 
 
 def test_report_without_batch_1(bench):
@@ -107,3 +108,57 @@ def test_plot_writes_a_png_when_matplotlib_is_there(bench, tmp_path):
         assert not path.exists()
     else:
         assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_impossible_figures_are_invalid_never_met(bench):
+    """The run torchrun made of two copies at once: TP=1 at 5.06 ms, a 3.15x speedup against the 2.00x byte bound,
+    an NCCL kernel share of 398 %: INVALID, the target not judged, nothing printed as met."""
+    r = _results(5.06 / 3.15)
+    r["tp1"] = [_rank({1: 5.06, 8: 4.4}, nbytes=9.0e9)]
+    for rank in r["tp2"]:
+        rank["batches"]["1"]["nccl_kernel_ms"] = 3.98 * 5.06 / 3.15
+        rank["batches"]["1"]["no_reduce"]["median_ms"] = 1.2
+    d = bench.derive(r)
+    d1 = d["derived"]["1"]
+    assert set(d1["invalid"]) == {"speedup", "nccl_kernel_share"}
+    assert d["target"]["met"] is None and "speedup" in d["target"]["invalid"] and "NCCL" in d["target"]["invalid"]
+    md = bench.render_markdown(d)
+    row = next(line for line in md.splitlines() if line.startswith("| 1 |"))
+    assert "3.15x INVALID" in row and "398.0 % INVALID" in row
+    assert "**INVALID (" in md and "**met**" not in md and "**NOT met**" not in md
+    assert "2 figures beyond their physical bound" in md
+    # a share below zero (no-reduce graphs slower than the real ones) is as impossible as one over 100 %
+    r = _results(2.4)
+    for rank in r["tp2"]:
+        rank["batches"]["8"]["no_reduce"]["median_ms"] = 3.5
+    d = bench.derive(r)
+    assert set(d["derived"]["8"]["invalid"]) == {"allreduce_share"} and d["target"]["met"] is None
+
+
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, {"LOCAL_RANK": "1"},
+                                 {"RANK": "0"}, {"TORCHELASTIC_RUN_ID": "none"}])
+def test_refuses_under_torchrun(bench, monkeypatch, capsys, env):
+    """Started by torchrun (any of its variables set), it exits with status 2 before parsing or spawning anything."""
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    def no_spawn(*a, **kw):
+        raise AssertionError("spawned ranks under a launcher")
+
+    monkeypatch.setattr("cutlass_w8a8.testing.tp.run_workers", no_spawn)
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "refusing to run under torchrun" in err and all(f"{k}={v}" in err for k, v in env.items())
+
+
+def test_runs_without_launcher_variables(bench, monkeypatch):
+    """No launcher variable: the refusal lets it through (to the GPU checks, which fail here on the CPU)."""
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    from cutlass_w8a8.testing.tp import refuse_under_launcher
+
+    assert refuse_under_launcher("bench_tp.py") is None

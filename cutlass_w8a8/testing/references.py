@@ -53,6 +53,28 @@ def reference(a, b, scale_a, scale_b, bias=None) -> Reference:
     return Reference(d, mag, a_deq.abs() @ b_deq.abs(), a.shape[1])
 
 
+BLOCK = 128  # the block edge of block-scaled fp8 (cutlass_w8a8.BLOCK_SIZE)
+
+
+def block_reference(a, b, scale_a, scale_b, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(D, bound) of a block-scaled fp8 GEMM: ``a`` (M, K) e4m3 with ``scale_a`` (M, K/128), ``b`` (K, N) e4m3 (the
+    (N, K) weight as ``weight.t()``) with ``scale_b`` (ceil(N/128), K/128). D = (a * scale_a) @ (b * scale_b) + bias
+    in float64 from the dequantized operands; ``bound`` the elementwise allowance besides the output's rounding
+    (add one output ulp): float32 scaling and summing of the K/128 block partials ((K/128 + 4) eps32 of
+    sum|terms|), Hopper's fp8 accumulation within a 128-long block (`fp8_accum_bound` (128)), and two float32
+    roundoffs of |D| + |bias| in the epilogue. The bound of tests/test_scaled_mm_block_cuda.py."""
+    k, n = b.shape
+    a_deq = a.double() * scale_a.double().repeat_interleave(BLOCK, dim=1)
+    b_deq = b.double() * scale_b.double().repeat_interleave(BLOCK, dim=0)[:n].repeat_interleave(BLOCK, dim=1).t()
+    d = a_deq @ b_deq
+    mag = d.abs()
+    if bias is not None:
+        d = d + bias.double()
+        mag = mag + bias.double().abs()
+    terms = a_deq.abs() @ b_deq.abs()
+    return d, ((k // BLOCK + 4) * EPS32 + fp8_accum_bound(BLOCK)) * terms + 2 * EPS32 * mag
+
+
 def fp8_accum_bound(k: int) -> float:
     """Allowance for the tensor cores' accumulation of fp8 products, relative to sum_k |a_k b_k|: K * 2**-13.
 

@@ -11,6 +11,7 @@ import datetime
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -18,12 +19,45 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["NCCL_ENV", "RankResult", "WorkerTimeout", "row_parallel_bound", "row_parallel_rms_bound", "run_workers",
-           "unit_roundoff"]
+__all__ = ["LAUNCHER_ENV", "NCCL_ENV", "RankResult", "WorkerTimeout", "launcher_env", "refuse_under_launcher",
+           "row_parallel_bound", "row_parallel_rms_bound", "run_workers", "unit_roundoff"]
 
 #: Environment for NCCL workers: NVLink multicast (NVLS) and torch's symmetric-memory multicast off (the
 #: lent H200 machines do not support it; KINDS.md).
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+#: Variables torchrun (torch.distributed.run) sets in every process it starts; any of them set means this process is
+#: one rank of a launch.
+LAUNCHER_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def launcher_env(environ: Optional[dict] = None) -> dict:
+    """The `LAUNCHER_ENV` variables set in ``environ`` (default ``os.environ``), by name."""
+    environ = os.environ if environ is None else environ
+    return {k: environ[k] for k in LAUNCHER_ENV if k in environ}
+
+
+def refuse_under_launcher(script: str, environ: Optional[dict] = None) -> None:
+    """For a script that starts its own ranks (`run_workers`): exit with status 2 and a message on stderr when it
+    runs under torchrun or another launcher (any `LAUNCHER_ENV` variable set). Under ``torchrun --nproc-per-node 2``
+    each copy would start all its ranks at once on the same GPUs, and the copies would time each other: one such run
+    of bench/bench_tp.py reported TP=1 at 5.06 ms and a 3.15x speedup against its own 2.00x byte bound.
+
+    Raises
+    ------
+    SystemExit
+        Status 2, when a launcher variable is set.
+    """
+    found = launcher_env(environ)
+    if not found:
+        return
+    names = ", ".join(f"{k}={v}" for k, v in found.items())
+    print(f"{script}: refusing to run under torchrun or another launcher ({names} set). It starts its own "
+          "processes, one per rank; under a launcher every copy would start them at once on the same GPUs and the "
+          f"copies would time each other. Run it as `python {script} ...` with none of "
+          f"{', '.join(LAUNCHER_ENV)} in the environment.", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 @dataclasses.dataclass
