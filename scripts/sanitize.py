@@ -36,7 +36,9 @@ For each tool T this runs the driver (``--driver``, the cases in this process) t
 Under initcheck the driver gets ``--prefill-outputs``: initcheck does not count the sm90 epilogue's TMA stores as
 writes and reported each later read of those outputs (H200, compute-sanitizer of CUDA 13.0), so GEMM outputs that may
 be stored by TMA are host-written NaN buffers (a skipped element stays NaN and fails the check), and w8a8_linear at
-CUTLASS sizes (no out= form) runs without its output being read back.
+CUTLASS sizes (no out= form) runs without its output being read back. Likewise initcheck does not count the grouped
+GEMM's per-SM TMA descriptor writes (``tensormap.cp_fenceproxy``) in its workspace, so under initcheck the driver runs
+with ``CUTLASS_W8A8_ZERO_WORKSPACE=1``: the op zeroes that workspace first (csrc/gemm/grouped_mm_entry.cu).
 
 Per tool it prints one summary line, then a line per driver process:
 
@@ -266,6 +268,8 @@ def run_tool(tool: str, args) -> tuple[bool, list]:
         env_add = dict(extra)
         if not caching and not args.keep_caching:
             env_add["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+        if tool == "initcheck":  # the grouped GEMM's TMA descriptors, written by cp_fenceproxy (grouped_mm_entry.cu)
+            env_add["CUTLASS_W8A8_ZERO_WORKSPACE"] = "1"
         cmd = ([args.sanitizer, "--tool", tool, "--error-exitcode", "1", "--print-limit", "10000"]
                + args.sanitizer_arg + driver_command(args, group, tool))
         log = os.path.join(args.log_dir, f"{tool}_{group}.log")

@@ -4,6 +4,7 @@
 // GEMM (gemm/decode/grouped_decode.hpp), larger T to the sm90 library's CUTLASS ptr-array grouped GEMM
 // (cw8a8_sm90_grouped_mm, gemm/kernel_libraries.hpp). sm90 only. Nothing here reads `offsets`: both kernels clamp
 // them on the device, so the op never synchronises with the host and captures into a CUDA graph.
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
@@ -133,11 +134,25 @@ struct GroupedWorkspace {
   std::string error;
 };
 
+// CUTLASS_W8A8_ZERO_WORKSPACE=1 (scripts/sanitize.py sets it under initcheck only): zero the grouped workspace.
+// The grouped kernel writes its per-SM TMA descriptors there with tensormap.cp_fenceproxy, which compute-sanitizer's
+// initcheck does not count as a write, so every later read of a descriptor was reported as uninitialized (H200,
+// CUDA 13.0: one 128-byte slot per CTA, base + 128 * blockIdx); a plain memset first marks the slots written. Off by
+// default: an extra memset per call for a tool's blind spot. Read once per process.
+bool zero_grouped_workspace() {
+  static const bool on = [] {
+    const char* v = std::getenv("CUTLASS_W8A8_ZERO_WORKSPACE");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
+}
+
 void* allocate_grouped_workspace(void* ctx, size_t bytes) {
   auto* ws = static_cast<GroupedWorkspace*>(ctx);
   try {
-    ws->buffers.push_back(
-        at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(ws->device)));
+    const auto options = at::TensorOptions().dtype(at::kByte).device(ws->device);
+    const int64_t n = static_cast<int64_t>(bytes);
+    ws->buffers.push_back(zero_grouped_workspace() ? at::zeros({n}, options) : at::empty({n}, options));
     return ws->buffers.back().data_ptr();
   } catch (const std::exception& e) {
     ws->error = e.what();
