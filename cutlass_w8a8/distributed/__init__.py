@@ -1,7 +1,7 @@
 """Tensor parallelism over ``torch.distributed`` (NCCL on GPUs, gloo on the CPU): vLLM's column- and
 row-parallel linears on `W8A8Linear` (`ColumnParallelW8A8Linear`, `RowParallelW8A8Linear`) and on float
-``nn.Linear`` (`ColumnParallelLinear`, `RowParallelLinear`), `shard_linear`, `fuse_w8a8` (q / k / v layers with
-per-tensor scales into one column-parallel-ready layer), plans by module name
+``nn.Linear`` (`ColumnParallelLinear`, `RowParallelLinear`), `shard_linear`, `fuse_w8a8` (re-exported from
+`cutlass_w8a8.fuse`: q / k / v layers into one column-parallel-ready layer), plans by module name
 (`LLAMA_TP_PLAN`, `tensor_parallel_`, used by ``quantize_(..., tp_group=...)``), the reference decoder's
 sharding (`shard_decoder_`; ``LlamaDecoder(..., tp_group=...)``), and the sharded loading of compressed-tensors
 checkpoints (``from_pretrained(..., tp_group=...)``: `cutlass_w8a8.distributed.checkpoint`), the experts of
@@ -20,7 +20,8 @@ from . import sharding
 from .decoder import shard_decoder_
 from ._common import TPContext
 from .float_linear import ColumnParallelLinear, RowParallelLinear
-from .linear import ColumnParallelW8A8Linear, RowParallelW8A8Linear, fuse_w8a8, shard_linear
+from ..fuse import fuse_w8a8
+from .linear import ColumnParallelW8A8Linear, RowParallelW8A8Linear, shard_linear
 from .moe import TensorParallelW8A8MoE, shard_moe
 from .plan import LLAMA_TP_PLAN, tensor_parallel_
 

@@ -42,7 +42,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..distributed.linear import fuse_w8a8
+from ..fuse import fuse_w8a8
 from ..linear import QuantizedActivation, W8A8Linear
 from ..ops._schema import OVERLOADS as _op
 
