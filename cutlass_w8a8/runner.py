@@ -108,7 +108,7 @@ class DecodeGraphRunner:
     writes into its own): the next step overwrites them, so clone what must outlive it. Replays of the
     graphs must not overlap (they share the pool), which holds when steps run on one stream.
 
-    A tensor-parallel model (``LlamaDecoder(..., tp_group=g)``, `cutlass_w8a8.distributed`) is captured the same
+    A tensor-parallel model (`cutlass_w8a8.distributed.TensorParallelLlamaDecoder`) is captured the same
     way on every rank, its NCCL all-reduces inside the graphs (torch.distributed collectives are capturable; keep
     NVLink multicast off: ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``). Every rank must build its
     runner with the same arguments and call ``step`` with the same inputs in the same order (the batch decides

@@ -43,8 +43,8 @@ from ..ops._limits import BLOCK_SIZE
 from ..ops._roles import block_weight_scaled
 from ..ops._schema import OVERLOADS as _op
 from . import sharding as S
-from ._common import _all_reduce_, _check_tp_size, _fields, _gather_columns, _set_tp, _TensorParallel
-from ._group import check_same_on_all_ranks, dtype_code, group_rank_size, sequence_code
+from ._common import TPContext, _all_reduce_, _check_tp_size, _fields, _gather_columns, _set_tp, _TensorParallel
+from ._group import check_same_on_all_ranks, dtype_code, sequence_code
 from .float_linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["ColumnParallelW8A8Linear", "RowParallelW8A8Linear", "fuse_w8a8", "shard_linear"]
@@ -62,13 +62,12 @@ def _shard_block(weight, weight_scale, weight_block_size) -> bool:
 
 
 def _unsharded(cls, layer, tp_group):
-    """``(N, K, where, rank, world)`` for ``cls.from_full(layer, tp_group)``; TypeError unless ``layer`` is an
-    unsharded `W8A8Linear`."""
+    """``(N, K, where, ctx)`` for ``cls.from_full(layer, tp_group)``; TypeError unless ``layer`` is an unsharded
+    `W8A8Linear`."""
     if not isinstance(layer, W8A8Linear) or isinstance(layer, _TensorParallel):
         raise TypeError(f"{cls.__name__}.from_full: `layer` must be an unsharded W8A8Linear, got "
                         f"{type(layer).__name__}")
-    rank, world = group_rank_size(tp_group, cls.__name__)
-    return layer.out_features, layer.in_features, cls.__name__, rank, world
+    return layer.out_features, layer.in_features, cls.__name__, TPContext.resolve(tp_group, cls.__name__)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -114,7 +113,8 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
         ----------
         linear : nn.Linear
             The full layer, identical on every rank.
-        tp_group : torch.distributed.ProcessGroup
+        tp_group : torch.distributed.ProcessGroup or TPContext
+            The group, or the context an entry resolved once (`cutlass_w8a8.distributed.TPContext`).
         output_sizes : sequence of int, optional
             Logical matrices stacked along N (``[q, k, v]``, ``[inter, inter]``); default one matrix.
         gather_output : bool
@@ -136,19 +136,19 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
         """
         n, k = linear.weight.shape
         where = cls.__name__
-        rank, world = group_rank_size(tp_group, where)
+        ctx = TPContext.resolve(tp_group, where)
         config = config or W8A8Config()
         block = getattr(config, "weight_block_size", None) is not None
         if check:
-            check_same_on_all_ranks(tp_group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or []),
                                              "#replicas": sequence_code(replicas or [])},
                 quant_dtype=dtype_code(config.dtype), bias=linear.bias is not None,
                 static_input=input_scale is not None, gather_output=gather_output, block=block))
-        _check_tp_size(where, tp_size, world)
-        S.check_column_shardable(n, k, world, output_sizes, where, block=block, replicas=replicas)
+        _check_tp_size(where, tp_size, ctx.world)
+        S.check_column_shardable(n, k, ctx.world, output_sizes, where, block=block, replicas=replicas)
         full = W8A8Linear.from_float(linear, config, input_scale)
-        return cls._build(full, tp_group, rank, world, output_sizes, gather_output, replicas)
+        return cls._build(full, ctx, output_sizes, gather_output, replicas)
 
     @classmethod
     def from_full(cls, layer: W8A8Linear, tp_group, *, output_sizes: Optional[Sequence[int]] = None,
@@ -156,20 +156,21 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
                   check: bool = True, replicas: Optional[Sequence[int]] = None) -> "ColumnParallelW8A8Linear":
         """This rank's shard of a full `W8A8Linear` (weights and scales as they are: no re-quantization).
         Arguments and errors as `from_float`."""
-        n, k, where, rank, world = _unsharded(cls, layer, tp_group)
+        n, k, where, ctx = _unsharded(cls, layer, tp_group)
         if check:
-            check_same_on_all_ranks(tp_group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or []),
                                              "#replicas": sequence_code(replicas or [])},
                 quant_dtype=dtype_code(layer.quant_dtype), dtype=dtype_code(layer.dtype),
                 bias=layer.bias is not None, per_channel=layer.per_channel,
                 static_input=layer.input_scale is not None, gather_output=gather_output, block=_is_block(layer)))
-        _check_tp_size(where, tp_size, world)
-        S.check_column_shardable(n, k, world, output_sizes, where, block=_is_block(layer), replicas=replicas)
-        return cls._build(layer, tp_group, rank, world, output_sizes, gather_output, replicas)
+        _check_tp_size(where, tp_size, ctx.world)
+        S.check_column_shardable(n, k, ctx.world, output_sizes, where, block=_is_block(layer), replicas=replicas)
+        return cls._build(layer, ctx, output_sizes, gather_output, replicas)
 
     @classmethod
-    def _build(cls, full: W8A8Linear, group, rank, world, output_sizes, gather_output, replicas=None):
+    def _build(cls, full: W8A8Linear, ctx: TPContext, output_sizes, gather_output, replicas=None):
+        rank, world = ctx.rank, ctx.world
         sizes = list(output_sizes) if output_sizes is not None else [full.out_features]
         b = full._buffers
         scale = b["weight_scale"]
@@ -181,7 +182,7 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
             S.shard_rows(b["weight"], sizes, rank, world, replicas), scale,
             bias=None if b["bias"] is None else S.shard_rows(b["bias"], sizes, rank, world, replicas),
             input_scale=b["input_scale"], dtype=full.dtype, weight_block_size=full.weight_block_size)
-        mod._init_column(group, rank, world, full.out_features, full.in_features, sizes, gather_output, replicas)
+        mod._init_column(ctx, full.out_features, full.in_features, sizes, gather_output, replicas)
         return mod
 
     @classmethod
@@ -202,28 +203,28 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
         """
         sizes = [int(s) for s in output_sizes]
         n, k, where = sum(sizes), weight.shape[1], cls.__name__
-        rank, world = group_rank_size(tp_group, where)
+        ctx = TPContext.resolve(tp_group, where)
         block = _shard_block(weight, weight_scale, weight_block_size)
         if check:
-            check_same_on_all_ranks(tp_group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(sizes),
                                              "#replicas": sequence_code(replicas or [])},
                 quant_dtype=dtype_code(weight.dtype),
                 dtype=dtype_code(dtype), bias=bias is not None, per_channel=weight_scale.numel() > 1,
                 static_input=input_scale is not None, gather_output=gather_output, block=block))
-        _check_tp_size(where, tp_size, world)
-        S.check_column_shardable(n, k, world, sizes, where, block=block, replicas=replicas)
-        local = sum(z - a for a, z in S.column_rows(sizes, rank, world, replicas))
+        _check_tp_size(where, tp_size, ctx.world)
+        S.check_column_shardable(n, k, ctx.world, sizes, where, block=block, replicas=replicas)
+        local = sum(z - a for a, z in S.column_rows(sizes, ctx.rank, ctx.world, replicas))
         if weight.shape[0] != local:
             raise ValueError(f"{where}.from_shard: `weight` must have N / tp_size = {local} rows (with `replicas`: "
                              f"the rows of this rank's parts), got {weight.shape[0]}")
         mod = cls.from_quantized(weight, weight_scale, bias=bias, input_scale=input_scale, dtype=dtype,
                                  weight_block_size=weight_block_size)
-        mod._init_column(tp_group, rank, world, n, k, sizes, gather_output, replicas)
+        mod._init_column(ctx, n, k, sizes, gather_output, replicas)
         return mod
 
-    def _init_column(self, group, rank, world, full_n, full_k, sizes, gather_output, replicas=None):
-        _set_tp(self, group, rank, world, full_n, full_k)
+    def _init_column(self, ctx: TPContext, full_n, full_k, sizes, gather_output, replicas=None):
+        _set_tp(self, ctx, full_n, full_k)
         self.output_sizes, self.gather_output = list(sizes), gather_output
         self.output_replicas = [1] * len(sizes) if replicas is None else [int(r) for r in replicas]
 
@@ -283,35 +284,36 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
         """
         n, k = linear.weight.shape
         where = cls.__name__
-        rank, world = group_rank_size(tp_group, where)
+        ctx = TPContext.resolve(tp_group, where)
         config = config or W8A8Config()
         block = getattr(config, "weight_block_size", None) is not None
         if check:
-            check_same_on_all_ranks(tp_group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 "rowwise", n, k, tp_size, quant_dtype=dtype_code(config.dtype), bias=linear.bias is not None,
                 static_input=input_scale is not None, input_is_parallel=input_is_parallel, block=block))
-        _check_tp_size(where, tp_size, world)
-        S.check_row_shardable(n, k, world, where, block=block)
+        _check_tp_size(where, tp_size, ctx.world)
+        S.check_row_shardable(n, k, ctx.world, where, block=block)
         full = W8A8Linear.from_float(linear, config, input_scale)
-        return cls._build(full, tp_group, rank, world, input_is_parallel)
+        return cls._build(full, ctx, input_is_parallel)
 
     @classmethod
     def from_full(cls, layer: W8A8Linear, tp_group, *, input_is_parallel: bool = True,
                   tp_size: Optional[int] = None, check: bool = True) -> "RowParallelW8A8Linear":
         """This rank's columns of a full `W8A8Linear` (no re-quantization). Errors as `from_float`."""
-        n, k, where, rank, world = _unsharded(cls, layer, tp_group)
+        n, k, where, ctx = _unsharded(cls, layer, tp_group)
         if check:
-            check_same_on_all_ranks(tp_group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 "rowwise", n, k, tp_size, quant_dtype=dtype_code(layer.quant_dtype), dtype=dtype_code(layer.dtype),
                 bias=layer.bias is not None, per_channel=layer.per_channel,
                 static_input=layer.input_scale is not None, input_is_parallel=input_is_parallel,
                 block=_is_block(layer)))
-        _check_tp_size(where, tp_size, world)
-        S.check_row_shardable(n, k, world, where, block=_is_block(layer))
-        return cls._build(layer, tp_group, rank, world, input_is_parallel)
+        _check_tp_size(where, tp_size, ctx.world)
+        S.check_row_shardable(n, k, ctx.world, where, block=_is_block(layer))
+        return cls._build(layer, ctx, input_is_parallel)
 
     @classmethod
-    def _build(cls, full: W8A8Linear, group, rank, world, input_is_parallel):
+    def _build(cls, full: W8A8Linear, ctx: TPContext, input_is_parallel):
+        rank, world = ctx.rank, ctx.world
         b = full._buffers
         if _is_block(full):  # [ceil(N / 128), K / 128]: the columns of the shard's column blocks
             scale = S.shard_block_cols(b["weight_scale"], full.in_features, rank, world)
@@ -321,7 +323,7 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
                                  bias=None if b["bias"] is None else b["bias"].clone(),
                                  input_scale=b["input_scale"], dtype=full.dtype,
                                  weight_block_size=full.weight_block_size)
-        mod._init_row(group, rank, world, full.out_features, full.in_features, input_is_parallel)
+        mod._init_row(ctx, full.out_features, full.in_features, input_is_parallel)
         return mod
 
     @classmethod
@@ -335,23 +337,23 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
         (`sharding.shard_block_cols`); ``bias`` the full N values; ``weight_block_size`` as in
         `ColumnParallelW8A8Linear.from_shard`. Errors as `from_float`."""
         n, k_local, where = weight.shape[0], weight.shape[1], cls.__name__
-        rank, world = group_rank_size(tp_group, where)
-        k = k_local * world
+        ctx = TPContext.resolve(tp_group, where)
+        k = k_local * ctx.world
         block = _shard_block(weight, weight_scale, weight_block_size)
         if check:
-            check_same_on_all_ranks(tp_group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 "rowwise", n, k, tp_size, quant_dtype=dtype_code(weight.dtype), dtype=dtype_code(dtype),
                 bias=bias is not None, per_channel=weight_scale.numel() > 1, static_input=input_scale is not None,
                 input_is_parallel=input_is_parallel, block=block))
-        _check_tp_size(where, tp_size, world)
-        S.check_row_shardable(n, k, world, where, block=block)
+        _check_tp_size(where, tp_size, ctx.world)
+        S.check_row_shardable(n, k, ctx.world, where, block=block)
         mod = cls.from_quantized(weight, weight_scale, bias=bias, input_scale=input_scale, dtype=dtype,
                                  weight_block_size=weight_block_size)
-        mod._init_row(tp_group, rank, world, n, k, input_is_parallel)
+        mod._init_row(ctx, n, k, input_is_parallel)
         return mod
 
-    def _init_row(self, group, rank, world, full_n, full_k, input_is_parallel):
-        _set_tp(self, group, rank, world, full_n, full_k)
+    def _init_row(self, ctx: TPContext, full_n, full_k, input_is_parallel):
+        _set_tp(self, ctx, full_n, full_k)
         self.input_is_parallel = input_is_parallel
         self.reduce_results = True
 
@@ -410,6 +412,7 @@ def shard_linear(linear: nn.Module, style: str, tp_group, *, output_sizes: Optio
     ``nn.Linear`` a `ColumnParallelLinear` / `RowParallelLinear`. To quantize and shard a float layer in one step
     use ``ColumnParallelW8A8Linear.from_float``.
 
+    ``tp_group``: a ``ProcessGroup`` or the `TPContext` of the caller's entry (passed down as it is).
     ``output_sizes`` (colwise only): the logical matrices stacked along N; ``replicas`` (colwise only): per matrix,
     how many ranks share each of its parts (replicated key/value heads, `sharding.kv_replicas`). Raises TypeError
     for another module type or an already-sharded layer, ValueError for an unknown style and as the constructors.
