@@ -448,3 +448,11 @@ def unfused(model: nn.Module):
                 m.__class__ = fused_cls
             else:
                 setattr(m, name, what)
+
+
+# The public names of the fused mixins: ``isinstance(module, FusedQKVAttention)`` tells an `optimize_`d attention (a
+# ``qkv_proj`` W8A8Linear, ``_cw_qkv_sizes``), ``isinstance(module, FusedGateUpMLP)`` an optimized MLP (a
+# ``gate_up_proj``, ``_cw_silu_quant``). `cutlass_w8a8.hf.DecodeStep` tests for them; the private names stay.
+FusedQKVAttention = _FusedQKVAttention
+FusedGateUpMLP = _FusedGateUpMLP
+__all__ += ["FusedQKVAttention", "FusedGateUpMLP"]
