@@ -10,7 +10,10 @@ takes the matching slice of the input (``input_is_parallel=True``), and all-redu
 over the group, then adds its bias once, after the reduce. Which rows and columns each rank keeps:
 `cutlass_w8a8.distributed.sharding`.
 
-Every constructor first checks, with one all_gather over the group (`check_same_on_all_ranks`), that every
+Every constructor takes the group as a ``ProcessGroup`` (resolved there, once) or as the `TPContext` an entry resolved
+(`cutlass_w8a8.tensor_parallel_`, the sharded loader, the decoder's sharding: passed down as it is, nothing asked of
+``torch.distributed`` again). With ``check=True`` (the default for a direct call; an entry that checked the whole
+model once passes False) it first checks, with one all_gather over the group (`check_same_on_all_ranks`), that every
 rank is building the same layer (full shapes, dtypes, ``output_sizes``, expected tensor-parallel size), then
 checks divisibility and kernel alignment; both raise the same ValueError on every rank.
 
