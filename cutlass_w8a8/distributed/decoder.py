@@ -203,7 +203,7 @@ class TensorParallelLlamaDecoder(_TensorParallel, LlamaDecoder):
         self._tp, self.tp_rank, self.tp_size = sharder.ctx, sharder.rank, sharder.world
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, tp_rank={self.tp_rank}, tp_size={self.tp_size}"
+        return super().extra_repr() + (f", tp_rank={self.tp_rank}, tp_size={self.tp_size}" if self.tp_size > 1 else "")
 
 
 def shard_decoder_(model, tp_group, *, tp_size: Optional[int] = None, tp_lm_head: Optional[bool] = None):
