@@ -4,7 +4,7 @@ at TP=1 on one GPU and at TP=2 on two GPUs over NCCL, per-token latency, speedup
 The script launches its own processes (`cutlass_w8a8.testing.tp.run_workers`, NCCL with ``NCCL_NVLS_ENABLE=0`` and
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``): first one process on cuda:0 (TP=1), then two on cuda:0 and cuda:1 (TP=2),
 each building `cutlass_w8a8.models.LlamaDecoder` from the same config and seed (random weights; at TP=2 the exact
-shards of the TP=1 weights, `cutlass_w8a8.distributed.decoder`). Do not start it under torchrun: it refuses, with
+shards of the TP=1 weights, `cutlass_w8a8.distributed.TensorParallelLlamaDecoder`). Do not start it under torchrun: it refuses, with
 exit status 2, when WORLD_SIZE, RANK, LOCAL_RANK or another launcher variable is set
 (`cutlass_w8a8.testing.tp.refuse_under_launcher`; under ``torchrun --nproc-per-node 2`` two copies once ran at once
 and timed each other).
@@ -170,6 +170,7 @@ def measure(rank: int, world: int, opts: dict) -> dict:
     """Build the model on cuda:``rank`` (TP=``world``), capture its graphs and time them; returns plain data."""
     import torch.distributed as dist
 
+    from cutlass_w8a8.distributed import TensorParallelLlamaDecoder
     from cutlass_w8a8.models import LlamaConfig, LlamaDecoder
     from cutlass_w8a8.runner import DecodeGraphRunner
 
@@ -178,9 +179,11 @@ def measure(rank: int, world: int, opts: dict) -> dict:
     config = LlamaConfig(**opts["config"])
     batches, max_seq = opts["batches"], opts["max_seq"]
     t0 = time.perf_counter()
-    model = LlamaDecoder(config, quant=opts["quant"], max_batch=max(batches), max_seq_len=max_seq, device=dev,
-                         seed=opts["seed"], tp_group=dist.group.WORLD if world > 1 else None,
-                         tp_lm_head=opts["tp_lm_head"] and world > 1)
+    kw = dict(quant=opts["quant"], max_batch=max(batches), max_seq_len=max_seq, device=dev, seed=opts["seed"])
+    if world > 1:
+        model = TensorParallelLlamaDecoder(config, tp_group=dist.group.WORLD, tp_lm_head=opts["tp_lm_head"], **kw)
+    else:
+        model = LlamaDecoder(config, **kw)
     build_s = time.perf_counter() - t0
     runner = DecodeGraphRunner(model, sizes=batches)
     rows = [m for m in model.modules() if hasattr(m, "reduce_results")]

@@ -26,10 +26,12 @@ from .ops import quantize_per_token_group  # noqa: E402
 from .ops import grouped_scaled_mm, moe_align, moe_permute_quant, moe_topk_softmax, moe_unpermute  # noqa: E402
 from .config import W8A8Config  # noqa: E402
 from .linear import QuantizedActivation, W8A8Linear  # noqa: E402
-from .quantize import quantize_  # noqa: E402
 from . import moe  # noqa: E402 (registers the MoE experts swap with quantize_)
 from .moe import W8A8MoE  # noqa: E402
 from . import checkpoints, distributed, graphs, models, runner  # noqa: E402
+# quantize_ / tensor_parallel_ are api's: the module swap (cutlass_w8a8.quantize.quantize_), then tensor
+# parallelism and the checkpoint annotation, which live in the layers above quantize.py
+from .api import quantize_, tensor_parallel_  # noqa: E402
 from . import hf  # noqa: E402
 # from_pretrained / save_pretrained are hf's: the checkpoint loader then optimize_ (optimize=True by default), and the
 # unfused layout for saving (checkpoints/ sits below hf/ and cannot call it)
@@ -66,6 +68,7 @@ __all__ = [
     "W8A8MoE",
     "moe",
     "quantize_",
+    "tensor_parallel_",
     "from_pretrained",
     "save_pretrained",
     "checkpoints",

@@ -1,4 +1,5 @@
-"""`W8A8Linear`, a drop-in replacement for `nn.Linear`; `quantize_` (cutlass_w8a8/quantize.py) swaps it in.
+"""`W8A8Linear`, a drop-in replacement for `nn.Linear`; `quantize_` (cutlass_w8a8/quantize.py) swaps it in. Also the
+one rule of which Linears can be quantized (`shape_supported`, `refuse_quantized_weight`).
 
 Weights are quantized once, symmetric per output channel; activations are quantized on every call, dynamic
 per-token (or static per-tensor with a calibrated `input_scale`). Block-scaled fp8 layers
@@ -17,17 +18,44 @@ from torch import nn
 
 from .config import W8A8Config
 from .ops._limits import AB_DTYPES as _QUANT_DTYPES
-from .ops._limits import BLOCK_SIZE, QMAX
+from .ops._limits import BLOCK_SIZE, GEMM_ALIGN, QMAX
 from .ops._limits import OUT_DTYPES as _OUT_DTYPES
 from .ops._reference import quantize_rows
 from .ops._schema import OVERLOADS as _op
-from .quantize import refuse_quantized_weight, shape_supported
 
-__all__ = ["QuantizedActivation", "W8A8Linear", "quantize_activations", "quantize_weight_blocks"]
+__all__ = ["QuantizedActivation", "W8A8Linear", "quantize_activations", "quantize_weight_blocks", "shape_supported",
+           "refuse_quantized_weight"]
 
 # The ops' overloads, looked up once (ops/_schema.OVERLOADS): W8A8Linear.forward is on the host-bound path of
 # small batches.
 _w8a8_linear = _op.w8a8_linear
+
+
+def shape_supported(out_features: int, in_features: int, weight_block_size: Optional[tuple] = None) -> bool:
+    """Whether a Linear of these sizes can be a `W8A8Linear` (the one "can this Linear be quantized" rule, shared
+    by `W8A8Linear`, `quantize_`, the tensor-parallel shard checks and the checkpoint loader): N and K positive
+    multiples of 16 (``ops._limits.GEMM_ALIGN``, the GEMM kernels' alignment); with ``weight_block_size``
+    (block-scaled fp8) also K a multiple of 128 (``ops._limits.BLOCK_SIZE``: 1 x 128 activation groups; N's last
+    block may be partial)."""
+    if weight_block_size is not None and (in_features <= 0 or in_features % BLOCK_SIZE != 0):
+        return False
+    return all(v > 0 and v % GEMM_ALIGN == 0 for v in (out_features, in_features))
+
+
+_8BIT_DTYPES = tuple(getattr(torch, n) for n in ("int8", "uint8", "float8_e4m3fn", "float8_e5m2",
+                                                 "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
+
+
+def refuse_quantized_weight(where: str, linear: nn.Module, fqn: Optional[str] = None) -> None:
+    """Raise when a Linear already holds quantized weights: quantizing its integers again as if they were
+    floats gives a silently wrong model (int8 values loaded into nn.Linear by a loader that ignored the
+    checkpoint's scales, or a compressed-tensors layer that transformers has not decompressed yet)."""
+    w = getattr(linear, "weight", None)
+    if isinstance(w, torch.Tensor) and (w.dtype in _8BIT_DTYPES or not w.is_floating_point()):
+        raise TypeError(
+            f"{where}: `linear`{f' {fqn}' if fqn else ''} already holds {w.dtype} weights (a quantized checkpoint loaded into "
+            "nn.Linear?); quantizing them again would treat the integers as float weights and ignore their "
+            "scales. Load the checkpoint with cutlass_w8a8.from_pretrained(path) instead.")
 
 
 def quantize_activations(x2: torch.Tensor, input_scale: Optional[torch.Tensor], quant_dtype: torch.dtype,

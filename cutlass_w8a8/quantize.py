@@ -1,6 +1,9 @@
-"""`quantize_`, the in-place swap of a model's `nn.Linear` layers for `W8A8Linear`, and the one answer to
-"can this Linear be quantized" (`shape_supported`, `refuse_quantized_weight`) that `W8A8Linear`,
-`quantize_` and the checkpoint loader share."""
+"""`quantize_`, the in-place swap of a model's `nn.Linear` layers for `W8A8Linear`: a pure module swap (config in,
+modules swapped, as torchao's), with no tensor parallelism and no checkpoint annotation. The top-level
+``cutlass_w8a8.quantize_`` (`cutlass_w8a8.api`) adds both after it.
+
+The answer to "can this Linear be quantized" (`shape_supported`, `refuse_quantized_weight`) is `cutlass_w8a8.linear`'s
+(what `W8A8Linear` accepts), re-exported here for `quantize_`'s callers and the checkpoint loader."""
 
 from __future__ import annotations
 
@@ -11,9 +14,11 @@ import torch
 from torch import nn
 
 from .config import W8A8Config
-from .ops._limits import BLOCK_SIZE, GEMM_ALIGN
+from .linear import W8A8Linear, refuse_quantized_weight, shape_supported
+from .ops._limits import BLOCK_SIZE
 
-__all__ = ["quantize_", "shape_supported", "refuse_quantized_weight", "ModuleSwap", "register_module_swap"]
+__all__ = ["quantize_", "check_quantize_args", "shape_supported", "refuse_quantized_weight", "ModuleSwap",
+           "register_module_swap"]
 
 
 class ModuleSwap:
@@ -60,37 +65,29 @@ def _claimed(parent: nn.Module, name: str, module: nn.Module) -> Optional[Module
     return None
 
 
-def shape_supported(out_features: int, in_features: int, weight_block_size: Optional[tuple] = None) -> bool:
-    """Whether a Linear of these sizes can be a `W8A8Linear`: N and K positive multiples of 16
-    (``ops._limits.GEMM_ALIGN``, the GEMM kernels' alignment); with ``weight_block_size`` (block-scaled fp8)
-    also K a multiple of 128 (``ops._limits.BLOCK_SIZE``: 1 x 128 activation groups; N's last block may be
-    partial)."""
-    if weight_block_size is not None and (in_features <= 0 or in_features % BLOCK_SIZE != 0):
-        return False
-    return all(v > 0 and v % GEMM_ALIGN == 0 for v in (out_features, in_features))
-
-
-_8BIT_DTYPES = tuple(getattr(torch, n) for n in ("int8", "uint8", "float8_e4m3fn", "float8_e5m2",
-                                                 "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n))
-
-
-def refuse_quantized_weight(where: str, linear: nn.Module, fqn: Optional[str] = None) -> None:
-    """Raise when a Linear already holds quantized weights: quantizing its integers again as if they were
-    floats gives a silently wrong model (int8 values loaded into nn.Linear by a loader that ignored the
-    checkpoint's scales, or a compressed-tensors layer that transformers has not decompressed yet)."""
-    w = getattr(linear, "weight", None)
-    if isinstance(w, torch.Tensor) and (w.dtype in _8BIT_DTYPES or not w.is_floating_point()):
-        raise TypeError(
-            f"{where}: `linear`{f' {fqn}' if fqn else ''} already holds {w.dtype} weights (a quantized checkpoint loaded into "
-            "nn.Linear?); quantizing them again would treat the integers as float weights and ignore their "
-            "scales. Load the checkpoint with cutlass_w8a8.from_pretrained(path) instead.")
-
+def check_quantize_args(model: nn.Module, config: Optional[W8A8Config],
+                        filter_fn: Optional[Callable[[nn.Module, str], bool]]) -> W8A8Config:
+    """`quantize_`'s argument checks (the TypeErrors listed there); returns ``config`` or the default
+    ``W8A8Config()``. The top-level ``cutlass_w8a8.quantize_`` runs them before its own (``tp_group``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_: `model` must be a torch.nn.Module, got {type(model).__name__}")
+    if config is None:
+        config = W8A8Config()
+    elif not isinstance(config, W8A8Config):
+        raise TypeError(f"quantize_: `config` must be a cutlass_w8a8.W8A8Config, got {type(config).__name__} "
+                        f"({config!r}); e.g. quantize_(model, W8A8Config(dtype=torch.int8)) or "
+                        "W8A8Config(dtype=torch.float8_e4m3fn)")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"quantize_: `filter_fn` must be callable as filter_fn(module, fqn) -> bool, got "
+                        f"{type(filter_fn).__name__}")
+    return config
 
 
 def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
-              filter_fn: Optional[Callable[[nn.Module, str], bool]] = None, *, tp_group=None,
-              tp_plan: Optional[dict] = None) -> nn.Module:
-    """Replace every ``nn.Linear`` in ``model`` by a `W8A8Linear`, in place (torchao's ``quantize_`` shape).
+              filter_fn: Optional[Callable[[nn.Module, str], bool]] = None, *, stacklevel: int = 2) -> nn.Module:
+    """Replace every ``nn.Linear`` in ``model`` by a `W8A8Linear`, in place (torchao's ``quantize_`` shape): the
+    module swap alone. ``cutlass_w8a8.quantize_`` (`cutlass_w8a8.api.quantize_`) is this, then tensor parallelism
+    (``tp_group=``) and the checkpoint annotation of a transformers model.
 
     Parameters
     ----------
@@ -101,17 +98,8 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
     filter_fn : callable, optional
         ``filter_fn(module, fqn) -> bool``; only linears for which it returns True are swapped. It is also asked
         about the `W8A8Linear` layers already in ``model`` (those it selects must match ``config``, below).
-    tp_group : torch.distributed.ProcessGroup, optional
-        Also shard the model for tensor parallelism over this group, after quantizing it (per-channel scales
-        come from the full weights): `cutlass_w8a8.distributed.tensor_parallel_` with ``tp_plan``. Linears the
-        plan names become column- / row-parallel layers (`W8A8Linear` ones `ColumnParallelW8A8Linear` /
-        `RowParallelW8A8Linear`, those left in float their float counterparts), everything else stays
-        replicated. Every rank calls ``quantize_`` on an identical model. Default None: no sharding.
-    tp_plan : dict, optional
-        ``{name suffix: "colwise" | "rowwise"}`` (see `cutlass_w8a8.distributed.plan`); default
-        `cutlass_w8a8.distributed.LLAMA_TP_PLAN` (q/k/v/qkv/gate/up/gate_up colwise, o/down rowwise, lm_head
-        "vocab": column-parallel over the vocabulary with its logits gathered, where it splits). `W8A8MoE` experts
-        are split over their intermediate size (`cutlass_w8a8.distributed.TensorParallelW8A8MoE`).
+    stacklevel : int
+        Of the warnings (default 2: the line calling ``quantize_``); a wrapper adds one per frame it adds.
 
     Returns
     -------
@@ -148,30 +136,12 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
         checkpoints with `cutlass_w8a8.from_pretrained`.
     ValueError
         A `W8A8Linear` already in ``model`` that ``filter_fn`` selects does not match ``config`` (the message
-        names the module). With ``tp_group``: ``model`` is a bare Linear (shard it with
-        ``ColumnParallelW8A8Linear.from_float`` / ``RowParallelW8A8Linear.from_float``), or as
-        `cutlass_w8a8.distributed.tensor_parallel_` (the same error on every rank).
+        names the module).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"quantize_: `model` must be a torch.nn.Module, got {type(model).__name__}")
-    if config is None:
-        config = W8A8Config()
-    elif not isinstance(config, W8A8Config):
-        raise TypeError(f"quantize_: `config` must be a cutlass_w8a8.W8A8Config, got {type(config).__name__} "
-                        f"({config!r}); e.g. quantize_(model, W8A8Config(dtype=torch.int8)) or "
-                        "W8A8Config(dtype=torch.float8_e4m3fn)")
-    if filter_fn is not None and not callable(filter_fn):
-        raise TypeError(f"quantize_: `filter_fn` must be callable as filter_fn(module, fqn) -> bool, got "
-                        f"{type(filter_fn).__name__}")
-    if tp_plan is not None and tp_group is None:
-        raise TypeError("quantize_: `tp_plan` is given without `tp_group`")
-    if tp_group is not None and isinstance(model, nn.Linear):
-        raise ValueError("quantize_: `tp_group` needs a model whose linears have names for `tp_plan` to match; "
-                         "shard a bare Linear with ColumnParallelW8A8Linear.from_float / "
-                         "RowParallelW8A8Linear.from_float")
+    config = check_quantize_args(model, config, filter_fn)
 
     tied = _tied_to_other_modules(model)
-    # Why a Linear stays in float, emitted once the walk is done with stacklevel=2: the warning points at the
+    # Why a Linear stays in float, emitted once the walk is done with `stacklevel`: the warning points at the
     # caller's line, not at this file (the walk below recurses, so no fixed stacklevel would from there).
     left_in_float: list = []
 
@@ -199,12 +169,10 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
             return False
         return True
 
-    from .linear import W8A8Linear
-
     if isinstance(model, nn.Linear):
         new = W8A8Linear.from_float(model, config) if eligible(model, "") else model
         for message in left_in_float:
-            warnings.warn(message, stacklevel=2)
+            warnings.warn(message, stacklevel=stacklevel)
         return new
 
     swapped = 0
@@ -245,20 +213,12 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
     else:
         swap(model, "")
     for message in left_in_float:
-        warnings.warn(message, stacklevel=2)
+        warnings.warn(message, stacklevel=stacklevel)
     if already and not swapped:
         layers = " and ".join(f"{n} {cls} layer(s)" for cls, n in already.items())
         warnings.warn(f"quantize_: the model is already quantized: its {layers} match "
-                      "`config` and no float nn.Linear was left to quantize, so nothing changed", stacklevel=2)
-    if tp_group is not None:
-        from .distributed.plan import tensor_parallel_
-
-        tensor_parallel_(model, tp_group, tp_plan)
-    # A transformers model gets a compressed-tensors quantization_config describing its W8A8Linear layers, so
-    # that its own save_pretrained writes a checkpoint transformers, vLLM and from_pretrained read back right.
-    from .checkpoints.save import attach_quantization_config
-
-    attach_quantization_config(model)
+                      "`config` and no float nn.Linear was left to quantize, so nothing changed",
+                      stacklevel=stacklevel)
     return model
 
 

@@ -25,7 +25,7 @@ import torch
 
 from .graphs import UpdatableGraph, capture
 
-__all__ = ["DecodeGraphRunner", "cuda_graph_batch_sizes"]
+__all__ = ["DecodeGraphRunner", "GraphPool", "bucket_for", "cuda_graph_batch_sizes"]
 
 _IntsLike = Union[torch.Tensor, Sequence[int]]
 
@@ -44,6 +44,55 @@ def cuda_graph_batch_sizes(max_batch: int) -> list[int]:
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
+
+
+def bucket_for(sizes: Sequence[int], batch: int) -> Optional[int]:
+    """The smallest of the ascending bucket ``sizes`` holding ``batch`` rows, or None above the largest (the one
+    rule of `DecodeGraphRunner.bucket` and `cutlass_w8a8.hf.GraphGenerator.bucket_size`)."""
+    i = bisect.bisect_left(sizes, batch)
+    return sizes[i] if i < len(sizes) else None
+
+
+class GraphPool:
+    """The memory pool and the side stream that the CUDA graphs of a set of batch-size buckets share (vLLM's and
+    flash-attention's decoding pattern): each graph is captured by `cutlass_w8a8.graphs.capture` (warm-up, then the
+    capture, on the side stream) into the one pool, so the buckets' graphs reuse each other's memory (only one
+    replays at a time). Used by `DecodeGraphRunner` and `cutlass_w8a8.hf.GraphGenerator`.
+
+    The stream and the pool are created on first use (no CUDA call before that); `reset` makes the next capture
+    start a new pool (a recapture of every bucket), keeping the stream.
+
+    Attributes
+    ----------
+    device : torch.device
+    pool : tuple or None
+        ``torch.cuda.graph_pool_handle()`` of the graphs captured so far (None before the first).
+    stream : torch.cuda.Stream or None
+        The side stream of warm-ups and captures (None before the first).
+    """
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.pool = None
+        self.stream: Optional[torch.cuda.Stream] = None
+
+    def handles(self) -> tuple:
+        """``(pool, stream)``, created if not yet: for a capture that is not `capture`'s (an `UpdatableGraph`)."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=self.device)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool, self.stream
+
+    def reset(self) -> None:
+        """Start a new pool at the next capture (the graphs captured before keep theirs while they live)."""
+        self.pool = None
+
+    def capture(self, fn: Callable, inputs: Sequence = (), *, warmup: int):
+        """`cutlass_w8a8.graphs.capture` ``(fn, inputs, warmup=warmup)`` into this pool on this stream:
+        ``(graph, static outputs)``."""
+        pool, stream = self.handles()
+        return capture(fn, inputs, warmup=warmup, pool=pool, stream=stream)
 
 
 def _slice_rows(out, n: int):
@@ -108,7 +157,7 @@ class DecodeGraphRunner:
     writes into its own): the next step overwrites them, so clone what must outlive it. Replays of the
     graphs must not overlap (they share the pool), which holds when steps run on one stream.
 
-    A tensor-parallel model (``LlamaDecoder(..., tp_group=g)``, `cutlass_w8a8.distributed`) is captured the same
+    A tensor-parallel model (`cutlass_w8a8.distributed.TensorParallelLlamaDecoder`) is captured the same
     way on every rank, its NCCL all-reduces inside the graphs (torch.distributed collectives are capturable; keep
     NVLink multicast off: ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``). Every rank must build its
     runner with the same arguments and call ``step`` with the same inputs in the same order (the batch decides
@@ -159,7 +208,7 @@ class DecodeGraphRunner:
         self._pad_token_id = pad_token_id
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict = {}
-        self.pool = None
+        self._graph_pool = GraphPool(self.device)
         self.capture_seconds = 0.0
         self.capture_seconds_per_size: dict[int, float] = {}
         self.exact_graph: Optional[UpdatableGraph] = None
@@ -178,9 +227,13 @@ class DecodeGraphRunner:
         self._host_events = [torch.cuda.Event() if pinned else None for _ in range(self.ring)]
         self._host_next = 0
         self._arange = torch.arange(max(n, model.max_batch), dtype=torch.int64, device=self.device)
-        self._stream = torch.cuda.Stream(device=self.device) if use_graphs else None
         if use_graphs:
             self.capture()
+
+    @property
+    def pool(self):
+        """The memory pool the graphs share (`GraphPool`; None before the first capture)."""
+        return self._graph_pool.pool
 
     @property
     def pad_token_id(self) -> int:
@@ -213,14 +266,14 @@ class DecodeGraphRunner:
         """
         self.graphs.clear()
         self.outputs.clear()
-        self.pool = torch.cuda.graph_pool_handle()
+        self._graph_pool.reset()
+        pool, stream = self._graph_pool.handles()
         self._static.copy_(self._pad)
-        stream = self._stream
         t_all = time.perf_counter()
         if self.mode == "exact":
             n = self.max_size
             self.exact_graph = None
-            graph = UpdatableGraph(self._forward_rows, [self._static[:n]], warmup=self.warmup, pool=self.pool,
+            graph = UpdatableGraph(self._forward_rows, [self._static[:n]], warmup=self.warmup, pool=pool,
                                    stream=stream)
             self._static = graph.static_inputs[0]  # steps write the graph's own input buffer
             self.exact_graph, self._rows = graph, n
@@ -230,16 +283,15 @@ class DecodeGraphRunner:
             return
         for b in reversed(self.sizes):
             t0 = time.perf_counter()
-            self.graphs[b], self.outputs[b] = capture(self._forward_rows, [self._static[:b]], warmup=self.warmup,
-                                                      pool=self.pool, stream=stream)
+            self.graphs[b], self.outputs[b] = self._graph_pool.capture(self._forward_rows, [self._static[:b]],
+                                                                       warmup=self.warmup)
             self.capture_seconds_per_size[b] = time.perf_counter() - t0
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t_all
 
     def bucket(self, batch: int) -> Optional[int]:
-        """The smallest bucket holding ``batch`` rows, or None above the largest (eager)."""
-        i = bisect.bisect_left(self.sizes, batch)
-        return self.sizes[i] if i < len(self.sizes) else None
+        """The smallest bucket holding ``batch`` rows, or None above the largest (eager): `bucket_for`."""
+        return bucket_for(self.sizes, batch)
 
     # ------------------------------------------------------------------------------------------------
 

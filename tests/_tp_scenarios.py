@@ -15,7 +15,7 @@ from torch import nn
 
 import cutlass_w8a8 as cw
 from cutlass_w8a8.distributed import (ColumnParallelLinear, ColumnParallelW8A8Linear, RowParallelLinear,
-                                      RowParallelW8A8Linear, shard_decoder_)
+                                      RowParallelW8A8Linear, TensorParallelLlamaDecoder, shard_decoder_)
 from cutlass_w8a8.distributed.sharding import column_rows, shard_range
 from cutlass_w8a8.models import LlamaConfig, LlamaDecoder
 from cutlass_w8a8.runner import DecodeGraphRunner
@@ -129,8 +129,8 @@ def _mismatched_tp_size(rank, world):
 
 def _mismatched_decoder(rank, world):
     cfg = TINY if rank == 0 else TINY.replace(intermediate_size=512)
-    return LlamaDecoder(cfg, quant="int8", max_batch=2, max_seq_len=16, device=_device(rank),
-                        tp_group=dist.group.WORLD)
+    return TensorParallelLlamaDecoder(cfg, quant="int8", max_batch=2, max_seq_len=16, device=_device(rank),
+                                      tp_group=dist.group.WORLD)
 
 
 def _indivisible_sizes(rank, world):
@@ -144,8 +144,8 @@ def _misaligned_row(rank, world):
 
 def _indivisible_kv_heads(rank, world):
     # 3 key/value heads over 2 ranks: neither split (2 does not divide 3) nor replicated (3 does not divide 2)
-    return LlamaDecoder(TINY.replace(num_heads=6, num_kv_heads=3), quant="int8", max_batch=2, max_seq_len=16,
-                        device=_device(rank), tp_group=dist.group.WORLD)
+    return TensorParallelLlamaDecoder(TINY.replace(num_heads=6, num_kv_heads=3), quant="int8", max_batch=2,
+                                      max_seq_len=16, device=_device(rank), tp_group=dist.group.WORLD)
 
 
 def _group_still_works(rank, world):
@@ -196,7 +196,7 @@ def _decoder(rank: int, world: int, quant, dtype: torch.dtype, steps: int, confi
     group, dev = dist.group.WORLD, _device(rank)
     kw = dict(quant=quant, dtype=dtype, max_batch=4, max_seq_len=32, device=dev, seed=0)
     full = LlamaDecoder(config, **kw)
-    tp = LlamaDecoder(config, tp_group=group, tp_size=world, tp_lm_head=tp_lm_head, **kw)
+    tp = TensorParallelLlamaDecoder(config, tp_group=group, tp_size=world, tp_lm_head=tp_lm_head, **kw)
     tp_copy = shard_decoder_(copy.deepcopy(full), group, tp_lm_head=tp_lm_head)
     ref = dequantized_float_model(full) if quant is not None else None
     same_weights = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn

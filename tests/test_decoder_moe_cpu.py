@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import cutlass_w8a8 as cw
+from cutlass_w8a8.distributed import TensorParallelLlamaDecoder
 from cutlass_w8a8.models import (QWEN3_30B_A3B, DequantizedMoE, LlamaConfig, LlamaDecoder, MoEExperts,
                                  SparseMoeBlock, float_reference)
 from cutlass_w8a8.models.llama import _rope_
@@ -109,7 +110,7 @@ def test_w8a8_size_checks_and_tp_refusal():
     with pytest.raises(ValueError, match="moe_intermediate_size"):
         LlamaDecoder(TINY.replace(moe_intermediate_size=64), "fp8-block", max_batch=2, max_seq_len=16)
     with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-        LlamaDecoder(TINY, None, max_batch=2, max_seq_len=16, tp_group=object())
+        TensorParallelLlamaDecoder(TINY, None, max_batch=2, max_seq_len=16, tp_group=object())
 
 
 # ---- the float experts ----------------------------------------------------------------------------------------------

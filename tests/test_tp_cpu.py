@@ -285,7 +285,7 @@ def test_group_works_after_the_errors(core):
 def test_decoder_shard_structure(core, name):
     for rank in range(WORLD):
         d = ok_value(core[rank]["decoder"][name])
-        assert d["same_weights"]  # LlamaDecoder(tp_group=...) == shard_decoder_(full model of the same seed)
+        assert d["same_weights"]  # TensorParallelLlamaDecoder(...) == shard_decoder_(full model of the same seed)
         # 4 query / 2 key-value heads over 2 ranks; with one key-value head (kv1) it is replicated: also (2, 1)
         assert d["heads"] == (2, 1)
         assert d["kv_cache_shape"] == (5, 2, 1, 32, 32)

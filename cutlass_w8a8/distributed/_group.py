@@ -27,7 +27,8 @@ def dtype_code(dtype: Optional[torch.dtype]) -> int:
 
 
 def group_rank_size(tp_group, where: str) -> tuple[int, int]:
-    """``(rank in tp_group, size of tp_group)``.
+    """``(rank in tp_group, size of tp_group)``. Called by `TPContext.resolve` alone: everything else takes the
+    resolved context.
 
     Raises
     ------
@@ -63,10 +64,10 @@ def sequence_code(values: Sequence[int]) -> int:
     return zlib.crc32(",".join(str(int(v)) for v in values).encode()) & 0x7FFFFFFF
 
 
-def check_same_on_all_ranks(tp_group, where: str, fields: dict) -> None:
-    """Raise the same ValueError on every rank of ``tp_group`` unless all ranks pass equal ``fields``.
+def check_same_on_all_ranks(ctx, where: str, fields: dict) -> None:
+    """Raise the same ValueError on every rank of ``ctx.group`` unless all ranks pass equal ``fields``.
 
-    One ``all_gather`` of a fixed-length int64 vector per call (on `collective_device`): the call-site code
+    One ``all_gather`` of a fixed-length int64 vector per call (on ``ctx.device``): the call-site code
     (from ``where``), the number of fields, the world size as each rank sees it, then the fields. Every rank
     compares the gathered rows and, on any difference, raises ``ValueError`` with a message built from the
     gathered rows alone, so the message is identical on every rank. It cannot hang as long as every rank calls
@@ -75,7 +76,9 @@ def check_same_on_all_ranks(tp_group, where: str, fields: dict) -> None:
 
     Parameters
     ----------
-    tp_group : torch.distributed.ProcessGroup
+    ctx : TPContext
+        The group resolved once by the caller's entry (`cutlass_w8a8.distributed.TPContext`): its ``group``,
+        ``world`` and collective ``device``; nothing is asked of ``torch.distributed`` again.
     where : str
         The constructing call, e.g. ``"ColumnParallelW8A8Linear"``; ranks at different call sites are reported
         as such.
@@ -87,13 +90,12 @@ def check_same_on_all_ranks(tp_group, where: str, fields: dict) -> None:
     names = list(fields)
     if len(names) > _CHECK_LEN - _HEADER:
         raise ValueError(f"check_same_on_all_ranks: at most {_CHECK_LEN - _HEADER} fields, got {len(names)}")
-    _, world = group_rank_size(tp_group, where)
+    world = ctx.world
     row = [_site_code(where), len(names), world] + [int(fields[n]) for n in names]
     row += [0] * (_CHECK_LEN - len(row))
-    device = collective_device(tp_group)
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    mine = torch.tensor(row, dtype=torch.int64, device=ctx.device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=tp_group)
+    dist.all_gather(gathered, mine, group=ctx.group)
     rows = [g.cpu().tolist() for g in gathered]
     if all(r == rows[0] for r in rows):
         return

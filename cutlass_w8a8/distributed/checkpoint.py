@@ -33,7 +33,8 @@ from ..checkpoints._moe import build_moe, checkpoint_renamer, fill_float_experts
 from ..linear import W8A8Linear
 from ..ops._limits import BLOCK_SIZE
 from . import sharding as S
-from ._group import check_same_on_all_ranks, group_rank_size, sequence_code
+from ._common import TPContext
+from ._group import check_same_on_all_ranks, sequence_code
 from .float_linear import ColumnParallelLinear, RowParallelLinear
 from .linear import ColumnParallelW8A8Linear, RowParallelW8A8Linear
 from .moe import TensorParallelW8A8MoE
@@ -71,7 +72,8 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
     TypeError
         A transformers keyword argument that only transformers' own loader understands.
     """
-    rank, world = group_rank_size(tp_group, _WHERE)
+    ctx = TPContext.resolve(tp_group, _WHERE)  # once: every layer below is given this context
+    rank, world = ctx.rank, ctx.world
     device = torch.device(device) if device is not None else torch.device("cpu")
     model = build_meta(model_cls, config, dtype, shared, model_kwargs, _WHERE)
     plan = LLAMA_TP_PLAN if tp_plan is None else tp_plan
@@ -93,7 +95,7 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
             planned[name] = (style, sizes)
     heads = _heads(config)
     names = sorted(planned)
-    check_same_on_all_ranks(tp_group, _WHERE, {
+    check_same_on_all_ranks(ctx, _WHERE, {
         "planned layers": len(names), "#layer shapes": sequence_code(
             [v for n in names for v in (linears[n].out_features, linears[n].in_features)]),
         "#quantized layers": sequence_code([n in targeted for n in names]),
@@ -102,7 +104,8 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
         "dtype": {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)})
     if not planned:
         raise ValueError(f"{_WHERE}: no nn.Linear of {type(model).__name__} matches `tp_plan` ({list(plan)})")
-    rep = head_replicas(heads, names, world, _WHERE)
+    ctx = ctx.with_kv_replicas(head_replicas(heads, names, world, _WHERE))
+    rep = ctx.kv_replicas
     for name, (style, sizes) in planned.items():  # every shape error before any read
         lin, t = linears[name], targeted.get(name)
         block = t is not None and t.scheme.block
@@ -130,7 +133,7 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
             local = i // world
             part = build_moe(t, reader, device, dtype, _WHERE, shard=(rank * local, (rank + 1) * local))
             new = TensorParallelW8A8MoE.from_shard(
-                part.w13, part.w13_scale, part.w2, part.w2_scale, tp_group, top_k=part.top_k, intermediate_size=i,
+                part.w13, part.w13_scale, part.w2, part.w2_scale, ctx, top_k=part.top_k, intermediate_size=i,
                 dtype=dtype, renormalize=part.renormalize, weight_block_size=part.weight_block_size,
                 a13_scale=part.a13_scale, a2_scale=part.a2_scale)
             new.train(False)
@@ -140,7 +143,7 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
             if spec is None and t is None:
                 continue  # a float, replicated linear: loaded with the other parameters below
             replicas = layer_replicas(name, spec[1], rep) if spec is not None and spec[0] == "colwise" else None
-            new = _load_linear(reader, name, lin, spec, t, dtype, device, tp_group, rank, world, replicas)
+            new = _load_linear(reader, name, lin, spec, t, dtype, device, ctx, replicas)
             if spec is not None and spec[0] == "vocab":
                 new.gather_output = True  # every rank returns the full logits
             new.train(False)
@@ -156,8 +159,9 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
     return model
 
 
-def _load_linear(reader: Reader, name: str, lin: nn.Linear, spec, target, dtype, device, group, rank, world,
+def _load_linear(reader: Reader, name: str, lin: nn.Linear, spec, target, dtype, device, ctx: TPContext,
                  replicas=None):
+    rank, world = ctx.rank, ctx.world
     n, k = lin.out_features, lin.in_features
     has_bias = lin.bias is not None
     if spec is not None and spec[0] == "vocab":  # column-parallel over the vocabulary (the caller gathers)
@@ -175,11 +179,11 @@ def _load_linear(reader: Reader, name: str, lin: nn.Linear, spec, target, dtype,
             ranges = S.column_rows(sizes, rank, world, replicas)
             w = reader.rows(key("weight"), ranges).to(device=device, dtype=dtype)
             b = reader.rows(key("bias"), ranges).to(device=device, dtype=dtype) if has_bias else None
-            return ColumnParallelLinear.from_shard(w, group, output_sizes=sizes, bias=b, replicas=replicas)
+            return ColumnParallelLinear.from_shard(w, ctx, output_sizes=sizes, bias=b, replicas=replicas)
         a, z = S.shard_range(k, rank, world)
         w = reader.cols(key("weight"), a, z).to(device=device, dtype=dtype)
         b = reader.whole(key("bias")).to(device=device, dtype=dtype) if has_bias else None
-        return RowParallelLinear.from_shard(w, group, bias=b)
+        return RowParallelLinear.from_shard(w, ctx, bias=b)
 
     s, scale_key = target.scheme, key(target.scale_leaf)
     input_scale = dev(reader.whole(key("input_scale"))) if s.static_input else None
@@ -198,13 +202,13 @@ def _load_linear(reader: Reader, name: str, lin: nn.Linear, spec, target, dtype,
         else:
             scale = reader.whole(scale_key)
         return ColumnParallelW8A8Linear.from_shard(
-            dev(reader.rows(key("weight"), ranges)), dev(scale.float()), group, output_sizes=sizes,
+            dev(reader.rows(key("weight"), ranges)), dev(scale.float()), ctx, output_sizes=sizes,
             bias=dev(reader.rows(key("bias"), ranges)) if has_bias else None, input_scale=input_scale, dtype=dtype,
             weight_block_size=block_size(s), check=False, replicas=replicas)
     a, z = S.shard_range(k, rank, world)
     # block scales: the shard's column blocks (check_row_shardable: K / world is a multiple of 128)
     scale = reader.cols(scale_key, a // BLOCK_SIZE, z // BLOCK_SIZE) if s.block else reader.whole(scale_key)
     return RowParallelW8A8Linear.from_shard(
-        dev(reader.cols(key("weight"), a, z)), dev(scale.float()), group,
+        dev(reader.cols(key("weight"), a, z)), dev(scale.float()), ctx,
         bias=dev(reader.whole(key("bias"))) if has_bias else None, input_scale=input_scale, dtype=dtype,
         weight_block_size=block_size(s), check=False)

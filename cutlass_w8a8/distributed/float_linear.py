@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import sharding as S
-from ._common import _all_reduce_, _check_tp_size, _fields, _gather_columns, _set_tp, _TensorParallel
-from ._group import check_same_on_all_ranks, dtype_code, group_rank_size, sequence_code
+from ._common import TPContext, _all_reduce_, _check_tp_size, _fields, _gather_columns, _set_tp, _TensorParallel
+from ._group import check_same_on_all_ranks, dtype_code, sequence_code
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -34,13 +34,15 @@ class ColumnParallelLinear(_TensorParallel, nn.Linear):
     def from_linear(cls, linear: nn.Linear, tp_group, *, output_sizes: Optional[Sequence[int]] = None,
                     gather_output: bool = False, tp_size: Optional[int] = None,
                     check: bool = True, replicas: Optional[Sequence[int]] = None) -> "ColumnParallelLinear":
-        """This rank's rows of a full float ``linear``. Arguments (``replicas`` included) and errors as
-        `ColumnParallelW8A8Linear.from_float` (no alignment requirement)."""
+        """This rank's rows of a full float ``linear``. Arguments (``replicas`` included; ``tp_group`` a
+        ``ProcessGroup`` or a `TPContext`) and errors as `ColumnParallelW8A8Linear.from_float` (no alignment
+        requirement)."""
         n, k = linear.weight.shape
         where = cls.__name__
-        rank, world = group_rank_size(tp_group, where)
+        ctx = TPContext.resolve(tp_group, where)
+        rank, world = ctx.rank, ctx.world
         if check:
-            check_same_on_all_ranks(tp_group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or []),
                                              "#replicas": sequence_code(replicas or [])},
                 dtype=dtype_code(linear.weight.dtype), bias=linear.bias is not None, gather_output=gather_output))
@@ -51,7 +53,7 @@ class ColumnParallelLinear(_TensorParallel, nn.Linear):
                            None if linear.bias is None else S.shard_rows(linear.bias.detach(), sizes, rank, world,
                                                                          replicas),
                            linear.weight.requires_grad)
-        _set_tp(mod, tp_group, rank, world, n, k)
+        _set_tp(mod, ctx, n, k)
         mod.output_sizes, mod.gather_output = sizes, gather_output
         mod.output_replicas = [1] * len(sizes) if replicas is None else [int(r) for r in replicas]
         return mod
@@ -63,11 +65,11 @@ class ColumnParallelLinear(_TensorParallel, nn.Linear):
         """A layer around this rank's rows (``weight`` ``(N / tp, K)``, ``bias`` ``(N / tp,)``, `sharding.column_rows`
         of the full layer's ``output_sizes`` and ``replicas``); no cross-rank check (the caller made one)."""
         sizes = [int(v) for v in output_sizes]
-        rank, world = group_rank_size(tp_group, cls.__name__)
-        S.check_column_shardable(sum(sizes), weight.shape[1], world, sizes, cls.__name__, quantized=False,
+        ctx = TPContext.resolve(tp_group, cls.__name__)
+        S.check_column_shardable(sum(sizes), weight.shape[1], ctx.world, sizes, cls.__name__, quantized=False,
                                  replicas=replicas)
         mod = _float_layer(cls, weight, bias, False)
-        _set_tp(mod, tp_group, rank, world, sum(sizes), weight.shape[1])
+        _set_tp(mod, ctx, sum(sizes), weight.shape[1])
         mod.output_sizes, mod.gather_output = sizes, gather_output
         mod.output_replicas = [1] * len(sizes) if replicas is None else [int(r) for r in replicas]
         return mod
@@ -90,16 +92,17 @@ class RowParallelLinear(_TensorParallel, nn.Linear):
         """This rank's columns of a full float ``linear``. Errors as `RowParallelW8A8Linear.from_float`."""
         n, k = linear.weight.shape
         where = cls.__name__
-        rank, world = group_rank_size(tp_group, where)
+        ctx = TPContext.resolve(tp_group, where)
+        rank, world = ctx.rank, ctx.world
         if check:
-            check_same_on_all_ranks(tp_group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 "rowwise", n, k, tp_size, dtype=dtype_code(linear.weight.dtype), bias=linear.bias is not None,
                 input_is_parallel=input_is_parallel))
         _check_tp_size(where, tp_size, world)
         S.check_row_shardable(n, k, world, where, quantized=False)
         mod = _float_layer(cls, S.shard_cols(linear.weight.detach(), rank, world),
                            None if linear.bias is None else linear.bias.detach().clone(), linear.weight.requires_grad)
-        _set_tp(mod, tp_group, rank, world, n, k)
+        _set_tp(mod, ctx, n, k)
         mod.input_is_parallel, mod.reduce_results = input_is_parallel, True
         return mod
 
@@ -108,9 +111,9 @@ class RowParallelLinear(_TensorParallel, nn.Linear):
                    input_is_parallel: bool = True) -> "RowParallelLinear":
         """A layer around this rank's columns (``weight`` ``(N, K / tp)``) and the full ``bias`` ``(N,)``; no
         cross-rank check (the caller made one)."""
-        rank, world = group_rank_size(tp_group, cls.__name__)
+        ctx = TPContext.resolve(tp_group, cls.__name__)
         mod = _float_layer(cls, weight, bias, False)
-        _set_tp(mod, tp_group, rank, world, weight.shape[0], weight.shape[1] * world)
+        _set_tp(mod, ctx, weight.shape[0], weight.shape[1] * ctx.world)
         mod.input_is_parallel, mod.reduce_results = input_is_parallel, True
         return mod
 

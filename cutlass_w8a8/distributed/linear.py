@@ -1,6 +1,7 @@
 """Tensor-parallel linears: `ColumnParallelW8A8Linear` and `RowParallelW8A8Linear` (subclasses of `W8A8Linear`,
 whose GEMM they run unchanged on their shard), their float counterparts `ColumnParallelLinear` and
-`RowParallelLinear` (for layers left unquantized), and `shard_linear`, which builds the right one.
+`RowParallelLinear` (for layers left unquantized), and `shard_linear`, which builds the right one. (`fuse_w8a8`,
+re-exported here, lives in `cutlass_w8a8.fuse`: stacking layers is not a tensor-parallel concern.)
 
 Semantics are vLLM's (vllm/model_executor/layers/linear.py): a column-parallel layer keeps a slice of the
 output features and returns its slice of the output (``gather_output=False``, the default; the next layer is
@@ -9,7 +10,10 @@ takes the matching slice of the input (``input_is_parallel=True``), and all-redu
 over the group, then adds its bias once, after the reduce. Which rows and columns each rank keeps:
 `cutlass_w8a8.distributed.sharding`.
 
-Every constructor first checks, with one all_gather over the group (`check_same_on_all_ranks`), that every
+Every constructor takes the group as a ``ProcessGroup`` (resolved there, once) or as the `TPContext` an entry resolved
+(`cutlass_w8a8.tensor_parallel_`, the sharded loader, the decoder's sharding: passed down as it is, nothing asked of
+``torch.distributed`` again). With ``check=True`` (the default for a direct call; an entry that checked the whole
+model once passes False) it first checks, with one all_gather over the group (`check_same_on_all_ranks`), that every
 rank is building the same layer (full shapes, dtypes, ``output_sizes``, expected tensor-parallel size), then
 checks divisibility and kernel alignment; both raise the same ValueError on every rank.
 
@@ -36,13 +40,14 @@ import torch
 from torch import nn
 
 from ..config import W8A8Config
+from ..fuse import fuse_w8a8  # noqa: F401 (re-exported: cutlass_w8a8.distributed.fuse_w8a8)
 from ..linear import QuantizedActivation, W8A8Linear
 from ..ops._limits import BLOCK_SIZE
 from ..ops._roles import block_weight_scaled
 from ..ops._schema import OVERLOADS as _op
 from . import sharding as S
-from ._common import _all_reduce_, _check_tp_size, _fields, _gather_columns, _set_tp, _TensorParallel
-from ._group import check_same_on_all_ranks, dtype_code, group_rank_size, sequence_code
+from ._common import TPContext, _all_reduce_, _check_tp_size, _fields, _gather_columns, _set_tp, _TensorParallel
+from ._group import check_same_on_all_ranks, dtype_code, sequence_code
 from .float_linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["ColumnParallelW8A8Linear", "RowParallelW8A8Linear", "fuse_w8a8", "shard_linear"]
@@ -60,13 +65,12 @@ def _shard_block(weight, weight_scale, weight_block_size) -> bool:
 
 
 def _unsharded(cls, layer, tp_group):
-    """``(N, K, where, rank, world)`` for ``cls.from_full(layer, tp_group)``; TypeError unless ``layer`` is an
-    unsharded `W8A8Linear`."""
+    """``(N, K, where, ctx)`` for ``cls.from_full(layer, tp_group)``; TypeError unless ``layer`` is an unsharded
+    `W8A8Linear`."""
     if not isinstance(layer, W8A8Linear) or isinstance(layer, _TensorParallel):
         raise TypeError(f"{cls.__name__}.from_full: `layer` must be an unsharded W8A8Linear, got "
                         f"{type(layer).__name__}")
-    rank, world = group_rank_size(tp_group, cls.__name__)
-    return layer.out_features, layer.in_features, cls.__name__, rank, world
+    return layer.out_features, layer.in_features, cls.__name__, TPContext.resolve(tp_group, cls.__name__)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -112,7 +116,8 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
         ----------
         linear : nn.Linear
             The full layer, identical on every rank.
-        tp_group : torch.distributed.ProcessGroup
+        tp_group : torch.distributed.ProcessGroup or TPContext
+            The group, or the context an entry resolved once (`cutlass_w8a8.distributed.TPContext`).
         output_sizes : sequence of int, optional
             Logical matrices stacked along N (``[q, k, v]``, ``[inter, inter]``); default one matrix.
         gather_output : bool
@@ -134,19 +139,19 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
         """
         n, k = linear.weight.shape
         where = cls.__name__
-        rank, world = group_rank_size(tp_group, where)
+        ctx = TPContext.resolve(tp_group, where)
         config = config or W8A8Config()
         block = getattr(config, "weight_block_size", None) is not None
         if check:
-            check_same_on_all_ranks(tp_group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or []),
                                              "#replicas": sequence_code(replicas or [])},
                 quant_dtype=dtype_code(config.dtype), bias=linear.bias is not None,
                 static_input=input_scale is not None, gather_output=gather_output, block=block))
-        _check_tp_size(where, tp_size, world)
-        S.check_column_shardable(n, k, world, output_sizes, where, block=block, replicas=replicas)
+        _check_tp_size(where, tp_size, ctx.world)
+        S.check_column_shardable(n, k, ctx.world, output_sizes, where, block=block, replicas=replicas)
         full = W8A8Linear.from_float(linear, config, input_scale)
-        return cls._build(full, tp_group, rank, world, output_sizes, gather_output, replicas)
+        return cls._build(full, ctx, output_sizes, gather_output, replicas)
 
     @classmethod
     def from_full(cls, layer: W8A8Linear, tp_group, *, output_sizes: Optional[Sequence[int]] = None,
@@ -154,20 +159,21 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
                   check: bool = True, replicas: Optional[Sequence[int]] = None) -> "ColumnParallelW8A8Linear":
         """This rank's shard of a full `W8A8Linear` (weights and scales as they are: no re-quantization).
         Arguments and errors as `from_float`."""
-        n, k, where, rank, world = _unsharded(cls, layer, tp_group)
+        n, k, where, ctx = _unsharded(cls, layer, tp_group)
         if check:
-            check_same_on_all_ranks(tp_group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or []),
                                              "#replicas": sequence_code(replicas or [])},
                 quant_dtype=dtype_code(layer.quant_dtype), dtype=dtype_code(layer.dtype),
                 bias=layer.bias is not None, per_channel=layer.per_channel,
                 static_input=layer.input_scale is not None, gather_output=gather_output, block=_is_block(layer)))
-        _check_tp_size(where, tp_size, world)
-        S.check_column_shardable(n, k, world, output_sizes, where, block=_is_block(layer), replicas=replicas)
-        return cls._build(layer, tp_group, rank, world, output_sizes, gather_output, replicas)
+        _check_tp_size(where, tp_size, ctx.world)
+        S.check_column_shardable(n, k, ctx.world, output_sizes, where, block=_is_block(layer), replicas=replicas)
+        return cls._build(layer, ctx, output_sizes, gather_output, replicas)
 
     @classmethod
-    def _build(cls, full: W8A8Linear, group, rank, world, output_sizes, gather_output, replicas=None):
+    def _build(cls, full: W8A8Linear, ctx: TPContext, output_sizes, gather_output, replicas=None):
+        rank, world = ctx.rank, ctx.world
         sizes = list(output_sizes) if output_sizes is not None else [full.out_features]
         b = full._buffers
         scale = b["weight_scale"]
@@ -179,7 +185,7 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
             S.shard_rows(b["weight"], sizes, rank, world, replicas), scale,
             bias=None if b["bias"] is None else S.shard_rows(b["bias"], sizes, rank, world, replicas),
             input_scale=b["input_scale"], dtype=full.dtype, weight_block_size=full.weight_block_size)
-        mod._init_column(group, rank, world, full.out_features, full.in_features, sizes, gather_output, replicas)
+        mod._init_column(ctx, full.out_features, full.in_features, sizes, gather_output, replicas)
         return mod
 
     @classmethod
@@ -200,28 +206,28 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
         """
         sizes = [int(s) for s in output_sizes]
         n, k, where = sum(sizes), weight.shape[1], cls.__name__
-        rank, world = group_rank_size(tp_group, where)
+        ctx = TPContext.resolve(tp_group, where)
         block = _shard_block(weight, weight_scale, weight_block_size)
         if check:
-            check_same_on_all_ranks(tp_group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(sizes),
                                              "#replicas": sequence_code(replicas or [])},
                 quant_dtype=dtype_code(weight.dtype),
                 dtype=dtype_code(dtype), bias=bias is not None, per_channel=weight_scale.numel() > 1,
                 static_input=input_scale is not None, gather_output=gather_output, block=block))
-        _check_tp_size(where, tp_size, world)
-        S.check_column_shardable(n, k, world, sizes, where, block=block, replicas=replicas)
-        local = sum(z - a for a, z in S.column_rows(sizes, rank, world, replicas))
+        _check_tp_size(where, tp_size, ctx.world)
+        S.check_column_shardable(n, k, ctx.world, sizes, where, block=block, replicas=replicas)
+        local = sum(z - a for a, z in S.column_rows(sizes, ctx.rank, ctx.world, replicas))
         if weight.shape[0] != local:
             raise ValueError(f"{where}.from_shard: `weight` must have N / tp_size = {local} rows (with `replicas`: "
                              f"the rows of this rank's parts), got {weight.shape[0]}")
         mod = cls.from_quantized(weight, weight_scale, bias=bias, input_scale=input_scale, dtype=dtype,
                                  weight_block_size=weight_block_size)
-        mod._init_column(tp_group, rank, world, n, k, sizes, gather_output, replicas)
+        mod._init_column(ctx, n, k, sizes, gather_output, replicas)
         return mod
 
-    def _init_column(self, group, rank, world, full_n, full_k, sizes, gather_output, replicas=None):
-        _set_tp(self, group, rank, world, full_n, full_k)
+    def _init_column(self, ctx: TPContext, full_n, full_k, sizes, gather_output, replicas=None):
+        _set_tp(self, ctx, full_n, full_k)
         self.output_sizes, self.gather_output = list(sizes), gather_output
         self.output_replicas = [1] * len(sizes) if replicas is None else [int(r) for r in replicas]
 
@@ -281,35 +287,36 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
         """
         n, k = linear.weight.shape
         where = cls.__name__
-        rank, world = group_rank_size(tp_group, where)
+        ctx = TPContext.resolve(tp_group, where)
         config = config or W8A8Config()
         block = getattr(config, "weight_block_size", None) is not None
         if check:
-            check_same_on_all_ranks(tp_group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 "rowwise", n, k, tp_size, quant_dtype=dtype_code(config.dtype), bias=linear.bias is not None,
                 static_input=input_scale is not None, input_is_parallel=input_is_parallel, block=block))
-        _check_tp_size(where, tp_size, world)
-        S.check_row_shardable(n, k, world, where, block=block)
+        _check_tp_size(where, tp_size, ctx.world)
+        S.check_row_shardable(n, k, ctx.world, where, block=block)
         full = W8A8Linear.from_float(linear, config, input_scale)
-        return cls._build(full, tp_group, rank, world, input_is_parallel)
+        return cls._build(full, ctx, input_is_parallel)
 
     @classmethod
     def from_full(cls, layer: W8A8Linear, tp_group, *, input_is_parallel: bool = True,
                   tp_size: Optional[int] = None, check: bool = True) -> "RowParallelW8A8Linear":
         """This rank's columns of a full `W8A8Linear` (no re-quantization). Errors as `from_float`."""
-        n, k, where, rank, world = _unsharded(cls, layer, tp_group)
+        n, k, where, ctx = _unsharded(cls, layer, tp_group)
         if check:
-            check_same_on_all_ranks(tp_group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 "rowwise", n, k, tp_size, quant_dtype=dtype_code(layer.quant_dtype), dtype=dtype_code(layer.dtype),
                 bias=layer.bias is not None, per_channel=layer.per_channel,
                 static_input=layer.input_scale is not None, input_is_parallel=input_is_parallel,
                 block=_is_block(layer)))
-        _check_tp_size(where, tp_size, world)
-        S.check_row_shardable(n, k, world, where, block=_is_block(layer))
-        return cls._build(layer, tp_group, rank, world, input_is_parallel)
+        _check_tp_size(where, tp_size, ctx.world)
+        S.check_row_shardable(n, k, ctx.world, where, block=_is_block(layer))
+        return cls._build(layer, ctx, input_is_parallel)
 
     @classmethod
-    def _build(cls, full: W8A8Linear, group, rank, world, input_is_parallel):
+    def _build(cls, full: W8A8Linear, ctx: TPContext, input_is_parallel):
+        rank, world = ctx.rank, ctx.world
         b = full._buffers
         if _is_block(full):  # [ceil(N / 128), K / 128]: the columns of the shard's column blocks
             scale = S.shard_block_cols(b["weight_scale"], full.in_features, rank, world)
@@ -319,7 +326,7 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
                                  bias=None if b["bias"] is None else b["bias"].clone(),
                                  input_scale=b["input_scale"], dtype=full.dtype,
                                  weight_block_size=full.weight_block_size)
-        mod._init_row(group, rank, world, full.out_features, full.in_features, input_is_parallel)
+        mod._init_row(ctx, full.out_features, full.in_features, input_is_parallel)
         return mod
 
     @classmethod
@@ -333,23 +340,23 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
         (`sharding.shard_block_cols`); ``bias`` the full N values; ``weight_block_size`` as in
         `ColumnParallelW8A8Linear.from_shard`. Errors as `from_float`."""
         n, k_local, where = weight.shape[0], weight.shape[1], cls.__name__
-        rank, world = group_rank_size(tp_group, where)
-        k = k_local * world
+        ctx = TPContext.resolve(tp_group, where)
+        k = k_local * ctx.world
         block = _shard_block(weight, weight_scale, weight_block_size)
         if check:
-            check_same_on_all_ranks(tp_group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 "rowwise", n, k, tp_size, quant_dtype=dtype_code(weight.dtype), dtype=dtype_code(dtype),
                 bias=bias is not None, per_channel=weight_scale.numel() > 1, static_input=input_scale is not None,
                 input_is_parallel=input_is_parallel, block=block))
-        _check_tp_size(where, tp_size, world)
-        S.check_row_shardable(n, k, world, where, block=block)
+        _check_tp_size(where, tp_size, ctx.world)
+        S.check_row_shardable(n, k, ctx.world, where, block=block)
         mod = cls.from_quantized(weight, weight_scale, bias=bias, input_scale=input_scale, dtype=dtype,
                                  weight_block_size=weight_block_size)
-        mod._init_row(tp_group, rank, world, n, k, input_is_parallel)
+        mod._init_row(ctx, n, k, input_is_parallel)
         return mod
 
-    def _init_row(self, group, rank, world, full_n, full_k, input_is_parallel):
-        _set_tp(self, group, rank, world, full_n, full_k)
+    def _init_row(self, ctx: TPContext, full_n, full_k, input_is_parallel):
+        _set_tp(self, ctx, full_n, full_k)
         self.input_is_parallel = input_is_parallel
         self.reduce_results = True
 
@@ -408,6 +415,7 @@ def shard_linear(linear: nn.Module, style: str, tp_group, *, output_sizes: Optio
     ``nn.Linear`` a `ColumnParallelLinear` / `RowParallelLinear`. To quantize and shard a float layer in one step
     use ``ColumnParallelW8A8Linear.from_float``.
 
+    ``tp_group``: a ``ProcessGroup`` or the `TPContext` of the caller's entry (passed down as it is).
     ``output_sizes`` (colwise only): the logical matrices stacked along N; ``replicas`` (colwise only): per matrix,
     how many ranks share each of its parts (replicated key/value heads, `sharding.kv_replicas`). Raises TypeError
     for another module type or an already-sharded layer, ValueError for an unknown style and as the constructors.
@@ -430,65 +438,3 @@ def shard_linear(linear: nn.Module, style: str, tp_group, *, output_sizes: Optio
                                                     **kw)
         return RowParallelLinear.from_linear(linear, tp_group, **kw)
     raise TypeError(f"shard_linear: `linear` must be an nn.Linear or a W8A8Linear, got {type(linear).__name__}")
-
-
-def fuse_w8a8(layers: Sequence[W8A8Linear]) -> tuple[W8A8Linear, list[int]]:
-    """Stack full `W8A8Linear` layers that share an input (``q``, ``k``, ``v``; ``gate``, ``up``) into one layer
-    along N, and return it with its ``output_sizes``, ready for ``ColumnParallelW8A8Linear.from_full(fused,
-    tp_group, output_sizes=sizes)``.
-
-    Weight scales: kept per tensor ``(1,)`` when every layer has the same per-tensor scale; otherwise per channel
-    ``(sum N,)``, each layer's per-tensor scale repeated over its rows (exact: the same scale multiplies the same
-    rows). This is how a compressed-tensors checkpoint's per-tensor q / k / v scales become one fused layer.
-    Block-scaled fp8 layers (all of them, or none) fuse by stacking their block scales' rows, exact when every
-    layer but the last has N a multiple of 128 (each layer keeps its own row blocks; the last may end in a
-    partial block); otherwise a fused block would mix two layers' rows under one scale, which is refused.
-    Activations: all dynamic, or all static with the same ``input_scale`` (one activation quantization serves the
-    fused GEMM). The weights are copied (concatenated).
-
-    Raises
-    ------
-    ValueError
-        Fewer than one layer; the layers differ in ``in_features``, ``quant_dtype``, ``dtype``, bias presence,
-        activation quantization or block scaling; their static ``input_scale`` values differ; a block-scaled
-        layer other than the last has N not a multiple of 128.
-    """
-    layers = list(layers)
-    if not layers or not all(isinstance(m, W8A8Linear) and not isinstance(m, _TensorParallel) for m in layers):
-        raise ValueError("fuse_w8a8: `layers` must be one or more unsharded W8A8Linear")
-    first = layers[0]
-    for name in ("in_features", "quant_dtype", "dtype"):
-        values = [getattr(m, name) for m in layers]
-        if any(v != values[0] for v in values):
-            raise ValueError(f"fuse_w8a8: the layers differ in `{name}`: {values}")
-    for name in ("bias", "input_scale"):
-        present = [m._buffers[name] is not None for m in layers]
-        if any(p != present[0] for p in present):
-            raise ValueError(f"fuse_w8a8: some layers have `{name}` and others do not: {present}")
-    if first.input_scale is not None:
-        scales = [float(m.input_scale.reshape(())) for m in layers]
-        if any(v != scales[0] for v in scales):
-            raise ValueError(f"fuse_w8a8: the layers' static `input_scale` values differ ({scales}): one activation "
-                             "quantization cannot serve the fused GEMM (quantize them with one scale, or dynamically)")
-    sizes = [m.out_features for m in layers]
-    ws = [m.weight_scale for m in layers]
-    blocks = [_is_block(m) for m in layers]
-    if any(b != blocks[0] for b in blocks):
-        raise ValueError(f"fuse_w8a8: some layers have block-scaled weights and others do not: {blocks}")
-    if blocks[0]:
-        for i, n in enumerate(sizes[:-1]):
-            if n % BLOCK_SIZE:
-                raise ValueError(f"fuse_w8a8: block-scaled layer {i} has N = {n}, not a multiple of {BLOCK_SIZE}: "
-                                 "stacked under the next layer, its last row block would share a scale with that "
-                                 "layer's rows (only the last layer may end in a partial block)")
-        scale = torch.cat(ws, dim=0)
-    elif all(w.numel() == 1 for w in ws) and all(torch.equal(w, ws[0]) for w in ws):
-        scale = ws[0].clone()
-    else:
-        scale = torch.cat([w.expand(n) if w.numel() == 1 else w for w, n in zip(ws, sizes)])
-    weight = torch.cat([m.weight for m in layers], dim=0)
-    bias = torch.cat([m.bias for m in layers]) if first.bias is not None else None
-    fused = W8A8Linear.from_quantized(weight, scale, bias=bias, input_scale=first.input_scale, dtype=first.dtype,
-                                      weight_block_size=first.weight_block_size)
-    return fused, sizes
-

@@ -42,7 +42,7 @@ from torch import nn
 from ..config import W8A8Config
 from ..moe.layer import W8A8MoE
 from . import sharding as S
-from ._common import TPContext, _all_reduce_, _GroupRef, _TensorParallel
+from ._common import TPContext, _all_reduce_, _check_tp_size, _TensorParallel
 from ._group import check_same_on_all_ranks, dtype_code, sequence_code
 
 __all__ = ["TensorParallelW8A8MoE", "shard_experts_", "shard_moe"]
@@ -109,10 +109,10 @@ class TensorParallelW8A8MoE(_TensorParallel, W8A8MoE):
         block = moe.weight_block_size is not None
         i = moe.intermediate_size
         if check:
-            check_same_on_all_ranks(ctx.group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 moe.num_experts, moe.top_k, moe.hidden_size, i, moe.quant_dtype, moe.dtype, block,
                 moe.a13_scale is not None, moe.renormalize, tp_size))
-        ctx = TPContext.resolve(ctx, where, tp_size)
+        _check_tp_size(where, tp_size, ctx.world)
         S.check_moe_shardable(i, ctx.world, block, where)
         r, w = ctx.rank, ctx.world
         b = moe._buffers
@@ -144,10 +144,10 @@ class TensorParallelW8A8MoE(_TensorParallel, W8A8MoE):
         e, i2_local, h = w13.shape
         block = weight_block_size is not None
         if check:
-            check_same_on_all_ranks(ctx.group, where, _fields(
+            check_same_on_all_ranks(ctx, where, _fields(
                 e, top_k, h, intermediate_size, w13.dtype, dtype, block, a13_scale is not None, renormalize,
                 tp_size))
-        ctx = TPContext.resolve(ctx, where, tp_size)
+        _check_tp_size(where, tp_size, ctx.world)
         local = S.check_moe_shardable(intermediate_size, ctx.world, block, where)
         if tuple(w13.shape) != (e, 2 * local, h) or tuple(w2.shape) != (e, h, local):
             raise ValueError(f"{where}.from_shard: `w13` must be [E, 2 I / tp, H] = [{e}, {2 * local}, {h}] and `w2` "
@@ -181,7 +181,7 @@ class TensorParallelW8A8MoE(_TensorParallel, W8A8MoE):
                 raise ValueError(f"{cls.__name__}: `{name}` of the shard must be {want.dtype} {tuple(want.shape)}, "
                                  f"got {t.dtype} {tuple(t.shape)}")
             mod._buffers[name] = t
-        mod._tp = _GroupRef(ctx.group)
+        mod._tp = ctx
         mod.tp_rank, mod.tp_size = ctx.rank, ctx.world
         mod.full_intermediate_size = intermediate_size
         mod.reduce_results = True
@@ -208,6 +208,7 @@ def shard_moe(moe: W8A8MoE, tp_group, *, tp_size: Optional[int] = None, check: b
 
 def shard_experts_(model: nn.Module, tp_group, *, check: bool = True) -> list:
     """Replace every unsharded `W8A8MoE` in ``model`` by its shard (`shard_moe`), in place; return their names.
+    ``tp_group``: a ``ProcessGroup`` or the caller's `TPContext` (passed down to every shard).
 
     With ``check``, one cross-rank check of all of them (their count and sizes) first; every layer's split is
     checked before any is replaced. Raises as `shard_moe` (a split error names the layer).
@@ -216,7 +217,7 @@ def shard_experts_(model: nn.Module, tp_group, *, check: bool = True) -> list:
     found = [(n, m) for n, m in model.named_modules()
              if n and isinstance(m, W8A8MoE) and not isinstance(m, _TensorParallel)]
     if check:
-        check_same_on_all_ranks(ctx.group, "shard_experts_", {
+        check_same_on_all_ranks(ctx, "shard_experts_", {
             "experts layers": len(found),
             "#experts sizes": sequence_code([v for _, m in found for v in (m.num_experts, m.hidden_size,
                                                                            m.intermediate_size)])})

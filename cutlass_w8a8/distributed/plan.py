@@ -23,8 +23,8 @@ from typing import Optional
 from torch import nn
 
 from ..linear import W8A8Linear
-from ._group import check_same_on_all_ranks, group_rank_size, sequence_code
-from ._common import _TensorParallel
+from ._common import TPContext, _TensorParallel
+from ._group import check_same_on_all_ranks, sequence_code
 from .linear import shard_linear
 from .sharding import STYLES
 
@@ -188,7 +188,8 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
     ----------
     model : nn.Module
         Identical on every rank.
-    tp_group : torch.distributed.ProcessGroup
+    tp_group : torch.distributed.ProcessGroup or TPContext
+        Resolved once here (`TPContext.resolve`) and passed down to every layer it shards.
     tp_plan : dict, optional
         Default `LLAMA_TP_PLAN`.
     tp_size : int, optional
@@ -212,7 +213,8 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
         from .decoder import shard_decoder_
 
         return shard_decoder_(model, tp_group, tp_size=tp_size)
-    _, world = group_rank_size(tp_group, _WHERE)
+    ctx = TPContext.resolve(tp_group, _WHERE)
+    world = ctx.world
     plan = LLAMA_TP_PLAN if tp_plan is None else tp_plan
     config = getattr(model, "config", None)
     planned = []
@@ -236,7 +238,7 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
         planned.append((fqn, mod, style, sizes))
     n, k = [m.weight.shape[0] for _, m, _, _ in planned], [m.weight.shape[1] for _, m, _, _ in planned]
     heads = _heads(config)
-    check_same_on_all_ranks(tp_group, _WHERE, {
+    check_same_on_all_ranks(ctx, _WHERE, {
         "tp_size": -1 if tp_size is None else int(tp_size), "planned layers": len(planned),
         "#layer names": zlib.crc32(",".join(f for f, _, _, _ in planned).encode()) & 0x7FFFFFFF,
         "#styles": sequence_code([PLAN_STYLES.index(s) for _, _, s, _ in planned]),
@@ -248,18 +250,18 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
     if not planned:
         raise ValueError(f"{_WHERE}: no nn.Linear / W8A8Linear of {type(model).__name__} matches `tp_plan` "
                          f"({list(plan)})")
-    rep = head_replicas(heads, [f for f, _, _, _ in planned], world, _WHERE)
+    ctx = ctx.with_kv_replicas(head_replicas(heads, [f for f, _, _, _ in planned], world, _WHERE))
     from .moe import shard_experts_
 
-    shard_experts_(model, tp_group)  # its own cross-rank check; every experts layer's split checked before any shard
+    shard_experts_(model, ctx)  # its own cross-rank check; every experts layer's split checked before any shard
     for fqn, mod, style, sizes in planned:
-        replicas = layer_replicas(fqn, sizes, rep) if style == "colwise" else None
-        new = shard_linear(mod, "colwise" if style == "vocab" else style, tp_group, output_sizes=sizes, check=False,
+        replicas = layer_replicas(fqn, sizes, ctx.kv_replicas) if style == "colwise" else None
+        new = shard_linear(mod, "colwise" if style == "vocab" else style, ctx, output_sizes=sizes, check=False,
                            replicas=replicas)
         if style == "vocab":
             new.gather_output = True
         new.train(mod.training)
         parent, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
-    set_attention_groups_(model, heads, world, rep)
+    set_attention_groups_(model, heads, world, ctx.kv_replicas)
     return model

@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..ops._limits import BLOCK_SIZE
-from ..quantize import shape_supported
+from ..linear import shape_supported
 
 __all__ = ["check_column_shardable", "check_row_shardable", "column_rows", "kv_replicas", "shard_range",
            "shard_rows", "shard_cols", "shard_block_rows", "shard_block_cols", "check_moe_shardable", "shard_w13",
@@ -111,7 +111,7 @@ def check_column_shardable(out_features: int, in_features: int, world: int,
         ``output_sizes`` does not sum to ``out_features`` or holds a non-positive size; a size (``out_features``
         or ``output_sizes[j]``) is not divisible by ``world``; for a quantized layer, the shard's
         ``out_features / world`` or ``in_features`` is not a multiple of 16 (the W8A8 GEMM kernels' alignment,
-        `cutlass_w8a8.quantize.shape_supported`); for a block layer, a shard would split a weight block (the
+        `cutlass_w8a8.linear.shape_supported`); for a block layer, a shard would split a weight block (the
         message names ``where``, N and the shard's size).
     """
     sizes = [out_features] if output_sizes is None else [int(s) for s in output_sizes]

@@ -1,5 +1,5 @@
 """`DecodeStep`: the decode step of an `optimize_`d transformers model run with the package's own decoder-layer code
-(`cutlass_w8a8.models.llama.LlamaDecoderLayer`) over the model's own modules, the step `GraphGenerator` captures
+(`cutlass_w8a8.models.layers.LlamaDecoderLayer`) over the model's own modules, the step `GraphGenerator` captures
 with ``step="cw"``.
 
 Why: replayed from a CUDA graph, transformers' decode step still launches its rotary embedding (a handful of
@@ -47,8 +47,8 @@ import torch
 from torch import nn
 
 from ..models.config import LlamaConfig
-from ..models.llama import LlamaDecoderLayer, RMSNorm, _StepContext
-from .optimize import RMSNormQuant, _FusedGateUpMLP, _FusedQKVAttention
+from ..models.layers import LlamaDecoderLayer, RMSNorm, StepContext
+from .optimize import FusedGateUpMLP, FusedQKVAttention
 
 __all__ = ["DecodeStep"]
 
@@ -173,10 +173,10 @@ class DecodeStep:
         for i, layer in enumerate(base.layers):
             where = f"model.model.layers.{i}"
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-            if not isinstance(attn, _FusedQKVAttention):
+            if not isinstance(attn, FusedQKVAttention):
                 return (f"`{where}.self_attn` ({type(attn).__name__}) is not fused: run cutlass_w8a8.optimize_ "
                         "on a W8A8 model first")
-            if not isinstance(mlp, _FusedGateUpMLP) or not mlp._cw_silu_quant:
+            if not isinstance(mlp, FusedGateUpMLP) or not mlp._cw_silu_quant:
                 return (f"`{where}.mlp` ({type(mlp).__name__}) is not a fused SiLU gate_up MLP with a W8A8 "
                         "down_proj (mixture-of-experts layers keep transformers' step)")
             if getattr(attn, "sliding_window", None):
@@ -244,7 +244,7 @@ class DecodeStep:
         """One decode step: ``tokens``, ``positions``, ``slots`` ``(b,)`` int64 on the model's device (each row's
         token, its position = the cache column it is written to, its cache slot) -> logits ``(b, V)`` in the
         model dtype. Row ``r`` attends to columns ``0 .. positions[r]`` of its slot."""
-        ctx = _StepContext(self.rope_table.index_select(0, positions), slots, positions)
+        ctx = StepContext(self.rope_table.index_select(0, positions), slots, positions)
         h, residual = self.embed_tokens(tokens), None
         for layer in self.layers:
             h, residual = layer(h, ctx, residual)

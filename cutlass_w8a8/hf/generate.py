@@ -5,7 +5,8 @@ Per batch-size bucket (`cutlass_w8a8.runner.cuda_graph_batch_sizes`: 1, 2, 4, th
 ``max_batch``; a larger batch gets a bucket of its own size), on first use: a ``transformers.StaticCache`` of
 ``max_cache_len`` positions, static input buffers (``tokens`` ``(b, 1)``, ``positions`` ``(b, 1)`` int64, the
 key-validity row ``valid`` ``(b, max_cache_len)`` bool) and, on CUDA, one decode step captured with
-`cutlass_w8a8.graphs.capture` (warm-up on a side stream, one shared memory pool for all buckets). A call then:
+`cutlass_w8a8.graphs.capture` (warm-up on a side stream, one shared memory pool for all buckets: the runner's
+`cutlass_w8a8.runner.GraphPool`, the buckets chosen by its `cutlass_w8a8.runner.bucket_for`). A call then:
 
 1. pads the batch up to its bucket (extra rows: pad tokens, all valid; their tokens are dropped), resets the
    cache, and runs the prefill eagerly through ``model.forward`` with the 2-D ``attention_mask`` and
@@ -52,8 +53,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..graphs import capture
-from ..runner import cuda_graph_batch_sizes
+from ..runner import GraphPool, bucket_for, cuda_graph_batch_sizes
 from .decode_step import DecodeStep
 
 __all__ = ["generate", "GraphGenerator", "SUPPORTED_GENERATE_KWARGS"]
@@ -196,8 +196,7 @@ class GraphGenerator:
         self.dtype = getattr(model, "dtype", None) or next(model.parameters()).dtype
         self._cache_kw = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         self._buckets: dict = {}
-        self._pool = None
-        self._stream = None
+        self._graphs = GraphPool(self.device)  # the buckets' one pool and capture stream, made on first capture
         self.warmup_seconds: dict = {}
         self.record_logits = False
         self.logits_history: list = []
@@ -209,10 +208,8 @@ class GraphGenerator:
 
     def bucket_size(self, batch: int) -> int:
         """The bucket a batch of ``batch`` rows runs in: the smallest size >= ``batch``, else ``batch`` itself."""
-        for s in self.sizes:
-            if s >= batch:
-                return s
-        return batch
+        size = bucket_for(self.sizes, batch)
+        return batch if size is None else size
 
     def _decode(self, bk: _Bucket) -> torch.Tensor:
         """One decode step on ``bk``'s static inputs; the last position's logits ``(b, V)``."""
@@ -254,13 +251,9 @@ class GraphGenerator:
         bk.positions = torch.zeros((size, 1), dtype=torch.int64, device=dev)
         bk.valid = torch.zeros((size, self.max_cache_len), dtype=torch.bool, device=dev)
         if self.use_graphs:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-                self._stream = torch.cuda.Stream(device=dev)
             bk.valid[:, 0] = True  # warm-up / capture steps attend to one (zero) key: no all-masked rows
             self._decode(bk)  # the cache's lazy allocation, on the current stream (not the capture's side stream)
-            bk.graph, bk.logits = capture(lambda: self._decode(bk), (), warmup=self.warmup, pool=self._pool,
-                                          stream=self._stream)
+            bk.graph, bk.logits = self._graphs.capture(lambda: self._decode(bk), (), warmup=self.warmup)
         self._buckets[size] = bk
         self.warmup_seconds[size] = time.perf_counter() - t0
         return bk

@@ -54,7 +54,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..distributed.linear import fuse_w8a8
+from ..fuse import fuse_w8a8
 from ..linear import QuantizedActivation, W8A8Linear
 from ..ops._schema import OVERLOADS as _op
 
@@ -756,3 +756,11 @@ def unoptimize_(model: nn.Module) -> nn.Module:
             m.__dict__.pop(attr, None)
     model.__dict__.pop("_cw_graph_generator", None)  # cutlass_w8a8.generate's, built around the fused modules
     return model
+
+
+# The public names of the fused mixins: ``isinstance(module, FusedQKVAttention)`` tells an `optimize_`d attention (a
+# ``qkv_proj`` W8A8Linear, ``_cw_qkv_sizes``), ``isinstance(module, FusedGateUpMLP)`` an optimized MLP (a
+# ``gate_up_proj``, ``_cw_silu_quant``). `cutlass_w8a8.hf.DecodeStep` tests for them; the private names stay.
+FusedQKVAttention = _FusedQKVAttention
+FusedGateUpMLP = _FusedGateUpMLP
+__all__ += ["FusedQKVAttention", "FusedGateUpMLP"]

@@ -39,309 +39,28 @@ Examples
 
 from __future__ import annotations
 
-import math
-from typing import Callable, NamedTuple, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import W8A8Config
-from ..linear import QuantizedActivation, W8A8Linear
 from ..ops._limits import BLOCK_SIZE
 from ..quantize import quantize_
 from .config import LlamaConfig
+# the layer modules live in models/layers.py (public: hf.DecodeStep runs them); re-exported here, where they were
+from .layers import LlamaAttention, LlamaDecoderLayer, LlamaMLP, RMSNorm, StepContext, _rope_  # noqa: F401
 from .moe import MoEExperts, SparseMoeBlock
 
-__all__ = ["LlamaDecoder", "LlamaDecoderLayer"]
+__all__ = ["LlamaDecoder", "LlamaDecoderLayer", "decoder_scheme"]
+
+_StepContext = StepContext  # the former private name (bench/bench_decoder.py reads its fields)
 
 _QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # quant name -> W8A8Config fields (dtype, weight_block_size): per-channel int8 / fp8, or 128 x 128 block fp8
 _QUANT_SCHEMES = {"int8": (torch.int8, None), "fp8": (torch.float8_e4m3fn, None),
                   "fp8-block": (torch.float8_e4m3fn, (BLOCK_SIZE, BLOCK_SIZE))}
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-# ----------------------------------------------------------------------------------------------------
-# modules
-
-
-class _StepContext(NamedTuple):
-    """What every layer of one decode step shares; computed once per step from the positions and slots.
-
-    - ``rope``: ``(B, head_dim // 2, 2)`` float32, ``(cos, sin)`` of each sequence's position.
-    - ``slots``: ``(B,)`` int64, the cache slots the batch writes (at its positions) and reads.
-    - ``positions``: ``(B,)`` int64, each sequence's position: attention reads cache positions ``0..position``.
-    """
-
-    rope: torch.Tensor
-    slots: torch.Tensor
-    positions: torch.Tensor
-
-
-def _rope_(x: torch.Tensor, rope: torch.Tensor) -> None:
-    """Rotate ``x`` in place: ``(B, N, D)`` heads (a view into the qkv output), ``rope`` ``(B, D/2, 2)`` float32.
-
-    The decoder's rotary code before the row-wise op ``rope_kv_cache_`` replaced it; the step no longer calls
-    it: tests keep it as the torch reference of that op (tests/test_rope_kv_cache.py). Hugging Face's "neox" rotation of the pairs ``(x[j], x[j + D/2])`` by the angle of frequency ``j``,
-    computed in float32 and rounded once to ``x``'s dtype. Eager code multiplies complex numbers (three
-    kernels: gather the pairs as float32, one complex multiply, scatter back); under ``torch.compile`` the
-    real-arithmetic form is used, which inductor fuses into one kernel (it has no complex codegen).
-    """
-    h = x.shape[-1] // 2
-    if torch.compiler.is_compiling():
-        xf = x.float()
-        x1, x2 = xf[..., :h], xf[..., h:]
-        cos, sin = rope[..., 0].unsqueeze(1), rope[..., 1].unsqueeze(1)
-        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
-        return
-    pairs = x.unflatten(-1, (2, h)).transpose(-1, -2)  # (B, N, D/2, 2): (x[j], x[j + D/2])
-    xc = torch.view_as_complex(torch.empty(pairs.shape, dtype=torch.float32, device=x.device).copy_(pairs))
-    pairs.copy_(torch.view_as_real(xc * torch.view_as_complex(rope).unsqueeze(1)))
-
-
-# Activation dtypes of the fused non-GEMM ops (cutlass_w8a8.ops.rms_norm, silu_mul, ...); other dtypes (a
-# float64 reference) take the equivalent torch chain.
-_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _quantized_for(linear: W8A8Linear, q: torch.Tensor, scale: torch.Tensor) -> QuantizedActivation:
-    # A static layer gets its own (1,) input_scale back (the op repeats it per row): the GEMM then runs
-    # exactly as when the layer quantizes a float input itself.
-    return QuantizedActivation(q, scale if linear.input_scale is None else linear.input_scale)
-
-
-class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension (``F.rms_norm``: float32 inside,
-    rounded once to the input dtype). ``weight``: ``(hidden,)``.
-
-    ``forward(x, residual=None, quant_for=None)`` is one fused kernel (`cutlass_w8a8.ops.rms_norm`,
-    ``rms_norm_quant``):
-
-    - ``residual``: ``x``'s shape; first ``residual += x`` in place (vLLM's ``fused_add_rms_norm``), then the
-      norm of the sum. That is how the decoder carries its residual stream.
-    - ``quant_for``: the layer that consumes the output. A `W8A8Linear` gets a `QuantizedActivation` made in
-      the same kernel (`cutlass_w8a8.ops.rms_norm_quant` with the layer's ``quant_dtype``, ``input_scale`` and
-      ``group_size``: per token, per tensor, or per 1 x 128 group for a block-scaled layer), equal to what the
-      layer would make from the float output; anything else (None, ``nn.Linear``, `DequantizedLinear`) gets the
-      float output.
-    """
-
-    def __init__(self, hidden: int, eps: float, device=None, dtype=None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden, device=device, dtype=dtype))
-
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
-                quant_for: Optional[nn.Module] = None) -> Union[torch.Tensor, QuantizedActivation]:
-        if x.dtype not in _FUSED_DTYPES:
-            if residual is not None:
-                residual.add_(x)
-                x = residual
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        if isinstance(quant_for, W8A8Linear):
-            q, s = torch.ops.cutlass_w8a8.rms_norm_quant(x, self.weight, self.eps, quant_for.quant_dtype,
-                                                         quant_for.input_scale, residual, quant_for.group_size)
-            return _quantized_for(quant_for, q, s)
-        if residual is None:
-            return torch.ops.cutlass_w8a8.rms_norm(x, self.weight, self.eps)
-        return torch.ops.cutlass_w8a8.fused_add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class LlamaAttention(nn.Module):
-    """Grouped-query attention of one decode token per sequence over the KV cache.
-
-    Submodules: ``qkv_proj`` (hidden -> ``(H + 2 KVH) * D``, rows ordered q heads, k heads, v heads, as vLLM's
-    ``QKVParallelLinear``) and ``o_proj`` (``H * D`` -> hidden), both without bias.
-
-    With ``config.qk_norm`` (Qwen3), ``q_norm`` and ``k_norm`` (`RMSNorm` of ``(D,)``) normalize every query and key
-    head of the ``qkv_proj`` output in place before the rotary embedding (one norm kernel each, plus the copies of
-    the strided heads in and out); otherwise they are None.
-
-    Buffer ``kv_cache``: ``(num_slots, 2, KVH, max_seq_len, D)`` in the model dtype (index 0 keys, 1 values),
-    set by `LlamaDecoder.allocate_cache`. Query head ``h`` reads key/value head ``h // (H / KVH)``.
-
-    Attention reads positions ``0..position`` of each row's own slot only (split-KV CUDA kernels on the GPU; on
-    the CPU, ``index_select`` of the slots and a masked ``scaled_dot_product_attention``); ``head_dim`` must be
-    a multiple of 8 in [8, 256]. A per-token or per-tensor `W8A8Linear` ``o_proj`` whose output dtype is the
-    model's (bfloat16 / float16) gets a `QuantizedActivation` from `cutlass_w8a8.ops.decode_attention_quant` (its
-    ``quant_dtype`` and ``input_scale``: quantized in the attention's last kernel, the very values the layer would
-    make from `cutlass_w8a8.ops.decode_attention`'s output); any other ``o_proj`` (a block-scaled one included:
-    there is no group-quantizing attention, so it quantizes the float output itself, per 1 x 128 group) gets that
-    float output.
-    """
-
-    def __init__(self, config: LlamaConfig, device=None, dtype=None):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, config.qkv_size, bias=False, device=device, dtype=dtype)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False,
-                                device=device, dtype=dtype)
-        # Qwen3's head norms (config.qk_norm): RMSNorm over head_dim of every query / key head, before the rotary
-        # embedding; None for Llama
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, device, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, device, dtype) if config.qk_norm else None
-        self.register_buffer("kv_cache", None, persistent=False)
-
-    def _norm_heads_(self, qkv: torch.Tensor) -> None:
-        """``q_norm`` / ``k_norm`` of the query and key heads of ``qkv`` ``(B, H + 2 KVH, D)``, in place."""
-        h, kvh = self.num_heads, self.num_kv_heads
-        for heads, norm in ((qkv[:, :h], self.q_norm), (qkv[:, h:h + kvh], self.k_norm)):
-            heads.copy_(norm(heads))
-
-    def forward(self, x: torch.Tensor, ctx: _StepContext) -> torch.Tensor:
-        b = x.shape[0]
-        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(b, h + 2 * kvh, d)
-        if self.q_norm is not None:
-            self._norm_heads_(qkv)
-        # Rotary embedding of the q and k heads in place, and this step's keys and values into the cache: one
-        # row-wise kernel over the B rows (on the CPU: the torch formulation, a float32 complex multiply and one
-        # index_put_ of (B, 2 KVH) rows of D elements).
-        torch.ops.cutlass_w8a8.rope_kv_cache_(qkv, ctx.rope, self.kv_cache, ctx.slots, ctx.positions, h, kvh)
-        # The query heads (a strided view of qkv) over positions 0..position of each row's slot: (B, H * D).
-        # The ops themselves, whose fake kernels check the arguments under torch.compile; SDPA's default scale.
-        o_proj = self.o_proj
-        # bfloat16 / float16, the layer's output; per token or per tensor (a block layer takes the float output)
-        if isinstance(o_proj, W8A8Linear) and qkv.dtype == o_proj.dtype and o_proj.weight_block_size is None:
-            q, s = torch.ops.cutlass_w8a8.decode_attention_quant(qkv[:, :h], self.kv_cache, ctx.slots,
-                                                                 ctx.positions, 1.0 / math.sqrt(d),
-                                                                 o_proj.quant_dtype, o_proj.input_scale)
-            return o_proj(_quantized_for(o_proj, q, s))
-        out = torch.ops.cutlass_w8a8.decode_attention(qkv[:, :h], self.kv_cache, ctx.slots, ctx.positions,
-                                                      1.0 / math.sqrt(d))
-        return o_proj(out)
-
-
-class LlamaMLP(nn.Module):
-    """SwiGLU: ``down_proj(silu(gate) * up)`` with ``gate, up = gate_up_proj(x).chunk(2)`` (vLLM's
-    ``MergedColumnParallelLinear`` layout: the gate rows first).
-
-    ``silu(gate) * up`` is one fused kernel, which also quantizes for a `W8A8Linear` ``down_proj``
-    (`cutlass_w8a8.ops.silu_mul_quant` with its ``quant_dtype``, ``input_scale`` and ``group_size``; else
-    `cutlass_w8a8.ops.silu_mul`), with the same result as the torch chain followed by the layer's own
-    quantization. ``x``: float ``(..., hidden)``, or a
-    `QuantizedActivation` for a `W8A8Linear` ``gate_up_proj``.
-    """
-
-    def __init__(self, config: LlamaConfig, device=None, dtype=None):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False,
-                                      device=device, dtype=dtype)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False,
-                                   device=device, dtype=dtype)
-
-    def forward(self, x: Union[torch.Tensor, QuantizedActivation]) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        down = self.down_proj
-        if gate_up.dtype not in _FUSED_DTYPES:
-            gate, up = gate_up.chunk(2, dim=-1)
-            return down(F.silu(gate) * up)
-        if isinstance(down, W8A8Linear):
-            q, s = torch.ops.cutlass_w8a8.silu_mul_quant(gate_up, down.quant_dtype, down.input_scale,
-                                                         down.group_size)
-            return down(_quantized_for(down, q, s))
-        return down(torch.ops.cutlass_w8a8.silu_mul(gate_up))
-
-
-_decode_layer = torch.ops.cutlass_w8a8.decode_layer.default
-
-
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``h += attn(input_layernorm(h))``; ``h += mlp(post_attention_layernorm(h))``.
-
-    The residual stream is carried as vLLM carries it: ``forward(h, ctx, residual)`` takes the previous
-    layer's MLP output ``h`` and the stream before it, and returns ``(mlp_output, residual)``; each residual
-    add is fused into the RMSNorm that follows it (in place on ``residual``), and each norm also quantizes
-    for its W8A8 consumer (see `RMSNorm`). At the first layer ``residual`` is None and ``h`` (the embeddings)
-    becomes the stream: it is updated in place. The stream after the layer is ``mlp_output + residual``,
-    added by the next layer's (or the final) norm.
-
-    When the four projections are all bias-free per-token / per-tensor `W8A8Linear` of one quantized dtype, or all
-    bias-free ``nn.Linear`` in the model dtype, and the model dtype is bfloat16 or float16, the layer runs as one op
-    call,
-    ``torch.ops.cutlass_w8a8.decode_layer`` (csrc/models/decode_layer.cpp): the same kernels in the same order as the
-    Python path below, so the same results bit for bit, but one Python-to-dispatcher crossing instead of ten,
-    which is what an eager decode step of a small batch waits for. ``use_layer_op = False`` (an attribute of
-    each layer) forces the Python path; any other projection type (`DequantizedLinear`, a float64 reference)
-    takes it anyway, and so do block-scaled `W8A8Linear` projections (``decode_layer`` is not taught their group
-    quantization: its activations are per token, which the block GEMM refuses), and Qwen3-MoE layers (head norms,
-    ``mlp`` a `cutlass_w8a8.models.moe.SparseMoeBlock`, which gets the float output of the second norm).
-    """
-
-    def __init__(self, config: LlamaConfig, device=None, dtype=None):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.self_attn = LlamaAttention(config, device, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.mlp = (SparseMoeBlock(config, device, dtype) if config.is_moe else LlamaMLP(config, device, dtype))
-        self.use_layer_op = True
-
-    def _layer_op_operands(self, h: torch.Tensor) -> Optional[list]:
-        """decode_layer's operands from the first norm weight to kv_cache, or None when the layer must run its
-        Python path: every projection a bias-free `W8A8Linear` without weight blocks (output dtype ``h.dtype``) or
-        a bias-free ``nn.Linear`` in ``h.dtype``, all with weights of one dtype, ``h`` bfloat16 or float16. Read
-        through the modules' dicts, without generators: this runs once per layer and step on the host-bound
-        path."""
-        dtype = h.dtype
-        if not self.use_layer_op or (dtype is not torch.bfloat16 and dtype is not torch.float16):
-            return None
-        mods = self._modules
-        attn, mlp = mods["self_attn"], mods["mlp"]
-        if type(mlp) is not LlamaMLP or attn.q_norm is not None:  # Qwen3-MoE layers: the Python path
-            return None
-        norm1, norm2 = mods["input_layernorm"], mods["post_attention_layernorm"]
-        if type(norm1) is not RMSNorm or type(norm2) is not RMSNorm or norm1.eps != norm2.eps:
-            return None
-        kv_cache = attn._buffers["kv_cache"]
-        if kv_cache is None:
-            return None
-        out = [norm1._parameters["weight"], norm2._parameters["weight"], norm1.eps]
-        wdtype = None
-        for mod in (attn._modules["qkv_proj"], attn._modules["o_proj"], mlp._modules["gate_up_proj"],
-                    mlp._modules["down_proj"]):
-            kind = type(mod)
-            if kind is W8A8Linear:
-                b = mod._buffers
-                if b["bias"] is not None or mod.dtype != dtype or mod.weight_block_size is not None:
-                    return None
-                w = b["weight"]
-                out += (w, b["weight_scale"], b["input_scale"])
-            elif kind is nn.Linear:
-                p = mod._parameters
-                w = p["weight"]
-                if p["bias"] is not None or w.dtype != dtype:
-                    return None
-                out += (w, None, None)
-            else:
-                return None
-            if wdtype is None:
-                wdtype = w.dtype
-            elif w.dtype != wdtype:  # all 8-bit alike, or all in the model dtype
-                return None
-        out.append(kv_cache)
-        return out
-
-    def forward(self, h: torch.Tensor, ctx: _StepContext,
-                residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        operands = self._layer_op_operands(h)
-        if operands is not None:
-            attn = self._modules["self_attn"]
-            stream = h if residual is None else residual
-            out = _decode_layer(None if residual is None else h, stream, *operands, ctx.rope, ctx.slots,
-                                ctx.positions, attn.num_heads, attn.num_kv_heads, 1.0 / math.sqrt(attn.head_dim))
-            return out, stream
-        qkv_proj = self.self_attn.qkv_proj
-        if residual is None:
-            residual = h
-            x = self.input_layernorm(h, quant_for=qkv_proj)
-        else:
-            x = self.input_layernorm(h, residual, quant_for=qkv_proj)  # residual += h, then the norm
-        h = self.self_attn(x, ctx)
-        mlp = self.mlp
-        # the MoE block quantizes inside its experts (per routed pair): it gets the float output
-        x = self.post_attention_layernorm(h, residual, quant_for=getattr(mlp, "gate_up_proj", None))
-        return mlp(x), residual
 
 
 def _quantize_moe_experts(mod: nn.Module, w8a8: W8A8Config) -> nn.Module:
@@ -369,6 +88,37 @@ def _quant_scheme(quant) -> Optional[str]:
     raise ValueError(f"LlamaDecoder: `quant` must be None, 'int8', 'fp8' or 'fp8-block', got {quant!r}")
 
 
+def decoder_scheme(config: LlamaConfig, quant, dtype: torch.dtype, quant_lm_head: bool = False) -> Optional[str]:
+    """`LlamaDecoder`'s checks of its arguments (the errors its docstring lists, in that order), before anything is
+    built; returns the name of ``quant`` in `_QUANT_SCHEMES` (None for a float model). Also run by the builders of
+    a decoder (`cutlass_w8a8.distributed.TensorParallelLlamaDecoder`) before their own checks."""
+    scheme = _quant_scheme(quant)
+    if dtype not in _MODEL_DTYPES:
+        raise TypeError(f"LlamaDecoder: `dtype` must be bfloat16, float16 or float32, got {dtype}")
+    if scheme is not None and dtype == torch.float32:
+        raise TypeError("LlamaDecoder: W8A8 layers output bfloat16 or float16; use that `dtype` with `quant`")
+    if scheme is not None:
+        sizes = {"hidden_size": config.hidden_size, "qkv_size": config.qkv_size,
+                 "num_heads * head_dim": config.num_heads * config.head_dim,
+                 ("moe_intermediate_size" if config.is_moe else "intermediate_size"):
+                     config.mlp_intermediate_size}
+        if quant_lm_head:
+            sizes["vocab_size"] = config.vocab_size
+        for name, v in sizes.items():
+            if v % 16:
+                raise ValueError(f"LlamaDecoder: W8A8 layers need multiples of 16, `{name}` is {v}")
+    if scheme == "fp8-block":
+        # the K of qkv / gate_up (and lm_head), o_proj, down_proj: the block GEMM's K is a multiple of 128
+        for name, v in (("hidden_size", config.hidden_size),
+                        ("num_heads * head_dim", config.num_heads * config.head_dim),
+                        ("moe_intermediate_size" if config.is_moe else "intermediate_size",
+                         config.mlp_intermediate_size)):
+            if v % BLOCK_SIZE:
+                raise ValueError(f"LlamaDecoder: quant='fp8-block' needs the projections' K to be multiples of "
+                                 f"{BLOCK_SIZE}, `{name}` is {v}")
+    return scheme
+
+
 class LlamaDecoder(nn.Module):
     """Llama-style decoder whose ``forward`` is one decode step of a batch over a preallocated KV cache.
 
@@ -377,7 +127,7 @@ class LlamaDecoder(nn.Module):
     config : LlamaConfig
         Dimensions; see `SMALL`, `LLAMA3_8B` and `QWEN3_30B_A3B` (Qwen3-MoE: head norms, mixture-of-experts MLPs
         whose experts become `cutlass_w8a8.W8A8MoE` under ``quant``, their routers staying in ``dtype``; no tensor
-        parallelism: ``tp_group`` raises NotImplementedError).
+        parallelism: `cutlass_w8a8.distributed.TensorParallelLlamaDecoder` raises NotImplementedError).
     quant : {None, "int8", "fp8", "fp8-block"}
         None: every linear is a float ``nn.Linear`` in ``dtype``. "int8" / "fp8": the linears of the decoder
         layers are `W8A8Linear` (per-channel weights, dynamic per-token activations), quantized from the
@@ -401,14 +151,12 @@ class LlamaDecoder(nn.Module):
         Seed of the generator of the random weights (normal, std ``config.init_std``; norms are ones).
     quant_lm_head : bool
         Also quantize ``lm_head`` (default False: the logits stay a bf16 GEMM, as most W8A8 recipes keep it).
-    tp_group : torch.distributed.ProcessGroup, optional
-        Build this rank's tensor-parallel shard (`cutlass_w8a8.distributed.decoder`): attention heads and MLP
-        split over the group, one all-reduce after ``o_proj`` and one after ``down_proj``, embedding replicated, the
-        KV cache holding this rank's ``num_kv_heads / tp`` heads (one head, replicated, when ``num_kv_heads < tp``).
-        Every rank passes the same arguments; the weights are the shards of the unsharded model of the same seed.
-        Default None: no tensor parallelism. ``tp_size`` (optional) is checked against the group's size on every
-        rank. ``tp_lm_head``: None (default) shards ``lm_head`` over the vocabulary (its logits all-gathered) when
-        ``vocab_size`` is divisible by the world size, True always, False keeps it replicated.
+    build_hook : callable, optional
+        ``build_hook(name, module) -> module``, called on each part right after it is built (and quantized), in
+        order: ``"embed_tokens"``, ``"layers.0"`` ... ``"layers.{L-1}"``, ``"norm"``, ``"lm_head"``; the model keeps
+        what it returns. Default None: the parts as built. This is how
+        `cutlass_w8a8.distributed.TensorParallelLlamaDecoder` (this rank's tensor-parallel shard) shards each
+        layer before the next is built; the decoder itself knows nothing of distribution.
 
     Attributes
     ----------
@@ -438,36 +186,10 @@ class LlamaDecoder(nn.Module):
 
     def __init__(self, config: LlamaConfig, quant: Union[None, str, torch.dtype] = None, *, max_batch: int = 8,
                  max_seq_len: Optional[int] = None, device=None, dtype: torch.dtype = torch.bfloat16,
-                 seed: int = 0, quant_lm_head: bool = False, tp_group=None, tp_size: Optional[int] = None,
-                 tp_lm_head: Optional[bool] = None):
+                 seed: int = 0, quant_lm_head: bool = False,
+                 build_hook: Optional[Callable[[str, nn.Module], nn.Module]] = None):
         super().__init__()
-        scheme = _quant_scheme(quant)
-        if dtype not in _MODEL_DTYPES:
-            raise TypeError(f"LlamaDecoder: `dtype` must be bfloat16, float16 or float32, got {dtype}")
-        if scheme is not None and dtype == torch.float32:
-            raise TypeError("LlamaDecoder: W8A8 layers output bfloat16 or float16; use that `dtype` with `quant`")
-        if scheme is not None:
-            sizes = {"hidden_size": config.hidden_size, "qkv_size": config.qkv_size,
-                     "num_heads * head_dim": config.num_heads * config.head_dim,
-                     ("moe_intermediate_size" if config.is_moe else "intermediate_size"):
-                         config.mlp_intermediate_size}
-            if quant_lm_head:
-                sizes["vocab_size"] = config.vocab_size
-            for name, v in sizes.items():
-                if v % 16:
-                    raise ValueError(f"LlamaDecoder: W8A8 layers need multiples of 16, `{name}` is {v}")
-        if scheme == "fp8-block":
-            # the K of qkv / gate_up (and lm_head), o_proj, down_proj: the block GEMM's K is a multiple of 128
-            for name, v in (("hidden_size", config.hidden_size),
-                            ("num_heads * head_dim", config.num_heads * config.head_dim),
-                            ("moe_intermediate_size" if config.is_moe else "intermediate_size",
-                             config.mlp_intermediate_size)):
-                if v % BLOCK_SIZE:
-                    raise ValueError(f"LlamaDecoder: quant='fp8-block' needs the projections' K to be multiples of "
-                                     f"{BLOCK_SIZE}, `{name}` is {v}")
-        if tp_group is not None and config.is_moe:
-            raise NotImplementedError("LlamaDecoder: tensor parallelism of the mixture-of-experts layers "
-                                      f"(num_experts = {config.num_experts}) is not implemented; pass tp_group=None")
+        scheme = decoder_scheme(config, quant, dtype, quant_lm_head)
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.config = config
         self.quant = scheme
@@ -477,16 +199,7 @@ class LlamaDecoder(nn.Module):
         if scheme is not None:
             qdtype, block = _QUANT_SCHEMES[scheme]
             w8a8 = W8A8Config(dtype=qdtype, out_dtype=dtype, weight_block_size=block)
-        # Tensor parallelism (cutlass_w8a8.distributed.decoder): checked across ranks before anything is built;
-        # each layer is built full (the same weights as the unsharded model of this seed), then sharded.
-        self.tp_rank, self.tp_size, self._tp = 0, 1, None
-        shard = None
-        if tp_group is not None:
-            from ..distributed.decoder import DecoderSharder
-            from ..distributed._common import _GroupRef
-
-            shard = DecoderSharder(config, tp_group, self.quant, dtype, tp_size, tp_lm_head)
-            self.tp_rank, self.tp_size, self._tp = shard.rank, shard.world, _GroupRef(tp_group)
+        hook = build_hook if build_hook is not None else (lambda name, mod: mod)
 
         def build(factory: Callable[..., nn.Module], quantize: bool) -> nn.Module:
             # Float module on the meta device, materialised where it lives, filled from the seeded
@@ -509,16 +222,15 @@ class LlamaDecoder(nn.Module):
                 mod = quantize_(mod, w8a8, filter_fn=lambda m, fqn: not fqn.endswith("mlp.gate"))
             return mod
 
-        self.embed_tokens = build(lambda dtype: nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype),
-                                  False)
-        layer_of = (lambda m: m) if shard is None else shard
-        self.layers = nn.ModuleList(layer_of(build(lambda dtype: LlamaDecoderLayer(config, dtype=dtype), True))
-                                    for _ in range(config.num_layers))
-        self.norm = build(lambda dtype: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype), False)
-        self.lm_head = build(lambda dtype: nn.Linear(config.hidden_size, config.vocab_size, bias=False,
-                                                     dtype=dtype), quant_lm_head)
-        if shard is not None and shard.tp_lm_head:
-            self.lm_head = shard.shard_lm_head(self.lm_head)
+        self.embed_tokens = hook("embed_tokens", build(
+            lambda dtype: nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype), False))
+        self.layers = nn.ModuleList(hook(f"layers.{i}", build(lambda dtype: LlamaDecoderLayer(config, dtype=dtype),
+                                                              True))
+                                    for i in range(config.num_layers))
+        self.norm = hook("norm", build(lambda dtype: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype),
+                                       False))
+        self.lm_head = hook("lm_head", build(lambda dtype: nn.Linear(config.hidden_size, config.vocab_size,
+                                                                     bias=False, dtype=dtype), quant_lm_head))
         self.requires_grad_(False)
 
         # Rotary table: (max_position, D/2, 2) float32 (cos, sin), angles in float32 as Hugging Face's.
@@ -534,11 +246,6 @@ class LlamaDecoder(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
-
-    @property
-    def tp_group(self):
-        """The tensor-parallel process group (None when unsharded, ``tp_size == 1``)."""
-        return self._tp.group if self._tp is not None else None
 
     def allocate_cache(self, max_batch: int, max_seq_len: Optional[int] = None) -> None:
         """(Re)allocate the zeroed KV cache of every layer for ``max_batch`` sequences (+1 scratch slot) of
@@ -558,7 +265,7 @@ class LlamaDecoder(nn.Module):
             layer.self_attn.kv_cache = None
         for layer in self.layers:
             cache = torch.zeros(max_batch + 1, 2, layer.self_attn.num_kv_heads, max_seq_len, cfg.head_dim,
-                                device=device, dtype=dtype)  # this rank's key/value heads under tensor parallelism
+                                device=device, dtype=dtype)  # the layer's key/value heads (a shard's own)
             # A fixed address that the step mutates: tell torch.compile (cudagraph trees) it is static,
             # as Hugging Face's StaticCache does.
             torch._dynamo.mark_static_address(cache)
@@ -602,8 +309,8 @@ class LlamaDecoder(nn.Module):
     # ------------------------------------------------------------------------------------------------
     # step
 
-    def _context(self, positions: torch.Tensor, slots: torch.Tensor) -> _StepContext:
-        return _StepContext(self.rope_table.index_select(0, positions), slots, positions)
+    def _context(self, positions: torch.Tensor, slots: torch.Tensor) -> StepContext:
+        return StepContext(self.rope_table.index_select(0, positions), slots, positions)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 slots: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -641,5 +348,4 @@ class LlamaDecoder(nn.Module):
         c = self.config
         return (f"quant={self.quant}, dtype={self.dtype}, layers={c.num_layers}, hidden={c.hidden_size}, "
                 f"heads={c.num_heads}/{c.num_kv_heads}x{c.head_dim}, vocab={c.vocab_size}, "
-                f"max_batch={self.max_batch}, max_seq_len={self.max_seq_len}"
-                + (f", tp_rank={self.tp_rank}, tp_size={self.tp_size}" if self.tp_size > 1 else ""))
+                f"max_batch={self.max_batch}, max_seq_len={self.max_seq_len}")
