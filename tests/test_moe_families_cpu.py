@@ -80,7 +80,7 @@ def test_row_is_transformers(fam, tmp_path):
         assert isinstance(getattr(modeling, cls, None), type), f"{cls} is not in {modeling.__name__}"
     model = tiny_moe_model(fam.model_type)
     blocks = moe_blocks(model)
-    assert len(blocks) == config.num_hidden_layers
+    assert blocks
     lay, spec = fam.layout, fam.routing
     for name, block in blocks:
         assert type(block).__name__ in fam.blocks and F.family_of(block) is fam
@@ -202,25 +202,25 @@ def test_checkpoint_round_trip(fam, tmp_path):
 
 
 def _tp_worker(rank, world, model_types, input_ids):
-    """A gloo rank: each family's tiny model quantized with ``tp_group``; its experts layers' classes and sizes, and
-    the logits."""
+    """A gloo rank: each family's tiny model quantized with ``tp_group`` and a plan that names no attention or
+    MLP projection (only ``lm_head``, over the vocabulary): what is split besides it is the experts, as their row
+    says. Its experts layers' classes and sizes, the first one's buffers, and the logits."""
     import torch.distributed as dist
-
-    from _moe_models import moe_blocks as blocks_of
-    from _moe_models import tiny_moe_model as tiny
 
     out = {}
     for model_type in model_types:
-        model = tiny(model_type, seed=0)
+        model = tiny_moe_model(model_type, seed=0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cw.quantize_(model, filter_fn=lambda m, fqn: fqn != "lm_head", tp_group=dist.group.WORLD)
+            cw.quantize_(model, filter_fn=lambda m, fqn: fqn != "lm_head", tp_group=dist.group.WORLD,
+                         tp_plan={"lm_head": "vocab"})
         with torch.no_grad():
             logits = model(input_ids).logits
-        fams = {n: cw.moe.family_of(b) for n, b in blocks_of(model)}
+        experts = [getattr(b, cw.moe.family_of(b).layout.module) for _, b in moe_blocks(model)]
         layers = [(type(m).__name__, m.intermediate_size, getattr(m, "full_intermediate_size", None))
-                  for n, b in blocks_of(model) for m in [getattr(b, fams[n].layout.module)]]
-        out[model_type] = {"layers": layers, "logits": logits}
+                  for m in experts]
+        first = {k: v.clone() for k, v in experts[0].state_dict().items()}
+        out[model_type] = {"layers": layers, "logits": logits, "first": first}
     return out
 
 
@@ -236,10 +236,22 @@ def tp_results():
 
 @ROWS
 def test_tensor_parallel_split(fam, tp_results):
-    """Two gloo ranks: every experts layer is split as the row's ``tp`` says ("intermediate": a
-    TensorParallelW8A8MoE holding I / world of every expert), and both ranks return the same logits."""
+    """Two gloo ranks: every experts layer is split as the row's ``tp`` says ("intermediate": a TensorParallelW8A8MoE
+    holding I / world channels of every expert: rank r's gate rows ``[r I/2, (r+1) I/2)`` stacked on the same up rows
+    of ``w13`` with their scales, the same columns of ``w2``, its per-channel scales whole), bit for bit the
+    unsharded layer's slices; both ranks return the same logits."""
     assert fam.tp == "intermediate"
     d = [tp_results[r][fam.model_type] for r in range(WORLD)]
-    layers = d[0]["layers"]
-    assert layers and all(cls == "TensorParallelW8A8MoE" and full == WORLD * local for cls, local, full in layers)
+    for r in range(WORLD):
+        layers = d[r]["layers"]
+        assert layers and all(cls == "TensorParallelW8A8MoE" and full == WORLD * local for cls, local, full in layers)
     assert torch.equal(d[0]["logits"], d[1]["logits"])
+    full = getattr(moe_blocks(quantized(fam, seed=0))[0][1], fam.layout.module)
+    i = full.intermediate_size
+    half = i // WORLD
+    for r in range(WORLD):
+        got = d[r]["first"]
+        rows = list(range(r * half, (r + 1) * half)) + list(range(i + r * half, i + (r + 1) * half))
+        assert torch.equal(got["w13"], full.w13[:, rows]) and torch.equal(got["w13_scale"], full.w13_scale[:, rows])
+        assert torch.equal(got["w2"], full.w2[:, :, r * half:(r + 1) * half])
+        assert torch.equal(got["w2_scale"], full.w2_scale)
