@@ -172,12 +172,17 @@ def test_quantize_swaps_the_rows_experts(fam, scheme):
 def test_checkpoint_round_trip(fam, tmp_path):
     """save_pretrained writes each W8A8MoE under the row's per-expert names (the names transformers writes, above),
     weight and weight_scale, nothing fused; from_pretrained reads them back into the same buffers bit for bit, and
-    the routers are in the config's ignore list."""
+    the routers are in the config's ignore list. A checkpoint storing a block's experts fused (the model's names) is
+    refused, naming the fused tensor."""
     import json
+    import re
+
+    from _block_checkpoints import copy_checkpoint
 
     model = quantized(fam)
-    save_pretrained(model, tmp_path)
-    stored = stored_tensors(tmp_path)
+    path = tmp_path / "ckpt"
+    save_pretrained(model, path)
+    stored = stored_tensors(path)
     for name, block in moe_blocks(model):
         layer = getattr(block, fam.layout.module)
         base = f"{fam.checkpoint_block(name)}.{fam.layout.module}"
@@ -185,13 +190,13 @@ def test_checkpoint_round_trip(fam, tmp_path):
                 for leaf in ("weight", "weight_scale")}
         assert {k for k in stored if k.startswith(f"{base}.")} == want, name
     assert not any(k.endswith((fam.layout.gate_up, fam.layout.down, ".w13", ".w2")) for k in stored)
-    with open(tmp_path / "config.json") as f:
+    with open(path / "config.json") as f:
         ignore = json.load(f)["quantization_config"]["ignore"]
     block_in_files = fam.checkpoint_block(moe_blocks(model)[0][0]).rpartition(".")[2]
     assert f"re:.*{block_in_files}.{fam.routing.router}$" in ignore
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        back = from_pretrained(tmp_path)
+        back = from_pretrained(path)
     for (name, block), (_, block_back) in zip(moe_blocks(model), moe_blocks(back)):
         a, b = getattr(block, fam.layout.module), getattr(block_back, fam.layout.module)
         assert type(b) is cw.W8A8MoE, name
@@ -199,6 +204,20 @@ def test_checkpoint_round_trip(fam, tmp_path):
         for k, v in a.state_dict().items():
             assert torch.equal(v.view(torch.uint8) if v.element_size() == 1 else v,
                                b.state_dict()[k].view(torch.uint8) if v.element_size() == 1 else b.state_dict()[k])
+
+    name, block = moe_blocks(model)[-1]
+    layer = getattr(block, fam.layout.module)
+    base = f"{fam.checkpoint_block(name)}.{fam.layout.module}"
+
+    def fused(tensors):
+        for k in [k for k in tensors if k.startswith(f"{base}.")]:
+            del tensors[k]
+        tensors[f"{base}.{fam.layout.gate_up}"] = layer.w13.clone()
+        tensors[f"{base}.{fam.layout.down}"] = layer.w2.clone()
+
+    with pytest.raises(ValueError, match=rf"the checkpoint stores the experts of {re.escape(repr(name))} fused "
+                                         rf"\({re.escape(repr(base + '.' + fam.layout.gate_up))}\)"):
+        from_pretrained(copy_checkpoint(path, tmp_path / "fused", edit_tensors=fused))
 
 
 def _tp_worker(rank, world, model_types, input_ids):
