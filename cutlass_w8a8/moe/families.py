@@ -209,7 +209,8 @@ FAMILIES: Tuple[MoeFamily, ...] = (
 )
 
 _BY_BLOCK = {cls: fam for fam in FAMILIES for cls in fam.blocks}
-assert len(_BY_BLOCK) == sum(len(f.blocks) for f in FAMILIES), "a block class is in two rows of FAMILIES"
+if len(_BY_BLOCK) != sum(len(f.blocks) for f in FAMILIES):
+    raise ValueError("cutlass_w8a8.moe.families: a block class is named by two rows of FAMILIES")
 
 #: Parameter names of MoE experts modules: the rows' fused names and per-expert projection names (`expert_parameters`
 #: flags other modules holding 3-D parameters so named).
