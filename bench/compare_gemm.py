@@ -13,11 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _gemm_report import M_GROUP_BOUNDS  # noqa: E402
+# bench/ is on sys.path as the script's own directory (python bench/compare_gemm.py), as for bench_gemm.py
+from _gemm_report import M_GROUP_BOUNDS
 
 METHODS = ("ours_int8", "linear_w8a8", "quant_int8")
 

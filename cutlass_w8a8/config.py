@@ -48,12 +48,33 @@ class W8A8Config:
             raise TypeError(f"W8A8Config: `dtype` must be torch.int8 or torch.float8_e4m3fn, got {self.dtype}")
         if self.out_dtype is not None and self.out_dtype not in OUT_DTYPES:
             raise TypeError(f"W8A8Config: `out_dtype` must be torch.bfloat16 or torch.float16, got {self.out_dtype}")
-        if self.weight_block_size is not None:
-            block = tuple(self.weight_block_size) if isinstance(self.weight_block_size, (list, tuple)) else None
-            if block != (BLOCK_SIZE, BLOCK_SIZE):
-                raise ValueError(f"W8A8Config: `weight_block_size` must be None or ({BLOCK_SIZE}, {BLOCK_SIZE}), "
-                                 f"got {self.weight_block_size!r}")
-            if self.dtype != torch.float8_e4m3fn:
-                raise ValueError("W8A8Config: `weight_block_size` needs dtype=torch.float8_e4m3fn (block scales are "
-                                 f"fp8 only), got dtype {self.dtype}")
-            object.__setattr__(self, "weight_block_size", block)
+        object.__setattr__(self, "weight_block_size",
+                           self.check_weight_block_size("W8A8Config", self.weight_block_size, self.dtype))
+
+    @staticmethod
+    def check_weight_block_size(where: str, weight_block_size, dtype: torch.dtype,
+                                dtype_arg: str = "dtype") -> Optional[tuple]:
+        """The one validation of ``weight_block_size``, shared by this config and the layers that take it apart
+        (`W8A8Linear`'s constructor and ``from_quantized``, which ask here): None, or ``(128, 128)`` (a list
+        ``[128, 128]`` accepted) with ``dtype`` float8_e4m3fn. ``where`` and ``dtype_arg`` (the caller's name of the
+        quantized dtype: ``"dtype"``, ``"quant_dtype"``) name the caller and its argument in the messages; ``dtype``
+        None skips the dtype rule (a caller that checks its operand's dtype itself).
+
+        Returns ``weight_block_size`` as a tuple, or None.
+
+        Raises
+        ------
+        ValueError
+            ``weight_block_size`` is neither None nor (128, 128), or is given with a ``dtype`` other than
+            float8_e4m3fn.
+        """
+        if weight_block_size is None:
+            return None
+        block = tuple(weight_block_size) if isinstance(weight_block_size, (list, tuple)) else None
+        if block != (BLOCK_SIZE, BLOCK_SIZE):
+            raise ValueError(f"{where}: `weight_block_size` must be None or ({BLOCK_SIZE}, {BLOCK_SIZE}), got "
+                             f"{weight_block_size!r}")
+        if dtype is not None and dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{where}: `weight_block_size` needs {dtype_arg}=torch.float8_e4m3fn (block scales are fp8 "
+                             f"only), got {dtype_arg} {dtype}")
+        return block

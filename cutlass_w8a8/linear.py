@@ -18,9 +18,10 @@ from torch import nn
 
 from .config import W8A8Config
 from .ops._limits import AB_DTYPES as _QUANT_DTYPES
-from .ops._limits import BLOCK_SIZE, GEMM_ALIGN, QMAX
+from .ops._limits import BLOCK_SIZE, GEMM_ALIGN, QMAX, blocks
 from .ops._limits import OUT_DTYPES as _OUT_DTYPES
 from .ops._reference import quantize_rows
+from .ops._roles import block_scale_shaped
 from .ops._schema import OVERLOADS as _op
 
 __all__ = ["QuantizedActivation", "W8A8Linear", "quantize_activations", "quantize_weight_blocks", "shape_supported",
@@ -71,27 +72,16 @@ def quantize_activations(x2: torch.Tensor, input_scale: Optional[torch.Tensor], 
     return _op.quantize_per_tensor(x2, input_scale, quant_dtype), input_scale
 
 
-def _blocks(v: int) -> int:
-    return -(-v // BLOCK_SIZE)
-
-
-def _block_shaped(n: int, k: int, weight_scale: torch.Tensor) -> bool:
-    """The w8a8_linear op's rule (`ops._roles.block_weight_scaled`) on the scale's shape alone."""
-    ws = tuple(weight_scale.shape)
-    return (weight_scale.dim() == 2 and ws == (_blocks(n), _blocks(k)) and weight_scale.numel() > 1
-            and ws not in ((n, 1), (1, n)))
-
-
-def _check_block_operands(weight, weight_scale, input_scale, block) -> None:
-    """from_quantized with block scales: the weight's dtype, the scales' shape, K and the absent input_scale."""
+def _check_block_operands(weight, weight_scale, input_scale, block) -> tuple:
+    """from_quantized with block scales: ``block`` validated by `W8A8Config.check_weight_block_size` (returned as a
+    tuple), then the weight's dtype, the scales' shape, K and the absent input_scale."""
     where = "W8A8Linear.from_quantized"
     n, k = weight.shape
-    if (tuple(block) if isinstance(block, (list, tuple)) else None) != (BLOCK_SIZE, BLOCK_SIZE):
-        raise ValueError(f"{where}: `weight_block_size` must be None or ({BLOCK_SIZE}, {BLOCK_SIZE}), got {block!r}")
+    block = W8A8Config.check_weight_block_size(where, block, None)
     if weight.dtype != torch.float8_e4m3fn:
         raise TypeError(f"{where}: `weight` must be float8_e4m3fn with 128x128 block scales, got {weight.dtype}")
-    if isinstance(weight_scale, torch.Tensor) and tuple(weight_scale.shape) != (_blocks(n), _blocks(k)):
-        raise ValueError(f"{where}: `weight_scale` must be [ceil(N/128), ceil(K/128)] = [{_blocks(n)}, {_blocks(k)}] "
+    if isinstance(weight_scale, torch.Tensor) and tuple(weight_scale.shape) != (blocks(n), blocks(k)):
+        raise ValueError(f"{where}: `weight_scale` must be [ceil(N/128), ceil(K/128)] = [{blocks(n)}, {blocks(k)}] "
                          f"(128x128 blocks) for N = {n}, K = {k}, got shape {tuple(weight_scale.shape)}")
     if k % BLOCK_SIZE != 0:
         raise ValueError(f"{where}: `weight` K = {k} must be a multiple of {BLOCK_SIZE} with block scales (the "
@@ -99,17 +89,13 @@ def _check_block_operands(weight, weight_scale, input_scale, block) -> None:
     if input_scale is not None:
         raise ValueError(f"{where}: `input_scale` must be None with block weight scales (activations are quantized "
                          f"per 1x{BLOCK_SIZE} group at run time), got a tensor")
+    return block
 
 
 def _check_block(where: str, weight_block_size, quant_dtype, in_features: int, static_input_scale: bool) -> tuple:
-    """``weight_block_size`` as a tuple, after the checks of a block-scaled layer (each names its argument)."""
-    block = tuple(weight_block_size) if isinstance(weight_block_size, (list, tuple)) else None
-    if block != (BLOCK_SIZE, BLOCK_SIZE):
-        raise ValueError(f"{where}: `weight_block_size` must be None or ({BLOCK_SIZE}, {BLOCK_SIZE}), got "
-                         f"{weight_block_size!r}")
-    if quant_dtype != torch.float8_e4m3fn:
-        raise ValueError(f"{where}: `weight_block_size` needs quant_dtype=torch.float8_e4m3fn (block scales are "
-                         f"fp8 only), got {quant_dtype}")
+    """``weight_block_size`` as a tuple, validated by `W8A8Config.check_weight_block_size`, after the checks of a
+    block-scaled layer (each names its argument)."""
+    block = W8A8Config.check_weight_block_size(where, weight_block_size, quant_dtype, "quant_dtype")
     if in_features % BLOCK_SIZE != 0:
         raise ValueError(f"{where}: `in_features` must be a multiple of {BLOCK_SIZE} with weight_block_size "
                          f"(1x{BLOCK_SIZE} activation groups), got {in_features}")
@@ -128,12 +114,12 @@ def quantize_weight_blocks(weight: torch.Tensor, dtype: torch.dtype = torch.floa
     ceil(K / 128))``, N-major (the checkpoints' ``weight_scale_inv`` layout). Plain torch on ``weight``'s device,
     the same bits on the CPU and on CUDA."""
     n, k = weight.shape
-    nb, kb = _blocks(n), _blocks(k)
+    nb, kb = blocks(n), blocks(k)
     padded = weight.new_zeros((nb * BLOCK_SIZE, kb * BLOCK_SIZE), dtype=torch.float32)
     padded[:n, :k] = weight.to(torch.float32)
-    blocks = padded.view(nb, BLOCK_SIZE, kb, BLOCK_SIZE)
-    scale = blocks.abs().amax(dim=(1, 3)) / torch.tensor(QMAX[dtype], dtype=torch.float32, device=weight.device)
-    q = quantize_rows(blocks, scale.view(nb, 1, kb, 1), dtype).view(nb * BLOCK_SIZE, kb * BLOCK_SIZE)
+    tiles = padded.view(nb, BLOCK_SIZE, kb, BLOCK_SIZE)
+    scale = tiles.abs().amax(dim=(1, 3)) / torch.tensor(QMAX[dtype], dtype=torch.float32, device=weight.device)
+    q = quantize_rows(tiles, scale.view(nb, 1, kb, 1), dtype).view(nb * BLOCK_SIZE, kb * BLOCK_SIZE)
     return q[:n, :k].contiguous(), scale
 
 
@@ -283,7 +269,7 @@ class W8A8Linear(nn.Module):
         self.quant_dtype = quant_dtype
         self.weight_block_size = weight_block_size
         if weight_block_size is not None:
-            scale_shape = (_blocks(out_features), in_features // BLOCK_SIZE)
+            scale_shape = (blocks(out_features), in_features // BLOCK_SIZE)
         else:
             scale_shape = (out_features if per_channel else 1,)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=quant_dtype, device=device))
@@ -379,10 +365,10 @@ class W8A8Linear(nn.Module):
             raise ValueError(f"W8A8Linear.from_quantized: `weight` must be 2-D (N, K), got shape {tuple(weight.shape)}")
         n, k = weight.shape
         block = weight_block_size
-        if block is None and isinstance(weight_scale, torch.Tensor) and _block_shaped(n, k, weight_scale):
+        if block is None and isinstance(weight_scale, torch.Tensor) and block_scale_shaped(n, k, weight_scale):
             block = (BLOCK_SIZE, BLOCK_SIZE)
         if block is not None:
-            _check_block_operands(weight, weight_scale, input_scale, block)
+            block = _check_block_operands(weight, weight_scale, input_scale, block)
         for name, t, allowed in (("weight_scale", weight_scale, (1, n)), ("input_scale", input_scale, (1,)),
                                  ("bias", bias, (n,))):
             if t is None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cutlass_w8a8 as cw
+from cutlass_w8a8.moe.families import family_of
 
 KINDS = ("qwen3_moe", "qwen2_moe", "mixtral")
 VOCAB = 512
@@ -38,7 +39,8 @@ LM_HEAD_GAIN = 8.0
 
 
 def tiny_moe_config(kind: str):
-    """The transformers config of `tiny_moe_model` ``kind`` (one of `KINDS`)."""
+    """The transformers config of `tiny_moe_model` ``kind`` (one of `KINDS`, a ``model_type``; each row of
+    `cutlass_w8a8.moe.families.FAMILIES` needs its ``model_type`` here: tests/test_moe_families_cpu.py builds it)."""
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
@@ -67,15 +69,15 @@ def tiny_moe_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16
     model = AutoModelForCausalLM.from_config(tiny_moe_config(kind), dtype=dtype)
     with torch.no_grad():
         for _, block in moe_blocks(model):
-            block.gate.weight.mul_(ROUTER_GAIN)
+            getattr(block, family_of(block).routing.router).weight.mul_(ROUTER_GAIN)
         model.lm_head.weight.mul_(LM_HEAD_GAIN)
     return model.eval()
 
 
 def moe_blocks(model: nn.Module) -> list:
-    """``[(fqn, block)]``: the Qwen2-MoE / Qwen3-MoE / Mixtral sparse-MoE blocks of ``model``."""
-    names = ("Qwen2MoeSparseMoeBlock", "Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock")
-    return [(n, m) for n, m in model.named_modules() if type(m).__name__ in names]
+    """``[(fqn, block)]``: the sparse-MoE blocks of ``model`` of a family of `cutlass_w8a8.moe.families` (Qwen2-MoE,
+    Qwen3-MoE, Mixtral, ...)."""
+    return [(n, m) for n, m in model.named_modules() if family_of(m) is not None]
 
 
 def fake_quant_act(x: torch.Tensor, quant_dtype: torch.dtype, scale=None, group_size: int = 0,

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..linear import W8A8Linear
-from ..ops._limits import BLOCK_SIZE
+from ..ops._limits import BLOCK_SIZE, blocks
 
 __all__ = ["Reader", "build_meta", "set_module", "load_rest", "init_missing_buffers", "load_generation_config",
            "block_rows", "block_size", "load_unsharded"]
@@ -61,7 +61,7 @@ def block_size(scheme):
 def block_rows(ranges) -> list:
     """The rows of a ``[ceil(N / 128), ...]`` block-scale tensor that cover weight rows ``ranges`` (each
     ``(a, b)`` starting on a block boundary; ``b`` on one too, or N)."""
-    return [(a // BLOCK_SIZE, -(-b // BLOCK_SIZE)) for a, b in ranges]
+    return [(a // BLOCK_SIZE, blocks(b)) for a, b in ranges]
 
 
 def build_meta(model_cls, config, dtype: torch.dtype, shared: dict, model_kwargs: dict, where: str) -> nn.Module:

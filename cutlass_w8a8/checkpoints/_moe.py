@@ -1,19 +1,13 @@
 """Mixture-of-experts checkpoints: the per-expert Linear layout llm-compressor / compressed-tensors and the
 transformers-native fp8 format write, read into `cutlass_w8a8.moe.W8A8MoE` layers and written back.
 
-Supported blocks (transformers 5, whose experts are one module holding 3-D ``gate_up_proj`` [E, 2I, H] and
-``down_proj`` [E, H, I] parameters, filled on load from per-expert tensors by transformers' conversion mapping):
-
-=========================  =============================================  ========================
-transformers block class   checkpoint tensors of expert ``e``              router (left in float)
-=========================  =============================================  ========================
-Qwen2MoeSparseMoeBlock     ``<layer>.mlp.experts.{e}.{gate,up,down}_proj``  ``<layer>.mlp.gate``
-Qwen3MoeSparseMoeBlock     ``<layer>.mlp.experts.{e}.{gate,up,down}_proj``  ``<layer>.mlp.gate``
-MixtralSparseMoeBlock      ``<layer>.block_sparse_moe.experts.{e}.{w1,w3,w2}``  ``<layer>.block_sparse_moe.gate``
-=========================  =============================================  ========================
-
-(Mixtral's gate is ``w1``, up ``w3``, down ``w2``; transformers names its block ``mlp`` in the model and
-``block_sparse_moe`` in the files.) Each expert linear stores ``weight`` (int8 / e4m3, ``[N, K]``) and its scale
+The blocks read and written are those of `cutlass_w8a8.moe.families.FAMILIES` (Qwen2-MoE, Qwen3-MoE, Mixtral):
+transformers 5 holds their experts as one module with 3-D ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]
+parameters (the row's `ExpertLayout`), which its conversion mapping fills on load from per-expert tensors; the files
+name expert ``e``'s linears as the row's `CheckpointNames` say: ``<layer>.mlp.experts.{e}.{gate,up,down}_proj``
+(Qwen), ``<layer>.block_sparse_moe.experts.{e}.{w1,w3,w2}`` (Mixtral: gate ``w1``, up ``w3``, down ``w2``; transformers
+names its block ``mlp`` in the model and ``block_sparse_moe`` in the files). The router (the row's ``Routing.router``,
+``gate``) is left in float. Each expert linear stores ``weight`` (int8 / e4m3, ``[N, K]``) and its scale
 (``weight_scale``: ``[N, 1]`` per channel, ``[1]`` per tensor, ``[ceil(N / 128), K / 128]`` block;
 ``weight_scale_inv`` block in the native format), and ``input_scale`` ``[1]`` when the activations are static.
 Qwen2-MoE's ``shared_expert`` linears are ordinary linears (`W8A8Linear`), its ``shared_expert_gate`` (N = 1)
@@ -44,6 +38,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..moe.families import MoeFamily, expert_parameters, family_names, family_of, read_routing
+from ..moe.layer import W8A8MoE
+from ..ops import _limits
 from ..ops._limits import BLOCK_SIZE
 from ._scheme import BLOCK_SCHEME, LinearScheme, ParsedConfig
 
@@ -51,15 +48,8 @@ __all__ = ["MoeBlock", "MoeTarget", "find_moe_blocks", "ct_moe_targets", "native
            "fill_float_experts",
            "moe_state_dict", "moe_linear_names", "router_ignore", "checkpoint_renamer", "PROJS"]
 
-#: the three projections of an expert, in the order of `MoeTarget.leaves`
+#: the three projections of an expert, in the order of `MoeBlock.leaves` (`CheckpointNames.projs`)
 PROJS = ("gate", "up", "down")
-# transformers block class: (the block's name in the files, or None for the model's own, its gate / up / down leaves)
-_FAMILIES = {
-    "Qwen2MoeSparseMoeBlock": (None, ("gate_proj", "up_proj", "down_proj")),
-    "Qwen3MoeSparseMoeBlock": (None, ("gate_proj", "up_proj", "down_proj")),
-    "MixtralSparseMoeBlock": ("block_sparse_moe", ("w1", "w3", "w2")),
-}
-_EXPERT_PARAMS = ("gate_up_proj", "down_proj", "up_proj", "gate_proj", "w1", "w2", "w3")
 _ST_QUANT = {torch.int8: "I8", torch.float8_e4m3fn: "F8_E4M3"}
 _ST_8BIT = ("I8", "U8", "F8_E4M3", "F8_E5M2", "I32")
 _ST_SCALE = ("F32", "BF16", "F16")
@@ -75,9 +65,8 @@ class MoeBlock:
         The block's module name in the model (``model.layers.0.mlp``).
     ckpt_name : str
         Its name in the checkpoint files (``model.layers.0.block_sparse_moe`` for Mixtral, else ``name``).
-    leaves : tuple of str
-        The gate, up and down linear names of one expert (``("gate_proj", "up_proj", "down_proj")`` or
-        ``("w1", "w3", "w2")``).
+    family : MoeFamily
+        Its row of `cutlass_w8a8.moe.families.FAMILIES`.
     num_experts, hidden_size, intermediate_size, top_k : int
         E, H, I (from the experts' 3-D parameters) and the router's top-k.
     renormalize : bool
@@ -88,7 +77,7 @@ class MoeBlock:
 
     name: str
     ckpt_name: str
-    leaves: Tuple[str, str, str]
+    family: MoeFamily
     num_experts: int
     hidden_size: int
     intermediate_size: int
@@ -97,19 +86,30 @@ class MoeBlock:
     cls: str
 
     @property
+    def leaves(self) -> Tuple[str, str, str]:
+        """The gate, up and down linear names of one expert in the files (``("gate_proj", "up_proj", "down_proj")``
+        or ``("w1", "w3", "w2")``: the family's `CheckpointNames.projs`)."""
+        return self.family.checkpoint.projs
+
+    @property
     def experts(self) -> str:
         """The experts' module name in the model (what becomes a `W8A8MoE`)."""
-        return f"{self.name}.experts"
+        return f"{self.name}.{self.family.layout.module}"
 
     def key(self, e: int, proj: str, leaf: str) -> str:
         """The checkpoint tensor ``leaf`` (``weight``, ``weight_scale``, ...) of projection ``proj`` (``gate`` /
         ``up`` / ``down``) of expert ``e``."""
-        return f"{self.ckpt_name}.experts.{e}.{self.leaves[PROJS.index(proj)]}.{leaf}"
+        return f"{self.linear(e, proj)}.{leaf}"
 
     def linear(self, e: int, proj: str, model_side: bool = False) -> str:
         """The module name of one expert linear (as the checkpoint names it, or with the model's block name)."""
         block = self.name if model_side else self.ckpt_name
-        return f"{block}.experts.{e}.{self.leaves[PROJS.index(proj)]}"
+        return f"{block}.{self.family.layout.module}.{e}.{self.leaves[PROJS.index(proj)]}"
+
+    def fused_key(self, which: str) -> str:
+        """The files' name of the fused ``gate_up`` / ``down`` tensor (`ExpertLayout`), for a checkpoint that stores
+        the experts fused."""
+        return f"{self.ckpt_name}.{self.family.layout.module}.{getattr(self.family.layout, which)}"
 
 
 @dataclasses.dataclass
@@ -131,64 +131,51 @@ class MoeTarget:
         return [self.block.key(e, p, leaf) for e in range(self.block.num_experts) for p in PROJS for leaf in leaves]
 
 
-def _route(block: nn.Module, config) -> Tuple[int, bool]:
-    gate = getattr(block, "gate", None)
-    top_k = getattr(gate, "top_k", None) or getattr(block, "top_k", None) or getattr(config, "num_experts_per_tok")
-    if type(block).__name__ == "MixtralSparseMoeBlock":
-        return int(top_k), True
-    norm = getattr(gate, "norm_topk_prob", getattr(config, "norm_topk_prob", False))
-    return int(top_k), bool(norm)
-
-
 def find_moe_blocks(model: nn.Module, ckpt_meta: Dict[str, tuple], where: str) -> List[MoeBlock]:
     """The MoE blocks of ``model`` (built on the meta device) whose experts the checkpoint (``ckpt_meta``:
     ``{tensor name: (safetensors dtype, shape)}``) stores, in module order. Empty for a dense model.
 
-    Raises ValueError naming the module for a module holding 3-D expert parameters that is not the ``experts`` of a
-    supported block (``_FAMILIES``: Qwen2-MoE, Qwen3-MoE, Mixtral): other MoE blocks route differently (grouped
-    top-k, sigmoid scores, expert biases) or lay the experts out otherwise, and are not loaded 8-bit.
+    Raises ValueError naming the module for a module holding 3-D expert parameters that is not the experts of a
+    block of `cutlass_w8a8.moe.families.FAMILIES` (Qwen2-MoE, Qwen3-MoE, Mixtral): other MoE blocks route
+    differently (grouped top-k, sigmoid scores, expert biases) or lay the experts out otherwise, and are not loaded
+    8-bit; and for a family's block whose router lacks what the row names (`read_routing`).
     """
-    config = getattr(model, "config", None)
     blocks = []
     family_experts = set()
     for name, m in model.named_modules():
-        fam = _FAMILIES.get(type(m).__name__)
+        fam = family_of(m)
         if fam is None:
             continue
-        experts = getattr(m, "experts", None)
-        gu, dp = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+        lay = fam.layout
+        experts = getattr(m, lay.module, None)
+        gu, dp = getattr(experts, lay.gate_up, None), getattr(experts, lay.down, None)
         if not isinstance(gu, torch.Tensor) or not isinstance(dp, torch.Tensor) or gu.dim() != 3 or dp.dim() != 3:
-            raise ValueError(f"{where}: MoE block {name!r} ({type(m).__name__}) has no `experts` module with 3-D "
-                             "gate_up_proj / down_proj parameters (transformers >= 5's layout); this transformers "
+            raise ValueError(f"{where}: MoE block {name!r} ({type(m).__name__}) has no `{lay.module}` module with 3-D "
+                             f"{lay.gate_up} / {lay.down} parameters (transformers >= 5's layout); this transformers "
                              "version's MoE layout is not supported")
         e, two_i, h = gu.shape
         i = two_i // 2
         if tuple(dp.shape) != (e, h, i) or two_i != 2 * i:
-            raise ValueError(f"{where}: {name}.experts has gate_up_proj {tuple(gu.shape)} and down_proj "
+            raise ValueError(f"{where}: {name}.{lay.module} has {lay.gate_up} {tuple(gu.shape)} and {lay.down} "
                              f"{tuple(dp.shape)}; expected [E, 2I, H] and [E, H, I]")
-        family_experts.add(f"{name}.experts")
-        file_block, leaves = fam
-        ckpt_name = name
-        if file_block is not None:
-            parent = name.rpartition(".")[0]
-            renamed = f"{parent}.{file_block}" if parent else file_block
+        family_experts.add(f"{name}.{lay.module}")
+        ckpt_name = fam.checkpoint_block(name)
+        if ckpt_name != name:
             # the files' name (transformers' save_pretrained writes it), or the model's when the files use that
-            probe = f".experts.0.{leaves[0]}.weight"
-            ckpt_name = name if f"{name}{probe}" in ckpt_meta and f"{renamed}{probe}" not in ckpt_meta else renamed
-        top_k, renorm = _route(m, config)
-        blocks.append(MoeBlock(name, ckpt_name, leaves, e, h, i, top_k, renorm, type(m).__name__))
+            probe = f".{lay.module}.0.{fam.checkpoint.projs[0]}.weight"
+            if f"{name}{probe}" in ckpt_meta and f"{ckpt_name}{probe}" not in ckpt_meta:
+                ckpt_name = name
+        routing = read_routing(m, fam, where)
+        blocks.append(MoeBlock(name, ckpt_name, fam, e, h, i, routing.top_k, routing.renormalize, type(m).__name__))
     for name, m in model.named_modules():
         if name in family_experts:
             continue
-        cls = type(m).__name__.lower()
-        expertish = "expert" in cls or "moe" in cls
-        three_d = [p for p, t in m.named_parameters(recurse=False) if t is not None and t.dim() == 3
-                   and (expertish or p in _EXPERT_PARAMS)]  # not a convolution's 3-D weight (Mamba, ...)
+        three_d = expert_parameters(m)
         if three_d:
             raise ValueError(f"{where}: module {name!r} ({type(m).__name__}) holds 3-D expert parameters "
-                             f"{three_d}: only the experts of Qwen2-MoE, Qwen3-MoE and Mixtral blocks (softmax top-k "
-                             "routers) are supported; MoE blocks with other routers or expert layouts are not loaded "
-                             "8-bit")
+                             f"{three_d}: only the experts of {family_names()} blocks "
+                             "(cutlass_w8a8.moe.families) are supported; MoE blocks with other routers or expert "
+                             "layouts are not loaded 8-bit")
     return blocks
 
 
@@ -212,7 +199,7 @@ def _expected(scheme: Optional[LinearScheme], n: int, k: int, scale_leaf: str) -
     if scheme is None:
         return {"weight": (_ST_SCALE, [n, k])}
     if scheme.block:
-        scale_shape = [-(-n // BLOCK_SIZE), -(-k // BLOCK_SIZE)]
+        scale_shape = [_limits.blocks(n), _limits.blocks(k)]
     else:
         scale_shape = [n, 1] if scheme.per_channel else [1]
     expect = {"weight": ((_ST_QUANT[scheme.quant_dtype],), [n, k]), scale_leaf: (_ST_SCALE, scale_shape)}
@@ -229,6 +216,12 @@ def _check_tensors(t: MoeTarget, ckpt_meta: Dict[str, tuple], where: str) -> Non
         raise ValueError(f"{where}: MoE block {b.name!r} has block-scaled fp8 experts with hidden_size {h} and "
                          f"intermediate_size {i}: both must be multiples of {BLOCK_SIZE} (the block GEMM's K, and "
                          "gate / up blocks must not share a 128-row block of w13)")
+    if b.key(0, "gate", "weight") not in ckpt_meta:  # experts stored fused, as the model holds them
+        fused = [k for which in ("gate_up", "down") for k in (b.fused_key(which), f"{b.fused_key(which)}.weight")
+                 if k in ckpt_meta]
+        if fused:
+            raise ValueError(f"{where}: the checkpoint stores the experts of {b.name!r} fused ({fused[0]!r}); "
+                             f"they are read as per-expert tensors ({b.key(0, 'gate', 'weight')!r}, ...)")
     for e in range(b.num_experts):
         for proj, (n, k) in zip(PROJS, ((i, h), (i, h), (h, i))):
             for leaf, (dtypes, shape) in _expected(t.scheme, n, k, t.scale_leaf).items():
@@ -241,7 +234,7 @@ def _check_tensors(t: MoeTarget, ckpt_meta: Dict[str, tuple], where: str) -> Non
                     raise ValueError(f"{where}: checkpoint tensor {key!r} is {dt} {list(sh)}; {t.group} implies "
                                      f"{' or '.join(dtypes)} {shape} (E = {b.num_experts}, H = {h}, I = {i})")
     # an expert past E (a checkpoint of a model with more experts than the config says)
-    extra = f"{b.ckpt_name}.experts.{b.num_experts}."
+    extra = f"{b.ckpt_name}.{b.family.layout.module}.{b.num_experts}."
     for key in sorted(ckpt_meta):
         if key.startswith(extra):
             raise ValueError(f"{where}: checkpoint tensor {key!r} names expert {b.num_experts}, but {b.name!r} has "
@@ -362,7 +355,6 @@ def build_moe(t: MoeTarget, reader, device, dtype: torch.dtype, where: str, shar
     rank's part: gate and up rows ``[a, b)``, down columns ``[a, b)``; a and b multiples of 128 with block scales,
     b may be I), read from the files as slices; the layer then has ``intermediate_size`` b - a. None: all of I."""
     from ..config import W8A8Config
-    from ..moe import W8A8MoE
 
     b, s = t.block, t.scheme
     e_, h, i = b.num_experts, b.hidden_size, b.intermediate_size
@@ -371,7 +363,7 @@ def build_moe(t: MoeTarget, reader, device, dtype: torch.dtype, where: str, shar
         raise ValueError(f"{where}: shard {shard} of the intermediate size {i} of {b.name!r} is not a range of it"
                          + (f" on {BLOCK_SIZE}-channel block boundaries" if s.block else ""))
     whole = shard is None
-    blo, bhi = lo // BLOCK_SIZE, -(-hi // BLOCK_SIZE)
+    blo, bhi = lo // BLOCK_SIZE, _limits.blocks(hi)
 
     def rows(key, a, z):
         return reader.whole(key) if whole else reader.rows(key, [(a, z)])
@@ -424,61 +416,57 @@ def build_moe(t: MoeTarget, reader, device, dtype: torch.dtype, where: str, shar
 
 def fill_float_experts(model: nn.Module, t: MoeTarget, reader, device, dtype: torch.dtype) -> None:
     """Experts stored in float (``t.scheme`` None): transformers' experts module of the block gets
-    ``gate_up_proj[e]`` = expert e's gate rows then up rows and ``down_proj[e]`` its down weight, in ``dtype``."""
+    ``gate_up_proj[e]`` = expert e's gate rows then up rows and ``down_proj[e]`` its down weight (the family's
+    `ExpertLayout` names), in ``dtype``."""
     b = t.block
+    lay = b.family.layout
     experts = model.get_submodule(b.experts)
     gu = torch.stack([torch.cat([reader.whole(b.key(e, "gate", "weight")), reader.whole(b.key(e, "up", "weight"))])
                       for e in range(b.num_experts)])
     dn = torch.stack([reader.whole(b.key(e, "down", "weight")) for e in range(b.num_experts)])
-    experts.gate_up_proj = nn.Parameter(gu.to(device=device, dtype=dtype), requires_grad=False)
-    experts.down_proj = nn.Parameter(dn.to(device=device, dtype=dtype), requires_grad=False)
+    setattr(experts, lay.gate_up, nn.Parameter(gu.to(device=device, dtype=dtype), requires_grad=False))
+    setattr(experts, lay.down, nn.Parameter(dn.to(device=device, dtype=dtype), requires_grad=False))
 
 
 # ---- writing -----------------------------------------------------------------------------------------------------
 
 
 def router_ignore(model: nn.Module) -> List[str]:
-    """compressed-tensors ``ignore`` entries for ``model``'s Qwen2-MoE / Qwen3-MoE / Mixtral blocks, as
-    llm-compressor writes them: their routers (``re:.*mlp.gate$``, Mixtral ``re:.*block_sparse_moe.gate$``: a
-    reader that builds the router as an ``nn.Linear``, vLLM's, must leave it in float), and the experts of blocks
-    whose experts are still transformers' float module (``re:.*mlp.experts.*``), so that they are read back in
-    float."""
-    from ..moe import W8A8MoE
-
+    """compressed-tensors ``ignore`` entries for the blocks of ``model`` that belong to a family of
+    `cutlass_w8a8.moe.families`, as llm-compressor writes them: their routers (``re:.*mlp.gate$``, Mixtral
+    ``re:.*block_sparse_moe.gate$``: the block's name in the files, then the row's router; a reader that builds the
+    router as an ``nn.Linear``, vLLM's, must leave it in float), and the experts of blocks whose experts are still
+    transformers' float module (``re:.*mlp.experts.*``), so that they are read back in float."""
     out = []
     for name, m in model.named_modules():
-        fam = _FAMILIES.get(type(m).__name__)
+        fam = family_of(m)
         if fam is None:
             continue
-        block = fam[0] or "mlp"
-        entries = [f"re:.*{block}.gate$"]
-        if not isinstance(getattr(m, "experts", None), W8A8MoE):
-            entries.append(f"re:.*{block}.experts.*")
+        block = fam.checkpoint_block(name).rpartition(".")[2]
+        entries = [f"re:.*{block}.{fam.routing.router}$"]
+        if not isinstance(getattr(m, fam.layout.module, None), W8A8MoE):
+            entries.append(f"re:.*{block}.{fam.layout.module}.*")
         out += [x for x in entries if x not in out]
     return out
 
 
-def _layout(model: nn.Module, name: str, where: str) -> Tuple[str, Tuple[str, str, str]]:
-    """``(block name in the files, (gate, up, down) leaves)`` of the `W8A8MoE` at ``name``; ValueError when it is
-    not the ``experts`` of a supported block."""
+def _layout(model: nn.Module, name: str, where: str) -> Tuple[str, MoeFamily]:
+    """``(block name in the files, family)`` of the `W8A8MoE` at ``name``; ValueError when it is not the experts
+    of a block of `cutlass_w8a8.moe.families`."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
-    fam = _FAMILIES.get(type(parent).__name__)
-    if fam is None or child != "experts":
-        raise ValueError(f"{where}: W8A8MoE {name!r} is not the `experts` of a Qwen2-MoE, Qwen3-MoE or Mixtral "
+    fam = family_of(parent)
+    if fam is None or child != fam.layout.module:
+        raise ValueError(f"{where}: W8A8MoE {name!r} is not the `experts` of a {family_names('or')} "
                          f"block (its parent is {type(parent).__name__}): no checkpoint layout to write it in")
-    file_block, leaves = fam
-    ckpt_block = parent_name
-    if file_block is not None:
-        up = parent_name.rpartition(".")[0]
-        ckpt_block = f"{up}.{file_block}" if up else file_block
-    return ckpt_block, leaves
+    return fam.checkpoint_block(parent_name), fam
 
 
 def moe_linear_names(model: nn.Module, name: str, moe: nn.Module, where: str) -> List[str]:
     """The per-expert linear module names (as the files name them) the `W8A8MoE` at ``name`` is written as."""
-    ckpt_block, leaves = _layout(model, name, where)
-    return [f"{ckpt_block}.experts.{e}.{leaf}" for e in range(moe.w13.shape[0]) for leaf in leaves]
+    ckpt_block, fam = _layout(model, name, where)
+    return [f"{ckpt_block}.{fam.layout.module}.{e}.{leaf}" for e in range(moe.w13.shape[0])
+            for leaf in fam.checkpoint.projs]
 
 
 def moe_state_dict(model: nn.Module, where: str) -> Optional[dict]:
@@ -487,18 +475,16 @@ def moe_state_dict(model: nn.Module, where: str) -> Optional[dict]:
     K / 128]`` block; ``input_scale`` float32 ``[1]`` for each gate / up (``a13_scale``) and down (``a2_scale``)
     linear of a static layer), or None when ``model`` holds no `W8A8MoE`.
 
-    Raises ValueError naming the module for a `W8A8MoE` that is not the ``experts`` of a Qwen2-MoE / Qwen3-MoE /
-    Mixtral block (the layout would have no reader), or block scales with I not a multiple of 128."""
-    from ..moe import W8A8MoE
-
+    Raises ValueError naming the module for a `W8A8MoE` that is not the experts of a block of
+    `cutlass_w8a8.moe.families` (the layout would have no reader), or block scales with I not a multiple of 128."""
     moes = {n: m for n, m in model.named_modules() if isinstance(m, W8A8MoE)}
     if not moes:
         return None
     sd = model.state_dict()
     for name, moe in moes.items():
-        ckpt_block, leaves = _layout(model, name, where)
+        ckpt_block, fam = _layout(model, name, where)
         e_, i = moe.w13.shape[0], moe.w13.shape[1] // 2
-        block = moe.w13_scale.dim() == 3
+        block = moe.weight_block_size is not None
         if block and i % BLOCK_SIZE:
             raise ValueError(f"{where}: W8A8MoE {name!r} has block scales with intermediate_size {i}, not a multiple "
                              f"of {BLOCK_SIZE}: gate and up share a scale block and cannot be written apart")
@@ -513,7 +499,7 @@ def moe_state_dict(model: nn.Module, where: str) -> Optional[dict]:
                 "down": (moe.w2[e], moe.w2_scale[e] if block else moe.w2_scale[e].reshape(-1, 1), moe.a2_scale),
             }
             for proj, (w, sc, xs) in parts.items():
-                base = f"{ckpt_block}.experts.{e}.{leaves[PROJS.index(proj)]}"
+                base = f"{ckpt_block}.{fam.layout.module}.{e}.{fam.checkpoint.projs[PROJS.index(proj)]}"
                 # copies: safetensors refuses tensors that share storage (views of w13)
                 sd[f"{base}.weight"] = w.clone()
                 sd[f"{base}.weight_scale"] = sc.float().clone()

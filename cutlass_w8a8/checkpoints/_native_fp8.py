@@ -25,7 +25,7 @@ from typing import Dict, List, Optional
 
 from torch import nn
 
-from ..ops._limits import BLOCK_SIZE
+from ..ops._limits import BLOCK_SIZE, blocks
 from ..quantize import shape_supported
 from ._scheme import BLOCK, BLOCK_SCHEME, Target, build_quantization_config
 
@@ -169,7 +169,7 @@ def native_targets(model: nn.Module, parsed: NativeFp8Config, meta: Dict[str, tu
                 raise ValueError(f"{where}: checkpoint tensor {wkey!r} has shape {shape}; module {name!r} is "
                                  f"nn.Linear(in_features={k}, out_features={n}), expected [{n}, {k}]")
             sdt, sshape = meta[skey]
-            want = [-(-n // BLOCK_SIZE), -(-k // BLOCK_SIZE)]
+            want = [blocks(n), blocks(k)]
             if sdt not in _ST_SCALE or sshape != want:
                 raise ValueError(f"{where}: checkpoint tensor {skey!r} is {sdt} {sshape}; {_KEY}.weight_block_size "
                                  f"= {BLOCK} implies {' or '.join(_ST_SCALE)} {want} = [ceil(N/{BLOCK_SIZE}), "

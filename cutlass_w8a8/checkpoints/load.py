@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..linear import W8A8Linear
+from ..ops import _limits
 from ..ops._limits import BLOCK_SIZE
 from ..ops._limits import OUT_DTYPES as _OUT_DTYPES
 from ..quantize import shape_supported
@@ -410,7 +411,7 @@ class _SafetensorsCheckpoint:
         for name, t in targeted.items():
             s, n, k = t.scheme, t.out_features, t.in_features
             if s.block:
-                scale_shape = [-(-n // BLOCK_SIZE), -(-k // BLOCK_SIZE)]
+                scale_shape = [_limits.blocks(n), _limits.blocks(k)]
             else:
                 scale_shape = [n, 1] if s.per_channel else [1]
             expect = {"weight": ((_ST_QUANT[s.quant_dtype],), [n, k]), "weight_scale": (_ST_SCALE, scale_shape)}

@@ -10,6 +10,7 @@ from typing import Optional
 from torch import nn
 
 from ..linear import W8A8Linear
+from ..moe.layer import W8A8MoE
 from ._moe import moe_state_dict, router_ignore
 from ._scheme import BLOCK_SCHEME, LinearScheme, build_quantization_config, scheme_of
 
@@ -26,11 +27,10 @@ def quantization_config_of(model: nn.Module) -> Optional[dict]:
     """
     by_scheme = {}
     floats = []
-    moe_cls = _moe_class()
     for name, m in model.named_modules():
         if isinstance(m, W8A8Linear):
             by_scheme.setdefault(scheme_of(m), []).append(name)
-        elif moe_cls is not None and isinstance(m, moe_cls):
+        elif isinstance(m, W8A8MoE):
             by_scheme.setdefault(moe_scheme_of(m), []).extend(_expert_linear_names(model, name, m))
         elif isinstance(m, nn.Linear):
             floats.append(name)
@@ -42,15 +42,9 @@ def quantization_config_of(model: nn.Module) -> Optional[dict]:
     return build_quantization_config(list(by_scheme.items()), [])
 
 
-def _moe_class():
-    """`W8A8MoE` when `cutlass_w8a8.moe` is imported (a model can only hold one then), else None."""
-    mod = sys.modules.get("cutlass_w8a8.moe")
-    return getattr(mod, "W8A8MoE", None)
-
-
 def moe_scheme_of(moe) -> LinearScheme:
-    """The `LinearScheme` of a `W8A8MoE`'s expert linears, from its buffers."""
-    if moe.w13_scale.dim() == 3:
+    """The `LinearScheme` of a `W8A8MoE`'s expert linears, from its attributes."""
+    if moe.weight_block_size is not None:
         return BLOCK_SCHEME
     return LinearScheme(quant_dtype=moe.w13.dtype, per_channel=True, static_input=moe.a13_scale is not None)
 

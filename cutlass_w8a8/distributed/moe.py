@@ -40,12 +40,13 @@ import torch
 from torch import nn
 
 from ..config import W8A8Config
+from ..moe.families import family_of
 from ..moe.layer import W8A8MoE
 from . import sharding as S
 from ._common import TPContext, _all_reduce_, _check_tp_size, _TensorParallel
 from ._group import check_same_on_all_ranks, dtype_code, sequence_code
 
-__all__ = ["TensorParallelW8A8MoE", "shard_experts_", "shard_moe"]
+__all__ = ["TensorParallelW8A8MoE", "shard_experts_", "shard_moe", "tp_split"]
 
 
 def _fields(e, k, h, i, quant_dtype, dtype, block, static, renormalize, tp_size) -> dict:
@@ -206,12 +207,26 @@ def shard_moe(moe: W8A8MoE, tp_group, *, tp_size: Optional[int] = None, check: b
     return TensorParallelW8A8MoE.from_full(moe, tp_group, tp_size=tp_size, check=check)
 
 
+def tp_split(model: nn.Module, name: str) -> str:
+    """How the `W8A8MoE` at ``name`` in ``model`` splits over the ranks: the ``tp`` of its block's row of
+    `cutlass_w8a8.moe.families` (``"intermediate"``: every expert over I, what `TensorParallelW8A8MoE` does), the same
+    for a layer outside any family's block. NotImplementedError for a split this module does not implement."""
+    parent = name.rpartition(".")[0]
+    fam = family_of(model.get_submodule(parent)) if parent else None
+    split = "intermediate" if fam is None else fam.tp
+    if split != "intermediate":
+        raise NotImplementedError(f"{TensorParallelW8A8MoE.__name__} {name!r}: the {fam.name} family splits its "
+                                  f"experts by {split!r}; only 'intermediate' is implemented")
+    return split
+
+
 def shard_experts_(model: nn.Module, tp_group, *, check: bool = True) -> list:
     """Replace every unsharded `W8A8MoE` in ``model`` by its shard (`shard_moe`), in place; return their names.
     ``tp_group``: a ``ProcessGroup`` or the caller's `TPContext` (passed down to every shard).
 
-    With ``check``, one cross-rank check of all of them (their count and sizes) first; every layer's split is
-    checked before any is replaced. Raises as `shard_moe` (a split error names the layer).
+    With ``check``, one cross-rank check of all of them (their count and sizes) first; every layer's split
+    (`tp_split`, the family table's) is checked before any is replaced. Raises as `shard_moe` (a split error names
+    the layer).
     """
     ctx = TPContext.resolve(tp_group, "shard_experts_")
     found = [(n, m) for n, m in model.named_modules()
@@ -222,6 +237,7 @@ def shard_experts_(model: nn.Module, tp_group, *, check: bool = True) -> list:
             "#experts sizes": sequence_code([v for _, m in found for v in (m.num_experts, m.hidden_size,
                                                                            m.intermediate_size)])})
     for name, m in found:
+        tp_split(model, name)
         S.check_moe_shardable(m.intermediate_size, ctx.world, m.weight_block_size is not None,
                               f"{TensorParallelW8A8MoE.__name__} {name!r}")
     for name, m in found:

@@ -20,17 +20,13 @@ from ..config import W8A8Config
 from ..linear import quantization_repr, quantize_weight_blocks
 from ..ops import moe as _moe
 from ..ops import silu_mul_quant
-from ..ops._limits import BLOCK_SIZE, GEMM_ALIGN, OUT_DTYPES
+from ..ops._limits import BLOCK_SIZE, GEMM_ALIGN, OUT_DTYPES, blocks
 from ..ops._schema import OVERLOADS as _op
 
 __all__ = ["W8A8MoE", "quantize_expert_weights"]
 
 # hidden-state dtypes the first quantization (moe_permute_quant) takes as they are
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _blocks(v: int) -> int:
-    return -(-v // BLOCK_SIZE)
 
 
 def quantize_expert_weights(weight: torch.Tensor, dtype: torch.dtype, weight_block_size: Optional[tuple] = None):
@@ -135,7 +131,7 @@ class W8A8MoE(nn.Module):
         self.register_buffer("w13", torch.zeros(e, 2 * i, h, dtype=config.dtype, device=device))
         self.register_buffer("w2", torch.zeros(e, h, i, dtype=config.dtype, device=device))
         if block is not None:
-            s13, s2 = (e, _blocks(2 * i), h // BLOCK_SIZE), (e, _blocks(h), i // BLOCK_SIZE)
+            s13, s2 = (e, blocks(2 * i), h // BLOCK_SIZE), (e, blocks(h), i // BLOCK_SIZE)
         else:
             s13, s2 = (e, 2 * i), (e, h)
         self.register_buffer("w13_scale", torch.ones(s13, dtype=torch.float32, device=device))
@@ -153,7 +149,8 @@ class W8A8MoE(nn.Module):
     @classmethod
     def from_float(cls, experts: nn.Module, config: Optional[W8A8Config] = None, top_k: Optional[int] = None,
                    renormalize: bool = True, *, a13_scale: Optional[torch.Tensor] = None,
-                   a2_scale: Optional[torch.Tensor] = None) -> "W8A8MoE":
+                   a2_scale: Optional[torch.Tensor] = None, gate_up: str = "gate_up_proj",
+                   down: str = "down_proj") -> "W8A8MoE":
         """Quantize a transformers experts module (Qwen2-MoE / Qwen3-MoE / Mixtral ``experts``, transformers 5's
         fused 3-D parameters) or any module with the same two parameters.
 
@@ -171,6 +168,9 @@ class W8A8MoE(nn.Module):
             ``experts`` (ValueError when it has none; transformers' experts do not, their router ``gate`` has it).
         a13_scale, a2_scale : torch.Tensor, optional, keyword-only
             One-element static per-tensor activation scales (both or neither); None: dynamic.
+        gate_up, down : str, keyword-only
+            The names of the two parameters in ``experts`` (a `cutlass_w8a8.moe.families` row's `ExpertLayout`;
+            default transformers 5's ``gate_up_proj`` / ``down_proj``).
 
         Weights are quantized per output channel (absmax / 127 for int8, / 448 for e4m3), or per 128 x 128
         block with ``config.weight_block_size``, exactly as `W8A8Linear.from_float` quantizes each expert's
@@ -193,11 +193,11 @@ class W8A8MoE(nn.Module):
         if isinstance(experts, W8A8MoE):
             raise TypeError(f"{where}: `experts` is already a W8A8MoE (quant_dtype {experts.quant_dtype}); its "
                             "float weights are gone, so it cannot be quantized again")
-        gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+        gu, dn = getattr(experts, gate_up, None), getattr(experts, down, None)
         if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor):
-            raise TypeError(f"{where}: `experts` ({type(experts).__name__}) must hold 3-D `gate_up_proj` [E, 2I, H] "
-                            "and `down_proj` [E, H, I] tensors (transformers 5's fused experts)")
-        for name, t in (("gate_up_proj", gu), ("down_proj", dn)):
+            raise TypeError(f"{where}: `experts` ({type(experts).__name__}) must hold 3-D `{gate_up}` [E, 2I, H] "
+                            f"and `{down}` [E, H, I] tensors (transformers 5's fused experts)")
+        for name, t in ((gate_up, gu), (down, dn)):
             if not t.is_floating_point():
                 raise TypeError(f"{where}: `experts.{name}` holds {t.dtype} values (a quantized checkpoint loaded "
                                 "into float experts?); quantizing them again would ignore their scales. Load the "
@@ -206,18 +206,18 @@ class W8A8MoE(nn.Module):
                            ("has_bias", False)):
             got = getattr(experts, flag, want)
             if got != want:
-                raise ValueError(f"{where}: `experts.{flag}` must be {want} (gate_up_proj [E, 2I, H] = [gate; up], "
+                raise ValueError(f"{where}: `experts.{flag}` must be {want} ({gate_up} [E, 2I, H] = [gate; up], "
                                  f"no bias), got {got}")
         act = getattr(experts, "act_fn", None)
         if act is not None and not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLUActivation",):
             raise ValueError(f"{where}: `experts.act_fn` must be SiLU (SwiGLU experts), got {type(act).__name__}")
         if gu.dim() != 3 or dn.dim() != 3 or gu.shape[1] % 2 != 0:
-            raise ValueError(f"{where}: `experts.gate_up_proj` must be [E, 2I, H] and `experts.down_proj` [E, H, I], "
+            raise ValueError(f"{where}: `experts.{gate_up}` must be [E, 2I, H] and `experts.{down}` [E, H, I], "
                              f"got shapes {tuple(gu.shape)} and {tuple(dn.shape)}")
         e, i2, h = gu.shape
         i = i2 // 2
         if tuple(dn.shape) != (e, h, i):
-            raise ValueError(f"{where}: `experts.down_proj` must be [E, H, I] = [{e}, {h}, {i}] for gate_up_proj "
+            raise ValueError(f"{where}: `experts.{down}` must be [E, H, I] = [{e}, {h}, {i}] for {gate_up} "
                              f"{tuple(gu.shape)}, got {tuple(dn.shape)}")
         if top_k is None:
             top_k = getattr(experts, "top_k", None)

@@ -15,9 +15,9 @@ import torch
 
 from ._limits import (AB_DTYPES, ATTN_DTYPES, ATTN_HEAD_DIM_MULTIPLE, ATTN_MAX_HEAD_DIM, ATTN_MAX_HEADS,
                       ATTN_MAX_SEQ, BLOCK_SIZE, DECODE_MAX_K, DECODE_X_DTYPES, GEMM_ALIGN, MAX_M, OUT_DTYPES)
-from ._limits import MAX_ROW_K, MAX_ROWS, MOE_MAX_EXPERTS
+from ._limits import MAX_ROW_K, MAX_ROWS, MOE_MAX_EXPERTS, blocks
 from ._roles import (aligned16, bias_vector, block_scaled, block_scales, block_weight_scaled, contiguous, cxx_dtype,
-                     cxx_list, decode_m, eight_bit, float32_scale,
+                     cxx_list, grouped_block_scaled, decode_m, eight_bit, float32_scale,
                      float_input, gemm_shapes, gemm_size, int8_k_bound, out_matrix, output_dtype, per_channel_scale,
                      limit_text, quant_dtype, row_input, row_major, same_device, static_scale, tensor_arg,
                      weight_columns, fail_type, fail_value, flat_row_stride, expert_weights)
@@ -135,13 +135,13 @@ def check_grouped_scaled_mm(op: str, a, b, scale_a, scale_b, offsets, out_dtype,
     if tuple(offsets.shape) != (e,):
         fail_value(op, "offsets", f"must be [E] = [{e}] (the end row of each expert's group), got shape "
                    f"{tuple(offsets.shape)}")
-    if scale_b.dim() == 3:  # block-scaled fp8
+    if grouped_block_scaled(scale_b):
         if a.dtype != torch.float8_e4m3fn:
             fail_type(op, "a", "must be float8_e4m3fn with block scales (scale_a [T, K/128], scale_b "
                       f"[E, ceil(N/128), K/128]), got {a.dtype}")
         if k % BLOCK_SIZE != 0:
             fail_value(op, "a", f"K = a.shape[1] must be a multiple of {BLOCK_SIZE} with block scales, got {k}")
-        kb, nb = k // BLOCK_SIZE, -(-n // BLOCK_SIZE)
+        kb, nb = k // BLOCK_SIZE, blocks(n)
         if tuple(scale_a.shape) != (t, kb):
             fail_value(op, "scale_a", f"must be [T, K/128] = [{t}, {kb}] (1x128 groups) with block scales, got "
                        f"shape {tuple(scale_a.shape)}")

@@ -38,6 +38,13 @@ MOE_MAX_EXPERTS = 1024
 # quantize_per_token_group accepts.
 BLOCK_SIZE = 128
 
+
+def blocks(v: int) -> int:
+    """ceil(v / BLOCK_SIZE): the number of BLOCK_SIZE-long blocks covering ``v`` (the last one may be partial); the
+    one ceil division of the block-scaled shapes (``(ceil(N / 128), ceil(K / 128))`` weight scales)."""
+    return -(-v // BLOCK_SIZE)
+
+
 # Largest finite magnitude of each quantized dtype: the divisor of the dynamic scales (amax / QMAX).
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 # 8-bit GEMM operands (and the quantization ops' target dtypes).

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from . import _checks as C
 from ._limits import AB_DTYPES, BLOCK_SIZE, QMAX
-from ._roles import block_scaled, block_weight_scaled
+from ._roles import block_scaled, block_weight_scaled, grouped_block_scaled
 from ._schema import lib
 
 # ---- GEMMs --------------------------------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def grouped_scaled_mm_reference(a, b, scale_a, scale_b, offsets, out_dtype, bias
     t, n = a.shape[0], b.shape[2]
     ends = grouped_offsets(offsets, t)
     result = torch.zeros(t, n, dtype=out_dtype, device=a.device) if out is None else out
-    block = scale_b.dim() == 3
+    block = grouped_block_scaled(scale_b)
     per_token = scale_a.numel() != 1
     per_channel = scale_b.dim() == 2 and scale_b.shape[1] == n
     start = 0

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ._limits import (AB_DTYPES, BLOCK_SIZE, DECODE_MAX_M, GEMM_ALIGN, INT8_MAX_K, MAX_ROW_K, MAX_ROWS, OUT_DTYPES,
-                      X_DTYPES)
+                      X_DTYPES, blocks)
 
 
 # ---- failures and small predicates --------------------------------------------------------------------------
@@ -137,35 +137,40 @@ def per_channel_scale(op: str, name: str, scale, n: int) -> None:
     contiguous(op, name, scale)
 
 
-def _blocks(v: int) -> int:
-    """ceil(v / BLOCK_SIZE): the number of 128-wide blocks (the last one may be partial)."""
-    return -(-v // BLOCK_SIZE)
+def block_scale_shaped(n: int, k: int, scale) -> bool:
+    """Whether the weight scale ``scale`` of an (N, K) weight has the block shape: 2-D (ceil(N / 128), ceil(K / 128)),
+    more than one element, and not a per-channel (N, 1) / (1, N). The shape half of `block_scaled` and
+    `block_weight_scaled`; `cutlass_w8a8.W8A8Linear.from_quantized` tells block scales from it."""
+    sb = tuple(scale.shape)
+    return scale.dim() == 2 and sb == (blocks(n), blocks(k)) and scale.numel() > 1 and sb not in ((n, 1), (1, n))
 
 
 def block_scaled(a, b, scale_a, scale_b) -> bool:
     """Whether a scaled_mm call is block-scaled fp8 (1 x 128 activation groups, 128 x 128 weight blocks): the one
     detection rule, mirrored by csrc/core/checks.hpp ``is_block_scaled``. With M, K = a.shape, N = b.shape[1],
     KB = ceil(K / 128), NB = ceil(N / 128): ``scale_a`` 2-D with more than one column, or ``scale_b`` of shape
-    (NB, KB) with more than one element and not a per-channel (N, 1) / (1, N). False unless ``a`` and ``b``
-    are 2-D. (With K = 128 and N <= 128 the block scales (M, 1) x (1, 1) are per-token x per-tensor: the same
-    product, so the rule may call them row-wise.)"""
+    (NB, KB) with more than one element and not a per-channel (N, 1) / (1, N) (`block_scale_shaped`). False unless
+    ``a`` and ``b`` are 2-D. (With K = 128 and N <= 128 the block scales (M, 1) x (1, 1) are per-token x
+    per-tensor: the same product, so the rule may call them row-wise.)"""
     if a.dim() != 2 or b.dim() != 2:
         return False
-    k, n = a.shape[1], b.shape[1]
     if scale_a.dim() == 2 and scale_a.shape[1] > 1:
         return True
-    sb = tuple(scale_b.shape)
-    return scale_b.dim() == 2 and sb == (_blocks(n), _blocks(k)) and scale_b.numel() > 1 and sb not in ((n, 1), (1, n))
+    return block_scale_shaped(b.shape[1], a.shape[1], scale_b)
 
 
 def block_weight_scaled(weight, weight_scale) -> bool:
-    """Whether w8a8_linear's (N, K) ``weight`` has block scales: e4m3 with a 2-D ``weight_scale`` of shape
-    (ceil(N / 128), ceil(K / 128)), more than one element, not (N, 1) / (1, N). False unless ``weight`` is 2-D."""
-    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn or weight_scale.dim() != 2:
+    """Whether w8a8_linear's (N, K) ``weight`` has block scales: e4m3 with a ``weight_scale`` of the block shape
+    (`block_scale_shaped`). False unless ``weight`` is 2-D."""
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
         return False
-    n, k = weight.shape
-    ws = tuple(weight_scale.shape)
-    return ws == (_blocks(n), _blocks(k)) and weight_scale.numel() > 1 and ws not in ((n, 1), (1, n))
+    return block_scale_shaped(weight.shape[0], weight.shape[1], weight_scale)
+
+
+def grouped_block_scaled(scale_b) -> bool:
+    """Whether a grouped_scaled_mm call is block-scaled fp8: a 3-D ``scale_b`` [E, ceil(N / 128), K / 128] (row-wise
+    ones are [E] or [E, N])."""
+    return scale_b.dim() == 3
 
 
 def block_scales(op: str, a, scale_a, scale_b, m: int, k: int, n: int) -> None:
@@ -176,7 +181,7 @@ def block_scales(op: str, a, scale_a, scale_b, m: int, k: int, n: int) -> None:
                   f"[ceil(N/128), K/128]), got {a.dtype}")
     if k % BLOCK_SIZE != 0:
         fail_value(op, "a", f"K = a.shape[1] must be a multiple of {BLOCK_SIZE} with block scales, got {k}")
-    kb, nb = k // BLOCK_SIZE, _blocks(n)
+    kb, nb = k // BLOCK_SIZE, blocks(n)
     if tuple(scale_a.shape) != (m, kb):
         fail_value(op, "scale_a", f"must be [M, K/128] = [{m}, {kb}] (1x128 groups) with block scales, got shape "
                    f"{tuple(scale_a.shape)}")
