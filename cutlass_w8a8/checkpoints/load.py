@@ -303,7 +303,7 @@ def plan_compressed_tensors(meta: nn.Module, parsed: ParsedConfig, tensors: Dict
 
 
 def check_loadable(model_cls, config, config_json: dict, tensors: Dict[str, Tuple[str, list]],
-                   where: str = _WHERE, model_names: bool = False) -> None:
+                   where: str = _WHERE, model_names: bool = False, meta: nn.Module = None) -> nn.Module:
     """Raise ValueError when `from_pretrained` (with ``model_cls``) would refuse a checkpoint whose ``config.json``
     is ``config_json`` (``config``: the same as a transformers config object) and whose safetensors files hold
     ``tensors`` (``{name: (safetensors dtype, shape)}``): the loader's own checks (`find_quantization_config`,
@@ -311,7 +311,8 @@ def check_loadable(model_cls, config, config_json: dict, tensors: Dict[str, Tupl
     other parameter and persistent buffer of that model stored with its shape (`_direct.check_rest`). Nothing is
     read but the arguments: `cutlass_w8a8.checkpoints.write` calls it before writing (``model_names``: ``tensors``
     named as in the model, the names transformers' ``save_pretrained`` renames, Mixtral's ``mlp`` blocks, mapped
-    as the loader maps them) and on the written files' headers."""
+    as the loader maps them) and on the written files' headers. Returns the model built on the meta device, which
+    a second call for the same architecture may pass as ``meta`` (not built again)."""
     from ._direct import check_rest
     from ._moe import checkpoint_renamer
 
@@ -320,13 +321,15 @@ def check_loadable(model_cls, config, config_json: dict, tensors: Dict[str, Tupl
     config.quantization_config = parsed.to_dict()
     if hasattr(config, "compression_config"):
         del config.compression_config
-    meta = _meta_model(model_cls, config, {})
+    if meta is None:
+        meta = _meta_model(model_cls, config, {})
     blocks = find_moe_blocks(meta, tensors, where)
     rename = checkpoint_renamer(blocks)
     if model_names and rename is not None:
         tensors = {rename(k): v for k, v in tensors.items()}
     targeted, moe = plan_compressed_tensors(meta, parsed, tensors, where)
     check_rest(meta, tensors, set(targeted) | set(moe), config, where, rename=rename)
+    return meta
 
 
 def _targeted_linears(meta: nn.Module, parsed: ParsedConfig, allow_empty: bool = False,

@@ -57,13 +57,14 @@ def _refusal(path: str, what: str, e: ValueError) -> ValueError:
                       f"{msg}")
 
 
-def verify_checkpoint(model_cls, config_cls, path: str) -> None:
+def verify_checkpoint(model_cls, config_cls, path: str, meta: nn.Module = None) -> None:
     """Check the checkpoint at ``path`` (``config.json`` and the safetensors headers; no tensor data is read)
     with the loader's rules (`cutlass_w8a8.checkpoints.load.check_loadable`) for ``model_cls`` (its config read
-    with ``config_cls.from_pretrained``). ValueError naming what `from_pretrained` would refuse."""
+    with ``config_cls.from_pretrained``; ``meta``: the model already built on the meta device for that
+    architecture, if any). ValueError naming what `from_pretrained` would refuse."""
     config_json = read_config_json(_LOADER, os.path.join(path, "config.json"))
     config = config_cls.from_pretrained(path)
-    check_loadable(model_cls, config, config_json, checkpoint_tensors(path), _LOADER)
+    check_loadable(model_cls, config, config_json, checkpoint_tensors(path), _LOADER, meta=meta)
 
 
 def _move_into(tmp: str, path: str) -> None:
@@ -162,7 +163,7 @@ def save_pretrained(model: nn.Module, path, **save_kwargs) -> None:
     config = copy.deepcopy(model.config)
     try:
         headers = float_expert_headers(model, _headers(state if state is not None else model.state_dict()), _WHERE)
-        check_loadable(type(model), config, {"quantization_config": qc}, headers, _LOADER, model_names=True)
+        meta = check_loadable(type(model), config, {"quantization_config": qc}, headers, _LOADER, model_names=True)
     except ValueError as e:
         raise _refusal(path, "gives a checkpoint", e) from None
     del state
@@ -173,7 +174,7 @@ def save_pretrained(model: nn.Module, path, **save_kwargs) -> None:
     try:
         model.save_pretrained(tmp, **save_kwargs)  # 2.
         try:  # 3.
-            verify_checkpoint(type(model), type(model.config), tmp)
+            verify_checkpoint(type(model), type(model.config), tmp, meta)
         except ValueError as e:
             raise _refusal(path, "was written by transformers' save_pretrained as files", e) from None
         _move_into(tmp, path)  # 4.
