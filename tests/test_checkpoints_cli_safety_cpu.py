@@ -326,3 +326,41 @@ def test_save_checks_the_written_files(tmp_path, monkeypatch):
                                          r"'model\.layers\.0\.mlp\.up_proj\.weight_scale' is F32 \[8, 1\]"):
         save_pretrained(model, tmp_path / "out")
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+
+
+def test_an_interrupted_save_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
+    """``save_pretrained`` into an existing checkpoint directory, interrupted once transformers has written its
+    files: the directory keeps its old files, byte for byte, and no temporary directory is left."""
+    _quiet()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_TINY)).to(torch.bfloat16)
+    cw.quantize_(model, cw.W8A8Config(), filter_fn=lambda m, fqn: fqn != "lm_head")
+    dst = tmp_path / "out"
+    save_pretrained(model, dst)
+    before = _snapshot(dst)
+    real = transformers.PreTrainedModel.save_pretrained
+
+    def interrupted(self, path, **kw):
+        real(self, path, **kw)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_pretrained(model, dst, max_shard_size="20KB")  # would have written shards and an index
+    assert _snapshot(dst) == before and _leftovers(tmp_path) == []
+
+
+def test_save_into_an_earlier_checkpoint_replaces_its_weight_files(tmp_path):
+    """A save into a directory holding a sharded checkpoint: the old shards and index are removed (a stale index
+    would be read instead of the new file), other files kept."""
+    _quiet()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_TINY)).to(torch.bfloat16)
+    cw.quantize_(model, cw.W8A8Config(), filter_fn=lambda m, fqn: fqn != "lm_head")
+    dst = tmp_path / "out"
+    save_pretrained(model, dst, max_shard_size="20KB")
+    assert (dst / "model.safetensors.index.json").is_file()
+    (dst / "README.md").write_text("notes")
+    save_pretrained(model, dst)
+    assert sorted(os.listdir(dst)) == ["README.md", "config.json", "generation_config.json", "model.safetensors"]
+    assert isinstance(from_pretrained(dst).model.layers[0].self_attn.q_proj, cw.W8A8Linear)
