@@ -10,7 +10,8 @@ on a smaller default (2 blocks, hidden 256, MLP 896, batch 4): the W8A8 and bf16
 one (SQNR), no CUDA graphs, and no timings measured or claimed.
 
 Subcommands: ``python -m cutlass_w8a8 quantize SRC DST ...`` converts a Hugging Face checkpoint to a
-compressed-tensors W8A8 one (`cutlass_w8a8.checkpoints.cli`; ``quantize --help``).
+compressed-tensors W8A8 one (`cutlass_w8a8.checkpoints.cli`; ``quantize --help`` says what reads the output per
+scheme and model family, what it refuses and its exit statuses: 0 written, 1 cannot quantize or write, 2 refused).
 """
 
 from __future__ import annotations

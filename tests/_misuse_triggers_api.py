@@ -135,6 +135,29 @@ def _save_to_a_file():
         cw.save_pretrained(model, path)
 
 
+def _from_pretrained_a_file():
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "model.safetensors")
+        with open(path, "w") as f:
+            f.write("not a directory")
+        cw.from_pretrained(path)
+
+
+def _save_unloadable():
+    """A quantized tiny Llama whose layer-0 q_proj moved to a name the architecture does not have."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = cw.quantize_(transformers.LlamaForCausalLM(config).to(torch.bfloat16), cw.W8A8Config(),
+                         filter_fn=lambda m, fqn: fqn != "lm_head")
+    attn = model.model.layers[0].self_attn
+    attn.qkv_proj = attn.q_proj
+    del attn.q_proj
+    with tempfile.TemporaryDirectory() as d:
+        cw.save_pretrained(model, os.path.join(d, "out"))
+
+
 CPU_TRIGGERS = {
     "x-none": lambda: cw.quantize_int8(None),
     "quantize-model-type": lambda: cw.quantize_(None),
@@ -144,6 +167,9 @@ CPU_TRIGGERS = {
     "load-device-no-gpu": _device_no_gpu,
     "load-device-index": _device_index,
     "save-path-file": _save_to_a_file,
+    "load-path-file": _from_pretrained_a_file,
+    "load-device-gpu": lambda: cw.from_pretrained(".", device="gpu"),
+    "save-unloadable": _save_unloadable,
 }
 
 CUDA_TRIGGERS: dict = {}

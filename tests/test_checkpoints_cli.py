@@ -71,15 +71,15 @@ def test_cli_ignore_patterns_and_refusals(tmp_path, capsys):
 
 
 def test_cli_refuses_before_loading(tmp_path, capsys):
-    """What used to fail only after the model was loaded and quantized is refused first, with exit status 1 and
-    the reason: a DST that is a file (save_pretrained logged a line and wrote nothing, then NotADirectoryError),
-    --device cuda on a torch without CUDA (AssertionError from torch), a config.json that is not JSON (a bare
-    JSONDecodeError)."""
+    """What used to fail only after the model was loaded and quantized is refused first, with the reason: a DST
+    that is a file (save_pretrained logged a line and wrote nothing, then NotADirectoryError; exit status 2, a
+    usage error), --device cuda on a torch without CUDA (AssertionError from torch), a config.json that is not
+    JSON (a bare JSONDecodeError; both exit status 1)."""
     src = tmp_path / "src"
     _write_float_checkpoint(src)
     a_file = tmp_path / "a_file"
     a_file.write_text("kept")
-    assert cli.main([str(src), str(a_file)]) == 1
+    assert cli.main([str(src), str(a_file)]) == 2
     assert (f"python -m cutlass_w8a8 quantize: DST {a_file} is an existing file, not a directory; give a directory"
             in capsys.readouterr().err)
     assert a_file.read_text() == "kept"

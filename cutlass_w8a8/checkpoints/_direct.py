@@ -24,8 +24,8 @@ from torch import nn
 from ..linear import W8A8Linear
 from ..ops._limits import BLOCK_SIZE, blocks
 
-__all__ = ["Reader", "build_meta", "set_module", "load_rest", "init_missing_buffers", "load_generation_config",
-           "block_rows", "block_size", "load_unsharded"]
+__all__ = ["Reader", "build_meta", "set_module", "load_rest", "check_rest", "init_missing_buffers",
+           "load_generation_config", "block_rows", "block_size", "load_unsharded"]
 
 
 class Reader:
@@ -90,14 +90,9 @@ def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def load_rest(model: nn.Module, reader: Reader, meta: dict, replaced: set, device, config, where: str,
-              rename=None) -> None:
-    """Every parameter and persistent buffer outside the ``replaced`` modules, read whole and cast to the dtype
-    the meta model gave it; a missing output embedding is tied to the input embedding when the config says so.
-    ``rename(model tensor name) -> checkpoint tensor name`` where the files name a tensor otherwise (Mixtral's
-    ``block_sparse_moe``; `cutlass_w8a8.checkpoints._moe.checkpoint_renamer`), None: the same names.
-    ValueError naming the first tensor the checkpoint (``meta``: its tensor index) lacks."""
-    missing = []
+def _rest(model: nn.Module, replaced: set, rename=None):
+    """``(module, leaf, tensor, checkpoint name)`` of every parameter and persistent buffer still on the meta device
+    outside the ``replaced`` modules (what `load_rest` reads and `check_rest` checks)."""
     for mod_name, mod in model.named_modules():
         if mod_name in replaced or any(mod_name.startswith(r + ".") for r in replaced):
             continue
@@ -107,27 +102,70 @@ def load_rest(model: nn.Module, reader: Reader, meta: dict, replaced: set, devic
             if t is None or t.device.type != "meta":
                 continue
             key = f"{mod_name}.{leaf}" if mod_name else leaf
-            if rename is not None:
-                key = rename(key)
-            if key not in meta:
-                missing.append(key)
-                continue
-            value = reader.whole(key).to(device=device, dtype=t.dtype)
-            if leaf in mod._parameters:
-                mod._parameters[leaf] = nn.Parameter(value, requires_grad=False)
-            else:
-                mod._buffers[leaf] = value
+            yield mod, leaf, t, (rename(key) if rename is not None else key)
+
+
+def _tied_output(model: nn.Module, config):
+    """``(output embedding, input embedding)`` when the config ties them (the output weight may be absent from
+    the files), else None."""
     out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     in_emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tie = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
                   "tie_word_embeddings", False)
-    if out_emb is not None and in_emb is not None and tie and out_emb.weight.device.type == "meta":
-        out_emb.weight = in_emb.weight
-        missing = [m for m in missing if not m.endswith(".weight") or model.get_submodule(m[:-7]) is not out_emb]
+    return (out_emb, in_emb) if out_emb is not None and in_emb is not None and tie else None
+
+
+def _untie_missing(model: nn.Module, missing: list, tied) -> list:
+    """``missing`` less the output embedding's weight when it is tied to the input embedding."""
+    if tied is None:
+        return missing
+    return [m for m in missing if not m.endswith(".weight") or model.get_submodule(m[:-7]) is not tied[0]]
+
+
+def _missing_message(where: str, missing: list) -> str:
+    return (f"{where}: the checkpoint has no tensor {missing[0]!r}" +
+            (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") + ", which the model needs")
+
+
+def load_rest(model: nn.Module, reader: Reader, meta: dict, replaced: set, device, config, where: str,
+              rename=None) -> None:
+    """Every parameter and persistent buffer outside the ``replaced`` modules, read whole and cast to the dtype
+    the meta model gave it; a missing output embedding is tied to the input embedding when the config says so.
+    ``rename(model tensor name) -> checkpoint tensor name`` where the files name a tensor otherwise (Mixtral's
+    ``block_sparse_moe``; `cutlass_w8a8.checkpoints._moe.checkpoint_renamer`), None: the same names.
+    ValueError naming the first tensor the checkpoint (``meta``: its tensor index) lacks."""
+    missing = []
+    for mod, leaf, t, key in list(_rest(model, replaced, rename)):
+        if key not in meta:
+            missing.append(key)
+            continue
+        value = reader.whole(key).to(device=device, dtype=t.dtype)
+        if leaf in mod._parameters:
+            mod._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        else:
+            mod._buffers[leaf] = value
+    tied = _tied_output(model, config)
+    if tied is not None and tied[0].weight.device.type == "meta":
+        tied[0].weight = tied[1].weight
+        missing = _untie_missing(model, missing, tied)
     if missing:
-        raise ValueError(f"{where}: the checkpoint has no tensor {missing[0]!r}" +
-                         (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") +
-                         ", which the model needs")
+        raise ValueError(_missing_message(where, missing))
+
+
+def check_rest(model: nn.Module, tensors: dict, replaced: set, config, where: str, rename=None) -> None:
+    """What `load_rest` would refuse, from the headers alone: ValueError naming the first parameter or persistent
+    buffer of ``model`` (built on the meta device) outside the ``replaced`` modules that ``tensors`` (``{name:
+    (safetensors dtype, shape)}``) lacks (a tied output embedding may be absent) or holds with another shape."""
+    missing = []
+    for _, _, t, key in _rest(model, replaced, rename):
+        if key not in tensors:
+            missing.append(key)
+        elif list(tensors[key][1]) != list(t.shape):
+            raise ValueError(f"{where}: checkpoint tensor {key!r} is {tensors[key][0]} {list(tensors[key][1])}; "
+                             f"the model's is {list(t.shape)}")
+    missing = _untie_missing(model, missing, _tied_output(model, config))
+    if missing:
+        raise ValueError(_missing_message(where, missing))
 
 
 def init_missing_buffers(model: nn.Module, device, where: str) -> None:

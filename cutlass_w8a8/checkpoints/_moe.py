@@ -46,7 +46,8 @@ from ._scheme import BLOCK_SCHEME, LinearScheme, ParsedConfig
 
 __all__ = ["MoeBlock", "MoeTarget", "find_moe_blocks", "ct_moe_targets", "native_moe_targets", "build_moe",
            "fill_float_experts",
-           "moe_state_dict", "moe_linear_names", "router_ignore", "checkpoint_renamer", "PROJS"]
+           "moe_state_dict", "float_expert_headers", "moe_linear_names", "router_ignore", "checkpoint_renamer",
+           "PROJS"]
 
 #: the three projections of an expert, in the order of `MoeBlock.leaves` (`CheckpointNames.projs`)
 PROJS = ("gate", "up", "down")
@@ -467,6 +468,27 @@ def moe_linear_names(model: nn.Module, name: str, moe: nn.Module, where: str) ->
     ckpt_block, fam = _layout(model, name, where)
     return [f"{ckpt_block}.{fam.layout.module}.{e}.{leaf}" for e in range(moe.w13.shape[0])
             for leaf in fam.checkpoint.projs]
+
+
+def float_expert_headers(model: nn.Module, headers: Dict[str, tuple], where: str) -> Dict[str, tuple]:
+    """``headers`` (``{tensor name: (safetensors dtype, shape)}`` of ``model.state_dict()``) as the files hold
+    them after transformers' ``save_pretrained``, which writes the fused float experts (``gate_up_proj`` [E, 2I, H],
+    ``down_proj`` [E, H, I]) of a Qwen2-MoE / Qwen3-MoE / Mixtral block per expert (``<block>.experts.{e}.{gate,
+    up,down}_proj.weight``, Mixtral's under ``block_sparse_moe``), the layout the loader reads. Other modules'
+    entries are kept as they are."""
+    out = dict(headers)
+    for name, m in model.named_modules():
+        gu, dn = out.get(f"{name}.gate_up_proj"), out.get(f"{name}.down_proj")
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        if gu is None or dn is None or len(gu[1]) != 3 or _FAMILIES.get(type(parent).__name__) is None:
+            continue
+        ckpt_block, leaves = _layout(model, name, where)
+        e_, two_i, h = gu[1]
+        del out[f"{name}.gate_up_proj"], out[f"{name}.down_proj"]
+        for e in range(e_):
+            for leaf, (dt, shape) in zip(leaves, ((gu[0], [two_i // 2, h]),) * 2 + ((dn[0], [h, two_i // 2]),)):
+                out[f"{ckpt_block}.experts.{e}.{leaf}.weight"] = (dt, shape)
+    return out
 
 
 def moe_state_dict(model: nn.Module, where: str) -> Optional[dict]:

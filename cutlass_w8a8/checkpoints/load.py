@@ -21,7 +21,7 @@ from ._moe import ct_moe_targets, find_moe_blocks, native_moe_targets
 from ._native_fp8 import is_native_fp8, native_targets, parse_native_fp8
 from ._scheme import ParsedConfig, Target, find_quantization_config, parse_quantization_config
 
-__all__ = ["from_pretrained"]
+__all__ = ["from_pretrained", "check_loadable", "check_checkpoint_dir", "check_device", "checkpoint_tensors"]
 
 _WHERE = "cutlass_w8a8.from_pretrained"
 # safetensors' dtype names
@@ -33,6 +33,8 @@ _SHARED_KWARGS = ("trust_remote_code", "revision", "code_revision", "cache_dir",
                   "force_download", "proxies")
 # tensors compressed-tensors attaches to a quantized module, by the end of their name
 _QUANT_SUFFIXES = ("_scale", "_zero_point", "_packed", "_shape", "_g_idx", "global_scale")
+# the string device_map values transformers / accelerate take besides a torch device
+_DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, model_cls=None, tp_group=None,
@@ -141,7 +143,11 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
     Raises
     ------
     ValueError
-        ``path``'s config.json is not valid JSON; ``device`` is a GPU index past the visible ones; the config or
+        ``path`` is a file ("pass the folder that holds config.json"), not a local directory, or a directory without
+        config.json; ``path``'s config.json is not valid JSON; ``device`` is a GPU index past the visible ones, or a
+        string that is no torch device (``"gpu"``: "did you mean 'cuda'"); transformers reports weights of
+        ``model_cls`` the checkpoint does not hold (it would initialize them randomly: a BERT checkpoint read as
+        ``BertLMHeadModel``, whose head it never stored); the config or
         checkpoint holds something the kernels cannot run exactly (the message names the field and
         its value, e.g. ``quantization_config.config_groups.group_0.weights.strategy = 'group' is not supported
         (supported: 'channel', 'tensor')``, ``quantization_config.activation_scheme = 'static' is not supported``),
@@ -167,11 +173,8 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
             raise TypeError(f"{_WHERE}: `{k}` cannot be passed through: it is set here (use `device=` / `dtype=`; "
                             "a sub-folder checkpoint is loaded by passing that folder as `path`)")
     check_device(_WHERE, device)
-    path = os.fspath(path)
+    path = check_checkpoint_dir(_WHERE, path)
     config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"{_WHERE}: {path!r} is not a checkpoint directory with a config.json (a Hub model must be "
-                         "downloaded first, e.g. huggingface_hub.snapshot_download)")
     config_json = read_config_json(_WHERE, config_path)
     if tp_plan is not None and tp_group is None:
         raise TypeError("cutlass_w8a8.from_pretrained: `tp_plan` is given without `tp_group`")
@@ -193,15 +196,11 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
     shared = {k: hf_kwargs[k] for k in _SHARED_KWARGS if k in hf_kwargs}
 
     meta = _meta_model(model_cls, config, shared)
-    blocks = find_moe_blocks(meta, ckpt.meta, _WHERE)
-    moe = ct_moe_targets(blocks, parsed, ckpt.meta, _WHERE) if blocks else {}
-    targeted = _targeted_linears(meta, parsed, allow_empty=any(t.scheme is not None for t in moe.values()))
+    targeted, moe = plan_compressed_tensors(meta, parsed, ckpt.meta, _WHERE)
     del meta
     if moe:
-        ckpt.check(targeted, claimed={k for t in moe.values() for k in t.keys()})
         return _load_moe(path, model_cls, config, parsed, targeted, moe, ckpt, dtype, device, tp_group, tp_plan,
                          shared, model_kwargs, parsed.to_dict())
-    ckpt.check(targeted)
 
     if tp_group is not None:
         from ..distributed.checkpoint import load_tensor_parallel
@@ -210,11 +209,13 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
                                     shared, model_kwargs)
     if device is not None:
         model_kwargs["device_map"] = str(torch.device(device)) if not isinstance(device, str) else device
-    result = model_cls.from_pretrained(path, config=config, dtype=dtype, **shared, **model_kwargs)
-    model = result[0] if isinstance(result, tuple) else result
+    want_info = model_kwargs.pop("output_loading_info", False)
+    model, info = model_cls.from_pretrained(path, config=config, dtype=dtype, output_loading_info=True, **shared,
+                                            **model_kwargs)
+    refuse_missing_weights(_WHERE, model, info, path, "pass the model class it was saved from as `model_cls`")
     _detach_compressed_tensors(model, parsed)
     _swap_to_w8a8(model, targeted, ckpt, dtype)
-    return result
+    return (model, info) if want_info else model
 
 
 def _from_native_fp8(path, config_json, device, dtype, model_cls, tp_group, tp_plan, hf_kwargs):
@@ -288,7 +289,52 @@ def _meta_model(model_cls, config, shared: dict) -> nn.Module:
         return model_cls.from_config(config, **kw)
 
 
-def _targeted_linears(meta: nn.Module, parsed: ParsedConfig, allow_empty: bool = False) -> Dict[str, Target]:
+def plan_compressed_tensors(meta: nn.Module, parsed: ParsedConfig, tensors: Dict[str, Tuple[str, list]],
+                            where: str = _WHERE) -> Tuple[Dict[str, Target], dict]:
+    """What `from_pretrained` reads from a compressed-tensors checkpoint into ``meta`` (the model built on the meta
+    device from its config): ``(targeted, moe)``, the quantized linears (``{name: Target}``) and the MoE experts
+    modules (``{name: MoeTarget}``), after checking the checkpoint's ``tensors`` (``{name: (safetensors dtype,
+    shape)}``, its headers) against them. ValueError naming the module, tensor or field of the first mismatch."""
+    blocks = find_moe_blocks(meta, tensors, where)
+    moe = ct_moe_targets(blocks, parsed, tensors, where) if blocks else {}
+    targeted = _targeted_linears(meta, parsed, allow_empty=any(t.scheme is not None for t in moe.values()),
+                                 where=where)
+    check_tensors(tensors, targeted, {k for t in moe.values() for k in t.keys()}, where)
+    return targeted, moe
+
+
+def check_loadable(model_cls, config, config_json: dict, tensors: Dict[str, Tuple[str, list]],
+                   where: str = _WHERE, model_names: bool = False, meta: nn.Module = None) -> nn.Module:
+    """Raise ValueError when `from_pretrained` (with ``model_cls``) would refuse a checkpoint whose ``config.json``
+    is ``config_json`` (``config``: the same as a transformers config object) and whose safetensors files hold
+    ``tensors`` (``{name: (safetensors dtype, shape)}``): the loader's own checks (`find_quantization_config`,
+    `parse_quantization_config`, `plan_compressed_tensors`) on the model built on the meta device, then every
+    other parameter and persistent buffer of that model stored with its shape (`_direct.check_rest`). Nothing is
+    read but the arguments: `cutlass_w8a8.checkpoints.write` calls it before writing (``model_names``: ``tensors``
+    named as in the model, the names transformers' ``save_pretrained`` renames, Mixtral's ``mlp`` blocks, mapped
+    as the loader maps them) and on the written files' headers. Returns the model built on the meta device, which
+    a second call for the same architecture may pass as ``meta`` (not built again)."""
+    from ._direct import check_rest
+    from ._moe import checkpoint_renamer
+
+    key, raw = find_quantization_config(config_json, where)
+    parsed = parse_quantization_config(raw, where, key)
+    config.quantization_config = parsed.to_dict()
+    if hasattr(config, "compression_config"):
+        del config.compression_config
+    if meta is None:
+        meta = _meta_model(model_cls, config, {})
+    blocks = find_moe_blocks(meta, tensors, where)
+    rename = checkpoint_renamer(blocks)
+    if model_names and rename is not None:
+        tensors = {rename(k): v for k, v in tensors.items()}
+    targeted, moe = plan_compressed_tensors(meta, parsed, tensors, where)
+    check_rest(meta, tensors, set(targeted) | set(moe), config, where, rename=rename)
+    return meta
+
+
+def _targeted_linears(meta: nn.Module, parsed: ParsedConfig, allow_empty: bool = False,
+                      where: str = _WHERE) -> Dict[str, Target]:
     """``{module name: Target}`` of the modules compressed-tensors will quantize, found with its own matching on
     the model built on the meta device (`_meta_model`); raises for a targeted module `W8A8Linear` cannot replace,
     and (unless ``allow_empty``: the MoE experts are quantized) when nothing is targeted."""
@@ -308,42 +354,83 @@ def _targeted_linears(meta: nn.Module, parsed: ParsedConfig, allow_empty: bool =
         field = f"{key}.config_groups.{gname}.targets"
         targets = parsed.config.config_groups[gname].targets
         if is_cached_attention_module(module) and is_narrow_match(meta, targets, name):
-            raise ValueError(f"{_WHERE}: attention module {name!r} ({type(module).__name__}) is targeted by "
+            raise ValueError(f"{where}: attention module {name!r} ({type(module).__name__}) is targeted by "
                              f"{field} = {targets!r}: attention / KV-cache quantization is not supported (only "
                              "nn.Linear modules)")
         if isinstance(module, nn.Linear):
             n, k = module.out_features, module.in_features
             if not shape_supported(n, k):
-                raise ValueError(f"{_WHERE}: module {name!r} (nn.Linear, in_features={k}, out_features={n}) is "
+                raise ValueError(f"{where}: module {name!r} (nn.Linear, in_features={k}, out_features={n}) is "
                                  f"targeted by {field} = {targets!r}: W8A8Linear needs in_features and "
                                  "out_features to be multiples of 16 (add it to `ignore`)")
             if parsed.schemes[gname].block and k % BLOCK_SIZE:
-                raise ValueError(f"{_WHERE}: module {name!r} (nn.Linear, in_features={k}, out_features={n}) is "
+                raise ValueError(f"{where}: module {name!r} (nn.Linear, in_features={k}, out_features={n}) is "
                                  f"targeted by {field} = {targets!r} with block-scaled weights, but K = {k} is not a "
                                  f"multiple of {BLOCK_SIZE} (the block GEMM's K granularity; add it to `ignore`)")
             targeted[name] = Target(parsed.schemes[gname], gname, k, n)
         elif isinstance(module, nn.Embedding):
-            raise ValueError(f"{_WHERE}: module {name!r} (nn.Embedding) is targeted by {field} = {targets!r}: "
+            raise ValueError(f"{where}: module {name!r} (nn.Embedding) is targeted by {field} = {targets!r}: "
                              "only nn.Linear modules are supported")
         # Any other match (a container such as `mlp` matched by a `re:` target) compressed-tensors leaves alone;
         # tensors stored for it are caught by the checkpoint check.
     if not targeted and not allow_empty:
-        raise ValueError(f"{_WHERE}: no nn.Linear module of {type(meta).__name__} matches the targets of "
+        raise ValueError(f"{where}: no nn.Linear module of {type(meta).__name__} matches the targets of "
                          f"{key}.config_groups (less `ignore`)")
     return targeted
+
+
+def check_checkpoint_dir(where: str, path, arg: str = "`path`") -> str:
+    """``path`` as a str when it is a directory holding ``config.json``; else ValueError saying what to pass: the
+    folder that holds config.json (for a file, e.g. ``model.safetensors`` or ``config.json`` itself), or a local
+    directory (a Hub id must be downloaded first)."""
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise TypeError(f"{where}: {arg} must be a str or os.PathLike, got {type(path).__name__}") from None
+    if os.path.isfile(path):
+        raise ValueError(f"{where}: {arg} {path!r} is a file; pass the folder that holds config.json and the "
+                         f"*.safetensors files ({os.path.dirname(os.path.abspath(path))!r}?)")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"{where}: {arg} {path!r} holds no config.json; pass the folder that holds config.json "
+                             "and the *.safetensors files")
+        return path
+    raise ValueError(f"{where}: {arg} {path!r} is not a local directory; pass the folder that holds config.json "
+                     "(a Hub model must be downloaded first, e.g. with huggingface_hub.snapshot_download)")
+
+
+def refuse_missing_weights(where: str, model: nn.Module, info: dict, path: str, fix: str) -> None:
+    """ValueError when transformers' loading info (``output_loading_info=True``) reports weights of ``model`` that
+    ``path`` does not hold: transformers initialized them randomly (BERT loaded by ``AutoModelForCausalLM`` as
+    ``BertLMHeadModel``, whose head a BERT checkpoint does not store). ``fix``: what the caller can do."""
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise ValueError(f"{where}: {path!r} holds no weights for {missing[:4]}{more} of {type(model).__name__}; "
+                         "transformers would initialize them randomly (the checkpoint was not saved from this "
+                         f"architecture: a head it never had?); {fix}")
 
 
 def check_device(where: str, device, arg: str = "`device`", on_cpu: str = "device='cpu'") -> None:
     """Raise, before any file is read, when ``device`` names a CUDA device this process cannot use: RuntimeError
     for a torch built without CUDA or with no GPU visible (instead of torch's ``AssertionError: Torch not compiled
-    with CUDA enabled`` from deep inside the loader), ValueError for an index past the visible GPUs. A value that
-    is not a torch device (``"auto"``, a ``device_map`` dict) is left to transformers. ``arg`` names the argument
-    in the message and ``on_cpu`` the way to load on the CPU instead (the CLI's ``--device`` / ``--device cpu``)."""
+    with CUDA enabled`` from deep inside the loader), ValueError for an index past the visible GPUs. A string that
+    is neither a torch device nor a transformers ``device_map`` strategy (``"auto"``, ...) is a ValueError too:
+    ``"gpu"`` / ``"gpu:1"`` asks "did you mean 'cuda'" (instead of accelerate's ``device_map`` wording). Other
+    values (a ``device_map`` dict, an int) are left to transformers. ``arg`` names the argument in the message and
+    ``on_cpu`` the way to load on the CPU instead (the CLI's ``--device`` / ``--device cpu``)."""
     if device is None:
         return
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
+        if isinstance(device, str) and device not in _DEVICE_MAP_STRATEGIES:
+            if device.lower().startswith("gpu"):
+                raise ValueError(f"{where}: {arg} is {device!r}; did you mean {'cuda' + device[3:]!r}? (torch names "
+                                 "NVIDIA GPUs 'cuda', 'cuda:1', ...)") from None
+            raise ValueError(f"{where}: {arg} is {device!r}, which is neither a torch device ('cpu', 'cuda', "
+                             "'cuda:1', ...) nor a transformers device_map strategy "
+                             f"({', '.join(repr(s) for s in _DEVICE_MAP_STRATEGIES)})") from None
         return
     if dev.type != "cuda":
         return
@@ -376,6 +463,52 @@ def read_config_json(where: str, config_path: str) -> dict:
     return config_json
 
 
+def check_tensors(tensors: Dict[str, Tuple[str, list]], targeted: Dict[str, Target], claimed=frozenset(),
+                  where: str = _WHERE) -> None:
+    """Raise ValueError unless every targeted module has exactly the tensors its scheme implies, with their
+    dtypes and shapes, and no other tensor looks quantized (``claimed``: tensors checked elsewhere, the MoE
+    experts'). ``tensors``: ``{name: (safetensors dtype, shape)}``, a checkpoint's headers."""
+    for name, t in targeted.items():
+        s, n, k = t.scheme, t.out_features, t.in_features
+        if s.block:
+            scale_shape = [_limits.blocks(n), _limits.blocks(k)]
+        else:
+            scale_shape = [n, 1] if s.per_channel else [1]
+        expect = {"weight": ((_ST_QUANT[s.quant_dtype],), [n, k]), "weight_scale": (_ST_SCALE, scale_shape)}
+        if s.static_input:
+            expect["input_scale"] = (_ST_SCALE, [1])
+        for leaf, (dtypes, shape) in expect.items():
+            key = f"{name}.{leaf}"
+            if key not in tensors:
+                raise ValueError(f"{where}: the checkpoint has no tensor {key!r}, which group {t.group!r} "
+                                 "implies (checkpoints whose tensor names transformers renames on load are "
+                                 "not supported)")
+            dt, sh = tensors[key]
+            if dt not in dtypes or list(sh) != shape:
+                raise ValueError(f"{where}: checkpoint tensor {key!r} is {dt} {list(sh)}; group {t.group!r} implies "
+                                 f"{' or '.join(dtypes)} {shape}")
+    allowed = {f"{name}.{leaf}" for name, t in targeted.items()
+               for leaf in ("weight", "weight_scale", "bias") + (("input_scale",) if t.scheme.static_input else ())}
+    for key, (dt, _) in tensors.items():
+        if key in allowed or key in claimed:
+            continue
+        module, _, leaf = key.rpartition(".")
+        if module in targeted:
+            raise ValueError(f"{where}: checkpoint tensor {key!r} is not part of group "
+                             f"{targeted[module].group!r}'s scheme (zero points, packed weights, ... are not "
+                             "supported)")
+        if dt in _ST_8BIT or leaf.endswith(_QUANT_SUFFIXES):
+            raise ValueError(f"{where}: checkpoint tensor {key!r} ({dt}) belongs to no targeted nn.Linear (MoE "
+                             "experts merged by transformers, KV-cache scales and renamed tensors are not "
+                             "supported)")
+
+
+def checkpoint_tensors(path: str) -> Dict[str, Tuple[str, list]]:
+    """``{name: (safetensors dtype, shape)}`` of every tensor of the checkpoint at ``path`` (``model.safetensors``
+    or the files of ``model.safetensors.index.json``), from the files' headers only."""
+    return _SafetensorsCheckpoint(path).meta
+
+
 class _SafetensorsCheckpoint:
     """The safetensors files of a checkpoint directory: each tensor's file, dtype and shape (headers only), and
     reads of single small tensors."""
@@ -405,42 +538,8 @@ class _SafetensorsCheckpoint:
                     self.meta[k] = (sl.get_dtype(), list(sl.get_shape()))
 
     def check(self, targeted: Dict[str, Target], claimed=frozenset()) -> None:
-        """Raise ValueError unless every targeted module has exactly the tensors its scheme implies, with their
-        dtypes and shapes, and no other tensor looks quantized (``claimed``: tensors checked elsewhere, the MoE
-        experts')."""
-        for name, t in targeted.items():
-            s, n, k = t.scheme, t.out_features, t.in_features
-            if s.block:
-                scale_shape = [_limits.blocks(n), _limits.blocks(k)]
-            else:
-                scale_shape = [n, 1] if s.per_channel else [1]
-            expect = {"weight": ((_ST_QUANT[s.quant_dtype],), [n, k]), "weight_scale": (_ST_SCALE, scale_shape)}
-            if s.static_input:
-                expect["input_scale"] = (_ST_SCALE, [1])
-            for leaf, (dtypes, shape) in expect.items():
-                key = f"{name}.{leaf}"
-                if key not in self.meta:
-                    raise ValueError(f"{_WHERE}: the checkpoint has no tensor {key!r}, which group {t.group!r} "
-                                     "implies (checkpoints whose tensor names transformers renames on load are "
-                                     "not supported)")
-                dt, sh = self.meta[key]
-                if dt not in dtypes or sh != shape:
-                    raise ValueError(f"{_WHERE}: checkpoint tensor {key!r} is {dt} {sh}; group {t.group!r} implies "
-                                     f"{' or '.join(dtypes)} {shape}")
-        allowed = {f"{name}.{leaf}" for name, t in targeted.items()
-                   for leaf in ("weight", "weight_scale", "bias") + (("input_scale",) if t.scheme.static_input else ())}
-        for key, (dt, _) in self.meta.items():
-            if key in allowed or key in claimed:
-                continue
-            module, _, leaf = key.rpartition(".")
-            if module in targeted:
-                raise ValueError(f"{_WHERE}: checkpoint tensor {key!r} is not part of group "
-                                 f"{targeted[module].group!r}'s scheme (zero points, packed weights, ... are not "
-                                 "supported)")
-            if dt in _ST_8BIT or leaf.endswith(_QUANT_SUFFIXES):
-                raise ValueError(f"{_WHERE}: checkpoint tensor {key!r} ({dt}) belongs to no targeted nn.Linear (MoE "
-                                 "experts merged by transformers, KV-cache scales and renamed tensors are not "
-                                 "supported)")
+        """`check_tensors` of this checkpoint's tensors."""
+        check_tensors(self.meta, targeted, claimed, _WHERE)
 
     def read(self, keys):
         """``{key: tensor}`` in the stored dtype, on the CPU, opening each file once."""
