@@ -122,8 +122,9 @@ def _check_paths(src: str, dst: str, overwrite: bool) -> None:
 def _check_architecture(model, ignore: List[str]) -> None:
     """Refuse (`_Stop`) what `quantize_` and the checkpoint cannot handle, before quantizing: transformers'
     Conv1D layers (GPT-2 family: not nn.Linear, weight stored [K, N]) and MoE experts modules (3-D expert
-    parameters, `cutlass_w8a8.moe.hf.expert_parameters`) that are not the ``experts`` of a supported block."""
-    from ..moe.hf import SUPPORTED_BLOCKS, expert_parameters, is_supported_block
+    parameters, `cutlass_w8a8.moe.families.expert_parameters`) that are not the ``experts`` of a block of
+    `cutlass_w8a8.moe.families.FAMILIES`."""
+    from ..moe.families import block_classes, expert_parameters, family_names, family_of
 
     conv = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D" and not _ignored(n, ignore)]
     if conv:
@@ -136,13 +137,13 @@ def _check_architecture(model, ignore: List[str]) -> None:
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        if child == "experts" and is_supported_block(parent):
+        if child == "experts" and family_of(parent) is not None:
             continue
         block = (f"MoE block {parent_name!r} ({type(parent).__name__})" if child == "experts" else
                  f"MoE experts module {name!r} ({type(m).__name__})")
         raise _Stop(f"{_WHERE}: {block} is not supported: its experts ({name!r}, {type(m).__name__}, 3-D "
                        f"{', '.join(params)}) would stay in float and the checkpoint would not load; supported MoE "
-                       f"blocks: {', '.join(SUPPORTED_BLOCKS)} (Qwen2-MoE, Qwen3-MoE, Mixtral)")
+                       f"blocks: {', '.join(block_classes())} ({family_names()})")
 
 
 def _read_config(src: str) -> dict:
