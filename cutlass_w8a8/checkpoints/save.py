@@ -10,6 +10,7 @@ from typing import Optional
 from torch import nn
 
 from ..linear import W8A8Linear
+from ..moe.layer import W8A8MoE
 from ._moe import router_ignore
 from ._scheme import BLOCK_SCHEME, LinearScheme, build_quantization_config, scheme_of
 
