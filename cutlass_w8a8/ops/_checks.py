@@ -15,8 +15,9 @@ import torch
 
 from ._limits import (AB_DTYPES, ATTN_DTYPES, ATTN_HEAD_DIM_MULTIPLE, ATTN_MAX_HEAD_DIM, ATTN_MAX_HEADS,
                       ATTN_MAX_SEQ, BLOCK_SIZE, DECODE_MAX_K, DECODE_X_DTYPES, GEMM_ALIGN, MAX_M, OUT_DTYPES)
-from ._limits import MAX_ROW_K, MAX_ROWS, MOE_MAX_EXPERTS, blocks
+from ._limits import MAX_ROW_K, MAX_ROWS, MOE_MAX_EXPERTS
 from ._roles import (aligned16, bias_vector, block_scaled, block_scales, block_weight_scaled, contiguous, cxx_dtype,
+                     exact_shape,
                      cxx_list, grouped_block_scaled, decode_m, eight_bit, float32_scale,
                      float_input, gemm_shapes, gemm_size, int8_k_bound, out_matrix, output_dtype, per_channel_scale,
                      limit_text, quant_dtype, row_input, row_major, same_device, static_scale, tensor_arg,
@@ -132,22 +133,9 @@ def check_grouped_scaled_mm(op: str, a, b, scale_a, scale_b, offsets, out_dtype,
     if not 1 <= e <= MOE_MAX_EXPERTS:
         fail_value(op, "b", f"E = b.shape[0] must be in [1, {MOE_MAX_EXPERTS}], got {e}")
     int8_k_bound(op, "a", a.dtype, k)
-    if tuple(offsets.shape) != (e,):
-        fail_value(op, "offsets", f"must be [E] = [{e}] (the end row of each expert's group), got shape "
-                   f"{tuple(offsets.shape)}")
+    exact_shape(op, "offsets", offsets, "E", (e,), "(the end row of each expert's group)")
     if grouped_block_scaled(scale_b):
-        if a.dtype != torch.float8_e4m3fn:
-            fail_type(op, "a", "must be float8_e4m3fn with block scales (scale_a [T, K/128], scale_b "
-                      f"[E, ceil(N/128), K/128]), got {a.dtype}")
-        if k % BLOCK_SIZE != 0:
-            fail_value(op, "a", f"K = a.shape[1] must be a multiple of {BLOCK_SIZE} with block scales, got {k}")
-        kb, nb = k // BLOCK_SIZE, blocks(n)
-        if tuple(scale_a.shape) != (t, kb):
-            fail_value(op, "scale_a", f"must be [T, K/128] = [{t}, {kb}] (1x128 groups) with block scales, got "
-                       f"shape {tuple(scale_a.shape)}")
-        if tuple(scale_b.shape) != (e, nb, kb):
-            fail_value(op, "scale_b", f"must be [E, ceil(N/128), K/128] = [{e}, {nb}, {kb}] (128x128 blocks) with "
-                       f"block scales, got shape {tuple(scale_b.shape)}")
+        block_scales(op, a, scale_a, scale_b, t, k, n, experts=e)
     else:
         if not (scale_a.numel() == 1 or tuple(scale_a.shape) in ((t,), (t, 1))):
             fail_value(op, "scale_a", f"must be [1] (per-tensor), [T] or [T, 1] (per-token) with T = {t}, got shape "
@@ -159,16 +147,14 @@ def check_grouped_scaled_mm(op: str, a, b, scale_a, scale_b, offsets, out_dtype,
     contiguous(op, "scale_b", scale_b)
     contiguous(op, "offsets", offsets)
     if bias is not None:
-        if tuple(bias.shape) != (e, n):
-            fail_value(op, "bias", f"must be [E, N] = [{e}, {n}], got shape {tuple(bias.shape)}")
+        exact_shape(op, "bias", bias, "E, N", (e, n))
         contiguous(op, "bias", bias)
     row_major(op, "a", a, t, k, "K", GEMM_ALIGN)
     expert_weights(op, b, k, n)
     aligned16(op, "a", a)
     aligned16(op, "b", b)
     if out is not None:
-        if tuple(out.shape) != (t, n):
-            fail_value(op, "out", f"must be [T, N] = [{t}, {n}], got shape {tuple(out.shape)}")
+        exact_shape(op, "out", out, "T, N", (t, n))
         contiguous(op, "out", out)
         aligned16(op, "out", out)
 
@@ -400,9 +386,7 @@ def check_moe_permute_quant(x, sorted_pairs, top_k, dtype, scale, group_size=0) 
     if n > MAX_ROWS:
         fail_value(op, "top_k", f"T * top_k = {n} rows with T = x.shape[0] = {t}; at most "
                    f"{limit_text(MAX_ROWS)} are supported")
-    if tuple(sorted_pairs.shape) != (n,):
-        fail_value(op, "sorted_pairs", f"must be [T * top_k] = [{n}] with T = x.shape[0] = {t}, got shape "
-                   f"{tuple(sorted_pairs.shape)}")
+    exact_shape(op, "sorted_pairs", sorted_pairs, "T * top_k", (n,), f"with T = x.shape[0] = {t}")
     quant_dtype(op, dtype)
     _group_quant(op, x, x.shape[1], scale, group_size)
 
@@ -434,11 +418,9 @@ def check_moe_unpermute(y, dst_pos, topk_weights, out=None) -> None:
         fail_value(op, "y", f"has {n} rows; at most {limit_text(MAX_ROWS)} are supported")
     if h >= MAX_ROW_K:
         fail_value(op, "y", f"H = {h} must be below {limit_text(MAX_ROW_K)}")
-    if tuple(dst_pos.shape) != (n,):
-        fail_value(op, "dst_pos", f"must be [T * top_k] = [{n}], got shape {tuple(dst_pos.shape)}")
+    exact_shape(op, "dst_pos", dst_pos, "T * top_k", (n,))
     if out is not None:
-        if tuple(out.shape) != (t, h):
-            fail_value(op, "out", f"must be [T, H] = [{t}, {h}], got shape {tuple(out.shape)}")
+        exact_shape(op, "out", out, "T, H", (t, h))
         contiguous(op, "out", out)
 
 

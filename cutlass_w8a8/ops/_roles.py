@@ -106,6 +106,14 @@ def contiguous(op: str, name: str, t) -> None:
         fail_value(op, name, "must be contiguous")
 
 
+def exact_shape(op: str, name: str, t, dims: str, shape: tuple, note: str = "") -> None:
+    """``t.shape`` must be ``shape``; the message writes it as ``[dims] = [values]``, then ``note`` if any
+    (e.g. ``"[E, N] = [8, 4096]"``, ``"[T * top_k] = [12] (the end row ...)"``)."""
+    if tuple(t.shape) != tuple(shape):
+        fail_value(op, name, f"must be [{dims}] = [{', '.join(map(str, shape))}]{' ' + note if note else ''}, "
+                   f"got shape {tuple(t.shape)}")
+
+
 def gemm_shapes(op: str, a_name: str, a, b) -> tuple[int, int, int]:
     """``(M, K, N)`` of a 2-D ``[M, K]`` activation operand (``a`` or ``x``) and a 2-D ``[K, N]`` ``b``."""
     if a.dim() != 2:
@@ -173,21 +181,20 @@ def grouped_block_scaled(scale_b) -> bool:
     return scale_b.dim() == 3
 
 
-def block_scales(op: str, a, scale_a, scale_b, m: int, k: int, n: int) -> None:
+def block_scales(op: str, a, scale_a, scale_b, m: int, k: int, n: int, experts: Optional[int] = None) -> None:
     """The shape checks of block-scaled scaled_mm (in place of the row-wise scale shapes), in the contract's
-    order: e4m3 `a`, K a multiple of 128, scale_a [M, K/128], scale_b [ceil(N/128), K/128]."""
+    order: e4m3 `a`, K a multiple of 128, scale_a [M, K/128], scale_b [ceil(N/128), K/128]. With ``experts``
+    (grouped_scaled_mm) the rows are T and scale_b is [E, ceil(N/128), K/128] with E = ``experts``."""
+    rows, lead, lead_shape = ("M", "", ()) if experts is None else ("T", "E, ", (experts,))
     if a.dtype != torch.float8_e4m3fn:
-        fail_type(op, "a", "must be float8_e4m3fn with block scales (scale_a [M, K/128], scale_b "
-                  f"[ceil(N/128), K/128]), got {a.dtype}")
+        fail_type(op, "a", f"must be float8_e4m3fn with block scales (scale_a [{rows}, K/128], scale_b "
+                  f"[{lead}ceil(N/128), K/128]), got {a.dtype}")
     if k % BLOCK_SIZE != 0:
         fail_value(op, "a", f"K = a.shape[1] must be a multiple of {BLOCK_SIZE} with block scales, got {k}")
     kb, nb = k // BLOCK_SIZE, blocks(n)
-    if tuple(scale_a.shape) != (m, kb):
-        fail_value(op, "scale_a", f"must be [M, K/128] = [{m}, {kb}] (1x128 groups) with block scales, got shape "
-                   f"{tuple(scale_a.shape)}")
-    if tuple(scale_b.shape) != (nb, kb):
-        fail_value(op, "scale_b", f"must be [ceil(N/128), K/128] = [{nb}, {kb}] (128x128 blocks) with block scales, "
-                   f"got shape {tuple(scale_b.shape)}")
+    exact_shape(op, "scale_a", scale_a, f"{rows}, K/128", (m, kb), "(1x128 groups) with block scales")
+    exact_shape(op, "scale_b", scale_b, f"{lead}ceil(N/128), K/128", (*lead_shape, nb, kb),
+                "(128x128 blocks) with block scales")
 
 
 def static_scale(op: str, x, scale, *, ref_name: str = "x") -> None:
@@ -257,8 +264,7 @@ def expert_weights(op: str, b, k: int, n: int) -> None:
 
 def out_matrix(op: str, out, m: int, n: int) -> None:
     """A GEMM destination: (M, N), row-major, rows padded to a multiple of 8 elements, 16-byte aligned."""
-    if tuple(out.shape) != (m, n):
-        fail_value(op, "out", f"must be [M, N] = [{m}, {n}], got shape {tuple(out.shape)}")
+    exact_shape(op, "out", out, "M, N", (m, n))
     row_major(op, "out", out, m, n, "N", 8)
     aligned16(op, "out", out)
 
