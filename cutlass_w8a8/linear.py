@@ -481,13 +481,7 @@ class W8A8Linear(nn.Module):
         Raises TypeError when ``x`` is not a tensor, ValueError when it has no dimension or its last dimension
         is not ``in_features``.
         """
-        try:
-            k = x.shape[-1]
-        except (AttributeError, IndexError, TypeError):
-            self._refuse_input(x)
-        if k != self.in_features:
-            raise ValueError(f"W8A8Linear: input's last dimension must be in_features = {self.in_features}, "
-                             f"got shape {tuple(x.shape)}")
+        self._check_input(x)
         lead = x.shape[:-1]
         g = self.group_size
         q, s = quantize_activations(x.reshape(-1, self.in_features), self.input_scale, self.quant_dtype, g)
@@ -523,6 +517,16 @@ class W8A8Linear(nn.Module):
         if scale.device != q.device:
             raise ValueError(f"W8A8Linear: `scale` is on {scale.device} but `q` is on {q.device}")
 
+    def _check_input(self, x) -> None:
+        """A float input ``x`` must be a tensor whose last dimension is ``in_features`` (TypeError / ValueError)."""
+        try:  # free unless it raises: a list has no .shape, a 0-d tensor no last dimension
+            k = x.shape[-1]
+        except (AttributeError, IndexError, TypeError):
+            self._refuse_input(x)
+        if k != self.in_features:
+            raise ValueError(f"W8A8Linear: input's last dimension must be in_features = {self.in_features}, "
+                             f"got shape {tuple(x.shape)}")
+
     def _refuse_input(self, x) -> None:
         """The error for an ``x`` without a last dimension: not a tensor (a list), or a 0-d tensor."""
         if not isinstance(x, torch.Tensor):
@@ -543,13 +547,7 @@ class W8A8Linear(nn.Module):
             y = _op.scaled_mm(x.q.reshape(-1, self.in_features), self.weight.t(), s,
                                                  self.weight_scale, self.dtype, self.bias)
             return y.reshape(*lead, self.out_features)
-        try:  # free unless it raises: a list has no .shape, a 0-d tensor no last dimension
-            k = x.shape[-1]
-        except (AttributeError, IndexError, TypeError):
-            self._refuse_input(x)
-        if k != self.in_features:
-            raise ValueError(f"W8A8Linear: input's last dimension must be in_features = {self.in_features}, "
-                             f"got shape {tuple(x.shape)}")
+        self._check_input(x)
         # One op call: the activation quantization and the GEMM, checked once (in C++ on CUDA). The operands come
         # straight from _buffers (a dict lookup each, instead of nn.Module.__getattr__): this is the host-bound
         # path of small batches.
