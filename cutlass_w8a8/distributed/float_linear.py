@@ -25,6 +25,13 @@ def _float_layer(cls, weight: torch.Tensor, bias: Optional[torch.Tensor], requir
     return mod
 
 
+def _linear_source(cls, linear: nn.Module, tp_group):
+    """``(N, K, where, ctx)`` of a full ``linear`` for ``cls``'s builders (float here, W8A8 in `linear`): its
+    weight's shape, ``cls``'s name for the messages and the resolved `TPContext`."""
+    n, k = linear.weight.shape
+    return n, k, cls.__name__, TPContext.resolve(tp_group, cls.__name__)
+
+
 class ColumnParallelLinear(_TensorParallel, nn.Linear):
     """The float ``nn.Linear`` counterpart of `ColumnParallelW8A8Linear` (for layers a tensor-parallel plan
     shards but quantization leaves in float): ``weight`` ``(N / tp, K)``, ``bias`` ``(N / tp,)``; ``forward`` as
@@ -37,9 +44,7 @@ class ColumnParallelLinear(_TensorParallel, nn.Linear):
         """This rank's rows of a full float ``linear``. Arguments (``replicas`` included; ``tp_group`` a
         ``ProcessGroup`` or a `TPContext`) and errors as `ColumnParallelW8A8Linear.from_float` (no alignment
         requirement)."""
-        n, k = linear.weight.shape
-        where = cls.__name__
-        ctx = TPContext.resolve(tp_group, where)
+        n, k, where, ctx = _linear_source(cls, linear, tp_group)
         rank, world = ctx.rank, ctx.world
         if check:
             check_same_on_all_ranks(ctx, where, _fields(
@@ -90,9 +95,7 @@ class RowParallelLinear(_TensorParallel, nn.Linear):
     def from_linear(cls, linear: nn.Linear, tp_group, *, input_is_parallel: bool = True,
                     tp_size: Optional[int] = None, check: bool = True) -> "RowParallelLinear":
         """This rank's columns of a full float ``linear``. Errors as `RowParallelW8A8Linear.from_float`."""
-        n, k = linear.weight.shape
-        where = cls.__name__
-        ctx = TPContext.resolve(tp_group, where)
+        n, k, where, ctx = _linear_source(cls, linear, tp_group)
         rank, world = ctx.rank, ctx.world
         if check:
             check_same_on_all_ranks(ctx, where, _fields(

@@ -48,7 +48,7 @@ from ..ops._schema import OVERLOADS as _op
 from . import sharding as S
 from ._common import TPContext, _all_reduce_, _check_tp_size, _fields, _gather_columns, _set_tp, _TensorParallel
 from ._group import check_same_on_all_ranks, dtype_code, sequence_code
-from .float_linear import ColumnParallelLinear, RowParallelLinear
+from .float_linear import ColumnParallelLinear, RowParallelLinear, _linear_source
 
 __all__ = ["ColumnParallelW8A8Linear", "RowParallelW8A8Linear", "fuse_w8a8", "shard_linear"]
 
@@ -62,6 +62,13 @@ def _shard_block(weight, weight_scale, weight_block_size) -> bool:
     """Whether `from_shard`'s operands are block-scaled: ``weight_block_size`` given, or the scale's shape says
     so (`ops._roles.block_weight_scaled`, the op's rule)."""
     return weight_block_size is not None or block_weight_scaled(weight, weight_scale)
+
+
+def _float_source(cls, linear, tp_group, config):
+    """``(N, K, where, ctx, config, block)`` for ``cls.from_float(linear, tp_group, config=config)``: ``config``
+    defaults to int8 `W8A8Config`, ``block`` says whether it asks for block-scaled weights."""
+    config = config or W8A8Config()
+    return (*_linear_source(cls, linear, tp_group), config, getattr(config, "weight_block_size", None) is not None)
 
 
 def _unsharded(cls, layer, tp_group):
@@ -137,11 +144,7 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
             The ranks disagree (shapes, dtypes, ``output_sizes``, ``tp_size``); N or a matrix size is not
             divisible by the world size; the shard breaks the kernels' multiple-of-16 alignment.
         """
-        n, k = linear.weight.shape
-        where = cls.__name__
-        ctx = TPContext.resolve(tp_group, where)
-        config = config or W8A8Config()
-        block = getattr(config, "weight_block_size", None) is not None
+        n, k, where, ctx, config, block = _float_source(cls, linear, tp_group, config)
         if check:
             check_same_on_all_ranks(ctx, where, _fields(
                 "colwise", n, k, tp_size, **{"#output_sizes": sequence_code(output_sizes or []),
@@ -285,11 +288,7 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
             The ranks disagree; K is not divisible by the world size; the shard breaks the kernels'
             multiple-of-16 alignment.
         """
-        n, k = linear.weight.shape
-        where = cls.__name__
-        ctx = TPContext.resolve(tp_group, where)
-        config = config or W8A8Config()
-        block = getattr(config, "weight_block_size", None) is not None
+        n, k, where, ctx, config, block = _float_source(cls, linear, tp_group, config)
         if check:
             check_same_on_all_ranks(ctx, where, _fields(
                 "rowwise", n, k, tp_size, quant_dtype=dtype_code(config.dtype), bias=linear.bias is not None,
