@@ -40,12 +40,10 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
 
     Parameters
     ----------
-    model : nn.Module
-        Modified in place; a bare ``nn.Linear`` cannot be swapped in place, so its replacement is returned.
-    config : W8A8Config, optional
-        Quantized dtype and output dtype; default int8.
-    filter_fn : callable, optional
-        ``filter_fn(module, fqn) -> bool``; only linears for which it returns True are swapped.
+    model, config, filter_fn
+        As in `cutlass_w8a8.quantize.quantize_` (step 1): ``model`` (``nn.Module``) is modified in place, or
+        replaced and returned when it is a bare ``nn.Linear``; ``config`` (`W8A8Config`, default int8);
+        ``filter_fn(module, fqn) -> bool`` picks the linears to swap.
     tp_group : torch.distributed.ProcessGroup or cutlass_w8a8.distributed.TPContext, optional
         Also shard the model for tensor parallelism over this group, after quantizing it (per-channel scales
         come from the full weights): `cutlass_w8a8.tensor_parallel_` with ``tp_plan``. Linears the plan names
