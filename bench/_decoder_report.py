@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from _decoder_kernels import CLASS_BYTES_NOTES, CLASSES, OTHER_NAMES_MAX
 from cutlass_w8a8.testing.physical import judge, mark, physical_check, verdict
+from cutlass_w8a8.testing.report import markdown, save_figure
 
 # Model names: a base ("bf16": nn.Linear layers; "int8" / "fp8": W8A8Linear decoder layers, per-channel weights and
 # per-token activations; "fp8-block": block-scaled fp8 W8A8Linear, 128x128 weight blocks and 1x128 activation
@@ -435,10 +436,8 @@ def render_markdown(results: dict[str, Any]) -> str:
                   "- Bytes read per step count the non-expert weights and, per MoE layer, the experts that B tokens "
                   "with uniform random routing hit in expectation (E (1 - (1 - k/E)^B) of E).", "",
                   *targets_lines(results, 27)]
-    if results["errors"]:
-        lines += ["", "## Models that did not run", ""]
-        lines += [f"- `{m}`: `{msg}`" for m, msg in results["errors"].items()]
-    return "\n".join(lines) + "\n"
+    failed = [f"- `{m}`: `{msg}`" for m, msg in results["errors"].items()]
+    return markdown(lines, ("## Models that did not run", failed))
 
 
 def plot_results(results: dict[str, Any], path: str) -> None:
@@ -481,7 +480,5 @@ def plot_results(results: dict[str, Any], path: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     c = results["config"]
-    fig.suptitle(f"{c['name']} x {c['num_layers']} layers, {results['device']}, torch {results['torch_version']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path,
+                f"{c['name']} x {c['num_layers']} layers, {results['device']}, torch {results['torch_version']}")

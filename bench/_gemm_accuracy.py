@@ -14,6 +14,8 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from cutlass_w8a8.testing.report import AccuracyError
+
 from _gemm_methods import OPTIONAL_METHODS, short_error
 
 # Relative Frobenius error bounds. The GEMM against the dequantized operands differs only by bf16
@@ -23,9 +25,6 @@ LINEAR_REL_TOL = 5e-2
 # fp8 (e4m3, 3 mantissa bits) linears against bf16: both operands rounded to e4m3, about 2.6% rms each.
 FP8_LINEAR_REL_TOL = 1e-1
 
-
-class AccuracyError(RuntimeError):
-    """A cutlass_w8a8 result is too far from its reference: the timings would be meaningless."""
 
 
 def rel_fro_error(out: torch.Tensor, ref: torch.Tensor) -> float:

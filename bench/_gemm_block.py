@@ -40,6 +40,7 @@ import _gemm_methods
 from _gemm_accuracy import BLOCK_REL_TARGET, Operands
 from _gemm_methods import module_forward, short_error, torch_fp8_rowwise
 from cutlass_w8a8.testing.physical import judge, mark, physical_check, verdict
+from cutlass_w8a8.testing.report import save_figure
 
 GROUP = 128  # cutlass_w8a8.ops._limits.BLOCK_SIZE
 DECODE_MAX_M = 16  # cutlass_w8a8.DECODE_MAX_M: scaled_mm_decode's bound
@@ -510,7 +511,4 @@ def plot_block(results: dict[str, Any], path: str) -> None:
         ax.set_xlabel("M (tokens)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"Block-scaled fp8 GEMM, {results['device']}, torch {results['torch_version']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"Block-scaled fp8 GEMM, {results['device']}, torch {results['torch_version']}")

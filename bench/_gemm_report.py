@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 
 from _gemm_methods import TORCHAO_METHODS
 from cutlass_w8a8.testing.physical import mark, physical_check, share_check
+from cutlass_w8a8.testing.report import markdown, save_figure
 
 # Upper bounds (inclusive) of the M groups of the summary table: decode, mid-size batches, prefill.
 M_GROUP_BOUNDS = (16, 512, None)
@@ -162,9 +163,7 @@ def render_markdown(results: dict[str, Any], geomean: Callable) -> str:
     if _present(results["points"], TORCHAO_COLUMNS):
         lines += ["", "## W8A8Linear against torchao, per shape and M", "", torchao_table(results["points"])]
     notes = error_notes(results["points"])
-    if notes:
-        lines += ["", "## Baselines that did not run", "", notes]
-    return "\n".join(lines) + "\n"
+    return markdown(lines, ("## Baselines that did not run", [notes] if notes else []))
 
 
 def plot_results(results: dict[str, Any], path: str) -> None:
@@ -197,8 +196,5 @@ def plot_results(results: dict[str, Any], path: str) -> None:
         ax.set_xlabel("M (tokens)")
         ax.grid(True, which="both", alpha=0.3)
     ax_speed.legend(fontsize=8)
-    fig.suptitle(f"W8A8 GEMM, {results['device']}, torch {results['torch_version']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"W8A8 GEMM, {results['device']}, torch {results['torch_version']}")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from cutlass_w8a8.testing.report import markdown, save_figure
 from cutlass_w8a8.testing.timers import geomean
 
 METHODS = ("w8a8", "w8a8_fp8", "torchao_int8wo", "bf16")
@@ -154,11 +155,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         "",
         point_table(points),
     ]
-    if eager:
-        lines += ["", "## Timed eagerly", "", *eager]
-    if errors:
-        lines += ["", "## Methods that did not run or were too inaccurate", "", *errors]
-    return "\n".join(lines) + "\n"
+    return markdown(lines, ("## Timed eagerly", eager), ("## Methods that did not run or were too inaccurate", errors))
 
 
 def plot_results(results: dict[str, Any], path: str) -> None:
@@ -190,8 +187,6 @@ def plot_results(results: dict[str, Any], path: str) -> None:
     ao = results["torchao"]
     versions = f"torch {results['torch_version']}" + (f", torchao {ao['version']}" if ao.get("enabled") else "")
     fig.suptitle(f"W8A8Linear vs torchao int8 weight-only + compile\n{results['device']}, {versions}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 

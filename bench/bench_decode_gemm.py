@@ -46,10 +46,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from cutlass_w8a8.testing.cli import int_list
+from cutlass_w8a8.testing.cli import finish_sweep_args, int_list
 from cutlass_w8a8.testing.physical import judge, mark, physical_check, verdict
-from cutlass_w8a8.testing.report import publish, require_cuda_extension
-from cutlass_w8a8.testing.shapes import SHAPES, select_shapes
+from cutlass_w8a8.testing.report import (AccuracyError, markdown, publish, require_cuda_extension, run_checked,
+                                         save_figure)
+from cutlass_w8a8.testing.shapes import SHAPES
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,9 +62,6 @@ FP8_METHODS = ("scaled_mm_fp8", "decode_fp8", "linear_decode_fp8")
 WEIGHT_BYTES_PER_ELEMENT = {name: 1 for name in METHODS + FP8_METHODS}
 WEIGHT_BYTES_PER_ELEMENT["bf16_linear"] = 2
 
-
-class AccuracyError(RuntimeError):
-    """A decode kernel disagrees with the result it must equal: the timings would be meaningless."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -86,14 +84,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--rotate-gb", type=float, default=4.0,
                         help="memory cap in GiB for the rotating input copies of one method")
     parser.add_argument("--seed", type=int, default=0, help="torch random seed")
-    args = parser.parse_args(argv)
-    if args.replays < 1:
-        parser.error("--replays must be >= 1")
-    args.m_values = sorted(set(args.m))
-    args.shape_list = select_shapes(args.shapes)
-    if not args.shape_list:
-        parser.error(f"--shapes {args.shapes!r} matches none of {', '.join(s[0] for s in SHAPES)}")
-    return args
+    return finish_sweep_args(parser, parser.parse_args(argv))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -421,9 +412,7 @@ def render_markdown(results: dict[str, Any], geomean: Callable) -> str:
         "",
         crossover_table(points),
     ]
-    if errors:
-        lines += ["", "## Methods that did not run", "", *errors]
-    return "\n".join(lines) + "\n"
+    return markdown(lines, ("## Methods that did not run", errors))
 
 
 def plot_results(results: dict[str, Any], path: str) -> None:
@@ -460,10 +449,7 @@ def plot_results(results: dict[str, Any], path: str) -> None:
         ax.set_xlabel("M (tokens)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Decode GEMMs, {results['device']}, torch {results['torch_version']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"Decode GEMMs, {results['device']}, torch {results['torch_version']}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -477,10 +463,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.exit("bench_decode_gemm.py: --fp8 needs compute capability 8.9 or newer")
     torch.manual_seed(args.seed)
     with torch.no_grad():
-        try:
-            results = run_sweep(args, cw, bu)
-        except AccuracyError as exc:
-            sys.exit(f"bench_decode_gemm.py: aborted, wrong results: {exc}")
+        results = run_checked("bench_decode_gemm.py", run_sweep, args, cw, bu)
     publish(results, render_markdown(results, bu.geomean), args.out, "decode_gemm", plot_results)
     return 0
 

@@ -71,7 +71,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from cutlass_w8a8.testing.cli import int_list, name_list
-from cutlass_w8a8.testing.report import provenance, publish, require_cuda_extension
+from cutlass_w8a8.testing.report import AccuracyError, provenance, publish, require_cuda_extension, run_checked
 from cutlass_w8a8.testing.timers import cuda_kernel_times
 
 # bench/ is on sys.path (python bench/bench_decoder.py). The models and modes compared, the derived numbers and
@@ -87,9 +87,6 @@ OPTIONAL_MODELS = frozenset({"fp8", "fp8+lmh", "fp8-block", "fp8-block+lmh"})
 # kernels: they should agree bitwise; anything above this is a broken capture, not rounding).
 GRAPH_EAGER_REL_TOL = 1e-3
 
-
-class AccuracyError(RuntimeError):
-    """A graph replay disagrees with its eager step: the timings would be meaningless."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -459,10 +456,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from cutlass_w8a8.testing import timers as bu
     mods = (models, runner)
     t0 = time.perf_counter()
-    try:
-        results = run(args, cw, bu, mods)
-    except AccuracyError as exc:
-        sys.exit(f"bench_decoder.py: aborted, wrong results: {exc}")
+    results = run_checked("bench_decoder.py", run, args, cw, bu, mods)
     results["total_seconds"] = time.perf_counter() - t0
     publish(results, render_markdown(results), args.out, results_prefix(args.config), plot_results)
     return 0

@@ -64,9 +64,9 @@ from typing import Any, Optional
 
 import torch
 
-from cutlass_w8a8.testing.cli import int_list
-from cutlass_w8a8.testing.report import provenance, publish, require_cuda_extension
-from cutlass_w8a8.testing.shapes import BLOCK_SHAPES, SHAPES, select_shapes
+from cutlass_w8a8.testing.cli import chosen_shapes, int_list
+from cutlass_w8a8.testing.report import provenance, publish, require_cuda_extension, run_checked
+from cutlass_w8a8.testing.shapes import BLOCK_SHAPES, SHAPES
 
 # bench/ is on sys.path (python bench/bench_gemm.py): the methods, the accuracy guard, the torchao peers and
 # the reports live in bench/_gemm_*.py.
@@ -131,9 +131,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.block and not args.fp8:
         parser.error("--block needs fp8 (drop --no-fp8)")
     table = BLOCK_SHAPES if args.block else SHAPES
-    args.shape_list = select_shapes(args.shapes, table)
-    if not args.shape_list:
-        parser.error(f"--shapes {args.shapes!r} matches none of {', '.join(s[0] for s in table)}")
+    args.shape_list = chosen_shapes(parser, args.shapes, table)
     if args.block and args.torchao:
         parser.error("--block times no torchao peers (drop --torchao)")
     if args.block:
@@ -249,26 +247,35 @@ def _progress(total: int):
     return tqdm(total=total, unit="pt", dynamic_ncols=True, disable=None)
 
 
+def _results_head(name: str, args: argparse.Namespace, cw: Any, rates: tuple[int, float, float],
+                  lead: Optional[dict] = None, **after_pdl: Any) -> dict[str, Any]:
+    """The head of a results dict, in its key order: `provenance` of device ``name``, ``lead``, ``rates`` (the L2
+    size in bytes, the copy and read rates in GB/s), ``pdl``, ``after_pdl``, then ``timing`` (the method and
+    ``args``' knobs)."""
+    return {
+        **provenance(name, REPO_ROOT),
+        **(lead or {}),
+        "l2_bytes": rates[0],
+        "copy_GBps": rates[1],
+        "read_GBps": rates[2],
+        "pdl": bool(cw.pdl_enabled()),
+        **after_pdl,
+        "timing": {"method": "CUDA-graph replay over rotating input copies (> 2x L2), median replay / calls",
+                   "replays": args.replays, "replay_ms": args.replay_ms, "rotate_gb": args.rotate_gb,
+                   "order": "the methods of a point captured first, their timed replays interleaved"},
+    }
+
+
 def run_sweep(args: argparse.Namespace, cw: Any, bu: Any, peers: Optional[TorchaoPeers] = None,
               torchao_note: Optional[str] = None) -> dict[str, Any]:
     """Measure every (shape, M) point; returns the results dict that `main` writes.
 
     ``peers``: the torchao columns (None: none, ``torchao_note`` says why)."""
     name = torch.cuda.get_device_name()
-    l2_bytes = bu.l2_cache_bytes()
     peak = args.peak_tops if args.peak_tops is not None else bu.dense_peak_tops(name)
-    copy_gbps = bu.copy_bandwidth_gbps()
-    read_gbps = bu.read_bandwidth_gbps()
+    rates = l2_bytes, copy_gbps, read_gbps = bu.l2_cache_bytes(), bu.copy_bandwidth_gbps(), bu.read_bandwidth_gbps()
     results = {
-        **provenance(name, REPO_ROOT),
-        "l2_bytes": l2_bytes,
-        "copy_GBps": copy_gbps,
-        "read_GBps": read_gbps,
-        "pdl": bool(cw.pdl_enabled()),
-        "peak_tops": peak,
-        "timing": {"method": "CUDA-graph replay over rotating input copies (> 2x L2), median replay / calls",
-                   "replays": args.replays, "replay_ms": args.replay_ms, "rotate_gb": args.rotate_gb,
-                   "order": "the methods of a point captured first, their timed replays interleaved"},
+        **_results_head(name, args, cw, rates, peak_tops=peak),
         "tolerances": {"gemm_rel_fro": GEMM_REL_TOL, "linear_rel_fro": LINEAR_REL_TOL},
         "fp8": args.fp8,
         "torchao": {"enabled": False, "reason": torchao_note},
@@ -423,22 +430,11 @@ def measure_block_point(shape: str, m: int, n: int, k: int, wts: Weights, args: 
 
 def run_block_sweep(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any]:
     """``--block``: measure every (shape, M) point of the block comparison; the results dict that `main` writes."""
-    name = torch.cuda.get_device_name()
-    l2_bytes = bu.l2_cache_bytes()
-    copy_gbps = bu.copy_bandwidth_gbps()
-    read_gbps = bu.read_bandwidth_gbps()
+    rates = l2_bytes, copy_gbps, read_gbps = bu.l2_cache_bytes(), bu.copy_bandwidth_gbps(), bu.read_bandwidth_gbps()
     decode_max_m = cw._ext.decode_gemm_max_m()
     results = {
-        **provenance(name, REPO_ROOT),
-        "mode": "block",
-        "l2_bytes": l2_bytes,
-        "copy_GBps": copy_gbps,
-        "read_GBps": read_gbps,
-        "pdl": bool(cw.pdl_enabled()),
-        "decode_gemm_max_m": decode_max_m,
-        "timing": {"method": "CUDA-graph replay over rotating input copies (> 2x L2), median replay / calls",
-                   "replays": args.replays, "replay_ms": args.replay_ms, "rotate_gb": args.rotate_gb,
-                   "order": "the methods of a point captured first, their timed replays interleaved"},
+        **_results_head(torch.cuda.get_device_name(), args, cw, rates, {"mode": "block"},
+                        decode_gemm_max_m=decode_max_m),
         "tolerances": {"gemm_rel_fro_vs_fp64": GEMM_REL_TOL, "fp8_linear_rel_fro": FP8_LINEAR_REL_TOL},
         "accuracy_corner": f"{ACCURACY_ROWS} x {ACCURACY_COLS}",
         "methods": list(BLOCK_MODE_METHODS),
@@ -479,18 +475,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.manual_seed(args.seed)
     if args.block:
         with torch.no_grad():
-            try:
-                results = run_block_sweep(args, cw, bu)
-            except AccuracyError as exc:
-                sys.exit(f"bench_gemm.py --block: aborted, wrong results: {exc}")
+            results = run_checked("bench_gemm.py --block", run_block_sweep, args, cw, bu)
         publish(results, render_block_markdown(results, bu.geomean), args.out, "gemm_block", plot_block)
         return 0
     peers, torchao_note = make_torchao_peers(args)
     with torch.no_grad():
-        try:
-            results = run_sweep(args, cw, bu, peers, torchao_note)
-        except AccuracyError as exc:
-            sys.exit(f"bench_gemm.py: aborted, wrong results: {exc}")
+        results = run_checked("bench_gemm.py", run_sweep, args, cw, bu, peers, torchao_note)
     report = render_markdown(results, bu.geomean) + "".join(line + "\n" for line in block_sections(results, bu.geomean))
     publish(results, report, args.out, "gemm", plot_results)
     return 0

@@ -291,6 +291,8 @@ def plot(res, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from cutlass_w8a8.testing.report import save_figure
+
     fig, axes = plt.subplots(1, 2 if res.get("decoder") else 1, figsize=(11, 4), squeeze=False)
     r = res["loop"]["ms_per_iter"]
     ax = axes[0][0]
@@ -307,10 +309,7 @@ def plot(res, path):
         ax.set_ylabel("ms per step")
         ax.set_title(f"decoder step, {dec['layers']} layers (int8)")
         ax.legend()
-    fig.suptitle(res["device"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, res["device"], dpi=110)
 
 
 def main(argv=None) -> int:

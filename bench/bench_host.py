@@ -41,7 +41,7 @@ from typing import Callable, Optional
 
 import torch
 
-from cutlass_w8a8.testing.report import publish, require_cuda_extension
+from cutlass_w8a8.testing.report import publish, require_cuda_extension, save_figure
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET_LINEAR_OVER_BF16 = 1.1  # W8A8Linear host time at M = 1 at most this times nn.Linear bf16's
@@ -178,9 +178,7 @@ def plot(results: dict, path: str) -> None:
     ax.set_ylabel("host us per call")
     ax.set_title(f"Host time per eager call, M = {results['m']}, {results['device']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

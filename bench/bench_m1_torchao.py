@@ -59,9 +59,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from cutlass_w8a8.testing.cli import int_list
+from cutlass_w8a8.testing.cli import finish_sweep_args, int_list
 from cutlass_w8a8.testing.report import provenance, publish, require_cuda_extension
-from cutlass_w8a8.testing.shapes import SHAPES, select_shapes
+from cutlass_w8a8.testing.shapes import SHAPES
 from cutlass_w8a8.testing.timers import GpuTiming
 
 # bench/ is on sys.path (python bench/bench_m1_torchao.py): the accuracy bounds, the torchao config names and
@@ -106,14 +106,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results"), metavar="DIR",
                         help="output folder for m1_torchao_<device>.{json,md,png} (default: bench/results)")
     parser.add_argument("--seed", type=int, default=0, help="torch random seed")
-    args = parser.parse_args(argv)
-    if args.replays < 1:
-        parser.error("--replays must be >= 1")
-    args.m_values = sorted(set(args.m))
-    args.shape_list = select_shapes(args.shapes)
-    if not args.shape_list:
-        parser.error(f"--shapes {args.shapes!r} matches none of {', '.join(s[0] for s in SHAPES)}")
-    return args
+    return finish_sweep_args(parser, parser.parse_args(argv))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ import torch
 
 from cutlass_w8a8.testing.cli import int_list, name_list
 from cutlass_w8a8.testing.physical import judge, mark, physical_check, verdict
-from cutlass_w8a8.testing.report import provenance, publish, require_cuda_extension
+from cutlass_w8a8.testing.report import (AccuracyError, provenance, publish, require_cuda_extension, run_checked,
+                                         save_figure)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE = "cuda"  # tests run the flow on the CPU (the ops' references) by setting this
@@ -91,9 +92,6 @@ TARGET_X_TORCH_MIN, TARGET_X_TORCH_GEOMEAN, TARGET_X_TORCH_FROM_T = 1.0, 1.2, 64
 TARGET_READ_FRACTION = 0.8
 TARGET_LAYER = ((1, "qwen3-30b-a3b", 1.8), (4096, "qwen3-30b-a3b", 1.4))
 
-
-class AccuracyError(RuntimeError):
-    """Our result is wrong: the timings would be meaningless."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -719,10 +717,7 @@ def plot_results(results: dict[str, Any], path: str) -> None:
                    "torch_fp8", "torch fp8 time / ours", "grouped GEMM vs torch scaled_grouped_mm")
     _plot_speedups(axes[1], results["layer_points"], lambda p: p["model"], OURS_LAYER,
                    "hf_grouped_mm", "transformers bf16 time / ours", "MoE layer vs transformers grouped_mm experts")
-    fig.suptitle(results.get("device", ""))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, results.get("device", ""), dpi=110)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -758,10 +753,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     with torch.no_grad():
-        try:
-            results = run(args, cw, bu)
-        except AccuracyError as exc:
-            sys.exit(f"bench_moe.py: aborted, wrong results: {exc}")
+        results = run_checked("bench_moe.py", run, args, cw, bu)
     results["total_seconds"] = time.perf_counter() - t0
     publish(results, render_markdown(results), args.out, "moe", plot_results)
     return 0

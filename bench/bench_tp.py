@@ -58,6 +58,7 @@ import torch
 
 from cutlass_w8a8.testing.cli import int_list
 from cutlass_w8a8.testing.physical import judge, mark, physical_check, share_check, verdict
+from cutlass_w8a8.testing.report import AccuracyError, save_figure
 from cutlass_w8a8.testing.timers import cuda_kernel_times
 from cutlass_w8a8.testing.tp import refuse_under_launcher
 
@@ -70,9 +71,6 @@ LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, 
 TARGET_SPEEDUP_BATCH1 = 1.6  # issue 19: TP=2 decode step at batch 1 >= 1.6x faster than TP=1
 GRAPH_EAGER_REL_TOL = 1e-3  # replay vs eager of the same padded step (same kernels): anything above is broken
 
-
-class AccuracyError(RuntimeError):
-    """A graph replay disagrees with its eager step: the timings would be meaningless."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -329,9 +327,7 @@ def plot_results(results: dict, path: str) -> None:
     ax.set_ylabel("ms per step (= per token)")
     ax.set_title(f"{results['config']['num_layers']}-layer Llama-3-70B dims, {results['quant']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _strip(rank_results: list) -> list:

@@ -1,11 +1,14 @@
-"""argparse types the benchmark scripts share: comma-separated integers and names."""
+"""argparse pieces the benchmark scripts share: comma-separated integers and names, and the checks of a (shape, M)
+sweep's arguments."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Callable, Optional, Sequence
 
-__all__ = ["int_list", "name_list"]
+from .shapes import SHAPES, select_shapes
+
+__all__ = ["chosen_shapes", "finish_sweep_args", "int_list", "name_list"]
 
 
 def int_list(high: Optional[int] = None) -> Callable[[str], list[int]]:
@@ -35,3 +38,24 @@ def name_list(choices: Sequence[str], ordered: bool = False) -> Callable[[str], 
         return [c for c in choices if c in names] if ordered else names
 
     return parse
+
+
+def chosen_shapes(parser: argparse.ArgumentParser, filters: Optional[str],
+                  shapes: tuple[tuple[str, int, int], ...] = SHAPES) -> list[tuple[str, int, int]]:
+    """`select_shapes` of ``filters`` (the ``--shapes`` value) among ``shapes``; none matching is a
+    ``parser.error`` (exit status 2) that lists the names."""
+    chosen = select_shapes(filters, shapes)
+    if not chosen:
+        parser.error(f"--shapes {filters!r} matches none of {', '.join(s[0] for s in shapes)}")
+    return chosen
+
+
+def finish_sweep_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The checks and derived fields of a sweep over `SHAPES` and M: ``--replays`` at least 1 (else
+    ``parser.error``), ``args.m_values`` (the distinct ``--m`` values, sorted) and ``args.shape_list``
+    (`chosen_shapes` of ``--shapes``); returns ``args``."""
+    if args.replays < 1:
+        parser.error("--replays must be >= 1")
+    args.m_values = sorted(set(args.m))
+    args.shape_list = chosen_shapes(parser, args.shapes)
+    return args

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from cutlass_w8a8.testing.report import write_results
+from cutlass_w8a8.testing.report import save_figure, write_results
 
 # bf16; W8A8 as quantize_ leaves it (one W8A8Linear per projection); "-opt": the same after cutlass_w8a8.optimize_
 # (fused q/k/v and gate/up, RMSNorm and SiLU*mul fused with the activation quantization)
@@ -410,10 +410,7 @@ def plot_results(results: dict[str, Any], path: str) -> None:
     c = results["config"]
     title = (f"transformers Llama ({c['name']} x {c['num_hidden_layers']} layers), {results['device']}, "
              f"torch {results['torch_version']}")
-    fig.suptitle(title + (" - CPU reference ops, not a measurement" if results["tiny"] else ""))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, title + (" - CPU reference ops, not a measurement" if results["tiny"] else ""))
 
 
 def write_outputs(results: dict[str, Any], out_dir: str, prefix: str = "hf_decode") -> dict[str, str]:

@@ -6,11 +6,47 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["provenance", "publish", "require_cuda_extension", "write_results"]
+__all__ = ["AccuracyError", "markdown", "provenance", "publish", "require_cuda_extension", "run_checked", "save_figure",
+           "write_results"]
+
+
+class AccuracyError(RuntimeError):
+    """A benchmark's result is wrong (too far from its reference, or unequal to the result it must equal): the
+    timings would be meaningless."""
+
+
+def run_checked(script: str, measure: Callable[..., Any], *args: Any) -> Any:
+    """``measure(*args)``; an `AccuracyError` exits the process (``sys.exit``, status 1) with
+    ``"<script>: aborted, wrong results: <error>"``."""
+    try:
+        return measure(*args)
+    except AccuracyError as exc:
+        sys.exit(f"{script}: aborted, wrong results: {exc}")
+
+
+def markdown(lines: list[str], *sections: tuple[str, Sequence[str]]) -> str:
+    """A report's text: ``lines``, then each ``(title, body)`` of ``sections`` whose ``body`` is not empty as a blank
+    line, ``title``, a blank line and ``body``; each line ended by a newline."""
+    for title, body in sections:
+        if body:
+            lines = [*lines, "", title, "", *body]
+    return "\n".join(lines) + "\n"
+
+
+def save_figure(fig: Any, path: str, title: str = "", dpi: int = 120) -> None:
+    """Finish a matplotlib figure: ``title`` as its suptitle (when given), tight layout, write it to ``path`` at
+    ``dpi`` and close it."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
 
 
 def require_cuda_extension(script: str):
