@@ -17,7 +17,7 @@ import torch
 
 from _bench_cpu import FakeEvent
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")

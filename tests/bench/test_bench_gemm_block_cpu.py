@@ -15,7 +15,7 @@ import cutlass_w8a8 as cw
 from cutlass_w8a8.testing.shapes import BLOCK_SHAPES, SHAPES, select_shapes
 from cutlass_w8a8.testing.timers import geomean
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 E4M3 = torch.float8_e4m3fn
 
 

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "bench_hf.py")
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", "bench_hf.py")
 
 
 def load_bench():
@@ -24,7 +24,7 @@ def load_bench():
 
 # The "cw" graph step (cutlass_w8a8.hf.DecodeStep) computes the transformers step's logits up to bf16 rounding, not
 # bit for bit: its check steps' logits against the same model's eager ones must keep this SQNR (26 dB: the relative
-# error 0.05 that tests/test_hf_decode_step_cpu.py allows between the two steps; the tiny model measured 31-39 dB).
+# error 0.05 that tests/hf/test_hf_decode_step_cpu.py allows between the two steps; the tiny model measured 31-39 dB).
 CW_GRAPH_MIN_SQNR_DB = 26.0
 
 

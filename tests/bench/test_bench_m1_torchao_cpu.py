@@ -1,6 +1,6 @@
 """bench/bench_m1_torchao.py without a GPU: the command line, the ratios and targets, the accuracy check, the
 Markdown report and plot from synthetic results, and that importing the script needs neither CUDA nor torchao.
-The GPU run is the benchmark (tests/test_bench_m1_torchao_cuda.py runs it once, small)."""
+The GPU run is the benchmark (tests/bench/test_bench_m1_torchao_cuda.py runs it once, small)."""
 
 import os
 import pathlib

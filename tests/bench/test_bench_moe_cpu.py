@@ -230,7 +230,7 @@ def _w8a8_moe_available():
 @pytest.mark.parametrize("with_w8a8", [False, True])
 def test_decoder_bench_moe_flow_on_cpu(decoder_bench, monkeypatch, with_w8a8):
     """bench_decoder.run with ``--config qwen3-30b-a3b`` on a tiny Qwen3-MoE decoder on the CPU (CUDA events, memory
-    queries, PDL and the profiler faked, as tests/test_bench_decoder_cpu.py does): the expected expert bytes per step,
+    queries, PDL and the profiler faked, as tests/bench/test_bench_decoder_cpu.py does): the expected expert bytes per step,
     no kernel-class table, the issue-27 target and its report section."""
     if with_w8a8 and not _w8a8_moe_available():
         pytest.skip("cw.grouped_scaled_mm not in this tree yet: no W8A8 MoE on the CPU")

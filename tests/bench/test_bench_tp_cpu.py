@@ -1,6 +1,6 @@
 """bench/bench_tp.py on the CPU: its command line, the options it sends to its processes, and the derived numbers
 and report rendered from a synthetic results dict (target met / NOT met). The benchmark itself needs two GPUs
-(tests/test_tp_cuda.py covers what it runs); this keeps its pieces honest between GPU runs."""
+(tests/distributed/test_tp_cuda.py covers what it runs); this keeps its pieces honest between GPU runs."""
 
 import json
 

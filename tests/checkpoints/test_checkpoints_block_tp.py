@@ -14,10 +14,10 @@ What is exact, and the tolerances:
   exactly the slice of the full layer's (unlike per-token scales, which change with the slice); the output equals
   the bf16 sum of the two partial GEMMs of the full layer's slices plus the bias, bit for bit.
 - Whole models, TP=2 vs TP=1: only the rounding of the row-parallel partial outputs to bf16 before the reduce
-  differs, amplified through the e4m3 activation roundings of the next layers (tests/test_checkpoints_block.py
+  differs, amplified through the e4m3 activation roundings of the next layers (tests/checkpoints/test_checkpoints_block.py
   describes the amplification). Both are compared with the float32 model Lf of the same checkpoint (its weights
   dequantized by the test, the same activation quantization): ||L2 - Lf|| <= 1.25 ||L1 - Lf|| (the criterion of
-  tests/test_tp_cpu.py; measured 1.03 native, 0.99 compressed-tensors, with ||L1 - Lf|| / ||Lf|| = 5.5 %), and
+  tests/distributed/test_tp_cpu.py; measured 1.03 native, 0.99 compressed-tensors, with ||L1 - Lf|| / ||Lf|| = 5.5 %), and
   the greedy tokens are identical.
 """
 

@@ -3,7 +3,7 @@ cell by cell: every scheme (int8, fp8, fp8-block) of every model family (Llama, 
 Qwen3-MoE, Mixtral), written by `save_pretrained` (what the CLI calls), read by
 
 - ours, `cutlass_w8a8.checkpoints.from_pretrained`: the same modules (W8A8Linear, W8A8MoE) holding the same buffers
-  bit for bit (the round trips of tests/test_checkpoints_save.py and test_checkpoints_moe.py compare logits too);
+  bit for bit (the round trips of tests/checkpoints/test_checkpoints_save.py and test_checkpoints_moe.py compare logits too);
 - plain transformers, ``AutoModelForCausalLM.from_pretrained``, where `cli.TRANSFORMERS_READS` says it reads the
   output: no missing, unexpected or mismatched keys; every quantized linear holding our stored 8-bit weight and our
   scales in the model dtype (compressed-tensors creates its scale parameters in bf16); MoE experts dequantized to
@@ -150,7 +150,7 @@ def test_the_help_and_docs_state_what_the_tests_check():
             assert cell.split(", ") == ["ours"] + (["tf"] if scheme in cli.TRANSFORMERS_READS[group] else []) + \
                 ["vLLM"], (group, scheme, cell)
     assert f"tested with transformers {' and '.join(cli.TRANSFORMERS_TESTED)}" in " ".join(cli.__doc__.split())
-    docs = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "LOADERS.md")
+    docs = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs", "LOADERS.md")
     with open(docs) as f:
         text = f.read()
     for group, families in cli.FAMILIES.items():

@@ -670,7 +670,7 @@ def test_from_pretrained_tensor_parallel(moe_ckpt, tmp_path, names):
     the rank's intermediate channels of the full load's (gate rows, the same up rows, down columns; block scales
     whole 128-blocks) bit for bit; both ranks return the same logits L2, which differ from the full load's L1 by
     the down GEMM's input quantized per rank with its own per-token scales (measured 26-39 dB), and are as accurate:
-    ||L2 - Lf|| <= 1.25 ||L1 - Lf|| against the all-float32 reference Lf (tests/test_tp_cpu.py's criterion). The
+    ||L2 - Lf|| <= 1.25 ||L1 - Lf|| against the all-float32 reference Lf (tests/distributed/test_tp_cpu.py's criterion). The
     tiny block-fp8 models' k / v projections (N = 128) cannot split over 2 ranks
     (a block per shard), so block experts are covered by test_build_moe_shard_is_a_slice_of_the_whole."""
     from cutlass_w8a8.testing.tp import run_workers

@@ -13,7 +13,7 @@ tests/_tp_scenarios.py's, the same as the CPU tests'; what differs on the GPU:
   partial GEMMs (the same kernel as the layer's) plus the bias bit for bit; against the unsharded layer, the bounds
   of `row_parallel_bound` / `row_parallel_rms_bound` with the fp8 accumulation allowance.
 - Decoder (SMALL dimensions, 2 layers, int8 and fp8): ||L2 - Lf|| <= 1.25 ||L1 - Lf|| against the dequantized
-  float32 model, as on the CPU (tests/test_tp_cpu.py explains the criterion); graph replay equals the eager step of
+  float32 model, as on the CPU (tests/distributed/test_tp_cpu.py explains the criterion); graph replay equals the eager step of
   the same padded batch bit for bit (same kernels, the NCCL all-reduce captured in the graph).
 
 Marked ``cuda``; skipped (when the test runs, not at import) with fewer than 2 CUDA devices.

@@ -13,7 +13,7 @@ What is checked, and why these criteria (cutlass_w8a8/distributed/moe.py derives
   activations). The sharded layer's first GEMM outputs are the full layer's columns exactly; its second GEMM's
   input is quantized per shard (dynamic per-token: scales no larger than the full row's; static or block: exactly
   the full layer's slices) and its partials are rounded to bf16 before the sum, so its error against Yf is no
-  larger in expectation. Required, as for the decoder in tests/test_tp_cpu.py: ||Y2 - Yf|| <= 1.25 ||Y1 - Yf||
+  larger in expectation. Required, as for the decoder in tests/distributed/test_tp_cpu.py: ||Y2 - Yf|| <= 1.25 ||Y1 - Yf||
   (the 25 % for the sampling variation of the rounding noise over the 32 x H outputs) and hence
   ||Y2 - Y1|| <= 2.25 ||Y1 - Yf||; ||Y1 - Yf|| / ||Yf|| < 0.1 shows the reference is the right one.
 - Misuse (block-scaled experts whose I / 2 is not a multiple of 128; ranks with different sizes) raises the same
@@ -160,7 +160,7 @@ def hf_moe():
 
 def test_quantize_tp_qwen3_moe_logits_vs_tp1(hf_moe):
     """Qwen3-MoE (8 experts, top-2, 2 layers) quantized with tp_group: attention and experts sharded; the logits
-    meet the TP criterion against TP=1 (the dequantized float model as reference, as in tests/test_tp_cpu.py)."""
+    meet the TP criterion against TP=1 (the dequantized float model as reference, as in tests/distributed/test_tp_cpu.py)."""
     import cutlass_w8a8 as cw
     from _moe_models import tiny_moe_model
 

@@ -3,7 +3,7 @@
 
 Two processes (`cutlass_w8a8.testing.tp.run_workers`, backend NCCL, rank r on cuda:r, NVLink multicast off; a 60 s
 collective timeout, the parent kills workers that outlive 480 s). The worker functions are
-tests/_tp_moe_scenarios.py's, the same as the CPU tests' (tests/test_tp_moe_cpu.py explains the criteria); on the
+tests/_tp_moe_scenarios.py's, the same as the CPU tests' (tests/distributed/test_tp_moe_cpu.py explains the criteria); on the
 GPU:
 
 - the shard's buffers are the full layer's slices bit for bit (sliced on the device);

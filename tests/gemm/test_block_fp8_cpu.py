@@ -5,7 +5,7 @@ W8A8Linear (from_float, from_quantized, quantize_, dtype casts, state_dict, fusi
 
 The format (DeepSeek-V3, Qwen3-FP8, compressed-tensors FP8_BLOCK): e4m3 weight (N, K) with one float32 scale
 per 128 x 128 block, (ceil(N/128), K/128), N-major; e4m3 activations with one scale per 1 x 128 group along K,
-(M, K/128). The CUDA side is tests/test_block_fp8_cuda.py.
+(M, K/128). The CUDA side is tests/gemm/test_block_fp8_cuda.py.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ reference of its dequantized operands at M across the decode and CUTLASS paths, 
 the block weight quantization equal to the CPU bit for bit, the fused norm feeding a block layer, CUDA-graph
 capture (CapturedGraph, UpdatableGraph.set_rows) and torch.compile equal to eager.
 
-The GEMM kernels themselves are tested by tests/test_scaled_mm_block_cuda.py (CUTLASS blockwise configs) and the
-decode helper's tests (decode GEMM, group-quantization kernel); the CPU side is tests/test_block_fp8_cpu.py.
+The GEMM kernels themselves are tested by tests/gemm/test_scaled_mm_block_cuda.py (CUTLASS blockwise configs) and the
+decode helper's tests (decode GEMM, group-quantization kernel); the CPU side is tests/gemm/test_block_fp8_cpu.py.
 """
 
 from __future__ import annotations

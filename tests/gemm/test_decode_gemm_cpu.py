@@ -1,5 +1,5 @@
 """scaled_mm_decode and linear_decode on CPU tensors: reference implementations, argument checks, fake kernels
-and opcheck. Runs in CI (no GPU); the CUDA kernels are tested in tests/test_decode_gemm_cuda.py.
+and opcheck. Runs in CI (no GPU); the CUDA kernels are tested in tests/gemm/test_decode_gemm_cuda.py.
 
 The CPU implementations are scaled_mm's reference math (and, for linear_decode, the CPU per-token quantization
 first), so on the CPU scaled_mm_decode equals scaled_mm and linear_decode equals quantize_per_token followed by
@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cutlass_w8a8 as cw
 from cutlass_w8a8.testing.references import assert_close_to_reference, rand_operand, rand_scale, reference, scale_magnitudes
-from test_opcheck import run_opcheck  # opcheck, with fp8's test_schema replaced by a mutation check
+from _opcheck import run_opcheck  # opcheck, with fp8's test_schema replaced by a mutation check
 
 OPS = torch.ops.cutlass_w8a8
 AB_DTYPES = [torch.int8, torch.float8_e4m3fn]
@@ -293,7 +293,7 @@ def _bench_module():
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "bench_decode_gemm.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_decode_gemm.py"
     spec = importlib.util.spec_from_file_location("bench_decode_gemm", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

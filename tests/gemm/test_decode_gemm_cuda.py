@@ -18,7 +18,7 @@ import torch
 
 import cutlass_w8a8 as cw
 from cutlass_w8a8.testing.references import assert_close_to_reference, fp8_accum_bound, rand_operand, rand_scale, reference, scale_magnitudes
-from test_opcheck import run_opcheck
+from _opcheck import run_opcheck
 
 pytestmark = pytest.mark.cuda
 

@@ -45,7 +45,7 @@ def gpu(test):
     return pytest.mark.cuda(pytest.mark.sm90(test))
 
 
-SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "gemm" / "decode" / "grouped_decode.cu"
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "gemm" / "decode" / "grouped_decode.cu"
 
 
 def test_max_rows_matches_source():

@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import cutlass_w8a8 as cw
 from cutlass_w8a8.testing.references import rand_operand, rand_scale, scale_magnitudes
-from test_opcheck import run_opcheck  # opcheck without test_schema for fp8 operands (torch.allclose has no fp8)
+from _opcheck import run_opcheck  # opcheck without test_schema for fp8 operands (torch.allclose has no fp8)
 
 OPS = torch.ops.cutlass_w8a8
 FP8 = torch.float8_e4m3fn

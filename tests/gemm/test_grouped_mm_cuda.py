@@ -2,9 +2,9 @@
 CUTLASS ptr-array grouped GEMM (csrc/gemm/sm90/grouped: its *_Small configs while T <= 16 E, *_Large above) against
 the float64 product of the dequantized operands, expert by expert.
 
-Tolerances are the dense GEMMs': row-wise int8 / fp8 as tests/test_scaled_mm_cuda.py (assert_close_to_reference:
+Tolerances are the dense GEMMs': row-wise int8 / fp8 as tests/gemm/test_scaled_mm_cuda.py (assert_close_to_reference:
 one output ulp, float32 epilogue roundoffs, and for fp8 the tensor cores' accumulation, fp8_accum_bound(K)); block
-fp8 as tests/test_scaled_mm_block_cuda.py (its block_reference bound per element and the relative Frobenius error
+fp8 as tests/gemm/test_scaled_mm_block_cuda.py (its block_reference bound per element and the relative Frobenius error
 2.5e-3 for bfloat16, 1e-3 for float16). Outputs are poisoned with NaN first: every routed row must be written and
 rows >= offsets[E - 1] must stay untouched. Routings cover empty experts (first, last and inner), all rows on one
 expert, T = 1, unrouted tail rows, T on both sides of the decode bound and of the Small / Large config switch, and
@@ -21,7 +21,7 @@ import cutlass_w8a8 as cw
 from cutlass_w8a8.graphs import CapturedGraph
 from cutlass_w8a8.testing.references import (assert_close_to_reference, assert_within, fp8_accum_bound, rand_operand,
                                              rand_scale, reference, scale_magnitudes, ulp)
-from test_opcheck import run_opcheck
+from _opcheck import run_opcheck
 from test_scaled_mm_block_cuda import FROBENIUS, block_reference
 
 pytestmark = pytest.mark.sm90

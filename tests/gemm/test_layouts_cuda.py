@@ -7,7 +7,7 @@ keep those properties are legal and must be honoured; the rest must be rejected 
 and the C++ entry (direct ``torch.ops`` calls). The quantization ops accept any layout (non-contiguous
 inputs are read through their strides or copied first) and must match the CPU reference bit for bit.
 
-Complements tests/test_scaled_mm_cuda.py (test_padded_views: one int8 window case; test_cpp_checks_match_python:
+Complements tests/gemm/test_scaled_mm_cuda.py (test_padded_views: one int8 window case; test_cpp_checks_match_python:
 the C++ side of a few CPU BAD_CASES) with fp8, every operand's offsets, row windows, single-row pitches, and
 each misaligned / non-contiguous view.
 """

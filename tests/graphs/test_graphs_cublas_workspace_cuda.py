@@ -27,7 +27,7 @@ import pytest
 
 pytestmark = pytest.mark.cuda
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
 import torch

@@ -255,7 +255,7 @@ def test_unsafe_operation_fails_capture_and_process_recovers(offender):
     Each case runs in a fresh process (``python -m pytest`` on this file, selecting
     ``test_unsafe_capture_in_this_process``, which exists only there): a failed capture is process state, and
     in one process the cases depended on what ran before them (on an H200, the synchronous device-to-host case
-    failed after the decoder's Warp test, ``pytest tests/test_warp_cuda.py tests/test_decoder_cuda.py -k
+    failed after the decoder's Warp test, ``pytest tests/graphs/test_warp_cuda.py tests/models/test_decoder_cuda.py -k
     warp``, and passed with this file alone). A skip in the child (no blocking stream, per-thread default
     streams) is a skip here.
     """

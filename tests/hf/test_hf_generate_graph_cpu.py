@@ -1,6 +1,6 @@
 """`cutlass_w8a8.generate` / `cutlass_w8a8.hf.GraphGenerator` with ``step="transformers"`` (the model's own forward as
 the decode step) on the CPU (no graphs: the same steps run eagerly), on tiny transformers models
-(tests/_hf_tiny.py), optimized W8A8 and plain bf16 (the ``"cw"`` step: tests/test_hf_decode_step_cpu.py):
+(tests/_hf_tiny.py), optimized W8A8 and plain bf16 (the ``"cw"`` step: tests/hf/test_hf_decode_step_cpu.py):
 
 - greedy tokens equal ``model.generate(..., do_sample=False)``'s given a ``StaticCache`` of the same length (the
   same attention arithmetic: with the same masks the logits are bit for bit those of transformers' loop), for a

@@ -67,7 +67,7 @@ def test_structure_and_exact_fusion(kind, scheme):
     for lq, lo in zip(q.model.layers, o.model.layers):
         a, b = lq.self_attn, lo.self_attn
         assert isinstance(b, type(a)) and type(b) is not type(a) and type(b).__name__ == f"Fused{type(a).__name__}"
-        assert not {"q_proj", "k_proj", "v_proj"} & set(b._modules)  # views only (tests/test_hf_interfaces_cpu.py)
+        assert not {"q_proj", "k_proj", "v_proj"} & set(b._modules)  # views only (tests/hf/test_hf_interfaces_cpu.py)
         parts = [a.q_proj, a.k_proj, a.v_proj]
         assert torch.equal(b.qkv_proj.weight, torch.cat([p.weight for p in parts]))
         assert torch.equal(b.qkv_proj.weight_scale, torch.cat([p.weight_scale for p in parts]))

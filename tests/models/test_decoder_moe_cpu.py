@@ -30,7 +30,7 @@ TINY = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_l
 MAX_BATCH, MAX_SEQ = 8, 32
 QUANTS = ["int8", "fp8", "fp8-block"]
 # eager step vs the float32 reference with the model's routing, relative Frobenius error of the logits: the dense
-# decoder's bounds (tests/test_decoder_cuda.py); bf16 = the bf16 model vs its own float32 copy. Measured here on the
+# decoder's bounds (tests/models/test_decoder_cuda.py); bf16 = the bf16 model vs its own float32 copy. Measured here on the
 # CPU references over test_w8a8_close_to_float32_reference's steps: bf16 0.6-0.7%, int8 1.6-2.1%, fp8 4.3-5.4%,
 # fp8-block 4.4-4.9%: the bounds leave ~2.8x.
 EAGER_VS_FP32_REL = {None: 2e-2, "int8": 6e-2, "fp8": 1.5e-1, "fp8-block": 1.5e-1}

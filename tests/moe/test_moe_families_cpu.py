@@ -43,7 +43,7 @@ from _moe_models import VOCAB, moe_blocks, tiny_moe_config, tiny_moe_model  # no
 
 ROWS = pytest.mark.parametrize("fam", F.FAMILIES, ids=[f.model_type for f in F.FAMILIES])
 # quantize_d bf16 models vs the bf16 model itself (the quantization error of every Linear and expert), the bound
-# of tests/test_moe_layer_cpu.py (measured there 30.9-35.2 dB int8, 21.7-24.2 dB fp8 block) for the same tiny models.
+# of tests/moe/test_moe_layer_cpu.py (measured there 30.9-35.2 dB int8, 21.7-24.2 dB fp8 block) for the same tiny models.
 VS_FLOAT_SQNR_DB = {"int8": 28.0, "fp8-block": 18.0}
 SCHEMES = {"int8": cw.W8A8Config(dtype=torch.int8),
            "fp8-block": cw.W8A8Config(dtype=torch.float8_e4m3fn, weight_block_size=(128, 128))}
@@ -126,7 +126,7 @@ def _renormalize_values(fam):
 def test_routing_spec_is_the_routers(fam):
     """moe_topk_softmax with the routing read from the router (what W8A8MoE runs in router-logits mode) against the
     router module itself, float32: the same experts, the same weights (the softmax is the same float32 call; only
-    the renormalizing sum may be ordered differently: the tolerance of tests/test_moe_routing_cpu.py)."""
+    the renormalizing sum may be ordered differently: the tolerance of tests/moe/test_moe_routing_cpu.py)."""
     model = tiny_moe_model(fam.model_type, dtype=torch.float32)
     _, block = moe_blocks(model)[0]
     router = getattr(block, fam.routing.router)

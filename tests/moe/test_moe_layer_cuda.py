@@ -5,8 +5,8 @@ of the layer (no host sync, side stream) replayed with changing routings, bit fo
 (fullgraph, reduce-overhead) equal to eager; quantize_ on the tiny Qwen3-MoE / Qwen2-MoE / Mixtral models (logits
 vs the dequantized reference, greedy tokens).
 
-The CPU side (refusals, from_float, casts, quantize_ warnings) is tests/test_moe_layer_cpu.py; the ops themselves
-are tested by tests/test_grouped_mm_cuda.py, tests/test_grouped_decode_cuda.py and tests/test_moe_routing_cuda.py.
+The CPU side (refusals, from_float, casts, quantize_ warnings) is tests/moe/test_moe_layer_cpu.py; the ops themselves
+are tested by tests/gemm/test_grouped_mm_cuda.py, tests/gemm/test_grouped_decode_cuda.py and tests/moe/test_moe_routing_cuda.py.
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ def test_single_position_is_exactly_the_value():
 def test_rows_are_independent():
     """Row-wise: at a given B, row b's output depends on row b's inputs only; changing the other rows' queries,
     slots and positions leaves it bit for bit unchanged (CUDA-graph node updates to fewer rows rely on this;
-    tests/test_graph_update_cuda.py shrinks the captured nodes themselves). A smaller eager batch may choose
+    tests/graphs/test_graph_update_cuda.py shrinks the captured nodes themselves). A smaller eager batch may choose
     another split count, so the same row computed at another B agrees to rounding, not bitwise."""
     q, kv, slots, pos = make_inputs(64, 32, 8, 128, 256, torch.bfloat16, "cuda", seed=12)
     full = cw.decode_attention(q, kv, slots, pos)

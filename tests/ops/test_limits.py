@@ -11,7 +11,7 @@ import pytest
 
 from cutlass_w8a8.ops import _limits
 
-HEADER = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "core" / "limits.hpp"
+HEADER = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "core" / "limits.hpp"
 
 # C++ name in limits.hpp -> Python name in ops/_limits.py
 PAIRS = {

@@ -1,8 +1,8 @@
-"""torch.library.opcheck on every op, for what tests/test_ops_cpu.py::test_opcheck_cpu and
-tests/test_scaled_mm_cuda.py::test_opcheck_cuda leave out: fp8 operands, the out= schema with fp8, the
+"""torch.library.opcheck on every op, for what tests/gemm/test_ops_cpu.py::test_opcheck_cpu and
+tests/gemm/test_scaled_mm_cuda.py::test_opcheck_cuda leave out: fp8 operands, the out= schema with fp8, the
 tuning op `_scaled_mm_config`, quantize_per_tensor to fp8, float16 / float32 inputs, M = 0, windowed
 (non-contiguous) operands, non-contiguous quantization inputs, decode_attention_quant (decode_attention's
-own cases are in tests/test_decode_attention_cpu.py / _cuda.py), and block-scaled fp8: scaled_mm(_out) and
+own cases are in tests/ops/test_decode_attention_cpu.py / _cuda.py), and block-scaled fp8: scaled_mm(_out) and
 scaled_mm_decode with (M, K/128) x (ceil(N/128), K/128) scales, w8a8_linear with block weight scales,
 quantize_per_token_group, and rms_norm_quant / silu_mul_quant with group_size=128.
 
@@ -17,6 +17,8 @@ import torch
 import cutlass_w8a8  # noqa: F401 (defines the ops)
 
 from cutlass_w8a8.testing.references import rand_operand, rand_scale, scale_magnitudes
+
+from _opcheck import run_opcheck
 
 OPS = torch.ops.cutlass_w8a8
 
@@ -150,35 +152,6 @@ def transposed_cases(device):
 
 
 CPU_CASES = cases("cpu")
-
-
-# torch's schema check (test_schema) compares every tensor argument before and after the call with
-# torch.allclose, which has no float8 kernel ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'):
-# with fp8 operands it runs the other checks, and `inputs_unchanged` checks the mutation annotations instead.
-ALL_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-NO_SCHEMA = ALL_UTILS[1:]
-
-
-def run_opcheck(op, args):
-    has_fp8 = any(isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn for t in args)
-    torch.library.opcheck(op, args, test_utils=NO_SCHEMA if has_fp8 else ALL_UTILS)
-    if has_fp8:
-        inputs_unchanged(op, args)
-
-
-def inputs_unchanged(op, args):
-    """What test_schema checks for the mutation annotations: only `Tensor(a!)` arguments change."""
-    schema = op.default._schema
-    before = [t.clone() if isinstance(t, torch.Tensor) else None for t in args]
-    op(*args)
-    for arg, old, new in zip(schema.arguments, before, args):
-        if old is None:
-            continue
-        mutable = arg.alias_info is not None and arg.alias_info.is_write
-        same = torch.equal(old.view(torch.uint8), new.view(torch.uint8)) if old.element_size() == 1 else \
-            torch.equal(old.nan_to_num(), new.nan_to_num())
-        if not mutable:
-            assert same, f"{schema.name}: `{arg.name}` changed but is not annotated as mutable"
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CPU_CASES])

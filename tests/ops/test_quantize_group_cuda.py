@@ -5,7 +5,7 @@ Covers bfloat16 / float16 (a half warp per group) and float32 (a warp per group)
 [..., K] inputs, padded rows (16-byte aligned: vector loads) and misaligned or odd-pitched rows (element loads),
 groups of zeros, groups with one large value, K from one group to more groups than one block row of the grid
 holds, empty inputs, the current stream, CUDA-graph capture (UpdatableGraph.set_rows on its row-wise node) and
-the argument checks (opcheck: tests/test_opcheck.py).
+the argument checks (opcheck: tests/ops/test_opcheck.py).
 """
 
 import pytest

@@ -16,7 +16,7 @@ import torch
 from cutlass_w8a8.ops._schema import OPS
 from cutlass_w8a8.testing import sanitize_cases as sc
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "sanitize.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "sanitize.py"
 Q = torch.ops.cutlass_w8a8
 
 
