@@ -1,7 +1,7 @@
 """bench/bench_gemm.py's methods: the names of the timed methods, the inputs of a point (`Weights` of a shape,
 `Activations` of an M) and `build_methods`, which gives ``name -> (fn, args)`` for every method but the torchao
 peers (bench/_gemm_torchao.py). Every tensor is on `DEVICE`, the current CUDA device
-(tests/test_bench_gemm_block_cpu.py runs the sweep's flow with ``"cpu"``).
+(tests/bench/test_bench_gemm_block_cpu.py runs the sweep's flow with ``"cpu"``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Long fuzz run of cutlass_w8a8.scaled_mm against the float64 reference (the CI sample is tests/test_fuzz.py).
+"""Long fuzz run of cutlass_w8a8.scaled_mm against the float64 reference (the CI sample is tests/gemm/test_fuzz.py).
 
 Each case is a random legal call (cutlass_w8a8/testing/fuzz.py, `random_case`): M in [1, 8192] (30% on a dispatch bucket
 edge), N and K multiples of 16 up to 16384 (log-uniform), int8 and/or fp8, both output dtypes, every scale

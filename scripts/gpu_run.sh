@@ -26,7 +26,7 @@
 # nvidia_cutlass-4.2.0.0-py3-none-any.whl there) when cutlass_library is not importable.
 # Optional, also from .whl/ when present and not importable, outside the Python environment: a torchao wheel
 # (torchao-*.whl, installed with --target /tmp/site: bench_gemm.py's torchao columns) and Warp without its CPU
-# compiler (warp-*-cuda-only.tar.xz, untarred into /tmp/warp_pkg: tests/test_warp_cuda.py); both directories
+# compiler (warp-*-cuda-only.tar.xz, untarred into /tmp/warp_pkg: tests/graphs/test_warp_cuda.py); both directories
 # go on PYTHONPATH. Without them those columns and tests are left out with a printed reason.
 # Any other wheels in .whl/ (compressed-tensors and what it needs, llm-compressor, ...: the checkpoint tests)
 # are installed with pip --no-deps --target /tmp/site as well, when their package is not importable.
@@ -109,7 +109,7 @@ if has test || has bench || has bench-full || has m1-torchao; then
   fi
   warp_tar=$(ls .whl/warp-*.tar.xz 2>/dev/null | head -1)
   if [ -z "$warp_tar" ]; then
-    stamp "warp: no tarball in .whl/; tests/test_warp_cuda.py skips"
+    stamp "warp: no tarball in .whl/; tests/graphs/test_warp_cuda.py skips"
   elif $PY -c "import warp" >/dev/null 2>&1; then
     stamp "warp: already importable ($($PY -c 'import warp; print(warp.__version__)' 2>/dev/null | tail -1))"
   else
@@ -120,7 +120,7 @@ if has test || has bench || has bench-full || has m1-torchao; then
     if ver=$($PY -c 'import warp; print(warp.__version__)' 2>"$OUT/warp_import.log" | tail -1); then
       stamp "warp: $ver from $warp_tar (/tmp/warp_pkg on PYTHONPATH)"
     else
-      stamp "warp: $warp_tar does not import, tests/test_warp_cuda.py skips: $(tail -1 "$OUT/warp_import.log")"
+      stamp "warp: $warp_tar does not import, tests/graphs/test_warp_cuda.py skips: $(tail -1 "$OUT/warp_import.log")"
     fi
   fi
 fi
@@ -144,7 +144,7 @@ if has test && [ -n "${PYTEST_SHARDS:-}" ]; then
   # The whole suite as PYTEST_SHARDS pytest processes on the one GPU at once, test files dealt round-robin (a clean
   # build plus the serial suite no longer fit one 10-minute device call). Each shard: tests_<i>.log, junit_<i>.xml.
   t0=$(date +%s)
-  files=(tests/test_*.py)
+  mapfile -t files < <(find tests -name "test_*.py" | sort)
   pids=()
   for ((i = 0; i < PYTEST_SHARDS; i++)); do
     shard=()

@@ -1,4 +1,4 @@
-"""Worker functions of the block-scaled fp8 tensor-parallel tests (tests/test_checkpoints_block_tp.py, gloo on
+"""Worker functions of the block-scaled fp8 tensor-parallel tests (tests/checkpoints/test_checkpoints_block_tp.py, gloo on
 the CPU), run by `cutlass_w8a8.testing.tp.run_workers` in spawned processes, one per rank. As in
 tests/_tp_scenarios.py: every rank builds the same full layer from one seed, shards it, runs both, and returns
 plain data (CPU tensors, e4m3 viewed as uint8; exceptions as ``("error", type, message)``); the tests assert in

@@ -1,4 +1,4 @@
-"""Loads bench/bench_m1_torchao.py for tests/test_bench_m1_torchao_{cpu,cuda}.py. The script imports its sibling
+"""Loads bench/bench_m1_torchao.py for tests/bench/test_bench_m1_torchao_{cpu,cuda}.py. The script imports its sibling
 modules (bench/_gemm_*.py, bench/_m1_torchao_report.py) as top-level modules, bench/ being on sys.path when it
 runs as ``python bench/bench_m1_torchao.py``; here they are loaded from their files and registered in
 ``sys.modules`` for one test (pytest's ``monkeypatch``), without touching sys.path."""

@@ -40,7 +40,7 @@ LM_HEAD_GAIN = 8.0
 
 def tiny_moe_config(kind: str):
     """The transformers config of `tiny_moe_model` ``kind`` (one of `KINDS`, a ``model_type``; each row of
-    `cutlass_w8a8.moe.families.FAMILIES` needs its ``model_type`` here: tests/test_moe_families_cpu.py builds it)."""
+    `cutlass_w8a8.moe.families.FAMILIES` needs its ``model_type`` here: tests/moe/test_moe_families_cpu.py builds it)."""
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,

@@ -1,6 +1,6 @@
 """The decoder CUDA tests' greedy check of `cutlass_w8a8.runner.DecodeGraphRunner`: graph replays on a side stream
-under sync debug mode "error" against the runner's eager steps (tests/test_decoder_block_cuda.py,
-tests/test_decoder_moe_cuda.py)."""
+under sync debug mode "error" against the runner's eager steps (tests/models/test_decoder_block_cuda.py,
+tests/models/test_decoder_moe_cuda.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Worker functions of the tensor-parallel MoE tests (tests/test_tp_moe_cpu.py with gloo, tests/test_tp_moe_cuda.py
+"""Worker functions of the tensor-parallel MoE tests (tests/distributed/test_tp_moe_cpu.py with gloo, tests/distributed/test_tp_moe_cuda.py
 with NCCL), run by `cutlass_w8a8.testing.tp.run_workers` in spawned processes, one per rank. Each builds the full
 `W8A8MoE` from the same seed on every rank, shards it (`TensorParallelW8A8MoE`), runs both on the same inputs and
 returns plain data (CPU tensors, exception names and messages); the tests assert in the parent. Every scenario
@@ -182,7 +182,7 @@ def hf_moe_cases(rank: int, world: int, ids: torch.Tensor) -> dict:
 
 
 def cuda_moe_cases(rank: int, world: int) -> dict:
-    """What tests/test_tp_moe_cuda.py checks, in one pair of NCCL processes (cuda:0, cuda:1)."""
+    """What tests/distributed/test_tp_moe_cuda.py checks, in one pair of NCCL processes (cuda:0, cuda:1)."""
     if not cw.cuda_ops_available():
         raise RuntimeError(f"the CUDA extension is not built: {cw.extension_status()}")
     if torch.cuda.get_device_capability(rank) != (9, 0):

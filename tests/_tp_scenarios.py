@@ -1,4 +1,4 @@
-"""Worker functions of the tensor-parallel tests (tests/test_tp_cpu.py with gloo, tests/test_tp_cuda.py with NCCL),
+"""Worker functions of the tensor-parallel tests (tests/distributed/test_tp_cpu.py with gloo, tests/distributed/test_tp_cuda.py with NCCL),
 run by `cutlass_w8a8.testing.tp.run_workers` in spawned processes, one per rank. Each builds the full (unsharded)
 layer or model and its shard from the same seed on every rank, runs both, and returns plain data (CPU tensors,
 exception names and messages); the tests assert in the parent. Every scenario records its own exception instead of
@@ -396,7 +396,7 @@ def hf_cases(rank: int, world: int, path: str, ids: torch.Tensor, path_kv1: str 
 
 
 def cpu_core_cases(rank: int, world: int) -> dict:
-    """Everything tests/test_tp_cpu.py checks that runs without transformers, in one pair of processes."""
+    """Everything tests/distributed/test_tp_cpu.py checks that runs without transformers, in one pair of processes."""
     return {"layers": layer_cases(rank, world), "errors": error_cases(rank, world),
             "decoder": decoder_cases(rank, world, [("int8", "int8", torch.bfloat16), ("fp8", "fp8", torch.bfloat16),
                                                    ("float32", None, torch.float32),
@@ -413,7 +413,7 @@ SMALL2_KV1 = SMALL2.replace(num_kv_heads=1)
 
 
 def cuda_cases(rank: int, world: int) -> dict:
-    """What tests/test_tp_cuda.py checks, in one pair of NCCL processes (cuda:0, cuda:1)."""
+    """What tests/distributed/test_tp_cuda.py checks, in one pair of NCCL processes (cuda:0, cuda:1)."""
     if not cw.cuda_ops_available():
         raise RuntimeError(f"the CUDA extension is not built: {cw.extension_status()}")
     return {"layers": layer_cases(rank, world), "errors": error_cases(rank, world),
@@ -427,7 +427,7 @@ def cuda_cases(rank: int, world: int) -> dict:
 # shared by the test files
 
 
-#: The W8A8 decoder criterion of the tests: ||L2 - Lf|| <= TP_VS_TP1_ACCURACY * ||L1 - Lf|| (tests/test_tp_cpu.py).
+#: The W8A8 decoder criterion of the tests: ||L2 - Lf|| <= TP_VS_TP1_ACCURACY * ||L1 - Lf|| (tests/distributed/test_tp_cpu.py).
 TP_VS_TP1_ACCURACY = 1.25
 
 #: The ValueError (regex) each error_cases scenario must raise on every rank.

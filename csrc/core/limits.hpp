@@ -1,5 +1,5 @@
 // Every size limit of the ops' argument contracts, in one place. cutlass_w8a8/ops/_limits.py holds the same
-// numbers for the CPU and fake implementations; tests/test_limits.py parses this file and pins the two equal.
+// numbers for the CPU and fake implementations; tests/ops/test_limits.py parses this file and pins the two equal.
 #pragma once
 
 #include <cstdint>

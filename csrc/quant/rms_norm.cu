@@ -24,7 +24,7 @@
 // device, never on M: results are deterministic and independent of the batch. It is neither the CPU's
 // summation order nor torch's CUDA rms_norm's, and torch's CPU rsqrt is not 1 / sqrt, so y can differ from
 // those in the last bit of T where the float32 value lies within a few float32 roundings of a tie
-// (tests/test_fused_quant_cuda.py bounds that; all that follows y, the quantization included, is bit-exact).
+// (tests/ops/test_fused_quant_cuda.py bounds that; all that follows y, the quantization included, is bit-exact).
 //
 // Kernel shape (csrc/graphs/graph_nodes.hpp relies on it; the same for silu_mul.cu): every kernel is row-wise,
 // grid (M, C, 1) with C = 1, or the C blocks of a thread block cluster that share a long row (sm90; the cluster

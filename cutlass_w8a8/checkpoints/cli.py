@@ -60,7 +60,7 @@ EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 
 #: the model families of the table in the module docstring (and docs/LOADERS.md), by group
 FAMILIES = {"dense": ("Llama", "Mistral", "Qwen2", "Qwen3"), "MoE": ("Qwen2-MoE", "Qwen3-MoE", "Mixtral")}
-#: the schemes plain transformers reads, per family group (tests/test_checkpoints_loaders_cpu.py checks each cell)
+#: the schemes plain transformers reads, per family group (tests/checkpoints/test_checkpoints_loaders_cpu.py checks each cell)
 TRANSFORMERS_READS = {"dense": ("int8", "fp8", "fp8-block"), "MoE": ("fp8",)}
 #: the transformers versions those claims were tested with
 TRANSFORMERS_TESTED = ("5.17", "5.24")

@@ -22,7 +22,7 @@ rank quantizes its ``K / world`` input columns with their own per-token scale ``
 does), which is never larger than the full row's ``amax(x) / 127``. The result therefore differs from the
 unsharded layer's by the two activation quantizations (and the rounding of the partial outputs to the layer
 dtype before the reduce), not by more: `cutlass_w8a8.testing.tp.row_parallel_bound` writes the element-wise
-bound out; tests/test_tp_cpu.py checks it. A static ``input_scale`` is shared by all shards, so the shards'
+bound out; tests/distributed/test_tp_cpu.py checks it. A static ``input_scale`` is shared by all shards, so the shards'
 quantized inputs are exactly the slices of the unsharded layer's.
 
 Block-scaled fp8 layers (128 x 128 weight blocks, activations per 1 x 128 group) are split on block boundaries

@@ -26,7 +26,7 @@ shard, is quantized per shard: with dynamic per-token activations each rank's pe
 its own ``I / w`` columns (never larger than the full row's), so the quantized values differ from the unsharded
 layer's by rounding; with static ``a2_scale`` or block-scaled fp8 (``I / w`` a multiple of 128, so each rank's
 1 x 128 groups are groups of the unsharded layer) they are exactly its slices. Then each rank's partial output is
-rounded to the layer's dtype before the reduce. tests/test_tp_moe_cpu.py states the resulting criteria.
+rounded to the layer's dtype before the reduce. tests/distributed/test_tp_moe_cpu.py states the resulting criteria.
 
 Requirements (ValueError naming the sizes, the same on every rank): I divisible by the world size, ``I / w`` a
 multiple of 16, and a multiple of 128 for block-scaled fp8 (`sharding.check_moe_shardable`).

@@ -24,7 +24,7 @@ Numerics against transformers' eager step on the same prefix: the same GEMMs on 
 up to bf16 rounding differences elsewhere: the rotary embedding is computed in float32 and rounded once
 (transformers rounds ``cos`` / ``sin`` to the model dtype and each product), the residual add is fused into the
 norm, attention is split-KV with a float32 online softmax instead of SDPA's kernel. Logits differ by bf16 noise
-(the tests bound it and compare greedy tokens allowing only near-ties; tests/test_hf_decode_step_cpu.py).
+(the tests bound it and compare greedy tokens allowing only near-ties; tests/hf/test_hf_decode_step_cpu.py).
 
 Left padding: transformers' prefill leaves a left-padded row's prompt at cache columns ``pad .. L - 1``.
 `DecodeStep.load_prefill` moves each row's keys and values to columns ``0 .. L - pad - 1``, so that column = the

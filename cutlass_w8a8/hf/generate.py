@@ -135,7 +135,7 @@ class GraphGenerator:
     then failed with an illegal memory access. The probable cause is a captured bf16 GEMM's cuBLAS workspace: it was
     allocated outside the graph, and torch.compile's graph trees free it. `cutlass_w8a8.graphs.capture` now
     allocates that workspace inside the graph's pool (see its module docstring). That fix has not yet been run on a
-    GPU (tests/test_graphs_cublas_workspace_cuda.py, scripts/repro_compile_and_graphs.py).
+    GPU (tests/graphs/test_graphs_cublas_workspace_cuda.py, scripts/repro_compile_and_graphs.py).
 
     Raises
     ------

@@ -39,7 +39,7 @@ per-token quantization bit for bit. ``rms_norm_quant`` computes ``(x * rsqrt(mea
 float32 and rounds once, where transformers' RMSNorm rounds ``x * rsqrt(...)`` to the model dtype and then
 multiplies by ``weight`` in the model dtype (a second rounding): with norm weights that are all 1 the two agree
 bit for bit, otherwise an element may differ by one unit in the last place of bfloat16 before quantization
-(tests/test_hf_optimize_cpu.py states the tolerance).
+(tests/hf/test_hf_optimize_cpu.py states the tolerance).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def _rope_(x: torch.Tensor, rope: torch.Tensor) -> None:
     """Rotate ``x`` in place: ``(B, N, D)`` heads (a view into the qkv output), ``rope`` ``(B, D/2, 2)`` float32.
 
     The decoder's rotary code before the row-wise op ``rope_kv_cache_`` replaced it; the step no longer calls
-    it: tests keep it as the torch reference of that op (tests/test_rope_kv_cache.py). Hugging Face's "neox" rotation of the pairs ``(x[j], x[j + D/2])`` by the angle of frequency ``j``,
+    it: tests keep it as the torch reference of that op (tests/ops/test_rope_kv_cache.py). Hugging Face's "neox" rotation of the pairs ``(x[j], x[j + D/2])`` by the angle of frequency ``j``,
     computed in float32 and rounded once to ``x``'s dtype. Eager code multiplies complex numbers (three
     kernels: gather the pairs as float32, one complex multiply, scatter back); under ``torch.compile`` the
     real-arithmetic form is used, which inductor fuses into one kernel (it has no complex codegen).

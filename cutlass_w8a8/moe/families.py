@@ -11,7 +11,7 @@ Every fact about a family lives in its row, and every reader takes it from here:
 
 A block belongs to a family when its class, or a class it derives from, is named in the row's ``blocks``
 (`family_of`; matched by name, so transformers is never imported here). Adding a family is a row in `FAMILIES` and
-its tiny-model case in tests/test_moe_families_cpu.py, nothing more.
+its tiny-model case in tests/moe/test_moe_families_cpu.py, nothing more.
 
 The rows (transformers 5.24's classes; E experts, expert ``e``, ``<layer>`` a decoder layer):
 

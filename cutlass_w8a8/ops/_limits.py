@@ -1,7 +1,7 @@
 """Every size limit and dtype set of the ops' argument contracts, for the CPU and fake implementations.
 
 csrc/core/limits.hpp holds the same numbers for the CUDA checks (kInt8MaxK, kGemmAlign, ...);
-tests/test_limits.py pins the two equal. The checks in `_checks.py` use these names, never literals.
+tests/ops/test_limits.py pins the two equal. The checks in `_checks.py` use these names, never literals.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 each after its op's checks (`_checks.py`). Registered for the CPU dispatch key at import.
 
 The fused ops' references are the unfused torch chains they replace, op for op, in x's dtype, so on the CPU the
-fused ops equal the chains bit for bit by construction (tests/test_fused_quant_cpu.py). decode_layer's CPU
+fused ops equal the chains bit for bit by construction (tests/ops/test_fused_quant_cpu.py). decode_layer's CPU
 implementation is the same op calls, in the same order, as `LlamaDecoderLayer`'s Python path.
 """
 

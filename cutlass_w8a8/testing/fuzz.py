@@ -1,4 +1,4 @@
-"""Fuzz cases for scaled_mm, shared by tests/test_fuzz.py (hypothesis) and scripts/fuzz.py (the long run).
+"""Fuzz cases for scaled_mm, shared by tests/gemm/test_fuzz.py (hypothesis) and scripts/fuzz.py (the long run).
 
 A `Case` describes one legal call: shapes, operand dtype, output dtype, scale kinds and shapes, bias, the
 functional or ``out=`` form, the layouts (a, b and out as windows of wider buffers, with 16-byte aligned

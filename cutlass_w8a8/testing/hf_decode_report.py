@@ -2,7 +2,7 @@
 the package's own decoder (`targets_vs_decoder`), the Markdown tables (latency with warm-up and the graph step each
 graph row ran, accuracy), `recheck` (a results file re-evaluated with the current gates), `render_markdown`,
 `plot_results` and `write_outputs` (``<prefix>_<device>.{json,md,png}``). Here so that the script keeps working
-when loaded by path (tests/test_bench_hf_cpu.py); importing it touches no GPU.
+when loaded by path (tests/bench/test_bench_hf_cpu.py); importing it touches no GPU.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ TARGETS = [
 GRAPH_WARMUP_MAX_S = 10.0
 
 # Sanity gates on the logits of the benchmark's own model. They catch a broken path, not rounding: accuracy
-# has its gates in the tests, on models where they mean something (tests/test_hf_generate.py,
-# tests/test_hf_optimize_cpu.py, tests/test_hf_generate_graph_cuda.py: graph replay equal to eager bit for bit).
+# has its gates in the tests, on models where they mean something (tests/hf/test_hf_generate.py,
+# tests/hf/test_hf_optimize_cpu.py, tests/hf/test_hf_generate_graph_cuda.py: graph replay equal to eager bit for bit).
 # A 32-layer model with random weights amplifies every rounding difference layer after layer: on an H100
 # (2026-11-23) the bf16 model compiled vs its own eager run gave 25 dB, int8 12-13 dB, fp8 9 dB, and W8A8 eager vs
 # bf16 eager 10 dB (int8) and 4 dB (fp8). A broken path (wrong strides, a stale cache position, the replay of old

@@ -4,7 +4,7 @@
 captured decode step),
 `step_inputs`, `check_mode` (the logits of the check steps), `Timer` (CUDA events, or the host clock on the
 CPU) and `time_interleaved` (the repetitions of every variant, round-robin). Here so that the script keeps
-working when loaded by path (tests/test_bench_hf_cpu.py); importing it touches no GPU.
+working when loaded by path (tests/bench/test_bench_hf_cpu.py); importing it touches no GPU.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def block_reference(a, b, scale_a, scale_b, bias=None) -> tuple[torch.Tensor, to
     in float64 from the dequantized operands; ``bound`` the elementwise allowance besides the output's rounding
     (add one output ulp): float32 scaling and summing of the K/128 block partials ((K/128 + 4) eps32 of
     sum|terms|), Hopper's fp8 accumulation within a 128-long block (`fp8_accum_bound` (128)), and two float32
-    roundoffs of |D| + |bias| in the epilogue. The bound of tests/test_scaled_mm_block_cuda.py."""
+    roundoffs of |D| + |bias| in the epilogue. The bound of tests/gemm/test_scaled_mm_block_cuda.py."""
     k, n = b.shape
     a_deq = a.double() * scale_a.double().repeat_interleave(BLOCK, dim=1)
     b_deq = b.double() * scale_b.double().repeat_interleave(BLOCK, dim=0)[:n].repeat_interleave(BLOCK, dim=1).t()

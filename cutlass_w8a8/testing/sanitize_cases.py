@@ -24,7 +24,7 @@ Every result is checked, so a kernel that silently did nothing (or too little) s
   to the eager chain bit for bit.
 
 The same cases run on the CPU (``device="cpu"``: the CPU implementations, no sanitizer), which is what
-tests/test_sanitize_cpu.py does, so their argument conventions stay right between GPU runs. On the CPU the graph
+tests/ops/test_sanitize_cpu.py does, so their argument conventions stay right between GPU runs. On the CPU the graph
 cases run their chains eagerly and `_graph_update_scaled_mm` (CUDA only: it rewrites a captured kernel node) is not
 called; the case that drives it on the GPU runs the same GEMMs through ``scaled_mm_out`` instead.
 
@@ -95,7 +95,7 @@ GROUPED_DECODE_MAX_ROWS = 64
 LOOSE_REL = 0.05
 
 #: How far a row-wise float kernel (csrc/quant/rms_norm.cu, silu_mul.cu) may be from its CPU implementation (the
-#: torch chain on the CPU), the bounds of the CUDA tests (tests/test_fused_quant_cuda.py):
+#: torch chain on the CPU), the bounds of the CUDA tests (tests/ops/test_fused_quant_cuda.py):
 #:
 #: - float32 output: relative `ROW_F32_REL` = 2**-18 (32 float32 ulps; `assert_within_one_ulp`'s float32 branch and
 #:   `test_silu_mul_float32_close_to_cpu`'s rtol 4e-6). Both sides compute in float32 and round each step, but not
@@ -441,7 +441,7 @@ def _rowwise_scales(ctx: Ctx, m: int, n: int, k: int, dtype, per_token: bool):
 
 def _block_scales(ctx: Ctx, shape, k: int) -> torch.Tensor:
     """Scales of magnitudes 2^-3 .. 2^2 / sqrt(K) that differ from group to group (a scale read for the wrong
-    group shows), as tests/test_scaled_mm_block_cuda.py draws them."""
+    group shows), as tests/gemm/test_scaled_mm_block_cuda.py draws them."""
     mag = 2.0 ** torch.randint(-3, 3, shape, generator=ctx.g).float()
     return (torch.rand(shape, generator=ctx.g) + 0.5) * mag / (k ** 0.5)
 

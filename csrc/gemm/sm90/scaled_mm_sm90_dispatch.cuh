@@ -86,7 +86,7 @@ inline int select_int8(int64_t m, int64_t n, int64_t k, int sm_count) {
 // Every shipped fp8 config uses fast accumulation: in the sweep it beat the configs that promote the
 // tensor cores' partial sums into float32 every 4 MMAs by 5-30% at every M (those need TileK = 128 and twice
 // the accumulator registers). vLLM's sm90 fp8 kernels make the same choice. The error it allows is stated
-// in csrc/gemm/EPILOGUES.md and tested in tests/test_scaled_mm_cuda.py.
+// in csrc/gemm/EPILOGUES.md and tested in tests/gemm/test_scaled_mm_cuda.py.
 
 // M in [1, 16]
 using Fp8_M16 = Config<64, 16, 256, 1, 1, PP, PE, true, true>;
