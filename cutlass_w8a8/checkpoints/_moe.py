@@ -478,16 +478,21 @@ def float_expert_headers(model: nn.Module, headers: Dict[str, tuple], where: str
     entries are kept as they are."""
     out = dict(headers)
     for name, m in model.named_modules():
-        gu, dn = out.get(f"{name}.gate_up_proj"), out.get(f"{name}.down_proj")
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        if gu is None or dn is None or len(gu[1]) != 3 or _FAMILIES.get(type(parent).__name__) is None:
+        fam = family_of(parent)
+        if fam is None or name.rpartition(".")[2] != fam.layout.module:
             continue
-        ckpt_block, leaves = _layout(model, name, where)
+        gu_key, dn_key = f"{name}.{fam.layout.gate_up}", f"{name}.{fam.layout.down}"
+        gu, dn = out.get(gu_key), out.get(dn_key)
+        if gu is None or dn is None or len(gu[1]) != 3:
+            continue
+        ckpt_block, fam = _layout(model, name, where)
         e_, two_i, h = gu[1]
-        del out[f"{name}.gate_up_proj"], out[f"{name}.down_proj"]
+        del out[gu_key], out[dn_key]
+        shapes = ((gu[0], [two_i // 2, h]),) * 2 + ((dn[0], [h, two_i // 2]),)
         for e in range(e_):
-            for leaf, (dt, shape) in zip(leaves, ((gu[0], [two_i // 2, h]),) * 2 + ((dn[0], [h, two_i // 2]),)):
-                out[f"{ckpt_block}.experts.{e}.{leaf}.weight"] = (dt, shape)
+            for leaf, (dt, shape) in zip(fam.checkpoint.projs, shapes):
+                out[f"{ckpt_block}.{fam.layout.module}.{e}.{leaf}.weight"] = (dt, shape)
     return out
 
 
