@@ -8,7 +8,6 @@
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
@@ -41,7 +40,6 @@ struct ScaledMmKernel {
   static constexpr bool kIsInt8 = cute::is_same_v<ElementAB, int8_t>;
   static constexpr bool kSwapAB = Cfg::kSwapAB;
   using ElementAcc = cute::conditional_t<kIsInt8, int32_t, float>;
-  using ElementCompute = float;
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
   // fp8 accumulates in fp32 either way; "fast accumulation" skips the periodic promotion of the tensor
@@ -54,18 +52,13 @@ struct ScaledMmKernel {
   // columns are channels (B's N); with it, rows are channels and columns tokens, and D is column-major.
   using LayoutA = cutlass::layout::RowMajor;     // K-major, as the 8-bit wgmma requires
   using LayoutB = cutlass::layout::ColumnMajor;  // K-major
-  using LayoutD = cute::conditional_t<kSwapAB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<ElementAB>::value;  // 16-byte TMA rows
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
   // The epilogue (scaled_mm_sm90_epilogue.cuh): D = scale_tok * (scale_ch * float(acc)) + bias, rounded once.
   using Epilogue = ScaleEpilogue<TileShape, ElementD, kSwapAB>;
   using EpilogueEVT = typename Epilogue::RowwiseEVT;
-
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementCompute, void, LayoutD, kAlignD,
-      ElementD, LayoutD, kAlignD, typename Sched::Epilogue, EpilogueEVT>::CollectiveOp;
+  using CollectiveEpilogue =
+      typename Epilogue::template Collective<ClusterShape, ElementAcc, typename Sched::Epilogue, EpilogueEVT>;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB, LayoutB,

@@ -24,7 +24,6 @@
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
@@ -53,7 +52,6 @@ template <class ElementD, class Cfg>
 struct BlockScaledMmKernel {
   using ElementAB = cutlass::float_e4m3_t;
   using ElementAcc = float;
-  using ElementCompute = float;
   static constexpr bool kSwapAB = Cfg::kSwapAB;
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
@@ -75,19 +73,14 @@ struct BlockScaledMmKernel {
 
   using LayoutA = cutlass::layout::RowMajor;     // K-major, as the 8-bit wgmma requires
   using LayoutB = cutlass::layout::ColumnMajor;  // K-major
-  using LayoutD = cute::conditional_t<kSwapAB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<ElementAB>::value;  // 16-byte TMA rows
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
   // The epilogue (scaled_mm_sm90_epilogue.cuh): D = acc + bias, rounded once to ElementD (the scales were applied
   // in the mainloop); the bias is one value per channel (the kernel's columns unswapped, its rows swapped) or none.
   using Epilogue = ScaleEpilogue<TileShape, ElementD, kSwapAB>;
   using EpilogueEVT = typename Epilogue::BlockEVT;
-
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementCompute, void, LayoutD, kAlignD,
-      ElementD, LayoutD, kAlignD, typename Sched::Epilogue, EpilogueEVT>::CollectiveOp;
+  using CollectiveEpilogue =
+      typename Epilogue::template Collective<ClusterShape, ElementAcc, typename Sched::Epilogue, EpilogueEVT>;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, cute::tuple<LayoutA, LayoutSFA>, kAlignAB,

@@ -3,7 +3,8 @@
 // out the math.
 //
 //   ScaleEpilogue     the epilogue visitor trees (EVT), built from CUTLASS's own nodes (Sm90AccFetch,
-//                     Sm90RowBroadcast / Sm90ColBroadcast, Sm90Compute, Sm90EVT), and their arguments:
+//                     Sm90RowBroadcast / Sm90ColBroadcast, Sm90Compute, Sm90EVT), their arguments, and the
+//                     collective epilogue that runs one (CUTLASS's CollectiveBuilder: D stored by TMA, no source C):
 //                       RowwiseEVT  D = scale_tok * (scale_ch * float(acc)) + bias, rounded once to ElementD
 //                       BlockEVT    D = acc + bias, rounded once (the block scales were applied in the mainloop)
 //   BlockScaleLayout  the blockwise mainloop's K-major scale factors (cutlass::detail::Sm90BlockwiseScaleConfig):
@@ -18,6 +19,7 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/detail/blockwise_scale_layout.hpp>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/epilogue/fusion/operations.hpp>
 #include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
 
@@ -32,6 +34,10 @@ struct ScaleEpilogue {
   using ElementCompute = float;
   template <class T>
   using Input = cute::conditional_t<kPtrArray, T*, T>;
+
+  // D: row-major, or column-major in the swapped frame (D^T stored column-major is D row-major); 16-byte TMA rows.
+  using LayoutD = cute::conditional_t<kSwapAB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
   // A float32 vector broadcast along the kernel's rows (one value per column) or columns (one value per row). The
   // bool stride selects at run time between a vector (true) and a single scalar (false), so per-tensor and
@@ -65,6 +71,14 @@ struct ScaleEpilogue {
       cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, ElementCompute,
                                              cutlass::FloatRoundStyle::round_to_nearest>,
       Acc, Bias>;
+
+  // The collective epilogue running `EVT` on accumulators of ElementAcc under the kernel's epilogue `Schedule` (the
+  // ptr-array kernels take a layout pointer: one D stride per group).
+  template <class ClusterShape, class ElementAcc, class Schedule, class EVT>
+  using Collective = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementCompute, void, Input<LayoutD>, kAlignD,
+      ElementD, Input<LayoutD>, kAlignD, Schedule, EVT>::CollectiveOp;
 
   using ScalePtr = typename RowVector::PtrRowType;  // float const* (dense) or float const* const* (ptr-array)
   using BiasPtr = typename BiasRow::PtrRowType;     // ElementD const* or ElementD const* const*

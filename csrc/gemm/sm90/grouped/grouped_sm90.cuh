@@ -31,7 +31,6 @@
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/group_array_problem_shape.hpp>
@@ -87,7 +86,6 @@ struct GroupedMmKernel {
   static constexpr bool kIsInt8 = cute::is_same_v<ElementAB, int8_t>;
   static constexpr bool kSwapAB = Cfg::kSwapAB;
   using ElementAcc = cute::conditional_t<kIsInt8, int32_t, float>;
-  using ElementCompute = float;
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
   static_assert(!(kIsInt8 && Cfg::kFastAccum), "fast accumulation is an fp8 option");
@@ -100,9 +98,7 @@ struct GroupedMmKernel {
 
   using LayoutA = cutlass::layout::RowMajor;     // K-major
   using LayoutB = cutlass::layout::ColumnMajor;  // K-major
-  using LayoutD = cute::conditional_t<kSwapAB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<ElementAB>::value;
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
   // Block scales (used only when kBlock; the layout types name the arrays either way): K-major, granularity 1 on the
   // tokens' side and 128 on the weight's, as the dense blockwise kernel (scaled_mm_sm90_epilogue.cuh).
@@ -118,11 +114,8 @@ struct GroupedMmKernel {
   // pointer per group.
   using Epilogue = ScaleEpilogue<TileShape, ElementD, kSwapAB, /*kPtrArray=*/true>;
   using EpilogueEVT = cute::conditional_t<kBlock, typename Epilogue::BlockEVT, typename Epilogue::RowwiseEVT>;
-
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementCompute, void, LayoutD*, kAlignD,
-      ElementD, LayoutD*, kAlignD, typename Sched::Epilogue, EpilogueEVT>::CollectiveOp;
+  using CollectiveEpilogue =
+      typename Epilogue::template Collective<ClusterShape, ElementAcc, typename Sched::Epilogue, EpilogueEVT>;
 
   using MainloopLayoutA = cute::conditional_t<kBlock, cute::tuple<LayoutA*, LayoutSFA*>, LayoutA*>;
   using MainloopLayoutB = cute::conditional_t<kBlock, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
