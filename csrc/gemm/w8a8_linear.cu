@@ -6,8 +6,8 @@
 // scaled_mm(q, weight.t(), scale, weight_scale, out_dtype, bias) bit for bit.
 //
 // Block weight scales (e4m3 weight [N, K], weight_scale float32 [ceil(N/128), ceil(K/128)]: DeepSeek-V3 /
-// compressed-tensors FP8_BLOCK; core/checks.hpp is_block_weight_scaled, ops/_roles.py block_weight_scaled): x is quantized
-// per 1 x 128 group (quant/quantize_group.cu) into the temporary (q [M, K], then scales [M, K/128]) and the
+// compressed-tensors FP8_BLOCK; core/checks.hpp is_block_weight_scaled, ops/_roles.py block_weight_scaled): x is
+// quantized per 1 x 128 group (quant/quantize_group.cu) into the temporary (q [M, K], then scales [M, K/128]) and the
 // block-scaled GEMM runs (cw8a8_scaled_mm_args.scale_block): equal to quantize_per_token_group(x, 128, e4m3)
 // followed by scaled_mm(q, weight.t(), scales, weight_scale, out_dtype, bias) bit for bit. input_scale must then
 // be None and K a multiple of 128.
