@@ -64,6 +64,35 @@ void check_bias_dtype(const char* op, const std::optional<at::Tensor>& bias, at:
                    ", got ", py_dtype(bias->scalar_type()));
 }
 
+void check_gemm_operands(const char* op, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                         const at::Tensor& scale_b, const at::Tensor* offsets, at::ScalarType out_dtype,
+                         const std::optional<at::Tensor>& bias, const at::Tensor* out) {
+  // dtypes
+  check_ab_dtype(op, "a", a);
+  CW8A8_CHECK_TYPE(b.scalar_type() == a.scalar_type(), op, "b", "must have a's dtype ", py_dtype(a.scalar_type()),
+                   ", got ", py_dtype(b.scalar_type()));
+  check_float32(op, "scale_a", scale_a);
+  check_float32(op, "scale_b", scale_b);
+  if (offsets != nullptr) {
+    CW8A8_CHECK_TYPE(offsets->scalar_type() == at::kInt, op, "offsets", "must be int32, got ",
+                     py_dtype(offsets->scalar_type()));
+  }
+  if (out != nullptr) {
+    CW8A8_CHECK_TYPE(is_out_dtype(out->scalar_type()), op, "out", "must be bfloat16 or float16, got ",
+                     py_dtype(out->scalar_type()));
+  }
+  check_out_dtype_arg(op, "out_dtype", out_dtype);
+  check_bias_dtype(op, bias, out_dtype);
+  // devices: everything on a's (a CPU tensor among CUDA ones gets here too)
+  check_same_device(op, "b", b, "a", a);
+  check_same_device(op, "scale_a", scale_a, "a", a);
+  check_same_device(op, "scale_b", scale_b, "a", a);
+  if (offsets != nullptr) check_same_device(op, "offsets", *offsets, "a", a);
+  check_same_device(op, "bias", bias, "a", a);
+  if (out != nullptr) check_same_device(op, "out", *out, "a", a);
+  check_cuda(op, "a", a);  // only reached with every tensor on the CPU, which the CUDA kernel never is given
+}
+
 void check_contiguous(const char* op, const char* name, const at::Tensor& t) {
   CW8A8_CHECK_VALUE(t.is_contiguous(), op, name, "must be contiguous");
 }
@@ -94,33 +123,46 @@ void check_bias_shape(const char* op, const std::optional<at::Tensor>& bias, int
 }
 
 namespace {
-// ceil(v / 128): 128-wide blocks, the last one possibly partial.
-int64_t blocks(int64_t v) { return (v + limits::kBlockSize - 1) / limits::kBlockSize; }
+// ceil(v / 128): the 128-wide blocks of v elements, the last one possibly partial.
+int64_t scale_blocks(int64_t v) { return (v + limits::kBlockSize - 1) / limits::kBlockSize; }
 }  // namespace
+
+bool is_block_weight_scale(const at::Tensor& weight_scale, int64_t n, int64_t k) {
+  if (weight_scale.dim() != 2 || weight_scale.numel() <= 1) return false;
+  const int64_t rows = weight_scale.size(0), cols = weight_scale.size(1);
+  return rows == scale_blocks(n) && cols == scale_blocks(k) && !(rows == n && cols == 1) && !(rows == 1 && cols == n);
+}
 
 bool is_block_scaled(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b) {
   if (a.dim() != 2 || b.dim() != 2) return false;
-  const int64_t k = a.size(1), n = b.size(1);
   if (scale_a.dim() == 2 && scale_a.size(1) > 1) return true;
-  if (scale_b.dim() != 2 || scale_b.numel() <= 1) return false;
-  const int64_t rows = scale_b.size(0), cols = scale_b.size(1);
-  return rows == blocks(n) && cols == blocks(k) && !(rows == n && cols == 1) && !(rows == 1 && cols == n);
+  return is_block_weight_scale(scale_b, b.size(1), a.size(1));
+}
+
+bool is_block_weight_scaled(const at::Tensor& weight, const at::Tensor& weight_scale) {
+  return weight.dim() == 2 && weight.scalar_type() == at::kFloat8_e4m3fn &&
+         is_block_weight_scale(weight_scale, weight.size(0), weight.size(1));
 }
 
 void check_block_scales(const char* op, const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& scale_b,
-                        int64_t m, int64_t k, int64_t n) {
-  CW8A8_CHECK_TYPE(a.scalar_type() == at::kFloat8_e4m3fn, op, "a",
-                   "must be float8_e4m3fn with block scales (scale_a [M, K/128], scale_b [ceil(N/128), K/128]), got ",
-                   py_dtype(a.scalar_type()));
+                        int64_t m, int64_t k, int64_t n, int64_t experts) {
+  const bool grouped = experts >= 0;  // grouped_scaled_mm: T rows, scale_b [E, NB, KB]
+  const char* rows = grouped ? "T" : "M";
+  const char* e_dim = grouped ? "E, " : "";
+  CW8A8_CHECK_TYPE(a.scalar_type() == at::kFloat8_e4m3fn, op, "a", "must be float8_e4m3fn with block scales (scale_a [",
+                   rows, ", K/128], scale_b [", e_dim, "ceil(N/128), K/128]), got ", py_dtype(a.scalar_type()));
   CW8A8_CHECK_VALUE(k % limits::kBlockSize == 0, op, "a", "K = a.shape[1] must be a multiple of ", limits::kBlockSize,
                     " with block scales, got ", k);
-  const int64_t kb = k / limits::kBlockSize, nb = blocks(n);
-  CW8A8_CHECK_VALUE(scale_a.dim() == 2 && scale_a.size(0) == m && scale_a.size(1) == kb, op, "scale_a",
-                    "must be [M, K/128] = [", m, ", ", kb, "] (1x128 groups) with block scales, got shape ",
+  const int64_t kb = k / limits::kBlockSize, nb = scale_blocks(n);
+  CW8A8_CHECK_VALUE(scale_a.dim() == 2 && scale_a.size(0) == m && scale_a.size(1) == kb, op, "scale_a", "must be [",
+                    rows, ", K/128] = [", m, ", ", kb, "] (1x128 groups) with block scales, got shape ",
                     py_tuple(scale_a.sizes()));
-  CW8A8_CHECK_VALUE(scale_b.dim() == 2 && scale_b.size(0) == nb && scale_b.size(1) == kb, op, "scale_b",
-                    "must be [ceil(N/128), K/128] = [", nb, ", ", kb, "] (128x128 blocks) with block scales, got shape ",
-                    py_tuple(scale_b.sizes()));
+  const bool sb_ok = grouped ? scale_b.dim() == 3 && scale_b.size(0) == experts && scale_b.size(1) == nb &&
+                                   scale_b.size(2) == kb
+                             : scale_b.dim() == 2 && scale_b.size(0) == nb && scale_b.size(1) == kb;
+  CW8A8_CHECK_VALUE(sb_ok, op, "scale_b", "must be [", e_dim, "ceil(N/128), K/128] = [",
+                    grouped ? std::to_string(experts) + ", " : std::string(), nb, ", ", kb,
+                    "] (128x128 blocks) with block scales, got shape ", py_tuple(scale_b.sizes()));
 }
 
 void check_row_major(const char* op, const char* name, const at::Tensor& t, int64_t width, const char* width_name,

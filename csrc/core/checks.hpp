@@ -54,6 +54,17 @@ void check_out_dtype_arg(const char* op, const char* name, at::ScalarType t);
 // (no-op for nullopt).
 void check_bias_dtype(const char* op, const std::optional<at::Tensor>& bias, at::ScalarType out_dtype);
 
+// ---- GEMM operands ---------------------------------------------------------------------------------------------
+// The dtypes and devices of a W8A8 GEMM's operands, shared by scaled_mm (gemm/scaled_mm_args.cpp) and
+// grouped_scaled_mm (gemm/grouped_mm_entry.cu), in ops/_checks.py's order (_gemm_operand_dtypes, the offsets,
+// _gemm_out_dtypes, same_device). TypeError: `a` int8 or float8_e4m3fn, `b` of a's dtype, `scale_a` and `scale_b`
+// float32, `offsets` (grouped_scaled_mm's; null for scaled_mm) int32, `out` (null for the functional ops) bfloat16 or
+// float16, `out_dtype` an output dtype, `bias` of out_dtype. ValueError: every tensor on a's device
+// ("`b` is on cpu but `a` is on cuda:0"), then `a` a CUDA tensor.
+void check_gemm_operands(const char* op, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                         const at::Tensor& scale_b, const at::Tensor* offsets, at::ScalarType out_dtype,
+                         const std::optional<at::Tensor>& bias, const at::Tensor* out);
+
 // ---- shapes and values (ValueError) ----------------------------------------------------------------------------
 // "`name` must be contiguous"
 void check_contiguous(const char* op, const char* name, const at::Tensor& t);
@@ -70,16 +81,27 @@ void check_scale_b_shape(const char* op, const char* name, const at::Tensor& t, 
 void check_bias_shape(const char* op, const std::optional<at::Tensor>& bias, int64_t n);
 
 // ---- block-scaled fp8 (1x128 activation groups, 128x128 weight blocks; limits::kBlockSize) ---------------------
+// The C++ owner of block-scale detection (ops/_roles.py is the Python one); every C++ caller asks these.
+//
+// Whether `weight_scale` holds 128x128 block scales of an [N, K] weight: with KB = ceil(K / 128), NB = ceil(N / 128),
+// 2-D of shape (NB, KB), more than one element, and not a per-channel (N, 1) / (1, N).
+bool is_block_weight_scale(const at::Tensor& weight_scale, int64_t n, int64_t k);
 // Whether a scaled_mm call (a [M, K], b [K, N]) is block-scaled: the one detection rule, ops/_roles.py block_scaled.
-// With KB = ceil(K / 128), NB = ceil(N / 128): scale_a 2-D with more than one column, or scale_b of shape (NB, KB)
-// with more than one element and not a per-channel (N, 1) / (1, N). False unless a and b are 2-D.
+// scale_a 2-D with more than one column, or is_block_weight_scale(scale_b, N, K). False unless a and b are 2-D.
 bool is_block_scaled(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b);
+// Whether w8a8_linear's weight [N, K] has block scales (ops/_roles.py block_weight_scaled): scaled_mm's rule for
+// its weight operand: a float8_e4m3fn 2-D weight and is_block_weight_scale(weight_scale, N, K).
+bool is_block_weight_scaled(const at::Tensor& weight, const at::Tensor& weight_scale);
+// Whether a grouped_scaled_mm call is block-scaled (ops/_checks.py check_grouped_scaled_mm): a 3-D scale_b, the
+// experts' [E, ceil(N/128), K/128] block scales (row-wise scale_b are [E, N], [E] or [E, 1]).
+inline bool is_grouped_block_scaled(const at::Tensor& scale_b) { return scale_b.dim() == 3; }
 // The shape checks of a block-scaled call, in place of the row-wise scale shapes (ops/_roles.py block_scales), in
 // this order: a float8_e4m3fn (TypeError, "`a` must be float8_e4m3fn with block scales (scale_a [M, K/128], scale_b
 // [ceil(N/128), K/128]), got torch.int8"), K a multiple of 128, scale_a [M, K/128], scale_b [ceil(N/128), K/128]
-// (ValueError). Contiguity is separate.
+// (ValueError). Contiguity is separate. With `experts` >= 0, grouped_scaled_mm's (m = T rows, E = experts weights):
+// scale_a [T, K/128] and scale_b [E, ceil(N/128), K/128], the messages naming T and E.
 void check_block_scales(const char* op, const at::Tensor& a, const at::Tensor& scale_a, const at::Tensor& scale_b,
-                        int64_t m, int64_t k, int64_t n);
+                        int64_t m, int64_t k, int64_t n, int64_t experts = -1);
 
 // ---- layouts (ValueError) -------------------------------------------------------------------------------------
 // Rows of a row-major matrix with `width` elements per row (`width_name`, e.g. "K"), read with 16-byte accesses:

@@ -26,34 +26,11 @@ namespace {
 
 constexpr const char* kOp = "grouped_scaled_mm";
 
-// ops/_roles.py block size helper: ceil(v / 128)
-int64_t blocks(int64_t v) { return (v + limits::kBlockSize - 1) / limits::kBlockSize; }
-
 void check_grouped_scaled_mm(const char* op, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                              const at::Tensor& scale_b, const at::Tensor& offsets, at::ScalarType out_dtype,
                              const std::optional<at::Tensor>& bias, const at::Tensor* out) {
-  // dtypes
-  check_ab_dtype(op, "a", a);
-  CW8A8_CHECK_TYPE(b.scalar_type() == a.scalar_type(), op, "b", "must have a's dtype ", py_dtype(a.scalar_type()),
-                   ", got ", py_dtype(b.scalar_type()));
-  check_float32(op, "scale_a", scale_a);
-  check_float32(op, "scale_b", scale_b);
-  CW8A8_CHECK_TYPE(offsets.scalar_type() == at::kInt, op, "offsets", "must be int32, got ",
-                   py_dtype(offsets.scalar_type()));
-  if (out != nullptr) {
-    CW8A8_CHECK_TYPE(is_out_dtype(out->scalar_type()), op, "out", "must be bfloat16 or float16, got ",
-                     py_dtype(out->scalar_type()));
-  }
-  check_out_dtype_arg(op, "out_dtype", out_dtype);
-  check_bias_dtype(op, bias, out_dtype);
-  // devices
-  check_same_device(op, "b", b, "a", a);
-  check_same_device(op, "scale_a", scale_a, "a", a);
-  check_same_device(op, "scale_b", scale_b, "a", a);
-  check_same_device(op, "offsets", offsets, "a", a);
-  check_same_device(op, "bias", bias, "a", a);
-  if (out != nullptr) check_same_device(op, "out", *out, "a", a);
-  check_cuda(op, "a", a);
+  // dtypes, then devices: scaled_mm's (core/checks.hpp), with the offsets
+  check_gemm_operands(op, a, b, scale_a, scale_b, &offsets, out_dtype, bias, out);
 
   // shapes
   CW8A8_CHECK_VALUE(a.dim() == 2, op, "a", "must be 2-D [T, K], got shape ", py_tuple(a.sizes()));
@@ -70,19 +47,8 @@ void check_grouped_scaled_mm(const char* op, const at::Tensor& a, const at::Tens
   check_int8_k(op, "a", a.scalar_type(), k);
   CW8A8_CHECK_VALUE(offsets.dim() == 1 && offsets.size(0) == e, op, "offsets", "must be [E] = [", e,
                     "] (the end row of each expert's group), got shape ", py_tuple(offsets.sizes()));
-  if (scale_b.dim() == 3) {  // block-scaled fp8
-    CW8A8_CHECK_TYPE(a.scalar_type() == at::kFloat8_e4m3fn, op, "a",
-                     "must be float8_e4m3fn with block scales (scale_a [T, K/128], scale_b [E, ceil(N/128), K/128]), "
-                     "got ", py_dtype(a.scalar_type()));
-    CW8A8_CHECK_VALUE(k % limits::kBlockSize == 0, op, "a", "K = a.shape[1] must be a multiple of ",
-                      limits::kBlockSize, " with block scales, got ", k);
-    const int64_t kb = k / limits::kBlockSize, nb = blocks(n);
-    CW8A8_CHECK_VALUE(scale_a.dim() == 2 && scale_a.size(0) == t && scale_a.size(1) == kb, op, "scale_a",
-                      "must be [T, K/128] = [", t, ", ", kb, "] (1x128 groups) with block scales, got shape ",
-                      py_tuple(scale_a.sizes()));
-    CW8A8_CHECK_VALUE(scale_b.size(0) == e && scale_b.size(1) == nb && scale_b.size(2) == kb, op, "scale_b",
-                      "must be [E, ceil(N/128), K/128] = [", e, ", ", nb, ", ", kb,
-                      "] (128x128 blocks) with block scales, got shape ", py_tuple(scale_b.sizes()));
+  if (is_grouped_block_scaled(scale_b)) {  // scaled_mm's block-scale checks (core/checks.hpp): T rows, E experts
+    check_block_scales(op, a, scale_a, scale_b, t, k, n, /*experts=*/e);
   } else {
     const bool sa_ok = scale_a.numel() == 1 || (scale_a.dim() == 1 && scale_a.size(0) == t) ||
                        (scale_a.dim() == 2 && scale_a.size(0) == t && scale_a.size(1) == 1);
@@ -181,7 +147,7 @@ cw8a8_grouped_mm_args pack_grouped(const at::Tensor& out, const at::Tensor& a, c
   args.ldb = b.stride(2);
   args.ldd = n;  // out is contiguous
   args.stride_b_e = e > 1 ? b.stride(0) : n * b.stride(2);
-  args.scale_block = scale_b.dim() == 3 ? 1 : 0;
+  args.scale_block = is_grouped_block_scaled(scale_b) ? 1 : 0;
   args.scale_a_per_token = !args.scale_block && scale_a.numel() != 1 ? 1 : 0;
   args.scale_b_per_channel = !args.scale_block && scale_b.dim() == 2 && scale_b.size(1) == n ? 1 : 0;
   args.ab_type = a.scalar_type() == at::kChar ? CW8A8_AB_INT8 : CW8A8_AB_FP8_E4M3;

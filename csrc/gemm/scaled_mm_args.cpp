@@ -10,25 +10,8 @@ namespace cutlass_w8a8 {
 void check_scaled_mm(const char* op, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                      const at::Tensor& scale_b, at::ScalarType out_dtype, const std::optional<at::Tensor>& bias,
                      const at::Tensor* out) {
-  // dtypes
-  check_ab_dtype(op, "a", a);
-  CW8A8_CHECK_TYPE(b.scalar_type() == a.scalar_type(), op, "b", "must have a's dtype ", py_dtype(a.scalar_type()),
-                   ", got ", py_dtype(b.scalar_type()));
-  check_float32(op, "scale_a", scale_a);
-  check_float32(op, "scale_b", scale_b);
-  if (out != nullptr) {
-    CW8A8_CHECK_TYPE(is_out_dtype(out->scalar_type()), op, "out", "must be bfloat16 or float16, got ",
-                     py_dtype(out->scalar_type()));
-  }
-  check_out_dtype_arg(op, "out_dtype", out_dtype);
-  check_bias_dtype(op, bias, out_dtype);
-  // devices: everything on a's (a CPU tensor among CUDA ones gets here too)
-  check_same_device(op, "b", b, "a", a);
-  check_same_device(op, "scale_a", scale_a, "a", a);
-  check_same_device(op, "scale_b", scale_b, "a", a);
-  check_same_device(op, "bias", bias, "a", a);
-  if (out != nullptr) check_same_device(op, "out", *out, "a", a);
-  check_cuda(op, "a", a);  // only reached with every tensor on the CPU, which the CUDA kernel never is given
+  // dtypes, then devices (core/checks.hpp, shared with grouped_scaled_mm)
+  check_gemm_operands(op, a, b, scale_a, scale_b, /*offsets=*/nullptr, out_dtype, bias, out);
 
   // shapes
   CW8A8_CHECK_VALUE(a.dim() == 2, op, "a", "must be 2-D [M, K], got shape ", py_tuple(a.sizes()));

@@ -6,8 +6,8 @@
 // scaled_mm(q, weight.t(), scale, weight_scale, out_dtype, bias) bit for bit.
 //
 // Block weight scales (e4m3 weight [N, K], weight_scale float32 [ceil(N/128), ceil(K/128)]: DeepSeek-V3 /
-// compressed-tensors FP8_BLOCK; is_block_weight_scaled below, ops/_roles.py block_weight_scaled): x is quantized
-// per 1 x 128 group (quant/quantize_group.cu) into the temporary (q [M, K], then scales [M, K/128]) and the
+// compressed-tensors FP8_BLOCK; core/checks.hpp is_block_weight_scaled, ops/_roles.py block_weight_scaled): x is
+// quantized per 1 x 128 group (quant/quantize_group.cu) into the temporary (q [M, K], then scales [M, K/128]) and the
 // block-scaled GEMM runs (cw8a8_scaled_mm_args.scale_block): equal to quantize_per_token_group(x, 128, e4m3)
 // followed by scaled_mm(q, weight.t(), scales, weight_scale, out_dtype, bias) bit for bit. input_scale must then
 // be None and K a multiple of 128.
@@ -31,16 +31,6 @@ namespace {
 constexpr const char* kOp = "w8a8_linear";
 
 bool is_float_act(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat; }
-
-// ops/_roles.py block_weight_scaled: an e4m3 [N, K] weight whose 2-D weight_scale is (ceil(N/128), ceil(K/128)),
-// holds more than one value and is not a per-channel (N, 1) / (1, N).
-bool is_block_weight_scaled(const at::Tensor& weight, const at::Tensor& weight_scale) {
-  if (weight.dim() != 2 || weight.scalar_type() != at::kFloat8_e4m3fn || weight_scale.dim() != 2) return false;
-  const int64_t n = weight.size(0), k = weight.size(1), bs = limits::kBlockSize;
-  const int64_t rows = weight_scale.size(0), cols = weight_scale.size(1);
-  const bool per_channel = (rows == n && cols == 1) || (rows == 1 && cols == n);
-  return rows == (n + bs - 1) / bs && cols == (k + bs - 1) / bs && weight_scale.numel() > 1 && !per_channel;
-}
 
 void check(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
            const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,

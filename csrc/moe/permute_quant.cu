@@ -18,15 +18,13 @@
 #include <optional>
 #include <tuple>
 
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "core/checks.hpp"
-#include "core/device.hpp"
-#include "core/launch_policy.hpp"
 #include "moe/moe_args.hpp"
 #include "ops.hpp"
 #include "quant/rowwise_args.hpp"
+#include "quant/rowwise_launch.hpp"
 #include "quant/rowwise_reduce.cuh"
 
 namespace cutlass_w8a8 {
@@ -103,10 +101,7 @@ std::tuple<at::Tensor, at::Tensor> moe_permute_quant(const at::Tensor& x, const 
 
   const at::Tensor x2 = x.stride(1) == 1 ? x : x.contiguous();
   const at::Tensor pairs = sorted_pairs.contiguous();
-  const bool clusters = clusters_available(x.get_device());
-  const bool pdl = kernels_use_pdl(x.get_device());
-  cudaStream_t stream = current_stream(x);
-  auto launch = [&](auto tt, auto o) {
+  quant::launch_rowwise_op<PermuteRow>(x, dtype, group_size, n, [&](auto tt, auto o) {
     using T = decltype(tt);
     using O = decltype(o);
     using OutT = typename O::type;
@@ -124,14 +119,8 @@ std::tuple<at::Tensor, at::Tensor> moe_permute_quant(const at::Tensor& x, const 
     const bool vectorizable = h % N == 0 && p.x_stride % N == 0 && is_aligned(p.x, 16) &&
                               is_aligned(p.out, N * sizeof(OutT));
     const int64_t part_multiple = IsGroup<O>::value ? kGroupElems / N : 1;  // no group across two cluster blocks
-    C10_CUDA_CHECK((launch_rowwise<T, PermuteRow<T, O>>(p, p.h / N, n, vectorizable, clusters, pdl, stream,
-                                                        part_multiple)));
-  };
-  if (group_size != 0) {
-    dispatch_rowwise_groups(quant::row_elem(x.scalar_type()), quant::row_out(dtype), launch);
-  } else {
-    dispatch_rowwise(quant::row_elem(x.scalar_type()), quant::row_out(dtype), launch);
-  }
+    return quant::RowwiseLaunch<PermuteParams<T, OutT>>{p, p.h / N, vectorizable, part_multiple};
+  });
   return {q, scales};
 }
 

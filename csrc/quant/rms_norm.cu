@@ -42,16 +42,14 @@
 #include <string>
 #include <tuple>
 
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "core/checks.hpp"
-#include "core/device.hpp"
-#include "core/launch_policy.hpp"
 #include "graphs/graph_nodes.hpp"
 #include "ops.hpp"
 #include "quant/quantize.hpp"
 #include "quant/rowwise_args.hpp"
+#include "quant/rowwise_launch.hpp"
 #include "quant/rowwise_reduce.cuh"
 
 namespace cutlass_w8a8 {
@@ -249,10 +247,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const char* op, const at::Tenso
   const at::Tensor x2 = quant::rows_of(x);
   const at::Tensor* r = residual.has_value() ? &*residual : nullptr;
   const int64_t r_stride = r != nullptr ? quant::flat_row_stride(*r) : 0;
-  const bool clusters = clusters_available(x.get_device());
-  const bool pdl = kernels_use_pdl(x.get_device());
-  cudaStream_t stream = current_stream(x);
-  auto launch = [&](auto t, auto o) {
+  const cudaStream_t stream = quant::launch_rowwise_op<RmsNormRow>(x, qtype, group_size, m, [&](auto t, auto o) {
     using T = decltype(t);
     using O = decltype(o);
     using OutT = typename O::type;
@@ -279,14 +274,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const char* op, const at::Tenso
     // the last bit, breaking fused == quantize_per_token_group(rms_norm(...)) bit for bit. So every output of
     // a row whose K could be group-quantized (K % 128 == 0) follows the group rule, whatever the output.
     const int64_t part_multiple = k % kGroupElems == 0 ? kGroupElems / N : 1;
-    C10_CUDA_CHECK((launch_rowwise<T, RmsNormRow<T, O>>(p, p.k / N, m, vectorizable, clusters, pdl, stream,
-                                                        part_multiple)));
-  };
-  if (group_size != 0) {
-    dispatch_rowwise_groups(quant::row_elem(x.scalar_type()), quant::row_out(qtype), launch);
-  } else {
-    dispatch_rowwise(quant::row_elem(x.scalar_type()), quant::row_out(qtype), launch);
-  }
+    return quant::RowwiseLaunch<RmsNormParams<T, OutT>>{p, p.k / N, vectorizable, part_multiple};
+  });
   graph_nodes::note_rowwise_launch(stream, m, op);
   return {out, scales};
 }

@@ -23,16 +23,14 @@
 #include <optional>
 #include <tuple>
 
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "core/checks.hpp"
-#include "core/device.hpp"
-#include "core/launch_policy.hpp"
 #include "graphs/graph_nodes.hpp"
 #include "ops.hpp"
 #include "quant/quantize.hpp"
 #include "quant/rowwise_args.hpp"
+#include "quant/rowwise_launch.hpp"
 #include "quant/rowwise_reduce.cuh"
 
 namespace cutlass_w8a8 {
@@ -133,10 +131,7 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_impl(const char* op, const at::Tenso
   if (m == 0) return {out, scales};
 
   const at::Tensor x2 = quant::rows_of(x);
-  const bool clusters = clusters_available(x.get_device());
-  const bool pdl = kernels_use_pdl(x.get_device());
-  cudaStream_t stream = current_stream(x);
-  auto launch = [&](auto t, auto o) {
+  const cudaStream_t stream = quant::launch_rowwise_op<SiluMulRow>(x, qtype, group_size, m, [&](auto t, auto o) {
     using T = decltype(t);
     using O = decltype(o);
     using OutT = typename O::type;
@@ -151,14 +146,8 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_impl(const char* op, const at::Tenso
     const bool vectorizable = half % N == 0 && p.x_stride % N == 0 && is_aligned(p.x, 16) &&
                               is_aligned(p.out, N * sizeof(OutT));
     const int64_t part_multiple = IsGroup<O>::value ? kGroupElems / N : 1;  // no group across two cluster blocks
-    C10_CUDA_CHECK((launch_rowwise<T, SiluMulRow<T, O>>(p, p.half / N, m, vectorizable, clusters, pdl, stream,
-                                                        part_multiple)));
-  };
-  if (group_size != 0) {
-    dispatch_rowwise_groups(quant::row_elem(x.scalar_type()), quant::row_out(qtype), launch);
-  } else {
-    dispatch_rowwise(quant::row_elem(x.scalar_type()), quant::row_out(qtype), launch);
-  }
+    return quant::RowwiseLaunch<SiluMulParams<T, OutT>>{p, p.half / N, vectorizable, part_multiple};
+  });
   graph_nodes::note_rowwise_launch(stream, m, op);
   return {out, scales};
 }

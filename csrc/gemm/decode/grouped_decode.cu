@@ -48,6 +48,7 @@
 
 #include "core/launch.hpp"
 #include "core/limits.hpp"
+#include "gemm/decode/decode_host.cuh"  // set_decode_operands, with_decode_types: the dense decode GEMM's host code
 #include "gemm/decode/decode_mma.cuh"  // shape constants, BlockFrags, loads, MMA steps, epilogue, block scales
 #include "gemm/decode/grouped_decode.hpp"
 #include "quant/rowwise_reduce.cuh"  // wait_for_producers, allow_dependent_launch, to_float, from_float
@@ -71,14 +72,14 @@ static_assert(2 * 8 <= kMaxTokens, "a chunk (two 8-token tiles) is at most the d
 struct GroupedParams {
   const uint8_t* a;          // [T, K] int8 / e4m3, row stride lda (0 when T == 1)
   int64_t lda;
-  const uint8_t* b;          // expert e's [N, K] weight at b + e * stride_b_e, row stride ldb (bytes = elements)
-  int64_t ldb;
+  const uint8_t* w;          // expert e's [N, K] weight at w + e * stride_b_e, row stride ldw (bytes = elements)
+  int64_t ldw;
   int64_t stride_b_e;
   const float* scale_a;      // [T] or [1]; block: [T, K/128]
   const float* scale_b;      // [E, N] or [E]; block: [E, ceil(N/128), K/128]
   const void* bias;          // [E, N] output type, or nullptr
-  void* d;                   // [T, N] output type, row stride ldd (0 when T == 1)
-  int64_t ldd;
+  void* out;                 // [T, N] output type, row stride ldo (0 when T == 1)
+  int64_t ldo;
   const int32_t* offsets;    // [E] end row of each expert (device data, clamped)
   int64_t n;
   int k;                     // <= limits::kDecodeMaxK (32-bit K byte offsets, as the dense kernel)
@@ -169,7 +170,7 @@ __device__ __forceinline__ void grouped_chunk(const GroupedParams& p, int e, int
   using Acc = typename AB::Acc;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const uint8_t* wg = p.b + e * p.stride_b_e + (row0 + g) * p.ldb + 16 * t;
+  const uint8_t* wg = p.w + e * p.stride_b_e + (row0 + g) * p.ldw + 16 * t;
   const uint8_t* a = p.a + r0 * p.lda;
   const int nblk = (p.k + kBlockBytes - 1) / kBlockBytes;
 
@@ -187,7 +188,7 @@ __device__ __forceinline__ void grouped_chunk(const GroupedParams& p, int e, int
     const float* sa = p.scale_a + static_cast<int64_t>(r0) * kgroups;
     BlockScales<NT> sc;
     for (int blk = warp; blk < nblk; blk += kWarps) {
-      load_block_weights(f, wg, p.ldb, blk, t, p.k);
+      load_block_weights(f, wg, p.ldw, blk, t, p.k);
       load_block_acts_global(f, a, p.lda, m, blk, g, t, p.k);
       load_block_scales(sc, sa, sb_row, kgroups, m, blk, t);
       tie_to_weight_loads(f, p.zero);
@@ -196,7 +197,7 @@ __device__ __forceinline__ void grouped_chunk(const GroupedParams& p, int e, int
     }
   } else {
     for (int blk = warp; blk < nblk; blk += kWarps) {
-      load_block_weights(f, wg, p.ldb, blk, t, p.k);
+      load_block_weights(f, wg, p.ldw, blk, t, p.k);
       load_block_acts_global(f, a, p.lda, m, blk, g, t, p.k);
       tie_to_weight_loads(f, p.zero);
       mma_block(acc, f);
@@ -222,7 +223,7 @@ __device__ __forceinline__ void grouped_chunk(const GroupedParams& p, int e, int
     const int64_t ch = row0 + row;
     const int64_t ech = e * p.n + ch;  // index into [E, N]
     const float bias = p.bias != nullptr ? to_float(static_cast<const OutT*>(p.bias)[ech]) : 0.f;
-    OutT* dst = static_cast<OutT*>(p.d) + (r0 + token) * p.ldd + ch;
+    OutT* dst = static_cast<OutT*>(p.out) + (r0 + token) * p.ldo + ch;
     if constexpr (kBlockScaled) {
       *dst = epilogue_scaled<OutT>(sum, bias);
     } else {
@@ -316,52 +317,28 @@ void launch_grouped_decode(const cw8a8_grouped_mm_args& args) {
               who, "null operand");
 
   GroupedParams p{};
-  p.a = static_cast<const uint8_t*>(args.a);
-  p.lda = args.t <= 1 ? 0 : args.lda;
-  p.b = static_cast<const uint8_t*>(args.b);
-  p.ldb = args.ldb;
+  set_decode_operands(p, args, args.t);  // decode_host.cuh, as the dense decode GEMM's
   p.stride_b_e = args.stride_b_e;
-  p.scale_a = args.scale_a;
-  p.scale_b = args.scale_b;
-  p.bias = args.bias;
-  p.d = args.d;
-  p.ldd = args.t <= 1 ? 0 : args.ldd;
   p.offsets = args.offsets;
-  p.n = args.n;
-  p.k = static_cast<int>(args.k);
   p.t = static_cast<int>(args.t);
   p.num_experts = static_cast<int>(args.num_experts);
-  p.scale_a_per_token = args.scale_a_per_token;
-  p.scale_b_per_channel = args.scale_b_per_channel;
   p.zero = 0;
 
   const int64_t slots = std::min<int64_t>(args.num_experts, args.t);  // at most min(E, T) experts have rows
   const dim3 grid(static_cast<unsigned>(args.n / kRows), static_cast<unsigned>(slots));
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(args.device));
   const bool pdl = args.pdl != 0;
-  auto with_out = [&](auto ab_tag) {
+  with_decode_types(args.ab_type == CW8A8_AB_INT8, args.out_type == CW8A8_OUT_BF16, [&](auto ab_tag, auto out_tag) {
     using AB = decltype(ab_tag);
-    auto go = [&](auto out_tag) {
-      using OutT = decltype(out_tag);
-      if constexpr (std::is_same_v<AB, Fp8Ab>) {
-        if (args.scale_block) {
-          launch_typed<AB, OutT, true>(p, grid, args.stream, pdl);
-          return;
-        }
+    using OutT = decltype(out_tag);
+    if constexpr (std::is_same_v<AB, Fp8Ab>) {
+      if (args.scale_block) {
+        launch_typed<AB, OutT, true>(p, grid, args.stream, pdl);
+        return;
       }
-      launch_typed<AB, OutT, false>(p, grid, args.stream, pdl);
-    };
-    if (args.out_type == CW8A8_OUT_BF16) {
-      go(__nv_bfloat16{});
-    } else {
-      go(__half{});
     }
-  };
-  if (args.ab_type == CW8A8_AB_INT8) {
-    with_out(Int8Ab{});
-  } else {
-    with_out(Fp8Ab{});
-  }
+    launch_typed<AB, OutT, false>(p, grid, args.stream, pdl);
+  });
 }
 
 }  // namespace cutlass_w8a8

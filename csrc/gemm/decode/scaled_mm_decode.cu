@@ -32,6 +32,7 @@
 #include "core/launch.hpp"
 #include "core/launch_policy.hpp"
 #include "core/limits.hpp"
+#include "gemm/decode/decode_host.cuh"
 #include "gemm/decode/decode_kernels.cuh"
 #include "gemm/scaled_mm_args.hpp"
 #include "graphs/graph_nodes.hpp"
@@ -247,18 +248,7 @@ void run(const char* op, int64_t m, DecodeParams& p, at::ScalarType ab, at::Scal
       launch_typed<AB, OutT, void>(op, m, p, stream, pdl);
     }
   };
-  auto with_out = [&](auto ab_tag) {
-    if (out_type == at::kBFloat16) {
-      with_types(ab_tag, __nv_bfloat16{});
-    } else {
-      with_types(ab_tag, __half{});
-    }
-  };
-  if (ab == at::kChar) {
-    with_out(Int8Ab{});
-  } else {
-    with_out(Fp8Ab{});
-  }
+  with_decode_types(ab == at::kChar, out_type == at::kBFloat16, with_types);
 }
 
 // The checked ops.
@@ -283,19 +273,7 @@ void run_linear_decode(at::Tensor& out, const at::Tensor& x, const at::Tensor& b
 
 void launch_scaled_mm_decode(const cw8a8_scaled_mm_args& args, const at::Tensor& a) {
   DecodeParams p{};
-  p.a = args.a;
-  p.lda = args.m <= 1 ? 0 : args.lda;
-  p.w = static_cast<const uint8_t*>(args.b);
-  p.ldw = args.ldb;
-  p.scale_a = args.scale_a;
-  p.scale_a_per_token = args.scale_a_per_token;
-  p.scale_b = args.scale_b;
-  p.scale_b_per_channel = args.scale_b_per_channel;
-  p.bias = args.bias;
-  p.out = args.d;
-  p.ldo = args.m <= 1 ? 0 : args.ldd;
-  p.n = args.n;
-  p.k = static_cast<int>(args.k);
+  set_decode_operands(p, args, args.m);
   run(kGemmOp, args.m, p, args.ab_type == CW8A8_AB_INT8 ? at::kChar : at::kFloat8_e4m3fn,
       args.out_type == CW8A8_OUT_BF16 ? at::kBFloat16 : at::kHalf, at::ScalarType::Undefined, a,
       args.scale_block != 0);

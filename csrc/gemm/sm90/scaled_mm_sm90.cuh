@@ -1,6 +1,6 @@
 // The sm90 scaled_mm kernel: a CUTLASS 3.x TMA warp-specialized GEMM whose epilogue (an epilogue
-// visitor tree, EVT) applies both scales and the bias in one pass over the accumulators.
-// The math is written out in csrc/gemm/EPILOGUES.md.
+// visitor tree, EVT: ScaleEpilogue::RowwiseEVT, scaled_mm_sm90_epilogue.cuh) applies both scales and the bias in
+// one pass over the accumulators. The math is written out in csrc/gemm/EPILOGUES.md.
 #pragma once
 
 #include <cstdint>
@@ -8,14 +8,12 @@
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/epilogue/fusion/operations.hpp>
-#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "gemm/sm90/scaled_mm_sm90_config.cuh"
+#include "gemm/sm90/scaled_mm_sm90_epilogue.cuh"  // ScaleEpilogue: the EVTs of every sm90 kernel
 #include "gemm/sm90/scaled_mm_sm90_launch.cuh"  // also the GDC guard: PDL launches need -DCUTLASS_ENABLE_GDC_FOR_SM90
 
 namespace cutlass_w8a8::sm90 {
@@ -42,7 +40,6 @@ struct ScaledMmKernel {
   static constexpr bool kIsInt8 = cute::is_same_v<ElementAB, int8_t>;
   static constexpr bool kSwapAB = Cfg::kSwapAB;
   using ElementAcc = cute::conditional_t<kIsInt8, int32_t, float>;
-  using ElementCompute = float;
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
   // fp8 accumulates in fp32 either way; "fast accumulation" skips the periodic promotion of the tensor
@@ -55,42 +52,13 @@ struct ScaledMmKernel {
   // columns are channels (B's N); with it, rows are channels and columns tokens, and D is column-major.
   using LayoutA = cutlass::layout::RowMajor;     // K-major, as the 8-bit wgmma requires
   using LayoutB = cutlass::layout::ColumnMajor;  // K-major
-  using LayoutD = cute::conditional_t<kSwapAB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<ElementAB>::value;  // 16-byte TMA rows
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
-  // Broadcast of a float32 vector along the kernel's rows (one value per column) or columns (one value
-  // per row). The bool stride selects at run time between a vector (true) and a single scalar (false),
-  // so per-tensor and per-token/per-channel scales share one kernel.
-  using RowVector = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, float, float,
-                                                                cute::Stride<cute::_0, bool, cute::_0>>;
-  using ColVector = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float, float,
-                                                                cute::Stride<bool, cute::_0, cute::_0>>;
-  // Bias: one value per channel in the output type, or a null pointer for no bias (reads as zero).
-  using BiasRow = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, ElementD, float,
-                                                              cute::Stride<cute::_0, cute::_1, cute::_0>>;
-  using BiasCol = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, ElementD, float,
-                                                              cute::Stride<cute::_1, cute::_0, cute::_0>>;
-
-  using ScaleTokens = cute::conditional_t<kSwapAB, RowVector, ColVector>;
-  using ScaleChannels = cute::conditional_t<kSwapAB, ColVector, RowVector>;
-  using Bias = cute::conditional_t<kSwapAB, BiasCol, BiasRow>;
-
-  // D = scale_tok * (scale_ch * float(acc)) + bias, rounded once to ElementD.
-  using Acc = cutlass::epilogue::fusion::Sm90AccFetch;
-  using ScaleChTimesAcc = cutlass::epilogue::fusion::Sm90EVT<
-      cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, ElementCompute, ElementCompute,
-                                             cutlass::FloatRoundStyle::round_to_nearest>,
-      ScaleChannels, Acc>;
-  using EpilogueEVT = cutlass::epilogue::fusion::Sm90EVT<
-      cutlass::epilogue::fusion::Sm90Compute<cutlass::multiply_add, ElementD, ElementCompute,
-                                             cutlass::FloatRoundStyle::round_to_nearest>,
-      ScaleTokens, ScaleChTimesAcc, Bias>;
-
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementCompute, void, LayoutD, kAlignD,
-      ElementD, LayoutD, kAlignD, typename Sched::Epilogue, EpilogueEVT>::CollectiveOp;
+  // The epilogue (scaled_mm_sm90_epilogue.cuh): D = scale_tok * (scale_ch * float(acc)) + bias, rounded once.
+  using Epilogue = ScaleEpilogue<TileShape, ElementD, kSwapAB>;
+  using EpilogueEVT = typename Epilogue::RowwiseEVT;
+  using CollectiveEpilogue =
+      typename Epilogue::template Collective<ClusterShape, ElementAcc, typename Sched::Epilogue, EpilogueEVT>;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB, LayoutB,
@@ -107,52 +75,18 @@ struct ScaledMmKernel {
   using StrideB = typename GemmKernel::StrideB;
   using StrideD = typename GemmKernel::StrideD;
 
-  // Arguments of a float32 broadcast: a vector (one value per row or column) or a single scalar.
-  template <class Bcast>
-  static typename Bcast::Arguments vector_args(const float* ptr, int is_vector) {
-    if constexpr (cute::is_same_v<Bcast, RowVector>) {
-      return {ptr, 0.f, {cute::_0{}, is_vector != 0, cute::_0{}}};
-    } else {
-      return {ptr, 0.f, {is_vector != 0, cute::_0{}, cute::_0{}}};
-    }
-  }
-
-  // The CUTLASS arguments of one call. Strides come from the caller's tensors, never recomputed from the
-  // shapes, so row-padded views (a slice of a wider buffer) are addressed correctly.
+  // The CUTLASS arguments of one call: the operands in the kernel's frame (DenseOperands, scaled_mm_sm90_launch.cuh:
+  // strides from the caller's pitches) and the epilogue's scales and bias.
   static typename Gemm::Arguments make_arguments(const cw8a8_scaled_mm_args& p) {
-    const int64_t m = kSwapAB ? p.n : p.m;  // the kernel's rows
-    const int64_t n = kSwapAB ? p.m : p.n;  // the kernel's columns
-    auto const* ptr_a = static_cast<ElementAB const*>(kSwapAB ? p.b : p.a);
-    auto const* ptr_b = static_cast<ElementAB const*>(kSwapAB ? p.a : p.b);
-    const int64_t ld_a = kSwapAB ? p.ldb : p.lda;
-    const int64_t ld_b = kSwapAB ? p.lda : p.ldb;
-
-    StrideA stride_a = cute::make_stride(ld_a, cute::Int<1>{}, ld_a * m);
-    StrideB stride_b = cute::make_stride(ld_b, cute::Int<1>{}, ld_b * n);
-    StrideD stride_d;
-    if constexpr (kSwapAB) {
-      stride_d = cute::make_stride(cute::Int<1>{}, p.ldd, p.ldd * n);
-    } else {
-      stride_d = cute::make_stride(p.ldd, cute::Int<1>{}, p.ldd * m);
-    }
-
-    typename ScaleTokens::Arguments scale_tok_args = vector_args<ScaleTokens>(p.scale_a, p.scale_a_per_token);
-    typename ScaleChannels::Arguments scale_ch_args =
-        vector_args<ScaleChannels>(p.scale_b, p.scale_b_per_channel);
-    typename Bias::Arguments bias_args{static_cast<ElementD const*>(p.bias), ElementD(0.f), {}};
-
-    typename EpilogueEVT::Arguments evt_args{
-        scale_tok_args,
-        {scale_ch_args, {}, {}},
-        bias_args,
-        {},
-    };
+    const DenseOperands<ElementAB, StrideA, StrideB, StrideD, kSwapAB> op(p);
+    typename EpilogueEVT::Arguments evt_args = Epilogue::rowwise_args(
+        p.scale_a, p.scale_a_per_token, p.scale_b, p.scale_b_per_channel, static_cast<ElementD const*>(p.bias));
 
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
-        {static_cast<int>(m), static_cast<int>(n), static_cast<int>(p.k), 1},
-        {ptr_a, stride_a, ptr_b, stride_b},
-        {evt_args, nullptr, stride_d, static_cast<ElementD*>(p.d), stride_d},
+        {static_cast<int>(op.m), static_cast<int>(op.n), static_cast<int>(p.k), 1},
+        {op.a, op.stride_a, op.b, op.stride_b},
+        {evt_args, nullptr, op.stride_d, static_cast<ElementD*>(p.d), op.stride_d},
     };
     args.hw_info.device_id = p.device;
     args.hw_info.sm_count = p.sm_count;

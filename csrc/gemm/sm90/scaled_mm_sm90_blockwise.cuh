@@ -1,6 +1,7 @@
 // The sm90 block-scaled fp8 GEMM: CUTLASS's own blockwise-scaling mainloop
 // (sm90_mma_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp, the FP8Blockwise kernel schedules) with
-// K-major scale factors, and an epilogue visitor tree that adds the bias and rounds once.
+// K-major scale factors (BlockScaleLayout), and an epilogue visitor tree that adds the bias and rounds once
+// (ScaleEpilogue::BlockEVT; both in scaled_mm_sm90_epilogue.cuh, shared with the row-wise and grouped kernels).
 //
 // Operands (kernel_api.h, scale_block = 1; KB = K / 128):
 //   A        the activations, e4m3 [M, K] row-major with pitch lda (never recomputed: padded rows work)
@@ -23,16 +24,12 @@
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
-#include <cutlass/detail/blockwise_scale_layout.hpp>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/epilogue/fusion/operations.hpp>
-#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
-#include "core/limits.hpp"
 #include "gemm/sm90/scaled_mm_sm90_config.cuh"
+#include "gemm/sm90/scaled_mm_sm90_epilogue.cuh"  // ScaleEpilogue::BlockEVT, BlockScaleLayout (shared with grouped/)
 #include "gemm/sm90/scaled_mm_sm90_launch.cuh"  // also the GDC guard: PDL launches need -DCUTLASS_ENABLE_GDC_FOR_SM90
 
 namespace cutlass_w8a8::sm90 {
@@ -55,57 +52,35 @@ template <class ElementD, class Cfg>
 struct BlockScaledMmKernel {
   using ElementAB = cutlass::float_e4m3_t;
   using ElementAcc = float;
-  using ElementCompute = float;
   static constexpr bool kSwapAB = Cfg::kSwapAB;
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
   using Sched = detail::BlockScheduleTypes<Cfg::kSchedule>;
   using TileSchedulerTag = cutlass::gemm::PersistentScheduler;  // Scheduler::kPersistent, the only one
 
-  static constexpr int kBlock = static_cast<int>(limits::kBlockSize);  // 128: the scale block along K and N
   static_assert(!Cfg::kFastAccum, "the blockwise mainloop always promotes (fast accumulation is not an option)");
-  static_assert(cute::size<2>(TileShape{}) == kBlock,
-                "TileK must be 128: the mainloop reads one scale per K tile and promotes once per K tile");
-  static_assert(kSwapAB ? cute::size<0>(TileShape{}) % kBlock == 0 : cute::size<1>(TileShape{}) % kBlock == 0,
-                "the weight's side of the tile (TileM swapped, TileN unswapped) must be a multiple of 128");
 
-  // Scale granularity along the kernel's rows, columns and K.
-  static constexpr int kGranM = kSwapAB ? kBlock : 1;
-  static constexpr int kGranN = kSwapAB ? 1 : kBlock;
-  // K-major scale factors: element (row block i, k block kb) at i * KB + kb, i.e. the row-major [M, KB] and
-  // [ceil(N / 128), KB] tensors as given, with no transpose and no padding of M. CUTLASS copies them into shared
-  // memory with cp.async, one 4-byte element per thread, predicated on the tensor's bounds (a partial last tile
-  // reads nothing past the end).
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<kGranM, kGranN, kBlock, cute::GMMA::Major::K,
-                                                                  cute::GMMA::Major::K>;
-  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  // The K-major scale factors (scaled_mm_sm90_epilogue.cuh): granularity 1 x 128 on the tokens' side, 128 x 128 on
+  // the weight's.
+  using Scales = BlockScaleLayout<TileShape, kSwapAB>;
+  static_assert(Scales::kTileK,
+                "TileK must be 128: the mainloop reads one scale per K tile and promotes once per K tile");
+  static_assert(Scales::kTileWeightSide,
+                "the weight's side of the tile (TileM swapped, TileN unswapped) must be a multiple of 128");
+  using ScaleConfig = typename Scales::ScaleConfig;
+  using LayoutSFA = typename Scales::LayoutSFA;
+  using LayoutSFB = typename Scales::LayoutSFB;
 
   using LayoutA = cutlass::layout::RowMajor;     // K-major, as the 8-bit wgmma requires
   using LayoutB = cutlass::layout::ColumnMajor;  // K-major
-  using LayoutD = cute::conditional_t<kSwapAB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<ElementAB>::value;  // 16-byte TMA rows
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
-  // Bias: one value per channel in the output type, or a null pointer for no bias (reads as zero). Channels are
-  // the kernel's columns unswapped, its rows swapped.
-  using BiasRow = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, ElementD, ElementCompute,
-                                                              cute::Stride<cute::_0, cute::_1, cute::_0>>;
-  using BiasCol = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, ElementD, ElementCompute,
-                                                              cute::Stride<cute::_1, cute::_0, cute::_0>>;
-  using Bias = cute::conditional_t<kSwapAB, BiasCol, BiasRow>;
-
-  // D = acc + bias, rounded once to ElementD (the scales were applied in the mainloop).
-  using Acc = cutlass::epilogue::fusion::Sm90AccFetch;
-  using EpilogueEVT = cutlass::epilogue::fusion::Sm90EVT<
-      cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, ElementCompute,
-                                             cutlass::FloatRoundStyle::round_to_nearest>,
-      Acc, Bias>;
-
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementCompute, void, LayoutD, kAlignD,
-      ElementD, LayoutD, kAlignD, typename Sched::Epilogue, EpilogueEVT>::CollectiveOp;
+  // The epilogue (scaled_mm_sm90_epilogue.cuh): D = acc + bias, rounded once to ElementD (the scales were applied
+  // in the mainloop); the bias is one value per channel (the kernel's columns unswapped, its rows swapped) or none.
+  using Epilogue = ScaleEpilogue<TileShape, ElementD, kSwapAB>;
+  using EpilogueEVT = typename Epilogue::BlockEVT;
+  using CollectiveEpilogue =
+      typename Epilogue::template Collective<ClusterShape, ElementAcc, typename Sched::Epilogue, EpilogueEVT>;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, cute::tuple<LayoutA, LayoutSFA>, kAlignAB,
@@ -130,44 +105,27 @@ struct BlockScaledMmKernel {
   // one (graphs/graph_nodes.cu, cw8a8_kernel_node.pdl_safe).
   static constexpr bool kPdlSafe = Sched::kPingpong;
 
-  // The CUTLASS arguments of one call. Strides come from the caller's tensors, never recomputed from the shapes,
-  // so row-padded views (a slice of a wider buffer) are addressed correctly; the scale tensors are contiguous
-  // (checked by the caller), so their layouts follow from M, N and K.
+  // The CUTLASS arguments of one call: the operands in the kernel's frame (DenseOperands, scaled_mm_sm90_launch.cuh:
+  // strides from the caller's pitches), the scale factors (contiguous, checked by the caller, so their layouts
+  // follow from M, N and K) and the epilogue's bias.
   static typename Gemm::Arguments make_arguments(const cw8a8_scaled_mm_args& p) {
-    const int m = static_cast<int>(kSwapAB ? p.n : p.m);  // the kernel's rows
-    const int n = static_cast<int>(kSwapAB ? p.m : p.n);  // the kernel's columns
+    const DenseOperands<ElementAB, StrideA, StrideB, StrideD, kSwapAB> op(p);
+    const int m = static_cast<int>(op.m);  // the kernel's rows
+    const int n = static_cast<int>(op.n);  // the kernel's columns
     const int k = static_cast<int>(p.k);
-    auto const* ptr_a = static_cast<ElementAB const*>(kSwapAB ? p.b : p.a);
-    auto const* ptr_b = static_cast<ElementAB const*>(kSwapAB ? p.a : p.b);
-    const int64_t ld_a = kSwapAB ? p.ldb : p.lda;
-    const int64_t ld_b = kSwapAB ? p.lda : p.ldb;
     const float* sf_a = kSwapAB ? p.scale_b : p.scale_a;  // the kernel rows' scales
     const float* sf_b = kSwapAB ? p.scale_a : p.scale_b;  // the kernel columns' scales
-
-    StrideA stride_a = cute::make_stride(ld_a, cute::Int<1>{}, ld_a * m);
-    StrideB stride_b = cute::make_stride(ld_b, cute::Int<1>{}, ld_b * n);
-    StrideD stride_d;
-    if constexpr (kSwapAB) {
-      stride_d = cute::make_stride(cute::Int<1>{}, p.ldd, p.ldd * n);
-    } else {
-      stride_d = cute::make_stride(p.ldd, cute::Int<1>{}, p.ldd * m);
-    }
     const auto problem = cute::make_shape(m, n, k, 1);
     LayoutSFA layout_sfa = ScaleConfig::tile_atom_to_shape_SFA(problem);
     LayoutSFB layout_sfb = ScaleConfig::tile_atom_to_shape_SFB(problem);
 
-    typename Bias::Arguments bias_args{static_cast<ElementD const*>(p.bias), ElementD(0.f), {}};
-    typename EpilogueEVT::Arguments evt_args{
-        {},         // acc
-        bias_args,  // bias
-        {},         // plus
-    };
+    typename EpilogueEVT::Arguments evt_args = Epilogue::block_args(static_cast<ElementD const*>(p.bias));
 
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {m, n, k, 1},
-        {ptr_a, stride_a, ptr_b, stride_b, sf_a, layout_sfa, sf_b, layout_sfb},
-        {evt_args, nullptr, stride_d, static_cast<ElementD*>(p.d), stride_d},
+        {op.a, op.stride_a, op.b, op.stride_b, sf_a, layout_sfa, sf_b, layout_sfb},
+        {evt_args, nullptr, op.stride_d, static_cast<ElementD*>(p.d), op.stride_d},
     };
     args.hw_info.device_id = p.device;
     args.hw_info.sm_count = p.sm_count;

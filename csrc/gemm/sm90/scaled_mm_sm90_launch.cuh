@@ -35,6 +35,36 @@ inline int fail(char* err, size_t err_len, const char* what, cutlass::Status st)
 
 }  // namespace detail
 
+// One call's operands in the kernel's own frame (rows are the MMA's M), for the dense kernels' make_arguments.
+// Without the swap the kernel's A is a [M, K], its B is b and D is row-major; with it (kSwapAB: D^T = B^T A^T) A is
+// the weight, B the activations, the rows are N and D is column-major. Strides come from the caller's pitches, never
+// recomputed from the shapes, so row-padded views (a slice of a wider buffer) are addressed correctly.
+template <class ElementAB, class StrideA, class StrideB, class StrideD, bool kSwapAB>
+struct DenseOperands {
+  int64_t m, n;  // the kernel's rows and columns
+  const ElementAB* a;
+  const ElementAB* b;
+  StrideA stride_a;
+  StrideB stride_b;
+  StrideD stride_d;
+
+  explicit DenseOperands(const cw8a8_scaled_mm_args& p)
+      : m(kSwapAB ? p.n : p.m),
+        n(kSwapAB ? p.m : p.n),
+        a(static_cast<ElementAB const*>(kSwapAB ? p.b : p.a)),
+        b(static_cast<ElementAB const*>(kSwapAB ? p.a : p.b)) {
+    const int64_t ld_a = kSwapAB ? p.ldb : p.lda;
+    const int64_t ld_b = kSwapAB ? p.lda : p.ldb;
+    stride_a = cute::make_stride(ld_a, cute::Int<1>{}, ld_a * m);
+    stride_b = cute::make_stride(ld_b, cute::Int<1>{}, ld_b * n);
+    if constexpr (kSwapAB) {
+      stride_d = cute::make_stride(cute::Int<1>{}, p.ldd, p.ldd * n);
+    } else {
+      stride_d = cute::make_stride(p.ldd, cute::Int<1>{}, p.ldd * m);
+    }
+  }
+};
+
 // `Kernel` provides: GemmKernel, Gemm (its GemmUniversalAdapter), ClusterShape, kPdlSafe (whether every global
 // read of the kernel waits on griddepcontrol, so that it may be launched behind a programmatic edge) and
 // `static typename Gemm::Arguments make_arguments(const cw8a8_scaled_mm_args&)`.

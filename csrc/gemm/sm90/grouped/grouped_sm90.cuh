@@ -15,11 +15,12 @@
 // any griddepcontrol wait, so the GEMM must not start before the setup kernel has finished.
 //
 // Epilogues (the kernel's own frame; swapped configs have the weight's N as rows and the tokens as columns):
-//   row-wise: D = scale_tok * (scale_ch * float(acc)) + bias, rounded once, as the dense kernel (scaled_mm_sm90.cuh),
-//     the broadcasts in their array-of-pointers form (Sm90ColBroadcast / Sm90RowBroadcast with a float* element:
-//     one pointer per group) and a run-time bool stride choosing vector or scalar: per-token scale_a (pointer
-//     scale_a + start, vector) or per-tensor (scale_a, scalar); per-channel scale_b (scale_b + e * N, vector) or
-//     per-expert (scale_b + e, scalar); bias (bias + e * N, vector) or no bias (a null array: zero).
+//   row-wise: D = scale_tok * (scale_ch * float(acc)) + bias, rounded once, the dense kernels' ScaleEpilogue
+//     (scaled_mm_sm90_epilogue.cuh) with the broadcasts in their array-of-pointers form (Sm90ColBroadcast /
+//     Sm90RowBroadcast with a float* element: one pointer per group) and a run-time bool stride choosing vector or
+//     scalar: per-token scale_a (pointer scale_a + start, vector) or per-tensor (scale_a, scalar); per-channel
+//     scale_b (scale_b + e * N, vector) or per-expert (scale_b + e, scalar); bias (bias + e * N, vector) or no bias
+//     (a null array: zero).
 //   block fp8: example 68's mainloop with per-group scale pointers and layouts (scale_a + start * KB with M = rows of
 //     the group; scale_b + e * NB * KB), D = acc + bias.
 #pragma once
@@ -30,16 +31,13 @@
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
-#include <cutlass/detail/blockwise_scale_layout.hpp>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/epilogue/fusion/operations.hpp>
-#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "gemm/sm90/grouped/grouped_sm90_config.cuh"
+#include "gemm/sm90/scaled_mm_sm90_epilogue.cuh"  // ScaleEpilogue, BlockScaleLayout: the dense kernels' scales
 #include "gemm/sm90/scaled_mm_sm90_launch.cuh"  // GemmLauncher::ensure_smem_attribute, detail::fail, the GDC guard
 
 namespace cutlass_w8a8::sm90::grouped {
@@ -88,7 +86,6 @@ struct GroupedMmKernel {
   static constexpr bool kIsInt8 = cute::is_same_v<ElementAB, int8_t>;
   static constexpr bool kSwapAB = Cfg::kSwapAB;
   using ElementAcc = cute::conditional_t<kIsInt8, int32_t, float>;
-  using ElementCompute = float;
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
   static_assert(!(kIsInt8 && Cfg::kFastAccum), "fast accumulation is an fp8 option");
@@ -101,55 +98,24 @@ struct GroupedMmKernel {
 
   using LayoutA = cutlass::layout::RowMajor;     // K-major
   using LayoutB = cutlass::layout::ColumnMajor;  // K-major
-  using LayoutD = cute::conditional_t<kSwapAB, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<ElementAB>::value;
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
 
-  // Block scales (used only when kBlock): K-major, granularity 1 on the tokens' side and 128 on the weight's.
-  static constexpr int kScaleBlock = 128;
-  static constexpr int kGranM = kSwapAB ? kScaleBlock : 1;
-  static constexpr int kGranN = kSwapAB ? 1 : kScaleBlock;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<kGranM, kGranN, kScaleBlock, cute::GMMA::Major::K,
-                                                                  cute::GMMA::Major::K>;
-  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
-  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-  static_assert(!kBlock || cute::size<2>(TileShape{}) == kScaleBlock, "block: TileK must be 128");
-  static_assert(!kBlock || (kSwapAB ? cute::size<0>(TileShape{}) % kScaleBlock == 0
-                                    : cute::size<1>(TileShape{}) % kScaleBlock == 0),
-                "block: the weight's side of the tile must be a multiple of 128");
+  // Block scales (used only when kBlock; the layout types name the arrays either way): K-major, granularity 1 on the
+  // tokens' side and 128 on the weight's, as the dense blockwise kernel (scaled_mm_sm90_epilogue.cuh).
+  using Scales = BlockScaleLayout<TileShape, kSwapAB>;
+  static constexpr int kScaleBlock = Scales::kBlock;
+  using ScaleConfig = typename Scales::ScaleConfig;
+  using LayoutSFA = typename Scales::LayoutSFA;
+  using LayoutSFB = typename Scales::LayoutSFB;
+  static_assert(!kBlock || Scales::kTileK, "block: TileK must be 128");
+  static_assert(!kBlock || Scales::kTileWeightSide, "block: the weight's side of the tile must be a multiple of 128");
 
-  // Array-of-pointers broadcasts (one pointer per group); the bool stride picks vector (true) or scalar (false).
-  using RowVector = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, float*, float,
-                                                                cute::Stride<cute::_0, bool, cute::_0>>;
-  using ColVector = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float*, float,
-                                                                cute::Stride<bool, cute::_0, cute::_0>>;
-  using BiasRow = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, ElementD*, float,
-                                                              cute::Stride<cute::_0, cute::_1, cute::_0>>;
-  using BiasCol = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, ElementD*, float,
-                                                              cute::Stride<cute::_1, cute::_0, cute::_0>>;
-  using ScaleTokens = cute::conditional_t<kSwapAB, RowVector, ColVector>;
-  using ScaleChannels = cute::conditional_t<kSwapAB, ColVector, RowVector>;
-  using Bias = cute::conditional_t<kSwapAB, BiasCol, BiasRow>;
-
-  using Acc = cutlass::epilogue::fusion::Sm90AccFetch;
-  using ScaleChTimesAcc = cutlass::epilogue::fusion::Sm90EVT<
-      cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, ElementCompute, ElementCompute,
-                                             cutlass::FloatRoundStyle::round_to_nearest>,
-      ScaleChannels, Acc>;
-  using RowwiseEVT = cutlass::epilogue::fusion::Sm90EVT<
-      cutlass::epilogue::fusion::Sm90Compute<cutlass::multiply_add, ElementD, ElementCompute,
-                                             cutlass::FloatRoundStyle::round_to_nearest>,
-      ScaleTokens, ScaleChTimesAcc, Bias>;
-  using BlockEVT = cutlass::epilogue::fusion::Sm90EVT<
-      cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, ElementCompute,
-                                             cutlass::FloatRoundStyle::round_to_nearest>,
-      Acc, Bias>;
-  using EpilogueEVT = cute::conditional_t<kBlock, BlockEVT, RowwiseEVT>;
-
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc, ElementCompute, void, LayoutD*, kAlignD,
-      ElementD, LayoutD*, kAlignD, typename Sched::Epilogue, EpilogueEVT>::CollectiveOp;
+  // The dense kernels' epilogues (scaled_mm_sm90_epilogue.cuh) with array-of-pointers broadcasts: one scale and bias
+  // pointer per group.
+  using Epilogue = ScaleEpilogue<TileShape, ElementD, kSwapAB, /*kPtrArray=*/true>;
+  using EpilogueEVT = cute::conditional_t<kBlock, typename Epilogue::BlockEVT, typename Epilogue::RowwiseEVT>;
+  using CollectiveEpilogue =
+      typename Epilogue::template Collective<ClusterShape, ElementAcc, typename Sched::Epilogue, EpilogueEVT>;
 
   using MainloopLayoutA = cute::conditional_t<kBlock, cute::tuple<LayoutA*, LayoutSFA*>, LayoutA*>;
   using MainloopLayoutB = cute::conditional_t<kBlock, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
@@ -270,35 +236,19 @@ struct GroupedMmKernel {
     }
   }
 
-  template <class Bcast>
-  static typename Bcast::Arguments vector_args(const float* const* ptrs, int is_vector) {
-    if constexpr (cute::is_same_v<Bcast, RowVector>) {
-      return {ptrs, 0.f, {cute::_0{}, is_vector != 0, cute::_0{}}};
-    } else {
-      return {ptrs, 0.f, {is_vector != 0, cute::_0{}, cute::_0{}}};
-    }
-  }
-
   static typename Gemm::Arguments make_arguments(const cw8a8_grouped_mm_args& p, const Arrays& arr) {
-    typename Bias::Arguments bias_args{p.bias != nullptr ? arr.bias : nullptr, ElementD(0.f), {}};
+    const ElementD* const* bias = p.bias != nullptr ? arr.bias : nullptr;
     typename EpilogueEVT::Arguments evt_args{};
     typename CollectiveMainloop::Arguments mainloop_args{};
     if constexpr (kBlock) {
-      evt_args = {{}, bias_args, {}};
+      evt_args = Epilogue::block_args(bias);
       mainloop_args = {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b, arr.sfa, arr.layout_sfa, arr.sfb,
                        arr.layout_sfb};
     } else {
-      // kernel rows: tokens unswapped (ScaleTokens = ColVector), channels swapped (ScaleChannels = ColVector)
-      const int rows_vector = kSwapAB ? p.scale_b_per_channel : p.scale_a_per_token;
-      const int cols_vector = kSwapAB ? p.scale_a_per_token : p.scale_b_per_channel;
-      typename ColVector::Arguments row_scale = vector_args<ColVector>(arr.scale_row, rows_vector);
-      typename RowVector::Arguments col_scale = vector_args<RowVector>(arr.scale_col, cols_vector);
-      if constexpr (kSwapAB) {
-        // ScaleTokens = RowVector (columns), ScaleChannels = ColVector (rows)
-        evt_args = {col_scale, {row_scale, {}, {}}, bias_args, {}};
-      } else {
-        evt_args = {row_scale, {col_scale, {}, {}}, bias_args, {}};
-      }
+      // The arrays hold the kernel rows' and columns' pointers (write_group): the tokens' scales are the rows'
+      // unswapped, the columns' swapped.
+      evt_args = Epilogue::rowwise_args(kSwapAB ? arr.scale_col : arr.scale_row, p.scale_a_per_token,
+                                        kSwapAB ? arr.scale_row : arr.scale_col, p.scale_b_per_channel, bias);
       mainloop_args = {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b};
     }
     typename Gemm::Arguments args{
