@@ -50,6 +50,7 @@ from cutlass_w8a8.checkpoints import from_pretrained  # noqa: E402
 from cutlass_w8a8.testing.references import fp8_accum_bound  # noqa: E402
 
 from _checkpoints import logits_sqnr_vs_references  # noqa: E402
+from _full import quick_or_full  # noqa: E402
 
 # block_ckpt: the checkpoint fixture, imported so that pytest finds it in this module
 from _block_checkpoints import (  # noqa: E402, F401
@@ -59,6 +60,10 @@ from _block_checkpoints import (  # noqa: E402, F401
 SQNR_MIN_SAME_MATH = 30.0
 SQNR_MIN_FLOAT32 = 22.0
 NAMES = list(BLOCK_CHECKPOINTS)
+# The quick CPU run (tests/conftest.py's `full` mark) compares the math of every family (llama; qwen3's q / k norms
+# and N = 64; qwen2's biases) and every format (compressed-tensors, native float32 and bf16 scales, a quantized
+# lm_head): the GPU run's three; the other five in the full run. Every checkpoint's tensors are checked in both.
+QUICK = ("llama_ct", "qwen3_native_bf16", "qwen2_native_f32")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -104,7 +109,7 @@ def test_layers_hold_the_stored_tensors(block_ckpt, name):
     assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "block"
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", quick_or_full(NAMES, QUICK))
 def test_each_layer_matches_its_dequantized_reference(block_ckpt, name):
     """Teacher-forced: every quantized layer, on the input it receives in a forward pass of our model, against
     ``fake_quant_groups(x) @ (q * s)^T`` in float32 from the files. Only the float32 summation order differs:
@@ -131,7 +136,7 @@ def test_each_layer_matches_its_dequantized_reference(block_ckpt, name):
         assert float((diff > 0).float().mean()) < 0.01, n
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", quick_or_full(NAMES, QUICK))
 def test_logits_match_dequantized_checkpoint(block_ckpt, name):
     same_math, full32 = logits_sqnr_vs_references(block_ckpt(name), dequantized_reference, ids())
     print(f"{name}: SQNR {same_math:.1f} dB vs bf16 model with float32 linears, {full32:.1f} dB vs float32 model")
@@ -139,7 +144,7 @@ def test_logits_match_dequantized_checkpoint(block_ckpt, name):
     assert full32 >= SQNR_MIN_FLOAT32
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", quick_or_full(NAMES, QUICK))
 def test_greedy_tokens_match_dequantized_checkpoint(block_ckpt, name):
     path = block_ckpt(name)
     ours, ref = from_pretrained(path), dequantized_reference(path)

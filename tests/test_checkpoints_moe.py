@@ -64,6 +64,7 @@ from cutlass_w8a8.testing.references import assert_within, ulp  # noqa: E402
 
 from _block_checkpoints import copy_checkpoint, expand_blocks, write_ct_fp8_block, write_native_fp8  # noqa: E402
 from _checkpoints import logits_sqnr_vs_references, scheme, sqnr_db, stored_tensors, write_ct_checkpoint  # noqa: E402
+from _full import quick_or_full  # noqa: E402
 from _moe_models import FakeQuantExperts, FakeQuantLinear, fake_quant_act, moe_blocks, tiny_moe_model  # noqa: E402
 from _tp_scenarios import TP_VS_TP1_ACCURACY  # noqa: E402
 
@@ -295,9 +296,14 @@ def _load(path, **kw):
 
 
 DYNAMIC = [n for n in MOE_CHECKPOINTS if n != "qwen3_int8_static"]
+# The quick CPU run (tests/conftest.py's `full` mark) covers every family (Qwen3-MoE, Mixtral's block_sparse_moe
+# naming, Qwen2-MoE's shared expert) and every scheme (int8, fp8 per channel, FP8_BLOCK, native fp8, int8 static);
+# the other family x scheme pairs (qwen3 fp8, mixtral int8 / FP8_BLOCK / native) run in the full run, except that
+# test_layers_hold_the_stored_tensors also reads mixtral native (its own naming, mlp.experts.{e}.w1) in the quick run.
+QUICK = ("qwen3_int8", "mixtral_fp8", "qwen2_int8", "qwen3_fp8_block", "qwen3_native", "qwen3_int8_static")
 
 
-@pytest.mark.parametrize("name", DYNAMIC)
+@pytest.mark.parametrize("name", quick_or_full(DYNAMIC, QUICK + ("mixtral_native",)))
 def test_layers_hold_the_stored_tensors(moe_ckpt, name):
     path = moe_ckpt(name)
     kind, writer, qd = MOE_CHECKPOINTS[name]
@@ -339,7 +345,7 @@ def test_layers_hold_the_stored_tensors(moe_ckpt, name):
     assert not model.training and getattr(model, "hf_quantizer", None) is None
 
 
-@pytest.mark.parametrize("name", DYNAMIC)
+@pytest.mark.parametrize("name", quick_or_full(DYNAMIC, QUICK))
 def test_logits_match_dequantized_checkpoint(moe_ckpt, name):
     same, full = logits_sqnr_vs_references(moe_ckpt(name), file_reference, ids())
     print(f"\nMoE checkpoint SQNR (CPU): {name:<18} {same:6.1f} dB vs bf16 model with float32 quantized layers, "
@@ -443,7 +449,7 @@ def _moe_output_interval(ref, x, ids, wts):
     return _to_bf16(lo - err), _to_bf16(hi + err)
 
 
-@pytest.mark.parametrize("name", DYNAMIC + ["qwen3_int8_static"])
+@pytest.mark.parametrize("name", quick_or_full(DYNAMIC + ["qwen3_int8_static"], QUICK))
 def test_each_layer_matches_its_reference(moe_ckpt, name):
     """Teacher-forced: every W8A8MoE and W8A8Linear of ours against its counterpart in the float64 reference
     (`file_reference(float64=True)`), both run on the inputs that counterpart saw in a float64 forward of the
@@ -496,7 +502,8 @@ def test_each_layer_matches_its_reference(moe_ckpt, name):
     print(f"\nMoE checkpoint layers (CPU): {name:<18} worst {worst:.1f} dB over {len(mods)} layers")
 
 
-@pytest.mark.parametrize("name", ["qwen3_int8", "mixtral_fp8", "qwen2_int8", "qwen3_fp8_block", "qwen3_native"])
+@pytest.mark.parametrize("name", quick_or_full(["qwen3_int8", "mixtral_fp8", "qwen2_int8", "qwen3_fp8_block",
+                                                "qwen3_native"], ("mixtral_fp8", "qwen3_fp8_block")))
 def test_greedy_tokens_match_dequantized_checkpoint(moe_ckpt, name):
     path = moe_ckpt(name)
     prompt = ids(seed=10, batch=1, seq=8)
@@ -531,8 +538,8 @@ def test_static_input_scales_become_the_largest(moe_ckpt):
 # ---- writing ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["qwen3_int8", "mixtral_fp8", "qwen2_int8", "mixtral_fp8_block", "qwen3_native",
-                                  "qwen3_int8_static"])
+@pytest.mark.parametrize("name", quick_or_full(["qwen3_int8", "mixtral_fp8", "qwen2_int8", "mixtral_fp8_block",
+                                                "qwen3_native", "qwen3_int8_static"], QUICK))
 def test_round_trip(moe_ckpt, tmp_path, name):
     src = moe_ckpt(name)
     ours = _load(src)
@@ -577,7 +584,7 @@ def _transformers_experts(path):
     return {n: (m.gate_up_proj, m.down_proj) for n, m in model.named_modules() if hasattr(m, "gate_up_proj")}, model
 
 
-@pytest.mark.parametrize("name", ["qwen3_fp8", "mixtral_fp8", "qwen3_int8", "qwen3_fp8_block"])
+@pytest.mark.parametrize("name", quick_or_full(["qwen3_fp8", "mixtral_fp8", "qwen3_int8", "qwen3_fp8_block"], QUICK))
 def test_transformers_reads_the_saved_checkpoint_as_it_reads_the_original(moe_ckpt, tmp_path, name):
     """transformers' own compressed-tensors loader on our checkpoint and on compressed-tensors' original: it merges
     the per-expert tensors into its 3-D experts dequantized to bf16 (its DecompressExperts: "merged experts cannot
