@@ -18,6 +18,8 @@ import cutlass_w8a8  # noqa: F401 (defines the ops)
 
 from cutlass_w8a8.testing.references import rand_operand, rand_scale, scale_magnitudes
 
+from _full import opcheck
+
 OPS = torch.ops.cutlass_w8a8
 
 
@@ -161,7 +163,7 @@ NO_SCHEMA = ALL_UTILS[1:]
 
 def run_opcheck(op, args):
     has_fp8 = any(isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn for t in args)
-    torch.library.opcheck(op, args, test_utils=NO_SCHEMA if has_fp8 else ALL_UTILS)
+    opcheck(op, args, test_utils=NO_SCHEMA if has_fp8 else ALL_UTILS)
     if has_fp8:
         inputs_unchanged(op, args)
 
