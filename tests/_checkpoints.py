@@ -234,6 +234,39 @@ def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).sum() / noise))
 
 
+def assert_greedy_tokens_agree(ours, ref, prompt: torch.Tensor, new_tokens: int, sqnr_min: float) -> None:
+    """Greedy ``generate`` of ``ours`` and of ``ref`` (the same math in another order) from ``prompt`` (1, P): the
+    same ``new_tokens`` tokens, or they part at a near-tie of the two models and not elsewhere.
+
+    Tiny random models have flat logits (top-2 gaps of one bf16 ulp occur every few tokens), and each model's
+    decode step (KV cache, M = 1) rounds differently from its full forward and from the other model, so identical
+    tokens over 16 steps depend on the CPU's summation orders (test_checkpoints_block's qwen2 native f32 parted at
+    token 13 with oneDNN / ATen / MKL held to AVX2). At the first step where the tokens differ both models are run
+    on the common prefix: ours's token must be within ``2 max|L_ours - L_ref| + 2 ulp`` of the reference's choice
+    in the reference's logits (the two models' difference there, and each decode step's own bf16 rounding of its
+    logits, one ulp each way), and the two models' logits over the prefix must agree at ``sqnr_min`` dB. A wrong decode path (a stale KV
+    cache) picks a token far from the reference's choice; wrong math fails the SQNR."""
+    from cutlass_w8a8.testing.references import ulp
+
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    a, b = ours.generate(prompt, **kw), ref.generate(prompt, **kw)
+    assert a.shape == b.shape == (1, prompt.shape[1] + new_tokens)
+    if torch.equal(a, b):
+        return
+    p = int((a[0] != b[0]).nonzero()[0])
+    with torch.no_grad():
+        la_all, lb_all = (m(b[:, :p]).logits[0] for m in (ours, ref))
+    dtype = lb_all.dtype if lb_all.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    same = sqnr_db(la_all, lb_all)  # over the prefix, as the logits tests measure a whole sequence
+    la, lb = la_all[-1].double(), lb_all[-1].double()
+    gap = float(lb[b[0, p]] - lb[a[0, p]])
+    tol = 2 * float((la - lb).abs().max()) + 2 * float(ulp(lb[b[0, p]].reshape(1), dtype))
+    assert gap <= tol and same >= sqnr_min, (
+        f"greedy tokens part at step {p - prompt.shape[1]} of {new_tokens}: ours {int(a[0, p])}, reference "
+        f"{int(b[0, p])}, {gap:.4g} apart in the reference's logits (near-tie allowance {tol:.4g}); logits "
+        f"{same:.1f} dB (>= {sqnr_min})")
+
+
 def stored_tensors(path) -> dict:
     """Every tensor of a safetensors checkpoint directory (single file or sharded), as stored."""
     from safetensors.torch import load_file

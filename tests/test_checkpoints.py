@@ -52,7 +52,8 @@ from cutlass_w8a8.checkpoints import from_pretrained  # noqa: E402
 
 # ckpt: the checkpoint fixture, imported so that pytest finds it in this module
 from _checkpoints import (  # noqa: E402, F401
-    CT_CHECKPOINTS, _ids, _logits, _w8a8_modules, ckpt, decompressed_reference, sqnr_db, stored_tensors)
+    CT_CHECKPOINTS, _ids, _logits, _w8a8_modules, assert_greedy_tokens_agree, ckpt, decompressed_reference, sqnr_db,
+    stored_tensors)
 
 # dB; see the module docstring
 SQNR_MIN_SAME_MATH = 50.0
@@ -116,11 +117,7 @@ def test_logits_match_decompressed_checkpoint(ckpt, name):
 def test_greedy_tokens_match_decompressed_checkpoint(ckpt, name):
     path = ckpt(name)
     ours, ref = from_pretrained(path), decompressed_reference(path)
-    prompt = _ids(seed=10, batch=1, seq=8)
-    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
-    out = ours.generate(prompt, **kw)
-    assert out.shape == (1, 24)
-    assert torch.equal(out, ref.generate(prompt, **kw))
+    assert_greedy_tokens_agree(ours, ref, _ids(seed=10, batch=1, seq=8), 16, SQNR_MIN_SAME_MATH)
 
 
 def test_sharded_checkpoint_loads_like_single_file(ckpt):

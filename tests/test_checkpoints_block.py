@@ -31,8 +31,9 @@ outputs (measured 0.01-0.05 %). Across the whole model those rare
 ulps are amplified: an activation one bf16 ulp away lands on another e4m3 value in a few percent of cases (the
 e4m3 step is 2**-3 relative, a bf16 ulp 2**-8), so the model-level comparison of the same math in another order
 sits at 32 dB to equality, held at >= 30 dB; the all-float32 column (bf16 against exact arithmetic in the rest of
-the model, amplified the same way) is held at >= 22 dB. Greedy tokens are identical over 16 new tokens for all
-eight.
+the model, amplified the same way) is held at >= 22 dB. Greedy tokens were identical over 16 new tokens for all
+eight here, but not with oneDNN / ATen / MKL held to AVX2 (qwen2 native f32 parts at a one-ulp near-tie): the
+test allows them to part at a near-tie only (`_checkpoints.assert_greedy_tokens_agree`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ pytest.importorskip("safetensors")
 from cutlass_w8a8.checkpoints import from_pretrained  # noqa: E402
 from cutlass_w8a8.testing.references import fp8_accum_bound  # noqa: E402
 
-from _checkpoints import logits_sqnr_vs_references  # noqa: E402
+from _checkpoints import assert_greedy_tokens_agree, logits_sqnr_vs_references  # noqa: E402
 from _full import quick_or_full  # noqa: E402
 
 # block_ckpt: the checkpoint fixture, imported so that pytest finds it in this module
@@ -148,11 +149,7 @@ def test_logits_match_dequantized_checkpoint(block_ckpt, name):
 def test_greedy_tokens_match_dequantized_checkpoint(block_ckpt, name):
     path = block_ckpt(name)
     ours, ref = from_pretrained(path), dequantized_reference(path)
-    prompt = ids(seed=10, batch=1, seq=8)
-    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
-    out = ours.generate(prompt, **kw)
-    assert out.shape == (1, 24)
-    assert torch.equal(out, ref.generate(prompt, **kw))
+    assert_greedy_tokens_agree(ours, ref, ids(seed=10, batch=1, seq=8), 16, SQNR_MIN_SAME_MATH)
 
 
 @pytest.mark.parametrize("name", ["llama_native_bf16", "qwen3_native_f32", "qwen2_native_f32"])

@@ -63,7 +63,8 @@ from cutlass_w8a8.checkpoints import from_pretrained, quantization_config_of, sa
 from cutlass_w8a8.testing.references import assert_within, ulp  # noqa: E402
 
 from _block_checkpoints import copy_checkpoint, expand_blocks, write_ct_fp8_block, write_native_fp8  # noqa: E402
-from _checkpoints import logits_sqnr_vs_references, scheme, sqnr_db, stored_tensors, write_ct_checkpoint  # noqa: E402
+from _checkpoints import (assert_greedy_tokens_agree, logits_sqnr_vs_references, scheme, sqnr_db,  # noqa: E402
+                          stored_tensors, write_ct_checkpoint)
 from _full import quick_or_full  # noqa: E402
 from _moe_models import FakeQuantExperts, FakeQuantLinear, fake_quant_act, moe_blocks, tiny_moe_model  # noqa: E402
 from _tp_scenarios import TP_VS_TP1_ACCURACY  # noqa: E402
@@ -506,11 +507,8 @@ def test_each_layer_matches_its_reference(moe_ckpt, name):
                                                 "qwen3_native"], ("mixtral_fp8", "qwen3_fp8_block")))
 def test_greedy_tokens_match_dequantized_checkpoint(moe_ckpt, name):
     path = moe_ckpt(name)
-    prompt = ids(seed=10, batch=1, seq=8)
-    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-    out = from_pretrained(path).generate(prompt, **kw)
-    assert out.shape == (1, 20)
-    assert torch.equal(out, file_reference(path).generate(prompt, **kw))
+    assert_greedy_tokens_agree(from_pretrained(path), file_reference(path), ids(seed=10, batch=1, seq=8), 12,
+                               SQNR_MIN_SAME_MATH[MOE_CHECKPOINTS[name][2]])
 
 
 def test_static_input_scales_become_the_largest(moe_ckpt):
