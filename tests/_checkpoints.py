@@ -157,18 +157,20 @@ def _scheme_of(qc: dict, name: str, module):
 
 
 class FakeQuantLinear(torch.nn.Module):
-    """A quantized Linear of the reference: ``fake_quant(x) @ weight^T + bias`` in float32 (weight the dequantized
-    checkpoint weight, ``q * weight_scale``), the output cast back to ``x``'s dtype."""
+    """A quantized Linear of the reference: ``fake_quant(x) @ weight^T + bias`` (weight the dequantized checkpoint
+    weight, ``q * weight_scale``, exact in float64) summed in float64, so that the result does not depend on the CPU's
+    summation order (a float32 GEMM's does: other bf16 roundings, amplified through the model by the next layers'
+    8-bit quantization); the output cast back to ``x``'s dtype."""
 
     def __init__(self, weight: torch.Tensor, bias, quant_dtype: torch.dtype, input_scale=None):
         super().__init__()
-        self.register_buffer("weight", weight.float())
-        self.register_buffer("bias", None if bias is None else bias.float())
+        self.register_buffer("weight", weight.double())
+        self.register_buffer("bias", None if bias is None else bias.double())
         self.register_buffer("input_scale", None if input_scale is None else input_scale.float())
         self.quant_dtype = quant_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(fake_quant(x, self.quant_dtype, self.input_scale), self.weight, self.bias).to(x.dtype)
+        return F.linear(fake_quant(x, self.quant_dtype, self.input_scale).double(), self.weight, self.bias).to(x.dtype)
 
 
 def decompressed_reference(path, full_float32: bool = False):
@@ -176,16 +178,16 @@ def decompressed_reference(path, full_float32: bool = False):
     transformers model with the activation quantization of `W8A8Linear` applied in float32 (no transformers
     quantizer, no compressed-tensors module state: only the files and the config's ``quantization_config``).
 
-    Each quantized Linear (one with a ``weight_scale`` in the files) becomes a `FakeQuantLinear` holding the float32
+    Each quantized Linear (one with a ``weight_scale`` in the files) becomes a `FakeQuantLinear` holding the float64
     weight ``q * weight_scale`` (exact: per channel, scale ``[N, 1]``, or per tensor, ``[1]``) and computing
-    ``fake_quant(x) @ W^T + b`` in float32: per token when its config group's ``input_activations`` are dynamic
+    ``fake_quant(x) @ W^T + b`` in float64: per token when its config group's ``input_activations`` are dynamic
     per ``token``, with the stored ``input_scale`` when they are static per ``tensor``. The group is matched from
     ``targets`` / ``ignore`` and must agree with the files (an ``input_scale`` exactly where the activations are
     static; int8 weights for ``type: int``, e4m3 for ``float``), else AssertionError. Every other tensor is loaded
     as stored (cast to the model dtype) with ``load_state_dict(strict=True)``.
 
     ``full_float32=False`` (default): the model (embedding, norms, attention, lm_head) in bf16, each quantized
-    Linear computing in float32 and rounding to bf16 - the math of our layers, in another order.
+    Linear summing in float64 and rounding to bf16 - the math of our layers, without their float32 roundings.
     ``full_float32=True``: the whole model in float32 (the accuracy of the bf16 model against exact arithmetic).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -213,7 +215,8 @@ def decompressed_reference(path, full_float32: bool = False):
         assert (f"{name}.input_scale" in stored) == static, name
         xs = stored.pop(f"{name}.input_scale") if static else None
         qd = {"int": torch.int8, "float": torch.float8_e4m3fn}[a["type"]]
-        swaps[name] = FakeQuantLinear(q.float() * ws.reshape(-1, 1), stored.pop(f"{name}.bias", None), qd, xs)
+        swaps[name] = FakeQuantLinear(q.double() * ws.double().reshape(-1, 1), stored.pop(f"{name}.bias", None), qd,
+                                      xs)
         state[f"{name}.weight"] = m.weight  # replaced below; keeps load_state_dict strict
         if m.bias is not None:
             state[f"{name}.bias"] = m.bias
