@@ -140,6 +140,8 @@ if has test || has hf; then
   fi
 fi
 
+# the whole matrix (tests/conftest.py): the tests marked `full`, skipped by the README's quick CPU command, run here
+has test && export CUTLASS_W8A8_FULL_TESTS=${CUTLASS_W8A8_FULL_TESTS:-1}
 if has test && [ -n "${PYTEST_SHARDS:-}" ]; then
   # The whole suite as PYTEST_SHARDS pytest processes on the one GPU at once, test files dealt round-robin (a clean
   # build plus the serial suite no longer fit one 10-minute device call). Each shard: tests_<i>.log, junit_<i>.xml.

@@ -212,8 +212,9 @@ def scale_key(tensors: dict, name: str):
 
 
 def dequantized_weights(path) -> dict:
-    """``{linear name: float32 [N, K]}``: each stored e4m3 weight times its block scale, expanded over the
-    block's elements (exact in float32: an e4m3 value times a float32 / bf16 scale)."""
+    """``{linear name: float64 [N, K]}``: each stored e4m3 weight times its block scale, expanded over the
+    block's elements (exact in float64: an e4m3 value, 4 significant bits, times a float32 / bf16 scale; float32
+    would round the products of float32 scales)."""
     tensors = stored_tensors(path)
     out = {}
     for key, t in tensors.items():
@@ -223,7 +224,7 @@ def dequantized_weights(path) -> dict:
             assert sk is not None, f"{key} is e4m3 with no block scale"
             n, k = t.shape
             assert tuple(tensors[sk].shape) == (-(-n // BLOCK), -(-k // BLOCK)), sk
-            out[name] = t.float() * expand_blocks(tensors[sk], n, k)
+            out[name] = t.double() * expand_blocks(tensors[sk], n, k).double()
     return out
 
 
@@ -240,16 +241,17 @@ def fake_quant_groups(x: torch.Tensor) -> torch.Tensor:
 
 
 class FakeQuantBlockLinear(nn.Module):
-    """A block-quantized linear of the reference: ``fake_quant_groups(x) @ W^T + b`` in float32, ``W`` the
-    dequantized checkpoint weight; the output cast back to ``x``'s dtype."""
+    """A block-quantized linear of the reference: ``fake_quant_groups(x) @ W^T + b`` summed in float64 (``W`` the
+    dequantized checkpoint weight), so that the result does not depend on the CPU's summation order; the output
+    cast back to ``x``'s dtype."""
 
     def __init__(self, weight: torch.Tensor, bias):
         super().__init__()
-        self.register_buffer("weight", weight.float())
-        self.register_buffer("bias", None if bias is None else bias.float())
+        self.register_buffer("weight", weight.double())
+        self.register_buffer("bias", None if bias is None else bias.double())
 
     def forward(self, x):
-        return F.linear(fake_quant_groups(x), self.weight, self.bias).to(x.dtype)
+        return F.linear(fake_quant_groups(x).double(), self.weight, self.bias).to(x.dtype)
 
 
 def float_config(path):
@@ -267,8 +269,8 @@ def dequantized_reference(path, full_float32: bool = False, act_quant: bool = Tr
     quantizer), every tensor loaded from the files: each e4m3 linear a `FakeQuantBlockLinear` over its weight
     dequantized here (or, with ``act_quant=False``, an ``nn.Linear`` holding that weight), the rest as stored.
 
-    ``full_float32=False``: the model in bf16 with the quantized linears computing in float32 and rounding to
-    bf16 (our layers' math in another order); ``True``: the whole model in float32."""
+    ``full_float32=False``: the model in bf16 with the quantized linears summing in float64 and rounding to bf16
+    (our layers' math without their float32 roundings); ``True``: the whole model in float32."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.float32 if full_float32 else torch.bfloat16

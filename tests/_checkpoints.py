@@ -157,18 +157,20 @@ def _scheme_of(qc: dict, name: str, module):
 
 
 class FakeQuantLinear(torch.nn.Module):
-    """A quantized Linear of the reference: ``fake_quant(x) @ weight^T + bias`` in float32 (weight the dequantized
-    checkpoint weight, ``q * weight_scale``), the output cast back to ``x``'s dtype."""
+    """A quantized Linear of the reference: ``fake_quant(x) @ weight^T + bias`` (weight the dequantized checkpoint
+    weight, ``q * weight_scale``, exact in float64) summed in float64, so that the result does not depend on the CPU's
+    summation order (a float32 GEMM's does: other bf16 roundings, amplified through the model by the next layers'
+    8-bit quantization); the output cast back to ``x``'s dtype."""
 
     def __init__(self, weight: torch.Tensor, bias, quant_dtype: torch.dtype, input_scale=None):
         super().__init__()
-        self.register_buffer("weight", weight.float())
-        self.register_buffer("bias", None if bias is None else bias.float())
+        self.register_buffer("weight", weight.double())
+        self.register_buffer("bias", None if bias is None else bias.double())
         self.register_buffer("input_scale", None if input_scale is None else input_scale.float())
         self.quant_dtype = quant_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(fake_quant(x, self.quant_dtype, self.input_scale), self.weight, self.bias).to(x.dtype)
+        return F.linear(fake_quant(x, self.quant_dtype, self.input_scale).double(), self.weight, self.bias).to(x.dtype)
 
 
 def decompressed_reference(path, full_float32: bool = False):
@@ -176,16 +178,16 @@ def decompressed_reference(path, full_float32: bool = False):
     transformers model with the activation quantization of `W8A8Linear` applied in float32 (no transformers
     quantizer, no compressed-tensors module state: only the files and the config's ``quantization_config``).
 
-    Each quantized Linear (one with a ``weight_scale`` in the files) becomes a `FakeQuantLinear` holding the float32
+    Each quantized Linear (one with a ``weight_scale`` in the files) becomes a `FakeQuantLinear` holding the float64
     weight ``q * weight_scale`` (exact: per channel, scale ``[N, 1]``, or per tensor, ``[1]``) and computing
-    ``fake_quant(x) @ W^T + b`` in float32: per token when its config group's ``input_activations`` are dynamic
+    ``fake_quant(x) @ W^T + b`` in float64: per token when its config group's ``input_activations`` are dynamic
     per ``token``, with the stored ``input_scale`` when they are static per ``tensor``. The group is matched from
     ``targets`` / ``ignore`` and must agree with the files (an ``input_scale`` exactly where the activations are
     static; int8 weights for ``type: int``, e4m3 for ``float``), else AssertionError. Every other tensor is loaded
     as stored (cast to the model dtype) with ``load_state_dict(strict=True)``.
 
     ``full_float32=False`` (default): the model (embedding, norms, attention, lm_head) in bf16, each quantized
-    Linear computing in float32 and rounding to bf16 - the math of our layers, in another order.
+    Linear summing in float64 and rounding to bf16 - the math of our layers, without their float32 roundings.
     ``full_float32=True``: the whole model in float32 (the accuracy of the bf16 model against exact arithmetic).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -213,7 +215,8 @@ def decompressed_reference(path, full_float32: bool = False):
         assert (f"{name}.input_scale" in stored) == static, name
         xs = stored.pop(f"{name}.input_scale") if static else None
         qd = {"int": torch.int8, "float": torch.float8_e4m3fn}[a["type"]]
-        swaps[name] = FakeQuantLinear(q.float() * ws.reshape(-1, 1), stored.pop(f"{name}.bias", None), qd, xs)
+        swaps[name] = FakeQuantLinear(q.double() * ws.double().reshape(-1, 1), stored.pop(f"{name}.bias", None), qd,
+                                      xs)
         state[f"{name}.weight"] = m.weight  # replaced below; keeps load_state_dict strict
         if m.bias is not None:
             state[f"{name}.bias"] = m.bias
@@ -232,6 +235,39 @@ def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
     if noise == 0:
         return float("inf")
     return float(10 * torch.log10(ref.pow(2).sum() / noise))
+
+
+def assert_greedy_tokens_agree(ours, ref, prompt: torch.Tensor, new_tokens: int, sqnr_min: float) -> None:
+    """Greedy ``generate`` of ``ours`` and of ``ref`` (the same math in another order) from ``prompt`` (1, P): the
+    same ``new_tokens`` tokens, or they part at a near-tie of the two models and not elsewhere.
+
+    Tiny random models have flat logits (top-2 gaps of one bf16 ulp occur every few tokens), and each model's
+    decode step (KV cache, M = 1) rounds differently from its full forward and from the other model, so identical
+    tokens over 16 steps depend on the CPU's summation orders (test_checkpoints_block's qwen2 native f32 parted at
+    token 13 with oneDNN / ATen / MKL held to AVX2). At the first step where the tokens differ both models are run
+    on the common prefix: ours's token must be within ``2 max|L_ours - L_ref| + 2 ulp`` of the reference's choice
+    in the reference's logits (the two models' difference there, and each decode step's own bf16 rounding of its
+    logits, one ulp each way), and the two models' logits over the prefix must agree at ``sqnr_min`` dB. A wrong decode path (a stale KV
+    cache) picks a token far from the reference's choice; wrong math fails the SQNR."""
+    from cutlass_w8a8.testing.references import ulp
+
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    a, b = ours.generate(prompt, **kw), ref.generate(prompt, **kw)
+    assert a.shape == b.shape == (1, prompt.shape[1] + new_tokens)
+    if torch.equal(a, b):
+        return
+    p = int((a[0] != b[0]).nonzero()[0])
+    with torch.no_grad():
+        la_all, lb_all = (m(b[:, :p]).logits[0] for m in (ours, ref))
+    dtype = lb_all.dtype if lb_all.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
+    same = sqnr_db(la_all, lb_all)  # over the prefix, as the logits tests measure a whole sequence
+    la, lb = la_all[-1].double(), lb_all[-1].double()
+    gap = float(lb[b[0, p]] - lb[a[0, p]])
+    tol = 2 * float((la - lb).abs().max()) + 2 * float(ulp(lb[b[0, p]].reshape(1), dtype))
+    assert gap <= tol and same >= sqnr_min, (
+        f"greedy tokens part at step {p - prompt.shape[1]} of {new_tokens}: ours {int(a[0, p])}, reference "
+        f"{int(b[0, p])}, {gap:.4g} apart in the reference's logits (near-tie allowance {tol:.4g}); logits "
+        f"{same:.1f} dB (>= {sqnr_min})")
 
 
 def stored_tensors(path) -> dict:

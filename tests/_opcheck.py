@@ -3,6 +3,8 @@ tests/gemm/test_grouped_mm_*.py, tests/ops/test_decode_attention_quant_cuda.py).
 
 import torch
 
+from _full import opcheck
+
 
 # torch's schema check (test_schema) compares every tensor argument before and after the call with
 # torch.allclose, which has no float8 kernel ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'):
@@ -13,7 +15,7 @@ NO_SCHEMA = ALL_UTILS[1:]
 
 def run_opcheck(op, args):
     has_fp8 = any(isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn for t in args)
-    torch.library.opcheck(op, args, test_utils=NO_SCHEMA if has_fp8 else ALL_UTILS)
+    opcheck(op, args, test_utils=NO_SCHEMA if has_fp8 else ALL_UTILS)
     if has_fp8:
         inputs_unchanged(op, args)
 

@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+from _full import FULL_SKIP_REASON, FULL_TESTS  # the quick / full split of the matrix (tests/_full.py)
+
 
 def pytest_configure(config):
     """Under pytest-xdist (``-n N``), each worker runs torch with cores // N threads (at least 1), and so do the
@@ -46,6 +48,8 @@ def _capability():
 
 
 def pytest_runtest_setup(item):
+    if not FULL_TESTS and item.get_closest_marker("full"):
+        pytest.skip(FULL_SKIP_REASON)
     if item.get_closest_marker("cuda") or item.get_closest_marker("sm90"):
         reason = _cuda_skip_reason()
         if reason:

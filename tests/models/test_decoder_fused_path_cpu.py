@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cutlass_w8a8 as cw
 from cutlass_w8a8.models import LlamaConfig, LlamaDecoder
 
+from _full import opcheck
 from _fused_quant_cpu import EPS, assert_bits_equal, inputs
 
 TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
@@ -200,9 +201,9 @@ def test_decode_layer_opcheck_cpu(quant):
         h = None if first else torch.randn_like(residual)
         ops = list(layer._layer_op_operands(residual))
         ops[-1] = ops[-1].clone()
-        torch.library.opcheck(torch.ops.cutlass_w8a8.decode_layer.default,
-                              (h, residual, *ops, ctx.rope, ctx.slots, ctx.positions, attn.num_heads,
-                               attn.num_kv_heads, attn.head_dim ** -0.5))
+        opcheck(torch.ops.cutlass_w8a8.decode_layer.default,
+                (h, residual, *ops, ctx.rope, ctx.slots, ctx.positions, attn.num_heads,
+                 attn.num_kv_heads, attn.head_dim ** -0.5))
 
 
 def test_decode_layer_rejects_mixed_projections():

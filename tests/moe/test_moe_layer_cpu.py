@@ -328,13 +328,14 @@ def test_dtype_casts_and_state_dict():
     assert torch.equal(fresh(x, logits), mod(x, logits))
 
 
-@needs_cxx
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=[pytest.mark.full, needs_cxx])])
 @pytest.mark.parametrize("scheme", ["int8", "fp8-block"])
-def test_torch_compile_fullgraph(scheme):
-    """One graph per mode (every op has a fake), equal to eager bit for bit (the ops are the same calls)."""
+def test_torch_compile_fullgraph(scheme, backend):
+    """One graph per mode (every op has a fake), equal to eager bit for bit (the ops are the same calls); inductor
+    (C++ on the CPU, ~20 s of CPU per process when its cache is cold) in the full run."""
     mod = layer(scheme)
     torch._dynamo.reset()
-    compiled = torch.compile(mod, fullgraph=True)
+    compiled = torch.compile(mod, fullgraph=True, backend=backend)
     for t in (3, 11):
         x, logits = inputs(t, seed=t)
         assert torch.equal(compiled(x, logits), mod(x, logits))

@@ -18,6 +18,8 @@ from cutlass_w8a8.models import llama as llama_mod
 
 from cutlass_w8a8.testing.attention import assert_close_to_reference, make_inputs, opcheck_cases, reference, sdpa_formulation
 
+from _full import opcheck
+
 OPS = torch.ops.cutlass_w8a8
 
 # (B, H, KVH, D, S): multi-head (G = 1), grouped (G = 2, 4, 8), one kv head (G = 16), D from 8 to 256
@@ -114,7 +116,7 @@ CPU_CASES = opcheck_cases("cpu")
 @pytest.mark.parametrize("case", [c[0] for c in CPU_CASES])
 def test_opcheck_cpu(case):
     _, op, args = next(c for c in CPU_CASES if c[0] == case)
-    torch.library.opcheck(op, args)
+    opcheck(op, args)
 
 
 @pytest.mark.parametrize("call", ["op", "fake"])
