@@ -247,8 +247,8 @@ def assert_greedy_tokens_agree(ours, ref, prompt: torch.Tensor, new_tokens: int,
     token 13 with oneDNN / ATen / MKL held to AVX2). At the first step where the tokens differ both models are run
     on the common prefix: ours's token must be within ``2 max|L_ours - L_ref| + 2 ulp`` of the reference's choice
     in the reference's logits (the two models' difference there, and each decode step's own bf16 rounding of its
-    logits, one ulp each way), and the two models' logits over the prefix must agree at ``sqnr_min`` dB. A wrong decode path (a stale KV
-    cache) picks a token far from the reference's choice; wrong math fails the SQNR."""
+    logits, one ulp each way), and the two models' logits over the prefix must agree at ``sqnr_min`` dB. A wrong
+    decode path (a stale KV cache) picks a token far from the reference's choice; wrong math fails the SQNR."""
     from cutlass_w8a8.testing.references import ulp
 
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
