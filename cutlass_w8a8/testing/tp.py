@@ -85,8 +85,9 @@ def _context(backend: str):
     gloo: ``forkserver`` where the platform has it, preloaded with the modules of `_PRELOAD` that this process has
     imported: each rank is forked from that single-threaded server (no CUDA, no OpenMP pool there), so it starts
     in milliseconds instead of importing torch, transformers and compressed-tensors (several seconds of CPU each)
-    again. The server starts at the first call and serves this process's later calls; the modules a worker
-    function needs beyond these (its own module, e.g. a test file) are imported by each rank as with spawn."""
+    again. The server starts at the first call and serves this process's later calls, so gloo workers see the
+    environment and ``sys.path`` of that moment (pass later variables in ``env``); the modules a worker function
+    needs beyond these (its own module, e.g. a test file) are imported by each rank as with spawn."""
     import sys
 
     import torch.multiprocessing as mp
