@@ -1,4 +1,4 @@
-"""Tensor-parallel test and benchmark support: `run_workers` (spawn N processes in one process group, gloo or
+"""Tensor-parallel test and benchmark support: `run_workers` (start N processes in one process group, gloo or
 NCCL, every wait under a timeout) and `row_parallel_bound` (the element-wise bound on how far a row-parallel
 W8A8 layer's output may be from the unsharded layer's, element-wise worst case; `row_parallel_rms_bound`, its
 norm under independent roundings). Importing it touches no GPU.
@@ -119,8 +119,9 @@ def _context(backend: str):
     gloo: ``forkserver`` where the platform has it, preloaded with the modules of `_PRELOAD` that this process has
     imported: each rank is forked from that single-threaded server (no CUDA, no OpenMP pool there), so it starts
     in milliseconds instead of importing torch, transformers and compressed-tensors (several seconds of CPU each)
-    again. The server starts at the first call and serves this process's later calls; the modules a worker
-    function needs beyond these (its own module, e.g. a test file) are imported by each rank as with spawn."""
+    again. The server starts at the first call and serves this process's later calls, so gloo workers see the
+    environment and ``sys.path`` of that moment (pass later variables in ``env``); the modules a worker function
+    needs beyond these (its own module, e.g. a test file) are imported by each rank as with spawn."""
     import sys
 
     import torch.multiprocessing as mp
@@ -135,8 +136,8 @@ def _context(backend: str):
 def run_workers(fn: Callable, world_size: int = 2, args: Sequence[Any] = (), *, backend: str = "gloo",
                 timeout_s: float = 120.0, group_timeout_s: float = 60.0, env: Optional[dict] = None,
                 raise_errors: bool = True) -> list[RankResult]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes that form one default process
-    group, and return each rank's `RankResult`.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes (`_context`: spawned for NCCL, forked
+    from a preloaded forkserver for gloo) that form one default process group, and return each rank's `RankResult`.
 
     Each worker sets ``env`` (plus `NCCL_ENV` for NCCL) before initializing ``torch.distributed`` with
     ``backend`` (``init_method`` a ``file://`` rendezvous in a fresh temporary directory, ``timeout`` =
@@ -148,7 +149,7 @@ def run_workers(fn: Callable, world_size: int = 2, args: Sequence[Any] = (), *, 
     Parameters
     ----------
     fn : callable
-        A module-level function (spawned processes import it by name). Its return value must pickle (keep it on
+        A module-level function (the workers import it by name). Its return value must pickle (keep it on
         the CPU).
     raise_errors : bool
         Raise ``RuntimeError`` with every failing rank's traceback when a worker raised (default). False returns
