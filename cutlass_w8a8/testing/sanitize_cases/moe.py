@@ -1,0 +1,193 @@
+"""Sanitizer cases: MoE routing (top-k softmax, align, permute-quant, unpermute) and the grouped GEMM."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..references import BLOCK, rand_scale, scale_magnitudes
+from .core import BF16, Ctx, F16, F32, FP8, I8, Q, _block_scales, _ceil, _operand, case, check_equal, check_gemm
+from .quant_norm import _STATIC_SCALE
+
+
+# ----------------------------------------------------------------------------------------------------
+# MoE routing and the grouped GEMM
+
+
+def _random_ids(ctx: Ctx, t, k, e, unrouted=0.0, dtype=torch.int32) -> torch.Tensor:
+    """(T, k) expert ids in [0, E); a fraction ``unrouted`` set to -1 (an expert on another rank), one of them to
+    E + 3 (out of range: unrouted too)."""
+    ids = torch.randint(0, e, (t, k), generator=ctx.g)
+    if unrouted:
+        mask = torch.rand(t, k, generator=ctx.g) < unrouted
+        ids[mask] = -1
+        if mask.any():
+            ids.view(-1)[int(mask.view(-1).nonzero()[0])] = e + 3
+    return ids.to(dtype)
+
+
+@case("moe_topk_softmax", ["moe_topk_softmax"])
+def _moe_topk_softmax(ctx: Ctx) -> None:
+    """moe_topk_softmax: E from 8 to 1024, top-k 2..16, renormalized or not, f32 / bf16 / f16 logits, strided logits:
+    ids exactly as the CPU, weights within rtol 2e-5 (the exp and the sum order differ)."""
+    for t, e, k, renorm, dtype, strided in ((1, 8, 2, True, F32, False), (37, 60, 4, False, BF16, False),
+                                            (5, 128, 8, True, F16, True), (9, 1024, 16, True, F32, False)):
+        what = f"moe_topk_softmax T={t} E={e} k={k} renormalize={renorm} {dtype} strided={strided}"
+        with ctx.sub(what):
+            logits_h = ctx.randn(t, e, dtype=dtype, std=2.0)
+            logits = ctx.to(logits_h.t().contiguous()).t() if strided else ctx.to(logits_h)
+            w, ids = Q.moe_topk_softmax(logits, k, renorm)
+            w_ref, ids_ref = Q.moe_topk_softmax(logits_h, k, renorm)
+            check_equal(ids, ids_ref, f"{what}: ids")
+            torch.testing.assert_close(w.cpu(), w_ref, rtol=2e-5, atol=1e-7, msg=lambda m: f"{what}: weights: {m}")
+
+
+@case("moe_align", ["moe_align"])
+def _moe_align(ctx: Ctx) -> None:
+    """moe_align (the stable counting sort of the (token, expert) pairs): unrouted and out-of-range ids, many empty
+    experts (E = 128 > pairs), int32 and int64 ids; bit for bit against the CPU."""
+    for t, k, e, unrouted, dtype in ((5, 2, 8, 0.2, torch.int32), (300, 8, 64, 0.05, torch.int64),
+                                     (1, 1, 1, 0.0, torch.int32), (64, 4, 128, 0.0, torch.int32)):
+        what = f"moe_align T={t} k={k} E={e} unrouted={unrouted} {dtype}"
+        with ctx.sub(what):
+            ids_h = _random_ids(ctx, t, k, e, unrouted, dtype)
+            got, ref = Q.moe_align(ctx.to(ids_h), e), Q.moe_align(ids_h, e)
+            for name, a, r in zip(("sorted_pairs", "dst_pos", "offsets"), got, ref):
+                check_equal(a, r, f"{what}: {name}")
+
+
+@case("moe_permute_quant", ["moe_permute_quant"])
+def _moe_permute_quant(ctx: Ctx) -> None:
+    """moe_permute_quant (gather into the experts' order + quantize) per token, per tensor and per 1x128 group, int8
+    and fp8, rows in registers and in an 8-block cluster (H = 14336); bit for bit against the CPU."""
+    params = [(7, 2, 5, 384, BF16, "dynamic", I8), (4, 3, 3, 1024, F32, "static", FP8),
+              (5, 2, 8, 14336, BF16, "group", FP8), (33, 4, 16, 128, F16, "group", I8),
+              (3, 2, 4, 16384, BF16, "dynamic", FP8)]
+    for t, k, e, h, xdtype, mode, qdtype in (params[:3] if ctx.quick else params):
+        if qdtype not in ctx.qdtypes:
+            continue
+        what = f"moe_permute_quant T={t} k={k} H={h} {xdtype} -> {qdtype} {mode}"
+        with ctx.sub(what):
+            sp_h = Q.moe_align(_random_ids(ctx, t, k, e, 0.1), e)[0]
+            x_h = ctx.randn(t, h, dtype=xdtype, std=3.0)
+            scale_h = torch.tensor([_STATIC_SCALE[qdtype]]) if mode == "static" else None
+            group = BLOCK if mode == "group" else 0
+            q, s = Q.moe_permute_quant(ctx.to(x_h), ctx.to(sp_h), k, qdtype, ctx.to(scale_h), group)
+            q_ref, s_ref = Q.moe_permute_quant(x_h, sp_h, k, qdtype, scale_h, group)
+            check_equal(q, q_ref, f"{what}: q")
+            check_equal(s, s_ref, f"{what}: scale")
+
+
+@case("moe_unpermute", ["moe_unpermute", "moe_unpermute_out"])
+def _moe_unpermute(ctx: Ctx) -> None:
+    """moe_unpermute (weighted sum back into token order, unrouted pairs skipped), functional and out=; bit for bit
+    against the CPU (the same float32 operations in the same order)."""
+    for t, k, e, h, dtype, use_out in ((7, 2, 8, 384, BF16, False), (33, 8, 64, 128, F32, True),
+                                       (4, 3, 3, 1024, F16, True)):
+        what = f"moe_unpermute T={t} k={k} H={h} {dtype} out={use_out}"
+        with ctx.sub(what):
+            dst_h = Q.moe_align(_random_ids(ctx, t, k, e, 0.1), e)[1]
+            y_h = ctx.randn(t * k, h, dtype=dtype)
+            w_h = torch.rand(t, k, generator=ctx.g)
+            y, dst, w = ctx.to(y_h), ctx.to(dst_h), ctx.to(w_h)
+            if use_out:
+                out = ctx.nan((t, h), dtype)
+                Q.moe_unpermute_out(out, y, dst, w)
+            else:
+                out = Q.moe_unpermute(y, dst, w)
+            check_equal(out, Q.moe_unpermute(y_h, dst_h, w_h), what)
+
+
+def _group_ends(ctx: Ctx, t: int, e: int, kind: str) -> list[int]:
+    """The end row of each expert's group: "empty" (experts 0, 1, E // 2 and E - 1 get no rows), "tail" (the same,
+    with 3 rows routed to no expert), "one" (every row on expert E // 2)."""
+    counts = [0] * e
+    if kind == "one":
+        counts[e // 2] = t
+    else:
+        allowed = [x for x in range(e) if x not in (0, 1, e // 2, e - 1)] or [e // 2]
+        routed = max(t - 3, 0) if kind == "tail" else t
+        for i in torch.randint(0, len(allowed), (routed,), generator=ctx.g).tolist():
+            counts[allowed[i]] += 1
+    return list(itertools.accumulate(counts))
+
+
+def _grouped(ctx: Ctx, t, n, k, e, dtype, kind, *, sa_kind="token", sb_kind="channel", bias=True, out_dtype=BF16,
+             functional=False, block=False, bad_offsets=False) -> None:
+    """One grouped_scaled_mm call checked expert by expert against the dense float64 reference; with out= (NaN
+    first) the rows past the last expert's end must stay untouched."""
+    what = (f"grouped_scaled_mm T={t} E={e} N={n} K={k} {'block' if block else dtype} {kind} sa={sa_kind} "
+            f"sb={sb_kind} bias={bias} -> {out_dtype} functional={functional} bad_offsets={bad_offsets}")
+    with ctx.sub(what):
+        a_h, w_h = _operand(ctx, (t, k), dtype), _operand(ctx, (e, n, k), dtype)
+        if block:
+            sa_h = _block_scales(ctx, (t, k // BLOCK), k)
+            sb_h = _block_scales(ctx, (e, _ceil(n, BLOCK), k // BLOCK), k)
+        else:
+            ma, mb = scale_magnitudes(dtype, k)
+            sa_h = rand_scale({"token": (t, 1), "token1d": (t,), "tensor": (1,)}[sa_kind], "cpu", ma, ctx.g)
+            sb_h = rand_scale({"channel": (e, n), "expert": (e,), "expert2d": (e, 1)}[sb_kind], "cpu", mb, ctx.g)
+        b_h = ctx.randn(e, n, dtype=out_dtype, std=2.0) if bias else None
+        if bad_offsets:  # the device clamps: c[e] = min(T, max(c[e - 1], offsets[e])); the CPU refuses them
+            assert e == 4
+            ends = [t // 2, t // 2, t, t]
+            given = torch.tensor([t // 2, -5, t + 100, t // 3] if ctx.cuda else ends, dtype=torch.int32)
+        else:
+            ends = _group_ends(ctx, t, e, kind)
+            given = torch.tensor(ends, dtype=torch.int32)
+        a, w, sa, sb, offs, b = (ctx.to(x) for x in (a_h, w_h, sa_h, sb_h, given, b_h))
+        routed = ends[-1]
+        if functional and not ctx.tma_out(t, ctx.grouped_decode_rows):
+            out = Q.grouped_scaled_mm(a, w.transpose(1, 2), sa, sb, offs, out_dtype, b)
+            got = out[:routed].cpu()  # rows past the last end are unspecified in a fresh result
+        else:
+            out = ctx.nan((t, n), out_dtype)
+            Q.grouped_scaled_mm_out(out, a, w.transpose(1, 2), sa, sb, offs, b)
+            got = out.cpu()
+            assert torch.isnan(got[routed:].float()).all(), f"{what}: rows >= offsets[-1] = {routed} were written"
+        start = 0
+        for x, end in enumerate(ends):
+            if end > start:
+                rows = slice(start, end)
+                be = None if b_h is None else b_h[x]
+                name = f"{what}: expert {x} rows [{start}, {end})"
+                if block:
+                    check_gemm(got[rows], a_h[rows], w_h[x].t(), sa_h[rows], sb_h[x], be, name, block=True)
+                else:
+                    sa_e = sa_h.reshape(-1)[rows] if sa_h.numel() != 1 else sa_h.reshape(1)
+                    sb_e = sb_h[x] if sb_h.dim() == 2 and sb_h.shape[1] == n else sb_h.reshape(-1)[x:x + 1]
+                    check_gemm(got[rows], a_h[rows], w_h[x].t(), sa_e, sb_e, be, name)
+            start = max(start, end)
+
+
+@case("grouped_scaled_mm", ["grouped_scaled_mm", "grouped_scaled_mm_out"], needs_sm90=True)
+def _grouped_scaled_mm(ctx: Ctx) -> None:
+    """grouped_scaled_mm int8, fp8 and block fp8 with empty experts (first, last, inner), unrouted tail rows and all
+    rows on one expert; T on both sides of the grouped decode bound (64 rows) and of the CUTLASS Small / Large switch
+    (16 E); per-token / per-tensor x per-channel / per-expert scales; a K tail (K = 400) in the decode kernel; offsets
+    the device must clamp."""
+    e, n, k = 8, 272, 512
+    rows = [(I8, 5, "empty", dict(functional=True)),
+            (I8, 64, "tail", dict(sa_kind="tensor", sb_kind="expert", bias=False, out_dtype=F16)),
+            (I8, 100, "empty", dict(sb_kind="expert2d")),
+            (I8, 300, "tail", {}),
+            (FP8, 1, "one", dict(sa_kind="token1d", sb_kind="expert")),
+            (FP8, 33, "empty", dict(bias=False, out_dtype=F16, functional=True)),
+            (FP8, 65, "tail", dict(sa_kind="tensor")),
+            (FP8, 600, "empty", dict(bias=False))]
+    blocks = [(7, "empty", dict(functional=True)), (64, "tail", dict(out_dtype=F16)), (129, "empty", {}),
+              (300, "one", dict(bias=False))]
+    if ctx.quick:
+        rows, blocks = [rows[i] for i in (0, 3, 5, 7)], [blocks[0], blocks[3]]
+    for dtype, t, kind, kw in rows:
+        if dtype in ctx.qdtypes:
+            _grouped(ctx, t, n, k, e, dtype, kind, **kw)
+    if FP8 in ctx.qdtypes:
+        for t, kind, kw in blocks:
+            _grouped(ctx, t, 208, 384, e, FP8, kind, block=True, **kw)
+    _grouped(ctx, 9, n, 400, e, I8, "empty")  # K % 64 != 0 in the grouped decode kernel
+    for t in ((3,) if ctx.quick else (3, 600)):
+        _grouped(ctx, t, 128, 256, 4, I8, "clamped", bad_offsets=True)
+
+
