@@ -15,8 +15,8 @@ function is called.
 from .api import from_pretrained, save_pretrained
 from .decode_step import DecodeStep
 from .generate import GraphGenerator, SUPPORTED_GENERATE_KWARGS, generate
-from .optimize import (SUPPORTED_LAYERS, TESTED_TRANSFORMERS, RMSNormQuant, is_optimized, optimize_, unfused,
-                       unoptimize_)
+from .optimize import SUPPORTED_LAYERS, TESTED_TRANSFORMERS, is_optimized, optimize_
+from .unfuse import RMSNormQuant, unfused, unoptimize_
 
 __all__ = ["optimize_", "unoptimize_", "unfused", "is_optimized", "RMSNormQuant", "SUPPORTED_LAYERS",
            "TESTED_TRANSFORMERS", "generate", "GraphGenerator", "DecodeStep", "SUPPORTED_GENERATE_KWARGS",

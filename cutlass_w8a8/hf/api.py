@@ -6,7 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 from .. import checkpoints
-from .optimize import optimize_, unfused
+from .optimize import optimize_
+from .unfuse import unfused
 
 __all__ = ["from_pretrained", "save_pretrained"]
 
