@@ -160,15 +160,18 @@ def correction_bias_of(block: nn.Module):
     return obj
 
 
-def tiny_moe_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
-    """A random ``kind`` causal LM (`tiny_moe_config`) in ``dtype``, eval mode, the same weights for the same
-    ``seed``: transformers' init, then the routers' weights times `ROUTER_GAIN`, each correction bias (a row's
-    `Routing.correction_bias`; zero after transformers' init) `BIAS_STD` times a standard normal, ``lm_head`` times
-    `LM_HEAD_GAIN`."""
+def tiny_moe_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, **config_overrides):
+    """A random ``kind`` causal LM (`tiny_moe_config`, with ``config_overrides`` set on it, e.g.
+    ``q_lora_rank=None``) in ``dtype``, eval mode, the same weights for the same ``seed``: transformers' init, then
+    the routers' weights times `ROUTER_GAIN`, each correction bias (a row's `Routing.correction_bias`; zero after
+    transformers' init) `BIAS_STD` times a standard normal, ``lm_head`` times `LM_HEAD_GAIN`."""
     from transformers import AutoModelForCausalLM
 
+    config = tiny_moe_config(kind)
+    for k, v in config_overrides.items():
+        setattr(config, k, v)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_moe_config(kind), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     gen = torch.Generator().manual_seed(1000 + seed)
     with torch.no_grad():
         for _, block in moe_blocks(model):

@@ -459,3 +459,71 @@ def test_tensor_parallel_split(fam, tp_results):
         assert torch.equal(got["w13"], full.w13[:, rows]) and torch.equal(got["w13_scale"], full.w13_scale[:, rows])
         assert torch.equal(got["w2"], full.w2[:, :, r * half:(r + 1) * half])
         assert torch.equal(got["w2_scale"], full.w2_scale)
+
+
+# DeepSeek-V3's multi-head latent attention: plain Linears, quantized by quantize_ like any other; the attention module
+# (its RoPE split, the kv_a_layernorm, the latent up-projection, softmax) stays transformers'.
+MLA_PROJS = {128: ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"),
+             None: ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}
+
+
+def _weight_error_bound(w, layer):
+    """The largest |w - dequantized| each weight element may have: half a quantization step. int8 per channel:
+    half the row's scale; e4m3 per 128 x 128 block: half the spacing of the rounded value, at most 2**-4 |w| in the
+    normal range and 2**-10 s below it (subnormals, spacing 2**-9 of the block scale s); plus 2**-21 |w| for the
+    float32 scaling w / s before the rounding (at most two float32 roundings, 2**-23 |w|, with a factor 4 margin: a
+    value within that of a rounding midpoint may round either way; measured up to 1.0000036 half steps)."""
+    s = layer.weight_scale.float()
+    if layer.weight_block_size is None:
+        return s.reshape(-1, 1).expand_as(w) / 2 + 2.0 ** -21 * w.abs()
+    n, k = w.shape
+    s = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    return torch.maximum(2.0 ** -4 * w.abs(), 2.0 ** -10 * s) + 2.0 ** -21 * w.abs()
+
+
+@pytest.mark.parametrize("q_lora_rank", [128, None], ids=["q_lora", "q_proj"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_deepseek_v3_mla_projections(scheme, q_lora_rank):
+    """quantize_ on the tiny DeepSeek-V3 model (q_lora_rank 128: q_a_proj / q_b_proj; None: q_proj, DeepSeek-V2-Lite
+    style) makes every MLA projection a W8A8Linear of the scheme, kv_a_proj_with_mqa with N = kv_lora_rank +
+    qk_rope_head_dim = 576 included (block fp8: 5 row blocks, the last one partial, 64 rows); each holds its float
+    weight to within half a quantization step (the partial block's rows use the 5th scale row) and computes its
+    dequantized float64 reference to within a bf16 rounding; the attention module and its norms stay transformers'
+    (same class, same float weights), and the logits stay close to the float model's (the row bound, along the same
+    routing)."""
+    from _moe_models import FakeQuantLinear
+
+    base = tiny_moe_model("deepseek_v3", q_lora_rank=q_lora_rank)
+    model = tiny_moe_model("deepseek_v3", q_lora_rank=q_lora_rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cw.quantize_(model, SCHEMES[scheme], filter_fn=lambda m, fqn: fqn != "lm_head")
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3), dtype=torch.float32).to(torch.bfloat16)
+    for layer, float_layer in zip(model.model.layers, base.model.layers):
+        attn, float_attn = layer.self_attn, float_layer.self_attn
+        assert type(attn) is type(float_attn) and type(attn).__name__ == "DeepseekV3Attention"
+        assert [n for n, _ in attn.named_children()] == [n for n, _ in float_attn.named_children()]
+        for name in MLA_PROJS[q_lora_rank]:
+            lin, float_lin = getattr(attn, name), getattr(float_attn, name)
+            assert type(lin) is cw.W8A8Linear, name
+            assert lin.weight_block_size == SCHEMES[scheme].weight_block_size
+            w = float_lin.weight.detach().float()
+            ref = FakeQuantLinear(lin, torch.float64)
+            assert ((ref.weight.float() - w).abs() <= _weight_error_bound(w, lin)).all(), name
+            if name == "kv_a_proj_with_mqa":
+                assert w.shape == (576, 256)
+                if lin.weight_block_size is not None:
+                    assert tuple(lin.weight_scale.shape) == (5, 2)
+            xin = x if lin.in_features == 256 else torch.randn(5, lin.in_features, dtype=torch.bfloat16,
+                                                               generator=torch.Generator().manual_seed(4))
+            with torch.no_grad():
+                got, want = lin(xin).double(), ref(xin).double()
+            assert float((got - want).norm() / want.norm()) <= 2.0 ** -8, name  # one bf16 rounding
+        for name, child in attn.named_children():
+            if not isinstance(child, (cw.W8A8Linear, nn.Linear)):  # kv_a_layernorm, q_a_layernorm, rotary: float
+                for (pn, p), (_, fp) in zip(child.named_parameters(), getattr(float_attn, name).named_parameters()):
+                    assert p.dtype == fp.dtype and torch.equal(p, fp), (name, pn)
+    with torch.no_grad():
+        got, choices = _routed(model, ids())
+        want, _ = _routed(base, ids(), force=choices)
+    assert sqnr_db(got, want) >= VS_FLOAT_SQNR_DB[scheme]
