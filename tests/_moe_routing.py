@@ -165,30 +165,37 @@ def hf_router(name, seed, hidden=32, renormalize=None, device="cpu") -> HFRouter
 
 def router_ties(router: HFRouter, logits):
     """(T,) bool: the tokens where transformers' own selection has an exact tie at its boundary (its
-    ``torch.topk`` then breaks it in an unspecified way, so the chosen set is not defined by the values): equal group
-    scores across the topk_group boundary, or equal choice values (probabilities for softmax, sigmoid + bias) across
-    the top_k boundary among the kept groups' experts."""
-    kw = router.kwargs
+    ``torch.topk`` then breaks it in an unspecified way, so the chosen set is not defined by the values)."""
+    return selection_ties(logits, router.top_k, router.kwargs)
+
+
+def selection_ties(logits, top_k, kwargs, rel=0.0):
+    """(T,) bool: the tokens whose selection has a tie at its boundary: group scores (the sum of a group's two largest
+    choice values) equal across the topk_group boundary, or choice values (probabilities for softmax, sigmoid, plus
+    the bias) equal across the top_k boundary among the kept groups' experts. With ``rel > 0`` values within
+    ``rel`` of each other (relatively) count as equal: the tokens whose selection another device's scores, a few
+    ulps away, may resolve differently."""
     logits = logits.float()
-    if kw["scoring"] == "softmax":
-        choice = F.softmax(logits, dim=-1)
-    else:
-        choice = logits.sigmoid()
-    if kw["correction_bias"] is not None:
-        choice = choice + kw["correction_bias"]
+    choice = F.softmax(logits, dim=-1) if kwargs["scoring"] == "softmax" else logits.sigmoid()
+    if kwargs.get("correction_bias") is not None:
+        choice = choice + kwargs["correction_bias"]
     t, e = choice.shape
-    g, kg, k = kw["n_group"], kw["topk_group"], router.top_k
+    g, kg = kwargs.get("n_group", 1), kwargs.get("topk_group", 1)
+
+    def equal(a, b):
+        return (a == b) | ((a - b).abs() <= rel * torch.maximum(a.abs(), b.abs()))
+
     tie = torch.zeros(t, dtype=torch.bool, device=choice.device)
     if g > 1:
         gs = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(-1)
         ranked = gs.sort(dim=-1, descending=True).values
         if kg < g:
-            tie |= ranked[:, kg - 1] == ranked[:, kg]
+            tie |= equal(ranked[:, kg - 1], ranked[:, kg])
         kept = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, gs.topk(kg, dim=-1).indices, True)
         choice = choice.masked_fill(~kept.repeat_interleave(e // g, dim=1), float("-inf"))
     ranked = choice.sort(dim=-1, descending=True).values
-    if k < kg * (e // g):
-        tie |= ranked[:, k - 1] == ranked[:, k]
+    if top_k < kg * (e // g):
+        tie |= equal(ranked[:, top_k - 1], ranked[:, top_k])
     return tie
 
 
@@ -204,6 +211,27 @@ def renormalized_rel_bound(top_k: int) -> float:
     1e-20 DeepSeek-V3 adds to the sum changes nothing for sums above 2**-42 (the tests' sums are above 1e-3)."""
     gamma = (top_k - 1) * U32 / (1 - (top_k - 1) * U32)
     return (1 + gamma) / (1 - gamma) * ((1 + U32) / (1 - U32)) ** 2 - 1
+
+
+def compare_with_router(router, logits, w_hf, ids_hf, w, ids, renormalized):
+    """The tie-free tokens' id sets equal and their weights per id bit for bit (or within the reordered-sum bound
+    when renormalized with top_k > 2); returns the number of tokens compared."""
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32 and w.shape == ids.shape == ids_hf.shape
+    ties = router_ties(router, logits)
+    assert int(ties.sum()) <= max(1, ties.numel() // 100), f"{int(ties.sum())} tokens with ties: the draw is degenerate"
+    keep = ~ties
+    hf_sorted, hf_order = ids_hf[keep].long().sort(-1)
+    our_sorted, our_order = ids[keep].long().sort(-1)
+    assert torch.equal(our_sorted, hf_sorted), f"{router.name}: the chosen experts differ"
+    a = w[keep].gather(1, our_order)
+    b = w_hf[keep].float().gather(1, hf_order)
+    if not renormalized or router.top_k <= 2:
+        assert torch.equal(a, b), f"{router.name}: weights differ: max |diff| {(a - b).abs().max().item()}"
+    else:
+        bound = renormalized_rel_bound(router.top_k)
+        rel = ((a.double() - b.double()).abs() / b.double().abs()).max().item()
+        assert rel <= bound, f"{router.name}: relative difference {rel} above the reordered-sum bound {bound}"
+    return int(keep.sum())
 
 
 def naive_route(logits, top_k, scoring, bias, n_group, topk_group, renormalize, scale):

@@ -12,7 +12,8 @@ router dims and tiny ones:
 - moe_route's softmax case is moe_topk_softmax bit for bit; a naive loop implementation of the documented
   selection agrees on softmax + bias and on grouped selections no transformers router has; forced ties follow the
   documented policy (lower expert / group index first; softmax without bias ranks logits); every validation names
-  its argument; opcheck and the fake.
+  its argument; the fake and torch.compile. (opcheck runs moe_route's cases of tests/_moe_routing.py's
+  `opcheck_cases` with the other routing ops: test_moe_routing_cpu.py, test_moe_routing_cuda.py.)
 """
 
 from __future__ import annotations
@@ -21,33 +22,10 @@ import pytest
 import torch
 
 import cutlass_w8a8 as cw
-from _full import opcheck
-from _moe_routing import (OPS, ROUTER_DIMS, hf_router, naive_route, opcheck_cases, renormalized_rel_bound,
-                          router_ties)
+from _moe_routing import OPS, ROUTER_DIMS, compare_with_router, hf_router, naive_route
 
 SEEDS = (0, 1, 2)
 TOKENS = 96
-
-
-def compare_with_router(router, logits, w_hf, ids_hf, w, ids, renormalized):
-    """The tie-free tokens' id sets equal and their weights per id bit for bit (or within the reordered-sum bound
-    when renormalized with top_k > 2); returns the number of tokens compared."""
-    assert w.dtype == torch.float32 and ids.dtype == torch.int32 and w.shape == ids.shape == ids_hf.shape
-    ties = router_ties(router, logits)
-    assert int(ties.sum()) <= max(1, ties.numel() // 100), f"{int(ties.sum())} tokens with ties: the draw is degenerate"
-    keep = ~ties
-    hf_sorted, hf_order = ids_hf[keep].long().sort(-1)
-    our_sorted, our_order = ids[keep].long().sort(-1)
-    assert torch.equal(our_sorted, hf_sorted), f"{router.name}: the chosen experts differ"
-    a = w[keep].gather(1, our_order)
-    b = w_hf[keep].float().gather(1, hf_order)
-    if not renormalized or router.top_k <= 2:
-        assert torch.equal(a, b), f"{router.name}: weights differ: max |diff| {(a - b).abs().max().item()}"
-    else:
-        bound = renormalized_rel_bound(router.top_k)
-        rel = ((a.double() - b.double()).abs() / b.double().abs()).max().item()
-        assert rel <= bound, f"{router.name}: relative difference {rel} above the reordered-sum bound {bound}"
-    return int(keep.sum())
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -237,15 +215,6 @@ def test_errors_name_the_argument(trigger, exc, message):
 def test_errors_on_meta_sizes():
     with pytest.raises(ValueError, match=r"moe_route: `router_logits` has 2147483648 rows"):
         cw.moe_route(torch.empty(2**31, 8, device="meta"), 2)
-
-
-ROUTE_OPCHECK = [c for c in opcheck_cases("cpu") if c[0].startswith("moe_route")]
-
-
-@pytest.mark.parametrize("case", ROUTE_OPCHECK, ids=[c[0] for c in ROUTE_OPCHECK])
-def test_opcheck_cpu(case):
-    _, op, args = case
-    opcheck(op, args)
 
 
 def test_fake_shapes_and_compile():
