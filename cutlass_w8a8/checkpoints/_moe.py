@@ -46,8 +46,8 @@ from ._scheme import BLOCK_SCHEME, LinearScheme, ParsedConfig
 
 __all__ = ["MoeBlock", "MoeTarget", "find_moe_blocks", "ct_moe_targets", "native_moe_targets", "build_moe",
            "fill_float_experts",
-           "moe_state_dict", "float_expert_headers", "moe_linear_names", "router_ignore", "checkpoint_renamer",
-           "PROJS"]
+           "moe_state_dict", "float_expert_headers", "moe_linear_names", "checkpoint_block_of", "router_ignore",
+           "checkpoint_renamer", "PROJS"]
 
 #: the three projections of an expert, in the order of `MoeBlock.leaves` (`CheckpointNames.projs`)
 PROJS = ("gate", "up", "down")
@@ -461,6 +461,12 @@ def _layout(model: nn.Module, name: str, where: str) -> Tuple[str, MoeFamily]:
         raise ValueError(f"{where}: W8A8MoE {name!r} is not the `experts` of a {family_names('or')} "
                          f"block (its parent is {type(parent).__name__}): no checkpoint layout to write it in")
     return fam.checkpoint_block(parent_name), fam
+
+
+def checkpoint_block_of(model: nn.Module, name: str, where: str) -> str:
+    """The files' name of the block whose experts are the `W8A8MoE` at ``name`` (``model.layers.0.block_sparse_moe``
+    for Mixtral, else the block's module name)."""
+    return _layout(model, name, where)[0]
 
 
 def moe_linear_names(model: nn.Module, name: str, moe: nn.Module, where: str) -> List[str]:

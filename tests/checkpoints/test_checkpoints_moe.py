@@ -541,9 +541,11 @@ def test_static_input_scales_become_the_largest(moe_ckpt):
 @pytest.mark.parametrize("name", quick_or_full(["qwen3_int8", "mixtral_fp8", "qwen2_int8", "mixtral_fp8_block",
                                                 "qwen3_native", "qwen3_int8_static"], QUICK))
 def test_round_trip(moe_ckpt, tmp_path, name):
+    """compressed-tensors, as llm-compressor writes it (a model loaded from a native checkpoint asks for it with
+    ``format``: its default is the native format, test_native_round_trip_is_byte_identical)."""
     src = moe_ckpt(name)
     ours = _load(src)
-    save_pretrained(ours, tmp_path)
+    save_pretrained(ours, tmp_path, **({"format": "compressed-tensors"} if "native" in name else {}))
     with open(tmp_path / "config.json") as f:
         qc = json.load(f)["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and list(qc["config_groups"]) == ["group_0"]
@@ -562,6 +564,28 @@ def test_round_trip(moe_ckpt, tmp_path, name):
                 assert torch.equal(v, ok.float()), k
         elif v.dtype in (torch.int8, torch.float8_e4m3fn):
             assert torch.equal(v.view(torch.uint8), original[k].view(torch.uint8)), k
+    back = _load(tmp_path)
+    _same_state(ours, back)
+    assert torch.equal(logits(ours, ids()), logits(back, ids()))
+
+
+@pytest.mark.parametrize("name", ["qwen3_native", "mixtral_native"])
+def test_native_round_trip_is_byte_identical(moe_ckpt, tmp_path, name):
+    """A model loaded from a native block-fp8 MoE checkpoint saves back in that format: every tensor under its name
+    in the files (the experts per expert), in its stored dtype and byte for byte; the same quantization_config; it
+    loads back to the same model. Mixtral's blocks are written as ``block_sparse_moe`` (transformers'
+    ``save_pretrained`` names them so), also when the files named them ``mlp`` as this one does."""
+    src = moe_ckpt(name)
+    ours = _load(src)
+    save_pretrained(ours, tmp_path)
+    with open(os.path.join(src, "config.json")) as f, open(tmp_path / "config.json") as g:
+        assert json.load(g)["quantization_config"] == json.load(f)["quantization_config"]
+    stored, original = stored_tensors(tmp_path), stored_tensors(src)
+    if name == "mixtral_native":
+        original = {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in original.items()}
+    assert stored.keys() == original.keys()
+    for k, v in original.items():
+        assert stored[k].dtype == v.dtype and torch.equal(stored[k].view(torch.uint8), v.view(torch.uint8)), k
     back = _load(tmp_path)
     _same_state(ours, back)
     assert torch.equal(logits(ours, ids()), logits(back, ids()))
