@@ -201,7 +201,7 @@ def load_unsharded(path: str, model_cls, config, targeted: dict, ckpt, dtype: to
     ``moe``: ``{experts module name: MoeTarget}`` (`cutlass_w8a8.checkpoints._moe`), each experts module becoming
     a `W8A8MoE` built from the per-expert tensors (`_moe.build_moe`), the other tensors of those blocks read under
     the files' names."""
-    from ._moe import build_moe, checkpoint_renamer, fill_float_experts
+    from ._moe import build_moe, checkpoint_renamer, fill_float_experts, link_correction_biases
 
     moe = moe or {}
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -227,6 +227,7 @@ def load_unsharded(path: str, model_cls, config, targeted: dict, ckpt, dtype: to
                 set_module(model, name, build_moe(t, reader, device, dtype, where))
         load_rest(model, reader, ckpt.meta, set(targeted) | set(moe), device, config, where,
                   rename=checkpoint_renamer([t.block for t in moe.values()]))
+    link_correction_biases(model, moe)
     init_missing_buffers(model, device, where)
     model.eval()
     load_generation_config(model, path)

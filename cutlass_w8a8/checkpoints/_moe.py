@@ -38,14 +38,14 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..moe.families import MoeFamily, expert_parameters, family_names, family_of, read_routing
+from ..moe.families import MoeFamily, RoutingArgs, expert_parameters, family_names, family_of, read_routing
 from ..moe.layer import W8A8MoE
 from ..ops import _limits
 from ..ops._limits import BLOCK_SIZE
 from ._scheme import BLOCK_SCHEME, LinearScheme, ParsedConfig
 
 __all__ = ["MoeBlock", "MoeTarget", "find_moe_blocks", "ct_moe_targets", "native_moe_targets", "build_moe",
-           "fill_float_experts",
+           "fill_float_experts", "link_correction_biases",
            "moe_state_dict", "float_expert_headers", "moe_linear_names", "checkpoint_block_of", "router_ignore",
            "checkpoint_renamer", "PROJS"]
 
@@ -74,6 +74,9 @@ class MoeBlock:
         Whether the top-k weights are divided by their sum (Qwen ``norm_topk_prob``; always for Mixtral).
     cls : str
         The block's class name.
+    routing : RoutingArgs, optional
+        The block's routing as `read_routing` reads it from the model built on the meta device (its correction bias,
+        if any, a meta tensor: `link_correction_biases` gives the loaded layer the router's loaded one).
     """
 
     name: str
@@ -85,6 +88,16 @@ class MoeBlock:
     top_k: int
     renormalize: bool
     cls: str
+    routing: Optional[RoutingArgs] = None
+
+    def routing_kwargs(self) -> dict:
+        """`W8A8MoE`'s routing keyword arguments for this block besides ``top_k`` / ``renormalize`` and the
+        correction bias (`link_correction_biases`): ``scoring``, ``n_group``, ``topk_group``, ``scaling_factor``."""
+        r = self.routing
+        if r is None:
+            return {}
+        return {"scoring": r.scoring, "n_group": r.n_group or 1, "topk_group": r.topk_group or 1,
+                "scaling_factor": r.scaling_factor}
 
     @property
     def leaves(self) -> Tuple[str, str, str]:
@@ -167,7 +180,8 @@ def find_moe_blocks(model: nn.Module, ckpt_meta: Dict[str, tuple], where: str) -
             if f"{name}{probe}" in ckpt_meta and f"{ckpt_name}{probe}" not in ckpt_meta:
                 ckpt_name = name
         routing = read_routing(m, fam, where)
-        blocks.append(MoeBlock(name, ckpt_name, fam, e, h, i, routing.top_k, routing.renormalize, type(m).__name__))
+        blocks.append(MoeBlock(name, ckpt_name, fam, e, h, i, routing.top_k, routing.renormalize, type(m).__name__,
+                               routing))
     for name, m in model.named_modules():
         if name in family_experts:
             continue
@@ -393,7 +407,7 @@ def build_moe(t: MoeTarget, reader, device, dtype: torch.dtype, where: str, shar
     config = W8A8Config(dtype=s.quant_dtype, out_dtype=dtype,
                         weight_block_size=(BLOCK_SIZE, BLOCK_SIZE) if s.block else None)
     moe = W8A8MoE(e_, b.top_k, h, hi - lo, config, renormalize=b.renormalize, device="meta",
-                  static_input_scale=s.static_input)
+                  static_input_scale=s.static_input, **b.routing_kwargs())
     values = {"w13": torch.stack(w13), "w13_scale": torch.stack(s13), "w2": torch.stack(w2),
               "w2_scale": torch.stack(s2)}
     if s.static_input:
@@ -413,6 +427,23 @@ def build_moe(t: MoeTarget, reader, device, dtype: torch.dtype, where: str, shar
         moe._buffers[name] = v.to(device)
     moe.train(False)
     return moe
+
+
+def link_correction_biases(model: nn.Module, moe: Dict[str, MoeTarget]) -> None:
+    """Give each `W8A8MoE` of ``moe`` (``{experts module name: MoeTarget}``, built by `build_moe` before the routers
+    were read) its block's loaded correction bias (the row's `Routing.correction_bias` path, DeepSeek-V3's
+    ``gate.e_score_correction_bias``) as `W8A8MoE` holds one: the router's own float32 tensor (the same storage),
+    else a float32 copy. Blocks whose row has none, and float experts, are left alone."""
+    for name, t in moe.items():
+        path = t.block.family.routing.correction_bias
+        layer = model.get_submodule(name)
+        if path is None or not isinstance(layer, W8A8MoE):
+            continue
+        bias = model.get_submodule(t.block.name)
+        for part in path.split("."):
+            bias = getattr(bias, part)
+        bias = bias.detach().reshape(layer.num_experts)
+        layer.correction_bias = bias if bias.dtype == torch.float32 else bias.float()
 
 
 def fill_float_experts(model: nn.Module, t: MoeTarget, reader, device, dtype: torch.dtype) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..checkpoints._direct import (Reader, block_rows, block_size, build_meta, init_missing_buffers,
                                    load_generation_config, load_rest, set_module)
-from ..checkpoints._moe import build_moe, checkpoint_renamer, fill_float_experts
+from ..checkpoints._moe import build_moe, checkpoint_renamer, fill_float_experts, link_correction_biases
 from ..linear import W8A8Linear
 from ..ops._limits import BLOCK_SIZE
 from . import sharding as S
@@ -135,7 +135,7 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
             new = TensorParallelW8A8MoE.from_shard(
                 part.w13, part.w13_scale, part.w2, part.w2_scale, ctx, top_k=part.top_k, intermediate_size=i,
                 dtype=dtype, renormalize=part.renormalize, weight_block_size=part.weight_block_size,
-                a13_scale=part.a13_scale, a2_scale=part.a2_scale)
+                a13_scale=part.a13_scale, a2_scale=part.a2_scale, **t.block.routing_kwargs())
             new.train(False)
             set_module(model, name, new)
         for name, lin in linears.items():
@@ -151,6 +151,7 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
             replaced.add(name)
         load_rest(model, reader, ckpt.meta, replaced, device, config, _WHERE,
                   rename=checkpoint_renamer([t.block for t in moe.values()]))
+    link_correction_biases(model, moe)
     init_missing_buffers(model, device, _WHERE)
     set_attention_groups_(model, heads, world, rep)
     model.eval()
