@@ -21,11 +21,11 @@ The layout (deepseek-ai/DeepSeek-V3, -R1, -V3.1, moonshotai/Kimi-K2): ``config.j
 
 The tiny model: transformers' own ``DeepseekV3Config`` / ``DeepseekV3ForCausalLM`` with H 256, 2 layers (the
 first dense, MLP 512), 8 routed experts of I 256 in 2 groups (top-2 of the best group: ``n_group`` 2,
-``topk_group`` 1), one shared expert, ``routed_scaling_factor`` 2.5, 2 heads, ``q_lora_rank`` 256,
-``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = 576, vocab 512; every K a multiple of 128 and every MLP / expert
-size splits into whole 128-blocks over 2 ranks. Random init with the routers' weights and ``lm_head`` scaled up
-(decisive routings and logits), a random ``e_score_correction_bias`` (so that the selection bias matters) and norms
-away from 1.
+``topk_group`` 1), one shared expert, ``routed_scaling_factor`` 2.5, 4 heads (q / k head 128 + 64 rotary, v head
+128), ``q_lora_rank`` 256, ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 = 576, vocab 512; every K a multiple of
+128, and every MLP / expert size and the MLA projections q_b / kv_b (by heads) and o split into whole 128-blocks over
+2 ranks. Random init with the routers' weights and ``lm_head`` scaled up (decisive routings and logits), a random
+``e_score_correction_bias`` (so that the selection bias matters) and norms away from 1.
 
 Everything here imports transformers / safetensors; test files importorskip them first.
 """
@@ -61,10 +61,10 @@ def tiny_deepseek_config():
 
     return DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512, moe_intermediate_size=MOE_I,
-        num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=EXPERTS,
+        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=EXPERTS,
         n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
         routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=256, kv_lora_rank=512, qk_rope_head_dim=64,
-        qk_nope_head_dim=64, v_head_dim=128, num_nextn_predict_layers=1, max_position_embeddings=128,
+        qk_nope_head_dim=128, v_head_dim=128, num_nextn_predict_layers=1, max_position_embeddings=128,
         tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
 
 
