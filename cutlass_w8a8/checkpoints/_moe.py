@@ -77,6 +77,9 @@ class MoeBlock:
     routing : RoutingArgs, optional
         The block's routing as `read_routing` reads it from the model built on the meta device (its correction bias,
         if any, a meta tensor: `link_correction_biases` gives the loaded layer the router's loaded one).
+    renamed : dict
+        ``{model tensor name: files' tensor name}`` of the block's other tensors the files name otherwise (the row's
+        `CheckpointNames.renamed`, where the files hold the files' name and not the model's).
     """
 
     name: str
@@ -89,6 +92,7 @@ class MoeBlock:
     renormalize: bool
     cls: str
     routing: Optional[RoutingArgs] = None
+    renamed: Dict[str, str] = dataclasses.field(default_factory=dict)
 
     def routing_kwargs(self) -> dict:
         """`W8A8MoE`'s routing keyword arguments for this block besides ``top_k`` / ``renormalize`` and the
@@ -180,8 +184,13 @@ def find_moe_blocks(model: nn.Module, ckpt_meta: Dict[str, tuple], where: str) -
             if f"{name}{probe}" in ckpt_meta and f"{ckpt_name}{probe}" not in ckpt_meta:
                 ckpt_name = name
         routing = read_routing(m, fam, where)
+        renamed = {}
+        for model_leaf, file_leaf in getattr(fam.checkpoint, "renamed", ()):
+            model_key, file_key = f"{name}.{model_leaf}", f"{ckpt_name}.{file_leaf}"
+            if file_key in ckpt_meta and model_key not in ckpt_meta:
+                renamed[model_key] = file_key
         blocks.append(MoeBlock(name, ckpt_name, fam, e, h, i, routing.top_k, routing.renormalize, type(m).__name__,
-                               routing))
+                               routing, renamed))
     for name, m in model.named_modules():
         if name in family_experts:
             continue
@@ -196,12 +205,16 @@ def find_moe_blocks(model: nn.Module, ckpt_meta: Dict[str, tuple], where: str) -
 
 def checkpoint_renamer(blocks: List[MoeBlock]):
     """``rename(model tensor name) -> checkpoint tensor name`` for the tensors of the blocks the files name
-    otherwise (Mixtral's ``mlp`` -> ``block_sparse_moe``), or None when every name is the same."""
+    otherwise (Mixtral's ``mlp`` -> ``block_sparse_moe``; a row's `CheckpointNames.renamed` tensors, e.g. EXAONE-MoE's
+    ``gate.e_score_correction_bias`` -> ``e_score_correction_bias``), or None when every name is the same."""
     moved = [(b.name + ".", b.ckpt_name + ".") for b in blocks if b.name != b.ckpt_name]
-    if not moved:
+    renamed = {k: v for b in blocks for k, v in b.renamed.items()}
+    if not moved and not renamed:
         return None
 
     def rename(key: str) -> str:
+        if key in renamed:
+            return renamed[key]
         for src, dst in moved:
             if key.startswith(src):
                 return dst + key[len(src):]
