@@ -221,11 +221,15 @@ def file_reference(path, full_float32: bool = False, act_quant: bool = True):
             stored[f"{name}.experts.gate_up_proj"], stored[f"{name}.experts.down_proj"] = w13, w2
     stored.update({f"{name}.weight": w for name, w in deq.items()})
     state = dict(model.state_dict())
+    biases = {k: stored[k] for k in state if k.endswith("e_score_correction_bias")}
     for k in list(state):
         if k in stored:
-            state[k] = stored.pop(k).to(state[k].dtype)  # the router stays float32, as transformers holds it
+            state[k] = stored.pop(k).to(state[k].dtype)  # the router stays float32 where transformers holds it so
     assert not stored, f"tensors the reference did not place: {sorted(stored)[:4]}"
     model.load_state_dict(state, strict=True)
+    for k, v in biases.items():  # as stored (float32; transformers 5.17's from_config builds them in the model dtype)
+        router = model.get_submodule(k.rpartition(".")[0])
+        router.e_score_correction_bias = v.clone()
     if not act_quant:
         return model.eval()
     for name, (w13, w2) in experts.items():
