@@ -1,8 +1,9 @@
-"""Mixture-of-experts checkpoints (issue 27): `cutlass_w8a8.checkpoints.from_pretrained` keeps them 8-bit, each
-experts module a `W8A8MoE`, and `save_pretrained` writes the per-expert layout back.
+"""Mixture-of-experts checkpoints (issues 27 and 35): `cutlass_w8a8.checkpoints.from_pretrained` keeps them 8-bit,
+each experts module a `W8A8MoE` with its family's routing, and `save_pretrained` writes the per-expert layout back.
 
-Checkpoints are written here from the tiny random Qwen3-MoE / Qwen2-MoE (shared expert) / Mixtral models of
-tests/_moe_models.py (8 experts, top-2, hidden 256, expert intermediate 128) the way llm-compressor writes them:
+Checkpoints are written here from the tiny random Qwen3-MoE / Qwen2-MoE (shared expert) / Mixtral / DeepSeek-V3 /
+GLM-4.5 / OLMoE models of tests/_moe_models.py (hidden 256, expert intermediate 128; 8 experts top-2, DeepSeek-V3 16
+experts top-4 in 4 groups) the way llm-compressor writes them:
 each fused experts module unfused into per-expert ``nn.Linear`` layers (``experts.{e}.{gate,up,down}_proj``;
 Mixtral ``experts.{e}.{w1,w3,w2}``, saved by transformers under ``block_sparse_moe``), quantized by
 compressed-tensors itself (W8A8, FP8_DYNAMIC, INT8 static, FP8_BLOCK; ``ignore: ["lm_head", "re:.*mlp.gate$"]``)
@@ -33,7 +34,14 @@ mixtral native fp8    66.6 dB                   27.2 dB          79.2 dB
 qwen3 int8 static     inf (equal, max scales)   -                inf (equal)
 qwen3 int8, experts   inf (equal)               -                -
 left in float
+deepseek int8         inf (equal)               33.3 dB          inf (equal)
+deepseek FP8_BLOCK    inf (equal)               25.1 dB          91.3 dB
+glm4 fp8              inf (equal)               25.2 dB          85.1 dB
+olmoe int8            inf (equal)               34.5 dB          inf (equal)
 ====================  ========================  ===============  ===========================
+
+(DeepSeek-V3, GLM-4.5, OLMoE: tests/_moe_models.py's tiny configs; glm4 fp8 measures 27.4 dB against the all-float32
+model under transformers 5.17, the rest the same.)
 
 The first column with a float32 reference (the CPU's BLAS order) measured 32.4-73.3 dB here (one routing flip in
 qwen3 native), and int8 44 dB on the H100 host's CPU; with the float64 reference it is the same under oneDNN / MKL /
@@ -62,6 +70,7 @@ pytest.importorskip("safetensors")
 
 import cutlass_w8a8 as cw  # noqa: E402
 from cutlass_w8a8.checkpoints import from_pretrained, quantization_config_of, save_pretrained  # noqa: E402
+from cutlass_w8a8.moe.families import family_of, read_routing  # noqa: E402
 
 from _block_checkpoints import copy_checkpoint, expand_blocks, write_ct_fp8_block, write_native_fp8  # noqa: E402
 from _checkpoints import (assert_greedy_tokens_agree, logits_sqnr_vs_references, scheme, sqnr_db,  # noqa: E402
@@ -91,6 +100,12 @@ MOE_CHECKPOINTS = {
     # written with the model's names (`mlp.experts.{e}.w1`, not `block_sparse_moe`): both namings are read
     "mixtral_native": ("mixtral", "native", torch.float8_e4m3fn),
     "qwen3_int8_static": ("qwen3_moe", "INT8_STATIC", torch.int8),
+    # issue 35's families: DeepSeek-V3 (MLA, a dense first layer, shared experts, sigmoid routing with a correction
+    # bias and grouped top-k), GLM-4.5 (the same router, no groups), OLMoE (softmax top-k, not renormalized)
+    "deepseek_int8": ("deepseek_v3", "W8A8", torch.int8),
+    "deepseek_fp8_block": ("deepseek_v3", "FP8_BLOCK", torch.float8_e4m3fn),
+    "glm4_fp8": ("glm4_moe", "FP8_DYNAMIC", torch.float8_e4m3fn),
+    "olmoe_int8": ("olmoe", "W8A8", torch.int8),
 }
 
 # dB, see the module docstring. Layer by layer on the same inputs ours and the float64 reference differ only where
@@ -236,8 +251,8 @@ def file_reference(path, full_float32=False, float64=True):
         stored[f"{ename}.down_proj"] = torch.stack([items[(e, d)] for e in range(e_)])
     state = dict(model.state_dict())
     for k in list(state):
-        if k in stored:
-            state[k] = stored.pop(k).to(dtype)
+        if k in stored:  # in the dtype transformers holds it in (DeepSeek-V3's router: float32 under 5.24)
+            state[k] = stored.pop(k).to(state[k].dtype if state[k].is_floating_point() else dtype)
     assert not stored, f"tensors the reference did not place: {sorted(stored)[:4]}"
     model.load_state_dict(state, strict=True)
     for ename, items in experts.items():
@@ -283,9 +298,16 @@ def moes(model):
 
 
 def _same_state(a, b):
+    """``b`` (loaded) holds ``a``'s state bit for bit; a tensor transformers keeps in float32 whatever the model dtype
+    (``_keep_in_fp32_modules_strict``: DeepSeek-V3's ``e_score_correction_bias``, which transformers 5.17's
+    ``from_config`` builds in bf16 and its loader, as ours, reads into float32) may be ``a``'s in float32, exactly."""
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
+    keep = list(getattr(a, "_keep_in_fp32_modules_strict", None) or ())
     for k in sa:
+        if sa[k].dtype != sb[k].dtype and any(p in k for p in keep):
+            assert sb[k].dtype == torch.float32 and torch.equal(sb[k], sa[k].float()), k
+            continue
         assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k].view(torch.uint8), sb[k].view(torch.uint8)), k
 
 
@@ -300,10 +322,12 @@ def _load(path, **kw):
 
 DYNAMIC = [n for n in MOE_CHECKPOINTS if n != "qwen3_int8_static"]
 # The quick CPU run (tests/conftest.py's `full` mark) covers every family (Qwen3-MoE, Mixtral's block_sparse_moe
-# naming, Qwen2-MoE's shared expert) and every scheme (int8, fp8 per channel, FP8_BLOCK, native fp8, int8 static);
-# the other family x scheme pairs (qwen3 fp8, mixtral int8 / FP8_BLOCK / native) run in the full run, except that
-# test_layers_hold_the_stored_tensors also reads mixtral native (its own naming, mlp.experts.{e}.w1) in the quick run.
-QUICK = ("qwen3_int8", "mixtral_fp8", "qwen2_int8", "qwen3_fp8_block", "qwen3_native", "qwen3_int8_static")
+# naming, Qwen2-MoE's shared expert, DeepSeek-V3, GLM-4.5, OLMoE) and every scheme (int8, fp8 per channel, FP8_BLOCK,
+# native fp8, int8 static); the other family x scheme pairs (qwen3 fp8, mixtral int8 / FP8_BLOCK / native, deepseek
+# int8) run in the full run, except that test_layers_hold_the_stored_tensors also reads mixtral native (its own
+# naming, mlp.experts.{e}.w1) in the quick run. DeepSeek-V3's native layout: test_checkpoints_deepseek.py.
+QUICK = ("qwen3_int8", "mixtral_fp8", "qwen2_int8", "qwen3_fp8_block", "qwen3_native", "qwen3_int8_static",
+         "deepseek_fp8_block", "glm4_fp8", "olmoe_int8")
 
 
 @pytest.mark.parametrize("name", quick_or_full(DYNAMIC, QUICK + ("mixtral_native",)))
@@ -317,14 +341,23 @@ def test_layers_hold_the_stored_tensors(moe_ckpt, name):
     leaves = ("w1", "w3", "w2") if kind == "mixtral" else _QWEN_LEAVES
     sleaf = "weight_scale_inv" if writer == "native" else "weight_scale"
     layers = moes(model)
-    assert sorted(layers) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    # DeepSeek-V3 / GLM-4.5: the first layer dense (first_k_dense_replace = 1)
+    first = 1 if kind in ("deepseek_v3", "glm4_moe") else 0
+    assert sorted(layers) == [f"model.layers.{i}.mlp.experts" for i in range(first, 2)]
+    float_model = tiny_moe_model(kind)
     for n, m in layers.items():
-        assert m.quant_dtype == qd and m.num_experts == 8 and m.top_k == 2
-        assert m.renormalize == (kind != "qwen2_moe")  # Qwen2-MoE's norm_topk_prob is False in the tiny config
+        block, float_block = model.get_submodule(n.rpartition(".")[0]), float_model.get_submodule(n.rpartition(".")[0])
+        e_ = float_block.experts.gate_up_proj.shape[0]
+        assert m.quant_dtype == qd and m.num_experts == e_ and m.top_k == block.gate.top_k
+        # norm_topk_prob where the router has one (False for Qwen2-MoE and OLMoE in the tiny configs); Mixtral: always
+        assert m.renormalize == getattr(block.gate, "norm_topk_prob", True)
+        routing = read_routing(float_block, family_of(float_block), "test")
+        assert (m.scoring, m.n_group, m.topk_group, m.scaling_factor) == (
+            routing.scoring, routing.n_group or 1, routing.topk_group or 1, routing.scaling_factor)
         assert (m.weight_block_size is not None) == (writer in ("FP8_BLOCK", "native"))
         assert m.a13_scale is None and m.a2_scale is None
         base = n.replace(".mlp.", ".block_sparse_moe.") if block_sparse else n
-        for e in range(8):
+        for e in range(e_):
             g, u, d = (f"{base}.{e}.{leaf}" for leaf in leaves)
             w13 = torch.cat([stored[f"{g}.weight"], stored[f"{u}.weight"]])
             assert torch.equal(m.w13[e].view(torch.uint8), w13.view(torch.uint8))
@@ -337,11 +370,20 @@ def test_layers_hold_the_stored_tensors(moe_ckpt, name):
         router = model.get_submodule(n.rpartition(".")[0]).gate
         rkey = (n.rpartition(".")[0].replace(".mlp", ".block_sparse_moe") if block_sparse
                 else n.rpartition(".")[0]) + ".gate.weight"
-        assert router.weight.dtype == torch.bfloat16 and torch.equal(router.weight, stored[rkey])
+        # as transformers holds it: bf16, or float32 (DeepSeek-V3 / GLM-4.5 under transformers 5.24)
+        assert router.weight.dtype == float_block.gate.weight.dtype
+        assert torch.equal(router.weight, stored[rkey].to(router.weight.dtype))
+        bias = getattr(block.gate, "e_score_correction_bias", None)
+        if bias is not None:  # DeepSeek-V3 / GLM-4.5: float32, and shared with the W8A8MoE
+            assert bias.dtype == torch.float32 and m.correction_bias.data_ptr() == bias.data_ptr()
+            assert torch.equal(bias, stored[rkey.replace(".weight", ".e_score_correction_bias")].float())
+            assert bool(bias.abs().max() > 0)
     dense = {n for n, m in model.named_modules() if isinstance(m, cw.W8A8Linear)}
     want = {k[: -len(".weight")] for k, v in stored.items() if k.endswith(".weight") and v.dtype == qd
             and ".experts." not in k}
-    assert dense == want and len(dense) == (14 if kind == "qwen2_moe" else 8)
+    # q / k / v / o of each layer (DeepSeek-V3: q_a, q_b, kv_a_proj_with_mqa, kv_b, o), the dense MLP's three, the
+    # shared experts' three
+    assert dense == want and len(dense) == {"qwen2_moe": 14, "deepseek_v3": 16, "glm4_moe": 14}.get(kind, 8)
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == torch.bfloat16
     if kind == "qwen2_moe":
         assert type(model.model.layers[0].mlp.shared_expert_gate) is nn.Linear
@@ -414,7 +456,8 @@ def test_static_input_scales_become_the_largest(moe_ckpt):
 
 
 @pytest.mark.parametrize("name", quick_or_full(["qwen3_int8", "mixtral_fp8", "qwen2_int8", "mixtral_fp8_block",
-                                                "qwen3_native", "qwen3_int8_static"], QUICK))
+                                                "qwen3_native", "qwen3_int8_static", "deepseek_fp8_block",
+                                                "deepseek_int8", "glm4_fp8", "olmoe_int8"], QUICK))
 def test_round_trip(moe_ckpt, tmp_path, name):
     """compressed-tensors, as llm-compressor writes it (a model loaded from a native checkpoint asks for it with
     ``format``: its default is the native format, test_native_round_trip_is_byte_identical)."""
@@ -514,15 +557,20 @@ def test_transformers_reads_the_saved_checkpoint_as_it_reads_the_original(moe_ck
     ("qwen2_moe", cw.W8A8Config(dtype=torch.float8_e4m3fn)),
     ("mixtral", cw.W8A8Config()),
     ("qwen3_moe", cw.W8A8Config(dtype=torch.float8_e4m3fn, weight_block_size=(128, 128))),
-], ids=["qwen2_moe-fp8", "mixtral-int8", "qwen3_moe-fp8-block"])
+    ("deepseek_v3", cw.W8A8Config(dtype=torch.float8_e4m3fn, weight_block_size=(128, 128))),
+    ("glm4_moe", cw.W8A8Config()),
+    ("olmoe", cw.W8A8Config(dtype=torch.float8_e4m3fn)),
+], ids=["qwen2_moe-fp8", "mixtral-int8", "qwen3_moe-fp8-block", "deepseek_v3-fp8-block", "glm4_moe-int8",
+        "olmoe-fp8"])
 def test_round_trip_from_quantize_(tmp_path, kind, config):
-    """A model quantized by `quantize_` (experts -> W8A8MoE, Qwen2-MoE's shared expert -> W8A8Linear, its N = 1
-    gate left float) saved and loaded back: the same buffers bit for bit, the same logits."""
+    """A model quantized by `quantize_` (experts -> W8A8MoE, Qwen2-MoE's shared expert and DeepSeek-V3 / GLM-4.5's
+    shared experts -> W8A8Linear, Qwen2-MoE's N = 1 gate left float) saved and loaded back: the same buffers bit for
+    bit, the same routing, the same logits."""
     model = tiny_moe_model(kind, seed=4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantize_: shared_expert_gate (N = 1) left in float
         cw.quantize_(model, config, filter_fn=lambda m, fqn: fqn != "lm_head")
-    assert len(moes(model)) == 2
+    assert len(moes(model)) == (1 if kind in ("deepseek_v3", "glm4_moe") else 2)  # their first layer is dense
     save_pretrained(model, tmp_path)
     stored = stored_tensors(tmp_path)
     block = "block_sparse_moe" if kind == "mixtral" else "mlp"
@@ -531,6 +579,13 @@ def test_round_trip_from_quantize_(tmp_path, kind, config):
     assert not any(k.endswith((".w13", ".w2", "w13_scale", "w2_scale")) for k in stored)
     back = _load(tmp_path)
     _same_state(model, back)
+    for n, m in moes(model).items():
+        got = moes(back)[n]
+        assert (got.scoring, got.n_group, got.topk_group, got.scaling_factor, got.renormalize, got.top_k) == (
+            m.scoring, m.n_group, m.topk_group, m.scaling_factor, m.renormalize, m.top_k), n
+        assert (got.correction_bias is None) == (m.correction_bias is None), n
+        if m.correction_bias is not None:
+            assert torch.equal(got.correction_bias, m.correction_bias), n
     assert torch.equal(logits(model, ids()), logits(back, ids()))
 
 
