@@ -111,10 +111,14 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
     ``lm_head`` tied to the input embedding), are left as they are, with a warning naming the module
     (``module 'lm_head'``) that points at the line calling ``quantize_``.
 
-    Mixture-of-experts blocks: the ``experts`` child of transformers' ``Qwen2MoeSparseMoeBlock``,
-    ``Qwen3MoeSparseMoeBlock`` and ``MixtralSparseMoeBlock`` (fused 3-D ``gate_up_proj`` / ``down_proj``) becomes a
-    `W8A8MoE` (`W8A8MoE.from_float`, top-k and renormalization from the block's router); the router ``gate``
-    stays in float, Qwen2-MoE's shared expert is quantized as Linears. ``filter_fn`` is asked about each
+    Mixture-of-experts blocks: the ``experts`` child of the transformers blocks of `cutlass_w8a8.moe.families`
+    (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5, OLMoE and the other rows; fused 3-D ``gate_up_proj`` /
+    ``down_proj``) becomes a `W8A8MoE` (`W8A8MoE.from_float`, its routing read from the block's router: top-k,
+    renormalization, scoring, grouped top-k, scaling factor, correction bias); the router stays in float, shared
+    experts (Qwen2-MoE's ``shared_expert``, DeepSeek-V3's ``shared_experts``) are quantized as Linears, and so are
+    DeepSeek-V3's attention projections (``q_a_proj`` ... ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``), plain
+    Linears whose attention math stays transformers'. A router whose routing ``moe_route`` does not compute leaves
+    its block's experts in float with a warning. ``filter_fn`` is asked about each
     ``experts`` module as about a Linear. Experts whose H or I is not a multiple of 16 (128 with
     ``weight_block_size``) or whose activation is not SiLU, and any other module holding 3-D expert parameters,
     are left in float with a warning naming the module and its class. The swap is registered by

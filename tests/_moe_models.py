@@ -2,8 +2,11 @@
 checkpoints, tensor parallelism, decoder).
 
 - `tiny_moe_model(kind)`: a deterministic random bf16 ``Qwen3MoeForCausalLM``, ``Qwen2MoeForCausalLM`` (with its
-  shared expert) or ``MixtralForCausalLM``: 8 experts, top-2, hidden 256, expert intermediate 128 (so
-  block-scaled fp8 applies: H and I multiples of 128), 2 layers, 4 heads of 64, 2 KV heads, vocab 512.
+  shared expert) or ``MixtralForCausalLM`` (`KINDS`), or the causal LM of any other row of
+  `cutlass_w8a8.moe.families.FAMILIES` (DeepSeek-V3 with MLA, grouped top-k and a random correction bias, GLM-4.5,
+  OLMoE, ...: `tiny_moe_config`): 8 experts, top-2, hidden 256, expert intermediate 128 (so block-scaled fp8
+  applies: H and I multiples of 128), 2 layers, 4 heads of 64, 2 KV heads, vocab 512, unless `tiny_moe_config`
+  says otherwise.
 - `fake_quant_act`: activations quantized and dequantized in float as `W8A8MoE` / `W8A8Linear` quantize them.
 - `FakeQuantExperts`: the experts of a `W8A8MoE` computed from its dequantized weights in float32 or float64
   with the layer's activation quantization and rounding points (a drop-in ``experts`` module, as W8A8MoE).
@@ -38,38 +41,144 @@ ROUTER_GAIN = 5.0
 LM_HEAD_GAIN = 8.0
 
 
+# DeepSeek-V3's multi-head latent attention, tiny: kv_a_proj_with_mqa has N = kv_lora_rank + qk_rope_head_dim = 576
+# (a partial 128-row block, as the real model's), q_a_proj N = q_lora_rank = 128, q_b_proj / kv_b_proj N = 4 heads x
+# 128, o_proj K = 4 x 64: every K a multiple of 128, so that block fp8 applies to all of them.
+MLA = dict(kv_lora_rank=512, q_lora_rank=128, qk_rope_head_dim=64, v_head_dim=64, qk_nope_head_dim=64)
+# Per-expert correction biases (DeepSeek-V3's e_score_correction_bias, ...) are drawn after the init as this times a
+# standard normal: of the order of the spread of the sigmoid scores, so that they change some tokens' experts.
+BIAS_STD = 0.1
+
+
 def tiny_moe_config(kind: str):
-    """The transformers config of `tiny_moe_model` ``kind`` (one of `KINDS`, a ``model_type``; each row of
-    `cutlass_w8a8.moe.families.FAMILIES` needs its ``model_type`` here: tests/moe/test_moe_families_cpu.py builds it)."""
+    """The transformers config of `tiny_moe_model` ``kind`` (a ``model_type``: `KINDS`, and every row of
+    `cutlass_w8a8.moe.families.FAMILIES` needs its ``model_type`` here: tests/moe/test_moe_families_cpu.py builds
+    it). All: hidden 256, expert intermediate 128 (H and I multiples of 128: block fp8 applies), 2 layers, 4 heads
+    of 64, vocab 512; 8 experts top-2 unless said."""
     import transformers
 
+    t = transformers
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
                   num_experts_per_tok=TOP_K, hidden_act="silu", eos_token_id=None)  # no EOS: generate runs to the end
+    # DeepSeek-V3-like: layer 0 dense (first_k_dense_replace = 1, intermediate 256), layer 1 MoE with one shared
+    # expert, routed scaling 2.5, renormalized; grouped top-k where a family's checkpoints use it
+    ds = dict(common, intermediate_size=256, moe_intermediate_size=MOE_I, n_shared_experts=1,
+              routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1)
+    ds_groups = dict(n_routed_experts=EXPERTS, n_group=2, topk_group=1)  # 2 groups of 4, one kept: top-2 of 4
+    linear_attn = dict(linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
+                       linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"])
     if kind == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**common, head_dim=64, intermediate_size=256, moe_intermediate_size=MOE_I,
-                                           num_experts=EXPERTS, norm_topk_prob=True, decoder_sparse_step=1)
+        return t.Qwen3MoeConfig(**common, head_dim=64, intermediate_size=256, moe_intermediate_size=MOE_I,
+                                num_experts=EXPERTS, norm_topk_prob=True, decoder_sparse_step=1)
     if kind == "qwen2_moe":
         # Qwen2-MoE's router does not renormalize by default (norm_topk_prob False), its shared expert is a
         # dense SwiGLU MLP with a sigmoid gate (a Linear with N = 1: left in float by quantize_)
-        return transformers.Qwen2MoeConfig(**common, intermediate_size=256, moe_intermediate_size=MOE_I,
-                                           shared_expert_intermediate_size=256, num_experts=EXPERTS,
-                                           norm_topk_prob=False, decoder_sparse_step=1)
+        return t.Qwen2MoeConfig(**common, intermediate_size=256, moe_intermediate_size=MOE_I,
+                                shared_expert_intermediate_size=256, num_experts=EXPERTS,
+                                norm_topk_prob=False, decoder_sparse_step=1)
     if kind == "mixtral":
-        return transformers.MixtralConfig(**common, head_dim=64, intermediate_size=MOE_I, num_local_experts=EXPERTS)
-    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        return t.MixtralConfig(**common, head_dim=64, intermediate_size=MOE_I, num_local_experts=EXPERTS)
+    if kind == "deepseek_v3":
+        # 16 experts in 4 groups of 4, 2 groups kept, top-4; MLA (MLA above) with 4 key/value heads
+        return t.DeepseekV3Config(**dict(ds, **MLA, num_key_value_heads=4, n_routed_experts=16,
+                                         num_experts_per_tok=4, n_group=4, topk_group=2))
+    if kind == "glm4_moe":  # GLM-4.5: no groups (n_group 1), partial rotary embedding
+        return t.Glm4MoeConfig(**dict(ds, head_dim=64, n_routed_experts=EXPERTS, n_group=1, topk_group=1))
+    if kind == "olmoe":  # softmax top-k, not renormalized (norm_topk_prob False, OLMoE's default)
+        return t.OlmoeConfig(**common, intermediate_size=MOE_I, num_experts=EXPERTS, norm_topk_prob=False)
+    if kind in ("deepseek_v32", "glm_moe_dsa"):  # DeepSeek sparse attention: an indexer of 2 heads of 64
+        cls = t.DeepseekV32Config if kind == "deepseek_v32" else t.GlmMoeDsaConfig
+        return cls(**dict(ds, **MLA, **ds_groups, num_key_value_heads=4, index_topk=16, index_head_dim=64,
+                          index_n_heads=2))
+    if kind == "deepseek_v2":  # DeepSeek-V2-Lite's greedy routing: softmax top-k, not renormalized, scaled
+        return t.DeepseekV2Config(**dict(ds, **MLA, n_routed_experts=EXPERTS, num_key_value_heads=4,
+                                         topk_method="greedy", norm_topk_prob=False))
+    if kind in ("glm4_moe_lite", "axk1"):
+        cls = t.Glm4MoeLiteConfig if kind == "glm4_moe_lite" else t.AXK1Config
+        return cls(**dict(ds, **MLA, **ds_groups, num_key_value_heads=4))
+    if kind == "kimi_linear":  # layer 0: KDA linear attention and a dense MLP; layer 1: MLA and the MoE block
+        kw = {k: v for k, v in ds.items() if k not in ("n_shared_experts", "norm_topk_prob", "first_k_dense_replace")}
+        return t.KimiLinearConfig(**dict(kw, **dict(MLA, q_lora_rank=None), num_key_value_heads=4, num_experts=EXPERTS,
+                                         num_shared_experts=1, num_expert_group=2, topk_group=1,
+                                         moe_renormalize=True, linear_head_dim=64, linear_num_heads=4,
+                                         pad_token_id=None, bos_token_id=None,
+                                         layer_types=["linear_attention", "full_attention"],
+                                         mlp_layer_types=["dense", "sparse"]))
+    if kind == "dots1":
+        return t.Dots1Config(**dict(ds, **ds_groups, head_dim=64))
+    if kind == "exaone_moe":
+        return t.ExaoneMoeConfig(**dict(common, intermediate_size=256, moe_intermediate_size=MOE_I,
+                                        num_experts=EXPERTS, num_shared_experts=1, norm_topk_prob=True,
+                                        routed_scaling_factor=2.5, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                        head_dim=64))
+    if kind == "mimo_v2_flash":  # no shared experts
+        return t.MiMoV2FlashConfig(**dict(common, intermediate_size=256, moe_intermediate_size=MOE_I,
+                                          n_routed_experts=EXPERTS, routed_scaling_factor=2.5, n_group=2,
+                                          topk_group=1, norm_topk_prob=True, head_dim=64, v_head_dim=64))
+    if kind == "solar_open":
+        return t.SolarOpenConfig(**dict(common, moe_intermediate_size=MOE_I, n_routed_experts=EXPERTS,
+                                        n_shared_experts=1, routed_scaling_factor=2.5, n_group=2, topk_group=1,
+                                        norm_topk_prob=True, head_dim=64))
+    if kind == "qwen3_next":  # layer 0 gated delta net (linear attention), layer 1 full attention
+        return t.Qwen3NextConfig(**dict(common, **linear_attn, intermediate_size=256, moe_intermediate_size=MOE_I,
+                                        shared_expert_intermediate_size=256, num_experts=EXPERTS,
+                                        norm_topk_prob=True, head_dim=64))
+    if kind == "minimax_m2":  # sigmoid scores, the block's correction bias, always renormalized
+        return t.MiniMaxM2Config(**dict(common, intermediate_size=MOE_I, num_local_experts=EXPERTS, head_dim=64,
+                                        bos_token_id=None))
+    if kind == "minimax":
+        return t.MiniMaxConfig(**dict(common, intermediate_size=MOE_I, num_local_experts=EXPERTS, head_dim=64))
+    if kind == "ernie4_5_moe":  # layer 0 dense, layer 1 MoE (softmax + the [1, E] correction bias, renormalized)
+        return t.Ernie4_5_MoeConfig(**dict(common, intermediate_size=256, moe_intermediate_size=MOE_I, moe_k=TOP_K,
+                                           moe_num_experts=EXPERTS, moe_num_shared_experts=1,
+                                           moe_layer_start_index=1, moe_layer_end_index=1))
+    if kind == "hy_v3":  # sigmoid + the block's correction bias, renormalized, router_scaling_factor
+        return t.HYV3Config(**dict(common, intermediate_size=256, num_experts=EXPERTS, num_shared_experts=1,
+                                   moe_intermediate_size=MOE_I, router_scaling_factor=2.5, head_dim=64))
+    if kind == "flex_olmo":
+        return t.FlexOlmoConfig(**dict(common, intermediate_size=MOE_I, num_experts=EXPERTS, norm_topk_prob=True,
+                                       pad_token_id=None))
+    if kind == "mellum":
+        return t.MellumConfig(**dict(common, intermediate_size=256, moe_intermediate_size=MOE_I,
+                                     num_local_experts=EXPERTS, norm_topk_prob=True, head_dim=64))
+    if kind == "laguna":  # sigmoid + the router's correction bias, renormalized; layer 0 dense
+        return t.LagunaConfig(**dict(common, intermediate_size=256, moe_intermediate_size=MOE_I,
+                                     shared_expert_intermediate_size=256, num_experts=EXPERTS, head_dim=64))
+    raise ValueError(f"kind must be one of {KINDS} or a model_type of cutlass_w8a8.moe.families.FAMILIES, got "
+                     f"{kind!r}")
 
 
-def tiny_moe_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
-    """A random ``kind`` causal LM (`KINDS`) in ``dtype``, eval mode, the same weights for the same ``seed``:
-    transformers' init, then the routers' weights times `ROUTER_GAIN` and ``lm_head`` times `LM_HEAD_GAIN`."""
+def correction_bias_of(block: nn.Module):
+    """The correction bias tensor of a family's ``block`` (its row's `Routing.correction_bias` path), or None."""
+    path = family_of(block).routing.correction_bias
+    if path is None:
+        return None
+    obj = block
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def tiny_moe_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, **config_overrides):
+    """A random ``kind`` causal LM (`tiny_moe_config`, with ``config_overrides`` set on it, e.g.
+    ``q_lora_rank=None``) in ``dtype``, eval mode, the same weights for the same ``seed``: transformers' init, then
+    the routers' weights times `ROUTER_GAIN`, each correction bias (a row's `Routing.correction_bias`; zero after
+    transformers' init) `BIAS_STD` times a standard normal, ``lm_head`` times `LM_HEAD_GAIN`."""
     from transformers import AutoModelForCausalLM
 
+    config = tiny_moe_config(kind)
+    for k, v in config_overrides.items():
+        setattr(config, k, v)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_moe_config(kind), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    gen = torch.Generator().manual_seed(1000 + seed)
     with torch.no_grad():
         for _, block in moe_blocks(model):
             getattr(block, family_of(block).routing.router).weight.mul_(ROUTER_GAIN)
+            bias = correction_bias_of(block)
+            if bias is not None:
+                bias.copy_((BIAS_STD * torch.randn(bias.shape, generator=gen)).to(bias.dtype))
         model.lm_head.weight.mul_(LM_HEAD_GAIN)
     return model.eval()
 

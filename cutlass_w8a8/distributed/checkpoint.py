@@ -37,7 +37,7 @@ from ._common import TPContext
 from ._group import check_same_on_all_ranks, sequence_code
 from .float_linear import ColumnParallelLinear, RowParallelLinear
 from .linear import ColumnParallelW8A8Linear, RowParallelW8A8Linear
-from .moe import TensorParallelW8A8MoE
+from .moe import TensorParallelW8A8MoE, routing_kwargs
 from .plan import (LLAMA_TP_PLAN, _heads, _inferred_sizes, head_replicas, layer_replicas, match_plan,
                    set_attention_groups_, vocab_shardable)
 
@@ -95,7 +95,13 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
             planned[name] = (style, sizes)
     heads = _heads(config)
     names = sorted(planned)
+    moe = moe or {}
+    experts = [(n, t) for n, t in sorted(moe.items()) if t.scheme is not None]  # float experts are replicated
     check_same_on_all_ranks(ctx, _WHERE, {
+        # the quantized experts, sharded below with check=False: this is their one cross-rank check
+        "experts layers": len(experts), "#experts sizes": sequence_code([v for _, t in experts for v in (
+            t.block.num_experts, t.block.top_k, t.block.hidden_size, t.block.intermediate_size,
+            int(t.block.renormalize), int(t.scheme.block), int(t.scheme.static_input))]),
         "planned layers": len(names), "#layer shapes": sequence_code(
             [v for n in names for v in (linears[n].out_features, linears[n].in_features)]),
         "#quantized layers": sequence_code([n in targeted for n in names]),
@@ -116,7 +122,6 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
             S.check_row_shardable(lin.out_features, lin.in_features, world, f"{_WHERE} {name!r}",
                                   quantized=t is not None, block=block)
 
-    moe = moe or {}
     for name, t in moe.items():  # before any read
         if t.scheme is not None:
             S.check_moe_shardable(t.block.intermediate_size, world, t.scheme.block, f"{_WHERE} {name!r}")
@@ -135,7 +140,7 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
             new = TensorParallelW8A8MoE.from_shard(
                 part.w13, part.w13_scale, part.w2, part.w2_scale, ctx, top_k=part.top_k, intermediate_size=i,
                 dtype=dtype, renormalize=part.renormalize, weight_block_size=part.weight_block_size,
-                a13_scale=part.a13_scale, a2_scale=part.a2_scale, **t.block.routing_kwargs())
+                a13_scale=part.a13_scale, a2_scale=part.a2_scale, check=False, **routing_kwargs(part))
             new.train(False)
             set_module(model, name, new)
         for name, lin in linears.items():

@@ -47,7 +47,8 @@ from . import sharding as S
 from ._common import TPContext, _all_reduce_, _check_tp_size, _TensorParallel
 from ._group import check_same_on_all_ranks, dtype_code, sequence_code
 
-__all__ = ["TensorParallelW8A8MoE", "shard_experts_", "shard_moe", "tp_split"]
+__all__ = ["TensorParallelW8A8MoE", "experts_check_fields", "routing_kwargs", "shard_experts_", "shard_moe",
+           "tp_split", "unsharded_experts"]
 
 
 def _fields(e, k, h, i, quant_dtype, dtype, block, static, renormalize, tp_size, routing: dict) -> dict:
@@ -62,9 +63,27 @@ def _fields(e, k, h, i, quant_dtype, dtype, block, static, renormalize, tp_size,
             "correction_bias": int(bias is not None)}
 
 
-def _routing(moe: W8A8MoE) -> dict:
-    """The router-logits-mode routing of ``moe`` as `TensorParallelW8A8MoE.from_shard`'s keyword arguments (the
-    correction bias replicated: every rank routes the same tokens)."""
+def experts_check_fields(layers) -> dict:
+    """The fields of unsharded `W8A8MoE` layers (in model order) for an entry's one cross-rank check
+    (`check_same_on_all_ranks`): their count, sizes and dtypes, and their routing, as fingerprints. `shard_experts_`
+    checks them itself; `cutlass_w8a8.distributed.tensor_parallel_` puts them in its own check and shards with
+    ``check=False``."""
+    def routing(m):
+        bits = struct.unpack("<2i", struct.pack("<d", float(m.scaling_factor)))
+        return (int(m.renormalize), SCORINGS.index(m.scoring), m.n_group, m.topk_group, *bits,
+                int(m.correction_bias is not None))
+
+    return {"experts layers": len(layers),
+            "#experts sizes": sequence_code([v for m in layers for v in (
+                m.num_experts, m.top_k, m.hidden_size, m.intermediate_size, dtype_code(m.quant_dtype),
+                dtype_code(m.dtype), int(m.weight_block_size is not None), int(m.a13_scale is not None))]),
+            "#experts routing": sequence_code([v for m in layers for v in routing(m)])}
+
+
+def routing_kwargs(moe: W8A8MoE) -> dict:
+    """The router-logits-mode routing of ``moe`` (``scoring``, ``n_group``, ``topk_group``, ``scaling_factor``,
+    ``correction_bias``) as `TensorParallelW8A8MoE.from_shard`'s keyword arguments (the correction bias whole on
+    every rank: every rank routes the same tokens)."""
     return {"scoring": moe.scoring, "n_group": moe.n_group, "topk_group": moe.topk_group,
             "scaling_factor": moe.scaling_factor, "correction_bias": moe.correction_bias}
 
@@ -125,7 +144,7 @@ class TensorParallelW8A8MoE(_TensorParallel, W8A8MoE):
         if check:
             check_same_on_all_ranks(ctx, where, _fields(
                 moe.num_experts, moe.top_k, moe.hidden_size, i, moe.quant_dtype, moe.dtype, block,
-                moe.a13_scale is not None, moe.renormalize, tp_size, _routing(moe)))
+                moe.a13_scale is not None, moe.renormalize, tp_size, routing_kwargs(moe)))
         _check_tp_size(where, tp_size, ctx.world)
         S.check_moe_shardable(i, ctx.world, block, where)
         r, w = ctx.rank, ctx.world
@@ -139,7 +158,7 @@ class TensorParallelW8A8MoE(_TensorParallel, W8A8MoE):
                           top_k=moe.top_k, intermediate_size=i, dtype=moe.dtype, renormalize=moe.renormalize,
                           activation=moe.activation, weight_block_size=moe.weight_block_size,
                           a13_scale=None if b["a13_scale"] is None else b["a13_scale"].clone(),
-                          a2_scale=None if b["a2_scale"] is None else b["a2_scale"].clone(), **_routing(moe))
+                          a2_scale=None if b["a2_scale"] is None else b["a2_scale"].clone(), **routing_kwargs(moe))
 
     @classmethod
     def from_shard(cls, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
@@ -246,22 +265,25 @@ def tp_split(model: nn.Module, name: str) -> str:
     return split
 
 
+def unsharded_experts(model: nn.Module) -> list:
+    """``[(name, layer)]``: the unsharded `W8A8MoE` layers of ``model``, in module order."""
+    return [(n, m) for n, m in model.named_modules()
+            if n and isinstance(m, W8A8MoE) and not isinstance(m, _TensorParallel)]
+
+
 def shard_experts_(model: nn.Module, tp_group, *, check: bool = True) -> list:
     """Replace every unsharded `W8A8MoE` in ``model`` by its shard (`shard_moe`), in place; return their names.
     ``tp_group``: a ``ProcessGroup`` or the caller's `TPContext` (passed down to every shard).
 
-    With ``check``, one cross-rank check of all of them (their count and sizes) first; every layer's split
-    (`tp_split`, the family table's) is checked before any is replaced. Raises as `shard_moe` (a split error names
-    the layer).
+    With ``check``, one cross-rank check of all of them (`experts_check_fields`: their count, sizes, dtypes and
+    routing) first; a caller whose own check held those fields (`cutlass_w8a8.distributed.tensor_parallel_`)
+    passes False. Every layer's split (`tp_split`, the family table's) is checked before any is replaced. Raises as
+    `shard_moe` (a split error names the layer).
     """
     ctx = TPContext.resolve(tp_group, "shard_experts_")
-    found = [(n, m) for n, m in model.named_modules()
-             if n and isinstance(m, W8A8MoE) and not isinstance(m, _TensorParallel)]
+    found = unsharded_experts(model)
     if check:
-        check_same_on_all_ranks(ctx, "shard_experts_", {
-            "experts layers": len(found),
-            "#experts sizes": sequence_code([v for _, m in found for v in (m.num_experts, m.hidden_size,
-                                                                           m.intermediate_size)])})
+        check_same_on_all_ranks(ctx, "shard_experts_", experts_check_fields([m for _, m in found]))
     for name, m in found:
         tp_split(model, name)
         S.check_moe_shardable(m.intermediate_size, ctx.world, m.weight_block_size is not None,

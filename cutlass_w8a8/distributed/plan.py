@@ -238,7 +238,10 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
         planned.append((fqn, mod, style, sizes))
     n, k = [m.weight.shape[0] for _, m, _, _ in planned], [m.weight.shape[1] for _, m, _, _ in planned]
     heads = _heads(config)
-    check_same_on_all_ranks(ctx, _WHERE, {
+    from .moe import experts_check_fields, shard_experts_, unsharded_experts
+
+    experts = unsharded_experts(model)
+    check_same_on_all_ranks(ctx, _WHERE, {**experts_check_fields([m for _, m in experts]),
         "tp_size": -1 if tp_size is None else int(tp_size), "planned layers": len(planned),
         "#layer names": zlib.crc32(",".join(f for f, _, _, _ in planned).encode()) & 0x7FFFFFFF,
         "#styles": sequence_code([PLAN_STYLES.index(s) for _, _, s, _ in planned]),
@@ -251,9 +254,8 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
         raise ValueError(f"{_WHERE}: no nn.Linear / W8A8Linear of {type(model).__name__} matches `tp_plan` "
                          f"({list(plan)})")
     ctx = ctx.with_kv_replicas(head_replicas(heads, [f for f, _, _, _ in planned], world, _WHERE))
-    from .moe import shard_experts_
-
-    shard_experts_(model, ctx)  # its own cross-rank check; every experts layer's split checked before any shard
+    # the experts were in the check above; every experts layer's split is checked before any shard
+    shard_experts_(model, ctx, check=False)
     for fqn, mod, style, sizes in planned:
         replicas = layer_replicas(fqn, sizes, ctx.kv_replicas) if style == "colwise" else None
         new = shard_linear(mod, "colwise" if style == "vocab" else style, ctx, output_sizes=sizes, check=False,

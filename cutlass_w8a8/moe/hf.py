@@ -4,8 +4,14 @@ transformers 5 holds the experts of each family's block as one module with fused
 ``[E, 2I, H]`` and ``down_proj`` ``[E, H, I]`` (the row's `ExpertLayout`), called by its block as
 ``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`` after the block's router. A `W8A8MoE`
 takes the same call, so `quantize_` replaces the block's ``experts`` child and leaves the router in its float dtype;
-top-k and renormalization (for `W8A8MoE`'s router-logits mode) are read from the router as the row's `Routing`
-says. Shared experts (Qwen2-MoE's) are plain SwiGLU MLPs of ``nn.Linear`` layers, quantized as Linears.
+the routing (for `W8A8MoE`'s router-logits mode, ``moe_route``: top-k, renormalization, scoring, grouped top-k,
+scaling factor and the correction bias tensor) is read from the router as the row's `Routing` says
+(`cutlass_w8a8.moe.families.read_routing`). The correction bias is the router's own tensor, shared with the layer
+(not copied) when it is float32: it is the one transformers' state dict loads, so a state dict loaded into the
+quantized model later reaches the layer too; a router holding it in another dtype (transformers 5.17 builds it in
+the model's dtype) gives a float32 copy, whose values are the same. A routing ``moe_route`` does not compute
+(`RoutingArgs.unserved`) leaves the experts in float with a warning. Shared experts (Qwen2-MoE's ``shared_expert``,
+DeepSeek-V3's ``shared_experts``) are plain SwiGLU MLPs of ``nn.Linear`` layers, quantized as Linears.
 
 `EXPERTS_SWAP` is registered with `cutlass_w8a8.quantize` (`register_module_swap`) by ``cutlass_w8a8.moe``'s
 ``__init__``, which ``import cutlass_w8a8`` runs: the layering rule keeps quantize.py from importing moe/, which sits
@@ -85,7 +91,7 @@ class ExpertsSwap(ModuleSwap):
         if why is not None:
             return None, f"quantize_: leaving {what} in float: {why}"
         return W8A8MoE.from_float(module, config, routing.top_k, routing.renormalize,
-                                  gate_up=lay.gate_up, down=lay.down), None
+                                  gate_up=lay.gate_up, down=lay.down, **routing.layer_kwargs()), None
 
 
 #: The one instance `cutlass_w8a8.moe` registers with `quantize_`.

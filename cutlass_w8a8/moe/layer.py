@@ -11,7 +11,6 @@ On the CPU the same ops run their references.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -23,7 +22,7 @@ from ..ops import moe as _moe
 from ..ops import silu_mul_quant
 from ..ops._limits import BLOCK_SIZE, GEMM_ALIGN, OUT_DTYPES, blocks
 from ..ops._schema import OVERLOADS as _op
-from .families import SCORINGS
+from .families import routing_problem
 
 __all__ = ["W8A8MoE", "quantize_expert_weights"]
 
@@ -50,31 +49,11 @@ def quantize_expert_weights(weight: torch.Tensor, dtype: torch.dtype, weight_blo
 
 def _check_routing(where: str, num_experts: int, top_k: int, scoring: str, n_group: int, topk_group: int,
                    scaling_factor: float, correction_bias: Optional[torch.Tensor]) -> None:
-    """The routing arguments of `W8A8MoE` (router-logits mode, ``moe_route``'s): ValueError / TypeError naming the
-    argument."""
-    if scoring not in SCORINGS:
-        raise ValueError(f"{where}: `scoring` must be one of {SCORINGS}, got {scoring!r}")
-    for name, v in (("n_group", n_group), ("topk_group", topk_group)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{where}: `{name}` must be a positive int, got {v!r}")
-    if num_experts % n_group:
-        raise ValueError(f"{where}: `n_group` = {n_group} must divide num_experts = {num_experts}")
-    if topk_group > n_group:
-        raise ValueError(f"{where}: `topk_group` = {topk_group} must be <= n_group = {n_group}")
-    if top_k > topk_group * (num_experts // n_group):
-        raise ValueError(f"{where}: `top_k` = {top_k} must be <= topk_group * num_experts / n_group = "
-                         f"{topk_group * (num_experts // n_group)} (the experts of the kept groups)")
-    if (not isinstance(scaling_factor, (int, float)) or isinstance(scaling_factor, bool)
-            or not math.isfinite(scaling_factor) or scaling_factor <= 0):
-        raise ValueError(f"{where}: `scaling_factor` must be a finite positive float, got {scaling_factor!r}")
-    if correction_bias is not None:
-        if not isinstance(correction_bias, torch.Tensor) or not correction_bias.is_floating_point():
-            what = (correction_bias.dtype if isinstance(correction_bias, torch.Tensor)
-                    else type(correction_bias).__name__)
-            raise TypeError(f"{where}: `correction_bias` must be a floating-point tensor [E], got {what}")
-        if correction_bias.numel() != num_experts:
-            raise ValueError(f"{where}: `correction_bias` must have num_experts = {num_experts} elements ([E]), "
-                             f"got shape {tuple(correction_bias.shape)}")
+    """The routing arguments of `W8A8MoE` (router-logits mode, ``moe_route``'s), as
+    `cutlass_w8a8.moe.families.routing_problem` states them: ValueError / TypeError naming the argument."""
+    bad = routing_problem(num_experts, top_k, scoring, n_group, topk_group, scaling_factor, correction_bias)
+    if bad is not None:
+        raise bad[0](f"{where}: {bad[1]}")
 
 
 class W8A8MoE(nn.Module):
@@ -125,11 +104,11 @@ class W8A8MoE(nn.Module):
     n_group, topk_group : int, keyword-only
         Router-logits mode, grouped top-k: the E experts form ``n_group`` groups of ``E / n_group``, and only the
         ``topk_group`` groups with the largest sum of their two best scores (correction bias included) are
-        candidates. Default 1 and 1: no grouping. ``n_group`` must divide E, ``1 <= topk_group <= n_group`` and
-        ``top_k <= topk_group * E / n_group``.
+        candidates. Default 1 and 1: no grouping. ``1 <= n_group <= 32``, above 1 dividing E into groups of at
+        least 2; ``1 <= topk_group <= n_group``; ``top_k <= topk_group * E / n_group``.
     scaling_factor : float, keyword-only
         Router-logits mode: the final weights are multiplied by it (DeepSeek-V3's ``routed_scaling_factor``);
-        finite and positive, default 1.0.
+        finite, default 1.0.
     correction_bias : torch.Tensor, optional, keyword-only
         Router-logits mode: a per-expert bias ``[E]`` added to the scores for the selection only (DeepSeek-V3's
         ``e_score_correction_bias``), the weights being the unbiased scores. Held as the non-persistent float32
@@ -373,9 +352,6 @@ class W8A8MoE(nn.Module):
         ``router_logits`` ``[T, E]`` (float32 / bfloat16 / float16), `cutlass_w8a8.ops.moe.moe_route` with the
         layer's ``top_k``, ``scoring``, ``correction_bias``, ``n_group``, ``topk_group``, ``renormalize`` and
         ``scaling_factor``. One kernel, no host synchronisation. Errors are the op's."""
-        if (self.scoring == "softmax" and self.correction_bias is None and self.n_group == 1
-                and self.scaling_factor == 1.0):
-            return _moe.moe_topk_softmax(router_logits, self.top_k, self.renormalize)
         return _moe.moe_route(router_logits, self.top_k, scoring=self.scoring, correction_bias=self.correction_bias,
                               n_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
                               scaling_factor=self.scaling_factor)

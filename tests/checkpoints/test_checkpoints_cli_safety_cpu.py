@@ -3,7 +3,7 @@
 - the ``quantize`` CLI never writes into its source, refuses a non-empty DST without ``--overwrite``, writes into a
   temporary directory and renames it at the end (a failed run leaves no DST, or the old one intact);
 - what it cannot quantize is refused before anything is written, with exit status 2 and a message naming it: an
-  MoE block other than the supported ones (OLMoE), transformers' Conv1D (GPT-2), a head transformers would
+  MoE block other than the supported ones (PhiMoE: sparsemixer routing), transformers' Conv1D (GPT-2), a head transformers would
   initialize randomly (BERT), ``--device gpu``;
 - ``save_pretrained`` refuses, before writing, a model whose checkpoint ``from_pretrained`` would refuse, and checks
   the written files' headers after writing;
@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import warnings
 
 import pytest
@@ -40,13 +41,14 @@ def _quiet():
 
 
 def _float_checkpoint(path, kind: str = "llama") -> str:
-    """A random tiny float checkpoint of ``kind`` (llama, olmoe, gpt2, bert) at ``path``."""
+    """A random tiny float checkpoint of ``kind`` (llama, phimoe, gpt2, bert) at ``path``."""
     _quiet()
     torch.manual_seed(0)
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_TINY))
-    elif kind == "olmoe":
-        model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**_TINY, num_experts=4, num_experts_per_tok=2))
+    elif kind == "phimoe":  # an MoE block of no family: its sparsemixer routing is not a top-k moe_route computes
+        model = transformers.PhimoeForCausalLM(transformers.PhimoeConfig(**_TINY, num_local_experts=4,
+                                                                         num_experts_per_tok=2))
     elif kind == "gpt2":
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             n_embd=64, n_layer=1, n_head=4, vocab_size=128, n_positions=64, bos_token_id=1, eos_token_id=2))
@@ -163,12 +165,14 @@ def test_a_failure_mid_save_leaves_no_dst_or_the_old_one(tmp_path, monkeypatch, 
 
 
 def test_unsupported_moe_block_is_refused_before_writing(tmp_path, capsys):
-    src = _float_checkpoint(tmp_path / "olmoe", "olmoe")
+    from cutlass_w8a8.moe.families import block_classes, family_names
+
+    src = _float_checkpoint(tmp_path / "phimoe", "phimoe")
     dst = tmp_path / "out"
     assert cli.main([src, str(dst)]) == 2
     err = capsys.readouterr().err
-    assert "MoE block 'model.layers.0.mlp' (OlmoeSparseMoeBlock) is not supported" in err
-    assert "supported MoE blocks: Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock" in err
+    assert "MoE block 'model.layers.0.mlp' (PhimoeSparseMoeBlock) is not supported" in err
+    assert f"supported MoE blocks: {', '.join(block_classes())} ({family_names()})" in " ".join(err.split())
     assert not dst.exists() and _leftovers(tmp_path) == []
 
 
@@ -295,8 +299,10 @@ def test_save_refuses_moe_outside_a_known_block_and_writes_nothing(tmp_path):
         warnings.simplefilter("ignore")
         cw.quantize_(model, cw.W8A8Config(), filter_fn=lambda m, fqn: fqn != "lm_head")
     block.__class__ = type("OtherMoeBlock", (nn.Module,), {"forward": block.forward})
+    from cutlass_w8a8.moe.families import family_names
+
     with pytest.raises(ValueError, match=r"W8A8MoE 'model\.layers\.0\.mlp\.experts' is not the `experts` of a "
-                                         r"Qwen2-MoE, Qwen3-MoE or Mixtral block \(its parent is OtherMoeBlock\)"):
+                                         + re.escape(family_names("or")) + r" block \(its parent is OtherMoeBlock\)"):
         save_pretrained(model, tmp_path / "out")
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
 

@@ -610,8 +610,10 @@ def test_save_refuses_moe_outside_a_known_block(tmp_path):
     model.model.layers[0].mlp.experts = layer
     model.model.layers[0].mlp.__class__ = type("OtherMoeBlock", (nn.Module,), {"forward": block.forward})
     cw.quantize_(model, cw.W8A8Config(), filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "lm_head")
-    with pytest.raises(ValueError, match=r"W8A8MoE 'model.layers.0.mlp.experts' is not the `experts` of a "
-                                         r"Qwen2-MoE, Qwen3-MoE or Mixtral block \(its parent is OtherMoeBlock\)"):
+    from cutlass_w8a8.moe.families import family_names
+
+    with pytest.raises(ValueError, match=r"W8A8MoE 'model\.layers\.0\.mlp\.experts' is not the `experts` of a "
+                                         + re.escape(family_names("or")) + r" block \(its parent is OtherMoeBlock\)"):
         save_pretrained(model, tmp_path)
 
 
@@ -707,13 +709,17 @@ def test_float_experts_load_as_a_dense_checkpoint(tmp_path):
 
 
 def test_refuses_other_moe_blocks(moe_ckpt, tmp_path):
-    """OLMoE's block (transformers' OlmoeSparseMoeBlock) holds 3-D experts too, with another router: refused by
-    name before any tensor is read."""
+    """PhiMoE's block (transformers' PhimoeSparseMoeBlock) holds 3-D experts too, with a router moe_route does not
+    compute (sparsemixer: the second expert chosen by a threshold on the logits after masking the first): refused
+    by name before any tensor is read."""
+    from cutlass_w8a8.moe.families import family_names
+
     def edit(c):
-        c.update(model_type="olmoe", architectures=["OlmoeForCausalLM"], intermediate_size=128)
+        c.update(model_type="phimoe", architectures=["PhimoeForCausalLM"], intermediate_size=128,
+                 num_local_experts=8)
     path = copy_checkpoint(moe_ckpt("qwen3_int8"), tmp_path / "c", edit_config_fn=edit)
-    with pytest.raises(ValueError, match=r"\(Olmoe\w*\) holds 3-D expert parameters .* only the experts of "
-                                         r"Qwen2-MoE, Qwen3-MoE and Mixtral blocks"):
+    with pytest.raises(ValueError, match=r"\(Phimoe\w*\) holds 3-D expert parameters .* only the experts of "
+                                         + re.escape(family_names()) + " blocks"):
         from_pretrained(path)
 
 

@@ -221,3 +221,68 @@ def _exact_float_model(model):
         parent, _, child = name.rpartition(".")
         setattr(ref.get_submodule(parent), child, new)
     return ref.to(torch.float32).eval()
+
+
+# ---- two processes, gloo: one cross-rank check per entry -------------------------------------------------------
+
+
+def _count_all_gathers(rank, world, path, input_ids):
+    """A gloo rank: the number of ``torch.distributed.all_gather`` calls (the cross-rank agreement check is one)
+    made by ``quantize_(tp_group=...)`` of a 2-layer Qwen3-MoE model, and by ``from_pretrained(path, tp_group=...)``
+    of its checkpoint; and their logits (the lm_head gathers its vocabulary shards: counted apart)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    import cutlass_w8a8 as cw
+    from _moe_models import tiny_moe_model
+
+    calls = []
+    real = dist.all_gather
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_gather = counting
+    try:
+        out = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = cw.quantize_(tiny_moe_model("qwen3_moe", seed=0), filter_fn=lambda m, fqn: fqn != "lm_head",
+                                 tp_group=dist.group.WORLD)
+            out["quantize_"] = len(calls)
+            calls.clear()
+            loaded = cw.from_pretrained(path, tp_group=dist.group.WORLD)
+            out["from_pretrained"] = len(calls)
+        out["experts"] = [type(m).__name__ for m in loaded.modules() if isinstance(m, cw.W8A8MoE)]
+        with torch.no_grad():
+            out["logits_equal"] = torch.equal(model(input_ids).logits, loaded(input_ids).logits)
+        return out
+    finally:
+        dist.all_gather = real
+
+
+def test_one_cross_rank_check_per_entry(tmp_path):
+    """quantize_(tp_group=...) and from_pretrained(tp_group=...) of a model with two MoE layers run the cross-rank
+    agreement check once each (one all_gather): the experts' fields are part of the entry's one check, and neither
+    shard_experts_ nor TensorParallelW8A8MoE.from_shard runs its own again (issue 34: the MoE check ran twice in
+    one path, once more per MoE layer when loading). The loaded model's logits are the quantized model's."""
+    pytest.importorskip("transformers")
+    import warnings
+
+    import cutlass_w8a8 as cw
+    from _moe_models import tiny_moe_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = cw.quantize_(tiny_moe_model("qwen3_moe", seed=0), filter_fn=lambda m, fqn: fqn != "lm_head")
+    cw.save_pretrained(model, tmp_path / "ckpt")
+    ids = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(0))
+    res = run_workers(_count_all_gathers, WORLD, args=(str(tmp_path / "ckpt"), ids), timeout_s=TIMEOUT_S,
+                      group_timeout_s=60)
+    for r in res:
+        d = r.value
+        assert d["experts"] == ["TensorParallelW8A8MoE"] * 2
+        assert (d["quantize_"], d["from_pretrained"]) == (1, 1), d
+        assert d["logits_equal"]

@@ -140,12 +140,13 @@ def test_block_partial_row_blocks():
      "`static_input_scale` must be False with weight_block_size"),
     (dict(scoring="softplus"), ValueError, r"`scoring` must be one of \('softmax', 'sigmoid'\), got 'softplus'"),
     (dict(n_group=0), ValueError, "`n_group` must be a positive int, got 0"),
-    (dict(n_group=3), ValueError, "`n_group` = 3 must divide num_experts = 8"),
+    (dict(n_group=3), ValueError, "`n_group` = 3 must divide num_experts = 8 into groups of at least 2 experts"),
+    (dict(n_group=8), ValueError, "`n_group` = 8 must divide num_experts = 8 into groups of at least 2 experts"),
+    (dict(n_group=64, num_experts=128), ValueError, r"`n_group` must be in \[1, 32\], got 64"),
     (dict(n_group=4, topk_group=5), ValueError, "`topk_group` = 5 must be <= n_group = 4"),
     (dict(top_k=3, n_group=4, topk_group=1), ValueError,
      r"`top_k` = 3 must be <= topk_group \* num_experts / n_group = 2"),
-    (dict(scaling_factor=0.0), ValueError, "`scaling_factor` must be a finite positive float, got 0.0"),
-    (dict(scaling_factor=float("inf")), ValueError, "`scaling_factor` must be a finite positive float"),
+    (dict(scaling_factor=float("inf")), ValueError, "`scaling_factor` must be a finite float, got inf"),
     (dict(correction_bias=torch.zeros(7)), ValueError,
      r"`correction_bias` must have num_experts = 8 elements \(\[E\]\), got shape \(7,\)"),
     (dict(correction_bias=torch.zeros(8, dtype=torch.int32)), TypeError,
@@ -348,6 +349,27 @@ def test_routing_arguments_are_held():
     param = nn.Parameter(bias.reshape(1, EXPERTS), requires_grad=False)  # Ernie-4.5-MoE's [1, E] parameter
     viewed = cw.W8A8MoE(EXPERTS, TOP_K, HIDDEN, MOE_I, correction_bias=param)
     assert viewed.correction_bias.shape == (EXPERTS,) and viewed.correction_bias.data_ptr() == param.data_ptr()
+
+
+@pytest.mark.parametrize("routing", [
+    dict(),
+    dict(scoring="sigmoid", n_group=4, topk_group=2, scaling_factor=2.5, bias=True),
+    dict(scoring="softmax", renormalize=False, bias=True),
+])
+def test_router_logits_mode_routes_with_moe_route(routing):
+    """Router-logits mode is `route` (moe_route with the layer's routing arguments, the bias its float32 buffer)
+    followed by the top-k mode: the same output bit for bit."""
+    routing = dict(routing)
+    bias = torch.randn(EXPERTS, generator=torch.Generator().manual_seed(3)) * 0.1 if routing.pop("bias", False) \
+        else None
+    renormalize = routing.pop("renormalize", True)
+    experts, _ = experts_module()
+    mod = cw.W8A8MoE.from_float(experts, SCHEMES["int8"], TOP_K, renormalize, correction_bias=bias, **routing)
+    x, logits = inputs(9)
+    w, ids = mod.route(logits)
+    want = cw.ops.moe.moe_route(logits, TOP_K, correction_bias=bias, renormalize=renormalize, **routing)
+    assert torch.equal(w, want[0]) and torch.equal(ids, want[1])
+    assert torch.equal(mod(x, logits), mod(x, ids, w))
 
 
 def test_dtype_casts_and_state_dict():
