@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from typing import Dict
 
 import torch
@@ -79,10 +80,37 @@ def build_meta(model_cls, config, dtype: torch.dtype, shared: dict, model_kwargs
                         "transformers' from_pretrained)")
     with torch.device("meta"):
         if isinstance(model_cls, type) and issubclass(model_cls, PreTrainedModel):
-            return model_cls._from_config(config, dtype=dtype, **kw)
-        if "trust_remote_code" in shared:
-            kw["trust_remote_code"] = shared["trust_remote_code"]
-        return model_cls.from_config(config, dtype=dtype, **kw)
+            model = model_cls._from_config(config, dtype=dtype, **kw)
+        else:
+            if "trust_remote_code" in shared:
+                kw["trust_remote_code"] = shared["trust_remote_code"]
+            model = model_cls.from_config(config, dtype=dtype, **kw)
+    _keep_in_fp32(model, dtype)
+    return model
+
+
+def _keep_in_fp32(model: nn.Module, dtype: torch.dtype) -> None:
+    """The parameters and buffers transformers' own loader keeps in float32 whatever the model dtype, made float32 in
+    the model built on the meta device (so that they are read as such): those matching the model's
+    ``_keep_in_fp32_modules_strict`` (for a bf16 / fp16 model) or ``_keep_in_fp32_modules`` (for fp16) patterns,
+    searched in the tensor's name (DeepSeek-V3's router ``gate.weight`` and ``e_score_correction_bias``; transformers
+    5.17 builds the latter in the model dtype and keeps it float32 only when loading)."""
+    patterns = []
+    if dtype in (torch.float16, torch.bfloat16):
+        patterns += list(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        patterns += list(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if not patterns:
+        return
+    regex = re.compile("|".join(re.escape(p).replace(r"\*", ".*") for p in patterns))
+    for mod_name, mod in model.named_modules():
+        for table in (mod._parameters, mod._buffers):
+            for leaf, t in list(table.items()):
+                key = f"{mod_name}.{leaf}" if mod_name else leaf
+                if t is None or not t.is_floating_point() or t.dtype == torch.float32 or not regex.search(key):
+                    continue
+                new = t.to(torch.float32)
+                table[leaf] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
 
 
 def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -201,7 +229,7 @@ def load_unsharded(path: str, model_cls, config, targeted: dict, ckpt, dtype: to
     ``moe``: ``{experts module name: MoeTarget}`` (`cutlass_w8a8.checkpoints._moe`), each experts module becoming
     a `W8A8MoE` built from the per-expert tensors (`_moe.build_moe`), the other tensors of those blocks read under
     the files' names."""
-    from ._moe import build_moe, checkpoint_renamer, fill_float_experts
+    from ._moe import build_moe, checkpoint_renamer, fill_float_experts, link_correction_biases
 
     moe = moe or {}
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -227,6 +255,7 @@ def load_unsharded(path: str, model_cls, config, targeted: dict, ckpt, dtype: to
                 set_module(model, name, build_moe(t, reader, device, dtype, where))
         load_rest(model, reader, ckpt.meta, set(targeted) | set(moe), device, config, where,
                   rename=checkpoint_renamer([t.block for t in moe.values()]))
+    link_correction_biases(model, moe)
     init_missing_buffers(model, device, where)
     model.eval()
     load_generation_config(model, path)

@@ -38,16 +38,16 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..moe.families import MoeFamily, expert_parameters, family_names, family_of, read_routing
+from ..moe.families import MoeFamily, RoutingArgs, expert_parameters, family_names, family_of, read_routing
 from ..moe.layer import W8A8MoE
 from ..ops import _limits
 from ..ops._limits import BLOCK_SIZE
 from ._scheme import BLOCK_SCHEME, LinearScheme, ParsedConfig
 
 __all__ = ["MoeBlock", "MoeTarget", "find_moe_blocks", "ct_moe_targets", "native_moe_targets", "build_moe",
-           "fill_float_experts",
-           "moe_state_dict", "float_expert_headers", "moe_linear_names", "router_ignore", "checkpoint_renamer",
-           "PROJS"]
+           "fill_float_experts", "link_correction_biases",
+           "moe_state_dict", "float_expert_headers", "moe_linear_names", "checkpoint_block_of", "router_ignore",
+           "checkpoint_renamer", "PROJS"]
 
 #: the three projections of an expert, in the order of `MoeBlock.leaves` (`CheckpointNames.projs`)
 PROJS = ("gate", "up", "down")
@@ -74,6 +74,12 @@ class MoeBlock:
         Whether the top-k weights are divided by their sum (Qwen ``norm_topk_prob``; always for Mixtral).
     cls : str
         The block's class name.
+    routing : RoutingArgs, optional
+        The block's routing as `read_routing` reads it from the model built on the meta device (its correction bias,
+        if any, a meta tensor: `link_correction_biases` gives the loaded layer the router's loaded one).
+    renamed : dict
+        ``{model tensor name: files' tensor name}`` of the block's other tensors the files name otherwise (the row's
+        `CheckpointNames.renamed`, where the files hold the files' name and not the model's).
     """
 
     name: str
@@ -85,6 +91,17 @@ class MoeBlock:
     top_k: int
     renormalize: bool
     cls: str
+    routing: Optional[RoutingArgs] = None
+    renamed: Dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def routing_kwargs(self) -> dict:
+        """`W8A8MoE`'s routing keyword arguments for this block besides ``top_k`` / ``renormalize`` and the
+        correction bias (`link_correction_biases`): ``scoring``, ``n_group``, ``topk_group``, ``scaling_factor``."""
+        r = self.routing
+        if r is None:
+            return {}
+        return {"scoring": r.scoring, "n_group": r.n_group or 1, "topk_group": r.topk_group or 1,
+                "scaling_factor": r.scaling_factor}
 
     @property
     def leaves(self) -> Tuple[str, str, str]:
@@ -167,7 +184,13 @@ def find_moe_blocks(model: nn.Module, ckpt_meta: Dict[str, tuple], where: str) -
             if f"{name}{probe}" in ckpt_meta and f"{ckpt_name}{probe}" not in ckpt_meta:
                 ckpt_name = name
         routing = read_routing(m, fam, where)
-        blocks.append(MoeBlock(name, ckpt_name, fam, e, h, i, routing.top_k, routing.renormalize, type(m).__name__))
+        renamed = {}
+        for model_leaf, file_leaf in getattr(fam.checkpoint, "renamed", ()):
+            model_key, file_key = f"{name}.{model_leaf}", f"{ckpt_name}.{file_leaf}"
+            if file_key in ckpt_meta and model_key not in ckpt_meta:
+                renamed[model_key] = file_key
+        blocks.append(MoeBlock(name, ckpt_name, fam, e, h, i, routing.top_k, routing.renormalize, type(m).__name__,
+                               routing, renamed))
     for name, m in model.named_modules():
         if name in family_experts:
             continue
@@ -182,12 +205,16 @@ def find_moe_blocks(model: nn.Module, ckpt_meta: Dict[str, tuple], where: str) -
 
 def checkpoint_renamer(blocks: List[MoeBlock]):
     """``rename(model tensor name) -> checkpoint tensor name`` for the tensors of the blocks the files name
-    otherwise (Mixtral's ``mlp`` -> ``block_sparse_moe``), or None when every name is the same."""
+    otherwise (Mixtral's ``mlp`` -> ``block_sparse_moe``; a row's `CheckpointNames.renamed` tensors, e.g. EXAONE-MoE's
+    ``gate.e_score_correction_bias`` -> ``e_score_correction_bias``), or None when every name is the same."""
     moved = [(b.name + ".", b.ckpt_name + ".") for b in blocks if b.name != b.ckpt_name]
-    if not moved:
+    renamed = {k: v for b in blocks for k, v in b.renamed.items()}
+    if not moved and not renamed:
         return None
 
     def rename(key: str) -> str:
+        if key in renamed:
+            return renamed[key]
         for src, dst in moved:
             if key.startswith(src):
                 return dst + key[len(src):]
@@ -393,7 +420,7 @@ def build_moe(t: MoeTarget, reader, device, dtype: torch.dtype, where: str, shar
     config = W8A8Config(dtype=s.quant_dtype, out_dtype=dtype,
                         weight_block_size=(BLOCK_SIZE, BLOCK_SIZE) if s.block else None)
     moe = W8A8MoE(e_, b.top_k, h, hi - lo, config, renormalize=b.renormalize, device="meta",
-                  static_input_scale=s.static_input)
+                  static_input_scale=s.static_input, **b.routing_kwargs())
     values = {"w13": torch.stack(w13), "w13_scale": torch.stack(s13), "w2": torch.stack(w2),
               "w2_scale": torch.stack(s2)}
     if s.static_input:
@@ -413,6 +440,23 @@ def build_moe(t: MoeTarget, reader, device, dtype: torch.dtype, where: str, shar
         moe._buffers[name] = v.to(device)
     moe.train(False)
     return moe
+
+
+def link_correction_biases(model: nn.Module, moe: Dict[str, MoeTarget]) -> None:
+    """Give each `W8A8MoE` of ``moe`` (``{experts module name: MoeTarget}``, built by `build_moe` before the routers
+    were read) its block's loaded correction bias (the row's `Routing.correction_bias` path, DeepSeek-V3's
+    ``gate.e_score_correction_bias``) as `W8A8MoE` holds one: the router's own float32 tensor (the same storage),
+    else a float32 copy. Blocks whose row has none, and float experts, are left alone."""
+    for name, t in moe.items():
+        path = t.block.family.routing.correction_bias
+        layer = model.get_submodule(name)
+        if path is None or not isinstance(layer, W8A8MoE):
+            continue
+        bias = model.get_submodule(t.block.name)
+        for part in path.split("."):
+            bias = getattr(bias, part)
+        bias = bias.detach().reshape(layer.num_experts)
+        layer.correction_bias = bias if bias.dtype == torch.float32 else bias.float()
 
 
 def fill_float_experts(model: nn.Module, t: MoeTarget, reader, device, dtype: torch.dtype) -> None:
@@ -461,6 +505,12 @@ def _layout(model: nn.Module, name: str, where: str) -> Tuple[str, MoeFamily]:
         raise ValueError(f"{where}: W8A8MoE {name!r} is not the `experts` of a {family_names('or')} "
                          f"block (its parent is {type(parent).__name__}): no checkpoint layout to write it in")
     return fam.checkpoint_block(parent_name), fam
+
+
+def checkpoint_block_of(model: nn.Module, name: str, where: str) -> str:
+    """The files' name of the block whose experts are the `W8A8MoE` at ``name`` (``model.layers.0.block_sparse_moe``
+    for Mixtral, else the block's module name)."""
+    return _layout(model, name, where)[0]
 
 
 def moe_linear_names(model: nn.Module, name: str, moe: nn.Module, where: str) -> List[str]:

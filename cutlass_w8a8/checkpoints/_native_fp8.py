@@ -15,6 +15,16 @@ e4m3 is quantized (and must have its block scale); one stored in a float dtype s
 (and its alias ``ignored_layers``) is checked against the tensors with transformers' matching rule (a pattern
 matches a module name as a regex from its start, or as its suffix): a module it names must not be stored in
 e4m3.
+
+``scale_fmt: ue8m0`` (DeepSeek-V3.1, Kimi-K2's later checkpoints) says every weight scale is a power of two (an
+unsigned 8-bit exponent): still stored as float32, where a power of two is exact, so the weights dequantize the same
+way and load as they are; the loader checks that the scales really are powers of two (`check_ue8m0`) and the
+native save keeps the field. DeepSeek's own inference code also rounds its activation scales up to powers of two
+under ``ue8m0``; the kernels here do not (see docs/CHECKPOINTS.md, "DeepSeek-V3").
+
+A DeepSeek-V3 checkpoint holds one more decoder layer than ``num_hidden_layers``, the multi-token-prediction (MTP)
+module, ``model.layers.{num_hidden_layers + j}.*`` for ``j < num_nextn_predict_layers``; transformers' models have
+no such module, so `mtp_tensors` finds those tensors for the loader to leave out (with a warning).
 """
 
 from __future__ import annotations
@@ -23,16 +33,20 @@ import dataclasses
 import re
 from typing import Dict, List, Optional
 
+import torch
 from torch import nn
 
 from ..ops._limits import BLOCK_SIZE, blocks
 from ..quantize import shape_supported
 from ._scheme import BLOCK, BLOCK_SCHEME, Target, build_quantization_config
 
-__all__ = ["NativeFp8Config", "is_native_fp8", "parse_native_fp8", "native_targets"]
+__all__ = ["NativeFp8Config", "NativeFp8Source", "SCALE_FMTS", "is_native_fp8", "parse_native_fp8", "native_targets",
+           "check_ue8m0", "mtp_tensors", "SCALE_LEAF"]
 
 _KEY = "quantization_config"
-_SCALE_LEAF = "weight_scale_inv"
+_SCALE_LEAF = SCALE_LEAF = "weight_scale_inv"
+#: The ``scale_fmt`` values read: absent / ``float`` (scales as stored), ``ue8m0`` (powers of two, checked).
+SCALE_FMTS = (None, "float", "ue8m0")
 _ST_SCALE = ("F32", "BF16", "F16")
 _ST_8BIT = ("I8", "U8", "F8_E4M3", "F8_E5M2", "F8_E8M0")
 # tensors a quantized linear of this format (or its static / MoE variants) may carry, by the end of their name
@@ -52,6 +66,8 @@ class NativeFp8Config:
     modules_to_not_convert : list of str
         Patterns of the modules left in float (``modules_to_not_convert`` or ``ignored_layers``; empty if
         neither).
+    scale_fmt : str or None
+        ``"ue8m0"``: every weight scale must be a power of two (`check_ue8m0`); None or ``"float"``: any float.
     ignore : list of str
         After `native_targets`: the float ``nn.Linear`` modules of the model, by name (the ``ignore`` list of
         the compressed-tensors config `to_dict` returns).
@@ -60,6 +76,7 @@ class NativeFp8Config:
     key: str
     raw: dict
     modules_to_not_convert: List[str]
+    scale_fmt: Optional[str] = None
     ignore: List[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -83,10 +100,10 @@ def parse_native_fp8(raw: dict, where: str) -> NativeFp8Config:
     """Check a native fp8 ``quantization_config`` (missing fields take transformers' defaults: dynamic
     activations, ``[128, 128]`` blocks, float scales) and raise ValueError naming the first field `W8A8Linear`
     cannot run exactly: ``activation_scheme`` other than ``dynamic``, ``weight_block_size`` other than
-    ``[128, 128]``, ``fmt`` other than ``e4m3``, ``scale_fmt`` other than ``float`` (``ue8m0``, DeepSeek-V3.1's
-    power-of-two scales, rounds the activation scales up to powers of two, which the kernels do not), or a
-    non-empty ``modules_to_convert`` (quantized embeddings). ``dequantize`` (a loading switch of transformers)
-    is ignored: the weights are always kept 8-bit."""
+    ``[128, 128]``, ``fmt`` other than ``e4m3``, ``scale_fmt`` other than absent, ``float`` or ``ue8m0``
+    (DeepSeek-V3.1's power-of-two scales: exact in float32, read as they are once `check_ue8m0` has checked them),
+    or a non-empty ``modules_to_convert`` (quantized embeddings). ``dequantize`` (a loading switch of
+    transformers) is ignored: the weights are always kept 8-bit."""
     scheme = raw.get("activation_scheme", "dynamic")
     if not isinstance(scheme, str) or scheme.lower() != "dynamic":
         raise _unsupported(where, "activation_scheme", scheme,
@@ -98,9 +115,9 @@ def parse_native_fp8(raw: dict, where: str) -> NativeFp8Config:
     if fmt != "e4m3":
         raise _unsupported(where, "fmt", fmt, "'e4m3'")
     scale_fmt = raw.get("scale_fmt")
-    if scale_fmt not in (None, "float"):
-        raise _unsupported(where, "scale_fmt", scale_fmt, "'float' or absent: float32 / bf16 scales used as stored "
-                           "and activation scales group absmax / 448; ue8m0 (power-of-two) scales are not computed")
+    if scale_fmt not in SCALE_FMTS:
+        raise _unsupported(where, "scale_fmt", scale_fmt, "absent, 'float' (scales used as stored) or 'ue8m0' "
+                           "(power-of-two scales, stored as float32)")
     if raw.get("modules_to_convert"):
         raise _unsupported(where, "modules_to_convert", raw["modules_to_convert"],
                            "absent or empty: only nn.Linear modules are quantized")
@@ -110,7 +127,7 @@ def parse_native_fp8(raw: dict, where: str) -> NativeFp8Config:
         skip = []
     if not isinstance(skip, list) or not all(isinstance(p, str) for p in skip):
         raise _unsupported(where, field, skip, "a list of module names or patterns")
-    return NativeFp8Config(key=_KEY, raw=raw, modules_to_not_convert=list(skip))
+    return NativeFp8Config(key=_KEY, raw=raw, modules_to_not_convert=list(skip), scale_fmt=scale_fmt)
 
 
 def _not_converted(name: str, patterns: List[str]) -> Optional[str]:
@@ -211,3 +228,58 @@ def native_targets(model: nn.Module, parsed: NativeFp8Config, meta: Dict[str, tu
                              "static activation scales, and renamed tensors are not supported)")
     parsed.ignore = sorted(floats)
     return targeted
+
+
+def check_ue8m0(key: str, scale: torch.Tensor, where: str) -> None:
+    """ValueError naming checkpoint tensor ``key`` and the first block of ``scale`` (a ``weight_scale_inv``, any
+    float dtype) that is not a positive finite power of two, what ``scale_fmt: ue8m0`` promises (a ue8m0 scale is
+    ``2**e``, no sign, no mantissa: exact in float32)."""
+    s = scale.float()
+    mantissa, _ = torch.frexp(s)
+    bad = ~((mantissa == 0.5) & torch.isfinite(s))
+    if bool(bad.any()):
+        idx = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(f"{where}: checkpoint tensor {key!r} holds {s[tuple(idx)].item()!r} at block {idx}, which is "
+                         f"not a power of two, but {_KEY}.scale_fmt = 'ue8m0' says every weight scale is one (2**e); "
+                         "fix the scale or the config's scale_fmt")
+
+
+def mtp_tensors(names, config) -> List[str]:
+    """The tensors among ``names`` (a checkpoint's) of its multi-token-prediction layers, which transformers' model
+    of ``config`` does not have: ``model.layers.{L}.*`` for ``num_hidden_layers <= L < num_hidden_layers +
+    num_nextn_predict_layers`` (DeepSeek-V3's ``model.layers.61``, GLM-4.5's last layer). Empty when the config has
+    no ``num_nextn_predict_layers``."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    extra = getattr(text, "num_nextn_predict_layers", None) or 0
+    layers = getattr(text, "num_hidden_layers", None)
+    if not isinstance(extra, int) or extra <= 0 or not isinstance(layers, int):
+        return []
+    out = []
+    for name in names:
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m and layers <= int(m.group(1)) < layers + extra:
+            out.append(name)
+    return out
+
+
+@dataclasses.dataclass
+class NativeFp8Source:
+    """What a model loaded from a native fp8 checkpoint keeps of its files, so that `save_pretrained` can write them
+    back as they were (`cutlass_w8a8.checkpoints.write`): the ``quantization_config`` as ``config.json`` held it
+    (``scale_fmt`` included) and every tensor's safetensors dtype (``{name: "F32" | "BF16" | ...}``; scales are
+    float32 in the layers, bf16 in Qwen's files; DeepSeek's router weight is bf16 in the files, float32 in
+    transformers' model). Set by `attach` on the loaded model as the attribute ``ATTR``."""
+
+    quantization_config: dict
+    dtypes: Dict[str, str]
+
+    ATTR = "cutlass_w8a8_native_fp8"
+
+    def attach(self, model: nn.Module) -> None:
+        setattr(model, self.ATTR, self)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Optional["NativeFp8Source"]:
+        """The record `attach` left on ``model``, or None."""
+        src = getattr(model, cls.ATTR, None)
+        return src if isinstance(src, cls) else None

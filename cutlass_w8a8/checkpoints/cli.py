@@ -3,14 +3,16 @@ compressed-tensors W8A8 checkpoint, with `quantize_` and `save_pretrained`.
 
 Schemes (``--scheme``): ``int8`` / ``fp8`` (per-channel weights, dynamic per-token activations; ``--dtype`` says
 the same), ``fp8-block`` (e4m3 weights in 128 x 128 blocks, dynamic 1 x 128 group activations: compressed-tensors'
-FP8_BLOCK; a linear whose K is not a multiple of 128 is left in float). The experts of Qwen2-MoE / Qwen3-MoE /
-Mixtral blocks become `W8A8MoE` layers, written per expert as llm-compressor writes MoE checkpoints.
+FP8_BLOCK; a linear whose K is not a multiple of 128 is left in float). The experts of the MoE blocks of
+`cutlass_w8a8.moe.families` (Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3, GLM-4.5, OLMoE, ...) become `W8A8MoE`
+layers, written per expert as llm-compressor writes MoE checkpoints.
 
 What reads the output, per scheme and model family:
 
   model family                          int8            fp8             fp8-block
   Llama, Mistral, Qwen2, Qwen3 (dense)  ours, tf, vLLM  ours, tf, vLLM  ours, tf, vLLM
-  Qwen2-MoE, Qwen3-MoE, Mixtral (MoE)   ours, vLLM      ours, tf, vLLM  ours, vLLM
+  Qwen2-MoE, Qwen3-MoE, Mixtral,
+  DeepSeek-V3, GLM-4.5, OLMoE (MoE)     ours, vLLM      ours, tf, vLLM  ours, vLLM
 
   ours  cutlass_w8a8.from_pretrained(DST): W8A8Linear / W8A8MoE layers holding the stored 8-bit weights.
   tf    plain transformers, AutoModelForCausalLM.from_pretrained(DST), tested with transformers 5.17 and 5.24
@@ -59,7 +61,8 @@ _WHERE = "python -m cutlass_w8a8 quantize"
 EXIT_OK, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
 
 #: the model families of the table in the module docstring (and docs/LOADERS.md), by group
-FAMILIES = {"dense": ("Llama", "Mistral", "Qwen2", "Qwen3"), "MoE": ("Qwen2-MoE", "Qwen3-MoE", "Mixtral")}
+FAMILIES = {"dense": ("Llama", "Mistral", "Qwen2", "Qwen3"),
+            "MoE": ("Qwen2-MoE", "Qwen3-MoE", "Mixtral", "DeepSeek-V3", "GLM-4.5", "OLMoE")}
 #: the schemes plain transformers reads, per family group (tests/checkpoints/test_checkpoints_loaders_cpu.py checks each cell)
 TRANSFORMERS_READS = {"dense": ("int8", "fp8", "fp8-block"), "MoE": ("fp8",)}
 #: the transformers versions those claims were tested with

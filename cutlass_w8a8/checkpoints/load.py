@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import warnings
 from typing import Dict, Tuple
 
 import torch
@@ -18,7 +19,8 @@ from ..ops._limits import OUT_DTYPES as _OUT_DTYPES
 from ..quantize import shape_supported
 from ._direct import block_size, build_meta, load_unsharded
 from ._moe import ct_moe_targets, find_moe_blocks, native_moe_targets
-from ._native_fp8 import is_native_fp8, native_targets, parse_native_fp8
+from ._native_fp8 import (SCALE_LEAF, NativeFp8Source, check_ue8m0, is_native_fp8, mtp_tensors, native_targets,
+                          parse_native_fp8)
 from ._scheme import ParsedConfig, Target, find_quantization_config, parse_quantization_config
 
 __all__ = ["from_pretrained", "check_loadable", "check_checkpoint_dir", "check_device", "checkpoint_tensors"]
@@ -195,6 +197,7 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
         del config.compression_config
     shared = {k: hf_kwargs[k] for k in _SHARED_KWARGS if k in hf_kwargs}
 
+    drop_mtp(ckpt, config)
     meta = _meta_model(model_cls, config, shared)
     targeted, moe = plan_compressed_tensors(meta, parsed, ckpt.meta, _WHERE)
     del meta
@@ -231,12 +234,14 @@ def _from_native_fp8(path, config_json, device, dtype, model_cls, tp_group, tp_p
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config
     shared = {k: hf_kwargs[k] for k in _SHARED_KWARGS if k in hf_kwargs}
+    drop_mtp(ckpt, config)
     meta = build_meta(model_cls, config, dtype, shared, model_kwargs, _WHERE)
-    blocks = find_moe_blocks(meta, ckpt.meta, _WHERE)
-    moe = native_moe_targets(blocks, parsed.modules_to_not_convert, ckpt.meta, _WHERE) if blocks else {}
-    targeted = native_targets(meta, parsed, ckpt.meta, _WHERE, claimed={k for t in moe.values() for k in t.keys()},
-                              allow_empty=bool(moe))
+    targeted, moe = plan_native(meta, parsed, ckpt.meta, _WHERE)
     del meta
+    if parsed.scale_fmt == "ue8m0":
+        _check_ue8m0_scales(ckpt, [f"{n}.{SCALE_LEAF}" for n in targeted]
+                            + [k for t in moe.values() for k in t.keys() if k.endswith(f".{SCALE_LEAF}")])
+    source = NativeFp8Source(dict(config_json["quantization_config"]), {k: dt for k, (dt, _) in ckpt.meta.items()})
     if moe:
         model = _load_moe(path, model_cls, config, parsed, targeted, moe, ckpt, dtype, device, tp_group, tp_plan,
                           shared, model_kwargs, None)
@@ -244,6 +249,7 @@ def _from_native_fp8(path, config_json, device, dtype, model_cls, tp_group, tp_p
             from .save import quantization_config_of
 
             model.config.quantization_config = quantization_config_of(model)
+            source.attach(model)
         return model
     if tp_group is not None:
         from ..distributed.checkpoint import load_tensor_parallel
@@ -252,7 +258,47 @@ def _from_native_fp8(path, config_json, device, dtype, model_cls, tp_group, tp_p
                                     shared, model_kwargs)
     model = load_unsharded(path, model_cls, config, targeted, ckpt, dtype, device, shared, model_kwargs, _WHERE)
     model.config.quantization_config = parsed.to_dict()
+    source.attach(model)
     return model
+
+
+def drop_mtp(ckpt, config, where: str = _WHERE) -> None:
+    """Leave out of ``ckpt`` (a `_SafetensorsCheckpoint`) the tensors of the multi-token-prediction layers that
+    ``config``'s transformers model does not have (`_native_fp8.mtp_tensors`: DeepSeek-V3's ``model.layers.61``),
+    with one UserWarning saying how many were dropped."""
+    names = mtp_tensors(ckpt.meta, config)
+    if not names:
+        return
+    for k in names:
+        del ckpt.meta[k], ckpt.file_of[k]
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    first = text.num_hidden_layers
+    layers = sorted({int(k.split(".")[2]) for k in names})
+    which = ", ".join(f"model.layers.{i}" for i in layers)
+    warnings.warn(f"{where}: dropped the {len(names)} tensors of the multi-token-prediction layer(s) {which} "
+                  f"(num_nextn_predict_layers = {text.num_nextn_predict_layers} after num_hidden_layers = {first}): "
+                  f"transformers' {type(config).__name__} model has no such module; save_pretrained does not write "
+                  "them", UserWarning, stacklevel=3)
+
+
+def _check_ue8m0_scales(ckpt, keys, chunk: int = 4096) -> None:
+    """`check_ue8m0` of every scale tensor ``keys`` of ``ckpt`` (read ``chunk`` at a time)."""
+    for a in range(0, len(keys), chunk):
+        for k, v in ckpt.read(keys[a:a + chunk]).items():
+            check_ue8m0(k, v, _WHERE)
+
+
+def plan_native(meta: nn.Module, parsed, tensors: Dict[str, Tuple[str, list]], where: str = _WHERE):
+    """What `from_pretrained` reads from a transformers-native fp8 checkpoint into ``meta`` (the model built on the
+    meta device from its config, without its quantization_config): ``(targeted, moe)``, the block-quantized linears
+    (``{name: Target}``, `_native_fp8.native_targets`) and the MoE experts modules (``{name: MoeTarget}``,
+    `_moe.native_moe_targets`), after checking the checkpoint's ``tensors`` (``{name: (safetensors dtype,
+    shape)}``) against them. ValueError naming the module, tensor or field of the first mismatch."""
+    blocks = find_moe_blocks(meta, tensors, where)
+    moe = native_moe_targets(blocks, parsed.modules_to_not_convert, tensors, where) if blocks else {}
+    targeted = native_targets(meta, parsed, tensors, where, claimed={k for t in moe.values() for k in t.keys()},
+                              allow_empty=bool(moe))
+    return targeted, moe
 
 
 def _load_moe(path, model_cls, config, parsed, targeted, moe, ckpt, dtype, device, tp_group, tp_plan, shared,
@@ -317,6 +363,8 @@ def check_loadable(model_cls, config, config_json: dict, tensors: Dict[str, Tupl
     from ._direct import check_rest
     from ._moe import checkpoint_renamer
 
+    if is_native_fp8(config_json):
+        return _check_native_loadable(model_cls, config, config_json, tensors, where, model_names, meta)
     key, raw = find_quantization_config(config_json, where)
     parsed = parse_quantization_config(raw, where, key)
     config.quantization_config = parsed.to_dict()
@@ -329,6 +377,29 @@ def check_loadable(model_cls, config, config_json: dict, tensors: Dict[str, Tupl
     if model_names and rename is not None:
         tensors = {rename(k): v for k, v in tensors.items()}
     targeted, moe = plan_compressed_tensors(meta, parsed, tensors, where)
+    check_rest(meta, tensors, set(targeted) | set(moe), config, where, rename=rename)
+    return meta
+
+
+def _check_native_loadable(model_cls, config, config_json: dict, tensors: Dict[str, Tuple[str, list]], where: str,
+                           model_names: bool, meta: nn.Module = None) -> nn.Module:
+    """`check_loadable` of a transformers-native fp8 checkpoint: `parse_native_fp8`, `plan_native` and
+    `_direct.check_rest` on the model built on the meta device from ``config`` without its quantization_config (as
+    `from_pretrained` builds it). The ue8m0 check needs the scales' values: `cutlass_w8a8.checkpoints.write` makes it
+    on the tensors it writes."""
+    from ._direct import check_rest
+    from ._moe import checkpoint_renamer
+
+    parsed = parse_native_fp8(config_json["quantization_config"], where)
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    if meta is None:
+        meta = _meta_model(model_cls, config, {})
+    blocks = find_moe_blocks(meta, tensors, where)
+    rename = checkpoint_renamer(blocks)
+    if model_names and rename is not None:
+        tensors = {rename(k): v for k, v in tensors.items()}
+    targeted, moe = plan_native(meta, parsed, tensors, where)
     check_rest(meta, tensors, set(targeted) | set(moe), config, where, rename=rename)
     return meta
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..checkpoints._direct import (Reader, block_rows, block_size, build_meta, init_missing_buffers,
                                    load_generation_config, load_rest, set_module)
-from ..checkpoints._moe import build_moe, checkpoint_renamer, fill_float_experts
+from ..checkpoints._moe import build_moe, checkpoint_renamer, fill_float_experts, link_correction_biases
 from ..linear import W8A8Linear
 from ..ops._limits import BLOCK_SIZE
 from . import sharding as S
@@ -156,6 +156,7 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
             replaced.add(name)
         load_rest(model, reader, ckpt.meta, replaced, device, config, _WHERE,
                   rename=checkpoint_renamer([t.block for t in moe.values()]))
+    link_correction_biases(model, moe)
     init_missing_buffers(model, device, _WHERE)
     set_attention_groups_(model, heads, world, rep)
     model.eval()

@@ -48,7 +48,11 @@ NATIVE = {
     "per-tensor (no blocks)": (_native(weight_block_size=None), None,
                                f"{QC}.weight_block_size = None is not supported (supported: [128, 128])"),
     "e5m2": (_native(fmt="e5m2"), None, f"{QC}.fmt = 'e5m2' is not supported (supported: 'e4m3')"),
-    "ue8m0 scales": (_native(scale_fmt="ue8m0"), None, f"{QC}.scale_fmt = 'ue8m0' is not supported"),
+    # ue8m0 is read (power-of-two scales, exact in float32), and checked: this checkpoint's scales are absmax / 448
+    "ue8m0 scales not powers of two": (_native(scale_fmt="ue8m0"), None,
+                                       f"checkpoint tensor '{Q0}.weight_scale_inv' holds "),
+    "other scale_fmt": (_native(scale_fmt="e8m0"), None,
+                        f"{QC}.scale_fmt = 'e8m0' is not supported (supported: absent, 'float'"),
     "quantized embedding": (_native(modules_to_convert=["model.embed_tokens"]), None,
                             f"{QC}.modules_to_convert = ['model.embed_tokens'] is not supported"),
     "skip list not a list": (_native(modules_to_not_convert="lm_head"), None,

@@ -63,8 +63,10 @@ def test_quantization_config_is_compressed_tensors_fp8_block():
 
 @pytest.mark.parametrize("name", ["llama_ct", "qwen3_native_f32", "llama_native_bf16", "quantize_"])
 def test_round_trip(block_ckpt, tmp_path, name):
+    """compressed-tensors FP8_BLOCK (the default, except for a model loaded from a native checkpoint: asked for by
+    ``format``)."""
     ours = _quantized_tiny("qwen3") if name == "quantize_" else from_pretrained(block_ckpt(name))
-    save_pretrained(ours, tmp_path)
+    save_pretrained(ours, tmp_path, **({"format": "compressed-tensors"} if "native" in name else {}))
     with open(tmp_path / "config.json") as f:
         qc = json.load(f)["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors"
@@ -85,6 +87,58 @@ def test_round_trip(block_ckpt, tmp_path, name):
     assert all(torch.equal(stored_tensors(again)[k].view(torch.uint8), v.view(torch.uint8)) for k, v in stored.items())
 
 
+@pytest.mark.parametrize("name", ["llama_native_f32", "qwen3_native_bf16", "llama_native_bf16"])
+def test_native_round_trip_is_byte_identical(block_ckpt, tmp_path, name):
+    """A model loaded from a native checkpoint saves back in that format by default: the same tensor names, each
+    tensor in its stored dtype (bf16 scales cast back from the layers' float32, exactly) and byte for byte the
+    files', the config's quantization_config as the files had it; it loads back to the same model. The model's own
+    config keeps describing its state_dict (compressed-tensors, ``weight_scale``), so transformers' own
+    ``save_pretrained`` still writes a consistent compressed-tensors checkpoint."""
+    src = block_ckpt(name)
+    ours = from_pretrained(src)
+    assert ours.config.quantization_config["quant_method"] == "compressed-tensors"
+    save_pretrained(ours, tmp_path)
+    with open(os.path.join(src, "config.json")) as f, open(tmp_path / "config.json") as g:
+        assert json.load(g)["quantization_config"] == json.load(f)["quantization_config"]
+    stored, original = stored_tensors(tmp_path), stored_tensors(src)
+    assert stored.keys() == original.keys()
+    for k, v in original.items():
+        assert stored[k].dtype == v.dtype and torch.equal(stored[k].view(torch.uint8), v.view(torch.uint8)), k
+    assert ours.config.quantization_config["quant_method"] == "compressed-tensors"
+    back = from_pretrained(tmp_path)
+    _assert_same_state(ours, back)
+    again = tmp_path / "ct"
+    ours.save_pretrained(again)
+    with open(again / "config.json") as f:
+        assert json.load(f)["quantization_config"]["quant_method"] == "compressed-tensors"
+    _assert_same_state(ours, from_pretrained(again))
+
+
+def test_native_save_refusals(block_ckpt, tmp_path):
+    """``format`` other than the two, ``native-fp8`` for a model not loaded from a native checkpoint, or for one with
+    a layer the format cannot hold: ValueError naming it, nothing written."""
+    with pytest.raises(ValueError, match=r"`format` must be one of \('compressed-tensors', 'native-fp8'\), got 'fp8'"):
+        save_pretrained(_quantized_tiny(), tmp_path / "a", format="fp8")
+    with pytest.raises(ValueError, match=r"`format` 'native-fp8' writes back a model loaded from a transformers-native "
+                                         r"fp8 checkpoint .* this model was not loaded from one"):
+        save_pretrained(_quantized_tiny(), tmp_path / "b", format="native-fp8")
+    ours = from_pretrained(block_ckpt("llama_native_bf16"))  # lm_head in bf16: quantize it per channel
+    cw.quantize_(ours, cw.W8A8Config(dtype=torch.float8_e4m3fn), filter_fn=lambda m, fqn: fqn == "lm_head")
+    with pytest.raises(ValueError, match=r"W8A8Linear 'lm_head' is not block-scaled fp8 .* save with "
+                                         r"format='compressed-tensors'"):
+        save_pretrained(ours, tmp_path / "c")
+    ours = from_pretrained(block_ckpt("qwen3_native_bf16"))  # bf16 scales: a float32 scale bf16 cannot hold
+    q = ours.model.layers[0].self_attn.q_proj
+    q.weight_scale[0, 0] = q.weight_scale[0, 0] * (1 + 2 ** -12)
+    with pytest.raises(ValueError, match=r"the block scale 'model.layers.0.self_attn.q_proj.weight_scale_inv' holds "
+                                         r"values that BF16, its dtype in the checkpoint it was loaded from, cannot "
+                                         r"hold exactly"):
+        save_pretrained(ours, tmp_path / "d")
+    assert not any(os.path.exists(tmp_path / d) for d in "abcd")
+    save_pretrained(ours, tmp_path / "d", format="compressed-tensors")  # float32 scales: written
+    assert torch.equal(from_pretrained(tmp_path / "d").model.layers[0].self_attn.q_proj.weight_scale, q.weight_scale)
+
+
 @pytest.mark.parametrize("name", ["llama_native_f32", "qwen3_ct"])
 def test_transformers_reads_what_we_write(block_ckpt, tmp_path, name):
     """transformers' loader with compressed-tensors' dequantization reads our checkpoint with no missing or
@@ -94,7 +148,7 @@ def test_transformers_reads_what_we_write(block_ckpt, tmp_path, name):
     measured 23.8 / 24.4 dB, the level of our logits against the float32 model (23.5-26.1 dB, as
     test_checkpoints_block.py states); held at >= 20 dB."""
     ours = from_pretrained(block_ckpt(name))
-    save_pretrained(ours, tmp_path)
+    save_pretrained(ours, tmp_path, format="compressed-tensors")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         loaded, info = transformers.AutoModelForCausalLM.from_pretrained(

@@ -53,6 +53,17 @@ CONFIGS = {
     "Qwen3-MoE": lambda: transformers.Qwen3MoeConfig(**_MOE, moe_intermediate_size=128, num_experts=2,
                                                      decoder_sparse_step=1, norm_topk_prob=True),
     "Mixtral": lambda: transformers.MixtralConfig(**_MOE, num_local_experts=2),
+    # DeepSeek-V3's MLA at K multiples of 128 (q_a N 128; q_b, kv_b, o N 256; kv_a N 128 + 32 = 160, a partial
+    # block), one shared expert, sigmoid routing with one group
+    "DeepSeek-V3": lambda: transformers.DeepseekV3Config(
+        **dict(_MOE, num_key_value_heads=4), moe_intermediate_size=128, n_routed_experts=2, n_shared_experts=1, first_k_dense_replace=0,
+        n_group=1, topk_group=1, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32,
+        v_head_dim=32),
+    "GLM-4.5": lambda: transformers.Glm4MoeConfig(**_MOE, moe_intermediate_size=128, n_routed_experts=2,
+                                                  n_shared_experts=1, first_k_dense_replace=0, n_group=1,
+                                                  topk_group=1),
+    # OLMoE's q / k norms span all heads (hidden_size): 8 heads of 32
+    "OLMoE": lambda: transformers.OlmoeConfig(**dict(_MOE, num_attention_heads=8, num_key_value_heads=8), num_experts=2),
 }
 GROUP = {family: group for group, families in cli.FAMILIES.items() for family in families}
 
@@ -103,6 +114,17 @@ def _check_transformers_model(ours, theirs, info, moe: bool):
         assert torch.isfinite(theirs(torch.arange(2, 10).reshape(1, 8)).logits).all()
 
 
+def _same_tensor(model, key, a, b) -> bool:
+    """``b`` (loaded) holds ``a`` (``model``'s) bit for bit; or, for a tensor transformers keeps in float32 whatever
+    the model dtype (``model._keep_in_fp32_modules_strict``: DeepSeek-V3's ``e_score_correction_bias``, which
+    transformers 5.17's ``from_config`` builds in bf16 and its loader, as ours, reads into float32), ``a`` in
+    float32 exactly."""
+    if a.dtype == b.dtype:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    keep = [p for p in getattr(model, "_keep_in_fp32_modules_strict", None) or () if p in key]
+    return bool(keep) and b.dtype == torch.float32 and torch.equal(b, a.float())
+
+
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_what_reads_the_output(tmp_path, family):
     base = _model(family)
@@ -120,8 +142,7 @@ def test_what_reads_the_output(tmp_path, family):
         assert {n: type(m) for n, m in ours.named_modules()} == {n: type(m) for n, m in back.named_modules()}, where
         sa, sb = ours.state_dict(), back.state_dict()
         assert sa.keys() == sb.keys(), where
-        assert all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k].view(torch.uint8), sb[k].view(torch.uint8))
-                   for k in sa), where
+        assert all(_same_tensor(ours, k, sa[k], sb[k]) for k in sa), where
 
         if scheme in cli.TRANSFORMERS_READS[GROUP[family]]:
             theirs, info = _transformers_load(path)
@@ -135,7 +156,7 @@ def _table_rows(text: str) -> dict:
     """``{family group: [cell per scheme]}`` of the loaders table of the CLI's docstring."""
     rows = {}
     for line in text.splitlines():
-        m = re.match(r"\s+[\w, -]+\((dense|MoE)\)\s+(.*)$", line)
+        m = re.match(r"\s+[\w., -]+\((dense|MoE)\)\s+(.*)$", line)
         if m:
             rows[m.group(1)] = re.split(r"\s{2,}", m.group(2).strip())
     return rows

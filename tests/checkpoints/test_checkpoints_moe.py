@@ -1,8 +1,9 @@
-"""Mixture-of-experts checkpoints (issue 27): `cutlass_w8a8.checkpoints.from_pretrained` keeps them 8-bit, each
-experts module a `W8A8MoE`, and `save_pretrained` writes the per-expert layout back.
+"""Mixture-of-experts checkpoints (issues 27 and 35): `cutlass_w8a8.checkpoints.from_pretrained` keeps them 8-bit,
+each experts module a `W8A8MoE` with its family's routing, and `save_pretrained` writes the per-expert layout back.
 
-Checkpoints are written here from the tiny random Qwen3-MoE / Qwen2-MoE (shared expert) / Mixtral models of
-tests/_moe_models.py (8 experts, top-2, hidden 256, expert intermediate 128) the way llm-compressor writes them:
+Checkpoints are written here from the tiny random Qwen3-MoE / Qwen2-MoE (shared expert) / Mixtral / DeepSeek-V3 /
+GLM-4.5 / OLMoE models of tests/_moe_models.py (hidden 256, expert intermediate 128; 8 experts top-2, DeepSeek-V3 16
+experts top-4 in 4 groups) the way llm-compressor writes them:
 each fused experts module unfused into per-expert ``nn.Linear`` layers (``experts.{e}.{gate,up,down}_proj``;
 Mixtral ``experts.{e}.{w1,w3,w2}``, saved by transformers under ``block_sparse_moe``), quantized by
 compressed-tensors itself (W8A8, FP8_DYNAMIC, INT8 static, FP8_BLOCK; ``ignore: ["lm_head", "re:.*mlp.gate$"]``)
@@ -33,7 +34,14 @@ mixtral native fp8    66.6 dB                   27.2 dB          79.2 dB
 qwen3 int8 static     inf (equal, max scales)   -                inf (equal)
 qwen3 int8, experts   inf (equal)               -                -
 left in float
+deepseek int8         inf (equal)               33.3 dB          inf (equal)
+deepseek FP8_BLOCK    inf (equal)               25.1 dB          91.3 dB
+glm4 fp8              inf (equal)               25.2 dB          85.1 dB
+olmoe int8            inf (equal)               34.5 dB          inf (equal)
 ====================  ========================  ===============  ===========================
+
+(DeepSeek-V3, GLM-4.5, OLMoE: tests/_moe_models.py's tiny configs; glm4 fp8 measures 27.4 dB against the all-float32
+model under transformers 5.17, the rest the same.)
 
 The first column with a float32 reference (the CPU's BLAS order) measured 32.4-73.3 dB here (one routing flip in
 qwen3 native), and int8 44 dB on the H100 host's CPU; with the float64 reference it is the same under oneDNN / MKL /
@@ -62,13 +70,14 @@ pytest.importorskip("safetensors")
 
 import cutlass_w8a8 as cw  # noqa: E402
 from cutlass_w8a8.checkpoints import from_pretrained, quantization_config_of, save_pretrained  # noqa: E402
-from cutlass_w8a8.testing.references import assert_within, ulp  # noqa: E402
+from cutlass_w8a8.moe.families import family_of, read_routing  # noqa: E402
 
 from _block_checkpoints import copy_checkpoint, expand_blocks, write_ct_fp8_block, write_native_fp8  # noqa: E402
 from _checkpoints import (assert_greedy_tokens_agree, logits_sqnr_vs_references, scheme, sqnr_db,  # noqa: E402
                           stored_tensors, write_ct_checkpoint)
 from _full import quick_or_full  # noqa: E402
-from _moe_models import FakeQuantExperts, FakeQuantLinear, fake_quant_act, moe_blocks, tiny_moe_model  # noqa: E402
+from _moe_bounds import assert_each_layer_within_bounds  # noqa: E402
+from _moe_models import FakeQuantExperts, FakeQuantLinear, moe_blocks, tiny_moe_model  # noqa: E402
 from _tp_scenarios import TP_VS_TP1_ACCURACY  # noqa: E402
 
 VOCAB = 512
@@ -91,6 +100,12 @@ MOE_CHECKPOINTS = {
     # written with the model's names (`mlp.experts.{e}.w1`, not `block_sparse_moe`): both namings are read
     "mixtral_native": ("mixtral", "native", torch.float8_e4m3fn),
     "qwen3_int8_static": ("qwen3_moe", "INT8_STATIC", torch.int8),
+    # issue 35's families: DeepSeek-V3 (MLA, a dense first layer, shared experts, sigmoid routing with a correction
+    # bias and grouped top-k), GLM-4.5 (the same router, no groups), OLMoE (softmax top-k, not renormalized)
+    "deepseek_int8": ("deepseek_v3", "W8A8", torch.int8),
+    "deepseek_fp8_block": ("deepseek_v3", "FP8_BLOCK", torch.float8_e4m3fn),
+    "glm4_fp8": ("glm4_moe", "FP8_DYNAMIC", torch.float8_e4m3fn),
+    "olmoe_int8": ("olmoe", "W8A8", torch.int8),
 }
 
 # dB, see the module docstring. Layer by layer on the same inputs ours and the float64 reference differ only where
@@ -236,8 +251,8 @@ def file_reference(path, full_float32=False, float64=True):
         stored[f"{ename}.down_proj"] = torch.stack([items[(e, d)] for e in range(e_)])
     state = dict(model.state_dict())
     for k in list(state):
-        if k in stored:
-            state[k] = stored.pop(k).to(dtype)
+        if k in stored:  # in the dtype transformers holds it in (DeepSeek-V3's router: float32 under 5.24)
+            state[k] = stored.pop(k).to(state[k].dtype if state[k].is_floating_point() else dtype)
     assert not stored, f"tensors the reference did not place: {sorted(stored)[:4]}"
     model.load_state_dict(state, strict=True)
     for ename, items in experts.items():
@@ -283,9 +298,16 @@ def moes(model):
 
 
 def _same_state(a, b):
+    """``b`` (loaded) holds ``a``'s state bit for bit; a tensor transformers keeps in float32 whatever the model dtype
+    (``_keep_in_fp32_modules_strict``: DeepSeek-V3's ``e_score_correction_bias``, which transformers 5.17's
+    ``from_config`` builds in bf16 and its loader, as ours, reads into float32) may be ``a``'s in float32, exactly."""
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
+    keep = list(getattr(a, "_keep_in_fp32_modules_strict", None) or ())
     for k in sa:
+        if sa[k].dtype != sb[k].dtype and any(p in k for p in keep):
+            assert sb[k].dtype == torch.float32 and torch.equal(sb[k], sa[k].float()), k
+            continue
         assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k].view(torch.uint8), sb[k].view(torch.uint8)), k
 
 
@@ -300,10 +322,12 @@ def _load(path, **kw):
 
 DYNAMIC = [n for n in MOE_CHECKPOINTS if n != "qwen3_int8_static"]
 # The quick CPU run (tests/conftest.py's `full` mark) covers every family (Qwen3-MoE, Mixtral's block_sparse_moe
-# naming, Qwen2-MoE's shared expert) and every scheme (int8, fp8 per channel, FP8_BLOCK, native fp8, int8 static);
-# the other family x scheme pairs (qwen3 fp8, mixtral int8 / FP8_BLOCK / native) run in the full run, except that
-# test_layers_hold_the_stored_tensors also reads mixtral native (its own naming, mlp.experts.{e}.w1) in the quick run.
-QUICK = ("qwen3_int8", "mixtral_fp8", "qwen2_int8", "qwen3_fp8_block", "qwen3_native", "qwen3_int8_static")
+# naming, Qwen2-MoE's shared expert, DeepSeek-V3, GLM-4.5, OLMoE) and every scheme (int8, fp8 per channel, FP8_BLOCK,
+# native fp8, int8 static); the other family x scheme pairs (qwen3 fp8, mixtral int8 / FP8_BLOCK / native, deepseek
+# int8) run in the full run, except that test_layers_hold_the_stored_tensors also reads mixtral native (its own
+# naming, mlp.experts.{e}.w1) in the quick run. DeepSeek-V3's native layout: test_checkpoints_deepseek.py.
+QUICK = ("qwen3_int8", "mixtral_fp8", "qwen2_int8", "qwen3_fp8_block", "qwen3_native", "qwen3_int8_static",
+         "deepseek_fp8_block", "glm4_fp8", "olmoe_int8")
 
 
 @pytest.mark.parametrize("name", quick_or_full(DYNAMIC, QUICK + ("mixtral_native",)))
@@ -317,14 +341,23 @@ def test_layers_hold_the_stored_tensors(moe_ckpt, name):
     leaves = ("w1", "w3", "w2") if kind == "mixtral" else _QWEN_LEAVES
     sleaf = "weight_scale_inv" if writer == "native" else "weight_scale"
     layers = moes(model)
-    assert sorted(layers) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    # DeepSeek-V3 / GLM-4.5: the first layer dense (first_k_dense_replace = 1)
+    first = 1 if kind in ("deepseek_v3", "glm4_moe") else 0
+    assert sorted(layers) == [f"model.layers.{i}.mlp.experts" for i in range(first, 2)]
+    float_model = tiny_moe_model(kind)
     for n, m in layers.items():
-        assert m.quant_dtype == qd and m.num_experts == 8 and m.top_k == 2
-        assert m.renormalize == (kind != "qwen2_moe")  # Qwen2-MoE's norm_topk_prob is False in the tiny config
+        block, float_block = model.get_submodule(n.rpartition(".")[0]), float_model.get_submodule(n.rpartition(".")[0])
+        e_ = float_block.experts.gate_up_proj.shape[0]
+        assert m.quant_dtype == qd and m.num_experts == e_ and m.top_k == block.gate.top_k
+        # norm_topk_prob where the router has one (False for Qwen2-MoE and OLMoE in the tiny configs); Mixtral: always
+        assert m.renormalize == getattr(block.gate, "norm_topk_prob", True)
+        routing = read_routing(float_block, family_of(float_block), "test")
+        assert (m.scoring, m.n_group, m.topk_group, m.scaling_factor) == (
+            routing.scoring, routing.n_group or 1, routing.topk_group or 1, routing.scaling_factor)
         assert (m.weight_block_size is not None) == (writer in ("FP8_BLOCK", "native"))
         assert m.a13_scale is None and m.a2_scale is None
         base = n.replace(".mlp.", ".block_sparse_moe.") if block_sparse else n
-        for e in range(8):
+        for e in range(e_):
             g, u, d = (f"{base}.{e}.{leaf}" for leaf in leaves)
             w13 = torch.cat([stored[f"{g}.weight"], stored[f"{u}.weight"]])
             assert torch.equal(m.w13[e].view(torch.uint8), w13.view(torch.uint8))
@@ -337,11 +370,20 @@ def test_layers_hold_the_stored_tensors(moe_ckpt, name):
         router = model.get_submodule(n.rpartition(".")[0]).gate
         rkey = (n.rpartition(".")[0].replace(".mlp", ".block_sparse_moe") if block_sparse
                 else n.rpartition(".")[0]) + ".gate.weight"
-        assert router.weight.dtype == torch.bfloat16 and torch.equal(router.weight, stored[rkey])
+        # as transformers holds it: bf16, or float32 (DeepSeek-V3 / GLM-4.5 under transformers 5.24)
+        assert router.weight.dtype == float_block.gate.weight.dtype
+        assert torch.equal(router.weight, stored[rkey].to(router.weight.dtype))
+        bias = getattr(block.gate, "e_score_correction_bias", None)
+        if bias is not None:  # DeepSeek-V3 / GLM-4.5: float32, and shared with the W8A8MoE
+            assert bias.dtype == torch.float32 and m.correction_bias.data_ptr() == bias.data_ptr()
+            assert torch.equal(bias, stored[rkey.replace(".weight", ".e_score_correction_bias")].float())
+            assert bool(bias.abs().max() > 0)
     dense = {n for n, m in model.named_modules() if isinstance(m, cw.W8A8Linear)}
     want = {k[: -len(".weight")] for k, v in stored.items() if k.endswith(".weight") and v.dtype == qd
             and ".experts." not in k}
-    assert dense == want and len(dense) == (14 if kind == "qwen2_moe" else 8)
+    # q / k / v / o of each layer (DeepSeek-V3: q_a, q_b, kv_a_proj_with_mqa, kv_b, o), the dense MLP's three, the
+    # shared experts' three
+    assert dense == want and len(dense) == {"qwen2_moe": 14, "deepseek_v3": 16, "glm4_moe": 14}.get(kind, 8)
     assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == torch.bfloat16
     if kind == "qwen2_moe":
         assert type(model.model.layers[0].mlp.shared_expert_gate) is nn.Linear
@@ -357,101 +399,6 @@ def test_logits_match_dequantized_checkpoint(moe_ckpt, name):
     assert full >= SQNR_MIN_FLOAT32[MOE_CHECKPOINTS[name][2]]
 
 
-def _float32_rounding_bound(ref, x):
-    """Element-wise bound on how far ours's float32 result of the linear ``ref`` (a float64 `FakeQuantLinear`) can
-    be from the exact one before the bf16 rounding (see `_sum_error`)."""
-    xq = fake_quant_act(x, ref.quant_dtype, ref.input_scale, ref.group_size, torch.float64)
-    return _sum_error(xq.abs() @ ref.weight.double().abs().T, xq.shape[-1], ref.group_size)
-
-
-def _sum_error(abs_terms, k, group_size):
-    """Ours's float32 error on an exact sum of 8-bit products, given sum_k |a_k w_k| (dequantized): the ops round
-    the exact sum of each K block (K / 128 blocks with 1 x 128 activation groups, else one) to float32, multiply by
-    the scales and add the blocks in float32: at most K / 128 + 2 roundings of 2**-24 of sum_k |a_k w_k|, one
-    more for the second-order terms; the float64 reference adds K 2**-53 of it."""
-    blocks = k // group_size if group_size else 1
-    return ((blocks + 3) * 2.0 ** -24 + k * 2.0 ** -53) * abs_terms
-
-
-def _to_bf16(x):
-    return x.to(torch.bfloat16).double()
-
-
-def _silu_mul_interval(g_lo, g_hi, u_lo, u_hi):
-    """[lo, hi] of bf16 ``silu(gate) * up`` (silu rounded, then the product, as the layer and the reference compute
-    it) over bf16 gate in [g_lo, g_hi] and up in [u_lo, u_hi]: silu falls to its minimum at -1.2785 and rises after
-    (its rounding is monotone), so its range is at the ends and, when inside, at the bf16 values around the
-    minimum; the rounded product is monotone in each factor, so its range is at the corners."""
-    silu = lambda g: F.silu(g.to(torch.bfloat16)).double()  # noqa: E731
-    cands = [silu(g_lo), silu(g_hi)]
-    for m in (-1.28125, -1.2734375):  # the bf16 neighbours of silu's minimum
-        cands.append(silu(torch.full_like(g_lo, m).clamp(g_lo, g_hi)))
-    s_lo, s_hi = torch.stack(cands).amin(0), torch.stack(cands).amax(0)
-    prods = torch.stack([(a.to(torch.bfloat16) * b.to(torch.bfloat16)).double()
-                         for a in (s_lo, s_hi) for b in (u_lo, u_hi)])
-    return prods.amin(0), prods.amax(0)
-
-
-def _quant_interval(a_lo, a_hi, quant_dtype, scale, group_size):
-    """[lo, hi] of the dequantized 8-bit value ``q * s`` of an activation anywhere in [a_lo, a_hi], quantized as
-    `fake_quant_act` does (dynamic scale absmax / qmax per row or 1 x 128 group, or the static ``scale``): the
-    scale ranges over the group's possible absmax values, and ``a / s`` and its rounding are monotone."""
-    qmax = 127.0 if quant_dtype == torch.int8 else 448.0
-    if group_size:
-        a_lo, a_hi = a_lo.unflatten(-1, (-1, group_size)), a_hi.unflatten(-1, (-1, group_size))
-    if scale is None:
-        mag_lo = torch.where((a_lo <= 0) & (a_hi >= 0), torch.zeros_like(a_lo), torch.minimum(a_lo.abs(), a_hi.abs()))
-        mag_hi = torch.maximum(a_lo.abs(), a_hi.abs())
-        s = [(m.amax(-1, keepdim=True).float() / torch.tensor(qmax)).double() for m in (mag_lo, mag_hi)]
-    else:
-        s = [scale.double().reshape(())] * 2
-    corners = []
-    for sc in s:
-        safe = torch.where(sc == 0, torch.ones_like(sc), sc).float()
-        for a in (a_lo, a_hi):
-            y = torch.where(sc == 0, torch.zeros_like(a), (a.float() / safe).double())
-            q = torch.round(y).clamp(-128, 127) if quant_dtype == torch.int8 else \
-                y.clamp(-448, 448).to(quant_dtype).double()
-            corners.append(q * sc)
-    lo, hi = torch.stack(corners).amin(0), torch.stack(corners).amax(0)
-    return (lo.flatten(-2), hi.flatten(-2)) if group_size else (lo, hi)
-
-
-def _moe_output_interval(ref, x, ids, wts):
-    """[lo, hi] (bf16 values) that ours's W8A8MoE output must lie in, element-wise, given the float64 reference
-    experts ``ref`` (a `FakeQuantExperts`) on ``(x, ids, wts)``. Ours quantizes ``x`` as the reference does; its
-    gate / up GEMM is within `_sum_error` of the exact sum, so each rounds to a bf16 value between those of the
-    interval's ends; `_silu_mul_interval` and `_quant_interval` carry that to the down GEMM's 8-bit input (where an
-    output one ulp apart can move it one quantization step, or move its group's scale); the down GEMM adds its
-    input's spread times |w2| and its own `_sum_error`, then the bf16 rounding; the top-k sum in float32 (one
-    product and one addition per expert, 2k roundings of 2**-24 of sum_j w_j |z_j|) and the bf16 rounding."""
-    cd = torch.float64
-    t, h = x.shape
-    k = ids.shape[1]
-    xq = fake_quant_act(x, ref.quant_dtype, ref.a13_scale, ref.group_size, cd)
-    z_lo = torch.zeros(t, k, h, dtype=cd)
-    z_hi = torch.zeros(t, k, h, dtype=cd)
-    for e in range(ref.num_experts):
-        tok, j = torch.nonzero(ids == e, as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        w13, w2 = ref.w13[e].to(cd), ref.w2[e].to(cd)
-        y13 = xq[tok] @ w13.T
-        err = _sum_error(xq[tok].abs() @ w13.abs().T, h, ref.group_size)
-        (g_lo, u_lo), (g_hi, u_hi) = _to_bf16(y13 - err).chunk(2, -1), _to_bf16(y13 + err).chunk(2, -1)
-        a_lo, a_hi = _silu_mul_interval(g_lo, g_hi, u_lo, u_hi)
-        q_lo, q_hi = _quant_interval(a_lo, a_hi, ref.quant_dtype, ref.a2_scale, ref.group_size)
-        mid, spread = (q_lo + q_hi) / 2, (q_hi - q_lo) / 2
-        mag = torch.maximum(q_lo.abs(), q_hi.abs())
-        err2 = spread @ w2.abs().T + _sum_error(mag @ w2.abs().T, w2.shape[1], ref.group_size)
-        y2 = mid @ w2.T
-        z_lo[tok, j], z_hi[tok, j] = _to_bf16(y2 - err2), _to_bf16(y2 + err2)
-    w = wts.double().reshape(t, k, 1)  # routing weights >= 0
-    lo, hi = (w * z_lo).sum(1), (w * z_hi).sum(1)
-    err = 2 * k * 2.0 ** -24 * (w * torch.maximum(z_lo.abs(), z_hi.abs())).sum(1)
-    return _to_bf16(lo - err), _to_bf16(hi + err)
-
-
 @pytest.mark.parametrize("name", quick_or_full(DYNAMIC + ["qwen3_int8_static"], QUICK))
 def test_each_layer_matches_its_reference(moe_ckpt, name):
     """Teacher-forced: every W8A8MoE and W8A8Linear of ours against its counterpart in the float64 reference
@@ -461,9 +408,9 @@ def test_each_layer_matches_its_reference(moe_ckpt, name):
     Nothing here depends on the CPU: the float64 forward and the float64 reference round their sums at 2**-53, so
     the bf16 inputs and the reference's outputs are the same on every machine (unless a value lands within 2**-45
     of a rounding midpoint); ours sums the 8-bit products exactly (float64) and rounds a few times to float32
-    (`_sum_error`) before bf16. Ours and the reference quantize identical inputs identically, so they differ only
+    (`sum_error`) before bf16. Ours and the reference quantize identical inputs identically, so they differ only
     where ours's float32 rounding puts a result across a bf16 rounding midpoint, which the bounds follow through
-    the layer: a W8A8Linear by one bf16 ulp plus `_sum_error`; a W8A8MoE within `_moe_output_interval`, where a
+    the layer: a W8A8Linear by one bf16 ulp plus `sum_error`; a W8A8MoE within `moe_output_interval`, where a
     gate / up output one ulp apart may move its down-GEMM input by one quantization step or its group's scale.
     Measured on these models: at most one element per layer one ulp apart, no quantization step moved.
 
@@ -471,38 +418,8 @@ def test_each_layer_matches_its_reference(moe_ckpt, name):
     bound: 82 dB here, 52.4 dB on two other 2-core CPUs, qwen3_fp8_block.)"""
     path = moe_ckpt(name)
     ours, ref = _load(path), file_reference(path)
-    source = file_reference(path, full_float32=True).double()
-    seen = {}
-
-    def keep(n):
-        def hook(mod, args, out):
-            seen[n] = tuple(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                            for a in args)
-        return hook
-
-    mods = {n for n, m in ours.named_modules() if isinstance(m, (cw.W8A8MoE, cw.W8A8Linear))}
-    hooks = [source.get_submodule(n).register_forward_hook(keep(n)) for n in mods]
-    logits(source, ids())
-    for h in hooks:
-        h.remove()
-    assert set(seen) == mods
-    worst = float("inf")
-    with torch.no_grad():
-        for n in sorted(mods):
-            args = seen[n]
-            got, want = ours.get_submodule(n)(*args), ref.get_submodule(n)(*args)
-            assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape, n
-            got, want = got.double(), want.double()
-            if isinstance(ours.get_submodule(n), cw.W8A8Linear):
-                one_ulp = torch.maximum(ulp(got, torch.bfloat16), ulp(want, torch.bfloat16))
-                assert_within(got, want, one_ulp + _float32_rounding_bound(ref.get_submodule(n), *args), n)
-            else:
-                lo, hi = _moe_output_interval(ref.get_submodule(n), *args)
-                assert bool(((lo <= want) & (want <= hi)).all()), f"{n}: the reference outside its own interval"
-                mid, half = (lo + hi) / 2, (hi - lo) / 2
-                assert_within(got, mid, half, n)
-            worst = min(worst, sqnr_db(got, want))
-    print(f"\nMoE checkpoint layers (CPU): {name:<18} worst {worst:.1f} dB over {len(mods)} layers")
+    worst, count = assert_each_layer_within_bounds(ours, ref, file_reference(path, full_float32=True).double(), ids())
+    print(f"\nMoE checkpoint layers (CPU): {name:<18} worst {worst:.1f} dB over {count} layers")
 
 
 @pytest.mark.parametrize("name", quick_or_full(["qwen3_int8", "mixtral_fp8", "qwen2_int8", "qwen3_fp8_block",
@@ -539,11 +456,14 @@ def test_static_input_scales_become_the_largest(moe_ckpt):
 
 
 @pytest.mark.parametrize("name", quick_or_full(["qwen3_int8", "mixtral_fp8", "qwen2_int8", "mixtral_fp8_block",
-                                                "qwen3_native", "qwen3_int8_static"], QUICK))
+                                                "qwen3_native", "qwen3_int8_static", "deepseek_fp8_block",
+                                                "deepseek_int8", "glm4_fp8", "olmoe_int8"], QUICK))
 def test_round_trip(moe_ckpt, tmp_path, name):
+    """compressed-tensors, as llm-compressor writes it (a model loaded from a native checkpoint asks for it with
+    ``format``: its default is the native format, test_native_round_trip_is_byte_identical)."""
     src = moe_ckpt(name)
     ours = _load(src)
-    save_pretrained(ours, tmp_path)
+    save_pretrained(ours, tmp_path, **({"format": "compressed-tensors"} if "native" in name else {}))
     with open(tmp_path / "config.json") as f:
         qc = json.load(f)["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and list(qc["config_groups"]) == ["group_0"]
@@ -562,6 +482,28 @@ def test_round_trip(moe_ckpt, tmp_path, name):
                 assert torch.equal(v, ok.float()), k
         elif v.dtype in (torch.int8, torch.float8_e4m3fn):
             assert torch.equal(v.view(torch.uint8), original[k].view(torch.uint8)), k
+    back = _load(tmp_path)
+    _same_state(ours, back)
+    assert torch.equal(logits(ours, ids()), logits(back, ids()))
+
+
+@pytest.mark.parametrize("name", ["qwen3_native", "mixtral_native"])
+def test_native_round_trip_is_byte_identical(moe_ckpt, tmp_path, name):
+    """A model loaded from a native block-fp8 MoE checkpoint saves back in that format: every tensor under its name
+    in the files (the experts per expert), in its stored dtype and byte for byte; the same quantization_config; it
+    loads back to the same model. Mixtral's blocks are written as ``block_sparse_moe`` (transformers'
+    ``save_pretrained`` names them so), also when the files named them ``mlp`` as this one does."""
+    src = moe_ckpt(name)
+    ours = _load(src)
+    save_pretrained(ours, tmp_path)
+    with open(os.path.join(src, "config.json")) as f, open(tmp_path / "config.json") as g:
+        assert json.load(g)["quantization_config"] == json.load(f)["quantization_config"]
+    stored, original = stored_tensors(tmp_path), stored_tensors(src)
+    if name == "mixtral_native":
+        original = {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in original.items()}
+    assert stored.keys() == original.keys()
+    for k, v in original.items():
+        assert stored[k].dtype == v.dtype and torch.equal(stored[k].view(torch.uint8), v.view(torch.uint8)), k
     back = _load(tmp_path)
     _same_state(ours, back)
     assert torch.equal(logits(ours, ids()), logits(back, ids()))
@@ -615,15 +557,20 @@ def test_transformers_reads_the_saved_checkpoint_as_it_reads_the_original(moe_ck
     ("qwen2_moe", cw.W8A8Config(dtype=torch.float8_e4m3fn)),
     ("mixtral", cw.W8A8Config()),
     ("qwen3_moe", cw.W8A8Config(dtype=torch.float8_e4m3fn, weight_block_size=(128, 128))),
-], ids=["qwen2_moe-fp8", "mixtral-int8", "qwen3_moe-fp8-block"])
+    ("deepseek_v3", cw.W8A8Config(dtype=torch.float8_e4m3fn, weight_block_size=(128, 128))),
+    ("glm4_moe", cw.W8A8Config()),
+    ("olmoe", cw.W8A8Config(dtype=torch.float8_e4m3fn)),
+], ids=["qwen2_moe-fp8", "mixtral-int8", "qwen3_moe-fp8-block", "deepseek_v3-fp8-block", "glm4_moe-int8",
+        "olmoe-fp8"])
 def test_round_trip_from_quantize_(tmp_path, kind, config):
-    """A model quantized by `quantize_` (experts -> W8A8MoE, Qwen2-MoE's shared expert -> W8A8Linear, its N = 1
-    gate left float) saved and loaded back: the same buffers bit for bit, the same logits."""
+    """A model quantized by `quantize_` (experts -> W8A8MoE, Qwen2-MoE's shared expert and DeepSeek-V3 / GLM-4.5's
+    shared experts -> W8A8Linear, Qwen2-MoE's N = 1 gate left float) saved and loaded back: the same buffers bit for
+    bit, the same routing, the same logits."""
     model = tiny_moe_model(kind, seed=4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantize_: shared_expert_gate (N = 1) left in float
         cw.quantize_(model, config, filter_fn=lambda m, fqn: fqn != "lm_head")
-    assert len(moes(model)) == 2
+    assert len(moes(model)) == (1 if kind in ("deepseek_v3", "glm4_moe") else 2)  # their first layer is dense
     save_pretrained(model, tmp_path)
     stored = stored_tensors(tmp_path)
     block = "block_sparse_moe" if kind == "mixtral" else "mlp"
@@ -632,6 +579,13 @@ def test_round_trip_from_quantize_(tmp_path, kind, config):
     assert not any(k.endswith((".w13", ".w2", "w13_scale", "w2_scale")) for k in stored)
     back = _load(tmp_path)
     _same_state(model, back)
+    for n, m in moes(model).items():
+        got = moes(back)[n]
+        assert (got.scoring, got.n_group, got.topk_group, got.scaling_factor, got.renormalize, got.top_k) == (
+            m.scoring, m.n_group, m.topk_group, m.scaling_factor, m.renormalize, m.top_k), n
+        assert (got.correction_bias is None) == (m.correction_bias is None), n
+        if m.correction_bias is not None:
+            assert torch.equal(got.correction_bias, m.correction_bias), n
     assert torch.equal(logits(model, ids()), logits(back, ids()))
 
 
