@@ -14,12 +14,22 @@ import torch
 import cutlass_w8a8 as cw
 from cutlass_w8a8.testing import timers
 
-from _bench_cpu import BENCH, FakeEvent, loaded_bench
+from _bench_cpu import BENCH, FakeEvent
+
+
+#: bench/bench_moe.py and the siblings it imports by name (bench/ is on sys.path when the script runs), in import order
+MOE_BENCH_MODULES = ("_moe_common", "_moe_report", "bench_moe")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    with loaded_bench("bench_moe") as mod:
+    """bench/bench_moe.py, loaded from its file with its sibling modules (put in sys.modules for this module)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in MOE_BENCH_MODULES:
+            spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+            mod = importlib.util.module_from_spec(spec)
+            mp.setitem(sys.modules, name, mod)
+            spec.loader.exec_module(mod)
         yield mod
 
 
