@@ -1,7 +1,9 @@
-"""MoE benchmark (issue 27): the grouped GEMM alone and the whole MoE layer, at Qwen3-30B-A3B and Mixtral-8x7B dims.
+"""MoE benchmark (issues 27 and 35): the grouped GEMM alone and the experts layer at Qwen3-30B-A3B and Mixtral-8x7B
+dims, and the whole MoE block with its routing and shared expert at DeepSeek-V3 and GLM-4.5-Air dims.
 
 Models (``--models``): ``qwen3-30b-a3b`` (E 128, top-8, H 2048, I 768) and ``mixtral-8x7b`` (E 8, top-2, H 4096,
-I 14336). T = tokens, from 1 to 8192 (``--tokens``); rows = T * top_k; the routing of every token is k distinct
+I 14336), the defaults of the gemm and layer parts; ``deepseek-v3`` (E 256, top-8, H 7168, I 2048) and
+``glm-4.5-air`` (E 128, top-8, H 4096, I 1408), the block part's (and usable by the other two). T = tokens, from 1 to 8192 (``--tokens``); rows = T * top_k; the routing of every token is k distinct
 experts drawn uniformly at random (seeded), the rows sorted by expert, ``offsets`` = the cumulative counts (int32).
 
 Part ``gemm`` (the grouped GEMM alone, on the w13 GEMM, N = 2I, K = H, and the w2 GEMM, N = H, K = I):
@@ -34,6 +36,14 @@ Part ``layer`` (the whole experts module, the routing given as ``top_k_index`` /
   routing back to the host, so it cannot be captured); timed with CUDA events around eager calls, host launches
   included, at T <= ``--eager-max-t`` only.
 
+Part ``block`` (issue 35; bench/_moe_block.py says it in full): transformers' bf16 ``DeepseekV3MoE`` /
+``Glm4MoeMoE`` (float32 router, grouped_mm experts, bf16 shared expert) against ours: the same float32 router
+logits, ``moe_route`` (sigmoid, correction bias, grouped top-k, renormalized, scaled), the routed experts as a
+`W8A8MoE` (int8, fp8, block fp8), and the shared expert either as W8A8Linear SwiGLU (``ours_<scheme>``) or as expert E
+of the grouped GEMM (``ours_<scheme>_fused``); which placement is faster is reported per T. T 1 to 4096
+(``--block-tokens``); each input set its own hidden states, so its own routing. Memory at DeepSeek-V3 dims: 22.5 GB of
+bf16 experts plus 11.3 GB per scheme (the two placements share the routed experts), about 57 GB.
+
 Timing (`cutlass_w8a8.testing.timers.bench_gpu_time_interleaved`, as bench_gemm.py): CUDA-graph replays of R calls
 over rotating input sets (each with its own routing, so the active experts change from call to call and the
 weights are read cold), the methods of a point captured first and their replays interleaved; the median replay / R.
@@ -42,15 +52,18 @@ beside its graph time for ours.
 
 Targets (issue 27): grouped GEMM ours >= 1.0x torch_fp8 at every T >= 64 and geomean >= 1.2x; at T <= 16 the active
 weights streamed at >= 80% of the read rate; the MoE layer (ours vs transformers' bf16 grouped_mm experts, graphs)
->= 1.8x at T = 1 (Qwen3-30B-A3B dims) and >= 1.4x at T = 4096.
+>= 1.8x at T = 1 (Qwen3-30B-A3B dims) and >= 1.4x at T = 4096. Issue 35: the MoE block at DeepSeek-V3 dims, routing
+included, ours_block (the checkpoints' block fp8) >= 2.5x transformers' bf16 block at T = 1 and >= 1.5x at T = 4096
+(judged for both shared-expert placements).
 
 Writes ``moe_<device>.json``, ``.md`` and ``.png`` to ``--out``.
 
 Examples::
 
-    python bench/bench_moe.py --quick          # ~60 s on an H100
-    python bench/bench_moe.py                  # every T, ~150 s
+    python bench/bench_moe.py --quick          # all three parts, fewer T and replays
+    python bench/bench_moe.py                  # every T
     python bench/bench_moe.py --parts layer --models qwen3-30b-a3b --tokens 1,4096
+    python bench/bench_moe.py --parts block --models deepseek-v3,glm-4.5-air --quick
 """
 
 from __future__ import annotations
@@ -69,25 +82,34 @@ from cutlass_w8a8.testing.report import AccuracyError, provenance, publish, requ
 
 # bench/ is on sys.path (python bench/bench_moe.py): the helpers shared by the parts, and the derived numbers, targets
 # and reports
+from _moe_block import BLOCK_MODELS, run_block
 from _moe_common import rel_err, short_error, sync, time_cases, time_eager
 from _moe_report import OURS_LAYER, derive, plot_results, render_markdown
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE = "cuda"  # tests run the flow on the CPU (the ops' references) by setting this
 
-# name -> (num_experts, top_k, hidden, intermediate, renormalize)
-MOE_MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768, True), "mixtral-8x7b": (8, 2, 4096, 14336, True)}
-PARTS = ("gemm", "layer")
+# name -> (num_experts, top_k, hidden, intermediate, renormalize): the dims of the gemm and layer parts
+MOE_MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768, True), "mixtral-8x7b": (8, 2, 4096, 14336, True),
+              **{m: (b.experts, b.top_k, b.hidden, b.intermediate, b.renormalize) for m, b in BLOCK_MODELS.items()}}
+MODELS = tuple(MOE_MODELS)  # the block part's models (BLOCK_MODELS) are among them
+DEFAULT_MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")  # of the gemm and layer parts; the block part: BLOCK_MODELS
+PARTS = ("gemm", "layer", "block")
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 QUICK_TOKENS = (1, 16, 64, 512, 4096)
 LAYER_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 QUICK_LAYER_TOKENS = (1, 16, 256, 4096)
+BLOCK_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+QUICK_BLOCK_TOKENS = (1, 4096)
 GEMM_METHODS = ("ours_int8", "ours_fp8", "ours_block", "torch_fp8", "torch_bf16")
 LAYER_METHODS = ("ours_int8", "ours_fp8", "ours_block", "hf_grouped_mm", "hf_eager")
 OPTIONAL = frozenset({"ours_block", "torch_fp8", "torch_bf16", "hf_grouped_mm", "hf_eager"})
 LAYER_SETS = 8  # rotating input sets (routings) of a layer point
 GEMM_REL_TOL = 2e-2      # ours vs float64 of the dequantized operands (bf16 output rounding, fp8 accumulation)
 LAYER_REL_TOL = 1.5e-1   # ours vs transformers' bf16 experts (8-bit quantization of weights and activations)
+# ours vs transformers' bf16 block: the same routing (checked), so a weighted sum of expert outputs with the layer's
+# error each, plus the shared expert's (independent errors: the sum's relative error is at most the largest one's)
+BLOCK_REL_TOL = LAYER_REL_TOL
 
 
 
@@ -98,21 +120,30 @@ LAYER_REL_TOL = 1.5e-1   # ours vs transformers' bf16 experts (8-bit quantizatio
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="MoE grouped GEMM (ours int8 / fp8 / block fp8 vs torch's fp8 scaled_grouped_mm and bf16 "
-                    "_grouped_mm) and the whole MoE layer (W8A8MoE vs transformers' bf16 experts) at Qwen3-30B-A3B "
-                    "and Mixtral-8x7B dims, cold-L2 CUDA-graph timing.")
-    parser.add_argument("--models", type=name_list(tuple(MOE_MODELS), ordered=True), default=list(MOE_MODELS),
-                        metavar="LIST", help=f"comma-separated among {','.join(MOE_MODELS)} (default: both)")
-    parser.add_argument("--parts", type=name_list(PARTS, ordered=True), default=list(PARTS), metavar="LIST",
-                        help="gemm (the grouped GEMM alone), layer (the whole MoE layer); default both")
+                    "_grouped_mm), the experts layer (W8A8MoE vs transformers' bf16 experts) at Qwen3-30B-A3B and "
+                    "Mixtral-8x7B dims, and the whole MoE block with its routing and shared expert (ours vs "
+                    "transformers' bf16 block) at DeepSeek-V3 and GLM-4.5-Air dims; cold-L2 CUDA-graph timing.")
+    parser.add_argument("--models", type=name_list(MODELS, ordered=True), default=None, metavar="LIST",
+                        help=f"comma-separated among {','.join(MODELS)}; each part runs those it has (the block "
+                             f"part: {','.join(BLOCK_MODELS)}). Default: {','.join(DEFAULT_MODELS)} for the gemm "
+                             f"and layer parts, {','.join(BLOCK_MODELS)} for the block part")
+    parser.add_argument("--parts", type=name_list(PARTS, ordered=True), default=None, metavar="LIST",
+                        help="gemm (the grouped GEMM alone), layer (the experts layer, routing given), block (the "
+                             "whole MoE block, routing and shared expert included); default all three (block left "
+                             "out when --models names none of its models)")
     parser.add_argument("--tokens", type=int_list(), default=None, metavar="LIST",
                         help=f"tokens T of the GEMM part (default {','.join(map(str, DEFAULT_TOKENS))}; --quick "
                              f"{','.join(map(str, QUICK_TOKENS))})")
     parser.add_argument("--layer-tokens", type=int_list(), default=None, metavar="LIST",
                         help=f"tokens T of the layer part (default {','.join(map(str, LAYER_TOKENS))}; --quick "
                              f"{','.join(map(str, QUICK_LAYER_TOKENS))})")
-    parser.add_argument("--quick", action="store_true", help="fewer T and replays (~60 s on an H100)")
+    parser.add_argument("--block-tokens", type=int_list(), default=None, metavar="LIST",
+                        help=f"tokens T of the block part (default {','.join(map(str, BLOCK_TOKENS))}; --quick "
+                             f"{','.join(map(str, QUICK_BLOCK_TOKENS))})")
+    parser.add_argument("--quick", action="store_true", help="fewer T and replays")
     parser.add_argument("--eager-max-t", type=int, default=256,
-                        help="time transformers' eager experts (not capturable) at T <= this (default 256; 0: never)")
+                        help="eager timings at T <= this (default 256; 0: never): transformers' eager experts (not "
+                             "capturable) and our layer; in the block part transformers' block and ours_block")
     parser.add_argument("--replays", type=int, default=None, help="timed replays per point (default 20; 10 quick)")
     parser.add_argument("--eager-steps", type=int, default=None,
                         help="timed eager calls per layer point (default 20; 10 quick)")
@@ -126,6 +157,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.tokens = sorted(set(args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)))
     args.layer_tokens = sorted(set(args.layer_tokens or (QUICK_LAYER_TOKENS if args.quick else LAYER_TOKENS)))
+    args.block_tokens = sorted(set(args.block_tokens or (QUICK_BLOCK_TOKENS if args.quick else BLOCK_TOKENS)))
+    given = args.models
+    args.models = list(given or DEFAULT_MODELS)  # the gemm and layer parts'
+    args.block_models = [m for m in (given or BLOCK_MODELS) if m in BLOCK_MODELS]
+    if args.parts is None:
+        args.parts = [p for p in PARTS if p != "block" or args.block_models]
+    elif "block" in args.parts and not args.block_models:
+        parser.error(f"--parts block: --models must name one of {','.join(BLOCK_MODELS)}")
     args.replays = args.replays if args.replays is not None else (10 if args.quick else 20)
     args.eager_steps = args.eager_steps if args.eager_steps is not None else (10 if args.quick else 20)
     args.replay_ms = args.replay_ms if args.replay_ms is not None else (0.5 if args.quick else 1.0)
@@ -382,10 +421,10 @@ def hf_experts(e: int, top_k: int, h: int, inter: int, implementation: str, gen:
     if weights is not None:
         mod.gate_up_proj, mod.down_proj = weights.gate_up_proj, weights.down_proj
         return mod.requires_grad_(False)
-    mod = mod.to_empty(device=DEVICE).to(torch.bfloat16)
+    mod = mod.to(torch.bfloat16).to_empty(device=DEVICE)  # bf16 on the device directly (no float32 copy)
     with torch.no_grad():
         for p in (mod.gate_up_proj, mod.down_proj):
-            p.copy_(torch.randn(p.shape, generator=gen, device=DEVICE) * 0.02)
+            p.normal_(0.0, 0.02, generator=gen)
     return mod.requires_grad_(False)
 
 
@@ -502,17 +541,22 @@ def run(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any]:
     results: dict[str, Any] = {
         **provenance(name, REPO_ROOT),
         "read_GBps": bu.read_bandwidth_gbps(),
-        "models": {m: dict(zip(("E", "top_k", "H", "I", "renormalize"), MOE_MODELS[m])) for m in args.models},
+        "models": {m: dict(zip(("E", "top_k", "H", "I", "renormalize"), MOE_MODELS[m])) for m in args.models
+                   if {"gemm", "layer"} & set(args.parts)},
         "parts": args.parts, "tokens": args.tokens, "layer_tokens": args.layer_tokens,
+        "block_tokens": args.block_tokens,
         "timing": {"method": "CUDA-graph replay over rotating input sets (own routing each), methods interleaved, "
                              "median replay / calls", "replays": args.replays, "replay_ms": args.replay_ms},
-        "tolerances": {"gemm_rel_vs_fp64": GEMM_REL_TOL, "layer_rel_vs_hf_bf16": LAYER_REL_TOL},
-        "gemm_points": [], "layer_points": [],
+        "tolerances": {"gemm_rel_vs_fp64": GEMM_REL_TOL, "layer_rel_vs_hf_bf16": LAYER_REL_TOL,
+                       "block_rel_vs_hf_bf16": BLOCK_REL_TOL},
+        "gemm_points": [], "layer_points": [], "block_points": [],
     }
     if "gemm" in args.parts:
         run_gemm(args, cw, bu, results)
     if "layer" in args.parts:
         run_layer(args, cw, bu, results)
+    if "block" in args.parts:
+        run_block(args, cw, bu, results, DEVICE, BLOCK_REL_TOL)
     results["read_GBps_end"] = bu.read_bandwidth_gbps()
     results["read_GBps_max"] = max(results["read_GBps"], results["read_GBps_end"])
     derive(results, bu.geomean)
