@@ -93,6 +93,9 @@ void rope_kv_cache_(at::Tensor& qkv, const at::Tensor& rope, at::Tensor& kv_cach
 
 // moe/routing.cu, moe/permute_quant.cu: the MoE routing around the grouped GEMMs (cutlass_w8a8/ops/moe.py)
 std::tuple<at::Tensor, at::Tensor> moe_topk_softmax(const at::Tensor& router_logits, int64_t top_k, bool renormalize);
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, int64_t top_k, c10::string_view scoring,
+                                             const std::optional<at::Tensor>& correction_bias, int64_t n_group,
+                                             int64_t topk_group, bool renormalize, double scaling_factor);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align(const at::Tensor& topk_ids, int64_t num_experts);
 std::tuple<at::Tensor, at::Tensor> moe_permute_quant(const at::Tensor& x, const at::Tensor& sorted_pairs,
                                                      int64_t top_k, at::ScalarType dtype,

@@ -16,7 +16,8 @@ not call an op it names. The cases and the ops they drive: ``--list``.
   per tensor and block, decode and CUTLASS M;
 - ``grouped_scaled_mm`` (and out=) int8, fp8 and block with empty experts and unrouted rows, T on both sides of the
   grouped decode bound and of the CUTLASS Small / Large switch, a K tail, offsets the device clamps;
-- ``moe_topk_softmax``, ``moe_align``, ``moe_permute_quant``, ``moe_unpermute`` (and out=);
+- ``moe_topk_softmax``, ``moe_route`` (softmax / sigmoid, bias, grouped top-k), ``moe_align``, ``moe_permute_quant``,
+  ``moe_unpermute`` (and out=);
 - ``decode_attention`` (and out=), ``decode_attention_quant``, ``rope_kv_cache_``, ``decode_layer``;
 - ``quantize_per_token`` / ``quantize_per_tensor`` (every kernel variant), ``quantize_per_token_group``,
   ``rms_norm``, ``fused_add_rms_norm``, ``rms_norm_quant`` and ``silu_mul`` / ``silu_mul_quant`` per token, per

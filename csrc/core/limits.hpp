@@ -34,5 +34,7 @@ constexpr int64_t kAttnMaxSeq = int64_t{1} << 31;
 // MoE routing (moe_topk_softmax, moe_align): at most this many experts (a router row is one warp's shared-memory
 // slice; moe_align's per-expert counts live in one block's shared memory).
 constexpr int64_t kMoeMaxExperts = 1024;
+// moe_route's grouped top-k: at most this many expert groups (one warp lane scores one group).
+constexpr int64_t kMoeMaxGroups = 32;
 
 }  // namespace cutlass_w8a8::limits

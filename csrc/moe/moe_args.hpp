@@ -1,12 +1,14 @@
-// The argument contract of the MoE routing ops on CUDA: moe_topk_softmax, moe_align, moe_permute_quant,
+// The argument contract of the MoE routing ops on CUDA: moe_topk_softmax, moe_route, moe_align, moe_permute_quant,
 // moe_unpermute(_out). The same checks as cutlass_w8a8/ops/_checks.py (check_moe_*), in its order, with its
 // exception types and first-line messages character for character (docs/MISUSE.md; tests/test_misuse_table.py
 // runs every row on both). The quantization arguments of moe_permute_quant are silu_mul_quant's
 // (quant/rowwise_args.hpp).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include <ATen/ATen.h>
 
@@ -18,9 +20,9 @@ namespace cutlass_w8a8::moe {
 
 constexpr const char* kMaxRowsText = "2**31 - 1";  // limits::kMaxRows as the messages write it
 
-// moe_topk_softmax: router_logits [T, E] bfloat16 / float16 / float32 (1 <= E <= 1024, any strides), then
-// 1 <= top_k <= E.
-inline void check_topk_softmax(const char* op, const at::Tensor& logits, int64_t top_k) {
+// moe_topk_softmax and moe_route: router_logits [T, E] bfloat16 / float16 / float32 (1 <= E <= 1024, any strides),
+// then 1 <= top_k <= E. Returns E.
+inline int64_t check_router_logits_top_k(const char* op, const at::Tensor& logits, int64_t top_k) {
   CW8A8_CHECK_TYPE(quant::is_row_dtype(logits.scalar_type()), op, "router_logits",
                    "must be bfloat16, float16 or float32, got ", py_dtype(logits.scalar_type()));
   CW8A8_CHECK_VALUE(logits.dim() == 2, op, "router_logits", "must be 2-D [T, E], got shape ",
@@ -31,6 +33,39 @@ inline void check_topk_softmax(const char* op, const at::Tensor& logits, int64_t
   CW8A8_CHECK_VALUE(t <= limits::kMaxRows, op, "router_logits", "has ", t, " rows; at most ", kMaxRowsText,
                     " are supported");
   CW8A8_CHECK_VALUE(top_k >= 1 && top_k <= e, op, "top_k", "must be in [1, E] with E = ", e, ", got ", top_k);
+  return e;
+}
+
+inline void check_topk_softmax(const char* op, const at::Tensor& logits, int64_t top_k) {
+  check_router_logits_top_k(op, logits, top_k);
+}
+
+// moe_route: the logits and top_k as above; scoring "softmax" or "sigmoid"; correction_bias float32 [E] on the
+// logits' device (any stride); 1 <= n_group <= 32 dividing E into groups of at least 2 experts (n_group 1: no
+// groups); 1 <= topk_group <= n_group; top_k <= topk_group * E / n_group; scaling_factor finite.
+inline void check_route(const char* op, const at::Tensor& logits, int64_t top_k, c10::string_view scoring,
+                        const std::optional<at::Tensor>& bias, int64_t n_group, int64_t topk_group,
+                        double scaling_factor) {
+  const int64_t e = check_router_logits_top_k(op, logits, top_k);
+  CW8A8_CHECK_VALUE(scoring == "softmax" || scoring == "sigmoid", op, "scoring",
+                    "must be 'softmax' or 'sigmoid', got '", std::string(scoring), "'");
+  if (bias.has_value()) {
+    CW8A8_CHECK_TYPE(bias->scalar_type() == at::kFloat, op, "correction_bias", "must be float32, got ",
+                     py_dtype(bias->scalar_type()));
+    check_same_device(op, "correction_bias", *bias, "router_logits", logits);
+    CW8A8_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == e, op, "correction_bias", "must be [E] = [", e,
+                      "], got shape ", py_tuple(bias->sizes()));
+  }
+  CW8A8_CHECK_VALUE(n_group >= 1 && n_group <= limits::kMoeMaxGroups, op, "n_group", "must be in [1, ",
+                    limits::kMoeMaxGroups, "], got ", n_group);
+  CW8A8_CHECK_VALUE(n_group == 1 || (e % n_group == 0 && e / n_group >= 2), op, "n_group", "must divide E = ", e,
+                    " into groups of at least 2 experts, got ", n_group);
+  CW8A8_CHECK_VALUE(topk_group >= 1 && topk_group <= n_group, op, "topk_group",
+                    "must be in [1, n_group] with n_group = ", n_group, ", got ", topk_group);
+  const int64_t kept = topk_group * (e / n_group);
+  CW8A8_CHECK_VALUE(top_k <= kept, op, "top_k", "must be at most topk_group * E / n_group = ", kept,
+                    " (the experts of the kept groups), got ", top_k);
+  CW8A8_CHECK_VALUE(std::isfinite(scaling_factor), op, "scaling_factor", "must be a finite number");
 }
 
 // moe_align: topk_ids [T, top_k] int32 / int64 (any strides), 1 <= num_experts <= 1024, at most 2**31 - 1 pairs.

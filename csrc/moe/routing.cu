@@ -1,6 +1,9 @@
 // The routing of a mixture-of-experts layer around its grouped GEMMs (cutlass_w8a8/ops/moe.py documents the ops):
 //
 //   moe_topk_softmax   router logits [T, E] -> the top_k experts of each token and their softmax weights
+//   moe_route          the same with transformers' other routers: sigmoid scores, a correction bias for the
+//                      selection, grouped top-k, renormalization and a scaling factor (moe_topk_softmax is its
+//                      softmax case; both run route_kernel)
 //   moe_align          topk_ids [T, k] -> the T * k (token, expert) pairs sorted by expert (stable counting sort),
 //                      the inverse permutation and the end row of each expert's group
 //   moe_unpermute      the experts' outputs in that order -> out[t] = sum_j w[t, j] * y[dst_pos[t * k + j]]
@@ -40,14 +43,23 @@ namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// --- moe_topk_softmax -----------------------------------------------------------------------------------------
+// --- moe_topk_softmax / moe_route ---------------------------------------------------------------------------------
 //
-// One warp per token (kTopkWarps per block). The warp copies the row's E logits, as float32, into its slice of
-// shared memory, reduces max and sum(exp(l - max)) over it (a lane's strided partial, then a butterfly: a fixed
-// order), then selects the top_k by k rounds of a warp argmax. The order is (logit descending, index ascending);
-// round j takes the largest pair strictly after the one round j - 1 took, so equal logits come out lower index
-// first and nothing is taken twice, without marking the row. weight = exp(l - max) / sum; renormalized: divided
-// by the sum of the k weights, added in j order (the CPU reference's order).
+// One warp per token (kTopkWarps per block). The warp writes the row's ranking keys, as float32, into its slice of
+// shared memory:
+//   softmax: the logits; max and sum(exp(l - max)) reduced over them (a lane's strided partial, then a butterfly:
+//            a fixed order, the one of torch's persistent warp softmax, so exp(l - max) / sum is torch's CUDA softmax
+//            bit for bit); with a correction bias the key is then exp(l - max) / sum + bias;
+//   sigmoid: 1 / (1 + exp(-l)) (torch's CUDA sigmoid: IEEE division, expf, no fast-math), plus the bias if any.
+// Grouped top-k (n_group > 1): lane g < n_group scans group g for its first two experts in the ranking order and
+// sums their choice values (the key, or for softmax without bias the probability of the logit); topk_group rounds
+// of a warp argmax over the lanes keep the groups (group score descending, group index ascending); each lane then
+// marks which of its strided experts are in kept groups. The top_k: k rounds of a warp argmax over the eligible
+// experts in the order (key descending, index ascending); round j takes the largest pair strictly after the one
+// round j - 1 took, so equal keys come out lower index first and nothing is taken twice, without marking the row.
+// weight = the expert's score (softmax without bias: from its logit key; with a bias: recomputed from the logit
+// re-read from global memory, the same float32 operations); renormalized: divided by the sum of the k weights,
+// added in j order (the CPU reference's order), + 1e-20 for sigmoid; then times the scaling factor.
 
 constexpr int kTopkWarps = 4;
 constexpr int kNoIndex = 0x7fffffff;
@@ -57,72 +69,163 @@ __device__ __forceinline__ bool ranks_before(float v, int i, float bv, int bi) {
   return i != kNoIndex && (bi == kNoIndex || v > bv || (v == bv && i < bi));
 }
 
-template <class T>
-__global__ void __launch_bounds__(kTopkWarps * 32)
-    topk_softmax_kernel(const T* __restrict__ logits, int64_t stride0, int64_t stride1, int64_t rows, int e, int k,
-                        bool renormalize, float* __restrict__ weights, int* __restrict__ ids) {
+// torch's CUDA sigmoid of a float32 (aten/src/ATen/native/cuda/UnarySpecialOpsKernel.cu): 1 / (1 + exp(-x)).
+__device__ __forceinline__ float sigmoid_f32(float x) { return 1.f / (1.f + expf(-x)); }
+
+// (best_v, best_i) := the first in the selection order over the warp's lanes (a total order on non-NaN values, so
+// every lane ends with the same pair).
+__device__ __forceinline__ void warp_argmax(float& best_v, int& best_i) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ov = __shfl_xor_sync(kFullMask, best_v, off);
+    const int oi = __shfl_xor_sync(kFullMask, best_i, off);
+    if (ranks_before(ov, oi, best_v, best_i)) {
+      best_v = ov;
+      best_i = oi;
+    }
+  }
+}
+
+struct RouteArgs {
+  int64_t rows, stride0, stride1;  // router_logits [rows, e]
+  int e, k;
+  const float* bias;               // nullptr: no correction bias
+  int64_t bias_stride;
+  int n_group, group_size, topk_group;  // n_group 1: no groups
+  bool renormalize;
+  float renorm_eps;                // added to the sum before the division (1e-20 for sigmoid, else 0)
+  float scale;                     // the weights' last factor
+  float* weights;                  // [rows, k] contiguous
+  int* ids;                        // [rows, k] contiguous
+};
+
+template <class T, bool kSigmoid>
+__global__ void __launch_bounds__(kTopkWarps * 32) route_kernel(const T* __restrict__ logits, RouteArgs a) {
   extern __shared__ float topk_smem[];
   allow_dependent_launch();
   wait_for_producers();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t t = int64_t(blockIdx.x) * kTopkWarps + warp;
-  if (t >= rows) return;  // a whole warp; the kernel has no block-wide barrier
+  if (t >= a.rows) return;  // a whole warp; the kernel has no block-wide barrier
+  const int e = a.e;
   float* row = topk_smem + warp * e;
-  const T* src = logits + t * stride0;
-  float mx = -INFINITY;
-  for (int i = lane; i < e; i += 32) {
-    const float v = to_float(src[i * stride1]);
-    row[i] = v;
-    mx = fmaxf(mx, v);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
-  float sum = 0.f;
-  for (int i = lane; i < e; i += 32) sum += expf(row[i] - mx);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(kFullMask, sum, off);
+  const T* src = logits + t * a.stride0;
+  const bool biased = a.bias != nullptr;
+  const bool logit_keys = !kSigmoid && !biased;  // softmax without bias ranks the logits themselves
 
-  float* w_out = weights + t * k;
-  int* id_out = ids + t * k;
+  float mx = -INFINITY, sum = 0.f;
+  if constexpr (kSigmoid) {
+    for (int i = lane; i < e; i += 32) {
+      const float s = sigmoid_f32(to_float(src[i * a.stride1]));
+      row[i] = biased ? s + a.bias[i * a.bias_stride] : s;
+    }
+  } else {
+    for (int i = lane; i < e; i += 32) {
+      const float v = to_float(src[i * a.stride1]);
+      row[i] = v;
+      mx = fmaxf(mx, v);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, off));
+    for (int i = lane; i < e; i += 32) sum += expf(row[i] - mx);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(kFullMask, sum, off);
+    if (biased) {
+      for (int i = lane; i < e; i += 32) row[i] = expf(row[i] - mx) / sum + a.bias[i * a.bias_stride];
+    }
+  }
+  __syncwarp();  // the group scan below reads other lanes' entries
+
+  // The score of expert i whose key is `key` (the unbiased weight).
+  auto score_of = [&](int i, float key) -> float {
+    if (logit_keys) return expf(key - mx) / sum;
+    if (kSigmoid && !biased) return key;
+    const float x = to_float(src[i * a.stride1]);
+    if constexpr (kSigmoid) {
+      return sigmoid_f32(x);
+    } else {
+      return expf(x - mx) / sum;
+    }
+  };
+
+  // Grouped top-k: the kept groups, then each lane's eligible experts (bit m: expert lane + 32 m; E <= 1024).
+  unsigned kept = 1u;
+  unsigned eligible = 0xffffffffu;
+  if (a.n_group > 1) {
+    const int gs = a.group_size;
+    float gscore = 0.f;
+    if (lane < a.n_group) {
+      float v1 = -INFINITY, v2 = -INFINITY;
+      int i1 = kNoIndex, i2 = kNoIndex;
+      for (int i = lane * gs; i < (lane + 1) * gs; ++i) {
+        const float v = row[i];
+        if (ranks_before(v, i, v1, i1)) {
+          v2 = v1;
+          i2 = i1;
+          v1 = v;
+          i1 = i;
+        } else if (ranks_before(v, i, v2, i2)) {
+          v2 = v;
+          i2 = i;
+        }
+      }
+      // gs >= 2, so i1 and i2 are experts of the group whatever the values
+      gscore = logit_keys ? score_of(i1, v1) + score_of(i2, v2) : v1 + v2;
+    }
+    kept = 0u;
+    for (int r = 0; r < a.topk_group; ++r) {
+      float best_v = -INFINITY;
+      int best_i = kNoIndex;
+      if (lane < a.n_group && !((kept >> lane) & 1u) && !isnan(gscore)) {
+        best_v = gscore;
+        best_i = lane;
+      }
+      warp_argmax(best_v, best_i);
+      if (best_i == kNoIndex) best_i = __ffs(~kept) - 1;  // only NaN group scores left: the lowest group not kept
+      kept |= 1u << best_i;
+    }
+    eligible = 0u;
+    for (int i = lane, m = 0; i < e; i += 32, ++m) {
+      if ((kept >> (i / gs)) & 1u) eligible |= 1u << m;
+    }
+  }
+
+  float* w_out = a.weights + t * a.k;
+  int* id_out = a.ids + t * a.k;
   float prev_v = INFINITY;  // (prev_v, prev_i): the pair the last round took; (+inf, -1) before the first
   int prev_i = -1;
   float total = 0.f;
-  for (int j = 0; j < k; ++j) {
+  for (int j = 0; j < a.k; ++j) {
     float best_v = -INFINITY;
     int best_i = kNoIndex;
-    for (int i = lane; i < e; i += 32) {
+    for (int i = lane, m = 0; i < e; i += 32, ++m) {
       const float v = row[i];
       const bool after_prev = v < prev_v || (v == prev_v && i > prev_i);
-      if (after_prev && ranks_before(v, i, best_v, best_i)) {
+      if (((eligible >> m) & 1u) && after_prev && ranks_before(v, i, best_v, best_i)) {
         best_v = v;
         best_i = i;
       }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ov = __shfl_xor_sync(kFullMask, best_v, off);
-      const int oi = __shfl_xor_sync(kFullMask, best_i, off);
-      if (ranks_before(ov, oi, best_v, best_i)) {
-        best_v = ov;
-        best_i = oi;
-      }
-    }
-    if (best_i == kNoIndex) {  // only NaN logits left (unspecified output): keep ids in range
-      best_i = 0;
+    warp_argmax(best_v, best_i);
+    if (best_i == kNoIndex) {  // only NaN keys left (unspecified output): keep ids in range, in a kept group
+      best_i = (__ffs(kept) - 1) * (a.n_group > 1 ? a.group_size : 0);
       best_v = NAN;
     }
     prev_v = best_v;
     prev_i = best_i;
-    const float w = expf(best_v - mx) / sum;
+    const float w = score_of(best_i, best_v);
     total += w;
     if (lane == 0) {
       id_out[j] = best_i;
       w_out[j] = w;
     }
   }
-  if (renormalize) {
-    __syncwarp();  // lane 0's weights are visible to the warp
-    for (int j = lane; j < k; j += 32) w_out[j] = w_out[j] / total;
+  __syncwarp();  // lane 0's weights are visible to the warp
+  const float denom = total + a.renorm_eps;
+  for (int j = lane; j < a.k; j += 32) {
+    float w = w_out[j];
+    if (a.renormalize) w = w / denom;
+    w_out[j] = w * a.scale;
   }
 }
 
@@ -334,6 +437,46 @@ void unpermute_impl(const char* op, at::Tensor& out, const at::Tensor& y, const 
   });
 }
 
+// moe_topk_softmax and moe_route, checked: one route_kernel launch (none for T = 0).
+std::tuple<at::Tensor, at::Tensor> route_impl(const at::Tensor& logits, int64_t top_k, bool sigmoid,
+                                              const std::optional<at::Tensor>& bias, int64_t n_group,
+                                              int64_t topk_group, bool renormalize, double scaling_factor) {
+  const int64_t t = logits.size(0), e = logits.size(1);
+  const auto opts = logits.options();
+  at::Tensor weights = at::empty({t, top_k}, opts.dtype(at::kFloat));
+  at::Tensor ids = at::empty({t, top_k}, opts.dtype(at::kInt));
+  if (t == 0) return {weights, ids};
+  RouteArgs a{};
+  a.rows = t;
+  a.stride0 = logits.stride(0);
+  a.stride1 = logits.stride(1);
+  a.e = static_cast<int>(e);
+  a.k = static_cast<int>(top_k);
+  a.bias = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  a.bias_stride = bias.has_value() ? bias->stride(0) : 0;
+  a.n_group = static_cast<int>(n_group);
+  a.group_size = static_cast<int>(e / n_group);
+  a.topk_group = static_cast<int>(topk_group);
+  a.renormalize = renormalize;
+  // torch adds DeepSeek-V3's `+ 1e-20` (a Python float) and multiplies by routed_scaling_factor as float32 values
+  // cast from the doubles
+  a.renorm_eps = sigmoid ? static_cast<float>(1e-20) : 0.f;
+  a.scale = static_cast<float>(scaling_factor);
+  a.weights = weights.data_ptr<float>();
+  a.ids = ids.data_ptr<int>();
+  const bool pdl = kernels_use_pdl(logits.get_device());
+  cudaStream_t stream = current_stream(logits);
+  const unsigned blocks = static_cast<unsigned>((t + kTopkWarps - 1) / kTopkWarps);
+  const size_t smem = sizeof(float) * kTopkWarps * static_cast<size_t>(e);  // <= 16 KB (E <= 1024)
+  dispatch_float(logits.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = sigmoid ? route_kernel<T, true> : route_kernel<T, false>;
+    C10_CUDA_CHECK(launch_kernel(kernel, dim3(blocks), dim3(kTopkWarps * 32), smem, stream, pdl,
+                                 reinterpret_cast<const T*>(logits.data_ptr()), a));
+  });
+  return {weights, ids};
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> moe_topk_softmax(const at::Tensor& router_logits, int64_t top_k,
@@ -342,23 +485,18 @@ std::tuple<at::Tensor, at::Tensor> moe_topk_softmax(const at::Tensor& router_log
   moe::check_topk_softmax(op, router_logits, top_k);
   check_cuda(op, "router_logits", router_logits);
   c10::cuda::CUDAGuard guard(router_logits.device());
-  const int64_t t = router_logits.size(0), e = router_logits.size(1);
-  const auto opts = router_logits.options();
-  at::Tensor weights = at::empty({t, top_k}, opts.dtype(at::kFloat));
-  at::Tensor ids = at::empty({t, top_k}, opts.dtype(at::kInt));
-  if (t == 0) return {weights, ids};
-  const bool pdl = kernels_use_pdl(router_logits.get_device());
-  cudaStream_t stream = current_stream(router_logits);
-  const unsigned blocks = static_cast<unsigned>((t + kTopkWarps - 1) / kTopkWarps);
-  const size_t smem = sizeof(float) * kTopkWarps * static_cast<size_t>(e);  // <= 16 KB (E <= 1024)
-  dispatch_float(router_logits.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    C10_CUDA_CHECK(launch_kernel(topk_softmax_kernel<T>, dim3(blocks), dim3(kTopkWarps * 32), smem, stream, pdl,
-                                 reinterpret_cast<const T*>(router_logits.data_ptr()), router_logits.stride(0),
-                                 router_logits.stride(1), t, static_cast<int>(e), static_cast<int>(top_k),
-                                 renormalize, weights.data_ptr<float>(), ids.data_ptr<int>()));
-  });
-  return {weights, ids};
+  return route_impl(router_logits, top_k, false, std::nullopt, 1, 1, renormalize, 1.0);
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, int64_t top_k, c10::string_view scoring,
+                                             const std::optional<at::Tensor>& correction_bias, int64_t n_group,
+                                             int64_t topk_group, bool renormalize, double scaling_factor) {
+  constexpr const char* op = "moe_route";
+  moe::check_route(op, router_logits, top_k, scoring, correction_bias, n_group, topk_group, scaling_factor);
+  check_cuda(op, "router_logits", router_logits);
+  c10::cuda::CUDAGuard guard(router_logits.device());
+  return route_impl(router_logits, top_k, scoring == "sigmoid", correction_bias, n_group, topk_group, renormalize,
+                    scaling_factor);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align(const at::Tensor& topk_ids, int64_t num_experts) {

@@ -15,7 +15,7 @@ import torch
 
 from ._limits import (AB_DTYPES, ATTN_DTYPES, ATTN_HEAD_DIM_MULTIPLE, ATTN_MAX_HEAD_DIM, ATTN_MAX_HEADS,
                       ATTN_MAX_SEQ, BLOCK_SIZE, DECODE_MAX_K, DECODE_X_DTYPES, GEMM_ALIGN, MAX_M, OUT_DTYPES)
-from ._limits import MAX_ROW_K, MAX_ROWS, MOE_MAX_EXPERTS
+from ._limits import MAX_ROW_K, MAX_ROWS, MOE_MAX_EXPERTS, MOE_MAX_GROUPS
 from ._roles import (aligned16, bias_vector, block_scaled, block_scales, block_weight_scaled, contiguous, cxx_dtype,
                      exact_shape,
                      cxx_list, grouped_block_scaled, decode_m, eight_bit, float32_scale,
@@ -27,7 +27,7 @@ __all__ = ["check_scaled_mm", "check_scaled_mm_decode", "check_grouped_scaled_mm
            "check_quantize", "check_quantize_group", "check_rms_norm", "check_rms_norm_quant", "check_silu_mul",
            "check_silu_mul_quant",
            "check_decode_attention", "check_decode_attention_quant", "check_rope_kv_cache", "check_decode_layer",
-           "check_moe_topk_softmax", "check_moe_align", "check_moe_permute_quant", "check_moe_unpermute",
+           "check_moe_topk_softmax", "check_moe_route", "check_moe_align", "check_moe_permute_quant", "check_moe_unpermute",
            "fail_type", "fail_value"]
 
 
@@ -337,9 +337,8 @@ def check_silu_mul_quant(x, dtype, scale, group_size=0) -> None:
 # ---- MoE routing (csrc/moe/routing.cu raises the same messages in the same order) -------------------------
 
 
-def check_moe_topk_softmax(router_logits, top_k, renormalize) -> None:
-    """moe_topk_softmax: router_logits [T, E] float (1 <= E <= MOE_MAX_EXPERTS, any strides), 1 <= top_k <= E."""
-    op = "moe_topk_softmax"
+def _router_logits_top_k(op: str, router_logits, top_k) -> int:
+    """router_logits [T, E] float (1 <= E <= MOE_MAX_EXPERTS, any strides), then 1 <= top_k <= E; returns E."""
     tensor_arg(op, "router_logits", router_logits)
     float_input(op, "router_logits", router_logits)
     if router_logits.dim() != 2:
@@ -351,6 +350,45 @@ def check_moe_topk_softmax(router_logits, top_k, renormalize) -> None:
         fail_value(op, "router_logits", f"has {t} rows; at most {limit_text(MAX_ROWS)} are supported")
     if not 1 <= top_k <= e:
         fail_value(op, "top_k", f"must be in [1, E] with E = {e}, got {top_k}")
+    return e
+
+
+def check_moe_topk_softmax(router_logits, top_k, renormalize) -> None:
+    """moe_topk_softmax: router_logits [T, E] float (1 <= E <= MOE_MAX_EXPERTS, any strides), 1 <= top_k <= E."""
+    _router_logits_top_k("moe_topk_softmax", router_logits, top_k)
+
+
+MOE_SCORINGS = ("softmax", "sigmoid")
+
+
+def check_moe_route(router_logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
+                    scaling_factor) -> None:
+    """moe_route: moe_topk_softmax's router_logits and top_k; scoring "softmax" or "sigmoid"; correction_bias None
+    or float32 [E] on router_logits' device (any stride); 1 <= n_group <= MOE_MAX_GROUPS dividing E into groups of
+    at least 2 experts (any E when n_group is 1); 1 <= topk_group <= n_group; top_k at most the experts of the
+    kept groups, topk_group * E / n_group; scaling_factor finite."""
+    op = "moe_route"
+    e = _router_logits_top_k(op, router_logits, top_k)
+    if scoring not in MOE_SCORINGS:
+        fail_value(op, "scoring", f"must be 'softmax' or 'sigmoid', got '{scoring}'")
+    tensor_arg(op, "correction_bias", correction_bias, optional=True)
+    if correction_bias is not None:
+        if correction_bias.dtype != torch.float32:
+            fail_type(op, "correction_bias", f"must be float32, got {correction_bias.dtype}")
+        same_device(op, "router_logits", router_logits, [("correction_bias", correction_bias)])
+        exact_shape(op, "correction_bias", correction_bias, "E", (e,))
+    if not 1 <= n_group <= MOE_MAX_GROUPS:
+        fail_value(op, "n_group", f"must be in [1, {MOE_MAX_GROUPS}], got {n_group}")
+    if n_group > 1 and (e % n_group != 0 or e // n_group < 2):
+        fail_value(op, "n_group", f"must divide E = {e} into groups of at least 2 experts, got {n_group}")
+    if not 1 <= topk_group <= n_group:
+        fail_value(op, "topk_group", f"must be in [1, n_group] with n_group = {n_group}, got {topk_group}")
+    kept = topk_group * (e // n_group)
+    if top_k > kept:
+        fail_value(op, "top_k", f"must be at most topk_group * E / n_group = {kept} (the experts of the kept "
+                   f"groups), got {top_k}")
+    if not math.isfinite(scaling_factor):
+        fail_value(op, "scaling_factor", "must be a finite number")
 
 
 def check_moe_align(topk_ids, num_experts) -> None:

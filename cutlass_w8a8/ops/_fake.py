@@ -161,6 +161,16 @@ def _moe_topk_softmax(router_logits, top_k, renormalize):
             router_logits.new_empty((t, top_k), dtype=torch.int32))
 
 
+@_fake("moe_route")
+def _moe_route(router_logits, top_k, scoring="softmax", correction_bias=None, n_group=1, topk_group=1,
+               renormalize=True, scaling_factor=1.0):
+    C.check_moe_route(router_logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
+                      scaling_factor)
+    t = router_logits.shape[0]
+    return (router_logits.new_empty((t, top_k), dtype=torch.float32),
+            router_logits.new_empty((t, top_k), dtype=torch.int32))
+
+
 @_fake("moe_align")
 def _moe_align(topk_ids, num_experts):
     C.check_moe_align(topk_ids, num_experts)

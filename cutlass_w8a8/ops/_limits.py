@@ -32,6 +32,8 @@ ATTN_MAX_HEADS = 65535
 # MoE routing (moe_topk_softmax, moe_align): at most this many experts (a router row is one warp's shared-memory
 # slice; moe_align's per-expert counts live in one block's shared memory).
 MOE_MAX_EXPERTS = 1024
+# moe_route's grouped top-k: at most this many expert groups (one warp lane scores one group).
+MOE_MAX_GROUPS = 32
 
 # Block-scaled fp8 (DeepSeek-V3 / compressed-tensors FP8_BLOCK): activations in 1 x BLOCK_SIZE groups along K,
 # weights in BLOCK_SIZE x BLOCK_SIZE blocks; the GEMM's K must be a multiple of it, and so is the only group size

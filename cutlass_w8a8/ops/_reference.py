@@ -383,16 +383,50 @@ def moe_topk_softmax_reference(router_logits, top_k, renormalize):
     """(topk_weights float32 [T, top_k], topk_ids int32 [T, top_k]) of checked router logits [T, E]: softmax over
     E in float32; the top_k experts ranked by logit, descending, the lower expert index first on equal logits
     (a stable sort; softmax is increasing, so this is the ranking of the probabilities before their rounding);
-    renormalize divides the chosen probabilities by their float32 sum taken in rank order."""
-    logits = router_logits.to(torch.float32)
-    probs = torch.softmax(logits, dim=-1)
-    ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    weights = probs.gather(1, ids)
-    if renormalize and top_k > 0:
+    renormalize divides the chosen probabilities by their float32 sum taken in rank order. moe_route's softmax
+    case without bias, groups or scaling (the same code)."""
+    return moe_route_reference(router_logits, top_k, "softmax", None, 1, 1, renormalize, 1.0)
+
+
+def moe_route_reference(router_logits, top_k, scoring="softmax", correction_bias=None, n_group=1, topk_group=1,
+                        renormalize=True, scaling_factor=1.0):
+    """(topk_weights float32 [T, top_k], topk_ids int32 [T, top_k]) of checked operands (ops/moe.py's moe_route
+    states the contract), as torch ops that run on any device:
+
+    - score = softmax(float32 logits) over E, or sigmoid(float32 logits) (torch's kernels of that device);
+    - choice = score + correction_bias (score without one); the ranking key is choice, except for softmax without
+      a bias: the logit itself (softmax is increasing: moe_topk_softmax's order);
+    - n_group > 1: group score = choice[a] + choice[b], a and b the group's first two experts by (key descending,
+      index ascending); the topk_group groups by (group score descending, group index ascending) are kept;
+    - the top_k experts of the kept groups by (key descending, index ascending): stable sorts;
+    - weight = score[id]; renormalize divides by their float32 sum taken in selection order (+ 1e-20 for sigmoid,
+      as DeepSeek-V3's router); then times float32(scaling_factor)."""
+    logits = router_logits.to(torch.float32).contiguous()
+    scores = torch.softmax(logits, dim=-1) if scoring == "softmax" else torch.sigmoid(logits)
+    choice = scores if correction_bias is None else scores + correction_bias
+    key = logits if (scoring == "softmax" and correction_bias is None) else choice
+    t, e = logits.shape
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices  # [T, E]
+    if n_group > 1:
+        size = e // n_group
+        first_two = torch.sort(key.view(t, n_group, size), dim=-1, descending=True, stable=True).indices[..., :2]
+        top2 = choice.view(t, n_group, size).gather(2, first_two)
+        group_score = top2[..., 0] + top2[..., 1]
+        groups = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+        kept = torch.zeros(t, n_group, dtype=torch.int8, device=logits.device).scatter_(1, groups, 1)
+        excluded = (1 - kept).repeat_interleave(size, dim=1).gather(1, order)  # [T, E] in ranking order
+        # the kept experts first, each part still in ranking order (a stable sort by the flag)
+        order = order.gather(1, torch.sort(excluded, dim=-1, stable=True).indices)
+    ids = order[:, :top_k]
+    weights = scores.gather(1, ids)
+    if renormalize:
         total = weights[:, 0]
         for j in range(1, top_k):  # j ascending, one float32 addition at a time (the kernel's order)
             total = total + weights[:, j]
+        if scoring == "sigmoid":
+            total = total + 1e-20
         weights = weights / total.unsqueeze(1)
+    weights = weights * scaling_factor
     return weights.contiguous(), ids.to(torch.int32).contiguous()
 
 
@@ -442,6 +476,14 @@ def _moe_topk_softmax(router_logits, top_k, renormalize):
     return moe_topk_softmax_reference(router_logits, top_k, renormalize)
 
 
+def _moe_route(router_logits, top_k, scoring="softmax", correction_bias=None, n_group=1, topk_group=1,
+               renormalize=True, scaling_factor=1.0):
+    C.check_moe_route(router_logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
+                      scaling_factor)
+    return moe_route_reference(router_logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
+                               scaling_factor)
+
+
 def _moe_align(topk_ids, num_experts):
     C.check_moe_align(topk_ids, num_experts)
     return moe_align_reference(topk_ids, num_experts)
@@ -463,7 +505,7 @@ def _moe_unpermute_out(out, y, dst_pos, topk_weights):
 
 
 for _name, _fn in (
-        ("moe_topk_softmax", _moe_topk_softmax), ("moe_align", _moe_align),
+        ("moe_topk_softmax", _moe_topk_softmax), ("moe_route", _moe_route), ("moe_align", _moe_align),
         ("moe_permute_quant", _moe_permute_quant), ("moe_unpermute", _moe_unpermute),
         ("moe_unpermute_out", _moe_unpermute_out)):
     lib.impl(_name, _fn, "CPU")

@@ -43,6 +43,11 @@ Ops:
 - ``linear_decode_out(out, x, b, scale_b, bias, dtype) -> ()``
 - ``moe_topk_softmax(router_logits, top_k, renormalize) -> (topk_weights, topk_ids)``: the router's softmax over
   the E experts in float32 and its top_k largest (ties: lower expert first), optionally renormalized
+- ``moe_route(router_logits, top_k, scoring="softmax", correction_bias=None, n_group=1, topk_group=1,
+  renormalize=True, scaling_factor=1.0) -> (topk_weights, topk_ids)``: the transformers routers' top-k in one op:
+  softmax or sigmoid scores, a per-expert correction bias for the selection only, grouped top-k (DeepSeek-V3's
+  ``n_group`` / ``topk_group``), optional renormalization, then ``routed_scaling_factor``; ``moe_topk_softmax``
+  is its softmax case without bias, groups or scaling
 - ``moe_align(topk_ids, num_experts) -> (sorted_pairs, dst_pos, offsets)``: the (token, expert) pairs sorted by
   expert (stable), the inverse permutation and the end row of each expert's group
 - ``moe_permute_quant(x, sorted_pairs, top_k, dtype, scale=None, group_size=0) -> (q, scale)``: the tokens
@@ -169,6 +174,8 @@ _define("grouped_scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, T
 _define("grouped_scaled_mm_out(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor offsets, "
         "Tensor? bias=None) -> ()")
 _define("moe_topk_softmax(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)")
+_define("moe_route(Tensor router_logits, int top_k, str scoring=\"softmax\", Tensor? correction_bias=None, "
+        "int n_group=1, int topk_group=1, bool renormalize=True, float scaling_factor=1.0) -> (Tensor, Tensor)")
 _define("moe_align(Tensor topk_ids, int num_experts) -> (Tensor, Tensor, Tensor)")
 _define("moe_permute_quant(Tensor x, Tensor sorted_pairs, int top_k, ScalarType dtype, Tensor? scale=None, "
         "int group_size=0) -> (Tensor, Tensor)")

@@ -1,9 +1,10 @@
-"""The mixture-of-experts ops' public wrappers: the routing (`moe_topk_softmax`, `moe_align`, `moe_permute_quant`,
-`moe_unpermute`) around the grouped GEMM of the experts.
+"""The mixture-of-experts ops' public wrappers: the routing (`moe_topk_softmax` or `moe_route`, `moe_align`,
+`moe_permute_quant`, `moe_unpermute`) around the grouped GEMM of the experts.
 
 A W8A8 MoE layer runs, for T tokens routed to top_k of E experts (T * top_k (token, expert) pairs):
 
     topk_weights, topk_ids = moe_topk_softmax(router_logits, top_k, renormalize)    # [T, top_k] each
+    # or moe_route(router_logits, top_k, scoring=..., correction_bias=..., n_group=..., ...)
     sorted_pairs, dst_pos, offsets = moe_align(topk_ids, E)                         # pairs grouped by expert
     q, s = moe_permute_quant(x, sorted_pairs, top_k, dtype)                         # [T * top_k, H] 8-bit
     h = grouped_scaled_mm(q, w13, s, w13_scale, offsets, x.dtype)                   # [T * top_k, 2I]
@@ -25,7 +26,7 @@ import torch
 
 from ._schema import OVERLOADS as _op
 
-__all__ = ["moe_topk_softmax", "moe_align", "moe_permute_quant", "moe_unpermute", "grouped_scaled_mm"]
+__all__ = ["moe_topk_softmax", "moe_route", "moe_align", "moe_permute_quant", "moe_unpermute", "grouped_scaled_mm"]
 
 
 def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
@@ -72,6 +73,103 @@ def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool 
     >>> topk_weights, topk_ids = moe_topk_softmax(logits, 8, True)  # Qwen3-MoE: top-8, norm_topk_prob
     """
     return _op.moe_topk_softmax(router_logits, top_k, renormalize)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax",
+              correction_bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
+              renormalize: bool = True, scaling_factor: float = 1.0):
+    """The experts of each token and their weights, as transformers' MoE routers choose them, in one kernel.
+
+    The routers of DeepSeek-V3 / Kimi-K2 (``DeepseekV3TopkRouter``), GLM-4.5 / 4.6 (``Glm4MoeTopkRouter``),
+    MiniMax-M2 (sigmoid and bias, no groups), OLMoE and Qwen3-MoE (softmax): for each token ``t`` (all in float32,
+    the logits read as float32):
+
+    1. ``score = softmax(router_logits[t])`` over the E experts (``scoring="softmax"``: the same arithmetic as
+       :func:`moe_topk_softmax`), or ``score = 1 / (1 + exp(-router_logits[t]))`` (``scoring="sigmoid"``: torch's
+       CUDA ``sigmoid`` formula; on the CPU, torch's CPU ``sigmoid``);
+    2. ``choice = score + correction_bias`` (``score`` without a bias): the bias moves the selection only;
+    3. with ``n_group > 1`` (grouped top-k): the E experts form ``n_group`` groups of ``E / n_group`` consecutive
+       experts; a group's score is the sum of its two largest ``choice`` values; the ``topk_group`` best groups are
+       kept and the experts of the other groups cannot be chosen;
+    4. ``topk_ids[t]``: the ``top_k`` experts of the kept groups (all experts when ``n_group == 1``) by decreasing
+       ``choice``, in that order (the selection order);
+    5. ``topk_weights[t, j] = score[topk_ids[t, j]]`` (the unbiased score); with ``renormalize`` divided by their
+       float32 sum taken in selection order (``j`` ascending), plus ``1e-20`` for sigmoid (DeepSeek-V3's
+       denominator; softmax adds nothing, as :func:`moe_topk_softmax`); then multiplied by
+       ``float32(scaling_factor)`` (``routed_scaling_factor``).
+
+    **Ties.** Experts with equal ``choice`` values are taken lower expert index first, and groups with equal group
+    scores lower group index first; so the result is deterministic and the same on every device. With
+    ``scoring="softmax"`` and no ``correction_bias`` the experts are ranked by their logits (softmax is
+    increasing, so this is the order of the probabilities; two logits whose probabilities round to the same
+    float32 are ordered by logit, then by index), exactly as :func:`moe_topk_softmax`: that case (with
+    ``n_group=1`` and ``scaling_factor=1.0``) returns its result bit for bit.
+
+    Against transformers (whose ``torch.topk(..., sorted=False)`` leaves the order of the chosen experts and the
+    tie-breaking unspecified): the same set of experts per token and, before renormalization, bit for bit the
+    same weights, on the same device; the renormalized weights may differ by the order of the float32 sum of the
+    ``top_k`` weights (at most ``top_k`` float32 rounding steps, a relative ``top_k * 2**-24``). MiniMax-M2
+    renormalizes without the ``1e-20``, which changes nothing while the sum is at least ``2**-42``.
+
+    One kernel launch (a warp per token), no host synchronisation, the launch fixed by the shapes: it captures
+    into a CUDA graph and replays with new logits (and new bias values in the same tensor).
+
+    Parameters
+    ----------
+    router_logits : torch.Tensor
+        ``(T, E)``, bfloat16, float16 or float32, ``1 <= E <= 1024``, any strides (the router ``gate``'s logits).
+    top_k : int
+        Experts per token: ``1 <= top_k <= E``, and at most ``topk_group * E / n_group`` (the experts of the kept
+        groups).
+    scoring : str, default "softmax"
+        ``"softmax"`` or ``"sigmoid"``.
+    correction_bias : torch.Tensor, optional
+        float32 ``(E,)`` on ``router_logits``' device, any stride: DeepSeek-V3's ``e_score_correction_bias``,
+        added to the scores for the selection only.
+    n_group : int, default 1
+        Expert groups, ``1 <= n_group <= 32``; above 1 it divides E into groups of at least 2 experts.
+    topk_group : int, default 1
+        Groups kept per token, ``1 <= topk_group <= n_group`` (ignored, and must be 1, when ``n_group == 1``).
+    renormalize : bool, default True
+        Divide the chosen weights by their sum (``norm_topk_prob``).
+    scaling_factor : float, default 1.0
+        Finite; multiplies the weights last (``routed_scaling_factor``).
+
+    Returns
+    -------
+    (topk_weights, topk_ids) : tuple of torch.Tensor
+        ``topk_weights``: float32 ``(T, top_k)``; ``topk_ids``: int32 ``(T, top_k)``, distinct experts of the kept
+        groups in selection order, values in ``[0, E)``. Both contiguous, on ``router_logits``' device.
+
+    Raises
+    ------
+    TypeError
+        ``router_logits`` is not a tensor of those dtypes, or ``correction_bias`` is not float32.
+    ValueError
+        ``router_logits`` is not 2-D or E is 0 or above 1024; ``top_k`` is not in ``[1, E]`` or above
+        ``topk_group * E / n_group``; ``scoring`` is not ``"softmax"`` / ``"sigmoid"``; ``correction_bias`` is on
+        another device or not ``(E,)``; ``n_group`` is not in ``[1, 32]`` or does not divide E into groups of at
+        least 2; ``topk_group`` is not in ``[1, n_group]``; ``scaling_factor`` is not finite. Every message names
+        the argument.
+
+    Notes
+    -----
+    The CUDA kernel and the CPU implementation rank the same float32 values with the same rule, but their
+    ``exp`` differ by float32 ulps: with a softmax without bias the ids agree exactly (both rank the logits) and
+    the weights to a few ulps; with sigmoid or a bias, the scores themselves differ by ulps between the devices, so
+    a near-tie (two choices within a few ulps) may be resolved differently. Each device matches transformers' router
+    run on that device. A row holding NaN gets unspecified weights and ids (ids stay in ``[0, E)``); other rows
+    are unaffected. ``T = 0`` returns empty tensors.
+
+    Examples
+    --------
+    >>> gate = model.model.layers[3].mlp.gate                        # DeepseekV3TopkRouter
+    >>> logits = F.linear(hidden_states.float(), gate.weight.float())  # (T, 256)
+    >>> topk_weights, topk_ids = moe_route(logits, 8, scoring="sigmoid", correction_bias=gate.e_score_correction_bias,
+    ...                                    n_group=8, topk_group=4, renormalize=True, scaling_factor=2.5)
+    """
+    return _op.moe_route(router_logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
+                         scaling_factor)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int):

@@ -28,6 +28,7 @@ PAIRS = {
     "kAttnMaxSeq": "ATTN_MAX_SEQ",
     "kBlockSize": "BLOCK_SIZE",
     "kMoeMaxExperts": "MOE_MAX_EXPERTS",
+    "kMoeMaxGroups": "MOE_MAX_GROUPS",
 }
 
 

@@ -1,4 +1,4 @@
-"""Sanitizer cases: MoE routing (top-k softmax, align, permute-quant, unpermute) and the grouped GEMM."""
+"""Sanitizer cases: MoE routing (top-k softmax, route, align, permute-quant, unpermute) and the grouped GEMM."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import itertools
 
 import torch
 
+from ...ops._reference import moe_route_reference
 from ..references import BLOCK, rand_scale, scale_magnitudes
 from .core import BF16, Ctx, F16, F32, FP8, I8, Q, _block_scales, _ceil, _operand, case, check_equal, check_gemm
 from .quant_norm import _STATIC_SCALE
@@ -41,6 +42,32 @@ def _moe_topk_softmax(ctx: Ctx) -> None:
             w_ref, ids_ref = Q.moe_topk_softmax(logits_h, k, renorm)
             check_equal(ids, ids_ref, f"{what}: ids")
             torch.testing.assert_close(w.cpu(), w_ref, rtol=2e-5, atol=1e-7, msg=lambda m: f"{what}: weights: {m}")
+
+
+@case("moe_route", ["moe_route"])
+def _moe_route(ctx: Ctx) -> None:
+    """moe_route: DeepSeek-V3 (sigmoid, bias, 8 groups keep 4), Kimi-K2 / GLM-4.5 (sigmoid, bias, no groups), OLMoE
+    (softmax), E up to 1024 with 32 groups, f32 / bf16 / f16 and strided logits: ids and weights bit for bit against
+    the reference's torch ops run on the same device (torch's sigmoid / softmax kernels there)."""
+    params = [(7, 256, 8, "sigmoid", True, 8, 4, True, 2.5, F32, False),
+              (5, 384, 8, "sigmoid", True, 1, 1, True, 2.827, BF16, True),
+              (9, 160, 8, "sigmoid", True, 1, 1, True, 2.5, F16, False),
+              (3, 64, 8, "softmax", False, 1, 1, False, 1.0, F32, False),
+              (4, 1024, 16, "softmax", True, 32, 8, True, 1.0, BF16, False),
+              (6, 512, 6, "sigmoid", False, 16, 3, False, 1.0, F32, True)]
+    for t, e, k, scoring, biased, n_group, topk_group, renorm, scale, dtype, strided in (
+            params[:3] if ctx.quick else params):
+        what = (f"moe_route T={t} E={e} k={k} {scoring} bias={biased} groups={n_group}/{topk_group} "
+                f"renormalize={renorm} scale={scale} {dtype} strided={strided}")
+        with ctx.sub(what):
+            logits_h = ctx.randn(t, e, dtype=dtype, std=2.0)
+            logits = ctx.to(logits_h.t().contiguous()).t() if strided else ctx.to(logits_h)
+            bias = ctx.to(ctx.randn(e, std=0.1)) if biased else None
+            args = (k, scoring, bias, n_group, topk_group, renorm, scale)
+            w, ids = Q.moe_route(logits, *args)
+            w_ref, ids_ref = moe_route_reference(logits, *args)
+            check_equal(ids, ids_ref.cpu(), f"{what}: ids")
+            check_equal(w, w_ref.cpu(), f"{what}: weights")
 
 
 @case("moe_align", ["moe_align"])
