@@ -34,13 +34,14 @@ multiple of 16, and a multiple of 128 for block-scaled fp8 (`sharding.check_moe_
 
 from __future__ import annotations
 
+import struct
 from typing import Optional
 
 import torch
 from torch import nn
 
 from ..config import W8A8Config
-from ..moe.families import family_of
+from ..moe.families import SCORINGS, family_of
 from ..moe.layer import W8A8MoE
 from . import sharding as S
 from ._common import TPContext, _all_reduce_, _check_tp_size, _TensorParallel
@@ -49,11 +50,23 @@ from ._group import check_same_on_all_ranks, dtype_code, sequence_code
 __all__ = ["TensorParallelW8A8MoE", "shard_experts_", "shard_moe", "tp_split"]
 
 
-def _fields(e, k, h, i, quant_dtype, dtype, block, static, renormalize, tp_size) -> dict:
+def _fields(e, k, h, i, quant_dtype, dtype, block, static, renormalize, tp_size, routing: dict) -> dict:
+    bias = routing["correction_bias"]
     return {"num_experts": e, "top_k": k, "hidden_size": h, "intermediate_size": i,
             "quant_dtype": dtype_code(quant_dtype), "dtype": dtype_code(dtype), "block": int(bool(block)),
             "static_input": int(bool(static)), "renormalize": int(bool(renormalize)),
-            "tp_size": -1 if tp_size is None else int(tp_size)}
+            "tp_size": -1 if tp_size is None else int(tp_size),
+            "scoring": SCORINGS.index(routing["scoring"]) if routing["scoring"] in SCORINGS else -1,
+            "n_group": routing["n_group"], "topk_group": routing["topk_group"],
+            "#scaling_factor": sequence_code(struct.unpack("<2i", struct.pack("<d", float(routing["scaling_factor"])))),
+            "correction_bias": int(bias is not None)}
+
+
+def _routing(moe: W8A8MoE) -> dict:
+    """The router-logits-mode routing of ``moe`` as `TensorParallelW8A8MoE.from_shard`'s keyword arguments (the
+    correction bias replicated: every rank routes the same tokens)."""
+    return {"scoring": moe.scoring, "n_group": moe.n_group, "topk_group": moe.topk_group,
+            "scaling_factor": moe.scaling_factor, "correction_bias": moe.correction_bias}
 
 
 class TensorParallelW8A8MoE(_TensorParallel, W8A8MoE):
@@ -112,7 +125,7 @@ class TensorParallelW8A8MoE(_TensorParallel, W8A8MoE):
         if check:
             check_same_on_all_ranks(ctx, where, _fields(
                 moe.num_experts, moe.top_k, moe.hidden_size, i, moe.quant_dtype, moe.dtype, block,
-                moe.a13_scale is not None, moe.renormalize, tp_size))
+                moe.a13_scale is not None, moe.renormalize, tp_size, _routing(moe)))
         _check_tp_size(where, tp_size, ctx.world)
         S.check_moe_shardable(i, ctx.world, block, where)
         r, w = ctx.rank, ctx.world
@@ -126,28 +139,35 @@ class TensorParallelW8A8MoE(_TensorParallel, W8A8MoE):
                           top_k=moe.top_k, intermediate_size=i, dtype=moe.dtype, renormalize=moe.renormalize,
                           activation=moe.activation, weight_block_size=moe.weight_block_size,
                           a13_scale=None if b["a13_scale"] is None else b["a13_scale"].clone(),
-                          a2_scale=None if b["a2_scale"] is None else b["a2_scale"].clone())
+                          a2_scale=None if b["a2_scale"] is None else b["a2_scale"].clone(), **_routing(moe))
 
     @classmethod
     def from_shard(cls, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                    tp_group, *, top_k: int, intermediate_size: int, dtype: torch.dtype = torch.bfloat16,
                    renormalize: bool = True, weight_block_size: Optional[tuple] = None,
                    a13_scale: Optional[torch.Tensor] = None, a2_scale: Optional[torch.Tensor] = None,
-                   tp_size: Optional[int] = None, check: bool = True) -> "TensorParallelW8A8MoE":
+                   tp_size: Optional[int] = None, check: bool = True, scoring: str = "softmax", n_group: int = 1,
+                   topk_group: int = 1, scaling_factor: float = 1.0,
+                   correction_bias: Optional[torch.Tensor] = None) -> "TensorParallelW8A8MoE":
         """A layer around this rank's already-sliced buffers (no copy): ``w13`` ``[E, 2 I / tp, H]`` int8 / e4m3
         (``[gate_r; up_r]``: `sharding.shard_w13`), ``w13_scale`` ``[E, 2 I / tp]`` or with ``weight_block_size =
         (128, 128)`` ``[E, 2 I / tp / 128, H / 128]``, ``w2`` ``[E, H, I / tp]`` (`sharding.shard_w2`), ``w2_scale``
         ``[E, H]`` or ``[E, ceil(H / 128), I / tp / 128]``, ``a13_scale`` / ``a2_scale`` float32 ``[1]`` (both or
-        neither); ``intermediate_size`` is the full I, ``dtype`` the output dtype. Errors as `from_full`, and
-        ValueError when a buffer's shape is not the shard's."""
+        neither); ``intermediate_size`` is the full I, ``dtype`` the output dtype. The routing of router-logits
+        mode (``top_k``, ``renormalize``, ``scoring``, ``n_group``, ``topk_group``, ``scaling_factor``,
+        ``correction_bias`` ``[E]``: `W8A8MoE`'s, whole on every rank). ``check``: as `from_full` (a loader that
+        checked every layer once passes False). Errors as `from_full`, and ValueError when a buffer's shape is not
+        the shard's."""
         where = cls.__name__
         ctx = TPContext.resolve(tp_group, where)
+        routing = {"scoring": scoring, "n_group": n_group, "topk_group": topk_group,
+                   "scaling_factor": scaling_factor, "correction_bias": correction_bias}
         e, i2_local, h = w13.shape
         block = weight_block_size is not None
         if check:
             check_same_on_all_ranks(ctx, where, _fields(
                 e, top_k, h, intermediate_size, w13.dtype, dtype, block, a13_scale is not None, renormalize,
-                tp_size))
+                tp_size, routing))
         _check_tp_size(where, tp_size, ctx.world)
         local = S.check_moe_shardable(intermediate_size, ctx.world, block, where)
         if tuple(w13.shape) != (e, 2 * local, h) or tuple(w2.shape) != (e, h, local):
@@ -155,17 +175,23 @@ class TensorParallelW8A8MoE(_TensorParallel, W8A8MoE):
                              f"[E, H, I / tp] = [{e}, {h}, {local}], got {tuple(w13.shape)} and {tuple(w2.shape)}")
         return cls._build(ctx, w13, w13_scale, w2, w2_scale, top_k=top_k, intermediate_size=intermediate_size,
                           dtype=dtype, renormalize=renormalize, activation="silu",
-                          weight_block_size=weight_block_size, a13_scale=a13_scale, a2_scale=a2_scale)
+                          weight_block_size=weight_block_size, a13_scale=a13_scale, a2_scale=a2_scale, **routing)
 
     @classmethod
     def _build(cls, ctx: TPContext, w13, w13_scale, w2, w2_scale, *, top_k, intermediate_size, dtype, renormalize,
-               activation, weight_block_size, a13_scale, a2_scale):
+               activation, weight_block_size, a13_scale, a2_scale, scoring, n_group, topk_group, scaling_factor,
+               correction_bias):
         e, _, h = w13.shape
         local = intermediate_size // ctx.world
         config = W8A8Config(dtype=w13.dtype, out_dtype=dtype, weight_block_size=weight_block_size)
-        # built on the meta device (the constructor checks the shard's sizes), then given the real buffers
+        # built on the meta device (the constructor checks the shard's sizes and the routing), then given the real
+        # buffers; the correction bias as W8A8MoE holds it (the same float32 tensor, else a float32 copy)
         mod = cls(e, top_k, h, local, config, renormalize, activation, device="meta",
-                  static_input_scale=a13_scale is not None)
+                  static_input_scale=a13_scale is not None, scoring=scoring, n_group=n_group,
+                  topk_group=topk_group, scaling_factor=scaling_factor, correction_bias=correction_bias)
+        if correction_bias is not None:
+            mod._buffers["correction_bias"] = correction_bias.detach().reshape(e).to(device=w13.device,
+                                                                                      dtype=torch.float32)
         for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale),
                         ("a13_scale", a13_scale), ("a2_scale", a2_scale)):
             want = mod._buffers[name]

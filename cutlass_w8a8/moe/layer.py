@@ -3,7 +3,7 @@
 One forward is a fixed chain of device ops with shapes static in ``T x top_k`` (no host sync, capturable into a
 CUDA graph whatever the routing), all from `cutlass_w8a8.ops.moe` and `cutlass_w8a8.ops`:
 
-``moe_topk_softmax`` (router-logits mode only) -> ``moe_align`` -> ``moe_permute_quant`` ->
+``moe_route`` (router-logits mode only) -> ``moe_align`` -> ``moe_permute_quant`` ->
 ``grouped_scaled_mm`` (w13) -> ``silu_mul_quant`` -> ``grouped_scaled_mm`` (w2) -> ``moe_unpermute``.
 
 On the CPU the same ops run their references.
@@ -11,6 +11,7 @@ On the CPU the same ops run their references.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -22,6 +23,7 @@ from ..ops import moe as _moe
 from ..ops import silu_mul_quant
 from ..ops._limits import BLOCK_SIZE, GEMM_ALIGN, OUT_DTYPES, blocks
 from ..ops._schema import OVERLOADS as _op
+from .families import SCORINGS
 
 __all__ = ["W8A8MoE", "quantize_expert_weights"]
 
@@ -46,6 +48,35 @@ def quantize_expert_weights(weight: torch.Tensor, dtype: torch.dtype, weight_blo
     return q.reshape(e, n, k), s.reshape(e, n)
 
 
+def _check_routing(where: str, num_experts: int, top_k: int, scoring: str, n_group: int, topk_group: int,
+                   scaling_factor: float, correction_bias: Optional[torch.Tensor]) -> None:
+    """The routing arguments of `W8A8MoE` (router-logits mode, ``moe_route``'s): ValueError / TypeError naming the
+    argument."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"{where}: `scoring` must be one of {SCORINGS}, got {scoring!r}")
+    for name, v in (("n_group", n_group), ("topk_group", topk_group)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{where}: `{name}` must be a positive int, got {v!r}")
+    if num_experts % n_group:
+        raise ValueError(f"{where}: `n_group` = {n_group} must divide num_experts = {num_experts}")
+    if topk_group > n_group:
+        raise ValueError(f"{where}: `topk_group` = {topk_group} must be <= n_group = {n_group}")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ValueError(f"{where}: `top_k` = {top_k} must be <= topk_group * num_experts / n_group = "
+                         f"{topk_group * (num_experts // n_group)} (the experts of the kept groups)")
+    if (not isinstance(scaling_factor, (int, float)) or isinstance(scaling_factor, bool)
+            or not math.isfinite(scaling_factor) or scaling_factor <= 0):
+        raise ValueError(f"{where}: `scaling_factor` must be a finite positive float, got {scaling_factor!r}")
+    if correction_bias is not None:
+        if not isinstance(correction_bias, torch.Tensor) or not correction_bias.is_floating_point():
+            what = (correction_bias.dtype if isinstance(correction_bias, torch.Tensor)
+                    else type(correction_bias).__name__)
+            raise TypeError(f"{where}: `correction_bias` must be a floating-point tensor [E], got {what}")
+        if correction_bias.numel() != num_experts:
+            raise ValueError(f"{where}: `correction_bias` must have num_experts = {num_experts} elements ([E]), "
+                             f"got shape {tuple(correction_bias.shape)}")
+
+
 class W8A8MoE(nn.Module):
     """The experts of one MoE block (SwiGLU experts, top-k routing) with 8-bit weights and activations.
 
@@ -65,6 +96,8 @@ class W8A8MoE(nn.Module):
       ``[E, ceil(H / 128), I / 128]``.
     - ``a13_scale``, ``a2_scale``: float32 ``[1]`` static per-tensor activation scales of the first (gate/up) and
       second (down) GEMM's input, present only with ``static_input_scale=True`` (None: dynamic).
+    - ``correction_bias``: float32 ``[E]``, the router's per-expert selection bias (``correction_bias``), or None;
+      non-persistent (never in the state dict).
 
     Parameters
     ----------
@@ -78,27 +111,50 @@ class W8A8MoE(nn.Module):
         ``dtype`` (int8 default, or float8_e4m3fn), ``out_dtype`` (the GEMMs' output dtype, bfloat16 default, or
         float16) and ``weight_block_size`` (``(128, 128)``: block-scaled fp8).
     renormalize : bool
-        Router-logits mode: divide the top-k softmax probabilities by their sum (Mixtral; Qwen's
-        ``norm_topk_prob``).
+        Router-logits mode: divide the top-k weights by their sum (Mixtral; Qwen's ``norm_topk_prob``; with
+        sigmoid scoring by the sum plus 1e-20, DeepSeek-V3's ``norm_topk_prob``).
     activation : str
         ``"silu"`` (SwiGLU), the only one supported.
     device : torch.device, optional
     static_input_scale : bool, keyword-only
         Hold ``a13_scale`` / ``a2_scale`` buffers (static per-tensor activation quantization). Not with block
         scales.
+    scoring : str, keyword-only
+        Router-logits mode: how the logits score the experts, ``"softmax"`` (default) or ``"sigmoid"``
+        (DeepSeek-V3, GLM-4.5, MiniMax-M2).
+    n_group, topk_group : int, keyword-only
+        Router-logits mode, grouped top-k: the E experts form ``n_group`` groups of ``E / n_group``, and only the
+        ``topk_group`` groups with the largest sum of their two best scores (correction bias included) are
+        candidates. Default 1 and 1: no grouping. ``n_group`` must divide E, ``1 <= topk_group <= n_group`` and
+        ``top_k <= topk_group * E / n_group``.
+    scaling_factor : float, keyword-only
+        Router-logits mode: the final weights are multiplied by it (DeepSeek-V3's ``routed_scaling_factor``);
+        finite and positive, default 1.0.
+    correction_bias : torch.Tensor, optional, keyword-only
+        Router-logits mode: a per-expert bias ``[E]`` added to the scores for the selection only (DeepSeek-V3's
+        ``e_score_correction_bias``), the weights being the unbiased scores. Held as the non-persistent float32
+        buffer ``correction_bias`` (not in the state dict: the router module holds the checkpoint's tensor):
+        the tensor itself when it is a float32 ``[E]`` tensor on the layer's device (a view of its storage when it
+        is a parameter or another shape of E elements, e.g. ``[1, E]``), else a float32 copy there.
+
+    The routing of router-logits mode is ``cutlass_w8a8.ops.moe.moe_route(logits, top_k, scoring=...,
+    correction_bias=..., n_group=..., topk_group=..., renormalize=..., scaling_factor=...)`` (`route`); a call given
+    ``topk_ids`` / ``topk_weights`` (transformers' blocks: their router computes them) does not use these.
 
     Raises
     ------
     TypeError
-        ``config`` is not a `W8A8Config`.
+        ``config`` is not a `W8A8Config`; ``correction_bias`` is not a floating-point tensor.
     ValueError
-        A size is out of range (the message names it), ``activation`` is not ``"silu"``, or ``static_input_scale``
-        is given with block scales.
+        A size is out of range (the message names it), ``activation`` is not ``"silu"``, ``static_input_scale``
+        is given with block scales, or a routing argument is out of range (the message names it).
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  config: Optional[W8A8Config] = None, renormalize: bool = True, activation: str = "silu",
-                 device=None, *, static_input_scale: bool = False):
+                 device=None, *, static_input_scale: bool = False, scoring: str = "softmax", n_group: int = 1,
+                 topk_group: int = 1, scaling_factor: float = 1.0,
+                 correction_bias: Optional[torch.Tensor] = None):
         super().__init__()
         if config is None:
             config = W8A8Config()
@@ -122,9 +178,13 @@ class W8A8MoE(nn.Module):
         if static_input_scale and block is not None:
             raise ValueError("W8A8MoE: `static_input_scale` must be False with weight_block_size (activations are "
                              f"quantized per 1x{BLOCK_SIZE} group at run time)")
+        _check_routing("W8A8MoE", num_experts, top_k, scoring, n_group, topk_group, scaling_factor,
+                       correction_bias)
         e, h, i = num_experts, hidden_size, intermediate_size
         self.num_experts, self.top_k, self.hidden_size, self.intermediate_size = e, top_k, h, i
         self.renormalize, self.activation = bool(renormalize), activation
+        self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
+        self.scaling_factor = float(scaling_factor)
         self.quant_dtype = config.dtype
         self.dtype = config.out_dtype or torch.bfloat16
         self.weight_block_size = block
@@ -140,6 +200,14 @@ class W8A8MoE(nn.Module):
                              if static_input_scale else None)
         self.register_buffer("a2_scale", torch.ones(1, dtype=torch.float32, device=device)
                              if static_input_scale else None)
+        if correction_bias is not None:
+            if isinstance(correction_bias, nn.Parameter) or tuple(correction_bias.shape) != (e,):
+                correction_bias = correction_bias.detach().reshape(e)  # a view where it can be: the same storage
+            if device is not None:
+                correction_bias = correction_bias.to(device=device)
+            correction_bias = correction_bias.to(torch.float32)
+        # non-persistent: the router holds the checkpoint's tensor (transformers' state dict has no other)
+        self.register_buffer("correction_bias", correction_bias, persistent=False)
 
     @property
     def group_size(self) -> int:
@@ -150,7 +218,8 @@ class W8A8MoE(nn.Module):
     def from_float(cls, experts: nn.Module, config: Optional[W8A8Config] = None, top_k: Optional[int] = None,
                    renormalize: bool = True, *, a13_scale: Optional[torch.Tensor] = None,
                    a2_scale: Optional[torch.Tensor] = None, gate_up: str = "gate_up_proj",
-                   down: str = "down_proj") -> "W8A8MoE":
+                   down: str = "down_proj", scoring: str = "softmax", n_group: int = 1, topk_group: int = 1,
+                   scaling_factor: float = 1.0, correction_bias: Optional[torch.Tensor] = None) -> "W8A8MoE":
         """Quantize a transformers experts module (Qwen2-MoE / Qwen3-MoE / Mixtral ``experts``, transformers 5's
         fused 3-D parameters) or any module with the same two parameters.
 
@@ -171,6 +240,11 @@ class W8A8MoE(nn.Module):
         gate_up, down : str, keyword-only
             The names of the two parameters in ``experts`` (a `cutlass_w8a8.moe.families` row's `ExpertLayout`;
             default transformers 5's ``gate_up_proj`` / ``down_proj``).
+        scoring, n_group, topk_group, scaling_factor, correction_bias : keyword-only
+            The router's, for router-logits mode (see the constructor). A float32 ``correction_bias`` on the
+            experts' device is held as it is, the same tensor (`cutlass_w8a8.moe.hf`'s swap passes the router's
+            ``e_score_correction_bias``, so that a state dict loaded into the router later is seen by the layer);
+            another dtype or device is copied to float32 there.
 
         Weights are quantized per output channel (absmax / 127 for int8, / 448 for e4m3), or per 128 x 128
         block with ``config.weight_block_size``, exactly as `W8A8Linear.from_float` quantizes each expert's
@@ -229,7 +303,8 @@ class W8A8MoE(nn.Module):
         out_dtype = config.out_dtype or (gu.dtype if gu.dtype in OUT_DTYPES else torch.bfloat16)
         cfg = W8A8Config(dtype=config.dtype, out_dtype=out_dtype, weight_block_size=config.weight_block_size)
         mod = cls(e, top_k, h, i, cfg, renormalize, "silu", device=gu.device,
-                  static_input_scale=a13_scale is not None)
+                  static_input_scale=a13_scale is not None, scoring=scoring, n_group=n_group,
+                  topk_group=topk_group, scaling_factor=scaling_factor, correction_bias=correction_bias)
         with torch.no_grad():
             for wname, sname, w in (("w13", "w13_scale", gu), ("w2", "w2_scale", dn)):
                 q, s = quantize_expert_weights(w, config.dtype, config.weight_block_size)
@@ -293,6 +368,18 @@ class W8A8MoE(nn.Module):
             if v is not None and v.device != x.device:
                 raise ValueError(f"W8A8MoE: `{name}` is on {v.device} but `hidden_states` is on {x.device}")
 
+    def route(self, router_logits: torch.Tensor):
+        """The routing of router-logits mode: ``(topk_weights float32 [T, top_k], topk_ids int32 [T, top_k])`` of
+        ``router_logits`` ``[T, E]`` (float32 / bfloat16 / float16), `cutlass_w8a8.ops.moe.moe_route` with the
+        layer's ``top_k``, ``scoring``, ``correction_bias``, ``n_group``, ``topk_group``, ``renormalize`` and
+        ``scaling_factor``. One kernel, no host synchronisation. Errors are the op's."""
+        if (self.scoring == "softmax" and self.correction_bias is None and self.n_group == 1
+                and self.scaling_factor == 1.0):
+            return _moe.moe_topk_softmax(router_logits, self.top_k, self.renormalize)
+        return _moe.moe_route(router_logits, self.top_k, scoring=self.scoring, correction_bias=self.correction_bias,
+                              n_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
+                              scaling_factor=self.scaling_factor)
+
     def forward(self, hidden_states: torch.Tensor, router_logits_or_topk_ids: torch.Tensor,
                 topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the experts.
@@ -305,7 +392,7 @@ class W8A8MoE(nn.Module):
             float64 after a cast to float32. The GEMMs output the layer's ``dtype``.
         router_logits_or_topk_ids : torch.Tensor
             Without ``topk_weights``: router logits ``[T, E]`` (``[..., E]``), float32 / bfloat16 / float16; the
-            routing is ``moe_topk_softmax(logits, top_k, renormalize)``. With ``topk_weights``: the chosen experts
+            routing is `route` (``moe_route`` with the layer's routing). With ``topk_weights``: the chosen experts
             ``[T, k]`` int32 / int64 (transformers' ``top_k_index``; ids outside ``[0, E)`` are not routed).
         topk_weights : torch.Tensor, optional
             ``[T, k]`` float, the routing weights (transformers' ``top_k_weights``), applied in float32.
@@ -325,7 +412,7 @@ class W8A8MoE(nn.Module):
             x = x.to(torch.float32)
         if topk_weights is None:
             logits = router_logits_or_topk_ids.reshape(-1, self.num_experts)
-            topk_weights, topk_ids = _moe.moe_topk_softmax(logits, self.top_k, self.renormalize)
+            topk_weights, topk_ids = self.route(logits)
         else:
             k = router_logits_or_topk_ids.shape[-1]
             topk_ids = router_logits_or_topk_ids.reshape(x.shape[0], k)
@@ -346,5 +433,7 @@ class W8A8MoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, renormalize={self.renormalize}, "
+                f"scoring={self.scoring}, n_group={self.n_group}, topk_group={self.topk_group}, "
+                f"scaling_factor={self.scaling_factor}, correction_bias={self.correction_bias is not None}, "
                 f"activation={self.activation}, dtype={self.dtype}, quant_dtype={self.quant_dtype}"
                 f"{quantization_repr(self.weight_block_size, self.a13_scale is not None)}")

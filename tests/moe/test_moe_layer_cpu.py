@@ -138,6 +138,18 @@ def test_block_partial_row_blocks():
     (dict(config="int8"), TypeError, "`config` must be a cutlass_w8a8.W8A8Config"),
     (dict(config=SCHEMES["fp8-block"], static_input_scale=True), ValueError,
      "`static_input_scale` must be False with weight_block_size"),
+    (dict(scoring="softplus"), ValueError, r"`scoring` must be one of \('softmax', 'sigmoid'\), got 'softplus'"),
+    (dict(n_group=0), ValueError, "`n_group` must be a positive int, got 0"),
+    (dict(n_group=3), ValueError, "`n_group` = 3 must divide num_experts = 8"),
+    (dict(n_group=4, topk_group=5), ValueError, "`topk_group` = 5 must be <= n_group = 4"),
+    (dict(top_k=3, n_group=4, topk_group=1), ValueError,
+     r"`top_k` = 3 must be <= topk_group \* num_experts / n_group = 2"),
+    (dict(scaling_factor=0.0), ValueError, "`scaling_factor` must be a finite positive float, got 0.0"),
+    (dict(scaling_factor=float("inf")), ValueError, "`scaling_factor` must be a finite positive float"),
+    (dict(correction_bias=torch.zeros(7)), ValueError,
+     r"`correction_bias` must have num_experts = 8 elements \(\[E\]\), got shape \(7,\)"),
+    (dict(correction_bias=torch.zeros(8, dtype=torch.int32)), TypeError,
+     r"`correction_bias` must be a floating-point tensor \[E\], got torch.int32"),
 ])
 def test_constructor_refusals(kwargs, exc, match):
     args = dict(num_experts=EXPERTS, top_k=TOP_K, hidden_size=HIDDEN, intermediate_size=MOE_I) | kwargs
@@ -206,10 +218,15 @@ def test_from_float_refusals(make, kw, exc, match):
 
 def test_extra_repr():
     assert repr(layer("fp8-block")).startswith(
-        "W8A8MoE(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128, renormalize=True, activation=silu, "
+        "W8A8MoE(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128, renormalize=True, "
+        "scoring=softmax, n_group=1, topk_group=1, scaling_factor=1.0, correction_bias=False, activation=silu, "
         "dtype=torch.bfloat16, quant_dtype=torch.float8_e4m3fn, weight_block_size=(128, 128), "
         "activations=dynamic per-group (1x128))")
     assert "activations=dynamic per-token" in repr(layer("int8"))
+    routed = layer("int8", scoring="sigmoid", n_group=4, topk_group=2, scaling_factor=2.5,
+                   correction_bias=torch.zeros(EXPERTS))
+    assert ("renormalize=True, scoring=sigmoid, n_group=4, topk_group=2, scaling_factor=2.5, correction_bias=True, "
+            "activation=silu") in repr(routed)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -308,6 +325,29 @@ def test_forward_refusals(i):
     args, exc, match = _bad_inputs()[i]
     with pytest.raises(exc, match=match):
         layer("int8")(*args)
+
+
+def test_routing_arguments_are_held():
+    """The router-logits-mode routing: held as given; the correction bias a non-persistent float32 buffer (the
+    state dict gains no key: transformers' routers hold the persistent one), the caller's float32 tensor itself
+    (from_float shares the router's buffer), a float32 copy of another dtype, moved with the layer, never cast."""
+    bias = torch.randn(EXPERTS)
+    mod = layer("fp8-block", scoring="sigmoid", n_group=2, topk_group=1, scaling_factor=2.5, correction_bias=bias)
+    assert (mod.scoring, mod.n_group, mod.topk_group, mod.scaling_factor) == ("sigmoid", 2, 1, 2.5)
+    assert mod.correction_bias is bias
+    assert set(mod.state_dict()) == {"w13", "w13_scale", "w2", "w2_scale"}
+    assert set(layer("int8").state_dict()) == set(mod.state_dict()) and layer("int8").correction_bias is None
+    mod.half()
+    assert mod.correction_bias.dtype == torch.float32 and torch.equal(mod.correction_bias, bias)
+    mod.to("meta")
+    assert mod.correction_bias.device.type == "meta"
+    b16 = bias.to(torch.bfloat16)
+    copied = cw.W8A8MoE(EXPERTS, TOP_K, HIDDEN, MOE_I, correction_bias=b16.reshape(1, EXPERTS))
+    assert copied.correction_bias.dtype == torch.float32 and copied.correction_bias.shape == (EXPERTS,)
+    assert torch.equal(copied.correction_bias, b16.float().reshape(EXPERTS))
+    param = nn.Parameter(bias.reshape(1, EXPERTS), requires_grad=False)  # Ernie-4.5-MoE's [1, E] parameter
+    viewed = cw.W8A8MoE(EXPERTS, TOP_K, HIDDEN, MOE_I, correction_bias=param)
+    assert viewed.correction_bias.shape == (EXPERTS,) and viewed.correction_bias.data_ptr() == param.data_ptr()
 
 
 def test_dtype_casts_and_state_dict():
