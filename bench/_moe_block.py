@@ -25,14 +25,14 @@ Methods of a point (`block_methods`):
   casts the weight to float32 in the router: the weight holds bf16 values here, so both compute the same). Random
   weights (std 0.02), random correction bias (std `BIAS_STD`).
 - ``ours_<scheme>`` (scheme ``int8`` per-channel, ``fp8`` per-channel, ``block`` 128 x 128 block fp8: the
-  checkpoints' format): the same float32 router logits (the same F.linear on the same weight), then
-  ``moe_route(logits, top_k, scoring="sigmoid", correction_bias=..., n_group=..., topk_group=..., renormalize=...,
-  scaling_factor=...)`` (one kernel), the routed experts as a `W8A8MoE` called with the ids and weights, plus the
-  shared expert as two `W8A8Linear` (gate|up fused, then ``silu_mul_quant`` into down, as ``optimize_`` runs a
-  SwiGLU MLP).
-- ``ours_<scheme>_fused``: the shared expert as expert E of a `W8A8MoE` of E + 1 experts, every token routed to it
-  with weight 1.0 (ids / weights extended by one column in the graph): one grouped GEMM pair for both. The issue
-  asks which is faster; the report says it per T.
+  checkpoints' format): the same float32 router logits (the same F.linear on the same weight), then the routed
+  experts as a `W8A8MoE` with the block's routing (``scoring="sigmoid"``, ``correction_bias``, ``n_group``,
+  ``topk_group``, ``renormalize``, ``scaling_factor``) in router-logits mode, ``layer(x, logits)``: its `route`
+  is ``moe_route`` (one kernel), then the experts' chain; plus the shared expert as two `W8A8Linear` (gate|up
+  fused, then ``silu_mul_quant`` into down, as ``optimize_`` runs a SwiGLU MLP).
+- ``ours_<scheme>_fused``: the same routing (``layer.route(logits)``), then the shared expert as expert E of a
+  `W8A8MoE` of E + 1 experts, every token routed to it with weight 1.0 (ids / weights extended by one column in the
+  graph): one grouped GEMM pair for both. The issue asks which is faster; the report says it per T.
 
 The routed experts' quantized weights are shared by ``ours_<scheme>`` and ``ours_<scheme>_fused`` (views of the first
 E experts of the E + 1), quantized on the device by `cutlass_w8a8.moe.quantize_expert_weights` (what
@@ -51,7 +51,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -104,15 +104,6 @@ def scheme_config(cw: Any, scheme: str):
     return cw.W8A8Config(dtype=torch.float8_e4m3fn, weight_block_size=(128, 128))
 
 
-def moe_route_op(cw: Any) -> Callable:
-    """``cutlass_w8a8``'s routing op (``moe_route``); RuntimeError when this tree has none."""
-    fn = getattr(cw, "moe_route", None) or getattr(getattr(getattr(cw, "ops", None), "moe", None), "moe_route", None)
-    if fn is None:
-        raise RuntimeError("cutlass_w8a8 has no moe_route (issue 35's routing op) in this tree: the block part "
-                           "cannot route with our op")
-    return fn
-
-
 def hf_block(spec: BlockModel, device: str, gen: torch.Generator) -> nn.Module:
     """transformers' block (``spec.block``) built from ``spec.config`` on ``device``: experts and shared expert bf16
     (random, std 0.02, from ``gen``), experts_implementation ``grouped_mm``; router weight float32 holding bf16
@@ -162,34 +153,36 @@ class SharedSwiGLU(nn.Module):
 
 
 class OursBlock(nn.Module):
-    """Our MoE block: transformers' float32 router logits, ``route`` (``moe_route``), the routed experts
-    (`W8A8MoE`, called with ids and weights) and the shared expert, either ``shared`` (a `SharedSwiGLU`, its output
-    added) or, with ``shared`` None, expert ``shared_id`` of ``experts`` that every token is routed to with weight
-    1.0."""
+    """Our MoE block: transformers' float32 router logits, then ``routed`` (a `W8A8MoE` holding the block's routing)
+    in router-logits mode plus ``shared`` (a `SharedSwiGLU`); or, given ``fused`` (a `W8A8MoE` of E + 1 experts,
+    the shared expert last), ``routed.route`` then ``fused`` with every token also routed to expert E, weight 1.0."""
 
-    def __init__(self, spec: BlockModel, gate_weight: torch.Tensor, bias: torch.Tensor, route: Callable,
-                 experts: nn.Module, shared: Optional[nn.Module]):
+    def __init__(self, gate_weight: torch.Tensor, routed: nn.Module, shared: Optional[nn.Module] = None,
+                 fused: Optional[nn.Module] = None):
         super().__init__()
-        self.spec, self.gate_weight, self.bias, self.route = spec, gate_weight, bias, route
-        self.experts, self.shared = experts, shared
+        if (shared is None) == (fused is None):
+            raise ValueError("OursBlock: give the shared expert either as `shared` or inside `fused`")
+        self.gate_weight = gate_weight
+        self.routed, self.shared, self.fused = routed, shared, fused
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.gate_weight)  # transformers' router: a float32 GEMM
 
     def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights float32 [T, k], ids int32 [T, k])`` of hidden states ``x`` ``[T, H]``."""
-        s = self.spec
-        logits = F.linear(x.float(), self.gate_weight)  # transformers' router: float32 GEMM
-        return self.route(logits, s.top_k, scoring="sigmoid", correction_bias=self.bias, n_group=s.n_group,
-                          topk_group=s.topk_group, renormalize=s.renormalize, scaling_factor=s.scaling)
+        return self.routed.route(self.logits(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, ids = self.routing(x)
-        if self.shared is None:
-            ids = F.pad(ids, (0, 1), value=self.spec.experts)
-            w = F.pad(w, (0, 1), value=1.0)
-            return self.experts(x, ids, w)
-        return self.experts(x, ids, w) + self.shared(x)
+        logits = self.logits(x)
+        if self.fused is None:
+            return self.routed(x, logits) + self.shared(x)
+        w, ids = self.routed.route(logits)
+        ids = F.pad(ids, (0, 1), value=self.routed.num_experts)
+        w = F.pad(w, (0, 1), value=1.0)
+        return self.fused(x, ids, w)
 
 
-def build_ours(cw: Any, block: nn.Module, spec: BlockModel, scheme: str, route: Callable) -> dict[str, OursBlock]:
+def build_ours(cw: Any, block: nn.Module, spec: BlockModel, scheme: str) -> dict[str, OursBlock]:
     """``{"ours_<scheme>": separate shared expert, "ours_<scheme>_fused": shared expert as expert E}`` of
     transformers' ``block``, the routed experts' 8-bit weights shared by both."""
     cfg = scheme_config(cw, scheme)
@@ -209,19 +202,22 @@ def build_ours(cw: Any, block: nn.Module, spec: BlockModel, scheme: str, route: 
             q, s = qx(w[None], cfg.dtype, cfg.weight_block_size)
             getattr(fused, name)[e:].copy_(q)
             getattr(fused, f"{name}_scale")[e:].copy_(s)
-    routed = cw.W8A8MoE(e, spec.top_k, h, i, cfg, renormalize=spec.renormalize, device="meta")
+    gate = block.gate
+    routed = cw.W8A8MoE(e, spec.top_k, h, i, cfg, renormalize=spec.renormalize, device="meta", scoring="sigmoid",
+                        n_group=spec.n_group, topk_group=spec.topk_group, scaling_factor=spec.scaling,
+                        correction_bias=gate.e_score_correction_bias)
     for name in ("w13", "w2", "w13_scale", "w2_scale"):
         setattr(routed, name, getattr(fused, name)[:e])
-    gate_w, bias = block.gate.weight, block.gate.e_score_correction_bias
-    return {f"ours_{scheme}": OursBlock(spec, gate_w, bias, route, routed, SharedSwiGLU(cw, sh, cfg)),
-            f"ours_{scheme}_fused": OursBlock(spec, gate_w, bias, route, fused, None)}
+    routed.correction_bias = gate.e_score_correction_bias  # the router's tensor (the meta build made a meta copy)
+    return {f"ours_{scheme}": OursBlock(gate.weight, routed, shared=SharedSwiGLU(cw, sh, cfg)),
+            f"ours_{scheme}_fused": OursBlock(gate.weight, routed, fused=fused)}
 
 
 def expert_bytes(mod: nn.Module) -> int:
     """Bytes of one expert's weights and scales: our `OursBlock`'s (``w13``, ``w2`` and their scales) or
     transformers' block's (``gate_up_proj`` and ``down_proj``)."""
     if isinstance(mod, OursBlock):
-        x = mod.experts
+        x = mod.routed
         return sum(tensor_bytes(getattr(x, n)[0]) for n in ("w13", "w2", "w13_scale", "w2_scale"))
     return sum(tensor_bytes(p[0]) for p in (mod.experts.gate_up_proj, mod.experts.down_proj))
 
@@ -303,12 +299,7 @@ def run_block(args: argparse.Namespace, cw: Any, bu: Any, results: dict, device:
     weights at a time (freed before the next)."""
     cgen = torch.Generator(device=device).manual_seed(args.seed + 2)
     errs = results.setdefault("block_errors", {})
-    try:
-        route = moe_route_op(cw)
-        results["block_routing"] = f"{route.__module__}.{route.__name__}"
-    except RuntimeError as exc:
-        errs["moe_route"] = str(exc)
-        return
+    results["block_routing"] = "W8A8MoE.route (cutlass_w8a8.ops.moe.moe_route, sigmoid scoring)"
     for model in args.block_models:
         spec = BLOCK_MODELS[model]
         try:
@@ -319,7 +310,7 @@ def run_block(args: argparse.Namespace, cw: Any, bu: Any, results: dict, device:
         methods: dict[str, nn.Module] = {"hf_block": hf}
         for scheme in SCHEMES:
             try:
-                methods.update(build_ours(cw, hf, spec, scheme, route))
+                methods.update(build_ours(cw, hf, spec, scheme))
             except Exception as exc:  # noqa: BLE001
                 if f"ours_{scheme}" not in BLOCK_OPTIONAL:
                     raise
@@ -328,7 +319,7 @@ def run_block(args: argparse.Namespace, cw: Any, bu: Any, results: dict, device:
         results.setdefault("block_models", {})[model] = {
             **dataclasses.asdict(spec),
             "weight_bytes": {"hf_block": tensor_bytes(hf),
-                             **{f"ours_{s}": tensor_bytes(methods[f"ours_{s}_fused"].experts)
+                             **{f"ours_{s}": tensor_bytes(methods[f"ours_{s}_fused"].fused)
                                 + tensor_bytes(methods[f"ours_{s}"].shared) for s in SCHEMES
                                 if f"ours_{s}" in methods}}}
         for t in args.block_tokens:

@@ -21,7 +21,7 @@ from _bench_cpu import BENCH, FakeEvent
 #: bench/bench_moe.py and the siblings it imports by name, in import order (as tests/bench/test_bench_moe_cpu.py)
 MODULES = ("_moe_common", "_moe_block", "_moe_report", "bench_moe")
 
-needs_moe = pytest.mark.skipif(not hasattr(cw, "grouped_scaled_mm"), reason="no W8A8MoE ops in this tree")
+needs_moe = pytest.mark.skipif(not hasattr(cw, "moe_route"), reason="no moe_route (issue 35) in this tree")
 
 
 @pytest.fixture(scope="module")
@@ -35,33 +35,6 @@ def mods():
             spec.loader.exec_module(mod)
             loaded[name] = mod
         yield SimpleNamespace(block=loaded["_moe_block"], report=loaded["_moe_report"], main=loaded["bench_moe"])
-
-
-def reference_route(logits, top_k, *, scoring, correction_bias, n_group, topk_group, renormalize, scaling_factor):
-    """The routing of DeepSeek-V3 / GLM-4.5 written out in torch (the tests' reference, used where this tree has no
-    moe_route yet): sigmoid scores, the biased scores choose (the best ``topk_group`` groups by the sum of their two
-    best, then top-k inside), the weights are the unbiased scores, renormalized, times ``scaling_factor``."""
-    assert scoring == "sigmoid"
-    scores = logits.float().sigmoid()
-    choice = scores + correction_bias
-    t, e = choice.shape
-    group_score = choice.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(-1)
-    keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, group_score.topk(topk_group, dim=-1).indices,
-                                                                   True)
-    choice = choice.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), float("-inf"))
-    ids = choice.topk(top_k, dim=-1).indices
-    w = scores.gather(1, ids)
-    if renormalize:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return w * scaling_factor, ids.to(torch.int32)
-
-
-def _route(block):
-    """This tree's moe_route, else `reference_route`."""
-    try:
-        return block.moe_route_op(cw)
-    except RuntimeError:
-        return reference_route
 
 
 def _tiny(block):
@@ -88,19 +61,15 @@ def test_block_models_are_the_config_defaults(mods):
                                    c.norm_topk_prob), name
 
 
-def test_no_moe_route_is_a_clear_error(mods):
-    with pytest.raises(RuntimeError, match="moe_route"):
-        mods.block.moe_route_op(SimpleNamespace(ops=SimpleNamespace(moe=SimpleNamespace())))
-
-
 @needs_moe
 @pytest.mark.parametrize("model", ["deepseek-v3", "glm-4.5-air"])
 def test_ours_built_from_transformers_block(mods, model):
     """transformers' block: bf16 experts and shared expert, float32 router holding bf16 values, a non-zero bias. Ours,
-    per scheme: both placements share the routed experts' storage; expert E of the fused layer is the shared
-    expert's [gate; up] / down quantized as the package quantizes an expert; our routing equals transformers' router's
-    (ids as sets, weights to float32 rounding); both placements agree with each other and with the bf16 block within
-    the experts layer's bound."""
+    per scheme: both placements share the routed layer (its routing: the router's own bias tensor) and its experts'
+    storage with the first E experts of the fused layer; expert E of the fused layer is the shared expert's
+    [gate; up] / down quantized as the package quantizes an expert; our routing equals transformers' router's (ids
+    as sets, weights to float32 rounding); both placements agree with each other and with the bf16 block within the
+    experts layer's bound."""
     pytest.importorskip("transformers")
     b = mods.block
     spec = _tiny(b)[model]
@@ -110,23 +79,26 @@ def test_ours_built_from_transformers_block(mods, model):
     gw = hf.gate.weight
     assert gw.dtype == torch.float32 and torch.equal(gw, gw.to(torch.bfloat16).float())
     assert hf.gate.e_score_correction_bias.dtype == torch.float32 and bool(hf.gate.e_score_correction_bias.abs().max() > 0)
-    route = _route(b)
     x = torch.randn(7, spec.hidden, generator=gen).to(torch.bfloat16)
     ref = hf(x).float()
     _, w_ref, ids_ref = hf.gate(x)
     sh = hf.shared_experts
     for scheme in b.SCHEMES:
         cfg = b.scheme_config(cw, scheme)
-        built = b.build_ours(cw, hf, spec, scheme, route)
+        built = b.build_ours(cw, hf, spec, scheme)
         sep, fused = built[f"ours_{scheme}"], built[f"ours_{scheme}_fused"]
-        assert fused.experts.num_experts == spec.experts + 1 and fused.shared is None
+        assert fused.routed is sep.routed and fused.shared is None and sep.fused is None
+        assert sep.routed.correction_bias is hf.gate.e_score_correction_bias and sep.routed.scoring == "sigmoid"
+        assert (sep.routed.n_group, sep.routed.topk_group, sep.routed.scaling_factor) == (spec.n_group,
+                                                                                          spec.topk_group, spec.scaling)
+        assert fused.fused.num_experts == spec.experts + 1
         for name in ("w13", "w2", "w13_scale", "w2_scale"):
-            assert getattr(sep.experts, name).data_ptr() == getattr(fused.experts, name).data_ptr()
-            assert getattr(sep.experts, name).shape[0] == spec.experts
+            assert getattr(sep.routed, name).data_ptr() == getattr(fused.fused, name).data_ptr()
+            assert getattr(sep.routed, name).shape[0] == spec.experts
         q, s = cw.moe.quantize_expert_weights(torch.cat([sh.gate_proj.weight, sh.up_proj.weight])[None], cfg.dtype,
                                               cfg.weight_block_size)
-        assert torch.equal(fused.experts.w13[spec.experts:].view(torch.uint8), q.view(torch.uint8))
-        assert torch.equal(fused.experts.w13_scale[spec.experts:], s)
+        assert torch.equal(fused.fused.w13[spec.experts:].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(fused.fused.w13_scale[spec.experts:], s)
         assert torch.equal(sep.shared.gate_up.weight.view(torch.uint8), q[0].view(torch.uint8))
         w, ids = sep.routing(x)
         order, order_ref = ids.long().argsort(1), ids_ref.argsort(1)
@@ -228,8 +200,6 @@ def test_block_flow_on_cpu(mods, monkeypatch):
     monkeypatch.setattr(main, "DEVICE", "cpu")
     monkeypatch.setattr(b, "BLOCK_MODELS", _tiny(b))
     monkeypatch.setattr(b, "BLOCK_SETS", 2)
-    route = _route(b)
-    monkeypatch.setattr(b, "moe_route_op", lambda cw_: route)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     monkeypatch.setattr(main, "provenance", lambda device, root: {"device": device, "git_commit": None})
