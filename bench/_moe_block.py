@@ -308,7 +308,7 @@ def run_block(args: argparse.Namespace, cw: Any, bu: Any, results: dict, device:
             errs[model] = f"transformers' {spec.block}: {short_error(exc)}"
             continue
         methods: dict[str, nn.Module] = {"hf_block": hf}
-        for scheme in SCHEMES:
+        for scheme in args.block_schemes:
             try:
                 methods.update(build_ours(cw, hf, spec, scheme))
             except Exception as exc:  # noqa: BLE001

@@ -224,8 +224,8 @@ def block_markdown(results: dict[str, Any]) -> list[str]:
              f"Routing: ours {results.get('block_routing', '–')} on transformers' float32 router logits; "
              "transformers: its router module. Graph times in us; sep = the shared expert as W8A8Linear SwiGLU, "
              "fused = the shared expert as expert E of the grouped GEMM (weight 1.0); x hf = transformers' bf16 block "
-             "time / ours; block read % = the hit experts' (and the shared expert's) weight bytes / time / read rate (T <= "
-             f"{DECODE_T}); route diff = tokens whose experts differ from transformers' router (set 0).", ""]
+             "time / ours; block read % = the hit experts' (and the shared expert's) weight bytes / time / read rate "
+             f"(T <= {DECODE_T}); route diff = tokens whose experts differ from transformers' router (set 0).", ""]
     for model, info in results.get("block_models", {}).items():
         gb = ", ".join(f"{m} {v / 1e9:.1f} GB" for m, v in info["weight_bytes"].items())
         lines.append(f"- {model}: transformers {info['block']}, {info['experts']} experts of {info['intermediate']}, "
@@ -240,8 +240,9 @@ def block_markdown(results: dict[str, Any]) -> list[str]:
         err = max(p["rel_err_vs_hf_bf16"].values(), default=None)
         lines.append(f"| {p['model']} | {p['T']} | {_f(p.get('experts_hit_mean'), '.1f')} | {_us(p, 'hf_block')} | "
                      + " | ".join(_us(p, m) for m in OURS_BLOCK)
-                     + f" | {_f(d.get('ours_block_x_hf_block'), '.2f')} | {_f(d.get('ours_block_fused_x_hf_block'), '.2f')}"
-                     f" | {_pct(d.get('ours_block_read_fraction'), 'ours_block read fraction')} | {_f(err)} | "
+                     + f" | {_f(d.get('ours_block_x_hf_block'), '.2f')} | "
+                     f"{_f(d.get('ours_block_fused_x_hf_block'), '.2f')} | "
+                     f"{_pct(d.get('ours_block_read_fraction'), 'ours_block read fraction')} | {_f(err)} | "
                      f"{_f(p.get('routing_check', {}).get('mismatch_fraction'), '.2%')} |")
     lines += ["", "### Shared expert: separate W8A8Linear SwiGLU or expert E of the grouped GEMM", "",
               "Each cell: separate time / fused time (> 1: fused faster), and the faster.", "",

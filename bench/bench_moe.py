@@ -3,7 +3,8 @@ dims, and the whole MoE block with its routing and shared expert at DeepSeek-V3 
 
 Models (``--models``): ``qwen3-30b-a3b`` (E 128, top-8, H 2048, I 768) and ``mixtral-8x7b`` (E 8, top-2, H 4096,
 I 14336), the defaults of the gemm and layer parts; ``deepseek-v3`` (E 256, top-8, H 7168, I 2048) and
-``glm-4.5-air`` (E 128, top-8, H 4096, I 1408), the block part's (and usable by the other two). T = tokens, from 1 to 8192 (``--tokens``); rows = T * top_k; the routing of every token is k distinct
+``glm-4.5-air`` (E 128, top-8, H 4096, I 1408), the block part's (and usable by the other two). In the gemm and
+layer parts, T = tokens, from 1 to 8192 (``--tokens``); rows = T * top_k; the routing of every token is k distinct
 experts drawn uniformly at random (seeded), the rows sorted by expert, ``offsets`` = the cumulative counts (int32).
 
 Part ``gemm`` (the grouped GEMM alone, on the w13 GEMM, N = 2I, K = H, and the w2 GEMM, N = H, K = I):
@@ -42,7 +43,8 @@ logits, ``moe_route`` (sigmoid, correction bias, grouped top-k, renormalized, sc
 `W8A8MoE` (int8, fp8, block fp8), and the shared expert either as W8A8Linear SwiGLU (``ours_<scheme>``) or as expert E
 of the grouped GEMM (``ours_<scheme>_fused``); which placement is faster is reported per T. T 1 to 4096
 (``--block-tokens``); each input set its own hidden states, so its own routing. Memory at DeepSeek-V3 dims: 22.5 GB of
-bf16 experts plus 11.3 GB per scheme (the two placements share the routed experts), about 57 GB.
+bf16 experts plus 11.3 GB per scheme (the two placements share the routed experts), about 57 GB; fewer schemes with
+``--block-schemes``.
 
 Timing (`cutlass_w8a8.testing.timers.bench_gpu_time_interleaved`, as bench_gemm.py): CUDA-graph replays of R calls
 over rotating input sets (each with its own routing, so the active experts change from call to call and the
@@ -82,7 +84,7 @@ from cutlass_w8a8.testing.report import AccuracyError, provenance, publish, requ
 
 # bench/ is on sys.path (python bench/bench_moe.py): the helpers shared by the parts, and the derived numbers, targets
 # and reports
-from _moe_block import BLOCK_MODELS, run_block
+from _moe_block import BLOCK_MODELS, SCHEMES, run_block
 from _moe_common import rel_err, short_error, sync, time_cases, time_eager
 from _moe_report import OURS_LAYER, derive, plot_results, render_markdown
 
@@ -140,6 +142,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--block-tokens", type=int_list(), default=None, metavar="LIST",
                         help=f"tokens T of the block part (default {','.join(map(str, BLOCK_TOKENS))}; --quick "
                              f"{','.join(map(str, QUICK_BLOCK_TOKENS))})")
+    parser.add_argument("--block-schemes", type=name_list(SCHEMES, ordered=True), default=list(SCHEMES),
+                        metavar="LIST", help=f"our schemes in the block part, among {','.join(SCHEMES)} (default all; "
+                        "each holds its own 8-bit experts: 11.3 GB at DeepSeek-V3 dims)")
     parser.add_argument("--quick", action="store_true", help="fewer T and replays")
     parser.add_argument("--eager-max-t", type=int, default=256,
                         help="eager timings at T <= this (default 256; 0: never): transformers' eager experts (not "
@@ -544,7 +549,7 @@ def run(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any]:
         "models": {m: dict(zip(("E", "top_k", "H", "I", "renormalize"), MOE_MODELS[m])) for m in args.models
                    if {"gemm", "layer"} & set(args.parts)},
         "parts": args.parts, "tokens": args.tokens, "layer_tokens": args.layer_tokens,
-        "block_tokens": args.block_tokens,
+        "block_tokens": args.block_tokens, "block_schemes": args.block_schemes,
         "timing": {"method": "CUDA-graph replay over rotating input sets (own routing each), methods interleaved, "
                              "median replay / calls", "replays": args.replays, "replay_ms": args.replay_ms},
         "tolerances": {"gemm_rel_vs_fp64": GEMM_REL_TOL, "layer_rel_vs_hf_bf16": LAYER_REL_TOL,

@@ -50,9 +50,11 @@ def test_block_models_are_the_config_defaults(mods):
     GLM-4.5-Air's), and the issue's numbers."""
     transformers = pytest.importorskip("transformers")
     spec = mods.block.BLOCK_MODELS
-    assert (spec["deepseek-v3"].experts, spec["deepseek-v3"].intermediate, spec["deepseek-v3"].hidden) == (256, 2048, 7168)
-    assert (spec["deepseek-v3"].n_group, spec["deepseek-v3"].topk_group, spec["deepseek-v3"].scaling) == (8, 4, 2.5)
-    assert (spec["glm-4.5-air"].experts, spec["glm-4.5-air"].intermediate, spec["glm-4.5-air"].hidden) == (128, 1408, 4096)
+    ds, glm = spec["deepseek-v3"], spec["glm-4.5-air"]
+    assert (ds.experts, ds.top_k, ds.intermediate, ds.hidden, ds.shared) == (256, 8, 2048, 7168, 1)
+    assert (ds.n_group, ds.topk_group, ds.scaling) == (8, 4, 2.5)
+    assert (glm.experts, glm.top_k, glm.intermediate, glm.hidden, glm.shared) == (128, 8, 1408, 4096, 1)
+    assert (glm.n_group, glm.topk_group, glm.scaling) == (1, 1, 1.0)
     for name, s in spec.items():
         c = getattr(transformers, s.config)()
         assert (s.experts, s.top_k, s.hidden, s.intermediate, s.n_group, s.topk_group, s.scaling, s.shared,
@@ -75,10 +77,12 @@ def test_ours_built_from_transformers_block(mods, model):
     spec = _tiny(b)[model]
     gen = torch.Generator().manual_seed(3)
     hf = b.hf_block(spec, "cpu", gen)
-    assert hf.experts.gate_up_proj.dtype == torch.bfloat16 and hf.shared_experts.down_proj.weight.dtype == torch.bfloat16
+    assert hf.experts.gate_up_proj.dtype == torch.bfloat16
+    assert hf.shared_experts.down_proj.weight.dtype == torch.bfloat16
     gw = hf.gate.weight
     assert gw.dtype == torch.float32 and torch.equal(gw, gw.to(torch.bfloat16).float())
-    assert hf.gate.e_score_correction_bias.dtype == torch.float32 and bool(hf.gate.e_score_correction_bias.abs().max() > 0)
+    bias = hf.gate.e_score_correction_bias
+    assert bias.dtype == torch.float32 and bool(bias.abs().max() > 0)
     x = torch.randn(7, spec.hidden, generator=gen).to(torch.bfloat16)
     ref = hf(x).float()
     _, w_ref, ids_ref = hf.gate(x)
@@ -154,7 +158,8 @@ def test_block_derive_targets_and_report(mods, tmp_path):
     assert items["block_ours_block_T4096"]["value"] == pytest.approx(1.8) and items["block_ours_block_T4096"]["met"]
     assert items["block_ours_block_fused_T4096"]["met"] is True  # 9 / 5.5 = 1.64 >= 1.5
     md = r.render_markdown(res)
-    assert "## MoE block, routing and shared expert included (issue 35)" in md and "cutlass_w8a8.ops.moe.moe_route" in md
+    assert "## MoE block, routing and shared expert included (issue 35)" in md
+    assert "cutlass_w8a8.ops.moe.moe_route" in md
     assert "| deepseek-v3 | 1 | 1.00 (separate) | 1.00 (separate) | 1.07 (fused) |" in md
     assert "- deepseek-v3 block: the shared expert is faster fused at T = 1; separate at T = 4096" in md
     assert "glm-4.5-air ours_block: RuntimeError: x" in md and "hf_block 22.5 GB" in md
@@ -194,7 +199,8 @@ def _fake_timers():
 def test_block_flow_on_cpu(mods, monkeypatch):
     """`run` with ``--parts block`` at tiny DeepSeek-like and GLM-like dims on the CPU references: every point checks
     the routing against transformers' router (no token differs) and every ours against the bf16 block, times
-    transformers' block and the six ours, eager-times the block ones at T = 1; the targets and the report come out."""
+    transformers' block and the six ours, eager-times the block ones at T = 1; the targets and the report come out.
+    ``--block-schemes block`` builds and times that scheme only."""
     pytest.importorskip("transformers")
     b, main = mods.block, mods.main
     monkeypatch.setattr(main, "DEVICE", "cpu")
@@ -220,3 +226,9 @@ def test_block_flow_on_cpu(mods, monkeypatch):
     assert info["experts"] == 16 and info["weight_bytes"]["hf_block"] > info["weight_bytes"]["ours_block"]
     assert {it["key"] for it in res["targets"]["items"]} >= {"block_ours_block_T1", "block_ours_block_fused_T1"}
     assert "### Shared expert" in main.render_markdown(res)
+    args = main.parse_args(["--parts", "block", "--models", "glm-4.5-air", "--block-tokens", "1", "--block-schemes",
+                            "block", "--replays", "1", "--eager-max-t", "0"])
+    res = main.run(args, cw, _fake_timers())
+    (p,) = res["block_points"]
+    assert set(p["time_ms"]) == {"hf_block", "ours_block", "ours_block_fused"} and p["eager_ms"] == {}
+    assert set(res["block_models"]["glm-4.5-air"]["weight_bytes"]) == {"hf_block", "ours_block"}

@@ -54,13 +54,16 @@ def test_parse_args(bench):
     assert bench.parse_args(["--models", "deepseek-v3,qwen3-30b-a3b"]).block_models == ["deepseek-v3"]
     assert bench.parse_args(["--models", "qwen3-30b-a3b"]).parts == ["gemm", "layer"]  # none of the block's models
     assert bench.parse_args(["--models", "glm-4.5-air", "--block-tokens", "4,1"]).block_tokens == [1, 4]
+    assert a.block_schemes == ["int8", "fp8", "block"]
+    assert bench.parse_args(["--block-schemes", "block,int8"]).block_schemes == ["int8", "block"]
     assert bench.parse_args(["--tokens", "64,1,64"]).tokens == [1, 64]
     assert bench.MOE_MODELS["qwen3-30b-a3b"][:4] == (128, 8, 2048, 768)
     assert bench.MOE_MODELS["mixtral-8x7b"][:4] == (8, 2, 4096, 14336)
     assert bench.MOE_MODELS["deepseek-v3"][:4] == (256, 8, 7168, 2048)
     assert bench.MOE_MODELS["glm-4.5-air"][:4] == (128, 8, 4096, 1408)
     for bad in (["--models", "llama"], ["--parts", "x"], ["--tokens", "0"], ["--replays", "0"], ["--eager-steps", "0"],
-                ["--parts", "block", "--models", "qwen3-30b-a3b"], ["--block-tokens", "0"]):
+                ["--parts", "block", "--models", "qwen3-30b-a3b"], ["--block-tokens", "0"],
+                ["--block-schemes", "int4"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 
