@@ -1,7 +1,10 @@
-"""MoE benchmark (issue 27): the grouped GEMM alone and the whole MoE layer, at Qwen3-30B-A3B and Mixtral-8x7B dims.
+"""MoE benchmark (issues 27 and 35): the grouped GEMM alone and the experts layer at Qwen3-30B-A3B and Mixtral-8x7B
+dims, and the whole MoE block with its routing and shared expert at DeepSeek-V3 and GLM-4.5-Air dims.
 
 Models (``--models``): ``qwen3-30b-a3b`` (E 128, top-8, H 2048, I 768) and ``mixtral-8x7b`` (E 8, top-2, H 4096,
-I 14336). T = tokens, from 1 to 8192 (``--tokens``); rows = T * top_k; the routing of every token is k distinct
+I 14336), the defaults of the gemm and layer parts; ``deepseek-v3`` (E 256, top-8, H 7168, I 2048) and
+``glm-4.5-air`` (E 128, top-8, H 4096, I 1408), the block part's (and usable by the other two). In the gemm and
+layer parts, T = tokens, from 1 to 8192 (``--tokens``); rows = T * top_k; the routing of every token is k distinct
 experts drawn uniformly at random (seeded), the rows sorted by expert, ``offsets`` = the cumulative counts (int32).
 
 Part ``gemm`` (the grouped GEMM alone, on the w13 GEMM, N = 2I, K = H, and the w2 GEMM, N = H, K = I):
@@ -34,6 +37,15 @@ Part ``layer`` (the whole experts module, the routing given as ``top_k_index`` /
   routing back to the host, so it cannot be captured); timed with CUDA events around eager calls, host launches
   included, at T <= ``--eager-max-t`` only.
 
+Part ``block`` (issue 35; bench/_moe_block.py says it in full): transformers' bf16 ``DeepseekV3MoE`` /
+``Glm4MoeMoE`` (float32 router, grouped_mm experts, bf16 shared expert) against ours: the same float32 router
+logits, ``moe_route`` (sigmoid, correction bias, grouped top-k, renormalized, scaled), the routed experts as a
+`W8A8MoE` (int8, fp8, block fp8), and the shared expert either as W8A8Linear SwiGLU (``ours_<scheme>``) or as expert E
+of the grouped GEMM (``ours_<scheme>_fused``); which placement is faster is reported per T. T 1 to 4096
+(``--block-tokens``); each input set its own hidden states, so its own routing. Memory at DeepSeek-V3 dims: 22.5 GB of
+bf16 experts plus 11.3 GB per scheme (the two placements share the routed experts), about 57 GB; fewer schemes with
+``--block-schemes``.
+
 Timing (`cutlass_w8a8.testing.timers.bench_gpu_time_interleaved`, as bench_gemm.py): CUDA-graph replays of R calls
 over rotating input sets (each with its own routing, so the active experts change from call to call and the
 weights are read cold), the methods of a point captured first and their replays interleaved; the median replay / R.
@@ -42,15 +54,18 @@ beside its graph time for ours.
 
 Targets (issue 27): grouped GEMM ours >= 1.0x torch_fp8 at every T >= 64 and geomean >= 1.2x; at T <= 16 the active
 weights streamed at >= 80% of the read rate; the MoE layer (ours vs transformers' bf16 grouped_mm experts, graphs)
->= 1.8x at T = 1 (Qwen3-30B-A3B dims) and >= 1.4x at T = 4096.
+>= 1.8x at T = 1 (Qwen3-30B-A3B dims) and >= 1.4x at T = 4096. Issue 35: the MoE block at DeepSeek-V3 dims, routing
+included, ours_block (the checkpoints' block fp8) >= 2.5x transformers' bf16 block at T = 1 and >= 1.5x at T = 4096
+(judged for both shared-expert placements).
 
 Writes ``moe_<device>.json``, ``.md`` and ``.png`` to ``--out``.
 
 Examples::
 
-    python bench/bench_moe.py --quick          # ~60 s on an H100
-    python bench/bench_moe.py                  # every T, ~150 s
+    python bench/bench_moe.py --quick          # all three parts, fewer T and replays
+    python bench/bench_moe.py                  # every T
     python bench/bench_moe.py --parts layer --models qwen3-30b-a3b --tokens 1,4096
+    python bench/bench_moe.py --parts block --models deepseek-v3,glm-4.5-air --quick
 """
 
 from __future__ import annotations
@@ -65,32 +80,38 @@ from typing import Any, Callable, Optional
 import torch
 
 from cutlass_w8a8.testing.cli import int_list, name_list
-from cutlass_w8a8.testing.physical import judge, mark, physical_check, verdict
-from cutlass_w8a8.testing.report import (AccuracyError, provenance, publish, require_cuda_extension, run_checked,
-                                         save_figure)
+from cutlass_w8a8.testing.report import AccuracyError, provenance, publish, require_cuda_extension, run_checked
+
+# bench/ is on sys.path (python bench/bench_moe.py): the helpers shared by the parts, and the derived numbers, targets
+# and reports
+from _moe_block import BLOCK_MODELS, SCHEMES, run_block
+from _moe_common import rel_err, short_error, sync, time_cases, time_eager
+from _moe_report import OURS_LAYER, derive, plot_results, render_markdown
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICE = "cuda"  # tests run the flow on the CPU (the ops' references) by setting this
 
-# name -> (num_experts, top_k, hidden, intermediate, renormalize)
-MOE_MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768, True), "mixtral-8x7b": (8, 2, 4096, 14336, True)}
-PARTS = ("gemm", "layer")
+# name -> (num_experts, top_k, hidden, intermediate, renormalize): the dims of the gemm and layer parts
+MOE_MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768, True), "mixtral-8x7b": (8, 2, 4096, 14336, True),
+              **{m: (b.experts, b.top_k, b.hidden, b.intermediate, b.renormalize) for m, b in BLOCK_MODELS.items()}}
+MODELS = tuple(MOE_MODELS)  # the block part's models (BLOCK_MODELS) are among them
+DEFAULT_MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")  # of the gemm and layer parts; the block part: BLOCK_MODELS
+PARTS = ("gemm", "layer", "block")
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 QUICK_TOKENS = (1, 16, 64, 512, 4096)
 LAYER_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 QUICK_LAYER_TOKENS = (1, 16, 256, 4096)
+BLOCK_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+QUICK_BLOCK_TOKENS = (1, 4096)
 GEMM_METHODS = ("ours_int8", "ours_fp8", "ours_block", "torch_fp8", "torch_bf16")
-OURS_GEMM = ("ours_int8", "ours_fp8", "ours_block")
 LAYER_METHODS = ("ours_int8", "ours_fp8", "ours_block", "hf_grouped_mm", "hf_eager")
-OURS_LAYER = ("ours_int8", "ours_fp8", "ours_block")
 OPTIONAL = frozenset({"ours_block", "torch_fp8", "torch_bf16", "hf_grouped_mm", "hf_eager"})
-DECODE_T = 16
 LAYER_SETS = 8  # rotating input sets (routings) of a layer point
 GEMM_REL_TOL = 2e-2      # ours vs float64 of the dequantized operands (bf16 output rounding, fp8 accumulation)
 LAYER_REL_TOL = 1.5e-1   # ours vs transformers' bf16 experts (8-bit quantization of weights and activations)
-TARGET_X_TORCH_MIN, TARGET_X_TORCH_GEOMEAN, TARGET_X_TORCH_FROM_T = 1.0, 1.2, 64
-TARGET_READ_FRACTION = 0.8
-TARGET_LAYER = ((1, "qwen3-30b-a3b", 1.8), (4096, "qwen3-30b-a3b", 1.4))
+# ours vs transformers' bf16 block: the same routing (checked), so a weighted sum of expert outputs with the layer's
+# error each, plus the shared expert's (independent errors: the sum's relative error is at most the largest one's)
+BLOCK_REL_TOL = LAYER_REL_TOL
 
 
 
@@ -101,21 +122,33 @@ TARGET_LAYER = ((1, "qwen3-30b-a3b", 1.8), (4096, "qwen3-30b-a3b", 1.4))
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="MoE grouped GEMM (ours int8 / fp8 / block fp8 vs torch's fp8 scaled_grouped_mm and bf16 "
-                    "_grouped_mm) and the whole MoE layer (W8A8MoE vs transformers' bf16 experts) at Qwen3-30B-A3B "
-                    "and Mixtral-8x7B dims, cold-L2 CUDA-graph timing.")
-    parser.add_argument("--models", type=name_list(tuple(MOE_MODELS), ordered=True), default=list(MOE_MODELS),
-                        metavar="LIST", help=f"comma-separated among {','.join(MOE_MODELS)} (default: both)")
-    parser.add_argument("--parts", type=name_list(PARTS, ordered=True), default=list(PARTS), metavar="LIST",
-                        help="gemm (the grouped GEMM alone), layer (the whole MoE layer); default both")
+                    "_grouped_mm), the experts layer (W8A8MoE vs transformers' bf16 experts) at Qwen3-30B-A3B and "
+                    "Mixtral-8x7B dims, and the whole MoE block with its routing and shared expert (ours vs "
+                    "transformers' bf16 block) at DeepSeek-V3 and GLM-4.5-Air dims; cold-L2 CUDA-graph timing.")
+    parser.add_argument("--models", type=name_list(MODELS, ordered=True), default=None, metavar="LIST",
+                        help=f"comma-separated among {','.join(MODELS)}; each part runs those it has (the block "
+                             f"part: {','.join(BLOCK_MODELS)}). Default: {','.join(DEFAULT_MODELS)} for the gemm "
+                             f"and layer parts, {','.join(BLOCK_MODELS)} for the block part")
+    parser.add_argument("--parts", type=name_list(PARTS, ordered=True), default=None, metavar="LIST",
+                        help="gemm (the grouped GEMM alone), layer (the experts layer, routing given), block (the "
+                             "whole MoE block, routing and shared expert included); default all three (block left "
+                             "out when --models names none of its models)")
     parser.add_argument("--tokens", type=int_list(), default=None, metavar="LIST",
                         help=f"tokens T of the GEMM part (default {','.join(map(str, DEFAULT_TOKENS))}; --quick "
                              f"{','.join(map(str, QUICK_TOKENS))})")
     parser.add_argument("--layer-tokens", type=int_list(), default=None, metavar="LIST",
                         help=f"tokens T of the layer part (default {','.join(map(str, LAYER_TOKENS))}; --quick "
                              f"{','.join(map(str, QUICK_LAYER_TOKENS))})")
-    parser.add_argument("--quick", action="store_true", help="fewer T and replays (~60 s on an H100)")
+    parser.add_argument("--block-tokens", type=int_list(), default=None, metavar="LIST",
+                        help=f"tokens T of the block part (default {','.join(map(str, BLOCK_TOKENS))}; --quick "
+                             f"{','.join(map(str, QUICK_BLOCK_TOKENS))})")
+    parser.add_argument("--block-schemes", type=name_list(SCHEMES, ordered=True), default=list(SCHEMES),
+                        metavar="LIST", help=f"our schemes in the block part, among {','.join(SCHEMES)} (default all; "
+                        "each holds its own 8-bit experts: 11.3 GB at DeepSeek-V3 dims)")
+    parser.add_argument("--quick", action="store_true", help="fewer T and replays")
     parser.add_argument("--eager-max-t", type=int, default=256,
-                        help="time transformers' eager experts (not capturable) at T <= this (default 256; 0: never)")
+                        help="eager timings at T <= this (default 256; 0: never): transformers' eager experts (not "
+                             "capturable) and our layer; in the block part transformers' block and ours_block")
     parser.add_argument("--replays", type=int, default=None, help="timed replays per point (default 20; 10 quick)")
     parser.add_argument("--eager-steps", type=int, default=None,
                         help="timed eager calls per layer point (default 20; 10 quick)")
@@ -129,6 +162,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.tokens = sorted(set(args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)))
     args.layer_tokens = sorted(set(args.layer_tokens or (QUICK_LAYER_TOKENS if args.quick else LAYER_TOKENS)))
+    args.block_tokens = sorted(set(args.block_tokens or (QUICK_BLOCK_TOKENS if args.quick else BLOCK_TOKENS)))
+    given = args.models
+    args.models = list(given or DEFAULT_MODELS)  # the gemm and layer parts'
+    args.block_models = [m for m in (given or BLOCK_MODELS) if m in BLOCK_MODELS]
+    if args.parts is None:
+        args.parts = [p for p in PARTS if p != "block" or args.block_models]
+    elif "block" in args.parts and not args.block_models:
+        parser.error(f"--parts block: --models must name one of {','.join(BLOCK_MODELS)}")
     args.replays = args.replays if args.replays is not None else (10 if args.quick else 20)
     args.eager_steps = args.eager_steps if args.eager_steps is not None else (10 if args.quick else 20)
     args.replay_ms = args.replay_ms if args.replay_ms is not None else (0.5 if args.quick else 1.0)
@@ -152,18 +193,7 @@ def routing_offsets(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def _sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def short_error(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-300))
+    sync(DEVICE)
 
 
 def _quant_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,17 +326,6 @@ def active_weight_bytes(wts: GemmWeights, offs_cpu: torch.Tensor, method: str) -
     return active * per
 
 
-def time_cases(cases: dict, errors: dict, bu: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """`bench_gpu_time_interleaved` of ``cases`` (``name -> (fn, arg_sets)``); failures of optional methods go to
-    ``errors``."""
-    def on_error(name: str, exc: BaseException) -> None:
-        if name not in OPTIONAL:
-            raise exc
-        errors[name] = short_error(exc)
-
-    return bu.bench_gpu_time_interleaved(cases, replay_ms=args.replay_ms, replays=args.replays, on_error=on_error)
-
-
 def copies_for(set_bytes: int, bu: Any, args: argparse.Namespace, l2_bytes: int) -> int:
     """Rotating input sets of a point: enough that their active weights and activations exceed twice the L2 (at
     least 4 routings, at most 32), within ``--rotate-gb`` (but never fewer than 2 routings)."""
@@ -355,7 +374,7 @@ def measure_gemm_point(model: str, gemm: str, t: int, wts: GemmWeights, top_k: i
             raise AccuracyError(f"{model} {gemm} T={t}: {name} relative error {err:.3g} vs float64 "
                                 f"(bound {GEMM_REL_TOL:g})")
     cases = {name: (fn, sets) for name, fn in methods.items()}
-    timings = time_cases(cases, errors, bu, args)
+    timings = time_cases(cases, errors, bu, args, OPTIONAL)
     times = {name: tm.median_ms for name, tm in timings.items()}
     active = {name: active_weight_bytes(wts, first, name) for name in GEMM_METHODS}
     # the active bytes of the timed calls: the mean over the rotating sets
@@ -407,37 +426,11 @@ def hf_experts(e: int, top_k: int, h: int, inter: int, implementation: str, gen:
     if weights is not None:
         mod.gate_up_proj, mod.down_proj = weights.gate_up_proj, weights.down_proj
         return mod.requires_grad_(False)
-    mod = mod.to_empty(device=DEVICE).to(torch.bfloat16)
+    mod = mod.to(torch.bfloat16).to_empty(device=DEVICE)  # bf16 on the device directly (no float32 copy)
     with torch.no_grad():
         for p in (mod.gate_up_proj, mod.down_proj):
-            p.copy_(torch.randn(p.shape, generator=gen, device=DEVICE) * 0.02)
+            p.normal_(0.0, 0.02, generator=gen)
     return mod.requires_grad_(False)
-
-
-def time_eager(fns: dict[str, Callable[[], Any]], steps: int, warmup: int = 3) -> dict[str, dict[str, float]]:
-    """Milliseconds per eager call from CUDA events around each call (host launches included), the functions
-    interleaved; median, and the host wall-clock per call of each function."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    _sync()
-    out = {}
-    events = {n: [] for n in fns}
-    walls = {n: 0.0 for n in fns}
-    for _ in range(steps):
-        for n, fn in fns.items():
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            s.record()
-            fn()
-            e.record()
-            walls[n] += time.perf_counter() - t0
-            events[n].append((s, e))
-    _sync()
-    for n, evs in events.items():
-        out[n] = {"median_ms": statistics.median(s.elapsed_time(e) for s, e in evs),
-                  "host_ms": walls[n] * 1e3 / steps}
-    return out
 
 
 def measure_layer_point(model: str, t: int, layers: dict, top_k: int, e: int, h: int, args: argparse.Namespace,
@@ -479,7 +472,7 @@ def measure_layer_point(model: str, t: int, layers: dict, top_k: int, e: int, h:
                 raise AccuracyError(f"{model} layer T={t}: {name} relative error {accuracy[name]:.3g} vs "
                                     f"transformers' bf16 experts (bound {LAYER_REL_TOL:g})")
         cases[name] = (fn, sets)
-    timings = time_cases(cases, errors, bu, args)
+    timings = time_cases(cases, errors, bu, args, OPTIONAL)
     times = {name: tm.median_ms for name, tm in timings.items()}
     # eager calls (host launches included) of every method that ran eagerly: ours, and transformers' grouped_mm
     # (also where its capture failed)
@@ -489,7 +482,7 @@ def measure_layer_point(model: str, t: int, layers: dict, top_k: int, e: int, h:
         eager_fns["hf_eager"] = lambda mod=layers["hf_eager"], s=sets[0]: mod(*s)
     eager = {}
     try:
-        eager = time_eager(eager_fns, steps=args.eager_steps, warmup=min(3, args.eager_steps))
+        eager = time_eager(eager_fns, steps=args.eager_steps, warmup=min(3, args.eager_steps), device=DEVICE)
     except Exception as exc:  # noqa: BLE001
         errors["eager"] = short_error(exc)
     if "hf_eager" in eager:
@@ -545,182 +538,6 @@ def run_layer(args: argparse.Namespace, cw: Any, bu: Any, results: dict) -> None
 
 
 # ----------------------------------------------------------------------------------------------------
-# derived numbers, targets, reports
-
-
-def derive(results: dict[str, Any], geomean: Callable) -> None:
-    """Per GEMM point ``derived`` (TOPS, x torch_fp8, x torch_bf16, read fraction at T <= 16); per layer point the
-    speedups over transformers; ``results["targets"]``."""
-    read = results.get("read_GBps_max")
-    for p in results["gemm_points"]:
-        tm = p["time_ms"]
-        ops = 2 * p["rows"] * p["N"] * p["K"]
-        d: dict[str, Any] = {"tops": {m: ops / (v * 1e-3) / 1e12 for m, v in tm.items()}}
-        for m in OURS_GEMM:
-            if m in tm:
-                d[f"{m}_x_torch_fp8"] = tm["torch_fp8"] / tm[m] if "torch_fp8" in tm else None
-                d[f"{m}_x_torch_bf16"] = tm["torch_bf16"] / tm[m] if "torch_bf16" in tm else None
-                if p["T"] <= DECODE_T and read:
-                    gbps = p["active_weight_bytes_mean"][m] / (tm[m] * 1e-3) / 1e9
-                    d[f"{m}_weight_GBps"] = gbps
-                    d[f"{m}_read_fraction"] = gbps / read
-        p["derived"] = d
-    for p in results["layer_points"]:
-        tm = p["time_ms"]
-        p["derived"] = {f"{m}_x_{b}": (tm[b] / tm[m] if m in tm and b in tm else None)
-                        for m in OURS_LAYER for b in ("hf_grouped_mm", "hf_eager")}
-    items = []
-    for m in OURS_GEMM:
-        ratios = [p["derived"].get(f"{m}_x_torch_fp8") for p in results["gemm_points"]
-                  if p["T"] >= TARGET_X_TORCH_FROM_T]
-        missing = sum(r is None for r in ratios)
-        ratios = [r for r in ratios if r is not None]
-        lo = min(ratios) if ratios else None
-        gm = geomean(ratios) if ratios else None
-        note = f" ({missing} points without torch_fp8)" if missing else ""
-        items.append({"key": f"{m}_min_x_torch", "label": f"{m}: min over T >= {TARGET_X_TORCH_FROM_T} of torch_fp8 / "
-                      f"ours{note}", "value": lo, "bound": TARGET_X_TORCH_MIN, "sense": ">=",
-                      "met": None if lo is None else lo >= TARGET_X_TORCH_MIN})
-        items.append({"key": f"{m}_geomean_x_torch", "label": f"{m}: geomean over T >= {TARGET_X_TORCH_FROM_T} of "
-                      f"torch_fp8 / ours{note}", "value": gm, "bound": TARGET_X_TORCH_GEOMEAN, "sense": ">=",
-                      "met": None if gm is None else gm >= TARGET_X_TORCH_GEOMEAN})
-        fr = [(p["derived"].get(f"{m}_read_fraction"), p) for p in results["gemm_points"] if p["T"] <= DECODE_T]
-        fr = [(f, p) for f, p in fr if f is not None]
-        lo = min(f for f, _ in fr) if fr else None
-        # a weight stream above the read rate measured in the run (its stated peak) is a broken measurement
-        met, invalid = judge(None if lo is None else lo >= TARGET_READ_FRACTION,
-                             *(physical_check(f, 1.0, f"{m} {p['model']} {p['gemm']} T={p['T']} read fraction")
-                               for f, p in fr))
-        items.append({"key": f"{m}_decode_read_fraction", "label": f"{m}: min over T <= {DECODE_T} of active "
-                      "weight bytes / time / read rate", "value": lo, "bound": TARGET_READ_FRACTION, "sense": ">=",
-                      "met": met, "invalid": invalid})
-    for t, model, bound in TARGET_LAYER:
-        for m in OURS_LAYER:
-            p = next((p for p in results["layer_points"] if p["T"] == t and p["model"] == model), None)
-            v = p["derived"].get(f"{m}_x_hf_grouped_mm") if p else None
-            items.append({"key": f"layer_{m}_T{t}", "label": f"MoE layer {model} T={t}: transformers bf16 grouped_mm "
-                          f"/ {m} (graphs)", "value": v, "bound": bound, "sense": ">=",
-                          "met": None if v is None else v >= bound})
-    results["targets"] = {"items": items}
-
-
-def _f(v: Optional[float], spec: str = ".3g") -> str:
-    return "–" if v is None else format(v, spec)
-
-
-def render_markdown(results: dict[str, Any]) -> str:
-    lines = [f"# MoE grouped GEMM and layer: {results.get('device', '?')}", "",
-             f"torch {results.get('torch_version')}, CUDA {results.get('cuda_version')}, commit "
-             f"{results.get('git_commit')}{' (dirty)' if results.get('git_dirty') else ''}; transformers "
-             f"{results.get('transformers_version', '–')}; torch fp8 grouped GEMM: {results.get('torch_fp8_api', '–')}.",
-             f"Read rate (x.amax over 1 GiB) {_f(results.get('read_GBps'), '.0f')} GB/s at the start, "
-             f"{_f(results.get('read_GBps_end'), '.0f')} at the end. Timing: {results.get('timing', {}).get('method')}.",
-             ""]
-    lines += ["## Targets (issue 27)", "", "| target | value | bound | met |", "|---|---|---|---|"]
-    for it in results.get("targets", {}).get("items", []):
-        met = verdict(it["met"], it.get("invalid"), na="–")
-        lines.append(f"| {it['label']} | {_f(it['value'])} | {it['sense']} {it['bound']} | {met} |")
-    lines.append("")
-    if results["gemm_points"]:
-        lines += ["## Grouped GEMM", "",
-                  "Times in us; x torch = torch_fp8 time / ours (> 1: ours faster); read % = active experts' weight "
-                  "bytes / time / read rate (T <= 16).", ""]
-        groups: dict = {}
-        for p in results["gemm_points"]:
-            groups.setdefault((p["model"], p["gemm"], p["N"], p["K"], p["E"]), []).append(p)
-        for (model, gemm, n, k, e), pts in groups.items():
-            lines += [f"### {model} {gemm} (E {e}, N {n}, K {k})", "",
-                      "| T | rows | experts hit | ours int8 | ours fp8 | ours block | torch fp8 | torch bf16 | "
-                      "int8 x torch | fp8 x torch | block x torch | fp8 TOPS | int8 read % | fp8 read % | "
-                      "block read % |", "|" + "---|" * 15]
-            for p in pts:
-                tm, d = p["time_ms"], p["derived"]
-
-                def us(m):
-                    return _f(tm[m] * 1e3, ".1f") if m in tm else ("did not run" if m in p["errors"] else "–")
-
-                def pct(m):
-                    v = d.get(f"{m}_read_fraction")
-                    return mark(_f(None if v is None else 100 * v, ".0f"), physical_check(v, 1.0, "read fraction"))
-                lines.append(f"| {p['T']} | {p['rows']} | {p['active_experts']} | {us('ours_int8')} | {us('ours_fp8')} "
-                             f"| {us('ours_block')} | {us('torch_fp8')} | {us('torch_bf16')} | "
-                             f"{_f(d.get('ours_int8_x_torch_fp8'), '.2f')} | {_f(d.get('ours_fp8_x_torch_fp8'), '.2f')} | "
-                             f"{_f(d.get('ours_block_x_torch_fp8'), '.2f')} | {_f(d['tops'].get('ours_fp8'), '.0f')} | "
-                             f"{pct('ours_int8')} | {pct('ours_fp8')} | {pct('ours_block')} |")
-            lines.append("")
-        errs = [(p, m, msg) for p in results["gemm_points"] for m, msg in p["errors"].items()]
-        if errs:
-            lines += ["Did not run:", ""]
-            seen = set()
-            for p, m, msg in errs:
-                if (m, msg) not in seen:
-                    seen.add((m, msg))
-                    lines.append(f"- {m} ({p['model']} {p['gemm']} T={p['T']} and others): {msg}")
-            lines.append("")
-    if results["layer_points"]:
-        lines += ["## MoE layer (experts module, routing given)", "",
-                  "Graph times in us (hf_eager: eager calls, host launches included); x hf = transformers' bf16 "
-                  "grouped_mm experts time / ours; eager = our layer called eagerly (CUDA events, host included) "
-                  "and its host time per call.", "",
-                  "| model | T | ours int8 | ours fp8 | ours block | hf grouped_mm | hf eager | int8 x hf | fp8 x hf | "
-                  "block x hf | int8 eager / host | hf grouped_mm eager / host |", "|" + "---|" * 12]
-        for p in results["layer_points"]:
-            tm, d = p["time_ms"], p["derived"]
-
-            def us(m):
-                return _f(tm[m] * 1e3, ".1f") if m in tm else ("did not run" if m in p["errors"] else "–")
-            eg, host = p["eager_ms"].get("ours_int8"), p["eager_host_ms"].get("ours_int8")
-            heg, hhost = p["eager_ms"].get("hf_grouped_mm"), p["eager_host_ms"].get("hf_grouped_mm")
-            lines.append(f"| {p['model']} | {p['T']} | {us('ours_int8')} | {us('ours_fp8')} | {us('ours_block')} | "
-                         f"{us('hf_grouped_mm')} | {us('hf_eager')} | {_f(d.get('ours_int8_x_hf_grouped_mm'), '.2f')} | "
-                         f"{_f(d.get('ours_fp8_x_hf_grouped_mm'), '.2f')} | "
-                         f"{_f(d.get('ours_block_x_hf_grouped_mm'), '.2f')} | "
-                         f"{_f(None if eg is None else eg * 1e3, '.0f')} / {_f(None if host is None else host * 1e3, '.0f')} | "
-                         f"{_f(None if heg is None else heg * 1e3, '.0f')} / "
-                         f"{_f(None if hhost is None else hhost * 1e3, '.0f')} |")
-        lines.append("")
-        for key in ("layer_errors",):
-            for where, msg in results.get(key, {}).items():
-                lines.append(f"- {where}: {msg}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _plot_speedups(ax, points: list, key: str, methods, ref: str, ylabel: str, title: str) -> None:
-    """One speedup panel: for each group of ``points`` (grouped by ``key(p)``) and each method ``m`` in
-    ``methods``, plot ``p["derived"]["{m}_x_{ref}"]`` against tokens T (log2 axis), skipping missing values."""
-    groups: dict = {}
-    for p in points:
-        groups.setdefault(key(p), []).append(p)
-    for label, pts in groups.items():
-        for m in methods:
-            xs = [(p["T"], p["derived"].get(f"{m}_x_{ref}")) for p in pts]
-            xs = [(t, v) for t, v in xs if v is not None]
-            if xs:
-                ax.plot(*zip(*xs), marker="o", label=f"{label} {m}")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens T")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=6)
-
-
-def plot_results(results: dict[str, Any], path: str) -> None:
-    """ours / torch_fp8 speedup against T for each GEMM, and the layer speedups over transformers."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    _plot_speedups(axes[0], results["gemm_points"], lambda p: f"{p['model']} {p['gemm']}", OURS_GEMM,
-                   "torch_fp8", "torch fp8 time / ours", "grouped GEMM vs torch scaled_grouped_mm")
-    _plot_speedups(axes[1], results["layer_points"], lambda p: p["model"], OURS_LAYER,
-                   "hf_grouped_mm", "transformers bf16 time / ours", "MoE layer vs transformers grouped_mm experts")
-    save_figure(fig, path, results.get("device", ""), dpi=110)
-
-
-# ----------------------------------------------------------------------------------------------------
 # main
 
 
@@ -729,17 +546,22 @@ def run(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any]:
     results: dict[str, Any] = {
         **provenance(name, REPO_ROOT),
         "read_GBps": bu.read_bandwidth_gbps(),
-        "models": {m: dict(zip(("E", "top_k", "H", "I", "renormalize"), MOE_MODELS[m])) for m in args.models},
+        "models": {m: dict(zip(("E", "top_k", "H", "I", "renormalize"), MOE_MODELS[m])) for m in args.models
+                   if {"gemm", "layer"} & set(args.parts)},
         "parts": args.parts, "tokens": args.tokens, "layer_tokens": args.layer_tokens,
+        "block_tokens": args.block_tokens, "block_schemes": args.block_schemes,
         "timing": {"method": "CUDA-graph replay over rotating input sets (own routing each), methods interleaved, "
                              "median replay / calls", "replays": args.replays, "replay_ms": args.replay_ms},
-        "tolerances": {"gemm_rel_vs_fp64": GEMM_REL_TOL, "layer_rel_vs_hf_bf16": LAYER_REL_TOL},
-        "gemm_points": [], "layer_points": [],
+        "tolerances": {"gemm_rel_vs_fp64": GEMM_REL_TOL, "layer_rel_vs_hf_bf16": LAYER_REL_TOL,
+                       "block_rel_vs_hf_bf16": BLOCK_REL_TOL},
+        "gemm_points": [], "layer_points": [], "block_points": [],
     }
     if "gemm" in args.parts:
         run_gemm(args, cw, bu, results)
     if "layer" in args.parts:
         run_layer(args, cw, bu, results)
+    if "block" in args.parts:
+        run_block(args, cw, bu, results, DEVICE, BLOCK_REL_TOL)
     results["read_GBps_end"] = bu.read_bandwidth_gbps()
     results["read_GBps_max"] = max(results["read_GBps"], results["read_GBps_end"])
     derive(results, bu.geomean)

@@ -14,12 +14,22 @@ import torch
 import cutlass_w8a8 as cw
 from cutlass_w8a8.testing import timers
 
-from _bench_cpu import BENCH, FakeEvent, loaded_bench
+from _bench_cpu import BENCH, FakeEvent
+
+
+#: bench/bench_moe.py and the siblings it imports by name (bench/ is on sys.path when the script runs), in import order
+MOE_BENCH_MODULES = ("_moe_common", "_moe_block", "_moe_report", "bench_moe")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    with loaded_bench("bench_moe") as mod:
+    """bench/bench_moe.py, loaded from its file with its sibling modules (put in sys.modules for this module)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in MOE_BENCH_MODULES:
+            spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+            mod = importlib.util.module_from_spec(spec)
+            mp.setitem(sys.modules, name, mod)
+            spec.loader.exec_module(mod)
         yield mod
 
 
@@ -31,17 +41,29 @@ def on_cpu(bench, monkeypatch):
 
 def test_parse_args(bench):
     a = bench.parse_args([])
-    assert a.models == ["qwen3-30b-a3b", "mixtral-8x7b"] and a.parts == ["gemm", "layer"]
+    assert a.models == ["qwen3-30b-a3b", "mixtral-8x7b"] and a.parts == ["gemm", "layer", "block"]
+    assert a.block_models == ["deepseek-v3", "glm-4.5-air"] and a.block_tokens == [1, 4, 16, 64, 256, 1024, 4096]
     assert a.tokens == list(bench.DEFAULT_TOKENS) and a.tokens[0] == 1 and a.tokens[-1] == 8192
     assert a.layer_tokens == list(bench.LAYER_TOKENS) and a.replays == 20 and a.replay_ms == 1.0
     assert a.eager_steps == 20 and a.eager_max_t == 256
     q = bench.parse_args(["--quick", "--models", "mixtral-8x7b", "--parts", "layer"])
     assert q.tokens == list(bench.QUICK_TOKENS) and q.layer_tokens == list(bench.QUICK_LAYER_TOKENS)
     assert q.models == ["mixtral-8x7b"] and q.parts == ["layer"] and q.replays == 10
+    q = bench.parse_args(["--parts", "block", "--models", "glm-4.5-air,deepseek-v3", "--quick"])
+    assert q.block_models == ["deepseek-v3", "glm-4.5-air"] and q.block_tokens == [1, 4096] and q.parts == ["block"]
+    assert bench.parse_args(["--models", "deepseek-v3,qwen3-30b-a3b"]).block_models == ["deepseek-v3"]
+    assert bench.parse_args(["--models", "qwen3-30b-a3b"]).parts == ["gemm", "layer"]  # none of the block's models
+    assert bench.parse_args(["--models", "glm-4.5-air", "--block-tokens", "4,1"]).block_tokens == [1, 4]
+    assert a.block_schemes == ["int8", "fp8", "block"]
+    assert bench.parse_args(["--block-schemes", "block,int8"]).block_schemes == ["int8", "block"]
     assert bench.parse_args(["--tokens", "64,1,64"]).tokens == [1, 64]
     assert bench.MOE_MODELS["qwen3-30b-a3b"][:4] == (128, 8, 2048, 768)
     assert bench.MOE_MODELS["mixtral-8x7b"][:4] == (8, 2, 4096, 14336)
-    for bad in (["--models", "llama"], ["--parts", "x"], ["--tokens", "0"], ["--replays", "0"], ["--eager-steps", "0"]):
+    assert bench.MOE_MODELS["deepseek-v3"][:4] == (256, 8, 7168, 2048)
+    assert bench.MOE_MODELS["glm-4.5-air"][:4] == (128, 8, 4096, 1408)
+    for bad in (["--models", "llama"], ["--parts", "x"], ["--tokens", "0"], ["--replays", "0"], ["--eager-steps", "0"],
+                ["--parts", "block", "--models", "qwen3-30b-a3b"], ["--block-tokens", "0"],
+                ["--block-schemes", "int4"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 
