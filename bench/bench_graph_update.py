@@ -314,16 +314,15 @@ def plot(res, path):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_graph_update: no CUDA device", file=sys.stderr)
+    from cutlass_w8a8.testing.report import cuda_extension_missing, publish
+
+    missing = cuda_extension_missing("bench_graph_update")
+    if missing is not None:
+        print(missing, file=sys.stderr)
         return 2
     import cutlass_w8a8 as cw
     from cutlass_w8a8.testing import timers as bench_utils
-    from cutlass_w8a8.testing.report import publish
 
-    if not cw.cuda_ops_available():
-        print(f"bench_graph_update: the extension is not built ({cw.extension_status()})", file=sys.stderr)
-        return 2
     name = torch.cuda.get_device_name()
     commit, _ = bench_utils.git_commit(REPO_ROOT)
     res = {"device": name, "device_slug": bench_utils.device_slug(name), "torch": torch.__version__,

@@ -117,6 +117,7 @@ from cutlass_w8a8.testing.hf_decode_report import (
     apply_gates, derive, recheck, render_markdown, targets_vs_decoder, write_outputs)
 from cutlass_w8a8.testing.hf_decode_steps import (
     GraphPoint, Point, Timer, check_mode, sqnr_db, step_inputs, time_interleaved)
+from cutlass_w8a8.testing.report import cuda_extension_missing
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -669,15 +670,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         log("wrote " + ", ".join(paths.values()))
         return 1 if results["failures"] else 0
     if not args.tiny:
-        if not torch.cuda.is_available():
-            print(f"bench_hf.py: needs a CUDA device, and torch.cuda.is_available() is False (torch "
-                  f"{torch.__version__}); --tiny runs the flow on the CPU", file=sys.stderr)
-            return 2
-        import cutlass_w8a8 as cw
-
-        if not cw.cuda_ops_available():
-            print(f"bench_hf.py: the cutlass_w8a8 CUDA extension is not loaded: {cw.extension_status()}",
-                  file=sys.stderr)
+        missing = cuda_extension_missing("bench_hf.py")
+        if missing is not None:
+            print(f"{missing}; --tiny runs the flow on the CPU", file=sys.stderr)
             return 2
     try:
         import transformers  # noqa: F401

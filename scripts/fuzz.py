@@ -67,14 +67,13 @@ def main(argv=None) -> int:
 
     import cutlass_w8a8 as cw
     from cutlass_w8a8.testing.fuzz import Case, random_case, run_case
+    from cutlass_w8a8.testing.report import cuda_extension_missing
 
     device = torch.device(args.device)
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            print("no CUDA device (use --device cpu to fuzz the reference op)", file=sys.stderr)
-            return 2
-        if not cw.cuda_ops_available():
-            print(f"CUDA extension not built: {cw.extension_status()}", file=sys.stderr)
+        missing = cuda_extension_missing("fuzz.py")
+        if missing is not None:
+            print(f"{missing} (--device cpu fuzzes the reference op)", file=sys.stderr)
             return 2
         print(f"device: {torch.cuda.get_device_name(device)}; {cw.extension_status()}", flush=True)
     accum_rel = args.fp8_accum_rel  # None: cutlass_w8a8.testing.references.fp8_accum_bound(K) per case

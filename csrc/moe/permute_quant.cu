@@ -30,17 +30,13 @@
 namespace cutlass_w8a8 {
 namespace {
 
+// The kernel argument: x [T, H] rows, x_stride apart; out [n, H] contiguous (len = H); scales [n] (per row), or
+// [n, H / 128] (GroupOut); static_scale null: dynamic.
 template <class T, class OutT>
-struct PermuteParams {
-  const T* x;  // [T, H] rows, x_stride apart
-  int64_t x_stride;
+struct PermuteParams : RowwiseIO<T, OutT> {
   const int* sorted_pairs;  // [n]
   int64_t n;                // T * top_k: the output rows
   int top_k;
-  OutT* out;                  // [n, H] contiguous
-  float* scales;              // [n] (per row), or [n, H / 128] (GroupOut)
-  const float* static_scale;  // null: dynamic
-  int h;                      // H
 };
 
 // The source row of output row `row`: the pair's token, the pair clamped into [0, n).
@@ -51,37 +47,26 @@ __device__ __forceinline__ int64_t source_row(const P& p, int64_t row) {
   return pair / p.top_k;
 }
 
-// The row-wise kernels of quant/rowwise_reduce.cuh run these (launch_rowwise): y = the gathered row, as loaded.
-template <class T, class O>
-struct PermuteRow {
-  using Params = PermuteParams<T, typename O::type>;
+// y = the gathered row, as loaded, for RowwiseOp (quant/rowwise_reduce.cuh, launched by launch_rowwise_op).
+struct Permute {
+  template <class T, class OutT>
+  using Params = PermuteParams<T, OutT>;
 
-  template <int kVecs, int kB, int C>
-  __device__ __forceinline__ static void regs(const Params& p) {
-    constexpr int N = 16 / sizeof(T);
-    using V = Vec<T, N>;
-    const int64_t row = blockIdx.x;
-    const V* in = reinterpret_cast<const V*>(p.x + source_row(p, row) * p.x_stride);
-    int begin, end;
-    block_part<C>(p.h / N, begin, end);
-    V y[kVecs];
+  template <int kVecs, int kB, int C, class T, class OutT, int N>
+  __device__ __forceinline__ static void regs(const Params<T, OutT>& p, int64_t row, Vec<T, N> (&y)[kVecs], int begin,
+                                              int end) {
+    const auto* in = reinterpret_cast<const Vec<T, N>*>(p.x + source_row(p, row) * p.x_stride);
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int idx = begin + threadIdx.x + i * kB;
       if (idx < end) y[i] = in[idx];
     }
-    finish_regs<T, O, N, kVecs, kB, C>(y, begin, end, p.out + row * int64_t(p.h), p.scales, p.static_scale, row,
-                                       p.h / kGroupElems);
   }
 
-  template <int N, int kB>
-  __device__ __forceinline__ static void loop(const Params& p) {
-    using V = Vec<T, N>;
-    const int64_t row = blockIdx.x;
-    const V* in = reinterpret_cast<const V*>(p.x + source_row(p, row) * p.x_stride);
-    auto produce = [&](int idx) { return in[idx]; };
-    finish_loop<T, O, N, kB>(produce, p.h / N, p.out + row * int64_t(p.h), p.scales, p.static_scale, row,
-                             p.h / kGroupElems);
+  template <int N, int kB, class T, class OutT>
+  __device__ __forceinline__ static auto loop(const Params<T, OutT>& p, int64_t row) {
+    const auto* in = reinterpret_cast<const Vec<T, N>*>(p.x + source_row(p, row) * p.x_stride);
+    return [=](int idx) { return in[idx]; };
   }
 };
 
@@ -101,25 +86,15 @@ std::tuple<at::Tensor, at::Tensor> moe_permute_quant(const at::Tensor& x, const 
 
   const at::Tensor x2 = x.stride(1) == 1 ? x : x.contiguous();
   const at::Tensor pairs = sorted_pairs.contiguous();
-  quant::launch_rowwise_op<PermuteRow>(x, dtype, group_size, n, [&](auto tt, auto o) {
-    using T = decltype(tt);
-    using O = decltype(o);
-    using OutT = typename O::type;
-    constexpr int N = 16 / sizeof(T);
-    PermuteParams<T, OutT> p;
-    p.x = reinterpret_cast<const T*>(x2.data_ptr());
-    p.x_stride = t > 1 ? x2.stride(0) : h;
+  // the rows of x; a single row's stride may be anything, so it is given as H (vectorizable)
+  const quant::RowwiseRows rows{x2.data_ptr(), t > 1 ? x2.stride(0) : h, q.data_ptr(), scales.data_ptr<float>(),
+                                scale.has_value() ? scale->data_ptr<float>() : nullptr, h, n,
+                                /*group_parts=*/group_size != 0};
+  quant::launch_rowwise_op<Permute>(x, dtype, group_size, rows, [&](auto& p) {
     p.sorted_pairs = pairs.data_ptr<int>();
     p.n = n;
     p.top_k = static_cast<int>(top_k);
-    p.out = reinterpret_cast<OutT*>(q.data_ptr());
-    p.scales = scales.data_ptr<float>();
-    p.static_scale = scale.has_value() ? scale->data_ptr<float>() : nullptr;
-    p.h = static_cast<int>(h);
-    const bool vectorizable = h % N == 0 && p.x_stride % N == 0 && is_aligned(p.x, 16) &&
-                              is_aligned(p.out, N * sizeof(OutT));
-    const int64_t part_multiple = IsGroup<O>::value ? kGroupElems / N : 1;  // no group across two cluster blocks
-    return quant::RowwiseLaunch<PermuteParams<T, OutT>>{p, p.h / N, vectorizable, part_multiple};
+    return true;
   });
   return {q, scales};
 }

@@ -41,13 +41,10 @@
 #include <optional>
 #include <string>
 #include <tuple>
-
-#include <c10/cuda/CUDAGuard.h>
+#include <type_traits>
 
 #include "core/checks.hpp"
-#include "graphs/graph_nodes.hpp"
 #include "ops.hpp"
-#include "quant/quantize.hpp"
 #include "quant/rowwise_args.hpp"
 #include "quant/rowwise_launch.hpp"
 #include "quant/rowwise_reduce.cuh"
@@ -57,18 +54,14 @@ namespace {
 
 // --- RMSNorm (with the residual add) ------------------------------------------------------------------
 
+// The kernel argument: x [M, K] rows, x_stride apart (residual may legally be x itself); out [M, K] contiguous
+// (len = K); scales [M] (quantized outputs only), or [M, K / 128] (GroupOut).
 template <class T, class OutT>
-struct RmsNormParams {
-  const T* x;  // [M, K] rows, x_stride apart (not __restrict__: residual may legally be x itself)
-  int64_t x_stride;
+struct RmsNormParams : RowwiseIO<T, OutT> {
   T* residual;  // [M, K] rows, updated in place; nullptr: no residual
   int64_t residual_stride;
   const T* weight;  // [K]
-  OutT* out;        // [M, K] contiguous
-  float* scales;    // [M] (quantized outputs only), or [M, K / 128] (GroupOut)
-  const float* static_scale;  // one float32 (static per-tensor), or nullptr (dynamic per-token or per-group)
   float eps;
-  int k;
 };
 
 // s = x, or residual = s = T(x + residual); returns sum of float(s)^2 over the vector.
@@ -103,24 +96,19 @@ __device__ __forceinline__ float inverse_rms(float sum_sq, int k, float eps) {
   return 1.f / sqrtf(sum_sq / static_cast<float>(k) + eps);
 }
 
-// The row-wise kernels of quant/rowwise_reduce.cuh run these (launch_rowwise).
-template <class T, class O>
-struct RmsNormRow {
-  using Params = RmsNormParams<T, typename O::type>;
+// y = rms_norm(s) * weight of a row (s = x, or the updated residual), for RowwiseOp (quant/rowwise_reduce.cuh,
+// launched by launch_rowwise_op).
+struct RmsNorm {
+  template <class T, class OutT>
+  using Params = RmsNormParams<T, OutT>;
 
-  // One row (C = 1) or this block's part of it (C > 1) in registers: kVecs 16-byte vectors per thread of kB; x,
-  // residual, weight and out 16-byte vectorizable.
-  template <int kVecs, int kB, int C>
-  __device__ __forceinline__ static void regs(const Params& p) {
-    constexpr int N = 16 / sizeof(T);
+  // x, residual, weight and out 16-byte vectorizable.
+  template <int kVecs, int kB, int C, class T, class OutT, int N>
+  __device__ __forceinline__ static void regs(const Params<T, OutT>& p, int64_t row, Vec<T, N> (&s)[kVecs],
+                                              int begin, int end) {
     using V = Vec<T, N>;
-    const int64_t row = blockIdx.x;
     const V* xr = reinterpret_cast<const V*>(p.x + row * p.x_stride);
     T* rr = p.residual != nullptr ? p.residual + row * p.residual_stride : nullptr;
-    int begin, end;
-    block_part<C>(p.k / N, begin, end);
-
-    V s[kVecs];
     float ss = 0.f;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
@@ -130,39 +118,34 @@ struct RmsNormRow {
         ss += add_residual<T, N>(s[i], rr != nullptr ? rr + int64_t(idx) * N : nullptr);
       }
     }
-    const float inv_rms = inverse_rms(ClusterReduce<C>::run(block_sum<kB>(ss), SumOp{}), p.k, p.eps);
+    const float inv_rms = inverse_rms(ClusterReduce<C>::run(block_sum<kB>(ss), SumOp{}), p.len, p.eps);
     const V* wv = reinterpret_cast<const V*>(p.weight);
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int idx = begin + threadIdx.x + i * kB;
       if (idx < end) s[i] = normalize<T, N>(s[i], wv[idx], inv_rms);  // s[i] now holds y
     }
-    finish_regs<T, O, N, kVecs, kB, C>(s, begin, end, p.out + row * int64_t(p.k), p.scales, p.static_scale, row,
-                                       p.k / kGroupElems);
   }
 
-  // Any row length; N elements per access (N = 1: any alignment). Passes: residual add and sum of squares;
-  // then y from the stored residual (or x) for the amax (dynamic) and again for the output.
-  template <int N, int kB>
-  __device__ __forceinline__ static void loop(const Params& p) {
+  // Any row length; N elements per access (N = 1: any alignment). Passes: residual add and sum of squares; then y
+  // from the stored residual (or x) for the amax (dynamic) and again for the output.
+  template <int N, int kB, class T, class OutT>
+  __device__ __forceinline__ static auto loop(const Params<T, OutT>& p, int64_t row) {
     using V = Vec<T, N>;
-    const int64_t row = blockIdx.x;
     const V* xr = reinterpret_cast<const V*>(p.x + row * p.x_stride);
     T* rr = p.residual != nullptr ? p.residual + row * p.residual_stride : nullptr;
-    const int nvec = p.k / N;
+    const int nvec = p.len / N;
 
     float ss = 0.f;
     for (int idx = threadIdx.x; idx < nvec; idx += kB) {
       V s = xr[idx];
       ss += add_residual<T, N>(s, rr != nullptr ? rr + int64_t(idx) * N : nullptr);
     }
-    const float inv_rms = inverse_rms(block_sum<kB>(ss), p.k, p.eps);
+    const float inv_rms = inverse_rms(block_sum<kB>(ss), p.len, p.eps);
     // Each thread reads back only the residual elements it wrote itself: program order makes them visible.
     const V* src = rr != nullptr ? reinterpret_cast<const V*>(rr) : xr;
     const V* wv = reinterpret_cast<const V*>(p.weight);
-    auto produce = [&](int idx) { return normalize<T, N>(src[idx], wv[idx], inv_rms); };
-    finish_loop<T, O, N, kB>(produce, nvec, p.out + row * int64_t(p.k), p.scales, p.static_scale, row,
-                             p.k / kGroupElems);
+    return [=](int idx) { return normalize<T, N>(src[idx], wv[idx], inv_rms); };
   }
 };
 
@@ -235,49 +218,26 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const char* op, const at::Tenso
                                                  double eps, std::optional<at::ScalarType> qtype,
                                                  const std::optional<at::Tensor>& scale,
                                                  const std::optional<at::Tensor>& residual, int64_t group_size = 0) {
-  quant::check_on_cuda(op, x);
-  c10::cuda::CUDAGuard guard(x.device());
-  const int64_t k = x.size(-1), m = x.numel() / k;
-  const quant::RowOutputs y =
-      quant::empty_row_outputs(x, k, qtype.value_or(x.scalar_type()), qtype.has_value(), group_size);
-  const at::Tensor& out = y.out;
-  const at::Tensor& scales = y.scales;
-  if (m == 0) return {out, scales};
-
-  const at::Tensor x2 = quant::rows_of(x);
+  const int64_t k = x.size(-1);
   const at::Tensor* r = residual.has_value() ? &*residual : nullptr;
   const int64_t r_stride = r != nullptr ? quant::flat_row_stride(*r) : 0;
-  const cudaStream_t stream = quant::launch_rowwise_op<RmsNormRow>(x, qtype, group_size, m, [&](auto t, auto o) {
-    using T = decltype(t);
-    using O = decltype(o);
-    using OutT = typename O::type;
+  // No group across two cluster blocks. The launch shape fixes the order of the float32 sum of squares, so it must
+  // not depend on the output: with the group rule for group-quantized outputs only, rms_norm took an 8-block
+  // cluster where rms_norm_quant(group_size=128) took the register or loop kernel (16-bit K = 8320, 40064, ...:
+  // cluster parts of 130, 626 vectors), and the two sums, hence inv_rms and y, could differ in the last bit,
+  // breaking fused == quantize_per_token_group(rms_norm(...)) bit for bit. So every output of a row whose K could
+  // be group-quantized (K % 128 == 0) follows the group rule, whatever the output.
+  const bool group_parts = k % kGroupElems == 0;
+  return quant::run_rowwise_op<RmsNorm>(op, x, k, qtype, scale, group_size, group_parts, [&](auto& p) {
+    using T = typename std::decay_t<decltype(p)>::elem_type;
     constexpr int N = 16 / sizeof(T);
-    RmsNormParams<T, OutT> p;
-    p.x = reinterpret_cast<const T*>(x2.data_ptr());
-    p.x_stride = x2.stride(0);
     p.residual = r != nullptr ? reinterpret_cast<T*>(r->data_ptr()) : nullptr;
     p.residual_stride = r_stride;
     p.weight = reinterpret_cast<const T*>(weight.data_ptr());  // contiguous (checked)
-    p.out = reinterpret_cast<OutT*>(out.data_ptr());
-    p.scales = qtype.has_value() ? scales.data_ptr<float>() : nullptr;
-    p.static_scale = scale.has_value() ? scale->data_ptr<float>() : nullptr;
     p.eps = static_cast<float>(eps);
-    p.k = static_cast<int>(k);
-    const bool vectorizable =
-        k % N == 0 && p.x_stride % N == 0 && is_aligned(p.x, 16) && is_aligned(p.weight, 16) &&
-        is_aligned(p.out, N * sizeof(OutT)) &&
-        (p.residual == nullptr || (p.residual_stride % N == 0 && is_aligned(p.residual, 16)));
-    // No group across two cluster blocks. The launch shape fixes the order of the float32 sum of squares, so it
-    // must not depend on the output (O): with the group rule for group-quantized outputs only, rms_norm took an
-    // 8-block cluster where rms_norm_quant(group_size=128) took the register or loop kernel (16-bit K = 8320,
-    // 40064, ...: cluster parts of 130, 626 vectors), and the two sums, hence inv_rms and y, could differ in
-    // the last bit, breaking fused == quantize_per_token_group(rms_norm(...)) bit for bit. So every output of
-    // a row whose K could be group-quantized (K % 128 == 0) follows the group rule, whatever the output.
-    const int64_t part_multiple = k % kGroupElems == 0 ? kGroupElems / N : 1;
-    return quant::RowwiseLaunch<RmsNormParams<T, OutT>>{p, p.k / N, vectorizable, part_multiple};
+    return is_aligned(p.weight, 16) &&
+           (p.residual == nullptr || (p.residual_stride % N == 0 && is_aligned(p.residual, 16)));
   });
-  graph_nodes::note_rowwise_launch(stream, m, op);
-  return {out, scales};
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 //   reductions            block_max / block_sum over a block; ClusterReduce over a thread block cluster (sm90)
 //   a row's tail          finish_regs / finish_loop: store y, or quantize it (dynamic per row, static, or dynamic
 //                         per 1 x 128 group: GroupOut)
+//   a fused op            RowwiseIO (its kernel argument's shared fields) and RowwiseOp (its y, then the tail)
 //   launch shapes         with_register_config / with_cluster_config; the fused ops' kernels and launch_rowwise,
 //                         which picks one from K, the dtype, the alignment and the device only (never M)
 //
@@ -371,6 +372,55 @@ __device__ __forceinline__ void finish_loop(Produce produce, int nvec, typename 
   }
 }
 
+// --- a fused row-wise op: its y, then the row's tail ---------------------------------------------------------
+//
+// The fields every fused row-wise op's kernel argument starts with (rms_norm.cu's RmsNormParams, silu_mul.cu's and
+// moe/permute_quant.cu's): where its input rows are, where the output row goes, and how long it is.
+template <class T, class OutT>
+struct RowwiseIO {
+  using elem_type = T;
+  const T* x;                 // the input rows, x_stride elements apart (not __restrict__: rms_norm's residual may
+  int64_t x_stride;           // legally be x itself); which one feeds output row r is the op's choice
+  OutT* out;                  // [rows, len] contiguous
+  float* scales;              // quantized outputs: [rows], or [rows, len / 128] (GroupOut); else unused
+  const float* static_scale;  // one float32 (static per-tensor), or nullptr (dynamic per-token or per-group)
+  int len;                    // elements of an output row
+};
+
+// The Op of launch_rowwise (below) of a fused row-wise op Y on element type T with output O: output row blockIdx.x
+// (or block y's part of it over a cluster of C blocks) is Y's y, then finish_regs / finish_loop store or quantize it.
+// Y provides
+//   Params<T, OutT>                      its kernel argument, a RowwiseIO<T, OutT> with the op's own fields after it
+//   regs<kVecs, kB, C>(p, row, y, begin, end)
+//                                        y[i] = vector begin + threadIdx.x + i * kB of the row's y, for those below
+//                                        end (kVecs 16-byte vectors per thread of kB, held in registers)
+//   loop<N, kB>(p, row)                  produce(idx) -> Vec<T, N>, vector idx of the row's y (N elements a load:
+//                                        16 / sizeof(T) vectorized, 1 any alignment), after any pass over the row
+//                                        it needs first
+template <class Y, class T, class O>
+struct RowwiseOp {
+  using Params = typename Y::template Params<T, typename O::type>;
+
+  template <int kVecs, int kB, int C>
+  __device__ __forceinline__ static void regs(const Params& p) {
+    constexpr int N = 16 / sizeof(T);
+    const int64_t row = blockIdx.x;
+    int begin, end;
+    block_part<C>(p.len / N, begin, end);
+    Vec<T, N> y[kVecs];
+    Y::template regs<kVecs, kB, C>(p, row, y, begin, end);
+    finish_regs<T, O, N, kVecs, kB, C>(y, begin, end, p.out + row * int64_t(p.len), p.scales, p.static_scale, row,
+                                       p.len / kGroupElems);
+  }
+
+  template <int N, int kB>
+  __device__ __forceinline__ static void loop(const Params& p) {
+    const int64_t row = blockIdx.x;
+    finish_loop<T, O, N, kB>(Y::template loop<N, kB>(p, row), p.len / N, p.out + row * int64_t(p.len), p.scales,
+                             p.static_scale, row, p.len / kGroupElems);
+  }
+};
+
 // --- launch shapes of the fused row-wise ops (rms_norm.cu, silu_mul.cu) ----------------------------------
 //
 // Per row of nvec 16-byte vectors, chosen from K, the dtype, the alignment and the device only (never M, so a
@@ -431,8 +481,8 @@ bool with_cluster_config(int64_t nvec, F&& launch) {
   return true;
 }
 
-// The three kernels of a fused row-wise op `Op` (rms_norm.cu's RmsNormRow, silu_mul.cu's SiluMulRow), which
-// provides `Params` (the kernel argument, by value) and the device functions
+// The three kernels of a fused row-wise op `Op` (a RowwiseOp: rms_norm.cu's, silu_mul.cu's, permute_quant.cu's),
+// which provides `Params` (the kernel argument, by value) and the device functions
 //   Op::regs<kVecs, kB, C>(p)  row blockIdx.x (C = 1), or block y's part of it over a cluster of C blocks (sm90),
 //                              kVecs 16-byte vectors per thread of kB held in registers
 //   Op::loop<N, kB>(p)         row blockIdx.x by one block of kB threads looping over it, N elements a load

@@ -23,12 +23,8 @@
 #include <optional>
 #include <tuple>
 
-#include <c10/cuda/CUDAGuard.h>
-
 #include "core/checks.hpp"
-#include "graphs/graph_nodes.hpp"
 #include "ops.hpp"
-#include "quant/quantize.hpp"
 #include "quant/rowwise_args.hpp"
 #include "quant/rowwise_launch.hpp"
 #include "quant/rowwise_reduce.cuh"
@@ -37,16 +33,6 @@ namespace cutlass_w8a8 {
 namespace {
 
 // --- SiLU and multiply -------------------------------------------------------------------------------
-
-template <class T, class OutT>
-struct SiluMulParams {
-  const T* x;  // [M, 2 * I] rows, x_stride apart: gate = x[:, :I], up = x[:, I:]
-  int64_t x_stride;
-  OutT* out;  // [M, I] contiguous
-  float* scales;              // [M], or [M, I / 128] (GroupOut)
-  const float* static_scale;
-  int half;  // I
-};
 
 template <class T, int N>
 __device__ __forceinline__ Vec<T, N> silu_mul_vec(const Vec<T, N>& g, const Vec<T, N>& u) {
@@ -62,49 +48,41 @@ __device__ __forceinline__ Vec<T, N> silu_mul_vec(const Vec<T, N>& g, const Vec<
   return y;
 }
 
-// The row-wise kernels of quant/rowwise_reduce.cuh run these (launch_rowwise).
-template <class T, class O>
-struct SiluMulRow {
-  using Params = SiluMulParams<T, typename O::type>;
+// y = silu(gate) * up of a row, for RowwiseOp (quant/rowwise_reduce.cuh, launched by launch_rowwise_op).
+struct SiluMul {
+  // x [M, 2 * I] rows, x_stride apart: gate = x[:, :I], up = x[:, I:]; out [M, I] contiguous (len = I); scales [M],
+  // or [M, I / 128] (GroupOut).
+  template <class T, class OutT>
+  using Params = RowwiseIO<T, OutT>;
 
-  // One row (C = 1) or this block's part of it (C > 1) in registers: kVecs 16-byte vectors per thread of kB; x and
-  // out 16-byte vectorizable.
-  template <int kVecs, int kB, int C>
-  __device__ __forceinline__ static void regs(const Params& p) {
-    constexpr int N = 16 / sizeof(T);
+  // x and out 16-byte vectorizable.
+  template <int kVecs, int kB, int C, class T, class OutT, int N>
+  __device__ __forceinline__ static void regs(const Params<T, OutT>& p, int64_t row, Vec<T, N> (&y)[kVecs], int begin,
+                                              int end) {
     using V = Vec<T, N>;
-    const int64_t row = blockIdx.x;
     const V* gate = reinterpret_cast<const V*>(p.x + row * p.x_stride);
-    const V* up = reinterpret_cast<const V*>(p.x + row * p.x_stride + p.half);
-    int begin, end;
-    block_part<C>(p.half / N, begin, end);
-    V g[kVecs], u[kVecs];
+    const V* up = reinterpret_cast<const V*>(p.x + row * p.x_stride + p.len);
+    V u[kVecs];
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {  // all loads first, then the arithmetic
       const int idx = begin + threadIdx.x + i * kB;
       if (idx < end) {
-        g[i] = gate[idx];
+        y[i] = gate[idx];
         u[i] = up[idx];
       }
     }
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      if (begin + threadIdx.x + i * kB < end) g[i] = silu_mul_vec<T, N>(g[i], u[i]);  // g[i] now holds y
+      if (begin + threadIdx.x + i * kB < end) y[i] = silu_mul_vec<T, N>(y[i], u[i]);
     }
-    finish_regs<T, O, N, kVecs, kB, C>(g, begin, end, p.out + row * int64_t(p.half), p.scales, p.static_scale, row,
-                                       p.half / kGroupElems);
   }
 
-
-  template <int N, int kB>
-  __device__ __forceinline__ static void loop(const Params& p) {
+  template <int N, int kB, class T, class OutT>
+  __device__ __forceinline__ static auto loop(const Params<T, OutT>& p, int64_t row) {
     using V = Vec<T, N>;
-    const int64_t row = blockIdx.x;
     const V* gate = reinterpret_cast<const V*>(p.x + row * p.x_stride);
-    const V* up = reinterpret_cast<const V*>(p.x + row * p.x_stride + p.half);
-    auto produce = [&](int idx) { return silu_mul_vec<T, N>(gate[idx], up[idx]); };
-    finish_loop<T, O, N, kB>(produce, p.half / N, p.out + row * int64_t(p.half), p.scales, p.static_scale, row,
-                             p.half / kGroupElems);
+    const V* up = reinterpret_cast<const V*>(p.x + row * p.x_stride + p.len);
+    return [=](int idx) { return silu_mul_vec<T, N>(gate[idx], up[idx]); };
   }
 };
 
@@ -121,35 +99,8 @@ void check_silu_mul(const char* op, const at::Tensor& x) {
 std::tuple<at::Tensor, at::Tensor> silu_mul_impl(const char* op, const at::Tensor& x,
                                                  std::optional<at::ScalarType> qtype,
                                                  const std::optional<at::Tensor>& scale, int64_t group_size = 0) {
-  quant::check_on_cuda(op, x);
-  c10::cuda::CUDAGuard guard(x.device());
-  const int64_t k = x.size(-1), m = x.numel() / k, half = k / 2;
-  const quant::RowOutputs y =
-      quant::empty_row_outputs(x, half, qtype.value_or(x.scalar_type()), qtype.has_value(), group_size);
-  const at::Tensor& out = y.out;
-  const at::Tensor& scales = y.scales;
-  if (m == 0) return {out, scales};
-
-  const at::Tensor x2 = quant::rows_of(x);
-  const cudaStream_t stream = quant::launch_rowwise_op<SiluMulRow>(x, qtype, group_size, m, [&](auto t, auto o) {
-    using T = decltype(t);
-    using O = decltype(o);
-    using OutT = typename O::type;
-    constexpr int N = 16 / sizeof(T);
-    SiluMulParams<T, OutT> p;
-    p.x = reinterpret_cast<const T*>(x2.data_ptr());
-    p.x_stride = x2.stride(0);
-    p.out = reinterpret_cast<OutT*>(out.data_ptr());
-    p.scales = qtype.has_value() ? scales.data_ptr<float>() : nullptr;
-    p.static_scale = scale.has_value() ? scale->data_ptr<float>() : nullptr;
-    p.half = static_cast<int>(half);
-    const bool vectorizable = half % N == 0 && p.x_stride % N == 0 && is_aligned(p.x, 16) &&
-                              is_aligned(p.out, N * sizeof(OutT));
-    const int64_t part_multiple = IsGroup<O>::value ? kGroupElems / N : 1;  // no group across two cluster blocks
-    return quant::RowwiseLaunch<SiluMulParams<T, OutT>>{p, p.half / N, vectorizable, part_multiple};
-  });
-  graph_nodes::note_rowwise_launch(stream, m, op);
-  return {out, scales};
+  return quant::run_rowwise_op<SiluMul>(op, x, x.size(-1) / 2, qtype, scale, group_size,
+                                        /*group_parts=*/group_size != 0, [](auto&) { return true; });
 }
 
 }  // namespace

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["AccuracyError", "markdown", "provenance", "publish", "require_cuda_extension", "run_checked", "save_figure",
-           "write_results"]
+__all__ = ["AccuracyError", "cuda_extension_missing", "markdown", "provenance", "publish", "require_cuda_extension",
+           "run_checked", "save_figure", "write_results"]
 
 
 class AccuracyError(RuntimeError):
@@ -49,16 +49,29 @@ def save_figure(fig: Any, path: str, title: str = "", dpi: int = 120) -> None:
     plt.close(fig)
 
 
-def require_cuda_extension(script: str):
-    """The `cutlass_w8a8` module when a CUDA device and its compiled extension are there; otherwise exit the
-    process (``sys.exit``, status 1) with a message that starts with ``script`` and says which is missing."""
+def cuda_extension_missing(script: str) -> Optional[str]:
+    """Why ``script`` cannot run its CUDA work here: a message that starts with ``script`` and says which is missing,
+    a CUDA device or the compiled `cutlass_w8a8` extension (with `cutlass_w8a8.extension_status`); None when both are
+    there. The scripts that return an exit status print it; `require_cuda_extension` exits with it."""
     if not torch.cuda.is_available():
-        sys.exit(f"{script}: needs a CUDA device, and torch.cuda.is_available() is False "
-                 f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}).")
+        return (f"{script}: needs a CUDA device, and torch.cuda.is_available() is False "
+                f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
     import cutlass_w8a8
 
     if not cutlass_w8a8.cuda_ops_available():
-        sys.exit(f"{script}: the cutlass_w8a8 CUDA extension is not loaded: {cutlass_w8a8.extension_status()}")
+        return f"{script}: the cutlass_w8a8 CUDA extension is not loaded: {cutlass_w8a8.extension_status()}"
+    return None
+
+
+def require_cuda_extension(script: str):
+    """The `cutlass_w8a8` module when a CUDA device and its compiled extension are there; otherwise exit the
+    process (``sys.exit``, status 1) with `cuda_extension_missing`'s message, which starts with ``script`` and says
+    which is missing."""
+    missing = cuda_extension_missing(script)
+    if missing is not None:
+        sys.exit(missing)
+    import cutlass_w8a8
+
     return cutlass_w8a8
 
 

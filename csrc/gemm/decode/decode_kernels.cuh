@@ -190,35 +190,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemm_kernel(int64_t m64, D
   wait_for_producers();  // before any access to memory another kernel writes (PDL)
 
   Acc acc[NT][4];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[j][i] = Acc(0);
-  }
-  BlockFrags<NT> f;
+  zero_acc(acc);
 
   if constexpr (kBlockScaled) {
     const uint8_t* a = static_cast<const uint8_t*>(p.a);
     const int kgroups = p.k / kGroupBytes;  // K / 128: the row length of both scale matrices
     const float* sb_row = p.scale_b + (row0 / kGroupBytes) * kgroups;
-    BlockScales<NT> sc;
-    for (int blk = bs + warp; blk < be; blk += kWarps) {
-      load_block_weights(f, wg, p.ldw, blk, t, p.k);
-      load_block_acts_global(f, a, p.lda, m, blk, g, t, p.k);
-      load_block_scales(sc, p.scale_a, sb_row, kgroups, m, blk, t);
-      tie_to_weight_loads(f, p.zero);
-      tie_to_scale_loads(f, sc, p.zero);
-      mma_block_scaled(acc, f, sc);
-    }
+    mainloop_global_scaled(acc, wg, p.ldw, a, p.lda, m, p.scale_a, sb_row, kgroups, bs + warp, be, g, t, p.k, p.zero);
   } else if constexpr (!kFused) {
-    const uint8_t* a = static_cast<const uint8_t*>(p.a);
-    for (int blk = bs + warp; blk < be; blk += kWarps) {
-      load_block_weights(f, wg, p.ldw, blk, t, p.k);
-      load_block_acts_global(f, a, p.lda, m, blk, g, t, p.k);
-      tie_to_weight_loads(f, p.zero);
-      mma_block(acc, f);
-    }
+    mainloop_global(acc, wg, p.ldw, static_cast<const uint8_t*>(p.a), p.lda, m, bs + warp, be, g, t, p.k, p.zero);
   } else {
+    BlockFrags<NT> f;
     const XT* x = static_cast<const XT*>(p.a);
     // Chunk c holds blocks [bs + 8c, bs + 8c + 8): warp w takes block bs + 8c + w, as in the unfused loop.
     const int nchunks = (be - bs + kWarps - 1) / kWarps;
@@ -245,21 +227,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemm_kernel(int64_t m64, D
   allow_dependent_launch();  // all loads are done: a PDL-launched successor may be scheduled
 
   // Sum the 8 warps' accumulators in warp order, then one thread per (channel, token) finishes.
-  using Acc4 = std::conditional_t<std::is_same_v<Acc, float>, float4, int4>;
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    *reinterpret_cast<Acc4*>(&red[warp][j][lane][0]) = Acc4{acc[j][0], acc[j][1], acc[j][2], acc[j][3]};
-  }
+  store_warp_acc(red, acc, warp, lane);
   __syncthreads();
   const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
   if (token < m && token < 8 * NT) {
-    // The accumulator of (row, token) sits in lane 4 (row % 8) + (token % 8) / 2, register
-    // 2 (row / 8) + token % 2, of tile token / 8 (the C fragment layout).
-    const int j = token / 8, tt = token % 8;
-    const int src = (row % 8) * 4 + tt / 2, reg = (row / 8) * 2 + tt % 2;
-    Acc sum = red[0][j][src][reg];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) sum += red[w][j][src][reg];
+    const Acc sum = warp_order_sum(red, row, token);
     const int64_t ch = row0 + row;
     if (p.splits == 1) {
       if constexpr (kBlockScaled) {

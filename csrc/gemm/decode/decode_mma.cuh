@@ -1,6 +1,7 @@
 // The fragments and MMAs of the decode GEMMs (decode_kernels.cuh has the kernels; README.md the reasoning): the
 // shape constants the host needs (grid, split-K workspace), the parameter block, the operand loads, the
-// tensor-core steps (int8, e4m3 on sm89 and sm90), the epilogue and the block-scale steps. Torch-free.
+// tensor-core steps (int8, e4m3 on sm89 and sm90), the main loops over global memory and the warps' reduction
+// (shared by scaled_mm_decode and grouped_decode), the epilogue and the block-scale steps. Torch-free.
 //
 // Tensor-core mapping (PTX ISA, "Matrix Fragments for mma.m16n8k32"): 16 weight rows (output channels) sit on
 // the MMA's M, up to 8 tokens on its N, K on its K. For thread (g = lane / 4, t = lane % 4):
@@ -322,6 +323,57 @@ __device__ __forceinline__ void mma_block(Acc (&acc)[NT][4], const BlockFrags<NT
   for (int u = 0; u < kSteps; ++u) mma_step(acc, f.w[u], f.x[u]);
 }
 
+// The accumulators (C fragments) of NT token tiles, zeroed.
+template <class Acc, int NT>
+__device__ __forceinline__ void zero_acc(Acc (&acc)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[j][i] = Acc(0);
+  }
+}
+
+// One warp's share of a main loop that reads the activations from global memory (scaled_mm_decode's, and each
+// grouped_decode chunk's): K blocks first, first + kWarps, ... below `end` of the 16 weight rows at `wg` (this
+// thread's byte 16t of row g, pitch ldw) and the m activation rows at `a` (pitch lda), each block's weight loads
+// tied before its MMAs, accumulated into acc.
+template <class Acc, int NT>
+__device__ __forceinline__ void mainloop_global(Acc (&acc)[NT][4], const uint8_t* wg, int64_t ldw, const uint8_t* a,
+                                                int64_t lda, int m, int first, int end, int g, int t, int k,
+                                                uint32_t zero) {
+  BlockFrags<NT> f;
+  for (int blk = first; blk < end; blk += kWarps) {
+    load_block_weights(f, wg, ldw, blk, t, k);
+    load_block_acts_global(f, a, lda, m, blk, g, t, k);
+    tie_to_weight_loads(f, zero);
+    mma_block(acc, f);
+  }
+}
+
+// The warps' accumulators summed in warp order through shared memory `red`: store_warp_acc puts each warp's C
+// fragments at red[warp][tile][lane]; after a barrier, warp_order_sum reads the sum of (row, token) over the warps,
+// from lane 4 (row % 8) + (token % 8) / 2, register 2 (row / 8) + token % 2, of tile token / 8 (the C fragment
+// layout).
+template <class Acc, int NT, int kTiles>
+__device__ __forceinline__ void store_warp_acc(Acc (&red)[kWarps][kTiles][32][4], const Acc (&acc)[NT][4], int warp,
+                                               int lane) {
+  using Acc4 = std::conditional_t<std::is_same_v<Acc, float>, float4, int4>;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    *reinterpret_cast<Acc4*>(&red[warp][j][lane][0]) = Acc4{acc[j][0], acc[j][1], acc[j][2], acc[j][3]};
+  }
+}
+
+template <class Acc, int kTiles>
+__device__ __forceinline__ Acc warp_order_sum(const Acc (&red)[kWarps][kTiles][32][4], int row, int token) {
+  const int j = token / 8, tt = token % 8;
+  const int src = (row % 8) * 4 + tt / 2, reg = (row / 8) * 2 + tt % 2;
+  Acc sum = red[0][j][src][reg];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) sum += red[w][j][src][reg];
+  return sum;
+}
+
 // --- block scales (e4m3, scale_a [M, K/128], scale_b [ceil(N/128), K/128]) ---------------------------------------
 //
 // Block `blk` holds groups 2 blk (steps 0, 1) and 2 blk + 1 (steps 2, 3) of K. A thread's accumulators are
@@ -378,11 +430,7 @@ __device__ __forceinline__ void mma_block_scaled(float (&acc)[NT][4], const Bloc
 #pragma unroll
   for (int h = 0; h < kGroupsPerBlock; ++h) {
     float part[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) part[j][i] = 0.f;
-    }
+    zero_acc(part);
 #pragma unroll
     for (int u = h * kStepsPerGroup; u < (h + 1) * kStepsPerGroup; ++u) mma_step(part, f.w[u], f.x[u]);
 #pragma unroll
@@ -390,6 +438,26 @@ __device__ __forceinline__ void mma_block_scaled(float (&acc)[NT][4], const Bloc
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[j][i] = __fmaf_rn(part[j][i], sc.s[h][j][i % 2], acc[j][i]);
     }
+  }
+}
+
+// mainloop_global with block scales (e4m3): each block's scales too (load_block_scales: `scale_a`'s m rows of
+// kgroups = K / 128, `sb_row` the weight rows' 128-row block row), tied before its MMAs like the weights, and the MMAs
+// group by group (mma_block_scaled).
+template <int NT>
+__device__ __forceinline__ void mainloop_global_scaled(float (&acc)[NT][4], const uint8_t* wg, int64_t ldw,
+                                                       const uint8_t* a, int64_t lda, int m, const float* scale_a,
+                                                       const float* sb_row, int kgroups, int first, int end, int g,
+                                                       int t, int k, uint32_t zero) {
+  BlockFrags<NT> f;
+  BlockScales<NT> sc;
+  for (int blk = first; blk < end; blk += kWarps) {
+    load_block_weights(f, wg, ldw, blk, t, k);
+    load_block_acts_global(f, a, lda, m, blk, g, t, k);
+    load_block_scales(sc, scale_a, sb_row, kgroups, m, blk, t);
+    tie_to_weight_loads(f, zero);
+    tie_to_scale_loads(f, sc, zero);
+    mma_block_scaled(acc, f, sc);
   }
 }
 

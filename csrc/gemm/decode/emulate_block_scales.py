@@ -39,6 +39,16 @@ def words(row_bytes, off):
     return [list(chunk[4 * i:4 * i + 4]) for i in range(4)]
 
 
+def add_c_fragments(acc, cmat):
+    """Adds the 16 x 8 product `cmat` into the lanes' C fragments (the PTX table of both mma shapes):
+    C[g][2t + e] -> c[e], C[g + 8][2t + e] -> c[2 + e] of lane (g, t) = (lane / 4, lane % 4)."""
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for e in range(2):
+            acc[lane][e] += cmat[g][2 * t + e]
+            acc[lane][2 + e] += cmat[g + 8][2 * t + e]
+
+
 def mma_sm90(acc, wg, wg8, xs):
     """mma_step on sm90: for word i, one m16n8k16 with a0 = row g low pair, a1 = row g+8 low, a2 = row g high,
     a3 = row g+8 high; b0 = token g low pair, b1 = high. Operand matrices from the PTX fragment table:
@@ -56,12 +66,7 @@ def mma_sm90(acc, wg, wg8, xs):
                 a[g][2 * t + c], a[g + 8][2 * t + c] = lo[c], lo8[c]
                 a[g][2 * t + 8 + c], a[g + 8][2 * t + 8 + c] = hi[c], hi8[c]
                 b[2 * t + c][g], b[2 * t + 8 + c][g] = xlo[c], xhi[c]
-        cmat = a @ b
-        for lane in range(32):
-            g, t = lane // 4, lane % 4
-            for e in range(2):
-                acc[lane][e] += cmat[g][2 * t + e]
-                acc[lane][2 + e] += cmat[g + 8][2 * t + e]
+        add_c_fragments(acc, a @ b)
 
 
 def mma_sm89(acc, wg, wg8, xs):
@@ -77,12 +82,7 @@ def mma_sm89(acc, wg, wg8, xs):
                 a[g][4 * t + c], a[g + 8][4 * t + c] = wg[lane][first][c], wg8[lane][first][c]
                 a[g][16 + 4 * t + c], a[g + 8][16 + 4 * t + c] = wg[lane][second][c], wg8[lane][second][c]
                 b[4 * t + c][g], b[16 + 4 * t + c][g] = xs[lane][first][c], xs[lane][second][c]
-        cmat = a @ b
-        for lane in range(32):
-            g, t = lane // 4, lane % 4
-            for e in range(2):
-                acc[lane][e] += cmat[g][2 * t + e]
-                acc[lane][2 + e] += cmat[g + 8][2 * t + e]
+        add_c_fragments(acc, a @ b)
 
 
 def emulate(a, w, sa, sb, bias, sms, arch):

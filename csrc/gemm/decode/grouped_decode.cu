@@ -175,51 +175,24 @@ __device__ __forceinline__ void grouped_chunk(const GroupedParams& p, int e, int
   const int nblk = (p.k + kBlockBytes - 1) / kBlockBytes;
 
   Acc acc[NT][4];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[j][i] = Acc(0);
-  }
-  BlockFrags<NT> f;
+  zero_acc(acc);
   if constexpr (kBlockScaled) {
     const int kgroups = p.k / kGroupBytes;  // K / 128
     const int64_t nb = (p.n + kGroupBytes - 1) / kGroupBytes;
     const float* sb_row = p.scale_b + (e * nb + row0 / kGroupBytes) * kgroups;
     const float* sa = p.scale_a + static_cast<int64_t>(r0) * kgroups;
-    BlockScales<NT> sc;
-    for (int blk = warp; blk < nblk; blk += kWarps) {
-      load_block_weights(f, wg, p.ldw, blk, t, p.k);
-      load_block_acts_global(f, a, p.lda, m, blk, g, t, p.k);
-      load_block_scales(sc, sa, sb_row, kgroups, m, blk, t);
-      tie_to_weight_loads(f, p.zero);
-      tie_to_scale_loads(f, sc, p.zero);
-      mma_block_scaled(acc, f, sc);
-    }
+    mainloop_global_scaled(acc, wg, p.ldw, a, p.lda, m, sa, sb_row, kgroups, warp, nblk, g, t, p.k, p.zero);
   } else {
-    for (int blk = warp; blk < nblk; blk += kWarps) {
-      load_block_weights(f, wg, p.ldw, blk, t, p.k);
-      load_block_acts_global(f, a, p.lda, m, blk, g, t, p.k);
-      tie_to_weight_loads(f, p.zero);
-      mma_block(acc, f);
-    }
+    mainloop_global(acc, wg, p.ldw, a, p.lda, m, warp, nblk, g, t, p.k, p.zero);
   }
   allow_dependent_launch();  // this chunk's loads are done (idempotent: later chunks signal again)
 
-  using Acc4 = std::conditional_t<std::is_same_v<Acc, float>, float4, int4>;
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    *reinterpret_cast<Acc4*>(&red[warp][j][lane][0]) = Acc4{acc[j][0], acc[j][1], acc[j][2], acc[j][3]};
-  }
+  // Sum the 8 warps' accumulators in warp order, as decode_gemm_kernel.
+  store_warp_acc(red, acc, warp, lane);
   __syncthreads();
   const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;  // 256 threads: 16 rows x 16 tokens
   if (token < m) {
-    // The accumulator of (row, token): lane 4 (row % 8) + (token % 8) / 2, register 2 (row / 8) + token % 2, of
-    // tile token / 8 (the C fragment layout), as in decode_gemm_kernel.
-    const int j = token / 8, tt = token % 8;
-    const int src = (row % 8) * 4 + tt / 2, reg = (row / 8) * 2 + tt % 2;
-    Acc sum = red[0][j][src][reg];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) sum += red[w][j][src][reg];
+    const Acc sum = warp_order_sum(red, row, token);
     const int64_t ch = row0 + row;
     const int64_t ech = e * p.n + ch;  // index into [E, N]
     const float bias = p.bias != nullptr ? to_float(static_cast<const OutT*>(p.bias)[ech]) : 0.f;

@@ -61,44 +61,29 @@ constexpr bool kTuneFp8Block = false;
 // functions of a config.
 struct BlockFp8 {};
 
-template <class Key>
-struct Tables;
-template <>
-struct Tables<int8_t> {
-  using Shipped = Int8Configs;
-  static constexpr bool kTuned = kTuneInt8;
-  using Candidates = Int8TuneCandidates;
-  static int select(int64_t m, int64_t n, int64_t k, int sms) { return select_int8(m, n, k, sms); }
+template <class ShippedConfigs, bool kTunedIn, class TuneCandidates, int (*kSelect)(int64_t, int64_t, int64_t, int)>
+struct TableOf {
+  using Shipped = ShippedConfigs;
+  static constexpr bool kTuned = kTunedIn;
+  using Candidates = TuneCandidates;
+  static int select(int64_t m, int64_t n, int64_t k, int sms) { return kSelect(m, n, k, sms); }
+};
+
+// The kernel functions of the row-wise tables' configs: scaled_mm_sm90.cuh's ScaledMmKernel on ElementAB operands.
+template <class ElementAB>
+struct RowwiseKernels {
   template <class ElementD, class Cfg>
   static int run(const cw8a8_scaled_mm_args& a, cw8a8_alloc_fn alloc, void* ctx, char* err, size_t err_len) {
-    return run_scaled_mm<int8_t, ElementD, Cfg>(a, alloc, ctx, err, err_len);
+    return run_scaled_mm<ElementAB, ElementD, Cfg>(a, alloc, ctx, err, err_len);
   }
   template <class ElementD, class Cfg>
   static int node(const cw8a8_scaled_mm_args& a, cw8a8_kernel_node* node, char* err, size_t err_len) {
-    return scaled_mm_node<int8_t, ElementD, Cfg>(a, node, err, err_len);
+    return scaled_mm_node<ElementAB, ElementD, Cfg>(a, node, err, err_len);
   }
 };
-template <>
-struct Tables<cutlass::float_e4m3_t> {
-  using Shipped = Fp8Configs;
-  static constexpr bool kTuned = kTuneFp8;
-  using Candidates = Fp8TuneCandidates;
-  static int select(int64_t m, int64_t n, int64_t k, int sms) { return select_fp8(m, n, k, sms); }
-  template <class ElementD, class Cfg>
-  static int run(const cw8a8_scaled_mm_args& a, cw8a8_alloc_fn alloc, void* ctx, char* err, size_t err_len) {
-    return run_scaled_mm<cutlass::float_e4m3_t, ElementD, Cfg>(a, alloc, ctx, err, err_len);
-  }
-  template <class ElementD, class Cfg>
-  static int node(const cw8a8_scaled_mm_args& a, cw8a8_kernel_node* node, char* err, size_t err_len) {
-    return scaled_mm_node<cutlass::float_e4m3_t, ElementD, Cfg>(a, node, err, err_len);
-  }
-};
-template <>
-struct Tables<BlockFp8> {
-  using Shipped = Fp8BlockConfigs;
-  static constexpr bool kTuned = kTuneFp8Block;
-  using Candidates = Fp8BlockTuneCandidates;
-  static int select(int64_t m, int64_t n, int64_t k, int sms) { return select_fp8_block(m, n, k, sms); }
+
+// The block-scaled table's: scaled_mm_sm90_blockwise.cuh's BlockScaledMmKernel.
+struct BlockKernels {
   template <class ElementD, class Cfg>
   static int run(const cw8a8_scaled_mm_args& a, cw8a8_alloc_fn alloc, void* ctx, char* err, size_t err_len) {
     return run_scaled_mm_block<ElementD, Cfg>(a, alloc, ctx, err, err_len);
@@ -108,6 +93,17 @@ struct Tables<BlockFp8> {
     return scaled_mm_block_node<ElementD, Cfg>(a, node, err, err_len);
   }
 };
+
+template <class Key>
+struct Tables;
+template <>
+struct Tables<int8_t> : TableOf<Int8Configs, kTuneInt8, Int8TuneCandidates, select_int8>, RowwiseKernels<int8_t> {};
+template <>
+struct Tables<cutlass::float_e4m3_t> : TableOf<Fp8Configs, kTuneFp8, Fp8TuneCandidates, select_fp8>,
+                                       RowwiseKernels<cutlass::float_e4m3_t> {};
+template <>
+struct Tables<BlockFp8> : TableOf<Fp8BlockConfigs, kTuneFp8Block, Fp8BlockTuneCandidates, select_fp8_block>,
+                          BlockKernels {};
 
 // Calls f(Cfg{}) with Cfg entry `index` of `Table` (configs are empty tag types); -1 when the index is not in it.
 template <class Table, class F, size_t... I>

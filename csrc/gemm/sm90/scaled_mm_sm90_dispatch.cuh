@@ -63,6 +63,25 @@ inline double wave_fill(int64_t tiles, int sms) {
   return waves > 0 ? static_cast<double>(tiles) / static_cast<double>(waves * sms) : 1.0;
 }
 
+// The choice of the int8 and block-scaled tables, which share their buckets: M in [1, 32], (32, 64] and (64, 128]
+// to M32, M64 and M128; M > 128 to `Large` (128 x 128 tiles in clusters of two CTAs, along M when `pairs_along_m`,
+// else along N: the cluster pads that side's tiles to pairs) unless `FewTiles` (64 x 128 tiles, no cluster: twice the
+// tiles) fills its last wave better by more than 0.05 on `sm_count` SMs (0: unknown, taken as an H100's / H200's
+// 132). Returns the index of the chosen config in `Table`.
+template <class M32, class M64, class M128, class FewTiles, class Large, class Table>
+int select_by_m_and_wave_fill(int64_t m, int64_t n, int sm_count, bool pairs_along_m) {
+  if (m <= 32) return index_of<M32, Table>;
+  if (m <= 64) return index_of<M64, Table>;
+  if (m <= 128) return index_of<M128, Table>;
+  const int64_t tiles_n = (n + 127) / 128;
+  const int64_t tiles_m_large = (m + 127) / 128;
+  const int sms = sm_count > 0 ? sm_count : 132;
+  const double fill_few = wave_fill(((m + 63) / 64) * tiles_n, sms);
+  const double fill_large = pairs_along_m ? wave_fill((tiles_m_large + 1) / 2 * 2 * tiles_n, sms)
+                                          : wave_fill(tiles_m_large * ((tiles_n + 1) / 2 * 2), sms);
+  return fill_few > fill_large + 0.05 ? index_of<FewTiles, Table> : index_of<Large, Table>;
+}
+
 // For M > 128, Int8_MLarge (128x128 tiles) unless Int8_MLarge_FewTiles (64x128, twice the tiles) fills its
 // waves better by more than 0.05. In the sweep this picks the faster of the two at every one of its 48 points
 // with M > 128 (8B qkv at M = 512: 21.4 vs 24.4 us; 8B o at M = 256: 10.5 vs 14.7 us; 70B o at M = 256: 27.7
@@ -70,16 +89,8 @@ inline double wave_fill(int64_t tiles, int sms) {
 // them. Returns an index into Int8Configs.
 inline int select_int8(int64_t m, int64_t n, int64_t k, int sm_count) {
   (void)k;
-  if (m <= 32) return index_of<Int8_M32, Int8Configs>;
-  if (m <= 64) return index_of<Int8_M64, Int8Configs>;
-  if (m <= 128) return index_of<Int8_M128, Int8Configs>;
-  const int64_t tiles_n = (n + 127) / 128;
-  const int64_t tiles_m_128 = ((m + 127) / 128 + 1) / 2 * 2;  // a 2x1 cluster pads the M tiles to pairs
-  const int64_t tiles_m_64 = (m + 63) / 64;
-  const int sms = sm_count > 0 ? sm_count : 132;
-  return wave_fill(tiles_m_64 * tiles_n, sms) > wave_fill(tiles_m_128 * tiles_n, sms) + 0.05
-             ? index_of<Int8_MLarge_FewTiles, Int8Configs>
-             : index_of<Int8_MLarge, Int8Configs>;
+  return select_by_m_and_wave_fill<Int8_M32, Int8_M64, Int8_M128, Int8_MLarge_FewTiles, Int8_MLarge, Int8Configs>(
+      m, n, sm_count, /*pairs_along_m=*/true);
 }
 
 // ---- fp8 e4m3 x e4m3 -> fp32 ---------------------------------------------------------------------------
@@ -158,16 +169,8 @@ using Fp8BlockConfigs = std::tuple<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp
 // more than 0.05.
 inline int select_fp8_block(int64_t m, int64_t n, int64_t k, int sm_count) {
   (void)k;
-  if (m <= 32) return index_of<Fp8Block_M32, Fp8BlockConfigs>;
-  if (m <= 64) return index_of<Fp8Block_M64, Fp8BlockConfigs>;
-  if (m <= 128) return index_of<Fp8Block_M128, Fp8BlockConfigs>;
-  const int64_t tiles_n = (n + 127) / 128;
-  const int64_t tiles_n_pairs = (tiles_n + 1) / 2 * 2;  // a 1x2 cluster pads the N tiles to pairs
-  const int sms = sm_count > 0 ? sm_count : 132;
-  const double fill_few = wave_fill(((m + 63) / 64) * tiles_n, sms);
-  const double fill_large = wave_fill(((m + 127) / 128) * tiles_n_pairs, sms);
-  return fill_few > fill_large + 0.05 ? index_of<Fp8Block_M128, Fp8BlockConfigs>
-                                      : index_of<Fp8Block_MLarge, Fp8BlockConfigs>;
+  return select_by_m_and_wave_fill<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp8Block_M128, Fp8Block_MLarge,
+                                   Fp8BlockConfigs>(m, n, sm_count, /*pairs_along_m=*/false);
 }
 
 // ---- tuning candidates (bfloat16 output; built with CUTLASS_W8A8_TUNE=1, or =int8,fp8,fp8-block: some tables) --

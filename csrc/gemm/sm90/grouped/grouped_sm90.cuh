@@ -64,21 +64,6 @@ constexpr size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 }  // namespace detail
 
-// What the setup kernel reads: cw8a8_grouped_mm_args' device pointers and sizes.
-struct SetupInputs {
-  const void* a;
-  const void* b;
-  void* d;
-  const float* scale_a;
-  const float* scale_b;
-  const void* bias;
-  const int32_t* offsets;
-  int64_t t, n, k, num_experts;
-  int64_t lda, ldb, ldd, stride_b_e;
-  int scale_a_per_token;
-  int scale_b_per_channel;
-};
-
 template <class ElementAB_, class ElementD_, class Cfg, bool kBlock>
 struct GroupedMmKernel {
   using ElementAB = ElementAB_;
@@ -181,8 +166,8 @@ struct GroupedMmKernel {
   }
 
   // Expert e's rows [start, end) of A and D.
-  CUTLASS_DEVICE static void write_group(const SetupInputs& p, const Arrays& arr, int64_t e, int64_t start,
-                                         int64_t end) {
+  CUTLASS_DEVICE static void write_group(const cw8a8_grouped_mm_args& p, const Arrays& arr, int64_t e,
+                                         int64_t start, int64_t end) {
     const int rows = static_cast<int>(end - start);
     const int n = static_cast<int>(p.n);
     const int k = static_cast<int>(p.k);
@@ -268,7 +253,8 @@ constexpr int kSetupThreads = 1024;
 // One CTA of kSetupThreads: the clamped offsets by a running maximum (chunks of kSetupThreads experts, a
 // Hillis-Steele scan in shared memory each), then each thread writes its expert's group.
 template <class K>
-__global__ void __launch_bounds__(kSetupThreads) grouped_setup_kernel(SetupInputs p, typename K::Arrays arr) {
+__global__ void __launch_bounds__(kSetupThreads)
+    grouped_setup_kernel(const cw8a8_grouped_mm_args p, typename K::Arrays arr) {
   __shared__ int64_t scan[kSetupThreads];
   const int tid = static_cast<int>(threadIdx.x);
   int64_t carry = 0;  // the clamped end of the last expert of the previous chunks
@@ -321,9 +307,7 @@ int run_grouped(const cw8a8_grouped_mm_args& p, cw8a8_alloc_fn alloc, void* allo
   cutlass::Status st = Gemm::can_implement(args);
   if (st != cutlass::Status::kSuccess) return ::cutlass_w8a8::sm90::detail::fail(err, err_len, "CUTLASS can_implement", st);
 
-  SetupInputs in{p.a, p.b, p.d, p.scale_a, p.scale_b, p.bias, p.offsets, p.t, p.n, p.k, p.num_experts,
-                 p.lda, p.ldb, p.ldd, p.stride_b_e, p.scale_a_per_token, p.scale_b_per_channel};
-  grouped_setup_kernel<K><<<1, kSetupThreads, 0, p.stream>>>(in, arr);
+  grouped_setup_kernel<K><<<1, kSetupThreads, 0, p.stream>>>(p, arr);  // the argument block itself, by value
   cudaError_t ce = cudaGetLastError();
   if (ce != cudaSuccess) {
     std::snprintf(err, err_len, "grouped setup kernel launch failed: %s", cudaGetErrorString(ce));
