@@ -238,6 +238,20 @@ def test_save_round_trip_is_byte_identical(ds_ckpt, tmp_path, name):
     assert torch.equal(logits(ours, ids()), logits(back, ids()))
 
 
+def test_top_level_api_round_trip(ds_ckpt, tmp_path):
+    """``cw.from_pretrained`` (which runs ``optimize_``: it leaves DeepSeek's decoder layers as they are, with a
+    warning) and ``cw.save_pretrained`` give the same byte-identical files."""
+    src = ds_ckpt("native_ue8m0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = cw.from_pretrained(src)
+    cw.save_pretrained(ours, tmp_path)
+    stored, original = stored_tensors(tmp_path), stored_tensors(src)
+    assert stored.keys() == original.keys() - set(mtp_names(original))
+    assert all(stored[k].dtype == v.dtype and torch.equal(_u8(stored[k]), _u8(v)) for k, v in original.items()
+               if k in stored)
+
+
 def test_save_as_compressed_tensors(ds_ckpt, tmp_path):
     """``format="compressed-tensors"``: FP8_BLOCK, the experts per expert with ``weight_scale`` (float32), the shared
     experts and MLA projections as block linears, the router (float) not a target; read back to the same model."""
