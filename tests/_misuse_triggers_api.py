@@ -223,6 +223,23 @@ _MOE_DEVICE_TRIGGERS = {
 }
 DEVICE_TRIGGERS.update(_MOE_DEVICE_TRIGGERS)
 
+
+def _route(d, e=8, k=2, **kw):
+    """moe_route on (2, E) float32 logits on device d with the keyword arguments given."""
+    return cw.moe_route(torch.zeros(2, e, device=d), k, **kw)
+
+
+DEVICE_TRIGGERS.update({
+    "moe-route-scoring": lambda d: _route(d, scoring="tanh"),
+    "moe-route-bias-dtype": lambda d: _route(d, correction_bias=torch.zeros(8, dtype=torch.bfloat16, device=d)),
+    "moe-route-bias-shape": lambda d: _route(d, correction_bias=torch.zeros(7, device=d)),
+    "moe-route-n-group": lambda d: _route(d, e=66, n_group=33),
+    "moe-route-n-group-divide": lambda d: _route(d, n_group=3),
+    "moe-route-topk-group": lambda d: _route(d, n_group=4, topk_group=5),
+    "moe-route-top-k-groups": lambda d: _route(d, k=3, n_group=4, topk_group=1),
+    "moe-route-scaling": lambda d: _route(d, scaling_factor=float("inf")),
+})
+
 CPU_TRIGGERS.update({
     "moe-logits-too-many-rows": lambda: cw.moe_topk_softmax(torch.empty(2**31, 8, device="meta"), 2),
     "moe-ids-too-many": lambda: cw.moe_align(torch.empty(2**28, 8, dtype=torch.int32, device="meta"), 8),
@@ -236,6 +253,7 @@ CPU_TRIGGERS.update({
 CUDA_TRIGGERS.update({
     "moe-pairs-device": lambda: _permute("cuda", sp=_i32(4)),
     "moe-weights-device": lambda: _unpermute("cuda", w=torch.zeros(2, 2)),
+    "moe-route-bias-device": lambda: _route("cuda", correction_bias=torch.zeros(8)),
 })
 
 

@@ -8,8 +8,9 @@ the routing (for `W8A8MoE`'s router-logits mode, ``moe_route``: top-k, renormali
 scaling factor and the correction bias tensor) is read from the router as the row's `Routing` says
 (`cutlass_w8a8.moe.families.read_routing`). The correction bias is the router's own tensor, shared with the layer
 (not copied) when it is float32: it is the one transformers' state dict loads, so a state dict loaded into the
-quantized model later reaches the layer too; a router holding it in another dtype (transformers 5.17 builds it in
-the model's dtype) gives a float32 copy, whose values are the same. A routing ``moe_route`` does not compute
+quantized model later reaches the layer too (a move to another device gives each module its own moved copy, equal
+in value, as ``nn.Module.to`` does for any shared buffer); a router holding it in another dtype (transformers 5.17
+builds it in the model's dtype) gives a float32 copy, whose values are the same. A routing ``moe_route`` does not compute
 (`RoutingArgs.unserved`) leaves the experts in float with a warning. Shared experts (Qwen2-MoE's ``shared_expert``,
 DeepSeek-V3's ``shared_experts``) are plain SwiGLU MLPs of ``nn.Linear`` layers, quantized as Linears.
 

@@ -27,7 +27,8 @@ __all__ = ["check_scaled_mm", "check_scaled_mm_decode", "check_grouped_scaled_mm
            "check_quantize", "check_quantize_group", "check_rms_norm", "check_rms_norm_quant", "check_silu_mul",
            "check_silu_mul_quant",
            "check_decode_attention", "check_decode_attention_quant", "check_rope_kv_cache", "check_decode_layer",
-           "check_moe_topk_softmax", "check_moe_route", "check_moe_align", "check_moe_permute_quant", "check_moe_unpermute",
+           "check_moe_topk_softmax", "check_moe_route", "check_moe_align", "check_moe_permute_quant",
+           "check_moe_unpermute",
            "fail_type", "fail_value"]
 
 

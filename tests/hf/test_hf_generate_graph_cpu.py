@@ -154,3 +154,15 @@ def test_sliding_window_model_is_refused():
     ids, am = _batch()
     with pytest.raises(ValueError, match=r"sliding-window attention layers"):
         gen.generate(ids, 2, attention_mask=am)
+
+
+@pytest.mark.full  # 7-15 s each on 2 CPU cores (W8A8MoE's CPU references at every decode step)
+@pytest.mark.parametrize("kind,scheme", [("deepseek_v3", "int8"), ("glm4_moe", "fp8-block"), ("olmoe", "int8")])
+def test_moe_families_greedy_tokens_equal_transformers(kind, scheme):
+    """The MoE families' case of tests/hf/test_hf_generate_graph_cuda.py (`_moe_greedy_case`: a tiny quantized
+    DeepSeek-V3 / GLM-4.5 / OLMoE, the transformers step) with the steps run eagerly on the CPU: the tokens are
+    transformers' ``generate`` tokens with a ``StaticCache``, bit for bit (the same arithmetic on the CPU)."""
+    import test_hf_generate_graph_cuda as gpu_cases
+
+    ours, ref = gpu_cases._moe_greedy_case(kind, scheme, "cpu")
+    assert torch.equal(ours, ref.sequences)

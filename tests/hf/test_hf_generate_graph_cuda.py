@@ -1,5 +1,6 @@
 """`cutlass_w8a8.generate` / `GraphGenerator` on a GPU with CUDA graphs, on tiny optimized W8A8 transformers models
-(tests/_hf_tiny.py): each decode step's logits replayed from the bucket's graph equal the same steps run eagerly
+(tests/_hf_tiny.py) and tiny quantized MoE models of several families (tests/_moe_models.py: Qwen3-MoE, Mixtral,
+DeepSeek-V3, GLM-4.5, OLMoE; the transformers step captured): each decode step's logits replayed from the bucket's graph equal the same steps run eagerly
 bit for bit (the capture records the eager kernels), and the greedy tokens agree with ``model.generate``'s with a
 ``StaticCache`` of the same length (`_hf_tiny.check_greedy_against_transformers`: equal tokens on equal prefixes except where
 the reference's logits have a near-tie within the measured logit difference of the two paths, that difference
@@ -80,6 +81,54 @@ def _greedy_case(kind, scheme, device, step="auto"):
     cache = transformers.StaticCache(config=model.config, max_cache_len=CACHE)
     ref = model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=NEW, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)
+    checked = check_greedy_against_transformers(ours, gen.logits_history, ref, ids.shape[1])
+    assert checked >= MIN_CHECKED, f"only {checked} token steps compared on equal prefixes"
+    return ours, ref
+
+
+# The MoE families of cutlass_w8a8.moe.families with a GPU run of their own: the first rows, and the block-fp8 families
+# of issue 35 (DeepSeek-V3 with MLA, grouped sigmoid routing, a correction bias and a shared expert; GLM-4.5; OLMoE).
+MOE_KINDS = ["qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "olmoe"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_moe_families_greedy_tokens_equal_transformers(kind, scheme):
+    _moe_greedy_case(kind, scheme, "cuda")
+
+
+def _moe_model(kind, scheme, device):
+    """tests/_moe_models.py's tiny ``kind`` (bf16, sdpa), ``quantize_``d with ``scheme`` (``lm_head`` left in bf16:
+    experts W8A8MoE, the router float, attention / MLA / shared experts W8A8Linear), on ``device``."""
+    import warnings
+
+    from _hf_tiny import SCHEMES as CONFIGS
+    from _moe_models import tiny_moe_model
+
+    if device == "cuda" and scheme != "int8" and not cw.supports_fp8():
+        pytest.skip("no fp8 kernels on this device")
+    model = tiny_moe_model(kind).to(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a shared expert's gate (N = 1) stays in float
+        cw.quantize_(model, CONFIGS[scheme], filter_fn=lambda m, fqn: fqn != "lm_head")
+    assert any(isinstance(m, cw.W8A8MoE) for m in model.modules())
+    return model
+
+
+def _moe_greedy_case(kind, scheme, device):
+    """`cw.generate` with the transformers step captured (the MoE blocks run their W8A8MoE inside the graph, routed
+    by their own float routers) against ``model.generate`` with a ``StaticCache`` of the same length, as
+    `_greedy_case` (``device`` "cpu": the same steps eagerly)."""
+    model = _moe_model(kind, scheme, device)
+    ids, am = _batch(device=device)
+    ours = cw.generate(model, ids, NEW, attention_mask=am, max_cache_len=CACHE, step="transformers", pad_token_id=0)
+    gen = model.__dict__["_cw_graph_generator"]
+    assert gen.use_graphs == (device == "cuda") and gen.step == "transformers"
+    gen.record_logits = True  # the same generator and graphs again, keeping the logits
+    assert torch.equal(cw.generate(model, ids, NEW, attention_mask=am, step="transformers", pad_token_id=0), ours)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=CACHE)
+    ref = model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=NEW, do_sample=False,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     checked = check_greedy_against_transformers(ours, gen.logits_history, ref, ids.shape[1])
     assert checked >= MIN_CHECKED, f"only {checked} token steps compared on equal prefixes"
     return ours, ref
