@@ -1,17 +1,19 @@
 """Mixture-of-experts checkpoints: the per-expert Linear layout llm-compressor / compressed-tensors and the
 transformers-native fp8 format write, read into `cutlass_w8a8.moe.W8A8MoE` layers and written back.
 
-The blocks read and written are those of `cutlass_w8a8.moe.families.FAMILIES` (Qwen2-MoE, Qwen3-MoE, Mixtral):
-transformers 5 holds their experts as one module with 3-D ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]
+The blocks read and written are those of `cutlass_w8a8.moe.families.FAMILIES` (Qwen2-MoE, Qwen3-MoE, Mixtral,
+DeepSeek-V3, GLM-4.5, OLMoE and the other rows): transformers 5 holds their experts as one module with 3-D ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]
 parameters (the row's `ExpertLayout`), which its conversion mapping fills on load from per-expert tensors; the files
 name expert ``e``'s linears as the row's `CheckpointNames` say: ``<layer>.mlp.experts.{e}.{gate,up,down}_proj``
 (Qwen), ``<layer>.block_sparse_moe.experts.{e}.{w1,w3,w2}`` (Mixtral: gate ``w1``, up ``w3``, down ``w2``; transformers
-names its block ``mlp`` in the model and ``block_sparse_moe`` in the files). The router (the row's ``Routing.router``,
-``gate``) is left in float. Each expert linear stores ``weight`` (int8 / e4m3, ``[N, K]``) and its scale
+names its block ``mlp`` in the model and ``block_sparse_moe`` in the files); other tensors of the block that the files
+name otherwise are the row's ``CheckpointNames.renamed``. The router (the row's ``Routing.router``, ``gate``) is left
+in float, and the `W8A8MoE` gets the row's routing (`read_routing`: scoring, grouped top-k, scaling, the router's
+loaded correction bias: `link_correction_biases`). Each expert linear stores ``weight`` (int8 / e4m3, ``[N, K]``) and its scale
 (``weight_scale``: ``[N, 1]`` per channel, ``[1]`` per tensor, ``[ceil(N / 128), K / 128]`` block;
 ``weight_scale_inv`` block in the native format), and ``input_scale`` ``[1]`` when the activations are static.
-Qwen2-MoE's ``shared_expert`` linears are ordinary linears (`W8A8Linear`), its ``shared_expert_gate`` (N = 1)
-must be left in float.
+Shared experts (Qwen2-MoE's ``shared_expert``, DeepSeek-V3's ``shared_experts``) are ordinary linears
+(`W8A8Linear`); Qwen2-MoE's ``shared_expert_gate`` (N = 1) must be left in float.
 
 Into a `W8A8MoE` (rows of ``w13`` [E, 2I, H]: gate then up, as transformers' ``gate_up_proj``):
 
@@ -154,9 +156,9 @@ def find_moe_blocks(model: nn.Module, ckpt_meta: Dict[str, tuple], where: str) -
     ``{tensor name: (safetensors dtype, shape)}``) stores, in module order. Empty for a dense model.
 
     Raises ValueError naming the module for a module holding 3-D expert parameters that is not the experts of a
-    block of `cutlass_w8a8.moe.families.FAMILIES` (Qwen2-MoE, Qwen3-MoE, Mixtral): other MoE blocks route
-    differently (grouped top-k, sigmoid scores, expert biases) or lay the experts out otherwise, and are not loaded
-    8-bit; and for a family's block whose router lacks what the row names (`read_routing`).
+    block of `cutlass_w8a8.moe.families.FAMILIES`: other MoE blocks route in ways ``moe_route`` does not compute
+    (PhiMoE's sparsemixer) or lay the experts out otherwise, and are not loaded 8-bit; and for a family's block whose
+    router lacks what the row names (`read_routing`).
     """
     blocks = []
     family_experts = set()
@@ -523,7 +525,7 @@ def moe_linear_names(model: nn.Module, name: str, moe: nn.Module, where: str) ->
 def float_expert_headers(model: nn.Module, headers: Dict[str, tuple], where: str) -> Dict[str, tuple]:
     """``headers`` (``{tensor name: (safetensors dtype, shape)}`` of ``model.state_dict()``) as the files hold
     them after transformers' ``save_pretrained``, which writes the fused float experts (``gate_up_proj`` [E, 2I, H],
-    ``down_proj`` [E, H, I]) of a Qwen2-MoE / Qwen3-MoE / Mixtral block per expert (``<block>.experts.{e}.{gate,
+    ``down_proj`` [E, H, I]) of a block of `cutlass_w8a8.moe.families` per expert (``<block>.experts.{e}.{gate,
     up,down}_proj.weight``, Mixtral's under ``block_sparse_moe``), the layout the loader reads. Other modules'
     entries are kept as they are."""
     out = dict(headers)

@@ -122,19 +122,23 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
     (`cutlass_w8a8.checkpoints._direct`). ``model.config.quantization_config`` is then the compressed-tensors
     FP8_BLOCK dict describing the loaded layers (what their ``state_dict`` holds).
 
-    Mixture-of-experts checkpoints (Qwen2-MoE, Qwen3-MoE, Mixtral; compressed-tensors W8A8 / FP8-dynamic /
+    Mixture-of-experts checkpoints (the blocks of `cutlass_w8a8.moe.families`: Qwen2-MoE, Qwen3-MoE, Mixtral,
+    DeepSeek-V3, GLM-4.5, OLMoE, ...; compressed-tensors W8A8 / FP8-dynamic /
     static / FP8_BLOCK as llm-compressor writes them, and the native block-fp8 format): the per-expert linears
     (``<layer>.mlp.experts.{e}.{gate,up,down}_proj``, Mixtral's ``<layer>.block_sparse_moe.experts.{e}.{w1,w3,w2}``)
     of each block become one `cutlass_w8a8.W8A8MoE` holding their stored 8-bit weights and float32 scales (gate rows
     then up rows in ``w13`` [E, 2I, H], ``w2`` [E, H, I]; a per-tensor weight scale is repeated per channel, the same
     dequantized weight; static input scales: the largest of each GEMM's, with a UserWarning when the experts'
     differ); the router (``mlp.gate``, left in float by the checkpoint's ``ignore``) stays transformers' own module
-    and the block calls the `W8A8MoE` as its ``experts``; Qwen2-MoE's shared expert linears are `W8A8Linear` layers.
+    and the block calls the `W8A8MoE` as its ``experts`` (which holds the family's routing for its router-logits
+    mode); shared expert linears (Qwen2-MoE, DeepSeek-V3, ...) are `W8A8Linear` layers.
     Such a checkpoint is not given to transformers' loader (which would dequantize the merged experts to bf16): the
     model is built on the meta device and filled from the files as for the native format (so the same
     ``hf_kwargs`` limits apply). With ``tp_group`` each experts module becomes a
     `cutlass_w8a8.distributed.TensorParallelW8A8MoE` holding this rank's ``I / world`` intermediate channels of
     every expert, read as slices (I / world a multiple of 16, of 128 with block scales, else ValueError).
+    DeepSeek-V3's native layout (MLA projections, dense first layers, shared experts, ``scale_fmt: ue8m0``, the
+    multi-token-prediction layer dropped with a warning): docs/CHECKPOINTS.md, "DeepSeek-V3 (native fp8)".
     `cutlass_w8a8.checkpoints._moe` describes the layout and what is refused:
     other MoE blocks (any module holding 3-D expert parameters), some experts quantized and others not,
     experts of one block under different config groups, a missing, extra or mis-shaped expert tensor (the message

@@ -171,7 +171,7 @@ def save_pretrained(model: nn.Module, path, *, format: str = None, **save_kwargs
     **save_kwargs
         Passed to ``model.save_pretrained`` (``max_shard_size``, ...).
 
-    A `W8A8MoE` (the ``experts`` of a Qwen2-MoE / Qwen3-MoE / Mixtral block) is written as llm-compressor writes
+    A `W8A8MoE` (the ``experts`` of a block of `cutlass_w8a8.moe.families`) is written as llm-compressor writes
     MoE checkpoints: one quantized linear per expert and projection (``<layer>.mlp.experts.{e}.{gate,up,down}_proj``,
     Mixtral ``<layer>.block_sparse_moe.experts.{e}.{w1,w3,w2}``) with its rows of ``w13`` / ``w2`` and scales
     (``weight_scale`` ``[N, 1]`` or its 128 x 128 blocks; ``input_scale`` ``a13_scale`` for gate and up,
@@ -203,8 +203,8 @@ def save_pretrained(model: nn.Module, path, *, format: str = None, **save_kwargs
         checkpoint, or for one holding a layer that is not block-scaled fp8 (the message names it) or a block scale
         its files' dtype (or ``scale_fmt: ue8m0``) cannot hold exactly;
         ``path`` is an existing file (transformers' ``save_pretrained`` would only log that and write nothing);
-        ``model`` holds no `W8A8Linear` or `W8A8MoE`; a `W8A8MoE` is not the ``experts`` of a Qwen2-MoE /
-        Qwen3-MoE / Mixtral block, or has block scales with an intermediate size not a multiple of 128;
+        ``model`` holds no `W8A8Linear` or `W8A8MoE`; a `W8A8MoE` is not the ``experts`` of a block of
+        `cutlass_w8a8.moe.families`, or has block scales with an intermediate size not a multiple of 128;
         `from_pretrained` would refuse the checkpoint ("`model` gives a checkpoint that
         cutlass_w8a8.from_pretrained would refuse, so nothing was written to ...", then the loader's reason, naming
         the module or tensor: a layer under a name the

@@ -238,6 +238,20 @@ def test_save_round_trip_is_byte_identical(ds_ckpt, tmp_path, name):
     assert torch.equal(logits(ours, ids()), logits(back, ids()))
 
 
+def test_top_level_api_round_trip(ds_ckpt, tmp_path):
+    """``cw.from_pretrained`` (which runs ``optimize_``: it leaves DeepSeek's decoder layers as they are, with a
+    warning) and ``cw.save_pretrained`` give the same byte-identical files."""
+    src = ds_ckpt("native_ue8m0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = cw.from_pretrained(src)
+    cw.save_pretrained(ours, tmp_path)
+    stored, original = stored_tensors(tmp_path), stored_tensors(src)
+    assert stored.keys() == original.keys() - set(mtp_names(original))
+    assert all(stored[k].dtype == v.dtype and torch.equal(_u8(stored[k]), _u8(v)) for k, v in original.items()
+               if k in stored)
+
+
 def test_save_as_compressed_tensors(ds_ckpt, tmp_path):
     """``format="compressed-tensors"``: FP8_BLOCK, the experts per expert with ``weight_scale`` (float32), the shared
     experts and MLA projections as block linears, the router (float) not a target; read back to the same model."""
@@ -336,3 +350,47 @@ def test_save_refuses_a_scale_ue8m0_cannot_hold(ds_ckpt, tmp_path):
     save_pretrained(ours, tmp_path / "b", format="compressed-tensors")
     assert os.path.isfile(tmp_path / "b" / "config.json")
 
+
+
+# ---- CUDA (skip without a GPU and the extension) -------------------------------------------------------------
+
+
+@pytest.mark.sm90
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_cuda_load_matches_cpu_and_saves_back(ds_ckpt, tmp_path, name):
+    """Loaded on the GPU (the grouped GEMMs are sm90 only): the CPU load's bytes; each W8A8MoE / W8A8Linear on the
+    inputs its CPU twin saw agrees with it at >= 40 dB and the logits at >= 25 dB (test_checkpoints_moe.py's
+    test_cuda_load_matches_cpu says why); saved from the GPU, the files are byte-identical to the source's (less the
+    MTP layer). Not yet run: written on a machine without a GPU."""
+    path = ds_ckpt(name)
+    cpu, gpu = _load(path), _load(path, device="cuda")
+    sc, sg = cpu.state_dict(), gpu.state_dict()
+    assert sc.keys() == sg.keys()
+    for k in sc:
+        assert sg[k].is_cuda and torch.equal(_u8(sc[k]), _u8(sg[k].cpu())), k
+    assert gpu.model.layers[1].mlp.experts.correction_bias.is_cuda
+    seen = {}
+
+    def keep(n):
+        def hook(mod, args, out):
+            seen[n] = (tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args), out.clone())
+        return hook
+
+    mods = {n for n, m in cpu.named_modules() if isinstance(m, (cw.W8A8MoE, cw.W8A8Linear))}
+    hooks = [cpu.get_submodule(n).register_forward_hook(keep(n)) for n in mods]
+    x = ids()
+    want = logits(cpu, x)
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        for n in sorted(mods):
+            args, out = seen[n]
+            got = gpu.get_submodule(n)(*(a.cuda() if isinstance(a, torch.Tensor) else a for a in args))
+            assert got.is_cuda and got.dtype == out.dtype and got.shape == out.shape, n
+            assert sqnr_db(got.cpu(), out) >= 40.0, (n, sqnr_db(got.cpu(), out))
+    assert sqnr_db(logits(gpu, x.cuda()).cpu(), want) >= 25.0
+    save_pretrained(gpu, tmp_path)
+    stored, original = stored_tensors(tmp_path), stored_tensors(path)
+    assert stored.keys() == original.keys() - set(mtp_names(original))
+    for k, v in stored.items():
+        assert v.dtype == original[k].dtype and torch.equal(_u8(v), _u8(original[k])), k

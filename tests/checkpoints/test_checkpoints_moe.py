@@ -802,7 +802,8 @@ def test_from_pretrained_tensor_parallel(moe_ckpt, tmp_path, names):
 
 
 @pytest.mark.sm90
-@pytest.mark.parametrize("name", ["qwen3_int8", "mixtral_fp8", "qwen3_fp8_block", "qwen2_int8", "qwen3_native"])
+@pytest.mark.parametrize("name", ["qwen3_int8", "mixtral_fp8", "qwen3_fp8_block", "qwen2_int8", "qwen3_native",
+                                  "deepseek_fp8_block", "glm4_fp8", "olmoe_int8"])
 def test_cuda_load_matches_cpu(moe_ckpt, name):
     """The checkpoint loaded on the GPU (the grouped GEMMs are sm90 only) holds the CPU load's bytes; each
     W8A8MoE / W8A8Linear run on the inputs its CPU twin saw (teacher-forced) agrees with it at >= 40 dB (int8

@@ -315,20 +315,13 @@ def test_quantize_swaps_the_rows_experts(fam, scheme):
     assert sqnr_db(got, want) >= bound
 
 
-_ROUTING_NOT_LOADED = ("from_pretrained builds the W8A8MoE without the row's routing (scoring, groups, scaling factor, "
-                       "correction bias: checkpoints/_moe.build_moe to pass read_routing(...).layer_kwargs(), the "
-                       "bias the loaded router's tensor); the weights and logits round-trip bit for bit")
 _RENAMED = "transformers renames these tensors on load and the loader reads the model's names: "
-#: Rows whose round trip fails only because of the checkpoint loader (issue 35's checkpoint work, branch c35):
-#: xfail(strict=True), so that the case fails once the loader reads them and this entry must go.
+#: Rows whose round trip fails only because of the checkpoint loader: xfail(strict=True), so that the case fails once
+#: the loader reads them and this entry must go. The loader applies the row's CheckpointNames (block, renamed), not
+#: transformers' other renamings (its conversion_mapping's WeightRenaming entries), which these rows need.
 LOADER_GAPS = {
-    **{mt: _ROUTING_NOT_LOADED for mt in ("deepseek_v3", "glm4_moe", "deepseek_v32", "deepseek_v2", "glm4_moe_lite",
-                                          "glm_moe_dsa", "dots1", "solar_open", "minimax_m2")},
-    "exaone_moe": (_RENAMED + "the correction bias (CheckpointNames.renamed); and the routing, as "
-                   + _ROUTING_NOT_LOADED),
-    "ernie4_5_moe": _RENAMED + "the correction bias (CheckpointNames.renamed)",
-    "hy_v3": _RENAMED + "the correction bias and the router weight (CheckpointNames.renamed)",
-    "laguna": _RENAMED + "the correction bias, stored under the experts (CheckpointNames.renamed)",
+    "hy_v3": _RENAMED + "the shared experts (shared_mlp in the files), quantized linears",
+    "laguna": _RENAMED + "the shared experts (shared_expert in the files), quantized linears",
     "kimi_linear": _RENAMED + "the whole block is block_sparse_moe in the files, its shared experts and router too",
     "axk1": _RENAMED + "post_mlp_layernorm, stored at the decoder layer (not an MoE tensor)",
     "mimo_v2_flash": _RENAMED + "the attention sinks, attention_sink_bias in the files (not an MoE tensor)",
