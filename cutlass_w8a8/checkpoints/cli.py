@@ -239,7 +239,7 @@ def _run(args) -> int:
     ignore = ["lm_head"] if args.ignore is None else args.ignore
     scheme = args.scheme or args.dtype or "int8"
 
-    from .load import check_device, refuse_missing_weights
+    from ._files import check_device, refuse_missing_weights
 
     # what would fail only after the model is loaded and quantized, checked first
     _check_paths(args.src, args.dst, args.overwrite)

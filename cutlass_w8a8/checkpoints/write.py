@@ -31,7 +31,8 @@ from ..linear import W8A8Linear
 from ..moe.layer import W8A8MoE
 from ._moe import checkpoint_block_of, float_expert_headers, moe_linear_names, moe_state_dict
 from ._native_fp8 import SCALE_LEAF, NativeFp8Source, check_ue8m0
-from .load import check_loadable, checkpoint_tensors, read_config_json
+from ._files import checkpoint_tensors, read_config_json
+from .load import check_loadable
 from .save import quantization_config_of
 
 __all__ = ["save_pretrained", "verify_checkpoint", "FORMATS"]

@@ -92,7 +92,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..ops._checks import MOE_SCORINGS
+from ..ops._checks_moe import MOE_SCORINGS
 from ..ops._limits import MOE_MAX_GROUPS
 
 __all__ = ["CheckpointNames", "DEEPSEEK_V3_ROUTING", "EXPERT_PARAM_NAMES", "ExpertLayout", "FAMILIES", "MoeFamily",
@@ -427,7 +427,7 @@ def routing_problem(num_experts: int, top_k: int, scoring: str, n_group: int, to
                     scaling_factor: float, correction_bias) -> Optional[Tuple[type, str]]:
     """Why ``moe_route`` (`W8A8MoE`'s router-logits mode) cannot take this routing, as ``(exception type, message
     naming the argument)``, or None when it can: `W8A8MoE` raises it at construction, `RoutingArgs.unserved`
-    reports it, and the op checks its tensors again at each call (`cutlass_w8a8.ops._checks.check_moe_route`: the
+    reports it, and the op checks its tensors again at each call (`cutlass_w8a8.ops._checks_moe.check_moe_route`: the
     same rules).
 
     ``scoring`` one of `SCORINGS`; ``1 <= n_group <= MOE_MAX_GROUPS`` (32), above 1 dividing E into groups of at

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks as C
+from . import _checks_moe as CM
 
 
 def _fake(op: str):
@@ -155,7 +156,7 @@ def _decode_layer(h, residual, input_norm, post_norm, eps, qkv_w, qkv_ws, qkv_is
 
 @_fake("moe_topk_softmax")
 def _moe_topk_softmax(router_logits, top_k, renormalize):
-    C.check_moe_topk_softmax(router_logits, top_k, renormalize)
+    CM.check_moe_topk_softmax(router_logits, top_k, renormalize)
     t = router_logits.shape[0]
     return (router_logits.new_empty((t, top_k), dtype=torch.float32),
             router_logits.new_empty((t, top_k), dtype=torch.int32))
@@ -164,7 +165,7 @@ def _moe_topk_softmax(router_logits, top_k, renormalize):
 @_fake("moe_route")
 def _moe_route(router_logits, top_k, scoring="softmax", correction_bias=None, n_group=1, topk_group=1,
                renormalize=True, scaling_factor=1.0):
-    C.check_moe_route(router_logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
+    CM.check_moe_route(router_logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
                       scaling_factor)
     t = router_logits.shape[0]
     return (router_logits.new_empty((t, top_k), dtype=torch.float32),
@@ -173,7 +174,7 @@ def _moe_route(router_logits, top_k, scoring="softmax", correction_bias=None, n_
 
 @_fake("moe_align")
 def _moe_align(topk_ids, num_experts):
-    C.check_moe_align(topk_ids, num_experts)
+    CM.check_moe_align(topk_ids, num_experts)
     pairs = topk_ids.shape[0] * topk_ids.shape[1]
     return (topk_ids.new_empty((pairs,), dtype=torch.int32), topk_ids.new_empty((pairs,), dtype=torch.int32),
             topk_ids.new_empty((num_experts,), dtype=torch.int32))
@@ -181,17 +182,17 @@ def _moe_align(topk_ids, num_experts):
 
 @_fake("moe_permute_quant")
 def _moe_permute_quant(x, sorted_pairs, top_k, dtype, scale=None, group_size=0):
-    C.check_moe_permute_quant(x, sorted_pairs, top_k, dtype, scale, group_size)
+    CM.check_moe_permute_quant(x, sorted_pairs, top_k, dtype, scale, group_size)
     y_shape = (x.shape[0] * top_k, x.shape[1])
     return x.new_empty(y_shape, dtype=dtype), x.new_empty(_fused_scale(y_shape, group_size), dtype=torch.float32)
 
 
 @_fake("moe_unpermute")
 def _moe_unpermute(y, dst_pos, topk_weights):
-    C.check_moe_unpermute(y, dst_pos, topk_weights)
+    CM.check_moe_unpermute(y, dst_pos, topk_weights)
     return y.new_empty((topk_weights.shape[0], y.shape[1]))
 
 
 @_fake("moe_unpermute_out")
 def _moe_unpermute_out(out, y, dst_pos, topk_weights):
-    C.check_moe_unpermute(y, dst_pos, topk_weights, out)
+    CM.check_moe_unpermute(y, dst_pos, topk_weights, out)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _checks as C
+from . import _checks_moe as CM
 from ._limits import AB_DTYPES, BLOCK_SIZE, QMAX
 from ._roles import block_scaled, block_weight_scaled, grouped_block_scaled
 from ._schema import lib
@@ -472,35 +473,35 @@ def moe_unpermute_reference(y, dst_pos, topk_weights):
 
 
 def _moe_topk_softmax(router_logits, top_k, renormalize):
-    C.check_moe_topk_softmax(router_logits, top_k, renormalize)
+    CM.check_moe_topk_softmax(router_logits, top_k, renormalize)
     return moe_topk_softmax_reference(router_logits, top_k, renormalize)
 
 
 def _moe_route(router_logits, top_k, scoring="softmax", correction_bias=None, n_group=1, topk_group=1,
                renormalize=True, scaling_factor=1.0):
-    C.check_moe_route(router_logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
+    CM.check_moe_route(router_logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
                       scaling_factor)
     return moe_route_reference(router_logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
                                scaling_factor)
 
 
 def _moe_align(topk_ids, num_experts):
-    C.check_moe_align(topk_ids, num_experts)
+    CM.check_moe_align(topk_ids, num_experts)
     return moe_align_reference(topk_ids, num_experts)
 
 
 def _moe_permute_quant(x, sorted_pairs, top_k, dtype, scale=None, group_size=0):
-    C.check_moe_permute_quant(x, sorted_pairs, top_k, dtype, scale, group_size)
+    CM.check_moe_permute_quant(x, sorted_pairs, top_k, dtype, scale, group_size)
     return moe_permute_quant_reference(x, sorted_pairs, top_k, dtype, scale, group_size)
 
 
 def _moe_unpermute(y, dst_pos, topk_weights):
-    C.check_moe_unpermute(y, dst_pos, topk_weights)
+    CM.check_moe_unpermute(y, dst_pos, topk_weights)
     return moe_unpermute_reference(y, dst_pos, topk_weights)
 
 
 def _moe_unpermute_out(out, y, dst_pos, topk_weights):
-    C.check_moe_unpermute(y, dst_pos, topk_weights, out)
+    CM.check_moe_unpermute(y, dst_pos, topk_weights, out)
     out.copy_(moe_unpermute_reference(y, dst_pos, topk_weights))
 
 

@@ -856,7 +856,7 @@ def test_build_moe_shard_is_a_slice_of_the_whole(moe_ckpt, name):
     import contextlib
 
     from cutlass_w8a8.checkpoints import _direct, _moe
-    from cutlass_w8a8.checkpoints.load import _SafetensorsCheckpoint
+    from cutlass_w8a8.checkpoints._files import _SafetensorsCheckpoint
 
     path = moe_ckpt(name)
     full = moes(_load(path))["model.layers.1.mlp.experts"]
