@@ -60,7 +60,7 @@ from torch import nn
 from cutlass_w8a8.testing.report import AccuracyError
 from cutlass_w8a8.testing.timers import tensor_bytes
 
-from _moe_common import rel_err, short_error, sync, time_cases, time_eager
+from _moe_common import checked_rel_err, short_error, sync, time_cases, time_eager
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,10 +266,7 @@ def measure_block_point(model: str, t: int, spec: BlockModel, methods: dict, arg
             if not mismatch <= ROUTE_MISMATCH_MAX:
                 raise AccuracyError(f"{model} block T={t}: moe_route chose other experts than transformers' router "
                                     f"for {mismatch:.1%} of the tokens (bound {ROUTE_MISMATCH_MAX:.0%})")
-        accuracy[name] = rel_err(out, ref)
-        if not accuracy[name] < rel_tol:
-            raise AccuracyError(f"{model} block T={t}: {name} relative error {accuracy[name]:.3g} vs transformers' "
-                                f"bf16 block (bound {rel_tol:g})")
+        accuracy[name] = checked_rel_err(out, ref, rel_tol, f"{model} block T={t}: {name}", "transformers' bf16 block")
         cases[name] = (mod, sets)
     timings = time_cases(cases, errors, bu, args, BLOCK_OPTIONAL)
     times = {name: tm.median_ms for name, tm in timings.items()}

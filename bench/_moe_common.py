@@ -31,6 +31,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-300))
 
 
+def checked_rel_err(out: torch.Tensor, ref: torch.Tensor, bound: float, what: str, reference: str) -> float:
+    """`rel_err` of ``out`` against ``ref``; raises `cutlass_w8a8.testing.report.AccuracyError` (naming ``what`` and
+    ``reference``) unless it is below ``bound``: a bench never times a wrong result."""
+    from cutlass_w8a8.testing.report import AccuracyError
+
+    err = rel_err(out, ref)
+    if not err < bound:
+        raise AccuracyError(f"{what} relative error {err:.3g} vs {reference} (bound {bound:g})")
+    return err
+
+
 def time_cases(cases: dict, errors: dict, bu: Any, args: argparse.Namespace,
                optional: Collection[str]) -> dict[str, Any]:
     """``bu.bench_gpu_time_interleaved`` of ``cases`` (``name -> (fn, arg_sets)``) with ``args.replay_ms`` /

@@ -85,7 +85,7 @@ from cutlass_w8a8.testing.report import AccuracyError, provenance, publish, requ
 # bench/ is on sys.path (python bench/bench_moe.py): the helpers shared by the parts, and the derived numbers, targets
 # and reports
 from _moe_block import BLOCK_MODELS, SCHEMES, run_block
-from _moe_common import rel_err, short_error, sync, time_cases, time_eager
+from _moe_common import checked_rel_err, rel_err, short_error, sync, time_cases, time_eager
 from _moe_report import OURS_LAYER, derive, plot_results, render_markdown
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -467,10 +467,8 @@ def measure_layer_point(model: str, t: int, layers: dict, top_k: int, e: int, h:
             errors[name] = short_error(exc)
             continue
         if ref is not None and name != "hf_grouped_mm":
-            accuracy[name] = rel_err(out, ref)
-            if not accuracy[name] < LAYER_REL_TOL:
-                raise AccuracyError(f"{model} layer T={t}: {name} relative error {accuracy[name]:.3g} vs "
-                                    f"transformers' bf16 experts (bound {LAYER_REL_TOL:g})")
+            accuracy[name] = checked_rel_err(out, ref, LAYER_REL_TOL, f"{model} layer T={t}: {name}",
+                                             "transformers' bf16 experts")
         cases[name] = (fn, sets)
     timings = time_cases(cases, errors, bu, args, OPTIONAL)
     times = {name: tm.median_ms for name, tm in timings.items()}
