@@ -52,9 +52,9 @@ def quantize_(model: nn.Module, config: Optional[W8A8Config] = None,
         replicated. Every rank calls ``quantize_`` on an identical model. Default None: no sharding.
     tp_plan : dict, optional
         ``{name suffix: "colwise" | "rowwise"}`` (see `cutlass_w8a8.distributed.plan`); default
-        `cutlass_w8a8.distributed.LLAMA_TP_PLAN` (q/k/v/qkv/gate/up/gate_up colwise, o/down rowwise, lm_head
-        "vocab": column-parallel over the vocabulary with its logits gathered, where it splits). `W8A8MoE` experts
-        are split over their intermediate size (`cutlass_w8a8.distributed.TensorParallelW8A8MoE`).
+        `cutlass_w8a8.distributed.LLAMA_TP_PLAN` (q/k/v/qkv/gate/up/gate_up and MLA's q_b/kv_b colwise, o/down
+        rowwise, lm_head "vocab": column-parallel over the vocabulary with its logits gathered, where it splits).
+        `W8A8MoE` experts are split over their intermediate size (`cutlass_w8a8.distributed.TensorParallelW8A8MoE`).
 
     Returns
     -------

@@ -13,7 +13,10 @@ What a transformers model needs for this: attention that infers its head count f
 (``view(*shape, -1, head_dim)``: Llama, Mistral, Qwen2 and most decoders of transformers 5), a dynamic KV cache,
 ``config.num_attention_heads`` divisible by the world size, and ``num_key_value_heads`` divisible by it or dividing
 it: with fewer key/value heads than ranks each rank reads the one head it needs (``r * KVH // world``, replicated
-over ``world / KVH`` ranks, as vLLM does; `cutlass_w8a8.distributed.plan.tensor_parallel_`). The embedding and
+over ``world / KVH`` ranks, as vLLM does; `cutlass_w8a8.distributed.plan.tensor_parallel_`). Multi-head latent
+attention (DeepSeek-V3) is read split by heads as the plan's attention layouts say (``q_b_proj`` / ``kv_b_proj``
+rows, ``o_proj`` columns, the latents ``q_a_proj`` / ``kv_a_proj_with_mqa`` whole; `cutlass_w8a8.distributed.plan.
+attention_splits`, which also refuses, before any read, an attention that cannot be split so). The embedding and
 norms are replicated; ``lm_head`` (style ``"vocab"`` of the default plan) is read and computed over this rank's
 ``vocab / world`` rows, its logits all-gathered, unless it is tied to the embedding or its N does not split
 (`cutlass_w8a8.distributed.plan`): then it is replicated.
@@ -38,8 +41,8 @@ from ._group import check_same_on_all_ranks, sequence_code
 from .float_linear import ColumnParallelLinear, RowParallelLinear
 from .linear import ColumnParallelW8A8Linear, RowParallelW8A8Linear
 from .moe import TensorParallelW8A8MoE, routing_kwargs
-from .plan import (LLAMA_TP_PLAN, _heads, _inferred_sizes, head_replicas, layer_replicas, match_plan,
-                   set_attention_groups_, vocab_shardable)
+from .plan import (LLAMA_TP_PLAN, _heads, _inferred_sizes, attention_splits, head_replicas, layer_replicas,
+                   match_plan, set_attention_heads_, vocab_shardable)
 
 __all__ = ["load_tensor_parallel"]
 
@@ -66,7 +69,9 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
     ------
     ValueError
         (the same on every rank) the ranks disagree on the checkpoint's planned layers or shapes; a planned size or
-        the config's head counts are not divisible by the world size; a W8A8 shard breaks the kernels' alignment;
+        the config's head counts are not divisible by the world size; an attention module that the plan splits but
+        that cannot be split by heads (`cutlass_w8a8.distributed.plan.attention_splits`, naming the module); a W8A8
+        shard breaks the kernels' alignment;
         a block-scaled layer's shard would split a 128 x 128 weight block (the message names the layer and its N
         or K); the checkpoint lacks a tensor the model needs.
     TypeError
@@ -110,6 +115,7 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
         "dtype": {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)})
     if not planned:
         raise ValueError(f"{_WHERE}: no nn.Linear of {type(model).__name__} matches `tp_plan` ({list(plan)})")
+    splits = attention_splits(model, {n: planned[n][0] for n in names}, world, _WHERE)
     ctx = ctx.with_kv_replicas(head_replicas(heads, names, world, _WHERE))
     rep = ctx.kv_replicas
     for name, (style, sizes) in planned.items():  # every shape error before any read
@@ -158,7 +164,7 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
                   rename=checkpoint_renamer([t.block for t in moe.values()]))
     link_correction_biases(model, moe)
     init_missing_buffers(model, device, _WHERE)
-    set_attention_groups_(model, heads, world, rep)
+    set_attention_heads_(model, splits, heads, world, rep)
     model.eval()
     model.config.quantization_config = parsed.to_dict()
     load_generation_config(model, path)

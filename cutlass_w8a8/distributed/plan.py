@@ -11,11 +11,19 @@ A plan is a dict ``{pattern: style}``: ``pattern`` is a dotted suffix of a modul
 component matched with ``fnmatch`` (``"q_proj"``, ``"self_attn.q_proj"``, ``"layers.*.self_attn.q_proj"``);
 ``style`` is ``"colwise"``, ``"rowwise"``, or ``("colwise", output_sizes)`` for a fused layer. The first pattern
 (in dict order) that matches decides. `LLAMA_TP_PLAN` is the default: the projections of Llama-family models
-(transformers' names, and vLLM's fused ``qkv_proj`` / ``gate_up_proj``).
+(transformers' names, and vLLM's fused ``qkv_proj`` / ``gate_up_proj``) and of multi-head latent attention (MLA:
+DeepSeek-V2 / V3, Kimi-K2, GLM-4.7-Flash and the other transformers models whose attention has a ``kv_b_proj``).
+
+Attention is split by heads, as vLLM splits it: the projections whose output rows are whole heads column-parallel,
+``o_proj`` (whose input columns are) row-parallel, and the projections whose output every head reads (MLA's low-rank
+latents ``q_a_proj`` / ``kv_a_proj_with_mqa``) replicated. `ATTENTION_LAYOUTS` is the table of those roles, one row
+per kind of attention; `attention_splits` checks every attention module of a model against its row and the plan
+before anything is sharded, and `set_attention_heads_` gives the split modules their per-rank head counts after.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import zlib
 from typing import Optional
@@ -28,14 +36,17 @@ from ._group import check_same_on_all_ranks, sequence_code
 from .linear import shard_linear
 from .sharding import STYLES
 
-__all__ = ["LLAMA_TP_PLAN", "match_plan", "tensor_parallel_"]
+__all__ = ["ATTENTION_LAYOUTS", "LLAMA_TP_PLAN", "AttentionLayout", "attention_splits", "match_plan",
+           "tensor_parallel_"]
 
 #: The default plan: attention and MLP projections of Llama-family models (transformers' ``LlamaConfig.
 #: base_model_tp_plan`` names, plus the fused ``qkv_proj`` / ``gate_up_proj`` of vLLM's layout and of
-#: `cutlass_w8a8.models.LlamaDecoder`), and ``lm_head`` over the vocabulary (style ``"vocab"``). Embeddings stay
-#: replicated.
+#: `cutlass_w8a8.models.LlamaDecoder`), MLA's per-head projections ``q_b_proj`` / ``kv_b_proj`` (``q_proj`` when
+#: ``q_lora_rank`` is None; vLLM's ``DeepseekV2MLAAttention`` split: its latents ``q_a_proj`` / ``kv_a_proj_with_mqa``
+#: stay replicated), and ``lm_head`` over the vocabulary (style ``"vocab"``). Embeddings stay replicated.
 LLAMA_TP_PLAN = {
     "q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "qkv_proj": "colwise",
+    "q_b_proj": "colwise", "kv_b_proj": "colwise",
     "o_proj": "rowwise",
     "gate_proj": "colwise", "up_proj": "colwise", "gate_up_proj": "colwise",
     "down_proj": "rowwise",
@@ -101,8 +112,135 @@ def _inferred_sizes(fqn: str, linear: nn.Module, config) -> Optional[list]:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionLayout:
+    """How the heads of one kind of attention module split over the ranks (a row of `ATTENTION_LAYOUTS`; the names
+    are the module's children, transformers' attribute names).
+
+    Attributes
+    ----------
+    name : str
+        The kind of attention, for messages.
+    marker : str
+        A child that only this layout (of the rows before it) has: the first row whose marker the module has is its
+        layout.
+    heads : tuple of str
+        Children whose output rows are whole heads, head after head: column-parallel (each rank computes its
+        ``H / world`` heads).
+    out : str
+        The child whose input columns are whole heads: row-parallel (the heads' outputs all-reduced).
+    shared : tuple of str
+        Children whose output every head reads (MLA's low-rank latents): replicated.
+    local_heads : tuple of str
+        Integer attributes of the module that count its query heads; each becomes its value / world on every rank.
+    """
+
+    name: str
+    marker: str
+    heads: tuple
+    out: str
+    shared: tuple = ()
+    local_heads: tuple = ()
+
+
+#: The attention layouts `attention_splits` knows, first match first. An attention module is a module with a linear
+#: child ``o_proj``. Multi-head latent attention (transformers' ``DeepseekV3Attention`` and the other attention
+#: classes with a ``kv_b_proj``): the queries from ``q_b_proj`` (``q_proj`` without ``q_lora_rank``) and the keys and
+#: values of every head from ``kv_b_proj``, both per head; the latents from ``q_a_proj`` and ``kv_a_proj_with_mqa``
+#: (the compressed key/value and the rotary key, shared by all heads); the module's ``num_heads``. Multi-head and
+#: grouped-query attention (Llama, Qwen, Mistral, ...): q / k / v or the fused qkv, per head.
+ATTENTION_LAYOUTS = (
+    AttentionLayout("multi-head latent attention", marker="kv_b_proj", heads=("q_proj", "q_b_proj", "kv_b_proj"),
+                    out="o_proj", shared=("q_a_proj", "kv_a_proj_with_mqa"), local_heads=("num_heads",)),
+    AttentionLayout("multi-head attention", marker="o_proj", heads=("q_proj", "k_proj", "v_proj", "qkv_proj"),
+                    out="o_proj"),
+)
+
 _KV_LEAVES = ("k_proj", "v_proj")
-_ATTN_LEAVES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+_ATTN_LEAVES = tuple(sorted({leaf for lay in ATTENTION_LAYOUTS for leaf in lay.heads + (lay.out,)}))
+
+
+def _is_linear(mod: nn.Module) -> bool:
+    return isinstance(mod, (nn.Linear, W8A8Linear))
+
+
+def _layout_of(mod: nn.Module) -> Optional[AttentionLayout]:
+    """The first row of `ATTENTION_LAYOUTS` whose ``marker`` is a child of ``mod`` and ``out`` a linear child, or
+    None (not an attention module)."""
+    children = dict(mod.named_children())
+    return next((lay for lay in ATTENTION_LAYOUTS
+                 if lay.marker in children and _is_linear(children.get(lay.out, nn.Module()))), None)
+
+
+def attention_splits(model: nn.Module, styles: dict, world: int, where: str) -> list:
+    """``[(module, AttentionLayout)]``: the attention modules of ``model`` whose heads ``styles`` (``{fqn: style}``
+    of the linears the plan shards) split, each checked against its layout (`ATTENTION_LAYOUTS`) before anything is
+    sharded, so that a model whose attention cannot be split this way is refused here, naming the module, and never
+    fails inside its forward.
+
+    An attention module none of whose linear children is planned stays replicated (checked only for its shared
+    projections). One whose heads are split needs: ``o_proj`` row-parallel, each of its layout's ``heads`` children
+    column-parallel, its ``shared`` children replicated, every other linear child named by the plan (its output may
+    be per head: only the plan can say how it splits), no parameter of its own (attention sinks and the like are per
+    head and are not split), and each ``local_heads`` attribute divisible by ``world``. The head counts of the config
+    are checked apart (`head_replicas`).
+
+    Raises
+    ------
+    ValueError
+        Naming the module and the child or attribute: a shared projection that the plan shards; ``o_proj``, or a
+        per-head projection, not split as its heads are; a linear child that the plan does not name, or a parameter
+        of the module's own, in an attention whose heads are split; a ``local_heads`` attribute not divisible by
+        ``world``.
+    """
+    out = []
+    for fqn, mod in model.named_modules():
+        layout = _layout_of(mod)
+        if layout is None:
+            continue
+        linears = [leaf for leaf, c in mod.named_children() if _is_linear(c)]
+        style = {leaf: styles.get(f"{fqn}.{leaf}" if fqn else leaf) for leaf in linears}
+        what = f"{where}: {fqn or type(mod).__name__!r} ({layout.name}, {type(mod).__name__})"
+        for leaf in layout.shared:
+            if style.get(leaf) is not None:
+                raise ValueError(f"{what}: `{leaf}`'s output is read by every head, so it must stay replicated, but "
+                                 f"`tp_plan` makes it {style[leaf]!r}: leave it out of the plan")
+        if all(v is None for v in style.values()):
+            continue  # replicated
+        heads = [leaf for leaf in layout.heads if leaf in style]
+        split = [leaf for leaf in heads if style[leaf] == "colwise"]
+        if style[layout.out] != "rowwise":
+            planned = ", ".join(f"`{leaf}` {v!r}" for leaf, v in style.items() if v is not None)
+            raise ValueError(f"{what}: `tp_plan` shards {planned} but makes `{layout.out}` "
+                             f"{style[layout.out] or 'replicated'}: an attention is split by heads, `{layout.out}` "
+                             "(which takes the heads' outputs) 'rowwise', or left out of the plan")
+        wrong = [leaf for leaf in heads if style[leaf] != "colwise"]
+        if wrong or not split:
+            names = ", ".join(f"`{v}`" for v in (wrong or heads)) or f"no {' / '.join(layout.heads)}"
+            raise ValueError(f"{what}: `tp_plan` makes `{layout.out}` row-parallel, so its heads are split, but "
+                             f"{names} {'is' if len(wrong) == 1 else 'are'} not column-parallel: each of "
+                             f"{', '.join(heads) or ' / '.join(layout.heads)} must be 'colwise' (its output rows "
+                             "are whole heads), or the attention left out of the plan")
+        known = set(layout.heads) | set(layout.shared) | {layout.out}
+        unplanned = [leaf for leaf in linears if leaf not in known and style[leaf] is None]
+        if unplanned:
+            one = len(unplanned) == 1
+            raise ValueError(f"{what}: its heads are split but {', '.join(f'`{v}`' for v in unplanned)} "
+                             f"{'is' if one else 'are'} in no row of `tp_plan` and no role of the {layout.name} "
+                             f"layout: {'its' if one else 'their'} output may be per head (a gate), which a replicated "
+                             "layer would not match; name it in `tp_plan` or leave the attention out of the plan")
+        own = [n for n, _ in mod.named_parameters(recurse=False)]
+        if own:
+            raise ValueError(f"{what}: its heads are split but it holds parameters of its own "
+                             f"({', '.join(f'`{v}`' for v in own)}), which may be per head (attention sinks) and "
+                             "are not split: leave the attention out of `tp_plan`")
+        for attr in layout.local_heads:
+            v = getattr(mod, attr, None)
+            if isinstance(v, int) and v % world:
+                raise ValueError(f"{what}: `{attr}` = {v} is not divisible by the tensor-parallel world size "
+                                 f"{world}")
+        out.append((mod, layout))
+    return out
 
 
 def layer_replicas(fqn: str, sizes, rep: int) -> Optional[list]:
@@ -129,10 +267,16 @@ def head_replicas(heads, planned_names, world: int, where: str) -> int:
     return kv_replicas(heads[0], heads[1], world, where)
 
 
-def set_attention_groups_(model: nn.Module, heads, world: int, rep: int) -> None:
-    """After a shard with replicated key/value heads (``rep > 1``), give transformers' attention modules their
-    per-rank ``num_key_value_groups``: this rank's ``H / world`` query heads all read its one key/value head (the
-    config's ``H / KVH`` would repeat that head too often: `repeat_kv`)."""
+def set_attention_heads_(model: nn.Module, splits: list, heads, world: int, rep: int) -> None:
+    """After a shard, give the split attention modules (``splits``, from `attention_splits`) their per-rank head
+    counts: each ``local_heads`` attribute of their layout (MLA's ``num_heads``) divided by ``world``; and, with
+    replicated key/value heads (``rep > 1``), transformers' attention modules their per-rank
+    ``num_key_value_groups``: this rank's ``H / world`` query heads all read its one key/value head (the config's
+    ``H / KVH`` would repeat that head too often: `repeat_kv`)."""
+    for mod, layout in splits:
+        for attr in layout.local_heads:
+            if isinstance(getattr(mod, attr, None), int):
+                setattr(mod, attr, getattr(mod, attr) // world)
     if rep == 1 or heads is None:
         return
     h, kvh, _ = heads
@@ -171,8 +315,12 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
 
     A `cutlass_w8a8.models.LlamaDecoder` is sharded by `shard_decoder_` (its attention's head counts and KV cache
     change with its projections; ``tp_plan`` must be None). A transformers model works when its attention infers
-    the head count from the projection's output (``view(..., -1, head_dim)``, as Llama, Qwen2, Mistral do) and
-    uses a dynamic KV cache (a static cache sized from ``config.num_key_value_heads`` would be too large).
+    the head count from the projection's output (``view(..., -1, head_dim)``, as Llama, Qwen2, Mistral and
+    DeepSeek-V3's MLA do) and uses a dynamic KV cache (a static cache sized from ``config.num_key_value_heads``
+    would be too large). Attention is split by heads as its layout says (`ATTENTION_LAYOUTS`; MLA: ``q_b_proj`` /
+    ``kv_b_proj`` column-parallel, ``o_proj`` row-parallel, ``q_a_proj`` / ``kv_a_proj_with_mqa`` replicated, the
+    module's ``num_heads`` made ``H / world``); a plan that splits an attention module inconsistently, or a module
+    that its layout cannot split, is refused before anything is sharded (`attention_splits`).
 
     Key/value heads fewer than the ranks (``KVH < world``, ``world % KVH == 0``) are replicated, as vLLM does:
     rank ``r`` keeps key/value head ``r * KVH // world`` (its rows of ``k_proj`` / ``v_proj``, or of a fused
@@ -201,7 +349,9 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
         (the same on every rank) the ranks disagree on the model's planned layers, their shapes or ``tp_size``;
         no layer matches the plan; a planned layer's size, or the config's ``num_attention_heads`` /
         ``num_key_value_heads`` when attention projections are planned, is not divisible by the world size (the
-        key/value heads: unless they divide it); a W8A8 shard breaks the kernels' alignment.
+        key/value heads: unless they divide it); a W8A8 shard breaks the kernels' alignment; an attention module
+        that the plan splits but that cannot be split by heads (`attention_splits`: the message names the module
+        and its projection or attribute).
     TypeError
         A planned module is neither ``nn.Linear`` nor `W8A8Linear`, or is already sharded.
     """
@@ -253,6 +403,7 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
     if not planned:
         raise ValueError(f"{_WHERE}: no nn.Linear / W8A8Linear of {type(model).__name__} matches `tp_plan` "
                          f"({list(plan)})")
+    splits = attention_splits(model, {f: s for f, _, s, _ in planned}, world, _WHERE)
     ctx = ctx.with_kv_replicas(head_replicas(heads, [f for f, _, _, _ in planned], world, _WHERE))
     # the experts were in the check above; every experts layer's split is checked before any shard
     shard_experts_(model, ctx, check=False)
@@ -265,5 +416,5 @@ def tensor_parallel_(model: nn.Module, tp_group, tp_plan: Optional[dict] = None,
         new.train(mod.training)
         parent, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
-    set_attention_groups_(model, heads, world, ctx.kv_replicas)
+    set_attention_heads_(model, splits, heads, world, ctx.kv_replicas)
     return model
