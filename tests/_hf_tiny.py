@@ -1,14 +1,19 @@
 """Tiny random transformers models for the `cutlass_w8a8.hf` tests (optimize_, generate): Llama, Mistral, Qwen2
 (q/k/v bias), Qwen3 (q/k norms), bf16, every projection's K and N a multiple of 128 (so block-scaled fp8 fuses:
-q, k and v have N = 128), and their W8A8 copies."""
+q, k and v have N = 128), and their W8A8 copies; the greedy comparison of `cutlass_w8a8.generate` with transformers'
+``generate`` (`check_greedy_against_transformers`), with, for MoE models, each path's routing (`RoutingRecorder`) and
+the routing near-tie rule (`routing_flip`)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import re
 
 import torch
 
 import cutlass_w8a8 as cw
+from cutlass_w8a8.moe.families import family_of
 
 KINDS = ("llama", "mistral", "qwen2", "qwen3")
 SCHEMES = {
@@ -121,7 +126,7 @@ QK_GAIN = 4.0
 MIN_CHECKED = 6  # half of the greedy tests' 12 new tokens
 
 
-def check_greedy_against_transformers(ours, ours_logits, ref, length):
+def check_greedy_against_transformers(ours, ours_logits, ref, length, routing=None, attention_mask=None):
     """Our greedy tokens against transformers', row by row, while the prefixes are equal.
 
     ``ours``: ``(B, L + NEW)`` tokens with ``ours_logits`` (``NEW`` ``(B, V)`` float32 logits that picked them,
@@ -130,6 +135,11 @@ def check_greedy_against_transformers(ours, ours_logits, ref, length):
     row whose tokens so far are equal (so both paths saw the same prefix):
 
     - each path's token is the argmax of its own logits (greedy picks what its logits say);
+    - MoE models (``routing`` given): the two paths' expert selections at this step, `routing_flip`. Where they
+      differ at some block (a near-tie of the float router, checked there), the flipped expert moves this step's
+      logits by far more than rounding noise: the row is not compared further (its later steps see other hidden
+      states), as after a token flip. Where they are equal at every block, the checks below run as for a dense
+      model;
     - the two logit rows differ by at most ``LOGITS_REL_TOL`` (relative, Frobenius): a wrong mask / position /
       cache column / logits row fails here;
     - the tokens are equal, or, where they differ, the reference prefers its token over ours by at most
@@ -137,9 +147,20 @@ def check_greedy_against_transformers(ours, ours_logits, ref, length):
       that size can flip. Any larger gap is a wrong token. The row is then not compared further (the prefixes
       differ).
 
+    ``routing``: ``(ours, reference)``, each path's `RoutingRecorder.steps` (one list of `LayerRouting` per step,
+    the forward whose logits pick token ``i``: the prefill for ``i = 0``); row ``r`` of both is the batch's row
+    ``r`` (a bucket's extra rows are not read). ``attention_mask``: the prompts' ``(B, L)`` mask; the prefill
+    positions whose routing is compared are the row's prompt tokens (default: all ``L``; a padding position's
+    hidden state reaches no other position).
+
     Returns the number of (row, step) pairs whose tokens were compared equal on equal prefixes."""
     assert ref.sequences.shape == ours.shape
     assert len(ours_logits) == len(ref.logits) == ours.shape[1] - length
+    if routing is not None:
+        ours_routing, ref_routing = routing
+        assert len(ours_routing) == len(ref_routing) == len(ours_logits), (
+            f"routing records: ours {len(ours_routing)} and transformers' {len(ref_routing)} steps, "
+            f"expected {len(ours_logits)} (one forward per new token)")
     checked = 0
     for r in range(ours.shape[0]):
         assert torch.equal(ours[r, :length], ref.sequences[r, :length])
@@ -149,6 +170,13 @@ def check_greedy_against_transformers(ours, ours_logits, ref, length):
             where = f"row {r} step {i}"
             assert o[t_o] == o.max(), f"{where}: our token {t_o} is not the argmax of our logits"
             assert w[t_w] == w.max(), f"{where}: transformers' token {t_w} is not the argmax of its logits"
+            if routing is not None:
+                if i == 0 and attention_mask is not None:
+                    positions = [int(p) for p in torch.nonzero(attention_mask[r]).flatten()]
+                else:
+                    positions = list(range(ref_routing[i][0].ids.shape[1]))
+                if routing_flip(ours_routing[i], ref_routing[i], r, positions, where):
+                    break
             err = rel_err(o, w)
             assert err <= LOGITS_REL_TOL, f"{where}: logits differ from transformers' by {err:.3e} (relative)"
             if t_o == t_w:
@@ -159,3 +187,224 @@ def check_greedy_against_transformers(ours, ours_logits, ref, length):
                                   f"{gap:.3e} > 2 x the paths' max |logit difference| {d:.3e}")
             break
     return checked
+
+
+# ---- MoE routing: what each path's routers chose -----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LayerRouting:
+    """One MoE block's router call in one forward: ``b`` rows of ``s`` positions, ``E`` experts, top-``k``.
+
+    Attributes
+    ----------
+    layer : str
+        The block's name in the model (``model.layers.1.mlp``).
+    logits : torch.Tensor
+        ``(b, s, E)`` float32: the router logits as the router returned them (values of its dtype: bf16 for
+        Qwen3-MoE / Mixtral / OLMoE in a bf16 model, float32 for DeepSeek-V3 / GLM-4.5).
+    choice : torch.Tensor
+        ``(b, s, E)`` float32: the values its top-k chose by: the scores (``softmax`` in float32, or ``sigmoid``)
+        plus the correction bias where the family has one (DeepSeek-V3's ``scores_for_choice``).
+    ids : torch.Tensor
+        ``(b, s, k)`` int64: the experts it selected (the ``top_k_index`` the block gave its experts).
+    n_group, topk_group : int
+        Grouped top-k: ``n_group`` groups of ``E / n_group`` experts, the ``topk_group`` groups whose two best
+        choice values sum highest are the candidates (1, 1: no groups).
+    last_layer : bool
+        The block is in the model's last decoder layer: its output at a position reaches that position's logits
+        only (the layer's keys and values come from its input, and no layer follows).
+    """
+
+    layer: str
+    logits: torch.Tensor
+    choice: torch.Tensor
+    ids: torch.Tensor
+    n_group: int = 1
+    topk_group: int = 1
+    last_layer: bool = False
+
+
+class RoutingRecorder:
+    """Forward hooks on the router of each MoE block of ``model`` (the blocks of a row of
+    `cutlass_w8a8.moe.families`; the router is the row's `Routing.router` child, left in float by `quantize_`),
+    recording every call as a `LayerRouting`.
+
+    transformers 5's routers (5.17 and 5.24, for every family of the MoE greedy test: Qwen3-MoE, Mixtral,
+    DeepSeek-V3, GLM-4.5, OLMoE) return ``(router_logits [T, E], top_k_weights [T, k], top_k_index [T, k])`` for
+    the ``T = b x s`` tokens of the block's input, row-major; the block passes ``top_k_index`` and the weights to
+    its experts (`W8A8MoE` after `quantize_`). The choice values are recomputed from ``router_logits`` as the
+    router computes them (`Routing.scoring`: ``softmax(logits, dtype=float32)`` or ``logits.sigmoid()``; plus
+    the block's correction bias, `Routing.correction_bias`), the groups read from the router's attributes
+    (`Routing.n_group` / `Routing.topk_group`).
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        A transformers MoE causal LM (quantized or not).
+    batch : int
+        The rows of the forwards recorded (a `GraphGenerator`'s bucket size, or the batch of ``model.generate``).
+
+    Raises
+    ------
+    ValueError
+        ``model`` has no MoE block of a family of the table.
+    AssertionError
+        (when recording) a router returned something other than that triple, or ``T`` is not a multiple of
+        ``batch``.
+    """
+
+    def __init__(self, model, batch: int):
+        from _moe_models import moe_blocks
+
+        self.batch = batch
+        self.blocks = moe_blocks(model)
+        self.layers = getattr(model.config, "num_hidden_layers", None)
+        if not self.blocks:
+            raise ValueError("RoutingRecorder: `model` has no MoE block of a cutlass_w8a8.moe.families row")
+        self.calls: list = []
+        self._handles: list = []
+
+    def __enter__(self):
+        import functools
+
+        for name, block in self.blocks:
+            router = getattr(block, family_of(block).routing.router)
+            self._handles.append(router.register_forward_hook(functools.partial(self._hook, name, block)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        return False
+
+    def _hook(self, name, block, router, args, output):
+        from _moe_models import correction_bias_of
+
+        assert isinstance(output, tuple) and len(output) == 3, (
+            f"{name}: the router returned {type(output).__name__}, expected transformers 5's (router_logits, "
+            "top_k_weights, top_k_index)")
+        logits, _, ids = output
+        t, e = logits.shape
+        assert t % self.batch == 0 and ids.shape[0] == t, (f"{name}: router logits {tuple(logits.shape)} / ids "
+                                                           f"{tuple(ids.shape)} for a batch of {self.batch} rows")
+        routing = family_of(block).routing
+        with torch.no_grad():
+            if routing.scoring == "softmax":
+                choice = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            else:
+                choice = logits.sigmoid()
+            bias = correction_bias_of(block)
+            if bias is not None:
+                choice = choice + bias
+        groups = ((int(getattr(router, routing.n_group)), int(getattr(router, routing.topk_group)))
+                  if routing.n_group is not None else (1, 1))
+        shape = (self.batch, t // self.batch)
+        index = re.search(r"(?:^|\.)layers\.(\d+)\.", name)  # model.layers.<i>.mlp; otherwise not known: False
+        last = index is not None and self.layers is not None and int(index.group(1)) == self.layers - 1
+        self.calls.append(LayerRouting(name, logits.detach().float().reshape(*shape, e).cpu(),
+                                       choice.float().reshape(*shape, e).cpu(),
+                                       ids.detach().to(torch.int64).reshape(*shape, -1).cpu(), *groups, last))
+
+    def steps(self) -> list:
+        """The calls split into forwards: one list per forward of one `LayerRouting` per MoE block, in forward
+        order."""
+        n = len(self.blocks)
+        assert len(self.calls) % n == 0, f"{len(self.calls)} router calls for {n} MoE blocks"
+        out = [self.calls[j:j + n] for j in range(0, len(self.calls), n)]
+        names = [name for name, _ in self.blocks]
+        for s in out:
+            assert [c.layer for c in s] == names, f"router calls {[c.layer for c in s]}, expected {names}"
+        return out
+
+
+def selection_margin(choice: torch.Tensor, ids, n_group: int = 1, topk_group: int = 1) -> float:
+    """How far the selection ``ids`` (``k`` expert ids) is from changing under ``choice`` (``(E,)`` choice values
+    of one token), as a router chooses (transformers' top-k; DeepSeek-V3's grouped top-k).
+
+    Without groups: the last selected choice value minus the first unselected one, ``min_{e in S} c_e -
+    max_{e not in S} c_e``. With groups (``G_j`` the sum of group ``j``'s two best choice values; the kept groups
+    the ``topk_group`` largest ``G_j``, their experts the candidates): the smaller of that margin over the
+    candidates and half the group margin ``(min_{kept} G - max_{dropped} G) / 2``. ``inf`` where nothing is left
+    out; negative when ``ids`` is not a top-k of ``choice`` (``-inf``: an id outside the kept groups).
+    Returns a float (float64 arithmetic on the float32 values)."""
+    c = choice.double().flatten()
+    e = c.numel()
+    sel = torch.zeros(e, dtype=torch.bool)
+    sel[torch.as_tensor(ids, dtype=torch.int64).flatten()] = True
+    inf = float("inf")
+    m_group, cand = inf, torch.ones(e, dtype=torch.bool)
+    if n_group > 1:
+        g = c.view(n_group, e // n_group).topk(2, dim=-1).values.sum(-1)
+        kept = torch.zeros(n_group, dtype=torch.bool)
+        kept[g.topk(topk_group).indices] = True
+        if (~kept).any():
+            m_group = float(g[kept].min() - g[~kept].max())
+        cand = kept.repeat_interleave(e // n_group)
+    if (sel & ~cand).any():
+        return -inf
+    rest = cand & ~sel
+    m_expert = float(c[sel].min() - c[rest].max()) if rest.any() else inf
+    return min(m_expert, m_group / 2)
+
+
+def routing_flip(ours_step, ref_step, row: int, positions, where: str = "") -> bool:
+    """Whether our path's and transformers' expert selections differ at ``row`` in one forward (lists of
+    `LayerRouting`, one per MoE block in forward order), checking that the difference is a routing near-tie.
+
+    The blocks are compared in forward order at ``positions`` (of the forward's ``s``); the first block whose
+    selected expert sets (order aside) differ at any of them is checked, at each such position; later blocks see
+    hidden states that the flip changed and are not compared. (A flip in the last decoder layer at a position
+    other than the forward's last, a prompt position of the prefill, is checked but changes nothing compared:
+    that position's logits are not read, and no later layer or step sees its output; `LayerRouting.last_layer`.)
+    With ``c`` and ``c'`` the reference's and our
+    choice values of that block and token, ``delta = max_e |c_e - c'_e|`` and ``m`` the reference's margin
+    (`selection_margin`):
+
+    1. each path's selection is a top-k of its own choice values (margin >= 0): the recording reads the routers
+       as they chose;
+    2. ``m <= 2 * delta``, the near-tie rule. Bound: our path selected some ``b`` over the reference's ``a``
+       (``a`` selected by the reference, ``b`` a candidate it left out), so ``c'_b >= c'_a`` and
+       ``c_a - c_b = (c_a - c'_a) + (c'_a - c'_b) + (c'_b - c_b) <= delta + 0 + delta``, while ``m <= c_a - c_b``.
+       With groups, a changed group choice needs ``m_group <= 4 delta`` by the same steps (a group's sum of its two
+       best choice values moves by at most ``2 delta``), hence the half group margin in ``m``. Any larger margin
+       is a selection these choice values cannot give: a wrong routing;
+    3. the router logits ``z`` of that block and token differ by at most ``LOGITS_REL_TOL`` (relative, Frobenius
+       over the E experts): ``delta`` is the noise of the two paths' hidden states before the flip (the earlier
+       blocks selected the same experts), read out by a linear router as the lm_head reads out the last hidden
+       state, so bounded as the logits are. (Given 1, rule 2 holds for any selections; this bound is what keeps a
+       grossly wrong hidden state from passing as a near-tie, as the logits bound does for a token flip.)
+
+    Returns True when the selections differ (every check passed; the caller stops comparing the row), False when
+    they are equal at every block (or differ only where nothing compared sees it). Raises AssertionError naming
+    the block, ``where`` (row and step) and the position."""
+    assert len(ours_step) == len(ref_step), (f"{where}: {len(ours_step)} MoE blocks in our forward, "
+                                             f"{len(ref_step)} in transformers'")
+    for ours_l, ref_l in zip(ours_step, ref_step):
+        assert ours_l.layer == ref_l.layer and ours_l.ids.shape[1] == ref_l.ids.shape[1], (
+            f"{where}: our block {ours_l.layer} ({ours_l.ids.shape[1]} positions) against transformers' "
+            f"{ref_l.layer} ({ref_l.ids.shape[1]})")
+        flips = [p for p in positions
+                 if set(ours_l.ids[row, p].tolist()) != set(ref_l.ids[row, p].tolist())]
+        for p in flips:
+            at = f"layer {ref_l.layer}, {where}, position {p}"
+            c_w, c_o = ref_l.choice[row, p].double(), ours_l.choice[row, p].double()
+            ids_w, ids_o = sorted(ref_l.ids[row, p].tolist()), sorted(ours_l.ids[row, p].tolist())
+            m_w = selection_margin(c_w, ids_w, ref_l.n_group, ref_l.topk_group)
+            m_o = selection_margin(c_o, ids_o, ours_l.n_group, ours_l.topk_group)
+            delta = float((c_w - c_o).abs().max())
+            assert m_w >= 0, (f"{at}: transformers' experts {ids_w} are not a top-k of its router's choice values "
+                              f"(margin {m_w:.3e}): the routing record does not read the router")
+            assert m_w <= 2 * delta, (f"{at}: experts {ids_o} instead of transformers' {ids_w}, whose selection "
+                                      f"leads by a margin {m_w:.3e} > 2 x the paths' max |choice value difference| "
+                                      f"{delta:.3e}: not a routing near-tie")
+            assert m_o >= 0, (f"{at}: our experts {ids_o} are not a top-k of our router's choice values "
+                              f"(margin {m_o:.3e}): the routing record does not read the router")
+            err = rel_err(ours_l.logits[row, p], ref_l.logits[row, p])
+            assert err <= LOGITS_REL_TOL, (f"{at}: experts {ids_o} instead of transformers' {ids_w} at router logits "
+                                           f"that differ from transformers' by {err:.3e} (relative) > "
+                                           f"{LOGITS_REL_TOL}: not rounding noise")
+        if any(not ref_l.last_layer or p == ref_l.ids.shape[1] - 1 for p in flips):
+            return True
+    return False

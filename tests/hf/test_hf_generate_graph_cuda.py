@@ -4,7 +4,9 @@ DeepSeek-V3, GLM-4.5, OLMoE; the transformers step captured): each decode step's
 bit for bit (the capture records the eager kernels), and the greedy tokens agree with ``model.generate``'s with a
 ``StaticCache`` of the same length (`_hf_tiny.check_greedy_against_transformers`: equal tokens on equal prefixes except where
 the reference's logits have a near-tie within the measured logit difference of the two paths, that difference
-itself bounded). Skips without a GPU and the compiled extension (conftest's ``cuda`` marker)."""
+itself bounded; on the MoE models also equal expert selections, except at a near-tie of a router, which ends the
+row's comparison as a token flip does: `_hf_tiny.routing_flip`). Skips without a GPU and the compiled extension
+(conftest's ``cuda`` marker)."""
 
 import pytest
 import torch
@@ -14,8 +16,8 @@ import cutlass_w8a8 as cw
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from _hf_tiny import (MIN_CHECKED, QK_GAIN, check_greedy_against_transformers, left_padded_batch,  # noqa: E402
-                      optimized)
+from _hf_tiny import (MIN_CHECKED, QK_GAIN, RoutingRecorder, check_greedy_against_transformers,  # noqa: E402
+                      left_padded_batch, optimized)
 
 from cutlass_w8a8.hf import GraphGenerator  # noqa: E402
 
@@ -118,7 +120,13 @@ def _moe_model(kind, scheme, device):
 def _moe_greedy_case(kind, scheme, device):
     """`cw.generate` with the transformers step captured (the MoE blocks run their W8A8MoE inside the graph, routed
     by their own float routers) against ``model.generate`` with a ``StaticCache`` of the same length, as
-    `_greedy_case` (``device`` "cpu": the same steps eagerly)."""
+    `_greedy_case` (``device`` "cpu": the same steps eagerly), with both paths' routing compared
+    (`_hf_tiny.routing_flip`: a step whose expert selections differ at some block must be a near-tie of that
+    block's router, and ends the row's comparison, as a token flip does).
+
+    The reference runs eagerly (``disable_compile=True``: on CUDA, transformers' ``generate`` would otherwise
+    ``torch.compile`` its decode steps for a ``StaticCache``), its routing recorded by forward hooks on the routers
+    (`_hf_tiny.RoutingRecorder`); ours by `_our_routing`."""
     model = _moe_model(kind, scheme, device)
     ids, am = _batch(device=device)
     ours = cw.generate(model, ids, NEW, attention_mask=am, max_cache_len=CACHE, step="transformers", pad_token_id=0)
@@ -126,12 +134,37 @@ def _moe_greedy_case(kind, scheme, device):
     assert gen.use_graphs == (device == "cuda") and gen.step == "transformers"
     gen.record_logits = True  # the same generator and graphs again, keeping the logits
     assert torch.equal(cw.generate(model, ids, NEW, attention_mask=am, step="transformers", pad_token_id=0), ours)
+    ours_routing = _our_routing(model, ids, am, ours, gen.logits_history)
     cache = transformers.StaticCache(config=model.config, max_cache_len=CACHE)
-    ref = model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=NEW, do_sample=False,
-                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    checked = check_greedy_against_transformers(ours, gen.logits_history, ref, ids.shape[1])
+    with RoutingRecorder(model, batch=ids.shape[0]) as rec:
+        ref = model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=NEW, do_sample=False,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True, disable_compile=True)
+    checked = check_greedy_against_transformers(ours, gen.logits_history, ref, ids.shape[1],
+                                                routing=(ours_routing, rec.steps()), attention_mask=am)
     assert checked >= MIN_CHECKED, f"only {checked} token steps compared on equal prefixes"
     return ours, ref
+
+
+def _our_routing(model, ids, am, ours, logits_history):
+    """The routing of our path's steps (`_hf_tiny.RoutingRecorder.steps`: per new token, per MoE block), which
+    forward hooks cannot record from the graphs (a replay runs the captured kernels, no Python): the same steps run
+    again eagerly, with hooks on the routers, by a `GraphGenerator` with ``use_graphs=False`` fed our tokens
+    (teacher-forced, `GraphGenerator.prefill` / `GraphGenerator.decode`). It pads the batch to the same bucket and
+    builds the same StaticCache and 4-D mask, so each step is the eager step the capture recorded: its logits
+    equal the replayed ones (``logits_history``) bit for bit, which this asserts, so the routing it records is the
+    graph's. (A teacher-forced forward of the whole prefix would not do: other shapes, B x (L + i) tokens in one
+    call, run other GEMM tiles and attention kernels, so other roundings, and a near-tie of the router could fall
+    the other way than in our decode step.)"""
+    eager = GraphGenerator(model, max_cache_len=CACHE, use_graphs=False, step="transformers")
+    length = ids.shape[1]
+    with RoutingRecorder(model, batch=eager.bucket_size(ids.shape[0])) as rec:
+        logits = [eager.prefill(ids, attention_mask=am, pad_token_id=0).float()]
+        for i in range(1, len(logits_history)):
+            logits.append(eager.decode(ours[:, length + i - 1]).float())
+    for i, (e, g) in enumerate(zip(logits, logits_history)):
+        assert torch.equal(e, g), (f"step {i}: the eager re-run of our decode step differs from the graph's logits "
+                                   f"by {float((e - g).abs().max()):.3e} (max abs): its routing is not the graph's")
+    return rec.steps()
 
 
 def test_batch_above_the_buckets_gets_its_own_graph():
