@@ -317,3 +317,50 @@ def dequantized_reference(model: nn.Module, compute_dtype: torch.dtype = torch.f
         parent, _, child = name.rpartition(".")
         setattr(ref.get_submodule(parent), child, new)
     return ref.eval()
+
+
+def _routers(model: nn.Module) -> dict:
+    """``{name: router module}`` of every MoE block of a family row in ``model`` (the row's `Routing.router` child)."""
+    out = {}
+    for name, m in model.named_modules():
+        fam = family_of(m)
+        if fam is not None and hasattr(m, fam.routing.router):
+            out[f"{name}.{fam.routing.router}"] = getattr(m, fam.routing.router)
+    return out
+
+
+def record_routing(model: nn.Module) -> tuple:
+    """Record what every MoE router of ``model`` returns (transformers' routers return ``(router_logits,
+    top_k_weights, top_k_index)``) on the next forward calls: returns ``(records, remove)``, ``records`` ``{router
+    name: [outputs of each call, tensors detached on the CPU]}``, ``remove()`` unhooks."""
+    records = {n: [] for n in _routers(model)}
+
+    def hook(name):
+        def fn(mod, args, out):
+            records[name].append(tuple(t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in out))
+        return fn
+
+    handles = [r.register_forward_hook(hook(n)) for n, r in _routers(model).items()]
+    return records, lambda: [h.remove() for h in handles]
+
+
+def pin_routing(model: nn.Module, records: dict):
+    """Make every MoE router of ``model`` return the recorded outputs of `record_routing` (call by call, each tensor
+    on the live output's device and dtype) instead of its own: a comparison of two models' numerics that a routing
+    near-tie flip (which their rounding noise can cause, and which moves a token's output by a whole expert) does not
+    decide. Returns ``remove()``. Raises AssertionError when a router is called more often than recorded."""
+    calls = {n: 0 for n in records}
+
+    def hook(name):
+        def fn(mod, args, out):
+            i = calls[name]
+            assert i < len(records[name]), f"router {name} called {i + 1} times, recorded {len(records[name])}"
+            calls[name] += 1
+            return tuple(r.to(device=o.device, dtype=o.dtype) if isinstance(o, torch.Tensor) else o
+                         for r, o in zip(records[name][i], out))
+        return fn
+
+    routers = _routers(model)
+    assert set(routers) == set(records), (sorted(routers), sorted(records))
+    handles = [r.register_forward_hook(hook(n)) for n, r in routers.items()]
+    return lambda: [h.remove() for h in handles]

@@ -45,6 +45,7 @@ import cutlass_w8a8 as cw  # noqa: E402
 from cutlass_w8a8.testing.tp import run_workers  # noqa: E402
 
 from _deepseek_checkpoints import VOCAB, file_reference, write_native_deepseek  # noqa: E402
+from _moe_models import pin_routing  # noqa: E402
 from _tp_scenarios import TP_VS_TP1_ACCURACY, _ReadLog  # noqa: E402
 
 WORLD = 2
@@ -205,14 +206,19 @@ def quantize_worker(rank, world, input_ids):
         refused = (type(e).__name__, str(e))
     out = {"refused": refused, "after refusal": sorted({type(m).__name__ for m in model.modules()
                                                         if isinstance(m, (cw.W8A8Linear, cw.W8A8MoE))})}
+    from _moe_models import record_routing
+
     for name in QUANTIZE_CASES:
         model = _quantized(name, dist.group.WORLD)
+        routing, unhook = record_routing(model)
         with torch.no_grad():
             logits = model(input_ids).logits
+        unhook()
         attn = model.model.layers[0].self_attn
         out[name] = {"logits": logits, "heads": [layer.self_attn.num_heads for layer in model.model.layers],
                      "classes": {leaf: type(m).__name__ for leaf, m in attn.named_children()
-                                 if isinstance(m, (torch.nn.Linear, cw.W8A8Linear))}}
+                                 if isinstance(m, (torch.nn.Linear, cw.W8A8Linear))},
+                     "routing": routing}
     return out
 
 
@@ -284,7 +290,10 @@ def test_quantize_tp_default_plan_matches_one_rank(quantize_tp, name):
     """``quantize_(model, config, tp_group=...)`` with the default plan: MLA split by heads (q_b / kv_b, or q_proj,
     column-parallel, o_proj row-parallel, the latents replicated, ``num_heads`` 4 -> 2), both ranks' logits equal,
     and the TP criterion against the 1-rank model: ||L2 - Lf|| <= 1.25 ||L1 - Lf|| (Lf: `_exact_float_model`), hence
-    ||L2 - L1|| <= 2.25 ||L1 - Lf||; ||L1 - Lf|| / ||Lf|| < 0.1 shows Lf is the right reference."""
+    ||L2 - L1|| <= 2.25 ||L1 - Lf||; ||L1 - Lf|| / ||Lf|| < 0.1 shows Lf is the right reference. L1 and Lf are routed
+    as the 2-rank model was (`pin_routing`): the criterion compares the numerics of the split; a top-k near-tie that
+    the ranks' other rounding flips moves a token by a whole expert and decided it otherwise (measured on an H200
+    machine's CPU: ratio 1.49 unpinned, where this machine's CPU gave 1.10)."""
     x, res = quantize_tp
     d = [res[r][name] for r in range(WORLD)]
     q_lora = QUANTIZE_CASES[name][1].get("q_lora_rank", 128) is not None
@@ -292,9 +301,13 @@ def test_quantize_tp_default_plan_matches_one_rank(quantize_tp, name):
     assert d[0]["heads"] == [2, 2]
     assert torch.equal(d[0]["logits"], d[1]["logits"])
     full = _quantized(name)
+    exact = _exact_float_model(full)
+    unpin = [pin_routing(m, d[0]["routing"]) for m in (full, exact)]
     with torch.no_grad():
         l1 = full(x).logits.double()
-        lf = _exact_float_model(full)(x).logits.double()
+        lf = exact(x).logits.double()
+    for u in unpin:
+        u()
     l2 = d[0]["logits"].double()
     e1, e2 = float((l1 - lf).norm()), float((l2 - lf).norm())
     print(f"\ntiny DeepSeek-V3 quantize_ {name}, TP=2 vs TP=1 (CPU, gloo): ||L2 - Lf|| / ||L1 - Lf|| = {e2 / e1:.3f}, "
