@@ -44,9 +44,11 @@ KERNEL_RULES: tuple[Rule, ...] = (
     # csrc/attention/rope_kv_cache.cu: rope_kv_cache_kernel (rotary embedding + the k/v write into the cache)
     Rule("rope + kv write", head=("rope_kv_cache",)),
     # csrc/quant/rowwise_reduce.cuh: rowwise_regs_kernel / rowwise_cluster_kernel / rowwise_loop_kernel, whose
-    # template argument names the op: RmsNormRow (csrc/quant/rms_norm.cu: rms_norm, fused_add_rms_norm,
-    # rms_norm_quant) or SiluMulRow (csrc/quant/silu_mul.cu: silu_mul, silu_mul_quant)
-    Rule("norm/act (+quant)", head=("rowwise_",), name=("rmsnormrow", "silumulrow")),
+    # template argument names the op: RowwiseOp<RmsNorm, T, O> (csrc/quant/rms_norm.cu: rms_norm,
+    # fused_add_rms_norm, rms_norm_quant) or RowwiseOp<SiluMul, T, O> (csrc/quant/silu_mul.cu: silu_mul,
+    # silu_mul_quant); earlier builds: RmsNormRow<T, O> / SiluMulRow<T, O>. (RowwiseOp<Permute, ...>, MoE's
+    # moe_permute_quant, is not a norm: unclassified.)
+    Rule("norm/act (+quant)", head=("rowwise_",), name=("rmsnorm", "silumul")),
     # csrc/quant/quantize.cu: the standalone activation quantizers (quantize_per_token / quantize_per_tensor);
     # csrc/quant/quantize_group.cu: per 1 x 128 group (quantize_per_token_group, a block-scaled layer's input)
     Rule("quant", head=("per_token_regs_kernel", "per_token_loop_kernel", "per_tensor_kernel", "per_group_kernel")),

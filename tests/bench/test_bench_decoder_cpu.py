@@ -48,6 +48,10 @@ KERNEL_NAMES = [
     (f"void {_A}rowwise_regs_kernel<{_A}SiluMulRow<__half, {_A}Fp8Out>, 2, 128>({_A}SiluMulRow<__half, "
      f"{_A}Fp8Out>::Params)", "norm/act (+quant)"),
     (f"void {_A}rowwise_loop_kernel<{_A}RmsNormRow<float, {_A}FloatOut<float>>, 8, 256>(...)", "norm/act (+quant)"),
+    # the same kernels since the row-wise ops share RowwiseOp<Y, T, O> (csrc/quant/rowwise_reduce.cuh)
+    (f"void {_A}rowwise_cluster_kernel<{_A}RowwiseOp<{_A}RmsNorm, __nv_bfloat16, {_A}Int8Out>, 1, 256, 8>"
+     f"({_A}RowwiseOp<{_A}RmsNorm, __nv_bfloat16, {_A}Int8Out>::Params)", "norm/act (+quant)"),
+    (f"void {_A}rowwise_regs_kernel<{_A}RowwiseOp<{_A}SiluMul, __half, {_A}Fp8Out>, 2, 128>(...)", "norm/act (+quant)"),
     # csrc/quant/quantize.cu
     (f"void {_A}per_token_regs_kernel<__nv_bfloat16, {_A}Int8Out, 4>(__nv_bfloat16 const*, long, signed char*, "
      "long, float*, int)", "quant"),
