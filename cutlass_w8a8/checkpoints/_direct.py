@@ -31,26 +31,28 @@ __all__ = ["Reader", "build_meta", "set_module", "load_rest", "check_rest", "ini
 
 class Reader:
     """Reads of whole tensors or of row / column slices from the checkpoint's files (each opened once, for the
-    life of ``stack``)."""
+    life of ``stack``). ``stored``: ``{name: name in the files}`` for the tensors named otherwise than in the files
+    (the checkpoint's `stored`, transformers' renames: `cutlass_w8a8.checkpoints._names`)."""
 
-    def __init__(self, file_of: Dict[str, str], stack: contextlib.ExitStack):
+    def __init__(self, file_of: Dict[str, str], stack: contextlib.ExitStack, stored: Dict[str, str] = None):
         from safetensors import safe_open
 
         self.file_of = file_of
+        self.stored = stored or {}
         self._files = {f: stack.enter_context(safe_open(f, framework="pt")) for f in sorted(set(file_of.values()))}
 
     def whole(self, key: str) -> torch.Tensor:
-        return self._files[self.file_of[key]].get_tensor(key)
+        return self._files[self.file_of[key]].get_tensor(self.stored.get(key, key))
 
     def rows(self, key: str, ranges) -> torch.Tensor:
         """Rows ``[a, b)`` of each ``(a, b)`` in ``ranges``, concatenated."""
-        sl = self._files[self.file_of[key]].get_slice(key)
+        sl = self._files[self.file_of[key]].get_slice(self.stored.get(key, key))
         parts = [sl[a:b] for a, b in ranges]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
     def cols(self, key: str, a: int, b: int) -> torch.Tensor:
         """Columns ``[a, b)`` of a 2-D tensor."""
-        return self._files[self.file_of[key]].get_slice(key)[:, a:b]
+        return self._files[self.file_of[key]].get_slice(self.stored.get(key, key))[:, a:b]
 
 
 def block_size(scheme):
@@ -118,9 +120,11 @@ def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def _rest(model: nn.Module, replaced: set, rename=None):
+def _rest(model: nn.Module, replaced: set, rename=None, present=()):
     """``(module, leaf, tensor, checkpoint name)`` of every parameter and persistent buffer still on the meta device
-    outside the ``replaced`` modules (what `load_rest` reads and `check_rest` checks)."""
+    outside the ``replaced`` modules (what `load_rest` reads and `check_rest` checks): its own name when the
+    checkpoint holds it (``present``; transformers' renames already applied: `cutlass_w8a8.checkpoints._names`),
+    else ``rename(name)`` (the MoE rows' names)."""
     for mod_name, mod in model.named_modules():
         if mod_name in replaced or any(mod_name.startswith(r + ".") for r in replaced):
             continue
@@ -130,7 +134,7 @@ def _rest(model: nn.Module, replaced: set, rename=None):
             if t is None or t.device.type != "meta":
                 continue
             key = f"{mod_name}.{leaf}" if mod_name else leaf
-            yield mod, leaf, t, (rename(key) if rename is not None else key)
+            yield mod, leaf, t, (rename(key) if rename is not None and key not in present else key)
 
 
 def _tied_output(model: nn.Module, config):
@@ -163,7 +167,7 @@ def load_rest(model: nn.Module, reader: Reader, meta: dict, replaced: set, devic
     ``block_sparse_moe``; `cutlass_w8a8.checkpoints._moe.checkpoint_renamer`), None: the same names.
     ValueError naming the first tensor the checkpoint (``meta``: its tensor index) lacks."""
     missing = []
-    for mod, leaf, t, key in list(_rest(model, replaced, rename)):
+    for mod, leaf, t, key in list(_rest(model, replaced, rename, meta)):
         if key not in meta:
             missing.append(key)
             continue
@@ -185,7 +189,7 @@ def check_rest(model: nn.Module, tensors: dict, replaced: set, config, where: st
     buffer of ``model`` (built on the meta device) outside the ``replaced`` modules that ``tensors`` (``{name:
     (safetensors dtype, shape)}``) lacks (a tied output embedding may be absent) or holds with another shape."""
     missing = []
-    for _, _, t, key in _rest(model, replaced, rename):
+    for _, _, t, key in _rest(model, replaced, rename, tensors):
         if key not in tensors:
             missing.append(key)
         elif list(tensors[key][1]) != list(t.shape):
@@ -235,7 +239,7 @@ def load_unsharded(path: str, model_cls, config, targeted: dict, ckpt, dtype: to
     device = torch.device(device) if device is not None else torch.device("cpu")
     model = build_meta(model_cls, config, dtype, shared, model_kwargs, where)
     with contextlib.ExitStack() as stack:
-        reader = Reader(ckpt.file_of, stack)
+        reader = Reader(ckpt.file_of, stack, ckpt.stored)
         for name, t in targeted.items():
             lin = model.get_submodule(name)
             if type(lin) is not nn.Linear:

@@ -177,6 +177,8 @@ class _SafetensorsCheckpoint:
                              "(only safetensors checkpoints are supported)")
         self.file_of: Dict[str, str] = {}
         self.meta: Dict[str, Tuple[str, list]] = {}
+        #: ``{name in meta / file_of: name in the files}`` for the tensors `rename` named otherwise
+        self.stored: Dict[str, str] = {}
         for fname in files:
             full = os.path.join(path, fname)
             with safe_open(full, framework="pt") as f:
@@ -184,6 +186,16 @@ class _SafetensorsCheckpoint:
                     sl = f.get_slice(k)
                     self.file_of[k] = full
                     self.meta[k] = (sl.get_dtype(), list(sl.get_shape()))
+
+    def rename(self, view: Dict[str, str]) -> None:
+        """Name the tensors of ``view`` (``{model's name: files' name}``, `cutlass_w8a8.checkpoints._names.
+        model_view`) by the model's names in `meta` and `file_of`; `read` (and `_direct.Reader` given `stored`)
+        still reads them under the files' names."""
+        back = {k: new for new, k in view.items()}
+        self.meta = {back.get(k, k): v for k, v in self.meta.items()}
+        self.file_of = {back.get(k, k): v for k, v in self.file_of.items()}
+        self.stored = {**{k: v for k, v in self.stored.items() if k not in back},
+                       **{new: self.stored.get(k, k) for new, k in view.items()}}
 
     def check(self, targeted: Dict[str, Target], claimed=frozenset()) -> None:
         """`check_tensors` of this checkpoint's tensors."""
@@ -200,5 +212,5 @@ class _SafetensorsCheckpoint:
         for fname, ks in by_file.items():
             with safe_open(fname, framework="pt") as f:
                 for k in ks:
-                    out[k] = f.get_tensor(k)
+                    out[k] = f.get_tensor(self.stored.get(k, k))
         return out

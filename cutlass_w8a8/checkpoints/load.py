@@ -19,6 +19,7 @@ from ._direct import block_size, build_meta, load_unsharded
 from ._files import (_SafetensorsCheckpoint, _WHERE, check_checkpoint_dir, check_device, check_tensors,
                      checkpoint_tensors, read_config_json, refuse_missing_weights)
 from ._moe import ct_moe_targets, find_moe_blocks, native_moe_targets
+from ._names import model_view, renamed_index, renaming_of
 from ._native_fp8 import (SCALE_LEAF, NativeFp8Source, check_ue8m0, is_native_fp8, mtp_tensors, native_targets,
                           parse_native_fp8)
 from ._scheme import ParsedConfig, Target, find_quantization_config, parse_quantization_config
@@ -194,6 +195,7 @@ def from_pretrained(path, *, device=None, dtype: torch.dtype = torch.bfloat16, m
 
     drop_mtp(ckpt, config)
     meta = _meta_model(model_cls, config, shared)
+    ckpt.rename(model_view(meta, ckpt.meta, _WHERE))
     targeted, moe = plan_compressed_tensors(meta, parsed, ckpt.meta, _WHERE)
     del meta
     if moe:
@@ -231,6 +233,7 @@ def _from_native_fp8(path, config_json, device, dtype, model_cls, tp_group, tp_p
     shared = {k: hf_kwargs[k] for k in _SHARED_KWARGS if k in hf_kwargs}
     drop_mtp(ckpt, config)
     meta = build_meta(model_cls, config, dtype, shared, model_kwargs, _WHERE)
+    ckpt.rename(model_view(meta, ckpt.meta, _WHERE))
     targeted, moe = plan_native(meta, parsed, ckpt.meta, _WHERE)
     del meta
     if parsed.scale_fmt == "ue8m0":
@@ -389,8 +392,12 @@ def _check_planned(model_cls, config, tensors: Dict[str, Tuple[str, list]], wher
 
     if meta is None:
         meta = _meta_model(model_cls, config, {})
+    renaming = renaming_of(meta)
+    if model_names:  # named as transformers' save_pretrained writes them, then viewed as the loader views them
+        tensors = {renaming.to_files(k): v for k, v in tensors.items()}
+    tensors = renamed_index(tensors, model_view(meta, tensors, where, renaming))
     rename = checkpoint_renamer(find_moe_blocks(meta, tensors, where))
-    if model_names and rename is not None:
+    if model_names and rename is not None and not renaming:  # the rows' names, where transformers has none
         tensors = {rename(k): v for k, v in tensors.items()}
     targeted, moe = plan(meta, tensors)
     check_rest(meta, tensors, set(targeted) | set(moe), config, where, rename=rename)

@@ -133,7 +133,7 @@ def load_tensor_parallel(path: str, model_cls, config, parsed, targeted: dict, c
             S.check_moe_shardable(t.block.intermediate_size, world, t.scheme.block, f"{_WHERE} {name!r}")
 
     with contextlib.ExitStack() as stack:
-        reader = Reader(ckpt.file_of, stack)
+        reader = Reader(ckpt.file_of, stack, ckpt.stored)
         replaced = set()
         for name, t in moe.items():
             replaced.add(name)
