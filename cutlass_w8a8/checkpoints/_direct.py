@@ -8,8 +8,9 @@ Used for the transformers-native block-fp8 format (``quant_method: fp8``), which
 dequantize (on a CPU or a GPU before sm89) or turn into its own ``FP8Linear`` layers, and by the sharded loader
 (`cutlass_w8a8.distributed.checkpoint`), and for MoE checkpoints (each block's per-expert tensors read into one
 `W8A8MoE` by `cutlass_w8a8.checkpoints._moe`, Mixtral's ``block_sparse_moe`` names mapped to the model's
-``mlp``). Otherwise the checkpoint's tensor names must be the model's parameter names (transformers' other
-load-time renames are not applied).
+``mlp``). The checkpoint's tensors are read under the model's names after transformers' own load-time renames
+(the ``WeightRenaming`` entries of its conversion mapping: `cutlass_w8a8.checkpoints._names`); what its other
+converters do (concatenating or splitting tensors) is not applied.
 """
 
 from __future__ import annotations

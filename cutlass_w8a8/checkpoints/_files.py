@@ -129,8 +129,8 @@ def check_tensors(tensors: Dict[str, Tuple[str, list]], targeted: Dict[str, Targ
             key = f"{name}.{leaf}"
             if key not in tensors:
                 raise ValueError(f"{where}: the checkpoint has no tensor {key!r}, which group {t.group!r} "
-                                 "implies (checkpoints whose tensor names transformers renames on load are "
-                                 "not supported)")
+                                 "implies (tensors that transformers' conversion mapping does more to than rename, "
+                                 "concatenated or split on load, are not supported)")
             dt, sh = tensors[key]
             if dt not in dtypes or list(sh) != shape:
                 raise ValueError(f"{where}: checkpoint tensor {key!r} is {dt} {list(sh)}; group {t.group!r} implies "
@@ -147,8 +147,8 @@ def check_tensors(tensors: Dict[str, Tuple[str, list]], targeted: Dict[str, Targ
                              "supported)")
         if dt in _ST_8BIT or leaf.endswith(_QUANT_SUFFIXES):
             raise ValueError(f"{where}: checkpoint tensor {key!r} ({dt}) belongs to no targeted nn.Linear (MoE "
-                             "experts merged by transformers, KV-cache scales and renamed tensors are not "
-                             "supported)")
+                             "experts merged by transformers, KV-cache scales and tensors its conversion mapping "
+                             "concatenates or splits are not supported)")
 
 
 def checkpoint_tensors(path: str) -> Dict[str, Tuple[str, list]]:

@@ -225,7 +225,8 @@ def native_targets(model: nn.Module, parsed: NativeFp8Config, meta: Dict[str, tu
         if dt in _ST_8BIT or key.endswith(_QUANT_SUFFIXES):
             raise ValueError(f"{where}: checkpoint tensor {key!r} ({dt}) belongs to no nn.Linear of "
                              f"{type(model).__name__} (MoE experts merged by transformers on load, KV-cache or "
-                             "static activation scales, and renamed tensors are not supported)")
+                             "static activation scales, and tensors its conversion mapping concatenates or splits "
+                             "are not supported)")
     parsed.ignore = sorted(floats)
     return targeted
 

@@ -355,8 +355,9 @@ def check_loadable(model_cls, config, config_json: dict, tensors: Dict[str, Tupl
     `parse_quantization_config`, `plan_compressed_tensors`) on the model built on the meta device, then every
     other parameter and persistent buffer of that model stored with its shape (`_direct.check_rest`). Nothing is
     read but the arguments: `cutlass_w8a8.checkpoints.write` calls it before writing (``model_names``: ``tensors``
-    named as in the model, the names transformers' ``save_pretrained`` renames, Mixtral's ``mlp`` blocks, mapped
-    as the loader maps them) and on the written files' headers. Returns the model built on the meta device, which
+    named as in the model, first named as transformers' ``save_pretrained`` writes them, `_names.Renaming.to_files`,
+    or by the MoE rows' `CheckpointNames` where transformers has no renames for the model) and on the written files'
+    headers; either way they are then viewed under the model's names as the loader views them (`_names.model_view`). Returns the model built on the meta device, which
     a second call for the same architecture may pass as ``meta`` (not built again)."""
     if is_native_fp8(config_json):
         return _check_native_loadable(model_cls, config, config_json, tensors, where, model_names, meta)
