@@ -29,7 +29,7 @@ from torch import nn
 
 import cutlass_w8a8 as cw
 
-from _checkpoints import sqnr_db, stored_tensors  # noqa: F401 (the row-wise helpers' own; the block tests import them from here)
+from _checkpoints import logits, sqnr_db, stored_tensors, token_ids  # noqa: F401 (the row-wise helpers' own; the block tests import them from here)
 
 BLOCK = 128
 VOCAB = 320  # lm_head N = 320 = 2 * 128 + 64: a partial last row block
@@ -297,13 +297,7 @@ def dequantized_reference(path, full_float32: bool = False, act_quant: bool = Tr
 
 
 def ids(seed=2, batch=2, seq=24):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (batch, seq), generator=g)
-
-
-def logits(model, input_ids):
-    with torch.no_grad():
-        return model(input_ids).logits
+    return token_ids(seed, batch, seq, VOCAB)
 
 
 def w8a8_modules(model):

@@ -378,14 +378,19 @@ def _w8a8_modules(model):
     return {n: m for n, m in model.named_modules() if isinstance(m, cw.W8A8Linear)}
 
 
-def _ids(seed=2, batch=2, seq=24):
+def token_ids(seed=2, batch=2, seq=24, vocab=VOCAB):
+    """``[batch, seq]`` int64 token ids drawn uniformly from ``[0, vocab)`` with a CPU generator seeded ``seed``."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (batch, seq), generator=g)
+    return torch.randint(0, vocab, (batch, seq), generator=g)
 
 
-def _logits(model, ids):
+def logits(model, input_ids):
+    """``model(input_ids).logits`` without autograd."""
     with torch.no_grad():
-        return model(ids).logits
+        return model(input_ids).logits
+
+
+_ids, _logits = token_ids, logits  # the names tests/checkpoints/test_checkpoints_cli.py imports
 
 
 def logits_sqnr_vs_references(path, reference, input_ids: torch.Tensor) -> tuple:

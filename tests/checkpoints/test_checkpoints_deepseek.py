@@ -36,7 +36,7 @@ pytest.importorskip("compressed_tensors")
 import cutlass_w8a8 as cw  # noqa: E402
 from cutlass_w8a8.checkpoints import from_pretrained, save_pretrained  # noqa: E402
 
-from _checkpoints import sqnr_db, stored_tensors  # noqa: E402
+from _checkpoints import logits, sqnr_db, stored_tensors, token_ids  # noqa: E402
 from _moe_models import pin_routing, record_routing  # noqa: E402
 from _tp_scenarios import TP_VS_TP1_ACCURACY  # noqa: E402
 from _moe_bounds import assert_each_layer_within_bounds  # noqa: E402
@@ -73,13 +73,7 @@ def _load(path, **kw):
 
 
 def ids(seed=2, batch=2, seq=24):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (batch, seq), generator=g)
-
-
-def logits(model, x):
-    with torch.no_grad():
-        return model(x).logits
+    return token_ids(seed, batch, seq, VOCAB)
 
 
 def _u8(t):

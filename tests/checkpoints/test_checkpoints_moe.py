@@ -73,8 +73,8 @@ from cutlass_w8a8.checkpoints import from_pretrained, quantization_config_of, sa
 from cutlass_w8a8.moe.families import family_of, read_routing  # noqa: E402
 
 from _block_checkpoints import copy_checkpoint, expand_blocks, write_ct_fp8_block, write_native_fp8  # noqa: E402
-from _checkpoints import (assert_greedy_tokens_agree, logits_sqnr_vs_references, scheme, sqnr_db,  # noqa: E402
-                          stored_tensors, write_ct_checkpoint)
+from _checkpoints import (assert_greedy_tokens_agree, logits, logits_sqnr_vs_references, scheme, sqnr_db,  # noqa: E402
+                          stored_tensors, token_ids, write_ct_checkpoint)
 from _full import quick_or_full  # noqa: E402
 from _moe_bounds import assert_each_layer_within_bounds  # noqa: E402
 from _moe_models import FakeQuantExperts, FakeQuantLinear, moe_blocks, tiny_moe_model  # noqa: E402
@@ -284,13 +284,7 @@ def file_reference(path, full_float32=False, float64=True):
 
 
 def ids(seed=2, batch=2, seq=24):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (batch, seq), generator=g)
-
-
-def logits(model, x):
-    with torch.no_grad():
-        return model(x).logits
+    return token_ids(seed, batch, seq, VOCAB)
 
 
 def moes(model):
