@@ -48,7 +48,7 @@ __device__ __forceinline__ int64_t source_row(const P& p, int64_t row) {
 }
 
 // y = the gathered row, as loaded, for RowwiseOp (quant/rowwise_reduce.cuh, launched by launch_rowwise_op).
-struct Permute {
+struct PermuteRow {
   template <class T, class OutT>
   using Params = PermuteParams<T, OutT>;
 
@@ -90,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor> moe_permute_quant(const at::Tensor& x, const 
   const quant::RowwiseRows rows{x2.data_ptr(), t > 1 ? x2.stride(0) : h, q.data_ptr(), scales.data_ptr<float>(),
                                 scale.has_value() ? scale->data_ptr<float>() : nullptr, h, n,
                                 /*group_parts=*/group_size != 0};
-  quant::launch_rowwise_op<Permute>(x, dtype, group_size, rows, [&](auto& p) {
+  quant::launch_rowwise_op<PermuteRow>(x, dtype, group_size, rows, [&](auto& p) {
     p.sorted_pairs = pairs.data_ptr<int>();
     p.n = n;
     p.top_k = static_cast<int>(top_k);

@@ -98,7 +98,7 @@ __device__ __forceinline__ float inverse_rms(float sum_sq, int k, float eps) {
 
 // y = rms_norm(s) * weight of a row (s = x, or the updated residual), for RowwiseOp (quant/rowwise_reduce.cuh,
 // launched by launch_rowwise_op).
-struct RmsNorm {
+struct RmsNormRow {
   template <class T, class OutT>
   using Params = RmsNormParams<T, OutT>;
 
@@ -228,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_impl(const char* op, const at::Tenso
   // breaking fused == quantize_per_token_group(rms_norm(...)) bit for bit. So every output of a row whose K could
   // be group-quantized (K % 128 == 0) follows the group rule, whatever the output.
   const bool group_parts = k % kGroupElems == 0;
-  return quant::run_rowwise_op<RmsNorm>(op, x, k, qtype, scale, group_size, group_parts, [&](auto& p) {
+  return quant::run_rowwise_op<RmsNormRow>(op, x, k, qtype, scale, group_size, group_parts, [&](auto& p) {
     using T = typename std::decay_t<decltype(p)>::elem_type;
     constexpr int N = 16 / sizeof(T);
     p.residual = r != nullptr ? reinterpret_cast<T*>(r->data_ptr()) : nullptr;

@@ -397,6 +397,8 @@ struct RowwiseIO {
 //   loop<N, kB>(p, row)                  produce(idx) -> Vec<T, N>, vector idx of the row's y (N elements a load:
 //                                        16 / sizeof(T) vectorized, 1 any alignment), after any pass over the row
 //                                        it needs first
+// The kernels' names carry Y (rowwise_regs_kernel<RowwiseOp<RmsNormRow, T, O>, ...>): bench/_decoder_kernels.py
+// tells the norm and activation kernels apart by it.
 template <class Y, class T, class O>
 struct RowwiseOp {
   using Params = typename Y::template Params<T, typename O::type>;

@@ -49,7 +49,7 @@ __device__ __forceinline__ Vec<T, N> silu_mul_vec(const Vec<T, N>& g, const Vec<
 }
 
 // y = silu(gate) * up of a row, for RowwiseOp (quant/rowwise_reduce.cuh, launched by launch_rowwise_op).
-struct SiluMul {
+struct SiluMulRow {
   // x [M, 2 * I] rows, x_stride apart: gate = x[:, :I], up = x[:, I:]; out [M, I] contiguous (len = I); scales [M],
   // or [M, I / 128] (GroupOut).
   template <class T, class OutT>
@@ -99,7 +99,7 @@ void check_silu_mul(const char* op, const at::Tensor& x) {
 std::tuple<at::Tensor, at::Tensor> silu_mul_impl(const char* op, const at::Tensor& x,
                                                  std::optional<at::ScalarType> qtype,
                                                  const std::optional<at::Tensor>& scale, int64_t group_size = 0) {
-  return quant::run_rowwise_op<SiluMul>(op, x, x.size(-1) / 2, qtype, scale, group_size,
+  return quant::run_rowwise_op<SiluMulRow>(op, x, x.size(-1) / 2, qtype, scale, group_size,
                                         /*group_parts=*/group_size != 0, [](auto&) { return true; });
 }
 

@@ -8,72 +8,26 @@
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
-#include <cutlass/gemm/collective/collective_builder.hpp>
-#include <cutlass/gemm/device/gemm_universal_adapter.h>
-#include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "gemm/sm90/scaled_mm_sm90_config.cuh"
-#include "gemm/sm90/scaled_mm_sm90_epilogue.cuh"  // ScaleEpilogue: the EVTs of every sm90 kernel
+#include "gemm/sm90/scaled_mm_sm90_gemm.cuh"  // GemmTypes: the CUTLASS types of every sm90 kernel
 #include "gemm/sm90/scaled_mm_sm90_launch.cuh"  // also the GDC guard: PDL launches need -DCUTLASS_ENABLE_GDC_FOR_SM90
 
 namespace cutlass_w8a8::sm90 {
 
-namespace detail {
-
-// CUTLASS's kernel and epilogue schedule tags for a Schedule; the fp8 fast-accumulation kernels are their own tags.
-template <Schedule S, bool Fp8FastAccum>
-struct ScheduleTypes {
-  static constexpr bool kPingpong = S == Schedule::kPingpong;
-  using Pingpong = cute::conditional_t<Fp8FastAccum, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum,
-                                       cutlass::gemm::KernelTmaWarpSpecializedPingpong>;
-  using Cooperative = cute::conditional_t<Fp8FastAccum, cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum,
-                                          cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
-  using Kernel = cute::conditional_t<kPingpong, Pingpong, Cooperative>;
-  using Epilogue = cute::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
-                                       cutlass::epilogue::TmaWarpSpecializedCooperative>;
-};
-
-}  // namespace detail
+// The row-wise kernel's CUTLASS types (scaled_mm_sm90_gemm.cuh): the plain mainloop, the epilogue
+// D = scale_tok * (scale_ch * float(acc)) + bias rounded once (ScaleEpilogue::RowwiseEVT), one problem on the
+// persistent tile scheduler (Scheduler::kPersistent, the only one).
+template <class ElementAB, class ElementD, class Cfg>
+using ScaledMmTypes = GemmTypes<ElementAB, ElementD, Cfg, /*kBlock=*/false, /*kPtrArray=*/false,
+                                cute::Shape<int, int, int, int>, cutlass::gemm::PersistentScheduler>;
 
 template <class ElementAB, class ElementD, class Cfg>
-struct ScaledMmKernel {
-  static constexpr bool kIsInt8 = cute::is_same_v<ElementAB, int8_t>;
-  static constexpr bool kSwapAB = Cfg::kSwapAB;
-  using ElementAcc = cute::conditional_t<kIsInt8, int32_t, float>;
-  using TileShape = typename Cfg::TileShape;
-  using ClusterShape = typename Cfg::ClusterShape;
-  // fp8 accumulates in fp32 either way; "fast accumulation" skips the periodic promotion of the tensor
-  // core's partial sums into a full fp32 accumulator (csrc/gemm/EPILOGUES.md). int8 accumulates exactly.
-  static_assert(!(kIsInt8 && Cfg::kFastAccum), "fast accumulation is an fp8 option");
-  using Sched = detail::ScheduleTypes<Cfg::kSchedule, Cfg::kFastAccum>;
-  using TileSchedulerTag = cutlass::gemm::PersistentScheduler;  // Scheduler::kPersistent, the only one
-
-  // In the kernel's own frame the rows are the MMA's M. Without the swap, rows are tokens (A's M) and
-  // columns are channels (B's N); with it, rows are channels and columns tokens, and D is column-major.
-  using LayoutA = cutlass::layout::RowMajor;     // K-major, as the 8-bit wgmma requires
-  using LayoutB = cutlass::layout::ColumnMajor;  // K-major
-  static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<ElementAB>::value;  // 16-byte TMA rows
-
-  // The epilogue (scaled_mm_sm90_epilogue.cuh): D = scale_tok * (scale_ch * float(acc)) + bias, rounded once.
-  using Epilogue = ScaleEpilogue<TileShape, ElementD, kSwapAB>;
-  using EpilogueEVT = typename Epilogue::RowwiseEVT;
-  using CollectiveEpilogue =
-      typename Epilogue::template Collective<ClusterShape, ElementAcc, typename Sched::Epilogue, EpilogueEVT>;
-
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA, kAlignAB, ElementAB, LayoutB,
-      kAlignAB, ElementAcc, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      typename Sched::Kernel>::CollectiveOp;
-
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
-                                                          CollectiveEpilogue, TileSchedulerTag>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-
-  using StrideA = typename GemmKernel::StrideA;
-  using StrideB = typename GemmKernel::StrideB;
-  using StrideD = typename GemmKernel::StrideD;
+struct ScaledMmKernel : ScaledMmTypes<ElementAB, ElementD, Cfg> {
+  using Types = ScaledMmTypes<ElementAB, ElementD, Cfg>;
+  using typename Types::Epilogue, typename Types::EpilogueEVT, typename Types::Gemm;
+  using typename Types::StrideA, typename Types::StrideB, typename Types::StrideD;
+  using Types::kSwapAB;
 
   // The CUTLASS arguments of one call: the operands in the kernel's frame (DenseOperands, scaled_mm_sm90_launch.cuh:
   // strides from the caller's pitches) and the epilogue's scales and bias.

@@ -24,78 +24,29 @@
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
-#include <cutlass/gemm/collective/collective_builder.hpp>
-#include <cutlass/gemm/device/gemm_universal_adapter.h>
-#include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "gemm/sm90/scaled_mm_sm90_config.cuh"
-#include "gemm/sm90/scaled_mm_sm90_epilogue.cuh"  // ScaleEpilogue::BlockEVT, BlockScaleLayout (shared with grouped/)
+#include "gemm/sm90/scaled_mm_sm90_gemm.cuh"  // GemmTypes (ScaleEpilogue::BlockEVT, BlockScaleLayout), as grouped/
 #include "gemm/sm90/scaled_mm_sm90_launch.cuh"  // also the GDC guard: PDL launches need -DCUTLASS_ENABLE_GDC_FOR_SM90
 
 namespace cutlass_w8a8::sm90 {
 
-namespace detail {
-
-// CUTLASS's kernel and epilogue schedule tags of the blockwise-scaled fp8 kernels for a Schedule.
-template <Schedule S>
-struct BlockScheduleTypes {
-  static constexpr bool kPingpong = S == Schedule::kPingpong;
-  using Kernel = cute::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8Blockwise,
-                                     cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8Blockwise>;
-  using Epilogue = cute::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
-                                       cutlass::epilogue::TmaWarpSpecializedCooperative>;
-};
-
-}  // namespace detail
+// The block-scaled kernel's CUTLASS types (scaled_mm_sm90_gemm.cuh): e4m3 operands, the blockwise mainloop with the
+// K-major scale factors (BlockScaleLayout: granularity 1 x 128 on the tokens' side, 128 x 128 on the weight's; TileK
+// 128, the weight's side of the tile a multiple of 128), the epilogue D = acc + bias rounded once to ElementD
+// (ScaleEpilogue::BlockEVT: the scales were applied in the mainloop; the bias is one value per channel, the kernel's
+// columns unswapped, its rows swapped, or none), one problem on the persistent tile scheduler.
+template <class ElementD, class Cfg>
+using BlockScaledMmTypes = GemmTypes<cutlass::float_e4m3_t, ElementD, Cfg, /*kBlock=*/true, /*kPtrArray=*/false,
+                                     cute::Shape<int, int, int, int>, cutlass::gemm::PersistentScheduler>;
 
 template <class ElementD, class Cfg>
-struct BlockScaledMmKernel {
-  using ElementAB = cutlass::float_e4m3_t;
-  using ElementAcc = float;
-  static constexpr bool kSwapAB = Cfg::kSwapAB;
-  using TileShape = typename Cfg::TileShape;
-  using ClusterShape = typename Cfg::ClusterShape;
-  using Sched = detail::BlockScheduleTypes<Cfg::kSchedule>;
-  using TileSchedulerTag = cutlass::gemm::PersistentScheduler;  // Scheduler::kPersistent, the only one
-
-  static_assert(!Cfg::kFastAccum, "the blockwise mainloop always promotes (fast accumulation is not an option)");
-
-  // The K-major scale factors (scaled_mm_sm90_epilogue.cuh): granularity 1 x 128 on the tokens' side, 128 x 128 on
-  // the weight's.
-  using Scales = BlockScaleLayout<TileShape, kSwapAB>;
-  static_assert(Scales::kTileK,
-                "TileK must be 128: the mainloop reads one scale per K tile and promotes once per K tile");
-  static_assert(Scales::kTileWeightSide,
-                "the weight's side of the tile (TileM swapped, TileN unswapped) must be a multiple of 128");
-  using ScaleConfig = typename Scales::ScaleConfig;
-  using LayoutSFA = typename Scales::LayoutSFA;
-  using LayoutSFB = typename Scales::LayoutSFB;
-
-  using LayoutA = cutlass::layout::RowMajor;     // K-major, as the 8-bit wgmma requires
-  using LayoutB = cutlass::layout::ColumnMajor;  // K-major
-  static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<ElementAB>::value;  // 16-byte TMA rows
-
-  // The epilogue (scaled_mm_sm90_epilogue.cuh): D = acc + bias, rounded once to ElementD (the scales were applied
-  // in the mainloop); the bias is one value per channel (the kernel's columns unswapped, its rows swapped) or none.
-  using Epilogue = ScaleEpilogue<TileShape, ElementD, kSwapAB>;
-  using EpilogueEVT = typename Epilogue::BlockEVT;
-  using CollectiveEpilogue =
-      typename Epilogue::template Collective<ClusterShape, ElementAcc, typename Sched::Epilogue, EpilogueEVT>;
-
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, cute::tuple<LayoutA, LayoutSFA>, kAlignAB,
-      ElementAB, cute::tuple<LayoutB, LayoutSFB>, kAlignAB, ElementAcc, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      typename Sched::Kernel>::CollectiveOp;
-
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, CollectiveMainloop,
-                                                          CollectiveEpilogue, TileSchedulerTag>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-
-  using StrideA = typename GemmKernel::StrideA;
-  using StrideB = typename GemmKernel::StrideB;
-  using StrideD = typename GemmKernel::StrideD;
+struct BlockScaledMmKernel : BlockScaledMmTypes<ElementD, Cfg> {
+  using Types = BlockScaledMmTypes<ElementD, Cfg>;
+  using typename Types::ElementAB, typename Types::Sched, typename Types::Epilogue, typename Types::EpilogueEVT;
+  using typename Types::Gemm, typename Types::ScaleConfig, typename Types::LayoutSFA, typename Types::LayoutSFB;
+  using typename Types::StrideA, typename Types::StrideB, typename Types::StrideD;
+  using Types::kSwapAB;
 
   // PDL: the pingpong kernel's producer warps (TMA loads of A and B, cp.async of the scales) all wait on
   // griddepcontrol before their first load. CUTLASS 4.2's cooperative kernel does not make the scale-loading warp

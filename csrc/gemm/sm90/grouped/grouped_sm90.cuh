@@ -31,92 +31,38 @@
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
-#include <cutlass/gemm/collective/collective_builder.hpp>
-#include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/group_array_problem_shape.hpp>
-#include <cutlass/gemm/kernel/gemm_universal.hpp>
 
 #include "gemm/sm90/grouped/grouped_sm90_config.cuh"
-#include "gemm/sm90/scaled_mm_sm90_epilogue.cuh"  // ScaleEpilogue, BlockScaleLayout: the dense kernels' scales
+#include "gemm/sm90/scaled_mm_sm90_gemm.cuh"  // GemmTypes: the dense kernels' mainloops, epilogues and scales
 #include "gemm/sm90/scaled_mm_sm90_launch.cuh"  // GemmLauncher::ensure_smem_attribute, detail::fail, the GDC guard
 
 namespace cutlass_w8a8::sm90::grouped {
 
 namespace detail {
 
-template <Schedule S, bool FastAccum, bool Block>
-struct GroupedScheduleTypes {
-  static constexpr bool kPingpong = S == Schedule::kPingpong;
-  using Pingpong = cute::conditional_t<
-      Block, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise,
-      cute::conditional_t<FastAccum, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
-                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong>>;
-  using Cooperative = cute::conditional_t<
-      Block, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
-      cute::conditional_t<FastAccum, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum,
-                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>>;
-  using Kernel = cute::conditional_t<kPingpong, Pingpong, Cooperative>;
-  using Epilogue = cute::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
-                                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-};
-
 constexpr size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 }  // namespace detail
 
+// The grouped kernels' CUTLASS types (scaled_mm_sm90_gemm.cuh): the dense kernels' mainloops and epilogues in their
+// ptr-array form (one pointer and stride per group; the block scales' layouts per group too), over the device's
+// group problem sizes.
+template <class ElementAB, class ElementD, class Cfg, bool kBlock>
+using GroupedMmTypes = GemmTypes<ElementAB, ElementD, Cfg, kBlock, /*kPtrArray=*/true,
+                                 cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>>;
+
 template <class ElementAB_, class ElementD_, class Cfg, bool kBlock>
-struct GroupedMmKernel {
-  using ElementAB = ElementAB_;
-  using ElementD = ElementD_;
-  static constexpr bool kIsInt8 = cute::is_same_v<ElementAB, int8_t>;
-  static constexpr bool kSwapAB = Cfg::kSwapAB;
-  using ElementAcc = cute::conditional_t<kIsInt8, int32_t, float>;
-  using TileShape = typename Cfg::TileShape;
-  using ClusterShape = typename Cfg::ClusterShape;
-  static_assert(!(kIsInt8 && Cfg::kFastAccum), "fast accumulation is an fp8 option");
-  static_assert(!(kBlock && Cfg::kFastAccum), "the blockwise mainloop always promotes");
-  static_assert(!kBlock || cute::is_same_v<ElementAB, cutlass::float_e4m3_t>, "block scales are fp8 only");
-  using Sched = detail::GroupedScheduleTypes<Cfg::kSchedule, Cfg::kFastAccum, kBlock>;
-
-  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
-  using UnderlyingProblemShape = typename ProblemShape::UnderlyingProblemShape;
-
-  using LayoutA = cutlass::layout::RowMajor;     // K-major
-  using LayoutB = cutlass::layout::ColumnMajor;  // K-major
-  static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<ElementAB>::value;
-
-  // Block scales (used only when kBlock; the layout types name the arrays either way): K-major, granularity 1 on the
-  // tokens' side and 128 on the weight's, as the dense blockwise kernel (scaled_mm_sm90_epilogue.cuh).
-  using Scales = BlockScaleLayout<TileShape, kSwapAB>;
-  static constexpr int kScaleBlock = Scales::kBlock;
-  using ScaleConfig = typename Scales::ScaleConfig;
-  using LayoutSFA = typename Scales::LayoutSFA;
-  using LayoutSFB = typename Scales::LayoutSFB;
-  static_assert(!kBlock || Scales::kTileK, "block: TileK must be 128");
-  static_assert(!kBlock || Scales::kTileWeightSide, "block: the weight's side of the tile must be a multiple of 128");
-
-  // The dense kernels' epilogues (scaled_mm_sm90_epilogue.cuh) with array-of-pointers broadcasts: one scale and bias
-  // pointer per group.
-  using Epilogue = ScaleEpilogue<TileShape, ElementD, kSwapAB, /*kPtrArray=*/true>;
-  using EpilogueEVT = cute::conditional_t<kBlock, typename Epilogue::BlockEVT, typename Epilogue::RowwiseEVT>;
-  using CollectiveEpilogue =
-      typename Epilogue::template Collective<ClusterShape, ElementAcc, typename Sched::Epilogue, EpilogueEVT>;
-
-  using MainloopLayoutA = cute::conditional_t<kBlock, cute::tuple<LayoutA*, LayoutSFA*>, LayoutA*>;
-  using MainloopLayoutB = cute::conditional_t<kBlock, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, MainloopLayoutA, kAlignAB, ElementAB,
-      MainloopLayoutB, kAlignAB, ElementAcc, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      typename Sched::Kernel>::CollectiveOp;
-
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
-
-  using StrideA = typename GemmKernel::InternalStrideA;
-  using StrideB = typename GemmKernel::InternalStrideB;
-  using StrideD = typename GemmKernel::InternalStrideD;
+struct GroupedMmKernel : GroupedMmTypes<ElementAB_, ElementD_, Cfg, kBlock> {
+  using Types = GroupedMmTypes<ElementAB_, ElementD_, Cfg, kBlock>;
+  using typename Types::ElementAB, typename Types::ElementD, typename Types::Epilogue, typename Types::EpilogueEVT;
+  using typename Types::CollectiveMainloop, typename Types::Gemm, typename Types::ScaleConfig;
+  using typename Types::LayoutSFA, typename Types::LayoutSFB;
+  using typename Types::StrideA, typename Types::StrideB, typename Types::StrideD;
+  using Types::kSwapAB;
+  using UnderlyingProblemShape = typename Types::ProblemShape::UnderlyingProblemShape;
+  static constexpr int kScaleBlock = Types::Scales::kBlock;
+  static_assert(cute::is_same_v<StrideA, typename Types::GemmKernel::InternalStrideA>, "one group's stride");
 
   // The per-group arrays, in the workspace (each segment 128-byte aligned).
   struct Arrays {
