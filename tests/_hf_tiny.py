@@ -244,6 +244,10 @@ class RoutingRecorder:
         A transformers MoE causal LM (quantized or not).
     batch : int
         The rows of the forwards recorded (a `GraphGenerator`'s bucket size, or the batch of ``model.generate``).
+    routers : dict, optional
+        ``{block name: module}``: hook these modules instead of the named blocks' own routers (`cutlass_w8a8.hf.
+        DecodeStep`'s `MoeRouter` of each MoE layer, which returns the same triple); the choice values and groups
+        are still those of the block's family and router. None: every block's own router.
 
     Raises
     ------
@@ -254,10 +258,11 @@ class RoutingRecorder:
         ``batch``.
     """
 
-    def __init__(self, model, batch: int):
+    def __init__(self, model, batch: int, routers=None):
         from _moe_models import moe_blocks
 
         self.batch = batch
+        self.routers = dict(routers or {})
         self.blocks = moe_blocks(model)
         self.layers = getattr(model.config, "num_hidden_layers", None)
         if not self.blocks:
@@ -269,7 +274,7 @@ class RoutingRecorder:
         import functools
 
         for name, block in self.blocks:
-            router = getattr(block, family_of(block).routing.router)
+            router = self.routers.get(name) or getattr(block, family_of(block).routing.router)
             self._handles.append(router.register_forward_hook(functools.partial(self._hook, name, block)))
         return self
 
@@ -298,6 +303,7 @@ class RoutingRecorder:
             bias = correction_bias_of(block)
             if bias is not None:
                 choice = choice + bias
+        router = getattr(block, routing.router)  # the block's own (a hooked `routers` module may hold no groups)
         groups = ((int(getattr(router, routing.n_group)), int(getattr(router, routing.topk_group)))
                   if routing.n_group is not None else (1, 1))
         shape = (self.batch, t // self.batch)

@@ -31,11 +31,25 @@ Left padding: transformers' prefill leaves a left-padded row's prompt at cache c
 token's position (``position_ids = cumsum(attention_mask) - 1``) and the decode attention of a row reads its
 columns ``0 .. position``, none of the padding.
 
+Mixture-of-experts layers (`MOE_FAMILIES`: Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE): the attention side as above; the
+MLP is `MoeMLP` over the block's own modules: the post-attention norm fused with the residual add gives the normed
+hidden state in the model dtype (`W8A8MoE` quantizes its own input, per routed pair), the router's logits
+``F.linear(x, gate.weight)`` in the router's dtype (as transformers' routers compute them), the routing by
+`cutlass_w8a8.moe_route` with the routing `W8A8MoE` holds (read from the router by `quantize_`: ``W8A8MoE.route``;
+`why_not` checks it against the router, `cutlass_w8a8.moe.families.read_routing`), the experts
+``W8A8MoE(x, topk_ids, topk_weights)``, plus the block's shared expert (Qwen2-MoE: its own SwiGLU module of
+`W8A8Linear` layers, times ``sigmoid(shared_expert_gate(x))``). Numerics against transformers' block: the same
+experts on the same quantized activations; the routing weights stay float32 (transformers' Qwen routers round them
+to the model dtype), and a near-tie of a router can pick another expert than transformers' on hidden states that
+differ by bf16 noise (the tests treat it as a token near-tie: tests/_hf_tiny.py's ``routing_flip``).
+
 Supported (`DecodeStep.why_not`): decoder-only models whose decoder layers are all ones `optimize_` fused
-(Llama, Mistral without a sliding window, Qwen2, Qwen3): fused ``qkv_proj`` `W8A8Linear` (any granularity, a bias
-allowed), a SiLU ``gate_up_proj`` MLP, RMSNorms, a softmax scale of ``head_dim ** -0.5``, ``head_dim`` a multiple of
-8 up to 256, all on one device in bfloat16 / float16. Mixture-of-experts layers (Qwen3-MoE, Mixtral) are not: their
-models keep transformers' step.
+(Llama, Mistral without a sliding window, Qwen2, Qwen3; the attention side of Qwen3-MoE, Mixtral and Qwen2-MoE):
+fused ``qkv_proj`` `W8A8Linear` (any granularity, a bias allowed), a SiLU ``gate_up_proj`` MLP or a sparse-MoE block
+of `MOE_FAMILIES` with `W8A8MoE` experts, RMSNorms, a softmax scale of ``head_dim ** -0.5``, ``head_dim`` a multiple
+of 8 up to 256, all on one device in bfloat16 / float16. Not: multi-head latent attention (DeepSeek-V2 / V3, ...),
+OLMoE's attention (q / k norms over all heads at once: `optimize_` does not fuse it), other attention layers
+`optimize_` does not fuse, the MoE blocks of other families; their models keep transformers' step.
 """
 
 from __future__ import annotations
@@ -44,13 +58,24 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from ..linear import W8A8Linear
 from ..models.config import LlamaConfig
 from ..models.layers import LlamaDecoderLayer, RMSNorm, StepContext
-from .optimize import FusedGateUpMLP, FusedQKVAttention
+from ..moe.families import family_of, read_routing
+from ..moe.layer import W8A8MoE
+from .optimize import SUPPORTED_LAYERS, FusedGateUpMLP, FusedQKVAttention
 
-__all__ = ["DecodeStep"]
+__all__ = ["DecodeStep", "MoeMLP", "MOE_FAMILIES"]
+
+#: The `cutlass_w8a8.moe.families` rows (by name) whose sparse-MoE block forward `MoeMLP` reproduces: a router of one
+#: ``weight`` ``[E, H]`` whose logits are ``F.linear(x, weight)`` in its dtype, the row's routing (softmax top-k), the
+#: experts called with the top-k ids and weights, and the row's shared expert (a SwiGLU module) times the sigmoid of
+#: its gate where the row has one. Other rows' blocks compute their logits otherwise (DeepSeek-V3's router in float32,
+#: Laguna's soft-capped) or scale their outputs: not served.
+MOE_FAMILIES = ("Qwen2-MoE", "Qwen3-MoE", "Mixtral", "OLMoE")
 
 
 def _decoder(model: nn.Module):
@@ -75,6 +100,110 @@ def _our_norm(norm: nn.Module) -> RMSNorm:
         out = RMSNorm(w.shape[0], float(norm.variance_epsilon), dtype=w.dtype)
     out.weight = w if isinstance(w, nn.Parameter) else nn.Parameter(w, requires_grad=False)
     return out
+
+
+class MoeRouter(nn.Module):
+    """The routing of a `MoeMLP`: ``forward(x)`` with ``x`` ``(T, H)`` in the model dtype returns
+    ``(router_logits (T, E) in weight's dtype, topk_weights float32 (T, k), topk_ids int32 (T, k))``, transformers 5
+    routers' triple: logits ``F.linear(x, weight)``, then ``experts.route`` (`cutlass_w8a8.moe_route` with the
+    experts' routing). ``weight``: the transformers router's own Parameter (shared)."""
+
+    def __init__(self, weight: torch.Tensor, experts: W8A8MoE):
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self._route = experts.route  # a bound method, not a second registration of the experts module
+
+    def forward(self, x: torch.Tensor):
+        logits = F.linear(x, self.weight)
+        topk_weights, topk_ids = self._route(logits)
+        return logits, topk_weights, topk_ids
+
+
+class MoeMLP(nn.Module):
+    """The MLP of a `DecodeStep` layer whose transformers ``mlp`` is a sparse-MoE block of `MOE_FAMILIES`, over the
+    block's own modules (nothing copied).
+
+    ``forward(x)``: ``x`` ``(T, H)`` in the model dtype (the post-attention norm's float output) -> ``(T, H)``:
+    ``experts(x, ids, weights)`` with ``(_, weights, ids) = gate(x)`` (`MoeRouter`), plus
+    ``shared_expert(x)`` (times ``sigmoid(shared_expert_gate(x))`` when the block has that gate).
+
+    Attributes
+    ----------
+    gate : MoeRouter
+    experts : W8A8MoE
+        The block's experts module.
+    shared_expert : nn.Module or None
+        The block's shared expert(s) module (Qwen2-MoE's ``shared_expert``), called as transformers calls it.
+    shared_expert_gate : nn.Module or None
+        Its gate (an ``nn.Linear`` of N = 1, left in float by `quantize_`).
+    """
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        fam = family_of(block)
+        self.experts = getattr(block, fam.layout.module)
+        self.gate = MoeRouter(getattr(block, fam.routing.router).weight, self.experts)
+        shared = fam.shared_experts
+        self.shared_expert = getattr(block, shared.module) if shared is not None else None
+        self.shared_expert_gate = (getattr(block, shared.gate) if shared is not None and shared.gate is not None
+                                   else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, topk_weights, topk_ids = self.gate(x)
+        out = self.experts(x, topk_ids, topk_weights)
+        if self.shared_expert is not None:
+            s = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                s = torch.sigmoid(self.shared_expert_gate(x)) * s
+            out = out + s
+        return out
+
+
+def _why_not_moe(block: nn.Module, where: str) -> Optional[str]:
+    """None when `MoeMLP` runs ``block`` (a decoder layer's ``mlp``) as its transformers forward does; else why."""
+    fam = family_of(block)
+    if fam is None:
+        return (f"`{where}` ({type(block).__name__}) is neither a fused SiLU gate_up MLP with a "
+                                   "W8A8 down_proj (run cutlass_w8a8.optimize_ on a W8A8 model first) nor a "
+                                   "sparse-MoE block of a cutlass_w8a8.moe.families row")
+    if fam.name not in MOE_FAMILIES:
+        return (f"`{where}` is a {fam.name} block ({type(block).__name__}), whose forward DecodeStep does not "
+                f"run (it runs the blocks of {', '.join(MOE_FAMILIES)})")
+    experts = getattr(block, fam.layout.module, None)
+    if not isinstance(experts, W8A8MoE):
+        return (f"`{where}.{fam.layout.module}` ({type(experts).__name__}) is not a W8A8MoE (quantize the model "
+                "with cutlass_w8a8.quantize_ first; a routing moe_route does not compute leaves it in float)")
+    router = getattr(block, fam.routing.router, None)
+    w = getattr(router, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or tuple(w.shape) != (experts.num_experts,
+                                                                             experts.hidden_size):
+        return (f"`{where}.{fam.routing.router}` has no router weight [E, H] = [{experts.num_experts}, "
+                f"{experts.hidden_size}]")
+    if getattr(router, "bias", None) is not None:
+        return f"`{where}.{fam.routing.router}` has a bias"
+    try:
+        args = read_routing(block, fam, where)
+    except ValueError as e:
+        return str(e)
+    why = args.unserved()
+    if why is not None:
+        return f"`{where}`: {why}"
+    held = {"top_k": experts.top_k, "renormalize": experts.renormalize, **{
+        k: getattr(experts, k) for k in ("scoring", "n_group", "topk_group", "scaling_factor")}}
+    want = {"top_k": args.top_k, "renormalize": args.renormalize, **{
+        k: v for k, v in args.layer_kwargs().items() if k != "correction_bias"}}
+    for k, v in want.items():
+        if held[k] != v:
+            return (f"`{where}.{fam.layout.module}` routes with {k} = {held[k]!r}, its router with {v!r} (the "
+                    "router changed after quantize_)")
+    if (args.correction_bias is None) != (experts.correction_bias is None):
+        return f"`{where}`: the router's correction bias and the experts' disagree (one of them has none)"
+    return None
+
+
+def _is_mla(attn) -> bool:
+    """Multi-head latent attention (DeepSeek-V2 / V3 and the models with their attention): low-rank q / kv."""
+    return any(hasattr(attn, n) for n in ("kv_a_proj_with_mqa", "kv_lora_rank", "q_lora_rank"))
 
 
 class DecodeStep:
@@ -132,7 +261,10 @@ class DecodeStep:
             attn.qkv_proj, attn.o_proj = hf_attn.qkv_proj, hf_attn.o_proj
             if ours_cfg.qk_norm:
                 attn.q_norm, attn.k_norm = _our_norm(hf_attn.q_norm), _our_norm(hf_attn.k_norm)
-            layer.mlp.gate_up_proj, layer.mlp.down_proj = hf.mlp.gate_up_proj, hf.mlp.down_proj
+            if isinstance(hf.mlp, FusedGateUpMLP):
+                layer.mlp.gate_up_proj, layer.mlp.down_proj = hf.mlp.gate_up_proj, hf.mlp.down_proj
+            else:  # a sparse-MoE block of MOE_FAMILIES (why_not)
+                layer.mlp = MoeMLP(hf.mlp)
             attn.kv_cache = None
             self.layers.append(layer)
         self.embed_tokens = base.embed_tokens
@@ -174,11 +306,25 @@ class DecodeStep:
             where = f"model.model.layers.{i}"
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             if not isinstance(attn, FusedQKVAttention):
+                if _is_mla(attn):
+                    return (f"`{where}.self_attn` ({type(attn).__name__}) is multi-head latent attention (MLA), "
+                            "which DecodeStep does not run: the model keeps transformers' step")
+                if type(layer).__name__ not in SUPPORTED_LAYERS:
+                    return (f"`{where}` ({type(layer).__name__}) is not a decoder layer cutlass_w8a8.optimize_ fuses "
+                            f"(SUPPORTED_LAYERS), so its self_attn ({type(attn).__name__}) is not fused: the model "
+                            "keeps transformers' step")
                 return (f"`{where}.self_attn` ({type(attn).__name__}) is not fused: run cutlass_w8a8.optimize_ "
                         "on a W8A8 model first")
-            if not isinstance(mlp, FusedGateUpMLP) or not mlp._cw_silu_quant:
-                return (f"`{where}.mlp` ({type(mlp).__name__}) is not a fused SiLU gate_up MLP with a W8A8 "
-                        "down_proj (mixture-of-experts layers keep transformers' step)")
+            if isinstance(mlp, FusedGateUpMLP):
+                if not mlp._cw_silu_quant:
+                    return (f"`{where}.mlp` ({type(mlp).__name__}) is not a fused SiLU gate_up MLP with a W8A8 "
+                            "down_proj")
+                mlp_device = mlp.gate_up_proj.weight.device
+            else:
+                why = _why_not_moe(mlp, f"{where}.mlp")
+                if why is not None:
+                    return why
+                mlp_device = getattr(mlp, family_of(mlp).layout.module).w13.device
             if getattr(attn, "sliding_window", None):
                 return f"`{where}.self_attn` has a sliding window"
             d = int(attn.head_dim)
@@ -193,8 +339,8 @@ class DecodeStep:
                 if eps is not None and e != eps:
                     return f"`{where}.{n}` has epsilon {e}, other norms {eps}"
                 eps = e
-            if layer.mlp.gate_up_proj.weight.device != device:
-                return f"`{where}` is on {layer.mlp.gate_up_proj.weight.device}, the embedding on {device}"
+            if mlp_device != device:
+                return f"`{where}` is on {mlp_device}, the embedding on {device}"
         return None
 
     # ---- cache ------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """`optimize_`: transformers decoder layers rebuilt in place around fused W8A8 projections and fused
 norm / activation quantization (`RMSNormQuant`, `unfused` and `unoptimize_` are re-exported from `.unfuse`).
 
-What a recognised decoder layer (Llama, Mistral, Qwen2, Qwen3; the attention side of Qwen3-MoE and Mixtral;
-``SUPPORTED_LAYERS``) becomes:
+What a recognised decoder layer (Llama, Mistral, Qwen2, Qwen3; the attention side of Qwen3-MoE, Mixtral and Qwen2-MoE,
+and Qwen2-MoE's dense MLP layers; ``SUPPORTED_LAYERS``) becomes:
 
 - ``self_attn``: ``q_proj`` / ``k_proj`` / ``v_proj`` (`W8A8Linear`) are replaced by one ``qkv_proj``
   (`cutlass_w8a8.distributed.fuse_w8a8`: rows stacked ``[q | k | v]``; per-tensor weight scales become
@@ -63,6 +63,7 @@ SUPPORTED_LAYERS = {
     # blocks are left as they are, without a warning (W8A8MoE quantizes its own activations after the router)
     "Qwen3MoeDecoderLayer": ("Qwen3MoeAttention", "Qwen3MoeMLP", "Qwen3MoeRMSNorm"),
     "MixtralDecoderLayer": ("MixtralAttention", "MixtralMLP", "MixtralRMSNorm"),
+    "Qwen2MoeDecoderLayer": ("Qwen2MoeAttention", "Qwen2MoeMLP", "Qwen2MoeRMSNorm"),
 }
 # the transformers versions these layers' code was read from and the tests run with (pyproject.toml's range)
 TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")
@@ -288,8 +289,9 @@ def optimize_(model: nn.Module) -> nn.Module:
     ----------
     model : torch.nn.Module
         A transformers model (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-        ``Qwen3ForCausalLM``, or their base models; ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM``: the attention
-        side and any dense MLP layer) whose q / k / v and gate / up projections are `W8A8Linear`
+        ``Qwen3ForCausalLM``, or their base models; ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM`` /
+        ``Qwen2MoeForCausalLM``: the attention side and any dense MLP layer; their sparse MoE blocks, shared experts
+        included, are left as they are) whose q / k / v and gate / up projections are `W8A8Linear`
         (`cutlass_w8a8.quantize_`, `cutlass_w8a8.from_pretrained`): int8 or fp8, per-channel or per-tensor
         weights, dynamic per-token or static per-tensor activations, or block-scaled fp8.
 

@@ -148,3 +148,106 @@ def test_generate_wrapper_takes_step():
     assert model.__dict__["_cw_graph_generator"].step == "cw"
     cw.generate(model, ids, 3, step="transformers")
     assert model.__dict__["_cw_graph_generator"].step == "transformers"
+
+
+# ---- MoE models (tests/_moe_models.py): DecodeStep's MoeMLP over the blocks' own router, W8A8MoE and shared expert --
+
+MOE_CASES = [("qwen3_moe", "int8"), ("mixtral", "fp8"), ("qwen2_moe", "int8"), ("qwen3_moe", "fp8-block")]
+
+
+@pytest.mark.parametrize("kind,scheme", MOE_CASES)
+def test_moe_step_logits_match_the_transformers_step_teacher_forced(kind, scheme):
+    """The CUDA file's `_moe_cw_teacher_forced_case` with the steps run eagerly on the CPU: DecodeStep's logits
+    against transformers' forward on the same prefixes (same tokens fed), within ``LOGITS_REL_TOL``, a router
+    near-tie ending a row's comparison (`_hf_tiny.routing_flip`)."""
+    import test_hf_generate_graph_cuda as gpu_cases
+
+    gpu_cases._moe_cw_teacher_forced_case(kind, scheme, "cpu", steps=8)
+
+
+@pytest.mark.full  # the greedy run of both paths and an eager re-run: ~10-20 s on 2 CPU cores
+@pytest.mark.parametrize("kind,scheme", [("qwen3_moe", "int8"), ("qwen2_moe", "fp8")])
+def test_moe_greedy_agrees_with_transformers(kind, scheme):
+    import test_hf_generate_graph_cuda as gpu_cases
+
+    gpu_cases._moe_cw_greedy_case(kind, scheme, "cpu")
+
+
+def _moe(kind, scheme="int8"):
+    import test_hf_generate_graph_cuda as gpu_cases
+
+    return gpu_cases._moe_model(kind, scheme, "cpu")
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_moe_auto_picks_the_cw_step_and_shares_the_blocks(kind):
+    import warnings
+
+    from cutlass_w8a8.hf import optimize_
+    from cutlass_w8a8.hf.decode_step import MoeMLP
+
+    model = _moe(kind)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert "is not fused: run cutlass_w8a8.optimize_" in DecodeStep.why_not(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimize_(model)
+    assert DecodeStep.why_not(model) is None
+    # optimize_ keeps transformers' interfaces: the same state dict, the MoE blocks' modules untouched
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    ids, _ = _batch(b=1)
+    cw.generate(model, ids, 2, max_cache_len=CACHE, pad_token_id=0)
+    gen = model.__dict__["_cw_graph_generator"]
+    assert gen.step == "cw" and gen.step_reason is None and not gen.use_graphs
+    for layer, hf in zip(gen._cw.layers, model.model.layers):
+        assert isinstance(layer.mlp, MoeMLP)
+        assert layer.mlp.experts is hf.mlp.experts and isinstance(hf.mlp.experts, cw.W8A8MoE)
+        assert layer.mlp.gate.weight is hf.mlp.gate.weight
+        if kind == "qwen2_moe":
+            assert layer.mlp.shared_expert is hf.mlp.shared_expert
+            assert layer.mlp.shared_expert_gate is hf.mlp.shared_expert_gate
+        else:
+            assert layer.mlp.shared_expert is None and layer.mlp.shared_expert_gate is None
+        assert layer.self_attn.qkv_proj is hf.self_attn.qkv_proj
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_moe_why_not_names_what_is_not_served():
+    import warnings
+
+    from cutlass_w8a8.hf import optimize_
+
+    def opt(model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return optimize_(model)
+
+    ds = opt(_moe("deepseek_v3"))
+    assert DecodeStep.why_not(ds) == ("`model.model.layers.0.self_attn` (DeepseekV3Attention) is multi-head latent "
+                                      "attention (MLA), which DecodeStep does not run: the model keeps transformers' "
+                                      "step")
+    gen = GraphGenerator(ds, max_cache_len=CACHE)
+    assert gen.step == "transformers" and "multi-head latent attention (MLA)" in gen.step_reason
+    olmoe = opt(_moe("olmoe"))
+    assert "`model.model.layers.0` (OlmoeDecoderLayer) is not a decoder layer cutlass_w8a8.optimize_ fuses" in (
+        DecodeStep.why_not(olmoe))
+    # experts left in float (a bf16 model only optimized in its attention would not be; here: the experts put back)
+    model = opt(_moe("qwen3_moe"))
+    block = model.model.layers[1].mlp
+    w8 = block.experts
+    block.experts = torch.nn.Identity()
+    assert DecodeStep.why_not(model) == ("`model.model.layers.1.mlp.experts` (Identity) is not a W8A8MoE (quantize "
+                                         "the model with cutlass_w8a8.quantize_ first; a routing moe_route does not "
+                                         "compute leaves it in float)")
+    block.experts = w8
+    # a router whose routing no longer matches the experts' (changed after quantize_)
+    block.gate.top_k = 3
+    assert DecodeStep.why_not(model) == ("`model.model.layers.1.mlp.experts` routes with top_k = 2, its router with 3 "
+                                         "(the router changed after quantize_)")
+    block.gate.top_k = 2
+    assert DecodeStep.why_not(model) is None
+    with pytest.raises(ValueError, match=r"step='cw' cannot run this model: `model.model.layers.0.self_attn` "
+                                         r"\(DeepseekV3Attention\) is multi-head latent attention"):
+        GraphGenerator(ds, step="cw")

@@ -175,3 +175,136 @@ def test_batch_above_the_buckets_gets_its_own_graph():
     eager = GraphGenerator(model, max_cache_len=CACHE, use_graphs=False, max_batch=2)
     assert torch.equal(gen.generate(ids, 6), eager.generate(ids, 6))
     assert gen._buckets[3].graph is not None
+
+
+# ---- the "cw" step (hf.DecodeStep) on MoE models ------------------------------------------------------------------
+# The MoE families whose layers DecodeStep runs (cutlass_w8a8.hf.decode_step.MOE_FAMILIES with an attention optimize_
+# fuses): Qwen3-MoE (per-head q / k norms), Mixtral, Qwen2-MoE (q / k / v bias, a shared expert times its sigmoid gate).
+MOE_CW_KINDS = ["qwen3_moe", "mixtral", "qwen2_moe"]
+
+
+def _moe_optimized(kind, scheme, device):
+    """`_moe_model` `optimize_`d: the attention fused, the MoE blocks as they were (their W8A8MoE experts)."""
+    import warnings
+
+    from cutlass_w8a8.hf import DecodeStep, optimize_
+
+    model = _moe_model(kind, scheme, device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimize_(model)
+    assert DecodeStep.why_not(model) is None
+    return model
+
+
+def _cw_routers(gen):
+    """``{block name: MoeRouter}`` of a "cw" `GraphGenerator`'s decode step (the names `RoutingRecorder` uses)."""
+    from cutlass_w8a8.hf.decode_step import MoeMLP
+
+    return {f"model.layers.{i}.mlp": layer.mlp.gate for i, layer in enumerate(gen._cw.layers)
+            if isinstance(layer.mlp, MoeMLP)}
+
+
+def _teacher_forced(model, ids, am, tokens, step):
+    """Logits and routing of ``step``'s path fed ``tokens`` ``(B, n)`` after the prompts, eagerly: ``([(B, V) float32
+    logits of the prefill, then of each decode step], [per forward: one LayerRouting per MoE block])``. The prefill is
+    transformers' forward on either path (its routers recorded; the "cw" path's prefill fills a DynamicCache, the other
+    a StaticCache with its mask: not the same arithmetic bit for bit); the "cw" path's decode steps run DecodeStep (its
+    MoeRouters recorded)."""
+    import contextlib
+
+    gen = GraphGenerator(model, max_cache_len=CACHE, use_graphs=False, step=step)
+    assert gen.step == step
+    bucket = gen.bucket_size(ids.shape[0])
+    ours = RoutingRecorder(model, bucket, routers=_cw_routers(gen)) if step == "cw" else contextlib.nullcontext()
+    with RoutingRecorder(model, bucket) as rec, ours as rec_cw:
+        logits = [gen.prefill(ids, attention_mask=am, pad_token_id=0).float()]
+        for i in range(tokens.shape[1]):
+            logits.append(gen.decode(tokens[:, i]).float())
+    routing = rec.steps() + (rec_cw.steps() if step == "cw" else [])
+    assert len(routing) == len(logits)
+    return logits, routing
+
+
+def _moe_cw_teacher_forced_case(kind, scheme, device, steps=NEW):
+    """DecodeStep's eager steps against the model's own (transformers) steps on the same prefixes: both fed the
+    same tokens (random, teacher-forced), each step's logits rows within ``LOGITS_REL_TOL`` (relative), as the
+    greedy check bounds them, except that a row whose expert selections differ at some block (a router near-tie,
+    checked by `_hf_tiny.routing_flip`) is not compared from that step on. Returns the (row, step) pairs compared."""
+    from _hf_tiny import LOGITS_REL_TOL, rel_err, routing_flip
+
+    model = _moe_optimized(kind, scheme, device)
+    ids, am = _batch(device=device)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(2, 512, (ids.shape[0], steps - 1), generator=g).to(device)
+    ours, ours_routing = _teacher_forced(model, ids, am, tokens, "cw")
+    ref, ref_routing = _teacher_forced(model, ids, am, tokens, "transformers")
+    compared = 0
+    for r in range(ids.shape[0]):
+        for i in range(steps):
+            where = f"row {r} step {i}"
+            positions = ([int(p) for p in torch.nonzero(am[r]).flatten()] if i == 0
+                         else list(range(ref_routing[i][0].ids.shape[1])))
+            if routing_flip(ours_routing[i], ref_routing[i], r, positions, where):
+                break
+            err = rel_err(ours[i][r], ref[i][r])
+            assert err <= LOGITS_REL_TOL, f"{where}: logits differ from transformers' by {err:.3e} (relative)"
+            compared += i > 0
+    assert compared >= MIN_CHECKED, f"only {compared} decode steps compared on equal routings"
+    return compared
+
+
+def _moe_cw_greedy_case(kind, scheme, device):
+    """`cw.generate` with ``step="auto"`` (which picks DecodeStep) against ``model.generate`` with a ``StaticCache``,
+    as `_moe_greedy_case`, both paths' routing compared (ours from an eager re-run of our steps, whose logits equal
+    the generator's bit for bit)."""
+    model = _moe_optimized(kind, scheme, device)
+    ids, am = _batch(device=device)
+    ours = cw.generate(model, ids, NEW, attention_mask=am, max_cache_len=CACHE, pad_token_id=0)
+    gen = model.__dict__["_cw_graph_generator"]
+    assert gen.use_graphs == (device == "cuda") and gen.step == "cw" and gen.step_reason is None
+    gen.record_logits = True
+    assert torch.equal(cw.generate(model, ids, NEW, attention_mask=am, pad_token_id=0), ours)
+    eager_logits, ours_routing = _teacher_forced(model, ids, am, ours[:, ids.shape[1]:-1], "cw")
+    for i, (e, g) in enumerate(zip(eager_logits, gen.logits_history)):
+        assert torch.equal(e[:ids.shape[0]], g.float()), f"step {i}: the eager re-run differs from the generator's"
+    cache = transformers.StaticCache(config=model.config, max_cache_len=CACHE)
+    with RoutingRecorder(model, batch=ids.shape[0]) as rec:
+        ref = model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=NEW, do_sample=False,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True, disable_compile=True)
+    checked = check_greedy_against_transformers(ours, gen.logits_history, ref, ids.shape[1],
+                                                routing=(ours_routing, rec.steps()), attention_mask=am)
+    assert checked >= MIN_CHECKED, f"only {checked} token steps compared on equal prefixes"
+    return ours, ref
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("kind", MOE_CW_KINDS)
+def test_moe_cw_step_graph_replay_equals_eager(kind, scheme):
+    model = _moe_optimized(kind, scheme, "cuda")
+    ids, am = _batch()
+    graphed = GraphGenerator(model, max_cache_len=CACHE)
+    eager = GraphGenerator(model, max_cache_len=CACHE, use_graphs=False)
+    assert graphed.use_graphs and graphed.step == eager.step == "cw"
+    graphed.record_logits = eager.record_logits = True
+    out_g = graphed.generate(ids, NEW, attention_mask=am, pad_token_id=0)
+    assert graphed._buckets[4].graph is not None
+    out_e = eager.generate(ids, NEW, attention_mask=am, pad_token_id=0)
+    assert torch.equal(out_g, out_e)
+    for i, (g, e) in enumerate(zip(graphed.logits_history, eager.logits_history)):
+        assert torch.equal(g, e), f"step {i}"
+    ids2, am2 = _batch(seed=1)
+    assert torch.equal(graphed.generate(ids2, NEW, attention_mask=am2, pad_token_id=0),
+                       eager.generate(ids2, NEW, attention_mask=am2, pad_token_id=0))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("kind", MOE_CW_KINDS)
+def test_moe_cw_step_teacher_forced_logits(kind, scheme):
+    _moe_cw_teacher_forced_case(kind, scheme, "cuda")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("kind", MOE_CW_KINDS)
+def test_moe_cw_step_greedy_tokens_equal_transformers(kind, scheme):
+    _moe_cw_greedy_case(kind, scheme, "cuda")
