@@ -36,5 +36,8 @@ constexpr int64_t kAttnMaxSeq = int64_t{1} << 31;
 constexpr int64_t kMoeMaxExperts = 1024;
 // moe_route's grouped top-k: at most this many expert groups (one warp lane scores one group).
 constexpr int64_t kMoeMaxGroups = 32;
+// moe_decode_experts (the fused decode path of a MoE layer): at most this many (token, expert) pairs T * top_k
+// (a decode step at batch 8 with top-8; each CTA keeps the pairs' expert ids in shared memory).
+constexpr int64_t kMoeDecodeMaxPairs = 64;
 
 }  // namespace cutlass_w8a8::limits

@@ -34,6 +34,9 @@ ATTN_MAX_HEADS = 65535
 MOE_MAX_EXPERTS = 1024
 # moe_route's grouped top-k: at most this many expert groups (one warp lane scores one group).
 MOE_MAX_GROUPS = 32
+# moe_decode_experts (the fused decode path of a MoE layer): at most this many (token, expert) pairs T * top_k
+# (a decode step at batch 8 with top-8; each CTA keeps the pairs' expert ids in shared memory).
+MOE_DECODE_MAX_PAIRS = 64
 
 # Block-scaled fp8 (DeepSeek-V3 / compressed-tensors FP8_BLOCK): activations in 1 x BLOCK_SIZE groups along K,
 # weights in BLOCK_SIZE x BLOCK_SIZE blocks; the GEMM's K must be a multiple of it, and so is the only group size

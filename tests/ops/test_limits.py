@@ -29,6 +29,7 @@ PAIRS = {
     "kBlockSize": "BLOCK_SIZE",
     "kMoeMaxExperts": "MOE_MAX_EXPERTS",
     "kMoeMaxGroups": "MOE_MAX_GROUPS",
+    "kMoeDecodeMaxPairs": "MOE_DECODE_MAX_PAIRS",
 }
 
 
