@@ -103,5 +103,11 @@ std::tuple<at::Tensor, at::Tensor> moe_permute_quant(const at::Tensor& x, const 
 at::Tensor moe_unpermute(const at::Tensor& y, const at::Tensor& dst_pos, const at::Tensor& topk_weights);
 void moe_unpermute_out(at::Tensor& out, const at::Tensor& y, const at::Tensor& dst_pos,
                        const at::Tensor& topk_weights);
+// moe/moe_decode.cu: the routed experts of a SwiGLU MoE layer at T * top_k <= 64 pairs in three kernels, equal bit
+// for bit to moe_align -> moe_permute_quant -> grouped_scaled_mm -> silu_mul_quant -> grouped_scaled_mm ->
+// moe_unpermute
+at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                              const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w2,
+                              const at::Tensor& w2_scale, int64_t group_size, at::ScalarType out_dtype);
 
 }  // namespace cutlass_w8a8

@@ -98,4 +98,5 @@ TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
   m.impl("moe_permute_quant", &cutlass_w8a8::moe_permute_quant);
   m.impl("moe_unpermute", &cutlass_w8a8::moe_unpermute);
   m.impl("moe_unpermute_out", &cutlass_w8a8::moe_unpermute_out);
+  m.impl("moe_decode_experts", &cutlass_w8a8::moe_decode_experts);
 }

@@ -1,0 +1,668 @@
+// moe_decode_experts: the routed experts of a SwiGLU mixture-of-experts layer at decode sizes (T * top_k <= 64
+// (token, expert) pairs) in three kernels, equal bit for bit to the unfused chain (cutlass_w8a8/ops/moe.py):
+//
+//   moe_align -> moe_permute_quant -> grouped_scaled_mm (w13) -> silu_mul_quant -> grouped_scaled_mm (w2)
+//   -> moe_unpermute                                              (7 kernels, 5 intermediate tensors)
+//
+//   prep      one CTA per token: x's row quantized per token (or per 1 x 128 group) exactly as quantize_per_token
+//             (quantize_per_token_group) does; the token's completion counters zeroed; a token with no routed
+//             pair gets its output row zeroed (no later kernel writes it).
+//   gate/up   the grouped decode GEMM (gemm/decode/grouped_decode.cu's CTA: 8 warps, 16 weight rows, the same
+//             loads, MMAs, block-scale steps and warp-order reduction) over w13, with three changes:
+//               - a CTA finds its expert from topk_ids itself (slot s = the s-th smallest routed expert id) and its
+//                 rows are that expert's pairs in increasing pair index, the order moe_align's stable sort gives;
+//                 no sorted_pairs / offsets tensors exist;
+//               - A's rows are gathered: pair p reads the quantized row of token p / top_k (the gather fused into
+//                 the A load: per-thread row pointers);
+//               - the CTA computes 16 gate channels (rows n0 .. n0 + 16 of w13) and the matching 16 up channels
+//                 (I + n0 ..), one after the other with the same 8-warp schedule, so that each value equals the
+//                 grouped kernel's; the epilogue rounds both to the output type, applies silu_mul's arithmetic
+//                 (quant/silu_mul.cu: silu rounded to the output type, then the product, rounded) and stores
+//                 h[p, n0 .. n0 + 16). The last of the I / 16 CTAs to finish a pair (an atomic counter per pair,
+//                 after a __threadfence) re-reads h[p] (I values) and quantizes it per token (or per 1 x 128
+//                 group): exactly silu_mul_quant's tail. No float atomics: a max is exact in any order and the
+//                 quantization runs once per pair, in one CTA.
+//   down      the same grouped decode GEMM over w2 on the quantized intermediate rows (pair-indexed, so gathered
+//             too); the epilogue rounds to the output type as grouped_scaled_mm does, multiplies by the pair's
+//             routing weight (float32, moe_unpermute's product) and stores y[p, n0 .. n0 + 16) in float32. The last
+//             CTA of a (token, 16-column tile) to finish (counter per token and tile) sums that token's routed
+//             pairs j = 0 .. top_k - 1 in increasing j from 0 (moe_unpermute's order: one float32 rounding per
+//             product and per addition) and writes out[token, tile] once, rounded to the output type. The order
+//             is fixed by j, not by which CTA finishes last: deterministic.
+//
+// Why the results equal the chain's: the same quantized bytes and scales of x (prep = quantize per token / group,
+// gathered = moe_permute_quant), the same per-row GEMM sums (each CTA runs grouped_decode's per-chunk main loop
+// with the same block-to-warp assignment and warp-order reduction; a chunk of an expert's rows is its pairs in
+// increasing pair index, as in moe_align's order, and a row's result does not depend on which other rows share its
+// chunk), the same epilogue and roundings, silu_mul_quant's arithmetic, and moe_unpermute's sum.
+//
+// Graphs: grids depend on T, top_k, E, H and I only (slots = min(E, T * top_k)), never on the routing; no host
+// synchronisation; the workspace is one tensor from the caching allocator per call. PDL: each kernel waits on
+// griddepcontrol before its first global read and lets its dependent launch early (the host launches them with
+// programmatic stream serialization when kernels_use_pdl), as the grouped decode GEMM does.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "core/checks.hpp"
+#include "core/device.hpp"
+#include "core/launch.hpp"
+#include "core/launch_policy.hpp"
+#include "core/limits.hpp"
+#include "gemm/decode/decode_host.cuh"  // with_decode_types
+#include "gemm/decode/decode_mma.cuh"   // shape constants, BlockFrags, loads, MMA steps, epilogues, block scales
+#include "graphs/graph_nodes.hpp"
+#include "moe/moe_args.hpp"
+#include "ops.hpp"
+#include "quant/rowwise_reduce.cuh"  // to_float, from_float, quantize_one, Int8Out / Fp8Out, block_max, PDL
+
+namespace cutlass_w8a8 {
+namespace {
+
+constexpr int kMaxPairs = static_cast<int>(limits::kMoeDecodeMaxPairs);
+static_assert(kMaxPairs <= kThreads, "one thread per pair in the expert search");
+constexpr int kPrepThreads = 256;
+
+struct MoeDecodeParams {
+  const void* x;              // [T, H] bf16 / fp16 / fp32, row stride ldx (elements)
+  int64_t ldx;
+  const void* ids;            // topk_ids [T, k], int32 or int64 (ids64), strides ids_s0 / ids_s1 (elements)
+  int64_t ids_s0, ids_s1;
+  int ids64;
+  const float* topk_w;        // [T, k] float32, contiguous
+  const uint8_t* w13;         // [E, 2I, H]
+  const float* s13;           // [E, 2I] / [E]; block [E, ceil(2I/128), H/128]
+  int s13_per_channel;
+  const uint8_t* w2;          // [E, H, I]
+  const float* s2;            // [E, H] / [E]; block [E, ceil(H/128), I/128]
+  int s2_per_channel;
+  // workspace
+  uint8_t* qx;                // [T, H] quantized x
+  float* sx;                  // [T] or [T, H/128]
+  void* h;                    // [P, I] output type: silu(gate) * up, rounded as silu_mul
+  uint8_t* q2;                // [P, I] quantized h
+  float* sh;                  // [P] or [P, I/128]
+  float* y;                   // [P, H] float32: weight * round(down row)
+  int* cnt13;                 // [P]: gate/up CTAs done per pair
+  int* cnt2;                  // [T, H/16]: down CTAs done per token and column tile
+  void* out;                  // [T, H] output type
+  int t, k, pairs, e, hid, inter;
+  uint32_t zero;              // always 0 (tie_to_weight_loads)
+};
+
+// topk_ids[pair], or -1 when outside [0, E) (not routed).
+__device__ __forceinline__ int load_id(const MoeDecodeParams& p, int pair) {
+  const int64_t idx = static_cast<int64_t>(pair / p.k) * p.ids_s0 + static_cast<int64_t>(pair % p.k) * p.ids_s1;
+  const int64_t v = p.ids64 ? static_cast<const int64_t*>(p.ids)[idx] : static_cast<const int32_t*>(p.ids)[idx];
+  return v >= 0 && v < p.e ? static_cast<int>(v) : -1;
+}
+
+// --- prep: x quantized per token / group, counters zeroed --------------------------------------------------------
+
+template <class XT, class Q, bool kGroup, class OutT>
+__global__ void __launch_bounds__(kPrepThreads) moe_decode_prep_kernel(MoeDecodeParams p) {
+  allow_dependent_launch();
+  wait_for_producers();
+  const int tok = blockIdx.x;
+  const int tiles = p.hid / kRows;
+  for (int i = threadIdx.x; i < p.k; i += kPrepThreads) p.cnt13[tok * p.k + i] = 0;
+  for (int i = threadIdx.x; i < tiles; i += kPrepThreads) p.cnt2[static_cast<int64_t>(tok) * tiles + i] = 0;
+  int routed = 0;
+  for (int j = 0; j < p.k; ++j) routed += load_id(p, tok * p.k + j) >= 0 ? 1 : 0;
+  if (routed == 0) {
+    OutT* o = static_cast<OutT*>(p.out) + static_cast<int64_t>(tok) * p.hid;
+    for (int i = threadIdx.x; i < p.hid; i += kPrepThreads) o[i] = from_float<OutT>(0.f);
+  }
+  const XT* xr = static_cast<const XT*>(p.x) + static_cast<int64_t>(tok) * p.ldx;
+  using QT = typename Q::type;
+  QT* qr = reinterpret_cast<QT*>(p.qx + static_cast<int64_t>(tok) * p.hid);
+  if constexpr (kGroup) {
+    // quantize_per_token_group: one warp per 128-element group, 4 elements a lane.
+    const int groups = p.hid / kGroupElems, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int gi = warp; gi < groups; gi += kPrepThreads / 32) {
+      float v[4], amax = 0.f;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        v[u] = to_float(xr[gi * kGroupElems + lane * 4 + u]);
+        amax = fmaxf(amax, fabsf(v[u]));
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      const float scale = amax / Q::kMax;
+      if (lane == 0) p.sx[static_cast<int64_t>(tok) * groups + gi] = scale;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) qr[gi * kGroupElems + lane * 4 + u] = quantize_one<Q>(v[u], scale);
+    }
+  } else {
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < p.hid; i += kPrepThreads) amax = fmaxf(amax, fabsf(to_float(xr[i])));
+    const float scale = block_max<kPrepThreads>(amax) / Q::kMax;
+    if (threadIdx.x == 0) p.sx[tok] = scale;
+    for (int i = threadIdx.x; i < p.hid; i += kPrepThreads) qr[i] = quantize_one<Q>(to_float(xr[i]), scale);
+  }
+}
+
+// --- the slot's expert and its pairs -----------------------------------------------------------------------------
+
+struct SlotShared {
+  int ids[kMaxPairs];
+  unsigned present[32];  // bitmap of the routed expert ids (E <= 1024)
+  int prefix[32];        // routed experts in the words before
+  int wcnt[2];           // the expert's pairs in warps 0 and 1
+  int rows[kMaxPairs];   // the expert's pairs, increasing
+  int expert, m;
+  int last[2 * 8];       // per chunk row: the pair (gate/up) or token (down) this CTA finishes, or -1
+};
+static_assert(limits::kMoeMaxExperts <= 32 * 32, "the expert bitmap is 32 words");
+static_assert(kMaxPairs <= 64, "the pairs are in warps 0 and 1");
+
+// Every thread calls it; afterwards s.expert is the slot-th smallest routed expert id (-1: none) and s.rows[0 .. s.m)
+// its pairs in increasing order. A bitmap of the routed ids, a scan of its 32 word counts, and ballots: a few
+// shared-memory operations per thread whatever P.
+__device__ __forceinline__ void find_slot_pairs(const MoeDecodeParams& p, int slot, SlotShared& s) {
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  if (tid < 32) s.present[tid] = 0u;
+  if (tid == 0) s.expert = -1;
+  const int id = tid < p.pairs ? load_id(p, tid) : -1;
+  if (tid < p.pairs) s.ids[tid] = id;
+  __syncthreads();
+  if (id >= 0) atomicOr(&s.present[id >> 5], 1u << (id & 31));
+  __syncthreads();
+  if (warp == 0) {
+    const int c = __popc(s.present[lane]);
+    int incl = c;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int o = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += o;
+    }
+    s.prefix[lane] = incl - c;
+  }
+  __syncthreads();
+  if (id >= 0) {
+    const int rank = s.prefix[id >> 5] + __popc(s.present[id >> 5] & ((1u << (id & 31)) - 1u));
+    if (rank == slot) s.expert = id;  // every pair of that expert writes the same value
+  }
+  __syncthreads();
+  const int e = s.expert;
+  const bool in = e >= 0 && id == e;
+  const unsigned b = __ballot_sync(0xffffffffu, in);
+  if (lane == 0 && warp < 2) s.wcnt[warp] = __popc(b);
+  __syncthreads();
+  if (in) s.rows[__popc(b & ((1u << lane) - 1u)) + (warp == 1 ? s.wcnt[0] : 0)] = tid;
+  if (tid == 0) s.m = s.wcnt[0] + s.wcnt[1];
+  __syncthreads();
+}
+
+// --- gathered main loops (decode_mma.cuh's mainloop_global(_scaled) with one A row pointer per token tile) -------
+
+template <int NT>
+__device__ __forceinline__ void load_block_acts_gather(BlockFrags<NT>& f, const uint8_t* const (&arow)[NT], int blk,
+                                                       int t, int k) {
+  const int base = blk * kBlockBytes + 16 * t;
+#pragma unroll
+  for (int u = 0; u < kSteps; ++u) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int kk = base + u * kStepBytes;
+      f.x[u][j] = (arow[j] != nullptr && kk < k) ? __ldg(reinterpret_cast<const uint4*>(arow[j] + kk))
+                                                 : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// load_block_scales with one scale row per accumulator token (8j + 2t + e): null for a token past the chunk.
+template <int NT>
+__device__ __forceinline__ void load_block_scales_gather(BlockScales<NT>& sc, const float* const (&sa_row)[NT][2],
+                                                         const float* sb_row, int kgroups, int blk) {
+#pragma unroll
+  for (int hh = 0; hh < kGroupsPerBlock; ++hh) {
+    const int kb = blk * kGroupsPerBlock + hh;
+    const bool in_k = kb < kgroups;
+    const float sb = in_k ? __ldg(sb_row + kb) : 0.f;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float sa = in_k && sa_row[j][e] != nullptr ? __ldg(sa_row[j][e] + kb) : 0.f;
+        sc.s[hh][j][e] = __fmul_rn(sa, sb);
+      }
+    }
+  }
+}
+
+// Warp blocks first, first + step, ... (step = kWarps / R when R tiles share the CTA's warps).
+template <class Acc, int NT>
+__device__ __forceinline__ void mainloop_gather(Acc (&acc)[NT][4], const uint8_t* wg, int64_t ldw,
+                                                const uint8_t* const (&arow)[NT], int first, int end, int step, int t,
+                                                int k, uint32_t zero) {
+  BlockFrags<NT> f;
+  for (int blk = first; blk < end; blk += step) {
+    load_block_weights(f, wg, ldw, blk, t, k);
+    load_block_acts_gather(f, arow, blk, t, k);
+    tie_to_weight_loads(f, zero);
+    mma_block(acc, f);
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void mainloop_gather_scaled(float (&acc)[NT][4], const uint8_t* wg, int64_t ldw,
+                                                       const uint8_t* const (&arow)[NT],
+                                                       const float* const (&sa_row)[NT][2], const float* sb_row,
+                                                       int kgroups, int first, int end, int step, int t, int k,
+                                                       uint32_t zero) {
+  BlockFrags<NT> f;
+  BlockScales<NT> sc;
+  for (int blk = first; blk < end; blk += step) {
+    load_block_weights(f, wg, ldw, blk, t, k);
+    load_block_acts_gather(f, arow, blk, t, k);
+    load_block_scales_gather(sc, sa_row, sb_row, kgroups, blk);
+    tie_to_weight_loads(f, zero);
+    tie_to_scale_loads(f, sc, zero);
+    mma_block_scaled(acc, f, sc);
+  }
+}
+
+// The A operand of one chunk: rows a + row_of(pair) * lda for the chunk's pairs, scales (row-wise: one per row;
+// block: K/128 per row).
+struct ChunkA {
+  const uint8_t* a;
+  int64_t lda;
+  const float* scale;
+  int by_token;  // 1: a row is the pair's token (gate/up, x); 0: the pair itself (down, the intermediate)
+};
+
+// R 16-row weight tiles (rows row0 + 16 r .. + 16 of expert e's [N, K] weight at w, r < R) against the chunk's
+// m <= 8 NT pairs s.rows[r0 ..]. Warp w works on tile w % R, K blocks w / R, w / R + 8 / R, ...; tile r's value is
+// the sum of its warps' accumulators in warp order. R = 1 is grouped_decode's chunk exactly (block b on warp b % 8,
+// warp-order reduction). R > 1 is used only when K has at most 8 / R blocks of 256 bytes, so that every warp holds
+// at most one block: the partial sums, and their order (block order), are then those of R = 1 (the warps without a
+// block add zeros), and the result is bit for bit the same. Leaves each (row, token) thread's epilogue value of tile
+// r in val[r], rounded to the output type (threads with token >= m: unspecified). All threads call it; it
+// synchronizes.
+template <class AB, class OutT, int NT, bool kBlockScaled, int R>
+__device__ __forceinline__ void tiles_chunk(const MoeDecodeParams& p, const SlotShared& s, const ChunkA& ca,
+                                            const uint8_t* w, const float* wscale, int wscale_per_channel, int64_t n,
+                                            int k, int r0, int m, int64_t row0,
+                                            typename AB::Acc (&red)[kWarps][2][32][4], float (&val)[R]) {
+  static_assert(R == 1 || R == 2 || R == 4 || R == 8, "R divides the 8 warps");
+  using Acc = typename AB::Acc;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int e = s.expert;
+  const int64_t wrow0 = row0 + kRows * (warp % R);
+  const uint8_t* wg = w + static_cast<int64_t>(e) * n * k + (wrow0 + g) * k + 16 * t;
+  const int nblk = (k + kBlockBytes - 1) / kBlockBytes;
+  auto row_of = [&](int slot) -> int64_t {
+    const int pair = s.rows[r0 + slot];
+    return ca.by_token ? pair / p.k : pair;
+  };
+  const uint8_t* arow[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) arow[j] = 8 * j + g < m ? ca.a + row_of(8 * j + g) * ca.lda : nullptr;
+
+  Acc acc[NT][4];
+  zero_acc(acc);
+  if constexpr (kBlockScaled) {
+    const int kgroups = k / kGroupBytes;
+    const int64_t nb = (n + kGroupBytes - 1) / kGroupBytes;
+    const float* sb_row = wscale + (e * nb + wrow0 / kGroupBytes) * kgroups;
+    const float* sa_row[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int slot = 8 * j + 2 * t + q;
+        sa_row[j][q] = slot < m ? ca.scale + row_of(slot) * kgroups : nullptr;
+      }
+    }
+    mainloop_gather_scaled(acc, wg, k, arow, sa_row, sb_row, kgroups, warp / R, nblk, kWarps / R, t, k, p.zero);
+  } else {
+    mainloop_gather(acc, wg, k, arow, warp / R, nblk, kWarps / R, t, k, p.zero);
+  }
+  allow_dependent_launch();
+
+  store_warp_acc(red, acc, warp, lane);
+  __syncthreads();
+  const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
+  if (token < m) {
+    const int jt = token / 8, tt = token % 8;
+    const int src = (row % 8) * 4 + tt / 2, reg = (row / 8) * 2 + tt % 2;  // warp_order_sum's C-fragment slot
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      Acc sum = red[r][jt][src][reg];
+#pragma unroll
+      for (int w2 = r + R; w2 < kWarps; w2 += R) sum += red[w2][jt][src][reg];
+      const int64_t ch = row0 + kRows * r + row;
+      if constexpr (kBlockScaled) {
+        val[r] = to_float(epilogue_scaled<OutT>(sum, 0.f));
+      } else {
+        const float sa = ca.scale[row_of(token)];
+        const float sb = wscale_per_channel ? wscale[e * n + ch] : wscale[e];
+        val[r] = to_float(epilogue<OutT>(sum, sa, sb, 0.f));
+      }
+    }
+  }
+  __syncthreads();  // `red` is reused by the next call
+}
+
+// h[pair] (I values of the output type, written by every gate/up CTA of the pair) quantized per token or per
+// 1 x 128 group into q2[pair] / sh[pair]: silu_mul_quant's tail (scale = max |h| / QMAX, quantize_one). All threads.
+template <class Q, bool kGroup, class OutT>
+__device__ __forceinline__ void quantize_pair_row(const MoeDecodeParams& p, int pair) {
+  const int inter = p.inter;
+  const auto* hr =
+      reinterpret_cast<const unsigned short*>(static_cast<const OutT*>(p.h) + static_cast<int64_t>(pair) * inter);
+  auto hval = [&](int i) {
+    const unsigned short bits = __ldcg(hr + i);  // written by other CTAs of this grid: read from L2
+    return to_float(*reinterpret_cast<const OutT*>(&bits));
+  };
+  using QT = typename Q::type;
+  QT* qr = reinterpret_cast<QT*>(p.q2 + static_cast<int64_t>(pair) * inter);
+  if constexpr (kGroup) {
+    const int groups = inter / kGroupElems, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int gi = warp; gi < groups; gi += kWarps) {
+      float v[4], amax = 0.f;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        v[u] = hval(gi * kGroupElems + lane * 4 + u);
+        amax = fmaxf(amax, fabsf(v[u]));
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      const float scale = amax / Q::kMax;
+      if (lane == 0) p.sh[static_cast<int64_t>(pair) * groups + gi] = scale;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) qr[gi * kGroupElems + lane * 4 + u] = quantize_one<Q>(v[u], scale);
+    }
+  } else {
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < inter; i += kThreads) amax = fmaxf(amax, fabsf(hval(i)));
+    const float scale = block_max<kThreads>(amax) / Q::kMax;
+    if (threadIdx.x == 0) p.sh[pair] = scale;
+    for (int i = threadIdx.x; i < inter; i += kThreads) qr[i] = quantize_one<Q>(hval(i), scale);
+  }
+}
+
+// Signals that this CTA's stores to the pair / (token, tile) slots are done, and tells whether it was the last of
+// `total` CTAs: CUTLASS's semaphore pattern (the CTA's stores, a barrier, then one thread's device-scope fence and
+// atomic; the last one fences again before its CTA reads the others' stores).
+__device__ __forceinline__ bool arrive_last(int* counter, int total) {
+  __threadfence();
+  const int done = atomicAdd(counter, 1);
+  const bool last = done == total - 1;
+  if (last) __threadfence();
+  return last;
+}
+
+// CTAs per SM the kernels are compiled for: as grouped_decode_kernel (three for the one-tile row-wise variants).
+template <int kMaxNT, bool kBlockScaled>
+constexpr int kCtasPerSm = kMaxNT == 1 && !kBlockScaled ? 3 : 2;
+
+// --- gate/up: grid (I / 16, slots) --------------------------------------------------------------------------------
+
+template <class AB, class OutT, int kMaxNT, bool kBlockScaled>
+__global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
+    moe_decode_gate_up_kernel(MoeDecodeParams p) {
+  using Acc = typename AB::Acc;
+  using Q = typename AB::Q;
+  __shared__ alignas(16) Acc red[kWarps][2][32][4];
+  __shared__ SlotShared s;
+  wait_for_producers();  // topk_ids and weights (routing), qx / sx (prep)
+  find_slot_pairs(p, static_cast<int>(blockIdx.y), s);
+  if (s.expert < 0) return;
+  const int inter = p.inter, hid = p.hid;
+  const int64_t n13 = 2 * static_cast<int64_t>(inter);
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const ChunkA ca{p.qx, hid, p.sx, 1};
+  constexpr int kChunk = 8 * kMaxNT;
+  const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
+  for (int r0 = 0; r0 < s.m; r0 += kChunk) {
+    const int m = min(kChunk, s.m - r0);
+    float gate[1], up[1];
+    if (kMaxNT == 1 || m <= 8) {
+      tiles_chunk<AB, OutT, 1, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0, red,
+                                                gate);
+      tiles_chunk<AB, OutT, 1, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
+                                                inter + n0, red, up);
+    } else {
+      tiles_chunk<AB, OutT, 2, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0, red,
+                                                gate);
+      tiles_chunk<AB, OutT, 2, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
+                                                inter + n0, red, up);
+    }
+    if (token < m) {
+      // silu_mul (quant/silu_mul.cu): silu rounded to the output type, then the product, rounded
+      const OutT act = from_float<OutT>(gate[0] / (1.f + expf(-gate[0])));
+      const OutT hv = from_float<OutT>(__fmul_rn(to_float(act), up[0]));
+      const int pair = s.rows[r0 + token];
+      static_cast<OutT*>(p.h)[static_cast<int64_t>(pair) * inter + n0 + row] = hv;
+    }
+    __syncthreads();
+    if (row == 0 && token < m) {
+      const int pair = s.rows[r0 + token];
+      s.last[token] = arrive_last(p.cnt13 + pair, static_cast<int>(gridDim.x)) ? pair : -1;
+    }
+    __syncthreads();
+    for (int i = 0; i < m; ++i) {
+      if (s.last[i] >= 0) quantize_pair_row<Q, kBlockScaled, OutT>(p, s.last[i]);  // uniform: shared
+    }
+    __syncthreads();  // s.last is rewritten by the next chunk
+  }
+}
+
+// --- down: grid (H / (16 R), slots) -------------------------------------------------------------------------------
+
+template <class AB, class OutT, int kMaxNT, bool kBlockScaled, int R>
+__global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
+    moe_decode_down_kernel(MoeDecodeParams p) {
+  using Acc = typename AB::Acc;
+  __shared__ alignas(16) Acc red[kWarps][2][32][4];
+  __shared__ SlotShared s;
+  wait_for_producers();  // q2 / sh (gate/up); the counters were zeroed by prep, which gate/up waited for
+  find_slot_pairs(p, static_cast<int>(blockIdx.y), s);
+  if (s.expert < 0) return;
+  const int inter = p.inter, hid = p.hid;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kRows * R;
+  const ChunkA ca{p.q2, inter, p.sh, 0};
+  constexpr int kChunk = 8 * kMaxNT;
+  const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
+  for (int r0 = 0; r0 < s.m; r0 += kChunk) {
+    const int m = min(kChunk, s.m - r0);
+    float v[R];
+    if (kMaxNT == 1 || m <= 8) {
+      tiles_chunk<AB, OutT, 1, kBlockScaled, R>(p, s, ca, p.w2, p.s2, p.s2_per_channel, hid, inter, r0, m, n0, red, v);
+    } else {
+      tiles_chunk<AB, OutT, 2, kBlockScaled, R>(p, s, ca, p.w2, p.s2, p.s2_per_channel, hid, inter, r0, m, n0, red, v);
+    }
+    if (token < m) {
+      const int pair = s.rows[r0 + token];
+      const float wt = p.topk_w[pair];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        p.y[static_cast<int64_t>(pair) * hid + n0 + kRows * r + row] = __fmul_rn(wt, v[r]);  // moe_unpermute's product
+      }
+    }
+    __syncthreads();
+    if (row == 0 && token < m) {
+      const int tok = s.rows[r0 + token] / p.k;
+      int routed = 0;
+      for (int j = 0; j < p.k; ++j) routed += s.ids[tok * p.k + j] >= 0 ? 1 : 0;
+      s.last[token] = arrive_last(p.cnt2 + static_cast<int64_t>(tok) * gridDim.x + blockIdx.x, routed) ? tok : -1;
+    }
+    __syncthreads();
+    // The CTA that completed (token, columns) sums the token's routed pairs in increasing j (moe_unpermute's order).
+    if (token < m && s.last[token] >= 0) {
+      const int tok = s.last[token];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t col = n0 + kRows * r + row;
+        float acc = 0.f;
+        for (int j = 0; j < p.k; ++j) {
+          const int pair = tok * p.k + j;
+          if (s.ids[pair] >= 0) acc = __fadd_rn(acc, __ldcg(p.y + static_cast<int64_t>(pair) * hid + col));
+        }
+        static_cast<OutT*>(p.out)[static_cast<int64_t>(tok) * hid + col] = from_float<OutT>(acc);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// --- host --------------------------------------------------------------------------------------------------------
+
+int64_t align16(int64_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// Weight tiles per down CTA: the largest R in {8, 4, 2, 1} with K (= I) at most 8 / R blocks of 256 bytes (every
+// warp one block at most: the sums equal R = 1's, see tiles_chunk) and H a multiple of 16 R.
+int down_tiles(int64_t inter, int64_t hid) {
+  const int64_t nblk = (inter + kBlockBytes - 1) / kBlockBytes;
+  for (int r = 8; r > 1; r /= 2) {
+    if (nblk * r <= kWarps && hid % (kRows * r) == 0) return r;
+  }
+  return 1;
+}
+
+template <class AB, class OutT, int kMaxNT, bool kBlockScaled>
+void launch_down(const MoeDecodeParams& p, int r, unsigned slots, cudaStream_t stream, bool pdl) {
+  auto go = [&](auto kernel, int rr) {
+    const dim3 grid(static_cast<unsigned>(p.hid / (kRows * rr)), slots);
+    C10_CUDA_CHECK(launch_kernel(kernel, grid, dim3(kThreads), 0, stream, pdl, p));
+  };
+  switch (r) {
+    case 8: go(moe_decode_down_kernel<AB, OutT, kMaxNT, kBlockScaled, 8>, 8); break;
+    case 4: go(moe_decode_down_kernel<AB, OutT, kMaxNT, kBlockScaled, 4>, 4); break;
+    case 2: go(moe_decode_down_kernel<AB, OutT, kMaxNT, kBlockScaled, 2>, 2); break;
+    default: go(moe_decode_down_kernel<AB, OutT, kMaxNT, kBlockScaled, 1>, 1); break;
+  }
+}
+
+template <class AB, class OutT, bool kBlockScaled>
+void launch_gemms(const MoeDecodeParams& p, int slots, cudaStream_t stream, bool pdl) {
+  const dim3 g13(static_cast<unsigned>(p.inter / kRows), static_cast<unsigned>(slots));
+  const int r = down_tiles(p.inter, p.hid);
+  if (p.pairs <= 8) {
+    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, 1, kBlockScaled>, g13, dim3(kThreads), 0,
+                                 stream, pdl, p));
+    launch_down<AB, OutT, 1, kBlockScaled>(p, r, static_cast<unsigned>(slots), stream, pdl);
+  } else {
+    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, 2, kBlockScaled>, g13, dim3(kThreads), 0,
+                                 stream, pdl, p));
+    launch_down<AB, OutT, 2, kBlockScaled>(p, r, static_cast<unsigned>(slots), stream, pdl);
+  }
+}
+
+template <class XT, class Q, class OutT>
+void launch_prep(const MoeDecodeParams& p, bool group, cudaStream_t stream, bool pdl) {
+  const dim3 grid(static_cast<unsigned>(p.t));
+  if (group) {
+    C10_CUDA_CHECK(launch_kernel(moe_decode_prep_kernel<XT, Q, true, OutT>, grid, dim3(kPrepThreads), 0, stream,
+                                 pdl, p));
+  } else {
+    C10_CUDA_CHECK(launch_kernel(moe_decode_prep_kernel<XT, Q, false, OutT>, grid, dim3(kPrepThreads), 0, stream,
+                                 pdl, p));
+  }
+}
+
+}  // namespace
+
+at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                              const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w2,
+                              const at::Tensor& w2_scale, int64_t group_size, at::ScalarType out_dtype) {
+  constexpr const char* op = "moe_decode_experts";
+  moe::check_decode_experts(op, x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size, out_dtype);
+  c10::cuda::CUDAGuard guard(x.device());
+  const int device = x.device().index();
+  const DeviceInfo& info = device_info(device);
+  TORCH_CHECK_NOT_IMPLEMENTED(info.major == 9 && info.minor == 0, "cutlass_w8a8.", op,
+                              ": needs compute capability 9.0 (sm90, as grouped_scaled_mm); device ", device, " is ",
+                              info.major, ".", info.minor);
+  const int64_t t = x.size(0), hid = x.size(1), k = topk_ids.size(1), e = w13.size(0), inter = w2.size(2);
+  at::Tensor out = at::empty({t, hid}, x.options().dtype(out_dtype));
+  if (t == 0) return out;
+  const int64_t pairs = t * k;
+  const bool group = group_size != 0;
+  const bool int8 = w13.scalar_type() == at::kChar;
+
+  const at::Tensor x2 = x.stride(1) == 1 ? x : x.contiguous();
+  const at::Tensor tw = topk_weights.contiguous();
+  // One workspace: qx [T, H] | sx | h [P, I] (2-byte output type) | q2 [P, I] | sh | y [P, H] f32 | counters
+  const int64_t sx_n = group ? t * (hid / limits::kBlockSize) : t;
+  const int64_t sh_n = group ? pairs * (inter / limits::kBlockSize) : pairs;
+  const int64_t cnt_n = pairs + t * (hid / kRows);
+  int64_t off = 0;
+  const int64_t o_qx = off; off += align16(t * hid);
+  const int64_t o_sx = off; off += align16(sx_n * 4);
+  const int64_t o_h = off; off += align16(pairs * inter * 2);
+  const int64_t o_q2 = off; off += align16(pairs * inter);
+  const int64_t o_sh = off; off += align16(sh_n * 4);
+  const int64_t o_y = off; off += align16(pairs * hid * 4);
+  const int64_t o_cnt = off; off += align16(cnt_n * 4);
+  at::Tensor ws = at::empty({off}, x.options().dtype(at::kByte));
+  uint8_t* base = ws.data_ptr<uint8_t>();
+
+  MoeDecodeParams p{};
+  p.x = x2.data_ptr();
+  p.ldx = t > 1 ? x2.stride(0) : hid;
+  p.ids = topk_ids.data_ptr();
+  p.ids_s0 = topk_ids.stride(0);
+  p.ids_s1 = topk_ids.stride(1);
+  p.ids64 = topk_ids.scalar_type() == at::kLong ? 1 : 0;
+  p.topk_w = tw.data_ptr<float>();
+  p.w13 = static_cast<const uint8_t*>(w13.data_ptr());
+  p.s13 = w13_scale.data_ptr<float>();
+  p.s13_per_channel = !group && w13_scale.dim() == 2 && w13_scale.size(1) == 2 * inter ? 1 : 0;
+  p.w2 = static_cast<const uint8_t*>(w2.data_ptr());
+  p.s2 = w2_scale.data_ptr<float>();
+  p.s2_per_channel = !group && w2_scale.dim() == 2 && w2_scale.size(1) == hid ? 1 : 0;
+  p.qx = base + o_qx;
+  p.sx = reinterpret_cast<float*>(base + o_sx);
+  p.h = base + o_h;
+  p.q2 = base + o_q2;
+  p.sh = reinterpret_cast<float*>(base + o_sh);
+  p.y = reinterpret_cast<float*>(base + o_y);
+  p.cnt13 = reinterpret_cast<int*>(base + o_cnt);
+  p.cnt2 = p.cnt13 + pairs;
+  p.out = out.data_ptr();
+  p.t = static_cast<int>(t);
+  p.k = static_cast<int>(k);
+  p.pairs = static_cast<int>(pairs);
+  p.e = static_cast<int>(e);
+  p.hid = static_cast<int>(hid);
+  p.inter = static_cast<int>(inter);
+  p.zero = 0;
+
+  cudaStream_t stream = current_stream(x);
+  // T is in the grids: an UpdatableGraph cannot rewrite these launches (as grouped_scaled_mm's).
+  graph_nodes::refuse_launch(stream, op);
+  const bool pdl = kernels_use_pdl(device);
+  const int slots = static_cast<int>(std::min<int64_t>(e, pairs));
+  with_decode_types(int8, out_dtype == at::kBFloat16, [&](auto ab_tag, auto out_tag) {
+    using AB = decltype(ab_tag);
+    using OutT = decltype(out_tag);
+    using Q = typename AB::Q;
+    switch (x2.scalar_type()) {
+      case at::kBFloat16: launch_prep<__nv_bfloat16, Q, OutT>(p, group, stream, pdl); break;
+      case at::kHalf: launch_prep<__half, Q, OutT>(p, group, stream, pdl); break;
+      default: launch_prep<float, Q, OutT>(p, group, stream, pdl); break;
+    }
+    if constexpr (std::is_same_v<AB, Fp8Ab>) {
+      if (group) {
+        launch_gemms<AB, OutT, true>(p, slots, stream, pdl);
+        return;
+      }
+    }
+    launch_gemms<AB, OutT, false>(p, slots, stream, pdl);
+  });
+  return out;
+}
+
+}  // namespace cutlass_w8a8
