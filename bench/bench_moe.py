@@ -58,7 +58,14 @@ weights streamed at >= 80% of the read rate; the MoE layer (ours vs transformers
 included, ours_block (the checkpoints' block fp8) >= 2.5x transformers' bf16 block at T = 1 and >= 1.5x at T = 4096
 (judged for both shared-expert placements).
 
-Writes ``moe_<device>.json``, ``.md`` and ``.png`` to ``--out``.
+Part ``decode`` (issue 36; bench/_moe_decode.py says it in full), only when ``--parts`` names it: the MoE layer at
+T = 1 .. 16 with its routing (``moe_route`` on router logits), at Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3
+(routed experts) dims, int8 / fp8 / block: the fused decode path (``moe_decode_experts``) against the unfused chain
+(``fused_decode = False``) and transformers' bf16 experts, in CUDA graphs; per row the time, the active weights'
+read fraction, the kernels per layer call (profiler) and fused / unfused; issue 36's targets (T = 1 at Qwen3 dims
+<= 20 us on H200, <= 6 kernels, >= 80% of the read rate). Its report is ``moe_decode_<device>.{json,md,png}``.
+
+Writes ``moe_<device>.json``, ``.md`` and ``.png`` to ``--out`` (the gemm, layer and block parts).
 
 Examples::
 
@@ -66,6 +73,7 @@ Examples::
     python bench/bench_moe.py                  # every T
     python bench/bench_moe.py --parts layer --models qwen3-30b-a3b --tokens 1,4096
     python bench/bench_moe.py --parts block --models deepseek-v3,glm-4.5-air --quick
+    python bench/bench_moe.py --parts decode   # issue 36: fused vs unfused at T <= 16 (moe_decode_<device>.*)
 """
 
 from __future__ import annotations
@@ -86,6 +94,8 @@ from cutlass_w8a8.testing.report import AccuracyError, provenance, publish, requ
 # and reports
 from _moe_block import BLOCK_MODELS, SCHEMES, run_block
 from _moe_common import checked_rel_err, rel_err, short_error, sync, time_cases, time_eager
+from _moe_decode import (DECODE_MODELS, DECODE_SCHEMES, DECODE_TOKENS, QUICK_DECODE_TOKENS, derive_decode, plot_decode,
+                         render_decode_markdown, run_decode)
 from _moe_report import OURS_LAYER, derive, plot_results, render_markdown
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,7 +106,8 @@ MOE_MODELS = {"qwen3-30b-a3b": (128, 8, 2048, 768, True), "mixtral-8x7b": (8, 2,
               **{m: (b.experts, b.top_k, b.hidden, b.intermediate, b.renormalize) for m, b in BLOCK_MODELS.items()}}
 MODELS = tuple(MOE_MODELS)  # the block part's models (BLOCK_MODELS) are among them
 DEFAULT_MODELS = ("qwen3-30b-a3b", "mixtral-8x7b")  # of the gemm and layer parts; the block part: BLOCK_MODELS
-PARTS = ("gemm", "layer", "block")
+PARTS = ("gemm", "layer", "block", "decode")
+DEFAULT_PARTS = ("gemm", "layer", "block")  # decode: only when --parts names it (its own report)
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 QUICK_TOKENS = (1, 16, 64, 512, 4096)
 LAYER_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
@@ -131,8 +142,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              f"and layer parts, {','.join(BLOCK_MODELS)} for the block part")
     parser.add_argument("--parts", type=name_list(PARTS, ordered=True), default=None, metavar="LIST",
                         help="gemm (the grouped GEMM alone), layer (the experts layer, routing given), block (the "
-                             "whole MoE block, routing and shared expert included); default all three (block left "
-                             "out when --models names none of its models)")
+                             "whole MoE block, routing and shared expert included), decode (issue 36: the layer at "
+                             "T <= 16 with its routing, fused decode path vs unfused, own report moe_decode_<device>); "
+                             "default gemm,layer,block (block left out when --models names none of its models)")
     parser.add_argument("--tokens", type=int_list(), default=None, metavar="LIST",
                         help=f"tokens T of the GEMM part (default {','.join(map(str, DEFAULT_TOKENS))}; --quick "
                              f"{','.join(map(str, QUICK_TOKENS))})")
@@ -142,6 +154,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--block-tokens", type=int_list(), default=None, metavar="LIST",
                         help=f"tokens T of the block part (default {','.join(map(str, BLOCK_TOKENS))}; --quick "
                              f"{','.join(map(str, QUICK_BLOCK_TOKENS))})")
+    parser.add_argument("--decode-tokens", type=int_list(), default=None, metavar="LIST",
+                        help=f"tokens T of the decode part (default {','.join(map(str, DECODE_TOKENS))}; --quick "
+                             f"{','.join(map(str, QUICK_DECODE_TOKENS))})")
+    parser.add_argument("--decode-schemes", type=name_list(DECODE_SCHEMES, ordered=True), default=list(DECODE_SCHEMES),
+                        metavar="LIST", help=f"schemes of the decode part (default {','.join(DECODE_SCHEMES)})")
     parser.add_argument("--block-schemes", type=name_list(SCHEMES, ordered=True), default=list(SCHEMES),
                         metavar="LIST", help=f"our schemes in the block part, among {','.join(SCHEMES)} (default all; "
                         "each holds its own 8-bit experts: 11.3 GB at DeepSeek-V3 dims)")
@@ -166,8 +183,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     given = args.models
     args.models = list(given or DEFAULT_MODELS)  # the gemm and layer parts'
     args.block_models = [m for m in (given or BLOCK_MODELS) if m in BLOCK_MODELS]
+    args.decode_models = [m for m in (given or DECODE_MODELS) if m in DECODE_MODELS]
+    args.decode_tokens = sorted(set(args.decode_tokens or (QUICK_DECODE_TOKENS if args.quick else DECODE_TOKENS)))
     if args.parts is None:
-        args.parts = [p for p in PARTS if p != "block" or args.block_models]
+        args.parts = [p for p in DEFAULT_PARTS if p != "block" or args.block_models]
+    elif "decode" in args.parts and not args.decode_models:
+        parser.error(f"--parts decode: --models must name one of {','.join(DECODE_MODELS)}")
     elif "block" in args.parts and not args.block_models:
         parser.error(f"--parts block: --models must name one of {','.join(BLOCK_MODELS)}")
     args.replays = args.replays if args.replays is not None else (10 if args.quick else 20)
@@ -554,6 +575,8 @@ def run(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any]:
                        "block_rel_vs_hf_bf16": BLOCK_REL_TOL},
         "gemm_points": [], "layer_points": [], "block_points": [],
     }
+    if "decode" in args.parts:
+        results["decode"] = run_decode_part(args, cw, bu, name)
     if "gemm" in args.parts:
         run_gemm(args, cw, bu, results)
     if "layer" in args.parts:
@@ -566,6 +589,30 @@ def run(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any]:
     return results
 
 
+def run_decode_part(args: argparse.Namespace, cw: Any, bu: Any, name: str) -> dict[str, Any]:
+    """The decode part's own results dict (its report is ``moe_decode_<device>``), with its targets."""
+    dec: dict[str, Any] = {
+        **provenance(name, REPO_ROOT),
+        "read_GBps": bu.read_bandwidth_gbps(),
+        "models": {m: dict(zip(("E", "top_k", "H", "I", "renormalize"), MOE_MODELS[m])) for m in args.decode_models},
+        "decode_tokens": args.decode_tokens, "decode_schemes": args.decode_schemes,
+        "timing": {"method": "CUDA-graph replay over rotating input sets (own routing each), methods interleaved, "
+                             "median replay / calls", "replays": args.replays, "replay_ms": args.replay_ms},
+        "tolerances": {"layer_rel_vs_hf_bf16": LAYER_REL_TOL, "fused_vs_unfused": "bit for bit"},
+        "decode_points": [],
+    }
+    try:
+        import transformers
+        dec["transformers_version"] = transformers.__version__
+    except ImportError:
+        pass
+    run_decode(args, cw, bu, dec, DEVICE, MOE_MODELS, hf_experts, LAYER_REL_TOL)
+    dec["read_GBps_end"] = bu.read_bandwidth_gbps()
+    dec["read_GBps_max"] = max(dec["read_GBps"], dec["read_GBps_end"])
+    derive_decode(dec, args.decode_schemes)
+    return dec
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     cw = require_cuda_extension("bench_moe.py")
@@ -575,7 +622,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     with torch.no_grad():
         results = run_checked("bench_moe.py", run, args, cw, bu)
     results["total_seconds"] = time.perf_counter() - t0
-    publish(results, render_markdown(results), args.out, "moe", plot_results)
+    decode = results.pop("decode", None)
+    if set(args.parts) - {"decode"}:
+        publish(results, render_markdown(results), args.out, "moe", plot_results)
+    if decode is not None:
+        publish(decode, render_decode_markdown(decode), args.out, "moe_decode", plot_decode)
     return 0
 
 

@@ -24,7 +24,7 @@ from .ops import linear_decode, scaled_mm, scaled_mm_decode  # noqa: E402
 from .ops import quantize_fp8, quantize_int8, rms_norm, rms_norm_quant, silu_mul, silu_mul_quant  # noqa: E402
 from .ops import quantize_per_token_group  # noqa: E402
 from .ops import grouped_scaled_mm, moe_align, moe_permute_quant, moe_topk_softmax, moe_unpermute  # noqa: E402
-from .ops import moe_route  # noqa: E402
+from .ops import moe_decode_experts, moe_route  # noqa: E402
 from .config import W8A8Config  # noqa: E402
 from .linear import QuantizedActivation, W8A8Linear  # noqa: E402
 from . import moe  # noqa: E402 (registers the MoE experts swap with quantize_)
@@ -62,6 +62,7 @@ __all__ = [
     "moe_align",
     "moe_permute_quant",
     "moe_unpermute",
+    "moe_decode_experts",
     "supports_fp8",
     "INT8_MAX_K",
     "W8A8Linear",

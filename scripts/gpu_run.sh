@@ -14,7 +14,8 @@
 # (bench/bench_decoder.py; extra arguments in $DECODER_ARGS, e.g. "--config qwen3-30b-a3b --batches 1,8" for the
 # Qwen3-MoE decoder), moe (bench/bench_moe.py: the grouped GEMM, ours int8 / fp8 / block vs torch's fp8
 # scaled_grouped_mm and bf16 _grouped_mm, and the whole MoE layer vs transformers' bf16 experts, at Qwen3-30B-A3B and
-# Mixtral-8x7B dims; extra arguments in $MOE_ARGS, e.g. "--quick"), graph-update
+# Mixtral-8x7B dims; extra arguments in $MOE_ARGS, e.g. "--quick"; MOE_ARGS="--parts decode" runs issue 36's decode part
+# instead: fused vs unfused MoE layer at T <= 16, moe_decode_<device>.{json,md,png}), graph-update
 # (bench/bench_graph_update.py), decode-gemm (bench/bench_decode_gemm.py; $DECODE_GEMM_ARGS), m1-torchao
 # (bench/bench_m1_torchao.py: W8A8Linear vs torchao int8 weight-only + compile at M = 1; $M1_ARGS), host (bench/bench_host.py: host time per eager call), hf (bench/bench_hf.py:
 # transformers Llama-3-8B dims, bf16 vs W8A8, eager and compiled; extra arguments in $HF_ARGS), fuzz (scripts/fuzz.py, 1000 cases), soak (scripts/soak.py),

@@ -20,6 +20,8 @@ from torch import nn
 
 import cutlass_w8a8 as cw
 
+import _moe_decode
+
 
 def _model(device):
     torch.manual_seed(0)
@@ -249,6 +251,10 @@ CPU_TRIGGERS.update({
                                               w=torch.empty(2**31, 1, device="meta")),
     "moe-y-h-too-large": lambda: _unpermute("meta", y=torch.empty(4, 2**31, device="meta")),
 })
+
+# moe_decode_experts: the triggers live with the op's tests (tests/_moe_decode.py)
+DEVICE_TRIGGERS.update(_moe_decode.DEVICE_TRIGGERS)
+CPU_TRIGGERS.update(_moe_decode.META_TRIGGERS)
 
 CUDA_TRIGGERS.update({
     "moe-pairs-device": lambda: _permute("cuda", sp=_i32(4)),

@@ -34,6 +34,14 @@ MOE_I = 128
 EXPERTS = 8
 TOP_K = 2
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+# A CUDA W8A8MoE vs its float64 reference, `FakeQuantExperts` (SQNR, dB; tests/moe/test_moe_layer_cuda.py and
+# tests/moe/test_moe_decode_cuda.py). On the CPU the layer equals it bit for bit. On the GPU the
+# float32 epilogues round once more than the reference, silu uses the device's exp, and fp8 tensor cores
+# accumulate with fewer bits (docs EPILOGUES.md: row-wise fp8 4.5e-3 relative vs float64), so an intermediate
+# may sit one bf16 ulp away and move one step of the next quantization (1/127 int8, 1/16 of a value's magnitude
+# fp8). A CPU experiment perturbing w13 by 1e-3 relative noise gives 41.8 dB int8, 38.3 dB fp8; a wrong expert,
+# scale or routing gives < 10 dB.
+LAYER_SQNR_DB = {"int8": 40.0, "fp8": 30.0, "fp8-block": 30.0}
 # Router weights are scaled by this after the random init (std 0.02 * 5): decisive routings that load the experts
 # unevenly (some empty at a few tokens), so that a rounding difference rarely flips a top-2 choice.
 ROUTER_GAIN = 5.0

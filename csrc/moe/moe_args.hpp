@@ -1,5 +1,5 @@
-// The argument contract of the MoE routing ops on CUDA: moe_topk_softmax, moe_route, moe_align, moe_permute_quant,
-// moe_unpermute(_out). The same checks as cutlass_w8a8/ops/_checks.py (check_moe_*), in its order, with its
+// The argument contract of the MoE ops on CUDA: moe_topk_softmax, moe_route, moe_align, moe_permute_quant,
+// moe_unpermute(_out) and moe_decode_experts (the fused decode path, csrc/moe/moe_decode.cu). The same checks as cutlass_w8a8/ops/_checks.py (check_moe_*), in its order, with its
 // exception types and first-line messages character for character (docs/MISUSE.md; tests/test_misuse_table.py
 // runs every row on both). The quantization arguments of moe_permute_quant are silu_mul_quant's
 // (quant/rowwise_args.hpp).
@@ -134,6 +134,103 @@ inline void check_unpermute(const char* op, const at::Tensor& y, const at::Tenso
                       ", ", h, "], got shape ", py_tuple(out->sizes()));
     CW8A8_CHECK_VALUE(out->is_contiguous(), op, "out", "must be contiguous");
   }
+}
+
+// moe_decode_experts (ops/_checks_moe.py check_moe_decode_experts, in its order): the dtypes (TypeError: x bfloat16 /
+// float16 / float32, topk_ids int32 / int64, topk_weights float32, w13 int8 / float8_e4m3fn, w2 of w13's dtype, the
+// scales float32, out_dtype bfloat16 / float16), group_size 0 or 128 (128: float8_e4m3fn w13, TypeError), every
+// tensor on x's device, then the shapes (ValueError): x [T, H]; topk_ids [T, top_k] with top_k >= 1;
+// topk_weights [T, top_k]; T * top_k <= kMoeDecodeMaxPairs; w13 [E, 2I, H] with 1 <= E <= kMoeMaxExperts, H and I
+// positive multiples of kGemmAlign (at most kInt8MaxK for int8); w2 [E, H, I]; the scales (group_size 0: [E, N]
+// per channel, [E] or [E, 1] per expert; 128: H and I multiples of 128, [E, ceil(2I/128), H/128] and
+// [E, ceil(H/128), I/128] blocks); w13, w13_scale, w2, w2_scale contiguous. x and topk_ids may have any strides,
+// topk_weights too (the host function makes what it reads contiguous). The device (CUDA, sm90) is the caller's.
+inline void check_expert_scale(const char* op, const char* name, const at::Tensor& scale, int64_t e, int64_t n,
+                               const char* n_name) {
+  const bool ok = (scale.dim() == 2 && scale.size(0) == e && (scale.size(1) == n || scale.size(1) == 1)) ||
+                  (scale.dim() == 1 && scale.size(0) == e);
+  CW8A8_CHECK_VALUE(ok, op, name, "must be [E, ", n_name, "] (per-channel), [E] or [E, 1] (per-expert) with E = ", e,
+                    ", ", n_name, " = ", n, " (group_size = 0), got shape ", py_tuple(scale.sizes()));
+}
+
+inline void check_decode_experts(const char* op, const at::Tensor& x, const at::Tensor& topk_ids,
+                                 const at::Tensor& topk_weights, const at::Tensor& w13, const at::Tensor& w13_scale,
+                                 const at::Tensor& w2, const at::Tensor& w2_scale, int64_t group_size,
+                                 at::ScalarType out_dtype) {
+  constexpr int64_t kBlock = limits::kBlockSize;
+  CW8A8_CHECK_TYPE(quant::is_row_dtype(x.scalar_type()), op, "x", "must be bfloat16, float16 or float32, got ",
+                   py_dtype(x.scalar_type()));
+  CW8A8_CHECK_TYPE(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong, op, "topk_ids",
+                   "must be int32 or int64, got ", py_dtype(topk_ids.scalar_type()));
+  CW8A8_CHECK_TYPE(topk_weights.scalar_type() == at::kFloat, op, "topk_weights", "must be float32, got ",
+                   py_dtype(topk_weights.scalar_type()));
+  check_ab_dtype(op, "w13", w13);
+  CW8A8_CHECK_TYPE(w2.scalar_type() == w13.scalar_type(), op, "w2", "must have w13's dtype ",
+                   py_dtype(w13.scalar_type()), ", got ", py_dtype(w2.scalar_type()));
+  check_float32(op, "w13_scale", w13_scale);
+  check_float32(op, "w2_scale", w2_scale);
+  check_out_dtype_arg(op, "out_dtype", out_dtype);
+  CW8A8_CHECK_VALUE(group_size == 0 || group_size == kBlock, op, "group_size", "must be 0 (per-token) or ", kBlock,
+                    " (block fp8), got ", group_size);
+  CW8A8_CHECK_TYPE(group_size == 0 || w13.scalar_type() == at::kFloat8_e4m3fn, op, "w13",
+                   "must be float8_e4m3fn with group_size = ", kBlock, " (block fp8), got ",
+                   py_dtype(w13.scalar_type()));
+  check_same_device(op, "topk_ids", topk_ids, "x", x);
+  check_same_device(op, "topk_weights", topk_weights, "x", x);
+  check_same_device(op, "w13", w13, "x", x);
+  check_same_device(op, "w13_scale", w13_scale, "x", x);
+  check_same_device(op, "w2", w2, "x", x);
+  check_same_device(op, "w2_scale", w2_scale, "x", x);
+
+  CW8A8_CHECK_VALUE(x.dim() == 2, op, "x", "must be 2-D [T, H], got shape ", py_tuple(x.sizes()));
+  const int64_t t = x.size(0), h = x.size(1);
+  CW8A8_CHECK_VALUE(topk_ids.dim() == 2 && topk_ids.size(0) == t, op, "topk_ids",
+                    "must be 2-D [T, top_k] with T = x.shape[0] = ", t, ", got shape ", py_tuple(topk_ids.sizes()));
+  const int64_t k = topk_ids.size(1);
+  CW8A8_CHECK_VALUE(k >= 1, op, "topk_ids", "top_k = topk_ids.shape[1] must be at least 1, got ", k);
+  CW8A8_CHECK_VALUE(topk_weights.dim() == 2 && topk_weights.size(0) == t && topk_weights.size(1) == k, op,
+                    "topk_weights", "must be [T, top_k] = [", t, ", ", k, "] (topk_ids' shape), got shape ",
+                    py_tuple(topk_weights.sizes()));
+  CW8A8_CHECK_VALUE(t * k <= limits::kMoeDecodeMaxPairs, op, "topk_ids", "has T * top_k = ", t * k,
+                    " (token, expert) pairs; the decode path serves at most ", limits::kMoeDecodeMaxPairs,
+                    " (larger batches run the grouped chain)");
+  CW8A8_CHECK_VALUE(w13.dim() == 3, op, "w13", "must be 3-D [E, 2I, H], got shape ", py_tuple(w13.sizes()));
+  const int64_t e = w13.size(0), i2 = w13.size(1);
+  CW8A8_CHECK_VALUE(e >= 1 && e <= limits::kMoeMaxExperts, op, "w13", "E = w13.shape[0] must be in [1, ",
+                    limits::kMoeMaxExperts, "], got ", e);
+  CW8A8_CHECK_VALUE(w13.size(2) == h, op, "w13", "must be [E, 2I, H] with H = x.shape[1] = ", h, ", got shape ",
+                    py_tuple(w13.sizes()));
+  check_gemm_dim(op, "x", "H = x.shape[1]", h);
+  const int64_t i = i2 / 2;
+  CW8A8_CHECK_VALUE(i2 > 0 && i2 % (2 * limits::kGemmAlign) == 0, op, "w13",
+                    "2I = w13.shape[1] must be twice a positive multiple of ", limits::kGemmAlign,
+                    " (gate and up rows of I each), got ", i2);
+  check_int8_k(op, "x", w13.scalar_type(), h);
+  check_int8_k(op, "w2", w13.scalar_type(), i);
+  CW8A8_CHECK_VALUE(w2.dim() == 3 && w2.size(0) == e && w2.size(1) == h && w2.size(2) == i, op, "w2",
+                    "must be [E, H, I] = [", e, ", ", h, ", ", i, "], got shape ", py_tuple(w2.sizes()));
+  if (group_size != 0) {
+    CW8A8_CHECK_VALUE(h % kBlock == 0, op, "x", "H = x.shape[1] must be a multiple of ", kBlock,
+                      " with group_size = ", kBlock, ", got ", h);
+    CW8A8_CHECK_VALUE(i % kBlock == 0, op, "w13", "I = w13.shape[1] / 2 must be a multiple of ", kBlock,
+                      " with group_size = ", kBlock, ", got ", i);
+    const int64_t i2b = (i2 + kBlock - 1) / kBlock, hb = (h + kBlock - 1) / kBlock;
+    CW8A8_CHECK_VALUE(w13_scale.dim() == 3 && w13_scale.size(0) == e && w13_scale.size(1) == i2b &&
+                          w13_scale.size(2) == h / kBlock,
+                      op, "w13_scale", "must be [E, ceil(2I/128), H/128] = [", e, ", ", i2b, ", ", h / kBlock,
+                      "] (128x128 blocks) with group_size = ", kBlock, ", got shape ", py_tuple(w13_scale.sizes()));
+    CW8A8_CHECK_VALUE(w2_scale.dim() == 3 && w2_scale.size(0) == e && w2_scale.size(1) == hb &&
+                          w2_scale.size(2) == i / kBlock,
+                      op, "w2_scale", "must be [E, ceil(H/128), I/128] = [", e, ", ", hb, ", ", i / kBlock,
+                      "] (128x128 blocks) with group_size = ", kBlock, ", got shape ", py_tuple(w2_scale.sizes()));
+  } else {
+    check_expert_scale(op, "w13_scale", w13_scale, e, i2, "2I");
+    check_expert_scale(op, "w2_scale", w2_scale, e, h, "H");
+  }
+  check_contiguous(op, "w13", w13);
+  check_contiguous(op, "w13_scale", w13_scale);
+  check_contiguous(op, "w2", w2);
+  check_contiguous(op, "w2_scale", w2_scale);
 }
 
 }  // namespace cutlass_w8a8::moe

@@ -6,7 +6,9 @@ CUDA graph whatever the routing), all from `cutlass_w8a8.ops.moe` and `cutlass_w
 ``moe_route`` (router-logits mode only) -> ``moe_align`` -> ``moe_permute_quant`` ->
 ``grouped_scaled_mm`` (w13) -> ``silu_mul_quant`` -> ``grouped_scaled_mm`` (w2) -> ``moe_unpermute``.
 
-On the CPU the same ops run their references.
+At decode sizes on CUDA (``T * top_k <= MOE_DECODE_MAX_PAIRS`` = 64, dynamic activation scales) the six ops after
+the routing are one ``moe_decode_experts`` call (three kernels), equal to them bit for bit (`W8A8MoE.fused_decode`).
+On the CPU the chain's ops run their references.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ..config import W8A8Config
 from ..linear import quantization_repr, quantize_weight_blocks
 from ..ops import moe as _moe
 from ..ops import silu_mul_quant
-from ..ops._limits import BLOCK_SIZE, GEMM_ALIGN, OUT_DTYPES, blocks
+from ..ops._limits import BLOCK_SIZE, GEMM_ALIGN, MOE_DECODE_MAX_PAIRS, OUT_DTYPES, blocks
 from ..ops._schema import OVERLOADS as _op
 from .families import routing_problem
 
@@ -120,6 +122,20 @@ class W8A8MoE(nn.Module):
     correction_bias=..., n_group=..., topk_group=..., renormalize=..., scaling_factor=...)`` (`route`); a call given
     ``topk_ids`` / ``topk_weights`` (transformers' blocks: their router computes them) does not use these.
 
+    **Decode path.** On CUDA, when the call has ``1 <= T * k <= 64`` (``MOE_DECODE_MAX_PAIRS``) (token, expert)
+    pairs and dynamic activation scales (no ``a13_scale``), the experts run as one
+    `cutlass_w8a8.ops.moe.moe_decode_experts` call (three kernels: the quantization of x, the gate/up GEMM with
+    SiLU * up and the intermediate's quantization in its epilogue, the down GEMM with the weighted top-k sum in
+    its epilogue) instead of the six ops of the chain; the result is the chain's bit for bit, so the choice never
+    changes an output. Larger calls, static activation scales and CPU tensors run the chain.
+
+    Attributes
+    ----------
+    fused_decode : bool
+        Use the decode path where it applies (default True). Set False to force the unfused chain at every size
+        (e.g. for A/B benchmarks: ``bench/bench_moe.py --parts decode``); a plain attribute, not in the state
+        dict. Read on every forward, so a captured CUDA graph keeps the path it was captured with.
+
     Raises
     ------
     TypeError
@@ -187,6 +203,7 @@ class W8A8MoE(nn.Module):
             correction_bias = correction_bias.to(torch.float32)
         # non-persistent: the router holds the checkpoint's tensor (transformers' state dict has no other)
         self.register_buffer("correction_bias", correction_bias, persistent=False)
+        self.fused_decode = True  # the decode path (moe_decode_experts) where it applies; False: always the chain
 
     @property
     def group_size(self) -> int:
@@ -347,6 +364,14 @@ class W8A8MoE(nn.Module):
             if v is not None and v.device != x.device:
                 raise ValueError(f"W8A8MoE: `{name}` is on {v.device} but `hidden_states` is on {x.device}")
 
+    def uses_decode_path(self, x: torch.Tensor, top_k: int) -> bool:
+        """Whether a forward on ``x`` ``[T, H]`` with ``top_k`` experts per token runs `moe_decode_experts` (the
+        decode path, class docstring) rather than the chain: a CUDA ``x``, ``fused_decode``, no static activation
+        scale, and ``1 <= T * top_k <= MOE_DECODE_MAX_PAIRS``."""
+        pairs = x.shape[0] * top_k
+        return (x.is_cuda and self.fused_decode and self.a13_scale is None
+                and 1 <= pairs <= MOE_DECODE_MAX_PAIRS)
+
     def route(self, router_logits: torch.Tensor):
         """The routing of router-logits mode: ``(topk_weights float32 [T, top_k], topk_ids int32 [T, top_k])`` of
         ``router_logits`` ``[T, E]`` (float32 / bfloat16 / float16), `cutlass_w8a8.ops.moe.moe_route` with the
@@ -379,7 +404,9 @@ class W8A8MoE(nn.Module):
             ``hidden_states``' shape and dtype.
 
         Raises TypeError / ValueError naming the argument for a wrong dtype, shape or device. Only static shapes
-        and device ops: capturable into a CUDA graph, routings changing between replays.
+        and device ops: capturable into a CUDA graph, routings changing between replays. On CUDA at
+        ``T * k <= 64`` the experts are one `moe_decode_experts` call (`uses_decode_path`; the class docstring's
+        "Decode path"), bit for bit the chain's result.
         """
         self._check_inputs(hidden_states, router_logits_or_topk_ids, topk_weights)
         h = self.hidden_size
@@ -395,6 +422,12 @@ class W8A8MoE(nn.Module):
             topk_weights = topk_weights.reshape(x.shape[0], k).to(torch.float32)
         k = topk_ids.shape[1]
         group = self.group_size
+        if self.uses_decode_path(x, k):
+            out = _moe.moe_decode_experts(x, topk_ids, topk_weights, self.w13, self.w13_scale, self.w2,
+                                          self.w2_scale, group, self.dtype)
+            if out.dtype != hidden_states.dtype:
+                out = out.to(hidden_states.dtype)
+            return out.reshape(hidden_states.shape)
         sorted_pairs, dst_pos, offsets = _moe.moe_align(topk_ids, self.num_experts)
         q, q_scale = _moe.moe_permute_quant(x, sorted_pairs, k, self.quant_dtype, scale=self.a13_scale,
                                             group_size=group or None)

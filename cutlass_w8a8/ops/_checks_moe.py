@@ -1,20 +1,22 @@
-"""The MoE ops' argument contract (moe_topk_softmax, moe_route, moe_align, moe_permute_quant, moe_unpermute),
-composed from the operand roles of `_roles.py` as `_checks.py` does for the other ops; csrc/moe/routing.cu and
-permute_quant.cu raise the same messages in the same order."""
+"""The MoE ops' argument contract (moe_topk_softmax, moe_route, moe_align, moe_permute_quant, moe_unpermute,
+moe_decode_experts), composed from the operand roles of `_roles.py` as `_checks.py` does for the other ops;
+csrc/moe/moe_args.hpp (called by routing.cu, permute_quant.cu and moe_decode.cu) raises the same messages in the
+same order."""
 
 from __future__ import annotations
 
-__all__ = ["MOE_SCORINGS", "check_moe_align", "check_moe_permute_quant", "check_moe_route", "check_moe_topk_softmax",
-           "check_moe_unpermute"]
+__all__ = ["MOE_SCORINGS", "check_moe_align", "check_moe_decode_experts", "check_moe_permute_quant", "check_moe_route",
+           "check_moe_topk_softmax", "check_moe_unpermute"]
 
 import math
 
 import torch
 
 from ._checks import _group_quant
-from ._limits import MAX_ROW_K, MAX_ROWS, MOE_MAX_EXPERTS, MOE_MAX_GROUPS
-from ._roles import (contiguous, exact_shape, fail_type, fail_value, float_input, limit_text, quant_dtype, row_input,
-                     same_device, tensor_arg)
+from ._limits import (BLOCK_SIZE, GEMM_ALIGN, MAX_ROW_K, MAX_ROWS, MOE_DECODE_MAX_PAIRS, MOE_MAX_EXPERTS,
+                      MOE_MAX_GROUPS, blocks)
+from ._roles import (contiguous, eight_bit, exact_shape, fail_type, fail_value, float32_scale, float_input, gemm_size,
+                     int8_k_bound, limit_text, output_dtype, quant_dtype, row_input, same_device, tensor_arg)
 
 
 # ---- MoE routing (csrc/moe/routing.cu raises the same messages in the same order) -------------------------
@@ -143,3 +145,92 @@ def check_moe_unpermute(y, dst_pos, topk_weights, out=None) -> None:
     if out is not None:
         exact_shape(op, "out", out, "T, H", (t, h))
         contiguous(op, "out", out)
+
+
+# ---- the fused decode path (csrc/moe/moe_args.hpp check_decode_experts raises the same messages in the same order)
+
+
+def _expert_scale(op: str, name: str, scale, e: int, n: int, n_name: str) -> None:
+    """A row-wise weight scale of moe_decode_experts (group_size 0): [E, N] per channel, [E] or [E, 1] per expert."""
+    if tuple(scale.shape) not in ((e, n), (e,), (e, 1)):
+        fail_value(op, name, f"must be [E, {n_name}] (per-channel), [E] or [E, 1] (per-expert) with E = {e}, "
+                   f"{n_name} = {n} (group_size = 0), got shape {tuple(scale.shape)}")
+
+
+def check_moe_decode_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size, out_dtype) -> None:
+    """moe_decode_experts: x [T, H] bfloat16 / float16 / float32 (any strides); topk_ids [T, top_k] int32 / int64
+    (any strides), top_k >= 1, T * top_k <= MOE_DECODE_MAX_PAIRS; topk_weights float32 of topk_ids' shape; w13
+    [E, 2I, H] int8 / float8_e4m3fn and w2 [E, H, I] of w13's dtype, contiguous (1 <= E <= MOE_MAX_EXPERTS, H and I
+    positive multiples of GEMM_ALIGN, at most INT8_MAX_K for int8); float32 contiguous scales: group_size 0 per
+    channel ([E, 2I] / [E, H]) or per expert ([E] / [E, 1]), group_size 128 (float8_e4m3fn only, H and I multiples
+    of 128) 128x128 blocks ([E, ceil(2I/128), H/128] / [E, ceil(H/128), I/128]); out_dtype bfloat16 / float16; every
+    tensor on x's device. In this order: the tensors, the dtypes (TypeError), group_size, the devices, the shapes,
+    the scales, the layouts (ValueError)."""
+    op = "moe_decode_experts"
+    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13),
+                    ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
+        tensor_arg(op, name, t)
+    float_input(op, "x", x)
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        fail_type(op, "topk_ids", f"must be int32 or int64, got {topk_ids.dtype}")
+    if topk_weights.dtype != torch.float32:
+        fail_type(op, "topk_weights", f"must be float32, got {topk_weights.dtype}")
+    eight_bit(op, "w13", w13)
+    if w2.dtype != w13.dtype:
+        fail_type(op, "w2", f"must have w13's dtype {w13.dtype}, got {w2.dtype}")
+    float32_scale(op, "w13_scale", w13_scale)
+    float32_scale(op, "w2_scale", w2_scale)
+    output_dtype(op, out_dtype)
+    if group_size not in (0, BLOCK_SIZE):
+        fail_value(op, "group_size", f"must be 0 (per-token) or {BLOCK_SIZE} (block fp8), got {group_size}")
+    if group_size and w13.dtype != torch.float8_e4m3fn:
+        fail_type(op, "w13", f"must be float8_e4m3fn with group_size = {BLOCK_SIZE} (block fp8), got {w13.dtype}")
+    same_device(op, "x", x, [("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13),
+                             ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)])
+
+    if x.dim() != 2:
+        fail_value(op, "x", f"must be 2-D [T, H], got shape {tuple(x.shape)}")
+    t, h = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t:
+        fail_value(op, "topk_ids", f"must be 2-D [T, top_k] with T = x.shape[0] = {t}, got shape "
+                   f"{tuple(topk_ids.shape)}")
+    k = topk_ids.shape[1]
+    if k < 1:
+        fail_value(op, "topk_ids", f"top_k = topk_ids.shape[1] must be at least 1, got {k}")
+    exact_shape(op, "topk_weights", topk_weights, "T, top_k", (t, k), "(topk_ids' shape)")
+    if t * k > MOE_DECODE_MAX_PAIRS:
+        fail_value(op, "topk_ids", f"has T * top_k = {t * k} (token, expert) pairs; the decode path serves at most "
+                   f"{MOE_DECODE_MAX_PAIRS} (larger batches run the grouped chain)")
+    if w13.dim() != 3:
+        fail_value(op, "w13", f"must be 3-D [E, 2I, H], got shape {tuple(w13.shape)}")
+    e, i2 = w13.shape[0], w13.shape[1]
+    if not 1 <= e <= MOE_MAX_EXPERTS:
+        fail_value(op, "w13", f"E = w13.shape[0] must be in [1, {MOE_MAX_EXPERTS}], got {e}")
+    if w13.shape[2] != h:
+        fail_value(op, "w13", f"must be [E, 2I, H] with H = x.shape[1] = {h}, got shape {tuple(w13.shape)}")
+    gemm_size(op, "x", "H = x.shape[1]", h)
+    i = i2 // 2
+    if i2 % (2 * GEMM_ALIGN) != 0 or i2 == 0:
+        fail_value(op, "w13", f"2I = w13.shape[1] must be twice a positive multiple of {GEMM_ALIGN} (gate and up "
+                   f"rows of I each), got {i2}")
+    int8_k_bound(op, "x", w13.dtype, h)
+    int8_k_bound(op, "w2", w13.dtype, i)
+    exact_shape(op, "w2", w2, "E, H, I", (e, h, i))
+    if group_size:
+        if h % BLOCK_SIZE != 0:
+            fail_value(op, "x", f"H = x.shape[1] must be a multiple of {BLOCK_SIZE} with group_size = {BLOCK_SIZE}, "
+                       f"got {h}")
+        if i % BLOCK_SIZE != 0:
+            fail_value(op, "w13", f"I = w13.shape[1] / 2 must be a multiple of {BLOCK_SIZE} with group_size = "
+                       f"{BLOCK_SIZE}, got {i}")
+        exact_shape(op, "w13_scale", w13_scale, "E, ceil(2I/128), H/128", (e, blocks(i2), h // BLOCK_SIZE),
+                    f"(128x128 blocks) with group_size = {BLOCK_SIZE}")
+        exact_shape(op, "w2_scale", w2_scale, "E, ceil(H/128), I/128", (e, blocks(h), i // BLOCK_SIZE),
+                    f"(128x128 blocks) with group_size = {BLOCK_SIZE}")
+    else:
+        _expert_scale(op, "w13_scale", w13_scale, e, i2, "2I")
+        _expert_scale(op, "w2_scale", w2_scale, e, h, "H")
+    contiguous(op, "w13", w13)
+    contiguous(op, "w13_scale", w13_scale)
+    contiguous(op, "w2", w2)
+    contiguous(op, "w2_scale", w2_scale)

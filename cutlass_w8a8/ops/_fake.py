@@ -196,3 +196,9 @@ def _moe_unpermute(y, dst_pos, topk_weights):
 @_fake("moe_unpermute_out")
 def _moe_unpermute_out(out, y, dst_pos, topk_weights):
     CM.check_moe_unpermute(y, dst_pos, topk_weights, out)
+
+
+@_fake("moe_decode_experts")
+def _moe_decode_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size, out_dtype):
+    CM.check_moe_decode_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size, out_dtype)
+    return x.new_empty((x.shape[0], x.shape[1]), dtype=out_dtype)

@@ -472,6 +472,20 @@ def moe_unpermute_reference(y, dst_pos, topk_weights):
     return acc.to(y.dtype)
 
 
+def moe_decode_experts_reference(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size, out_dtype):
+    """moe_decode_experts of checked operands: the unfused chain that `W8A8MoE.forward` runs, op for op through the
+    CPU references above (so equal to it bit for bit by construction): moe_align, moe_permute_quant (per token, or
+    per 1x128 group), grouped_scaled_mm with w13, silu_mul_quant in out_dtype, grouped_scaled_mm with w2,
+    moe_unpermute. Returns (T, H) out_dtype, zeros for a token with no routed pair."""
+    k = topk_ids.shape[1]
+    sorted_pairs, dst_pos, offsets = moe_align_reference(topk_ids, w13.shape[0])
+    q, s = moe_permute_quant_reference(x, sorted_pairs, k, w13.dtype, None, group_size)
+    y13 = grouped_scaled_mm_reference(q, w13.transpose(1, 2), s, w13_scale, offsets, out_dtype, None)
+    q2, s2 = _quantize_fused(_silu_mul_reference(y13), w13.dtype, None, group_size)
+    y2 = grouped_scaled_mm_reference(q2, w2.transpose(1, 2), s2, w2_scale, offsets, out_dtype, None)
+    return moe_unpermute_reference(y2, dst_pos, topk_weights)
+
+
 def _moe_topk_softmax(router_logits, top_k, renormalize):
     CM.check_moe_topk_softmax(router_logits, top_k, renormalize)
     return moe_topk_softmax_reference(router_logits, top_k, renormalize)
@@ -505,10 +519,16 @@ def _moe_unpermute_out(out, y, dst_pos, topk_weights):
     out.copy_(moe_unpermute_reference(y, dst_pos, topk_weights))
 
 
+def _moe_decode_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size, out_dtype):
+    CM.check_moe_decode_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size, out_dtype)
+    return moe_decode_experts_reference(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size,
+                                        out_dtype)
+
+
 for _name, _fn in (
         ("moe_topk_softmax", _moe_topk_softmax), ("moe_route", _moe_route), ("moe_align", _moe_align),
         ("moe_permute_quant", _moe_permute_quant), ("moe_unpermute", _moe_unpermute),
-        ("moe_unpermute_out", _moe_unpermute_out)):
+        ("moe_unpermute_out", _moe_unpermute_out), ("moe_decode_experts", _moe_decode_experts)):
     lib.impl(_name, _fn, "CPU")
 
 

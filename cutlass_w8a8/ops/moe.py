@@ -11,6 +11,8 @@ A W8A8 MoE layer runs, for T tokens routed to top_k of E experts (T * top_k (tok
     q2, s2 = silu_mul_quant(h, dtype)                                               # [T * top_k, I]
     y = grouped_scaled_mm(q2, w2, s2, w2_scale, offsets, x.dtype)                   # [T * top_k, H]
     out = moe_unpermute(y, dst_pos, topk_weights)                                   # [T, H]
+    # or, at decode sizes (T * top_k <= 64, dynamic activation scales), the same result bit for bit in 3 kernels:
+    out = moe_decode_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size, x.dtype)
 
 Every shape depends on T, top_k, E, H and I only, never on the routing, and no op synchronises with the host: the
 chain captures into a CUDA graph and replays with new router logits. Each wrapper calls its op once and returns;
@@ -26,7 +28,8 @@ import torch
 
 from ._schema import OVERLOADS as _op
 
-__all__ = ["moe_topk_softmax", "moe_route", "moe_align", "moe_permute_quant", "moe_unpermute", "grouped_scaled_mm"]
+__all__ = ["moe_topk_softmax", "moe_route", "moe_align", "moe_permute_quant", "moe_unpermute", "grouped_scaled_mm",
+           "moe_decode_experts"]
 
 
 def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
@@ -383,3 +386,100 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
         return _op.grouped_scaled_mm(a, b, scale_a, scale_b, offsets, out_dtype, bias)
     _op.grouped_scaled_mm_out(out, a, b, scale_a, scale_b, offsets, bias)
     return out
+
+
+def moe_decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                       w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, group_size: int = 0,
+                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The routed experts of a SwiGLU MoE layer at decode sizes (``T * top_k <= 64``), fused into three kernels.
+
+    For each token ``t`` and its experts ``e_j = topk_ids[t, j]`` (``j < top_k``) with weights
+    ``w_j = topk_weights[t, j]``::
+
+        out[t] = sum_j w_j * down_e(silu(gate_e(x[t])) * up_e(x[t]))
+
+    every projection a W8A8 GEMM. The result equals, **bit for bit**, the unfused chain that
+    `cutlass_w8a8.W8A8MoE` runs above 64 pairs (and with ``fused_decode = False``), on the same device::
+
+        sorted_pairs, dst_pos, offsets = moe_align(topk_ids, E)
+        q, s = moe_permute_quant(x, sorted_pairs, top_k, w13.dtype, group_size=group_size or None)
+        y13 = grouped_scaled_mm(q, w13.transpose(1, 2), s, w13_scale, offsets, out_dtype)
+        q2, s2 = silu_mul_quant(y13, w13.dtype, None, group_size)
+        y2 = grouped_scaled_mm(q2, w2.transpose(1, 2), s2, w2_scale, offsets, out_dtype)
+        out = moe_unpermute(y2, dst_pos, topk_weights)
+
+    so the activations are quantized dynamically per token (``group_size`` 0) or per 1 x 128 group
+    (``group_size`` 128), the intermediate ``silu(gate) * up`` is rounded to ``out_dtype`` before its quantization,
+    and the top-k outputs are weighted and summed in float32 in increasing ``j``, then rounded once.
+
+    On CUDA (sm90) the op runs three kernels, with no host synchronisation, its launches fixed by the shapes (it
+    captures into a CUDA graph and replays with new routings):
+
+    1. **prep**: the per-token (or per-group) quantization of ``x`` and the zeroing of the workspace counters;
+    2. **gate/up**: a grouped decode GEMM whose CTAs find their expert from ``topk_ids`` (no sort), gather ``x``'s
+       quantized rows by token, and apply ``silu(gate) * up`` in the epilogue; the last CTA of each (token, expert)
+       pair to finish quantizes that pair's intermediate row;
+    3. **down**: a grouped decode GEMM whose epilogue weights each row by ``topk_weights``; the last CTA per
+       (token, 16-column tile) sums the token's ``top_k`` rows in increasing ``j`` (deterministic: a fixed order,
+       no float atomics) and writes ``out``.
+
+    Only the weights of the experts that some pair routes to are read, each once per CTA tile. On the CPU the op
+    runs the chain's CPU references (`cutlass_w8a8.ops._reference`), so it equals the chain there by construction.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(T, H)`` hidden states, bfloat16, float16 or float32, any strides (copied when ``stride(1) != 1``).
+        ``T`` may be 0.
+    topk_ids : torch.Tensor
+        ``(T, top_k)`` int32 or int64, any strides, ``top_k >= 1`` and ``T * top_k <= 64``
+        (``MOE_DECODE_MAX_PAIRS``). Ids outside ``[0, E)`` (expert parallelism's -1) are not routed: a token's output
+        sums its routed pairs only, and a token with none gets zeros (as :func:`moe_align` / :func:`moe_unpermute`).
+        Values are not checked (no host synchronisation).
+    topk_weights : torch.Tensor
+        ``(T, top_k)`` float32 (``topk_ids``' shape), any strides.
+    w13 : torch.Tensor
+        ``(E, 2I, H)`` int8 or float8_e4m3fn, contiguous: each expert's gate rows ``[0, I)`` and up rows
+        ``[I, 2I)`` (`W8A8MoE.w13`). ``1 <= E <= 1024``; ``H`` and ``I`` positive multiples of 16, at most 131056
+        for int8 (``INT8_MAX_K``).
+    w13_scale : torch.Tensor
+        float32, contiguous. ``group_size`` 0: per channel ``(E, 2I)``, or per expert ``(E,)`` / ``(E, 1)``.
+        ``group_size`` 128: one scale per 128 x 128 block of each expert's weight, ``(E, ceil(2I/128), H/128)``.
+    w2 : torch.Tensor
+        ``(E, H, I)``, ``w13``'s dtype, contiguous: each expert's down projection (`W8A8MoE.w2`).
+    w2_scale : torch.Tensor
+        float32, contiguous: ``(E, H)``, ``(E,)`` or ``(E, 1)``; with ``group_size`` 128 ``(E, ceil(H/128), I/128)``.
+    group_size : int, default 0
+        0: per-token activation scales (row-wise weight scales). 128: per 1 x 128 group activation scales and block
+        weight scales (block fp8: float8_e4m3fn only, ``H`` and ``I`` multiples of 128).
+    out_dtype : torch.dtype, default torch.bfloat16
+        torch.bfloat16 or torch.float16: the dtype of the GEMMs' outputs, the intermediate and the result.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(T, H)`` ``out_dtype``, contiguous, a new tensor on ``x``'s device.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not bfloat16 / float16 / float32, ``topk_ids`` not int32 / int64, ``topk_weights`` or a scale not
+        float32, ``w13`` not int8 / float8_e4m3fn (or not float8_e4m3fn with ``group_size`` 128), ``w2`` not of
+        ``w13``'s dtype, ``out_dtype`` not bfloat16 / float16.
+    ValueError
+        ``group_size`` not 0 / 128; a tensor on another device than ``x``; a shape that disagrees with the ones above
+        (the message names the argument), ``T * top_k`` above 64, ``E``, ``H`` or ``I`` out of range, a weight or
+        scale not contiguous.
+    NotImplementedError
+        On a CUDA device other than sm90 (the message names the device).
+    RuntimeError
+        The CUDA extension is not built or not loaded.
+
+    Examples
+    --------
+    >>> moe = cw.W8A8MoE.from_float(block.experts, cw.W8A8Config(dtype=torch.float8_e4m3fn), top_k=8)
+    >>> topk_weights, topk_ids = moe.route(router_logits)                  # (T, 8) each, T <= 8
+    >>> out = moe_decode_experts(x, topk_ids, topk_weights, moe.w13, moe.w13_scale, moe.w2, moe.w2_scale,
+    ...                          moe.group_size, moe.dtype)                 # (T, H) bfloat16
+    """
+    return _op.moe_decode_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size, out_dtype)

@@ -18,7 +18,7 @@ from _bench_cpu import BENCH, FakeEvent
 
 
 #: bench/bench_moe.py and the siblings it imports by name (bench/ is on sys.path when the script runs), in import order
-MOE_BENCH_MODULES = ("_moe_common", "_moe_block", "_moe_report", "bench_moe")
+MOE_BENCH_MODULES = ("_moe_common", "_moe_block", "_moe_decode", "_moe_report", "bench_moe")
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +226,113 @@ def test_run_flow_on_cpu(on_cpu, monkeypatch, tmp_path):
         assert all(p["rel_err_vs_hf_bf16"][m] < b.LAYER_REL_TOL for m in ("ours_int8", "ours_fp8", "ours_block"))
     assert {it["key"] for it in res["targets"]["items"]} >= {"ours_fp8_min_x_torch", "layer_ours_int8_T1"}
     assert "## Grouped GEMM" in b.render_markdown(res)
+
+
+# ---- the decode part (issue 36) ------------------------------------------------------------------------------------
+
+
+def test_parse_args_decode(bench):
+    a = bench.parse_args([])
+    assert "decode" not in a.parts and a.decode_tokens == [1, 2, 4, 8, 16]
+    assert a.decode_models == ["qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"] and a.decode_schemes == ["int8", "fp8", "block"]
+    q = bench.parse_args(["--parts", "decode", "--quick", "--models", "deepseek-v3,qwen3-30b-a3b"])
+    assert q.parts == ["decode"] and q.decode_tokens == [1, 8] and q.decode_models == ["qwen3-30b-a3b", "deepseek-v3"]
+    assert bench.parse_args(["--parts", "layer,decode", "--decode-tokens", "4,1"]).decode_tokens == [1, 4]
+    assert bench.parse_args(["--decode-schemes", "block,int8"]).decode_schemes == ["int8", "block"]
+    for bad in (["--parts", "decode", "--models", "glm-4.5-air"], ["--decode-tokens", "0"], ["--decode-schemes", "x"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def _decode_synthetic(dec, device="NVIDIA H200"):
+    """Qwen3 dims at T = 1 and 16: fused 18 us / unfused 30 us at T = 1, 5 kernels fused."""
+    pts = []
+    for t in (1, 16):
+        tm = {f"{s}_{k}": (18e-3 if k == "fused" else 30e-3) * (1 if t == 1 else 2) for s in ("int8", "fp8", "block")
+              for k in ("fused", "unfused")}
+        tm["hf_bf16"] = 60e-3
+        kernels = {m: (5 if m.endswith("_fused") else 9) for m in tm}
+        kernels["hf_bf16"] = 12
+        pts.append({"model": "qwen3-30b-a3b", "T": t, "pairs": 8 * t, "E": 128, "top_k": 8, "H": 2048, "I": 768,
+                    "time_ms": tm, "errors": {}, "rel_err_vs_hf_bf16": {}, "active_experts_mean": 8.0 * min(t, 16),
+                    "active_weight_bytes_mean": {m: 8 * min(t, 16) * 3 * 2048 * 768 * (2 if m == "hf_bf16" else 1)
+                                                 for m in tm}, "kernels": kernels})
+    return {"device": device, "read_GBps": 4000.0, "read_GBps_end": 4200.0, "read_GBps_max": 4200.0,
+            "decode_points": pts, "timing": {"method": "x"}, "decode_schemes": ["int8", "fp8", "block"]}
+
+
+def test_decode_derive_targets_and_report(bench, tmp_path):
+    dec = bench.sys.modules["_moe_decode"]
+    res = _decode_synthetic(dec)
+    dec.derive_decode(res)
+    p = res["decode_points"][0]["derived"]
+    assert p["int8_fused_over_unfused"] == pytest.approx(0.6)
+    assert p["int8_fused_read_fraction"] == pytest.approx(8 * 3 * 2048 * 768 / 18e-6 / 1e9 / 4200.0)
+    items = {it["key"]: it for it in res["targets"]["items"]}
+    assert items["decode_int8_T1_us"]["value"] == pytest.approx(18.0) and items["decode_int8_T1_us"]["bound"] == 20.0
+    assert items["decode_int8_T1_us"]["met"] is True and items["decode_block_kernels"]["met"] is True
+    # 37.7 MB in 18 us at 4200 GB/s: 50%; at T = 16 128 experts' 604 MB in 36 us: far above the read rate -> INVALID
+    it = items["decode_fp8_read_fraction"]
+    assert it["met"] is None and "fp8_fused qwen3-30b-a3b T=16 read fraction" in it["invalid"]
+    md = dec.render_decode_markdown(res)
+    assert "## Targets (issue 36)" in md and "| met |" in md and "INVALID" in md and "### qwen3-30b-a3b" in md
+    assert "| 1 | int8_fused | 18.0 |" in md and "| 0.60 |" in md
+    # H100: the 26 us bound; another device: no bound, not judged; a kernel count missing: not judged
+    res = _decode_synthetic(dec, "NVIDIA H100 80GB HBM3")
+    res["decode_points"][0]["time_ms"]["int8_fused"] = 25e-3
+    res["decode_points"][1]["kernels"]["int8_fused"] = None
+    dec.derive_decode(res)
+    items = {it["key"]: it for it in res["targets"]["items"]}
+    assert items["decode_int8_T1_us"]["bound"] == 26.0 and items["decode_int8_T1_us"]["met"] is True
+    assert items["decode_int8_kernels"]["met"] is None and items["decode_fp8_kernels"]["met"] is True
+    res = _decode_synthetic(dec, "NVIDIA A100")
+    res["decode_points"][0]["kernels"]["fp8_fused"] = 7
+    dec.derive_decode(res)
+    items = {it["key"]: it for it in res["targets"]["items"]}
+    assert items["decode_int8_T1_us"]["met"] is None and items["decode_fp8_kernels"]["met"] is False
+    assert "NOT met" in dec.render_decode_markdown(res)
+    pytest.importorskip("matplotlib")
+    dec.plot_decode(res, str(tmp_path / "d.png"))
+    assert (tmp_path / "d.png").stat().st_size > 0
+
+
+def test_decode_flow_on_cpu(on_cpu, monkeypatch, tmp_path):
+    """`run` with --parts decode end to end at tiny dims on the CPU references (the timers faked): every point's fused
+    and unfused layers equal bit for bit (on the CPU both run the chain) and within the bound of transformers' bf16
+    experts, the read fractions and targets derived, main's report split (moe_decode_<device>.*, no moe_<device>)."""
+    pytest.importorskip("transformers")
+    b = on_cpu
+    tiny = {"qwen3-30b-a3b": (8, 2, 256, 128, True), "mixtral-8x7b": (4, 2, 128, 256, True),
+            "deepseek-v3": (16, 4, 128, 128, True)}
+    monkeypatch.setattr(b, "MOE_MODELS", tiny)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(b, "provenance", lambda device, root: {"device": device, "device_slug": "h200",
+                                                               "git_commit": None})
+    args = b.parse_args(["--parts", "decode", "--decode-tokens", "1,3", "--replays", "1", "--decode-schemes",
+                         "int8,block", "--models", "qwen3-30b-a3b,deepseek-v3", "--out", str(tmp_path)])
+    res = b.run(args, cw, _fake_timers())
+    dec = res["decode"]
+    assert [(p["model"], p["T"]) for p in dec["decode_points"]] == [("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 3),
+                                                                    ("deepseek-v3", 1), ("deepseek-v3", 3)]
+    for p in dec["decode_points"]:
+        assert set(p["time_ms"]) == {"int8_fused", "int8_unfused", "block_fused", "block_unfused", "hf_bf16"}
+        assert all(p["rel_err_vs_hf_bf16"][m] < b.LAYER_REL_TOL for m in p["time_ms"] if m != "hf_bf16")
+        assert 1 <= p["active_experts_mean"] <= min(p["E"], p["pairs"])
+        assert p["kernels"] == {m: None for m in p["time_ms"]}  # no CUDA profiler on the CPU
+        assert p["derived"]["int8_fused_read_fraction"] > 0 and p["derived"]["int8_fused_over_unfused"] > 0
+    assert {it["key"] for it in dec["targets"]["items"]} == {f"decode_{s}_{k}" for s in ("int8", "block")
+                                                             for k in ("T1_us", "kernels", "read_fraction")}
+    assert res["gemm_points"] == res["layer_points"] == []
+    monkeypatch.setattr(b, "require_cuda_extension", lambda script: cw)
+    monkeypatch.setattr(b, "run_checked", lambda script, fn, *a: fn(*a))
+    monkeypatch.setattr(b, "run", lambda args, cw_, bu: {"decode": dec, "device_slug": "h200", "gemm_points": [],
+                                                         "layer_points": [], "block_points": []})
+    monkeypatch.setattr(b, "plot_decode", lambda r, path: open(path, "w").close())
+    b.main(["--parts", "decode", "--out", str(tmp_path)])
+    names = sorted(f.name for f in tmp_path.iterdir())
+    assert names == ["moe_decode_h200.json", "moe_decode_h200.md", "moe_decode_h200.png"]
+    assert "## Targets (issue 36)" in (tmp_path / "moe_decode_h200.md").read_text()
 
 
 # ---- bench_decoder.py with the Qwen3-MoE config ---------------------------------------------------------------------

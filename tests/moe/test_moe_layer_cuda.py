@@ -21,7 +21,7 @@ from cutlass_w8a8.graphs import CapturedGraph
 
 transformers = pytest.importorskip("transformers")
 
-from _moe_models import (EXPERTS, HIDDEN, KINDS, TOP_K, VOCAB, FakeQuantExperts,  # noqa: E402
+from _moe_models import (EXPERTS, HIDDEN, KINDS, LAYER_SQNR_DB, TOP_K, VOCAB, FakeQuantExperts,  # noqa: E402
                          dequantized_reference, moe_blocks, tiny_moe_model)
 
 pytestmark = pytest.mark.sm90
@@ -32,13 +32,6 @@ SCHEMES = {
     "fp8": cw.W8A8Config(dtype=FP8),
     "fp8-block": cw.W8A8Config(dtype=FP8, weight_block_size=(128, 128)),
 }
-# The CUDA layer vs the float64 reference (SQNR, dB). On the CPU the layer equals it bit for bit. On the GPU the
-# float32 epilogues round once more than the reference, silu uses the device's exp, and fp8 tensor cores
-# accumulate with fewer bits (docs EPILOGUES.md: row-wise fp8 4.5e-3 relative vs float64), so an intermediate
-# may sit one bf16 ulp away and move one step of the next quantization (1/127 int8, 1/16 of a value's magnitude
-# fp8). A CPU experiment perturbing w13 by 1e-3 relative noise gives 41.8 dB int8, 38.3 dB fp8; a wrong expert,
-# scale or routing gives < 10 dB.
-LAYER_SQNR_DB = {"int8": 40.0, "fp8": 30.0, "fp8-block": 30.0}
 # quantize_d bf16 models on the GPU vs the dequantized reference (float64 layers on the GPU, same activation
 # quantization): on the CPU >= 35.5 dB; bf16 ties in the routers may flip a routing choice on the GPU.
 MODEL_SQNR_DB = 25.0

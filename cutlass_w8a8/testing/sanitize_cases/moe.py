@@ -1,4 +1,5 @@
-"""Sanitizer cases: MoE routing (top-k softmax, route, align, permute-quant, unpermute) and the grouped GEMM."""
+"""Sanitizer cases: MoE routing (top-k softmax, route, align, permute-quant, unpermute), the grouped GEMM and the fused
+decode path (moe_decode_experts)."""
 
 from __future__ import annotations
 
@@ -218,3 +219,64 @@ def _grouped_scaled_mm(ctx: Ctx) -> None:
         _grouped(ctx, t, 128, 256, 4, I8, "clamped", bad_offsets=True)
 
 
+
+
+def _decode_chain(ctx: Ctx, x, ids, wts, w13, s13, w2, s2, group, out_dtype):
+    """The unfused chain moe_decode_experts equals bit for bit, on ctx's device: moe_align, moe_permute_quant,
+    grouped_scaled_mm_out (w13), silu_mul_quant, grouped_scaled_mm_out (w2), moe_unpermute. The GEMM outputs are
+    host-written NaN buffers, so the rows of unrouted pairs (never written by the GEMMs, never read back by
+    moe_unpermute) are initialised memory for initcheck."""
+    t, k = ids.shape
+    e, i2, h = w13.shape
+    sorted_pairs, dst_pos, offsets = Q.moe_align(ids, e)
+    q, s = Q.moe_permute_quant(x, sorted_pairs, k, w13.dtype, None, group)
+    y13 = ctx.nan((t * k, i2), out_dtype)
+    Q.grouped_scaled_mm_out(y13, q, w13.transpose(1, 2), s, s13, offsets, None)
+    q2, sq2 = Q.silu_mul_quant(y13, w13.dtype, None, group)
+    y2 = ctx.nan((t * k, h), out_dtype)
+    Q.grouped_scaled_mm_out(y2, q2, w2.transpose(1, 2), sq2, s2, offsets, None)
+    return Q.moe_unpermute(y2, dst_pos, wts)
+
+
+@case("moe_decode_experts", ["moe_decode_experts"], needs_sm90=True)
+def _moe_decode_experts(ctx: Ctx) -> None:
+    """moe_decode_experts (the fused MoE decode path, 3 kernels) int8, fp8 and block fp8, per-channel and per-expert
+    weight scales, T * top_k from 1 to 64, 8 and 128 experts (most of them empty), unrouted and out-of-range ids and a
+    token with none routed, int32 / int64 ids, f32 / bf16 / f16 x, bf16 / f16 out: bit for bit against the unfused
+    chain on the same device, no NaN in the fresh output."""
+    params = [(1, 1, 8, 256, 128, I8, "channel", BF16, BF16, torch.int32),
+              (8, 8, 128, 256, 128, FP8, "expert", F32, BF16, torch.int64),
+              (16, 4, 8, 256, 256, FP8, "block", BF16, F16, torch.int32),
+              (32, 2, 128, 512, 128, I8, "expert2d", F16, F16, torch.int64),
+              (64, 1, 8, 384, 256, FP8, "channel", BF16, BF16, torch.int32)]
+    for t, k, e, h, i, dtype, sb_kind, xdtype, out_dtype, id_dtype in (
+            [params[i] for i in (0, 1, 2)] if ctx.quick else params):
+        if dtype not in ctx.qdtypes:
+            continue
+        block = sb_kind == "block"
+        what = (f"moe_decode_experts T={t} k={k} E={e} H={h} I={i} {dtype} {sb_kind} x {xdtype} -> {out_dtype} "
+                f"ids {id_dtype}")
+        with ctx.sub(what):
+            ids_h = _random_ids(ctx, t, k, e, 0.15, id_dtype)
+            if t > 1:
+                ids_h[-1] = -1  # a token with no routed pair: zeros
+            w_h = torch.rand(t, k, generator=ctx.g) + 0.1
+            x_h = ctx.randn(t, h, dtype=xdtype, std=2.0)
+            w13_h, w2_h = _operand(ctx, (e, 2 * i, h), dtype), _operand(ctx, (e, h, i), dtype)
+            if block:
+                s13_h = _block_scales(ctx, (e, _ceil(2 * i, BLOCK), h // BLOCK), h)
+                s2_h = _block_scales(ctx, (e, _ceil(h, BLOCK), i // BLOCK), i)
+            else:
+                shapes = {"channel": ((e, 2 * i), (e, h)), "expert": ((e,), (e,)), "expert2d": ((e, 1), (e, 1))}
+                (sh13, sh2), rms = shapes[sb_kind], (74.0 if dtype == I8 else 1.0)
+                s13_h = rand_scale(sh13, "cpu", 2.0 / (rms * h ** 0.5), ctx.g)
+                s2_h = rand_scale(sh2, "cpu", 2.0 / (rms * i ** 0.5), ctx.g)
+            args = [ctx.to(v) for v in (x_h, ids_h, w_h, w13_h, s13_h, w2_h, s2_h)]
+            group = BLOCK if block else 0
+            out = Q.moe_decode_experts(*args, group, out_dtype)
+            ref = _decode_chain(ctx, *args, group, out_dtype)
+            got = out.cpu()
+            assert not torch.isnan(got.float()).any(), f"{what}: NaN in the output"
+            check_equal(got, ref.cpu(), what)
+            if t > 1:
+                assert bool((got[-1] == 0).all()), f"{what}: the token with no routed pair is not zero"

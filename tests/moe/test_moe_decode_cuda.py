@@ -1,0 +1,235 @@
+"""`moe_decode_experts` on an sm90 GPU: the fused MoE decode path (3 kernels) against the unfused CUDA chain
+(`moe_align` -> `moe_permute_quant` -> `grouped_scaled_mm` -> `silu_mul_quant` -> `grouped_scaled_mm` ->
+`moe_unpermute`) BIT FOR BIT, for int8, fp8 with per-channel and per-expert weight scales and block fp8, bfloat16 and
+float16 outputs, float32 / float16 / bfloat16 x, T * top_k from 1 to 64, 8 and 128 experts, routings with empty
+experts, all pairs on one expert and unrouted -1 ids, int32 and int64 ids; against the float64 reference of the
+dequantized operands (`_moe_models.FakeQuantExperts`, the layer tests' SQNR bound `LAYER_SQNR_DB`); a fresh output
+fully written (the caching allocator filled with NaN blocks first, two runs equal, no NaN); CUDA-graph capture of
+`W8A8MoE.forward` at T = 1 and 8 replayed with new router logits equal to eager; the profiler: the layer at
+T * top_k <= 64 launches `moe_decode_gate_up_kernel` and `moe_decode_down_kernel`, no `grouped_decode_kernel`, and
+at most 6 kernels per call with the routing. (A device other than sm90 raises NotImplementedError: not testable
+here.) The CPU op and the checks are tests/moe/test_moe_decode_cpu.py; the checks' C++ messages are held to the
+Python ones by tests/test_misuse_table.py::test_row_on_cuda.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import cutlass_w8a8 as cw
+from cutlass_w8a8.graphs import CapturedGraph
+
+transformers = pytest.importorskip("transformers")  # _moe_models (the float64 reference) imports it
+
+from _checkpoints import sqnr_db  # noqa: E402
+from _moe_decode import ROUTES, SCHEMES, chain, decode_operands, random_x, routing  # noqa: E402
+from _moe_models import LAYER_SQNR_DB, FakeQuantExperts  # noqa: E402
+from _opcheck import run_opcheck  # noqa: E402
+
+pytestmark = pytest.mark.sm90
+
+H, I = 256, 128
+# (T, top_k): T * top_k from 1 to MOE_DECODE_MAX_PAIRS = 64
+SIZES = [(1, 1), (1, 8), (3, 2), (8, 8), (16, 4), (64, 1), (32, 2)]
+NAN_BLOCK_BYTES = [2**p for p in range(9, 23)]  # 512 B .. 4 MiB: the allocator's small and large pools
+
+
+@functools.lru_cache(maxsize=None)
+def _operands(scheme, e, expert_2d=False):
+    ops = decode_operands(scheme, e, H, I, "cpu", seed=e, expert_shape=(-1, 1) if expert_2d else (-1,))
+    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
+
+
+def _fill_allocator_with_nan():
+    """Allocate, fill with NaN and free blocks of many sizes: a fresh output or workspace that the op does not write
+    fully then holds NaN (bytes 0xFF: NaN in bf16 / fp16 / fp32, and non-zero counters)."""
+    blocks = [torch.full((n,), 0xFF, dtype=torch.uint8, device="cuda") for n in NAN_BLOCK_BYTES for _ in range(2)]
+    del blocks
+
+
+def _fused(x, ids, wts, ops, out_dtype=torch.bfloat16):
+    """The op twice, after filling the allocator with NaN before each run: the two results equal, without NaN."""
+    outs = []
+    for _ in range(2):
+        _fill_allocator_with_nan()
+        outs.append(cw.moe_decode_experts(x, ids, wts, out_dtype=out_dtype, **ops))
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1]), "two runs differ (a fresh output or workspace not fully written?)"
+    assert not torch.isnan(outs[0].float()).any()
+    return outs[0]
+
+
+def _assert_equals_chain(x, ids, wts, ops, out_dtype=torch.bfloat16, what=""):
+    out = _fused(x, ids, wts, ops, out_dtype)
+    want = chain(x, ids, wts, out_dtype=out_dtype, **ops)
+    assert out.shape == want.shape and out.dtype == out_dtype and out.is_cuda and out.is_contiguous(), what
+    assert torch.equal(out, want), (what, (out.float() - want.float()).abs().max().item())
+    e = ops["w13"].shape[0]
+    routed = ((ids >= 0) & (ids < e)).any(1)
+    assert bool((out[~routed] == 0).all()), what
+    return out
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("t, k", SIZES)
+@pytest.mark.parametrize("e", [8, 128])
+@pytest.mark.parametrize("route", ROUTES)
+def test_equals_the_chain_bitwise(scheme, t, k, e, route):
+    ops = _operands(scheme, e)
+    ids, wts = routing(t, k, e, route, "cuda", seed=t * 100 + k)
+    x = random_x(t, H, device="cuda", seed=t + k)
+    _assert_equals_chain(x, ids, wts, ops, what=(scheme, t, k, e, route))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_dtypes_and_int64_ids(scheme, x_dtype, out_dtype):
+    ops = _operands(scheme, 8)
+    ids, wts = routing(8, 8, 8, "random", "cuda", seed=5, ids_dtype=torch.int64)
+    x = random_x(8, H, x_dtype, "cuda", seed=6)
+    _assert_equals_chain(x, ids, wts, ops, out_dtype, what=(scheme, x_dtype, out_dtype))
+
+
+def test_strided_x_ids_and_weights():
+    ops = _operands("fp8", 8)
+    ids, wts = routing(6, 4, 8, "random", "cuda", seed=7, ids_dtype=torch.int64)
+    x = random_x(6, H, torch.float32, "cuda", seed=8)
+    x_t = x.t().contiguous().t()  # strides (1, T)
+    ids_w = torch.zeros(6, 9, dtype=torch.int64, device="cuda")[:, 3:7]
+    wts_w = torch.zeros(6, 9, device="cuda")[:, 2:6]
+    ids_w.copy_(ids)
+    wts_w.copy_(wts)
+    out = _assert_equals_chain(x_t, ids_w, wts_w, ops)
+    assert torch.equal(out, chain(x, ids, wts, **ops))
+
+
+def test_t_zero():
+    ops = _operands("int8", 8)
+    out = cw.moe_decode_experts(torch.zeros(0, H, device="cuda", dtype=torch.bfloat16),
+                                torch.zeros(0, 2, dtype=torch.int32, device="cuda"), torch.zeros(0, 2, device="cuda"),
+                                **ops)
+    assert out.shape == (0, H) and out.dtype == torch.bfloat16 and out.is_cuda
+
+
+# ---- against the float64 reference of the dequantized operands ------------------------------------------------
+
+
+def _layer(scheme, e, top_k):
+    """A W8A8MoE holding the operands (per-expert scales as (E, 1), which W8A8MoE and FakeQuantExperts read)."""
+    dtype, kind, group = SCHEMES[scheme]
+    cfg = cw.W8A8Config(dtype=dtype, weight_block_size=(128, 128) if group else None)
+    mod = cw.W8A8MoE(e, top_k, H, I, cfg, device="cuda")
+    for name, v in _operands(scheme, e, expert_2d=True).items():
+        if isinstance(v, torch.Tensor):
+            setattr(mod, name, v)
+    return mod
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("t, k", SIZES)
+@pytest.mark.parametrize("e", [8, 128])
+def test_matches_float64_reference(scheme, t, k, e):
+    mod = _layer(scheme, e, min(k, e))
+    ref = FakeQuantExperts(mod, torch.float64).to("cpu")
+    ids, wts = routing(t, k, e, "random", "cuda", seed=t + 3 * k)
+    x = random_x(t, H, device="cuda", seed=t * k)
+    assert mod.uses_decode_path(x, k) == (t * k <= 64)
+    y = _fused(x, ids, wts, {n: getattr(mod, n) for n in ("w13", "w13_scale", "w2", "w2_scale")} |
+               {"group_size": mod.group_size})
+    want = ref(x.cpu(), ids.cpu(), wts.cpu())
+    bound = LAYER_SQNR_DB[scheme.replace("-expert", "")]
+    assert sqnr_db(y.cpu(), want) >= bound, (scheme, t, k, e)
+    assert torch.equal(mod(x, ids, wts), y)  # the layer takes the decode path: the same bits
+
+
+def test_opcheck_cuda():
+    for scheme in ("int8", "fp8-block"):
+        ops = _operands(scheme, 8)
+        ids, wts = routing(4, 2, 8, "random", "cuda", seed=9)
+        x = random_x(4, H, device="cuda", seed=10)
+        run_opcheck(torch.ops.cutlass_w8a8.moe_decode_experts,
+                    (x, ids, wts, ops["w13"], ops["w13_scale"], ops["w2"], ops["w2_scale"], ops["group_size"],
+                     torch.bfloat16))
+
+
+# ---- W8A8MoE: the fused path vs the chain, CUDA graphs, kernels -------------------------------------------------
+
+
+def _qwen_like(scheme, e=128, top_k=8):
+    return _layer(scheme, e, top_k)
+
+
+def _logits(t, e, seed, route="random"):
+    g = torch.Generator().manual_seed(seed)
+    logits = 2 * torch.randn(t, e, generator=g)
+    if route == "one-expert":
+        logits[:, 3] += 40
+    return logits.cuda()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("t", [1, 8])
+def test_layer_fused_equals_unfused(scheme, t):
+    mod = _qwen_like(scheme)
+    x = random_x(t, H, device="cuda", seed=11)
+    for route in ("random", "one-expert"):
+        logits = _logits(t, 128, 12, route)
+        mod.fused_decode = True
+        fused = mod(x, logits)
+        mod.fused_decode = False
+        assert torch.equal(fused, mod(x, logits)), (scheme, t, route)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8-block"])
+@pytest.mark.parametrize("t", [1, 8])
+def test_graph_replay_with_new_router_logits_equals_eager(scheme, t):
+    """W8A8MoE.forward (routing + the decode path) captured once on a side stream with host syncs raising, replayed
+    with new hidden states and router logits (random, all on one expert): each replay equals eager bit for bit."""
+    mod = _qwen_like(scheme)
+    cases = [[random_x(t, H, device="cuda", seed=20 + i), _logits(t, 128, 30 + i, route)]
+             for i, route in enumerate(["random", "one-expert", "random"])]
+    first = [random_x(t, H, device="cuda", seed=99), _logits(t, 128, 98)]
+    assert mod.uses_decode_path(first[0], mod.top_k)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        g = CapturedGraph(mod, first)
+        outs = [g(*case).clone() for case in cases]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for i, (case, out) in enumerate(zip(cases, outs)):
+        assert torch.equal(out, mod(*case)), (scheme, t, i)
+
+
+def _kernel_names(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [evt.name for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8-block"])
+@pytest.mark.parametrize("t", [1, 8])
+def test_layer_kernels(scheme, t):
+    """At T * top_k <= 64 with router logits: the two decode GEMM kernels, no grouped_decode_kernel, at most 6 CUDA
+    activities per layer call (the routing included); with fused_decode False the chain's grouped_decode_kernel."""
+    mod = _qwen_like(scheme)
+    x, logits = random_x(t, H, device="cuda", seed=13), _logits(t, 128, 14)
+    mod(x, logits)  # warm-up (lazy loading)
+    names = _kernel_names(lambda: mod(x, logits))
+    if not names:
+        pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
+    assert any("moe_decode_gate_up_kernel" in n for n in names), names
+    assert any("moe_decode_down_kernel" in n for n in names), names
+    assert not any("grouped_decode_kernel" in n for n in names), names
+    assert len(names) <= 6, names
+    mod.fused_decode = False
+    unfused = _kernel_names(lambda: mod(x, logits))
+    assert any("grouped_decode_kernel" in n for n in unfused), unfused
+    assert not any("moe_decode_" in n for n in unfused), unfused
