@@ -54,6 +54,10 @@ KERNEL_RULES: tuple[Rule, ...] = (
     Rule("quant", head=("per_token_regs_kernel", "per_token_loop_kernel", "per_tensor_kernel", "per_group_kernel")),
     # csrc/gemm/decode/decode_kernels.cuh: the M <= 16 GEMM and its split-K reduction
     Rule("gemm w8a8", head=("decode_gemm_kernel", "decode_reduce_kernel")),
+    # csrc/gemm/decode/grouped_decode.cu (grouped_scaled_mm at T <= 64) and csrc/moe/moe_decode.cu (the MoE decode
+    # path: the gate/up and down GEMMs; its prep kernel quantizes x)
+    Rule("gemm w8a8", head=("grouped_decode_kernel", "moe_decode_gate_up_kernel", "moe_decode_down_kernel")),
+    Rule("quant", head=("moe_decode_prep_kernel",)),
     # csrc/gemm/sm90 (CUTLASS 3.x: cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<...>>) and
     # csrc/gemm/sm80, sm89 (CUTLASS 2.x: cutlass::Kernel / Kernel2<cutlass::gemm::kernel::...>). cuBLAS's own
     # CUTLASS kernels are cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_...>: no "cutlass::gemm" inside,

@@ -176,6 +176,7 @@ def run_decode(args: argparse.Namespace, cw: Any, bu: Any, results: dict, device
         ours = {}
         for s in args.decode_schemes:
             fused = cw.W8A8MoE.from_float(base, scheme_config(cw, s), top_k, renorm)
+            fused.fused_decode = True  # the decode path at every size here (the default picks it by I)
             unfused = copy.copy(fused)  # shares the buffers, its own fused_decode
             unfused.fused_decode = False
             ours[f"{s}_fused"] = (fused, expert_bytes(fused, h, inter))

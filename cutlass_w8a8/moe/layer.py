@@ -32,6 +32,11 @@ __all__ = ["W8A8MoE", "quantize_expert_weights"]
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+# The largest intermediate size I at which `W8A8MoE` (fused_decode None) takes the decode path: measured faster than
+# the chain at I = 768 and slower at I = 2048 and 14336 (uses_decode_path).
+FUSED_DECODE_AUTO_MAX_I = 1024
+
+
 def quantize_expert_weights(weight: torch.Tensor, dtype: torch.dtype, weight_block_size: Optional[tuple] = None):
     """``(q, scale)`` of stacked float expert weights ``[E, N, K]`` (each expert an ``[N, K]`` Linear weight), as
     `W8A8Linear.from_float` quantizes one weight: per output channel (``scale[e, n] = max_k |w[e, n, k]| / QMAX``,
@@ -131,10 +136,12 @@ class W8A8MoE(nn.Module):
 
     Attributes
     ----------
-    fused_decode : bool
-        Use the decode path where it applies (default True). Set False to force the unfused chain at every size
-        (e.g. for A/B benchmarks: ``bench/bench_moe.py --parts decode``); a plain attribute, not in the state
-        dict. Read on every forward, so a captured CUDA graph keeps the path it was captured with.
+    fused_decode : bool or None
+        None (default): the decode path where it applies and was measured faster than the chain, i.e. at
+        ``intermediate_size <= FUSED_DECODE_AUTO_MAX_I`` (1024; see `uses_decode_path`). True: wherever it applies;
+        False: the unfused chain at every size (A/B benchmarks: ``bench/bench_moe.py --parts decode``). A plain
+        attribute, not in the state dict, read on every forward, so a captured CUDA graph keeps the path it was
+        captured with.
 
     Raises
     ------
@@ -203,7 +210,7 @@ class W8A8MoE(nn.Module):
             correction_bias = correction_bias.to(torch.float32)
         # non-persistent: the router holds the checkpoint's tensor (transformers' state dict has no other)
         self.register_buffer("correction_bias", correction_bias, persistent=False)
-        self.fused_decode = True  # the decode path (moe_decode_experts) where it applies; False: always the chain
+        self.fused_decode = None  # None: the decode path where it is measured faster (uses_decode_path); True / False
 
     @property
     def group_size(self) -> int:
@@ -366,11 +373,20 @@ class W8A8MoE(nn.Module):
 
     def uses_decode_path(self, x: torch.Tensor, top_k: int) -> bool:
         """Whether a forward on ``x`` ``[T, H]`` with ``top_k`` experts per token runs `moe_decode_experts` (the
-        decode path, class docstring) rather than the chain: a CUDA ``x``, ``fused_decode``, no static activation
-        scale, and ``1 <= T * top_k <= MOE_DECODE_MAX_PAIRS``."""
+        decode path, class docstring) rather than the chain: a CUDA ``x``, no static activation scale,
+        ``1 <= T * top_k <= MOE_DECODE_MAX_PAIRS``, and ``fused_decode`` True, or None with ``intermediate_size <=
+        FUSED_DECODE_AUTO_MAX_I``.
+
+        The automatic rule is measured (one H200, CUDA graphs, routing included, T = 1 / 2 / 8 tokens; issue 36's
+        closing note): the decode path was 1.06-1.17x faster than the chain at Qwen3-30B-A3B dims (I = 768, where its
+        down GEMM runs two weight tiles per CTA) and 0.83-1.00x at DeepSeek-V3 (I = 2048) and Mixtral (I = 14336)
+        dims, where each down CTA's cross-CTA top-k reduction (fence, counter, re-read) costs more than the three
+        kernels it saves."""
         pairs = x.shape[0] * top_k
-        return (x.is_cuda and self.fused_decode and self.a13_scale is None
-                and 1 <= pairs <= MOE_DECODE_MAX_PAIRS)
+        fused = self.fused_decode
+        if fused is None:
+            fused = self.intermediate_size <= FUSED_DECODE_AUTO_MAX_I
+        return bool(x.is_cuda and fused and self.a13_scale is None and 1 <= pairs <= MOE_DECODE_MAX_PAIRS)
 
     def route(self, router_logits: torch.Tensor):
         """The routing of router-logits mode: ``(topk_weights float32 [T, top_k], topk_ids int32 [T, top_k])`` of

@@ -65,6 +65,11 @@ KERNEL_NAMES = [
     # csrc/gemm/decode/decode_kernels.cuh (scaled_mm_decode, and linear_decode with XT = the input type)
     (f"void {_A}decode_gemm_kernel<{_A}Int8Ab, __nv_bfloat16, 1, void>(long, {_A}DecodeParams)", "gemm w8a8"),
     (f"void {_A}decode_gemm_kernel<{_A}Fp8Ab, __half, 2, __half>(long, {_A}DecodeParams)", "gemm w8a8"),
+    (f"void {_A}grouped_decode_kernel<{_A}Int8Ab, __nv_bfloat16, 1, false>({_A}GroupedParams)", "gemm w8a8"),
+    (f"void {_A}moe_decode_gate_up_kernel<{_A}Fp8Ab, __nv_bfloat16, 2, true>({_A}MoeDecodeParams)", "gemm w8a8"),
+    (f"void {_A}moe_decode_down_kernel<{_A}Int8Ab, __half, 1, false, 2>({_A}MoeDecodeParams)", "gemm w8a8"),
+    (f"void {_A}moe_decode_prep_kernel<__nv_bfloat16, {_A}Int8Out, false, __nv_bfloat16>({_A}MoeDecodeParams)",
+     "quant"),
     (f"void {_A}decode_reduce_kernel<__nv_bfloat16>(long, {_A}DecodeParams)", "gemm w8a8"),
     # csrc/gemm/sm90 (CUTLASS 3.x) with an epilogue of ours in its arguments; csrc/gemm/sm80 (CUTLASS 2.x)
     ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int, int, int, int>, "

@@ -156,7 +156,7 @@ def _cuda_like(t):
 
 def test_decode_path_rule():
     mod = _layer()
-    assert mod.fused_decode is True and copy.deepcopy(mod).fused_decode is True
+    assert mod.fused_decode is None and copy.deepcopy(mod).fused_decode is None
     for t, k, want in ((1, 1, True), (8, 8, True), (64, 1, True), (32, 2, True), (33, 2, False), (9, 8, False),
                        (0, 2, False)):
         assert mod.uses_decode_path(_cuda_like(t), k) is want, (t, k)
@@ -165,6 +165,13 @@ def test_decode_path_rule():
     assert not mod.uses_decode_path(_cuda_like(1), 1)
     assert not _layer(static=True).uses_decode_path(_cuda_like(1), 1)  # static activation scales: the chain
     assert _layer("fp8-block").uses_decode_path(_cuda_like(4), 8)
+    # automatic rule: the decode path only up to FUSED_DECODE_AUTO_MAX_I; True forces it above
+    from cutlass_w8a8.moe.layer import FUSED_DECODE_AUTO_MAX_I
+    wide = _layer()
+    wide.intermediate_size = FUSED_DECODE_AUTO_MAX_I + 128
+    assert not wide.uses_decode_path(_cuda_like(1), 1)
+    wide.fused_decode = True
+    assert wide.uses_decode_path(_cuda_like(1), 1)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8-block"])
