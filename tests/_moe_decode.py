@@ -145,6 +145,8 @@ DEVICE_TRIGGERS = {
     "moe-decode-scale-shape": lambda d: decode_call(d, w13_scale=_z(d, 4, 2, 1)),
     "moe-decode-w2-scale-shape": lambda d: decode_call(d, w2_scale=_z(d, 1, 128)),
     "moe-decode-contiguous": lambda d: decode_call(d, w13=_z(d, 4, 128, 256, dt=torch.int8).transpose(1, 2)),
+    "moe-decode-misaligned": lambda d: decode_call(
+        d, w13=_z(d, 4 * 256 * 128 + 8, dt=torch.int8)[8:].view(4, 256, 128)),
 }
 
 # Rows on meta tensors only (sizes too large to allocate).

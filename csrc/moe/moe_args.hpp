@@ -231,6 +231,8 @@ inline void check_decode_experts(const char* op, const at::Tensor& x, const at::
   check_contiguous(op, "w13_scale", w13_scale);
   check_contiguous(op, "w2", w2);
   check_contiguous(op, "w2_scale", w2_scale);
+  check_aligned16(op, "w13", w13);  // the kernels' 16-byte weight loads
+  check_aligned16(op, "w2", w2);
 }
 
 }  // namespace cutlass_w8a8::moe

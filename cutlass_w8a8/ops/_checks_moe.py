@@ -15,8 +15,8 @@ import torch
 from ._checks import _group_quant
 from ._limits import (BLOCK_SIZE, GEMM_ALIGN, MAX_ROW_K, MAX_ROWS, MOE_DECODE_MAX_PAIRS, MOE_MAX_EXPERTS,
                       MOE_MAX_GROUPS, blocks)
-from ._roles import (contiguous, eight_bit, exact_shape, fail_type, fail_value, float32_scale, float_input, gemm_size,
-                     int8_k_bound, limit_text, output_dtype, quant_dtype, row_input, same_device, tensor_arg)
+from ._roles import (aligned16, contiguous, eight_bit, exact_shape, fail_type, fail_value, float32_scale, float_input,
+                     gemm_size, int8_k_bound, limit_text, output_dtype, quant_dtype, row_input, same_device, tensor_arg)
 
 
 # ---- MoE routing (csrc/moe/routing.cu raises the same messages in the same order) -------------------------
@@ -234,3 +234,5 @@ def check_moe_decode_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_s
     contiguous(op, "w13_scale", w13_scale)
     contiguous(op, "w2", w2)
     contiguous(op, "w2_scale", w2_scale)
+    aligned16(op, "w13", w13)  # the kernels' 16-byte weight loads
+    aligned16(op, "w2", w2)
