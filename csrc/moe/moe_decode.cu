@@ -109,10 +109,8 @@ __device__ __forceinline__ int load_id(const MoeDecodeParams& p, int pair) {
 
 template <class XT, class Q, bool kGroup, class OutT>
 __global__ void __launch_bounds__(kPrepThreads) moe_decode_prep_kernel(MoeDecodeParams p) {
-  wait_for_producers();
-  // After the wait: the gate/up CTAs this lets start read topk_ids (the routing kernel's output, complete once this
-  // wait returned) before their own wait (see prefetch_rows).
   allow_dependent_launch();
+  wait_for_producers();
   const int tok = blockIdx.x;
   const int tiles = p.hid / kRows;
   for (int i = threadIdx.x; i < p.k; i += kPrepThreads) p.cnt13[tok * p.k + i] = 0;
@@ -405,19 +403,6 @@ __device__ __forceinline__ bool arrive_last(int* counter, int total) {
   return last;
 }
 
-// The first bytes of one weight row of the CTA's expert asked into L2 before the CTA's griddepcontrol.wait, so that
-// HBM streams them while the kernel before still runs (the dense decode GEMM's prefetch, gemm/decode/README.md).
-// The expert is known before the wait: topk_ids is the routing kernel's output, and that kernel has completed
-// before any CTA of this kernel starts, because each kernel of the chain lets its dependents launch only after its
-// own wait returned (prep after its wait; gate/up from its main loop, after its wait): so the routing kernel, two
-// kernels up the stream, is complete and its writes visible. Only a prefix of kPrefetchRowBytes per row: a wave of
-// CTAs then asks for at most ~25 MB, half the H100 / H200 L2. A hint: nothing depends on it.
-constexpr int64_t kPrefetchRowBytes = 2048;
-
-__device__ __forceinline__ void prefetch_rows(const uint8_t* row, int64_t k) {
-  prefetch_l2(row, static_cast<uint32_t>(k < kPrefetchRowBytes ? k : kPrefetchRowBytes));
-}
-
 // CTAs per SM the kernels are compiled for: as grouped_decode_kernel (three for the one-tile row-wise variants).
 template <int kMaxNT, bool kBlockScaled>
 constexpr int kCtasPerSm = kMaxNT == 1 && !kBlockScaled ? 3 : 2;
@@ -431,17 +416,12 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
   using Q = typename AB::Q;
   __shared__ alignas(16) Acc red[kWarps][2][32][4];
   __shared__ SlotShared s;
-  // topk_ids before the wait: see prefetch_rows
+  wait_for_producers();  // topk_ids and weights (routing), qx / sx (prep)
   find_slot_pairs(p, static_cast<int>(blockIdx.y), s);
   if (s.expert < 0) return;
   const int inter = p.inter, hid = p.hid;
   const int64_t n13 = 2 * static_cast<int64_t>(inter);
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kRows;
-  if (threadIdx.x < 2 * kRows) {  // the gate rows n0 .., then the up rows I + n0 ..
-    const int64_t wrow = threadIdx.x < kRows ? n0 + threadIdx.x : inter + n0 + (threadIdx.x - kRows);
-    prefetch_rows(p.w13 + (static_cast<int64_t>(s.expert) * n13 + wrow) * hid, hid);
-  }
-  wait_for_producers();  // qx / sx (prep)
   const ChunkA ca{p.qx, hid, p.sx, 1};
   constexpr int kChunk = 8 * kMaxNT;
   const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
@@ -487,15 +467,11 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
   using Acc = typename AB::Acc;
   __shared__ alignas(16) Acc red[kWarps][2][32][4];
   __shared__ SlotShared s;
-  // topk_ids before the wait: see prefetch_rows
+  wait_for_producers();  // q2 / sh (gate/up); the counters were zeroed by prep, which gate/up waited for
   find_slot_pairs(p, static_cast<int>(blockIdx.y), s);
   if (s.expert < 0) return;
   const int inter = p.inter, hid = p.hid;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kRows * R;
-  if (threadIdx.x < kRows * R) {
-    prefetch_rows(p.w2 + (static_cast<int64_t>(s.expert) * hid + n0 + threadIdx.x) * inter, inter);
-  }
-  wait_for_producers();  // q2 / sh (gate/up); the counters were zeroed by prep, which gate/up waited for
   const ChunkA ca{p.q2, inter, p.sh, 0};
   constexpr int kChunk = 8 * kMaxNT;
   const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
