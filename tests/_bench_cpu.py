@@ -26,6 +26,22 @@ def loaded_bench(name: str):
         yield mod
 
 
+@contextlib.contextmanager
+def loaded_benches(*names: str):
+    """bench/{name}.py for each of ``names``, executed in that order (a script after the siblings it imports by
+    name), each put in ``sys.modules`` under its name for the duration of the ``with`` block and removed after.
+    Yields ``{name: module}``."""
+    mods = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for name in names:
+            spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+            mod = importlib.util.module_from_spec(spec)
+            mp.setitem(sys.modules, name, mod)
+            spec.loader.exec_module(mod)
+            mods[name] = mod
+        yield mods
+
+
 class FakeEvent:
     """Stand-in for ``torch.cuda.Event`` on the CPU: ``record`` notes ``time.perf_counter()`` and ``elapsed_time``
     returns the wall time between two recorded events in milliseconds (the unit CUDA events report)."""

@@ -5,17 +5,15 @@ dict. The benchmark itself needs a GPU; this keeps its pieces honest between GPU
 
 import copy
 import functools
-import importlib.util
 import math
 import pathlib
 import re
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from _bench_cpu import FakeEvent
+from _bench_cpu import FakeEvent, loaded_benches
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 
@@ -24,14 +22,7 @@ BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 def bench():
     """bench/_decoder_kernels.py, _decoder_report.py and bench_decoder.py, loaded from their files (bench_decoder
     imports its siblings by name: they are put in sys.modules for the duration of this module)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mods = {}
-        for name in ("_decoder_kernels", "_decoder_report", "bench_decoder"):
-            spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-            mod = importlib.util.module_from_spec(spec)
-            mp.setitem(sys.modules, name, mod)
-            spec.loader.exec_module(mod)
-            mods[name] = mod
+    with loaded_benches("_decoder_kernels", "_decoder_report", "bench_decoder") as mods:
         yield SimpleNamespace(kernels=mods["_decoder_kernels"], report=mods["_decoder_report"],
                               main=mods["bench_decoder"])
 

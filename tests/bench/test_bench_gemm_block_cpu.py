@@ -15,6 +15,8 @@ import cutlass_w8a8 as cw
 from cutlass_w8a8.testing.shapes import BLOCK_SHAPES, SHAPES, select_shapes
 from cutlass_w8a8.testing.timers import geomean
 
+from _bench_cpu import loaded_benches
+
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 E4M3 = torch.float8_e4m3fn
 
@@ -23,15 +25,8 @@ E4M3 = torch.float8_e4m3fn
 def bench():
     """bench/_gemm_*.py and bench_gemm.py, loaded from their files (they import their siblings by name: put in
     sys.modules for the duration of this module)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mods = {}
-        for name in ("_gemm_methods", "_gemm_accuracy", "_gemm_block", "_gemm_report", "_gemm_torchao",
-                     "bench_gemm"):
-            spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-            mod = importlib.util.module_from_spec(spec)
-            mp.setitem(sys.modules, name, mod)
-            spec.loader.exec_module(mod)
-            mods[name] = mod
+    with loaded_benches("_gemm_methods", "_gemm_accuracy", "_gemm_block", "_gemm_report", "_gemm_torchao",
+                        "bench_gemm") as mods:
         yield SimpleNamespace(acc=mods["_gemm_accuracy"], block=mods["_gemm_block"], main=mods["bench_gemm"],
                               report=mods["_gemm_report"])
 

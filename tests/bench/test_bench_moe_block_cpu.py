@@ -5,8 +5,6 @@ quantization, outputs against the bf16 block), the derived numbers, the targets 
 results dict, and the measuring flow end to end at tiny DeepSeek-like and GLM-like dims on the ops' CPU references
 (the timers faked). The benchmark itself needs a GPU; this keeps its pieces honest between GPU runs."""
 
-import importlib.util
-import sys
 import time
 from types import SimpleNamespace
 
@@ -16,7 +14,7 @@ import torch
 import cutlass_w8a8 as cw
 from cutlass_w8a8.testing import timers
 
-from _bench_cpu import BENCH, FakeEvent
+from _bench_cpu import FakeEvent, loaded_benches
 
 #: bench/bench_moe.py and the siblings it imports by name, in import order (as tests/bench/test_bench_moe_cpu.py)
 MODULES = ("_moe_common", "_moe_block", "_moe_decode", "_moe_report", "bench_moe")
@@ -26,14 +24,7 @@ needs_moe = pytest.mark.skipif(not hasattr(cw, "moe_route"), reason="no moe_rout
 
 @pytest.fixture(scope="module")
 def mods():
-    with pytest.MonkeyPatch.context() as mp:
-        loaded = {}
-        for name in MODULES:
-            spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-            mod = importlib.util.module_from_spec(spec)
-            mp.setitem(sys.modules, name, mod)
-            spec.loader.exec_module(mod)
-            loaded[name] = mod
+    with loaded_benches(*MODULES) as loaded:
         yield SimpleNamespace(block=loaded["_moe_block"], report=loaded["_moe_report"], main=loaded["bench_moe"])
 
 

@@ -3,8 +3,6 @@ grouped GEMM point against a per-row loop, the derived numbers and targets and t
 results dict, the message without a GPU, and the measuring flow end to end at tiny dims on the ops' CPU references
 (the timers faked). The benchmark itself needs a GPU; this keeps its pieces honest between GPU runs."""
 
-import importlib.util
-import sys
 import time
 from types import SimpleNamespace
 
@@ -14,7 +12,7 @@ import torch
 import cutlass_w8a8 as cw
 from cutlass_w8a8.testing import timers
 
-from _bench_cpu import BENCH, FakeEvent
+from _bench_cpu import FakeEvent, loaded_benches
 
 
 #: bench/bench_moe.py and the siblings it imports by name (bench/ is on sys.path when the script runs), in import order
@@ -24,13 +22,8 @@ MOE_BENCH_MODULES = ("_moe_common", "_moe_block", "_moe_decode", "_moe_report", 
 @pytest.fixture(scope="module")
 def bench():
     """bench/bench_moe.py, loaded from its file with its sibling modules (put in sys.modules for this module)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for name in MOE_BENCH_MODULES:
-            spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-            mod = importlib.util.module_from_spec(spec)
-            mp.setitem(sys.modules, name, mod)
-            spec.loader.exec_module(mod)
-        yield mod
+    with loaded_benches(*MOE_BENCH_MODULES) as mods:
+        yield mods["bench_moe"]
 
 
 @pytest.fixture
@@ -341,14 +334,7 @@ def test_decode_flow_on_cpu(on_cpu, monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def decoder_bench():
     """bench/_decoder_kernels.py, _decoder_report.py and bench_decoder.py, loaded from their files."""
-    with pytest.MonkeyPatch.context() as mp:
-        mods = {}
-        for name in ("_decoder_kernels", "_decoder_report", "bench_decoder"):
-            spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-            mod = importlib.util.module_from_spec(spec)
-            mp.setitem(sys.modules, name, mod)
-            spec.loader.exec_module(mod)
-            mods[name] = mod
+    with loaded_benches("_decoder_kernels", "_decoder_report", "bench_decoder") as mods:
         yield SimpleNamespace(report=mods["_decoder_report"], main=mods["bench_decoder"])
 
 
