@@ -56,7 +56,8 @@ KERNEL_RULES: tuple[Rule, ...] = (
     Rule("gemm w8a8", head=("decode_gemm_kernel", "decode_reduce_kernel")),
     # csrc/gemm/decode/grouped_decode.cu (grouped_scaled_mm at T <= 64) and csrc/moe/moe_decode.cu (the MoE decode
     # path: the gate/up and down GEMMs; its prep kernel quantizes x)
-    Rule("gemm w8a8", head=("grouped_decode_kernel", "moe_decode_gate_up_kernel", "moe_decode_down_kernel")),
+    Rule("gemm w8a8", head=("grouped_decode_kernel", "moe_decode_gate_up_kernel", "moe_decode_down_kernel",
+                            "moe_decode_down_tm_kernel")),
     Rule("quant", head=("moe_decode_prep_kernel",)),
     # csrc/gemm/sm90 (CUTLASS 3.x: cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<...>>) and
     # csrc/gemm/sm80, sm89 (CUTLASS 2.x: cutlass::Kernel / Kernel2<cutlass::gemm::kernel::...>). cuBLAS's own

@@ -32,9 +32,10 @@ __all__ = ["W8A8MoE", "quantize_expert_weights"]
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-# The largest intermediate size I at which `W8A8MoE` (fused_decode None) takes the decode path: measured faster than
-# the chain at I = 768 and slower at I = 2048 and 14336 (uses_decode_path).
-FUSED_DECODE_AUTO_MAX_I = 1024
+# Where `W8A8MoE` (fused_decode None) takes the decode path: top_k >= FUSED_DECODE_MIN_TOP_K (the down GEMM is then
+# token-major, csrc/moe/moe_decode.cu) and I <= FUSED_DECODE_AUTO_MAX_I, the measured range (uses_decode_path).
+FUSED_DECODE_MIN_TOP_K = 4
+FUSED_DECODE_AUTO_MAX_I = 2048
 
 
 def quantize_expert_weights(weight: torch.Tensor, dtype: torch.dtype, weight_block_size: Optional[tuple] = None):
@@ -138,7 +139,8 @@ class W8A8MoE(nn.Module):
     ----------
     fused_decode : bool or None
         None (default): the decode path where it applies and was measured faster than the chain, i.e. at
-        ``intermediate_size <= FUSED_DECODE_AUTO_MAX_I`` (1024; see `uses_decode_path`). True: wherever it applies;
+        ``top_k >= FUSED_DECODE_MIN_TOP_K`` (4) and ``intermediate_size <= FUSED_DECODE_AUTO_MAX_I`` (2048; see
+        `uses_decode_path`). True: wherever it applies;
         False: the unfused chain at every size (A/B benchmarks: ``bench/bench_moe.py --parts decode``). A plain
         attribute, not in the state dict, read on every forward, so a captured CUDA graph keeps the path it was
         captured with.
@@ -374,18 +376,19 @@ class W8A8MoE(nn.Module):
     def uses_decode_path(self, x: torch.Tensor, top_k: int) -> bool:
         """Whether a forward on ``x`` ``[T, H]`` with ``top_k`` experts per token runs `moe_decode_experts` (the
         decode path, class docstring) rather than the chain: a CUDA ``x``, no static activation scale,
-        ``1 <= T * top_k <= MOE_DECODE_MAX_PAIRS``, and ``fused_decode`` True, or None with ``intermediate_size <=
-        FUSED_DECODE_AUTO_MAX_I``.
+        ``1 <= T * top_k <= MOE_DECODE_MAX_PAIRS``, and ``fused_decode`` True, or None with ``top_k >=
+        FUSED_DECODE_MIN_TOP_K`` and ``intermediate_size <= FUSED_DECODE_AUTO_MAX_I``.
 
-        The automatic rule is measured (one H200, CUDA graphs, routing included, T = 1 / 2 / 8 tokens; issue 36's
-        closing note): the decode path was 1.06-1.17x faster than the chain at Qwen3-30B-A3B dims (I = 768, where its
-        down GEMM runs two weight tiles per CTA) and 0.83-1.00x at DeepSeek-V3 (I = 2048) and Mixtral (I = 14336)
-        dims, where each down CTA's cross-CTA top-k reduction (fence, counter, re-read) costs more than the three
-        kernels it saves."""
+        The automatic rule is measured (one H200, CUDA graphs, routing included, T = 1 and 8; issue 36's closing
+        note). With the token-major down GEMM (top_k >= 4) the decode path was 1.20-1.52x faster than the chain at
+        Qwen3-30B-A3B dims (I = 768, top-8, int8 / fp8 / block), 1.07-1.23x at DeepSeek-V3's (I = 2048, top-8),
+        1.17x at OLMoE's (I = 1024, top-8) and 1.12x at Qwen2-MoE's (I = 1408, top-4). At top-2 (Mixtral, I =
+        14336) it was 0.84x: the down GEMM is then expert-major, and each CTA's cross-CTA top-k reduction (fence,
+        counter, re-read) costs more than the three kernels it saves. Larger I is not measured."""
         pairs = x.shape[0] * top_k
         fused = self.fused_decode
         if fused is None:
-            fused = self.intermediate_size <= FUSED_DECODE_AUTO_MAX_I
+            fused = top_k >= FUSED_DECODE_MIN_TOP_K and self.intermediate_size <= FUSED_DECODE_AUTO_MAX_I
         return bool(x.is_cuda and fused and self.a13_scale is None and 1 <= pairs <= MOE_DECODE_MAX_PAIRS)
 
     def route(self, router_logits: torch.Tensor):

@@ -155,23 +155,30 @@ def _cuda_like(t):
 
 
 def test_decode_path_rule():
+    from cutlass_w8a8.moe.layer import FUSED_DECODE_AUTO_MAX_I, FUSED_DECODE_MIN_TOP_K
     mod = _layer()
     assert mod.fused_decode is None and copy.deepcopy(mod).fused_decode is None
+    # automatic rule: top_k >= FUSED_DECODE_MIN_TOP_K and I <= FUSED_DECODE_AUTO_MAX_I, within the pair limit
+    assert mod.intermediate_size <= FUSED_DECODE_AUTO_MAX_I
+    for t, k, want in ((1, 4, True), (8, 8, True), (16, 4, True), (1, FUSED_DECODE_MIN_TOP_K - 1, False),
+                       (32, 2, False), (9, 8, False), (0, 8, False)):
+        assert mod.uses_decode_path(_cuda_like(t), k) is want, (t, k)
+    # forced: every call within 1 <= T * top_k <= MOE_DECODE_MAX_PAIRS, whatever top_k
+    mod.fused_decode = True
     for t, k, want in ((1, 1, True), (8, 8, True), (64, 1, True), (32, 2, True), (33, 2, False), (9, 8, False),
                        (0, 2, False)):
         assert mod.uses_decode_path(_cuda_like(t), k) is want, (t, k)
     assert not mod.uses_decode_path(torch.zeros(1, H), 2)  # CPU: the chain
     mod.fused_decode = False
-    assert not mod.uses_decode_path(_cuda_like(1), 1)
-    assert not _layer(static=True).uses_decode_path(_cuda_like(1), 1)  # static activation scales: the chain
+    assert not mod.uses_decode_path(_cuda_like(1), 8)
+    assert not _layer(static=True).uses_decode_path(_cuda_like(1), 8)  # static activation scales: the chain
     assert _layer("fp8-block").uses_decode_path(_cuda_like(4), 8)
-    # automatic rule: the decode path only up to FUSED_DECODE_AUTO_MAX_I; True forces it above
-    from cutlass_w8a8.moe.layer import FUSED_DECODE_AUTO_MAX_I
+    # above FUSED_DECODE_AUTO_MAX_I only when forced
     wide = _layer()
     wide.intermediate_size = FUSED_DECODE_AUTO_MAX_I + 128
-    assert not wide.uses_decode_path(_cuda_like(1), 1)
+    assert not wide.uses_decode_path(_cuda_like(1), 8)
     wide.fused_decode = True
-    assert wide.uses_decode_path(_cuda_like(1), 1)
+    assert wide.uses_decode_path(_cuda_like(1), 8)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8-block"])

@@ -6,8 +6,9 @@ experts, all pairs on one expert and unrouted -1 ids, int32 and int64 ids; again
 dequantized operands (`_moe_models.FakeQuantExperts`, the layer tests' SQNR bound `LAYER_SQNR_DB`); a fresh output
 fully written (the caching allocator filled with NaN blocks first, two runs equal, no NaN); CUDA-graph capture of
 `W8A8MoE.forward` at T = 1 and 8 replayed with new router logits equal to eager; the profiler: the layer at
-T * top_k <= 64 launches `moe_decode_gate_up_kernel` and `moe_decode_down_kernel`, no `grouped_decode_kernel`, and
-at most 6 kernels per call with the routing. (A device other than sm90 raises NotImplementedError: not testable
+T * top_k <= 64 launches `moe_decode_gate_up_kernel` and the token-major `moe_decode_down_tm_kernel` at top_k >= 4
+(the expert-major `moe_decode_down_kernel` below), no `grouped_decode_kernel`, and at most 6 kernels per call with
+the routing. (A device other than sm90 raises NotImplementedError: not testable
 here.) The CPU op and the checks are tests/moe/test_moe_decode_cpu.py; the checks' C++ messages are held to the
 Python ones by tests/test_misuse_table.py::test_row_on_cuda.
 """
@@ -134,6 +135,7 @@ def _layer(scheme, e, top_k):
 @pytest.mark.parametrize("e", [8, 128])
 def test_matches_float64_reference(scheme, t, k, e):
     mod = _layer(scheme, e, min(k, e))
+    mod.fused_decode = True  # the decode path at every top_k (the default takes it at top_k >= 4)
     ref = FakeQuantExperts(mod, torch.float64).to("cpu")
     ids, wts = routing(t, k, e, "random", "cuda", seed=t + 3 * k)
     x = random_x(t, H, device="cuda", seed=t * k)
@@ -215,18 +217,23 @@ def _kernel_names(fn):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8-block"])
-@pytest.mark.parametrize("t", [1, 8])
-def test_layer_kernels(scheme, t):
-    """At T * top_k <= 64 with router logits: the two decode GEMM kernels, no grouped_decode_kernel, at most 6 CUDA
-    activities per layer call (the routing included); with fused_decode False the chain's grouped_decode_kernel."""
-    mod = _qwen_like(scheme)
+@pytest.mark.parametrize("t, top_k", [(1, 8), (8, 8), (4, 2)])
+def test_layer_kernels(scheme, t, top_k):
+    """At T * top_k <= 64 with router logits: the gate/up decode kernel and the down one (token-major at top_k >= 4,
+    expert-major below), no grouped_decode_kernel, at most 6 CUDA activities per layer call (the routing included);
+    with fused_decode False the chain's grouped_decode_kernel."""
+    mod = _qwen_like(scheme, top_k=top_k)
+    mod.fused_decode = True  # top-2 takes the chain by default
     x, logits = random_x(t, H, device="cuda", seed=13), _logits(t, 128, 14)
     mod(x, logits)  # warm-up (lazy loading)
     names = _kernel_names(lambda: mod(x, logits))
     if not names:
         pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
+    down = "moe_decode_down_tm_kernel" if top_k >= 4 else "moe_decode_down_kernel"
+    other = "moe_decode_down_kernel" if top_k >= 4 else "moe_decode_down_tm_kernel"
     assert any("moe_decode_gate_up_kernel" in n for n in names), names
-    assert any("moe_decode_down_kernel" in n for n in names), names
+    assert any(down in n for n in names), names
+    assert not any(other in n for n in names), names
     assert not any("grouped_decode_kernel" in n for n in names), names
     assert len(names) <= 6, names
     mod.fused_decode = False
