@@ -12,13 +12,16 @@ A table whose candidates the build left out is swept over its shipped configs on
 For each config table (``--dtypes``: ``int8``, ``fp8``: per-token x per-channel scales on the Llama-3 shapes;
 ``fp8-block``: block-scaled fp8, 1x128 activation groups x 128x128 weight blocks, on the DeepSeek-V3 and Qwen3 shapes
 of `cutlass_w8a8.testing.shapes.BLOCK_SHAPES`), shape and M, every config (shipped ones and candidates, bfloat16
-output) is checked against the default config's output and timed by CUDA-graph
-replay over rotating inputs with a cold L2, the replays of a point's configs interleaved
-(cutlass_w8a8.testing.timers.bench_gpu_time_interleaved). Writes
+output) is checked against the default config's output (relative error below 2e-2 for fp8, 1e-6 for int8; whether
+it is also bit-identical is recorded) and timed by CUDA-graph replay over rotating inputs with a cold L2, the replays
+of a point's configs interleaved (cutlass_w8a8.testing.timers.bench_gpu_time_interleaved). ``--configs waves`` times
+the wave-mainloop candidates (names ending ``_waves``: csrc/gemm/sm90/wave_mainloop.cuh) beside each point's shipped
+choice. Writes
 ``tune_<device>_<dtypes>.json`` (every time) and ``tune_<device>_<dtypes>.md``: the best config per point, for each M the
 config that is best in geomean over the shapes with its loss against the per-point best, and for each M every
 config's geomean time ratio against the config the shipped dispatch picks at each point (the library's
-``cw8a8_sm90_select_config``), the table to read when deciding whether a candidate should replace a shipped bucket.
+``cw8a8_sm90_select_config``), the table to read when deciding whether a candidate should replace a shipped bucket,
+and for each config at how many of its points its output equaled the default's bit for bit.
 """
 
 from __future__ import annotations
@@ -156,10 +159,10 @@ def tune_point(bu, dtype, names, m, n, k, args, l2_bytes, shipped: Optional[int]
     copies = bu.rotation_count(set_bytes, l2_bytes, 4 * 2**30)
     sets = random_operands(dtype, m, n, k, copies)
     op = torch.ops.cutlass_w8a8._scaled_mm_config
-    ref = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    torch.ops.cutlass_w8a8.scaled_mm_out(ref, sets[0][1], sets[0][2].t(), sets[0][3], sets[0][4], None)
-    ref = ref.float()
-    result = {"M": m, "N": n, "K": k, "times_us": {}, "errors": {},
+    ref_out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    torch.ops.cutlass_w8a8.scaled_mm_out(ref_out, sets[0][1], sets[0][2].t(), sets[0][3], sets[0][4], None)
+    ref = ref_out.float()
+    result = {"M": m, "N": n, "K": k, "times_us": {}, "errors": {}, "identical": {},
               "shipped": names[shipped] if shipped is not None and 0 <= shipped < len(names) else None}
     keys = [c.strip() for c in (args.configs or "").split(",") if c.strip()]
     cases = {}
@@ -175,6 +178,7 @@ def tune_point(bu, dtype, names, m, n, k, args, l2_bytes, shipped: Optional[int]
             if not rel < (1e-6 if dtype == "int8" else 2e-2):  # int8 is exact: any config gives the same
                 result["errors"][name] = f"wrong result: relative error {rel:.3g}"
                 continue
+            result["identical"][name] = bool(torch.equal(out, ref_out))
             cases[name] = (lambda o, a, w, sa, sb, i=i: op(o, a, w.t(), sa, sb, None, i), sets)
         except RuntimeError as exc:
             result["errors"][name] = str(exc).splitlines()[0][:200]
@@ -214,7 +218,24 @@ def summarize(points: list[dict], geomean) -> str:
             second = ranked[1] if len(ranked) > 1 else ("–", float("nan"))
             lines.append(f"| {m} | {ranked[0][0]} | {ranked[0][1]:.3f} | {second[0]} | {second[1]:.3f} |")
         lines += vs_shipped(points, dtype, geomean)
+        lines += identical_to_default(points, dtype)
     return "\n".join(lines)
+
+
+def identical_to_default(points: list[dict], dtype: str) -> list[str]:
+    """Markdown lines: for each config, at how many of the points where it passed the check its bfloat16 output
+    equaled the default dispatch's bit for bit (``torch.equal``: +0 and -0 compare equal)."""
+    counts: dict = {}
+    for p in (q for q in points if q["dtype"] == dtype):
+        for name, same in p.get("identical", {}).items():
+            hit, total = counts.get(name, (0, 0))
+            counts[name] = (hit + bool(same), total + 1)
+    if not counts:
+        return []
+    lines = [f"\n## {dtype}: output bit-identical to the default dispatch's\n", "| config | identical at | of points |",
+             "|:---|---:|---:|"]
+    lines += [f"| {name} | {hit} | {total} |" for name, (hit, total) in sorted(counts.items())]
+    return lines
 
 
 def vs_shipped(points: list[dict], dtype: str, geomean) -> list[str]:
