@@ -12,13 +12,16 @@ A table whose candidates the build left out is swept over its shipped configs on
 For each config table (``--dtypes``: ``int8``, ``fp8``: per-token x per-channel scales on the Llama-3 shapes;
 ``fp8-block``: block-scaled fp8, 1x128 activation groups x 128x128 weight blocks, on the DeepSeek-V3 and Qwen3 shapes
 of `cutlass_w8a8.testing.shapes.BLOCK_SHAPES`), shape and M, every config (shipped ones and candidates, bfloat16
-output) is checked against the default config's output and timed by CUDA-graph
-replay over rotating inputs with a cold L2, the replays of a point's configs interleaved
-(cutlass_w8a8.testing.timers.bench_gpu_time_interleaved). Writes
-``tune_<device>_<dtypes>.json`` (every time) and ``tune_<device>_<dtypes>.md``: the best config per point, for each M the
-config that is best in geomean over the shapes with its loss against the per-point best, and for each M every
-config's geomean time ratio against the config the shipped dispatch picks at each point (the library's
-``cw8a8_sm90_select_config``), the table to read when deciding whether a candidate should replace a shipped bucket.
+output) is checked against the default config's output, or ``--reference``'s (relative error below 2e-2 for fp8, 1e-6
+for int8; whether it is also bit-identical is recorded) and timed by CUDA-graph replay over rotating inputs with a
+cold L2, the replays of a point's configs interleaved (cutlass_w8a8.testing.timers.bench_gpu_time_interleaved).
+``--configs waves`` times the wave-mainloop candidates (names ending ``_waves``: csrc/gemm/sm90/wave_mainloop.cuh)
+beside each point's shipped choice. Writes ``tune_<device>_<dtypes>.json`` (every time) and
+``tune_<device>_<dtypes>.md``: the best config per point, for each M the config that is best in geomean over the
+shapes with its loss against the per-point best, and for each M every config's geomean time ratio against the config
+the shipped dispatch picks at each point (the library's ``cw8a8_sm90_select_config``), the table to read when deciding
+whether a candidate should replace a shipped bucket, and for each config at how many of its points its output equaled
+the reference's bit for bit.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--configs", default=None,
                    help="comma list of substrings: time only the configs whose name contains one (the shipped "
                         "choice of each point is always timed)")
+    p.add_argument("--reference", default=None,
+                   help="the config (a name of the table, e.g. 128x128x128_c2x1_pingpong_persistent) whose output every "
+                        "config is checked and compared bit for bit against (default: the default dispatch's)")
     p.add_argument("--replays", type=int, default=10, help="timed graph replays per config (default 10)")
     p.add_argument("--replay-ms", type=float, default=0.5, help="target ms per replay (default 0.5)")
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results"))
@@ -156,10 +162,13 @@ def tune_point(bu, dtype, names, m, n, k, args, l2_bytes, shipped: Optional[int]
     copies = bu.rotation_count(set_bytes, l2_bytes, 4 * 2**30)
     sets = random_operands(dtype, m, n, k, copies)
     op = torch.ops.cutlass_w8a8._scaled_mm_config
-    ref = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    torch.ops.cutlass_w8a8.scaled_mm_out(ref, sets[0][1], sets[0][2].t(), sets[0][3], sets[0][4], None)
-    ref = ref.float()
-    result = {"M": m, "N": n, "K": k, "times_us": {}, "errors": {},
+    ref_out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    if getattr(args, "reference", None):
+        op(ref_out, sets[0][1], sets[0][2].t(), sets[0][3], sets[0][4], None, names.index(args.reference))
+    else:
+        torch.ops.cutlass_w8a8.scaled_mm_out(ref_out, sets[0][1], sets[0][2].t(), sets[0][3], sets[0][4], None)
+    ref = ref_out.float()
+    result = {"M": m, "N": n, "K": k, "times_us": {}, "errors": {}, "identical": {},
               "shipped": names[shipped] if shipped is not None and 0 <= shipped < len(names) else None}
     keys = [c.strip() for c in (args.configs or "").split(",") if c.strip()]
     cases = {}
@@ -175,6 +184,7 @@ def tune_point(bu, dtype, names, m, n, k, args, l2_bytes, shipped: Optional[int]
             if not rel < (1e-6 if dtype == "int8" else 2e-2):  # int8 is exact: any config gives the same
                 result["errors"][name] = f"wrong result: relative error {rel:.3g}"
                 continue
+            result["identical"][name] = bool(torch.equal(out, ref_out))
             cases[name] = (lambda o, a, w, sa, sb, i=i: op(o, a, w.t(), sa, sb, None, i), sets)
         except RuntimeError as exc:
             result["errors"][name] = str(exc).splitlines()[0][:200]
@@ -214,7 +224,25 @@ def summarize(points: list[dict], geomean) -> str:
             second = ranked[1] if len(ranked) > 1 else ("–", float("nan"))
             lines.append(f"| {m} | {ranked[0][0]} | {ranked[0][1]:.3f} | {second[0]} | {second[1]:.3f} |")
         lines += vs_shipped(points, dtype, geomean)
+        lines += identical_to_reference(points, dtype)
     return "\n".join(lines)
+
+
+def identical_to_reference(points: list[dict], dtype: str) -> list[str]:
+    """Markdown lines: for each config, at how many of the points where it passed the check its bfloat16 output
+    equaled the reference's bit for bit (the default dispatch's, or ``--reference``'s; ``torch.equal``: +0 and -0
+    compare equal)."""
+    counts: dict = {}
+    for p in (q for q in points if q["dtype"] == dtype):
+        for name, same in p.get("identical", {}).items():
+            hit, total = counts.get(name, (0, 0))
+            counts[name] = (hit + bool(same), total + 1)
+    if not counts:
+        return []
+    lines = [f"\n## {dtype}: output bit-identical to the reference's\n", "| config | identical at | of points |",
+             "|:---|---:|---:|"]
+    lines += [f"| {name} | {hit} | {total} |" for name, (hit, total) in sorted(counts.items())]
+    return lines
 
 
 def vs_shipped(points: list[dict], dtype: str, geomean) -> list[str]:
@@ -265,6 +293,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     points = []
     names_by_dtype = {d: config_names(lib, d) for d in dtypes}
+    missing = [d for d, names in names_by_dtype.items() if args.reference and args.reference not in names]
+    if missing:
+        sys.exit(f"--reference {args.reference}: not a config of {', '.join(missing)} in this build")
     t_start = time.perf_counter()
     for d, names in names_by_dtype.items():
         print(f"{d}: {len(names)} configs: {', '.join(names)}", flush=True)

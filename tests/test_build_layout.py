@@ -116,6 +116,30 @@ def test_tune_tables_select_their_candidates_only():
     assert claimed == set(tune_files), f"files no table builds: {set(tune_files) - claimed}"
 
 
+def test_wave_candidates_are_named_and_compiled_apart():
+    """A Config's 11th argument (the wave mainloop) is part of the kernel: it names its own file (`_waves`), is never
+    folded into the file of the same tile without it, and its swizzle variants share its kernel. It appears only in
+    the fp8 tables, never with fast accumulation, and with TileK 128 (GemmTypes' static_assert and the mainloop's)."""
+    gen = load_generator()
+    waves = "Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>"
+    plain = "Config<256, 128, 128, 2, 1, CO, PE, false>"
+    assert gen.config_args(waves)[-1] == "true" and gen.config_args(plain)[-1] == "false"
+    assert gen.candidate_name("fp8block", waves) == "fp8block_tile256x128x128_cluster2x1_co_waves"
+    assert gen.candidate_name("fp8block", plain) == "fp8block_tile256x128x128_cluster2x1_co"
+    assert gen.kernel_key(waves) != gen.kernel_key(plain)
+    assert gen.kernel_key(waves) == gen.kernel_key("Config<256, 128, 128, 2, 1, CO, PE, false, false, 8, true>")
+    with pytest.raises(SystemExit):
+        gen.candidate_name("fp8", "Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, maybe>")
+    found = {}
+    for table in ("Int8TuneCandidates", "Fp8TuneCandidates", "Fp8BlockTuneCandidates"):
+        for config in table_items("sm90/scaled_mm_sm90_dispatch.cuh", table):
+            args = gen.config_args(config)
+            if args[10] == "true":
+                found.setdefault(table, []).append(config)
+                assert args[2] == "128" and args[8] == "false", f"{table}: {config}"
+    assert set(found) == {"Fp8TuneCandidates", "Fp8BlockTuneCandidates"}, found
+
+
 def test_dispatch_returns_named_indices():
     """select_* return index_of<Alias, Table>, never a bare table index."""
     for header in ("sm90/scaled_mm_sm90_dispatch.cuh", "sm80/scaled_mm_sm80_dispatch.cuh"):

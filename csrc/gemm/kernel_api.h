@@ -112,7 +112,7 @@ static inline int cw8a8_config_table_of(const cw8a8_scaled_mm_args* args) {
 // candidates built in; 0 for a table the library does not have) and the name of entry i (NULL past the end).
 // The sm90 library exports them as cw8a8_sm90_num_configs / cw8a8_sm90_config_name (bench/tune_sm90.py reads them
 // with ctypes; names read "[swap_]<tile M>x<N>x<K>_c<cluster M>x<N>_<pingpong|cooperative>_persistent[_fastaccum]
-// [_swizzle<S>]" in every table, the kernel's own frame). A tuning build (setup.py CUTLASS_W8A8_TUNE) may hold the
+// [_waves][_swizzle<S>]" in every table, the kernel's own frame). A tuning build (setup.py CUTLASS_W8A8_TUNE) may hold the
 // candidates of some tables only. The sm90 library also exports cw8a8_sm90_select_config: the index its dispatch
 // picks for a shape (only bench/tune_sm90.py reads it).
 typedef int (*cw8a8_num_configs_fn)(int table);

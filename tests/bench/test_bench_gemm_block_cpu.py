@@ -488,6 +488,23 @@ def test_tune_sm90_m_lists_and_vs_shipped(tune):
     assert "every config against the shipped choice" in tune.summarize(points, geomean)
 
 
+def test_tune_sm90_identical_to_reference(tune):
+    """The bit-identity section counts, per config, the points where its output equaled the default's among those
+    where it passed the check; --configs waves selects the wave-mainloop candidates by name."""
+    points = [{"dtype": "fp8-block", "M": 256, "shape": s, "identical": ident}
+              for s, ident in (("a", {"ship": True, "256x128x128_c1x1_cooperative_persistent_waves": True}),
+                               ("b", {"ship": True, "256x128x128_c1x1_cooperative_persistent_waves": False}))]
+    points.append({"dtype": "fp8-block", "M": 512, "shape": "c", "identical": {}})
+    text = "\n".join(tune.identical_to_reference(points, "fp8-block"))
+    assert "bit-identical to the reference's" in text
+    assert "| 256x128x128_c1x1_cooperative_persistent_waves | 1 | 2 |" in text and "| ship | 2 | 2 |" in text
+    assert tune.identical_to_reference(points, "fp8") == []
+    assert tune.parse_args(["--configs", "waves"]).configs == "waves"
+    assert tune.parse_args([]).reference is None
+    assert tune.parse_args(["--reference", "128x128x128_c2x1_pingpong_persistent"]).reference.startswith("128x128")
+    assert tune.plausible("256x128x128_c2x1_cooperative_persistent_waves", 256)
+
+
 def test_point_table_marks_impossible_figures(bench):
     """bench_gemm's per-point table: a TOPS figure above the dense peak, or a share outside [0, 1], is marked INVALID
     (`cutlass_w8a8.testing.physical`); possible ones are not."""

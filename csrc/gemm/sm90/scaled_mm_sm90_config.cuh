@@ -36,8 +36,13 @@ enum class Scheduler {
 // work tiles walk up to that many tiles across the raster direction before moving along it, so the CTAs of a
 // wave share more A and B tiles in L2. A runtime argument of the same kernel: configs that differ only in it
 // are compiled together (generate_instantiations.py puts them in one file).
+// `Waves` (fp8 with promotion only: block-scaled, or row-wise without FastAccum; TileK 128) runs the mainloop of
+// wave_mainloop.cuh: CUTLASS's fp8 collective whose consumer computes each warpgroup's rows in waves of 64 (one
+// WGMMA M atom) into one 64-row temporary accumulator, promoted into the float32 accumulator after every 128-deep k
+// tile, instead of a temporary the size of the whole tile. The same arithmetic per element as CUTLASS's mainloop,
+// with room for 128 x 128 rows per warpgroup (256x128 cooperative, 128x128 pingpong) without spilling.
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, Schedule Sched, Scheduler TileSched,
-          bool SwapAB, bool FastAccum = false, int Swizzle = 1>
+          bool SwapAB, bool FastAccum = false, int Swizzle = 1, bool Waves = false>
 struct Config {
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
@@ -46,6 +51,7 @@ struct Config {
   static constexpr bool kSwapAB = SwapAB;
   static constexpr bool kFastAccum = FastAccum;
   static constexpr int kSwizzle = Swizzle;
+  static constexpr bool kWaves = Waves;
   static_assert(Swizzle == 1 || Swizzle == 2 || Swizzle == 4 || Swizzle == 8, "max_swizzle_size: 1, 2, 4 or 8");
 };
 

@@ -13,7 +13,7 @@
 // candidate indices are refused with an error naming the setting).
 //
 // Reading a config: Config<TileM, TileN, TileK, ClusterM, ClusterN, schedule, tile scheduler, swap A/B
-// [, fp8 fast accumulation]>, in the kernel's own frame: with the swap, the kernel's M is the weight's N
+// [, fp8 fast accumulation [, scheduler swizzle [, wave mainloop]]]>, in the kernel's own frame: with the swap, the kernel's M is the weight's N
 // and its N is the tokens.
 #pragma once
 
@@ -216,16 +216,23 @@ using Fp8TuneCandidates = std::tuple<
     Config<128, 256, 128, 2, 1, CO, PE, false>,
     // fast accumulation
     Config<128, 128, 128, 2, 1, CO, PE, false, true>,
-    Config<256, 128, 128, 2, 1, CO, PE, false, true>>;
+    Config<256, 128, 128, 2, 1, CO, PE, false, true>,
+    // with promotion every 128 of K by the wave mainloop (wave_mainloop.cuh: 64-row waves share one temporary
+    // accumulator, so 128 rows per warpgroup fit): the fast-accumulation 256x128 and the shipped 128x128 tiles. Both
+    // compile without spills (nvcc 13.0 -Xptxas -v, sm_90a), where CUTLASS's promoted 256x128 cooperative 2x1 tile
+    // spills 848 bytes.
+    Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>,
+    Config<128, 128, 128, 2, 1, PP, PE, false, false, 1, true>>;
 
 // Block-scaled candidates (TileK 128, the weight's side a multiple of 128, no fast accumulation), chosen after the
 // first H100 run (M >= 256 at 0.73-0.95x torch's cuBLASLt blockwise GEMM). Each consumer warpgroup holds its
 // accumulator twice (the running float32 sum and the current K block's tensor-core partials): 64x128 per warpgroup
 // is 64 + 64 registers per thread, and every config below compiles without spills (nvcc 13.0 -Xptxas -v, sm_90a).
 // 128x128 per warpgroup would need 256 of the 240 a consumer thread gets: the 128x128 pingpong and 256x128
-// cooperative tiles spill (576 / 572 bytes), and CUTLASS 4.2 refuses a 128x256 one ("Accumulator and scaleB must
-// have same shape", fp8_accumulation.hpp), so none is listed. Swizzle variants run the kernel of the config they
-// vary (one compile; a shipped kernel's variants are compiled in its file).
+// cooperative tiles spill (576 / 572 bytes) with CUTLASS's mainloop, and CUTLASS 4.2 refuses a 128x256 one
+// ("Accumulator and scaleB must have same shape", fp8_accumulation.hpp). Those tiles are listed with the wave mainloop
+// only (Config's last argument, wave_mainloop.cuh: one 64-row temporary per warpgroup, 128 + 64 registers). Swizzle
+// variants run the kernel of the config they vary (one compile; a shipped kernel's variants are compiled in its file).
 using Fp8BlockTuneCandidates = std::tuple<
     // M >= 256, unswapped: the cooperative 128x128 tile without a cluster, with 2x1 (CTA pairs along M share the
     // weight tile: the weight is the larger operand whenever M < N), and the shipped 1x2 with L2 swizzles
@@ -241,7 +248,15 @@ using Fp8BlockTuneCandidates = std::tuple<
     // M in (64, 256], swapped: 128 weight rows split over two warpgroups (64 + 64 registers at 128 token columns)
     Config<128, 64, 128, 1, 1, CO, PE, true>,
     Config<128, 64, 128, 1, 1, PP, PE, true>,
-    Config<128, 128, 128, 1, 1, CO, PE, true>>;
+    Config<128, 128, 128, 1, 1, CO, PE, true>,
+    // M >= 256, unswapped, the wave mainloop: 128 token rows per warpgroup in two waves of 64 (128 + 64 registers;
+    // each compiles without spills, nvcc 13.0 -Xptxas -v). 256x128 cooperative (no cluster; pairs along M sharing the
+    // weight tile; pairs along N sharing the token tile) and 128x128 pingpong (no cluster; pairs along M).
+    Config<256, 128, 128, 1, 1, CO, PE, false, false, 1, true>,
+    Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>,
+    Config<256, 128, 128, 1, 2, CO, PE, false, false, 1, true>,
+    Config<128, 128, 128, 1, 1, PP, PE, false, false, 1, true>,
+    Config<128, 128, 128, 2, 1, PP, PE, false, false, 1, true>>;
 
 template <class Tuple>
 constexpr int size_of() {

@@ -16,6 +16,7 @@
 
 #include "gemm/sm90/scaled_mm_sm90_config.cuh"    // Schedule
 #include "gemm/sm90/scaled_mm_sm90_epilogue.cuh"  // ScaleEpilogue, BlockScaleLayout
+#include "gemm/sm90/wave_mainloop.cuh"            // WaveMainloop (Cfg::kWaves)
 
 namespace cutlass_w8a8::sm90 {
 
@@ -75,6 +76,9 @@ struct GemmTypes {
   static_assert(!(kBlock && Cfg::kFastAccum),
                 "the blockwise mainloop always promotes (fast accumulation is not an option)");
   static_assert(!kBlock || cute::is_same_v<ElementAB, cutlass::float_e4m3_t>, "block scales are fp8 only");
+  static_assert(!Cfg::kWaves || (!kIsInt8 && !Cfg::kFastAccum && !kPtrArray),
+                "the wave mainloop replaces the fp8 promotion (block-scaled, or row-wise without fast accumulation) of "
+                "the dense kernels");
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
 
@@ -107,12 +111,16 @@ struct GemmTypes {
       cute::conditional_t<kBlock, cute::tuple<Operand<LayoutA>, Operand<LayoutSFA>>, Operand<LayoutA>>;
   using MainloopLayoutB =
       cute::conditional_t<kBlock, cute::tuple<Operand<LayoutB>, Operand<LayoutSFB>>, Operand<LayoutB>>;
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, MainloopLayoutA, kAlignAB, ElementAB,
       MainloopLayoutB, kAlignAB, ElementAcc, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Sched::Kernel>::CollectiveOp;
+  // Cfg::kWaves: the same collective with the per-64-row-wave consumer (wave_mainloop.cuh); the kernel schedule, the
+  // loads, pipelines and shared memory stay CUTLASS's.
+  using CollectiveMainloop =
+      cute::conditional_t<Cfg::kWaves, WaveMainloop<BuiltMainloop, kBlock>, BuiltMainloop>;
 
   using GemmKernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue, TileScheduler...>;

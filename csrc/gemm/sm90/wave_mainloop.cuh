@@ -1,0 +1,249 @@
+// The sm90 fp8 mainloop with per-64-row waves: CUTLASS's own fp8 mainloop collective with only its consumer side
+// (`mma`) replaced, so that a consumer warpgroup keeps ONE 64-row temporary accumulator instead of a second copy of
+// its whole tile.
+//
+// Derived from (everything but `mma` is theirs: load / load_auxiliary, pipelines, shared-memory layouts, Arguments,
+// Params, to_underlying_arguments, can_implement, mma_tail):
+//   - block-scaled fp8: CUTLASS 4.2's CollectiveMma<MainloopSm90TmaGmmaWarpSpecializedBlockwiseFP8, ...>
+//     (cutlass/gemm/collective/sm90_mma_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp), the
+//     CollectiveBuilder's CollectiveOp for the KernelTmaWarpSpecialized{Cooperative,Pingpong}FP8Blockwise schedules;
+//   - row-wise fp8 with promotion: CollectiveMma<MainloopSm90TmaGmmaWarpSpecializedFP8, ...>
+//     (sm90_mma_tma_gmma_ss_warpspecialized_fp8.hpp), the CollectiveOp for KernelTmaWarpSpecialized{Cooperative,
+//     Pingpong} (not FP8FastAccum) on e4m3 operands.
+// Method: DeepGEMM's two-level accumulation (github.com/deepseek-ai/DeepGEMM, sm90 fp8 GEMM: WGMMA over one 128-deep K
+// block into a temporary, then FFMA into the float32 accumulator with both scales), whose 256-row tiles let each math
+// warpgroup reuse one WGMMA accumulator over its 64-row waves. Written here with CuTe primitives; no code copied.
+//
+// Why: CUTLASS's two mainloops hold a temporary accumulator of the SAME shape as the main one (GmmaFP8Accumulation,
+// fp8_accumulation.hpp), so a consumer warpgroup's 128 x 128 rows (256 x 128 cooperative, 128 x 128 pingpong) need
+// 128 + 128 float registers per thread and spill. Here each k tile (TileK = 128, one scale per k tile) runs per wave w
+// (the warpgroup's MMA_M atoms, 64 rows each: size<1>(accum) waves):
+//
+//   temp  = sum over the 4 k blocks (K 32 each, in order) of A[rows of w] x B   (WGMMA, ScaleOut::Zero on block 0)
+//   wait for the WGMMAs
+//   block:    main[w] += temp * scale    scale = scale_a(row, k tile) * scale_b(n block, k tile), combined and
+//                                        applied exactly as GmmaFP8Accumulation::scale does in CUTLASS's collective
+//   row-wise: main[w] += temp            (GmmaFP8Accumulation::promote_core; the scales stay in the epilogue)
+//
+// so 128 x 128 rows per warpgroup take 128 (main) + 64 (temp) registers. While one warpgroup promotes (FFMA), the
+// other's WGMMAs keep the tensor cores busy (cooperative: two warpgroups on one tile; pingpong: the other warpgroup
+// is in its epilogue or its own mainloop).
+//
+// Result: the same products in the same K order, one promotion per k tile, the same float32 expressions as CUTLASS's
+// collective (TileK 128: its promotion interval of 4 MMAs is one k tile, so it never has a residue), so each element
+// depends only on its own row of A, column of B and scales: not on M, the tile shape or the number of waves. The
+// main accumulator starts from zero (clear), where CUTLASS's collective adds into the kernel's uninitialized
+// fragment.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+
+namespace cutlass_w8a8::sm90 {
+
+namespace wave_detail {
+
+// The 64 rows of wave `w` of a warpgroup's (MMA, MMA_M, ...) tensor: the accumulator or scale fragments, or the A
+// operand's descriptors. Mode 1 (MMA_M, one M atom per entry) is narrowed to the size-1 mode of entry w; the rank is
+// kept, as cute::gemm dispatches on it ((V,M) x (V,N) => (V,M,N)). `w` is a cute::Int: the register offsets are static.
+template <class TensorT, class W>
+CUTLASS_DEVICE auto wave_rows(TensorT&& t, W w) {
+  using namespace cute;
+  auto const& l = t.layout();
+  return make_tensor(t.data() + layout<1>(l)(w),
+                     make_layout(replace<1>(l.shape(), _1{}), replace<1>(l.stride(), _0{})));
+}
+
+}  // namespace wave_detail
+
+// `Base`: the CollectiveBuilder's CollectiveOp (MainloopSm90TmaGmmaWarpSpecializedBlockwiseFP8 when kBlockScaled, else
+// MainloopSm90TmaGmmaWarpSpecializedFP8). GemmUniversal calls `collective_mainloop.mma(...)` on the CollectiveMainloop
+// type it is given, so this `mma` hides the base's; everything else is inherited unchanged.
+template <class Base, bool kBlockScaled>
+struct WaveMainloop : Base {
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::TensorStorage;
+  using typename Base::Params;
+  using typename Base::TiledMma;
+  using typename Base::TileShape;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using typename Base::ElementAccumulator;
+
+  static_assert(cute::size<2>(TileShape{}) == 128,
+                "the wave mainloop promotes once per k tile: TileK must be 128 (one block scale, CUTLASS's promotion "
+                "interval of 4 MMAs of K 32)");
+  static_assert(cute::size<2>(TileShape{}) / cute::tile_size<2>(TiledMma{}) == 4, "4 MMAs of K 32 per k tile");
+
+  // Consumer side: the k tiles of one work tile, `accum` ((MMA, MMA_M, MMA_N) per thread, MMA_M waves of 64 rows)
+  // zeroed and then accumulated. Stage protocol as the base's (the kernel calls the base's mma_tail after this): every
+  // stage but the last is released here, the last one by mma_tail.
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum, int k_tile_count,
+                          int thread_idx, TensorStorage& shared_tensors, Params const& mainloop_params) {
+    using namespace cute;
+    (void)mainloop_params;
+    if constexpr (kBlockScaled) {
+      using ElementBlockScale = typename Base::ElementBlockScale;
+      using SmemLayoutSFA = typename Base::SmemLayoutSFA;
+      using SmemLayoutSFB = typename Base::SmemLayoutSFB;
+      constexpr int kScaleMsPerTile = Base::ScaleMsPerTile;
+      constexpr int kScaleNsPerTile = Base::ScaleNsPerTile;
+      static_assert(Base::ScalePromotionInterval == 4, "one promotion per k tile (ScaleGranularityK 128)");
+
+      // The scale factors' shared memory seen as (BLK_M, BLK_N, (BLK_K, PIPE)), broadcast along the other side, and
+      // partitioned as the accumulators are: the base collective's views.
+      Tensor sSFA = make_tensor(make_smem_ptr(shared_tensors.smem_SFA.data()),
+                                make_layout(make_shape(get<0>(shape(SmemLayoutSFA{})), get<1>(TileShape{}),
+                                                       make_shape(get<1>(shape(SmemLayoutSFA{})),
+                                                                  get<2>(shape(SmemLayoutSFA{})))),
+                                            make_stride(get<0>(stride(SmemLayoutSFA{})), _0{},
+                                                        make_stride(get<1>(stride(SmemLayoutSFA{})),
+                                                                    get<2>(stride(SmemLayoutSFA{}))))));
+      Tensor sSFB = make_tensor(make_smem_ptr(shared_tensors.smem_SFB.data()),
+                                make_layout(make_shape(get<0>(TileShape{}), get<0>(shape(SmemLayoutSFB{})),
+                                                       make_shape(get<1>(shape(SmemLayoutSFB{})),
+                                                                  get<2>(shape(SmemLayoutSFB{})))),
+                                            make_stride(_0{}, get<0>(stride(SmemLayoutSFB{})),
+                                                        make_stride(get<1>(stride(SmemLayoutSFB{})),
+                                                                    get<2>(stride(SmemLayoutSFB{}))))));
+      TiledMma tiled_mma;
+      Tensor tCsSFA = tiled_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA, MMA_M, MMA_N, (MMA_K, PIPE))
+      Tensor tCsSFB = tiled_mma.get_slice(thread_idx).partition_C(sSFB);
+      Tensor tCrSFA = make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{}));  // (MMA, MMA_M, MMA_N)
+      Tensor tCrSFB = make_tensor_like<ElementBlockScale>(tCsSFB(_, _, _, _0{}));
+      CUTE_STATIC_ASSERT_V(shape(tCrSFA) == shape(accum));  // scale fragments and accumulators: the same shape
+      CUTE_STATIC_ASSERT_V(shape(tCrSFB) == shape(accum));
+
+      // The k tile's scales into registers and combined, as CUTLASS's collective combines them: one side's product
+      // taken once per k tile when the other side has a single scale in the tile.
+      auto load_scales = [&](int read_stage) {
+        copy(tCsSFA(_, _, _, make_coord(_0{}, read_stage)), tCrSFA);
+        copy(tCsSFB(_, _, _, make_coord(_0{}, read_stage)), tCrSFB);
+        if constexpr (kScaleMsPerTile == 1 && kScaleNsPerTile == 1) {
+          tCrSFA(_0{}) = tCrSFA(_0{}) * tCrSFB(_0{});
+        }
+        if constexpr (kScaleMsPerTile > 1 && kScaleNsPerTile == 1) {
+          ElementBlockScale scale_b = tCrSFB(_0{});
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(filter_zeros(tCrSFA)); i++) {
+            filter_zeros(tCrSFA)(i) = filter_zeros(tCrSFA)(i) * scale_b;
+          }
+        }
+        if constexpr (kScaleMsPerTile == 1 && kScaleNsPerTile > 1) {
+          ElementBlockScale scale_a = tCrSFA(_0{});
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(filter_zeros(tCrSFB)); i++) {
+            filter_zeros(tCrSFB)(i) = filter_zeros(tCrSFB)(i) * scale_a;
+          }
+        }
+      };
+      // main[w] += temp * scale: GmmaFP8Accumulation::scale_core's expressions, on wave w's rows.
+      auto promote = [&](auto& main_w, auto const& temp, auto w) {
+        if constexpr (kScaleMsPerTile == 1 && kScaleNsPerTile == 1) {
+          ElementAccumulator const scale_ab = tCrSFA(_0{});
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(main_w); ++i) main_w(i) += temp(i) * scale_ab;
+        } else if constexpr (kScaleMsPerTile > 1 && kScaleNsPerTile == 1) {
+          auto sfa_w = wave_detail::wave_rows(tCrSFA, w);
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(main_w); ++i) main_w(i) += temp(i) * sfa_w(i);
+        } else if constexpr (kScaleMsPerTile == 1 && kScaleNsPerTile > 1) {
+          auto sfb_w = wave_detail::wave_rows(tCrSFB, w);
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(main_w); ++i) main_w(i) += temp(i) * sfb_w(i);
+        } else {
+          auto sfa_w = wave_detail::wave_rows(tCrSFA, w);
+          auto sfb_w = wave_detail::wave_rows(tCrSFB, w);
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(main_w); ++i) main_w(i) += temp(i) * sfa_w(i) * sfb_w(i);
+        }
+      };
+      mma_waves(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors, load_scales, promote);
+    } else {
+      // Row-wise: a plain add (GmmaFP8Accumulation::promote_core); the per-token / per-channel scales are the
+      // epilogue's.
+      auto promote = [](auto& main_w, auto const& temp, auto) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(main_w); ++i) main_w(i) += temp(i);
+      };
+      mma_waves(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors, [](int) {}, promote);
+    }
+  }
+
+ private:
+  // The pipelined k loop shared by both forms: per k tile, per wave, the WGMMAs into the one temporary, a wait, then
+  // `promote(main rows of the wave, temp, wave)`. `load_scales(stage)` runs while the first wave's WGMMAs are in
+  // flight (the stage is released only after it).
+  template <class FrgTensorC, class LoadScales, class Promote>
+  CUTLASS_DEVICE void mma_waves(MainloopPipeline& pipeline, PipelineState& smem_pipe_read, FrgTensorC& accum,
+                                int k_tile_count, int thread_idx, TensorStorage& shared_tensors,
+                                LoadScales&& load_scales, Promote&& promote) {
+    using namespace cute;
+    static_assert(is_rmem<FrgTensorC>::value, "C tensor must be rmem resident.");
+    static_assert(rank(SmemLayoutA{}) == 3 && rank(SmemLayoutB{}) == 3, "Smem layout must be rank 3.");
+
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
+
+    constexpr int kMmaWarpGroups = size(TiledMma{}) / cutlass::NumThreadsPerWarpGroup;
+    Layout warp_group_thread_layout = make_layout(Int<kMmaWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
+    int warp_group_idx = __shfl_sync(0xFFFFFFFF, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    TiledMma tiled_mma;
+    auto thread_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx));
+    Tensor tCsA = thread_mma.partition_A(sA);           // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tCsB = thread_mma.partition_B(sB);           // (MMA, MMA_N, MMA_K, PIPE)
+    Tensor tCrA = thread_mma.make_fragment_A(tCsA);     // descriptors
+    Tensor tCrB = thread_mma.make_fragment_B(tCsB);
+    CUTE_STATIC_ASSERT_V(size<1>(tCsA) == size<1>(accum));  // M: the waves
+    CUTE_STATIC_ASSERT_V(size<1>(tCsB) == size<2>(accum));  // N
+    CUTE_STATIC_ASSERT_V(size<2>(tCsA) == size<2>(tCsB));   // K blocks
+    constexpr int kWaves = decltype(size<1>(accum))::value;
+    constexpr int kKBlocks = decltype(size<2>(tCrA))::value;
+
+    // One wave's temporary accumulator: (MMA, _1, MMA_N), 64 rows x TileN / 128 threads = TileN / 2 registers.
+    Tensor temp = make_fragment_like(wave_detail::wave_rows(accum, _0{}));
+    clear(accum);
+
+    auto barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.consumer_wait(smem_pipe_read, barrier_token);
+      int read_stage = smem_pipe_read.index();
+      for_each(make_int_sequence<kWaves>{}, [&](auto w) {
+        warpgroup_fence_operand(temp);
+        warpgroup_arrive();
+        tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+        CUTLASS_PRAGMA_UNROLL
+        for (int k_block = 0; k_block < kKBlocks; ++k_block) {
+          // (V, 1) x (V, N) => (V, 1, N): wave w's 64 rows, the k block's 32 of K, in CUTLASS's order
+          cute::gemm(tiled_mma, wave_detail::wave_rows(tCrA(_, _, k_block, read_stage), w),
+                     tCrB(_, _, k_block, read_stage), temp);
+          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        warpgroup_commit_batch();
+        if constexpr (decltype(w)::value == 0) {
+          load_scales(read_stage);
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(temp);
+        if constexpr (decltype(w)::value == kWaves - 1) {
+          // The stage's operands and scales are consumed: hand it back to the producer (all but the work tile's last
+          // stage, which the base's mma_tail releases), and look at the next one before promoting.
+          if (k_tile_count > 1) {
+            pipeline.consumer_release(smem_pipe_read);
+          }
+          ++smem_pipe_read;
+          barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
+        }
+        auto main_w = wave_detail::wave_rows(accum, w);
+        promote(main_w, temp, w);
+      });
+    }
+    warpgroup_fence_operand(accum);
+  }
+};
+
+}  // namespace cutlass_w8a8::sm90
