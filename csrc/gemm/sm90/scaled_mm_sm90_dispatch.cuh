@@ -161,14 +161,41 @@ using Fp8Block_M128 = Config<64, 128, 128, 1, 1, PP, PE, false>;
 // GPU loses more than 2-8% with it. Launched without PDL (the cooperative blockwise kernel's scale loads do not wait on
 // griddepcontrol; M > 16 launches without it anyway, except while an UpdatableGraph records).
 using Fp8Block_MLarge = Config<128, 128, 128, 1, 2, CO, PE, false>;
+// M >= 1024 when its busiest SM has at most 1.05x Fp8Block_MLarge's rows to compute (select_fp8_block): 256x128
+// cooperative with the wave mainloop (wave_mainloop.cuh: each warpgroup's 128 token rows in two 64-row waves through
+// one temporary accumulator, 128 + 64 registers, no spills), pairs of CTAs along N sharing the token tile as
+// Fp8Block_MLarge's. Bit-identical to Fp8Block_MLarge (and to every block config) at all 15 points of the H200 sweep
+// (bench/results/tune_nvidia-h200_fp8-block_waves.md, 2026-11-29, DeepSeek-V3 shapes at M = 256 / 1024 / 4096).
+// Where the rule picks it (all 5 shapes at M = 1024, 4 of 5 at M = 4096) it took 0.818-0.958 of the shipped time
+// (geomean 0.901 at M = 1024, 0.941 at M = 4096 over those 4); where it does not, it lost: 1.163x at M = 4096,
+// N = 2112 (3 rounds of 256 rows per SM against 5 of 128: 1.2x the work) and 1.03-2.46x at every M = 256 point.
+// Cluster 1x2 rather than the sweep's best-by-1% 1x1 (geomean 0.890 vs 0.901 at M = 1024, 0.986 vs 0.982 at 4096):
+// the H100 ran Fp8Block_MLarge's tile 8-13% slower without its cluster (above). Launched without PDL (cooperative).
+using Fp8Block_MLarge_Waves = Config<256, 128, 128, 1, 2, CO, PE, false, false, 1, true>;
 
-// Table indices 0..3, in this order (see the top of this file).
-using Fp8BlockConfigs = std::tuple<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp8Block_MLarge>;
+// Table indices 0..4, in this order (see the top of this file).
+using Fp8BlockConfigs = std::tuple<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp8Block_MLarge, Fp8Block_MLarge_Waves>;
 
-// Returns an index into Fp8BlockConfigs. M > 128: Fp8Block_MLarge unless Fp8Block_M128 fills its last wave better by
-// more than 0.05.
+// Rows of a tile that the busiest SM computes when `tiles_m` x `tiles_n` persistent tiles of `tile_m` rows run on
+// `sms` SMs, the N tiles padded to pairs (a 1x2 cluster): rounds of tiles times their rows.
+inline int64_t busiest_sm_rows(int64_t tiles_m, int64_t tiles_n, int64_t tile_m, int sms) {
+  const int64_t tiles = tiles_m * ((tiles_n + 1) / 2 * 2);
+  return (tiles + sms - 1) / sms * tile_m;
+}
+
+// Returns an index into Fp8BlockConfigs. M >= 1024: Fp8Block_MLarge_Waves unless its 256-row tiles leave the busiest
+// SM more than 1.05x the rows of Fp8Block_MLarge's 128-row tiles (at equal rows it took 0.94-0.96 of the shipped
+// time in the sweep; 1.02x rows still won at 0.948-0.958, 1.2x lost at 1.163). Otherwise, and for M > 128:
+// Fp8Block_MLarge unless Fp8Block_M128 fills its last wave better by more than 0.05.
 inline int select_fp8_block(int64_t m, int64_t n, int64_t k, int sm_count) {
   (void)k;
+  if (m >= 1024) {
+    const int sms = sm_count > 0 ? sm_count : 132;
+    const int64_t tiles_n = (n + 127) / 128;
+    const int64_t waves_rows = busiest_sm_rows((m + 255) / 256, tiles_n, 256, sms);
+    const int64_t large_rows = busiest_sm_rows((m + 127) / 128, tiles_n, 128, sms);
+    if (waves_rows * 100 <= large_rows * 105) return index_of<Fp8Block_MLarge_Waves, Fp8BlockConfigs>;
+  }
   return select_by_m_and_wave_fill<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp8Block_M128, Fp8Block_MLarge,
                                    Fp8BlockConfigs>(m, n, sm_count, /*pairs_along_m=*/false);
 }
@@ -251,10 +278,10 @@ using Fp8BlockTuneCandidates = std::tuple<
     Config<128, 128, 128, 1, 1, CO, PE, true>,
     // M >= 256, unswapped, the wave mainloop: 128 token rows per warpgroup in two waves of 64 (128 + 64 registers;
     // each compiles without spills, nvcc 13.0 -Xptxas -v). 256x128 cooperative (no cluster; pairs along M sharing the
-    // weight tile; pairs along N sharing the token tile) and 128x128 pingpong (no cluster; pairs along M).
+    // weight tile; pairs along N sharing the token tile: shipped, Fp8Block_MLarge_Waves) and 128x128 pingpong (no
+    // cluster; pairs along M).
     Config<256, 128, 128, 1, 1, CO, PE, false, false, 1, true>,
     Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>,
-    Config<256, 128, 128, 1, 2, CO, PE, false, false, 1, true>,
     Config<128, 128, 128, 1, 1, PP, PE, false, false, 1, true>,
     Config<128, 128, 128, 2, 1, PP, PE, false, false, 1, true>>;
 
