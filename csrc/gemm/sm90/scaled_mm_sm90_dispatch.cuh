@@ -249,7 +249,18 @@ using Fp8TuneCandidates = std::tuple<
     // compile without spills (nvcc 13.0 -Xptxas -v, sm_90a), where CUTLASS's promoted 256x128 cooperative 2x1 tile
     // spills 848 bytes.
     Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>,
-    Config<128, 128, 128, 2, 1, PP, PE, false, false, 1, true>>;
+    Config<128, 128, 128, 2, 1, PP, PE, false, false, 1, true>,
+    // Accurate candidates for M <= 512 (issue 37: for the accurate rows of Fp8Configs, select_fp8_accurate), the wave
+    // mainloop with one 64-row wave per cooperative warpgroup (64 + 64 registers, as CUTLASS's promoted cooperative
+    // tiles, which do not spill either): the 128x128 tile with and without CTA pairs along M, the 128x64 tile (twice
+    // the CTAs at M <= 512), and the swapped 128x128 tile (the weight's N on the MMA's M), the twin of the best
+    // promoted config measured at M = 256 (swap_128x128x128_c1x1_cooperative_persistent, 1.143x the per-point best:
+    // bench/results/tune_nvidia-h200_fp8_promotion.md). Not timed yet; nvcc 13.0 -Xptxas -v, sm_90a: 128x128 1x1 and
+    // 128x64 2x1 compile without spills (168 registers).
+    Config<128, 128, 128, 1, 1, CO, PE, false, false, 1, true>,
+    Config<128, 128, 128, 2, 1, CO, PE, false, false, 1, true>,
+    Config<128, 64, 128, 2, 1, CO, PE, false, false, 1, true>,
+    Config<128, 128, 128, 1, 1, CO, PE, true, false, 1, true>>;
 
 // Block-scaled candidates (TileK 128, the weight's side a multiple of 128, no fast accumulation), chosen after the
 // first H100 run (M >= 256 at 0.73-0.95x torch's cuBLASLt blockwise GEMM). Each consumer warpgroup holds its
