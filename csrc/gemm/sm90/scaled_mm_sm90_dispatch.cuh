@@ -94,7 +94,8 @@ inline int select_int8(int64_t m, int64_t n, int64_t k, int sm_count) {
 }
 
 // ---- fp8 e4m3 x e4m3 -> fp32 ---------------------------------------------------------------------------
-// Every shipped fp8 config uses fast accumulation: in the sweep it beat the configs that promote the
+// The fast-accumulation rows (fp8_fast_accum = 1, today's default: cutlass_w8a8/ops/_limits.py FP8_FAST_ACCUM); the
+// accurate rows follow them. Fast accumulation: in the sweep it beat the configs that promote the
 // tensor cores' partial sums into float32 every 4 MMAs by 5-30% at every M (those need TileK = 128 and twice
 // the accumulator registers). vLLM's sm90 fp8 kernels make the same choice. The error it allows is stated
 // in csrc/gemm/EPILOGUES.md and tested in tests/gemm/test_scaled_mm_cuda.py.
@@ -113,13 +114,44 @@ using Fp8_MLarge = Config<128, 128, 128, 2, 1, PP, PE, false, true>;
 // M = 2048; on the K = 4096 shapes it lost up to 6%, so those keep Fp8_MLarge.
 using Fp8_MLarge_KBig = Config<128, 256, 128, 2, 1, CO, PE, false, true>;
 
-// Table indices 0..4, in this order (see the top of this file).
-using Fp8Configs = std::tuple<Fp8_M16, Fp8_M64, Fp8_M128, Fp8_MLarge, Fp8_MLarge_KBig>;
+// The accurate rows (issue 37; scaled_mm's fp8_fast_accum=False, cw8a8_scaled_mm_args.fp8_fast_accum = 0): the tensor
+// cores' partial sums promoted into float32 once per 128 of K (TileK 128), the same products in the same K order in
+// every config. Each bucket's config is the promoted one with the best geomean over the eight Llama-3 shapes in the
+// H200 sweeps (bench/results/tune_nvidia-h200_fp8.md's promoted candidates, tune_nvidia-h200_fp8_promotion.md,
+// tune_nvidia-h200_fp8_waves.md); the small-M rows are provisional until the wave candidates below are timed.
+// M in [1, 16]: 1.100x the per-point best (fast accumulation included) at M = 16.
+using Fp8_M16_Accurate = Config<128, 16, 128, 1, 1, CO, PE, true>;
+// M in (16, 64]: 1.187x in geomean over M = 32 and 64.
+using Fp8_M64_Accurate = Config<128, 32, 128, 1, 1, CO, PE, true>;
+// M in (64, 128]: 1.156x at M = 128.
+using Fp8_M128_Accurate = Config<128, 64, 128, 1, 1, CO, PE, true>;
+// M in (128, 256]: 1.143x at M = 256 (tune_nvidia-h200_fp8_promotion.md).
+using Fp8_M256_Accurate = Config<128, 128, 128, 1, 1, CO, PE, true>;
+// M in (256, 1024): 1.22x at M = 512 (64 + 64 registers per consumer thread; the promoted 128x128 pingpong tile
+// spills and ran 4.4x).
+using Fp8_M1024_Accurate = Config<128, 128, 128, 1, 2, CO, PE, false>;
+// M >= 1024: 256x128 cooperative with the wave mainloop (wave_mainloop.cuh), bit-identical to CUTLASS's promoted
+// kernels; 1.087x (M = 1024) and 1.045x (M = 4096) the fast-accumulation configs' time on the Llama-3-70B shapes
+// (tune_nvidia-h200_fp8_waves.md), where the best CUTLASS promoted config took 1.24-1.26x.
+using Fp8_MLarge_Accurate = Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>;
 
-// Returns an index into Fp8Configs.
-inline int select_fp8(int64_t m, int64_t n, int64_t k, int sm_count) {
+// Table indices 0..10, in this order (see the top of this file): the fast-accumulation rows, then the accurate ones.
+using Fp8Configs = std::tuple<Fp8_M16, Fp8_M64, Fp8_M128, Fp8_MLarge, Fp8_MLarge_KBig, Fp8_M16_Accurate,
+                              Fp8_M64_Accurate, Fp8_M128_Accurate, Fp8_M256_Accurate, Fp8_M1024_Accurate,
+                              Fp8_MLarge_Accurate>;
+
+// Returns an index into Fp8Configs: among the fast-accumulation rows when `fast_accum`, else the accurate ones.
+inline int select_fp8(int64_t m, int64_t n, int64_t k, int sm_count, bool fast_accum) {
   (void)n;
   (void)sm_count;
+  if (!fast_accum) {
+    if (m <= 16) return index_of<Fp8_M16_Accurate, Fp8Configs>;
+    if (m <= 64) return index_of<Fp8_M64_Accurate, Fp8Configs>;
+    if (m <= 128) return index_of<Fp8_M128_Accurate, Fp8Configs>;
+    if (m <= 256) return index_of<Fp8_M256_Accurate, Fp8Configs>;
+    if (m < 1024) return index_of<Fp8_M1024_Accurate, Fp8Configs>;
+    return index_of<Fp8_MLarge_Accurate, Fp8Configs>;
+  }
   if (m <= 16) return index_of<Fp8_M16, Fp8Configs>;
   if (m <= 64) return index_of<Fp8_M64, Fp8Configs>;
   if (m <= 128) return index_of<Fp8_M128, Fp8Configs>;
@@ -233,30 +265,26 @@ using Fp8TuneCandidates = std::tuple<
     Config<64, 64, 128, 1, 1, PP, PE, true>,
     Config<64, 128, 128, 1, 1, PP, PE, false>,
     Config<128, 128, 128, 2, 1, PP, PE, false>,
+    // (the swapped 128x16 / 128x32 / 128x64 / 128x128 and the 128x128 1x2 cooperative tiles are shipped: the
+    // Fp8_*_Accurate rows)
     Config<128, 128, 128, 2, 1, CO, PE, false>,
-    Config<128, 16, 128, 1, 1, CO, PE, true>,
-    Config<128, 32, 128, 1, 1, CO, PE, true>,
-    Config<128, 64, 128, 1, 1, CO, PE, true>,
-    Config<128, 128, 128, 1, 1, CO, PE, true>,
     Config<128, 128, 128, 1, 2, PP, PE, false>,
-    Config<128, 128, 128, 1, 2, CO, PE, false>,
     Config<128, 256, 128, 2, 1, CO, PE, false>,
     // fast accumulation
     Config<128, 128, 128, 2, 1, CO, PE, false, true>,
     Config<256, 128, 128, 2, 1, CO, PE, false, true>,
     // with promotion every 128 of K by the wave mainloop (wave_mainloop.cuh: 64-row waves share one temporary
-    // accumulator, so 128 rows per warpgroup fit): the fast-accumulation 256x128 and the shipped 128x128 tiles. Both
-    // compile without spills (nvcc 13.0 -Xptxas -v, sm_90a), where CUTLASS's promoted 256x128 cooperative 2x1 tile
-    // spills 848 bytes.
-    Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>,
+    // accumulator, so 128 rows per warpgroup fit): the fast-accumulation 256x128 (shipped: Fp8_MLarge_Accurate) and
+    // the shipped 128x128 tiles. Both compile without spills (nvcc 13.0 -Xptxas -v, sm_90a), where CUTLASS's promoted
+    // 256x128 cooperative 2x1 tile spills 848 bytes.
     Config<128, 128, 128, 2, 1, PP, PE, false, false, 1, true>,
-    // Accurate candidates for M <= 512 (issue 37: for the accurate rows of Fp8Configs, select_fp8_accurate), the wave
+    // Accurate candidates for M <= 512 (issue 37: for the accurate rows of Fp8Configs, select_fp8), the wave
     // mainloop with one 64-row wave per cooperative warpgroup (64 + 64 registers, as CUTLASS's promoted cooperative
     // tiles, which do not spill either): the 128x128 tile with and without CTA pairs along M, the 128x64 tile (twice
     // the CTAs at M <= 512), and the swapped 128x128 tile (the weight's N on the MMA's M), the twin of the best
     // promoted config measured at M = 256 (swap_128x128x128_c1x1_cooperative_persistent, 1.143x the per-point best:
-    // bench/results/tune_nvidia-h200_fp8_promotion.md). Not timed yet; nvcc 13.0 -Xptxas -v, sm_90a: 128x128 1x1 and
-    // 128x64 2x1 compile without spills (168 registers).
+    // bench/results/tune_nvidia-h200_fp8_promotion.md). Not timed yet; each compiles without spills (nvcc 13.0 -Xptxas -v,
+    // sm_90a: 168 registers).
     Config<128, 128, 128, 1, 1, CO, PE, false, false, 1, true>,
     Config<128, 128, 128, 2, 1, CO, PE, false, false, 1, true>,
     Config<128, 64, 128, 2, 1, CO, PE, false, false, 1, true>,
