@@ -36,6 +36,8 @@ from typing import Optional
 
 import torch
 
+from cutlass_w8a8.ops._limits import FP8_FAST_ACCUM
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = [
     ("l3-8b-qkv", 6144, 4096), ("l3-8b-o", 4096, 4096), ("l3-8b-gate_up", 28672, 4096),
@@ -65,10 +67,15 @@ def parse_args(argv=None):
     p.add_argument("--reference", default=None,
                    help="the config (a name of the table, e.g. 128x128x128_c2x1_pingpong_persistent) whose output every "
                         "config is checked and compared bit for bit against (default: the default dispatch's)")
+    p.add_argument("--fp8-accum", choices=("fast", "accurate"), default=None,
+                   help="row-wise fp8: the shipped choice and the default reference are the dispatch's among the "
+                        "fast-accumulation or the accurate configs (scaled_mm's fp8_fast_accum; default: the package "
+                        "default, cutlass_w8a8.ops._limits.FP8_FAST_ACCUM)")
     p.add_argument("--replays", type=int, default=10, help="timed graph replays per config (default 10)")
     p.add_argument("--replay-ms", type=float, default=0.5, help="target ms per replay (default 0.5)")
     p.add_argument("--out", default=os.path.join(REPO_ROOT, "bench", "results"))
     args = p.parse_args(argv)
+    args.fp8_fast_accum = FP8_FAST_ACCUM if args.fp8_accum is None else args.fp8_accum == "fast"
     args.dtype_list = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     unknown = [d for d in args.dtype_list if d not in TABLES]
     if unknown or not args.dtype_list:
@@ -106,17 +113,18 @@ def config_names(lib, dtype: str) -> list[str]:
     return [lib.cw8a8_sm90_config_name(TABLES[dtype], i).decode() for i in range(count)]
 
 
-def shipped_index(lib, dtype: str, m: int, n: int, k: int, sms: int) -> Optional[int]:
-    """The table index the library's dispatch picks for the shape (cw8a8_sm90_select_config), or None when the
-    library predates that export."""
+def shipped_index(lib, dtype: str, m: int, n: int, k: int, sms: int,
+                  fp8_fast_accum: bool = FP8_FAST_ACCUM) -> Optional[int]:
+    """The table index the library's dispatch picks for the shape (cw8a8_sm90_select_config; the fp8 table among its
+    fast-accumulation or accurate configs by `fp8_fast_accum`), or None when the library predates that export."""
     import ctypes
 
     fn = getattr(lib, "cw8a8_sm90_select_config", None)
     if fn is None:
         return None
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    index = fn(TABLES[dtype], m, n, k, sms)
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    index = fn(TABLES[dtype], m, n, k, sms, int(fp8_fast_accum))
     return index if index >= 0 else None
 
 
@@ -166,7 +174,8 @@ def tune_point(bu, dtype, names, m, n, k, args, l2_bytes, shipped: Optional[int]
     if getattr(args, "reference", None):
         op(ref_out, sets[0][1], sets[0][2].t(), sets[0][3], sets[0][4], None, names.index(args.reference))
     else:
-        torch.ops.cutlass_w8a8.scaled_mm_out(ref_out, sets[0][1], sets[0][2].t(), sets[0][3], sets[0][4], None)
+        torch.ops.cutlass_w8a8.scaled_mm_out(ref_out, sets[0][1], sets[0][2].t(), sets[0][3], sets[0][4], None,
+                                             getattr(args, "fp8_fast_accum", FP8_FAST_ACCUM))
     ref = ref_out.float()
     result = {"M": m, "N": n, "K": k, "times_us": {}, "errors": {}, "identical": {},
               "shipped": names[shipped] if shipped is not None and 0 <= shipped < len(names) else None}
@@ -305,7 +314,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for dtype in dtypes:
             for shape, n, k in shapes[dtype]:
                 for m in m_values[dtype]:
-                    shipped = shipped_index(lib, dtype, m, n, k, sms)
+                    shipped = shipped_index(lib, dtype, m, n, k, sms, args.fp8_fast_accum)
                     p = tune_point(bu, dtype, names_by_dtype[dtype], m, n, k, args, l2_bytes, shipped)
                     p.update(dtype=dtype, shape=shape)
                     points.append(p)

@@ -11,17 +11,20 @@
 namespace cutlass_w8a8 {
 
 // gemm/scaled_mm_entry.cu
+// fp8_fast_accum (the schema's, default ops/_limits.py FP8_FAST_ACCUM): row-wise fp8 on sm90 chooses among the
+// fast-accumulation configs (true) or the accurate ones (false); kernel_api.h cw8a8_scaled_mm_args.fp8_fast_accum.
 at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
-                     const at::Tensor& scale_b, at::ScalarType out_dtype, const std::optional<at::Tensor>& bias);
+                     const at::Tensor& scale_b, at::ScalarType out_dtype, const std::optional<at::Tensor>& bias,
+                     bool fp8_fast_accum);
 void scaled_mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
-                   const at::Tensor& scale_b, const std::optional<at::Tensor>& bias);
+                   const at::Tensor& scale_b, const std::optional<at::Tensor>& bias, bool fp8_fast_accum);
 void scaled_mm_config_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                           const at::Tensor& scale_b, const std::optional<at::Tensor>& bias, int64_t config);
 
 // gemm/w8a8_linear.cu: a W8A8Linear forward (activation quantization + scaled_mm) in one op
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                        const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,
-                       at::ScalarType out_dtype);
+                       at::ScalarType out_dtype, bool fp8_fast_accum);
 
 // models/decode_layer.cpp: one layer of the reference decoder (models/llama.py) in one op call, for eager decoding
 at::Tensor decode_layer(const std::optional<at::Tensor>& h, at::Tensor& residual, const at::Tensor& input_norm,

@@ -18,7 +18,8 @@ from torch import nn
 
 from .config import W8A8Config
 from .ops._limits import AB_DTYPES as _QUANT_DTYPES
-from .ops._limits import BLOCK_SIZE, GEMM_ALIGN, QMAX, blocks
+from .ops._checks import check_fp8_fast_accum
+from .ops._limits import BLOCK_SIZE, FP8_FAST_ACCUM, GEMM_ALIGN, QMAX, blocks
 from .ops._limits import OUT_DTYPES as _OUT_DTYPES
 from .ops._reference import quantize_rows
 from .ops._roles import block_scale_shaped
@@ -219,6 +220,10 @@ class W8A8Linear(nn.Module):
         scale per 128 x 128 block, activations quantized dynamically per 1 x 128 group. Needs
         ``quant_dtype=torch.float8_e4m3fn``, K a multiple of 128 (N any multiple of 16: the last row block may
         be partial) and no static input scale; the GEMM needs an sm90 GPU. None (default): row-wise scales.
+    fp8_fast_accum : bool
+        Row-wise fp8 layers on sm90: True runs the fast-accumulation GEMMs, False the accurate ones (promoted every
+        128 of K; `cutlass_w8a8.scaled_mm` gives the measured error and cost). Ignored by int8 and block-scaled
+        layers. Default ``cutlass_w8a8.ops._limits.FP8_FAST_ACCUM``; also an attribute that may be set later.
 
     Shapes: input ``(..., K)``, output ``(..., N)``. The input is a float tensor (quantized here, then cast
     back: the output has the input's dtype) or a `QuantizedActivation` (output in ``dtype``).
@@ -233,6 +238,8 @@ class W8A8Linear(nn.Module):
         quantization: the ``scale`` to give a fused quantizing op.
     weight_block_size : tuple of int or None
         ``(128, 128)`` for a block-scaled layer, else None.
+    fp8_fast_accum : bool
+        What the layer's GEMMs pass as ``scaled_mm``'s / ``w8a8_linear``'s ``fp8_fast_accum``.
     group_size : int
         The ``group_size`` to give a fused quantizing op (`cutlass_w8a8.rms_norm_quant`, ...): 128 for a
         block-scaled layer (its activations are 1 x 128 groups), else 0.
@@ -244,15 +251,16 @@ class W8A8Linear(nn.Module):
         dimension is not K. With ``weight_block_size``: it is not (128, 128), ``quant_dtype`` is not
         float8_e4m3fn, K is not a multiple of 128, or ``static_input_scale`` is set.
     TypeError
-        ``dtype`` or ``quant_dtype`` is not supported; at call time, the input is neither a tensor nor a
-        `QuantizedActivation` (a list).
+        ``dtype`` or ``quant_dtype`` is not supported, or ``fp8_fast_accum`` is not a bool; at call time, the input is
+        neither a tensor nor a `QuantizedActivation` (a list).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype: torch.dtype = torch.bfloat16, quant_dtype: torch.dtype = torch.int8,
                  static_input_scale: bool = False, per_channel: bool = True,
-                 weight_block_size: Optional[tuple] = None):
+                 weight_block_size: Optional[tuple] = None, fp8_fast_accum: bool = FP8_FAST_ACCUM):
         super().__init__()
+        check_fp8_fast_accum("W8A8Linear", fp8_fast_accum)
         for name, v in (("in_features", in_features), ("out_features", out_features)):
             if not shape_supported(v, v):
                 raise ValueError(f"W8A8Linear: `{name}` must be a positive multiple of 16, got {v}")
@@ -268,6 +276,7 @@ class W8A8Linear(nn.Module):
         self.dtype = dtype
         self.quant_dtype = quant_dtype
         self.weight_block_size = weight_block_size
+        self.fp8_fast_accum = fp8_fast_accum
         if weight_block_size is not None:
             scale_shape = (blocks(out_features), in_features // BLOCK_SIZE)
         else:
@@ -311,7 +320,8 @@ class W8A8Linear(nn.Module):
         out_dtype = config.out_dtype or (linear.weight.dtype if linear.weight.dtype in _OUT_DTYPES else torch.bfloat16)
         block = config.weight_block_size
         mod = cls(k, n, bias=linear.bias is not None, device=linear.weight.device, dtype=out_dtype,
-                  quant_dtype=config.dtype, static_input_scale=input_scale is not None, weight_block_size=block)
+                  quant_dtype=config.dtype, static_input_scale=input_scale is not None, weight_block_size=block,
+                  fp8_fast_accum=config.fp8_fast_accum)
         with torch.no_grad():
             if block is not None:
                 w_q, w_s = quantize_weight_blocks(linear.weight.detach(), config.dtype)
@@ -545,17 +555,24 @@ class W8A8Linear(nn.Module):
             else:
                 s = x.scale if x.scale.numel() == 1 else x.scale.reshape(-1, 1).contiguous()
             y = _op.scaled_mm(x.q.reshape(-1, self.in_features), self.weight.t(), s,
-                                                 self.weight_scale, self.dtype, self.bias)
+                              self.weight_scale, self.dtype, self.bias, self.fp8_fast_accum)
             return y.reshape(*lead, self.out_features)
         self._check_input(x)
         # One op call: the activation quantization and the GEMM, checked once (in C++ on CUDA). The operands come
         # straight from _buffers (a dict lookup each, instead of nn.Module.__getattr__): this is the host-bound
         # path of small batches.
         b = self._buffers
-        y = _w8a8_linear(x, b["weight"], b["weight_scale"], b["input_scale"], b["bias"], self.dtype)
+        y = _w8a8_linear(x, b["weight"], b["weight_scale"], b["input_scale"], b["bias"], self.dtype,
+                         self.fp8_fast_accum)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"dtype={self.dtype}, quant_dtype={self.quant_dtype}"
-                f"{quantization_repr(self.weight_block_size, self.input_scale is not None)}")
+                f"{quantization_repr(self.weight_block_size, self.input_scale is not None)}"
+                # shown where it differs from the package default (and matters: row-wise fp8)
+                f"{', fp8_fast_accum=' + str(self.fp8_fast_accum) if self._fp8_accum_differs() else ''}")
+
+    def _fp8_accum_differs(self) -> bool:
+        return (self.quant_dtype == torch.float8_e4m3fn and self.weight_block_size is None
+                and self.fp8_fast_accum != FP8_FAST_ACCUM)

@@ -236,6 +236,9 @@ def _refuse_other_scheme(layer: nn.Module, fqn: str, config: W8A8Config) -> None
     # block-scaled fp8 (W8A8Config.weight_block_size / W8A8Linear.weight_block_size), where present
     have.append(("weight_block_size", getattr(config, "weight_block_size", None), "weight_block_size",
                  getattr(layer, "weight_block_size", None)))
+    # row-wise fp8's accumulation (W8A8Linear.fp8_fast_accum; layers without it, e.g. W8A8MoE, are not asked)
+    have.append(("fp8_fast_accum", config.fp8_fast_accum, "fp8_fast_accum",
+                 getattr(layer, "fp8_fast_accum", config.fp8_fast_accum)))
     for cname, want, lname, got in have:
         if want != got:
             what = f"module {fqn!r}" if fqn else "`model`"

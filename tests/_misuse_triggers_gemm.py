@@ -46,6 +46,13 @@ def mm(device="cpu", **change):
     return cw.scaled_mm(kw["a"], kw["b"], kw["scale_a"], kw["scale_b"], kw["out_dtype"], kw["bias"], out=out)
 
 
+def _mm_fast_accum(device, value):
+    """cw.scaled_mm on legal operands with fp8_fast_accum=value."""
+    kw = operands(device)
+    return cw.scaled_mm(kw["a"], kw["b"], kw["scale_a"], kw["scale_b"], kw["out_dtype"], kw["bias"],
+                        fp8_fast_accum=value)
+
+
 def misaligned(rows, cols, dtype, device="cpu", elem_off=8):
     pitch = cols + 16
     flat = torch.zeros(rows * pitch + elem_off, device=device).to(dtype)
@@ -79,6 +86,7 @@ DEVICE_TRIGGERS = {
     "scale_a-dtype": lambda d: mm(d, scale_a=lambda kw: kw["scale_a"].half()),
     "scale_b-dtype": lambda d: mm(d, scale_b=lambda kw: kw["scale_b"].double()),
     "out_dtype": lambda d: mm(d, out_dtype=torch.float32),
+    "fp8_fast_accum-type": lambda d: _mm_fast_accum(d, None),
     "bias-dtype": lambda d: mm(d, bias=lambda kw: kw["bias"].float()),
     "bias-not-tensor": lambda d: mm(d, bias=0.5),
     "out-dtype": lambda d: mm(d, out=torch.empty(4, 32, device=d)),
@@ -128,6 +136,7 @@ CPU_TRIGGERS = {
     "linear-quant-dtype": lambda: cw.W8A8Linear(64, 32, quant_dtype=torch.uint8),
     "linear-input": lambda: cw.W8A8Linear(64, 32)(torch.randn(2, 32, dtype=torch.bfloat16)),
     "config-dtype": lambda: cw.W8A8Config(dtype=torch.float16),
+    "config-fp8-fast-accum": lambda: cw.W8A8Config(fp8_fast_accum=1),
     "graph-cpu-inputs": lambda: cw.graphs.CapturedGraph(lambda x: x, [torch.zeros(4)]),
     "runner-mode": lambda: DecodeGraphRunner(None, mode="fast"),
     "extension-not-built": _not_built,

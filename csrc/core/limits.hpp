@@ -40,4 +40,9 @@ constexpr int64_t kMoeMaxGroups = 32;
 // (a decode step at batch 8 with top-8; each CTA keeps the pairs' expert ids in shared memory).
 constexpr int64_t kMoeDecodeMaxPairs = 64;
 
+// Row-wise fp8 on sm90: 1 runs the fast-accumulation configs, 0 the accurate ones (ops/_limits.py FP8_FAST_ACCUM,
+// where the default is decided; pinned equal by tests/ops/test_limits.py). Used only where an op has no
+// `fp8_fast_accum` argument of its own (decode_layer); the ops that have one get their schema default from Python.
+constexpr int64_t kFp8FastAccumDefault = 1;
+
 }  // namespace cutlass_w8a8::limits

@@ -56,6 +56,10 @@ typedef struct cw8a8_scaled_mm_args {
                             // cw8a8_config_table_of(this) names
   int pdl;                  // 1: launch with programmatic dependent launch where the kernel supports it
                             // (the sm90 kernels wait on griddepcontrol before touching global memory)
+  int fp8_fast_accum;       // row-wise fp8 (ab_type FP8_E4M3, scale_block 0) with config < 0: 1 chooses among the
+                            // fast-accumulation configs, 0 among the accurate ones (partial sums promoted into
+                            // float32 every 128 of K); the sm90 library's select_fp8 reads it, int8, block-scaled
+                            // fp8, the decode GEMM and the sm80 / sm89 libraries ignore it
   cudaStream_t stream;
 } cw8a8_scaled_mm_args;
 
@@ -114,10 +118,11 @@ static inline int cw8a8_config_table_of(const cw8a8_scaled_mm_args* args) {
 // with ctypes; names read "[swap_]<tile M>x<N>x<K>_c<cluster M>x<N>_<pingpong|cooperative>_persistent[_fastaccum]
 // [_waves][_swizzle<S>]" in every table, the kernel's own frame). A tuning build (setup.py CUTLASS_W8A8_TUNE) may hold the
 // candidates of some tables only. The sm90 library also exports cw8a8_sm90_select_config: the index its dispatch
-// picks for a shape (only bench/tune_sm90.py reads it).
+// picks for a shape (and, for the fp8 table, fp8_fast_accum as in cw8a8_scaled_mm_args; only bench/tune_sm90.py
+// reads it).
 typedef int (*cw8a8_num_configs_fn)(int table);
 typedef const char* (*cw8a8_config_name_fn)(int table, int i);
-typedef int (*cw8a8_select_config_fn)(int table, int64_t m, int64_t n, int64_t k, int sm_count);
+typedef int (*cw8a8_select_config_fn)(int table, int64_t m, int64_t n, int64_t k, int sm_count, int fp8_fast_accum);
 
 // Grouped GEMM for mixture-of-experts (issue 27): the rows of A are grouped by expert, expert e owning rows
 // [offsets[e - 1], offsets[e]) (offsets[-1] read as 0), and

@@ -69,6 +69,8 @@ cw8a8_scaled_mm_args pack_scaled_mm(const GemmOperands& g) {
   args.device = g.device;
   args.sm_count = device_info(g.device).sm_count;
   args.config = -1;
+  // the ops set it from their argument (kernel_api.h); graph updates keep the captured one
+  args.fp8_fast_accum = limits::kFp8FastAccumDefault != 0 ? 1 : 0;
   return args;
 }
 

@@ -123,15 +123,19 @@ void scaled_mm_config_out(at::Tensor& out, const at::Tensor& a, const at::Tensor
 }
 
 void scaled_mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
-                   const at::Tensor& scale_b, const std::optional<at::Tensor>& bias) {
-  scaled_mm_config_out(out, a, b, scale_a, scale_b, bias, -1);
+                   const at::Tensor& scale_b, const std::optional<at::Tensor>& bias, bool fp8_fast_accum) {
+  cw8a8_scaled_mm_args args = check_and_pack_scaled_mm(kOp, out, a, b, scale_a, scale_b, bias);
+  args.fp8_fast_accum = fp8_fast_accum ? 1 : 0;
+  launch_scaled_mm(args, a, scale_a, scale_b, bias);
 }
 
 at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
-                     const at::Tensor& scale_b, at::ScalarType out_dtype, const std::optional<at::Tensor>& bias) {
+                     const at::Tensor& scale_b, at::ScalarType out_dtype, const std::optional<at::Tensor>& bias,
+                     bool fp8_fast_accum) {
   check_scaled_mm(kOp, a, b, scale_a, scale_b, out_dtype, bias, /*out=*/nullptr);
   at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options().dtype(out_dtype));
   cw8a8_scaled_mm_args args = pack_scaled_mm(out, a, b, scale_a, scale_b, bias);
+  args.fp8_fast_accum = fp8_fast_accum ? 1 : 0;
   launch_scaled_mm(args, a, scale_a, scale_b, bias);
   return out;
 }

@@ -90,7 +90,7 @@ void check(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weig
 
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                        const std::optional<at::Tensor>& input_scale, const std::optional<at::Tensor>& bias,
-                       at::ScalarType out_dtype) {
+                       at::ScalarType out_dtype, bool fp8_fast_accum) {
   check(x, weight, weight_scale, input_scale, bias, out_dtype);
   const int64_t n = weight.size(0), k = weight.size(1);
   c10::cuda::CUDAGuard guard(x.device());
@@ -146,6 +146,7 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& weight, const at::
   g.bias = bias ? bias->data_ptr() : nullptr;
   g.device = x.device().index();
   cw8a8_scaled_mm_args args = pack_scaled_mm(g);
+  args.fp8_fast_accum = fp8_fast_accum ? 1 : 0;
   launch_scaled_mm(args, x, input_scale ? *input_scale : at::Tensor(), weight_scale, bias);
   return out;
 }

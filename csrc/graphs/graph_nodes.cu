@@ -243,6 +243,7 @@ void graph_update_scaled_mm(int64_t graph_exec, int64_t record, const at::Tensor
                     r.captured_rows, "] (the captured M), got ", args.m);
   args.sm_count = r.args.sm_count;
   args.pdl = r.args.pdl;
+  args.fp8_fast_accum = r.args.fp8_fast_accum;  // the node keeps the captured accumulation (fast or accurate rows)
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(r.device));
   cw8a8_kernel_node desc{};
   apply_gemm(r, args, reinterpret_cast<cudaGraphExec_t>(graph_exec), &desc);

@@ -19,6 +19,7 @@
 #include <ATen/ATen.h>
 
 #include "core/checks.hpp"
+#include "core/limits.hpp"
 #include "ops.hpp"
 
 namespace cutlass_w8a8 {
@@ -38,7 +39,8 @@ struct Proj {
 at::Tensor project(const Proj& p, const at::Tensor& x, const at::Tensor& q, const at::Tensor& s,
                    at::ScalarType dtype) {
   if (!is_ab_dtype(p.w.scalar_type())) return at::linear(x, p.w);  // what nn.Linear (no bias) calls
-  return scaled_mm(q, p.w.t(), p.is ? *p.is : s, *p.ws, dtype, std::nullopt);
+  // decode_layer has no fp8_fast_accum argument: the package default (core/limits.hpp, pinned to ops/_limits.py)
+  return scaled_mm(q, p.w.t(), p.is ? *p.is : s, *p.ws, dtype, std::nullopt, limits::kFp8FastAccumDefault != 0);
 }
 
 }  // namespace

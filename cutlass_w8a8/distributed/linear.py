@@ -188,6 +188,7 @@ class ColumnParallelW8A8Linear(_TensorParallel, W8A8Linear):
             S.shard_rows(b["weight"], sizes, rank, world, replicas), scale,
             bias=None if b["bias"] is None else S.shard_rows(b["bias"], sizes, rank, world, replicas),
             input_scale=b["input_scale"], dtype=full.dtype, weight_block_size=full.weight_block_size)
+        mod.fp8_fast_accum = full.fp8_fast_accum
         mod._init_column(ctx, full.out_features, full.in_features, sizes, gather_output, replicas)
         return mod
 
@@ -325,6 +326,7 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
                                  bias=None if b["bias"] is None else b["bias"].clone(),
                                  input_scale=b["input_scale"], dtype=full.dtype,
                                  weight_block_size=full.weight_block_size)
+        mod.fp8_fast_accum = full.fp8_fast_accum
         mod._init_row(ctx, full.out_features, full.in_features, input_is_parallel)
         return mod
 
@@ -387,13 +389,14 @@ class RowParallelW8A8Linear(_TensorParallel, W8A8Linear):
             else:
                 s = x.scale if x.scale.numel() == 1 else x.scale.reshape(-1, 1).contiguous()
             y = _op.scaled_mm(x.q.reshape(-1, self.in_features), b["weight"].t(), s, b["weight_scale"], self.dtype,
-                              None).reshape(*lead, self.out_features)
+                              None, self.fp8_fast_accum).reshape(*lead, self.out_features)
             in_dtype = self.dtype
         else:
             if x.shape[-1] != self.in_features:
                 raise ValueError(f"{type(self).__name__}: input's last dimension must be in_features (this rank's "
                                  f"K / tp_size) = {self.in_features}, got shape {tuple(x.shape)}")
-            y = _op.w8a8_linear(x, b["weight"], b["weight_scale"], b["input_scale"], None, self.dtype)
+            y = _op.w8a8_linear(x, b["weight"], b["weight_scale"], b["input_scale"], None, self.dtype,
+                                self.fp8_fast_accum)
             in_dtype = x.dtype
         if self.reduce_results and self.tp_size > 1:
             _all_reduce_(y, self.tp_group)

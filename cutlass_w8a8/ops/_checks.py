@@ -93,6 +93,17 @@ def check_scaled_mm(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None) 
         out_matrix(op, out, m, n)
 
 
+def check_fp8_fast_accum(op: str, fp8_fast_accum) -> None:
+    """The ``fp8_fast_accum`` argument of scaled_mm(_out) and w8a8_linear: a bool (True: row-wise fp8 on sm90 runs
+    the fast-accumulation configs; False: the accurate ones; ignored by int8, block-scaled fp8 and the decode GEMM,
+    which always accumulate exactly or promote). torch's dispatcher turns None or a number into a bool before any
+    kernel of the op (C++, CPU or fake) sees it (a string it refuses with a RuntimeError naming the argument), so
+    this check runs before the op: in the wrapper `scaled_mm` and in `W8A8Config`."""
+    if not isinstance(fp8_fast_accum, bool):
+        fail_type(op, "fp8_fast_accum", f"must be a bool (True: fast accumulation, False: accurate), got "
+                  f"{type(fp8_fast_accum).__name__}")
+
+
 def check_scaled_mm_decode(op: str, a, b, scale_a, scale_b, out_dtype, bias, out=None) -> None:
     """scaled_mm's checks, then M in [1, DECODE_MAX_M] and K <= DECODE_MAX_K."""
     check_scaled_mm(op, a, b, scale_a, scale_b, out_dtype, bias, out)

@@ -8,6 +8,7 @@ import torch
 
 from . import _checks as C
 from . import _checks_moe as CM
+from ._limits import FP8_FAST_ACCUM
 
 
 def _fake(op: str):
@@ -27,8 +28,18 @@ def _gemm_pair(op: str, check) -> None:
         check(op, a, b, scale_a, scale_b, out.dtype, bias, out)
 
 
-_gemm_pair("scaled_mm", C.check_scaled_mm)
 _gemm_pair("scaled_mm_decode", C.check_scaled_mm_decode)
+
+
+@_fake("scaled_mm")
+def _scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None, fp8_fast_accum=FP8_FAST_ACCUM):
+    C.check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out_dtype, bias)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@_fake("scaled_mm_out")
+def _scaled_mm_out(out, a, b, scale_a, scale_b, bias=None, fp8_fast_accum=FP8_FAST_ACCUM):
+    C.check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out.dtype, bias, out)
 
 
 @_fake("grouped_scaled_mm")
@@ -48,7 +59,8 @@ def _scaled_mm_config(out, a, b, scale_a, scale_b, bias, config):
 
 
 @_fake("w8a8_linear")
-def _w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype=torch.bfloat16):
+def _w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype=torch.bfloat16,
+                 fp8_fast_accum=FP8_FAST_ACCUM):
     C.check_w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype)
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=out_dtype)
 

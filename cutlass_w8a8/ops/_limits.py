@@ -50,6 +50,15 @@ def blocks(v: int) -> int:
     return -(-v // BLOCK_SIZE)
 
 
+# Row-wise fp8 GEMMs on sm90: True runs the fast-accumulation configs (the tensor cores' partial sums kept over the
+# whole K loop: faster, relative error up to ~4.5e-3 of the result's norm at bf16 output, csrc/gemm/EPILOGUES.md), False
+# the accurate ones (partial sums promoted into float32 every 128 of K, within the bf16 rounding, ~1.7e-3). THE ONE
+# PLACE the default of `fp8_fast_accum` is decided: the default of the ops' schema argument (scaled_mm, scaled_mm_out,
+# w8a8_linear), of the wrappers and of W8A8Config.fp8_fast_accum read it; csrc/core/limits.hpp kFp8FastAccumDefault
+# (decode_layer, which has no such argument) is pinned equal by tests/ops/test_limits.py. Issue 37 flips it to False
+# once the accurate configs' small-M rows are measured.
+FP8_FAST_ACCUM = True
+
 # Largest finite magnitude of each quantized dtype: the divisor of the dynamic scales (amax / QMAX).
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 # 8-bit GEMM operands (and the quantization ops' target dtypes).

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from . import _checks as C
 from . import _checks_moe as CM
-from ._limits import AB_DTYPES, BLOCK_SIZE, QMAX
+from ._limits import AB_DTYPES, BLOCK_SIZE, FP8_FAST_ACCUM, QMAX
 from ._roles import block_scaled, block_weight_scaled, grouped_block_scaled
 from ._schema import lib
 
@@ -74,15 +74,27 @@ def _gemm_pair(op: str, check):
     return functional, out_variant
 
 
-_scaled_mm, _scaled_mm_out = _gemm_pair("scaled_mm", C.check_scaled_mm)
 _scaled_mm_decode, _scaled_mm_decode_out = _gemm_pair("scaled_mm_decode", C.check_scaled_mm_decode)
+
+
+# scaled_mm(_out): the reference accumulates in float32 from exact products whatever `fp8_fast_accum` says (the flag
+# chooses between two sm90 kernel families; the dispatcher has made it a bool, see C.check_fp8_fast_accum).
+def _scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None, fp8_fast_accum=FP8_FAST_ACCUM):
+    C.check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out_dtype, bias)
+    return gemm_reference(a, b, scale_a, scale_b, out_dtype, bias)
+
+
+def _scaled_mm_out(out, a, b, scale_a, scale_b, bias=None, fp8_fast_accum=FP8_FAST_ACCUM):
+    C.check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out.dtype, bias, out)
+    out.copy_(gemm_reference(a, b, scale_a, scale_b, out.dtype, bias))
 
 
 def _scaled_mm_config(out, a, b, scale_a, scale_b, bias, config):
     _scaled_mm_out(out, a, b, scale_a, scale_b, bias)
 
 
-def _w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype=torch.bfloat16):
+def _w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype=torch.bfloat16,
+                 fp8_fast_accum=FP8_FAST_ACCUM):
     C.check_w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype)
     # quantize_per_token / quantize_per_tensor (quantize_per_token_group with block weight scales), then
     # scaled_mm: the CUDA op's definition

@@ -7,11 +7,15 @@ ops (PDL, fp8 support, CUDA-graph records) are defined by `_C.so` itself and exi
 
 Ops:
 
-- ``scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor``: row-wise scales (per-tensor, per-token
+- ``scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None, fp8_fast_accum=FP8_FAST_ACCUM) -> Tensor``: row-wise
+  scales (per-tensor, per-token
   ``scale_a``, per-channel ``scale_b``) or block-scaled fp8 (``scale_a`` (M, K/128) 1x128 groups, ``scale_b``
   (ceil(N/128), K/128) 128x128 blocks), told apart by the scales' shapes (`_roles.block_scaled`)
-- ``scaled_mm_out(out, a, b, scale_a, scale_b, bias=None) -> ()``
-- ``w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype) -> Tensor``: a `W8A8Linear`
+- ``scaled_mm_out(out, a, b, scale_a, scale_b, bias=None, fp8_fast_accum=FP8_FAST_ACCUM) -> ()``; ``fp8_fast_accum``
+  picks row-wise fp8's sm90 kernels: fast accumulation (True) or promoted every 128 of K (False); the default is
+  `_limits.FP8_FAST_ACCUM`
+- ``w8a8_linear(x, weight, weight_scale, input_scale=None, bias=None, out_dtype, fp8_fast_accum=FP8_FAST_ACCUM)
+  -> Tensor``: a `W8A8Linear`
   forward in one call: quantize ``x (..., K)`` (per token, or per tensor with ``input_scale``; per 1x128 group with
   block weight scales (ceil(N/128), K/128)), then the GEMM with the ``(N, K)`` weight
 - ``decode_layer(h, residual, input_norm, post_norm, eps, qkv_w, qkv_ws, qkv_is, o_w, ..., down_is, kv_cache, rope,
@@ -79,6 +83,7 @@ import types
 import torch
 
 from .. import _ext
+from ._limits import FP8_FAST_ACCUM
 
 lib = torch.library.Library("cutlass_w8a8", "DEF")  # noqa: TOR901 (the one definition block of the namespace)
 
@@ -116,12 +121,14 @@ def _no_kernel(op: str, schema: str):
     return kernel
 
 
+# fp8_fast_accum: row-wise fp8 on sm90 runs the fast-accumulation (True) or the accurate (False) configs; its default
+# is _limits.FP8_FAST_ACCUM, the one place it is decided (the C++ ops receive it filled in).
 _define("scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, "
-        "Tensor? bias=None) -> Tensor")
+        f"Tensor? bias=None, bool fp8_fast_accum={FP8_FAST_ACCUM}) -> Tensor")
 _define("scaled_mm_out(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
-        "Tensor? bias=None) -> ()")
+        f"Tensor? bias=None, bool fp8_fast_accum={FP8_FAST_ACCUM}) -> ()")
 _define("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? input_scale, Tensor? bias, "
-        "ScalarType out_dtype) -> Tensor")
+        f"ScalarType out_dtype, bool fp8_fast_accum={FP8_FAST_ACCUM}) -> Tensor")
 _define("decode_layer(Tensor? h, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, float eps, "
         "Tensor qkv_w, Tensor? qkv_ws, Tensor? qkv_is, Tensor o_w, Tensor? o_ws, Tensor? o_is, "
         "Tensor gate_up_w, Tensor? gate_up_ws, Tensor? gate_up_is, Tensor down_w, Tensor? down_ws, "

@@ -1,7 +1,8 @@
 """The GEMM ops' public wrappers: `scaled_mm`, `scaled_mm_decode`, `linear_decode`, and `supports_fp8`.
 
 Each wrapper calls its op once and returns; the op checks its arguments (C++ on CUDA, `_checks.py` on the CPU
-and in the fake kernels) and raises errors that name the argument (docs/MISUSE.md).
+and in the fake kernels) and raises errors that name the argument (docs/MISUSE.md). The one check a wrapper makes
+itself is `scaled_mm`'s ``fp8_fast_accum`` type, which torch's dispatcher coerces to bool before C++ sees it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import Optional
 import torch
 
 from .. import _ext
+from ._checks import check_fp8_fast_accum
+from ._limits import FP8_FAST_ACCUM
 from ._schema import OVERLOADS as _op
 
 __all__ = ["scaled_mm", "scaled_mm_decode", "linear_decode", "supports_fp8"]
@@ -25,6 +28,7 @@ def scaled_mm(
     bias: Optional[torch.Tensor] = None,
     *,
     out: Optional[torch.Tensor] = None,
+    fp8_fast_accum: bool = FP8_FAST_ACCUM,
 ) -> torch.Tensor:
     """W8A8 GEMM with fused dequantization: ``D = scale_a * scale_b * (A @ B) + bias``.
 
@@ -71,6 +75,15 @@ def scaled_mm(
     out : torch.Tensor, optional
         ``(M, N)`` row-major destination (its dtype is the output dtype); written in place and returned.
         For static buffers, e.g. inside CUDA graphs.
+    fp8_fast_accum : bool
+        Row-wise fp8 on sm90 only: True runs the fast-accumulation kernels (the tensor cores' partial sums kept
+        over the whole K loop), False the accurate ones (partial sums promoted into float32 every 128 of K, the
+        same result at every M that the CUTLASS kernels serve). Measured, bf16 output, relative Frobenius error
+        against float64: fast accumulation 4.3-4.5e-3 (H100, 13 DeepSeek-V3 / Qwen3 shapes) and 3.5e-3 (H200,
+        issue 37), growing with K; accurate, like block fp8 and the decode GEMM, within the output rounding
+        (1.7e-3). Accurate costs 1.09x (M = 1024) / 1.05x (M = 4096) the fast kernels' time on an H200 (Llama-3-70B
+        shapes, bench/results/tune_nvidia-h200_fp8_waves.md). int8 (exact), block-scaled fp8 (always promoted) and
+        the decode GEMM at M <= 8 ignore it. Default: ``cutlass_w8a8.ops._limits.FP8_FAST_ACCUM`` (True).
 
     Returns
     -------
@@ -81,7 +94,7 @@ def scaled_mm(
     ------
     TypeError
         A dtype is wrong (``a``, ``b``, scales, ``bias``, ``out_dtype``, ``out``); block scales with int8
-        operands (``a`` must be float8_e4m3fn with block scales).
+        operands (``a`` must be float8_e4m3fn with block scales); ``fp8_fast_accum`` is not a bool.
     ValueError
         A shape, layout, alignment or device is wrong; the message names the argument. Block-scaled: K not a
         multiple of 128, ``scale_a`` not ``(M, K/128)``, ``scale_b`` not ``(ceil(N/128), K/128)``.
@@ -98,9 +111,11 @@ def scaled_mm(
     >>> x_q, x_s = quantize_per_token_group(x)       # block-scaled fp8: x_s (M, K / 128)
     >>> y = scaled_mm(x_q, w_q.t(), x_s, w_s, torch.bfloat16)   # w_q e4m3 (N, K), w_s (ceil(N / 128), K / 128)
     """
+    # torch's dispatcher would turn None or a number into a bool before the C++ op sees it: checked here
+    check_fp8_fast_accum("scaled_mm", fp8_fast_accum)
     if out is None:
-        return _op.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
-    _op.scaled_mm_out(out, a, b, scale_a, scale_b, bias)
+        return _op.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias, fp8_fast_accum)
+    _op.scaled_mm_out(out, a, b, scale_a, scale_b, bias, fp8_fast_accum)
     return out
 
 

@@ -35,9 +35,11 @@ BLOCK = 128
 FROBENIUS = {torch.bfloat16: 2.5e-3, torch.float16: 1e-3}
 # Fp8BlockConfigs (csrc/gemm/sm90/scaled_mm_sm90_dispatch.cuh), in table order: (name, select_fp8_block's M range)
 BLOCK_CONFIGS = ["swap_128x16x128_c1x1_pingpong_persistent", "swap_128x32x128_c1x1_pingpong_persistent",
-                 "64x128x128_c1x1_pingpong_persistent", "128x128x128_c1x2_cooperative_persistent"]
-# Crosses every bucket of select_fp8_block: [1, 32], (32, 64], (64, 128], > 128 (two tile shapes by wave fill).
-M_BUCKETS = [1, 7, 16, 17, 32, 33, 64, 100, 128, 129, 1024, 2048]
+                 "64x128x128_c1x1_pingpong_persistent", "128x128x128_c1x2_cooperative_persistent",
+                 "256x128x128_c1x2_cooperative_persistent_waves"]
+# Crosses every bucket of select_fp8_block: [1, 32], (32, 64], (64, 128], > 128 (two tile shapes by wave fill), and
+# M >= 1024 where the wave tile's rows per SM stay within 1.05x (M = 4096 at N = 1024 on 132 SMs).
+M_BUCKETS = [1, 7, 16, 17, 32, 33, 64, 100, 128, 129, 1024, 2048, 4096]
 
 
 @pytest.fixture(autouse=True)
@@ -102,15 +104,23 @@ def check(out, a, w, sa, sb, bias, what):
 
 
 def large_m_config(m: int, n: int) -> str:
-    """The name of the config select_fp8_block picks for M > 128 on this GPU (its wave-fill rule, mirrored)."""
+    """The name of the config select_fp8_block picks for M > 128 on this GPU (its rules, mirrored): at M >= 1024 the
+    256x128 wave tile unless its busiest SM has more than 1.05x the rows of the 128x128 tile's; else the wave-fill
+    rule between the 64x128 and 128x128 tiles."""
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    pairs = (blocks(n) + 1) // 2 * 2  # a 1x2 cluster pads the N tiles to pairs
 
     def fill(tiles):
         waves = -(-tiles // sms)
         return tiles / (waves * sms)
 
+    def busiest_sm_rows(tile_m):
+        return -(-(-(-m // tile_m) * pairs) // sms) * tile_m
+
+    if m >= 1024 and busiest_sm_rows(256) * 100 <= busiest_sm_rows(128) * 105:
+        return BLOCK_CONFIGS[4]
     few = fill(-(-m // 64) * blocks(n))
-    large = fill(-(-m // 128) * ((blocks(n) + 1) // 2 * 2))  # a 1x2 cluster pads the N tiles to pairs
+    large = fill(-(-m // 128) * pairs)
     return BLOCK_CONFIGS[2] if few > large + 0.05 else BLOCK_CONFIGS[3]
 
 
@@ -317,16 +327,18 @@ def test_updatable_graph_set_rows():
 
 
 @torch.no_grad()
-def test_updatable_graph_keeps_cluster_config():
-    """Captured at M = 1024 (N = 4096: on 132 SMs the 128x128 cooperative tile, cluster 1x2, launched without
-    PDL); smaller M keep that config (a node's cluster shape cannot change) and stay right."""
-    if large_m_config(1024, 4096) != BLOCK_CONFIGS[3]:
-        pytest.skip("on this GPU's SM count dispatch picks the 64x128 tile at M = 1024, N = 4096")
-    g, node, w, sb, b = _updatable_gemm(1024, 4096, 512, seed=31)
-    assert BLOCK_CONFIGS[node.config] == BLOCK_CONFIGS[3], node
-    for i, m in enumerate([100, 1, 513, 1024]):
+@pytest.mark.parametrize("captured_m,config", [(512, 3), (1024, 4)], ids=["128x128", "256x128_waves"])
+def test_updatable_graph_keeps_cluster_config(captured_m, config):
+    """Captured at M = 512 or 1024 with N = 4096 (on 132 SMs the 128x128 cooperative tile, or at M = 1024 the 256x128
+    wave tile, both cluster 1x2 and launched without PDL); smaller M keep that config (a node's cluster shape cannot
+    change) and stay right."""
+    if large_m_config(captured_m, 4096) != BLOCK_CONFIGS[config]:
+        pytest.skip(f"on this GPU's SM count dispatch picks another tile at M = {captured_m}, N = 4096")
+    g, node, w, sb, b = _updatable_gemm(captured_m, 4096, 512, seed=31)
+    assert BLOCK_CONFIGS[node.config] == BLOCK_CONFIGS[config], node
+    for i, m in enumerate([100, 1, captured_m // 2 + 1, captured_m]):
         g.set_rows(m)
-        _replay_rows(g, w, sb, b, m, seed=40 + i, what=f"cluster 1x2, set_rows({m})")
+        _replay_rows(g, w, sb, b, m, seed=40 + i, what=f"{BLOCK_CONFIGS[config]}, set_rows({m})")
 
 
 @pytest.mark.parametrize("captured_m,n", [(16, 2048), (1024, 4096)])
@@ -335,7 +347,7 @@ def test_updatable_graph_quantizer_then_gemm_with_pdl(captured_m, n):
     """The block layer's two kernels, quantize_per_token_group then the GEMM, captured with PDL on (the GEMM's
     node gets a programmatic edge from the quantizer, which lets its dependents start early): at M = 16 the
     pingpong kernel, whose producer warps wait on griddepcontrol before loading A, B and the scales; at M = 1024
-    (on 132 SMs) the cooperative 128x128 kernel, which the library launches without PDL (its scale-loading warp
+    (on 132 SMs) the cooperative 256x128 wave kernel, which the library launches without PDL (its scale-loading warp
     does not wait). Replays with new inputs at several M must read the scales the quantizer wrote in that
     replay."""
     k = 2048

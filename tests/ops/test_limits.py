@@ -30,6 +30,7 @@ PAIRS = {
     "kMoeMaxExperts": "MOE_MAX_EXPERTS",
     "kMoeMaxGroups": "MOE_MAX_GROUPS",
     "kMoeDecodeMaxPairs": "MOE_DECODE_MAX_PAIRS",
+    "kFp8FastAccumDefault": "FP8_FAST_ACCUM",  # 1 / 0 against True / False
 }
 
 

@@ -66,7 +66,18 @@ struct TableOf {
   using Shipped = ShippedConfigs;
   static constexpr bool kTuned = kTunedIn;
   using Candidates = TuneCandidates;
-  static int select(int64_t m, int64_t n, int64_t k, int sms) { return kSelect(m, n, k, sms); }
+  // fp8_fast_accum: only the row-wise fp8 table chooses by it (Tables<float_e4m3_t> below)
+  static int select(int64_t m, int64_t n, int64_t k, int sms, bool /*fp8_fast_accum*/) { return kSelect(m, n, k, sms); }
+};
+
+// The row-wise fp8 table: fast-accumulation or accurate rows (select_fp8, kernel_api.h fp8_fast_accum).
+struct Fp8TableOf {
+  using Shipped = Fp8Configs;
+  static constexpr bool kTuned = kTuneFp8;
+  using Candidates = Fp8TuneCandidates;
+  static int select(int64_t m, int64_t n, int64_t k, int sms, bool fp8_fast_accum) {
+    return select_fp8(m, n, k, sms, fp8_fast_accum);
+  }
 };
 
 // The kernel functions of the row-wise tables' configs: scaled_mm_sm90.cuh's ScaledMmKernel on ElementAB operands.
@@ -99,8 +110,7 @@ struct Tables;
 template <>
 struct Tables<int8_t> : TableOf<Int8Configs, kTuneInt8, Int8TuneCandidates, select_int8>, RowwiseKernels<int8_t> {};
 template <>
-struct Tables<cutlass::float_e4m3_t> : TableOf<Fp8Configs, kTuneFp8, Fp8TuneCandidates, select_fp8>,
-                                       RowwiseKernels<cutlass::float_e4m3_t> {};
+struct Tables<cutlass::float_e4m3_t> : Fp8TableOf, RowwiseKernels<cutlass::float_e4m3_t> {};
 template <>
 struct Tables<BlockFp8> : TableOf<Fp8BlockConfigs, kTuneFp8Block, Fp8BlockTuneCandidates, select_fp8_block>,
                           BlockKernels {};
@@ -133,7 +143,8 @@ int visit_typed(int index, F&& f, char* err, size_t err_len) {
 // The table index args.config, or the one dispatch chooses for the shape when it is negative.
 template <class Key>
 int config_index(const cw8a8_scaled_mm_args& args) {
-  return args.config >= 0 ? args.config : Tables<Key>::select(args.m, args.n, args.k, args.sm_count);
+  return args.config >= 0 ? args.config
+                          : Tables<Key>::select(args.m, args.n, args.k, args.sm_count, args.fp8_fast_accum != 0);
 }
 
 // Calls f.template operator()<ElementD>() for the output type of args; an error for an unknown type.
@@ -293,15 +304,17 @@ __attribute__((visibility("default"))) int cw8a8_sm90_num_configs(int table) {
 }
 
 // The index select_int8 / select_fp8 / select_fp8_block return for a shape (the config scaled_mm runs there when it
-// does not take the decode GEMM), for bench/tune_sm90.py's comparison against the shipped choice; -1 for an unknown
-// table. sm_count <= 0 reads as 132 (an H100 SXM), as in the select functions.
+// does not take the decode GEMM; the fp8 table's among its fast-accumulation rows when fp8_fast_accum != 0, else its
+// accurate ones), for bench/tune_sm90.py's comparison against the shipped choice; -1 for an unknown table.
+// sm_count <= 0 reads as 132 (an H100 SXM), as in the select functions.
 __attribute__((visibility("default"))) int cw8a8_sm90_select_config(int table, int64_t m, int64_t n, int64_t k,
-                                                                     int sm_count) {
+                                                                     int sm_count, int fp8_fast_accum) {
   using namespace cutlass_w8a8::sm90;
+  const bool fast = fp8_fast_accum != 0;
   switch (table) {
-    case CW8A8_TABLE_INT8: return Tables<int8_t>::select(m, n, k, sm_count);
-    case CW8A8_TABLE_FP8: return Tables<cutlass::float_e4m3_t>::select(m, n, k, sm_count);
-    case CW8A8_TABLE_FP8_BLOCK: return Tables<BlockFp8>::select(m, n, k, sm_count);
+    case CW8A8_TABLE_INT8: return Tables<int8_t>::select(m, n, k, sm_count, fast);
+    case CW8A8_TABLE_FP8: return Tables<cutlass::float_e4m3_t>::select(m, n, k, sm_count, fast);
+    case CW8A8_TABLE_FP8_BLOCK: return Tables<BlockFp8>::select(m, n, k, sm_count, fast);
     default: return -1;
   }
 }

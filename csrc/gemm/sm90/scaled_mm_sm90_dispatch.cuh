@@ -94,7 +94,8 @@ inline int select_int8(int64_t m, int64_t n, int64_t k, int sm_count) {
 }
 
 // ---- fp8 e4m3 x e4m3 -> fp32 ---------------------------------------------------------------------------
-// Every shipped fp8 config uses fast accumulation: in the sweep it beat the configs that promote the
+// The fast-accumulation rows (fp8_fast_accum = 1, today's default: cutlass_w8a8/ops/_limits.py FP8_FAST_ACCUM); the
+// accurate rows follow them. Fast accumulation: in the sweep it beat the configs that promote the
 // tensor cores' partial sums into float32 every 4 MMAs by 5-30% at every M (those need TileK = 128 and twice
 // the accumulator registers). vLLM's sm90 fp8 kernels make the same choice. The error it allows is stated
 // in csrc/gemm/EPILOGUES.md and tested in tests/gemm/test_scaled_mm_cuda.py.
@@ -113,13 +114,44 @@ using Fp8_MLarge = Config<128, 128, 128, 2, 1, PP, PE, false, true>;
 // M = 2048; on the K = 4096 shapes it lost up to 6%, so those keep Fp8_MLarge.
 using Fp8_MLarge_KBig = Config<128, 256, 128, 2, 1, CO, PE, false, true>;
 
-// Table indices 0..4, in this order (see the top of this file).
-using Fp8Configs = std::tuple<Fp8_M16, Fp8_M64, Fp8_M128, Fp8_MLarge, Fp8_MLarge_KBig>;
+// The accurate rows (issue 37; scaled_mm's fp8_fast_accum=False, cw8a8_scaled_mm_args.fp8_fast_accum = 0): the tensor
+// cores' partial sums promoted into float32 once per 128 of K (TileK 128), the same products in the same K order in
+// every config. Each bucket's config is the promoted one with the best geomean over the eight Llama-3 shapes in the
+// H200 sweeps (bench/results/tune_nvidia-h200_fp8.md's promoted candidates, tune_nvidia-h200_fp8_promotion.md,
+// tune_nvidia-h200_fp8_waves.md); the small-M rows are provisional until the wave candidates below are timed.
+// M in [1, 16]: 1.100x the per-point best (fast accumulation included) at M = 16.
+using Fp8_M16_Accurate = Config<128, 16, 128, 1, 1, CO, PE, true>;
+// M in (16, 64]: 1.187x in geomean over M = 32 and 64.
+using Fp8_M64_Accurate = Config<128, 32, 128, 1, 1, CO, PE, true>;
+// M in (64, 128]: 1.156x at M = 128.
+using Fp8_M128_Accurate = Config<128, 64, 128, 1, 1, CO, PE, true>;
+// M in (128, 256]: 1.143x at M = 256 (tune_nvidia-h200_fp8_promotion.md).
+using Fp8_M256_Accurate = Config<128, 128, 128, 1, 1, CO, PE, true>;
+// M in (256, 1024): 1.22x at M = 512 (64 + 64 registers per consumer thread; the promoted 128x128 pingpong tile
+// spills and ran 4.4x).
+using Fp8_M1024_Accurate = Config<128, 128, 128, 1, 2, CO, PE, false>;
+// M >= 1024: 256x128 cooperative with the wave mainloop (wave_mainloop.cuh), bit-identical to CUTLASS's promoted
+// kernels; 1.087x (M = 1024) and 1.045x (M = 4096) the fast-accumulation configs' time on the Llama-3-70B shapes
+// (tune_nvidia-h200_fp8_waves.md), where the best CUTLASS promoted config took 1.24-1.26x.
+using Fp8_MLarge_Accurate = Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>;
 
-// Returns an index into Fp8Configs.
-inline int select_fp8(int64_t m, int64_t n, int64_t k, int sm_count) {
+// Table indices 0..10, in this order (see the top of this file): the fast-accumulation rows, then the accurate ones.
+using Fp8Configs = std::tuple<Fp8_M16, Fp8_M64, Fp8_M128, Fp8_MLarge, Fp8_MLarge_KBig, Fp8_M16_Accurate,
+                              Fp8_M64_Accurate, Fp8_M128_Accurate, Fp8_M256_Accurate, Fp8_M1024_Accurate,
+                              Fp8_MLarge_Accurate>;
+
+// Returns an index into Fp8Configs: among the fast-accumulation rows when `fast_accum`, else the accurate ones.
+inline int select_fp8(int64_t m, int64_t n, int64_t k, int sm_count, bool fast_accum) {
   (void)n;
   (void)sm_count;
+  if (!fast_accum) {
+    if (m <= 16) return index_of<Fp8_M16_Accurate, Fp8Configs>;
+    if (m <= 64) return index_of<Fp8_M64_Accurate, Fp8Configs>;
+    if (m <= 128) return index_of<Fp8_M128_Accurate, Fp8Configs>;
+    if (m <= 256) return index_of<Fp8_M256_Accurate, Fp8Configs>;
+    if (m < 1024) return index_of<Fp8_M1024_Accurate, Fp8Configs>;
+    return index_of<Fp8_MLarge_Accurate, Fp8Configs>;
+  }
   if (m <= 16) return index_of<Fp8_M16, Fp8Configs>;
   if (m <= 64) return index_of<Fp8_M64, Fp8Configs>;
   if (m <= 128) return index_of<Fp8_M128, Fp8Configs>;
@@ -161,14 +193,41 @@ using Fp8Block_M128 = Config<64, 128, 128, 1, 1, PP, PE, false>;
 // GPU loses more than 2-8% with it. Launched without PDL (the cooperative blockwise kernel's scale loads do not wait on
 // griddepcontrol; M > 16 launches without it anyway, except while an UpdatableGraph records).
 using Fp8Block_MLarge = Config<128, 128, 128, 1, 2, CO, PE, false>;
+// M >= 1024 when its busiest SM has at most 1.05x Fp8Block_MLarge's rows to compute (select_fp8_block): 256x128
+// cooperative with the wave mainloop (wave_mainloop.cuh: each warpgroup's 128 token rows in two 64-row waves through
+// one temporary accumulator, 128 + 64 registers, no spills), pairs of CTAs along N sharing the token tile as
+// Fp8Block_MLarge's. Bit-identical to Fp8Block_MLarge (and to every block config) at all 15 points of the H200 sweep
+// (bench/results/tune_nvidia-h200_fp8-block_waves.md, 2026-11-29, DeepSeek-V3 shapes at M = 256 / 1024 / 4096).
+// Where the rule picks it (all 5 shapes at M = 1024, 4 of 5 at M = 4096) it took 0.818-0.958 of the shipped time
+// (geomean 0.901 at M = 1024, 0.941 at M = 4096 over those 4); where it does not, it lost: 1.163x at M = 4096,
+// N = 2112 (3 rounds of 256 rows per SM against 5 of 128: 1.2x the work) and 1.03-2.46x at every M = 256 point.
+// Cluster 1x2 rather than the sweep's best-by-1% 1x1 (geomean 0.890 vs 0.901 at M = 1024, 0.986 vs 0.982 at 4096):
+// the H100 ran Fp8Block_MLarge's tile 8-13% slower without its cluster (above). Launched without PDL (cooperative).
+using Fp8Block_MLarge_Waves = Config<256, 128, 128, 1, 2, CO, PE, false, false, 1, true>;
 
-// Table indices 0..3, in this order (see the top of this file).
-using Fp8BlockConfigs = std::tuple<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp8Block_MLarge>;
+// Table indices 0..4, in this order (see the top of this file).
+using Fp8BlockConfigs = std::tuple<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp8Block_MLarge, Fp8Block_MLarge_Waves>;
 
-// Returns an index into Fp8BlockConfigs. M > 128: Fp8Block_MLarge unless Fp8Block_M128 fills its last wave better by
-// more than 0.05.
+// Rows of a tile that the busiest SM computes when `tiles_m` x `tiles_n` persistent tiles of `tile_m` rows run on
+// `sms` SMs, the N tiles padded to pairs (a 1x2 cluster): rounds of tiles times their rows.
+inline int64_t busiest_sm_rows(int64_t tiles_m, int64_t tiles_n, int64_t tile_m, int sms) {
+  const int64_t tiles = tiles_m * ((tiles_n + 1) / 2 * 2);
+  return (tiles + sms - 1) / sms * tile_m;
+}
+
+// Returns an index into Fp8BlockConfigs. M >= 1024: Fp8Block_MLarge_Waves unless its 256-row tiles leave the busiest
+// SM more than 1.05x the rows of Fp8Block_MLarge's 128-row tiles (at equal rows it took 0.94-0.96 of the shipped
+// time in the sweep; 1.02x rows still won at 0.948-0.958, 1.2x lost at 1.163). Otherwise, and for M > 128:
+// Fp8Block_MLarge unless Fp8Block_M128 fills its last wave better by more than 0.05.
 inline int select_fp8_block(int64_t m, int64_t n, int64_t k, int sm_count) {
   (void)k;
+  if (m >= 1024) {
+    const int sms = sm_count > 0 ? sm_count : 132;
+    const int64_t tiles_n = (n + 127) / 128;
+    const int64_t waves_rows = busiest_sm_rows((m + 255) / 256, tiles_n, 256, sms);
+    const int64_t large_rows = busiest_sm_rows((m + 127) / 128, tiles_n, 128, sms);
+    if (waves_rows * 100 <= large_rows * 105) return index_of<Fp8Block_MLarge_Waves, Fp8BlockConfigs>;
+  }
   return select_by_m_and_wave_fill<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp8Block_M128, Fp8Block_MLarge,
                                    Fp8BlockConfigs>(m, n, sm_count, /*pairs_along_m=*/false);
 }
@@ -206,23 +265,30 @@ using Fp8TuneCandidates = std::tuple<
     Config<64, 64, 128, 1, 1, PP, PE, true>,
     Config<64, 128, 128, 1, 1, PP, PE, false>,
     Config<128, 128, 128, 2, 1, PP, PE, false>,
+    // (the swapped 128x16 / 128x32 / 128x64 / 128x128 and the 128x128 1x2 cooperative tiles are shipped: the
+    // Fp8_*_Accurate rows)
     Config<128, 128, 128, 2, 1, CO, PE, false>,
-    Config<128, 16, 128, 1, 1, CO, PE, true>,
-    Config<128, 32, 128, 1, 1, CO, PE, true>,
-    Config<128, 64, 128, 1, 1, CO, PE, true>,
-    Config<128, 128, 128, 1, 1, CO, PE, true>,
     Config<128, 128, 128, 1, 2, PP, PE, false>,
-    Config<128, 128, 128, 1, 2, CO, PE, false>,
     Config<128, 256, 128, 2, 1, CO, PE, false>,
     // fast accumulation
     Config<128, 128, 128, 2, 1, CO, PE, false, true>,
     Config<256, 128, 128, 2, 1, CO, PE, false, true>,
     // with promotion every 128 of K by the wave mainloop (wave_mainloop.cuh: 64-row waves share one temporary
-    // accumulator, so 128 rows per warpgroup fit): the fast-accumulation 256x128 and the shipped 128x128 tiles. Both
-    // compile without spills (nvcc 13.0 -Xptxas -v, sm_90a), where CUTLASS's promoted 256x128 cooperative 2x1 tile
-    // spills 848 bytes.
-    Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>,
-    Config<128, 128, 128, 2, 1, PP, PE, false, false, 1, true>>;
+    // accumulator, so 128 rows per warpgroup fit): the fast-accumulation 256x128 (shipped: Fp8_MLarge_Accurate) and
+    // the shipped 128x128 tiles. Both compile without spills (nvcc 13.0 -Xptxas -v, sm_90a), where CUTLASS's promoted
+    // 256x128 cooperative 2x1 tile spills 848 bytes.
+    Config<128, 128, 128, 2, 1, PP, PE, false, false, 1, true>,
+    // Accurate candidates for M <= 512 (issue 37: for the accurate rows of Fp8Configs, select_fp8), the wave
+    // mainloop with one 64-row wave per cooperative warpgroup (64 + 64 registers, as CUTLASS's promoted cooperative
+    // tiles, which do not spill either): the 128x128 tile with and without CTA pairs along M, the 128x64 tile (twice
+    // the CTAs at M <= 512), and the swapped 128x128 tile (the weight's N on the MMA's M), the twin of the best
+    // promoted config measured at M = 256 (swap_128x128x128_c1x1_cooperative_persistent, 1.143x the per-point best:
+    // bench/results/tune_nvidia-h200_fp8_promotion.md). Not timed yet; each compiles without spills (nvcc 13.0 -Xptxas -v,
+    // sm_90a: 168 registers).
+    Config<128, 128, 128, 1, 1, CO, PE, false, false, 1, true>,
+    Config<128, 128, 128, 2, 1, CO, PE, false, false, 1, true>,
+    Config<128, 64, 128, 2, 1, CO, PE, false, false, 1, true>,
+    Config<128, 128, 128, 1, 1, CO, PE, true, false, 1, true>>;
 
 // Block-scaled candidates (TileK 128, the weight's side a multiple of 128, no fast accumulation), chosen after the
 // first H100 run (M >= 256 at 0.73-0.95x torch's cuBLASLt blockwise GEMM). Each consumer warpgroup holds its
@@ -251,10 +317,10 @@ using Fp8BlockTuneCandidates = std::tuple<
     Config<128, 128, 128, 1, 1, CO, PE, true>,
     // M >= 256, unswapped, the wave mainloop: 128 token rows per warpgroup in two waves of 64 (128 + 64 registers;
     // each compiles without spills, nvcc 13.0 -Xptxas -v). 256x128 cooperative (no cluster; pairs along M sharing the
-    // weight tile; pairs along N sharing the token tile) and 128x128 pingpong (no cluster; pairs along M).
+    // weight tile; pairs along N sharing the token tile: shipped, Fp8Block_MLarge_Waves) and 128x128 pingpong (no
+    // cluster; pairs along M).
     Config<256, 128, 128, 1, 1, CO, PE, false, false, 1, true>,
     Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>,
-    Config<256, 128, 128, 1, 2, CO, PE, false, false, 1, true>,
     Config<128, 128, 128, 1, 1, PP, PE, false, false, 1, true>,
     Config<128, 128, 128, 2, 1, PP, PE, false, false, 1, true>>;
 

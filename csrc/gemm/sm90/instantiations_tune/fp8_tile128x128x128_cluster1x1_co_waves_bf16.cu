@@ -4,8 +4,8 @@
 #include "gemm/sm90/scaled_mm_sm90_dispatch.cuh"
 
 namespace cutlass_w8a8::sm90 {
-template int run_scaled_mm<cutlass::float_e4m3_t, cutlass::bfloat16_t, Config<128, 128, 128, 1, 1, CO, PE, true>>(
+template int run_scaled_mm<cutlass::float_e4m3_t, cutlass::bfloat16_t, Config<128, 128, 128, 1, 1, CO, PE, false, false, 1, true>>(
     const cw8a8_scaled_mm_args&, cw8a8_alloc_fn, void*, char*, size_t);
-template int scaled_mm_node<cutlass::float_e4m3_t, cutlass::bfloat16_t, Config<128, 128, 128, 1, 1, CO, PE, true>>(
+template int scaled_mm_node<cutlass::float_e4m3_t, cutlass::bfloat16_t, Config<128, 128, 128, 1, 1, CO, PE, false, false, 1, true>>(
     const cw8a8_scaled_mm_args&, cw8a8_kernel_node*, char*, size_t);
 }  // namespace cutlass_w8a8::sm90
