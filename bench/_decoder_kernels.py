@@ -14,7 +14,8 @@ import re
 from typing import Any, Iterable, NamedTuple, Optional
 
 # The classes, in the order the tables show them.
-CLASSES = ("gemm w8a8", "gemm bf16", "attention", "norm/act (+quant)", "quant", "rope + kv write", "copy", "other")
+CLASSES = ("gemm w8a8", "gemm bf16", "attention", "norm/act (+quant)", "quant", "rope + kv write", "moe routing", "copy",
+           "other")
 
 OTHER_NAMES_MAX = 20  # distinct names of "other" kernels kept in the results, each cut to OTHER_NAME_CHARS
 OTHER_NAME_CHARS = 120
@@ -41,13 +42,20 @@ KERNEL_RULES: tuple[Rule, ...] = (
     # decode_attention_combine_kernel (the combine also quantizes for a W8A8 o_proj: decode_attention_quant);
     # earlier builds: the one decode_attention_kernel
     Rule("attention", head=("decode_attention",)),
-    # csrc/attention/rope_kv_cache.cu: rope_kv_cache_kernel (rotary embedding + the k/v write into the cache)
+    # csrc/attention/rope_kv_cache.cu: rope_kv_cache_kernel (rotary embedding + the k/v write into the cache; with
+    # Qwen3's q / k head norms applied first)
     Rule("rope + kv write", head=("rope_kv_cache",)),
+    # csrc/moe/routing.cu: route_kernel (moe_route / moe_topk_softmax: scores, top-k, weights), align_kernel
+    # (moe_align: the pairs sorted by expert) and unpermute_kernel (moe_unpermute: the weighted top-k sum)
+    Rule("moe routing", head=("::route_kernel", "::align_kernel", "::unpermute_kernel")),
+    # csrc/moe/permute_quant.cu: moe_permute_quant, a row-wise kernel RowwiseOp<Permute, ...> (the gather of the
+    # routed rows and their quantization for the gate/up grouped GEMM)
+    Rule("quant", head=("rowwise_",), name=("permute",)),
     # csrc/quant/rowwise_reduce.cuh: rowwise_regs_kernel / rowwise_cluster_kernel / rowwise_loop_kernel, whose
     # template argument names the op: RowwiseOp<RmsNorm, T, O> (csrc/quant/rms_norm.cu: rms_norm,
     # fused_add_rms_norm, rms_norm_quant) or RowwiseOp<SiluMul, T, O> (csrc/quant/silu_mul.cu: silu_mul,
     # silu_mul_quant); earlier builds: RmsNormRow<T, O> / SiluMulRow<T, O>. (RowwiseOp<Permute, ...>, MoE's
-    # moe_permute_quant, is not a norm: unclassified.)
+    # moe_permute_quant, is not a norm: "quant", above.)
     Rule("norm/act (+quant)", head=("rowwise_",), name=("rmsnorm", "silumul")),
     # csrc/quant/quantize.cu: the standalone activation quantizers (quantize_per_token / quantize_per_tensor);
     # csrc/quant/quantize_group.cu: per 1 x 128 group (quantize_per_token_group, a block-scaled layer's input)
@@ -149,6 +157,7 @@ CLASS_BYTES_NOTES = (
               "block-scaled o_proj quantizes attention's output itself)"),
     ("rope + kv write", "per layer the rows' q, k, v heads in, the rotated q and k heads out, k and v into the "
                         "cache, and the rows' (cos, sin) float32 table entries"),
+    ("moe routing", "not counted (MoE steps: the class table has counts and times only)"),
     ("copy", "not counted (the step's host-to-device input copy)"),
     ("other", "the rows' embedding vectors and rotary-table rows, each read and written once"),
 )
@@ -238,17 +247,22 @@ def step_class_bytes(model: Any, rows: int, kv_positions: int, kv_bytes_per_posi
                                                     + 2 * kvh * d * e + d * 4))
     other = _parts(activations=rows * hidden * e * 2 + rows * d * 4 * 2)
     return {"gemm w8a8": gemm_w8a8, "gemm bf16": gemm_bf16, "attention": attention, "norm/act (+quant)": norm_act,
-            "quant": quant, "rope + kv write": rope, "copy": None, "other": other}
+            "quant": quant, "rope + kv write": rope, "moe routing": None, "copy": None, "other": other}
 
 
-def class_table(profile: dict[str, Any], class_bytes: dict[str, Optional[dict[str, int]]],
+def class_table(profile: dict[str, Any], class_bytes: Optional[dict[str, Optional[dict[str, int]]]],
                 hbm_gbps: Optional[float]) -> dict[str, dict[str, Any]]:
     """Per class of `CLASSES`: ``count`` and measured ``ms`` (sum of kernel durations, from `summarize_kernels`),
     ``bytes`` it must move (`step_class_bytes`' total, None where not counted), ``allowed_ms`` = bytes / the
     HBM bandwidth (``hbm_gbps`` GB/s, 1 GB = 1e9 B; None without one) and ``ratio`` = ms / allowed_ms (None
-    where either is missing or zero). A ``"total"`` entry sums them over the classes with bytes."""
+    where either is missing or zero). A ``"total"`` entry sums them over the classes with bytes.
+
+    ``class_bytes`` None (a MoE model: `step_class_bytes` models the dense layers only): counts and times only, every
+    ``bytes`` / ``allowed_ms`` / ``ratio`` None, the total's too."""
     table: dict[str, dict[str, Any]] = {}
     by_class = profile.get("by_class", {})
+    counted = class_bytes is not None
+    class_bytes = class_bytes or {}
     tot_count, tot_ms, tot_bytes = 0, 0.0, 0
     for cls in CLASSES:
         entry = by_class.get(cls, {"count": 0, "ms": 0.0})
@@ -261,7 +275,9 @@ def class_table(profile: dict[str, Any], class_bytes: dict[str, Optional[dict[st
         tot_count += entry["count"]
         tot_ms += entry["ms"]
         tot_bytes += nbytes or 0
-    allowed = tot_bytes / (hbm_gbps * 1e9) * 1e3 if hbm_gbps else None
+    if not counted:
+        tot_bytes = None
+    allowed = tot_bytes / (hbm_gbps * 1e9) * 1e3 if hbm_gbps and tot_bytes is not None else None
     table["total"] = {"count": tot_count, "ms": tot_ms, "bytes": tot_bytes, "allowed_ms": allowed,
                       "ratio": tot_ms / allowed if allowed else None}
     return table

@@ -9,7 +9,8 @@ blocks, 1x128 activation groups; issue 26's target: its graph step at batch 1 <=
 Qwen3-30B-A3B dims (48 layers by default, ``--layers`` to cut it): q/k head norms and MoE MLPs, the experts in bf16
 (``torch._grouped_mm``) in the bf16 model and `W8A8MoE` in the W8A8 ones, the routers bf16 in all; target: the
 int8 / fp8 graph step >= 1.6x the bf16 one at batch 1; the bytes a step reads count the experts its rows hit in
-expectation (`step_weight_bytes`), and the kernel-class table is left out (its byte model is the dense layer's).
+expectation (`step_weight_bytes`), and the kernel-class table has counts and times only (its byte model is the
+dense layer's), with the kernels per layer.
 For each model and batch size:
 
 - ``eager``: `DecodeGraphRunner.step(..., use_graph=False)`: the step launched kernel by kernel.
@@ -249,6 +250,24 @@ def hbm_limit_ms(nbytes: int, hbm_gbps: Optional[float]) -> Optional[float]:
     return nbytes / (hbm_gbps * 1e9) * 1e3 if hbm_gbps else None
 
 
+def step_classes(model, prof: dict[str, Any], point: dict[str, Any], kv_bytes_per_position: int,
+                 hbm_gbps: Optional[float]) -> dict[str, Any]:
+    """``point["classes"]`` of a profiled step (``prof``: `profile_step`'s): ``{"pdl": False, "profile": prof}``, and
+    unless the profile failed ``"bytes"`` (`step_class_bytes` at ``point``'s rows and KV positions; None for a MoE
+    model, whose byte model that is not) and ``"table"`` (`class_table`: a MoE model's has the counts and times of
+    every class, its byte columns None)."""
+    classes: dict[str, Any] = {"pdl": False, "profile": prof}
+    if "error" in prof:
+        return classes
+    nbytes = None
+    if not getattr(model.config, "is_moe", False):
+        quant_kernels = prof["by_class"].get("quant", {}).get("count", 0)
+        nbytes = step_class_bytes(model, point["rows"], point["kv_positions_read"], kv_bytes_per_position,
+                                  quant_kernels)
+    classes.update(bytes=nbytes, table=class_table(prof, nbytes, hbm_gbps))
+    return classes
+
+
 def measure_classes(model, runner, runner_mod: Any, cw: Any, inputs: dict[int, tuple], result: dict,
                     args: argparse.Namespace, hbm_gbps: Optional[float]) -> None:
     """PDL on / off and the kernel classes of the graph step at each batch of ``inputs`` (``{batch: (token
@@ -283,13 +302,7 @@ def measure_classes(model, runner, runner_mod: Any, cw: Any, inputs: dict[int, t
         point["pdl"] = {"default_on": bool(prev), "equals_default_graph": equal, "on": times["on"],
                         "off": times["off"], "on_over_off": times["on"]["median_ms"] / times["off"]["median_ms"]}
         prof = profile_step(steps["off"])
-        classes: dict[str, Any] = {"pdl": False, "profile": prof}
-        if "error" not in prof and not getattr(model.config, "is_moe", False):  # step_class_bytes: dense layers
-            quant_kernels = prof["by_class"].get("quant", {}).get("count", 0)
-            nbytes = step_class_bytes(model, point["rows"], point["kv_positions_read"],
-                                      result["kv_bytes_per_position"], quant_kernels)
-            classes.update(bytes=nbytes, table=class_table(prof, nbytes, hbm_gbps))
-        point["classes"] = classes
+        point["classes"] = step_classes(model, prof, point, result["kv_bytes_per_position"], hbm_gbps)
         print(f"    batch {b}: graph PDL off {times['off']['median_ms']:.3f} ms, on {times['on']['median_ms']:.3f} ms; "
               f"{prof.get('kernels', '?')} kernels, busy {prof.get('busy_ms', float('nan')):.3f} ms (PDL off)",
               flush=True)

@@ -90,9 +90,10 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_quant(const at::Tensor& q, c
                                                           double softmax_scale, at::ScalarType dtype,
                                                           const std::optional<at::Tensor>& scale);
 
-// attention/rope_kv_cache.cu
+// attention/rope_kv_cache.cu; q_norm / k_norm (both or neither): Qwen3's head norms, applied first
 void rope_kv_cache_(at::Tensor& qkv, const at::Tensor& rope, at::Tensor& kv_cache, const at::Tensor& slots,
-                    const at::Tensor& positions, int64_t num_heads, int64_t num_kv_heads);
+                    const at::Tensor& positions, int64_t num_heads, int64_t num_kv_heads,
+                    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps);
 
 // moe/routing.cu, moe/permute_quant.cu: the MoE routing around the grouped GEMMs (cutlass_w8a8/ops/moe.py)
 std::tuple<at::Tensor, at::Tensor> moe_topk_softmax(const at::Tensor& router_logits, int64_t top_k, bool renormalize);

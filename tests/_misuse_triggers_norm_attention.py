@@ -146,14 +146,19 @@ CUDA_TRIGGERS.update({
 })
 
 
-def rope(device="cpu", heads=(4, 2), **change):
-    """cw.rope_kv_cache_ on legal arguments (B = 2, H = 4, KVH = 2, D = 16, S = 8, 3 slots) with `change`."""
+def rope(device="cpu", heads=(4, 2), norms=False, **change):
+    """cw.rope_kv_cache_ on legal arguments (B = 2, H = 4, KVH = 2, D = 16, S = 8, 3 slots; with `norms`, bfloat16
+    (16,) q_norm and k_norm weights and eps 1e-6) with `change`."""
     kw = dict(qkv=torch.randn(2, 8, 16, device=device).to(torch.bfloat16),
               rope=torch.randn(2, 8, 2, device=device),
               kv_cache=torch.zeros(3, 2, 2, 8, 16, dtype=torch.bfloat16, device=device),
               slots=torch.tensor([2, 0], device=device), positions=torch.tensor([0, 7], device=device))
+    if norms:
+        kw.update(q_norm=torch.ones(16, dtype=torch.bfloat16, device=device),
+                  k_norm=torch.ones(16, dtype=torch.bfloat16, device=device), eps=1e-6)
     kw = _changed(kw, change)
-    return cw.rope_kv_cache_(kw["qkv"], kw["rope"], kw["kv_cache"], kw["slots"], kw["positions"], *heads)
+    extra = (kw["q_norm"], kw["k_norm"], kw["eps"]) if norms else ()
+    return cw.rope_kv_cache_(kw["qkv"], kw["rope"], kw["kv_cache"], kw["slots"], kw["positions"], *heads, *extra)
 
 
 DEVICE_TRIGGERS.update({
@@ -171,6 +176,11 @@ DEVICE_TRIGGERS.update({
     "rope-slots-shape": lambda d: rope(d, slots=torch.tensor([0, 1, 2], device=d)),
     "rope-positions-shape": lambda d: rope(d, positions=lambda kw: kw["positions"][None]),
     "rope-kv-empty": lambda d: rope(d, kv_cache=torch.zeros(3, 2, 2, 0, 16, dtype=torch.bfloat16, device=d)),
+    "rope-norm-alone": lambda d: rope(d, norms=True, k_norm=None),
+    "rope-norm-dtype": lambda d: rope(d, norms=True, k_norm=lambda kw: kw["k_norm"].float()),
+    "rope-norm-device": lambda d: rope(d, norms=True, q_norm=lambda kw: kw["q_norm"].to(_other_device(d))),
+    "rope-norm-shape": lambda d: rope(d, norms=True, q_norm=lambda kw: kw["q_norm"][:8]),
+    "rope-norm-eps": lambda d: rope(d, norms=True, eps=-1.0),
 })
 
 CUDA_TRIGGERS["rope-op-cpu-qkv"] = lambda: rope("cuda", qkv=lambda kw: kw["qkv"].cpu())

@@ -10,12 +10,23 @@
 //   rounded once to the element type. Then kv_cache[slot, 0, g, position] = rotated k head g and
 //   kv_cache[slot, 1, g, position] = v head g.
 //
+// With q_norm / k_norm (Qwen3's head norms, both or neither; (D,) in qkv's dtype): every q head, then every k head,
+// is first replaced by rms_norm(head) * weight as csrc/quant/rms_norm.cu computes it (float32 inside: inv = 1 /
+// sqrt(sum_k(x_k^2) / D + eps), y = T((x * inv) * w), one rounding to T), and the rotation reads those rounded
+// values: the chain rms_norm -> copy back -> rope_kv_cache_ in one kernel. The sum of squares runs in this kernel's
+// own fixed order (each thread's pair, a butterfly over the lanes, the warps in order), not rms_norm.cu's, so a
+// normalized element can differ from the chain's in the last bit of T where the float32 value lies within a few
+// float32 roundings of a tie (tests/ops/test_rope_kv_cache.py bounds it); deterministic, and independent of B.
+//
 // Grid (B, H + 2 KVH): block (b, y) handles head y of row b only, so the grid is row-wise (csrc/graphs/graph_nodes.hpp).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <optional>
+#include <utility>
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -31,12 +42,29 @@ namespace cutlass_w8a8 {
 namespace {
 
 constexpr const char* kOp = "rope_kv_cache_";
+constexpr int kMaxThreads = 256;  // threads per block: D / 2 (at least 32), at most this
+
+// The sum of v over the block (blockDim.x a multiple of 32, at most kMaxThreads; every thread calls it and gets the
+// result): a butterfly over the lanes of each warp, then the warps' values added in warp order by every thread.
+__device__ __forceinline__ float head_sum(float v) {
+  __shared__ float warp_value[kMaxThreads / 32];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_value[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+  const int warps = static_cast<int>(blockDim.x) / 32;
+  for (int w = 0; w < warps; ++w) total += warp_value[w];
+  return total;
+}
 
 template <class T>
 __global__ void rope_kv_cache_kernel(T* __restrict__ qkv, int64_t qkv_row_stride, const float* __restrict__ rope,
                                      T* __restrict__ cache, const int64_t* __restrict__ slots, int64_t slots_stride,
                                      const int64_t* __restrict__ positions, int64_t positions_stride, int heads,
-                                     int kv_heads, int head_dim, int64_t seq_len, int64_t num_slots) {
+                                     int kv_heads, int head_dim, int64_t seq_len, int64_t num_slots,
+                                     const T* __restrict__ q_norm, const T* __restrict__ k_norm, float eps) {
   allow_dependent_launch();  // PDL: the successor (attention) may be scheduled; it waits for this grid
   wait_for_producers();      // the qkv GEMM's output
   const int64_t b = blockIdx.x;
@@ -58,9 +86,25 @@ __global__ void rope_kv_cache_kernel(T* __restrict__ qkv, int64_t qkv_row_stride
   }
   const float* r = rope + b * static_cast<int64_t>(half) * 2;
   T* dst = y >= heads ? cache_row(0, y - heads) : nullptr;
+  // the head norm (uniform over the block: y is the block's): inv = 1 / sqrt(mean(x^2) + eps), as rms_norm.cu
+  const T* w = q_norm == nullptr ? nullptr : (y < heads ? q_norm : k_norm);
+  float inv_rms = 0.f;
+  if (w != nullptr) {
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < half; j += blockDim.x) {
+      const float x1 = to_float(x[j]), x2 = to_float(x[j + half]);
+      ss += __fmul_rn(x1, x1);  // each square rounded on its own (as torch's pow), not fused into the sum
+      ss += __fmul_rn(x2, x2);
+    }
+    inv_rms = 1.f / sqrtf(head_sum(ss) / static_cast<float>(head_dim) + eps);
+  }
   for (int j = threadIdx.x; j < half; j += blockDim.x) {
     const float c = r[2 * j], s = r[2 * j + 1];
-    const float x1 = to_float(x[j]), x2 = to_float(x[j + half]);
+    float x1 = to_float(x[j]), x2 = to_float(x[j + half]);
+    if (w != nullptr) {  // y = T((x * inv) * w), rounded to T before the rotation reads it (the chain's copy back)
+      x1 = to_float(from_float<T>(__fmul_rn(__fmul_rn(x1, inv_rms), to_float(w[j]))));
+      x2 = to_float(from_float<T>(__fmul_rn(__fmul_rn(x2, inv_rms), to_float(w[j + half]))));
+    }
     const T o1 = from_float<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
     const T o2 = from_float<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
     x[j] = o1;
@@ -75,7 +119,8 @@ __global__ void rope_kv_cache_kernel(T* __restrict__ qkv, int64_t qkv_row_stride
 }  // namespace
 
 void rope_kv_cache_(at::Tensor& qkv, const at::Tensor& rope, at::Tensor& kv_cache, const at::Tensor& slots,
-                    const at::Tensor& positions, int64_t num_heads, int64_t num_kv_heads) {
+                    const at::Tensor& positions, int64_t num_heads, int64_t num_kv_heads,
+                    const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm, double eps) {
   const auto dt = qkv.scalar_type();
   CW8A8_CHECK_TYPE(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat, kOp, "qkv",
                    "must be bfloat16, float16 or float32, got ", c10::toString(dt));
@@ -103,11 +148,27 @@ void rope_kv_cache_(at::Tensor& qkv, const at::Tensor& rope, at::Tensor& kv_cach
   CW8A8_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == b, kOp, "positions", "must be (B,), got ",
                     positions.sizes());
   CW8A8_CHECK_VALUE(kv_cache.size(0) > 0 && kv_cache.size(3) > 0, kOp, "kv_cache", "must not be empty");
+  // the head norms: both or neither, (D,) contiguous in qkv's dtype on its device; eps finite and >= 0
+  CW8A8_CHECK_VALUE(q_norm.has_value() == k_norm.has_value(), kOp, "q_norm",
+                    "and `k_norm` must be given together (Qwen3's head norms) or both be None");
+  for (const auto& [name, t] : {std::pair<const char*, const std::optional<at::Tensor>*>{"q_norm", &q_norm},
+                                std::pair<const char*, const std::optional<at::Tensor>*>{"k_norm", &k_norm}}) {
+    if (!t->has_value()) continue;
+    const at::Tensor& wt = **t;
+    CW8A8_CHECK_TYPE(wt.scalar_type() == dt, kOp, name, "must have qkv's dtype");
+    CW8A8_CHECK_VALUE(wt.device() == qkv.device(), kOp, name, "must be on qkv's device");
+    CW8A8_CHECK_VALUE(wt.dim() == 1 && wt.size(0) == d && wt.stride(0) == 1, kOp, name,
+                      "must be contiguous (D,) = [", d, "], got ", wt.sizes());
+  }
+  CW8A8_CHECK_VALUE(!q_norm.has_value() || (eps >= 0.0 && std::isfinite(eps)), kOp, "eps",
+                    "must be given with q_norm and k_norm, a finite number >= 0");
   if (b == 0) return;
   c10::cuda::CUDAGuard guard(qkv.device());
   cudaStream_t stream = current_stream(qkv);
   const dim3 grid(static_cast<unsigned>(b), static_cast<unsigned>(num_heads + 2 * num_kv_heads));
-  const int threads = static_cast<int>(std::min<int64_t>(std::max<int64_t>(d / 2, 32), 256));
+  const bool norms = q_norm.has_value();
+  int threads = static_cast<int>(std::min<int64_t>(std::max<int64_t>(d / 2, 32), kMaxThreads));
+  if (norms) threads = (threads + 31) / 32 * 32;  // whole warps for the sum of squares (head_sum)
   const bool pdl = kernels_use_pdl(qkv.get_device());
   auto launch = [&](auto tag) {
     using T = decltype(tag);
@@ -116,7 +177,8 @@ void rope_kv_cache_(at::Tensor& qkv, const at::Tensor& rope, at::Tensor& kv_cach
         qkv.stride(0), rope.data_ptr<float>(), reinterpret_cast<T*>(kv_cache.data_ptr()),
         slots.data_ptr<int64_t>(), slots.stride(0), positions.data_ptr<int64_t>(), positions.stride(0),
         static_cast<int>(num_heads), static_cast<int>(num_kv_heads), static_cast<int>(d), kv_cache.size(3),
-        kv_cache.size(0)));
+        kv_cache.size(0), norms ? reinterpret_cast<const T*>(q_norm->data_ptr()) : nullptr,
+        norms ? reinterpret_cast<const T*>(k_norm->data_ptr()) : nullptr, static_cast<float>(eps)));
   };
   if (dt == at::kBFloat16) {
     launch(__nv_bfloat16{});

@@ -94,7 +94,7 @@ at::Tensor decode_layer(const std::optional<at::Tensor>& h, at::Tensor& residual
   }
   // attention: qkv projection, rotary + cache write, decode attention over the slot's positions, o_proj
   at::Tensor qkv_out = project(qkv, x, q, s, dtype).view({b, num_heads + 2 * num_kv_heads, d});
-  rope_kv_cache_(qkv_out, rope, kv_cache, slots, positions, num_heads, num_kv_heads);
+  rope_kv_cache_(qkv_out, rope, kv_cache, slots, positions, num_heads, num_kv_heads, std::nullopt, std::nullopt, 0.0);
   // o_proj: for 8-bit weights, attention's output comes quantized for it (decode_attention_quant, the same q and
   // scales as quantizing the stored row), as the Python path's LlamaAttention does
   at::Tensor attn_out;

@@ -111,8 +111,9 @@ class LlamaAttention(nn.Module):
     ``QKVParallelLinear``) and ``o_proj`` (``H * D`` -> hidden), both without bias.
 
     With ``config.qk_norm`` (Qwen3), ``q_norm`` and ``k_norm`` (`RMSNorm` of ``(D,)``) normalize every query and key
-    head of the ``qkv_proj`` output in place before the rotary embedding (one norm kernel each, plus the copies of
-    the strided heads in and out); otherwise they are None.
+    head of the ``qkv_proj`` output before the rotary embedding, inside the rotary op (``rope_kv_cache_`` given
+    their weights and eps: no kernel of their own); otherwise they are None. Norms of another kind, or of two
+    different eps, run as modules first (a norm kernel each and the copies of the heads back into ``qkv``).
 
     Buffer ``kv_cache``: ``(num_slots, 2, KVH, max_seq_len, D)`` in the model dtype (index 0 keys, 1 values),
     set by `LlamaDecoder.allocate_cache`. Query head ``h`` reads key/value head ``h // (H / KVH)``.
@@ -145,16 +146,28 @@ class LlamaAttention(nn.Module):
         for heads, norm in ((qkv[:, :h], self.q_norm), (qkv[:, h:h + kvh], self.k_norm)):
             heads.copy_(norm(heads))
 
+    def _fused_head_norms(self, dtype: torch.dtype) -> tuple:
+        """``(q_norm weight, k_norm weight, eps)`` for ``rope_kv_cache_`` to apply, or ``(None, None, -1.0)`` when
+        the rotary op must not (no head norms: Llama) or cannot (norms that are not our `RMSNorm` in ``dtype``
+        with one eps: they run as modules first, `_norm_heads_`)."""
+        qn, kn = self.q_norm, self.k_norm
+        if (qn is not None and type(qn) is RMSNorm and type(kn) is RMSNorm and qn.eps == kn.eps
+                and dtype in _FUSED_DTYPES and qn.weight.dtype == dtype and kn.weight.dtype == dtype):
+            return qn.weight, kn.weight, qn.eps
+        return None, None, -1.0
+
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         b = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(b, h + 2 * kvh, d)
-        if self.q_norm is not None:
+        q_w, k_w, eps = self._fused_head_norms(qkv.dtype)
+        if self.q_norm is not None and q_w is None:
             self._norm_heads_(qkv)
-        # Rotary embedding of the q and k heads in place, and this step's keys and values into the cache: one
-        # row-wise kernel over the B rows (on the CPU: the torch formulation, a float32 complex multiply and one
-        # index_put_ of (B, 2 KVH) rows of D elements).
-        torch.ops.cutlass_w8a8.rope_kv_cache_(qkv, ctx.rope, self.kv_cache, ctx.slots, ctx.positions, h, kvh)
+        # Qwen3's head norms (when fused), the rotary embedding of the q and k heads in place, and this step's keys
+        # and values into the cache: one row-wise kernel over the B rows (on the CPU: the torch formulation, the
+        # norms, a float32 complex multiply and one index_put_ of (B, 2 KVH) rows of D elements).
+        torch.ops.cutlass_w8a8.rope_kv_cache_(qkv, ctx.rope, self.kv_cache, ctx.slots, ctx.positions, h, kvh,
+                                              q_w, k_w, eps)
         # The query heads (a strided view of qkv) over positions 0..position of each row's slot: (B, H * D).
         # The ops themselves, whose fake kernels check the arguments under torch.compile; SDPA's default scale.
         o_proj = self.o_proj

@@ -28,7 +28,11 @@ Qwen3-MoE (a config with ``num_experts > 0``, e.g. `cutlass_w8a8.models.QWEN3_30
 `cutlass_w8a8.models.moe.SparseMoeBlock` (a bf16 router ``gate`` and the experts: `MoEExperts` in the bf16 model,
 `cutlass_w8a8.W8A8MoE` from the same float weights in a W8A8 one, the router left in the model dtype); with
 ``qk_norm`` attention norms every query and key head (``q_norm`` / ``k_norm``, RMSNorm over ``head_dim``) before
-the rotary embedding. Such layers take the Python path (not the one-op ``decode_layer``).
+the rotary embedding, inside the rotary op (``rope_kv_cache_`` with the norms' weights). Such layers take the Python
+path (not the one-op ``decode_layer``): per layer at decode sizes on CUDA, the dense layer's attention-side kernels
+(6: fused norm + quantization, qkv GEMM, rotary + head norms + KV write, two of split-KV attention quantizing for
+o_proj, o_proj GEMM) and the MoE part's (6: fused norm, bf16 router GEMM, ``moe_route``, the three of
+``moe_decode_experts``).
 
 Examples
 --------

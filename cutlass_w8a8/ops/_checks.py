@@ -407,7 +407,8 @@ def check_decode_attention_quant(q, kv_cache, slots, positions, softmax_scale, d
         static_scale(op, q, scale, ref_name="q")
 
 
-def check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads) -> None:
+def check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads, q_norm=None, k_norm=None,
+                        eps=-1.0) -> None:
     """rope_kv_cache_: csrc/attention/rope_kv_cache.cu's checks, in its order and wording (C++ dtype names and
     bracketed sizes), except its first device check ("`qkv` must be a CUDA tensor")."""
     op = "rope_kv_cache_"
@@ -445,6 +446,21 @@ def check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv
             fail_value(op, name, f"must be (B,), got {cxx_list(t.shape)}")
     if kv_cache.shape[0] == 0 or kv_cache.shape[3] == 0:
         fail_value(op, "kv_cache", "must not be empty")
+    # the head norms: both or neither, (D,) contiguous in qkv's dtype on its device; eps finite and >= 0
+    if (q_norm is None) != (k_norm is None):
+        fail_value(op, "q_norm", "and `k_norm` must be given together (Qwen3's head norms) or both be None")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is None:
+            continue
+        tensor_arg(op, name, w)
+        if w.dtype != qkv.dtype:
+            fail_type(op, name, "must have qkv's dtype")
+        if w.device != qkv.device:
+            fail_value(op, name, "must be on qkv's device")
+        if w.dim() != 1 or w.shape[0] != d or w.stride(0) != 1:
+            fail_value(op, name, f"must be contiguous (D,) = [{d}], got {cxx_list(w.shape)}")
+    if q_norm is not None and not (eps >= 0.0 and math.isfinite(eps)):
+        fail_value(op, "eps", "must be given with q_norm and k_norm, a finite number >= 0")
 
 
 # ---- decode_layer -------------------------------------------------------------------------------------------

@@ -150,8 +150,9 @@ def _decode_attention_quant(q, kv_cache, slots, positions, softmax_scale, dtype,
 
 
 @_fake("rope_kv_cache_")
-def _rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads):
-    C.check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads)
+def _rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads, q_norm=None, k_norm=None,
+                   eps=-1.0):
+    C.check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads, q_norm, k_norm, eps)
 
 
 @_fake("decode_layer")

@@ -325,13 +325,19 @@ def _decode_attention_quant(q, kv_cache, slots, positions, softmax_scale, dtype,
     return _quantize_fused(_decode_attention_reference(q, kv_cache, slots, positions, softmax_scale), dtype, scale)
 
 
-def _rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads):
-    """The torch formulation rope_kv_cache_ replaces: neox rotation of the q and k heads as a float32 complex
-    multiply rounded once to qkv's dtype, then one index_put_ of the k and v heads into the cache."""
-    C.check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads)
+def _rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads, q_norm=None, k_norm=None,
+                   eps=-1.0):
+    """The torch formulation rope_kv_cache_ replaces: with q_norm / k_norm, the rms_norm of the q heads and of the k
+    heads copied back into qkv (rounded to its dtype: the chain the fused op replaces); then the neox rotation of
+    the q and k heads as a float32 complex multiply rounded once to qkv's dtype, then one index_put_ of the k and v
+    heads into the cache."""
+    C.check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads, q_norm, k_norm, eps)
     b, _, d = qkv.shape
     if b == 0:
         return
+    if q_norm is not None:
+        for heads, w in ((qkv[:, :num_heads], q_norm), (qkv[:, num_heads:num_heads + num_kv_heads], k_norm)):
+            heads.copy_(_rms_norm_reference(heads, w, eps, None))
     h = d // 2
     qk = qkv[:, : num_heads + num_kv_heads]
     pairs = qk.unflatten(-1, (2, h)).transpose(-1, -2)  # (B, N, D/2, 2): (x[j], x[j + D/2])

@@ -38,8 +38,9 @@ Ops:
 - ``decode_attention_quant(q, kv_cache, slots, positions, softmax_scale, dtype, scale=None) -> (q_out, scale)``:
   ``decode_attention`` then quantized for a W8A8 ``o_proj`` (per token, or per tensor with ``scale``), in
   the attention's last kernel
-- ``rope_kv_cache_(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads) -> ()``: rotary embedding of
-  the q and k heads in place, then the k and v heads into the slot cache (the decoder's glue before attention)
+- ``rope_kv_cache_(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads, q_norm=None, k_norm=None,
+  eps=-1.0) -> ()``: rotary embedding of the q and k heads in place (RMS-normalized first with Qwen3's
+  ``q_norm`` / ``k_norm``), then the k and v heads into the slot cache (the decoder's glue before attention)
 - ``_scaled_mm_config(out, a, b, scale_a, scale_b, bias, config) -> ()``: force a kernel config (tuning only)
 - ``scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor``: ``scaled_mm`` for M <= 16
 - ``scaled_mm_decode_out(out, a, b, scale_a, scale_b, bias=None) -> ()``
@@ -168,8 +169,10 @@ _define("decode_attention_quant(Tensor q, Tensor kv_cache, Tensor slots, Tensor 
         "ScalarType dtype, Tensor? scale=None) -> (Tensor, Tensor)")
 # The glue between the qkv projection and decode_attention (csrc/attention/rope_kv_cache.cu): rotary embedding
 # of the q and k heads in place, then the k and v heads written into the slot cache.
+# With q_norm and k_norm (Qwen3's head norms; eps then required: the default -1 is "not given"), every q and k head
+# is RMS-normalized first, in the same kernel.
 _define("rope_kv_cache_(Tensor(a!) qkv, Tensor rope, Tensor(b!) kv_cache, Tensor slots, Tensor positions, "
-        "int num_heads, int num_kv_heads) -> ()")
+        "int num_heads, int num_kv_heads, Tensor? q_norm=None, Tensor? k_norm=None, float eps=-1.0) -> ()")
 # CUDA-graph node update (cutlass_w8a8/graphs, UpdatableGraph.update_scaled_mm): CUDA only
 _define("_graph_update_scaled_mm(int graph_exec, int record, Tensor out, Tensor a, Tensor b, Tensor scale_a, "
         "Tensor scale_b, Tensor? bias) -> ()")

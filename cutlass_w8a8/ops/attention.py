@@ -217,6 +217,9 @@ def rope_kv_cache_(
     positions: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    q_norm: Optional[torch.Tensor] = None,
+    k_norm: Optional[torch.Tensor] = None,
+    eps: float = -1.0,
 ) -> None:
     """Rotary embedding of a decode step's query and key heads, in place, and the write of its key and value
     heads into the slot cache: the glue between the qkv projection and :func:`decode_attention`.
@@ -224,6 +227,9 @@ def rope_kv_cache_(
     For row ``b``, with ``H = num_heads``, ``KVH = num_kv_heads``, ``(cos_j, sin_j) = rope[b, j]`` and heads
     ordered q, k, v (vLLM's ``QKVParallelLinear``)::
 
+        if q_norm is not None:                                    # Qwen3's head norms, first
+            qkv[b, n] = rms_norm(qkv[b, n], q_norm, eps)  for n < H           # rounded to qkv's dtype
+            qkv[b, n] = rms_norm(qkv[b, n], k_norm, eps)  for H <= n < H + KVH
         for each head x = qkv[b, n], n < H + KVH:                 # the "neox" rotation of (x[j], x[j + D/2])
             x[j], x[j + D/2] = x[j] cos_j - x[j + D/2] sin_j, x[j + D/2] cos_j + x[j] sin_j    # float32
         kv_cache[slots[b], 0, g, positions[b]] = qkv[b, H + g]         # the rotated key heads, g < KVH
@@ -251,6 +257,15 @@ def rope_kv_cache_(
         ``(B,)`` int64 (any stride): the position of each row's token, in ``[0, S)``.
     num_heads, num_kv_heads : int
         Query heads ``H`` and key/value heads ``KVH``, both positive.
+    q_norm, k_norm : torch.Tensor, optional
+        Both or neither: ``(D,)`` contiguous weights in ``qkv``'s dtype (Qwen3's ``q_norm`` / ``k_norm``). Each q
+        head (k head) is first replaced by `cutlass_w8a8.rms_norm` of it with ``q_norm`` (``k_norm``) and ``eps``, float32
+        inside and rounded once to ``qkv``'s dtype, and the rotation reads those values: the chain ``rms_norm``,
+        copy back, ``rope_kv_cache_`` in one kernel. On the CUDA device the sum of squares runs in the kernel's
+        own order, so a normalized element can differ from ``rms_norm``'s in the last bit where its float32
+        value lies within a few roundings of a tie; on the CPU it is that chain.
+    eps : float
+        The norms' epsilon, a finite number >= 0; required with ``q_norm`` (the default -1.0 means "not given").
 
     Returns
     -------
@@ -260,11 +275,12 @@ def rope_kv_cache_(
     Raises
     ------
     TypeError
-        ``qkv`` not bfloat16 / float16 / float32, ``kv_cache`` not in ``qkv``'s dtype, ``rope`` not float32,
-        ``slots`` or ``positions`` not int64.
+        ``qkv`` not bfloat16 / float16 / float32, ``kv_cache``, ``q_norm`` or ``k_norm`` not in ``qkv``'s dtype,
+        ``rope`` not float32, ``slots`` or ``positions`` not int64.
     ValueError
-        The tensors on different devices, a non-positive head count, or a wrong shape or layout; the message
-        names the argument (csrc/attention/rope_kv_cache.cu's wording: C++ dtype names, sizes in brackets).
+        The tensors on different devices, a non-positive head count, a wrong shape or layout, only one of
+        ``q_norm`` / ``k_norm``, or norms without a valid ``eps``; the message names the argument
+        (csrc/attention/rope_kv_cache.cu's wording: C++ dtype names, sizes in brackets).
     RuntimeError
         An argument that is not a tensor (torch's dispatcher), or CUDA tensors when the CUDA extension is not
         built.
@@ -283,4 +299,4 @@ def rope_kv_cache_(
     >>> rope_kv_cache_(qkv, rope_table.index_select(0, positions), kv_cache, slots, positions, H, KVH)
     >>> attn = decode_attention(qkv[:, :H], kv_cache, slots, positions)
     """
-    _op.rope_kv_cache_(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads)
+    _op.rope_kv_cache_(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads, q_norm, k_norm, eps)

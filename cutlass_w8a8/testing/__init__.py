@@ -3,5 +3,6 @@
 generators (`fuzz`), decode-attention references (`attention`), the benchmark GEMM shapes (`shapes`), argparse
 types (`cli`), the writing of benchmark results (`report`), and the transformers decode benchmark's steps and
 report (`hf_decode_steps`, `hf_decode_report`, for bench/bench_hf.py), and tensor-parallel test support (`tp`:
-spawned process groups, the row-parallel error bounds). Importing it touches no GPU.
+spawned process groups, the row-parallel error bounds), and the ops a step launches (`op_calls`). Importing it
+touches no GPU.
 """

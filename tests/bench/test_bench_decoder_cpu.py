@@ -63,6 +63,12 @@ KERNEL_NAMES = [
     (f"void {_A}moe_decode_prep_kernel<__nv_bfloat16, {_A}Int8Out, false, __nv_bfloat16>({_A}MoeDecodeParams)",
      "quant"),
     (f"void {_A}decode_reduce_kernel<__nv_bfloat16>(long, {_A}DecodeParams)", "gemm w8a8"),
+    # csrc/moe/routing.cu (moe_route / moe_topk_softmax, moe_align, moe_unpermute) and csrc/moe/permute_quant.cu
+    (f"void {_A}route_kernel<__nv_bfloat16>(__nv_bfloat16 const*, {_A}RouteArgs)", "moe routing"),
+    (f"void {_A}align_kernel<int>(int const*, long, long, int, long, int, int, int*, int*, int*)", "moe routing"),
+    (f"void {_A}unpermute_kernel<__nv_bfloat16>(__nv_bfloat16 const*, long, int const*, float const*, int, long, "
+     "int, __nv_bfloat16*)", "moe routing"),
+    (f"void {_A}rowwise_regs_kernel<{_A}RowwiseOp<{_A}Permute, __nv_bfloat16, {_A}Int8Out>, 1, 256>(...)", "quant"),
     # csrc/gemm/sm90 (CUTLASS 3.x) with an epilogue of ours in its arguments; csrc/gemm/sm80 (CUTLASS 2.x)
     ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cute::tuple<int, int, int, int>, "
      "cutlass::gemm::collective::CollectiveMma<cutlass::gemm::MainloopSm90TmaGmmaWarpSpecializedPingpong<4, "
@@ -261,6 +267,47 @@ def test_class_table(bench):
     assert all(e["allowed_ms"] is None and e["ratio"] is None for e in no_bw.values())
 
 
+def test_class_table_without_bytes(bench):
+    """A MoE step (no byte model): the counts and times of every class and the total, every byte column None."""
+    k = bench.kernels
+    prof = {"by_class": {"gemm w8a8": {"count": 96, "ms": 1.2}, "moe routing": {"count": 48, "ms": 0.1},
+                         "rope + kv write": {"count": 48, "ms": 0.05}}}
+    table = k.class_table(prof, None, 4800.0)
+    assert table["moe routing"]["count"] == 48 and table["gemm w8a8"]["ms"] == 1.2
+    assert table["total"]["count"] == 192 and table["total"]["ms"] == pytest.approx(1.35)
+    assert all(e["bytes"] is None and e["allowed_ms"] is None and e["ratio"] is None for e in table.values())
+
+
+def _tiny_moe_model(quant="int8"):  # read only by the tests
+    from cutlass_w8a8.models import LlamaConfig, LlamaDecoder
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    return LlamaDecoder(cfg, quant, max_batch=4, max_seq_len=32)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_step_classes(bench, moe):
+    """What measure_classes stores for a profiled step: the class table for a dense model (with its bytes) and for a
+    MoE model (counts and times only: this was "(no kernel profile)" in the MoE reports); nothing but the profile
+    when the profiler failed."""
+    k = bench.kernels
+    model = _tiny_moe_model() if moe else _tiny_model("int8")
+    prof = k.summarize_kernels([(name, 10.0) for name, _ in KERNEL_NAMES])
+    point = {"rows": 1, "kv_positions_read": 257}
+    got = bench.main.step_classes(model, prof, point, 131072, 4800.0)
+    assert got["pdl"] is False and got["profile"] is prof
+    table = got["table"]
+    assert table["total"]["count"] == len(KERNEL_NAMES)
+    assert table["moe routing"]["count"] == sum(c == "moe routing" for _, c in KERNEL_NAMES)
+    if moe:
+        assert got["bytes"] is None and table["total"]["bytes"] is None and table["gemm w8a8"]["ratio"] is None
+    else:
+        assert got["bytes"]["gemm w8a8"]["total"] > 0 and table["gemm w8a8"]["ratio"] > 0
+    failed = bench.main.step_classes(model, {"error": "RuntimeError: no CUPTI"}, point, 131072, 4800.0)
+    assert "table" not in failed and failed["profile"] == {"error": "RuntimeError: no CUPTI"}
+
+
 # ---- command line --------------------------------------------------------------------------------------------
 
 
@@ -452,6 +499,28 @@ def test_render_markdown(bench, tmp_path):
     v = _verdicts(res)
     assert v["int8_b1_over_hbm"] is None and v["int8_b8_over_hbm"] is None and v["int8_x_bf16_b1"] is True
     assert "n/a" in bench.report.render_markdown(res)
+
+
+def test_render_markdown_moe_class_tables(bench):
+    """A Qwen3-MoE run's report has a class table per W8A8 model (counts and ms; "–" in the byte columns) and the
+    kernels per layer, not "(no kernel profile)"."""
+    k = bench.kernels
+    res = _synthetic_results(bench, config="qwen3-30b-a3b", layers=48)
+    prof = k.summarize_kernels([(name, 10.0) for name, _ in KERNEL_NAMES] * 48)
+    for m in res["models"].values():
+        for b in ("1", "8"):
+            m["batches"][b]["classes"] = {"pdl": False, "profile": prof, "bytes": None,
+                                          "table": k.class_table(prof, None, 3350.0)}
+    report = bench.report.class_tables(res)
+    assert "(no kernel profile)" not in report and "### int8" in report
+    n = len(KERNEL_NAMES)
+    lines = report.splitlines()
+    totals = [ln for ln in lines if ln.startswith("| **total** |")]
+    assert len(totals) == len(TIMES)
+    assert all(ln == f"| **total** | {48 * n} | {48 * n * 0.01:.3f} | – | – | – | {48 * n} | {48 * n * 0.01:.3f} "
+                     "| – | – | – |" for ln in totals), totals
+    per_layer = [ln for ln in lines if ln.startswith("Kernels per layer")]
+    assert per_layer == [f"Kernels per layer (a step's kernels / 48 layers): b=1: {n:.1f}, b=8: {n:.1f}."] * len(TIMES)
 
 
 def test_plot(bench, tmp_path):

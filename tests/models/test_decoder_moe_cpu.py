@@ -255,3 +255,88 @@ def test_runner_padding_on_cpu():
     model.reset_cache()
     direct = model(tok, pos, slots)
     assert padded.shape == direct.shape and rel_err(padded, direct) < 1e-2
+
+
+# ---- what a step launches (issue 36): the dense layer's attention side + the MoE part ----------------------------
+
+# Per decoder layer, the ops that launch kernels (cutlass_w8a8.testing.op_calls; views left out), at decode sizes on
+# CUDA. The attention side is the dense Llama layer's (checked against it below): the norm fused with the residual
+# add and the quantization for qkv_proj, the qkv GEMM, one rotary op that also applies Qwen3's q / k head norms and
+# writes the cache, the split-KV attention quantizing for o_proj, the o_proj GEMM. The MoE part: the post-attention
+# norm fused with the residual add (bf16 output, the router's and the experts' input), the bf16 router GEMM,
+# moe_route, moe_decode_experts (which quantizes x itself).
+ATTENTION_SIDE = ["cutlass_w8a8::rms_norm_quant", "cutlass_w8a8::scaled_mm", "cutlass_w8a8::rope_kv_cache_",
+                  "cutlass_w8a8::decode_attention_quant", "cutlass_w8a8::scaled_mm"]
+MOE_PART = ["cutlass_w8a8::fused_add_rms_norm", "aten::mm", "cutlass_w8a8::moe_route",
+            "cutlass_w8a8::moe_decode_experts"]
+DENSE_MLP = ["cutlass_w8a8::rms_norm_quant", "cutlass_w8a8::scaled_mm", "cutlass_w8a8::silu_mul_quant",
+             "cutlass_w8a8::scaled_mm"]
+STEP_HEAD = ["aten::index_select", "aten::embedding"]  # the step's rotary rows (once per step), the embedding
+STEP_TAIL = ["cutlass_w8a8::fused_add_rms_norm", "aten::mm"]  # the final norm, the bf16 lm_head
+
+
+def _step_ops(model, batch=2):
+    from cutlass_w8a8.testing.op_calls import OpCalls
+
+    tok, pos, slots = random_steps(1, batch)[0]
+    with torch.no_grad(), OpCalls() as calls:
+        model(tok, pos, slots)
+    return calls.names
+
+
+@needs_w8a8_moe
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_step_ops_per_layer(quant, batch, monkeypatch):
+    """One W8A8 Qwen3-MoE step at decode sizes launches, per layer, the dense Llama layer's attention-side ops and
+    the four MoE ops, nothing else (no head-norm kernel, copy, cast or fill): 9 ops, 12 CUDA kernels (the dense
+    layer's attention side: 6, the MoE part: 6); before issue 36's cut, 13 ops and 16 kernels at batch 1 (the two
+    head norms and their copies back), 18 above. The experts take moe_decode_experts as on CUDA at T * k <= 64 (on
+    the CPU `W8A8MoE.uses_decode_path` is False: patched here; the op has its CPU reference)."""
+    from cutlass_w8a8.testing.op_calls import cuda_kernels
+
+    monkeypatch.setattr(cw.W8A8MoE, "uses_decode_path", lambda self, x, k: True)
+    names = _step_ops(tiny(quant), batch)
+    layer = ATTENTION_SIDE + MOE_PART
+    assert names == STEP_HEAD + layer * TINY.num_layers + STEP_TAIL, names
+    assert cuda_kernels(layer) == 12 and cuda_kernels(ATTENTION_SIDE) == 6
+
+    dense = LlamaDecoder(TINY.replace(qk_norm=False, num_experts=0, num_experts_per_tok=0), quant,
+                         max_batch=MAX_BATCH, max_seq_len=MAX_SEQ)
+    for lyr in dense.layers:  # the Python path (decode_layer runs the same ops in one call)
+        lyr.use_layer_op = False
+    assert _step_ops(dense, batch) == STEP_HEAD + (ATTENTION_SIDE + DENSE_MLP) * TINY.num_layers + STEP_TAIL
+
+
+@needs_w8a8_moe
+@pytest.mark.parametrize("quant", [None, "int8"])
+@torch.no_grad()
+def test_fused_head_norms_equal_the_module_path(quant):
+    """The head norms inside rope_kv_cache_ give the step the former path's logits and cache bit for bit (q_norm /
+    k_norm run as modules, then copied back: `LlamaAttention._norm_heads_`, forced in the twin), over three steps
+    with head-norm weights that are not ones; the module path, two rms_norm calls per layer more, is still what
+    norms rope_kv_cache_ cannot apply (two different eps) take."""
+    from cutlass_w8a8.testing.op_calls import OpCalls
+
+    model, twin = tiny(quant), tiny(quant)
+    g = torch.Generator().manual_seed(3)
+    for ours, theirs in zip(model.layers, twin.layers):
+        for name in ("q_norm", "k_norm"):
+            w = getattr(ours.self_attn, name).weight
+            w.copy_(1 + 0.5 * torch.randn(w.shape, generator=g))
+            getattr(theirs.self_attn, name).weight.copy_(w)
+        theirs.self_attn._fused_head_norms = lambda dtype: (None, None, -1.0)
+    for tok, pos, slots in random_steps(3, 3, seed=5):
+        with OpCalls() as ours_calls:
+            out = model(tok, pos, slots)
+        with OpCalls() as twin_calls:
+            ref = twin(tok, pos, slots)
+        norms = ours_calls.names.count("cutlass_w8a8::rms_norm")
+        assert twin_calls.names.count("cutlass_w8a8::rms_norm") == norms + 2 * TINY.num_layers
+        assert torch.equal(out, ref)
+    for a, b in zip(model.layers, twin.layers):
+        assert torch.equal(a.self_attn.kv_cache, b.self_attn.kv_cache)
+    attn = model.layers[0].self_attn
+    assert attn._fused_head_norms(torch.bfloat16)[0] is attn.q_norm.weight
+    attn.k_norm.eps = attn.q_norm.eps * 2
+    assert attn._fused_head_norms(torch.bfloat16) == (None, None, -1.0)

@@ -4,6 +4,11 @@ CPU: the reference is the decoder's former torch code (_rope_ + index_put_). CUD
 the same inputs (each rotated element within one ulp of the element type: the reference's complex multiply may
 fuse a multiply-add where the kernel rounds each product), with the untouched cache entries left bitwise as
 they were; capture and replay; opcheck.
+
+With Qwen3's head norms (``q_norm`` / ``k_norm`` / ``eps``, issue 36): on the CPU the op equals the chain it replaces
+(``rms_norm`` of the q heads and of the k heads copied back into qkv, then the op without norms) bit for bit; on
+CUDA the same bound plus what a one-ulp difference of a normalized element (the kernel's own order of the sum of
+squares) can move a rotated one.
 """
 
 import pytest
@@ -50,12 +55,79 @@ def test_cpu_argument_errors():
         torch.ops.cutlass_w8a8.rope_kv_cache_(qkv, rope.half(), cache, slots, positions, H, KVH)
 
 
+EPS = 1e-6
+
+
+def norm_weights(dtype, device, seed=1):
+    """q_norm and k_norm weights (D,) around 1, as trained Qwen3 head norms are."""
+    g = torch.Generator().manual_seed(seed)
+    return [(1 + 0.5 * torch.randn(D, generator=g)).to(dtype).to(device) for _ in range(2)]
+
+
+def chain(qkv, rope, cache, slots, positions, qn, kn, eps):
+    """What the fused head norms replace: rms_norm of the q heads and of the k heads copied back into qkv (the
+    decoder's former `LlamaAttention._norm_heads_`), then rope_kv_cache_ without norms."""
+    for heads, w in ((qkv[:, :H], qn), (qkv[:, H:H + KVH], kn)):
+        heads.copy_(torch.ops.cutlass_w8a8.rms_norm(heads, w, eps))
+    torch.ops.cutlass_w8a8.rope_kv_cache_(qkv, rope, cache, slots, positions, H, KVH)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cpu_head_norms_equal_the_chain(dtype):
+    """With q_norm / k_norm the CPU op is the chain it replaces, bit for bit (qkv and cache); the norms changed
+    the values (the weights are not ones), and the value heads are copied untouched."""
+    a = inputs(4, dtype, "cpu", seed=2)
+    qn, kn = norm_weights(dtype, "cpu")
+    b = [t.clone() for t in a]
+    plain = [t.clone() for t in a]
+    v = a[0][:, H + KVH:].clone()
+    cutlass_w8a8.rope_kv_cache_(*a, H, KVH, qn, kn, EPS)
+    chain(*b, qn, kn, EPS)
+    torch.ops.cutlass_w8a8.rope_kv_cache_(*plain, H, KVH)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
+    assert not torch.equal(a[0][:, :H + KVH], plain[0][:, :H + KVH])
+    assert torch.equal(a[0][:, H + KVH:], v)
+
+
+def test_opcheck_head_norms_cpu():
+    torch.library.opcheck(torch.ops.cutlass_w8a8.rope_kv_cache_.default,
+                          (*inputs(2, torch.bfloat16, "cpu"), H, KVH, *norm_weights(torch.bfloat16, "cpu"), EPS))
+
+
 def test_public_wrapper_is_the_op():
     a = inputs(3, torch.bfloat16, "cpu", seed=4)
     b = [t.clone() for t in a]
     assert cutlass_w8a8.rope_kv_cache_(*a, H, KVH) is None
     torch.ops.cutlass_w8a8.rope_kv_cache_(*b, H, KVH)
     assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
+
+
+@pytest.mark.parametrize("case", ["q_norm alone", "k_norm dtype", "q_norm shape", "k_norm strided", "eps missing",
+                                  "eps nan"])
+def test_cpu_head_norm_checks_are_the_cuda_checks(case):
+    """The head-norm arguments' checks, with csrc/attention/rope_kv_cache.cu's messages, in the CPU and the fake
+    implementations; nothing is written when they fail."""
+    qkv, rope, cache, slots, positions = inputs(2, torch.bfloat16, "cpu")
+    qn, kn = norm_weights(torch.bfloat16, "cpu")
+    exc, msg, norms = {
+        "q_norm alone": (ValueError, "^rope_kv_cache_: `q_norm` and `k_norm` must be given together", (qn, None, EPS)),
+        "k_norm dtype": (TypeError, "^rope_kv_cache_: `k_norm` must have qkv's dtype$", (qn, kn.float(), EPS)),
+        "q_norm shape": (ValueError, r"^rope_kv_cache_: `q_norm` must be contiguous \(D,\) = \[64\], got \[32\]$",
+                         (qn[:32], kn, EPS)),
+        "k_norm strided": (ValueError, r"^rope_kv_cache_: `k_norm` must be contiguous \(D,\) = \[64\], got \[64\]$",
+                           (qn, torch.ones(128, dtype=torch.bfloat16)[::2], EPS)),
+        "eps missing": (ValueError, "^rope_kv_cache_: `eps` must be given with q_norm and k_norm", (qn, kn, -1.0)),
+        "eps nan": (ValueError, "^rope_kv_cache_: `eps` must be given with q_norm and k_norm", (qn, kn, float("nan"))),
+    }[case]
+    before = qkv.clone()
+    with pytest.raises(exc, match=msg):
+        cutlass_w8a8.rope_kv_cache_(qkv, rope, cache, slots, positions, H, KVH, *norms)
+    assert torch.equal(qkv, before)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (qkv, rope, cache, slots, positions)]
+        fake_norms = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in norms]
+        with pytest.raises(exc, match=msg):
+            torch.ops.cutlass_w8a8.rope_kv_cache_(*fake, H, KVH, *fake_norms)
 
 
 @pytest.mark.parametrize("case", ["positions int32", "slots int32", "rope strided", "rope short", "qkv strided heads",
@@ -157,3 +229,66 @@ def test_cuda_graph_replay_and_opcheck():
         assert torch.equal(static[0], eager[0]) and torch.equal(static[2], eager[2])
     torch.library.opcheck(torch.ops.cutlass_w8a8.rope_kv_cache_.default,
                           (*inputs(2, torch.bfloat16, "cuda", seed=3), H, KVH))
+
+
+def _normed_max(qkv, qn, kn, eps):
+    """(B, H + KVH, 1) float64: the largest |element| of each q / k head after its norm (the CPU reference's)."""
+    q = torch.ops.cutlass_w8a8.rms_norm(qkv[:, :H], qn, eps)
+    k = torch.ops.cutlass_w8a8.rms_norm(qkv[:, H:H + KVH], kn, eps)
+    return torch.cat((q, k), dim=1).double().abs().amax(dim=-1, keepdim=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("b", [1, 3, 5])
+def test_cuda_head_norms_match_reference(dtype, b):
+    """The fused head norms against the CPU chain. Bound: one ulp of the rotated element (as without norms) plus
+    what a normalized element one ulp off (the kernel sums the squares in its own order, so y can round the other
+    way near a tie) moves it: |cos| + |sin| <= sqrt(2) < 2 ulps of the head's largest normalized element. The value
+    heads and everything outside the written cache entries: bitwise."""
+    cpu = inputs(b, dtype, "cpu", seed=10 + b)
+    qn, kn = norm_weights(dtype, "cpu", seed=b)
+    gpu = [t.cuda() for t in cpu]
+    nmax = _normed_max(cpu[0], qn, kn, EPS)
+    before = gpu[2].clone()
+    torch.ops.cutlass_w8a8.rope_kv_cache_(*gpu, H, KVH, qn.cuda(), kn.cuda(), EPS)
+    v = cpu[0][:, H + KVH:].clone()
+    torch.ops.cutlass_w8a8.rope_kv_cache_(*cpu, H, KVH, qn, kn, EPS)
+    torch.cuda.synchronize()
+    got, ref = gpu[0].cpu().double(), cpu[0].double()
+    bound = _ulp(ref[:, :H + KVH], dtype) + 2 * _ulp(nmax, dtype)
+    assert ((got[:, :H + KVH] - ref[:, :H + KVH]).abs() <= bound).all()
+    assert torch.equal(gpu[0][:, H + KVH:].cpu(), v)
+    written = torch.zeros(SLOTS, 2, KVH, S, dtype=torch.bool)
+    written[cpu[3], :, :, cpu[4]] = True
+    cache = gpu[2].cpu()
+    assert torch.equal(cache[~written], before.cpu()[~written]), "entries outside (slot, position) changed"
+    for i in range(b):
+        s, p = int(cpu[3][i]), int(cpu[4][i])
+        assert torch.equal(cache[s, 0, :, p], gpu[0][i, H:H + KVH].cpu())
+        assert torch.equal(cache[s, 1, :, p], gpu[0][i, H + KVH:].cpu())
+
+
+@pytest.mark.cuda
+def test_cuda_head_norms_graph_replay_and_opcheck():
+    """Captured with head norms, replays equal eager bit for bit on new inputs; opcheck on CUDA."""
+    qn, kn = norm_weights(torch.bfloat16, "cuda")
+    static = inputs(3, torch.bfloat16, "cuda", seed=7)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.cutlass_w8a8.rope_kv_cache_(*[t.clone() for t in static], H, KVH, qn, kn, EPS)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        torch.ops.cutlass_w8a8.rope_kv_cache_(*static, H, KVH, qn, kn, EPS)
+    for seed in (1, 2):
+        new = inputs(3, torch.bfloat16, "cuda", seed=seed)
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        g.replay()
+        eager = [t.clone() for t in new]
+        torch.ops.cutlass_w8a8.rope_kv_cache_(*eager, H, KVH, qn, kn, EPS)
+        assert torch.equal(static[0], eager[0]) and torch.equal(static[2], eager[2])
+    torch.library.opcheck(torch.ops.cutlass_w8a8.rope_kv_cache_.default,
+                          (*inputs(2, torch.bfloat16, "cuda", seed=3), H, KVH, qn, kn, EPS))
