@@ -531,7 +531,8 @@ __device__ __forceinline__ void fold_row_scales(const MoeDecodeParams& p, const 
 }
 
 // tiles_chunk (R = 1) for gate/up with x quantized in the main loop (fold_block): the same weight loads, block-to-warp
-// assignment, MMAs, block-scale steps, reduction and epilogue, on the same quantized bytes and scales.
+// assignment, MMAs, block-scale steps, reduction and epilogue, on the same quantized bytes and scales (row-wise: the
+// chunk rows' scales in fs.scale, from fold_row_scales).
 template <class AB, class OutT, int NT, bool kBlockScaled, class XT, int kRowsF>
 __device__ __forceinline__ void tiles_chunk_fold(const MoeDecodeParams& p, const SlotShared& s, FoldShared<kRowsF>& fs,
                                                  const uint8_t* w, const float* wscale, int wscale_per_channel,
@@ -802,8 +803,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_down_tm_kernel(MoeDeco
     const uint8_t* arow[1] = {g == 0 && !kFold ? p.q2 + static_cast<int64_t>(pair) * inter : nullptr};
     // fold: the pair's h row, its row-wise scale (prep's arithmetic: max |h| / QMAX), the warp's buffers
     const OutT* hrow = static_cast<const OutT*>(p.h) + static_cast<int64_t>(pair) * inter;
-    [[maybe_unused]] float sa_fold = 0.f;
-    if constexpr (kFold && !kBlockScaled) sa_fold = warp_row_amax(hrow, inter, lane) / Q::kMax;
+    [[maybe_unused]] float sa_fold = 0.f;  // row-wise: computed with block 0's weights in flight
     auto row_of = [&](int) { return hrow; };
     auto scale_of = [&](int) { return sa_fold; };
     uint8_t* qa = &s_qa[0][0] + (kFold ? warp * kBlockBytes : 0);
@@ -847,6 +847,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_down_tm_kernel(MoeDeco
           if (blk < nblk) {
             load_block_weights(f, wg, inter, blk, t, inter);
             if constexpr (kFold) {
+              if (blk == 0) sa_fold = warp_row_amax(hrow, inter, lane) / Q::kMax;
               fold_block<OutT, Q, false>(row_of, scale_of, 1, blk, inter, qa, gs, lane);
               load_block_acts_fold(f, qa, 1, blk, g, t, inter);
             } else {
