@@ -1,9 +1,14 @@
 // moe_decode_experts: the routed experts of a SwiGLU mixture-of-experts layer at decode sizes (T * top_k <= 64
-// (token, expert) pairs) in three kernels, equal bit for bit to the unfused chain (cutlass_w8a8/ops/moe.py):
+// (token, expert) pairs), equal bit for bit to the unfused chain (cutlass_w8a8/ops/moe.py):
 //
 //   moe_align -> moe_permute_quant -> grouped_scaled_mm (w13) -> silu_mul_quant -> grouped_scaled_mm (w2)
 //   -> moe_unpermute                                              (7 kernels, 5 intermediate tensors)
 //
+// in two kernels at top_k >= 4 (the fold path: gate/up' -> down_tm', below) and three below (prep -> gate/up ->
+// down, expert-major). EXPERIMENT (A/B): CUTLASS_W8A8_MOE_FOLD=0 selects the three-kernel form at top_k >= 4 too
+// (prep -> gate/up -> token-major down on the quantized intermediate), so that one GPU run times both; the loser goes.
+//
+// The three-kernel form:
 //   prep      one CTA per token: x's row quantized per token (or per 1 x 128 group) exactly as quantize_per_token
 //             (quantize_per_token_group) does; the token's completion counters zeroed; a token with no routed
 //             pair gets its output row zeroed (no later kernel writes it).
@@ -38,14 +43,32 @@
 //             product and per addition) and writes out[token, tile] once, rounded to the output type. The order
 //             is fixed by j, not by which CTA finishes last: deterministic.
 //
+// The fold path (top_k >= 4; no prep, no quantized copies of x or h, no counters, no atomics):
+//   gate/up'  the gate/up CTA above, reading x itself (bf16 / fp16 / fp32): per K block each warp quantizes the
+//             256 elements of its chunk rows it is about to multiply (lane l: elements 8l .. 8l + 8 of each row) with
+//             quantize_one, into shared memory, and takes its A fragments from there (fold_block); the scales are
+//             prep's: row-wise, max |x| over the token's H values / QMAX from a pass over the chunk's rows first
+//             (fold_row_scales); block, each 1 x 128 group's max / QMAX from a 16-lane butterfly over the lanes that
+//             hold the group. The epilogue stores h only (silu_mul's roundings); no tail.
+//   down_tm'  the token-major down below, with warp w quantizing its pair's h row the same way, block by block
+//             (row-wise: the pair's max |h| over its I values / QMAX first, silu_mul_quant's scale). It writes every
+//             (token, column) of out, zeros for a token with no routed pair, so nothing needs zeroing.
+// The PDL chain is moe_route -> gate/up' -> down_tm' (down_tm' reads h after its griddepcontrol.wait, when gate/up'
+// has finished). Its cost: gate/up' quantizes x once per 16-channel tile (2 I / 16 times per pair, as linear_decode
+// does per CTA) and down_tm' quantizes h once per 16-column tile (H / 16 times per pair): 8 divisions a lane and row per
+// 256-element block, issued while the block's weight loads are in flight.
+//
 // Why the results equal the chain's: the same quantized bytes and scales of x (prep = quantize per token / group,
-// gathered = moe_permute_quant), the same per-row GEMM sums (each CTA runs grouped_decode's per-chunk main loop
+// gathered = moe_permute_quant; fold: the same function on the same values with the same scale, since a max is exact
+// in any order), the same per-row GEMM sums (each CTA runs grouped_decode's per-chunk main loop
 // with the same block-to-warp assignment and warp-order reduction; a chunk of an expert's rows is its pairs in
 // increasing pair index, as in moe_align's order, and a row's result does not depend on which other rows share its
-// chunk), the same epilogue and roundings, silu_mul_quant's arithmetic, and moe_unpermute's sum.
+// chunk), the same epilogue and roundings, silu_mul_quant's arithmetic (fold: its scale and quantize_one on the same
+// h), and moe_unpermute's sum.
 //
 // Graphs: grids depend on T, top_k, E, H and I only (slots = min(E, T * top_k)), never on the routing; no host
-// synchronisation; the workspace is one tensor from the caching allocator per call. PDL: each kernel waits on
+// synchronisation; the workspace is one tensor from the caching allocator per call (fold: plus an aligned copy of x
+// when its rows are not 16-byte aligned). PDL: each kernel waits on
 // griddepcontrol before its first global read and lets its dependent launch early (the host launches them with
 // programmatic stream serialization when kernels_use_pdl), as the grouped decode GEMM does.
 #include <cuda_bf16.h>
