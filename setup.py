@@ -15,7 +15,8 @@ Environment:
   CUTLASS_W8A8_CUTLASS_DIR  a CUTLASS checkout to use instead of the nvidia-cutlass package
   CUTLASS_W8A8_NO_CUDA=1    install the pure-Python package only (also automatic with a CPU-only torch)
   CUTLASS_W8A8_TUNE=1       also build the sm90 tuning candidates (bench/tune_sm90.py); a comma list of tables
-                            (int8, fp8, fp8-block, e.g. CUTLASS_W8A8_TUNE=fp8-block) builds only theirs
+                            (int8, fp8, fp8-block, e.g. CUTLASS_W8A8_TUNE=fp8-block) builds only theirs; grouped:
+                            the grouped (MoE) GEMM's (bench/bench_moe.py --grouped-configs)
 """
 
 import glob
@@ -152,8 +153,9 @@ TORCH_SOURCE_DIRS = ("csrc", "csrc/core", "csrc/gemm", "csrc/gemm/decode", "csrc
 # CUTLASS_W8A8_TUNE's table names -> (file prefix under csrc/gemm/sm90/instantiations_tune/, macro). The macro makes
 # scaled_mm_sm90.cu count and dispatch that table's candidates, and compiles the candidates that run a shipped
 # config's kernel in its file (csrc/gemm/generate_instantiations.py).
+# "grouped": the grouped (MoE) GEMM's candidates of every family (csrc/gemm/sm90/grouped/grouped_sm90_config.cuh).
 TUNE_TABLES = {"int8": ("int8_", "CUTLASS_W8A8_TUNE_INT8"), "fp8": ("fp8_", "CUTLASS_W8A8_TUNE_FP8"),
-               "fp8-block": ("fp8block_", "CUTLASS_W8A8_TUNE_FP8_BLOCK")}
+               "fp8-block": ("fp8block_", "CUTLASS_W8A8_TUNE_FP8_BLOCK"), "grouped": ("grouped_", "CUTLASS_W8A8_TUNE_GROUPED")}
 
 
 def tune_tables() -> list:

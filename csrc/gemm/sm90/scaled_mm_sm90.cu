@@ -213,25 +213,6 @@ int num_configs() {
   return size_of<typename Tb::Shipped>() + (Tb::kTuned ? size_of<typename Tb::Candidates>() : 0);
 }
 
-const char* schedule_name(Schedule s) { return s == Schedule::kPingpong ? "pingpong" : "cooperative"; }
-
-template <class Cfg>
-std::string config_name() {
-  using namespace cute;
-  char buf[128];
-  // "_persistent": the tile scheduler (the only one now); kept so that names match earlier sweeps' results.
-  // "_waves": the wave mainloop (Config's Waves, wave_mainloop.cuh).
-  // "_swizzle<S>": the tile scheduler's max_swizzle_size, named only when it is not CUTLASS's default 1.
-  std::snprintf(buf, sizeof(buf), "%s%dx%dx%d_c%dx%d_%s_persistent%s%s", Cfg::kSwapAB ? "swap_" : "",
-                int(size<0>(typename Cfg::TileShape{})), int(size<1>(typename Cfg::TileShape{})),
-                int(size<2>(typename Cfg::TileShape{})), int(size<0>(typename Cfg::ClusterShape{})),
-                int(size<1>(typename Cfg::ClusterShape{})), schedule_name(Cfg::kSchedule),
-                Cfg::kFastAccum ? "_fastaccum" : "", Cfg::kWaves ? "_waves" : "");
-  std::string name = buf;
-  if (Cfg::kSwizzle != 1) name += "_swizzle" + std::to_string(Cfg::kSwizzle);
-  return name;
-}
-
 template <class Table, size_t... I>
 const std::string* names_of(std::index_sequence<I...>) {
   static const std::string names[] = {config_name<std::tuple_element_t<I, Table>>()...};

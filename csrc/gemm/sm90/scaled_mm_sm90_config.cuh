@@ -3,6 +3,8 @@
 // this without pulling in the kernel templates (scaled_mm_sm90.cuh).
 #pragma once
 
+#include <cstdio>
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -54,6 +56,27 @@ struct Config {
   static constexpr bool kWaves = Waves;
   static_assert(Swizzle == 1 || Swizzle == 2 || Swizzle == 4 || Swizzle == 8, "max_swizzle_size: 1, 2, 4 or 8");
 };
+
+inline const char* schedule_name(Schedule s) { return s == Schedule::kPingpong ? "pingpong" : "cooperative"; }
+
+// A config's name in the tables' name exports (cw8a8_sm90_config_name, cw8a8_sm90_grouped_config_name; kernel_api.h):
+// "[swap_]<tile M>x<N>x<K>_c<cluster M>x<N>_<pingpong|cooperative>_persistent[_fastaccum][_waves][_swizzle<S>]".
+template <class Cfg>
+std::string config_name() {
+  using namespace cute;
+  char buf[128];
+  // "_persistent": the tile scheduler (the only one now); kept so that names match earlier sweeps' results.
+  // "_waves": the wave mainloop (Config's Waves, wave_mainloop.cuh).
+  // "_swizzle<S>": the tile scheduler's max_swizzle_size, named only when it is not CUTLASS's default 1.
+  std::snprintf(buf, sizeof(buf), "%s%dx%dx%d_c%dx%d_%s_persistent%s%s", Cfg::kSwapAB ? "swap_" : "",
+                int(size<0>(typename Cfg::TileShape{})), int(size<1>(typename Cfg::TileShape{})),
+                int(size<2>(typename Cfg::TileShape{})), int(size<0>(typename Cfg::ClusterShape{})),
+                int(size<1>(typename Cfg::ClusterShape{})), schedule_name(Cfg::kSchedule),
+                Cfg::kFastAccum ? "_fastaccum" : "", Cfg::kWaves ? "_waves" : "");
+  std::string name = buf;
+  if (Cfg::kSwizzle != 1) name += "_swizzle" + std::to_string(Cfg::kSwizzle);
+  return name;
+}
 
 // index_of<Cfg, Table> (gemm/config_index.hpp): a config's position in a dispatch table, by name.
 using ::cutlass_w8a8::gemm::index_of;

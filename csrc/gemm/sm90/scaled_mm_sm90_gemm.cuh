@@ -76,9 +76,9 @@ struct GemmTypes {
   static_assert(!(kBlock && Cfg::kFastAccum),
                 "the blockwise mainloop always promotes (fast accumulation is not an option)");
   static_assert(!kBlock || cute::is_same_v<ElementAB, cutlass::float_e4m3_t>, "block scales are fp8 only");
-  static_assert(!Cfg::kWaves || (!kIsInt8 && !Cfg::kFastAccum && !kPtrArray),
+  static_assert(!Cfg::kWaves || (!kIsInt8 && !Cfg::kFastAccum),
                 "the wave mainloop replaces the fp8 promotion (block-scaled, or row-wise without fast accumulation) of "
-                "the dense kernels");
+                "the dense and grouped kernels");
   using TileShape = typename Cfg::TileShape;
   using ClusterShape = typename Cfg::ClusterShape;
 
@@ -118,7 +118,8 @@ struct GemmTypes {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Sched::Kernel>::CollectiveOp;
   // Cfg::kWaves: the same collective with the per-64-row-wave consumer (wave_mainloop.cuh); the kernel schedule, the
-  // loads, pipelines and shared memory stay CUTLASS's.
+  // loads, pipelines and shared memory stay CUTLASS's (kPtrArray: the ptr-array collective, its per-group tensormap
+  // updates included).
   using CollectiveMainloop =
       cute::conditional_t<Cfg::kWaves, WaveMainloop<BuiltMainloop, kBlock>, BuiltMainloop>;
 

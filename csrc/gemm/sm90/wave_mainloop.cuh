@@ -9,7 +9,16 @@
 //     CollectiveBuilder's CollectiveOp for the KernelTmaWarpSpecialized{Cooperative,Pingpong}FP8Blockwise schedules;
 //   - row-wise fp8 with promotion: CollectiveMma<MainloopSm90TmaGmmaWarpSpecializedFP8, ...>
 //     (sm90_mma_tma_gmma_ss_warpspecialized_fp8.hpp), the CollectiveOp for KernelTmaWarpSpecialized{Cooperative,
-//     Pingpong} (not FP8FastAccum) on e4m3 operands.
+//     Pingpong} (not FP8FastAccum) on e4m3 operands;
+//   - the grouped (ptr-array) forms of both, the CollectiveOps for KernelPtrArrayTmaWarpSpecialized{Cooperative,
+//     Pingpong}[FP8Blockwise]: MainloopSm90ArrayTmaGmmaWarpSpecializedBlockwise
+//     (sm90_mma_array_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp) and
+//     MainloopSm90ArrayTmaGmmaWarpSpecializedFP8 (sm90_mma_array_tma_gmma_ss_warpspecialized_fp8.hpp). Their `mma` is
+//     the dense one's, statement for statement (CUTLASS 4.2; the blockwise one also guards k_tile_count == 0, which the
+//     loop below never enters), with the same signature, members (TensorStorage, SmemLayoutSFA / SFB, ScaleMsPerTile,
+//     ScalePromotionInterval) and stage protocol; the per-group work (tensormap updates for the next group's A / B
+//     pointers, the scale pointers' layouts) is all on the producer side (tensormaps_*, load, load_auxiliary) and in
+//     the kernel, so the consumer below serves them unchanged.
 // Method: DeepGEMM's two-level accumulation (github.com/deepseek-ai/DeepGEMM, sm90 fp8 GEMM: WGMMA over one 128-deep K
 // block into a temporary, then FFMA into the float32 accumulator with both scales), whose 256-row tiles let each math
 // warpgroup reuse one WGMMA accumulator over its 64-row waves. Written here with CuTe primitives; no code copied.

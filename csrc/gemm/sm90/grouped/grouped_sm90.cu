@@ -3,6 +3,9 @@
 // grouped_<family>_<bucket>_<out>.cu beside this file.
 #include <cstdint>
 #include <cstdio>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 
 #include <cutlass/numeric_types.h>
 
@@ -12,30 +15,42 @@
 namespace cutlass_w8a8::sm90::grouped {
 namespace {
 
-template <class ElementAB, class ElementD, class Small, class Large, bool kBlock>
-int run_index(int index, const cw8a8_grouped_mm_args& args, cw8a8_alloc_fn alloc, void* ctx, char* err,
+// Calls run(Cfg{}) with candidate `i` of the tuple Candidates (i in range: the entry checked it).
+template <class Candidates, class Run, size_t... I>
+int run_candidate(int i, Run&& run, std::index_sequence<I...>) {
+  int rc = 1;
+  ((i == static_cast<int>(I) ? (rc = run(std::tuple_element_t<I, Candidates>{}), 0) : 0), ...);
+  return rc;
+}
+
+// Runs entry `index` of table Tb (its shipped configs, then its tuning candidates when this build compiled them) with
+// ElementD output; tuning candidates exist with bfloat16 output only.
+template <class Tb, class ElementD>
+int run_entry(int index, const cw8a8_grouped_mm_args& args, cw8a8_alloc_fn alloc, void* ctx, char* err,
               size_t err_len) {
-  if (index == 0) return run_grouped_mm<ElementAB, ElementD, Small, kBlock>(args, alloc, ctx, err, err_len);
-  return run_grouped_mm<ElementAB, ElementD, Large, kBlock>(args, alloc, ctx, err, err_len);
+  using AB = typename Tb::ElementAB;
+  auto run = [&](auto cfg) {
+    return run_grouped_mm<AB, ElementD, decltype(cfg), Tb::kBlock>(args, alloc, ctx, err, err_len);
+  };
+  if (index < kNumGroupedConfigs) {
+    return index == 0 ? run(std::tuple_element_t<0, typename Tb::Shipped>{})
+                      : run(std::tuple_element_t<1, typename Tb::Shipped>{});
+  }
+  if constexpr (kTuneGrouped && Tb::kCandidates > 0 && std::is_same_v<ElementD, cutlass::bfloat16_t>) {
+    return run_candidate<typename Tb::Candidates>(index - kNumGroupedConfigs, run,
+                                                  std::make_index_sequence<Tb::kCandidates>{});
+  }
+  std::snprintf(err, err_len, "grouped_mm: config %d is a tuning candidate, built only with bfloat16 output by "
+                "CUTLASS_W8A8_TUNE=1 or a CUTLASS_W8A8_TUNE list naming grouped", index);
+  return 1;
 }
 
 template <class ElementD>
 int run_out(int table, int index, const cw8a8_grouped_mm_args& args, cw8a8_alloc_fn alloc, void* ctx, char* err,
             size_t err_len) {
-  switch (table) {
-    case CW8A8_TABLE_INT8:
-      return run_index<int8_t, ElementD, GInt8_Small, GInt8_Large, false>(index, args, alloc, ctx, err, err_len);
-    case CW8A8_TABLE_FP8:
-      return run_index<cutlass::float_e4m3_t, ElementD, GFp8_Small, GFp8_Large, false>(index, args, alloc, ctx, err,
-                                                                                         err_len);
-    default:
-      return run_index<cutlass::float_e4m3_t, ElementD, GFp8Block_Small, GFp8Block_Large, true>(index, args, alloc,
-                                                                                                   ctx, err, err_len);
-  }
-}
-
-int table_of(const cw8a8_grouped_mm_args& args) {
-  return args.scale_block ? CW8A8_TABLE_FP8_BLOCK : args.ab_type;
+  return visit_grouped_table(table, [&](auto tb) {
+    return run_entry<decltype(tb), ElementD>(index, args, alloc, ctx, err, err_len);
+  });
 }
 
 }  // namespace
@@ -59,10 +74,14 @@ __attribute__((visibility("default"))) int cw8a8_sm90_grouped_mm(const cw8a8_gro
                   (long long)p.ldb, (long long)p.ldd);
     return 1;
   }
-  const int table = table_of(p);
+  const int table = cw8a8_grouped_table_of(&p);
+  if (grouped_num_configs(table) == 0) {
+    std::snprintf(err, err_len, "grouped_mm: unsupported operand type %d", p.ab_type);
+    return 1;
+  }
   int index = p.config;
-  if (index >= kNumGroupedConfigs) {
-    std::snprintf(err, err_len, "grouped_mm: config %d is not in [0, %d)", index, kNumGroupedConfigs);
+  if (index >= grouped_num_configs(table)) {
+    std::snprintf(err, err_len, "grouped_mm: config %d is not in [0, %d)", index, grouped_num_configs(table));
     return 1;
   }
   if (index < 0) index = select_grouped(p.t, p.n, p.num_experts);
@@ -70,9 +89,10 @@ __attribute__((visibility("default"))) int cw8a8_sm90_grouped_mm(const cw8a8_gro
   return run_out<cutlass::half_t>(table, index, p, alloc, alloc_ctx, err, err_len);
 }
 
-// The grouped table's size (every table has kNumGroupedConfigs entries) and entry names, for benchmarks (ctypes).
+// A grouped table's size (its kNumGroupedConfigs shipped entries, then the tuning candidates this build compiled; 0
+// for an unknown table: read by _grouped_scaled_mm_config's range check) and its entry names (benchmarks, ctypes).
 __attribute__((visibility("default"))) int cw8a8_sm90_grouped_num_configs(int table) {
-  return table >= 0 && table <= 2 ? cutlass_w8a8::sm90::grouped::kNumGroupedConfigs : 0;
+  return cutlass_w8a8::sm90::grouped::grouped_num_configs(table);
 }
 
 __attribute__((visibility("default"))) const char* cw8a8_sm90_grouped_config_name(int table, int i) {

@@ -14,7 +14,11 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <tuple>
+#include <utility>
+
+#include <cutlass/numeric_types.h>
 
 #include "gemm/kernel_api.h"
 #include "gemm/sm90/scaled_mm_sm90_config.cuh"
@@ -48,16 +52,85 @@ using GFp8Block_Small = Config<128, 32, 128, 1, 1, GPP, GPE, true>;
 using GFp8Block_Large = Config<128, 128, 128, 1, 1, GCO, GPE, false>;
 using GFp8BlockConfigs = std::tuple<GFp8Block_Small, GFp8Block_Large>;
 
-constexpr int kNumGroupedConfigs = 2;  // in every table; index 0 = *_Small, 1 = *_Large
+// Tuning candidates (bfloat16 output; built with CUTLASS_W8A8_TUNE=1, or with `grouped` in its list: setup.py
+// defines CUTLASS_W8A8_TUNE_GROUPED and compiles instantiations_tune/grouped_*.cu, which generate_instantiations.py
+// writes from these tables). They follow a table's shipped entries (indices 2, 3, ...), reached only through the
+// tuning op _grouped_scaled_mm_config (bench/bench_moe.py --grouped-configs); select_grouped never picks them.
+// Issue 37: the wave mainloop (wave_mainloop.cuh, Config's last argument) on the ptr-array collectives, 256x128
+// cooperative tiles whose warpgroups hold 128 token rows each in two 64-row waves (128 + 64 accumulator registers), for
+// T >= 512 where the experts have >= 128 rows each. Row-wise: CUTLASS's promoted 128x128 cooperative tile (64 + 64
+// registers, no waves) is listed too: the bit-for-bit reference of the wave kernel (same products, same K order, one
+// promotion per 128 of K), as the shipped row-wise configs use fast accumulation.
+using GInt8TuneCandidates = std::tuple<>;
+using GFp8TuneCandidates = std::tuple<
+    Config<128, 128, 128, 1, 1, GCO, GPE, false>,
+    Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>>;
+using GFp8BlockTuneCandidates = std::tuple<
+    Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>>;
 
+#ifdef CUTLASS_W8A8_TUNE_GROUPED
+constexpr bool kTuneGrouped = true;
+#else
+constexpr bool kTuneGrouped = false;
+#endif
+
+constexpr int kNumGroupedConfigs = 2;  // shipped, in every table; index 0 = *_Small, 1 = *_Large
+
+// One grouped table: its operand type, scaling, shipped configs and tuning candidates (compiled when kTuneGrouped).
+template <class ElementAB_, bool kBlock_, class Small_, class Large_, class Candidates_>
+struct GroupedTable {
+  using ElementAB = ElementAB_;
+  static constexpr bool kBlock = kBlock_;
+  using Shipped = std::tuple<Small_, Large_>;
+  using Candidates = Candidates_;
+  static constexpr int kCandidates = static_cast<int>(std::tuple_size_v<Candidates>);
+  static constexpr int kSize = kNumGroupedConfigs + (kTuneGrouped ? kCandidates : 0);
+};
+
+// Calls f(Table{}) for a cw8a8_config_table id (int8, fp8 row-wise, block-scaled fp8); -1 for another id.
+template <class F>
+int visit_grouped_table(int table, F&& f) {
+  switch (table) {
+    case CW8A8_TABLE_INT8:
+      return f(GroupedTable<int8_t, false, GInt8_Small, GInt8_Large, GInt8TuneCandidates>{});
+    case CW8A8_TABLE_FP8:
+      return f(GroupedTable<cutlass::float_e4m3_t, false, GFp8_Small, GFp8_Large, GFp8TuneCandidates>{});
+    case CW8A8_TABLE_FP8_BLOCK:
+      return f(GroupedTable<cutlass::float_e4m3_t, true, GFp8Block_Small, GFp8Block_Large, GFp8BlockTuneCandidates>{});
+    default:
+      return -1;
+  }
+}
+
+// Entries of grouped table `table` in this build (0 for an unknown table).
+inline int grouped_num_configs(int table) {
+  const int n = visit_grouped_table(table, [](auto tb) { return decltype(tb)::kSize; });
+  return n < 0 ? 0 : n;
+}
+
+namespace detail {
+template <class Tuple, size_t... I>
+const std::string* grouped_names(std::index_sequence<I...>) {
+  static const std::string names[] = {config_name<std::tuple_element_t<I, Tuple>>()...};
+  return names;
+}
+}  // namespace detail
+
+// Name of entry i of grouped table `table` (scaled_mm_sm90_config.cuh's config_name), nullptr past the end.
 inline const char* grouped_config_name(int table, int i) {
-  static const char* const names[3][kNumGroupedConfigs] = {
-      {"swap_64x32x256_c1x1_pingpong_persistent", "128x128x128_c1x1_cooperative_persistent"},
-      {"swap_64x32x256_c1x1_pingpong_persistent_fastaccum", "128x128x128_c1x1_cooperative_persistent_fastaccum"},
-      {"swap_128x32x128_c1x1_pingpong_persistent", "128x128x128_c1x1_cooperative_persistent"},
-  };
-  if (table < 0 || table > 2 || i < 0 || i >= kNumGroupedConfigs) return nullptr;
-  return names[table][i];
+  if (i < 0 || i >= grouped_num_configs(table)) return nullptr;
+  const std::string* name = nullptr;
+  visit_grouped_table(table, [&](auto tb) {
+    using Tb = decltype(tb);
+    if (i < kNumGroupedConfigs) {
+      name = &detail::grouped_names<typename Tb::Shipped>(std::make_index_sequence<kNumGroupedConfigs>{})[i];
+    } else if constexpr (Tb::kCandidates > 0) {
+      name = &detail::grouped_names<typename Tb::Candidates>(
+          std::make_index_sequence<Tb::kCandidates>{})[i - kNumGroupedConfigs];
+    }
+    return 0;
+  });
+  return name != nullptr ? name->c_str() : nullptr;
 }
 
 // Index 0 (*_Small) when the average expert has at most kSmallRowsPerExpert rows, else 1 (*_Large).
