@@ -47,6 +47,10 @@ at::Tensor grouped_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at:
 void grouped_scaled_mm_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                            const at::Tensor& scale_b, const at::Tensor& offsets,
                            const std::optional<at::Tensor>& bias);
+// _grouped_scaled_mm_config: grouped_scaled_mm_out with entry `config` of the sm90 library's grouped table (tuning)
+void grouped_scaled_mm_config_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                                  const at::Tensor& scale_b, const at::Tensor& offsets,
+                                  const std::optional<at::Tensor>& bias, int64_t config);
 int64_t grouped_decode_max_rows_op();
 
 // gemm/decode/scaled_mm_decode.cu: M <= 16 GEMMs that stream the weights with every SM busy; linear_decode also

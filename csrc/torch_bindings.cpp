@@ -92,6 +92,7 @@ TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
   m.impl("rope_kv_cache_", &cutlass_w8a8::rope_kv_cache_);
   m.impl("grouped_scaled_mm", &cutlass_w8a8::grouped_scaled_mm);
   m.impl("grouped_scaled_mm_out", &cutlass_w8a8::grouped_scaled_mm_out);
+  m.impl("_grouped_scaled_mm_config", &cutlass_w8a8::grouped_scaled_mm_config_out);
   m.impl("moe_topk_softmax", &cutlass_w8a8::moe_topk_softmax);
   m.impl("moe_route", &cutlass_w8a8::moe_route);
   m.impl("moe_align", &cutlass_w8a8::moe_align);

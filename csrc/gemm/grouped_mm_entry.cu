@@ -1,4 +1,5 @@
-// grouped_scaled_mm / grouped_scaled_mm_out (issue 27, mixture-of-experts): check (the contract of
+// grouped_scaled_mm / grouped_scaled_mm_out (issue 27, mixture-of-experts) and the tuning op _grouped_scaled_mm_config
+// (a forced entry of the sm90 library's grouped table; bench/bench_moe.py --grouped-configs): check (the contract of
 // cutlass_w8a8/ops/_checks.py check_grouped_scaled_mm, same messages in the same order), pack a
 // cw8a8_grouped_mm_args (gemm/kernel_api.h), and dispatch: T <= grouped_decode_max_rows() to the grouped decode
 // GEMM (gemm/decode/grouped_decode.hpp), larger T to the sm90 library's CUTLASS ptr-array grouped GEMM
@@ -159,8 +160,11 @@ cw8a8_grouped_mm_args pack_grouped(const at::Tensor& out, const at::Tensor& a, c
   return args;
 }
 
+// config < 0: the dispatch's choice (the grouped decode GEMM at few rows, else the sm90 library's select_grouped);
+// config >= 0 (_grouped_scaled_mm_config, tuning only): that entry of the sm90 library's grouped table, whatever T.
 void launch_grouped(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
-                    const at::Tensor& scale_b, const at::Tensor& offsets, const std::optional<at::Tensor>& bias) {
+                    const at::Tensor& scale_b, const at::Tensor& offsets, const std::optional<at::Tensor>& bias,
+                    int64_t config = -1) {
   c10::cuda::CUDAGuard guard(a.device());
   const int device = a.device().index();
   const DeviceInfo& info = device_info(device);
@@ -173,7 +177,11 @@ void launch_grouped(const at::Tensor& out, const at::Tensor& a, const at::Tensor
   // Neither kernel's launch can be rewritten by an UpdatableGraph node update (T is in the shapes; the CUTLASS
   // path has a workspace): refuse to be recorded rather than leave a node behind.
   graph_nodes::refuse_launch(args.stream, kOp);
-  if (args.t <= grouped_decode_max_rows() && args.k <= (int64_t{1} << 30)) {
+  if (config >= 0) {  // an index into the grouped table of the arguments (int8, fp8 or block-scaled fp8)
+    const int count = sm90_grouped_num_configs(cw8a8_grouped_table_of(&args));
+    TORCH_CHECK_VALUE(config < count, "_grouped_scaled_mm_config: `config` must be in [0, ", count, "), got ", config);
+    args.config = static_cast<int>(config);
+  } else if (args.t <= grouped_decode_max_rows() && args.k <= (int64_t{1} << 30)) {
     args.pdl = kernels_use_pdl(device) ? 1 : 0;
     launch_grouped_decode(args);
     return;
@@ -203,6 +211,13 @@ void grouped_scaled_mm_out(at::Tensor& out, const at::Tensor& a, const at::Tenso
                            const std::optional<at::Tensor>& bias) {
   check_grouped_scaled_mm(kOp, a, b, scale_a, scale_b, offsets, out.scalar_type(), bias, &out);
   launch_grouped(out, a, b, scale_a, scale_b, offsets, bias);
+}
+
+void grouped_scaled_mm_config_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                                  const at::Tensor& scale_b, const at::Tensor& offsets,
+                                  const std::optional<at::Tensor>& bias, int64_t config) {
+  check_grouped_scaled_mm(kOp, a, b, scale_a, scale_b, offsets, out.scalar_type(), bias, &out);
+  launch_grouped(out, a, b, scale_a, scale_b, offsets, bias, config);
 }
 
 int64_t grouped_decode_max_rows_op() { return grouped_decode_max_rows(); }

@@ -39,6 +39,7 @@ KernelLibrary open_library(const char* name, const char* scaled_mm_symbol, const
   if (node_symbol != nullptr) k.node = reinterpret_cast<cw8a8_scaled_mm_node_fn>(dlsym(handle, node_symbol));
   // Optional (only the sm90 library exports it, and one built before it does not): the MoE grouped GEMM.
   k.grouped_mm = reinterpret_cast<cw8a8_grouped_mm_fn>(dlsym(handle, "cw8a8_sm90_grouped_mm"));
+  k.grouped_num_configs = reinterpret_cast<cw8a8_num_configs_fn>(dlsym(handle, "cw8a8_sm90_grouped_num_configs"));
   return k;
 }
 
@@ -98,6 +99,13 @@ cw8a8_grouped_mm_fn sm90_grouped_mm_fn() {
   const KernelLibrary& k = require(sm90_library(), "sm90", "9.0a");
   TORCH_CHECK(k.grouped_mm != nullptr, "cutlass_w8a8: ", k.library, " has no cw8a8_sm90_grouped_mm (rebuild it)");
   return k.grouped_mm;
+}
+
+int sm90_grouped_num_configs(int table) {
+  const KernelLibrary& k = require(sm90_library(), "sm90", "9.0a");
+  TORCH_CHECK(k.grouped_num_configs != nullptr, "cutlass_w8a8: ", k.library,
+              " has no cw8a8_sm90_grouped_num_configs (rebuild it)");
+  return k.grouped_num_configs(table);
 }
 
 bool supports_fp8(int device) {

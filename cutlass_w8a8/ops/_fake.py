@@ -53,6 +53,11 @@ def _grouped_scaled_mm_out(out, a, b, scale_a, scale_b, offsets, bias=None):
     C.check_grouped_scaled_mm("grouped_scaled_mm", a, b, scale_a, scale_b, offsets, out.dtype, bias, out)
 
 
+@_fake("_grouped_scaled_mm_config")
+def _grouped_scaled_mm_config(out, a, b, scale_a, scale_b, offsets, bias, config):
+    C.check_grouped_scaled_mm("grouped_scaled_mm", a, b, scale_a, scale_b, offsets, out.dtype, bias, out)
+
+
 @_fake("_scaled_mm_config")
 def _scaled_mm_config(out, a, b, scale_a, scale_b, bias, config):
     C.check_scaled_mm("scaled_mm", a, b, scale_a, scale_b, out.dtype, bias, out)

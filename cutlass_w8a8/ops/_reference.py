@@ -164,6 +164,10 @@ def _grouped_scaled_mm_out(out, a, b, scale_a, scale_b, offsets, bias=None):
     grouped_scaled_mm_reference(a, b, scale_a, scale_b, offsets, out.dtype, bias, out)
 
 
+def _grouped_scaled_mm_config(out, a, b, scale_a, scale_b, offsets, bias, config):
+    _grouped_scaled_mm_out(out, a, b, scale_a, scale_b, offsets, bias)
+
+
 # linear_decode: the CPU per-token quantization, then scaled_mm's reference (the CUDA kernel equals
 # quantize_per_token followed by scaled_mm_decode bit for bit; on the CPU that chain is the definition).
 
@@ -562,5 +566,5 @@ for _name, _fn in (
         ("decode_attention_out", _decode_attention_out), ("decode_attention_quant", _decode_attention_quant),
         ("rope_kv_cache_", _rope_kv_cache),
         ("decode_layer", decode_layer), ("grouped_scaled_mm", _grouped_scaled_mm),
-        ("grouped_scaled_mm_out", _grouped_scaled_mm_out)):
+        ("grouped_scaled_mm_out", _grouped_scaled_mm_out), ("_grouped_scaled_mm_config", _grouped_scaled_mm_config)):
     lib.impl(_name, _fn, "CPU")

@@ -67,6 +67,8 @@ Ops:
   expert's group (torch's ``offs``); per-token / per-tensor ``scale_a``, per-channel / per-expert ``scale_b``, or
   block fp8 (``scale_a`` (T, K/128), ``scale_b`` (E, ceil(N/128), K/128))
 - ``grouped_scaled_mm_out(out, a, b, scale_a, scale_b, offsets, bias=None) -> ()``
+- ``_grouped_scaled_mm_config(out, a, b, scale_a, scale_b, offsets, bias, config) -> ()``: force an entry of the sm90
+  library's grouped table, whatever T (tuning only: bench/bench_moe.py --grouped-configs)
 - ``_graph_update_scaled_mm(graph_exec, record, out, a, b, scale_a, scale_b, bias) -> ()``: a CUDA-graph node
   update (`cutlass_w8a8.graphs.UpdatableGraph.update_scaled_mm`); no CPU or fake kernel, it changes an
   instantiated graph, not tensors
@@ -186,6 +188,8 @@ _define("grouped_scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, T
         "Tensor? bias=None) -> Tensor")
 _define("grouped_scaled_mm_out(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor offsets, "
         "Tensor? bias=None) -> ()")
+_define("_grouped_scaled_mm_config(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, "
+        "Tensor offsets, Tensor? bias, int config) -> ()")
 _define("moe_topk_softmax(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)")
 _define("moe_route(Tensor router_logits, int top_k, str scoring=\"softmax\", Tensor? correction_bias=None, "
         "int n_group=1, int topk_group=1, bool renormalize=True, float scaling_factor=1.0) -> (Tensor, Tensor)")
