@@ -155,7 +155,8 @@ TORCH_SOURCE_DIRS = ("csrc", "csrc/core", "csrc/gemm", "csrc/gemm/decode", "csrc
 # config's kernel in its file (csrc/gemm/generate_instantiations.py).
 # "grouped": the grouped (MoE) GEMM's candidates of every family (csrc/gemm/sm90/grouped/grouped_sm90_config.cuh).
 TUNE_TABLES = {"int8": ("int8_", "CUTLASS_W8A8_TUNE_INT8"), "fp8": ("fp8_", "CUTLASS_W8A8_TUNE_FP8"),
-               "fp8-block": ("fp8block_", "CUTLASS_W8A8_TUNE_FP8_BLOCK"), "grouped": ("grouped_", "CUTLASS_W8A8_TUNE_GROUPED")}
+               "fp8-block": ("fp8block_", "CUTLASS_W8A8_TUNE_FP8_BLOCK"),
+               "grouped": ("grouped_", "CUTLASS_W8A8_TUNE_GROUPED")}
 
 
 def tune_tables() -> list:

@@ -175,6 +175,15 @@ def _config_out_of_range():
     torch.ops.cutlass_w8a8._scaled_mm_config(out, kw["a"], kw["b"], kw["scale_a"], kw["scale_b"], None, 10_000)
 
 
+def _grouped_config_out_of_range():
+    a = torch.zeros(4, 64, dtype=torch.int8, device="cuda")
+    w = torch.zeros(2, 32, 64, dtype=torch.int8, device="cuda")
+    offsets = torch.tensor([2, 4], dtype=torch.int32, device="cuda")
+    out = torch.empty(4, 32, dtype=torch.bfloat16, device="cuda")
+    torch.ops.cutlass_w8a8._grouped_scaled_mm_config(out, a, w.transpose(1, 2), torch.ones(4, 1, device="cuda"),
+                                                     torch.ones(2, 32, device="cuda"), offsets, None, 10_000)
+
+
 def op(device="cuda", **change):
     """torch.ops.cutlass_w8a8.scaled_mm (no wrapper) on legal CUDA operands with `change` applied."""
     kw = _changed(operands(device), change)
@@ -189,6 +198,7 @@ CUDA_TRIGGERS = {
     "graph-input-count": lambda: _graph()(torch.zeros(4, 16, device="cuda"), torch.zeros(1, device="cuda")),
     "graph-input-shape": lambda: _graph()(torch.zeros(5, 16, device="cuda")),
     "config-out-of-range": _config_out_of_range,
+    "grouped-config-out-of-range": _grouped_config_out_of_range,
     "update-rows": lambda: _updatable().set_rows(9),
     "update-reset": _reset_then_update,
     "update-m": lambda: _update(m=9),

@@ -90,9 +90,11 @@ def test_tune_tables_select_their_candidates_only():
     instantiated once, in a file that table's build compiles."""
     gen = load_generator()
     tune_tables = setup_tune_tables()
-    assert set(tune_tables) == {"int8", "fp8", "fp8-block"}
+    assert set(tune_tables) == {"int8", "fp8", "fp8-block", "grouped"}
     by_prefix = {"Int8": "int8", "Fp8": "fp8", "Fp8Block": "fp8-block"}
-    assert {by_prefix[k]: v for k, v in gen.TUNE_MACROS.items()} == {t: m for t, (_, m) in tune_tables.items()}
+    assert {by_prefix[k]: v for k, v in gen.TUNE_MACROS.items()} == \
+        {t: m for t, (_, m) in tune_tables.items() if t != "grouped"}
+    assert tune_tables["grouped"][1] == gen.GROUPED_TUNE_MACRO
     tune_files = {p.name: p.read_text() for p in (GEMM / "sm90" / "instantiations_tune").glob("*.cu")}
     shipped_files = {p.name: p.read_text() for p in (GEMM / "sm90" / "instantiations").glob("*.cu")}
     claimed = set()
@@ -113,7 +115,39 @@ def test_tune_tables_select_their_candidates_only():
                 continue
             hits = re.findall(rf"template int run_scaled_mm(?:_block)?<[^;]*, {re.escape(config)}>\(", code)
             assert len(hits) == 1, f"{table}: {config} is instantiated {len(hits)} times in its tuning build's files"
+    # the grouped GEMM's candidates (grouped/grouped_sm90_config.cuh): instantiations_tune/grouped_*.cu, one each
+    file_prefix = tune_tables["grouped"][0]
+    mine = {name for name in tune_files if name.startswith(file_prefix)}
+    assert mine and not mine & claimed, f"grouped's glob {file_prefix}*.cu also matches another table's files"
+    claimed |= mine
+    code = "\n".join(tune_files[n] for n in mine)
+    for table, block in (("GFp8TuneCandidates", "false"), ("GFp8BlockTuneCandidates", "true")):
+        for config in table_items("sm90/grouped/grouped_sm90_config.cuh", table):
+            hits = re.findall(rf"template int run_grouped_mm<cutlass::float_e4m3_t, cutlass::bfloat16_t, "
+                              rf"{re.escape(config)}, {block}>\(", code)
+            assert len(hits) == 1, f"{table}: {config} is instantiated {len(hits)} times in grouped's tuning files"
+    assert table_items("sm90/grouped/grouped_sm90_config.cuh", "GInt8TuneCandidates") == [""]
     assert claimed == set(tune_files), f"files no table builds: {set(tune_files) - claimed}"
+
+
+def test_grouped_candidates_named_like_the_dense_ones():
+    """A grouped candidate's file is the dense candidate name of its kernel after `grouped_` (the grouped header's
+    GPP / GCO / GPE read as PP / CO / PE); the wave mainloop ones end in `_waves`, never with fast accumulation, TileK
+    128; a scheduler swizzle (no grouped kernel takes one) is refused."""
+    gen = load_generator()
+    waves = "Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>"
+    assert gen.candidate_name("grouped_fp8block", waves) == "grouped_fp8block_tile256x128x128_cluster1x1_co_waves"
+    assert gen.candidate_name("grouped_fp8", "Config<128, 128, 128, 1, 1, GCO, GPE, false>") == \
+        "grouped_fp8_tile128x128x128_cluster1x1_co"
+    files = gen.grouped_tune_files()
+    assert set(files) == {f"sm90/instantiations_tune/{n}" for n in
+                          ("grouped_fp8_tile128x128x128_cluster1x1_co_bf16.cu",
+                           "grouped_fp8_tile256x128x128_cluster1x1_co_waves_bf16.cu",
+                           "grouped_fp8block_tile256x128x128_cluster1x1_co_waves_bf16.cu")}
+    for table in ("GFp8TuneCandidates", "GFp8BlockTuneCandidates"):
+        for config in table_items("sm90/grouped/grouped_sm90_config.cuh", table):
+            args = gen.config_args(config)
+            assert args[9] == "1" and (args[10] == "false" or (args[2] == "128" and args[8] == "false")), config
 
 
 def test_wave_candidates_are_named_and_compiled_apart():

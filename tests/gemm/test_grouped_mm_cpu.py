@@ -187,6 +187,8 @@ def _opcheck_cases():
     cases.append(("out fp8", OPS.grouped_scaled_mm_out, (out, a, b, sa, sb, off, None)))
     a, b, sa, sb, bias = operands(19, 256, 208, 5, FP8, block=True, bias=True)
     cases.append(("block bias", OPS.grouped_scaled_mm, (a, b, sa, sb, off, torch.bfloat16, bias)))
+    out = torch.empty(19, 208, dtype=torch.bfloat16)
+    cases.append(("config block", OPS._grouped_scaled_mm_config, (out, a, b, sa, sb, off, bias, 2)))
     a, b, sa, sb, _ = operands(0, 64, 48, 5, torch.int8)
     cases.append(("T=0", OPS.grouped_scaled_mm, (a, b, sa, sb, torch.zeros(5, dtype=torch.int32), torch.bfloat16,
                                                   None)))

@@ -262,6 +262,90 @@ def test_graph_replay_equals_eager_bitwise(dtype):
             check(y, a2, w, sa2, sb, o2, b, f"{dtype} graph T={t} replay {i} ({kind})")
 
 
+# ---- forced configs (_grouped_scaled_mm_config: the tuning op) ----------------------------------------------
+
+
+def grouped_tables():
+    """{table id: [entry names]} of the sm90 library's grouped tables (kernel_api.h cw8a8_config_table: 0 int8, 1 fp8,
+    2 block fp8): the shipped Small and Large entries, then the tuning candidates of a CUTLASS_W8A8_TUNE=grouped
+    build."""
+    import ctypes
+
+    lib = cw._ext.kernel_library("_kernels_sm90")
+    if lib is None:
+        pytest.skip("the sm90 kernel library is not loaded through ctypes here")
+    lib.cw8a8_sm90_grouped_config_name.restype = ctypes.c_char_p
+    return {t: [lib.cw8a8_sm90_grouped_config_name(t, i).decode() for i in range(lib.cw8a8_sm90_grouped_num_configs(t))]
+            for t in (0, 1, 2)}
+
+
+def forced(a, w, sa, sb, offsets, b, config):
+    out = torch.full((a.shape[0], w.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    OPS._grouped_scaled_mm_config(out, a, w.transpose(1, 2), sa, sb, offsets, b, config)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [pytest.param("block", id="block")])
+@torch.no_grad()
+def test_every_grouped_config_forced(dtype):
+    """Every entry of the grouped table (tuning candidates included when built) forced at T on both sides of the
+    decode bound and the Small / Large switch: right at any T, rows past the last expert untouched."""
+    if dtype != torch.int8 and not cw.supports_fp8():
+        pytest.skip("the sm90 fp8 kernels are not available in this build")
+    block = dtype == "block"
+    table = 2 if block else (0 if dtype == torch.int8 else 1)
+    names = grouped_tables()[table]
+    assert names[:2] and all(names), names
+    e, n, k = 8, 208 if block else 272, 512
+    for config, name in enumerate(names):
+        for t in (40, 600):
+            a, w, sa, sb, b = problem(t, n, k, e, FP8 if block else dtype, block=block, seed=config * 10 + t)
+            offsets = offsets_for(t, e, "tail", seed=t)
+            out = forced(a, w, sa, sb, offsets, b, config)
+            check(out, a, w, sa, sb, offsets, b, f"{dtype} config {config} ({name}) T={t}")
+
+
+def test_grouped_config_table_size_and_names():
+    """The op's range is the library's table size (2 shipped entries, more only in a tuning build), named as the dense
+    tables' entries are."""
+    a, w, sa, sb, b = problem(8, 128, 256, 4, torch.int8)
+    o = torch.tensor([2, 4, 6, 8], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=r"^_grouped_scaled_mm_config: `config` must be in \[0, (\d+)\), got 99999"):
+        forced(a, w, sa, sb, o, b, 99_999)
+    tables = grouped_tables()
+    assert tables[0][:2] == ["swap_64x32x256_c1x1_pingpong_persistent", "128x128x128_c1x1_cooperative_persistent"]
+    assert tables[1][:2] == ["swap_64x32x256_c1x1_pingpong_persistent_fastaccum",
+                             "128x128x128_c1x1_cooperative_persistent_fastaccum"]
+    assert tables[2][:2] == ["swap_128x32x128_c1x1_pingpong_persistent", "128x128x128_c1x1_cooperative_persistent"]
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(FP8, id="fp8"), pytest.param("block", id="block")])
+@torch.no_grad()
+def test_wave_candidates_bit_identical(dtype):
+    """The wave mainloop on the ptr-array collectives (wave_mainloop.cuh) computes CUTLASS's products in CUTLASS's K
+    order with one promotion per 128 of K, so its output equals, bit for bit, the block table's shipped Large kernel
+    (CUTLASS's blockwise mainloop) and, row-wise, CUTLASS's promoted 128x128 cooperative candidate. Needs a
+    CUTLASS_W8A8_TUNE=grouped build."""
+    if not cw.supports_fp8():
+        pytest.skip("the sm90 fp8 kernels are not available in this build")
+    block = dtype == "block"
+    names = grouped_tables()[2 if block else 1]
+    waves = [i for i, name in enumerate(names) if name.endswith("_waves")]
+    reference_name = "128x128x128_c1x1_cooperative_persistent"
+    if not waves or reference_name not in names:
+        pytest.skip("built without the grouped tuning candidates (CUTLASS_W8A8_TUNE=grouped)")
+    reference_index = names.index(reference_name)
+    e = 8
+    for t, n, k in ((600, 208 if block else 272, 512), (4096, 1536, 2048)):
+        a, w, sa, sb, b = problem(t, n, k, e, FP8, block=block, seed=t)
+        offsets = offsets_for(t, e, "random", seed=t)
+        want = forced(a, w, sa, sb, offsets, b, reference_index)
+        end = int(offsets[-1])
+        for i in waves:
+            got = forced(a, w, sa, sb, offsets, b, i)
+            assert torch.equal(got[:end], want[:end]), f"{names[i]} differs from {reference_name} at T={t} N={n} K={k}"
+
+
 # ---- opcheck and the checks ---------------------------------------------------------------------------------
 
 
@@ -276,6 +360,8 @@ def test_opcheck_cuda():
         if cw.supports_fp8():
             a, w, sa, sb, b = problem(t, 208, 256, 4, FP8, block=True, seed=t)
             cases.append((OPS.grouped_scaled_mm, (a, w.transpose(1, 2), sa, sb, o, torch.bfloat16, b)))
+            out = torch.empty(t, 208, dtype=torch.bfloat16, device="cuda")
+            cases.append((OPS._grouped_scaled_mm_config, (out, a, w.transpose(1, 2), sa, sb, o, b, 1)))
     for op, args in cases:
         run_opcheck(op, args)
 

@@ -4,6 +4,7 @@ decode path (moe_decode_experts)."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import torch
 
@@ -142,11 +143,13 @@ def _group_ends(ctx: Ctx, t: int, e: int, kind: str) -> list[int]:
 
 
 def _grouped(ctx: Ctx, t, n, k, e, dtype, kind, *, sa_kind="token", sb_kind="channel", bias=True, out_dtype=BF16,
-             functional=False, block=False, bad_offsets=False) -> None:
+             functional=False, block=False, bad_offsets=False, config=None) -> None:
     """One grouped_scaled_mm call checked expert by expert against the dense float64 reference; with out= (NaN
-    first) the rows past the last expert's end must stay untouched."""
+    first) the rows past the last expert's end must stay untouched. ``config``: _grouped_scaled_mm_config with that
+    entry of the grouped table (out= only)."""
     what = (f"grouped_scaled_mm T={t} E={e} N={n} K={k} {'block' if block else dtype} {kind} sa={sa_kind} "
-            f"sb={sb_kind} bias={bias} -> {out_dtype} functional={functional} bad_offsets={bad_offsets}")
+            f"sb={sb_kind} bias={bias} -> {out_dtype} functional={functional} bad_offsets={bad_offsets}"
+            + ("" if config is None else f" config={config}"))
     with ctx.sub(what):
         a_h, w_h = _operand(ctx, (t, k), dtype), _operand(ctx, (e, n, k), dtype)
         if block:
@@ -166,7 +169,12 @@ def _grouped(ctx: Ctx, t, n, k, e, dtype, kind, *, sa_kind="token", sb_kind="cha
             given = torch.tensor(ends, dtype=torch.int32)
         a, w, sa, sb, offs, b = (ctx.to(x) for x in (a_h, w_h, sa_h, sb_h, given, b_h))
         routed = ends[-1]
-        if functional and not ctx.tma_out(t, ctx.grouped_decode_rows):
+        if config is not None:
+            out = ctx.nan((t, n), out_dtype)
+            Q._grouped_scaled_mm_config(out, a, w.transpose(1, 2), sa, sb, offs, b, config)
+            got = out.cpu()
+            assert torch.isnan(got[routed:].float()).all(), f"{what}: rows >= offsets[-1] = {routed} were written"
+        elif functional and not ctx.tma_out(t, ctx.grouped_decode_rows):
             out = Q.grouped_scaled_mm(a, w.transpose(1, 2), sa, sb, offs, out_dtype, b)
             got = out[:routed].cpu()  # rows past the last end are unspecified in a fresh result
         else:
@@ -219,6 +227,45 @@ def _grouped_scaled_mm(ctx: Ctx) -> None:
         _grouped(ctx, t, 128, 256, 4, I8, "clamped", bad_offsets=True)
 
 
+
+
+def _grouped_num_configs(ctx: Ctx, dtype, block: bool) -> int:
+    """Entries of the grouped table serving these operands, read from the error of a config index far past it
+    ("`config` must be in [0, N)"). The CPU implementation ignores the config: one call drives it there."""
+    if not ctx.cuda:
+        return 1
+    k, n, e = 256, 128, 2
+    a = ctx.to(torch.zeros(4, k).to(dtype))
+    w = ctx.to(torch.zeros(e, n, k).to(dtype))
+    sa = ctx.to(torch.ones(4, k // BLOCK) if block else torch.ones(4, 1))
+    sb = ctx.to(torch.ones(e, n // BLOCK, k // BLOCK) if block else torch.ones(e, n))
+    offs = ctx.to(torch.tensor([2, 4], dtype=torch.int32))
+    out = ctx.to(torch.zeros(4, n, dtype=BF16))
+    try:
+        Q._grouped_scaled_mm_config(out, a, w.transpose(1, 2), sa, sb, offs, None, 1 << 30)
+    except ValueError as exc:
+        found = re.search(r"must be in \[0, (\d+)\)", str(exc))
+        if found:
+            return int(found.group(1))
+        raise
+    raise RuntimeError(f"_grouped_scaled_mm_config accepted config 2**30 for {dtype} (block={block})")
+
+
+@case("grouped_scaled_mm_configs", ["_grouped_scaled_mm_config"], needs_sm90=True)
+def _grouped_scaled_mm_configs(ctx: Ctx) -> None:
+    """Every entry of the int8, fp8 and block-fp8 grouped tables forced with _grouped_scaled_mm_config (the tuning
+    candidates too when built with CUTLASS_W8A8_TUNE naming grouped) at T = 300 with empty experts and unrouted tail
+    rows (N = 272: a partial N tile; block: N = 208, a partial weight block); --no-configs: the first of each."""
+    tables = [(dtype, False) for dtype in ctx.qdtypes] + ([(FP8, True)] if FP8 in ctx.qdtypes else [])
+    for dtype, block in tables:
+        count = _grouped_num_configs(ctx, dtype, block)
+        if count < 1:
+            ctx.failures.append(f"the grouped {'block' if block else dtype} table is empty")
+        for config in range(count if ctx.configs else min(count, 1)):
+            if block:
+                _grouped(ctx, 300, 208, 384, 8, FP8, "tail", block=True, config=config)
+            else:
+                _grouped(ctx, 300, 272, 512, 8, dtype, "tail", config=config)
 
 
 def _decode_chain(ctx: Ctx, x, ids, wts, w13, s13, w2, s2, group, out_dtype):
