@@ -19,6 +19,12 @@ Part ``gemm`` (the grouped GEMM alone, on the w13 GEMM, N = 2I, K = H, and the w
   (``use_fast_accum=False``), as bench_gemm.py's ``torch_fp8_rowwise``;
 - ``torch_bf16``: ``torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)`` in bfloat16.
 
+- ``--grouped-configs LIST`` (issue 37; bench/_moe_configs.py): also the entries of the sm90 grouped fp8 and block
+  tables whose names contain one of LIST's substrings (``waves``: the wave-mainloop candidates of a
+  ``CUTLASS_W8A8_TUNE=grouped`` build), forced with ``_grouped_scaled_mm_config``, as ``ours_fp8[<entry>]`` /
+  ``ours_block[<entry>]``, each checked against float64 as the others and bit for bit against its table's reference
+  entry (block: the shipped 128x128 cooperative kernel; row-wise: CUTLASS's promoted 128x128 cooperative candidate).
+
 Reported per point: time (us), TOPS (2 * rows * N * K), the ratio torch_fp8 time / ours (> 1: ours faster) and, at
 T <= 16, the active experts' weight bytes (experts with at least one row, N * K bytes each, plus their scales) /
 time as a fraction of the read rate measured in the same run (``x.amax()`` over 1 GiB, at the start and the end:
@@ -94,6 +100,7 @@ from cutlass_w8a8.testing.report import AccuracyError, provenance, publish, requ
 # and reports
 from _moe_block import BLOCK_MODELS, SCHEMES, run_block
 from _moe_common import checked_rel_err, rel_err, short_error, sync, time_cases, time_eager
+from _moe_configs import base_method, bit_identity, config_markdown, config_methods, selected, table_names
 from _moe_decode import (DECODE_MODELS, DECODE_SCHEMES, DECODE_TOKENS, QUICK_DECODE_TOKENS, derive_decode, plot_decode,
                          render_decode_markdown, run_decode)
 from _moe_report import OURS_LAYER, derive, plot_results, render_markdown
@@ -162,6 +169,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--block-schemes", type=name_list(SCHEMES, ordered=True), default=list(SCHEMES),
                         metavar="LIST", help=f"our schemes in the block part, among {','.join(SCHEMES)} (default all; "
                         "each holds its own 8-bit experts: 11.3 GB at DeepSeek-V3 dims)")
+    parser.add_argument("--grouped-configs", type=lambda s: [x for x in s.split(",") if x], default=None,
+                        metavar="LIST", help="gemm part (issue 37): also time the entries of the sm90 grouped fp8 and "
+                        "block tables whose names contain one of these substrings (e.g. waves; the tuning candidates "
+                        "need a CUTLASS_W8A8_TUNE=grouped build), forced with _grouped_scaled_mm_config, with each "
+                        "table's bit reference (bench/_moe_configs.py)")
     parser.add_argument("--quick", action="store_true", help="fewer T and replays")
     parser.add_argument("--eager-max-t", type=int, default=256,
                         help="eager timings at T <= this (default 256; 0: never): transformers' eager experts (not "
@@ -355,9 +367,10 @@ def copies_for(set_bytes: int, bu: Any, args: argparse.Namespace, l2_bytes: int)
 
 def measure_gemm_point(model: str, gemm: str, t: int, wts: GemmWeights, top_k: int, args: argparse.Namespace,
                        cw: Any, bu: Any, l2_bytes: int, torch_fp8: Optional[Callable], gen: torch.Generator,
-                       cgen: torch.Generator) -> dict:
+                       cgen: torch.Generator, entries: Optional[dict] = None) -> dict:
     """Check and time one (model, GEMM, T) point over rotating input sets, each with its own routing (``gen``, CPU)
-    and activations (``cgen``, CUDA); times in ms per call."""
+    and activations (``cgen``, CUDA); times in ms per call. ``entries``: forced grouped-table entries timed too
+    (bench/_moe_configs.py `selected`), their outputs compared bit for bit with their table's reference entry."""
     rows = t * top_k
     sets, offs_list = [], []
     first = None
@@ -374,6 +387,9 @@ def measure_gemm_point(model: str, gemm: str, t: int, wts: GemmWeights, top_k: i
                                                                              for v in act.values())
             n_sets = copies_for(set_bytes, bu, args, l2_bytes)
     methods = gemm_methods(cw, wts, torch_fp8)
+    if entries:
+        methods.update(config_methods(cw, wts, entries))
+    forced_outs: dict[str, torch.Tensor] = {}
     errors: dict[str, str] = {}
     if torch_fp8 is None:
         errors["torch_fp8"] = "torch has no fp8 grouped GEMM"
@@ -389,8 +405,10 @@ def measure_gemm_point(model: str, gemm: str, t: int, wts: GemmWeights, top_k: i
             errors[name] = short_error(exc)
             del methods[name]
             continue
-        err = rel_err(out[:check_rows], gemm_reference(wts, sets[0][0], first, name, check_rows))
+        err = rel_err(out[:check_rows], gemm_reference(wts, sets[0][0], first, base_method(name), check_rows))
         accuracy[name] = err
+        if name != base_method(name):
+            forced_outs[name] = out
         if name.startswith("ours") and not err < GEMM_REL_TOL:
             raise AccuracyError(f"{model} {gemm} T={t}: {name} relative error {err:.3g} vs float64 "
                                 f"(bound {GEMM_REL_TOL:g})")
@@ -399,9 +417,11 @@ def measure_gemm_point(model: str, gemm: str, t: int, wts: GemmWeights, top_k: i
     times = {name: tm.median_ms for name, tm in timings.items()}
     active = {name: active_weight_bytes(wts, first, name) for name in GEMM_METHODS}
     # the active bytes of the timed calls: the mean over the rotating sets
-    active_mean = {name: statistics.mean(active_weight_bytes(wts, o, name) for o in offs_list) for name in times}
-    del cases, methods, sets
-    return {"model": model, "gemm": gemm, "T": t, "rows": rows, "N": wts.n, "K": wts.k, "E": wts.e,
+    active_mean = {name: statistics.mean(active_weight_bytes(wts, o, base_method(name)) for o in offs_list)
+                   for name in times}
+    configs = {"bit_identical": bit_identity(forced_outs, int(first[-1]))} if forced_outs else None
+    del cases, methods, sets, forced_outs
+    return {"configs": configs, "model": model, "gemm": gemm, "T": t, "rows": rows, "N": wts.n, "K": wts.k, "E": wts.e,
             "time_ms": times, "errors": errors, "rel_err_vs_fp64": accuracy,
             "active_experts": int((torch.diff(first.long(), prepend=torch.zeros(1, dtype=torch.long)) > 0).sum()),
             "active_weight_bytes": active, "active_weight_bytes_mean": active_mean,
@@ -414,16 +434,22 @@ def run_gemm(args: argparse.Namespace, cw: Any, bu: Any, results: dict) -> None:
     torch_fp8, results["torch_fp8_api"] = torch_fp8_grouped()
     gen = torch.Generator().manual_seed(args.seed)
     cgen = torch.Generator(device=DEVICE).manual_seed(args.seed)
+    entries = selected(table_names(cw), args.grouped_configs) if args.grouped_configs else None
+    if entries:
+        results["grouped_configs"] = {family: [name for _, name in items] for family, items in entries.items()}
     for model in args.models:
         e, k_top, h, inter, _ = MOE_MODELS[model]
         for gemm, (n, k) in (("w13", (2 * inter, h)), ("w2", (h, inter))):
             wts = GemmWeights(e, n, k, cgen)
             for t in args.tokens:
-                p = measure_gemm_point(model, gemm, t, wts, k_top, args, cw, bu, l2_bytes, torch_fp8, gen, cgen)
+                p = measure_gemm_point(model, gemm, t, wts, k_top, args, cw, bu, l2_bytes, torch_fp8, gen, cgen,
+                                       entries)
                 results["gemm_points"].append(p)
                 tm = p["time_ms"]
                 print(f"  gemm {model} {gemm} T={t}: " + ", ".join(f"{m} {tm[m] * 1e3:.1f} us" for m in tm)
-                      + ("" if not p["errors"] else f" (did not run: {', '.join(p['errors'])})"), flush=True)
+                      + ("" if not p["errors"] else f" (did not run: {', '.join(p['errors'])})")
+                      + ("" if not p["configs"] else " bit-identical to the reference: "
+                         + ", ".join(f"{m} {v}" for m, v in p["configs"]["bit_identical"].items())), flush=True)
             del wts
             torch.cuda.empty_cache()
 
@@ -624,7 +650,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     results["total_seconds"] = time.perf_counter() - t0
     decode = results.pop("decode", None)
     if set(args.parts) - {"decode"}:
-        publish(results, render_markdown(results), args.out, "moe", plot_results)
+        markdown = "\n".join([render_markdown(results), *config_markdown(results["gemm_points"])])
+        publish(results, markdown, args.out, "moe", plot_results)
     if decode is not None:
         publish(decode, render_decode_markdown(decode), args.out, "moe_decode", plot_decode)
     return 0

@@ -17,7 +17,7 @@ from cutlass_w8a8.testing import timers
 from _bench_cpu import FakeEvent, loaded_benches
 
 #: bench/bench_moe.py and the siblings it imports by name, in import order (as tests/bench/test_bench_moe_cpu.py)
-MODULES = ("_moe_common", "_moe_block", "_moe_decode", "_moe_report", "bench_moe")
+MODULES = ("_moe_common", "_moe_configs", "_moe_block", "_moe_decode", "_moe_report", "bench_moe")
 
 needs_moe = pytest.mark.skipif(not hasattr(cw, "moe_route"), reason="no moe_route (issue 35) in this tree")
 

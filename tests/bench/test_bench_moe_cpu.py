@@ -16,7 +16,7 @@ from _bench_cpu import FakeEvent, loaded_benches
 
 
 #: bench/bench_moe.py and the siblings it imports by name (bench/ is on sys.path when the script runs), in import order
-MOE_BENCH_MODULES = ("_moe_common", "_moe_block", "_moe_decode", "_moe_report", "bench_moe")
+MOE_BENCH_MODULES = ("_moe_common", "_moe_configs", "_moe_block", "_moe_decode", "_moe_report", "bench_moe")
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,7 @@ def test_parse_args(bench):
     assert a.block_schemes == ["int8", "fp8", "block"]
     assert bench.parse_args(["--block-schemes", "block,int8"]).block_schemes == ["int8", "block"]
     assert bench.parse_args(["--tokens", "64,1,64"]).tokens == [1, 64]
+    assert a.grouped_configs is None and bench.parse_args(["--grouped-configs", "waves,"]).grouped_configs == ["waves"]
     assert bench.MOE_MODELS["qwen3-30b-a3b"][:4] == (128, 8, 2048, 768)
     assert bench.MOE_MODELS["mixtral-8x7b"][:4] == (8, 2, 4096, 14336)
     assert bench.MOE_MODELS["deepseek-v3"][:4] == (256, 8, 7168, 2048)
@@ -219,6 +220,62 @@ def test_run_flow_on_cpu(on_cpu, monkeypatch, tmp_path):
         assert all(p["rel_err_vs_hf_bf16"][m] < b.LAYER_REL_TOL for m in ("ours_int8", "ours_fp8", "ours_block"))
     assert {it["key"] for it in res["targets"]["items"]} >= {"ours_fp8_min_x_torch", "layer_ours_int8_T1"}
     assert "## Grouped GEMM" in b.render_markdown(res)
+
+
+# the grouped tables as a CUTLASS_W8A8_TUNE=grouped build names them (the library's cw8a8_sm90_grouped_config_name)
+TUNED_NAMES = {1: ["swap_64x32x256_c1x1_pingpong_persistent_fastaccum",
+                   "128x128x128_c1x1_cooperative_persistent_fastaccum", "128x128x128_c1x1_cooperative_persistent",
+                   "256x128x128_c1x1_cooperative_persistent_waves"],
+               2: ["swap_128x32x128_c1x1_pingpong_persistent", "128x128x128_c1x1_cooperative_persistent",
+                   "256x128x128_c1x1_cooperative_persistent_waves"]}
+
+
+def test_grouped_configs_selection(bench):
+    """--grouped-configs: the entries whose names match, each table's bit reference added once; a build without the
+    candidates is refused with the build setting to use."""
+    configs = bench.sys.modules["_moe_configs"]
+    got = configs.selected(TUNED_NAMES, ["waves"])
+    assert got == {"ours_fp8": [(3, "256x128x128_c1x1_cooperative_persistent_waves"),
+                                (2, "128x128x128_c1x1_cooperative_persistent")],
+                   "ours_block": [(2, "256x128x128_c1x1_cooperative_persistent_waves"),
+                                  (1, "128x128x128_c1x1_cooperative_persistent")]}
+    assert [n for _, n in configs.selected(TUNED_NAMES, ["cooperative_persistent"])["ours_block"]] == \
+        ["128x128x128_c1x1_cooperative_persistent", "256x128x128_c1x1_cooperative_persistent_waves"]
+    shipped = {1: TUNED_NAMES[1][:2], 2: TUNED_NAMES[2][:2]}
+    with pytest.raises(RuntimeError, match="CUTLASS_W8A8_TUNE=grouped"):
+        configs.selected(shipped, ["waves"])
+    assert configs.base_method("ours_block[256x128x128_c1x1_cooperative_persistent_waves]") == "ours_block"
+    a, b = torch.zeros(3, 4), torch.zeros(3, 4)
+    b[2, 0] = 1.0  # past the routed rows: not compared
+    ref = configs.method_name("ours_fp8", configs.BIT_REFERENCE)
+    assert configs.bit_identity({"ours_fp8[x]": a, ref: b}, 2) == {"ours_fp8[x]": True, ref: True}
+    assert configs.bit_identity({"ours_fp8[x]": a, ref: b}, 3)["ours_fp8[x]"] is False
+    assert configs.bit_identity({"ours_block[x]": a}, 3) == {"ours_block[x]": None}
+
+
+@pytest.mark.skipif(not hasattr(cw, "grouped_scaled_mm"), reason="cw.grouped_scaled_mm not in this tree yet")
+def test_grouped_configs_flow_on_cpu(on_cpu, monkeypatch, tmp_path):
+    """The gemm part with --grouped-configs waves on the CPU references (which ignore the forced entry, so every
+    entry equals its reference): the forced entries are checked against float64, timed, compared bit for bit, and
+    reported in their own section."""
+    b = on_cpu
+    monkeypatch.setattr(b, "MOE_MODELS", {"qwen3-30b-a3b": (8, 2, 256, 128, True)})
+    monkeypatch.setattr(b, "table_names", lambda cw_: TUNED_NAMES)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(b, "provenance", lambda device, root: {"device": device, "git_commit": None})
+    args = b.parse_args(["--models", "qwen3-30b-a3b", "--parts", "gemm", "--tokens", "5", "--replays", "1",
+                         "--grouped-configs", "waves"])
+    res = b.run(args, cw, _fake_timers())
+    waves = "256x128x128_c1x1_cooperative_persistent_waves"
+    forced = {f"{fam}[{n}]" for fam in ("ours_fp8", "ours_block")
+              for n in (waves, "128x128x128_c1x1_cooperative_persistent")}
+    assert res["grouped_configs"]["ours_block"] == [waves, "128x128x128_c1x1_cooperative_persistent"]
+    for p in res["gemm_points"]:
+        assert forced <= set(p["time_ms"]) and forced <= set(p["rel_err_vs_fp64"])
+        assert all(p["rel_err_vs_fp64"][m] < b.GEMM_REL_TOL for m in forced)
+        assert p["configs"]["bit_identical"] == {m: True for m in forced}
+    md = "\n".join(b.sys.modules["_moe_configs"].config_markdown(res["gemm_points"]))
+    assert "## Grouped GEMM: forced table entries" in md and f"| ours_block[{waves}] |" in md and "| yes |" in md
 
 
 # ---- the decode part (issue 36) ------------------------------------------------------------------------------------

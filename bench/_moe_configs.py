@@ -1,0 +1,120 @@
+"""bench/bench_moe.py ``--grouped-configs`` (issue 37): entries of the sm90 grouped GEMM's tables forced with the tuning
+op ``_grouped_scaled_mm_config``, timed in the gemm part beside the shipped dispatch (``ours_fp8`` / ``ours_block``)
+and torch's ``F.scaled_grouped_mm``, with a bit-for-bit check against one reference entry per table.
+
+The tables (csrc/gemm/sm90/grouped/grouped_sm90_config.cuh; names from the library's
+``cw8a8_sm90_grouped_config_name``): the shipped ``*_Small`` / ``*_Large`` entries, then the tuning candidates of a
+``CUTLASS_W8A8_TUNE=grouped`` build. A method is ``<family>[<entry name>]``, ``family`` ``ours_fp8`` (row-wise,
+per-token x per-channel) or ``ours_block`` (1x128 x 128x128 block scales). Every entry whose name contains one of the
+option's substrings is timed, and so is its table's bit reference `BIT_REFERENCE`: for block fp8 the shipped Large
+entry (CUTLASS's blockwise mainloop), for row-wise fp8 CUTLASS's promoted 128x128 cooperative candidate (the shipped
+row-wise entries use fast accumulation, a different sum). The wave mainloop performs the same products in the same K
+order with one promotion per 128 of K, so its outputs are expected to equal the reference's bit for bit.
+
+bench/ is on sys.path when the script runs; the tests load this file by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+# family -> (cw8a8_config_table id, activation key, its scale key, weight attribute, its scale attribute)
+FAMILIES = {"ours_fp8": (1, "a_fp8", "sa_fp8", "w_fp8", "s_fp8"),
+            "ours_block": (2, "a_block", "sa_block", "w_block", "s_block")}
+BIT_REFERENCE = "128x128x128_c1x1_cooperative_persistent"  # in both tables
+
+
+def method_name(family: str, entry: str) -> str:
+    return f"{family}[{entry}]"
+
+
+def base_method(name: str) -> str:
+    """``ours_block`` of ``ours_block[<entry>]`` (and of ``ours_block``)."""
+    return name.split("[", 1)[0]
+
+
+def table_names(cw: Any) -> dict[int, list[str]]:
+    """{table id: entry names} of the fp8 and block grouped tables of the loaded sm90 library."""
+    import ctypes
+
+    lib = cw._ext.kernel_library("_kernels_sm90")
+    if lib is None or not hasattr(lib, "cw8a8_sm90_grouped_config_name"):
+        raise RuntimeError("--grouped-configs: the sm90 kernel library (with cw8a8_sm90_grouped_config_name) is not "
+                           "loaded")
+    lib.cw8a8_sm90_grouped_config_name.restype = ctypes.c_char_p
+    return {t: [lib.cw8a8_sm90_grouped_config_name(t, i).decode() for i in range(lib.cw8a8_sm90_grouped_num_configs(t))]
+            for t, *_ in FAMILIES.values()}
+
+
+def selected(names: dict[int, list[str]], substrings: list[str]) -> dict[str, list[tuple[int, str]]]:
+    """{family: [(index, name), ...]}: the entries whose name contains one of ``substrings``, then the family's
+    `BIT_REFERENCE` if not among them. Raises when a family has no such entry or no reference (the candidates are in a
+    ``CUTLASS_W8A8_TUNE=grouped`` build only)."""
+    out = {}
+    for family, (table, *_) in FAMILIES.items():
+        entries = [(i, n) for i, n in enumerate(names[table]) if any(s in n for s in substrings)]
+        if not entries or BIT_REFERENCE not in names[table]:
+            raise RuntimeError(f"--grouped-configs {','.join(substrings)}: the {family} grouped table "
+                               f"({', '.join(names[table])}) has no matching entry or no {BIT_REFERENCE}: build with "
+                               "CUTLASS_W8A8_TUNE=grouped")
+        if BIT_REFERENCE not in [n for _, n in entries]:
+            entries.append((names[table].index(BIT_REFERENCE), BIT_REFERENCE))
+        out[family] = entries
+    return out
+
+
+def config_methods(cw: Any, wts: Any, entries: dict[str, list[tuple[int, str]]]) -> dict[str, Callable]:
+    """``name -> fn(act, offs)`` for each selected entry: ``_grouped_scaled_mm_config`` into a fresh bfloat16 output
+    (the same operands as the family's shipped method)."""
+    op = torch.ops.cutlass_w8a8._grouped_scaled_mm_config
+    methods = {}
+    for family, items in entries.items():
+        _, ak, sk, wk, wsk = FAMILIES[family]
+        b, sb = getattr(wts, wk).transpose(1, 2), getattr(wts, wsk)
+        for index, name in items:
+            def fn(a, o, ak=ak, sk=sk, b=b, sb=sb, index=index):
+                out = torch.empty(a[ak].shape[0], b.shape[2], dtype=torch.bfloat16, device=a[ak].device)
+                op(out, a[ak], b, a[sk], sb, o, None, index)
+                return out
+            methods[method_name(family, name)] = fn
+    return methods
+
+
+def bit_identity(outs: dict[str, torch.Tensor], routed: int) -> dict[str, Optional[bool]]:
+    """{method: whether its first ``routed`` rows equal, bit for bit, its family's `BIT_REFERENCE` method's}; None
+    when the reference did not run."""
+    result = {}
+    for name, out in outs.items():
+        ref = outs.get(method_name(base_method(name), BIT_REFERENCE))
+        result[name] = None if ref is None else bool(torch.equal(out[:routed], ref[:routed]))
+    return result
+
+
+def _fmt(v: Optional[float], spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def config_markdown(points: list[dict[str, Any]]) -> list[str]:
+    """The report's section for the forced entries: per point, each entry's time, its ratio to the family's shipped
+    dispatch and torch_fp8's time over it, and whether it equals the reference bit for bit."""
+    rows = [p for p in points if p.get("configs")]
+    if not rows:
+        return []
+    lines = ["## Grouped GEMM: forced table entries (--grouped-configs)", "",
+             f"Times in us; x shipped = the family's shipped dispatch time / entry's (> 1: entry faster); x torch = "
+             f"torch_fp8 time / entry's; bits = output equal bit for bit to the family's {BIT_REFERENCE} entry.", "",
+             "| model | gemm | T | rows | entry | us | x shipped | x torch | bits |", "|" + "---|" * 9]
+    for p in rows:
+        tm = p["time_ms"]
+        for name, same in p["configs"]["bit_identical"].items():
+            base = base_method(name)
+            v = tm.get(name)
+            lines.append(f"| {p['model']} | {p['gemm']} | {p['T']} | {p['rows']} | {name} | "
+                         f"{_fmt(None if v is None else v * 1e3, '.1f')} | "
+                         f"{_fmt(tm[base] / v if v and base in tm else None, '.3f')} | "
+                         f"{_fmt(tm['torch_fp8'] / v if v and 'torch_fp8' in tm else None, '.3f')} | "
+                         f"{'–' if same is None else ('yes' if same else 'NO')} |")
+    lines.append("")
+    return lines
