@@ -60,13 +60,18 @@ using GFp8BlockConfigs = std::tuple<GFp8Block_Small, GFp8Block_Large>;
 // cooperative tiles whose warpgroups hold 128 token rows each in two 64-row waves (128 + 64 accumulator registers), for
 // T >= 512 where the experts have >= 128 rows each. Row-wise: CUTLASS's promoted 128x128 cooperative tile (64 + 64
 // registers, no waves) is listed too: the bit-for-bit reference of the wave kernel (same products, same K order, one
-// promotion per 128 of K), as the shipped row-wise configs use fast accumulation.
+// promotion per 128 of K), as the shipped row-wise configs use fast accumulation. Each wave tile without a cluster
+// and with CTA pairs along M (2x1: the pair's two 256-row tiles of one expert share its weight tile through TMA
+// multicast; CUTLASS's group scheduler keeps a cluster's tiles in one group). Every one compiles without spills (nvcc
+// 13.0 -Xptxas -v, sm_90a: 168 registers, as the shipped grouped kernels).
 using GInt8TuneCandidates = std::tuple<>;
 using GFp8TuneCandidates = std::tuple<
     Config<128, 128, 128, 1, 1, GCO, GPE, false>,
-    Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>>;
+    Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>,
+    Config<256, 128, 128, 2, 1, GCO, GPE, false, false, 1, true>>;
 using GFp8BlockTuneCandidates = std::tuple<
-    Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>>;
+    Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>,
+    Config<256, 128, 128, 2, 1, GCO, GPE, false, false, 1, true>>;
 
 #ifdef CUTLASS_W8A8_TUNE_GROUPED
 constexpr bool kTuneGrouped = true;
