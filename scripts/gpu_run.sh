@@ -21,7 +21,8 @@
 # transformers Llama-3-8B dims, bf16 vs W8A8, eager and compiled; extra arguments in $HF_ARGS), fuzz (scripts/fuzz.py, 1000 cases), soak (scripts/soak.py),
 # sanitize (scripts/sanitize.py, every schema op; the tools in $SANITIZE_TOOLS, default all four, $SANITIZE_JOBS at a
 # time, default 4; see the stage), build-tune + tune (the sm90 tuning build,
-# of the tables in $TUNE_TABLES: CUTLASS_W8A8_TUNE's value, default 1 = all, e.g. "fp8-block" or "fp8,fp8-block"; then
+# of the tables in $TUNE_TABLES: CUTLASS_W8A8_TUNE's value, default 1 = all, e.g. "fp8-block" or "fp8,fp8-block", or
+# "grouped" for the grouped GEMM's, which stage moe times with MOE_ARGS="--parts gemm --grouped-configs waves"; then
 # bench/tune_sm90.py, one run per config table in $TUNE_DTYPES, default $TUNE_TABLES' or all three, extra arguments in
 # $TUNE_ARGS, e.g. "--m 256,1024 --shapes dsv3"). Offline: the nvidia-cutlass wheel is taken from .whl/ (git-ignored; copy
 # nvidia_cutlass-4.2.0.0-py3-none-any.whl there) when cutlass_library is not importable.
@@ -225,6 +226,7 @@ fi
 if has tune; then
   tune_default="int8 fp8 fp8-block"  # or the tables $TUNE_TABLES built
   case "${TUNE_TABLES:-1}" in 1|all) ;; *) tune_default=${TUNE_TABLES//,/ } ;; esac
+  tune_default=${tune_default//grouped/}  # the grouped candidates: bench_moe.py --grouped-configs (stage moe)
   for dtype in ${TUNE_DTYPES:-$tune_default}; do  # one file each, so a run cut short keeps what finished
     run_stage "tune $dtype" "tune_$dtype.log" $PY bench/tune_sm90.py --dtypes $dtype --out "$OUT" ${TUNE_ARGS:-}
   done
