@@ -103,8 +103,8 @@ def config_markdown(points: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
     lines = ["## Grouped GEMM: forced table entries (--grouped-configs)", "",
-             f"Times in us; x shipped = the family's shipped dispatch time / entry's (> 1: entry faster); x torch = "
-             f"torch_fp8 time / entry's; bits = output equal bit for bit to the family's {BIT_REFERENCE} entry.", "",
+             ("Times in us; x shipped = the family's shipped dispatch time / entry's (> 1: entry faster); x torch = "
+              f"torch_fp8 time / entry's; bits = output equal bit for bit to the family's {BIT_REFERENCE} entry."), "",
              "| model | gemm | T | rows | entry | us | x shipped | x torch | bits |", "|" + "---|" * 9]
     for p in rows:
         tm = p["time_ms"]
