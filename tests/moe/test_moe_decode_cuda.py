@@ -285,15 +285,33 @@ def test_fold_long_k_equals_the_chain(monkeypatch, fold, scheme, t, k):
         _assert_equals_chain(x, ids, wts, ops, what=(fold, scheme, t, k, route))
 
 
+def _unaligned_view(x, layout):
+    """A copy of x (T, H) whose rows are not all 16-byte aligned: "offset" (the first row starts 2 or 4 bytes past a
+    16-byte boundary, row stride H), "pitch" (the first row aligned, row stride H + 1) or "both"."""
+    t, h = x.shape
+    if layout == "offset":
+        view = torch.zeros(t * h + 1, dtype=x.dtype, device=x.device)[1:].view(t, h)
+    elif layout == "pitch":
+        view = torch.zeros(t, h + 1, dtype=x.dtype, device=x.device)[:, :h]
+    else:
+        view = torch.zeros(t, h + 1, dtype=x.dtype, device=x.device)[:, 1:]
+    view.copy_(x)
+    return view
+
+
+@pytest.mark.parametrize("layout", ["offset", "pitch", "both"])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
-def test_fold_unaligned_x_rows(x_dtype):
-    """x rows that start off a 16-byte boundary (a view at element offset 1, row stride H + 1): the fold path copies
-    x first; the result is the chain's, and the contiguous x's."""
+def test_fold_unaligned_x_rows(monkeypatch, x_dtype, layout):
+    """x rows that do not all start on a 16-byte boundary (the first row's address, the row stride, or both): the
+    fold path copies x first (either condition alone would fault the 16-byte loads); the result is the chain's, and
+    the contiguous x's."""
+    monkeypatch.setenv("CUTLASS_W8A8_MOE_FOLD", "1")
     ops = _operands("fp8-block", 8)
     ids, wts = routing(6, 4, 8, "random", "cuda", seed=31)
     x = random_x(6, H, x_dtype, "cuda", seed=32)
-    x_view = torch.zeros(6, H + 1, dtype=x_dtype, device="cuda")[:, 1:]
-    x_view.copy_(x)
-    assert x_view.data_ptr() % 16 != 0
-    out = _assert_equals_chain(x_view, ids, wts, ops, what=x_dtype)
+    x_view = _unaligned_view(x, layout)
+    row_bytes = x_view.stride(0) * x_view.element_size()
+    assert (x_view.data_ptr() % 16 != 0) == (layout != "pitch")
+    assert (row_bytes % 16 != 0) == (layout != "offset")
+    out = _assert_equals_chain(x_view, ids, wts, ops, what=(x_dtype, layout))
     assert torch.equal(out, chain(x, ids, wts, **ops))
