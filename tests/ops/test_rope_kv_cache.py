@@ -7,8 +7,9 @@ they were; capture and replay; opcheck.
 
 With Qwen3's head norms (``q_norm`` / ``k_norm`` / ``eps``, issue 36): on the CPU the op equals the chain it replaces
 (``rms_norm`` of the q heads and of the k heads copied back into qkv, then the op without norms) bit for bit; on
-CUDA the same bound plus what a one-ulp difference of a normalized element (the kernel's own order of the sum of
-squares) can move a rotated one.
+CUDA the same bound plus what the kernel's own order of the sum of squares can move a normalized element (one ulp of
+a 16-bit dtype; (D + 11) float32 roundings in float32, where nothing rounds it away) and the rotation carries over,
+at head sizes covering one to eight warps of that sum, and with an eps large enough to matter.
 """
 
 import pytest
@@ -20,12 +21,12 @@ from cutlass_w8a8.models.llama import _rope_
 H, KVH, D, SLOTS, S = 8, 2, 64, 5, 32
 
 
-def inputs(b, dtype, device, seed=0):
+def inputs(b, dtype, device, seed=0, d=D):
     g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(b, H + 2 * KVH, D, generator=g).to(dtype)
-    angles = torch.rand(b, D // 2, generator=g) * 6.28
+    qkv = torch.randn(b, H + 2 * KVH, d, generator=g).to(dtype)
+    angles = torch.rand(b, d // 2, generator=g) * 6.28
     rope = torch.stack((angles.cos(), angles.sin()), dim=-1)
-    cache = torch.randn(SLOTS, 2, KVH, S, D, generator=g).to(dtype)
+    cache = torch.randn(SLOTS, 2, KVH, S, d, generator=g).to(dtype)
     slots = torch.randperm(SLOTS, generator=g)[:b]
     positions = torch.randint(0, S, (b,), generator=g)
     return [t.to(device) for t in (qkv, rope, cache, slots, positions)]
@@ -58,10 +59,10 @@ def test_cpu_argument_errors():
 EPS = 1e-6
 
 
-def norm_weights(dtype, device, seed=1):
+def norm_weights(dtype, device, seed=1, d=D):
     """q_norm and k_norm weights (D,) around 1, as trained Qwen3 head norms are."""
     g = torch.Generator().manual_seed(seed)
-    return [(1 + 0.5 * torch.randn(D, generator=g)).to(dtype).to(device) for _ in range(2)]
+    return [(1 + 0.5 * torch.randn(d, generator=g)).to(dtype).to(device) for _ in range(2)]
 
 
 def chain(qkv, rope, cache, slots, positions, qn, kn, eps):
@@ -238,25 +239,42 @@ def _normed_max(qkv, qn, kn, eps):
     return torch.cat((q, k), dim=1).double().abs().amax(dim=-1, keepdim=True)
 
 
+def _head_norm_bound(ref, nmax, dtype, d):
+    """What the fused kernel may differ by from the CPU chain (rms_norm, copy back, rotation), per element.
+
+    The two sum the D squares (each rounded alike) in different orders: each sum is within (D - 1) u of the exact
+    sum of its terms (u = 2^-24, positive terms), so inv_rms = 1 / sqrt(ss / D + eps) differs by at most (D - 1) u
+    (the square root halves the sums' 2 (D - 1) u) plus the roundings of / D, + eps, sqrt and the reciprocal (or
+    the CPU's rsqrt) on both sides, 8 u; the normalized float32 value y = (x * inv_rms) * w adds two roundings on each
+    side, 4 u: |dy| <= (D + 11) u |y| <= (D + 11) u nmax. Rounded to a 16-bit T that is at most one ulp of T (y lands
+    on the other side of a tie), so dy <= ulp_T(nmax) + (D + 11) u nmax covers every dtype (for float32 the second
+    term is the one that counts: nothing rounds it away). The rotation moves it by |cos| |dy1| + |sin| |dy2| <=
+    sqrt(2) max|dy| < 2 max|dy|, and its own rounding (one product fused on the CPU) by one ulp of the element."""
+    u = 2.0 ** -24
+    return _ulp(ref, dtype) + 2 * (_ulp(nmax, dtype) + (d + 11) * u * nmax)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("b", [1, 3, 5])
-def test_cuda_head_norms_match_reference(dtype, b):
-    """The fused head norms against the CPU chain. Bound: one ulp of the rotated element (as without norms) plus
-    what a normalized element one ulp off (the kernel sums the squares in its own order, so y can round the other
-    way near a tie) moves it: |cos| + |sin| <= sqrt(2) < 2 ulps of the head's largest normalized element. The value
-    heads and everything outside the written cache entries: bitwise."""
-    cpu = inputs(b, dtype, "cpu", seed=10 + b)
-    qn, kn = norm_weights(dtype, "cpu", seed=b)
+@pytest.mark.parametrize("d,eps", [(D, EPS), (D, 0.5), (80, EPS), (128, EPS), (1024, EPS)],
+                         ids=["D64", "D64-eps0.5", "D80", "D128", "D1024"])
+def test_cuda_head_norms_match_reference(dtype, b, d, eps):
+    """The fused head norms against the CPU chain, within `_head_norm_bound`. D = 64 is one warp of the kernel's sum
+    of squares, 80 two warps with idle lanes, 128 (Qwen3's head_dim) two full warps, 1024 eight warps with two pairs
+    per thread; eps = 0.5 (about half the mean square of these heads) makes a kernel that drops or misplaces eps
+    fail, which eps = 1e-6 cannot show. The value heads and everything outside the written cache entries: bitwise."""
+    cpu = inputs(b, dtype, "cpu", seed=10 + b, d=d)
+    qn, kn = norm_weights(dtype, "cpu", seed=b, d=d)
     gpu = [t.cuda() for t in cpu]
-    nmax = _normed_max(cpu[0], qn, kn, EPS)
+    nmax = _normed_max(cpu[0], qn, kn, eps)
     before = gpu[2].clone()
-    torch.ops.cutlass_w8a8.rope_kv_cache_(*gpu, H, KVH, qn.cuda(), kn.cuda(), EPS)
+    torch.ops.cutlass_w8a8.rope_kv_cache_(*gpu, H, KVH, qn.cuda(), kn.cuda(), eps)
     v = cpu[0][:, H + KVH:].clone()
-    torch.ops.cutlass_w8a8.rope_kv_cache_(*cpu, H, KVH, qn, kn, EPS)
+    torch.ops.cutlass_w8a8.rope_kv_cache_(*cpu, H, KVH, qn, kn, eps)
     torch.cuda.synchronize()
     got, ref = gpu[0].cpu().double(), cpu[0].double()
-    bound = _ulp(ref[:, :H + KVH], dtype) + 2 * _ulp(nmax, dtype)
+    bound = _head_norm_bound(ref[:, :H + KVH], nmax, dtype, d)
     assert ((got[:, :H + KVH] - ref[:, :H + KVH]).abs() <= bound).all()
     assert torch.equal(gpu[0][:, H + KVH:].cpu(), v)
     written = torch.zeros(SLOTS, 2, KVH, S, dtype=torch.bool)
