@@ -681,6 +681,20 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
   const ChunkA ca{p.qx, hid, p.sx, 1};
   constexpr int kChunk = 8 * kMaxNT;
   const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
+  if constexpr (kFold && !kBlockScaled) {
+    // Row-wise fold: fold_row_scales (a pass over each chunk row's x, then a barrier) runs before the first weight
+    // load. So that the weight stream starts as early as in the unfolded kernel, first ask L2 for every warp's first
+    // K block (warp w's first load_block_weights reads block w: bytes [0, min(H, 2048)) of each row) of the CTA's 16
+    // gate rows (warps 0-3) and 16 up rows (warps 4-7), one bulk prefetch per row from lanes 0-3 of each warp (the
+    // prefetch takes a warp-uniform address: 4 per warp, not 32). A hint only: no registers held, nothing to wait
+    // for, the loads and the arithmetic unchanged.
+    const int lane = threadIdx.x % 32;
+    if (lane < 4) {
+      const int r = 4 * static_cast<int>(threadIdx.x / 32) + lane;  // 0 .. 31
+      const int64_t wrow = static_cast<int64_t>(s.expert) * n13 + (r < kRows ? 0 : inter) + n0 + r % kRows;
+      prefetch_l2(p.w13 + wrow * hid, static_cast<uint32_t>(min(hid, kChunkBytes)));  // H % 16 == 0
+    }
+  }
   for (int r0 = 0; r0 < s.m; r0 += kChunk) {
     const int m = min(kChunk, s.m - r0);
     float gate[1], up[1];
