@@ -483,11 +483,25 @@ __device__ __forceinline__ float fold_block_row(const XT* row, int blk, int k, f
   return scale;
 }
 
+// Asks L1 to fetch the line holding global address `p` (prefetch.global.L1): no registers held, nothing to wait for;
+// a later load of that line hits L1, or waits on the line already in flight.
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
 // The warp quantizes K block `blk` of its m rows (row_of(r): the row's first element; scale_of(r): its row-wise scale)
 // into qa (m x 256 bytes) and, with block scales, their group scales into gs[r][2]. The whole warp calls it.
+// Each lane first asks L1 for its 8 elements of rows 1 .. m - 1 (one line a row: 16 or 32 aligned bytes), so that the
+// row loop's loads, one row at a time, do not each wait for their own L2 round trip. (Loading 4 rows into registers
+// before quantizing them, as quantize_chunk does, made 28 of the 36 fold gate/up' kernels spill, 8 to 144 bytes:
+// the block's weight fragments are in flight across the divisions, and the 3-CTA kernels were at 76 of 80 registers.)
 template <class XT, class Q, bool kGroup, class RowOf, class ScaleOf>
 __device__ __forceinline__ void fold_block(const RowOf& row_of, const ScaleOf& scale_of, int m, int blk, int k,
                                            uint8_t* qa, float* gs, int lane) {
+  if (blk * kBlockBytes + 8 * lane < k) {
+#pragma unroll 1
+    for (int r = 1; r < m; ++r) prefetch_l1(row_of(r) + blk * kBlockBytes + 8 * lane);
+  }
   __syncwarp();  // every lane has read the previous block's fragments
 #pragma unroll 1
   for (int r = 0; r < m; ++r) {
