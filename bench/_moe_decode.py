@@ -1,7 +1,7 @@
 """Part ``decode`` of bench/bench_moe.py (issue 36): the MoE layer at decode sizes, routing included, the fused decode
-path (`cutlass_w8a8.ops.moe.moe_decode_experts`: 2 kernels after the routing at top_k >= 4, 3 below) against the
-unfused chain (``W8A8MoE.fused_decode = False``: moe_align, moe_permute_quant, two grouped GEMMs, silu_mul_quant,
-moe_unpermute) and transformers' bf16 experts.
+path (`cutlass_w8a8.ops.moe.moe_decode_experts`: 3 kernels after the routing) against the unfused chain
+(``W8A8MoE.fused_decode = False``: moe_align, moe_permute_quant, two grouped GEMMs, silu_mul_quant, moe_unpermute)
+and transformers' bf16 experts.
 
 Models (``--models``, those of `DECODE_MODELS`): Qwen3-30B-A3B (E 128, H 2048, I 768, top-8), Mixtral-8x7B (E 8,
 H 4096, I 14336, top-2) and DeepSeek-V3's routed experts (E 256, H 7168, I 2048, top-8; its router's sigmoid scoring

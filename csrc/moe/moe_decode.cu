@@ -1,14 +1,9 @@
 // moe_decode_experts: the routed experts of a SwiGLU mixture-of-experts layer at decode sizes (T * top_k <= 64
-// (token, expert) pairs), equal bit for bit to the unfused chain (cutlass_w8a8/ops/moe.py):
+// (token, expert) pairs) in three kernels, equal bit for bit to the unfused chain (cutlass_w8a8/ops/moe.py):
 //
 //   moe_align -> moe_permute_quant -> grouped_scaled_mm (w13) -> silu_mul_quant -> grouped_scaled_mm (w2)
 //   -> moe_unpermute                                              (7 kernels, 5 intermediate tensors)
 //
-// in two kernels at top_k >= 4 (the fold path: gate/up' -> down_tm', below) and three below (prep -> gate/up ->
-// down, expert-major). EXPERIMENT (A/B): CUTLASS_W8A8_MOE_FOLD=0 selects the three-kernel form at top_k >= 4 too
-// (prep -> gate/up -> token-major down on the quantized intermediate), so that one GPU run times both; the loser goes.
-//
-// The three-kernel form:
 //   prep      one CTA per token: x's row quantized per token (or per 1 x 128 group) exactly as quantize_per_token
 //             (quantize_per_token_group) does; the token's completion counters zeroed; a token with no routed
 //             pair gets its output row zeroed (no later kernel writes it).
@@ -43,32 +38,14 @@
 //             product and per addition) and writes out[token, tile] once, rounded to the output type. The order
 //             is fixed by j, not by which CTA finishes last: deterministic.
 //
-// The fold path (top_k >= 4; no prep, no quantized copies of x or h, no counters, no atomics):
-//   gate/up'  the gate/up CTA above, reading x itself (bf16 / fp16 / fp32): per K block each warp quantizes the
-//             256 elements of its chunk rows it is about to multiply (lane l: elements 8l .. 8l + 8 of each row) with
-//             quantize_one, into shared memory, and takes its A fragments from there (fold_block); the scales are
-//             prep's: row-wise, max |x| over the token's H values / QMAX from a pass over the chunk's rows first
-//             (fold_row_scales); block, each 1 x 128 group's max / QMAX from a 16-lane butterfly over the lanes that
-//             hold the group. The epilogue stores h only (silu_mul's roundings); no tail.
-//   down_tm'  the token-major down below, with warp w quantizing its pair's h row the same way, block by block
-//             (row-wise: the pair's max |h| over its I values / QMAX first, silu_mul_quant's scale). It writes every
-//             (token, column) of out, zeros for a token with no routed pair, so nothing needs zeroing.
-// The PDL chain is moe_route -> gate/up' -> down_tm' (down_tm' reads h after its griddepcontrol.wait, when gate/up'
-// has finished). Its cost: gate/up' quantizes x once per 16-channel tile (2 I / 16 times per pair, as linear_decode
-// does per CTA) and down_tm' quantizes h once per 16-column tile (H / 16 times per pair): 8 divisions a lane and row per
-// 256-element block, issued while the block's weight loads are in flight.
-//
 // Why the results equal the chain's: the same quantized bytes and scales of x (prep = quantize per token / group,
-// gathered = moe_permute_quant; fold: the same function on the same values with the same scale, since a max is exact
-// in any order), the same per-row GEMM sums (each CTA runs grouped_decode's per-chunk main loop
+// gathered = moe_permute_quant), the same per-row GEMM sums (each CTA runs grouped_decode's per-chunk main loop
 // with the same block-to-warp assignment and warp-order reduction; a chunk of an expert's rows is its pairs in
 // increasing pair index, as in moe_align's order, and a row's result does not depend on which other rows share its
-// chunk), the same epilogue and roundings, silu_mul_quant's arithmetic (fold: its scale and quantize_one on the same
-// h), and moe_unpermute's sum.
+// chunk), the same epilogue and roundings, silu_mul_quant's arithmetic, and moe_unpermute's sum.
 //
 // Graphs: grids depend on T, top_k, E, H and I only (slots = min(E, T * top_k)), never on the routing; no host
-// synchronisation; the workspace is one tensor from the caching allocator per call (fold: plus an aligned copy of x
-// when its rows are not 16-byte aligned). PDL: each kernel waits on
+// synchronisation; the workspace is one tensor from the caching allocator per call. PDL: each kernel waits on
 // griddepcontrol before its first global read and lets its dependent launch early (the host launches them with
 // programmatic stream serialization when kernels_use_pdl), as the grouped decode GEMM does.
 #include <cuda_bf16.h>
@@ -77,8 +54,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
 #include <ATen/ATen.h>
@@ -91,7 +66,6 @@
 #include "core/launch_policy.hpp"
 #include "core/limits.hpp"
 #include "gemm/decode/decode_host.cuh"  // with_decode_types
-#include "gemm/decode/decode_kernels.cuh"  // XVec, quantize4 (linear_decode's in-kernel quantization)
 #include "gemm/decode/decode_mma.cuh"   // shape constants, BlockFrags, loads, MMA steps, epilogues, block scales
 #include "graphs/graph_nodes.hpp"
 #include "moe/moe_args.hpp"
@@ -118,7 +92,7 @@ struct MoeDecodeParams {
   const uint8_t* w2;          // [E, H, I]
   const float* s2;            // [E, H] / [E]; block [E, ceil(H/128), I/128]
   int s2_per_channel;
-  // workspace (fold: h only; the others null)
+  // workspace
   uint8_t* qx;                // [T, H] quantized x
   float* sx;                  // [T] or [T, H/128]
   void* h;                    // [P, I] output type: silu(gate) * up, rounded as silu_mul
@@ -127,9 +101,6 @@ struct MoeDecodeParams {
   float* y;                   // [P, H] float32: weight * round(down row)
   int* cnt13;                 // [P]: gate/up CTAs done per pair
   int* cnt2;                  // [T, H/16]: down CTAs done per token and column tile
-  // EXPERIMENT (A/B): 1 = the folded two-kernel path at top_k >= 4 (gate/up quantizes x, down_tm quantizes h; no
-  // prep, no counters), 0 = prep + gate/up with the last-CTA tail + down. From CUTLASS_W8A8_MOE_FOLD (default 1).
-  int fold;
   void* out;                  // [T, H] output type
   int t, k, pairs, e, hid, inter;
   uint32_t zero;              // always 0 (tie_to_weight_loads)
@@ -317,43 +288,6 @@ struct ChunkA {
   int by_token;  // 1: a row is the pair's token (gate/up, x); 0: the pair itself (down, the intermediate)
 };
 
-// After a chunk's main loop: the warps' accumulators summed in warp order (tile r: warps r, r + R, ...) and each
-// (row, token) thread's epilogue value of tile r left in val[r], rounded to the output type (threads with token >= m:
-// unspecified). scale_a(token): the row-wise activation scale of chunk row `token` (unused with block scales). All
-// threads call it; it synchronizes.
-template <class AB, class OutT, int NT, bool kBlockScaled, int R, class ScaleA>
-__device__ __forceinline__ void chunk_epilogue(typename AB::Acc (&red)[kWarps][2][32][4],
-                                               const typename AB::Acc (&acc)[NT][4], int m, int e, int64_t row0,
-                                               const float* wscale, int wscale_per_channel, int64_t n,
-                                               const ScaleA& scale_a, float (&val)[R]) {
-  using Acc = typename AB::Acc;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  allow_dependent_launch();
-
-  store_warp_acc(red, acc, warp, lane);
-  __syncthreads();
-  const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
-  if (token < m) {
-    const int jt = token / 8, tt = token % 8;
-    const int src = (row % 8) * 4 + tt / 2, reg = (row / 8) * 2 + tt % 2;  // warp_order_sum's C-fragment slot
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      Acc sum = red[r][jt][src][reg];
-#pragma unroll
-      for (int w2 = r + R; w2 < kWarps; w2 += R) sum += red[w2][jt][src][reg];
-      const int64_t ch = row0 + kRows * r + row;
-      if constexpr (kBlockScaled) {
-        val[r] = to_float(epilogue_scaled<OutT>(sum, 0.f));
-      } else {
-        const float sa = scale_a(token);
-        const float sb = wscale_per_channel ? wscale[e * n + ch] : wscale[e];
-        val[r] = to_float(epilogue<OutT>(sum, sa, sb, 0.f));
-      }
-    }
-  }
-  __syncthreads();  // `red` is reused by the next call
-}
-
 // R 16-row weight tiles (rows row0 + 16 r .. + 16 of expert e's [N, K] weight at w, r < R) against the chunk's
 // m <= 8 NT pairs s.rows[r0 ..]. Warp w works on tile w % R, K blocks w / R, w / R + 8 / R, ...; tile r's value is
 // the sum of its warps' accumulators in warp order. R = 1 is grouped_decode's chunk exactly (block b on warp b % 8,
@@ -402,221 +336,30 @@ __device__ __forceinline__ void tiles_chunk(const MoeDecodeParams& p, const Slot
   } else {
     mainloop_gather(acc, wg, k, arow, warp / R, nblk, kWarps / R, t, k, p.zero);
   }
-  chunk_epilogue<AB, OutT, NT, kBlockScaled, R>(red, acc, m, e, row0, wscale, wscale_per_channel, n,
-                                                [&](int token) { return ca.scale[row_of(token)]; }, val);
-}
+  allow_dependent_launch();
 
-// --- fold (EXPERIMENT (A/B)): the activations quantized inside the GEMMs ------------------------------------------
-//
-// At top_k >= 4 gate/up reads x itself and down_tm reads h itself, both in their float type, and quantize them on
-// the way into the A fragments, so that no prep kernel, no quantized copies (qx / sx, q2 / sh) and no completion
-// counters exist. Per K block (256 elements of each of the m rows the warp's MMAs use) the WARP quantizes: lane l
-// takes elements [8l, 8l + 8) of every row (one 16-byte load of bf16 / fp16, two of fp32), quantizes them with
-// quantize_one (the function prep and silu_mul_quant's tail use) and stores the 8 bytes in the warp's slice of shared
-// memory; after __syncwarp each lane reads its fragments (16 bytes per step and token tile) from there, as the unfused
-// loop reads them from global memory. So a block costs 8 m divisions per lane (not 64 per fragment-holding lane),
-// issued while the block's weight loads are in flight. The scales:
-//   block (1 x 128 groups): lanes 0-15 hold group 2 blk of the row and lanes 16-31 group 2 blk + 1, so a 16-lane
-//     butterfly gives the group's max |v| and scale = max / QMAX; the warp keeps them in shared memory for the
-//     block-scale step (which needs the scales of the C fragment's tokens 2t, 2t + 1, not of its own A row);
-//   row-wise: one pass over the whole row before the main loop (gate/up: fold_row_scales per chunk; down_tm: per pair,
-//     warp_row_amax), scale = max / QMAX.
-// A max is exact in any order and the division is the same IEEE division, so every scale and every quantized byte
-// equals prep's (quantize_per_token / quantize_per_token_group) and silu_mul_quant's, and the GEMMs see the bytes
-// the unfolded path gives them: the results are the chain's bit for bit.
-// A warp's rows sit at a 256-byte pitch with the 64-byte halves of odd rows swapped (byte ^ 64), so the fragment
-// reads of rows g and g + 1 (one 8-lane phase of an LDS.128) fall in different banks.
-template <int kRowsF>
-struct FoldShared {
-  alignas(16) uint8_t qa[kWarps][kRowsF][kBlockBytes];  // each warp's current block, quantized (swizzled rows)
-  float gscale[kWarps][kRowsF][kGroupsPerBlock];        // block scales: the rows' group scales of that block
-  float scale[kRowsF];                                  // row-wise: the chunk rows' scales
-};
-struct NoFold {};
-
-// max |row[0 .. n)| over one warp (n a multiple of 8, row 16-byte aligned); every lane gets it.
-template <class T>
-__device__ __forceinline__ float warp_row_amax(const T* row, int n, int lane) {
-  float amax = 0.f;
-#pragma unroll 4
-  for (int v = lane; v < n / 8; v += 32) {
-    const XVec<T> x = *reinterpret_cast<const XVec<T>*>(row + 8 * v);
+  store_warp_acc(red, acc, warp, lane);
+  __syncthreads();
+  const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
+  if (token < m) {
+    const int jt = token / 8, tt = token % 8;
+    const int src = (row % 8) * 4 + tt / 2, reg = (row / 8) * 2 + tt % 2;  // warp_order_sum's C-fragment slot
 #pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(to_float(x.v[i])));
-  }
+    for (int r = 0; r < R; ++r) {
+      Acc sum = red[r][jt][src][reg];
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-  return amax;
-}
-
-// Elements [blk * 256 + 8 lane, + 8) of `row` (none past k, a multiple of 16) quantized with `scale` (row-wise) or
-// with their group's scale (kGroup: computed here over the group's 16 lanes, and returned) into dst's bytes
-// [8 lane, + 8) ^ swz. All 32 lanes call it.
-template <class XT, class Q, bool kGroup>
-__device__ __forceinline__ float fold_block_row(const XT* row, int blk, int k, float scale, uint8_t* dst, int swz,
-                                                int lane) {
-  const int col = blk * kBlockBytes + 8 * lane;
-  const bool in = col < k;
-  float v[8];
-  if (in) {
-    const XVec<XT> x = *reinterpret_cast<const XVec<XT>*>(row + col);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = to_float(x.v[i]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = 0.f;
-  }
-  if constexpr (kGroup) {
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-    for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    scale = amax / Q::kMax;
-  }
-  if (in) {
-    uint2 q;
-    q.x = quantize4<Q>(v[0], v[1], v[2], v[3], scale);
-    q.y = quantize4<Q>(v[4], v[5], v[6], v[7], scale);
-    *reinterpret_cast<uint2*>(dst + ((8 * lane) ^ swz)) = q;
-  }
-  return scale;
-}
-
-// Asks L1 to fetch the line holding global address `p` (prefetch.global.L1): no registers held, nothing to wait for;
-// a later load of that line hits L1, or waits on the line already in flight.
-__device__ __forceinline__ void prefetch_l1(const void* p) {
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
-}
-
-// The warp quantizes K block `blk` of its m rows (row_of(r): the row's first element; scale_of(r): its row-wise scale)
-// into qa (m x 256 bytes) and, with block scales, their group scales into gs[r][2]. The whole warp calls it.
-// Each lane first asks L1 for its 8 elements of rows 1 .. m - 1 (one line a row: 16 or 32 aligned bytes), so that the
-// row loop's loads, one row at a time, do not each wait for their own L2 round trip. (Loading 4 rows into registers
-// before quantizing them, as quantize_chunk does, made 28 of the 36 fold gate/up' kernels spill, 8 to 144 bytes:
-// the block's weight fragments are in flight across the divisions, and the 3-CTA kernels were at 76 of 80 registers.)
-template <class XT, class Q, bool kGroup, class RowOf, class ScaleOf>
-__device__ __forceinline__ void fold_block(const RowOf& row_of, const ScaleOf& scale_of, int m, int blk, int k,
-                                           uint8_t* qa, float* gs, int lane) {
-  if (blk * kBlockBytes + 8 * lane < k) {
-#pragma unroll 1
-    for (int r = 1; r < m; ++r) prefetch_l1(row_of(r) + blk * kBlockBytes + 8 * lane);
-  }
-  __syncwarp();  // every lane has read the previous block's fragments
-#pragma unroll 1
-  for (int r = 0; r < m; ++r) {
-    const float sc = fold_block_row<XT, Q, kGroup>(row_of(r), blk, k, kGroup ? 0.f : scale_of(r),
-                                                   qa + r * kBlockBytes, (r & 1) << 6, lane);
-    if constexpr (kGroup) {
-      if (lane % 16 == 0) gs[r * kGroupsPerBlock + lane / 16] = sc;
-    }
-  }
-  __syncwarp();  // the block is in shared memory
-}
-
-// The A fragments of block `blk` from the warp's quantized rows (as load_block_acts_gather: zeros for a row >= m or
-// past K).
-template <int NT>
-__device__ __forceinline__ void load_block_acts_fold(BlockFrags<NT>& f, const uint8_t* qa, int m, int blk, int g,
-                                                     int t, int k) {
-#pragma unroll
-  for (int u = 0; u < kSteps; ++u) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const int r = 8 * j + g;
-      const int kk = blk * kBlockBytes + u * kStepBytes + 16 * t;
-      f.x[u][j] = (r < m && kk < k) ? *reinterpret_cast<const uint4*>(
-                                          qa + r * kBlockBytes + ((u * kStepBytes + 16 * t) ^ ((r & 1) << 6)))
-                                    : make_uint4(0, 0, 0, 0);
-    }
-  }
-}
-
-// load_block_scales_gather with the activation group scales from the warp's gs[r][2] (fold_block).
-template <int NT>
-__device__ __forceinline__ void load_block_scales_fold(BlockScales<NT>& sc, const float* gs, const float* sb_row,
-                                                       int kgroups, int m, int blk, int t) {
-#pragma unroll
-  for (int hh = 0; hh < kGroupsPerBlock; ++hh) {
-    const int kb = blk * kGroupsPerBlock + hh;
-    const bool in_k = kb < kgroups;
-    const float sb = in_k ? __ldg(sb_row + kb) : 0.f;
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int r = 8 * j + 2 * t + e;
-        const float sa = in_k && r < m ? gs[r * kGroupsPerBlock + hh] : 0.f;
-        sc.s[hh][j][e] = __fmul_rn(sa, sb);
+      for (int w2 = r + R; w2 < kWarps; w2 += R) sum += red[w2][jt][src][reg];
+      const int64_t ch = row0 + kRows * r + row;
+      if constexpr (kBlockScaled) {
+        val[r] = to_float(epilogue_scaled<OutT>(sum, 0.f));
+      } else {
+        const float sa = ca.scale[row_of(token)];
+        const float sb = wscale_per_channel ? wscale[e * n + ch] : wscale[e];
+        val[r] = to_float(epilogue<OutT>(sum, sa, sb, 0.f));
       }
     }
   }
-}
-
-// Row-wise fold: fs.scale[r] = max |x[token of chunk row r]| / QMAX for r < m (prep's per-token scale). Warp w
-// takes rows w, w + 8. All threads call it; it synchronizes.
-template <class XT, class Q, int kRowsF>
-__device__ __forceinline__ void fold_row_scales(const MoeDecodeParams& p, const SlotShared& s, int r0, int m,
-                                                FoldShared<kRowsF>& fs) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int r = warp; r < m; r += kWarps) {
-    const XT* row = static_cast<const XT*>(p.x) + static_cast<int64_t>(s.rows[r0 + r] / p.k) * p.ldx;
-    const float amax = warp_row_amax(row, p.hid, lane);
-    if (lane == 0) fs.scale[r] = amax / Q::kMax;
-  }
-  __syncthreads();
-}
-
-// tiles_chunk (R = 1) for gate/up with x quantized in the main loop (fold_block): the same weight loads, block-to-warp
-// assignment, MMAs, block-scale steps, reduction and epilogue, on the same quantized bytes and scales (row-wise: the
-// chunk rows' scales in fs.scale, from fold_row_scales).
-template <class AB, class OutT, int NT, bool kBlockScaled, class XT, int kRowsF>
-__device__ __forceinline__ void tiles_chunk_fold(const MoeDecodeParams& p, const SlotShared& s, FoldShared<kRowsF>& fs,
-                                                 const uint8_t* w, const float* wscale, int wscale_per_channel,
-                                                 int64_t n, int k, int r0, int m, int64_t row0,
-                                                 typename AB::Acc (&red)[kWarps][2][32][4], float (&val)[1]) {
-  static_assert(8 * NT <= kRowsF, "the chunk's rows fit the fold buffer");
-  using Acc = typename AB::Acc;
-  using Q = typename AB::Q;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
-  const int e = s.expert;
-  const uint8_t* wg = w + static_cast<int64_t>(e) * n * k + (row0 + g) * k + 16 * t;
-  const int nblk = (k + kBlockBytes - 1) / kBlockBytes;
-  uint8_t* qa = &fs.qa[warp][0][0];
-  float* gs = &fs.gscale[warp][0][0];
-  auto row_of = [&](int r) {
-    return static_cast<const XT*>(p.x) + static_cast<int64_t>(s.rows[r0 + r] / p.k) * p.ldx;
-  };
-  auto scale_of = [&](int r) { return fs.scale[r]; };
-
-  Acc acc[NT][4];
-  zero_acc(acc);
-  BlockFrags<NT> f;
-  if constexpr (kBlockScaled) {
-    const int kgroups = k / kGroupBytes;
-    const int64_t nb = (n + kGroupBytes - 1) / kGroupBytes;
-    const float* sb_row = wscale + (e * nb + row0 / kGroupBytes) * kgroups;
-    BlockScales<NT> sc;
-    for (int blk = warp; blk < nblk; blk += kWarps) {
-      load_block_weights(f, wg, k, blk, t, k);
-      fold_block<XT, Q, true>(row_of, scale_of, m, blk, k, qa, gs, lane);
-      load_block_acts_fold(f, qa, m, blk, g, t, k);
-      load_block_scales_fold(sc, gs, sb_row, kgroups, m, blk, t);
-      tie_to_weight_loads(f, p.zero);
-      tie_to_scale_loads(f, sc, p.zero);
-      mma_block_scaled(acc, f, sc);
-    }
-  } else {
-    for (int blk = warp; blk < nblk; blk += kWarps) {
-      load_block_weights(f, wg, k, blk, t, k);
-      fold_block<XT, Q, false>(row_of, scale_of, m, blk, k, qa, gs, lane);
-      load_block_acts_fold(f, qa, m, blk, g, t, k);
-      tie_to_weight_loads(f, p.zero);
-      mma_block(acc, f);
-    }
-  }
-  chunk_epilogue<AB, OutT, NT, kBlockScaled, 1>(red, acc, m, e, row0, wscale, wscale_per_channel, n, scale_of, val);
+  __syncthreads();  // `red` is reused by the next call
 }
 
 // h[pair] (I values of the output type, written by every gate/up CTA of the pair) quantized per token or per
@@ -674,19 +417,14 @@ constexpr int kCtasPerSm = kMaxNT == 1 && !kBlockScaled ? 3 : 2;
 
 // --- gate/up: grid (I / 16, slots) --------------------------------------------------------------------------------
 
-// XT void: x comes quantized by prep, and the last CTA of each pair quantizes h (the counters). XT the type of x
-// (fold, EXPERIMENT (A/B)): x quantized in the main loop, h only stored (down_tm quantizes it).
-template <class AB, class OutT, int kMaxNT, bool kBlockScaled, class XT = void>
+template <class AB, class OutT, int kMaxNT, bool kBlockScaled>
 __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
     moe_decode_gate_up_kernel(MoeDecodeParams p) {
   using Acc = typename AB::Acc;
   using Q = typename AB::Q;
-  constexpr bool kFold = !std::is_void_v<XT>;
-  using FS = std::conditional_t<kFold, FoldShared<8 * kMaxNT>, NoFold>;
   __shared__ alignas(16) Acc red[kWarps][2][32][4];
   __shared__ SlotShared s;
-  __shared__ FS fs;
-  wait_for_producers();  // topk_ids and weights (routing), x, qx / sx (prep)
+  wait_for_producers();  // topk_ids and weights (routing), qx / sx (prep)
   find_slot_pairs(p, static_cast<int>(blockIdx.y), s);
   if (s.expert < 0) return;
   const int inter = p.inter, hid = p.hid;
@@ -695,37 +433,10 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
   const ChunkA ca{p.qx, hid, p.sx, 1};
   constexpr int kChunk = 8 * kMaxNT;
   const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
-  if constexpr (kFold && !kBlockScaled) {
-    // Row-wise fold: fold_row_scales (a pass over each chunk row's x, then a barrier) runs before the first weight
-    // load. So that the weight stream starts as early as in the unfolded kernel, first ask L2 for every warp's first
-    // K block (warp w's first load_block_weights reads block w: bytes [0, min(H, 2048)) of each row) of the CTA's 16
-    // gate rows (warps 0-3) and 16 up rows (warps 4-7), one bulk prefetch per row from lanes 0-3 of each warp (the
-    // prefetch takes a warp-uniform address: 4 per warp, not 32). A hint only: no registers held, nothing to wait
-    // for, the loads and the arithmetic unchanged.
-    const int lane = threadIdx.x % 32;
-    if (lane < 4) {
-      const int r = 4 * static_cast<int>(threadIdx.x / 32) + lane;  // 0 .. 31
-      const int64_t wrow = static_cast<int64_t>(s.expert) * n13 + (r < kRows ? 0 : inter) + n0 + r % kRows;
-      prefetch_l2(p.w13 + wrow * hid, static_cast<uint32_t>(min(hid, kChunkBytes)));  // H % 16 == 0
-    }
-  }
   for (int r0 = 0; r0 < s.m; r0 += kChunk) {
     const int m = min(kChunk, s.m - r0);
     float gate[1], up[1];
-    if constexpr (kFold) {
-      if constexpr (!kBlockScaled) fold_row_scales<XT, Q>(p, s, r0, m, fs);
-      if (kMaxNT == 1 || m <= 8) {
-        tiles_chunk_fold<AB, OutT, 1, kBlockScaled, XT>(p, s, fs, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
-                                                        n0, red, gate);
-        tiles_chunk_fold<AB, OutT, 1, kBlockScaled, XT>(p, s, fs, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
-                                                        inter + n0, red, up);
-      } else if constexpr (kMaxNT == 2) {
-        tiles_chunk_fold<AB, OutT, 2, kBlockScaled, XT>(p, s, fs, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
-                                                        n0, red, gate);
-        tiles_chunk_fold<AB, OutT, 2, kBlockScaled, XT>(p, s, fs, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
-                                                        inter + n0, red, up);
-      }
-    } else if (kMaxNT == 1 || m <= 8) {
+    if (kMaxNT == 1 || m <= 8) {
       tiles_chunk<AB, OutT, 1, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0, red,
                                                 gate);
       tiles_chunk<AB, OutT, 1, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
@@ -743,20 +454,16 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
       const int pair = s.rows[r0 + token];
       static_cast<OutT*>(p.h)[static_cast<int64_t>(pair) * inter + n0 + row] = hv;
     }
-    if constexpr (!kFold) {
-      __syncthreads();
-      if (row == 0 && token < m) {
-        const int pair = s.rows[r0 + token];
-        s.last[token] = arrive_last(p.cnt13 + pair, static_cast<int>(gridDim.x)) ? pair : -1;
-      }
-      __syncthreads();
-      for (int i = 0; i < m; ++i) {
-        if (s.last[i] >= 0) quantize_pair_row<Q, kBlockScaled, OutT>(p, s.last[i]);  // uniform: shared
-      }
-      __syncthreads();  // s.last is rewritten by the next chunk
+    __syncthreads();
+    if (row == 0 && token < m) {
+      const int pair = s.rows[r0 + token];
+      s.last[token] = arrive_last(p.cnt13 + pair, static_cast<int>(gridDim.x)) ? pair : -1;
     }
-    // fold: the next chunk's first writes to shared memory (fs.scale, fs.qa, red) follow tiles_chunk_fold's final
-    // barrier, after every read of this chunk's.
+    __syncthreads();
+    for (int i = 0; i < m; ++i) {
+      if (s.last[i] >= 0) quantize_pair_row<Q, kBlockScaled, OutT>(p, s.last[i]);  // uniform: shared
+    }
+    __syncthreads();  // s.last is rewritten by the next chunk
   }
 }
 
@@ -827,18 +534,12 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
 // expert-major kernel's 8 warps accumulate them (block b into accumulator b % 8, each in block order), then the 8
 // accumulators are added in order: the same sums as grouped_decode / the chain, bit for bit, for any K. An expert
 // shared by several tokens is streamed once per token (the later reads mostly from L2).
-//
-// kFold (EXPERIMENT (A/B)): the warp reads the pair's h row (the output type) and quantizes it itself, block by block
-// (fold_block; row-wise, the pair's scale from a pass over the row first), instead of reading q2 / sh.
-template <class AB, class OutT, bool kBlockScaled, bool kFold = false>
+template <class AB, class OutT, bool kBlockScaled>
 __global__ void __launch_bounds__(kThreads, 2) moe_decode_down_tm_kernel(MoeDecodeParams p) {
   using Acc = typename AB::Acc;
-  using Q = typename AB::Q;
   __shared__ float s_prod[kMaxPairs][kRows];
   __shared__ int s_routed[kMaxPairs];
-  __shared__ alignas(16) uint8_t s_qa[kFold ? kWarps : 1][kFold ? kBlockBytes : 16];  // fold: each warp's block
-  __shared__ float s_gs[kFold ? kWarps : 1][kGroupsPerBlock];                       // fold: its group scales
-  wait_for_producers();  // h, or q2 / sh (gate/up)
+  wait_for_producers();  // q2 / sh (gate/up)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int tok = blockIdx.y;
@@ -851,14 +552,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_down_tm_kernel(MoeDeco
     if (lane == 0) s_routed[j] = e >= 0 ? 1 : 0;
     if (e < 0) continue;  // a whole warp
     const uint8_t* wg = p.w2 + (static_cast<int64_t>(e) * hid + n0 + g) * inter + 16 * t;
-    const uint8_t* arow[1] = {g == 0 && !kFold ? p.q2 + static_cast<int64_t>(pair) * inter : nullptr};
-    // fold: the pair's h row, its row-wise scale (prep's arithmetic: max |h| / QMAX), the warp's buffers
-    const OutT* hrow = static_cast<const OutT*>(p.h) + static_cast<int64_t>(pair) * inter;
-    [[maybe_unused]] float sa_fold = 0.f;  // row-wise: computed with block 0's weights in flight
-    auto row_of = [&](int) { return hrow; };
-    auto scale_of = [&](int) { return sa_fold; };
-    uint8_t* qa = &s_qa[0][0] + (kFold ? warp * kBlockBytes : 0);
-    float* gs = &s_gs[kFold ? warp : 0][0];
+    const uint8_t* arow[1] = {g == 0 ? p.q2 + static_cast<int64_t>(pair) * inter : nullptr};
     Acc acc[kWarps][1][4];
 #pragma unroll
     for (int v = 0; v < kWarps; ++v) zero_acc(acc[v]);
@@ -867,8 +561,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_down_tm_kernel(MoeDeco
       const int kgroups = inter / kGroupBytes;
       const int64_t nb = (hid + kGroupBytes - 1) / kGroupBytes;
       const float* sb_row = p.s2 + (e * nb + n0 / kGroupBytes) * kgroups;
-      const float* sa_row[1][2] = {
-          {t == 0 && !kFold ? p.sh + static_cast<int64_t>(pair) * kgroups : nullptr, nullptr}};
+      const float* sa_row[1][2] = {{t == 0 ? p.sh + static_cast<int64_t>(pair) * kgroups : nullptr, nullptr}};
       BlockScales<1> sc;
       for (int base = 0; base < nblk; base += kWarps) {
 #pragma unroll
@@ -876,14 +569,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_down_tm_kernel(MoeDeco
           const int blk = base + v;
           if (blk < nblk) {
             load_block_weights(f, wg, inter, blk, t, inter);
-            if constexpr (kFold) {
-              fold_block<OutT, Q, true>(row_of, scale_of, 1, blk, inter, qa, gs, lane);
-              load_block_acts_fold(f, qa, 1, blk, g, t, inter);
-              load_block_scales_fold(sc, gs, sb_row, kgroups, 1, blk, t);
-            } else {
-              load_block_acts_gather(f, arow, blk, t, inter);
-              load_block_scales_gather(sc, sa_row, sb_row, kgroups, blk);
-            }
+            load_block_acts_gather(f, arow, blk, t, inter);
+            load_block_scales_gather(sc, sa_row, sb_row, kgroups, blk);
             tie_to_weight_loads(f, p.zero);
             tie_to_scale_loads(f, sc, p.zero);
             mma_block_scaled(acc[v], f, sc);
@@ -897,13 +584,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_down_tm_kernel(MoeDeco
           const int blk = base + v;
           if (blk < nblk) {
             load_block_weights(f, wg, inter, blk, t, inter);
-            if constexpr (kFold) {
-              if (blk == 0) sa_fold = warp_row_amax(hrow, inter, lane) / Q::kMax;
-              fold_block<OutT, Q, false>(row_of, scale_of, 1, blk, inter, qa, gs, lane);
-              load_block_acts_fold(f, qa, 1, blk, g, t, inter);
-            } else {
-              load_block_acts_gather(f, arow, blk, t, inter);
-            }
+            load_block_acts_gather(f, arow, blk, t, inter);
             tie_to_weight_loads(f, p.zero);
             mma_block(acc[v], f);
           }
@@ -924,7 +605,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_down_tm_kernel(MoeDeco
         if constexpr (kBlockScaled) {
           val = to_float(epilogue_scaled<OutT>(sum, 0.f));
         } else {
-          const float sa = kFold ? sa_fold : p.sh[pair];
+          const float sa = p.sh[pair];
           const float sb = p.s2_per_channel ? p.s2[static_cast<int64_t>(e) * hid + n0 + row] : p.s2[e];
           val = to_float(epilogue<OutT>(sum, sa, sb, 0.f));
         }
@@ -1012,41 +693,6 @@ void launch_prep(const MoeDecodeParams& p, bool group, cudaStream_t stream, bool
   }
 }
 
-// EXPERIMENT (A/B), fold: gate/up quantizing x (moe_route -> gate/up -> down_tm, PDL between them), top_k >= 4.
-template <class XT, class AB, class OutT, bool kBlockScaled>
-void launch_fold(const MoeDecodeParams& p, int slots, cudaStream_t stream, bool pdl) {
-  const dim3 g13(static_cast<unsigned>(p.inter / kRows), static_cast<unsigned>(slots));
-  if (p.pairs <= 8) {
-    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, 1, kBlockScaled, XT>, g13, dim3(kThreads), 0,
-                                 stream, pdl, p));
-  } else {
-    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, 2, kBlockScaled, XT>, g13, dim3(kThreads), 0,
-                                 stream, pdl, p));
-  }
-  const dim3 g2(static_cast<unsigned>(p.hid / kRows), static_cast<unsigned>(p.t));
-  C10_CUDA_CHECK(launch_kernel(moe_decode_down_tm_kernel<AB, OutT, kBlockScaled, true>, g2, dim3(kThreads), 0, stream,
-                               pdl, p));
-}
-
-template <class XT, class AB, class OutT, bool kBlockScaled>
-void launch_path(const MoeDecodeParams& p, bool group, int slots, cudaStream_t stream, bool pdl) {
-  if (p.fold) {
-    launch_fold<XT, AB, OutT, kBlockScaled>(p, slots, stream, pdl);
-    return;
-  }
-  launch_prep<XT, typename AB::Q, OutT>(p, group, stream, pdl);
-  launch_gemms<AB, OutT, kBlockScaled>(p, slots, stream, pdl);
-}
-
-// EXPERIMENT (A/B): CUTLASS_W8A8_MOE_FOLD=0 keeps the three-kernel form at top_k >= 4 (prep, gate/up with its
-// last-CTA tail, down_tm on q2 / sh); unset or anything else: the folded two-kernel one. Read on every call (a
-// getenv, no driver query) so that one process can time both by setting os.environ between captures. Delete it and
-// the losing path after the A/B.
-bool moe_fold_enabled() {
-  const char* v = std::getenv("CUTLASS_W8A8_MOE_FOLD");
-  return v == nullptr || std::string(v) != "0";
-}
-
 }  // namespace
 
 at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
@@ -1067,29 +713,20 @@ at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, c
   const bool group = group_size != 0;
   const bool int8 = w13.scalar_type() == at::kChar;
 
-  const bool fold = down_token_major(k) && moe_fold_enabled();  // EXPERIMENT (A/B)
-  at::Tensor x2 = x.stride(1) == 1 ? x : x.contiguous();
-  if (fold) {
-    // The folded gate/up reads x in 16-byte vectors: rows 16-byte aligned (a fresh copy when a view is not).
-    const int64_t ldx_bytes = (t > 1 ? x2.stride(0) : hid) * static_cast<int64_t>(x2.element_size());
-    if (reinterpret_cast<uintptr_t>(x2.data_ptr()) % 16 != 0 || ldx_bytes % 16 != 0) {
-      x2 = x2.clone(at::MemoryFormat::Contiguous);
-    }
-  }
+  const at::Tensor x2 = x.stride(1) == 1 ? x : x.contiguous();
   const at::Tensor tw = topk_weights.contiguous();
-  // One workspace: qx [T, H] | sx | h [P, I] (2-byte output type) | q2 [P, I] | sh | y [P, H] f32 | counters;
-  // fold: h only.
+  // One workspace: qx [T, H] | sx | h [P, I] (2-byte output type) | q2 [P, I] | sh | y [P, H] f32 | counters
   const int64_t sx_n = group ? t * (hid / limits::kBlockSize) : t;
   const int64_t sh_n = group ? pairs * (inter / limits::kBlockSize) : pairs;
   const int64_t cnt_n = pairs + t * (hid / kRows);
   int64_t off = 0;
+  const int64_t o_qx = off; off += align16(t * hid);
+  const int64_t o_sx = off; off += align16(sx_n * 4);
   const int64_t o_h = off; off += align16(pairs * inter * 2);
-  const int64_t o_qx = off; off += fold ? 0 : align16(t * hid);
-  const int64_t o_sx = off; off += fold ? 0 : align16(sx_n * 4);
-  const int64_t o_q2 = off; off += fold ? 0 : align16(pairs * inter);
-  const int64_t o_sh = off; off += fold ? 0 : align16(sh_n * 4);
-  const int64_t o_y = off; off += fold ? 0 : align16(pairs * hid * 4);
-  const int64_t o_cnt = off; off += fold ? 0 : align16(cnt_n * 4);
+  const int64_t o_q2 = off; off += align16(pairs * inter);
+  const int64_t o_sh = off; off += align16(sh_n * 4);
+  const int64_t o_y = off; off += align16(pairs * hid * 4);
+  const int64_t o_cnt = off; off += align16(cnt_n * 4);
   at::Tensor ws = at::empty({off}, x.options().dtype(at::kByte));
   uint8_t* base = ws.data_ptr<uint8_t>();
 
@@ -1107,17 +744,14 @@ at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, c
   p.w2 = static_cast<const uint8_t*>(w2.data_ptr());
   p.s2 = w2_scale.data_ptr<float>();
   p.s2_per_channel = !group && w2_scale.dim() == 2 && w2_scale.size(1) == hid ? 1 : 0;
+  p.qx = base + o_qx;
+  p.sx = reinterpret_cast<float*>(base + o_sx);
   p.h = base + o_h;
-  if (!fold) {
-    p.qx = base + o_qx;
-    p.sx = reinterpret_cast<float*>(base + o_sx);
-    p.q2 = base + o_q2;
-    p.sh = reinterpret_cast<float*>(base + o_sh);
-    p.y = reinterpret_cast<float*>(base + o_y);
-    p.cnt13 = reinterpret_cast<int*>(base + o_cnt);
-    p.cnt2 = p.cnt13 + pairs;
-  }
-  p.fold = fold ? 1 : 0;
+  p.q2 = base + o_q2;
+  p.sh = reinterpret_cast<float*>(base + o_sh);
+  p.y = reinterpret_cast<float*>(base + o_y);
+  p.cnt13 = reinterpret_cast<int*>(base + o_cnt);
+  p.cnt2 = p.cnt13 + pairs;
   p.out = out.data_ptr();
   p.t = static_cast<int>(t);
   p.k = static_cast<int>(k);
@@ -1135,21 +769,19 @@ at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, c
   with_decode_types(int8, out_dtype == at::kBFloat16, [&](auto ab_tag, auto out_tag) {
     using AB = decltype(ab_tag);
     using OutT = decltype(out_tag);
-    auto with_x = [&](auto x_tag) {
-      using XT = decltype(x_tag);
-      if constexpr (std::is_same_v<AB, Fp8Ab>) {
-        if (group) {
-          launch_path<XT, AB, OutT, true>(p, group, slots, stream, pdl);
-          return;
-        }
-      }
-      launch_path<XT, AB, OutT, false>(p, group, slots, stream, pdl);
-    };
+    using Q = typename AB::Q;
     switch (x2.scalar_type()) {
-      case at::kBFloat16: with_x(__nv_bfloat16{}); break;
-      case at::kHalf: with_x(__half{}); break;
-      default: with_x(float{}); break;
+      case at::kBFloat16: launch_prep<__nv_bfloat16, Q, OutT>(p, group, stream, pdl); break;
+      case at::kHalf: launch_prep<__half, Q, OutT>(p, group, stream, pdl); break;
+      default: launch_prep<float, Q, OutT>(p, group, stream, pdl); break;
     }
+    if constexpr (std::is_same_v<AB, Fp8Ab>) {
+      if (group) {
+        launch_gemms<AB, OutT, true>(p, slots, stream, pdl);
+        return;
+      }
+    }
+    launch_gemms<AB, OutT, false>(p, slots, stream, pdl);
   });
   return out;
 }

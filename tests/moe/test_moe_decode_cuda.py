@@ -1,5 +1,4 @@
-"""`moe_decode_experts` on an sm90 GPU: the fused MoE decode path (2 kernels at top_k >= 4, 3 below) against the
-unfused CUDA chain
+"""`moe_decode_experts` on an sm90 GPU: the fused MoE decode path (3 kernels) against the unfused CUDA chain
 (`moe_align` -> `moe_permute_quant` -> `grouped_scaled_mm` -> `silu_mul_quant` -> `grouped_scaled_mm` ->
 `moe_unpermute`) BIT FOR BIT, for int8, fp8 with per-channel and per-expert weight scales and block fp8, bfloat16 and
 float16 outputs, float32 / float16 / bfloat16 x, T * top_k from 1 to 64, 8 and 128 experts, routings with empty
@@ -8,10 +7,8 @@ dequantized operands (`_moe_models.FakeQuantExperts`, the layer tests' SQNR boun
 fully written (the caching allocator filled with NaN blocks first, two runs equal, no NaN); CUDA-graph capture of
 `W8A8MoE.forward` at T = 1 and 8 replayed with new router logits equal to eager; the profiler: the layer at
 T * top_k <= 64 launches `moe_decode_gate_up_kernel` and the token-major `moe_decode_down_tm_kernel` at top_k >= 4
-and no `moe_decode_prep_kernel` (the prep and the expert-major `moe_decode_down_kernel` below), no
-`grouped_decode_kernel`, and at most 6 kernels per call with the routing. The A/B switch CUTLASS_W8A8_MOE_FOLD=0 (the
-three-kernel form at top_k >= 4 too) gives the same bits, at long K too (several K blocks per warp, a partial block),
-and an x whose rows are not 16-byte aligned is copied for the fold path. (A device other than sm90 raises NotImplementedError: not testable
+(the expert-major `moe_decode_down_kernel` below), no `grouped_decode_kernel`, and at most 6 kernels per call with
+the routing. (A device other than sm90 raises NotImplementedError: not testable
 here.) The CPU op and the checks are tests/moe/test_moe_decode_cpu.py; the checks' C++ messages are held to the
 Python ones by tests/test_misuse_table.py::test_row_on_cuda.
 """
@@ -219,15 +216,12 @@ def _kernel_names(fn):
     return [evt.name for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA]
 
 
-@pytest.mark.parametrize("fold", ["1", "0"])
 @pytest.mark.parametrize("scheme", ["int8", "fp8-block"])
 @pytest.mark.parametrize("t, top_k", [(1, 8), (8, 8), (4, 2)])
-def test_layer_kernels(monkeypatch, fold, scheme, t, top_k):
+def test_layer_kernels(scheme, t, top_k):
     """At T * top_k <= 64 with router logits: the gate/up decode kernel and the down one (token-major at top_k >= 4,
     expert-major below), no grouped_decode_kernel, at most 6 CUDA activities per layer call (the routing included);
-    two moe_decode kernels (no prep) at top_k >= 4, three below or with CUTLASS_W8A8_MOE_FOLD=0; with fused_decode
-    False the chain's grouped_decode_kernel."""
-    monkeypatch.setenv("CUTLASS_W8A8_MOE_FOLD", fold)
+    with fused_decode False the chain's grouped_decode_kernel."""
     mod = _qwen_like(scheme, top_k=top_k)
     mod.fused_decode = True  # top-2 takes the chain by default
     x, logits = random_x(t, H, device="cuda", seed=13), _logits(t, 128, 14)
@@ -242,76 +236,7 @@ def test_layer_kernels(monkeypatch, fold, scheme, t, top_k):
     assert not any(other in n for n in names), names
     assert not any("grouped_decode_kernel" in n for n in names), names
     assert len(names) <= 6, names
-    folded = top_k >= 4 and fold == "1"
-    assert any("moe_decode_prep_kernel" in n for n in names) == (not folded), names
-    assert sum("moe_decode_" in n for n in names) == (2 if folded else 3), names
     mod.fused_decode = False
     unfused = _kernel_names(lambda: mod(x, logits))
     assert any("grouped_decode_kernel" in n for n in unfused), unfused
     assert not any("moe_decode_" in n for n in unfused), unfused
-
-
-# ---- EXPERIMENT (A/B): CUTLASS_W8A8_MOE_FOLD=1 (default: gate/up and down quantize x and h themselves at top_k >= 4)
-# or 0 (prep, gate/up with the last-CTA tail, token-major down), the same bits
-
-
-@pytest.mark.parametrize("fold", ["1", "0"])
-@pytest.mark.parametrize("scheme", ["int8", "fp8", "fp8-block"])
-@pytest.mark.parametrize("t, k", [(1, 8), (8, 8), (16, 4)])
-@pytest.mark.parametrize("route", ROUTES)
-def test_fold_switch_equals_the_chain(monkeypatch, fold, scheme, t, k, route):
-    monkeypatch.setenv("CUTLASS_W8A8_MOE_FOLD", fold)
-    ops = _operands(scheme, 8)
-    ids, wts = routing(t, k, 8, route, "cuda", seed=t * 10 + k)
-    x = random_x(t, H, device="cuda", seed=t + 2 * k)
-    _assert_equals_chain(x, ids, wts, ops, what=(fold, scheme, t, k, route))
-
-
-# (H, I): K blocks of 256 per warp > 1 in gate/up (H) and in the token-major down (I > 8 blocks), partial last blocks
-# (row-wise: K % 256 = 16 and 144; block: a half block of 128).
-LONG_K = {"int8": (2320, 2192), "fp8": (2320, 2192), "fp8-block": (2432, 2176)}
-
-
-@pytest.mark.parametrize("fold", ["1", "0"])
-@pytest.mark.parametrize("scheme", list(LONG_K))
-@pytest.mark.parametrize("t, k", [(1, 8), (8, 8)])
-def test_fold_long_k_equals_the_chain(monkeypatch, fold, scheme, t, k):
-    monkeypatch.setenv("CUTLASS_W8A8_MOE_FOLD", fold)
-    h, i = LONG_K[scheme]
-    ops = decode_operands(scheme, 8, h, i, "cuda", seed=21)
-    for route in ("random", "one-expert"):
-        ids, wts = routing(t, k, 8, route, "cuda", seed=t + k)
-        x = random_x(t, h, device="cuda", seed=t * k)
-        _assert_equals_chain(x, ids, wts, ops, what=(fold, scheme, t, k, route))
-
-
-def _unaligned_view(x, layout):
-    """A copy of x (T, H) whose rows are not all 16-byte aligned: "offset" (the first row starts 2 or 4 bytes past a
-    16-byte boundary, row stride H), "pitch" (the first row aligned, row stride H + 1) or "both"."""
-    t, h = x.shape
-    if layout == "offset":
-        view = torch.zeros(t * h + 1, dtype=x.dtype, device=x.device)[1:].view(t, h)
-    elif layout == "pitch":
-        view = torch.zeros(t, h + 1, dtype=x.dtype, device=x.device)[:, :h]
-    else:
-        view = torch.zeros(t, h + 1, dtype=x.dtype, device=x.device)[:, 1:]
-    view.copy_(x)
-    return view
-
-
-@pytest.mark.parametrize("layout", ["offset", "pitch", "both"])
-@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
-def test_fold_unaligned_x_rows(monkeypatch, x_dtype, layout):
-    """x rows that do not all start on a 16-byte boundary (the first row's address, the row stride, or both): the
-    fold path copies x first (either condition alone would fault the 16-byte loads); the result is the chain's, and
-    the contiguous x's."""
-    monkeypatch.setenv("CUTLASS_W8A8_MOE_FOLD", "1")
-    ops = _operands("fp8-block", 8)
-    ids, wts = routing(6, 4, 8, "random", "cuda", seed=31)
-    x = random_x(6, H, x_dtype, "cuda", seed=32)
-    x_view = _unaligned_view(x, layout)
-    row_bytes = x_view.stride(0) * x_view.element_size()
-    assert (x_view.data_ptr() % 16 != 0) == (layout != "pitch")
-    assert (row_bytes % 16 != 0) == (layout != "offset")
-    out = _assert_equals_chain(x_view, ids, wts, ops, what=(x_dtype, layout))
-    assert torch.equal(out, chain(x, ids, wts, **ops))
