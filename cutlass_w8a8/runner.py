@@ -23,9 +23,13 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from . import _ext
 from .graphs import UpdatableGraph, capture
+from .moe import W8A8MoE
+from .ops._limits import MOE_DECODE_MAX_PAIRS
 
-__all__ = ["DecodeGraphRunner", "GraphPool", "bucket_for", "cuda_graph_batch_sizes"]
+__all__ = ["DecodeGraphRunner", "GraphPool", "bucket_for", "bucket_sizes", "cuda_graph_batch_sizes",
+           "dispatch_bounds", "with_dispatch_bounds"]
 
 _IntsLike = Union[torch.Tensor, Sequence[int]]
 
@@ -44,6 +48,70 @@ def cuda_graph_batch_sizes(max_batch: int) -> list[int]:
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
+
+
+def dispatch_bounds(model: Optional[torch.nn.Module] = None) -> list[int]:
+    """The batch sizes B at which a decode step of ``model`` changes kernel family between B and B + 1 rows,
+    ascending: the rows of every cutlass_w8a8 GEMM give the same bits at any M within one family (issue 37; int8 at
+    any M at all), so a bucket set containing these sizes makes every bucket's graph equal the unpadded eager step.
+
+    - the dense decode bound, `cutlass_w8a8._ext.decode_gemm_max_m` (``scaled_mm``, ``w8a8_linear`` and
+      ``W8A8Linear`` send M <= it to the decode GEMM on sm90, larger M to CUTLASS: csrc/core/launch_policy.hpp owns
+      the rule; absent when the CUDA ops are not loaded or the decode path is off);
+    - for every `cutlass_w8a8.W8A8MoE` in ``model``, ``MOE_DECODE_MAX_PAIRS // top_k`` tokens: its decode path
+      (``moe_decode_experts``) or, in the chain, the grouped decode GEMM serve ``T * top_k <= 64`` (token, expert)
+      rows (``MOE_DECODE_MAX_PAIRS``; the grouped decode GEMM's ``_grouped_decode_max_rows()``, also 64), the
+      CUTLASS grouped GEMM more.
+
+    Parameters
+    ----------
+    model : torch.nn.Module, optional
+        The decode-step module (its submodules are searched for `W8A8MoE`); None: the dense bound only.
+
+    Returns
+    -------
+    list of int
+        Distinct positive batch sizes, ascending (empty on the CPU, where one reference serves every M).
+    """
+    bounds = set()
+    dense = _ext.decode_gemm_max_m()
+    if dense > 0:
+        bounds.add(dense)
+    if model is not None:
+        # rows of the grouped GEMM's decode kernel (csrc/gemm/decode/grouped_decode.cu owns the number)
+        grouped = int(torch.ops.cutlass_w8a8._grouped_decode_max_rows()) if _ext.cuda_ops_available() else 0
+        for mod in model.modules():
+            if isinstance(mod, W8A8MoE):
+                bounds.update(rows // mod.top_k for rows in (MOE_DECODE_MAX_PAIRS, grouped))
+    return sorted(b for b in bounds if b > 0)
+
+
+def with_dispatch_bounds(sizes: Sequence[int], bounds: Sequence[int]) -> list[int]:
+    """``sizes`` (batch-size buckets) with every bound ``b`` of ``bounds`` (`dispatch_bounds`) below the largest
+    bucket added, ascending and distinct: the one rule that makes each bucket hold batches of one kernel family.
+
+    A batch B runs in the smallest bucket W >= B; eager runs B rows, the graph W rows. When a bound b lies in
+    [B, W) the two run different GEMM kernels (fp8: different accumulation orders, different bits). With b itself a
+    bucket no bucket straddles it. A bound at or above the largest bucket needs nothing: every bucket is then on
+    its lower side, and larger batches run eagerly, unpadded.
+
+    Raises
+    ------
+    ValueError
+        ``sizes`` is empty or holds a size below 1.
+    """
+    sizes = sorted(set(int(s) for s in sizes))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"with_dispatch_bounds: `sizes` must be positive batch sizes, got {sizes}")
+    return sorted(set(sizes) | {int(b) for b in bounds if 1 <= b < sizes[-1]})
+
+
+def bucket_sizes(model: Optional[torch.nn.Module], max_batch: int, sizes: Optional[Sequence[int]] = None) -> list[int]:
+    """The buckets a decode-graph runner captures: ``sizes`` (default `cuda_graph_batch_sizes` ``(max_batch)``) with
+    the model's `dispatch_bounds` added (`with_dispatch_bounds`). The one place `DecodeGraphRunner` and
+    `cutlass_w8a8.hf.GraphGenerator` get their bucket sets from."""
+    base = cuda_graph_batch_sizes(max_batch) if sizes is None else sizes
+    return with_dispatch_bounds(base, dispatch_bounds(model))
 
 
 def bucket_for(sizes: Sequence[int], batch: int) -> Optional[int]:
@@ -114,7 +182,9 @@ class DecodeGraphRunner:
     max_batch : int, optional
         Largest captured bucket (default and maximum: ``model.max_batch``). Larger batches run eagerly.
     sizes : sequence of int, optional
-        The buckets; default `cuda_graph_batch_sizes` ``(max_batch)``.
+        The buckets; default `cuda_graph_batch_sizes` ``(max_batch)``. The model's `dispatch_bounds` below the
+        largest are added (`bucket_sizes`), so that a bucket's graph and the eager step of any batch it holds run
+        the same GEMM kernels and give the same bits (issue 37).
     postprocess : callable, optional
         ``postprocess(logits (b, vocab)) -> Tensor or tuple of Tensors`` (first dimension b), run after the
         model inside the same graph, e.g. temperature scaling and sampling with Triton, CuPy or Warp kernels
@@ -129,7 +199,10 @@ class DecodeGraphRunner:
         Token id of padded rows (default 0).
     mode : {"buckets", "exact"}
         ``"buckets"`` (default): one graph per bucket, batches padded up to their bucket. ``"exact"``: one
-        `cutlass_w8a8.graphs.UpdatableGraph` captured at the largest bucket; before a step whose batch B
+        `cutlass_w8a8.graphs.UpdatableGraph` captured at ``max_batch`` for the batches above ``exact_floor`` (the
+        largest of `dispatch_bounds` below ``max_batch``; 8 on sm90 for a dense model: the decode GEMM's bound),
+        and buckets (`bucket_sizes` of ``exact_floor``) for the batches up to it, so that each graph's GEMMs run
+        the kernel family eager runs; before a step whose batch B (above ``exact_floor``)
         differs from the last one, every cutlass_w8a8 kernel node of it is updated in place to B rows
         (``UpdatableGraph.set_rows``; `cutlass_w8a8.graphs.GraphNode` lists those ops): the quantizers and
         GEMMs, the fused norms (which also do the residual adds) and activation quantizers, the rotary
@@ -141,7 +214,10 @@ class DecodeGraphRunner:
     Attributes
     ----------
     sizes : list of int
-        The buckets, ascending.
+        The buckets, ascending (mode ``"exact"``: those up to ``exact_floor``, then ``max_batch``).
+    exact_floor : int
+        Mode ``"exact"``: the largest batch that does not run in the `UpdatableGraph` (0 when every batch does;
+        always 0 in mode ``"buckets"``).
     graphs : dict of int to torch.cuda.CUDAGraph
         One graph per bucket (empty without graphs).
     pool : tuple
@@ -191,11 +267,22 @@ class DecodeGraphRunner:
                              f"got {max_batch}")
         if mode == "exact" and sizes is not None:
             raise ValueError("DecodeGraphRunner: `sizes` is for mode='buckets'; mode='exact' captures max_batch only")
+        if sizes is not None and (not sizes or min(sizes) < 1 or max(sizes) > model.max_batch):
+            raise ValueError(f"DecodeGraphRunner: `sizes` must be in [1, {model.max_batch}], got {sorted(set(sizes))}")
+        bounds = dispatch_bounds(model)
+        # mode "exact": the UpdatableGraph serves the batches above the largest dispatch bound below max_batch (one
+        # kernel family: its nodes are resized within it); the batches up to that bound get buckets of their own
+        # (an UpdatableGraph records CUTLASS GEMM nodes at every M, while eager runs the decode GEMM up to its bound:
+        # when that bound reaches max_batch, no batch can use the UpdatableGraph and every batch gets a bucket)
+        self.exact_floor = 0
         if mode == "exact":
-            sizes = [max_batch]
-        sizes = sorted(set(sizes)) if sizes is not None else cuda_graph_batch_sizes(max_batch)
-        if not sizes or sizes[0] < 1 or sizes[-1] > model.max_batch:
-            raise ValueError(f"DecodeGraphRunner: `sizes` must be in [1, {model.max_batch}], got {sizes}")
+            below = [b for b in bounds if b < max_batch]
+            self.exact_floor = max_batch if _ext.decode_gemm_max_m() >= max_batch else max(below, default=0)
+            sizes = bucket_sizes(model, self.exact_floor) if self.exact_floor else []
+            if self.exact_floor < max_batch:
+                sizes.append(max_batch)
+        else:
+            sizes = bucket_sizes(model, max_batch, sizes)
         if use_graphs is None:
             use_graphs = self.device.type == "cuda"
         if use_graphs and self.device.type != "cuda":
@@ -261,7 +348,8 @@ class DecodeGraphRunner:
 
         Each bucket is first run ``warmup`` times eagerly on the capture stream (lazy initialisation, kernel
         selection and compilation of external kernels happen there, outside the capture), then captured on
-        it (`cutlass_w8a8.graphs.capture`; mode ``"exact"``: one `UpdatableGraph`). The static inputs hold
+        it (`cutlass_w8a8.graphs.capture`; mode ``"exact"``: one `UpdatableGraph` at ``max_batch``, then the buckets
+        up to ``exact_floor``). The static inputs hold
         padding during warm-up and capture, so only the scratch cache slot is written.
         """
         self.graphs.clear()
@@ -270,7 +358,7 @@ class DecodeGraphRunner:
         pool, stream = self._graph_pool.handles()
         self._static.copy_(self._pad)
         t_all = time.perf_counter()
-        if self.mode == "exact":
+        if self.mode == "exact" and self.exact_floor < self.max_size:
             n = self.max_size
             self.exact_graph = None
             graph = UpdatableGraph(self._forward_rows, [self._static[:n]], warmup=self.warmup, pool=pool,
@@ -278,10 +366,10 @@ class DecodeGraphRunner:
             self._static = graph.static_inputs[0]  # steps write the graph's own input buffer
             self.exact_graph, self._rows = graph, n
             self.graphs[n], self.outputs[n] = graph.graph, graph.static_outputs
-            torch.cuda.synchronize(self.device)
-            self.capture_seconds = self.capture_seconds_per_size[n] = time.perf_counter() - t_all
-            return
+            self.capture_seconds_per_size[n] = time.perf_counter() - t_all
         for b in reversed(self.sizes):
+            if b in self.graphs:
+                continue
             t0 = time.perf_counter()
             self.graphs[b], self.outputs[b] = self._graph_pool.capture(self._forward_rows, [self._static[:b]],
                                                                        warmup=self.warmup)
@@ -382,7 +470,7 @@ class DecodeGraphRunner:
             return self.postprocess(out) if self.postprocess is not None else out
         self._load(token_ids, positions, slots, n, width)
         if use_graph and self.use_graphs:
-            if self.exact_graph is not None and n != self._rows:
+            if self.exact_graph is not None and width == self.max_size and n != self._rows:
                 self.exact_graph.set_rows(n)
                 self._rows = n
             self.graphs[width].replay()

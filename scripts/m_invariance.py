@@ -9,7 +9,10 @@ breaks "eager equals every CUDA-graph bucket" when a decoder step is captured at
 
 Reports, per scheme, shape and M: the elements that differ from the reference M's (count, and the largest
 difference in units of the output's last place), plus the kernel family the dispatch chose (decode GEMM at small
-M, a CUTLASS config above), as far as the profiler names it. Writes ``m_invariance_<device>.{json,md}`` to
+M, a CUTLASS config above), as far as the profiler names it. Each M is also compared with the largest M of its own
+family (``class``: ``decode`` for M <= ``cutlass_w8a8._ext.decode_gemm_max_m()``, the rule of
+csrc/core/launch_policy.hpp, else ``cutlass``): the guarantee of issue 37 is that rows agree within a family, and
+the bucket sets of the graph runners hold the family bounds (`cutlass_w8a8.runner.dispatch_bounds`). Writes ``m_invariance_<device>.{json,md}`` to
 ``--out``. GPU only (sm90 for block fp8).
 
     python scripts/m_invariance.py --out /tmp/inv
@@ -119,7 +122,8 @@ def kernel_name(fn) -> str:
 def run(args) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     m_max = args.m_list[-1]
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "m": args.m_list, "points": []}
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "m": args.m_list, "points": [],
+               "decode_gemm_max_m": cw._ext.decode_gemm_max_m()}
     for scheme in args.scheme_list:
         if scheme == "fp8-accurate" and not has_accurate_fp8():
             print(f"{scheme}: this build's scaled_mm has no fp8_fast_accum argument; skipped")
@@ -127,19 +131,29 @@ def run(args) -> dict:
         for n, k in args.shape_list:
             a, sa, b, sb, kw = operands(scheme, m_max, n, k, gen)
             ref = cw.scaled_mm(a, b, sa, sb, torch.bfloat16, **kw)
+            bound = cw._ext.decode_gemm_max_m()
+            family = {m: "decode" if m <= bound else "cutlass" for m in args.m_list}
+            family_ref = {}
+            for fam in set(family.values()):
+                m_ref = max(m for m in args.m_list if family[m] == fam)
+                family_ref[fam] = (m_ref, cw.scaled_mm(a[:m_ref], b, sa[:m_ref], sb, torch.bfloat16, **kw))
             for m in args.m_list:
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # poisoned
                 cw.scaled_mm(a[:m], b, sa[:m], sb, out=out, **kw)
                 torch.cuda.synchronize()
                 diff = (out.view(torch.int16) != ref[:m].view(torch.int16))
-                point = {"scheme": scheme, "n": n, "k": k, "m": m, "differ": int(diff.sum().item()),
+                m_fam, ref_fam = family_ref[family[m]]
+                diff_fam = (out.view(torch.int16) != ref_fam[:m].view(torch.int16))
+                point = {"scheme": scheme, "n": n, "k": k, "m": m, "class": family[m], "class_ref_m": m_fam,
+                         "class_differ": int(diff_fam.sum().item()), "class_max_ulp": ulp_diff(out, ref_fam[:m]),
+                         "differ": int(diff.sum().item()),
                          "rows_differ": int(diff.any(dim=1).sum().item()), "max_ulp": ulp_diff(out, ref[:m]),
                          "nan": int(out.isnan().sum().item()),
                          "kernel": kernel_name(lambda: cw.scaled_mm(a[:m], b, sa[:m], sb, torch.bfloat16, **kw))}
                 results["points"].append(point)
                 print(f"{scheme:13s} N {n:5d} K {k:5d} M {m:4d}: {point['differ']:7d} elements differ from M = "
                       f"{m_max} ({point['rows_differ']} rows, max {point['max_ulp']} ulp, NaN {point['nan']}); "
-                      f"{point['kernel']}")
+                      f"{point['kernel']}; class {family[m]}: {point['class_differ']} differ from M = {m_fam}")
                 sys.stdout.flush()
     return results
 
@@ -149,16 +163,24 @@ def render(results: dict) -> str:
     lines = [f"# Does a row's GEMM result depend on M? {results['device']}", "",
              f"torch {results['torch']}. Each row of `scaled_mm(a[:M])` against the same row of `scaled_mm(a[:{m_max}])`"
              f" (same quantized bytes and scales), bit for bit; bfloat16 output. Written by scripts/m_invariance.py.",
-             "", "| scheme | N | K | M | kernel | elements differing | rows differing | max ulp |",
-             "|---|---:|---:|---:|---|---:|---:|---:|"]
+             f"The class columns compare with the largest M of the same kernel family (decode: M <= "
+             f"decode_gemm_max_m() = {results.get('decode_gemm_max_m', '?')}; cutlass above).",
+             "", "| scheme | N | K | M | kernel | elements differing | rows differing | max ulp | class | vs M | "
+             "class elements differing | class max ulp |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|"]
     for p in results["points"]:
         lines.append(f"| {p['scheme']} | {p['n']} | {p['k']} | {p['m']} | {p['kernel']} | {p['differ']} | "
-                     f"{p['rows_differ']} | {p['max_ulp']} |")
+                     f"{p['rows_differ']} | {p['max_ulp']} | {p['class']} | {p['class_ref_m']} | "
+                     f"{p['class_differ']} | {p['class_max_ulp']} |")
     lines += ["", "## Invariant schemes", ""]
     for scheme in dict.fromkeys(p["scheme"] for p in results["points"]):
         pts = [p for p in results["points"] if p["scheme"] == scheme]
         bad = sorted({p["m"] for p in pts if p["differ"] or p["nan"]})
         lines.append(f"- {scheme}: " + ("every M gives the same bits" if not bad else f"differs at M = {bad}"))
+        for fam in dict.fromkeys(p["class"] for p in pts):
+            bad = sorted({p["m"] for p in pts if p["class"] == fam and (p["class_differ"] or p["nan"])})
+            lines.append(f"  - {fam} family: " + ("the same bits at every M of the family" if not bad else
+                                                   f"differs from its largest M at M = {bad}"))
     return "\n".join(lines) + "\n"
 
 

@@ -53,7 +53,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..runner import GraphPool, bucket_for, cuda_graph_batch_sizes
+from ..runner import GraphPool, bucket_for, bucket_sizes, cuda_graph_batch_sizes
 from .decode_step import DecodeStep
 
 __all__ = ["generate", "GraphGenerator", "SUPPORTED_GENERATE_KWARGS"]
@@ -101,7 +101,9 @@ class GraphGenerator:
     max_batch : int
         Largest bucket of the default buckets (default 8).
     sizes : sequence of int, optional
-        The buckets; default ``cuda_graph_batch_sizes(max_batch)``.
+        The buckets; default ``cuda_graph_batch_sizes(max_batch)``. The model's kernel-family bounds below the
+        largest are added (`cutlass_w8a8.runner.bucket_sizes`), so a bucket's graph runs the GEMM kernels eager
+        runs for every batch it holds.
     use_graphs : bool, optional
         Capture and replay CUDA graphs (default: when the model is on a CUDA device). False runs the same
         steps eagerly (the CPU path, and the reference the graph tests compare with).
@@ -176,6 +178,7 @@ class GraphGenerator:
         sizes = sorted(set(cuda_graph_batch_sizes(max_batch) if sizes is None else sizes))
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"GraphGenerator: `sizes` must be positive ints, got {sizes!r}")
+        sizes = bucket_sizes(model, sizes[-1], sizes)  # the dispatch bounds added: graph == eager at every batch
         self.device = _model_device(model)
         if use_graphs is None:
             use_graphs = self.device.type == "cuda"

@@ -10,9 +10,10 @@ Comparisons, and why they are exact or not:
   quantization): relative Frobenius error of the logits below `EAGER_VS_FP32_REL`. The same model on the CPU (the
   ops' references) gives at most 5.9% over the steps of `test_every_bucket_replay_equals_eager_and_reference`
   (per-channel fp8: 6.4%); the bound is about 2.5x, test_decoder_cuda.py's for fp8.
-- the exact-M runner (one graph captured at the largest bucket, resized): its GEMMs are the CUTLASS kernels at
-  every M (scaled_mm does not take the decode path while an UpdatableGraph records), the eager step's are the
-  decode GEMM at M <= 8: not the same accumulation order, so it is held to the float32 reference, as eager is.
+- the exact-M runner (one UpdatableGraph captured at the largest bucket, resized, for the batches above the decode
+  GEMM's bound; buckets up to it: `DecodeGraphRunner.exact_floor`, issue 37): every step equals the unpadded eager
+  step bitwise, since each graph runs the GEMM family eager runs at that batch (lm_head quantized, so every GEMM is
+  ours), and the float32 reference as eager is.
 """
 
 import functools
@@ -115,20 +116,22 @@ def test_greedy_graph_equals_eager_without_host_sync():
 @torch.no_grad()
 def test_exact_runner_resizes_block_nodes():
     """mode="exact": one UpdatableGraph captured at 16 rows, its nodes (the block GEMMs, the group-quantizing norms
-    and SiLU*mul, attention) resized to each batch before its step; every step's logits against the float32
-    reference (see the module docstring for why not against eager bitwise), and a repeated batch gives the same
-    logits bitwise."""
-    model = build(max_batch=16)
+    and SiLU*mul, attention) resized to each batch above 8 before its step, buckets 1, 2, 4, 8 below; every step's
+    logits equal the unpadded eager step's bitwise and are close to the float32 reference, and a repeated batch
+    gives the same logits bitwise."""
+    model = build(max_batch=16, quant_lm_head=True)
     ref = float_reference(model)
     runner = DecodeGraphRunner(model, mode="exact")
+    assert (runner.exact_floor, runner.sizes) == (8, [1, 2, 4, 8, 16])
     gen = torch.Generator().manual_seed(5)
     seen = {}
-    for n in (16, 3, 1, 9, 3):
+    for n in (16, 3, 1, 9, 8, 3):
         # every row at position 7 of its slot: positions 0..6 stay zero, 7 is written by the row's own step, so a
         # step repeated later reads the same cache whatever ran in between
         tok = torch.randint(0, CFG.vocab_size, (n,), generator=gen)
         pos, slots = torch.full((n,), 7), torch.randperm(16, generator=gen)[:n]
         out = runner.step(tok, pos, slots).clone()
+        assert torch.equal(out, model(*on_cuda(tok, pos, slots))), f"{n} rows: exact runner != eager step"
         err = rel_err(out, ref(*on_cuda(tok, pos, slots)))
         assert err < EAGER_VS_FP32_REL, f"{n} rows: relative error {err:.3g}"
         if n in seen:  # the earlier step of this size again: the same logits, bitwise
