@@ -113,4 +113,9 @@ class SparseMoeBlock(nn.Module):
                                   config.num_experts_per_tok, config.norm_topk_prob, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        route_from_hidden = getattr(self.experts, "route_from_hidden", None)  # cutlass_w8a8.W8A8MoE
+        if route_from_hidden is not None and self.gate.bias is None:
+            # the router GEMM and the routing: one kernel at decode sizes (moe_router_route), else the two ops
+            topk_weights, topk_ids = route_from_hidden(x, self.gate.weight)
+            return self.experts(x, topk_ids, topk_weights)
         return self.experts(x, self.gate(x))

@@ -22,7 +22,8 @@ from ..config import W8A8Config
 from ..linear import quantization_repr, quantize_weight_blocks
 from ..ops import moe as _moe
 from ..ops import silu_mul_quant
-from ..ops._limits import BLOCK_SIZE, GEMM_ALIGN, MOE_DECODE_MAX_PAIRS, OUT_DTYPES, blocks
+from ..ops._limits import (BLOCK_SIZE, GEMM_ALIGN, MOE_DECODE_MAX_PAIRS, MOE_ROUTER_H_MULTIPLE, MOE_ROUTER_ROUTE_MAX_T,
+                           OUT_DTYPES, blocks)
 from ..ops._schema import OVERLOADS as _op
 from .families import routing_problem
 
@@ -134,6 +135,10 @@ class W8A8MoE(nn.Module):
     SiLU * up and the intermediate's quantization in its epilogue, the down GEMM with the weighted top-k sum in
     its epilogue) instead of the six ops of the chain; the result is the chain's bit for bit, so the choice never
     changes an output. Larger calls, static activation scales and CPU tensors run the chain.
+
+    **Router and routing in one kernel.** `route_from_hidden` (``x`` and the router's weight, as the decoders and
+    `cutlass_w8a8.hf.DecodeStep` call it) runs `cutlass_w8a8.ops.moe.moe_router_route` at decode sizes on CUDA
+    (``T <= MOE_ROUTER_ROUTE_MAX_T``: `router_route_applies`), else the router GEMM and `route`.
 
     Attributes
     ----------
@@ -399,6 +404,51 @@ class W8A8MoE(nn.Module):
         return _moe.moe_route(router_logits, self.top_k, scoring=self.scoring, correction_bias=self.correction_bias,
                               n_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
                               scaling_factor=self.scaling_factor)
+
+    def router_route_applies(self, x: torch.Tensor, router_weight: torch.Tensor,
+                             logits_dtype: Optional[torch.dtype] = None) -> bool:
+        """Whether `route_from_hidden` runs `cutlass_w8a8.ops.moe.moe_router_route` (the router GEMM and the routing
+        in one kernel) rather than ``F.linear`` and `route`: a CUDA ``x`` ``[T, H]`` with
+        ``1 <= T <= MOE_ROUTER_ROUTE_MAX_T`` (ops/_limits.py, the one owner of the limit), bfloat16 / float16, a
+        ``router_weight`` ``[E, H]`` of its dtype, ``H`` a multiple of ``MOE_ROUTER_H_MULTIPLE``, both with
+        unit-stride rows whose pitch is a multiple of 8 elements at 16-byte aligned addresses, and ``logits_dtype``
+        None, ``x``'s dtype or float32 (the op's contract: any other call takes the two ops, whose result is the
+        same up to the logits' summation order, `moe_router_route`'s Notes)."""
+        t = x.shape[0] if x.dim() == 2 else -1
+        if not (x.is_cuda and 1 <= t <= MOE_ROUTER_ROUTE_MAX_T and x.dtype in (torch.bfloat16, torch.float16)):
+            return False
+        if router_weight.dtype != x.dtype or router_weight.device != x.device or router_weight.dim() != 2:
+            return False
+        h = x.shape[1]
+        if tuple(router_weight.shape) != (self.num_experts, h) or h % MOE_ROUTER_H_MULTIPLE != 0:
+            return False
+        if logits_dtype not in (None, x.dtype, torch.float32):
+            return False
+        for m in (x, router_weight):
+            # the storage comes from an allocator aligning to >= 256 bytes: the view's offset decides
+            if (m.stride(1) != 1 or (m.shape[0] > 1 and m.stride(0) % 8 != 0)
+                    or m.storage_offset() * m.element_size() % 16 != 0):
+                return False
+        return True
+
+    def route_from_hidden(self, x: torch.Tensor, router_weight: torch.Tensor,
+                          logits_dtype: Optional[torch.dtype] = None):
+        """The routing of the hidden states ``x`` ``[T, H]`` by the router weight ``router_weight`` ``[E, H]``:
+        ``(topk_weights float32 [T, top_k], topk_ids int32 [T, top_k])`` = `route` of
+        ``F.linear(x.to(logits_dtype), router_weight.to(logits_dtype))`` (``logits_dtype`` None: ``x``'s dtype,
+        transformers' Qwen / Mixtral / OLMoE routers; float32: DeepSeek-V3 / GLM-4.5's).
+
+        At decode sizes (`router_route_applies`) one kernel, `cutlass_w8a8.ops.moe.moe_router_route` with the
+        layer's routing; else two ops (the router GEMM, then `route`). The two agree up to the summation order of
+        the logits (each within one unit in the last place of ``logits_dtype`` plus a float32 sum's error bound:
+        `moe_router_route`'s Notes), so experts at a near-tie may be chosen differently. Errors are the ops'."""
+        if self.router_route_applies(x, router_weight, logits_dtype):
+            return _moe.moe_router_route(x, router_weight, self.top_k, scoring=self.scoring,
+                                         correction_bias=self.correction_bias, n_group=self.n_group,
+                                         topk_group=self.topk_group, renormalize=self.renormalize,
+                                         scaling_factor=self.scaling_factor, logits_dtype=logits_dtype)
+        dt = x.dtype if logits_dtype is None else logits_dtype
+        return self.route(torch.nn.functional.linear(x.to(dt), router_weight.to(dt)))
 
     def forward(self, hidden_states: torch.Tensor, router_logits_or_topk_ids: torch.Tensor,
                 topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
