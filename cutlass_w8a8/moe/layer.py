@@ -408,14 +408,20 @@ class W8A8MoE(nn.Module):
     def router_route_applies(self, x: torch.Tensor, router_weight: torch.Tensor,
                              logits_dtype: Optional[torch.dtype] = None) -> bool:
         """Whether `route_from_hidden` runs `cutlass_w8a8.ops.moe.moe_router_route` (the router GEMM and the routing
-        in one kernel) rather than ``F.linear`` and `route`: a CUDA ``x`` ``[T, H]`` with
-        ``1 <= T <= MOE_ROUTER_ROUTE_MAX_T`` (ops/_limits.py, the one owner of the limit), bfloat16 / float16, a
-        ``router_weight`` ``[E, H]`` of its dtype, ``H`` a multiple of ``MOE_ROUTER_H_MULTIPLE``, both with
-        unit-stride rows whose pitch is a multiple of 8 elements at 16-byte aligned addresses, and ``logits_dtype``
-        None, ``x``'s dtype or float32 (the op's contract: any other call takes the two ops, whose result is the
-        same up to the logits' summation order, `moe_router_route`'s Notes)."""
-        t = x.shape[0] if x.dim() == 2 else -1
-        if not (x.is_cuda and 1 <= t <= MOE_ROUTER_ROUTE_MAX_T and x.dtype in (torch.bfloat16, torch.float16)):
+        in one kernel) rather than ``F.linear`` and `route`: a CUDA ``x`` and `router_route_fits`. Any other call
+        takes the two ops, whose result is the same up to the logits' summation order (`moe_router_route`'s
+        docstring)."""
+        return bool(x.is_cuda and self.router_route_fits(x, router_weight, logits_dtype))
+
+    def router_route_fits(self, x: torch.Tensor, router_weight: torch.Tensor,
+                          logits_dtype: Optional[torch.dtype] = None) -> bool:
+        """The decode-size rule of `router_route_applies`, the device aside: ``x`` ``[T, H]`` with
+        ``1 <= T <= MOE_ROUTER_ROUTE_MAX_T`` (ops/_limits.py, the one owner of the limit), bfloat16 / float16; a
+        ``router_weight`` ``[E, H]`` of its dtype and device; ``H`` a multiple of ``MOE_ROUTER_H_MULTIPLE``; both
+        with unit-stride rows whose pitch is a multiple of 8 elements at 16-byte aligned offsets; ``logits_dtype``
+        None, ``x``'s dtype or float32 (`moe_router_route`'s contract, so the op never raises on a call it takes)."""
+        if x.dim() != 2 or not 1 <= x.shape[0] <= MOE_ROUTER_ROUTE_MAX_T or x.dtype not in (torch.bfloat16,
+                                                                                             torch.float16):
             return False
         if router_weight.dtype != x.dtype or router_weight.device != x.device or router_weight.dim() != 2:
             return False
