@@ -13,6 +13,8 @@
 //      is written through distributed shared memory into the CTA that routes its token (token t: CTA t % 8);
 //   3. cluster barrier; each CTA routes its tokens, one warp per token, with route_row on the logits in its shared
 //      memory, and writes topk_weights / topk_ids.
+// (A first cluster barrier, arrived at the start and waited before the GEMM, makes sure every CTA of the cluster
+// runs before its shared memory is written.)
 //
 // Lane (g, q) of a warp (g = lane / 4, q = lane % 4) loads 16 consecutive elements of H from expert rows g and g + 8
 // and from token g: 32-byte loads, four lanes covering 128 contiguous bytes of a row. The mma's k index is a
@@ -120,6 +122,9 @@ __global__ void CW8A8_CLUSTER_DIMS(kClusterCtas, 1, 1) __launch_bounds__(kRRThre
   const int64_t row_bytes = int64_t(p.h) * sizeof(T);
 
   allow_dependent_launch();
+  // Every CTA of the cluster must have started before another writes into its shared memory: arrive now, wait
+  // after the prefetches (the CTAs of a cluster start together, so the wait is short).
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
   // The router weight is not written by the previous kernel: start its reads from HBM before waiting on it.
   for (int e = e0; e < e1; ++e) {
     for (int64_t off = int64_t(threadIdx.x) * 128; off < row_bytes; off += int64_t(kRRThreads) * 128) {
@@ -127,6 +132,7 @@ __global__ void CW8A8_CLUSTER_DIMS(kClusterCtas, 1, 1) __launch_bounds__(kRRThre
     }
   }
   wait_for_producers();
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 
   const int chunks = p.h / kChunk;
   for (int m0 = e0; m0 < e1; m0 += kTileE) {
