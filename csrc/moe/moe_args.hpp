@@ -1,5 +1,5 @@
-// The argument contract of the MoE ops on CUDA: moe_topk_softmax, moe_route, moe_router_route, moe_align, moe_permute_quant,
-// moe_unpermute(_out) and moe_decode_experts (the fused decode path, csrc/moe/moe_decode.cu). The same checks as cutlass_w8a8/ops/_checks.py (check_moe_*), in its order, with its
+// The argument contract of the MoE ops on CUDA: moe_topk_softmax, moe_route, moe_router_route (router_route.cu),
+// moe_align, moe_permute_quant, moe_unpermute(_out) and moe_decode_experts (the fused decode path, csrc/moe/moe_decode.cu). The same checks as cutlass_w8a8/ops/_checks.py (check_moe_*), in its order, with its
 // exception types and first-line messages character for character (docs/MISUSE.md; tests/test_misuse_table.py
 // runs every row on both). The quantization arguments of moe_permute_quant are silu_mul_quant's
 // (quant/rowwise_args.hpp).

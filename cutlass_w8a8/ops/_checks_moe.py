@@ -1,5 +1,5 @@
-"""The MoE ops' argument contract (moe_topk_softmax, moe_route, moe_router_route, moe_align, moe_permute_quant, moe_unpermute,
-moe_decode_experts), composed from the operand roles of `_roles.py` as `_checks.py` does for the other ops;
+"""The MoE ops' argument contract (moe_topk_softmax, moe_route, moe_router_route, moe_align, moe_permute_quant,
+moe_unpermute, moe_decode_experts), composed from the operand roles of `_roles.py` as `_checks.py` does for the other ops;
 csrc/moe/moe_args.hpp (called by routing.cu, permute_quant.cu and moe_decode.cu) raises the same messages in the
 same order."""
 

@@ -30,8 +30,8 @@ import torch
 
 from ._schema import OVERLOADS as _op
 
-__all__ = ["moe_topk_softmax", "moe_route", "moe_router_route", "moe_align", "moe_permute_quant", "moe_unpermute", "grouped_scaled_mm",
-           "moe_decode_experts"]
+__all__ = ["moe_topk_softmax", "moe_route", "moe_router_route", "moe_align", "moe_permute_quant", "moe_unpermute",
+           "grouped_scaled_mm", "moe_decode_experts"]
 
 
 def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
