@@ -149,6 +149,10 @@ class W8A8MoE(nn.Module):
         False: the unfused chain at every size (A/B benchmarks: ``bench/bench_moe.py --parts decode``). A plain
         attribute, not in the state dict, read on every forward, so a captured CUDA graph keeps the path it was
         captured with.
+    fused_router : bool
+        True (default): `route_from_hidden` takes ``moe_router_route`` where `router_route_fits` on CUDA; False: the
+        router GEMM and `route` at every size (an A/B switch, e.g. for ``bench/bench_decoder.py``; the experts
+        chosen may differ at near-ties only). A plain attribute, as ``fused_decode``.
 
     Raises
     ------
@@ -218,6 +222,7 @@ class W8A8MoE(nn.Module):
         # non-persistent: the router holds the checkpoint's tensor (transformers' state dict has no other)
         self.register_buffer("correction_bias", correction_bias, persistent=False)
         self.fused_decode = None  # None: the decode path where it is measured faster (uses_decode_path); True / False
+        self.fused_router = True  # route_from_hidden: moe_router_route where router_route_applies; False: two ops
 
     @property
     def group_size(self) -> int:
@@ -408,10 +413,11 @@ class W8A8MoE(nn.Module):
     def router_route_applies(self, x: torch.Tensor, router_weight: torch.Tensor,
                              logits_dtype: Optional[torch.dtype] = None) -> bool:
         """Whether `route_from_hidden` runs `cutlass_w8a8.ops.moe.moe_router_route` (the router GEMM and the routing
-        in one kernel) rather than ``F.linear`` and `route`: a CUDA ``x`` and `router_route_fits`. Any other call
-        takes the two ops, whose result is the same up to the logits' summation order (`moe_router_route`'s
-        docstring)."""
-        return bool(x.is_cuda and self.router_route_fits(x, router_weight, logits_dtype))
+        in one kernel) rather than ``F.linear`` and `route`: ``fused_router`` (default True), a CUDA ``x`` and
+        `router_route_fits`. Any other call takes the two ops, whose result is the same up to the logits' summation
+        order (`moe_router_route`'s docstring)."""
+        return bool(getattr(self, "fused_router", True) and x.is_cuda
+                    and self.router_route_fits(x, router_weight, logits_dtype))
 
     def router_route_fits(self, x: torch.Tensor, router_weight: torch.Tensor,
                           logits_dtype: Optional[torch.dtype] = None) -> bool:

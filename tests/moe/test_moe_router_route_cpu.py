@@ -96,6 +96,7 @@ def test_rule_fits_at_decode_sizes_only():
         assert layer.router_route_fits(torch.zeros(t, 128, dtype=torch.bfloat16), w)
     assert not layer.router_route_fits(torch.zeros(0, 128, dtype=torch.bfloat16), w)
     assert not layer.router_route_fits(torch.zeros(MOE_ROUTER_ROUTE_MAX_T + 1, 128, dtype=torch.bfloat16), w)
+    assert layer.fused_router is True  # the default; False is the A/B switch (tests/moe/test_moe_router_route_cuda.py)
     # the CPU never takes it (the op's CPU implementation is the reference of the two ops, not a kernel)
     assert not layer.router_route_applies(torch.zeros(1, 128, dtype=torch.bfloat16), w)
 

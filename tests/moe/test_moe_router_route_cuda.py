@@ -195,6 +195,9 @@ def test_decoder_block_takes_it_at_decode_sizes():
     w = torch.zeros(16, 128, dtype=torch.bfloat16, device=DEV)
     assert layer.router_route_applies(torch.zeros(16, 128, dtype=torch.bfloat16, device=DEV), w)
     assert not layer.router_route_applies(torch.zeros(17, 128, dtype=torch.bfloat16, device=DEV), w)
+    layer.fused_router = False  # the A/B switch
+    assert not layer.router_route_applies(torch.zeros(16, 128, dtype=torch.bfloat16, device=DEV), w)
+    layer.fused_router = True
     x = torch.randn(3, 128, dtype=torch.bfloat16, device=DEV)
     w = torch.randn(16, 128, dtype=torch.bfloat16, device=DEV)
     got = layer.route_from_hidden(x, w)
