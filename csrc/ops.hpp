@@ -104,6 +104,12 @@ std::tuple<at::Tensor, at::Tensor> moe_topk_softmax(const at::Tensor& router_log
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, int64_t top_k, c10::string_view scoring,
                                              const std::optional<at::Tensor>& correction_bias, int64_t n_group,
                                              int64_t topk_group, bool renormalize, double scaling_factor);
+// moe/router_route.cu: the router GEMM and moe_route in one kernel at decode sizes
+std::tuple<at::Tensor, at::Tensor> moe_router_route(const at::Tensor& x, const at::Tensor& router_weight, int64_t top_k,
+                                                    c10::string_view scoring,
+                                                    const std::optional<at::Tensor>& correction_bias, int64_t n_group,
+                                                    int64_t topk_group, bool renormalize, double scaling_factor,
+                                                    std::optional<at::ScalarType> logits_dtype);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align(const at::Tensor& topk_ids, int64_t num_experts);
 std::tuple<at::Tensor, at::Tensor> moe_permute_quant(const at::Tensor& x, const at::Tensor& sorted_pairs,
                                                      int64_t top_k, at::ScalarType dtype,

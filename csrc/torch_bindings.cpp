@@ -95,6 +95,7 @@ TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
   m.impl("_grouped_scaled_mm_config", &cutlass_w8a8::grouped_scaled_mm_config_out);
   m.impl("moe_topk_softmax", &cutlass_w8a8::moe_topk_softmax);
   m.impl("moe_route", &cutlass_w8a8::moe_route);
+  m.impl("moe_router_route", &cutlass_w8a8::moe_router_route);
   m.impl("moe_align", &cutlass_w8a8::moe_align);
   m.impl("moe_permute_quant", &cutlass_w8a8::moe_permute_quant);
   m.impl("moe_unpermute", &cutlass_w8a8::moe_unpermute);
