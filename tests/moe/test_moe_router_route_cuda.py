@@ -8,6 +8,8 @@ against the two ops it replaces, ``F.linear`` (cuBLAS) in the logits dtype then 
   sum_h |x w|`` of cuBLAS's);
 - row-invariance: row t of a T = 16 call equals the T = 1 call of that row bit for bit (and of T = 5);
 - graph replay (side-stream warm-up, sync debug mode "error") equals eager bit for bit with new x between replays;
+- exact sums (small integers): bit for bit against moe_route on the exact logits rounded to each logits dtype, with
+  E = 384, H of an odd number of 64-element chunks and a strided x;
 - outputs start as poisoned memory (every element is written);
 - the decoder's MoE block on CUDA takes it at decode sizes (W8A8MoE.router_route_applies).
 """
@@ -120,6 +122,45 @@ def test_fused_matches_linear_then_moe_route(case, t, dtype):
     rel = ((fw - uw).abs() / uw.abs().clamp_min(1e-30)).cpu()[same]
     tol = (2.2 * bound.cpu()[same] + 32 * 2.0**-24).unsqueeze(1)
     assert bool((rel <= tol).all()), f"{name}: weight relative difference {rel.max():.3g} above the bound"
+
+
+# (E, H, top_k, routing kwargs): Kimi-K2's E = 384 (three 16-expert tiles per CTA) with sigmoid and a bias; H of 9
+# and 17 64-element chunks (the 8 warps get unequal counts); Qwen2-MoE's E = 60 (CTAs 4..7 without experts)
+EXACT_CASES = [
+    (384, 576, 8, dict(scoring="sigmoid", renormalize=True, scaling_factor=2.827)),
+    (60, 1088, 4, dict(renormalize=False)),
+    (64, 1088, 6, dict(n_group=8, topk_group=3, renormalize=True)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t", [1, 9, 16])
+@pytest.mark.parametrize("case", EXACT_CASES, ids=["kimi_k2_e384", "qwen2_e60", "groups"])
+def test_exact_sums_bit_for_bit_each_logits_dtype(case, t, dtype):
+    """x holds integers in [-64, 64] and the weight integers in [-3, 3] times 2**-10 (both exact in bf16 / f16), so
+    every float32 sum of the H products is exact in any order (|sum| <= 192 * H units of 2**-10 < 2**24): the
+    kernel's logits are the float64 GEMM's, rounded to logits_dtype, bit for bit. Against moe_route on exactly those
+    logits (not on cuBLAS's 16-bit GEMM, which may reduce in reduced precision), for logits_dtype None and float32;
+    the two roundings route differently on these inputs, so a kernel that rounds to the wrong dtype fails. x is a
+    strided view (row pitch H + 64, offset 64 elements)."""
+    e, h, k, kw = case
+    g = torch.Generator().manual_seed(1000 * t + e)
+    x = torch.randint(-64, 65, (t, h + 64), generator=g).to(DEV, dtype)[:, 64:]
+    w = (torch.randint(-3, 4, (e, h), generator=g) * 2.0**-10).to(DEV, dtype)
+    bias = (torch.randn(e, generator=g) * 0.1).to(DEV) if kw.get("scoring") == "sigmoid" else None
+    kw = {**kw, "correction_bias": bias}
+    exact = F.linear(x.double(), w.double()).float()
+    wants = []
+    for ldt in (None, torch.float32):
+        logits = exact if ldt is torch.float32 else exact.to(dtype)
+        want = cw.moe_route(logits, k, **kw)
+        poison_allocator(t * k * 4, t * k * 4)
+        got = cw.moe_router_route(x, w, k, logits_dtype=ldt, **kw)
+        for a, b, what in zip(got, want, ("weights", "ids")):
+            bad = (a != b).any(dim=1).nonzero().flatten().tolist()
+            assert torch.equal(a, b), f"logits_dtype {ldt}: {what} differ in tokens {bad}"
+        wants.append(want)
+    assert not torch.equal(wants[0][0], wants[1][0])  # the test tells the two logits dtypes apart
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[2]], ids=["qwen3_moe", "deepseek_v3", "mixtral"])
