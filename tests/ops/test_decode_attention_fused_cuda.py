@@ -203,3 +203,34 @@ def test_graph_replay_equals_eager(heads, b, quant):
             r, e, t = (x.view(torch.uint8) if x.element_size() == 1 else x for x in (r, e, t))
             assert torch.equal(r, e), f"replay {i} output {j} vs eager"
             assert torch.equal(r, t), f"replay {i} output {j} vs the two kernels"
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("quant", [None, torch.int8], ids=["plain", "int8"])
+def test_updatable_graph_set_rows(quant):
+    """The fused kernel's node is row-wise (its cluster spans grid y only): UpdatableGraph.set_rows shrinks it to the
+    first rows, whose outputs equal the eager op's rows at the captured batch (the splits stay the captured B's)."""
+    _skip_unless_sm90()
+    b, (h, kvh), d, s = 8, (32, 4), 128, 512
+    q0, kv0, slots0, pos0 = _inputs(b, (h, kvh), d, s, torch.bfloat16, seed=80)
+    q0 = q0.contiguous()
+    scale = 1.0 / math.sqrt(d)
+
+    def fn(q, kv, slots, positions):
+        if quant is None:
+            return (OPS.decode_attention(q, kv, slots, positions, scale),)
+        return OPS.decode_attention_quant(q, kv, slots, positions, scale, quant, None)
+
+    with _Paths():
+        assert _path(q0, kv0) == "fused"
+        upd = cw.graphs.UpdatableGraph(fn, [q0, kv0, slots0, pos0])
+        assert {node.op for node in upd.nodes} == {"decode_attention_quant" if quant else "decode_attention"}
+        for rows in (1, 3, 8):
+            upd.set_rows(rows)
+            q, kv, slots, positions = _inputs(b, (h, kvh), d, s, torch.bfloat16, seed=90 + rows)
+            q = q.contiguous()
+            got = upd(q, kv, slots, positions)
+            eager = fn(q, kv, slots, positions)
+            for j, (g, e) in enumerate(zip(got, eager)):
+                g, e = (x[:rows].view(torch.uint8) if x.element_size() == 1 else x[:rows] for x in (g, e))
+                assert torch.equal(g, e), f"rows={rows} output {j}"
