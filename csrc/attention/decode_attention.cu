@@ -173,7 +173,7 @@ __device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int h
   };
   static_assert(sizeof(Vec) == 16, "16-byte vectors");
 
-  const int warp = t / 32, lane = t % 32;
+  const int warp = static_cast<unsigned>(t) / 32, lane = static_cast<unsigned>(t) % 32;  // t >= 0: shifts, masks
   const int lane_in_group = lane % kLanes;
   const int group = warp * kGroupsPerWarp + lane / kLanes;
   const int nvec = a.head_dim / kPer;  // vectors per cached row of D elements
@@ -422,7 +422,8 @@ __device__ __forceinline__ void head_split_weights(int n_active, MlAt ml_at, flo
   float m_max = fmaxf(ml[0].x, ml[1].x);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) m_max = fmaxf(m_max, __shfl_xor_sync(0xffffffffu, m_max, off));
-  float l = ml[0].y * rescale(ml[0].x, m_max) + ml[1].y * rescale(ml[1].x, m_max);
+  // the contraction written out (what nvcc makes of l0 r0 + l1 r1), so that no caller's inlining can choose another
+  float l = fmaf(ml[0].y, rescale(ml[0].x, m_max), ml[1].y * rescale(ml[1].x, m_max));
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
   const float inv = 1.f / l;
@@ -487,9 +488,10 @@ __global__ void __launch_bounds__(kCombineThreads) decode_attention_combine_kern
 // decode_attention_fused_kernel, grid (B, C), cluster (1, C), U split units (4 warps each) per CTA: the row's
 // (H / G') x splits units u = hg * splits + z -- head group hg, split z, exactly the split kernel's CTAs -- are
 // numbered across the cluster, unit u in CTA rank u / U, warps 4 (u % U) .. 4 (u % U) + 3. Each unit runs
-// split_partial into its CTA's shared memory; a cluster barrier; then every CTA computes the split weights of all
-// H heads from the units' (M, l) (split_weights, reading them through distributed shared memory), merges its
-// share of the row's H * D / 4 output vectors (merge_splits, the units' acc read remotely in split order), and
+// split_partial into its CTA's shared memory; a cluster barrier; then each CTA takes an even share of the row's
+// H * D / 4 output vectors, computes the split weights of the heads they lie in from the units' (M, l)
+// (head_split_weights, reading them through distributed shared memory), merges its vectors (merge_splits, the
+// units' acc read remotely in split order), and
 // stores them, or quantizes them with the row scale: max |y| over the row, a block max then a max over the
 // cluster's CTAs (exact in any order), / QMAX, as finish_regs does. Same splits (choose_splits), same per-split
 // arithmetic, same merge: the two-kernel path's result bit for bit, in one launch and without the workspace.
@@ -555,15 +557,24 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
     const int u = (h / kG) * a.splits + s;
     return cluster.map_shared_rank(units, u / kU) + u % kU;
   };
-  split_weights(a.heads, nb / 32, n_active, [&](int h, int s) { return unit_of(h, s)->ml[h % kG]; }, s_w);
-
+  // This CTA's share of the row: vectors [begin, end) of its H * D / 4 (4 elements each), an even split over the
+  // cluster, at most kFusedYRegs per thread (fused_plan); the split weights of the heads they lie in.
   const int nvec = a.heads * a.head_dim / 4;
-  const int stride = ctas * nb;
+  const int per_cta = (nvec + ctas - 1) / ctas;
+  const int begin = min(nvec, rank * per_cta), end = min(nvec, begin + per_cta);
+  if (begin < end) {
+    const int h_begin = begin * 4 / a.head_dim, h_end = ((end - 1) * 4) / a.head_dim + 1;
+    for (int h = h_begin + static_cast<int>(threadIdx.x) / 32; h < h_end; h += nb / 32) {
+      head_split_weights(n_active, [&](int s) { return unit_of(h, s)->ml[h % kG]; }, s_w + h * n_active);
+    }
+  }
+  __syncthreads();
+
   Vec<T, 4> y[kFusedYRegs];
 #pragma unroll
   for (int i = 0; i < kFusedYRegs; ++i) {
-    const int idx = rank * nb + threadIdx.x + i * stride;
-    if (idx < nvec) {
+    const int idx = begin + threadIdx.x + i * nb;
+    if (idx < end) {
       const int e = idx * 4;
       const int h = e / a.head_dim, d = e - h * a.head_dim;
       y[i] = merge_splits<T>([&](int s) { return &unit_of(h, s)->acc[h % kG][d]; }, s_w + h * n_active, n_active);
@@ -578,7 +589,7 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
       float amax = 0.f;
 #pragma unroll
       for (int i = 0; i < kFusedYRegs; ++i) {
-        if (rank * nb + threadIdx.x + i * stride < nvec) amax = vec_amax(amax, y[i]);
+        if (begin + threadIdx.x + i * nb < end) amax = vec_amax(amax, y[i]);
       }
       // max is exact: any grouping gives the row's max |y|, the value finish_regs finds
 #pragma unroll
@@ -600,14 +611,14 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
     if (rank == 0 && threadIdx.x == 0) a.scales[b] = scale;
 #pragma unroll
     for (int i = 0; i < kFusedYRegs; ++i) {
-      const int idx = rank * nb + threadIdx.x + i * stride;
-      if (idx < nvec) out[idx] = quantize_vec<O>(y[i], scale);
+      const int idx = begin + threadIdx.x + i * nb;
+      if (idx < end) out[idx] = quantize_vec<O>(y[i], scale);
     }
   } else {
 #pragma unroll
     for (int i = 0; i < kFusedYRegs; ++i) {
-      const int idx = rank * nb + threadIdx.x + i * stride;
-      if (idx < nvec) out[idx] = y[i];
+      const int idx = begin + threadIdx.x + i * nb;
+      if (idx < end) out[idx] = y[i];
     }
   }
   cluster.sync();  // no CTA leaves while another may still read its shared memory
