@@ -24,7 +24,11 @@ import torch
 import cutlass_w8a8 as cw
 from cutlass_w8a8 import _ext
 from cutlass_w8a8.testing.attention import make_inputs
-from cutlass_w8a8.testing.timers import bench_gpu_time, l2_cache_bytes, rotating_arg_sets
+from cutlass_w8a8.testing.timers import (
+    bench_gpu_time,
+    l2_cache_bytes,
+    rotating_arg_sets,
+)
 
 LAYOUTS = {"qwen3-30b-a3b": (32, 4), "llama-3-8b": (32, 8)}
 OPS = torch.ops.cutlass_w8a8

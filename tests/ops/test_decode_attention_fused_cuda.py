@@ -48,10 +48,11 @@ class _Paths:
         _ext.set_decode_attention_fused(self.previous)
 
     @staticmethod
-    def split(fn):
+    def split(fn, *args):
+        """fn(*args) with the fused path forbidden."""
         previous = _ext.set_decode_attention_fused(False)
         try:
-            return fn()
+            return fn(*args)
         finally:
             _ext.set_decode_attention_fused(previous)
 
@@ -86,7 +87,7 @@ def test_plain_equals_two_kernel_path(s, heads, d, dtype):
             fused_seen += _path(q, kv) == "fused"
             scale = 1.0 / math.sqrt(d)
             got = OPS.decode_attention(q, kv, slots, positions, scale)
-            expect = paths.split(lambda: OPS.decode_attention(q, kv, slots, positions, scale))
+            expect = paths.split(OPS.decode_attention, q, kv, slots, positions, scale)
             assert not torch.isnan(expect).any()
             assert torch.equal(got, expect), f"B={b} path={_path(q, kv)}"
             out = torch.full_like(got, float("nan"))
@@ -113,11 +114,11 @@ def test_quant_equals_two_kernel_path(heads, d, dtype, static, qdtype):
             scale = 1.0 / math.sqrt(d)
             static_scale = None
             if static:
-                y = paths.split(lambda: OPS.decode_attention(q, kv, slots, positions, scale))
+                y = paths.split(OPS.decode_attention, q, kv, slots, positions, scale)
                 static_scale = (y.float().abs().amax() / (0.8 * (127.0 if qdtype == torch.int8 else 448.0))).reshape(1)
             got_q, got_s = OPS.decode_attention_quant(q, kv, slots, positions, scale, qdtype, static_scale)
-            exp_q, exp_s = paths.split(
-                lambda: OPS.decode_attention_quant(q, kv, slots, positions, scale, qdtype, static_scale))
+            exp_q, exp_s = paths.split(OPS.decode_attention_quant, q, kv, slots, positions, scale, qdtype,
+                                       static_scale)
             tag = f"B={b} path={_path(q, kv)}"
             assert torch.equal(got_q.view(torch.uint8), exp_q.view(torch.uint8)), f"{tag}: q_out"
             assert torch.equal(got_s, exp_s), f"{tag}: scales"
