@@ -48,8 +48,10 @@
 // Qwen3-30B-A3B 32 / 4 x 128, S = 512, B = 1, CUDA graph): ~15.6 us per layer together.
 //
 // Row-wise (csrc/graphs/graph_nodes.hpp): block (x, y, z) of any of the kernels reads only row x's inputs and writes
-// only row x's outputs and workspace (the fused kernel's cluster spans y and z only), and the one kernel argument chosen from B (the split count, which sizes the
-// workspace) stays valid for fewer rows, so a captured node can be shrunk to fewer rows by its gridDim.x alone. PDL: both kernels signal their dependents at their start and wait on
+// only row x's outputs and workspace (the fused kernel's cluster spans y only), and the one kernel argument chosen
+// from B (the split count, which sizes the workspace and, in the fused path, the cluster) stays valid for fewer
+// rows, so a captured node can be shrunk to fewer rows by its gridDim.x alone (an update keeps the cluster
+// dimension, a launch attribute). PDL: every kernel signals its dependents at its start and waits on
 // griddepcontrol before reading anything (core/launch_policy.hpp); no host synchronisation, no allocation beyond
 // the outputs and the workspace.
 //
@@ -324,9 +326,10 @@ __device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int h
   }
 }
 
-// CTA (b, y, z): query heads y kG .. y kG + kG - 1 of row b over chunk z of its positions, into the workspace.
+// CTA (b, y, z): query heads y kG .. y kG + kG - 1 of row b over chunk z of its positions, into the workspace. (The
+// minimum of 1 block per SM keeps ptxas from capping small instantiations at 64 registers, where one spilled.)
 template <class T, int kG, int kLanes, int kVecs>
-__global__ void __launch_bounds__(kThreads) decode_attention_split_kernel(const Args<T> a) {
+__global__ void __launch_bounds__(kThreads, 1) decode_attention_split_kernel(const Args<T> a) {
   allow_dependent_launch();  // the combine kernel may be scheduled; it waits for this grid
   wait_for_producers();      // q and the cache row come from the rotary kernel
   constexpr int kRow = kLanes * kVecs * 16 / static_cast<int>(sizeof(T));
@@ -538,7 +541,8 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
   const int kU = static_cast<int>(blockDim.x) / kThreads;  // units per CTA (the host's plan)
   const int nb = kU * kThreads;                            // threads per CTA
   const int64_t b = blockIdx.x;
-  const int sub = threadIdx.x / kThreads;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int sub = tid / kThreads;
   const int unit = rank * kU + sub;
   const int hg = unit / a.splits, split = unit - hg * a.splits;
   const int len = row_length(a, b);
@@ -548,7 +552,7 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
   const int s_end = min(len, s_begin + chunk);  // <= s_begin for an idle split: nothing read, never merged
   Unit& mine = units[sub];
   split_partial<T, kG, kLanes, kVecs>(
-      a, b, hg * kG, s_begin, s_end, threadIdx.x % kThreads, mine.split,
+      a, b, hg * kG, s_begin, s_end, tid % kThreads, mine.split,
       [&](int g) { return &mine.acc[g][0]; }, [&](int g, float m, float l) { mine.ml[g] = make_float2(m, l); });
   cluster.sync();  // every unit's (M, l, acc) is in its CTA's shared memory
 
@@ -564,7 +568,7 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
   const int begin = min(nvec, rank * per_cta), end = min(nvec, begin + per_cta);
   if (begin < end) {
     const int h_begin = begin * 4 / a.head_dim, h_end = ((end - 1) * 4) / a.head_dim + 1;
-    for (int h = h_begin + static_cast<int>(threadIdx.x) / 32; h < h_end; h += nb / 32) {
+    for (int h = h_begin + tid / 32; h < h_end; h += nb / 32) {
       head_split_weights(n_active, [&](int s) { return unit_of(h, s)->ml[h % kG]; }, s_w + h * n_active);
     }
   }
@@ -573,7 +577,7 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
   Vec<T, 4> y[kFusedYRegs];
 #pragma unroll
   for (int i = 0; i < kFusedYRegs; ++i) {
-    const int idx = begin + threadIdx.x + i * nb;
+    const int idx = begin + tid + i * nb;
     if (idx < end) {
       const int e = idx * 4;
       const int h = e / a.head_dim, d = e - h * a.head_dim;
@@ -581,7 +585,8 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
     }
   }
 
-  auto* out = reinterpret_cast<Vec<typename O::type, 4>*>(static_cast<typename O::type*>(a.out) + b * (int64_t(nvec) * 4));
+  auto* out =
+      reinterpret_cast<Vec<typename O::type, 4>*>(static_cast<typename O::type*>(a.out) + b * (int64_t(nvec) * 4));
   if constexpr (IsQuant<O>::value) {
     static_assert(!IsGroup<O>::value, "decode_attention_quant: per-token or static per-tensor scales");
     float scale;
@@ -589,14 +594,14 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
       float amax = 0.f;
 #pragma unroll
       for (int i = 0; i < kFusedYRegs; ++i) {
-        if (begin + threadIdx.x + i * nb < end) amax = vec_amax(amax, y[i]);
+        if (begin + tid + i * nb < end) amax = vec_amax(amax, y[i]);
       }
       // max is exact: any grouping gives the row's max |y|, the value finish_regs finds
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-      if (threadIdx.x % 32 == 0) s_warp_amax[threadIdx.x / 32] = amax;
+      if (tid % 32 == 0) s_warp_amax[tid / 32] = amax;
       __syncthreads();
-      if (threadIdx.x == 0) {
+      if (tid == 0) {
         float block_amax = s_warp_amax[0];
         for (int w = 1; w < nb / 32; ++w) block_amax = fmaxf(block_amax, s_warp_amax[w]);
         s_amax = block_amax;
@@ -608,16 +613,16 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
     } else {
       scale = *a.static_scale;
     }
-    if (rank == 0 && threadIdx.x == 0) a.scales[b] = scale;
+    if (rank == 0 && tid == 0) a.scales[b] = scale;
 #pragma unroll
     for (int i = 0; i < kFusedYRegs; ++i) {
-      const int idx = begin + threadIdx.x + i * nb;
+      const int idx = begin + tid + i * nb;
       if (idx < end) out[idx] = quantize_vec<O>(y[i], scale);
     }
   } else {
 #pragma unroll
     for (int i = 0; i < kFusedYRegs; ++i) {
-      const int idx = begin + threadIdx.x + i * nb;
+      const int idx = begin + tid + i * nb;
       if (idx < end) out[idx] = y[i];
     }
   }
