@@ -716,7 +716,8 @@ struct FusedPlan {
 };
 
 // The dispatch rule between the two paths, in one place. The fused kernel serves when
-//   - the switch is on, the device is sm90 or newer (clusters), and q is 16-bit with 32 < D <= 128 (kLanes 8 or 16,
+//   - the switch is on, the device is sm90 (clusters of 16 measured there; newer archs keep the two kernels until
+//     measured), and q is 16-bit with 32 < D <= 128 (kLanes 8 or 16,
 //     one 16-byte vector a lane: the instantiated kernels);
 //   - H * D / 4 <= kCombineThreads * kCombineVecs: the two-kernel path then merges with the split weights in shared
 //     memory (split_weights + merge_splits), the arithmetic the fused kernel repeats;
@@ -727,7 +728,7 @@ struct FusedPlan {
 // Llama-3-8B (32 / 8 x 128) at B <= 8: 8 x (5 .. 8) units, more than 2 x 16: the two kernels (at B >= 16 the fused
 // path: 8 x 3 units, 12 CTAs of 2). Qwen3 at S = 4096, B <= 8: up to 64 splits, the two kernels.
 FusedPlan fused_plan(int64_t heads, int g, int64_t head_dim, int elem_bytes, int splits, int cc_major) {
-  if (!g_fused_enabled.load(std::memory_order_relaxed) || cc_major < 9 || elem_bytes != 2) return {};
+  if (!g_fused_enabled.load(std::memory_order_relaxed) || cc_major != 9 || elem_bytes != 2) return {};
   const int64_t lane_vecs = head_dim * elem_bytes / 16;
   if (lane_vecs <= 4 || lane_vecs > 16) return {};
   const int64_t nvec = heads * head_dim / 4;

@@ -69,9 +69,13 @@ def _inputs(b, heads, d, s, dtype, seed):
     return make_inputs(b, h, kvh, d, s, dtype, "cuda", seed=seed, positions=_positions(b, s, seed))
 
 
+def _is_sm90():
+    return torch.cuda.get_device_capability()[0] == 9
+
+
 def _skip_unless_sm90():
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the one-kernel path needs thread-block clusters (sm90)")
+    if not _is_sm90():
+        pytest.skip("the one-kernel path runs on sm90 (thread-block clusters; other archs keep the two kernels)")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -93,7 +97,7 @@ def test_plain_equals_two_kernel_path(s, heads, d, dtype):
             out = torch.full_like(got, float("nan"))
             OPS.decode_attention_out(out, q, kv, slots, positions, scale)
             assert torch.equal(out, expect), f"B={b} out="
-    if torch.cuda.get_device_capability() >= (9, 0) and s == 512:
+    if _is_sm90() and s == 512:
         assert fused_seen > 0, "no batch took the fused path at S = 512"
 
 
@@ -134,7 +138,7 @@ TARGETS = [(32, 4, 1, 512, "fused"), (32, 4, 8, 512, "fused"), (32, 8, 64, 512, 
 @pytest.mark.parametrize("h,kvh,b,s,expected", TARGETS, ids=lambda v: str(v))
 def test_paths_of_the_target_shapes(h, kvh, b, s, expected):
     """The path each of the measured shapes takes (D = 128, bfloat16) on sm90; the switch sends every shape to the
-    two kernels, and so do float32 q and devices below sm90."""
+    two kernels, and so do float32 q and devices other than sm90."""
     dev = torch.cuda.current_device()
     with _Paths():
         path = _ext.decode_attention_path(dev, b, h, kvh, s, 128, torch.bfloat16)
@@ -144,7 +148,7 @@ def test_paths_of_the_target_shapes(h, kvh, b, s, expected):
             assert _ext.decode_attention_path(dev, b, h, kvh, s, 128, torch.bfloat16) == "split"
         finally:
             _ext.set_decode_attention_fused(previous)
-    assert path == (expected if torch.cuda.get_device_capability() >= (9, 0) else "split")
+    assert path == (expected if _is_sm90() else "split")
 
 
 def test_path_arguments_are_checked():
