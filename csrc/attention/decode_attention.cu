@@ -425,8 +425,10 @@ __device__ __forceinline__ void head_split_weights(int n_active, MlAt ml_at, flo
   float m_max = fmaxf(ml[0].x, ml[1].x);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) m_max = fmaxf(m_max, __shfl_xor_sync(0xffffffffu, m_max, off));
-  // the contraction written out (what nvcc makes of l0 r0 + l1 r1), so that no caller's inlining can choose another
-  float l = fmaf(ml[0].y, rescale(ml[0].x, m_max), ml[1].y * rescale(ml[1].x, m_max));
+  // l0 r0 + l1 r1 with its contraction written out, so that no caller's inlining can choose another: the one nvcc
+  // made of main's combine_weights (l0 r0 rounded, then fma(l1, r1, .): rescale's branch puts the first product in
+  // another basic block, so only the second one was fused; its PTX shows fma.rn.f32 l1, r1, (l0 r0))
+  float l = fmaf(ml[1].y, rescale(ml[1].x, m_max), ml[0].y * rescale(ml[0].x, m_max));
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
   const float inv = 1.f / l;
