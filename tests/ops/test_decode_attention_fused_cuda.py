@@ -128,6 +128,31 @@ def test_quant_equals_two_kernel_path(heads, d, dtype, static, qdtype):
             assert torch.equal(got_s, exp_s), f"{tag}: scales"
 
 
+
+# Plans the sweeps above never take (fused_plan, any SM count <= 256): Llama-3-8B's heads at B = 64 (one split, 8
+# units: U = 1, a portable cluster of 8 CTAs, no non-portable attribute); D = 80 (10 of a group's 16 lanes hold a
+# vector, the rest zeros; a CTA's share of 40 vectors is two heads of 20).
+EXTRA = [((32, 8), 64, 128), ((32, 4), 3, 80), ((8, 8), 2, 80)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,b,d", EXTRA, ids=lambda v: str(v))
+def test_other_plans_equal_two_kernel_path(heads, b, d, dtype):
+    """decode_attention and decode_attention_quant (int8, dynamic), fused vs two kernels, torch.equal."""
+    s = 512
+    q, kv, slots, positions = _inputs(b, heads, d, s, dtype, seed=200 + b)
+    if _is_sm90():
+        assert _path(q, kv) == "fused"
+    scale = 1.0 / math.sqrt(d)
+    with _Paths() as paths:
+        got = OPS.decode_attention(q, kv, slots, positions, scale)
+        expect = paths.split(OPS.decode_attention, q, kv, slots, positions, scale)
+        assert torch.equal(got, expect)
+        got_q, got_s = OPS.decode_attention_quant(q, kv, slots, positions, scale, torch.int8, None)
+        exp_q, exp_s = paths.split(OPS.decode_attention_quant, q, kv, slots, positions, scale, torch.int8, None)
+        assert torch.equal(got_q, exp_q)
+        assert torch.equal(got_s, exp_s)
+
 # (H, KVH, B, S, path on sm90) whatever the SM count (>= 16): Qwen3-30B-A3B at S = 512 has at most 8 splits, 4 x 8
 # split units, one cluster of 16 CTAs of 2 units; Llama-3-8B at B = 1 has 8 x 8 units (too many for one cluster); at
 # B = 64 one split (8 units); Qwen3 at B = 1, S = 4096 up to 64 splits.
