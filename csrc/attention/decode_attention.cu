@@ -719,7 +719,7 @@ struct FusedPlan {
 
 // The dispatch rule between the two paths, in one place. The fused kernel serves when
 //   - the switch is on, the device is sm90 (clusters of 16 measured there; newer archs keep the two kernels until
-//     measured), and q is 16-bit with 32 < D <= 128 (kLanes 8 or 16,
+//     measured) running _C's sm90 code (clusters_available), and q is 16-bit with 32 < D <= 128 (kLanes 8 or 16,
 //     one 16-byte vector a lane: the instantiated kernels);
 //   - H * D / 4 <= kCombineThreads * kCombineVecs: the two-kernel path then merges with the split weights in shared
 //     memory (split_weights + merge_splits), the arithmetic the fused kernel repeats;
@@ -729,8 +729,13 @@ struct FusedPlan {
 // Qwen3-30B-A3B (32 / 4 heads x 128) at B = 1, S = 512: 8 splits, 4 x 8 units, U = 2: one cluster of 16 CTAs.
 // Llama-3-8B (32 / 8 x 128) at B <= 8: 8 x (5 .. 8) units, more than 2 x 16: the two kernels (at B >= 16 the fused
 // path: 8 x 3 units, 12 CTAs of 2). Qwen3 at S = 4096, B <= 8: up to 64 splits, the two kernels.
-FusedPlan fused_plan(int64_t heads, int g, int64_t head_dim, int elem_bytes, int splits, int cc_major) {
-  if (!g_fused_enabled.load(std::memory_order_relaxed) || cc_major != 9 || elem_bytes != 2) return {};
+FusedPlan fused_plan(int64_t heads, int g, int64_t head_dim, int elem_bytes, int splits, int device) {
+  // sm90, and its cluster code is what got loaded (core/device.hpp's clusters_available: not a compute_80 PTX JIT,
+  // whose fused kernel is the __trap of its pre-sm90 pass)
+  if (!g_fused_enabled.load(std::memory_order_relaxed) || elem_bytes != 2 || device_info(device).major != 9 ||
+      !clusters_available(device)) {
+    return {};
+  }
   const int64_t lane_vecs = head_dim * elem_bytes / 16;
   if (lane_vecs <= 4 || lane_vecs > 16) return {};
   const int64_t nvec = heads * head_dim / 4;
@@ -866,7 +871,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
   const int64_t kv_heads = kv_cache.size(2);
   const int g = heads_per_cta(heads / kv_heads);
   const int splits = choose_splits(batch, heads, heads / g, kv_cache.size(3), device_info(device).sm_count);
-  const FusedPlan plan = fused_plan(heads, g, d, static_cast<int>(q.element_size()), splits, device_info(device).major);
+  const FusedPlan plan = fused_plan(heads, g, d, static_cast<int>(q.element_size()), splits, device);
   const int64_t parts = batch * heads * splits;
   at::Tensor workspace;  // the two-kernel path's partial results (the fused path keeps them in shared memory)
   if (plan.units == 0) workspace = at::empty({parts * (d + 2)}, q.options().dtype(at::kFloat));
@@ -955,10 +960,10 @@ std::string decode_attention_path(int64_t device, int64_t batch, int64_t heads, 
                     heads, ", ", kv_heads, ", ", seq_len, ", ", head_dim);
   TORCH_CHECK_VALUE(heads % kv_heads == 0, op, ": `kv_heads` = ", kv_heads, " must divide `heads` = ", heads);
   const int d = static_cast<int>(device);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(d));  // clusters_available queries the current device
   const int g = heads_per_cta(heads / kv_heads);
   const int splits = choose_splits(batch, heads, heads / g, seq_len, device_info(d).sm_count);
-  const FusedPlan plan = fused_plan(heads, g, head_dim, static_cast<int>(c10::elementSize(dtype)), splits,
-                                    device_info(d).major);
+  const FusedPlan plan = fused_plan(heads, g, head_dim, static_cast<int>(c10::elementSize(dtype)), splits, d);
   return plan.units > 0 ? "fused" : "split";
 }
 
