@@ -66,6 +66,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -725,13 +726,95 @@ struct FusedPlan {
 //     memory (split_weights + merge_splits), the arithmetic the fused kernel repeats;
 //   - the row's (H / G') x splits units fit one cluster: U units per CTA (1, 2 or 4; at most 2 for G' >= 2) with
 //     units / U <= kFusedMaxCluster CTAs, the smallest such U (more SMs, fewer warps each); and the row's output
-//     vectors fit kFusedYRegs a thread.
+//     vectors fit kFusedYRegs a thread;
+//   - a cluster above the portable 8 CTAs is resident on the device (fused_plan_resident: asked once, cached);
+//     else the next U (fewer CTAs), else the two kernels.
 // Qwen3-30B-A3B (32 / 4 heads x 128) at B = 1, S = 512: 8 splits, 4 x 8 units, U = 2: one cluster of 16 CTAs.
 // Llama-3-8B (32 / 8 x 128) at B <= 8: 8 x (5 .. 8) units, more than 2 x 16: the two kernels (at B >= 16 the fused
 // path: 8 x 3 units, 12 CTAs of 2). Qwen3 at S = 4096, B <= 8: up to 64 splits, the two kernels.
-FusedPlan fused_plan(int64_t heads, int g, int64_t head_dim, int elem_bytes, int splits, int device) {
+// Once per fused-kernel instantiation and device: allow clusters above the portable 8 CTAs (a driver call: never
+// per launch). Needed before a launch of more than 8 CTAs a cluster, and before asking the occupancy of one.
+template <class T, class O, int kG, int kLanes>
+void allow_nonportable_clusters(int device) {
+  static std::array<std::once_flag, 64> once;
+  std::call_once(once.at(static_cast<size_t>(device)), [&] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_attention_fused_kernel<T, O, kG, kLanes, 1>,
+                                        cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  });
+}
+
+// Whether one cluster of `ctas` CTAs of `units` units of the fused kernel <T, O, kG, kLanes> can be resident on the
+// current device (cudaOccupancyMaxActiveClusters > 0). A cluster above 8 CTAs needs that many SMs with room in one
+// GPC, and a CTA of the kG = 8 kernel takes a whole SM's register file: H100 / H200 SXM (132 SMs) have such GPCs,
+// sm90 parts with smaller GPCs may not, and there the two kernels serve rather than a launch that fails.
+template <class T, class O, int kG, int kLanes>
+bool fused_cluster_resident(int device, int units, int ctas) {
+  allow_nonportable_clusters<T, O, kG, kLanes>(device);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(1, static_cast<unsigned>(ctas));
+  cfg.blockDim = dim3(static_cast<unsigned>(units * kThreads));
+  cfg.dynamicSmemBytes = fused_unit_smem<T, kG, kLanes, 1>() * static_cast<size_t>(units);
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 1;
+  attr.val.clusterDim.y = static_cast<unsigned>(ctas);
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, decode_attention_fused_kernel<T, O, kG, kLanes, 1>, &cfg) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();  // an unsupported configuration: not resident; leave no error for the next check
+    return false;
+  }
+  return clusters > 0;
+}
+
+// The same for every output variant the launch may pick (q's dtype, int8, fp8), so the path does not depend on it.
+template <class T, int kG, int kLanes>
+bool fused_resident_all_outputs(int device, int units, int ctas) {
+  return fused_cluster_resident<T, FloatOut<T>, kG, kLanes>(device, units, ctas) &&
+         fused_cluster_resident<T, Int8Out, kG, kLanes>(device, units, ctas) &&
+         fused_cluster_resident<T, Fp8Out, kG, kLanes>(device, units, ctas);
+}
+
+template <class T, int kG>
+bool fused_resident_for_lanes(int lanes, int device, int units, int ctas) {
+  return lanes == 8 ? fused_resident_all_outputs<T, kG, 8>(device, units, ctas)
+                    : fused_resident_all_outputs<T, kG, 16>(device, units, ctas);
+}
+
+template <class T>
+bool fused_resident_for_group(int g, int lanes, int device, int units, int ctas) {
+  switch (g) {
+    case 8: return fused_resident_for_lanes<T, 8>(lanes, device, units, ctas);
+    case 4: return fused_resident_for_lanes<T, 4>(lanes, device, units, ctas);
+    case 2: return fused_resident_for_lanes<T, 2>(lanes, device, units, ctas);
+    default: return fused_resident_for_lanes<T, 1>(lanes, device, units, ctas);
+  }
+}
+
+// fused_cluster_resident for a plan above 8 CTAs a cluster, asked once per (device, dtype, G', lanes, units, CTAs)
+// and cached (a plan of at most 8 CTAs is the portable size: no check). The current device must be `device`.
+bool fused_plan_resident(int device, at::ScalarType dtype, int g, int lanes, int units, int ctas) {
+  if (ctas <= 8) return true;
+  static std::mutex mutex;
+  static std::map<std::array<int, 6>, bool> cache;
+  const std::array<int, 6> key{device, static_cast<int>(dtype), g, lanes, units, ctas};
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const bool resident = dtype == at::kBFloat16
+                            ? fused_resident_for_group<__nv_bfloat16>(g, lanes, device, units, ctas)
+                            : fused_resident_for_group<__half>(g, lanes, device, units, ctas);
+  cache.emplace(key, resident);
+  return resident;
+}
+
+FusedPlan fused_plan(int64_t heads, int g, int64_t head_dim, at::ScalarType dtype, int splits, int device) {
   // sm90, and its cluster code is what got loaded (core/device.hpp's clusters_available: not a compute_80 PTX JIT,
   // whose fused kernel is the __trap of its pre-sm90 pass)
+  const int elem_bytes = static_cast<int>(c10::elementSize(dtype));
   if (!g_fused_enabled.load(std::memory_order_relaxed) || elem_bytes != 2 || device_info(device).major != 9 ||
       !clusters_available(device)) {
     return {};
@@ -743,7 +826,9 @@ FusedPlan fused_plan(int64_t heads, int g, int64_t head_dim, int elem_bytes, int
   const int64_t units = heads / g * splits;
   for (int u = 1; u <= fused_max_units(g); u *= 2) {
     if (units % u == 0 && units / u <= kFusedMaxCluster && nvec <= int64_t(kFusedYRegs) * units * kThreads) {
-      return {u, static_cast<int>(units / u)};
+      const int ctas = static_cast<int>(units / u);
+      if (!fused_plan_resident(device, dtype, g, lane_vecs <= 8 ? 8 : 16, u, ctas)) continue;  // fewer, fuller CTAs
+      return {u, ctas};
     }
   }
   return {};
@@ -753,12 +838,7 @@ template <class T, class O, int kG, int kLanes>
 void launch_fused(const Args<T>& args, int64_t batch, const FusedPlan& plan, int device, cudaStream_t stream,
                   bool pdl) {
   auto* kernel = decode_attention_fused_kernel<T, O, kG, kLanes, 1>;
-  if (plan.ctas > 8) {  // once per kernel and device (a driver call: never per launch)
-    static std::array<std::once_flag, 64> once;
-    std::call_once(once.at(static_cast<size_t>(device)), [&] {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    });
-  }
+  if (plan.ctas > 8) allow_nonportable_clusters<T, O, kG, kLanes>(device);
   const size_t smem = fused_unit_smem<T, kG, kLanes, 1>() * static_cast<size_t>(plan.units);
   const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(plan.ctas));
   C10_CUDA_CHECK(launch_kernel_cluster(kernel, grid, dim3(plan.units * kThreads), smem, stream, pdl,
@@ -871,7 +951,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
   const int64_t kv_heads = kv_cache.size(2);
   const int g = heads_per_cta(heads / kv_heads);
   const int splits = choose_splits(batch, heads, heads / g, kv_cache.size(3), device_info(device).sm_count);
-  const FusedPlan plan = fused_plan(heads, g, d, static_cast<int>(q.element_size()), splits, device);
+  const FusedPlan plan = fused_plan(heads, g, d, q.scalar_type(), splits, device);
   const int64_t parts = batch * heads * splits;
   at::Tensor workspace;  // the two-kernel path's partial results (the fused path keeps them in shared memory)
   if (plan.units == 0) workspace = at::empty({parts * (d + 2)}, q.options().dtype(at::kFloat));
@@ -963,7 +1043,7 @@ std::string decode_attention_path(int64_t device, int64_t batch, int64_t heads, 
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(d));  // clusters_available queries the current device
   const int g = heads_per_cta(heads / kv_heads);
   const int splits = choose_splits(batch, heads, heads / g, seq_len, device_info(d).sm_count);
-  const FusedPlan plan = fused_plan(heads, g, head_dim, static_cast<int>(c10::elementSize(dtype)), splits, d);
+  const FusedPlan plan = fused_plan(heads, g, head_dim, dtype, splits, d);
   return plan.units > 0 ? "fused" : "split";
 }
 
