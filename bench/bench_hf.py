@@ -41,6 +41,22 @@ ones included: runs before issue 28 timed that.)
   write, on a KV cache of its own), or ``transformers``, the same ``model.forward`` call as above on a StaticCache.
   (A cutlass_w8a8 whose ``GraphGenerator`` has no ``step=`` runs the transformers step, recorded as such.)
 
+``--config qwen3-30b-a3b`` (issue 36) times transformers' ``Qwen3MoeForCausalLM`` instead, built from a
+``Qwen3MoeConfig`` with Qwen3-30B-A3B's dimensions (`qwen3_moe_config`: those of the model's config.json on the Hub,
+owned by ``cutlass_w8a8.models.QWEN3_30B_A3B``: hidden 2048, 48 layers, 32 / 4 heads x 128, 128 experts of
+``moe_intermediate_size`` 768, top-8, ``norm_topk_prob`` True, vocab 151936, rope_theta 1e6), random weights
+(the experts' ``(E, N, K)`` tensors and the routers drawn like the other matrices). ``quantize_`` turns its
+projections into `W8A8Linear` and its experts into `W8A8MoE`; the routers stay bf16. ``optimize_`` fuses the
+attention side of its layers, and ``GraphGenerator(step="auto")`` runs the ``-opt`` models on the package's step
+(``hf.DecodeStep``, whose MoE MLP is the block's router, ``moe_route`` and the `W8A8MoE`): the report names the step
+of every graph row and in the target line. Layers: by default as many of the 48 as fit beside the bf16 copy
+(`fit_layers`: the bf16 weights + every W8A8 copy + the KV caches, counted per layer by `layer_bytes` on a meta
+model, within ``FIT_FRACTION`` = 85% of the GPU's free memory at the start; on an H200, ~139 GiB free: bf16 1.16 GiB
+per layer + 0.58 GiB per W8A8 copy, so bf16 with one or two W8A8 models takes all 48 layers, with three 40, with six
+25); a rule rather than a fixed 24 because the issue asks for as many layers as fit and the count depends on the
+models asked for. Its files are ``hf_decode_qwen3-30b-a3b[_<tag>]_<device>.*`` and its one target is issue 36's:
+each ``-opt`` model's graph path >= 2.5x bf16 compiled at batch 1 (the Llama targets are not shown for it).
+
 ``--decoder`` adds, in graph mode, the package's own reference decoder (``decoder int8 (cutlass_w8a8.models)``):
 ``cutlass_w8a8.models.LlamaDecoder(config, quant="int8", max_batch=max(--batches), max_seq_len=--max-cache-len
 rounded up to a multiple of 16, device="cuda", dtype=torch.bfloat16)`` at the same dimensions and layers (random
@@ -92,6 +108,9 @@ Examples::
     python bench/bench_hf.py --batches 1 --dtypes bf16,int8-opt,fp8-opt,fp8-block-opt --decoder
                                                   # writes hf_decode_b1_<device>.*; --batches 8: hf_decode_b8_*
     python bench/bench_hf.py --tiny --out /tmp/hf # CPU, tiny config: the flow only, no timing claims
+    python bench/bench_hf.py --config qwen3-30b-a3b --batches 1 --dtypes bf16,int8-opt
+                                                  # issue 36: 48 layers on an H200 (the fit rule);
+                                                  # writes hf_decode_qwen3-30b-a3b_b1_<device>.*
 """
 
 from __future__ import annotations
@@ -140,7 +159,7 @@ GRAPH_STEPS = ("auto", "cw", "transformers")
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Per-token decode latency and warm-up of transformers' LlamaForCausalLM (Llama-3-8B "
-                    "dimensions, random weights): bf16 vs W8A8 int8 / fp8 / fp8-block (cutlass_w8a8.quantize_, and "
+                    "dimensions, random weights; --config qwen3-30b-a3b: Qwen3MoeForCausalLM): bf16 vs W8A8 int8 / fp8 / fp8-block (cutlass_w8a8.quantize_, and "
                     "after cutlass_w8a8.optimize_: -opt), eager vs torch.compile (reduce-overhead, fullgraph) vs "
                     "cutlass_w8a8.generate's CUDA-graph step, on a StaticCache.")
     parser.add_argument("--batches", type=int_list(), default=[1, 8], metavar="LIST",
@@ -148,8 +167,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dtypes", type=name_list(MODELS, ordered=True), default=None, metavar="LIST",
                         help=f"models among {','.join(MODELS)} (default: all; with --quick "
                              f"{','.join(QUICK_MODELS)}; without bf16 there are no speedups and no SQNR against it)")
+    parser.add_argument("--config", choices=list(CONFIGS), default="llama3-8b",
+                        help="model: llama3-8b (default: LlamaForCausalLM at Llama-3-8B dims) or qwen3-30b-a3b "
+                             "(Qwen3MoeForCausalLM at Qwen3-30B-A3B dims: 128 experts of 768, top-8; experts become "
+                             "W8A8MoE, routers stay bf16); its name goes into the report's title and file names")
     parser.add_argument("--layers", type=int, default=None,
-                        help="decoder layers (default 32; 2 with --quick or --tiny)")
+                        help="decoder layers (default: llama3-8b 32; qwen3-30b-a3b as many of its 48 as fit beside "
+                             f"the bf16 copy: the bf16 weights, each W8A8 copy's and the KV caches within "
+                             f"{FIT_FRACTION} of the GPU's free memory; 2 with --quick or --tiny)")
     parser.add_argument("--quick", action="store_true",
                         help="2 layers (unless --layers), 5 models, fewer repetitions: about 2 minutes on an H100 "
                              "(each compile takes seconds instead of 35-44 s); the report says the ratios are not "
@@ -200,7 +225,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--decoder times our decoder in graph mode and compares the graph paths with it: drop --no-graph")
     if args.tag is not None and not re.fullmatch(r"[A-Za-z0-9._-]*", args.tag):
         parser.error(f"--tag may hold letters, digits, '.', '_' and '-' only, got {args.tag!r}")
-    args.layers = args.layers or (2 if args.tiny or args.quick else 32)
+    # None: a "fit" config's default, resolved on the GPU by `fit_layers` (run)
+    args.layers_given = args.layers is not None
+    default = CONFIGS[args.config]["default_layers"]
+    args.layers = args.layers or (2 if args.tiny or args.quick else None if default == "fit" else default)
     args.reps = args.reps if args.reps is not None else (2 if args.tiny else 3 if args.quick else 7)
     args.steps = args.steps if args.steps is not None else (4 if args.tiny else 12 if args.quick else 24)
     if args.dtypes is None:
@@ -226,9 +254,10 @@ def file_tag(batches: list[int]) -> str:
     return "" if list(batches) == [1, 8] else "b" + "-".join(str(b) for b in batches)
 
 
-def results_prefix(tag: str) -> str:
-    """``hf_decode`` or ``hf_decode_<tag>``: the files are ``<prefix>_<device slug>.{json,md,png}``."""
-    return f"hf_decode_{tag}" if tag else "hf_decode"
+def results_prefix(tag: str, config: str = "llama3-8b") -> str:
+    """``hf_decode[_<config>][_<tag>]``: the files are ``<prefix>_<device slug>.{json,md,png}``; the config's name
+    is left out for llama3-8b (the script's original files keep their names)."""
+    return "_".join(["hf_decode"] + ([config] if config != "llama3-8b" else []) + ([tag] if tag else []))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -248,28 +277,109 @@ def llama_config(transformers: Any, tiny: bool, layers: int):
                                     tie_word_embeddings=False, rms_norm_eps=1e-5, **dims)
 
 
+def qwen3_moe_config(transformers: Any, tiny: bool, layers: int):
+    """A transformers ``Qwen3MoeConfig`` with Qwen3-30B-A3B's dimensions and ``layers`` layers, or a tiny one.
+
+    The dimensions are `cutlass_w8a8.models.QWEN3_30B_A3B`'s (their one owner), which are those of the model's
+    config.json on the Hub (https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json): ``hidden_size``
+    2048, ``num_hidden_layers`` 48, ``num_attention_heads`` 32, ``num_key_value_heads`` 4, ``head_dim`` 128,
+    ``num_experts`` 128, ``moe_intermediate_size`` 768, ``num_experts_per_tok`` 8, ``norm_topk_prob`` true,
+    ``decoder_sparse_step`` 1, ``mlp_only_layers`` [], ``vocab_size`` 151936, ``rope_theta`` 1000000.0,
+    ``rms_norm_eps`` 1e-06, ``max_position_embeddings`` 40960, ``tie_word_embeddings`` false (``intermediate_size``
+    6144 is unused: every layer is sparse). ``head_dim`` is passed explicitly: 32 x 128 is not the hidden size.
+    Tiny (``tiny``): hidden 128, 4 query and 4 key/value heads of 32, 8 experts of width 128, top-2, vocab 256 (every
+    K and N a multiple of 128: block fp8 and the fused q/k/v apply)."""
+    from cutlass_w8a8.models import QWEN3_30B_A3B as d
+
+    if tiny:
+        dims = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                    num_key_value_heads=4, head_dim=32, max_position_embeddings=512, num_experts=8,
+                    num_experts_per_tok=2, moe_intermediate_size=128)
+    else:
+        dims = dict(vocab_size=d.vocab_size, hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
+                    num_attention_heads=d.num_heads, num_key_value_heads=d.num_kv_heads, head_dim=d.head_dim,
+                    max_position_embeddings=d.max_position, num_experts=d.num_experts,
+                    num_experts_per_tok=d.num_experts_per_tok, moe_intermediate_size=d.moe_intermediate_size)
+    return transformers.Qwen3MoeConfig(
+        num_hidden_layers=layers, rope_parameters={"rope_type": "default", "rope_theta": d.rope_theta},
+        rms_norm_eps=d.rms_norm_eps, norm_topk_prob=d.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[],
+        use_sliding_window=False, tie_word_embeddings=False, **dims)
+
+
+# The model configurations (--config): name -> the transformers class built, its config builder (transformers,
+# tiny, layers), the layers of the full model, and the default layers ("fit": as many as fit beside the bf16
+# copy, `fit_layers`; else that number). The Llama row is the script's original benchmark, its report unchanged.
+CONFIGS = {
+    "llama3-8b": {"model_class": "LlamaForCausalLM", "build_config": llama_config, "full_layers": 32,
+                  "default_layers": 32, "dims": "Llama-3-8B"},
+    "qwen3-30b-a3b": {"model_class": "Qwen3MoeForCausalLM", "build_config": qwen3_moe_config, "full_layers": 48,
+                      "default_layers": "fit", "dims": "Qwen3-30B-A3B"},
+}
+# `fit_layers`: the share of the GPU's free memory (at the start) that the weights and KV caches may take; the rest
+# is left to transients (quantization of one layer, logits, compile and CUDA-graph pools, the allocator's slack)
+FIT_FRACTION = 0.85
+
+
+def layer_bytes(transformers: Any, config_name: str, n_w8a8: int, max_batch: int, max_cache_len: int,
+                n_models: int) -> tuple[int, int]:
+    """``(fixed, per_layer)`` bytes of the benchmark's models at ``config_name``'s dimensions, counted on a 1-layer
+    model built on the meta device (no memory): ``fixed``, what every layer count holds once (the bf16 embedding,
+    final norm and ``lm_head``, shared by every model); ``per_layer``, one decoder layer's share: its bf16 weights
+    (2 bytes per parameter), plus, for each of the ``n_w8a8`` W8A8 models, its W8A8 copy (1 byte per element of the
+    matrices ``quantize_`` swaps: every projection and expert matrix; the bf16 router and norms at 2 bytes; the
+    float32 scales, under 1% of it, left to the margin), plus two KV caches (a StaticCache of the eager and compiled
+    modes, and the graph path's) per model of ``n_models`` at ``max_batch`` x ``max_cache_len`` in bf16."""
+    cfg = CONFIGS[config_name]["build_config"](transformers, False, 1)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    layer = model.model.layers[0]
+    quantized = sum(p.numel() for name, p in layer.named_parameters()
+                    if p.dim() >= 2 and ".gate." not in f".{name}")
+    other = sum(p.numel() for p in layer.parameters()) - quantized
+    per_layer = 2 * (quantized + other) + n_w8a8 * (quantized + 2 * other)
+    per_layer += n_models * 2 * (2 * cfg.num_key_value_heads * cfg.head_dim * max_batch * max_cache_len * 2)
+    fixed = 2 * (sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in layer.parameters()))
+    return fixed, per_layer
+
+
+def fit_layers(free_bytes: int, fixed: int, per_layer: int, full_layers: int) -> int:
+    """The default ``--layers`` of a "fit" config: the most layers, at most ``full_layers``, whose ``fixed +
+    layers * per_layer`` bytes (`layer_bytes`) stay within ``FIT_FRACTION`` of ``free_bytes``. Raises ValueError
+    when not even one layer fits."""
+    layers = min(full_layers, int((FIT_FRACTION * free_bytes - fixed) // per_layer))
+    if layers < 1:
+        raise ValueError(f"not one layer fits: {fixed / 2**30:.1f} GiB + {per_layer / 2**30:.2f} GiB per layer "
+                         f"> {FIT_FRACTION} x {free_bytes / 2**30:.1f} GiB free; use fewer --dtypes")
+    return layers
+
+
 @torch.no_grad()
 def build_bf16(transformers: Any, config, device: torch.device, seed: int):
-    """``LlamaForCausalLM`` in bf16 built directly on ``device``; every matrix (projections, embedding,
-    lm_head) drawn from N(0, 0.02^2) by a seeded generator on the device, norms 1."""
+    """The ``config``'s causal LM (``LlamaForCausalLM``, ``Qwen3MoeForCausalLM``) in bf16 built directly on
+    ``device``; every matrix (projections, embedding, lm_head; a MoE model's router and its experts' ``(E, N, K)``
+    weights) drawn from N(0, 0.02^2) by a seeded generator on the device, norms 1."""
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     gen = torch.Generator(device=device).manual_seed(seed)
     for p in model.parameters():
-        if p.dim() == 2:
+        if p.dim() >= 2:
             p.normal_(0.0, 0.02, generator=gen)
         else:
-            p.fill_(1.0)  # the RMSNorm weights (Llama has no biases)
+            p.fill_(1.0)  # the RMSNorm weights (Llama and Qwen3-MoE have no biases)
     return model.eval().requires_grad_(False)
 
 
 def quantized_copy(cw: Any, bf16, name: str):
     """A copy of ``bf16`` with every linear but ``lm_head`` swapped for a `W8A8Linear` of ``name``'s scheme
-    (``QUANT``), then optimized (`cutlass_w8a8.optimize_`) for a ``-opt`` name. The embedding and ``lm_head`` are
-    the bf16 model's own modules (shared, not copied)."""
+    (``QUANT``), a MoE model's experts for a `W8A8MoE` (its routers stay bf16), then optimized
+    (`cutlass_w8a8.optimize_`) for a ``-opt`` name. Only the module tree is copied: every module that holds
+    parameters itself (embedding, linears, experts, routers, norms) is the bf16 model's own in the copy, and
+    ``quantize_`` / ``optimize_`` replace them there by new modules (``setattr`` on the copied parents), so that the
+    bf16 model is left as it was and no bf16 copy of the weights is ever made (at 48 Qwen3-30B-A3B layers one would
+    take 60 GB). The embedding, ``lm_head``, routers and norms stay shared with the bf16 model."""
     base = name[:-4] if name.endswith("-opt") else name
     dtype, block = QUANT[base]
-    shared = {id(bf16.model.embed_tokens): bf16.model.embed_tokens, id(bf16.lm_head): bf16.lm_head}
+    shared = {id(m): m for m in bf16.modules() if next(m.parameters(recurse=False), None) is not None}
     model = cw.quantize_(copy.deepcopy(bf16, memo=dict(shared)), cw.W8A8Config(dtype=dtype, weight_block_size=block),
                          filter_fn=lambda m, fqn: "lm_head" not in fqn)
     if name.endswith("-opt"):
@@ -306,14 +416,21 @@ def graph_step_of(gen: Any) -> dict[str, Optional[str]]:
 
 
 def decoder_config(models: Any, config):
-    """The `cutlass_w8a8.models.LlamaConfig` of the transformers Llama ``config``'s dimensions and layers (for the
-    Llama-3-8B dimensions: ``LLAMA3_8B.replace(num_layers=...)``)."""
+    """The `cutlass_w8a8.models.LlamaConfig` of the transformers Llama or Qwen3-MoE ``config``'s dimensions and
+    layers (for the Llama-3-8B dimensions: ``LLAMA3_8B.replace(num_layers=...)``; for Qwen3-30B-A3B's:
+    ``QWEN3_30B_A3B.replace(num_layers=...)``: q/k head norms and the experts)."""
+    moe = {}
+    if config.model_type == "qwen3_moe":
+        moe = dict(qk_norm=True, num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+                   moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob)
+    elif config.model_type != "llama":
+        raise ValueError(f"decoder_config: no reference decoder for model_type {config.model_type!r}")
     return models.LlamaConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
         num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
         rope_theta=float(config.rope_parameters["rope_theta"]), max_position=config.max_position_embeddings,
-        init_std=config.initializer_range)
+        init_std=config.initializer_range, **moe)
 
 
 @torch.no_grad()
@@ -409,7 +526,21 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     make_generator = graph_generator(cw, args.graph_step)  # before any build: a bad --graph-step fails at once
     name = "cpu" if args.tiny else torch.cuda.get_device_name()
     commit, dirty = bu.git_commit(REPO_ROOT)
-    config = llama_config(transformers, args.tiny, args.layers)
+    spec = CONFIGS[args.config]
+    layers_rule = None
+    if args.layers is None:  # a "fit" config on the GPU: as many layers as fit beside the bf16 copy
+        n_w8a8 = sum(m != "bf16" for m in args.dtypes) + int(args.decoder)  # our decoder: one more int8 copy
+        free = torch.cuda.mem_get_info()[0]
+        fixed, per_layer = layer_bytes(transformers, args.config, n_w8a8, max(args.batches), args.max_cache_len,
+                                       len(args.dtypes))
+        args.layers = fit_layers(free, fixed, per_layer, spec["full_layers"])
+        layers_rule = {"rule": f"the most layers (<= {spec['full_layers']}) whose bf16 weights + {n_w8a8} W8A8 "
+                               f"copies + KV caches fit in {FIT_FRACTION} x the free GPU memory",
+                       "free_GiB": free / 2**30, "fixed_GiB": fixed / 2**30, "per_layer_GiB": per_layer / 2**30,
+                       "layers": args.layers}
+        log(f"--layers {args.layers}: {layers_rule['rule']} ({fixed / 2**30:.2f} GiB + {per_layer / 2**30:.3f} GiB "
+            f"per layer, {free / 2**30:.1f} GiB free)")
+    config = spec["build_config"](transformers, args.tiny, args.layers)
     results: dict[str, Any] = {
         "device": name,
         "device_slug": bu.device_slug(name),
@@ -421,10 +552,16 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         "cutlass_w8a8_version": getattr(cw, "__version__", None),
         "git_commit": commit,
         "git_dirty": dirty,
-        "config": {"name": "tiny" if args.tiny else "llama3-8b", **{k: getattr(config, k) for k in (
+        "config_name": args.config,
+        "config": {"name": "tiny" if args.tiny else args.config, **{k: getattr(config, k) for k in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim")}, "rope_theta": config.rope_parameters["rope_theta"],
-            "attn_implementation": None},
+            "attn_implementation": None,
+            **({"model_class": spec["model_class"], "full_layers": spec["full_layers"], "dims": spec["dims"],
+                "num_experts": config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
+                "moe_intermediate_size": config.moe_intermediate_size, "norm_topk_prob": config.norm_topk_prob,
+                "experts_implementation": None} if args.config != "llama3-8b" else {})},
+        "layers_rule": layers_rule,
         "batches": args.batches,
         "dtypes": [],
         "modes": args.modes,
@@ -439,7 +576,8 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         "tolerances": {"compiled_vs_eager_min_sqnr_db": COMPILED_MIN_SQNR_DB,
                        "graph_vs_eager_min_sqnr_db": GRAPH_MIN_SQNR_DB,
                        "w8a8_vs_bf16_min_sqnr_db": W8A8_MIN_SQNR_DB},
-        "full_size": not args.tiny and args.layers == 32,
+        # targets are judged on the full model, or, for a "fit" config, on the layers its rule chose
+        "full_size": not args.tiny and (args.layers == spec["full_layers"] or layers_rule is not None),
         "tag": args.tag,
         # GraphGenerator(step=...) asked for (None: the constructor takes no step=), and per batch and model the
         # step it ran ({"step": "cw" | "transformers", "reason": why "auto" fell back, or None})
@@ -467,10 +605,12 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
             elif m.startswith("fp8-block") and torch.cuda.get_device_capability() != (9, 0):
                 results["errors"][m] = "block-scaled fp8 GEMMs need an sm90 GPU"
                 dtypes.remove(m)
-    log(f"building bf16 LlamaForCausalLM on {device}: {args.layers} layers, hidden {config.hidden_size}, "
+    log(f"building bf16 {spec['model_class']} on {device}: {args.layers} layers, hidden {config.hidden_size}, "
         f"vocab {config.vocab_size}")
     bf16 = build_bf16(transformers, config, device, args.seed)
     results["config"]["attn_implementation"] = bf16.config._attn_implementation
+    if "experts_implementation" in results["config"]:  # transformers' bf16 experts: "grouped_mm" or "eager"
+        results["config"]["experts_implementation"] = getattr(bf16.config, "_experts_implementation", None)
     models: dict[str, Any] = {}
     for m in dtypes:
         t0 = time.perf_counter()
@@ -480,7 +620,10 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         n_q = sum(isinstance(mod, cw.W8A8Linear) for mod in models[m].modules())
         results["models"][m] = {"weight_bytes": model_bytes(models[m]), "w8a8_linears": n_q,
                                 "optimized": cw.hf.is_optimized(models[m]), "build_s": time.perf_counter() - t0}
-        log(f"{m}: {_size(model_bytes(models[m]))} of weights, {n_q} W8A8Linear")
+        if config.model_type != "llama":
+            results["models"][m]["w8a8_moe"] = sum(isinstance(mod, cw.W8A8MoE) for mod in models[m].modules())
+        log(f"{m}: {_size(model_bytes(models[m]))} of weights, {n_q} W8A8Linear"
+            + (f", {results['models'][m]['w8a8_moe']} W8A8MoE" if "w8a8_moe" in results["models"][m] else ""))
     failures: list[str] = []
     decoder = None
     if args.decoder:
@@ -644,10 +787,12 @@ def check_decoder(runner_mod: Any, decoder, prompt: torch.Tensor, check_inputs: 
 
 
 def write(results: dict[str, Any], out_dir: str) -> dict[str, str]:
-    """Write ``<results_prefix(results["tag"])>_<device slug>.{json,md,png}`` to ``out_dir`` (hf_decode_report's
+    """Write ``<results_prefix(results["tag"], results["config_name"])>_<device slug>.{json,md,png}`` to ``out_dir``
+    (hf_decode_report's
     `write_outputs`: `render_markdown`'s report, the PNG left out, with a note in the report, where matplotlib is
     not installed); the paths written by extension."""
-    return write_outputs(results, out_dir, results_prefix(results.get("tag") or ""))
+    return write_outputs(results, out_dir, results_prefix(results.get("tag") or "",
+                                                          results.get("config_name", "llama3-8b")))
 
 
 # ----------------------------------------------------------------------------------------------------

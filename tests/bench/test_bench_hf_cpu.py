@@ -336,3 +336,100 @@ def test_bench_hf_report_renders_graph_step_and_decoder(tmp_path, monkeypatch):
     heights = [bar.get_height() for bar in ax_lat.containers[labels.index(dec)]]
     assert heights[1] == 3.5 and heights[0] != heights[0]  # graph group: 3.5 ms; eager group: NaN (no bar)
     close(fig)
+
+
+def test_bench_hf_tiny_qwen3_moe(tmp_path):
+    """``--config qwen3-30b-a3b --tiny``: the whole flow on a tiny Qwen3MoeForCausalLM (experts W8A8MoE, routers
+    bf16), the config's name in the file names and the title, the graph step named per row and in issue 36's target
+    line; our decoder at the same (MoE) dims."""
+    bench = load_bench()
+    rc = bench.main(["--tiny", "--config", "qwen3-30b-a3b", "--batches", "1", "--reps", "1", "--steps", "2",
+                     "--check-steps", "3", "--prompt-len", "8", "--max-cache-len", "16", "--out", str(tmp_path),
+                     "--dtypes", "bf16,int8,int8-opt,fp8-block-opt", "--decoder"])
+    assert rc == 0
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["hf_decode_qwen3-30b-a3b_b1_cpu.json"]
+    with open(tmp_path / "hf_decode_qwen3-30b-a3b_b1_cpu.json", encoding="utf-8") as f:
+        res = json.load(f)
+    assert res["config_name"] == "qwen3-30b-a3b" and res["failures"] == [] and not res["full_size"]
+    assert res["config"]["model_class"] == "Qwen3MoeForCausalLM" and res["config"]["num_experts"] == 8
+    assert res["layers_rule"] is None  # --tiny: 2 layers, no rule
+    for m in ("int8", "int8-opt", "fp8-block-opt"):
+        assert res["models"][m]["w8a8_moe"] == 2  # one per layer
+        assert res["models"][m]["w8a8_linears"] == 2 * (2 if m.endswith("-opt") else 4)  # qkv, o / q, k, v, o
+    assert res["models"]["bf16"]["w8a8_moe"] == 0
+    takes_step = graph_step_takes_step_arg()
+    for m in ("bf16", "int8", "int8-opt", "fp8-block-opt"):
+        step = res["graph_step"]["1"][m]
+        assert step["step"] == ("cw" if takes_step and m.endswith("-opt") else "transformers")
+        gve = res["accuracy"]["1"][m]["graph_vs_eager"]
+        assert gve["worst_sqnr_db"] >= CW_GRAPH_MIN_SQNR_DB if step["step"] == "cw" else gve["max_abs"] == 0
+    assert res["accuracy"]["1"]["int8-opt"]["eager_sqnr_vs_bf16_db"] > 20.0  # the tiny model measured ~34 dB
+    assert res["accuracy"]["1"][bench.DECODER]["graph_vs_eager"]["max_abs"] == 0
+    # issue 36's target only (the Llama targets and the warm-up target are the Llama model's), the step named
+    assert [(t["model"], t["mode"], t["batch"], t["target"], t["issue"]) for t in res["targets"]] == [
+        ("int8-opt", "graph", 1, 2.5, "issue 36"), ("fp8-block-opt", "graph", 1, 2.5, "issue 36")]
+    report = (tmp_path / "hf_decode_qwen3-30b-a3b_b1_cpu.md").read_text(encoding="utf-8")
+    assert report.startswith("# transformers Qwen3MoeForCausalLM decode: cpu\n")
+    assert "MLP: 8 experts of 128, top-2 renormalized" in report and "the routers stay bf16" in report
+    step = "cw" if takes_step else "transformers"
+    assert (f"- int8-opt graph (graph step {step}) batch 1: – over bf16 compiled (target >= 2.5x, issue 36): n/a"
+            in report)
+    assert "(target >= 1.6x)" not in report and "graph warm-up" not in report
+
+
+def test_bench_hf_quantized_copy_leaves_bf16_alone():
+    """`quantized_copy` copies only the module tree: the bf16 model's tensors and modules are unchanged after
+    quantized and optimized copies; the copies hold W8A8MoE experts and the bf16 model's own routers."""
+    import torch
+    import transformers
+
+    import cutlass_w8a8 as cw
+
+    bench = load_bench()
+    bf16 = bench.build_bf16(transformers, bench.qwen3_moe_config(transformers, True, 2), torch.device("cpu"), 0)
+    before = {k: v.clone() for k, v in bf16.state_dict().items()}
+    classes = {name: type(m) for name, m in bf16.named_modules()}
+    copies = {m: bench.quantized_copy(cw, bf16, m) for m in ("int8", "int8-opt", "fp8-block-opt")}
+    after = bf16.state_dict()
+    assert list(after) == list(before) and all(after[k].equal(v) for k, v in before.items())
+    assert {name: type(m) for name, m in bf16.named_modules()} == classes
+    for m, model in copies.items():
+        for i in range(2):
+            block, ref = model.model.layers[i].mlp, bf16.model.layers[i].mlp
+            assert isinstance(block.experts, cw.W8A8MoE) and block.gate is ref.gate  # the router: bf16, shared
+            assert model.model.layers[i].self_attn is not bf16.model.layers[i].self_attn
+        assert cw.hf.is_optimized(model) == m.endswith("-opt") and not cw.hf.is_optimized(bf16)
+
+
+def test_bench_hf_qwen3_moe_config_and_layers():
+    """The Qwen3-MoE config is `cutlass_w8a8.models.QWEN3_30B_A3B`'s dims (our decoder's config of it equals the
+    owner's); `layer_bytes` counts a layer's parameters as the dims give them; `fit_layers` applies the rule."""
+    import transformers
+
+    from cutlass_w8a8 import models
+
+    bench = load_bench()
+    d = models.QWEN3_30B_A3B
+    for layers in (48, 3):
+        cfg = bench.qwen3_moe_config(transformers, False, layers)
+        assert bench.decoder_config(models, cfg) == d.replace(num_layers=layers)
+        assert (cfg.head_dim, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (128, 128, 8, True)
+    H, E, I, D = d.hidden_size, d.num_experts, d.moe_intermediate_size, d.head_dim
+    proj = H * (d.num_heads * D) * 2 + H * (d.num_kv_heads * D) * 2  # q, o; k, v
+    matrices = proj + E * 3 * H * I  # the experts' gate, up and down
+    other = E * H + 2 * H + 2 * D  # router; input / post-attention norms; q / k head norms
+    fixed, per_layer = bench.layer_bytes(transformers, "qwen3-30b-a3b", 0, 1, 256, 0)
+    assert per_layer == 2 * (matrices + other) and fixed == 2 * (2 * d.vocab_size * H + H)  # embedding, lm_head, norm
+    kv = 2 * 2 * d.num_kv_heads * D * 8 * 256 * 2  # two caches of K and V, batch 8, 256 positions, bf16
+    assert bench.layer_bytes(transformers, "qwen3-30b-a3b", 2, 8, 256, 3)[1] == per_layer + 2 * (matrices + 2 * other) + 3 * kv
+    assert bench.fit_layers(100 * 2**30, 2**30, 2**30, 200) == 84  # (0.85 x 100 - 1) GiB / 1 GiB per layer
+    assert bench.fit_layers(1000 * 2**30, 2**30, 2**30, 48) == 48
+    with pytest.raises(ValueError, match="not one layer fits"):
+        bench.fit_layers(2**30, 2**30, 2**30, 48)
+    args = bench.parse_args(["--config", "qwen3-30b-a3b", "--batches", "1"])
+    assert args.layers is None and args.tag == "b1"  # resolved on the GPU by fit_layers
+    assert bench.parse_args(["--config", "qwen3-30b-a3b", "--quick"]).layers == 2
+    assert bench.parse_args(["--config", "qwen3-30b-a3b", "--layers", "24"]).layers == 24
+    assert bench.results_prefix("b1", "qwen3-30b-a3b") == "hf_decode_qwen3-30b-a3b_b1"
+    assert bench.results_prefix("", "qwen3-30b-a3b") == "hf_decode_qwen3-30b-a3b"
+    assert bench.results_prefix("b1", "llama3-8b") == bench.results_prefix("b1") == "hf_decode_b1"
