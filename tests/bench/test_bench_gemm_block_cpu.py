@@ -591,3 +591,75 @@ def test_point_table_marks_impossible_figures(bench):
     assert cells[5] == "549.8 INVALID" and cells[13] == "1.25 INVALID" and cells[14] == "0.17"
     ok = bench.main.derive(m, n, k, {"ours_int8": 1.0, "quant_int8": 0.1, "linear_w8a8": 1.1}, 2500.0, 1000.0)
     assert "INVALID" not in bench.report.point_table([{"M": m, "shape": "big", "derived": ok}])
+
+
+# ---- accurate row-wise fp8 (issue 37) in the full sweep's report ---------------------------------------------------
+
+
+def _accurate_points(bench, x_torch=1.05, rel=1.8e-3, x_torch_small=0.5):
+    """Two Llama shapes at M in {16, 128, 4096}: ours accurate x_torch times faster than torch's row-wise _scaled_mm at
+    M >= 128 (x_torch_small at M = 16, outside the target's range), 1.1x slower than our fast fp8, and the accurate
+    CUTLASS path's error rel (the dispatched one's a little lower)."""
+    points = []
+    for shape, n, k in (("l3-8b-qkv", 6144, 4096), ("l3-70b-down", 8192, 28672)):
+        for m in (16, 128, 4096):
+            acc_t = 0.1
+            times = {"ours_int8": 0.05, "ours_fp8": acc_t / 1.1, "ours_fp8_accurate": acc_t,
+                     "torch_fp8_rowwise": acc_t * (x_torch if m >= 128 else x_torch_small)}
+            d = bench.main.derive(m, n, k, times, 2500.0, 1979.0)
+            accuracy = {"cutlass_fp8_accurate": {"rel_fro": rel if m == 4096 else 1.7e-3, "max_over_rms": 0.01},
+                        "ours_fp8_accurate": {"rel_fro": 1.65e-3, "max_over_rms": 0.01}}
+            points.append({"shape": shape, "N": n, "K": k, "M": m, "derived": d, "accuracy": accuracy, "errors": {}})
+    return points
+
+
+def test_fp8_accurate_targets(bench):
+    """Issue 37's two lines for accurate row-wise fp8: the lowest x torch over M >= 128 and the highest error of the
+    accurate paths; met, then each one missed; a missing number leaves a target unjudged."""
+    t = {x["key"]: x for x in bench.report.fp8_accurate_targets(_accurate_points(bench))}
+    assert t["accurate_x_torch_min"]["met"] is True and t["accurate_x_torch_min"]["value"] == pytest.approx(1.05)
+    assert "4 points" in t["accurate_x_torch_min"]["detail"]  # M = 16 is outside the target
+    assert t["rel_err_fp8_accurate"]["met"] is True and t["rel_err_fp8_accurate"]["value"] == pytest.approx(1.8e-3)
+    assert "worst cutlass_fp8_accurate" in t["rel_err_fp8_accurate"]["detail"]
+    t = {x["key"]: x for x in bench.report.fp8_accurate_targets(_accurate_points(bench, x_torch=0.96, rel=2.3e-3))}
+    assert t["accurate_x_torch_min"]["met"] is False and t["accurate_x_torch_min"]["value"] == pytest.approx(0.96)
+    assert t["rel_err_fp8_accurate"]["met"] is False and t["rel_err_fp8_accurate"]["value"] == pytest.approx(2.3e-3)
+    none = bench.report.fp8_accurate_targets([{**p, "accuracy": {}} for p in _accurate_points(bench) if p["M"] < 128])
+    assert [x["met"] for x in none] == [None, None]
+    # the flip line names what stands in the way of FP8_FAST_ACCUM = False
+    items = bench.report.fp8_accurate_targets(_accurate_points(bench, x_torch=0.96))
+    line = bench.report.flip_line(items, True)
+    assert "`FP8_FAST_ACCUM` (cutlass_w8a8/ops/_limits.py) was True" in line
+    assert "not yet: ours accurate row-wise fp8 / torch row-wise `_scaled_mm`" in line and "is missed" in line
+    assert "both targets above are met: both met in this run." in bench.report.flip_line(
+        bench.report.fp8_accurate_targets(_accurate_points(bench)), True)
+    assert "not judged" in bench.report.flip_line(none, True)
+    assert "already the default" in bench.report.flip_line(items, False)
+
+
+def test_render_markdown_fp8_accurate(bench):
+    """The full sweep's report: the accurate columns per point and in the summary by M, issue 37's targets with their
+    verdicts (one missed here) and the flip line."""
+    points = _accurate_points(bench, x_torch=0.96)
+    for p in points:
+        p["time_ms"] = {}
+        p["timing"] = {}
+    results = {"device": "NVIDIA H200", "torch_version": torch.__version__, "cuda_version": "13.0",
+               "git_commit": "0123456789abcdef", "git_dirty": False, "l2_bytes": 60 * 2**20, "copy_GBps": 3800.0,
+               "read_GBps": 4200.0, "peak_tops": 1979.0, "pdl": True, "timing": {"replays": 25},
+               "torchao": {"enabled": False, "reason": "off"}, "fp8_fast_accum_default": True, "points": points,
+               "fp8_accurate_targets": bench.report.fp8_accurate_targets(points)}
+    report = bench.report.render_markdown(results, geomean)
+    lines = report.splitlines()
+    head = [c.strip() for c in next(ln for ln in lines if ln.startswith("| M | shape | ours us")).split("|")]
+    row = [c.strip() for c in next(ln for ln in lines if ln.startswith("| 4096 | l3-70b-down |")).split("|")]
+    assert row[head.index("fp8 acc x fp8-torch")] == "0.96" and row[head.index("fp8 acc x fp8")] == "0.91"
+    assert row[head.index("fp8 acc TOPS")] == f"{2 * 4096 * 8192 * 28672 / 0.1e-3 / 1e12:.1f}"
+    summary = [c.strip() for c in next(ln for ln in lines if ln.startswith("| M | points |")).split("|")]
+    assert "fp8 acc x fp8-torch" in summary and "fp8 acc x fp8" in summary
+    assert "## Targets (issue 37): accurate row-wise fp8" in report
+    verdicts = [ln for ln in lines if "(target" in ln]
+    assert len(verdicts) == 2
+    assert "0.960 (target >= 1)" in verdicts[0] and "): met" not in verdicts[0]
+    assert "1.80e-03 (target <= 0.002): met" in verdicts[1]
+    assert any(ln.startswith("- `FP8_FAST_ACCUM`") and "not yet" in ln for ln in lines)
