@@ -476,7 +476,7 @@ def block_sections(results: dict[str, Any], geomean: Callable, level: str = "##"
         lines += ["", f"{level} fp8 accuracy against float64 (highest over the shapes at each M)", "",
                   accuracy_table(points)]
     errs = error_lines(points, set(BLOCK_METHODS) | set(ACCURACY_PATHS) | {"torch_fp8_rowwise", "ours_fp8",
-                                                                            "linear_w8a8_fp8"})
+                                                                            "ours_fp8_accurate", "linear_w8a8_fp8"})
     if errs:
         lines += ["", f"{level} Block methods and accuracy paths that did not run", "", *errs]
     return lines

@@ -33,9 +33,9 @@ def _fmt(value: Optional[float], spec: str) -> str:
 def point_table(points: list[dict]) -> str:
     """Markdown table, one row per (shape, M). A figure beyond its physical bound is marked INVALID
     (`cutlass_w8a8.testing.physical`): %peak above 100, a share outside [0, 1]."""
-    rows = ["| M | shape | ours us | TOPS | %peak | weight GB/s | x bf16 | x fp8-torch | x int_mm | fp8 x fp8-torch "
-            "| linear x bf16 | quant GB/s | quant share | quant visible | PDL gain | linear PDL gain "
-            "| fp8 acc TOPS | fp8 acc x fp8-torch | fp8 acc x fp8 |",
+    rows = [("| M | shape | ours us | TOPS | %peak | weight GB/s | x bf16 | x fp8-torch | x int_mm | fp8 x fp8-torch "
+             "| linear x bf16 | quant GB/s | quant share | quant visible | PDL gain | linear PDL gain "
+             "| fp8 acc TOPS | fp8 acc x fp8-torch | fp8 acc x fp8 |"),
             "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in points:
         d = p["derived"]

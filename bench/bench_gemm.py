@@ -113,7 +113,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="also time cutlass_w8a8 with float8_e4m3fn operands (default: on)")
     parser.add_argument("--fp8-accurate", action=argparse.BooleanOptionalAction, default=True,
                         help="with --fp8, also time scaled_mm with fp8_fast_accum=False (accurate row-wise fp8, issue "
-                             "37's targets; one more method per point, about 1/15 more time; default: on)")
+                             "37's targets; one more timed method among 12 to 19 per point, about 5-8%% more time; default: on)")
     parser.add_argument("--block", action="store_true",
                         help="only the block-scaled fp8 comparison (ours vs torch blockwise F.scaled_mm, row-wise "
                              "fp8, bf16) on the DeepSeek-V3 and Qwen3 shapes; writes gemm_block_<device>.*")
