@@ -19,14 +19,16 @@ float32 scales ``(ceil(N/128), K/128)`` (one per 128 x 128 block), ``out = sum_k
   up to a multiple of 4 (the weight scales transposed, zero-padded; made once per shape, not timed). Where torch
   refuses a shape (M = 1 on torch 2.11 per the issue, or its cuBLASLt has no kernel) the error is recorded and
   the point shows n/a.
-- ``ours_fp8`` / ``torch_fp8_rowwise`` / ``bf16`` / ``linear_w8a8_fp8``: the row-wise fp8 and bf16 methods of
-  bench/_gemm_methods.py on the same ``a`` and ``w``.
+- ``ours_fp8`` / ``ours_fp8_accurate`` / ``torch_fp8_rowwise`` / ``bf16`` / ``linear_w8a8_fp8``: the row-wise fp8
+  (fast accumulation, and accurate: ``fp8_fast_accum=False``, left out with ``--no-fp8-accurate``) and bf16 methods
+  of bench/_gemm_methods.py on the same ``a`` and ``w``.
 - ``linear_w8a8_block``: ``W8A8Linear.from_float(linear, W8A8Config(dtype=float8_e4m3fn, weight_block_size=(128,
   128)))`` on the bf16 ``x``: the group quantization plus the block GEMM, beside ``linear_w8a8_fp8``.
 
 Accuracy (`accuracy_paths`, reported with bench/_gemm_accuracy.fp8_path_errors): every fp8 kernel family on its
-own, whatever the dispatch would pick: ``cutlass_fp8`` / ``cutlass_block`` (decode path off), ``decode_fp8`` /
-``decode_block`` (``scaled_mm_decode``, M <= 16), ``torch_fp8_rowwise``, ``torch_block``.
+own, whatever the dispatch would pick: ``cutlass_fp8`` / ``cutlass_fp8_accurate`` (``fp8_fast_accum=False``) /
+``cutlass_block`` (decode path off), ``decode_fp8`` / ``decode_block`` (``scaled_mm_decode``, M <= 16),
+``torch_fp8_rowwise``, ``torch_block``.
 """
 
 from __future__ import annotations
@@ -47,11 +49,13 @@ DECODE_MAX_M = 16  # cutlass_w8a8.DECODE_MAX_M: scaled_mm_decode's bound
 
 BLOCK_METHODS = ("ours_block", "ours_block_cutlass", "ours_block_decode", "torch_block", "linear_w8a8_block")
 # the methods of `python bench/bench_gemm.py --block`, in report order
-BLOCK_MODE_METHODS = ("bf16", "torch_fp8_rowwise", "ours_fp8", "linear_w8a8_fp8") + BLOCK_METHODS
+BLOCK_MODE_METHODS = ("bf16", "torch_fp8_rowwise", "ours_fp8", "ours_fp8_accurate", "linear_w8a8_fp8") + BLOCK_METHODS
 # failures recorded as results (a build without block kernels, torch's limits, a W8A8Config without blocks)
 BLOCK_OPTIONAL = frozenset(BLOCK_METHODS)
-ACCURACY_PATHS = ("cutlass_fp8", "decode_fp8", "cutlass_block", "decode_block", "torch_fp8_rowwise", "torch_block")
-ACCURACY_LABELS = {"cutlass_fp8": "CUTLASS row-wise", "decode_fp8": "decode row-wise", "cutlass_block": "CUTLASS block",
+ACCURACY_PATHS = ("cutlass_fp8", "cutlass_fp8_accurate", "decode_fp8", "cutlass_block", "decode_block",
+                  "torch_fp8_rowwise", "torch_block")
+ACCURACY_LABELS = {"cutlass_fp8": "CUTLASS row-wise", "cutlass_fp8_accurate": "CUTLASS row-wise accurate",
+                   "decode_fp8": "decode row-wise", "cutlass_block": "CUTLASS block",
                    "decode_block": "decode block", "torch_fp8_rowwise": "torch row-wise",
                    "torch_block": "torch block"}
 
@@ -181,22 +185,31 @@ def block_methods(cw: Any, w_fp8: torch.Tensor, a_fp8: torch.Tensor, blk: BlockO
 
 
 def accuracy_paths(cw: Any, a_fp8: torch.Tensor, w_fp8: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                   blk: Optional[BlockOperands]) -> dict[str, tuple[Callable, tuple, Operands]]:
+                   blk: Optional[BlockOperands], accurate: bool = True) -> dict[str, tuple[Callable, tuple, Operands]]:
     """The fp8 GEMM paths of `ACCURACY_PATHS` for bench/_gemm_accuracy.fp8_path_errors, and ``ours_fp8`` /
-    ``ours_block`` (`scaled_mm` as it dispatches: the accuracy guard of the timed methods): row-wise on ``(a_fp8,
-    w_fp8, scale_a (M, 1), scale_b (N,))``, block on ``blk``'s scales (left out when ``blk`` is None); the
-    decode ones only at M <= 16."""
+    ``ours_fp8_accurate`` / ``ours_block`` (`scaled_mm` as it dispatches: the accuracy guard of the timed methods):
+    row-wise on ``(a_fp8, w_fp8, scale_a (M, 1), scale_b (N,))``, block on ``blk``'s scales (left out when ``blk``
+    is None); the decode ones only at M <= 16; ``ours_fp8_accurate`` and ``cutlass_fp8_accurate``
+    (``fp8_fast_accum=False``) only with ``accurate``."""
     m = a_fp8.shape[0]
     set_max = cw._ext.set_decode_gemm_max_m
 
     def ours(a, w, sa, sb):
         return cw.scaled_mm(a, w.t(), sa, sb, torch.bfloat16)
 
+    def ours_accurate(a, w, sa, sb):
+        return cw.scaled_mm(a, w.t(), sa, sb, torch.bfloat16, fp8_fast_accum=False)
+
     def decode(a, w, sa, sb):
         return cw.scaled_mm_decode(a, w.t(), sa, sb, torch.bfloat16)
 
     row = Operands(a_fp8, w_fp8, scale_a, scale_b, False)
-    paths = {"ours_fp8": (ours, row[:4], row), "cutlass_fp8": (with_decode_off(ours, set_max), row[:4], row)}
+    paths = {"ours_fp8": (ours, row[:4], row)}
+    if accurate:
+        paths["ours_fp8_accurate"] = (ours_accurate, row[:4], row)
+    paths["cutlass_fp8"] = (with_decode_off(ours, set_max), row[:4], row)
+    if accurate:
+        paths["cutlass_fp8_accurate"] = (with_decode_off(ours_accurate, set_max), row[:4], row)
     if m <= DECODE_MAX_M:
         paths["decode_fp8"] = (decode, row[:4], row)
     if blk is not None:
@@ -234,11 +247,13 @@ def derive_block(m: int, n: int, k: int, times: dict[str, float], read_gbps: Opt
     ours = times.get("ours_block")
     gbps = block_weight_bytes(n, k) / (ours * 1e-3) / 1e9 if ours else None
     return {
-        "time_us": {name: times[name] * 1e3 for name in ("bf16", "torch_fp8_rowwise", "ours_fp8", "linear_w8a8_fp8",
-                                                         *BLOCK_METHODS) if name in times},
+        "time_us": {name: times[name] * 1e3 for name in ("bf16", "torch_fp8_rowwise", "ours_fp8", "ours_fp8_accurate",
+                                                         "linear_w8a8_fp8", *BLOCK_METHODS) if name in times},
         "tops": 2 * m * n * k / (ours * 1e-3) / 1e12 if ours else None,
         "x_torch_block": ratio("torch_block", "ours_block"),
         "x_ours_fp8": ratio("ours_fp8", "ours_block"),
+        # against the accurate row-wise fp8 (promoted every 128 of K, as block fp8 always is)
+        "x_ours_fp8_accurate": ratio("ours_fp8_accurate", "ours_block"),
         "x_bf16": ratio("bf16", "ours_block"),
         "x_torch_fp8": ratio("torch_fp8_rowwise", "ours_block"),
         "torch_block_x_torch_fp8": ratio("torch_fp8_rowwise", "torch_block"),
@@ -315,10 +330,12 @@ BLOCK_POINT_COLUMNS = (
     ("ours block us", lambda b: b["time_us"].get("ours_block"), ".1f"),
     ("torch block us", lambda b: b["time_us"].get("torch_block"), ".1f"),
     ("ours fp8 us", lambda b: b["time_us"].get("ours_fp8"), ".1f"),
+    ("ours fp8 acc us", lambda b: b["time_us"].get("ours_fp8_accurate"), ".1f"),
     ("torch fp8 us", lambda b: b["time_us"].get("torch_fp8_rowwise"), ".1f"),
     ("bf16 us", lambda b: b["time_us"].get("bf16"), ".1f"),
     ("x torch block", lambda b: b["x_torch_block"], ".2f"),
     ("x ours fp8", lambda b: b["x_ours_fp8"], ".2f"),
+    ("x ours fp8 acc", lambda b: b.get("x_ours_fp8_accurate"), ".2f"),
     ("x bf16", lambda b: b["x_bf16"], ".2f"),
     ("torch block x torch fp8", lambda b: b["torch_block_x_torch_fp8"], ".2f"),
     ("other family x", lambda b: b["alt_x_ours_block"], ".2f"),
@@ -348,7 +365,8 @@ def block_point_table(points: list[dict]) -> str:
     return "\n".join(rows)
 
 
-BLOCK_SUMMARY_COLUMNS = (("x torch block", "x_torch_block"), ("x ours fp8", "x_ours_fp8"), ("x bf16", "x_bf16"),
+BLOCK_SUMMARY_COLUMNS = (("x torch block", "x_torch_block"), ("x ours fp8", "x_ours_fp8"),
+                         ("x ours fp8 acc", "x_ours_fp8_accurate"), ("x bf16", "x_bf16"),
                          ("x torch fp8", "x_torch_fp8"), ("torch block x torch fp8", "torch_block_x_torch_fp8"),
                          ("linear block x linear fp8", "linear_x_linear_fp8"), ("of read", "weight_over_read"))
 
@@ -411,8 +429,8 @@ def block_notes(results: dict[str, Any]) -> list[str]:
         "- torch block = `torch.nn.functional.scaled_mm` with `ScalingType.BlockWise1x128` x "
         "`ScalingType.BlockWise128x128` (cuBLASLt, `use_fast_accum=False`), scales in the layouts torch checks "
         "(column-major (M, K/128); (round_up(K/128, 4), ceil(N/128)) with strides (1, L4)). ours fp8 / torch fp8 = "
-        "row-wise fp8 (`cutlass_w8a8.scaled_mm`, `torch._scaled_mm`) on the same e4m3 operands; bf16 = cuBLAS "
-        "`torch.matmul`.",
+        "row-wise fp8 (`cutlass_w8a8.scaled_mm`, `torch._scaled_mm`) on the same e4m3 operands; ours fp8 acc = ours "
+        "fp8 with `fp8_fast_accum=False` (promoted every 128 of K, as block fp8 is); bf16 = cuBLAS `torch.matmul`.",
         "- x <baseline> = baseline time / ours (> 1: ours is faster). weight GB/s = (N*K + 4 * ceil(N/128) * K/128) "
         "bytes / ours; of read = that / the read rate measured in this run "
         f"({_fmt(results.get('block_read_GBps'), '.0f')} "
@@ -458,7 +476,7 @@ def block_sections(results: dict[str, Any], geomean: Callable, level: str = "##"
         lines += ["", f"{level} fp8 accuracy against float64 (highest over the shapes at each M)", "",
                   accuracy_table(points)]
     errs = error_lines(points, set(BLOCK_METHODS) | set(ACCURACY_PATHS) | {"torch_fp8_rowwise", "ours_fp8",
-                                                                            "linear_w8a8_fp8"})
+                                                                            "ours_fp8_accurate", "linear_w8a8_fp8"})
     if errs:
         lines += ["", f"{level} Block methods and accuracy paths that did not run", "", *errs]
     return lines
@@ -483,8 +501,9 @@ def render_block_markdown(results: dict[str, Any], geomean: Callable) -> str:
 
 
 def plot_block(results: dict[str, Any], path: str) -> None:
-    """PNG: ours block over torch block, over our row-wise fp8, and the weight stream / read rate at M <= 16,
-    against M, one line per shape (needs matplotlib)."""
+    """PNG: ours block over torch block, over our row-wise fp8 (solid: fast accumulation; dashed, same colour:
+    accurate, where measured), and the weight stream / read rate at M <= 16, against M, one line per shape (needs
+    matplotlib)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -492,7 +511,8 @@ def plot_block(results: dict[str, Any], path: str) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(18, 5))
     panels = ((axes[0], "x_torch_block", "ours block / torch blockwise scaled_mm (x)", TARGET_X_TORCH_MIN, None),
-              (axes[1], "x_ours_fp8", "ours block / our row-wise fp8 (x)", TARGET_X_ROWWISE_LARGE_M, None),
+              (axes[1], "x_ours_fp8", "ours block / our row-wise fp8 (x; dashed: accurate)", TARGET_X_ROWWISE_LARGE_M,
+               None),
               (axes[2], "weight_over_read", "weight stream / read rate, M <= 16", TARGET_READ_FRACTION,
                DECODE_MAX_M))
     points = [p for p in results["points"] if p.get("block")]
@@ -502,7 +522,11 @@ def plot_block(results: dict[str, Any], path: str) -> None:
             xy = [(p["M"], p["block"][key]) for p in pts
                   if p["block"].get(key) is not None and (max_m is None or p["M"] <= max_m)]
             if xy:
-                ax.plot(*zip(*xy), marker="o", markersize=3, label=shape)
+                line, = ax.plot(*zip(*xy), marker="o", markersize=3, label=shape)
+                acc = [(p["M"], p["block"]["x_ours_fp8_accurate"]) for p in pts
+                       if key == "x_ours_fp8" and p["block"].get("x_ours_fp8_accurate") is not None]
+                if acc:
+                    ax.plot(*zip(*acc), marker="x", markersize=3, linestyle="--", color=line.get_color())
     for ax, _, title, target, _ in panels:
         ax.axhline(target, color="gray", linestyle="--", linewidth=1)
         ax.set_title(title, fontsize=10)

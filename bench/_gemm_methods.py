@@ -22,11 +22,12 @@ TORCHAO_PEERS = (
 TORCHAO_METHODS = tuple(name for name, _, _ in TORCHAO_PEERS)
 TORCHAO_FP8_METHODS = frozenset({"torchao_fp8row"})
 
-METHODS = ("bf16", "int_mm_scaled", "torch_fp8_rowwise", "ours_int8", "ours_fp8", "linear_bf16", "linear_w8a8",
-           "linear_w8a8_fp8", "quant_int8", "ours_int8_nopdl", "linear_w8a8_nopdl") + TORCHAO_METHODS
+METHODS = ("bf16", "int_mm_scaled", "torch_fp8_rowwise", "ours_int8", "ours_fp8", "ours_fp8_accurate", "linear_bf16",
+           "linear_w8a8", "linear_w8a8_fp8", "quant_int8", "ours_int8_nopdl", "linear_w8a8_nopdl") + TORCHAO_METHODS
 # Methods whose failure is recorded instead of aborting the run (torch's own limits, an fp8 build missing,
 # the torchao peers).
-OPTIONAL_METHODS = frozenset({"int_mm_scaled", "torch_fp8_rowwise", "ours_fp8", "linear_w8a8_fp8", *TORCHAO_METHODS})
+OPTIONAL_METHODS = frozenset({"int_mm_scaled", "torch_fp8_rowwise", "ours_fp8", "ours_fp8_accurate", "linear_w8a8_fp8",
+                              *TORCHAO_METHODS})
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -135,13 +136,22 @@ def without_pdl(fn: Callable, set_pdl: Callable[[bool], bool]) -> Callable:
 
 
 def build_methods(scaled_mm: Callable, wts: Weights, act: Activations, fp8: bool,
-                  set_pdl: Optional[Callable[[bool], bool]] = None) -> dict[str, tuple[Callable, tuple]]:
+                  set_pdl: Optional[Callable[[bool], bool]] = None,
+                  fp8_accurate: bool = True) -> dict[str, tuple[Callable, tuple]]:
     """``name -> (fn, args)`` for every method of the point but the torchao peers (`TorchaoPeers.methods`),
     in `METHODS` order; ``fn(*args)`` is timed. The ``*_nopdl`` methods are left out when ``set_pdl`` is
-    None, ``ours_fp8`` and ``linear_w8a8_fp8`` without ``fp8`` (the latter also when it was not built)."""
+    None, ``ours_fp8``, ``ours_fp8_accurate`` and ``linear_w8a8_fp8`` without ``fp8`` (the latter also when it
+    was not built), ``ours_fp8_accurate`` also without ``fp8_accurate``.
+
+    ``ours_fp8_accurate`` is ``ours_fp8`` (same operands) with ``fp8_fast_accum=False``: on sm90 the fp8 table's
+    accurate rows, which promote the partial sums into float32 every 128 of K (issue 37); at M <=
+    ``decode_gemm_max_m()`` both run the decode GEMM, which accumulates in float32 either way."""
 
     def ours(a, w, scale_a, scale_b):
         return scaled_mm(a, w.t(), scale_a, scale_b, torch.bfloat16)
+
+    def ours_accurate(a, w, scale_a, scale_b):
+        return scaled_mm(a, w.t(), scale_a, scale_b, torch.bfloat16, fp8_fast_accum=False)
 
     scale_b_row = wts.scale_b.view(1, -1)
     methods = {
@@ -150,6 +160,7 @@ def build_methods(scaled_mm: Callable, wts: Weights, act: Activations, fp8: bool
         "torch_fp8_rowwise": (torch_fp8_rowwise, (act.a_fp8, wts.w_fp8, act.scale_a, scale_b_row)),
         "ours_int8": (ours, (act.a_int8, wts.w_int8, act.scale_a, wts.scale_b)),
         "ours_fp8": (ours, (act.a_fp8, wts.w_fp8, act.scale_a, wts.scale_b)),
+        "ours_fp8_accurate": (ours_accurate, (act.a_fp8, wts.w_fp8, act.scale_a, wts.scale_b)),
         "linear_bf16": (module_forward, (wts.linear, act.x_bf16)),
         "linear_w8a8": (module_forward, (wts.qlinear, act.x_bf16)),
         "linear_w8a8_fp8": (module_forward, (wts.qlinear_fp8, act.x_bf16)),
@@ -160,6 +171,8 @@ def build_methods(scaled_mm: Callable, wts: Weights, act: Activations, fp8: bool
         methods["linear_w8a8_nopdl"] = (without_pdl(module_forward, set_pdl), methods["linear_w8a8"][1])
     if not fp8:
         del methods["ours_fp8"]
+    if not fp8 or not fp8_accurate:
+        del methods["ours_fp8_accurate"]
     if not fp8 or wts.qlinear_fp8 is None:
         del methods["linear_w8a8_fp8"]
     return methods

@@ -1,18 +1,29 @@
 """bench/bench_gemm.py's reports: the Markdown tables (per point, torchao peers, summary by M group, errors),
-`render_markdown` of a results dict, and `plot_results` (speedup over bf16 and TOPS against M; needs
-matplotlib).
+issue 37's targets for accurate row-wise fp8 (`fp8_accurate_targets`), `render_markdown` of a results dict, and
+`plot_results` (speedup over bf16 and TOPS against M; needs matplotlib).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from _gemm_block import _target, targets_lines
 from _gemm_methods import TORCHAO_METHODS
 from cutlass_w8a8.testing.physical import mark, physical_check, share_check
 from cutlass_w8a8.testing.report import markdown, save_figure
 
 # Upper bounds (inclusive) of the M groups of the summary table: decode, mid-size batches, prefill.
 M_GROUP_BOUNDS = (16, 512, None)
+
+# Issue 37's targets for accurate row-wise fp8 (``ours_fp8_accurate``: scaled_mm with fp8_fast_accum=False), one run,
+# H100 or H200: >= 1.0x torch's row-wise _scaled_mm at every M >= 128 on the GEMM shapes, and a relative Frobenius
+# error against float64 (bf16 out) <= 2.0e-3 (the bf16 rounding alone costs about 1.6e-3 on these operands).
+TARGET_ACCURATE_X_TORCH_MIN = 1.0
+TARGET_ACCURATE_M = 128
+TARGET_ACCURATE_REL = 2.0e-3
+# the accuracy paths of accurate row-wise fp8 (bench/_gemm_block.accuracy_paths): as dispatched (the decode GEMM at
+# M <= decode_gemm_max_m(), the accurate CUTLASS rows above) and the CUTLASS rows at every M
+ACCURATE_ERROR_PATHS = ("ours_fp8_accurate", "cutlass_fp8_accurate")
 
 
 def _fmt(value: Optional[float], spec: str) -> str:
@@ -22,9 +33,10 @@ def _fmt(value: Optional[float], spec: str) -> str:
 def point_table(points: list[dict]) -> str:
     """Markdown table, one row per (shape, M). A figure beyond its physical bound is marked INVALID
     (`cutlass_w8a8.testing.physical`): %peak above 100, a share outside [0, 1]."""
-    rows = ["| M | shape | ours us | TOPS | %peak | weight GB/s | x bf16 | x fp8-torch | x int_mm | fp8 x fp8-torch "
-            "| linear x bf16 | quant GB/s | quant share | quant visible | PDL gain | linear PDL gain |",
-            "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [("| M | shape | ours us | TOPS | %peak | weight GB/s | x bf16 | x fp8-torch | x int_mm | fp8 x fp8-torch "
+             "| linear x bf16 | quant GB/s | quant share | quant visible | PDL gain | linear PDL gain "
+             "| fp8 acc TOPS | fp8 acc x fp8-torch | fp8 acc x fp8 |"),
+            "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in points:
         d = p["derived"]
         peak = mark(_fmt(d["ours_pct_peak"], ".1f"), physical_check(d["ours_pct_peak"], 100.0, "% of peak"))
@@ -39,7 +51,10 @@ def point_table(points: list[dict]) -> str:
                     f"| {_fmt(d['ours_fp8_x_torch_fp8'], '.2f')} | {_fmt(d['linear_w8a8_x_bf16'], '.2f')} "
                     f"| {_fmt(d['quant_GBps'], '.0f')} | {share} "
                     f"| {visible} | {_fmt(d.get('pdl_gain_ours_int8'), '.2f')} "
-                    f"| {_fmt(d.get('pdl_gain_linear_w8a8'), '.2f')} |")
+                    f"| {_fmt(d.get('pdl_gain_linear_w8a8'), '.2f')} "
+                    f"| {_fmt(d.get('ours_fp8_accurate_tops'), '.1f')} "
+                    f"| {_fmt(d.get('ours_fp8_accurate_x_torch_fp8'), '.2f')} "
+                    f"| {_fmt(d.get('ours_fp8_accurate_x_ours_fp8'), '.2f')} |")
     return "\n".join(rows)
 
 
@@ -89,8 +104,11 @@ SUMMARY_COLUMNS = (("x bf16", "ours_x_bf16"), ("x fp8-torch", "ours_x_torch_fp8"
                    ("fp8 x bf16", "ours_fp8_x_bf16"), ("fp8 x fp8-torch", "ours_fp8_x_torch_fp8"),
                    ("linear w8a8 x bf16", "linear_w8a8_x_bf16"), ("PDL gain", "pdl_gain_ours_int8"),
                    ("linear PDL gain", "pdl_gain_linear_w8a8"))
-# Shown only where some point has them: the fp8 W8A8Linear and the torchao peers (W8A8Linear over them).
-OPTIONAL_SUMMARY_COLUMNS = (("fp8 linear x bf16", "linear_w8a8_fp8_x_bf16"),
+# Shown only where some point has them: accurate row-wise fp8, the fp8 W8A8Linear and the torchao peers (W8A8Linear
+# over them).
+OPTIONAL_SUMMARY_COLUMNS = (("fp8 acc x fp8-torch", "ours_fp8_accurate_x_torch_fp8"),
+                            ("fp8 acc x fp8", "ours_fp8_accurate_x_ours_fp8"),
+                            ("fp8 linear x bf16", "linear_w8a8_fp8_x_bf16"),
                             ("linear x ao int8wo", "linear_w8a8_x_torchao_int8wo"),
                             ("linear x ao int8dq", "linear_w8a8_x_torchao_int8dq"),
                             ("linear x ao fp8row", "linear_w8a8_x_torchao_fp8row"),
@@ -128,6 +146,49 @@ def error_notes(points: list[dict]) -> str:
                      for name, (ms, msg) in failed.items())
 
 
+def fp8_accurate_targets(points: list[dict]) -> list[dict]:
+    """Issue 37's two targets for accurate row-wise fp8, over the points of a sweep (`bench_gemm.measure_point`'s
+    dicts, with ``derived`` and ``accuracy``): the lowest ``ours_fp8_accurate_x_torch_fp8`` (torch's row-wise
+    ``_scaled_mm`` time / ours accurate) over M >= `TARGET_ACCURATE_M`, against `TARGET_ACCURATE_X_TORCH_MIN`, and
+    the highest relative Frobenius error against float64 of the `ACCURATE_ERROR_PATHS` at any M, against
+    `TARGET_ACCURATE_REL`. Targets in bench/_gemm_block's form (``met`` None where no point has the number)."""
+    big = [(p["derived"].get("ours_fp8_accurate_x_torch_fp8"), p) for p in points if p["M"] >= TARGET_ACCURATE_M]
+    big = [(v, p) for v, p in big if v is not None]
+    value, detail = None, ""
+    if big:
+        value, worst = min(big, key=lambda vp: vp[0])
+        detail = f"worst {worst['shape']} M = {worst['M']}; {len(big)} points"
+    items = [_target("accurate_x_torch_min", f"ours accurate row-wise fp8 / torch row-wise `_scaled_mm` at every M >= "
+                     f"{TARGET_ACCURATE_M} (x, the lowest)", value, TARGET_ACCURATE_X_TORCH_MIN, ">=", detail)]
+    errs = [((p.get("accuracy") or {})[path]["rel_fro"], p, path) for p in points for path in ACCURATE_ERROR_PATHS
+            if path in (p.get("accuracy") or {})]
+    value, detail = None, ""
+    if errs:
+        value, worst, path = max(errs, key=lambda e: e[0])
+        detail = f"worst {path} at {worst['shape']} M = {worst['M']}; {len({id(p) for _, p, _ in errs})} points"
+    items.append(_target("rel_err_fp8_accurate", "accurate row-wise fp8 relative error vs float64, bf16 out (the "
+                         "highest)", value, TARGET_ACCURATE_REL, "<=", detail))
+    return items
+
+
+def flip_line(items: list[dict], default: Optional[bool]) -> str:
+    """What issue 37's targets say about `FP8_FAST_ACCUM` (cutlass_w8a8/ops/_limits.py, ``default`` in the run):
+    the accurate rows become the default (the flag flips to False) once both targets are met."""
+    where = f"`FP8_FAST_ACCUM` (cutlass_w8a8/ops/_limits.py) was {default} in this run"
+    if default is False:
+        return f"- {where}: accurate row-wise fp8 is already the default."
+    missed = [it["label"] for it in items if it["met"] is False]
+    unjudged = [it["label"] for it in items if it["met"] is None]
+    if missed:
+        state = "not yet: " + "; ".join(missed) + (" missed" if len(missed) > 1 else " is missed")
+    elif unjudged:
+        state = "not judged: no number for " + "; ".join(unjudged)
+    else:
+        state = "both met in this run"
+    return (f"- {where}; issue 37 flips it to False (accurate row-wise fp8 by default) when both targets above are "
+            f"met: {state}.")
+
+
 def render_markdown(results: dict[str, Any], geomean: Callable) -> str:
     """The whole report: a header, the per-point table, the summary and any baseline that did not run."""
     commit = results.get("git_commit")
@@ -150,6 +211,9 @@ def render_markdown(results: dict[str, Any], geomean: Callable) -> str:
         "`torch._int_mm` + scaling, divided by ours (> 1: ours is faster). Weight GB/s: N*K bytes per call.",
         "- quant share: the quantization kernel's time / the W8A8Linear forward's; quant visible: "
         "1 - GEMM time / forward time, what quantizing adds to the forward.",
+        "- fp8 acc = `cutlass_w8a8.scaled_mm(..., fp8_fast_accum=False)` on ours fp8's operands (the accurate "
+        "row-wise fp8 rows, promoted into float32 every 128 of K); fp8 acc x fp8-torch = `torch._scaled_mm`'s time / "
+        "its, fp8 acc x fp8 = our fast-accumulation fp8's time / its (< 1: what accuracy costs).",
         *torchao_notes(results),
         "",
         "## Per shape and M",
@@ -162,6 +226,10 @@ def render_markdown(results: dict[str, Any], geomean: Callable) -> str:
     ]
     if _present(results["points"], TORCHAO_COLUMNS):
         lines += ["", "## W8A8Linear against torchao, per shape and M", "", torchao_table(results["points"])]
+    if results.get("fp8_accurate_targets"):
+        items = results["fp8_accurate_targets"]
+        lines += ["", "## Targets (issue 37): accurate row-wise fp8", "", *targets_lines(items),
+                  flip_line(items, results.get("fp8_fast_accum_default"))]
     notes = error_notes(results["points"])
     return markdown(lines, ("## Baselines that did not run", [notes] if notes else []))
 

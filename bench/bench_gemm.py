@@ -7,6 +7,10 @@ For every (shape, M) point, on the current CUDA device, in one process:
   scale_a ``(M, 1)`` and scale_b ``(1, N)`` float32. torch refuses M <= 16; the error is recorded.
 - ``torch_fp8_rowwise``: ``torch._scaled_mm`` on float8_e4m3fn with row-wise scales, bf16 out.
 - ``ours_int8`` / ``ours_fp8``: ``cutlass_w8a8.scaled_mm(a, w.t(), scale_a (M, 1), scale_b (N,), bf16)``.
+- ``ours_fp8_accurate``: ``ours_fp8`` with ``fp8_fast_accum=False`` (the accurate row-wise fp8 rows, promoted into
+  float32 every 128 of K; the default is ``cutlass_w8a8/ops/_limits.py`` ``FP8_FAST_ACCUM``), with ``--fp8`` and
+  ``--fp8-accurate`` (default on); reported as TOPS, x fp8-torch and x ours_fp8 (the cost of accuracy), with issue
+  37's two targets for it (speed against torch's row-wise ``_scaled_mm`` at M >= 128, error against float64).
 - ``linear_bf16`` / ``linear_w8a8``: ``nn.Linear(K, N, bias=False)`` in bf16 and its
   ``W8A8Linear.from_float`` (per-token int8 quantization of x plus the GEMM) on x.
 - ``quant_int8``: that quantization alone.
@@ -34,15 +38,16 @@ methods of a point are all captured first and their timed replays interleaved (s
 Before the timings of a point, ours is checked against a bf16 GEMM of the dequantized operands, and the
 quantized linears (ours and torchao's) against the bf16 ``nn.Linear``.
 
-fp8 accuracy (reported, every point): each fp8 GEMM path (CUTLASS row-wise, decode GEMM, block, torch's) against a
-float64 GEMM of the dequantized operands (bench/_gemm_accuracy.fp8_path_errors).
+fp8 accuracy (reported, every point): each fp8 GEMM path (CUTLASS row-wise, fast and accurate, decode GEMM, block,
+torch's) against a float64 GEMM of the dequantized operands (bench/_gemm_accuracy.fp8_path_errors).
 
 Writes ``gemm_<device>.json`` (raw numbers), ``gemm_<device>.md`` (tables) and ``gemm_<device>.png``
 (speedup over bf16 and TOPS against M) to ``--out``.
 
 ``--block``: only the block-scaled fp8 comparison (issue 26), on the DeepSeek-V3 and Qwen3 shapes
 (`cutlass_w8a8.testing.shapes.BLOCK_SHAPES`): ours block, torch blockwise, our and torch's row-wise fp8, bf16, the
-row-wise and block fp8 ``W8A8Linear``, and the read rate measured in the same run; writes
+row-wise and block fp8 ``W8A8Linear``, our accurate row-wise fp8 (unless ``--no-fp8-accurate``), and the read rate
+measured in the same run; writes
 ``gemm_block_<device>.{json,md,png}``.
 
 Examples::
@@ -50,6 +55,8 @@ Examples::
     python bench/bench_gemm.py                       # full sweep
     python bench/bench_gemm.py --quick --shapes 8b   # Llama-3-8B shapes, 6 values of M
     python bench/bench_gemm.py --m 1,128,4096 --no-fp8
+    python bench/bench_gemm.py --m 128,256,512,1024,2048,4096,8192 --no-torchao --no-pdl-ab --no-block-columns
+                                                        # issue 37's row-wise fp8 targets (accurate vs torch)
     python bench/bench_gemm.py --quick --no-torchao     # without the torchao columns
     python bench/bench_gemm.py --block                  # block fp8 vs torch blockwise, DeepSeek-V3 + Qwen3 shapes
     python bench/bench_gemm.py --block --shapes dsv3 --quick
@@ -64,6 +71,7 @@ from typing import Any, Optional
 
 import torch
 
+from cutlass_w8a8.ops._limits import FP8_FAST_ACCUM
 from cutlass_w8a8.testing.cli import chosen_shapes, int_list
 from cutlass_w8a8.testing.report import provenance, publish, require_cuda_extension, run_checked
 from cutlass_w8a8.testing.shapes import BLOCK_SHAPES, SHAPES
@@ -76,7 +84,7 @@ from _gemm_block import (BLOCK_MODE_METHODS, BLOCK_OPTIONAL, accuracy_paths, blo
                          block_operands, block_sections, block_targets, block_weight_scales, derive_block, plot_block,
                          render_block_markdown)
 from _gemm_methods import OPTIONAL_METHODS, Weights, build_methods, make_activations, make_weights, short_error
-from _gemm_report import plot_results, render_markdown
+from _gemm_report import fp8_accurate_targets, plot_results, render_markdown
 from _gemm_torchao import TorchaoPeers, check_torchao, make_torchao_peers
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,6 +111,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                              f"{', '.join(s[0] for s in BLOCK_SHAPES)})")
     parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True,
                         help="also time cutlass_w8a8 with float8_e4m3fn operands (default: on)")
+    parser.add_argument("--fp8-accurate", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --fp8, also time scaled_mm with fp8_fast_accum=False (accurate row-wise fp8, issue "
+                             "37's targets; one more timed method among 12 to 19 per point, about 5-8%% more time; default: on)")
     parser.add_argument("--block", action="store_true",
                         help="only the block-scaled fp8 comparison (ours vs torch blockwise F.scaled_mm, row-wise "
                              "fp8, bf16) on the DeepSeek-V3 and Qwen3 shapes; writes gemm_block_<device>.*")
@@ -229,6 +240,11 @@ def derive(m: int, n: int, k: int, times: dict[str, float], copy_gbps: float,
         "ours_fp8_tops": tops("ours_fp8"),
         "ours_fp8_x_bf16": ratio("bf16", "ours_fp8"),
         "ours_fp8_x_torch_fp8": ratio("torch_fp8_rowwise", "ours_fp8"),
+        # accurate row-wise fp8 (fp8_fast_accum=False): against torch's row-wise _scaled_mm (issue 37: >= 1.0 at
+        # M >= 128) and against our fast-accumulation fp8 (< 1: what accuracy costs)
+        "ours_fp8_accurate_tops": tops("ours_fp8_accurate"),
+        "ours_fp8_accurate_x_torch_fp8": ratio("torch_fp8_rowwise", "ours_fp8_accurate"),
+        "ours_fp8_accurate_x_ours_fp8": ratio("ours_fp8", "ours_fp8_accurate"),
         "linear_w8a8_fp8_x_bf16": ratio("linear_bf16", "linear_w8a8_fp8"),
         # torchao peers: their time / our W8A8Linear forward's (quantization included), > 1: ours is faster
         "linear_w8a8_x_torchao_int8wo": ratio("torchao_int8wo", "linear_w8a8"),
@@ -278,6 +294,8 @@ def run_sweep(args: argparse.Namespace, cw: Any, bu: Any, peers: Optional[Torcha
         **_results_head(name, args, cw, rates, peak_tops=peak),
         "tolerances": {"gemm_rel_fro": GEMM_REL_TOL, "linear_rel_fro": LINEAR_REL_TOL},
         "fp8": args.fp8,
+        "fp8_accurate": bool(args.fp8 and args.fp8_accurate),
+        "fp8_fast_accum_default": FP8_FAST_ACCUM,
         "torchao": {"enabled": False, "reason": torchao_note},
         "block_columns": bool(args.fp8 and args.block_columns),
         "decode_gemm_max_m": cw._ext.decode_gemm_max_m(),
@@ -313,6 +331,8 @@ def run_sweep(args: argparse.Namespace, cw: Any, bu: Any, peers: Optional[Torcha
             results["torchao"] = peers.summary()
     if results["block_columns"]:
         finish_block(results, bu, read_gbps, copy_gbps)
+    if results["fp8_accurate"]:
+        results["fp8_accurate_targets"] = fp8_accurate_targets(results["points"])
     return results
 
 
@@ -324,12 +344,12 @@ def add_block_weights(wts: Weights, n: int, k: int, cw: Any) -> None:
 
 
 def check_fp8_guard(methods: dict, errors: dict[str, str], accuracy: dict, where: str) -> dict[str, float]:
-    """The accuracy guard of the fp8 methods that `check_accuracy` does not cover: ``ours_fp8`` and ``ours_block``
-    (as dispatched) against float64 (`GEMM_REL_TOL`), and the fp8 linears of ``methods`` not yet checked
+    """The accuracy guard of the fp8 methods that `check_accuracy` does not cover: ``ours_fp8``,
+    ``ours_fp8_accurate`` and ``ours_block`` (as dispatched) against float64 (`GEMM_REL_TOL`), and the fp8 linears of ``methods`` not yet checked
     (``linear_w8a8_block``; ``linear_w8a8_fp8`` in ``--block`` mode) against ``linear_bf16``
     (`FP8_LINEAR_REL_TOL`). Raises AccuracyError past a bound; a linear that fails is recorded in ``errors``
     and dropped from ``methods``. Returns the linears' relative errors."""
-    for name in ("ours_fp8", "ours_block"):
+    for name in ("ours_fp8", "ours_fp8_accurate", "ours_block"):
         err = accuracy.get(name, {}).get("rel_fro")
         if err is not None and not err < GEMM_REL_TOL:
             raise AccuracyError(f"{where}: {name} relative Frobenius error {err:.3g} against float64 is not below "
@@ -374,7 +394,7 @@ def measure_point(shape: str, m: int, n: int, k: int, wts: Weights, args: argpar
     """Check and time one (shape, M) point; times in ms per call."""
     act = make_activations(m, k)
     set_pdl = cw.set_pdl if args.pdl_ab and torch.cuda.get_device_capability() == (9, 0) else None
-    methods = build_methods(cw.scaled_mm, wts, act, args.fp8, set_pdl)
+    methods = build_methods(cw.scaled_mm, wts, act, args.fp8, set_pdl, args.fp8_accurate)
     errors: dict[str, str] = {}
     if args.fp8 and wts.qlinear_fp8_error is not None:
         errors["linear_w8a8_fp8"] = wts.qlinear_fp8_error
@@ -391,7 +411,8 @@ def measure_point(shape: str, m: int, n: int, k: int, wts: Weights, args: argpar
     rel = check_accuracy(methods, errors, where)
     accuracy: dict = {}
     if args.fp8:
-        accuracy = fp8_path_errors(accuracy_paths(cw, act.a_fp8, wts.w_fp8, act.scale_a, wts.scale_b, blk), errors)
+        accuracy = fp8_path_errors(accuracy_paths(cw, act.a_fp8, wts.w_fp8, act.scale_a, wts.scale_b, blk,
+                                                  args.fp8_accurate), errors)
         # linear_w8a8_fp8 was checked by check_accuracy; a method that failed here is in `errors`, which
         # time_methods skips
         rel.update(check_fp8_guard({name: v for name, v in methods.items() if name != "linear_w8a8_fp8"}, errors,
@@ -411,7 +432,7 @@ def measure_block_point(shape: str, m: int, n: int, k: int, wts: Weights, args: 
     per call, the fp8 paths' errors against float64 under ``accuracy``."""
     act = make_activations(m, k)
     blk = block_operands(m, k, wts.scale_b_block, wts.scale_b_block_torch)
-    base = build_methods(cw.scaled_mm, wts, act, True, None)
+    base = build_methods(cw.scaled_mm, wts, act, True, None, args.fp8_accurate)
     methods = {name: base[name] for name in BLOCK_MODE_METHODS if name in base}
     methods.update(block_methods(cw, wts.w_fp8, act.a_fp8, blk, act.x_bf16, wts.qlinear_block, decode_max_m))
     errors: dict[str, str] = {}
@@ -419,7 +440,8 @@ def measure_block_point(shape: str, m: int, n: int, k: int, wts: Weights, args: 
         if why is not None:
             errors[name] = why
     where = f"{shape} M={m}"
-    accuracy = fp8_path_errors(accuracy_paths(cw, act.a_fp8, wts.w_fp8, act.scale_a, wts.scale_b, blk), errors)
+    accuracy = fp8_path_errors(accuracy_paths(cw, act.a_fp8, wts.w_fp8, act.scale_a, wts.scale_b, blk,
+                                              args.fp8_accurate), errors)
     rel = check_fp8_guard({**methods, "linear_bf16": base["linear_bf16"]}, errors, accuracy, where)
     times, details = time_methods(methods, errors, bu, l2_bytes, args)
     del methods, base, act, blk
@@ -437,7 +459,7 @@ def run_block_sweep(args: argparse.Namespace, cw: Any, bu: Any) -> dict[str, Any
                         decode_gemm_max_m=decode_max_m),
         "tolerances": {"gemm_rel_fro_vs_fp64": GEMM_REL_TOL, "fp8_linear_rel_fro": FP8_LINEAR_REL_TOL},
         "accuracy_corner": f"{ACCURACY_ROWS} x {ACCURACY_COLS}",
-        "methods": list(BLOCK_MODE_METHODS),
+        "methods": [name for name in BLOCK_MODE_METHODS if args.fp8_accurate or name != "ours_fp8_accurate"],
         "m_values": args.m_values,
         "shapes": [{"name": s, "N": n, "K": k} for s, n, k in args.shape_list],
         "points": [],

@@ -28,7 +28,7 @@ def bench():
     with loaded_benches("_gemm_methods", "_gemm_accuracy", "_gemm_block", "_gemm_report", "_gemm_torchao",
                         "bench_gemm") as mods:
         yield SimpleNamespace(acc=mods["_gemm_accuracy"], block=mods["_gemm_block"], main=mods["bench_gemm"],
-                              report=mods["_gemm_report"])
+                              report=mods["_gemm_report"], methods=mods["_gemm_methods"])
 
 
 # ---- command line and shapes ------------------------------------------------------------------------------------
@@ -151,14 +151,15 @@ def test_fp8_paths_on_cpu(bench):
     fake = SimpleNamespace(scaled_mm=cw.scaled_mm, scaled_mm_decode=cw.scaled_mm_decode,
                            _ext=SimpleNamespace(set_decode_gemm_max_m=lambda v: bounds.append(v) or 8))
     paths = bench.block.accuracy_paths(fake, a, w, sa, sb, blk)
-    assert list(paths) == ["ours_fp8", "cutlass_fp8", "decode_fp8", "ours_block", "cutlass_block", "decode_block",
-                           "torch_fp8_rowwise", "torch_block"]
+    assert list(paths) == ["ours_fp8", "ours_fp8_accurate", "cutlass_fp8", "cutlass_fp8_accurate", "decode_fp8",
+                           "ours_block", "cutlass_block", "decode_block", "torch_fp8_rowwise", "torch_block"]
     errors = {}
     acc = bench.acc.fp8_path_errors(paths, errors, rows=4, cols=200)
     assert set(errors) <= {"torch_block", "torch_fp8_rowwise"} and "torch_block" in errors
     assert acc["corner"] == {"rows": 4, "cols": 200}
-    assert bounds == [0, 8, 0, 8]  # the CUTLASS paths turned the decode path off and restored it
-    for name in ("ours_fp8", "cutlass_fp8", "decode_fp8", "ours_block", "cutlass_block", "decode_block"):
+    assert bounds == [0, 8, 0, 8, 0, 8]  # the CUTLASS paths turned the decode path off and restored it
+    for name in ("ours_fp8", "ours_fp8_accurate", "cutlass_fp8", "cutlass_fp8_accurate", "decode_fp8", "ours_block",
+                 "cutlass_block", "decode_block"):
         floor = acc["bf16_floor_block" if "block" in name else "bf16_floor"]["rel_fro"]
         assert 1e-4 < floor < 4e-3
         assert abs(acc[name]["rel_fro"] - floor) < 1e-4, (name, acc[name], floor)
@@ -170,6 +171,46 @@ def test_fp8_paths_on_cpu(bench):
     big = bench.block.accuracy_paths(fake, a.repeat(3, 1), w, sa.repeat(3, 1), sb,
                                      bench.block.BlockOperands(sa_b.repeat(3, 1), sb_b, None, None))
     assert "decode_fp8" not in big and "decode_block" not in big
+    # --no-fp8-accurate: no accurate path
+    fast = bench.block.accuracy_paths(fake, a, w, sa, sb, None, accurate=False)
+    assert list(fast) == ["ours_fp8", "cutlass_fp8", "decode_fp8", "torch_fp8_rowwise"]
+
+
+def test_accurate_paths_ask_for_promotion(bench):
+    """``ours_fp8_accurate`` (the timed method and its accuracy path) and ``cutlass_fp8_accurate`` call scaled_mm with
+    fp8_fast_accum=False, the fast ones with the default; the CUTLASS one with the decode path off."""
+    calls, bounds = [], []
+
+    def scaled_mm(a, b, sa, sb, out_dtype, **kw):
+        calls.append((kw.get("fp8_fast_accum", "default"), bounds[-1] if bounds else 8))
+        return torch.zeros(a.shape[0], b.shape[1])
+
+    def set_max(v):
+        bounds.append(v)
+        return 8
+
+    fake = SimpleNamespace(scaled_mm=scaled_mm, scaled_mm_decode=None, _ext=SimpleNamespace(set_decode_gemm_max_m=set_max))
+    a, w = torch.zeros(32, 128, dtype=E4M3), torch.zeros(64, 128, dtype=E4M3)
+    paths = bench.block.accuracy_paths(fake, a, w, torch.ones(32, 1), torch.ones(64), None)
+    for name in ("ours_fp8", "ours_fp8_accurate", "cutlass_fp8", "cutlass_fp8_accurate"):
+        calls.clear()
+        fn, args, _ = paths[name]
+        fn(*args)
+        want_accum = False if name.endswith("accurate") else "default"
+        want_bound = 0 if name.startswith("cutlass") else 8
+        assert calls == [(want_accum, want_bound)], (name, calls)
+    wts = SimpleNamespace(w_bf16=None, w_int8=None, w_fp8=w, scale_b=torch.ones(64), linear=None, qlinear=None,
+                          qlinear_fp8=None)
+    act = SimpleNamespace(x_bf16=None, a_int8=None, a_fp8=a, scale_a=torch.ones(32, 1))
+    methods = bench.methods.build_methods(scaled_mm, wts, act, True)
+    assert list(methods).index("ours_fp8_accurate") == list(methods).index("ours_fp8") + 1
+    calls.clear()
+    fn, args = methods["ours_fp8_accurate"]
+    fn(*args)
+    assert calls == [(False, 8)] and args == methods["ours_fp8"][1]
+    assert "ours_fp8_accurate" not in bench.methods.build_methods(scaled_mm, wts, act, True, fp8_accurate=False)
+    assert "ours_fp8_accurate" not in bench.methods.build_methods(scaled_mm, wts, act, False)
+    assert "ours_fp8_accurate" in bench.methods.OPTIONAL_METHODS
 
 
 def test_block_methods_by_m(bench):
@@ -341,8 +382,9 @@ def _fake_env(bench, monkeypatch):
     monkeypatch.setattr(bench.main, "provenance", lambda device, root: {
         "device": device, "device_slug": "nvidia-h100-80gb-hbm3", "torch_version": torch.__version__,
         "cuda_version": "13.0", "git_commit": None})
-    ms = {"ours_block": 0.010, "torch_block": 0.013, "ours_fp8": 0.0095, "bf16": 0.018}
-    timed, reads = [], iter([3000.0, 3100.0, 2900.0])
+    ms = {"ours_block": 0.010, "torch_block": 0.013, "ours_fp8": 0.0095, "ours_fp8_accurate": 0.012, "bf16": 0.018,
+          "torch_fp8_rowwise": 0.0125}
+    timed, reads = [], iter([3000.0, 3100.0] + [2900.0] * 8)
 
     def interleaved(cases, *, replay_ms, replays, on_error):
         out = {}
@@ -386,17 +428,19 @@ def test_block_sweep_flow_on_cpu(bench, monkeypatch, tmp_path):
     for p in res["points"]:
         m = p["M"]
         assert "torch_block" in p["errors"] and "torch_block" not in p["time_ms"]
-        want = {"ours_block", "ours_fp8", "bf16", "linear_w8a8_fp8", "linear_w8a8_block"}
+        want = {"ours_block", "ours_fp8", "ours_fp8_accurate", "bf16", "linear_w8a8_fp8", "linear_w8a8_block"}
         want |= {1: {"ours_block_cutlass"}, 9: {"ours_block_decode"}, 32: set()}[m]
         assert want <= set(p["time_ms"]), (m, p["time_ms"], p["errors"])
         assert not set(p["time_ms"]) - want - {"torch_fp8_rowwise"}
         acc = p["accuracy"]
-        assert {"ours_block", "cutlass_block", "cutlass_fp8", "bf16_floor", "bf16_floor_block"} <= set(acc)
+        assert {"ours_block", "cutlass_block", "cutlass_fp8", "cutlass_fp8_accurate", "ours_fp8_accurate", "bf16_floor",
+                "bf16_floor_block"} <= set(acc)
         assert ("decode_block" in acc) == (m <= 16)
         assert acc["cutlass_block"]["rel_fro"] < 4e-3 and acc["corner"] == {"rows": m, "cols": 256}
         assert p["rel_err"]["linear_w8a8_block"] < 0.1 and p["rel_err"]["linear_w8a8_fp8"] < 0.1
         b = p["block"]
         assert b["x_ours_fp8"] == pytest.approx(0.95) and b["x_bf16"] == pytest.approx(1.8)
+        assert b["x_ours_fp8_accurate"] == pytest.approx(1.2) and b["time_us"]["ours_fp8_accurate"] == pytest.approx(12)
         assert b["weight_over_read"] == pytest.approx(b["weight_GBps"] / 3100.0)
         assert b["alt"] == {1: "ours_block_cutlass", 9: "ours_block_decode", 32: None}[m]
     assert 0 in bounds and bounds.count(0) == len([v for v in bounds if v == 8])  # every switch-off restored
@@ -406,6 +450,17 @@ def test_block_sweep_flow_on_cpu(bench, monkeypatch, tmp_path):
     assert paths["md"].endswith("gemm_block_nvidia-h100-80gb-hbm3.md")
     report = open(paths["md"]).read()
     assert "| 9 | tiny |" in report and "## fp8 accuracy against float64" in report
+    assert "| ours fp8 acc us |" in report and "| x ours fp8 acc |" in report and "CUTLASS row-wise accurate" in report
+    assert "ours_fp8_accurate" in res["methods"]
+    # --no-fp8-accurate leaves the accurate row-wise method and paths out
+    args = bench.main.parse_args(["--block", "--m", "32", "--no-fp8-accurate"])
+    args.shape_list = [("tiny", 256, 384)]
+    with torch.no_grad():
+        res = bench.main.run_block_sweep(args, fake_cw, bu)
+    p = res["points"][0]
+    assert "ours_fp8_accurate" not in p["time_ms"] and "ours_fp8" in p["time_ms"]
+    assert not {"ours_fp8_accurate", "cutlass_fp8_accurate"} & set(p["accuracy"])
+    assert p["block"]["x_ours_fp8_accurate"] is None and "ours_fp8_accurate" not in res["methods"]
 
 
 def test_full_sweep_flow_with_block_columns_on_cpu(bench, monkeypatch, tmp_path):
@@ -425,6 +480,25 @@ def test_full_sweep_flow_with_block_columns_on_cpu(bench, monkeypatch, tmp_path)
         assert p["derived"]["ours_x_bf16"] is not None
     report = bench.report.render_markdown(res, geomean) + "\n".join(bench.block.block_sections(res, geomean))
     assert "## Block-scaled fp8 per shape and M" in report and "| 32 | tiny |" in report
+    # accurate row-wise fp8 beside the fast one: timed, checked against float64, its ratios, issue 37's targets
+    for p in res["points"]:
+        d = p["derived"]
+        assert "ours_fp8_accurate" in p["time_ms"] and p["accuracy"]["cutlass_fp8_accurate"]["rel_fro"] < 4e-3
+        assert d["ours_fp8_accurate_x_ours_fp8"] == pytest.approx(0.0095 / 0.012)
+        assert d["ours_fp8_accurate_x_torch_fp8"] == pytest.approx(0.0125 / 0.012)
+        assert d["ours_fp8_accurate_tops"] == pytest.approx(2 * p["M"] * 256 * 384 / 12e-6 / 1e12)
+    assert res["fp8_accurate"] and res["fp8_fast_accum_default"] is True
+    t = {x["key"]: x for x in res["fp8_accurate_targets"]}
+    assert t["accurate_x_torch_min"]["met"] is None  # no point at M >= 128
+    assert t["rel_err_fp8_accurate"]["met"] is True and t["rel_err_fp8_accurate"]["value"] < 2e-3
+    assert "## Targets (issue 37): accurate row-wise fp8" in report and "`FP8_FAST_ACCUM`" in report
+    args = bench.main.parse_args(["--m", "2", "--no-torchao", "--no-block-columns", "--no-fp8-accurate"])
+    args.shape_list = [("tiny", 256, 384)]
+    with torch.no_grad():
+        res = bench.main.run_sweep(args, fake_cw, bu, None, "off")
+    p = res["points"][0]
+    assert "ours_fp8_accurate" not in p["time_ms"] and p["derived"]["ours_fp8_accurate_x_torch_fp8"] is None
+    assert "fp8_accurate_targets" not in res and "Targets (issue 37)" not in bench.report.render_markdown(res, geomean)
     args = bench.main.parse_args(["--m", "2", "--no-torchao", "--no-block-columns"])
     args.shape_list = [("tiny", 256, 384)]
     with torch.no_grad():
@@ -517,3 +591,75 @@ def test_point_table_marks_impossible_figures(bench):
     assert cells[5] == "549.8 INVALID" and cells[13] == "1.25 INVALID" and cells[14] == "0.17"
     ok = bench.main.derive(m, n, k, {"ours_int8": 1.0, "quant_int8": 0.1, "linear_w8a8": 1.1}, 2500.0, 1000.0)
     assert "INVALID" not in bench.report.point_table([{"M": m, "shape": "big", "derived": ok}])
+
+
+# ---- accurate row-wise fp8 (issue 37) in the full sweep's report ---------------------------------------------------
+
+
+def _accurate_points(bench, x_torch=1.05, rel=1.8e-3, x_torch_small=0.5):
+    """Two Llama shapes at M in {16, 128, 4096}: ours accurate x_torch times faster than torch's row-wise _scaled_mm at
+    M >= 128 (x_torch_small at M = 16, outside the target's range), 1.1x slower than our fast fp8, and the accurate
+    CUTLASS path's error rel (the dispatched one's a little lower)."""
+    points = []
+    for shape, n, k in (("l3-8b-qkv", 6144, 4096), ("l3-70b-down", 8192, 28672)):
+        for m in (16, 128, 4096):
+            acc_t = 0.1
+            times = {"ours_int8": 0.05, "ours_fp8": acc_t / 1.1, "ours_fp8_accurate": acc_t,
+                     "torch_fp8_rowwise": acc_t * (x_torch if m >= 128 else x_torch_small)}
+            d = bench.main.derive(m, n, k, times, 2500.0, 1979.0)
+            accuracy = {"cutlass_fp8_accurate": {"rel_fro": rel if m == 4096 else 1.7e-3, "max_over_rms": 0.01},
+                        "ours_fp8_accurate": {"rel_fro": 1.65e-3, "max_over_rms": 0.01}}
+            points.append({"shape": shape, "N": n, "K": k, "M": m, "derived": d, "accuracy": accuracy, "errors": {}})
+    return points
+
+
+def test_fp8_accurate_targets(bench):
+    """Issue 37's two lines for accurate row-wise fp8: the lowest x torch over M >= 128 and the highest error of the
+    accurate paths; met, then each one missed; a missing number leaves a target unjudged."""
+    t = {x["key"]: x for x in bench.report.fp8_accurate_targets(_accurate_points(bench))}
+    assert t["accurate_x_torch_min"]["met"] is True and t["accurate_x_torch_min"]["value"] == pytest.approx(1.05)
+    assert "4 points" in t["accurate_x_torch_min"]["detail"]  # M = 16 is outside the target
+    assert t["rel_err_fp8_accurate"]["met"] is True and t["rel_err_fp8_accurate"]["value"] == pytest.approx(1.8e-3)
+    assert "worst cutlass_fp8_accurate" in t["rel_err_fp8_accurate"]["detail"]
+    t = {x["key"]: x for x in bench.report.fp8_accurate_targets(_accurate_points(bench, x_torch=0.96, rel=2.3e-3))}
+    assert t["accurate_x_torch_min"]["met"] is False and t["accurate_x_torch_min"]["value"] == pytest.approx(0.96)
+    assert t["rel_err_fp8_accurate"]["met"] is False and t["rel_err_fp8_accurate"]["value"] == pytest.approx(2.3e-3)
+    none = bench.report.fp8_accurate_targets([{**p, "accuracy": {}} for p in _accurate_points(bench) if p["M"] < 128])
+    assert [x["met"] for x in none] == [None, None]
+    # the flip line names what stands in the way of FP8_FAST_ACCUM = False
+    items = bench.report.fp8_accurate_targets(_accurate_points(bench, x_torch=0.96))
+    line = bench.report.flip_line(items, True)
+    assert "`FP8_FAST_ACCUM` (cutlass_w8a8/ops/_limits.py) was True" in line
+    assert "not yet: ours accurate row-wise fp8 / torch row-wise `_scaled_mm`" in line and "is missed" in line
+    assert "both targets above are met: both met in this run." in bench.report.flip_line(
+        bench.report.fp8_accurate_targets(_accurate_points(bench)), True)
+    assert "not judged" in bench.report.flip_line(none, True)
+    assert "already the default" in bench.report.flip_line(items, False)
+
+
+def test_render_markdown_fp8_accurate(bench):
+    """The full sweep's report: the accurate columns per point and in the summary by M, issue 37's targets with their
+    verdicts (one missed here) and the flip line."""
+    points = _accurate_points(bench, x_torch=0.96)
+    for p in points:
+        p["time_ms"] = {}
+        p["timing"] = {}
+    results = {"device": "NVIDIA H200", "torch_version": torch.__version__, "cuda_version": "13.0",
+               "git_commit": "0123456789abcdef", "git_dirty": False, "l2_bytes": 60 * 2**20, "copy_GBps": 3800.0,
+               "read_GBps": 4200.0, "peak_tops": 1979.0, "pdl": True, "timing": {"replays": 25},
+               "torchao": {"enabled": False, "reason": "off"}, "fp8_fast_accum_default": True, "points": points,
+               "fp8_accurate_targets": bench.report.fp8_accurate_targets(points)}
+    report = bench.report.render_markdown(results, geomean)
+    lines = report.splitlines()
+    head = [c.strip() for c in next(ln for ln in lines if ln.startswith("| M | shape | ours us")).split("|")]
+    row = [c.strip() for c in next(ln for ln in lines if ln.startswith("| 4096 | l3-70b-down |")).split("|")]
+    assert row[head.index("fp8 acc x fp8-torch")] == "0.96" and row[head.index("fp8 acc x fp8")] == "0.91"
+    assert row[head.index("fp8 acc TOPS")] == f"{2 * 4096 * 8192 * 28672 / 0.1e-3 / 1e12:.1f}"
+    summary = [c.strip() for c in next(ln for ln in lines if ln.startswith("| M | points |")).split("|")]
+    assert "fp8 acc x fp8-torch" in summary and "fp8 acc x fp8" in summary
+    assert "## Targets (issue 37): accurate row-wise fp8" in report
+    verdicts = [ln for ln in lines if "(target" in ln]
+    assert len(verdicts) == 2
+    assert "0.960 (target >= 1)" in verdicts[0] and "): met" not in verdicts[0]
+    assert "1.80e-03 (target <= 0.002): met" in verdicts[1]
+    assert any(ln.startswith("- `FP8_FAST_ACCUM`") and "not yet" in ln for ln in lines)
