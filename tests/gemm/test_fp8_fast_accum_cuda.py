@@ -33,14 +33,6 @@ def _needs_fp8_kernels():
         pytest.skip("the sm90 fp8 kernels are not available in this build")
 
 
-@pytest.fixture
-def cutlass_only():
-    """The decode GEMM off (scaled_mm runs the CUTLASS kernels at every M); the bound restored afterwards."""
-    previous = cw._ext.set_decode_gemm_max_m(0)
-    yield
-    cw._ext.set_decode_gemm_max_m(previous)
-
-
 @pytest.mark.parametrize("m", M_BUCKETS)
 @pytest.mark.parametrize("nk", [(768, 1024), (1024, 7168)], ids=["N768-K1024", "N1024-K7168"])
 @torch.no_grad()

@@ -48,14 +48,6 @@ def _needs_fp8_kernels():
         pytest.skip("the sm90 fp8 kernels are not available in this build")
 
 
-@pytest.fixture
-def cutlass_only():
-    """The decode GEMM off (scaled_mm runs the CUTLASS kernels at every M); the bound restored afterwards."""
-    previous = cw._ext.set_decode_gemm_max_m(0)
-    yield
-    cw._ext.set_decode_gemm_max_m(previous)
-
-
 def blocks(v: int) -> int:
     return -(-v // BLOCK)
 
