@@ -208,28 +208,33 @@ def test_cuda_matches_reference(dtype, b):
         assert torch.equal(cache[s, 1, :, p], qkv[i, H + KVH:].cpu())
 
 
-@pytest.mark.cuda
-def test_cuda_graph_replay_and_opcheck():
-    qkv, rope, cache, slots, positions = inputs(3, torch.bfloat16, "cuda", seed=7)
-    static = [t.clone() for t in (qkv, rope, cache, slots, positions)]
-    g = torch.cuda.CUDAGraph()
+def check_graph_replay_and_opcheck(*tail):
+    """rope_kv_cache_(*inputs, H, KVH, *tail) captured in a CUDA graph: replays on new inputs equal eager calls bit
+    for bit (q / k heads and the cache); then opcheck on CUDA."""
+    static = inputs(3, torch.bfloat16, "cuda", seed=7)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        torch.ops.cutlass_w8a8.rope_kv_cache_(*[t.clone() for t in static], H, KVH)
+        torch.ops.cutlass_w8a8.rope_kv_cache_(*[t.clone() for t in static], H, KVH, *tail)
     torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        torch.ops.cutlass_w8a8.rope_kv_cache_(*static, H, KVH)
+        torch.ops.cutlass_w8a8.rope_kv_cache_(*static, H, KVH, *tail)
     for seed in (1, 2):
         new = inputs(3, torch.bfloat16, "cuda", seed=seed)
         for dst, src in zip(static, new):
             dst.copy_(src)
         g.replay()
         eager = [t.clone() for t in new]
-        torch.ops.cutlass_w8a8.rope_kv_cache_(*eager, H, KVH)
+        torch.ops.cutlass_w8a8.rope_kv_cache_(*eager, H, KVH, *tail)
         assert torch.equal(static[0], eager[0]) and torch.equal(static[2], eager[2])
     torch.library.opcheck(torch.ops.cutlass_w8a8.rope_kv_cache_.default,
-                          (*inputs(2, torch.bfloat16, "cuda", seed=3), H, KVH))
+                          (*inputs(2, torch.bfloat16, "cuda", seed=3), H, KVH, *tail))
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replay_and_opcheck():
+    check_graph_replay_and_opcheck()
 
 
 def _normed_max(qkv, qn, kn, eps):
@@ -291,22 +296,4 @@ def test_cuda_head_norms_match_reference(dtype, b, d, eps):
 def test_cuda_head_norms_graph_replay_and_opcheck():
     """Captured with head norms, replays equal eager bit for bit on new inputs; opcheck on CUDA."""
     qn, kn = norm_weights(torch.bfloat16, "cuda")
-    static = inputs(3, torch.bfloat16, "cuda", seed=7)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        torch.ops.cutlass_w8a8.rope_kv_cache_(*[t.clone() for t in static], H, KVH, qn, kn, EPS)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        torch.ops.cutlass_w8a8.rope_kv_cache_(*static, H, KVH, qn, kn, EPS)
-    for seed in (1, 2):
-        new = inputs(3, torch.bfloat16, "cuda", seed=seed)
-        for dst, src in zip(static, new):
-            dst.copy_(src)
-        g.replay()
-        eager = [t.clone() for t in new]
-        torch.ops.cutlass_w8a8.rope_kv_cache_(*eager, H, KVH, qn, kn, EPS)
-        assert torch.equal(static[0], eager[0]) and torch.equal(static[2], eager[2])
-    torch.library.opcheck(torch.ops.cutlass_w8a8.rope_kv_cache_.default,
-                          (*inputs(2, torch.bfloat16, "cuda", seed=3), H, KVH, qn, kn, EPS))
+    check_graph_replay_and_opcheck(qn, kn, EPS)

@@ -188,6 +188,21 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
+
+def config_count(force, op: str, what: str) -> int:
+    """The number of entries of a config table, read from the refusal of an out-of-range config: ``force(config)``
+    runs a private forcing op (``_scaled_mm_config`` / ``_grouped_scaled_mm_config``) with ``config = 2**30``,
+    whose ValueError says ``must be in [0, n)``. Raises that error if it says something else, and RuntimeError if
+    the op accepts the config (``op`` and ``what`` name the op and the table in that message)."""
+    try:
+        force(1 << 30)
+    except ValueError as exc:
+        found = re.search(r"must be in \[0, (\d+)\)", str(exc))
+        if found:
+            return int(found.group(1))
+        raise
+    raise RuntimeError(f"{op} accepted config 2**30 for {what}")
+
 def check_equal(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     """Same shape, dtype and bits (``got`` may be on the device)."""
     g = got.detach().cpu()

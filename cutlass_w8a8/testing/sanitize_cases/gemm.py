@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 
 from ..references import BLOCK, rand_scale, scale_magnitudes
-from .core import BF16, Ctx, F16, FP8, I8, Q, QMAX, _block_scales, _ceil, _operand, _rowwise_scales, case, check_gemm
+from .core import (BF16, Ctx, F16, FP8, I8, Q, QMAX, _block_scales, _ceil, _operand, _rowwise_scales, case, check_gemm,
+                   config_count)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -99,14 +99,8 @@ def _num_configs(ctx: Ctx, dtype, block: bool = False) -> int:
     sa = ctx.to(torch.ones(1, k // BLOCK) if block else torch.ones(1))
     sb = ctx.to(torch.ones(1, k // BLOCK) if block else torch.ones(1))
     out = ctx.to(torch.zeros(1, 16, dtype=BF16))
-    try:
-        Q._scaled_mm_config(out, a, b, sa, sb, None, 1 << 30)
-    except ValueError as exc:
-        found = re.search(r"must be in \[0, (\d+)\)", str(exc))
-        if found:
-            return int(found.group(1))
-        raise
-    raise RuntimeError(f"_scaled_mm_config accepted config 2**30 for {dtype} (block={block})")
+    return config_count(lambda config: Q._scaled_mm_config(out, a, b, sa, sb, None, config), "_scaled_mm_config",
+                        f"{dtype} (block={block})")
 
 
 @case("scaled_mm_configs", ["_scaled_mm_config"])

@@ -4,13 +4,13 @@ decode path (moe_decode_experts)."""
 from __future__ import annotations
 
 import itertools
-import re
 
 import torch
 
 from ...ops._reference import moe_route_reference
 from ..references import BLOCK, rand_scale, scale_magnitudes
-from .core import BF16, Ctx, F16, F32, FP8, I8, Q, _block_scales, _ceil, _operand, case, check_equal, check_gemm
+from .core import (BF16, Ctx, F16, F32, FP8, I8, Q, _block_scales, _ceil, _operand, case, check_equal, check_gemm,
+                   config_count)
 from .quant_norm import _STATIC_SCALE
 
 
@@ -270,14 +270,9 @@ def _grouped_num_configs(ctx: Ctx, dtype, block: bool) -> int:
     sb = ctx.to(torch.ones(e, n // BLOCK, k // BLOCK) if block else torch.ones(e, n))
     offs = ctx.to(torch.tensor([2, 4], dtype=torch.int32))
     out = ctx.to(torch.zeros(4, n, dtype=BF16))
-    try:
-        Q._grouped_scaled_mm_config(out, a, w.transpose(1, 2), sa, sb, offs, None, 1 << 30)
-    except ValueError as exc:
-        found = re.search(r"must be in \[0, (\d+)\)", str(exc))
-        if found:
-            return int(found.group(1))
-        raise
-    raise RuntimeError(f"_grouped_scaled_mm_config accepted config 2**30 for {dtype} (block={block})")
+    wt = w.transpose(1, 2)
+    return config_count(lambda config: Q._grouped_scaled_mm_config(out, a, wt, sa, sb, offs, None, config),
+                        "_grouped_scaled_mm_config", f"{dtype} (block={block})")
 
 
 @case("grouped_scaled_mm_configs", ["_grouped_scaled_mm_config"], needs_sm90=True)
