@@ -2,7 +2,8 @@
 
 For each head layout (Qwen3-30B-A3B: 32 query / 4 key-value heads, Llama-3-8B: 32 / 8; D = 128, bfloat16), batch
 and cache length, times `decode_attention` and `decode_attention_quant` (int8, dynamic per-token) with every row at
-its last position (the whole cache read), on each path: "auto" (the fused kernel where it serves,
+its last position (the whole cache read), on each path: "auto" (the fused path allowed through
+cutlass_w8a8._ext.set_decode_attention_fused(True), off by default: the fused kernel where its rule lets it serve,
 cutlass_w8a8._ext.decode_attention_path says which) and "split" (the fused path forbidden with
 cutlass_w8a8._ext.set_decode_attention_fused(False)). Times are CUDA-graph replays over rotating inputs (cold L2,
 cutlass_w8a8.testing.timers.bench_gpu_time), microseconds per call. Before timing, the two paths' outputs are
@@ -75,6 +76,7 @@ def main(argv=None) -> int:
                     q, kv, slots, positions = make_inputs(b, h, kvh, d, s, torch.bfloat16, "cuda", seed=b,
                                                           positions=[s - 1] * b)
                     arg_sets = rotating_arg_sets((q, kv, slots, positions), l2_cache_bytes())
+                    _ext.set_decode_attention_fused(True)  # the path "auto" takes (the "split" mode turns it off)
                     path = _ext.decode_attention_path(dev, b, h, kvh, s, d, torch.bfloat16)
                     for variant in ("plain", "int8"):
                         fn = _run(variant, 1.0 / math.sqrt(d))

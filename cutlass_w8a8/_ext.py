@@ -145,9 +145,10 @@ def decode_attention_path(device_index: int, batch: int, heads: int, kv_heads: i
 
 
 def set_decode_attention_fused(enabled: bool) -> bool:
-    """Allow (True, the default) or forbid the one-kernel decode attention path for later launches; returns the
-    previous setting. Forbidden, every shape runs the split + combine kernels: tests and benchmarks compare the two
-    paths with it. A CUDA graph keeps the kernels it captured.
+    """Allow (True) or forbid (False, the default) the one-kernel decode attention path for later launches; returns
+    the previous setting. Forbidden, every shape runs the split + combine kernels; tests and benchmarks compare the
+    two paths with it. It is off by default because it was slower where it served 8 or more rows on an H200
+    (bench/results/decode_attention_nvidia-h200.md). A CUDA graph keeps the kernels it captured.
 
     Raises
     ------

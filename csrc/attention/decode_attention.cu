@@ -707,9 +707,12 @@ void launch_combine(const Args<T>& args, int64_t batch, cudaStream_t stream, boo
   }
 }
 
-// Whether the one-kernel path may serve (the private switch _set_decode_attention_fused: tests and benchmarks force
-// the two-kernel path with it to compare the two).
-std::atomic<bool> g_fused_enabled{true};
+// Whether the one-kernel path may serve (the private switch _set_decode_attention_fused: tests and benchmarks turn
+// it on and off to compare the two paths). Off by default: on an H200 (bench/results/decode_attention_nvidia-h200,
+// 2026-11-29) it was 1.05x the two kernels at Qwen3-30B-A3B B = 1, S = 512 (0.99x with int8 out), and 0.39-0.65x
+// wherever it served 8 or more rows (Qwen3 B 8 / 16, Llama-3-8B B 16): clusters of 16 CTAs are resident a few at
+// a time, so those rows ran in waves. It stays a candidate until a rule that keeps it within one wave wins there.
+std::atomic<bool> g_fused_enabled{false};
 
 // The one-kernel path's shape for one launch: `units` split units per CTA (0: the path does not serve) and `ctas`
 // CTAs per cluster (one cluster per row).

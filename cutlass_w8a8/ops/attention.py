@@ -100,7 +100,9 @@ def decode_attention(
        Qwen3-30B-A3B's 32 / 4 heads at ``S = 512``): the units run the split kernel's code into shared memory
        and the cluster merges them through distributed shared memory with the combine kernel's code, in one
        launch and without the workspace. Same splits, same operations in the same order: the same bits as 1. + 2.
-       (``cutlass_w8a8._ext.decode_attention_path`` names the path a shape takes).
+       (``cutlass_w8a8._ext.decode_attention_path`` names the path a shape takes). Off by default
+       (``cutlass_w8a8._ext.set_decode_attention_fused(True)`` allows it): on an H200 it was 1.05x the two kernels
+       at Qwen3-30B-A3B B = 1, S = 512 and 0.39-0.65x at B >= 8 (bench/results/decode_attention_nvidia-h200.md).
 
     All kernels index rows by ``blockIdx.x`` and row ``b`` reads only row ``b``'s inputs and writes only its
     output (row-wise kernels whose CUDA-graph nodes can be shrunk to fewer rows). The CPU implementation is the

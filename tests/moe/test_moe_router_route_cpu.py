@@ -5,7 +5,8 @@ in one kernel at decode sizes):
   Mixtral, OLMoE: logits in the model dtype; DeepSeek-V3 / GLM-4.5: sigmoid, correction bias, grouped top-k,
   float32 logits as transformers' ``F.linear(x.float(), w.float())``), with T from 0 to the limit;
 - the fake kernel's shapes (opcheck runs the op's cases of tests/_moe_routing.py in test_moe_routing_cpu.py);
-- `W8A8MoE.router_route_fits` / `router_route_applies`: the decode rule (ops/_limits.py MOE_ROUTER_ROUTE_MAX_T) and
+- `W8A8MoE.router_route_fits` / `router_route_pays` / `router_route_applies`: the decode rule (ops/_limits.py
+  MOE_ROUTER_ROUTE_MAX_T), the speed rule (MOE_ROUTER_ROUTE_MIN_EXPERTS, MOE_ROUTER_ROUTE_MAX_WEIGHT_BYTES) and
   every layout the op refuses; `route_from_hidden` on the CPU is the two ops;
 - the reference decoder's MoE block and DecodeStep's MoeMLP route through `route_from_hidden`.
 """
@@ -17,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 import cutlass_w8a8 as cw
-from cutlass_w8a8.ops._limits import MOE_ROUTER_H_MULTIPLE, MOE_ROUTER_ROUTE_MAX_T
+from cutlass_w8a8.ops._limits import (MOE_ROUTER_H_MULTIPLE, MOE_ROUTER_ROUTE_MAX_T, MOE_ROUTER_ROUTE_MAX_WEIGHT_BYTES,
+                                      MOE_ROUTER_ROUTE_MIN_EXPERTS)
 
 # (name, E, H, top_k, routing kwargs, logits_dtype)
 FAMILIES = [
@@ -99,6 +101,21 @@ def test_rule_fits_at_decode_sizes_only():
     assert layer.fused_router is True  # the default; False is the A/B switch (tests/moe/test_moe_router_route_cuda.py)
     # the CPU never takes it (the op's CPU implementation is the reference of the two ops, not a kernel)
     assert not layer.router_route_applies(torch.zeros(1, 128, dtype=torch.bfloat16), w)
+
+
+def test_speed_rule_takes_the_measured_winners_only():
+    """router_route_pays (ops/_limits.py's two bounds): Qwen3-30B-A3B's and OLMoE's routers take the fused op,
+    Mixtral's 8 experts and DeepSeek-V3's 3.5 MiB router the two ops; the bounds themselves are inclusive."""
+    pays = cw.W8A8MoE.router_route_pays
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    assert pays(torch.empty(128, 2048, **meta)) and pays(torch.empty(64, 2048, **meta))  # Qwen3, OLMoE
+    assert not pays(torch.empty(8, 4096, **meta))  # Mixtral
+    assert not pays(torch.empty(256, 7168, **meta))  # DeepSeek-V3
+    assert pays(torch.empty(MOE_ROUTER_ROUTE_MIN_EXPERTS, 64, **meta))
+    assert not pays(torch.empty(MOE_ROUTER_ROUTE_MIN_EXPERTS - 1, 64, **meta))
+    h = MOE_ROUTER_ROUTE_MAX_WEIGHT_BYTES // (2 * 128)
+    assert pays(torch.empty(128, h, **meta)) and not pays(torch.empty(128, h + 64, **meta))
+    assert not pays(torch.empty(128, 2048, dtype=torch.float32, device="meta"))  # 1 MiB in float32
 
 
 @pytest.mark.parametrize("why", ["x_float32", "weight_dtype", "weight_shape", "h_multiple", "logits_dtype",

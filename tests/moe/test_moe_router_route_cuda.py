@@ -252,16 +252,19 @@ def test_zero_tokens_and_errors():
 
 
 def test_decoder_block_takes_it_at_decode_sizes():
-    """W8A8MoE's rule on CUDA: the fused op at 1 <= T <= 16 with the router's bf16 weight, the two ops above."""
-    layer = cw.W8A8MoE(16, 2, 128, 64, device=DEV)
-    w = torch.zeros(16, 128, dtype=torch.bfloat16, device=DEV)
+    """W8A8MoE's rule on CUDA: the fused op at 1 <= T <= 16 with the router's bf16 weight (64 experts: the speed
+    rule's least), the two ops above."""
+    layer = cw.W8A8MoE(64, 2, 128, 64, device=DEV)
+    w = torch.zeros(64, 128, dtype=torch.bfloat16, device=DEV)
     assert layer.router_route_applies(torch.zeros(16, 128, dtype=torch.bfloat16, device=DEV), w)
     assert not layer.router_route_applies(torch.zeros(17, 128, dtype=torch.bfloat16, device=DEV), w)
     layer.fused_router = False  # the A/B switch
     assert not layer.router_route_applies(torch.zeros(16, 128, dtype=torch.bfloat16, device=DEV), w)
     layer.fused_router = True
+    assert not cw.W8A8MoE(8, 2, 128, 64, device=DEV).router_route_applies(  # Mixtral's 8 experts: the two ops
+        torch.zeros(1, 128, dtype=torch.bfloat16, device=DEV), w[:8])
     x = torch.randn(3, 128, dtype=torch.bfloat16, device=DEV)
-    w = torch.randn(16, 128, dtype=torch.bfloat16, device=DEV)
+    w = torch.randn(64, 128, dtype=torch.bfloat16, device=DEV)
     got = layer.route_from_hidden(x, w)
     want = cw.moe_router_route(x, w, 2)
     for a, b in zip(got, want):

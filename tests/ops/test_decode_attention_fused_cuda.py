@@ -4,9 +4,9 @@ csrc/attention/decode_attention.cu serves a decode step in one kernel (decode_at
 cluster per row that merges the splits through distributed shared memory) where fused_plan allows it (sm90, 16-bit
 q, 32 < D <= 128, the row's head groups x splits within one cluster), else with the split and combine kernels. Both
 use the same splits (choose_splits) and the same float operations in the same order, so every output here is
-compared with torch.equal (never a tolerance): the fused path (allowed, the default) against the two kernels
-(forbidden through the private switch cutlass_w8a8._ext.set_decode_attention_fused), for decode_attention and
-decode_attention_quant (int8 / fp8, dynamic per-token and static scales), over B 1..16, positions 0..S-1 (ragged
+compared with torch.equal (never a tolerance): the fused path (allowed through the private switch
+cutlass_w8a8._ext.set_decode_attention_fused, off by default) against the two kernels (the switch off), for
+decode_attention and decode_attention_quant (int8 / fp8, dynamic per-token and static scales), over B 1..16, positions 0..S-1 (ragged
 rows), GQA groups 1, 2, 4, 8, D 64 / 128, bfloat16 / float16; and a CUDA graph's replays against the eager op.
 Each comparison first checks, through cutlass_w8a8._ext.decode_attention_path, which path the shape takes, so a
 rule change that sends everything to one path fails test_paths_of_the_target_shapes instead of passing silently.
@@ -38,7 +38,7 @@ def _path(q, kv):
 
 
 class _Paths:
-    """Runs a callable on the fused path (the default) and on the two-kernel path (the switch off)."""
+    """Runs a callable on the fused path (the switch on for the block) and on the two-kernel path (off)."""
 
     def __enter__(self):
         self.previous = _ext.set_decode_attention_fused(True)
@@ -174,6 +174,15 @@ def test_paths_of_the_target_shapes(h, kvh, b, s, expected):
         finally:
             _ext.set_decode_attention_fused(previous)
     assert path == (expected if _is_sm90() else "split")
+
+
+def test_fused_path_is_off_by_default():
+    """The switch starts off (the two kernels serve every shape; csrc/attention/decode_attention.cu says why), and
+    every test here restores it, so each one starts from the default."""
+    previous = _ext.set_decode_attention_fused(False)
+    assert previous is False
+    dev = torch.cuda.current_device()
+    assert _ext.decode_attention_path(dev, 1, 32, 4, 512, 128, torch.bfloat16) == "split"
 
 
 def test_path_arguments_are_checked():
