@@ -39,7 +39,8 @@ KERNEL_RULES: tuple[Rule, ...] = (
     # CUDA runtime copies and fills: torch.profiler's "Memcpy HtoD (Pinned -> Device)", "Memset (Device)"
     Rule("copy", head=("memcpy", "memset")),
     # csrc/attention/decode_attention.cu: the split-KV pair decode_attention_split_kernel +
-    # decode_attention_combine_kernel (the combine also quantizes for a W8A8 o_proj: decode_attention_quant);
+    # decode_attention_combine_kernel (the combine also quantizes for a W8A8 o_proj: decode_attention_quant), or
+    # the one decode_attention_fused_kernel (a cluster per row) where it serves;
     # earlier builds: the one decode_attention_kernel
     Rule("attention", head=("decode_attention",)),
     # csrc/attention/rope_kv_cache.cu: rope_kv_cache_kernel (rotary embedding + the k/v write into the cache; with

@@ -88,6 +88,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, con
                             const at::Tensor& positions, double softmax_scale);
 void decode_attention_out(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                           const at::Tensor& slots, const at::Tensor& positions, double softmax_scale);
+// The path decode_attention(_quant) takes for these sizes on `device` now: "fused" (one kernel, a cluster per row)
+// or "split" (split + combine kernels); and the private switch that allows the fused path (returns the previous
+// setting). Tests and benchmarks compare the two paths with them.
+std::string decode_attention_path(int64_t device, int64_t batch, int64_t heads, int64_t kv_heads, int64_t seq_len,
+                                  int64_t head_dim, at::ScalarType dtype);
+bool set_decode_attention_fused(bool enabled);
 // decode_attention, rounded to q's dtype, then quantized per token (or with a static scale) for o_proj: (q, scales)
 std::tuple<at::Tensor, at::Tensor> decode_attention_quant(const at::Tensor& q, const at::Tensor& kv_cache,
                                                           const at::Tensor& slots, const at::Tensor& positions,
@@ -104,6 +110,12 @@ std::tuple<at::Tensor, at::Tensor> moe_topk_softmax(const at::Tensor& router_log
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& router_logits, int64_t top_k, c10::string_view scoring,
                                              const std::optional<at::Tensor>& correction_bias, int64_t n_group,
                                              int64_t topk_group, bool renormalize, double scaling_factor);
+// moe/router_route.cu: the router GEMM and moe_route in one kernel at decode sizes
+std::tuple<at::Tensor, at::Tensor> moe_router_route(const at::Tensor& x, const at::Tensor& router_weight, int64_t top_k,
+                                                    c10::string_view scoring,
+                                                    const std::optional<at::Tensor>& correction_bias, int64_t n_group,
+                                                    int64_t topk_group, bool renormalize, double scaling_factor,
+                                                    std::optional<at::ScalarType> logits_dtype);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align(const at::Tensor& topk_ids, int64_t num_experts);
 std::tuple<at::Tensor, at::Tensor> moe_permute_quant(const at::Tensor& x, const at::Tensor& sorted_pairs,
                                                      int64_t top_k, at::ScalarType dtype,

@@ -57,6 +57,10 @@ TORCH_LIBRARY_FRAGMENT(cutlass_w8a8, m) {
   m.def("_get_decode_gemm_max_m() -> int", &get_decode_gemm_max_m_op);
   m.def("_set_decode_gemm_max_m(int m) -> int", &set_decode_gemm_max_m_op);
   m.def("_supports_fp8(int device) -> bool", &supports_fp8_op);
+  // decode attention's path for given sizes ("fused" / "split") and the switch that allows the fused one
+  m.def("_decode_attention_path(int device, int batch, int heads, int kv_heads, int seq_len, int head_dim, "
+        "ScalarType dtype) -> str", &decode_attention_path);
+  m.def("_set_decode_attention_fused(bool enabled) -> bool", &set_decode_attention_fused);
   // the largest T grouped_scaled_mm sends to the grouped decode kernel (tests pick T on both sides of it)
   m.def("_grouped_decode_max_rows() -> int", &grouped_decode_max_rows_op);
   m.def("_graph_record_begin() -> int", &graph_record_begin_op);
@@ -95,6 +99,7 @@ TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
   m.impl("_grouped_scaled_mm_config", &cutlass_w8a8::grouped_scaled_mm_config_out);
   m.impl("moe_topk_softmax", &cutlass_w8a8::moe_topk_softmax);
   m.impl("moe_route", &cutlass_w8a8::moe_route);
+  m.impl("moe_router_route", &cutlass_w8a8::moe_router_route);
   m.impl("moe_align", &cutlass_w8a8::moe_align);
   m.impl("moe_permute_quant", &cutlass_w8a8::moe_permute_quant);
   m.impl("moe_unpermute", &cutlass_w8a8::moe_unpermute);

@@ -24,7 +24,7 @@ from .ops import linear_decode, scaled_mm, scaled_mm_decode  # noqa: E402
 from .ops import quantize_fp8, quantize_int8, rms_norm, rms_norm_quant, silu_mul, silu_mul_quant  # noqa: E402
 from .ops import quantize_per_token_group  # noqa: E402
 from .ops import grouped_scaled_mm, moe_align, moe_permute_quant, moe_topk_softmax, moe_unpermute  # noqa: E402
-from .ops import moe_decode_experts, moe_route  # noqa: E402
+from .ops import moe_decode_experts, moe_route, moe_router_route  # noqa: E402
 from .config import W8A8Config  # noqa: E402
 from .linear import QuantizedActivation, W8A8Linear  # noqa: E402
 from . import moe  # noqa: E402 (registers the MoE experts swap with quantize_)
@@ -59,6 +59,7 @@ __all__ = [
     "grouped_scaled_mm",
     "moe_topk_softmax",
     "moe_route",
+    "moe_router_route",
     "moe_align",
     "moe_permute_quant",
     "moe_unpermute",

@@ -118,6 +118,46 @@ def set_decode_gemm_max_m(m: int) -> int:
     return int(_c_ops("set_decode_gemm_max_m")._set_decode_gemm_max_m(int(m)))
 
 
+def decode_attention_path(device_index: int, batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int,
+                          dtype: torch.dtype) -> str:
+    """The kernels `cutlass_w8a8.decode_attention` / ``decode_attention_quant`` run for these sizes on CUDA device
+    ``device_index`` now: ``"fused"`` (one kernel, a thread-block cluster per row: sm90, 16-bit q, 32 < D <= 128,
+    the row's head groups x splits within one cluster) or ``"split"`` (the split kernel, then the combine kernel).
+    Both give the same bits. The rule lives in csrc/attention/decode_attention.cu (fused_plan); tests use this to
+    know which path they exercised.
+
+    Parameters
+    ----------
+    batch, heads, kv_heads, seq_len, head_dim : int
+        B, H, KVH, S (the cache's positions per slot) and D, all positive; ``kv_heads`` divides ``heads``.
+    dtype : torch.dtype
+        q's dtype.
+
+    Raises
+    ------
+    ValueError
+        A size that is not positive, ``kv_heads`` not dividing ``heads``, or a negative device index.
+    RuntimeError
+        The CUDA extension is not loaded.
+    """
+    return str(_c_ops("decode_attention_path")._decode_attention_path(
+        int(device_index), int(batch), int(heads), int(kv_heads), int(seq_len), int(head_dim), dtype))
+
+
+def set_decode_attention_fused(enabled: bool) -> bool:
+    """Allow (True) or forbid (False, the default) the one-kernel decode attention path for later launches; returns
+    the previous setting. Forbidden, every shape runs the split + combine kernels; tests and benchmarks compare the
+    two paths with it. It is off by default because it was slower where it served 8 or more rows on an H200
+    (bench/results/decode_attention_nvidia-h200.md). A CUDA graph keeps the kernels it captured.
+
+    Raises
+    ------
+    RuntimeError
+        The CUDA extension is not loaded.
+    """
+    return bool(_c_ops("set_decode_attention_fused")._set_decode_attention_fused(bool(enabled)))
+
+
 def supports_fp8(device_index: int) -> bool:
     """Whether float8_e4m3fn ``scaled_mm`` runs on CUDA device ``device_index``: its fp8 kernel library exists
     for the device (9.0: sm90, 8.9: sm89) and loaded (csrc/gemm/kernel_libraries.hpp). False when `_C` is not

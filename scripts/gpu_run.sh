@@ -6,7 +6,8 @@
 #
 # STAGES is a comma list, default "build,test,demo,bench": build (clean build + editable install), rebuild (the
 # same without removing build/: only changed sources recompile, for a second call on a warm machine), reuse
-# (build only when the extension is not already built and importable: a second call on a warm machine), test
+# (build only when the extension is not already built and importable: a second call on a warm machine), cached (unpack
+# the .so files of an earlier build of the same sources from .socache/, else build: see below), test
 # (pytest, the whole suite), demo (python -m cutlass_w8a8), bench (bench/bench_gemm.py --quick), bench-full
 # (every M), bench-block (bench/bench_gemm.py --block: block-scaled fp8 against torch's blockwise scaled_mm, row-wise
 # fp8 and bf16 on the DeepSeek-V3 and Qwen3 shapes, every M, and the fp8 accuracy table; extra arguments in
@@ -57,6 +58,27 @@ stamp() { echo "== $(date +%H:%M:%S) $*" | tee -a "$OUT/summary.txt"; }
 stamp "device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)"
 stamp "torch: $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)'); nvcc: $(nvcc --version | tail -1)"
 
+# The build cache (stage "cached"): the last GPU build's .so files, keyed by a hash of csrc/, setup.py, the torch
+# version and TORCH_CUDA_ARCH_LIST. A build writes them to $OUT/so-KEY.tar.xz.NN (xz, parts under the 16 MiB a
+# returned file may have); put the parts back together here as .socache/so-KEY.tar.xz (git-ignored) and carry
+# .socache: a later call with "cached" unpacks them instead of building (about 300 s) when the key matches, and
+# builds as "build" does when it does not.
+so_key() {
+  { find csrc setup.py -type f | LC_ALL=C sort | xargs sha256sum
+    $PY -c 'import torch; print(torch.__version__, torch.version.cuda)'; echo "$TORCH_CUDA_ARCH_LIST"; } \
+    | sha256sum | cut -c1-16
+}
+if has cached && ! has build && ! has build-tune; then
+  key=$(so_key)
+  if [ -f ".socache/so-$key.tar.xz" ] && tar -C cutlass_w8a8 -xJf ".socache/so-$key.tar.xz" \
+     && $PY -c "import sys, cutlass_w8a8 as cw; sys.exit(not cw.cuda_ops_available())" 2>/dev/null; then
+    stamp "cached: the .so files of key $key unpacked, no build ($($PY -c 'import cutlass_w8a8 as cw; print(cw.extension_status())'))"
+  else
+    stamp "cached: no usable .socache/so-$key.tar.xz, building"
+    STAGES="$STAGES,build"
+  fi
+fi
+
 if has reuse && ! has build && ! has build-tune; then
   if $PY -c "import sys, cutlass_w8a8 as cw; sys.exit(not cw.cuda_ops_available())" 2>/dev/null; then
     stamp "reuse: the extension is built and loads ($($PY -c 'import cutlass_w8a8 as cw; print(cw.extension_status())'))"
@@ -86,6 +108,11 @@ if has build || has build-tune || has rebuild; then
   if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; fi
   ls -la cutlass_w8a8/*.so | tee -a "$OUT/summary.txt"
   $PY -c "import cutlass_w8a8 as cw; print(cw.extension_status())" | tee -a "$OUT/summary.txt"
+  if ! has build-tune; then  # the build cache (see "cached" above); a tuning build is not the default one
+    key=$(so_key)
+    (cd cutlass_w8a8 && tar -cf - *.so) | xz -T0 -6 | split -b 15M -d - "$OUT/so-$key.tar.xz."
+    stamp "build cache: $(ls "$OUT"/so-"$key".tar.xz.* | wc -l) part(s) of so-$key.tar.xz in $OUT (cat them into .socache/)"
+  fi
 fi
 
 # Optional peers for the tests and benchmarks (see the header): installed once per machine, then reused.

@@ -246,8 +246,10 @@ class RoutingRecorder:
         The rows of the forwards recorded (a `GraphGenerator`'s bucket size, or the batch of ``model.generate``).
     routers : dict, optional
         ``{block name: module}``: hook these modules instead of the named blocks' own routers (`cutlass_w8a8.hf.
-        DecodeStep`'s `MoeRouter` of each MoE layer, which returns the same triple); the choice values and groups
-        are still those of the block's family and router. None: every block's own router.
+        DecodeStep`'s `MoeRouter` of each MoE layer, which returns the same triple); or ``{block name: (module,
+        adapt)}``: hook ``module`` and record ``adapt(args, output)``, the triple, or nothing when it returns None
+        (e.g. DecodeStep's experts module, called with the routing whichever op computed it). The choice values and groups are still those of the
+        block's family and router. None: every block's own router.
 
     Raises
     ------
@@ -274,8 +276,10 @@ class RoutingRecorder:
         import functools
 
         for name, block in self.blocks:
-            router = self.routers.get(name) or getattr(block, family_of(block).routing.router)
-            self._handles.append(router.register_forward_hook(functools.partial(self._hook, name, block)))
+            entry = self.routers.get(name)
+            module, adapt = entry if isinstance(entry, tuple) else (entry, None)
+            router = module or getattr(block, family_of(block).routing.router)
+            self._handles.append(router.register_forward_hook(functools.partial(self._hook, name, block, adapt)))
         return self
 
     def __exit__(self, *exc):
@@ -284,9 +288,13 @@ class RoutingRecorder:
         self._handles = []
         return False
 
-    def _hook(self, name, block, router, args, output):
+    def _hook(self, name, block, adapt, router, args, output):
         from _moe_models import correction_bias_of
 
+        if adapt is not None:
+            output = adapt(args, output)
+            if output is None:
+                return
         assert isinstance(output, tuple) and len(output) == 3, (
             f"{name}: the router returned {type(output).__name__}, expected transformers 5's (router_logits, "
             "top_k_weights, top_k_index)")

@@ -242,6 +242,29 @@ DEVICE_TRIGGERS.update({
     "moe-route-scaling": lambda d: _route(d, scaling_factor=float("inf")),
 })
 
+def _router_route(d, x=None, w=None, k=2, **kw):
+    """moe_router_route on x (2, 64) bf16 and router_weight (8, 64) bf16 on device d, with the changes given."""
+    x = torch.zeros(2, 64, dtype=torch.bfloat16, device=d) if x is None else x
+    w = torch.zeros(8, 64, dtype=torch.bfloat16, device=d) if w is None else w
+    return cw.moe_router_route(x, w, k, **kw)
+
+
+_BF16 = torch.bfloat16
+DEVICE_TRIGGERS.update({
+    "moe-rr-x-dtype": lambda d: _router_route(d, x=torch.zeros(2, 64, device=d)),
+    "moe-rr-x-shape": lambda d: _router_route(d, x=torch.zeros(2, 1, 64, dtype=_BF16, device=d)),
+    "moe-rr-x-rows": lambda d: _router_route(d, x=torch.zeros(17, 64, dtype=_BF16, device=d)),
+    "moe-rr-x-h": lambda d: _router_route(d, x=torch.zeros(2, 96, dtype=_BF16, device=d)),
+    "moe-rr-weight-dtype": lambda d: _router_route(d, w=torch.zeros(8, 64, device=d)),
+    "moe-rr-weight-shape": lambda d: _router_route(d, w=torch.zeros(8, 128, dtype=_BF16, device=d)),
+    "moe-rr-weight-experts": lambda d: _router_route(d, w=torch.zeros(1025, 64, dtype=_BF16, device=d)),
+    "moe-rr-layout": lambda d: _router_route(d, x=torch.zeros(2, 128, dtype=_BF16, device=d)[:, ::2]),
+    "moe-rr-aligned": lambda d: _router_route(d, w=torch.zeros(8 * 64 + 8, dtype=_BF16, device=d)[1:513].view(8, 64)),
+    "moe-rr-logits-dtype": lambda d: _router_route(d, logits_dtype=torch.float16),
+    "moe-rr-top-k": lambda d: _router_route(d, k=9),
+    "moe-rr-n-group-divide": lambda d: _router_route(d, n_group=3),
+})
+
 CPU_TRIGGERS.update({
     "moe-logits-too-many-rows": lambda: cw.moe_topk_softmax(torch.empty(2**31, 8, device="meta"), 2),
     "moe-ids-too-many": lambda: cw.moe_align(torch.empty(2**28, 8, dtype=torch.int32, device="meta"), 8),
@@ -260,6 +283,8 @@ CUDA_TRIGGERS.update({
     "moe-pairs-device": lambda: _permute("cuda", sp=_i32(4)),
     "moe-weights-device": lambda: _unpermute("cuda", w=torch.zeros(2, 2)),
     "moe-route-bias-device": lambda: _route("cuda", correction_bias=torch.zeros(8)),
+    "moe-rr-weight-device": lambda: _router_route("cuda", w=torch.zeros(8, 64, dtype=torch.bfloat16)),
+    "moe-rr-bias-device": lambda: _router_route("cuda", correction_bias=torch.zeros(8)),
 })
 
 

@@ -289,6 +289,17 @@ def opcheck_cases(device):
     out.append(("moe_route sigmoid f16 no bias", OPS.moe_route,
                 (logits.half(), 4, "sigmoid", None, 2, 1, False, 1.0)))
     out.append(("moe_route T=0", OPS.moe_route, (logits[:0], 2, "sigmoid", bias, 8, 4, True, 2.5)))
+    xr = torch.randn(5, 128, generator=g).to(device, torch.bfloat16)
+    wr = (torch.randn(16, 128, generator=g) * 0.1).to(device, torch.bfloat16)
+    out.append(("moe_router_route softmax", OPS.moe_router_route,
+                (xr, wr, 4, "softmax", None, 1, 1, True, 1.0, None)))
+    out.append(("moe_router_route sigmoid bias groups float32 logits", OPS.moe_router_route,
+                (xr, wr, 3, "sigmoid", bias, 4, 2, True, 2.5, torch.float32)))
+    out.append(("moe_router_route f16 T=16", OPS.moe_router_route,
+                (torch.randn(16, 64, generator=g).to(device, torch.float16),
+                 (torch.randn(8, 64, generator=g) * 0.1).to(device, torch.float16), 2, "softmax", None, 1, 1, False,
+                 1.0, None)))
+    out.append(("moe_router_route T=0", OPS.moe_router_route, (xr[:0], wr, 2, "sigmoid", bias, 8, 4, True, 2.5, None)))
     for idt in (torch.int32, torch.int64):
         ids = random_ids(7, 2, 6, g, unrouted=0.2, dtype=idt).to(device)
         out.append((f"moe_align {idt}", OPS.moe_align, (ids, 6)))

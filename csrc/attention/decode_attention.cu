@@ -14,7 +14,8 @@
 // expf: flash-attention's form of the same softmax).
 //
 // Method: split-KV ("flash-decoding", Dao, Haziza, Massa, Sizov 2023) over the online softmax (Milakov &
-// Gimelshein 2018, "Online normalizer calculation for softmax"), in two kernels:
+// Gimelshein 2018, "Online normalizer calculation for softmax"), in two kernels, or in one where a row's work fits a
+// thread-block cluster (the fused path below; fused_plan decides, same bits either way):
 //
 //   decode_attention_split_kernel, grid (B, H / G', splits), 4 warps. CTA (b, y, z) takes the G' query heads
 //     y G' .. y G' + G' - 1, which share one key/value head (G' = the largest of 8, 4, 2, 1 dividing the GQA
@@ -34,12 +35,23 @@
 //     finish_regs / finish_loop: the code the row-wise quantization kernels use, so the result equals
 //     quantize_per_token(decode_attention(...)) bit for bit).
 //
-// Before (one CTA per (row, head), no split; H100, Llama-3-8B heads 32 / 8 x 128, bf16): B = 1 at position 256
-// took about 10 us per layer, latency-bound on 32 CTAs each stepping through its positions.
+//   decode_attention_fused_kernel (sm90, 16-bit q, 32 < D <= 128), grid (B, C), one cluster of C CTAs per row: the
+//     split kernel's (head group, split) CTAs of row b become 4-warp "units", U per CTA, running the same code
+//     (split_partial) into shared memory; after a cluster barrier each CTA merges part of the row from the units'
+//     results through distributed shared memory with the combine's code (split_weights, merge_splits) and stores
+//     or quantizes it (the row amax: a max over the cluster). One launch, no workspace, no second kernel. It serves
+//     when the row's (H / G') x splits units fit 16 CTAs (Qwen3-30B-A3B at S = 512: 4 x 8 units in 16 CTAs of 2);
+//     else (Llama-3-8B at B <= 8, long caches at small B: more splits) the two kernels run.
 //
-// Row-wise (csrc/graphs/graph_nodes.hpp): block (x, y, z) of either kernel reads only row x's inputs and writes
-// only row x's outputs and workspace, and the one kernel argument chosen from B (the split count, which sizes the
-// workspace) stays valid for fewer rows, so a captured node can be shrunk to fewer rows by its gridDim.x alone. PDL: both kernels signal their dependents at their start and wait on
+// Before (one CTA per (row, head), no split; H100, Llama-3-8B heads 32 / 8 x 128, bf16): B = 1 at position 256
+// took about 10 us per layer, latency-bound on 32 CTAs each stepping through its positions. The two kernels (H200,
+// Qwen3-30B-A3B 32 / 4 x 128, S = 512, B = 1, CUDA graph): ~15.6 us per layer together.
+//
+// Row-wise (csrc/graphs/graph_nodes.hpp): block (x, y, z) of any of the kernels reads only row x's inputs and writes
+// only row x's outputs and workspace (the fused kernel's cluster spans y only), and the one kernel argument chosen
+// from B (the split count, which sizes the workspace and, in the fused path, the cluster) stays valid for fewer
+// rows, so a captured node can be shrunk to fewer rows by its gridDim.x alone (an update keeps the cluster
+// dimension, a launch attribute). PDL: every kernel signals its dependents at its start and waits on
 // griddepcontrol before reading anything (core/launch_policy.hpp); no host synchronisation, no allocation beyond
 // the outputs and the workspace.
 //
@@ -50,9 +62,14 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -130,36 +147,39 @@ __device__ __forceinline__ int split_chunk(int len, int splits) {
   return (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
 }
 
-// kG query heads per CTA; kLanes lanes (a power of two, <= 32) per position, each owning kVecs 16-byte vectors of
+// The shared memory of one split unit (4 warps): the warps' partial results before their merge. kRow >= D.
+template <int kG, int kRow>
+struct SplitSmem {
+  float m[kWarps][kG], l[kWarps][kG];
+  float acc[kWarps][kG][kRow];
+};
+
+// One split unit: the kThreads threads t = 0 .. kThreads - 1 of 4 whole warps compute the partial result (M, l, acc)
+// of query heads h0 .. h0 + kG - 1 of row b over positions [s_begin, s_end) (empty: M = -inf, l = 0, acc = 0) into
+// acc_row(g)[d] for d < D and store_ml(g, M, l) (thread 0). Every thread of the CTA must call it
+// (it synchronizes the CTA once). Both kernels run this code, so a split's (M, l, acc) are the same bits in both.
+//
+// kG query heads per unit; kLanes lanes (a power of two, <= 32) per position, each owning kVecs 16-byte vectors of
 // the D elements: vector j of a row belongs to lane (j % kLanes) of the group, as its (j / kLanes)-th vector.
 // Vectors at or past D (when D is not kLanes * kVecs vectors) are zeros.
-template <class T, int kG, int kLanes, int kVecs>
-__global__ void __launch_bounds__(kThreads) decode_attention_split_kernel(const Args<T> a) {
-  allow_dependent_launch();  // the combine kernel may be scheduled; it waits for this grid
-  wait_for_producers();      // q and the cache row come from the rotary kernel
+template <class T, int kG, int kLanes, int kVecs, class AccRow, class StoreMl>
+__device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int h0, int s_begin, int s_end, int t,
+                                              SplitSmem<kG, kLanes * kVecs * 16 / static_cast<int>(sizeof(T))>& sm,
+                                              AccRow acc_row, StoreMl store_ml) {
   constexpr int kPer = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte vector
   constexpr int kElems = kVecs * kPer;                     // elements of D per lane
   constexpr int kGroupsPerWarp = 32 / kLanes;
   constexpr int kGroups = kWarps * kGroupsPerWarp;         // positions processed side by side
-  constexpr int kStep = kGroups * kUnroll;                 // positions per block and step
+  constexpr int kStep = kGroups * kUnroll;                 // positions per unit and step
   struct alignas(16) Vec {
     T v[kPer];
   };
   static_assert(sizeof(Vec) == 16, "16-byte vectors");
 
-  const int64_t b = blockIdx.x;
-  const int h0 = blockIdx.y * kG;
-  const int split = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = static_cast<unsigned>(t) / 32, lane = static_cast<unsigned>(t) % 32;  // t >= 0: shifts, masks
   const int lane_in_group = lane % kLanes;
   const int group = warp * kGroupsPerWarp + lane / kLanes;
   const int nvec = a.head_dim / kPer;  // vectors per cached row of D elements
-
-  const int len = row_length(a, b);
-  const int chunk = split_chunk(len, a.splits);
-  const int s_begin = split * chunk;
-  if (s_begin >= len) return;  // an idle split: the combine does not read it
-  const int s_end = min(len, s_begin + chunk);
 
   int64_t slot = a.slots[b * a.slots_stride];
   slot = slot < 0 ? 0 : (slot >= a.num_slots ? a.num_slots - 1 : slot);
@@ -192,7 +212,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_split_kernel(const 
     for (int e = 0; e < kElems; ++e) acc[g][e] = 0.f;
   }
 
-  // The bounds are the same for every thread of the block, so the shuffles below always see full warps.
+  // The bounds are the same for every thread of the unit, so the shuffles below always see full warps.
   for (int base = s_begin; base < s_end; base += kStep) {
     Vec kr[kUnroll][kVecs], vr[kUnroll][kVecs];
 #pragma unroll
@@ -268,92 +288,88 @@ __global__ void __launch_bounds__(kThreads) decode_attention_split_kernel(const 
   }
 
   // merge the warps through shared memory; element d of the padded row is vector d / kPer of its lane
-  constexpr int kRow = kLanes * kElems;  // >= D
-  __shared__ float s_m[kWarps][kG], s_l[kWarps][kG];
-  __shared__ float s_acc[kWarps][kG][kRow];
   if (lane < kLanes) {
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
 #pragma unroll
-        for (int e = 0; e < kPer; ++e) s_acc[warp][g][(lane + i * kLanes) * kPer + e] = acc[g][i * kPer + e];
+        for (int e = 0; e < kPer; ++e) sm.acc[warp][g][(lane + i * kLanes) * kPer + e] = acc[g][i * kPer + e];
       }
     }
   }
   if (lane == 0) {
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
-      s_m[warp][g] = m[g];
-      s_l[warp][g] = l[g];
+      sm.m[warp][g] = m[g];
+      sm.l[warp][g] = l[g];
     }
   }
   __syncthreads();
   for (int g = 0; g < kG; ++g) {
-    float m_max = s_m[0][g];
+    float m_max = sm.m[0][g];
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) m_max = fmaxf(m_max, s_m[w][g]);  // finite: the chunk is not empty
+    for (int w = 1; w < kWarps; ++w) m_max = fmaxf(m_max, sm.m[w][g]);  // finite unless the chunk is empty
     float weight[kWarps], l_total = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      weight[w] = rescale(s_m[w][g], m_max);
-      l_total += s_l[w][g] * weight[w];
+      weight[w] = rescale(sm.m[w][g], m_max);
+      l_total += sm.l[w][g] * weight[w];
     }
-    const int64_t part = (b * a.heads + h0 + g) * a.splits + split;
-    float* acc_out = a.part_acc + part * a.head_dim;
-    for (int d = threadIdx.x; d < a.head_dim; d += kThreads) {
+    float* acc_out = acc_row(g);
+    for (int d = t; d < a.head_dim; d += kThreads) {
       float o = 0.f;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) o += s_acc[w][g][d] * weight[w];
+      for (int w = 0; w < kWarps; ++w) o += sm.acc[w][g][d] * weight[w];
       acc_out[d] = o;
     }
-    if (threadIdx.x == 0) a.part_ml[part] = make_float2(m_max, l_total);
+    if (t == 0) store_ml(g, m_max, l_total);
   }
 }
 
-// Vector idx (4 elements) of row b's attention output: the splits of its head merged, divided by the sum, rounded
-// to T. 4 divides D (a multiple of 8), so a vector never straddles two heads. `w` (shared memory, [H][n_active]):
-// each split's weight 2^(m_s - M) / l of its head (combine_weights), or null: computed here from the workspace.
-template <class T>
-__device__ __forceinline__ Vec<T, 4> combine_vec(const Args<T>& a, int64_t b, int n_active, int idx,
-                                                 const float* w) {
-  const int e = idx * 4;
-  const int h = e / a.head_dim, d = e - h * a.head_dim;
-  const int64_t part0 = (b * a.heads + h) * a.splits;
-  const float* acc0 = a.part_acc + part0 * a.head_dim + d;
+// CTA (b, y, z): query heads y kG .. y kG + kG - 1 of row b over chunk z of its positions, into the workspace. (The
+// minimum of 1 block per SM keeps ptxas from capping small instantiations at 64 registers, where one spilled.)
+template <class T, int kG, int kLanes, int kVecs>
+__global__ void __launch_bounds__(kThreads, 1) decode_attention_split_kernel(const Args<T> a) {
+  allow_dependent_launch();  // the combine kernel may be scheduled; it waits for this grid
+  wait_for_producers();      // q and the cache row come from the rotary kernel
+  constexpr int kRow = kLanes * kVecs * 16 / static_cast<int>(sizeof(T));
+  __shared__ SplitSmem<kG, kRow> sm;
+  const int64_t b = blockIdx.x;
+  const int h0 = blockIdx.y * kG;
+  const int split = blockIdx.z;
+  const int len = row_length(a, b);
+  const int chunk = split_chunk(len, a.splits);
+  const int s_begin = split * chunk;
+  if (s_begin >= len) return;  // an idle split: the combine does not read it
+  const int s_end = min(len, s_begin + chunk);
+  auto part = [&](int g) { return (b * a.heads + h0 + g) * a.splits + split; };
+  split_partial<T, kG, kLanes, kVecs>(
+      a, b, h0, s_begin, s_end, threadIdx.x, sm, [&](int g) { return a.part_acc + part(g) * a.head_dim; },
+      [&](int g, float m, float l) { a.part_ml[part(g)] = make_float2(m, l); });
+}
+
+// sum_s acc_s w_s over the n_active splits of one head, 4 elements at acc_at(s) (16-byte aligned float32, global or
+// shared memory, a cluster's included), with the weights wh[s] (split_weights), rounded to T. Both paths merge with
+// this code: the same fmaf chain in the same order.
+template <class T, class AccAt>
+__device__ __forceinline__ Vec<T, 4> merge_splits(AccAt acc_at, const float* wh, int n_active) {
   float o[4] = {0.f, 0.f, 0.f, 0.f};
-  if (w != nullptr) {
-    const float* wh = w + h * n_active;
-    for (int s0 = 0; s0 < n_active; s0 += 4) {  // up to four independent loads in flight, then their sums in order
-      float4 v[4];
+  for (int s0 = 0; s0 < n_active; s0 += 4) {  // up to four independent loads in flight, then their sums in order
+    float4 v[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        if (s0 + u < n_active) v[u] = *reinterpret_cast<const float4*>(acc0 + int64_t(s0 + u) * a.head_dim);
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        if (s0 + u < n_active) {
-          const float ws = wh[s0 + u];
-          o[0] = fmaf(v[u].x, ws, o[0]);
-          o[1] = fmaf(v[u].y, ws, o[1]);
-          o[2] = fmaf(v[u].z, ws, o[2]);
-          o[3] = fmaf(v[u].w, ws, o[3]);
-        }
-      }
+    for (int u = 0; u < 4; ++u) {
+      if (s0 + u < n_active) v[u] = *reinterpret_cast<const float4*>(acc_at(s0 + u));
     }
-  } else {
-    float m_max = -INFINITY;
-    for (int s = 0; s < n_active; ++s) m_max = fmaxf(m_max, a.part_ml[part0 + s].x);
-    float l_total = 0.f;
-    for (int s = 0; s < n_active; ++s) l_total += a.part_ml[part0 + s].y * rescale(a.part_ml[part0 + s].x, m_max);
-    const float inv = 1.f / l_total;
-    for (int s = 0; s < n_active; ++s) {
-      const float ws = rescale(a.part_ml[part0 + s].x, m_max) * inv;
-      const float4 v = *reinterpret_cast<const float4*>(acc0 + int64_t(s) * a.head_dim);
-      o[0] = fmaf(v.x, ws, o[0]);
-      o[1] = fmaf(v.y, ws, o[1]);
-      o[2] = fmaf(v.z, ws, o[2]);
-      o[3] = fmaf(v.w, ws, o[3]);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (s0 + u < n_active) {
+        const float ws = wh[s0 + u];
+        o[0] = fmaf(v[u].x, ws, o[0]);
+        o[1] = fmaf(v[u].y, ws, o[1]);
+        o[2] = fmaf(v[u].z, ws, o[2]);
+        o[3] = fmaf(v[u].w, ws, o[3]);
+      }
     }
   }
   Vec<T, 4> y;
@@ -362,35 +378,84 @@ __device__ __forceinline__ Vec<T, 4> combine_vec(const Args<T>& a, int64_t b, in
   return y;
 }
 
-// w[h][s] = 2^(m_s - M_h) / l_h for the n_active (<= kMaxSplits = 64) splits of every head of row b, into shared
-// memory: one warp per head, its lanes over the splits (two each), warp reductions for M_h and l_h. Every thread
-// calls it (it synchronizes). The same float operations as the direct form of combine_vec, in a fixed order.
+// Vector idx (4 elements) of row b's attention output: the splits of its head merged, divided by the sum, rounded
+// to T. 4 divides D (a multiple of 8), so a vector never straddles two heads. `w` (shared memory, [H][n_active]):
+// each split's weight 2^(m_s - M) / l of its head (split_weights), or null: computed here from the workspace.
 template <class T>
-__device__ __forceinline__ void combine_weights(const Args<T>& a, int64_t b, int n_active, float* w) {
-  constexpr int kCombineWarps = kCombineThreads / 32;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int h = warp; h < a.heads; h += kCombineWarps) {
-    const int64_t part0 = (b * a.heads + h) * a.splits;
-    float2 ml[2];
+__device__ __forceinline__ Vec<T, 4> combine_vec(const Args<T>& a, int64_t b, int n_active, int idx,
+                                                 const float* w) {
+  const int e = idx * 4;
+  const int h = e / a.head_dim, d = e - h * a.head_dim;
+  const int64_t part0 = (b * a.heads + h) * a.splits;
+  const float* acc0 = a.part_acc + part0 * a.head_dim + d;
+  if (w != nullptr) {
+    return merge_splits<T>([&](int s) { return acc0 + int64_t(s) * a.head_dim; }, w + h * n_active, n_active);
+  }
+  float o[4] = {0.f, 0.f, 0.f, 0.f};
+  float m_max = -INFINITY;
+  for (int s = 0; s < n_active; ++s) m_max = fmaxf(m_max, a.part_ml[part0 + s].x);
+  float l_total = 0.f;
+  for (int s = 0; s < n_active; ++s) l_total += a.part_ml[part0 + s].y * rescale(a.part_ml[part0 + s].x, m_max);
+  const float inv = 1.f / l_total;
+  for (int s = 0; s < n_active; ++s) {
+    const float ws = rescale(a.part_ml[part0 + s].x, m_max) * inv;
+    const float4 v = *reinterpret_cast<const float4*>(acc0 + int64_t(s) * a.head_dim);
+    o[0] = fmaf(v.x, ws, o[0]);
+    o[1] = fmaf(v.y, ws, o[1]);
+    o[2] = fmaf(v.z, ws, o[2]);
+    o[3] = fmaf(v.w, ws, o[3]);
+  }
+  Vec<T, 4> y;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int s = lane + 32 * i;
-      ml[i] = s < n_active ? a.part_ml[part0 + s] : make_float2(-INFINITY, 0.f);
-    }
-    float m_max = fmaxf(ml[0].x, ml[1].x);
+  for (int j = 0; j < 4; ++j) y.v[j] = from_float<T>(o[j]);
+  return y;
+}
+
+// wh[s] = 2^(m_s - M) / l for the n_active (<= kMaxSplits = 64) splits of one head, (m_s, l_s) = ml_at(s), by one
+// whole warp: its lanes over the splits (two each), warp reductions for M and l. The same float operations as the
+// direct form of combine_vec, in a fixed order that depends on nothing but n_active.
+template <class MlAt>
+__device__ __forceinline__ void head_split_weights(int n_active, MlAt ml_at, float* wh) {
+  const int lane = threadIdx.x % 32;
+  float2 ml[2];
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m_max = fmaxf(m_max, __shfl_xor_sync(0xffffffffu, m_max, off));
-    float l = ml[0].y * rescale(ml[0].x, m_max) + ml[1].y * rescale(ml[1].x, m_max);
+  for (int i = 0; i < 2; ++i) {
+    const int s = lane + 32 * i;
+    ml[i] = s < n_active ? ml_at(s) : make_float2(-INFINITY, 0.f);
+  }
+  float m_max = fmaxf(ml[0].x, ml[1].x);
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-    const float inv = 1.f / l;
+  for (int off = 16; off > 0; off >>= 1) m_max = fmaxf(m_max, __shfl_xor_sync(0xffffffffu, m_max, off));
+  // l0 r0 + l1 r1 with its contraction written out, so that no caller's inlining can choose another: the one nvcc
+  // made of main's combine_weights (l0 r0 rounded, then fma(l1, r1, .): rescale's branch puts the first product in
+  // another basic block, so only the second one was fused; its PTX shows fma.rn.f32 l1, r1, (l0 r0))
+  float l = fmaf(ml[1].y, rescale(ml[1].x, m_max), ml[0].y * rescale(ml[0].x, m_max));
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int s = lane + 32 * i;
-      if (s < n_active) w[h * n_active + s] = rescale(ml[i].x, m_max) * inv;
-    }
+  for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+  const float inv = 1.f / l;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int s = lane + 32 * i;
+    if (s < n_active) wh[s] = rescale(ml[i].x, m_max) * inv;
+  }
+}
+
+// head_split_weights of all `heads` heads, (m_s, l_s) of head h = ml_at(h, s), into w[h][s] (shared memory): the
+// CTA's `warps` warps take one head each in turn. Every thread calls it (it synchronizes).
+template <class MlAt>
+__device__ __forceinline__ void split_weights(int heads, int warps, int n_active, MlAt ml_at, float* w) {
+  for (int h = threadIdx.x / 32; h < heads; h += warps) {
+    head_split_weights(n_active, [&](int s) { return ml_at(h, s); }, w + h * n_active);
   }
   __syncthreads();
+}
+
+// split_weights of row b from the workspace.
+template <class T>
+__device__ __forceinline__ void combine_weights(const Args<T>& a, int64_t b, int n_active, float* w) {
+  const int64_t part0 = b * a.heads * a.splits;
+  split_weights(a.heads, kCombineThreads / 32, n_active,
+                [&](int h, int s) { return a.part_ml[part0 + int64_t(h) * a.splits + s]; }, w);
 }
 
 // Row b = blockIdx.x: out row = the merged attention output (O = FloatOut<T>) or its quantization (Int8Out /
@@ -422,6 +487,150 @@ __global__ void __launch_bounds__(kCombineThreads) decode_attention_combine_kern
         [&](int idx) { return combine_vec(a, b, n_active, idx, static_cast<const float*>(nullptr)); }, nvec,
         out_row, a.scales, a.static_scale, b);
   }
+}
+
+// --- the one-kernel path: a cluster per row -------------------------------------------------------------------
+//
+// decode_attention_fused_kernel, grid (B, C), cluster (1, C), U split units (4 warps each) per CTA: the row's
+// (H / G') x splits units u = hg * splits + z -- head group hg, split z, exactly the split kernel's CTAs -- are
+// numbered across the cluster, unit u in CTA rank u / U, warps 4 (u % U) .. 4 (u % U) + 3. Each unit runs
+// split_partial into its CTA's shared memory; a cluster barrier; then each CTA takes an even share of the row's
+// H * D / 4 output vectors, computes the split weights of the heads they lie in from the units' (M, l)
+// (head_split_weights, reading them through distributed shared memory), merges its vectors (merge_splits, the
+// units' acc read remotely in split order), and
+// stores them, or quantizes them with the row scale: max |y| over the row, a block max then a max over the
+// cluster's CTAs (exact in any order), / QMAX, as finish_regs does. Same splits (choose_splits), same per-split
+// arithmetic, same merge: the two-kernel path's result bit for bit, in one launch and without the workspace.
+// fused_plan (host) says when it serves. Row-wise: block (x, y) reads and writes row x only; the cluster spans y.
+constexpr int kFusedMaxCluster = 16;  // CTAs per cluster (non-portable above 8: sm90 allows 16)
+constexpr int kFusedMaxUnits = 4;     // split units per CTA (512 threads)
+constexpr int kFusedYRegs = 4;        // output vectors (4 elements) per thread in registers
+
+// Units per CTA allowed for kG heads per unit: 4 (512 threads, <= 128 registers a thread) for kG = 1, else 2 (256
+// threads, <= 255 registers: the split step of 2 heads takes 128 or more, of 8 heads ~245, without spills).
+constexpr int fused_max_units(int g) { return g >= 2 ? 2 : kFusedMaxUnits; }
+
+template <int kG, int kRow>
+struct FusedUnitSmem {
+  SplitSmem<kG, kRow> split;
+  alignas(16) float acc[kG][kRow];  // the unit's merged acc per head, read by the whole cluster
+  float2 ml[kG];                    // the unit's (M, l) per head
+};
+
+// Dynamic shared memory of the fused kernel for U units: U FusedUnitSmem (the split weights and the row amax are
+// static shared memory).
+template <class T, int kG, int kLanes, int kVecs>
+constexpr size_t fused_unit_smem() {
+  return sizeof(FusedUnitSmem<kG, kLanes * kVecs * 16 / static_cast<int>(sizeof(T))>);
+}
+
+template <class T, class O, int kG, int kLanes, int kVecs>
+__global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attention_fused_kernel(const Args<T> a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // not reached: the host launches it on sm90 and newer only (fused_plan)
+#else
+  constexpr int kRow = kLanes * kVecs * 16 / static_cast<int>(sizeof(T));
+  using Unit = FusedUnitSmem<kG, kRow>;
+  extern __shared__ __align__(16) unsigned char fused_smem[];
+  __shared__ float s_w[kFusedMaxCluster * kFusedMaxUnits * kG];  // H * n_active <= kG * units
+  __shared__ float s_warp_amax[kFusedMaxUnits * kWarps], s_amax;
+  allow_dependent_launch();  // o_proj's GEMM may be scheduled; it waits for this grid
+  wait_for_producers();      // q and the cache row come from the rotary kernel
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  Unit* units = reinterpret_cast<Unit*>(fused_smem);
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int ctas = static_cast<int>(cluster.num_blocks());
+  const int kU = static_cast<int>(blockDim.x) / kThreads;  // units per CTA (the host's plan)
+  const int nb = kU * kThreads;                            // threads per CTA
+  const int64_t b = blockIdx.x;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int sub = tid / kThreads;
+  const int unit = rank * kU + sub;
+  const int hg = unit / a.splits, split = unit - hg * a.splits;
+  const int len = row_length(a, b);
+  const int chunk = split_chunk(len, a.splits);
+  const int n_active = (len + chunk - 1) / chunk;
+  const int s_begin = split * chunk;
+  const int s_end = min(len, s_begin + chunk);  // <= s_begin for an idle split: nothing read, never merged
+  Unit& mine = units[sub];
+  split_partial<T, kG, kLanes, kVecs>(
+      a, b, hg * kG, s_begin, s_end, tid % kThreads, mine.split,
+      [&](int g) { return &mine.acc[g][0]; }, [&](int g, float m, float l) { mine.ml[g] = make_float2(m, l); });
+  cluster.sync();  // every unit's (M, l, acc) is in its CTA's shared memory
+
+  // head h's split s: unit (h / kG) * splits + s, its head h % kG
+  auto unit_of = [&](int h, int s) -> Unit* {
+    const int u = (h / kG) * a.splits + s;
+    return cluster.map_shared_rank(units, u / kU) + u % kU;
+  };
+  // This CTA's share of the row: vectors [begin, end) of its H * D / 4 (4 elements each), an even split over the
+  // cluster, at most kFusedYRegs per thread (fused_plan); the split weights of the heads they lie in.
+  const int nvec = a.heads * a.head_dim / 4;
+  const int per_cta = (nvec + ctas - 1) / ctas;
+  const int begin = min(nvec, rank * per_cta), end = min(nvec, begin + per_cta);
+  if (begin < end) {
+    const int h_begin = begin * 4 / a.head_dim, h_end = ((end - 1) * 4) / a.head_dim + 1;
+    for (int h = h_begin + tid / 32; h < h_end; h += nb / 32) {
+      head_split_weights(n_active, [&](int s) { return unit_of(h, s)->ml[h % kG]; }, s_w + h * n_active);
+    }
+  }
+  __syncthreads();
+
+  Vec<T, 4> y[kFusedYRegs];
+#pragma unroll
+  for (int i = 0; i < kFusedYRegs; ++i) {
+    const int idx = begin + tid + i * nb;
+    if (idx < end) {
+      const int e = idx * 4;
+      const int h = e / a.head_dim, d = e - h * a.head_dim;
+      y[i] = merge_splits<T>([&](int s) { return &unit_of(h, s)->acc[h % kG][d]; }, s_w + h * n_active, n_active);
+    }
+  }
+
+  auto* out =
+      reinterpret_cast<Vec<typename O::type, 4>*>(static_cast<typename O::type*>(a.out) + b * (int64_t(nvec) * 4));
+  if constexpr (IsQuant<O>::value) {
+    static_assert(!IsGroup<O>::value, "decode_attention_quant: per-token or static per-tensor scales");
+    float scale;
+    if (a.static_scale == nullptr) {  // uniform over the cluster: all take the same branch
+      float amax = 0.f;
+#pragma unroll
+      for (int i = 0; i < kFusedYRegs; ++i) {
+        if (begin + tid + i * nb < end) amax = vec_amax(amax, y[i]);
+      }
+      // max is exact: any grouping gives the row's max |y|, the value finish_regs finds
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      if (tid % 32 == 0) s_warp_amax[tid / 32] = amax;
+      __syncthreads();
+      if (tid == 0) {
+        float block_amax = s_warp_amax[0];
+        for (int w = 1; w < nb / 32; ++w) block_amax = fmaxf(block_amax, s_warp_amax[w]);
+        s_amax = block_amax;
+      }
+      cluster.sync();
+      float row_amax = *cluster.map_shared_rank(&s_amax, 0);
+      for (int r = 1; r < ctas; ++r) row_amax = fmaxf(row_amax, *cluster.map_shared_rank(&s_amax, r));
+      scale = row_amax / O::kMax;
+    } else {
+      scale = *a.static_scale;
+    }
+    if (rank == 0 && tid == 0) a.scales[b] = scale;
+#pragma unroll
+    for (int i = 0; i < kFusedYRegs; ++i) {
+      const int idx = begin + tid + i * nb;
+      if (idx < end) out[idx] = quantize_vec<O>(y[i], scale);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kFusedYRegs; ++i) {
+      const int idx = begin + tid + i * nb;
+      if (idx < end) out[idx] = y[i];
+    }
+  }
+  cluster.sync();  // no CTA leaves while another may still read its shared memory
+#endif
 }
 
 // Query heads per CTA: the largest of 8, 4, 2, 1 that divides the GQA group.
@@ -495,6 +704,170 @@ void launch_combine(const Args<T>& args, int64_t batch, cudaStream_t stream, boo
   } else {
     C10_CUDA_CHECK(launch_kernel(decode_attention_combine_kernel<T, O, 0>, grid, dim3(kCombineThreads), 0, stream,
                                  pdl, args));
+  }
+}
+
+// Whether the one-kernel path may serve (the private switch _set_decode_attention_fused: tests and benchmarks turn
+// it on and off to compare the two paths). Off by default: on an H200 (bench/results/decode_attention_nvidia-h200,
+// 2026-11-29) it was 1.05x the two kernels at Qwen3-30B-A3B B = 1, S = 512 (0.99x with int8 out), and 0.39-0.65x
+// wherever it served 8 or more rows (Qwen3 B 8 / 16, Llama-3-8B B 16): clusters of 16 CTAs are resident a few at
+// a time, so those rows ran in waves. It stays a candidate until a rule that keeps it within one wave wins there.
+std::atomic<bool> g_fused_enabled{false};
+
+// The one-kernel path's shape for one launch: `units` split units per CTA (0: the path does not serve) and `ctas`
+// CTAs per cluster (one cluster per row).
+struct FusedPlan {
+  int units = 0;
+  int ctas = 0;
+};
+
+// The dispatch rule between the two paths, in one place. The fused kernel serves when
+//   - the switch is on, the device is sm90 (clusters of 16 measured there; newer archs keep the two kernels until
+//     measured) running _C's sm90 code (clusters_available), and q is 16-bit with 32 < D <= 128 (kLanes 8 or 16,
+//     one 16-byte vector a lane: the instantiated kernels);
+//   - H * D / 4 <= kCombineThreads * kCombineVecs: the two-kernel path then merges with the split weights in shared
+//     memory (split_weights + merge_splits), the arithmetic the fused kernel repeats;
+//   - the row's (H / G') x splits units fit one cluster: U units per CTA (1, 2 or 4; at most 2 for G' >= 2) with
+//     units / U <= kFusedMaxCluster CTAs, the smallest such U (more SMs, fewer warps each); and the row's output
+//     vectors fit kFusedYRegs a thread;
+//   - a cluster above the portable 8 CTAs is resident on the device (fused_plan_resident: asked once, cached);
+//     else the next U (fewer CTAs), else the two kernels.
+// Qwen3-30B-A3B (32 / 4 heads x 128) at B = 1, S = 512: 8 splits, 4 x 8 units, U = 2: one cluster of 16 CTAs.
+// Llama-3-8B (32 / 8 x 128) at B <= 8: 8 x (5 .. 8) units, more than 2 x 16: the two kernels (at B >= 16 the fused
+// path: 8 x 3 units, 12 CTAs of 2). Qwen3 at S = 4096, B <= 8: up to 64 splits, the two kernels.
+// Once per fused-kernel instantiation and device: allow clusters above the portable 8 CTAs (a driver call: never
+// per launch). Needed before a launch of more than 8 CTAs a cluster, and before asking the occupancy of one.
+template <class T, class O, int kG, int kLanes>
+void allow_nonportable_clusters(int device) {
+  static std::array<std::once_flag, 64> once;
+  std::call_once(once.at(static_cast<size_t>(device)), [&] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_attention_fused_kernel<T, O, kG, kLanes, 1>,
+                                        cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  });
+}
+
+// Whether one cluster of `ctas` CTAs of `units` units of the fused kernel <T, O, kG, kLanes> can be resident on the
+// current device (cudaOccupancyMaxActiveClusters > 0). A cluster above 8 CTAs needs that many SMs with room in one
+// GPC, and a CTA of the kG = 8 kernel takes a whole SM's register file: H100 / H200 SXM (132 SMs) have such GPCs,
+// sm90 parts with smaller GPCs may not, and there the two kernels serve rather than a launch that fails.
+template <class T, class O, int kG, int kLanes>
+bool fused_cluster_resident(int device, int units, int ctas) {
+  allow_nonportable_clusters<T, O, kG, kLanes>(device);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(1, static_cast<unsigned>(ctas));
+  cfg.blockDim = dim3(static_cast<unsigned>(units * kThreads));
+  cfg.dynamicSmemBytes = fused_unit_smem<T, kG, kLanes, 1>() * static_cast<size_t>(units);
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 1;
+  attr.val.clusterDim.y = static_cast<unsigned>(ctas);
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, decode_attention_fused_kernel<T, O, kG, kLanes, 1>, &cfg) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();  // an unsupported configuration: not resident; leave no error for the next check
+    return false;
+  }
+  return clusters > 0;
+}
+
+// The same for every output variant the launch may pick (q's dtype, int8, fp8), so the path does not depend on it.
+template <class T, int kG, int kLanes>
+bool fused_resident_all_outputs(int device, int units, int ctas) {
+  return fused_cluster_resident<T, FloatOut<T>, kG, kLanes>(device, units, ctas) &&
+         fused_cluster_resident<T, Int8Out, kG, kLanes>(device, units, ctas) &&
+         fused_cluster_resident<T, Fp8Out, kG, kLanes>(device, units, ctas);
+}
+
+template <class T, int kG>
+bool fused_resident_for_lanes(int lanes, int device, int units, int ctas) {
+  return lanes == 8 ? fused_resident_all_outputs<T, kG, 8>(device, units, ctas)
+                    : fused_resident_all_outputs<T, kG, 16>(device, units, ctas);
+}
+
+template <class T>
+bool fused_resident_for_group(int g, int lanes, int device, int units, int ctas) {
+  switch (g) {
+    case 8: return fused_resident_for_lanes<T, 8>(lanes, device, units, ctas);
+    case 4: return fused_resident_for_lanes<T, 4>(lanes, device, units, ctas);
+    case 2: return fused_resident_for_lanes<T, 2>(lanes, device, units, ctas);
+    default: return fused_resident_for_lanes<T, 1>(lanes, device, units, ctas);
+  }
+}
+
+// fused_cluster_resident for a plan above 8 CTAs a cluster, asked once per (device, dtype, G', lanes, units, CTAs)
+// and cached (a plan of at most 8 CTAs is the portable size: no check). The current device must be `device`.
+bool fused_plan_resident(int device, at::ScalarType dtype, int g, int lanes, int units, int ctas) {
+  if (ctas <= 8) return true;
+  static std::mutex mutex;
+  static std::map<std::array<int, 6>, bool> cache;
+  const std::array<int, 6> key{device, static_cast<int>(dtype), g, lanes, units, ctas};
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const bool resident = dtype == at::kBFloat16
+                            ? fused_resident_for_group<__nv_bfloat16>(g, lanes, device, units, ctas)
+                            : fused_resident_for_group<__half>(g, lanes, device, units, ctas);
+  cache.emplace(key, resident);
+  return resident;
+}
+
+FusedPlan fused_plan(int64_t heads, int g, int64_t head_dim, at::ScalarType dtype, int splits, int device) {
+  // sm90, and its cluster code is what got loaded (core/device.hpp's clusters_available: not a compute_80 PTX JIT,
+  // whose fused kernel is the __trap of its pre-sm90 pass)
+  const int elem_bytes = static_cast<int>(c10::elementSize(dtype));
+  if (!g_fused_enabled.load(std::memory_order_relaxed) || elem_bytes != 2 || device_info(device).major != 9 ||
+      !clusters_available(device)) {
+    return {};
+  }
+  const int64_t lane_vecs = head_dim * elem_bytes / 16;
+  if (lane_vecs <= 4 || lane_vecs > 16) return {};
+  const int64_t nvec = heads * head_dim / 4;
+  if (nvec > int64_t(kCombineThreads) * kCombineVecs) return {};
+  const int64_t units = heads / g * splits;
+  for (int u = 1; u <= fused_max_units(g); u *= 2) {
+    if (units % u == 0 && units / u <= kFusedMaxCluster && nvec <= int64_t(kFusedYRegs) * units * kThreads) {
+      const int ctas = static_cast<int>(units / u);
+      if (!fused_plan_resident(device, dtype, g, lane_vecs <= 8 ? 8 : 16, u, ctas)) continue;  // fewer, fuller CTAs
+      return {u, ctas};
+    }
+  }
+  return {};
+}
+
+template <class T, class O, int kG, int kLanes>
+void launch_fused(const Args<T>& args, int64_t batch, const FusedPlan& plan, int device, cudaStream_t stream,
+                  bool pdl) {
+  auto* kernel = decode_attention_fused_kernel<T, O, kG, kLanes, 1>;
+  if (plan.ctas > 8) allow_nonportable_clusters<T, O, kG, kLanes>(device);
+  const size_t smem = fused_unit_smem<T, kG, kLanes, 1>() * static_cast<size_t>(plan.units);
+  const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(plan.ctas));
+  C10_CUDA_CHECK(launch_kernel_cluster(kernel, grid, dim3(plan.units * kThreads), smem, stream, pdl,
+                                       dim3(1, static_cast<unsigned>(plan.ctas), 1), args));
+}
+
+template <class T, class O, int kG>
+void launch_fused_for_head_dim(const Args<T>& args, int64_t batch, const FusedPlan& plan, int device,
+                               cudaStream_t stream, bool pdl) {
+  if (args.head_dim * static_cast<int>(sizeof(T)) / 16 <= 8) {
+    launch_fused<T, O, kG, 8>(args, batch, plan, device, stream, pdl);
+  } else {
+    launch_fused<T, O, kG, 16>(args, batch, plan, device, stream, pdl);
+  }
+}
+
+template <class T, class O>
+void launch_fused_for_group(const Args<T>& args, int64_t batch, int g, const FusedPlan& plan, int device,
+                            cudaStream_t stream, bool pdl) {
+  if constexpr (sizeof(T) == 2) {
+    switch (g) {
+      case 8: launch_fused_for_head_dim<T, O, 8>(args, batch, plan, device, stream, pdl); break;
+      case 4: launch_fused_for_head_dim<T, O, 4>(args, batch, plan, device, stream, pdl); break;
+      case 2: launch_fused_for_head_dim<T, O, 2>(args, batch, plan, device, stream, pdl); break;
+      default: launch_fused_for_head_dim<T, O, 1>(args, batch, plan, device, stream, pdl); break;
+    }
   }
 }
 
@@ -581,8 +954,10 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
   const int64_t kv_heads = kv_cache.size(2);
   const int g = heads_per_cta(heads / kv_heads);
   const int splits = choose_splits(batch, heads, heads / g, kv_cache.size(3), device_info(device).sm_count);
+  const FusedPlan plan = fused_plan(heads, g, d, q.scalar_type(), splits, device);
   const int64_t parts = batch * heads * splits;
-  at::Tensor workspace = at::empty({parts * (d + 2)}, q.options().dtype(at::kFloat));
+  at::Tensor workspace;  // the two-kernel path's partial results (the fused path keeps them in shared memory)
+  if (plan.units == 0) workspace = at::empty({parts * (d + 2)}, q.options().dtype(at::kFloat));
   auto fill = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     Args<T> args;
@@ -602,11 +977,27 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
     args.positions_stride = positions.stride(0);
     args.scale_log2 = static_cast<float>(softmax_scale) * kLog2e;
     args.splits = splits;
-    args.part_acc = workspace.data_ptr<float>();
-    args.part_ml = reinterpret_cast<float2*>(workspace.data_ptr<float>() + parts * d);  // 8-byte aligned: d even
+    if (plan.units == 0) {
+      args.part_acc = workspace.data_ptr<float>();
+      args.part_ml = reinterpret_cast<float2*>(workspace.data_ptr<float>() + parts * d);  // 8-byte aligned: d even
+    } else {
+      args.part_acc = nullptr;
+      args.part_ml = nullptr;
+    }
     args.out = out.data_ptr();
     args.scales = scales;
     args.static_scale = static_scale;
+    if (plan.units > 0) {  // the one-kernel path (fused_plan)
+      if (!qtype) {
+        launch_fused_for_group<T, FloatOut<T>>(args, batch, g, plan, device, stream, pdl);
+      } else if (*qtype == at::kChar) {
+        launch_fused_for_group<T, Int8Out>(args, batch, g, plan, device, stream, pdl);
+      } else {
+        launch_fused_for_group<T, Fp8Out>(args, batch, g, plan, device, stream, pdl);
+      }
+      graph_nodes::note_rowwise_launch(stream, batch, op);
+      return;
+    }
     launch_split_for_group<T>(args, batch, heads, g, stream, pdl);
     graph_nodes::note_rowwise_launch(stream, batch, op);
     if (!qtype) {
@@ -639,6 +1030,24 @@ void decode_attention_out(at::Tensor& out, const at::Tensor& q, const at::Tensor
                           const at::Tensor& slots, const at::Tensor& positions, double softmax_scale) {
   check_args(kOp, q, kv_cache, slots, positions, softmax_scale, &out);
   run(out, q, kv_cache, slots, positions, softmax_scale, std::nullopt, nullptr, nullptr, kOp);
+}
+
+bool set_decode_attention_fused(bool enabled) { return g_fused_enabled.exchange(enabled); }
+
+std::string decode_attention_path(int64_t device, int64_t batch, int64_t heads, int64_t kv_heads, int64_t seq_len,
+                                  int64_t head_dim, at::ScalarType dtype) {
+  constexpr const char* op = "cutlass_w8a8._decode_attention_path";
+  TORCH_CHECK_VALUE(device >= 0 && device < 64, op, ": `device` must be a CUDA device index, got ", device);
+  TORCH_CHECK_VALUE(batch >= 1 && heads >= 1 && kv_heads >= 1 && seq_len >= 1 && head_dim >= 1, op,
+                    ": `batch`, `heads`, `kv_heads`, `seq_len` and `head_dim` must be positive, got ", batch, ", ",
+                    heads, ", ", kv_heads, ", ", seq_len, ", ", head_dim);
+  TORCH_CHECK_VALUE(heads % kv_heads == 0, op, ": `kv_heads` = ", kv_heads, " must divide `heads` = ", heads);
+  const int d = static_cast<int>(device);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(d));  // clusters_available queries the current device
+  const int g = heads_per_cta(heads / kv_heads);
+  const int splits = choose_splits(batch, heads, heads / g, seq_len, device_info(d).sm_count);
+  const FusedPlan plan = fused_plan(heads, g, head_dim, dtype, splits, d);
+  return plan.units > 0 ? "fused" : "split";
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_attention_quant(const at::Tensor& q, const at::Tensor& kv_cache,

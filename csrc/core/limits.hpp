@@ -39,6 +39,10 @@ constexpr int64_t kMoeMaxGroups = 32;
 // moe_decode_experts (the fused decode path of a MoE layer): at most this many (token, expert) pairs T * top_k
 // (a decode step at batch 8 with top-8; each CTA keeps the pairs' expert ids in shared memory).
 constexpr int64_t kMoeDecodeMaxPairs = 64;
+// moe_router_route (moe/router_route.cu): at most this many tokens (two 8-token mma tiles), H a positive multiple
+// of kMoeRouterHMultiple (one warp step: 4 lanes x 16 elements). ops/_limits.py owns the decode rule's use of it.
+constexpr int64_t kMoeRouterRouteMaxT = 16;
+constexpr int64_t kMoeRouterHMultiple = 64;
 
 // Row-wise fp8 on sm90: 1 runs the fast-accumulation configs, 0 the accurate ones (ops/_limits.py FP8_FAST_ACCUM,
 // where the default is decided; pinned equal by tests/ops/test_limits.py). Used only where an op has no

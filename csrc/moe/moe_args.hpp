@@ -1,5 +1,5 @@
-// The argument contract of the MoE ops on CUDA: moe_topk_softmax, moe_route, moe_align, moe_permute_quant,
-// moe_unpermute(_out) and moe_decode_experts (the fused decode path, csrc/moe/moe_decode.cu). The same checks as cutlass_w8a8/ops/_checks.py (check_moe_*), in its order, with its
+// The argument contract of the MoE ops on CUDA: moe_topk_softmax, moe_route, moe_router_route (router_route.cu),
+// moe_align, moe_permute_quant, moe_unpermute(_out) and moe_decode_experts (the fused decode path, csrc/moe/moe_decode.cu). The same checks as cutlass_w8a8/ops/_checks.py (check_moe_*), in its order, with its
 // exception types and first-line messages character for character (docs/MISUSE.md; tests/test_misuse_table.py
 // runs every row on both). The quantization arguments of moe_permute_quant are silu_mul_quant's
 // (quant/rowwise_args.hpp).
@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include <ATen/ATen.h>
 
@@ -43,16 +44,16 @@ inline void check_topk_softmax(const char* op, const at::Tensor& logits, int64_t
 // moe_route: the logits and top_k as above; scoring "softmax" or "sigmoid"; correction_bias float32 [E] on the
 // logits' device (any stride); 1 <= n_group <= 32 dividing E into groups of at least 2 experts (n_group 1: no
 // groups); 1 <= topk_group <= n_group; top_k <= topk_group * E / n_group; scaling_factor finite.
-inline void check_route(const char* op, const at::Tensor& logits, int64_t top_k, c10::string_view scoring,
-                        const std::optional<at::Tensor>& bias, int64_t n_group, int64_t topk_group,
-                        double scaling_factor) {
-  const int64_t e = check_router_logits_top_k(op, logits, top_k);
+// The routing arguments of moe_route for E experts (top_k already in [1, E]); the bias on `ref`'s device.
+inline void check_routing_spec(const char* op, int64_t e, const char* ref_name, const at::Tensor& ref, int64_t top_k,
+                               c10::string_view scoring, const std::optional<at::Tensor>& bias, int64_t n_group,
+                               int64_t topk_group, double scaling_factor) {
   CW8A8_CHECK_VALUE(scoring == "softmax" || scoring == "sigmoid", op, "scoring",
                     "must be 'softmax' or 'sigmoid', got '", std::string(scoring), "'");
   if (bias.has_value()) {
     CW8A8_CHECK_TYPE(bias->scalar_type() == at::kFloat, op, "correction_bias", "must be float32, got ",
                      py_dtype(bias->scalar_type()));
-    check_same_device(op, "correction_bias", *bias, "router_logits", logits);
+    check_same_device(op, "correction_bias", *bias, ref_name, ref);
     CW8A8_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == e, op, "correction_bias", "must be [E] = [", e,
                       "], got shape ", py_tuple(bias->sizes()));
   }
@@ -66,6 +67,54 @@ inline void check_route(const char* op, const at::Tensor& logits, int64_t top_k,
   CW8A8_CHECK_VALUE(top_k <= kept, op, "top_k", "must be at most topk_group * E / n_group = ", kept,
                     " (the experts of the kept groups), got ", top_k);
   CW8A8_CHECK_VALUE(std::isfinite(scaling_factor), op, "scaling_factor", "must be a finite number");
+}
+
+inline void check_route(const char* op, const at::Tensor& logits, int64_t top_k, c10::string_view scoring,
+                        const std::optional<at::Tensor>& bias, int64_t n_group, int64_t topk_group,
+                        double scaling_factor) {
+  const int64_t e = check_router_logits_top_k(op, logits, top_k);
+  check_routing_spec(op, e, "router_logits", logits, top_k, scoring, bias, n_group, topk_group, scaling_factor);
+}
+
+// moe_router_route: x [T, H] bfloat16 / float16, T <= kMoeRouterRouteMaxT, H a positive multiple of
+// kMoeRouterHMultiple; router_weight [E, H] of x's dtype on x's device, 1 <= E <= 1024; both with unit-stride rows
+// whose pitch is a multiple of 8 elements, 16-byte aligned; logits_dtype none, x's dtype or float32;
+// 1 <= top_k <= E; then moe_route's routing arguments (the bias on x's device).
+inline void check_router_route(const char* op, const at::Tensor& x, const at::Tensor& w, int64_t top_k,
+                               c10::string_view scoring, const std::optional<at::Tensor>& bias, int64_t n_group,
+                               int64_t topk_group, double scaling_factor,
+                               std::optional<at::ScalarType> logits_dtype) {
+  const at::ScalarType xt = x.scalar_type();
+  CW8A8_CHECK_TYPE(xt == at::kBFloat16 || xt == at::kHalf, op, "x", "must be bfloat16 or float16, got ",
+                   py_dtype(xt));
+  CW8A8_CHECK_VALUE(x.dim() == 2, op, "x", "must be 2-D [T, H], got shape ", py_tuple(x.sizes()));
+  const int64_t t = x.size(0), h = x.size(1);
+  CW8A8_CHECK_VALUE(t <= limits::kMoeRouterRouteMaxT, op, "x", "has ", t, " rows (tokens); at most ",
+                    limits::kMoeRouterRouteMaxT,
+                    " are supported (decode sizes: use the router GEMM and moe_route above)");
+  CW8A8_CHECK_VALUE(h > 0 && h % limits::kMoeRouterHMultiple == 0, op, "x",
+                    "H = x.shape[1] must be a positive multiple of ", limits::kMoeRouterHMultiple, ", got ", h);
+  CW8A8_CHECK_TYPE(w.scalar_type() == xt, op, "router_weight", "must have x's dtype ", py_dtype(xt), ", got ",
+                   py_dtype(w.scalar_type()));
+  check_same_device(op, "router_weight", w, "x", x);
+  CW8A8_CHECK_VALUE(w.dim() == 2 && w.size(1) == h, op, "router_weight", "must be 2-D [E, H] with H = ", h,
+                    ", got shape ", py_tuple(w.sizes()));
+  const int64_t e = w.size(0);
+  CW8A8_CHECK_VALUE(e >= 1 && e <= limits::kMoeMaxExperts, op, "router_weight",
+                    "E = router_weight.shape[0] must be in [1, ", limits::kMoeMaxExperts, "], got ", e);
+  const std::pair<const char*, const at::Tensor*> mats[2] = {{"x", &x}, {"router_weight", &w}};
+  for (const auto& [name, m] : mats) {
+    CW8A8_CHECK_VALUE(m->stride(1) == 1 && (m->size(0) <= 1 || m->stride(0) % 8 == 0), op, name,
+                      "must have unit-stride rows with a row pitch that is a multiple of 8 elements, got strides ",
+                      py_tuple(m->strides()));
+    check_aligned16(op, name, *m);
+  }
+  if (logits_dtype.has_value()) {
+    CW8A8_CHECK_TYPE(*logits_dtype == xt || *logits_dtype == at::kFloat, op, "logits_dtype",
+                     "must be None, x's dtype (", py_dtype(xt), ") or torch.float32, got ", py_dtype(*logits_dtype));
+  }
+  CW8A8_CHECK_VALUE(top_k >= 1 && top_k <= e, op, "top_k", "must be in [1, E] with E = ", e, ", got ", top_k);
+  check_routing_spec(op, e, "x", x, top_k, scoring, bias, n_group, topk_group, scaling_factor);
 }
 
 // moe_align: topk_ids [T, top_k] int32 / int64 (any strides), 1 <= num_experts <= 1024, at most 2**31 - 1 pairs.

@@ -124,7 +124,9 @@ class MoeMLP(nn.Module):
     block's own modules (nothing copied).
 
     ``forward(x)``: ``x`` ``(T, H)`` in the model dtype (the post-attention norm's float output) -> ``(T, H)``:
-    ``experts(x, ids, weights)`` with ``(_, weights, ids) = gate(x)`` (`MoeRouter`), plus
+    ``experts(x, ids, weights)`` with ``(_, weights, ids) = gate(x)`` (`MoeRouter`), or where
+    ``experts.router_route_applies`` (CUDA, T <= 16) ``(weights, ids) = experts.route_from_hidden(x, gate.weight)``
+    (the same routing as one ``moe_router_route`` kernel), plus
     ``shared_expert(x)`` (times ``sigmoid(shared_expert_gate(x))`` when the block has that gate).
 
     Attributes
@@ -149,7 +151,12 @@ class MoeMLP(nn.Module):
                                    else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _, topk_weights, topk_ids = self.gate(x)
+        # the router GEMM and the routing: one kernel (moe_router_route) at decode sizes on CUDA, else `gate`'s two
+        # ops; transformers' routers of MOE_FAMILIES compute their logits in the model dtype, as both do
+        if self.experts.router_route_applies(x, self.gate.weight):
+            topk_weights, topk_ids = self.experts.route_from_hidden(x, self.gate.weight)
+        else:
+            _, topk_weights, topk_ids = self.gate(x)
         out = self.experts(x, topk_ids, topk_weights)
         if self.shared_expert is not None:
             s = self.shared_expert(x)

@@ -31,8 +31,8 @@ Qwen3-MoE (a config with ``num_experts > 0``, e.g. `cutlass_w8a8.models.QWEN3_30
 the rotary embedding, inside the rotary op (``rope_kv_cache_`` with the norms' weights). Such layers take the Python
 path (not the one-op ``decode_layer``): per layer at decode sizes on CUDA, the dense layer's attention-side kernels
 (6: fused norm + quantization, qkv GEMM, rotary + head norms + KV write, two of split-KV attention quantizing for
-o_proj, o_proj GEMM) and the MoE part's (6: fused norm, bf16 router GEMM, ``moe_route``, the three of
-``moe_decode_experts``).
+o_proj, o_proj GEMM) and the MoE part's (5: fused norm, ``moe_router_route`` (the bf16 router GEMM and the
+routing in one kernel, T <= 16), the three of ``moe_decode_experts``).
 
 Examples
 --------

@@ -6,7 +6,10 @@
   ``torch._grouped_mm`` over the pairs sorted by expert where torch has it for the dtype, else per pair.
 - `SparseMoeBlock`: ``gate`` (the router, an ``nn.Linear`` kept in the model dtype) and ``experts`` (a
   `MoEExperts`, a `cutlass_w8a8.W8A8MoE` in a W8A8 model, or `cutlass_w8a8.models.reference.DequantizedMoE` in the
-  float reference); ``forward(x) = experts(x, gate(x))``.
+  float reference); ``forward(x) = experts(x, gate(x))``, or, where a `cutlass_w8a8.W8A8MoE`'s
+  ``router_route_applies`` (CUDA, T <= 16), ``experts(x, ids, weights)`` of ``experts.route_from_hidden(x,
+  gate.weight)``: the router GEMM and the routing in one kernel (``moe_router_route``; ``gate`` itself is then not
+  called, so hooks on it do not run).
 
 Every step is a fixed sequence of kernels on tensors whose shapes depend on the batch only (no host sync, no
 data-dependent shape), so the block captures into a CUDA graph like the rest of the decoder.
@@ -113,4 +116,9 @@ class SparseMoeBlock(nn.Module):
                                   config.num_experts_per_tok, config.norm_topk_prob, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        applies = getattr(self.experts, "router_route_applies", None)  # cutlass_w8a8.W8A8MoE's decode rule
+        if applies is not None and self.gate.bias is None and applies(x, self.gate.weight):
+            # the router GEMM and the routing in one kernel (moe_router_route); `gate` is not called
+            topk_weights, topk_ids = self.experts.route_from_hidden(x, self.gate.weight)
+            return self.experts(x, topk_ids, topk_weights)
         return self.experts(x, self.gate(x))

@@ -22,7 +22,8 @@ from ..config import W8A8Config
 from ..linear import quantization_repr, quantize_weight_blocks
 from ..ops import moe as _moe
 from ..ops import silu_mul_quant
-from ..ops._limits import BLOCK_SIZE, GEMM_ALIGN, MOE_DECODE_MAX_PAIRS, OUT_DTYPES, blocks
+from ..ops._limits import (BLOCK_SIZE, GEMM_ALIGN, MOE_DECODE_MAX_PAIRS, MOE_ROUTER_H_MULTIPLE, MOE_ROUTER_ROUTE_MAX_T,
+                           MOE_ROUTER_ROUTE_MAX_WEIGHT_BYTES, MOE_ROUTER_ROUTE_MIN_EXPERTS, OUT_DTYPES, blocks)
 from ..ops._schema import OVERLOADS as _op
 from .families import routing_problem
 
@@ -135,6 +136,10 @@ class W8A8MoE(nn.Module):
     its epilogue) instead of the six ops of the chain; the result is the chain's bit for bit, so the choice never
     changes an output. Larger calls, static activation scales and CPU tensors run the chain.
 
+    **Router and routing in one kernel.** `route_from_hidden` (``x`` and the router's weight, as the decoders and
+    `cutlass_w8a8.hf.DecodeStep` call it) runs `cutlass_w8a8.ops.moe.moe_router_route` at decode sizes on CUDA
+    (``T <= MOE_ROUTER_ROUTE_MAX_T``: `router_route_applies`), else the router GEMM and `route`.
+
     Attributes
     ----------
     fused_decode : bool or None
@@ -144,6 +149,10 @@ class W8A8MoE(nn.Module):
         False: the unfused chain at every size (A/B benchmarks: ``bench/bench_moe.py --parts decode``). A plain
         attribute, not in the state dict, read on every forward, so a captured CUDA graph keeps the path it was
         captured with.
+    fused_router : bool
+        True (default): `route_from_hidden` takes ``moe_router_route`` where `router_route_fits` on CUDA; False: the
+        router GEMM and `route` at every size (an A/B switch, e.g. for ``bench/bench_decoder.py``; the experts
+        chosen may differ at near-ties only). A plain attribute, as ``fused_decode``.
 
     Raises
     ------
@@ -213,6 +222,7 @@ class W8A8MoE(nn.Module):
         # non-persistent: the router holds the checkpoint's tensor (transformers' state dict has no other)
         self.register_buffer("correction_bias", correction_bias, persistent=False)
         self.fused_decode = None  # None: the decode path where it is measured faster (uses_decode_path); True / False
+        self.fused_router = True  # route_from_hidden: moe_router_route where router_route_applies; False: two ops
 
     @property
     def group_size(self) -> int:
@@ -399,6 +409,67 @@ class W8A8MoE(nn.Module):
         return _moe.moe_route(router_logits, self.top_k, scoring=self.scoring, correction_bias=self.correction_bias,
                               n_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
                               scaling_factor=self.scaling_factor)
+
+    def router_route_applies(self, x: torch.Tensor, router_weight: torch.Tensor,
+                             logits_dtype: Optional[torch.dtype] = None) -> bool:
+        """Whether `route_from_hidden` runs `cutlass_w8a8.ops.moe.moe_router_route` (the router GEMM and the routing
+        in one kernel) rather than ``F.linear`` and `route`: ``fused_router`` (default True), a CUDA ``x``,
+        `router_route_pays` and `router_route_fits`. Any other call takes the two ops, whose result is the same up
+        to the logits' summation order (`moe_router_route`'s docstring)."""
+        return bool(getattr(self, "fused_router", True) and x.is_cuda and self.router_route_pays(router_weight)
+                    and self.router_route_fits(x, router_weight, logits_dtype))
+
+    @staticmethod
+    def router_route_pays(router_weight: torch.Tensor) -> bool:
+        """The speed rule of `router_route_applies`: a router weight ``[E, H]`` of at least
+        ``MOE_ROUTER_ROUTE_MIN_EXPERTS`` experts and at most ``MOE_ROUTER_ROUTE_MAX_WEIGHT_BYTES`` bytes (ops/_limits.py
+        owns both and cites the H200 measurement: 1.14-1.27x the two ops at Qwen3-30B-A3B's and OLMoE's routers,
+        0.77-1.00x at Mixtral's 8 experts and 0.90x at DeepSeek-V3's 3.5 MiB router at T = 1)."""
+        return (router_weight.dim() == 2 and router_weight.shape[0] >= MOE_ROUTER_ROUTE_MIN_EXPERTS
+                and router_weight.numel() * router_weight.element_size() <= MOE_ROUTER_ROUTE_MAX_WEIGHT_BYTES)
+
+    def router_route_fits(self, x: torch.Tensor, router_weight: torch.Tensor,
+                          logits_dtype: Optional[torch.dtype] = None) -> bool:
+        """The decode-size rule of `router_route_applies`, the device aside: ``x`` ``[T, H]`` with
+        ``1 <= T <= MOE_ROUTER_ROUTE_MAX_T`` (ops/_limits.py, the one owner of the limit), bfloat16 / float16; a
+        ``router_weight`` ``[E, H]`` of its dtype and device; ``H`` a multiple of ``MOE_ROUTER_H_MULTIPLE``; both
+        with unit-stride rows whose pitch is a multiple of 8 elements at 16-byte aligned offsets; ``logits_dtype``
+        None, ``x``'s dtype or float32 (`moe_router_route`'s contract, so the op never raises on a call it takes)."""
+        if x.dim() != 2 or not 1 <= x.shape[0] <= MOE_ROUTER_ROUTE_MAX_T or x.dtype not in (torch.bfloat16,
+                                                                                             torch.float16):
+            return False
+        if router_weight.dtype != x.dtype or router_weight.device != x.device or router_weight.dim() != 2:
+            return False
+        h = x.shape[1]
+        if tuple(router_weight.shape) != (self.num_experts, h) or h % MOE_ROUTER_H_MULTIPLE != 0:
+            return False
+        if logits_dtype not in (None, x.dtype, torch.float32):
+            return False
+        for m in (x, router_weight):
+            # the storage comes from an allocator aligning to >= 256 bytes: the view's offset decides
+            if (m.stride(1) != 1 or (m.shape[0] > 1 and m.stride(0) % 8 != 0)
+                    or m.storage_offset() * m.element_size() % 16 != 0):
+                return False
+        return True
+
+    def route_from_hidden(self, x: torch.Tensor, router_weight: torch.Tensor,
+                          logits_dtype: Optional[torch.dtype] = None):
+        """The routing of the hidden states ``x`` ``[T, H]`` by the router weight ``router_weight`` ``[E, H]``:
+        ``(topk_weights float32 [T, top_k], topk_ids int32 [T, top_k])`` = `route` of
+        ``F.linear(x.to(logits_dtype), router_weight.to(logits_dtype))`` (``logits_dtype`` None: ``x``'s dtype,
+        transformers' Qwen / Mixtral / OLMoE routers; float32: DeepSeek-V3 / GLM-4.5's).
+
+        At decode sizes (`router_route_applies`) one kernel, `cutlass_w8a8.ops.moe.moe_router_route` with the
+        layer's routing; else two ops (the router GEMM, then `route`). The two agree up to the summation order of
+        the logits (each within one unit in the last place of ``logits_dtype`` plus a float32 sum's error bound:
+        `moe_router_route`'s Notes), so experts at a near-tie may be chosen differently. Errors are the ops'."""
+        if self.router_route_applies(x, router_weight, logits_dtype):
+            return _moe.moe_router_route(x, router_weight, self.top_k, scoring=self.scoring,
+                                         correction_bias=self.correction_bias, n_group=self.n_group,
+                                         topk_group=self.topk_group, renormalize=self.renormalize,
+                                         scaling_factor=self.scaling_factor, logits_dtype=logits_dtype)
+        dt = x.dtype if logits_dtype is None else logits_dtype
+        return self.route(torch.nn.functional.linear(x.to(dt), router_weight.to(dt)))
 
     def forward(self, hidden_states: torch.Tensor, router_logits_or_topk_ids: torch.Tensor,
                 topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:

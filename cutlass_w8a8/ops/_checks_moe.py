@@ -1,12 +1,12 @@
-"""The MoE ops' argument contract (moe_topk_softmax, moe_route, moe_align, moe_permute_quant, moe_unpermute,
-moe_decode_experts), composed from the operand roles of `_roles.py` as `_checks.py` does for the other ops;
+"""The MoE ops' argument contract (moe_topk_softmax, moe_route, moe_router_route, moe_align, moe_permute_quant,
+moe_unpermute, moe_decode_experts), composed from the operand roles of `_roles.py` as `_checks.py` does for the other ops;
 csrc/moe/moe_args.hpp (called by routing.cu, permute_quant.cu and moe_decode.cu) raises the same messages in the
 same order."""
 
 from __future__ import annotations
 
 __all__ = ["MOE_SCORINGS", "check_moe_align", "check_moe_decode_experts", "check_moe_permute_quant", "check_moe_route",
-           "check_moe_topk_softmax", "check_moe_unpermute"]
+           "check_moe_router_route", "check_moe_topk_softmax", "check_moe_unpermute"]
 
 import math
 
@@ -14,7 +14,7 @@ import torch
 
 from ._checks import _group_quant
 from ._limits import (BLOCK_SIZE, GEMM_ALIGN, MAX_ROW_K, MAX_ROWS, MOE_DECODE_MAX_PAIRS, MOE_MAX_EXPERTS,
-                      MOE_MAX_GROUPS, blocks)
+                      MOE_MAX_GROUPS, MOE_ROUTER_H_MULTIPLE, MOE_ROUTER_ROUTE_MAX_T, blocks)
 from ._roles import (aligned16, contiguous, eight_bit, exact_shape, fail_type, fail_value, float32_scale, float_input,
                      gemm_size, int8_k_bound, limit_text, output_dtype, quant_dtype, row_input, same_device, tensor_arg)
 
@@ -54,13 +54,21 @@ def check_moe_route(router_logits, top_k, scoring, correction_bias, n_group, top
     kept groups, topk_group * E / n_group; scaling_factor finite."""
     op = "moe_route"
     e = _router_logits_top_k(op, router_logits, top_k)
+    _routing_spec(op, e, "router_logits", router_logits, top_k, scoring, correction_bias, n_group, topk_group,
+                  scaling_factor)
+
+
+def _routing_spec(op: str, e: int, ref_name: str, ref, top_k, scoring, correction_bias, n_group, topk_group,
+                  scaling_factor) -> None:
+    """moe_route's routing arguments for E experts (top_k already in [1, E]); ``correction_bias`` on ``ref``'s
+    device (the message names ``ref_name``)."""
     if scoring not in MOE_SCORINGS:
         fail_value(op, "scoring", f"must be 'softmax' or 'sigmoid', got '{scoring}'")
     tensor_arg(op, "correction_bias", correction_bias, optional=True)
     if correction_bias is not None:
         if correction_bias.dtype != torch.float32:
             fail_type(op, "correction_bias", f"must be float32, got {correction_bias.dtype}")
-        same_device(op, "router_logits", router_logits, [("correction_bias", correction_bias)])
+        same_device(op, ref_name, ref, [("correction_bias", correction_bias)])
         exact_shape(op, "correction_bias", correction_bias, "E", (e,))
     if not 1 <= n_group <= MOE_MAX_GROUPS:
         fail_value(op, "n_group", f"must be in [1, {MOE_MAX_GROUPS}], got {n_group}")
@@ -74,6 +82,48 @@ def check_moe_route(router_logits, top_k, scoring, correction_bias, n_group, top
                    f"groups), got {top_k}")
     if not math.isfinite(scaling_factor):
         fail_value(op, "scaling_factor", "must be a finite number")
+
+
+#: x / router_weight dtypes of moe_router_route (the mma's 16-bit operands).
+ROUTER_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_moe_router_route(x, router_weight, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
+                           scaling_factor, logits_dtype) -> None:
+    """moe_router_route: x [T, H] bfloat16 / float16 with T <= MOE_ROUTER_ROUTE_MAX_T and H a positive multiple of
+    MOE_ROUTER_H_MULTIPLE; router_weight [E, H] of x's dtype on x's device, 1 <= E <= MOE_MAX_EXPERTS; both with
+    unit-stride rows whose pitch is a multiple of 8 elements, 16-byte aligned; logits_dtype None, x's dtype or
+    float32; 1 <= top_k <= E; then moe_route's routing arguments (correction_bias on x's device)."""
+    op = "moe_router_route"
+    tensor_arg(op, "x", x)
+    float_input(op, "x", x, ROUTER_DTYPES)
+    if x.dim() != 2:
+        fail_value(op, "x", f"must be 2-D [T, H], got shape {tuple(x.shape)}")
+    t, h = x.shape
+    if t > MOE_ROUTER_ROUTE_MAX_T:
+        fail_value(op, "x", f"has {t} rows (tokens); at most {MOE_ROUTER_ROUTE_MAX_T} are supported (decode sizes: "
+                   "use the router GEMM and moe_route above)")
+    if h == 0 or h % MOE_ROUTER_H_MULTIPLE != 0:
+        fail_value(op, "x", f"H = x.shape[1] must be a positive multiple of {MOE_ROUTER_H_MULTIPLE}, got {h}")
+    tensor_arg(op, "router_weight", router_weight)
+    if router_weight.dtype != x.dtype:
+        fail_type(op, "router_weight", f"must have x's dtype {x.dtype}, got {router_weight.dtype}")
+    same_device(op, "x", x, [("router_weight", router_weight)])
+    if router_weight.dim() != 2 or router_weight.shape[1] != h:
+        fail_value(op, "router_weight", f"must be 2-D [E, H] with H = {h}, got shape {tuple(router_weight.shape)}")
+    e = router_weight.shape[0]
+    if not 1 <= e <= MOE_MAX_EXPERTS:
+        fail_value(op, "router_weight", f"E = router_weight.shape[0] must be in [1, {MOE_MAX_EXPERTS}], got {e}")
+    for name, m in (("x", x), ("router_weight", router_weight)):
+        if m.stride(1) != 1 or (m.shape[0] > 1 and m.stride(0) % 8 != 0):
+            fail_value(op, name, f"must have unit-stride rows with a row pitch that is a multiple of 8 elements, got "
+                       f"strides {tuple(m.stride())}")
+        aligned16(op, name, m)
+    if logits_dtype is not None and logits_dtype not in (x.dtype, torch.float32):
+        fail_type(op, "logits_dtype", f"must be None, x's dtype ({x.dtype}) or torch.float32, got {logits_dtype}")
+    if not 1 <= top_k <= e:
+        fail_value(op, "top_k", f"must be in [1, E] with E = {e}, got {top_k}")
+    _routing_spec(op, e, "x", x, top_k, scoring, correction_bias, n_group, topk_group, scaling_factor)
 
 
 def check_moe_align(topk_ids, num_experts) -> None:

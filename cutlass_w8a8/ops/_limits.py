@@ -37,6 +37,21 @@ MOE_MAX_GROUPS = 32
 # moe_decode_experts (the fused decode path of a MoE layer): at most this many (token, expert) pairs T * top_k
 # (a decode step at batch 8 with top-8; each CTA keeps the pairs' expert ids in shared memory).
 MOE_DECODE_MAX_PAIRS = 64
+# moe_router_route (the router GEMM and the routing in one kernel, csrc/moe/router_route.cu): at most this many
+# tokens T (two 8-token mma tiles; each CTA of the cluster holds ceil(T / 8) tokens' logits). THE ONE PLACE the
+# decode rule's limit is decided too: W8A8MoE (moe/layer.py `router_route_applies`) takes the fused op at
+# 1 <= T <= it and the router GEMM + moe_route above.
+MOE_ROUTER_ROUTE_MAX_T = 16
+# moe_router_route: H a positive multiple of this many elements (one warp step: 4 lanes x 16 elements).
+MOE_ROUTER_H_MULTIPLE = 64
+# moe_router_route's speed rule (W8A8MoE.router_route_pays): the fused kernel serves a router of at least
+# MOE_ROUTER_ROUTE_MIN_EXPERTS experts whose weight is at most MOE_ROUTER_ROUTE_MAX_WEIGHT_BYTES (one 8-CTA cluster
+# reads the whole weight through 8 SMs). Measured on an H200 against F.linear + moe_route in CUDA graphs
+# (bench/results/moe_router_nvidia-h200.md, 2026-11-29), T = 1 / 8 / 16: Qwen3-30B-A3B (128 x 2048 bf16, 512 KiB)
+# 1.22x / 1.22x / 1.18x, OLMoE (64 x 2048) 1.27x / 1.21x / 1.14x; DeepSeek-V3 (256 x 7168, 3.5 MiB) 0.90x / 1.26x
+# / 0.99x, Mixtral (8 x 4096) 1.00x / 0.89x / 0.77x: those two keep the two ops.
+MOE_ROUTER_ROUTE_MIN_EXPERTS = 64
+MOE_ROUTER_ROUTE_MAX_WEIGHT_BYTES = 512 * 1024
 
 # Block-scaled fp8 (DeepSeek-V3 / compressed-tensors FP8_BLOCK): activations in 1 x BLOCK_SIZE groups along K,
 # weights in BLOCK_SIZE x BLOCK_SIZE blocks; the GEMM's K must be a multiple of it, and so is the only group size

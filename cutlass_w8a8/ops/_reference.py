@@ -521,6 +521,25 @@ def _moe_route(router_logits, top_k, scoring="softmax", correction_bias=None, n_
                                scaling_factor)
 
 
+def moe_router_route_reference(x, router_weight, top_k, scoring="softmax", correction_bias=None, n_group=1,
+                               topk_group=1, renormalize=True, scaling_factor=1.0, logits_dtype=None):
+    """moe_router_route of checked operands: ``F.linear`` in ``logits_dtype`` (x's dtype when None: transformers'
+    Qwen / Mixtral / OLMoE routers; float32 for DeepSeek-V3 / GLM-4.5's ``F.linear(x.float(), w.float())``), then
+    `moe_route_reference` on those logits."""
+    dt = x.dtype if logits_dtype is None else logits_dtype
+    logits = F.linear(x.to(dt), router_weight.to(dt))
+    return moe_route_reference(logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
+                               scaling_factor)
+
+
+def _moe_router_route(x, router_weight, top_k, scoring="softmax", correction_bias=None, n_group=1, topk_group=1,
+                      renormalize=True, scaling_factor=1.0, logits_dtype=None):
+    CM.check_moe_router_route(x, router_weight, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
+                              scaling_factor, logits_dtype)
+    return moe_router_route_reference(x, router_weight, top_k, scoring, correction_bias, n_group, topk_group,
+                                      renormalize, scaling_factor, logits_dtype)
+
+
 def _moe_align(topk_ids, num_experts):
     CM.check_moe_align(topk_ids, num_experts)
     return moe_align_reference(topk_ids, num_experts)
@@ -548,7 +567,8 @@ def _moe_decode_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
 
 
 for _name, _fn in (
-        ("moe_topk_softmax", _moe_topk_softmax), ("moe_route", _moe_route), ("moe_align", _moe_align),
+        ("moe_topk_softmax", _moe_topk_softmax), ("moe_route", _moe_route), ("moe_router_route", _moe_router_route),
+        ("moe_align", _moe_align),
         ("moe_permute_quant", _moe_permute_quant), ("moe_unpermute", _moe_unpermute),
         ("moe_unpermute_out", _moe_unpermute_out), ("moe_decode_experts", _moe_decode_experts)):
     lib.impl(_name, _fn, "CPU")

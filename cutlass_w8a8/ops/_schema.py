@@ -53,6 +53,10 @@ Ops:
   softmax or sigmoid scores, a per-expert correction bias for the selection only, grouped top-k (DeepSeek-V3's
   ``n_group`` / ``topk_group``), optional renormalization, then ``routed_scaling_factor``; ``moe_topk_softmax``
   is its softmax case without bias, groups or scaling
+- ``moe_router_route(x, router_weight, top_k, scoring="softmax", correction_bias=None, n_group=1, topk_group=1,
+  renormalize=True, scaling_factor=1.0, logits_dtype=None) -> (topk_weights, topk_ids)``: the router GEMM
+  (``x @ router_weight.T`` in float32, rounded to ``logits_dtype``) and ``moe_route`` on those logits in one kernel,
+  at decode sizes (T <= 16)
 - ``moe_align(topk_ids, num_experts) -> (sorted_pairs, dst_pos, offsets)``: the (token, expert) pairs sorted by
   expert (stable), the inverse permutation and the end row of each expert's group
 - ``moe_permute_quant(x, sorted_pairs, top_k, dtype, scale=None, group_size=0) -> (q, scale)``: the tokens
@@ -193,6 +197,9 @@ _define("_grouped_scaled_mm_config(Tensor(a!) out, Tensor a, Tensor b, Tensor sc
 _define("moe_topk_softmax(Tensor router_logits, int top_k, bool renormalize) -> (Tensor, Tensor)")
 _define("moe_route(Tensor router_logits, int top_k, str scoring=\"softmax\", Tensor? correction_bias=None, "
         "int n_group=1, int topk_group=1, bool renormalize=True, float scaling_factor=1.0) -> (Tensor, Tensor)")
+_define("moe_router_route(Tensor x, Tensor router_weight, int top_k, str scoring=\"softmax\", "
+        "Tensor? correction_bias=None, int n_group=1, int topk_group=1, bool renormalize=True, "
+        "float scaling_factor=1.0, ScalarType? logits_dtype=None) -> (Tensor, Tensor)")
 _define("moe_align(Tensor topk_ids, int num_experts) -> (Tensor, Tensor, Tensor)")
 _define("moe_permute_quant(Tensor x, Tensor sorted_pairs, int top_k, ScalarType dtype, Tensor? scale=None, "
         "int group_size=0) -> (Tensor, Tensor)")

@@ -81,8 +81,8 @@ def decode_attention(
     result.
 
     CUDA kernels (csrc/attention/decode_attention.cu), split-KV ("flash-decoding" [2]_), two launches on the
-    current stream, no host synchronisation, both with programmatic dependent launch when PDL is on
-    (`cutlass_w8a8.pdl_enabled`):
+    current stream (or the one of 3. below), no host synchronisation, all with programmatic dependent launch when
+    PDL is on (`cutlass_w8a8.pdl_enabled`):
 
     1. ``decode_attention_split_kernel``, grid ``(B, H / G', splits)``: a block takes row ``b``, the ``G'``
        query heads that share one key/value head (``G'`` the largest of 8, 4, 2, 1 dividing ``G = H / KVH``,
@@ -95,8 +95,16 @@ def decode_attention(
        ``(b, h, split)`` to a workspace from torch's caching allocator.
     2. ``decode_attention_combine_kernel``, grid ``(B,)``: one block per row merges the splits of its ``H``
        heads, rescaled to their common maximum, and rounds the row once to ``q``'s dtype.
+    3. ``decode_attention_fused_kernel`` instead of both, where a row's ``H / G' x splits`` (head group, split)
+       units fit one thread-block cluster of at most 16 blocks (sm90, 16-bit ``q``, ``32 < D <= 128``; e.g.
+       Qwen3-30B-A3B's 32 / 4 heads at ``S = 512``): the units run the split kernel's code into shared memory
+       and the cluster merges them through distributed shared memory with the combine kernel's code, in one
+       launch and without the workspace. Same splits, same operations in the same order: the same bits as 1. + 2.
+       (``cutlass_w8a8._ext.decode_attention_path`` names the path a shape takes). Off by default
+       (``cutlass_w8a8._ext.set_decode_attention_fused(True)`` allows it): on an H200 it was 1.05x the two kernels
+       at Qwen3-30B-A3B B = 1, S = 512 and 0.39-0.65x at B >= 8 (bench/results/decode_attention_nvidia-h200.md).
 
-    Both kernels index rows by ``blockIdx.x`` and row ``b`` reads only row ``b``'s inputs and writes only its
+    All kernels index rows by ``blockIdx.x`` and row ``b`` reads only row ``b``'s inputs and writes only its
     output (row-wise kernels whose CUDA-graph nodes can be shrunk to fewer rows). The CPU implementation is the
     former reference math: ``index_select`` of the B slots, then ``F.scaled_dot_product_attention`` over all S
     positions with an additive ``-inf`` mask. The two agree to rounding (the order of the float32 sums

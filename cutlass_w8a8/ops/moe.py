@@ -5,6 +5,8 @@ A W8A8 MoE layer runs, for T tokens routed to top_k of E experts (T * top_k (tok
 
     topk_weights, topk_ids = moe_topk_softmax(router_logits, top_k, renormalize)    # [T, top_k] each
     # or moe_route(router_logits, top_k, scoring=..., correction_bias=..., n_group=..., ...)
+    # or, at decode sizes (T <= 16), the router GEMM and the routing in one kernel:
+    #    topk_weights, topk_ids = moe_router_route(x, router_weight, top_k, scoring=..., ...)
     sorted_pairs, dst_pos, offsets = moe_align(topk_ids, E)                         # pairs grouped by expert
     q, s = moe_permute_quant(x, sorted_pairs, top_k, dtype)                         # [T * top_k, H] 8-bit
     h = grouped_scaled_mm(q, w13, s, w13_scale, offsets, x.dtype)                   # [T * top_k, 2I]
@@ -28,8 +30,8 @@ import torch
 
 from ._schema import OVERLOADS as _op
 
-__all__ = ["moe_topk_softmax", "moe_route", "moe_align", "moe_permute_quant", "moe_unpermute", "grouped_scaled_mm",
-           "moe_decode_experts"]
+__all__ = ["moe_topk_softmax", "moe_route", "moe_router_route", "moe_align", "moe_permute_quant", "moe_unpermute",
+           "grouped_scaled_mm", "moe_decode_experts"]
 
 
 def moe_topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
@@ -173,6 +175,75 @@ def moe_route(router_logits: torch.Tensor, top_k: int, *, scoring: str = "softma
     """
     return _op.moe_route(router_logits, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
                          scaling_factor)
+
+
+def moe_router_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, *, scoring: str = "softmax",
+                     correction_bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
+                     renormalize: bool = True, scaling_factor: float = 1.0,
+                     logits_dtype: Optional[torch.dtype] = None):
+    """A MoE layer's router GEMM and its routing in one kernel, at decode sizes: what
+    ``moe_route(F.linear(x, router_weight), top_k, ...)`` returns, without the logits round trip.
+
+    ``logits = x @ router_weight.T``, accumulated in float32 and rounded once to ``logits_dtype`` (None: ``x``'s
+    dtype, as transformers' Qwen2-MoE / Qwen3-MoE / Mixtral / OLMoE routers' ``F.linear(x, weight)``;
+    ``torch.float32`` for DeepSeek-V3 / GLM-4.5's ``F.linear(x.float(), weight.float())``, whose products of 16-bit
+    values are the same exact float32 numbers), then :func:`moe_route` on those logits with the same arguments:
+    the same device code (csrc/moe/route_row.cuh), so the same float32 operations on the same logit values.
+
+    On sm90 one launch of a thread-block cluster of 8 CTAs (csrc/moe/router_route.cu): each CTA computes the logits of
+    E / 8 experts for every token with mma.sync, its 8 warps' partial sums added in a fixed order, and sends them
+    through distributed shared memory to the CTA routing the token; no workspace, no counter, no host
+    synchronisation, the launch fixed by the shapes (it captures into a CUDA graph and replays with new ``x``). A
+    token's result depends on that token's row alone, bit for bit (not on T, not on scheduling). Devices without
+    clusters run ``F.linear`` in ``logits_dtype`` and :func:`moe_route` inside the op (two kernels). The CPU runs
+    ``F.linear(x.to(logits_dtype), router_weight.to(logits_dtype))`` and :func:`moe_route`.
+
+    **Against cuBLAS's logits.** Both form the H products ``x[t, h] * w[e, h]`` exactly in float32 and add them in
+    float32, in different orders (the tensor cores' adds may truncate: a relative error of at most ``2**-23`` per
+    add). Two such sums of H terms differ by at most ``delta = (H - 1) * 2**-22 * sum_h |x[t, h] * w[e, h]|``; the
+    rounding to ``logits_dtype`` adds at most one unit in the last place of that dtype at the logit's magnitude.
+    So each logit is within ``ulp(logit) + delta`` of cuBLAS's (``delta`` is far below a bfloat16 ulp for
+    router-sized H unless the sum cancels: in practice most logits are equal and the others 1 ulp apart). The
+    experts chosen are the same except where the top-k is a near-tie: two ranking keys (or group scores) of the
+    unfused logits closer than twice that bound (the keys move with the logits at most 1:1; softmax weights are
+    ranked by logit, sigmoid scores move by at most a quarter of the logit's change).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(T, H)`` hidden states, bfloat16 or float16, ``0 <= T <= 16`` (``MOE_ROUTER_ROUTE_MAX_T``), ``H`` a
+        positive multiple of 64, rows unit-stride with a pitch that is a multiple of 8 elements, 16-byte aligned.
+    router_weight : torch.Tensor
+        ``(E, H)`` the router's weight (``nn.Linear(H, E).weight`` layout), ``x``'s dtype and device,
+        ``1 <= E <= 1024``, the same row layout as ``x``.
+    top_k, scoring, correction_bias, n_group, topk_group, renormalize, scaling_factor
+        As :func:`moe_route` (``correction_bias`` on ``x``'s device).
+    logits_dtype : torch.dtype, optional
+        None (``x``'s dtype), ``x``'s dtype or ``torch.float32``: the dtype the logits are rounded to before routing.
+
+    Returns
+    -------
+    (topk_weights, topk_ids) : tuple of torch.Tensor
+        As :func:`moe_route`: float32 ``(T, top_k)`` and int32 ``(T, top_k)``, contiguous, on ``x``'s device.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not bfloat16 / float16, ``router_weight`` has another dtype, ``logits_dtype`` is not None, ``x``'s
+        dtype or float32, or ``correction_bias`` is not float32.
+    ValueError
+        ``x`` is not 2-D, has more than 16 rows or an ``H`` that is not a positive multiple of 64;
+        ``router_weight`` is on another device or not ``(E, H)`` with ``1 <= E <= 1024``; a row layout or an
+        alignment as above is not met; ``top_k`` is not in ``[1, E]``; or a routing argument as :func:`moe_route`
+        states. Every message names the argument.
+
+    Examples
+    --------
+    >>> gate = model.model.layers[0].mlp.gate                     # Qwen3MoeTopKRouter: bf16 logits, softmax, top-8
+    >>> topk_weights, topk_ids = moe_router_route(x, gate.weight, 8, renormalize=True)   # x: (T, 2048) bf16, T <= 16
+    """
+    return _op.moe_router_route(x, router_weight, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
+                                scaling_factor, logits_dtype)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int):

@@ -99,6 +99,8 @@ KERNEL_NAMES = [
     (f"void {_A}decode_attention_split_kernel<__nv_bfloat16, 128, 4>({_A}SplitArgs<__nv_bfloat16>)", "attention"),
     (f"void {_A}decode_attention_combine_kernel<__nv_bfloat16, {_A}Int8Out>({_A}CombineArgs<__nv_bfloat16>)",
      "attention"),
+    (f"void {_A}decode_attention_fused_kernel<__nv_bfloat16, {_A}Int8Out, 8, 16, 1>({_A}Args<__nv_bfloat16>)",
+     "attention"),
     ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t, "
      "cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)", "attention"),
     (f"void {_A}rope_kv_cache_kernel<__nv_bfloat16, 128>(__nv_bfloat16*, long, float const*, __nv_bfloat16*, "

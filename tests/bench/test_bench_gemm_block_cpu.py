@@ -467,6 +467,12 @@ def test_full_sweep_flow_with_block_columns_on_cpu(bench, monkeypatch, tmp_path)
     """run_sweep (the full comparison, torchao off) with the block columns: the block methods timed beside the
     int8 / fp8 ones, every point's fp8 accuracy, the block numbers and targets, and the report's block part."""
     bu, fake_cw, timed, bounds = _fake_env(bench, monkeypatch)
+
+    def rowwise_reference(a, w, scale_a, scale_b_row):  # torch 2.11's CPU _scaled_mm has no row-wise scales
+        return ((a.float() @ w.float().t()) * scale_a * scale_b_row).to(torch.bfloat16)
+
+    for module in ("_gemm_methods", "_gemm_block"):  # the timed method and the accuracy path
+        monkeypatch.setattr(sys.modules[module], "torch_fp8_rowwise", rowwise_reference)
     args = bench.main.parse_args(["--m", "2,32", "--no-torchao", "--out", str(tmp_path)])
     args.shape_list = [("tiny", 256, 384)]
     with torch.no_grad():

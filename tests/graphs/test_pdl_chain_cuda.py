@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL) through a whole decode step.
 
 Every kernel of the extension (quantization, RMSNorm, SiLU*mul, rotary + cache write, decode attention's split
-and combine kernels, the decode GEMM and its split-K reduce) is launched with PDL on sm90 and waits on
+and combine kernels or its fused kernel, the decode GEMM and its split-K reduce) is launched with PDL on sm90 and waits on
 griddepcontrol before touching memory a predecessor writes; each signals its dependents early, and the decode
 GEMM prefetches the start of its weight rows into L2 before it waits (csrc/core/launch_policy.hpp). A missing
 or misplaced wait would let a kernel read an operand before its producer wrote it (or write over one its
@@ -23,7 +23,9 @@ from cutlass_w8a8.models import LlamaConfig, LlamaDecoder
 pytestmark = pytest.mark.sm90
 
 # Llama-3-8B's attention shape (32 / 8 heads of 128: query-head groups of 4) at a smaller width and depth, so
-# that every kernel family of the step runs (decode GEMM at M <= 8, CUTLASS above, split attention).
+# that every kernel family of the step runs (decode GEMM at M <= 8, CUTLASS above, split attention; at S = 1024 the
+# attention of batch 1 and 5 takes the split + combine kernels, of batch 12 the fused kernel on sm90 when it is allowed
+# (the `attention_path` fixture: off by default, cutlass_w8a8._ext.set_decode_attention_fused): 3 splits).
 CFG = LlamaConfig(vocab_size=2048, hidden_size=4096, intermediate_size=2048, num_layers=2, num_heads=32,
                   num_kv_heads=8, head_dim=128, max_position=1024)
 
@@ -50,10 +52,18 @@ def _steps(model, batch, steps, first_position, seed, use_layer_op):
     return torch.stack(out)
 
 
+@pytest.fixture(params=[False, True], ids=["attention-default", "attention-fused-allowed"])
+def attention_path(request):
+    """The one-kernel decode attention path forbidden (the default) or allowed, restored after the test."""
+    previous = cw._ext.set_decode_attention_fused(request.param)
+    yield request.param
+    cw._ext.set_decode_attention_fused(previous)
+
+
 @pytest.mark.parametrize("quant", ["int8", "fp8"])
 @pytest.mark.parametrize("batch", [1, 5, 12])
 @pytest.mark.parametrize("use_layer_op", [False, True], ids=["python", "layer_op"])
-def test_eager_steps_pdl_on_equal_off(pdl, quant, batch, use_layer_op):
+def test_eager_steps_pdl_on_equal_off(pdl, attention_path, quant, batch, use_layer_op):
     if quant == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9 or newer")
     model = LlamaDecoder(CFG, quant=quant, max_batch=16, max_seq_len=1024, device="cuda")

@@ -255,18 +255,19 @@ def test_moe_why_not_names_what_is_not_served():
 
 # Per layer, the ops of a Qwen3-MoE DecodeStep at decode sizes (issue 36; tests/models/test_decoder_moe_cpu.py pins
 # the reference decoder's, the same list): the dense layer's attention side, with Qwen3's q / k head norms applied
-# inside rope_kv_cache_, then the MoE part (the fused post-attention norm, the router GEMM, moe_route,
-# moe_decode_experts).
+# inside rope_kv_cache_, then the MoE part (the fused post-attention norm, moe_router_route: the router GEMM and the
+# routing in one kernel, moe_decode_experts).
 MOE_LAYER_OPS = ["cutlass_w8a8::rms_norm_quant", "cutlass_w8a8::scaled_mm", "cutlass_w8a8::rope_kv_cache_",
                  "cutlass_w8a8::decode_attention_quant", "cutlass_w8a8::scaled_mm", "cutlass_w8a8::fused_add_rms_norm",
-                 "aten::mm", "cutlass_w8a8::moe_route", "cutlass_w8a8::moe_decode_experts"]
+                 "cutlass_w8a8::moe_router_route", "cutlass_w8a8::moe_decode_experts"]
 
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_qwen3_moe_step_ops_per_layer(batch, monkeypatch):
-    """DecodeStep of an optimized int8 Qwen3-MoE model launches per layer the nine ops of `MOE_LAYER_OPS` (12 CUDA
-    kernels), nothing else: no head-norm kernel, copy, cast or fill. The experts take moe_decode_experts as on CUDA
-    at T * k <= 64 (on the CPU `W8A8MoE.uses_decode_path` is False: patched here)."""
+    """DecodeStep of an optimized int8 Qwen3-MoE model launches per layer the eight ops of `MOE_LAYER_OPS` (11 CUDA
+    kernels), nothing else: no head-norm kernel, copy, cast or fill. The experts take moe_decode_experts and the
+    router moe_router_route as on CUDA at T * k <= 64 and T <= 16 (on the CPU `W8A8MoE.uses_decode_path` and
+    `router_route_applies` are False: patched here)."""
     import warnings
 
     from cutlass_w8a8.hf import optimize_
@@ -277,6 +278,7 @@ def test_qwen3_moe_step_ops_per_layer(batch, monkeypatch):
         warnings.simplefilter("ignore")
         optimize_(model)
     monkeypatch.setattr(cw.W8A8MoE, "uses_decode_path", lambda self, x, k: True)
+    monkeypatch.setattr(cw.W8A8MoE, "router_route_applies", lambda self, x, w, logits_dtype=None: True)
     step = DecodeStep(model, CACHE)
     step.allocate(batch)
     rows = torch.arange(batch)
@@ -286,4 +288,4 @@ def test_qwen3_moe_step_ops_per_layer(batch, monkeypatch):
     n = len(step.layers)
     assert calls.names == (["aten::index_select", "aten::embedding"] + MOE_LAYER_OPS * n
                            + ["cutlass_w8a8::fused_add_rms_norm", "aten::mm"]), calls.names
-    assert cuda_kernels(MOE_LAYER_OPS) == 12
+    assert cuda_kernels(MOE_LAYER_OPS) == 11

@@ -198,11 +198,24 @@ def _moe_optimized(kind, scheme, device):
 
 
 def _cw_routers(gen):
-    """``{block name: MoeRouter}`` of a "cw" `GraphGenerator`'s decode step (the names `RoutingRecorder` uses)."""
+    """``{block name: (experts module, adapter)}`` of a "cw" `GraphGenerator`'s decode step (the names
+    `RoutingRecorder` uses): each MoeMLP's experts are called ``experts(x, topk_ids, topk_weights)`` with the routing
+    whichever op computed it (its `MoeRouter`, or at decode sizes on CUDA moe_router_route, which computes no logits
+    tensor); the recorded logits are ``F.linear(x, gate.weight)``, the router's (the fused op's within its
+    summation-order bound, ops/moe.py moe_router_route). The experts module is the transformers block's own, so
+    only its calls inside a MoeMLP forward (DecodeStep's, flagged by hooks on the MoeMLP) are recorded."""
     from cutlass_w8a8.hf.decode_step import MoeMLP
 
-    return {f"model.layers.{i}.mlp": layer.mlp.gate for i, layer in enumerate(gen._cw.layers)
-            if isinstance(layer.mlp, MoeMLP)}
+    def adapter(mlp):
+        inside = [False]
+        mlp.register_forward_pre_hook(lambda m, args: inside.__setitem__(0, True))
+        mlp.register_forward_hook(lambda m, args, out: inside.__setitem__(0, False))
+        weight = mlp.gate.weight
+        return lambda args, out: ((torch.nn.functional.linear(args[0], weight), args[2], args[1]) if inside[0]
+                                  else None)
+
+    return {f"model.layers.{i}.mlp": (layer.mlp.experts, adapter(layer.mlp))
+            for i, layer in enumerate(gen._cw.layers) if isinstance(layer.mlp, MoeMLP)}
 
 
 def _teacher_forced(model, ids, am, tokens, step):

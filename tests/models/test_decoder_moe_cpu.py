@@ -49,10 +49,13 @@ def random_steps(n_steps, batch, seed=0):
 
 
 def step_with_routing(model, ref, tok, pos, slots):
-    """``(model logits, reference logits)`` of one step, the reference's routers fed the model's router logits."""
+    """``(model logits, reference logits)`` of one step, the reference's routers fed the model's router logits: the
+    model's ``gate`` of its MoE block's input (the block's forward runs moe_router_route instead of ``gate`` on CUDA
+    at decode sizes; its logits are these within the op's summation-order bound, ops/moe.py)."""
     seen, handles = [], []
     for layer in model.layers:
-        handles.append(layer.mlp.gate.register_forward_hook(lambda m, i, out: seen.append(out.detach().clone())))
+        handles.append(layer.mlp.register_forward_hook(
+            lambda m, i, out: seen.append(torch.nn.functional.linear(i[0], m.gate.weight).detach().clone())))
     try:
         out = model(tok, pos, slots)
     finally:
@@ -263,11 +266,12 @@ def test_runner_padding_on_cpu():
 # CUDA. The attention side is the dense Llama layer's (checked against it below): the norm fused with the residual
 # add and the quantization for qkv_proj, the qkv GEMM, one rotary op that also applies Qwen3's q / k head norms and
 # writes the cache, the split-KV attention quantizing for o_proj, the o_proj GEMM. The MoE part: the post-attention
-# norm fused with the residual add (bf16 output, the router's and the experts' input), the bf16 router GEMM,
-# moe_route, moe_decode_experts (which quantizes x itself).
+# norm fused with the residual add (bf16 output, the router's and the experts' input), moe_router_route (the bf16
+# router GEMM and the routing in one kernel; before it, aten::mm and moe_route), moe_decode_experts (which quantizes
+# x itself).
 ATTENTION_SIDE = ["cutlass_w8a8::rms_norm_quant", "cutlass_w8a8::scaled_mm", "cutlass_w8a8::rope_kv_cache_",
                   "cutlass_w8a8::decode_attention_quant", "cutlass_w8a8::scaled_mm"]
-MOE_PART = ["cutlass_w8a8::fused_add_rms_norm", "aten::mm", "cutlass_w8a8::moe_route",
+MOE_PART = ["cutlass_w8a8::fused_add_rms_norm", "cutlass_w8a8::moe_router_route",
             "cutlass_w8a8::moe_decode_experts"]
 DENSE_MLP = ["cutlass_w8a8::rms_norm_quant", "cutlass_w8a8::scaled_mm", "cutlass_w8a8::silu_mul_quant",
              "cutlass_w8a8::scaled_mm"]
@@ -289,17 +293,20 @@ def _step_ops(model, batch=2):
 @pytest.mark.parametrize("batch", [1, 4])
 def test_step_ops_per_layer(quant, batch, monkeypatch):
     """One W8A8 Qwen3-MoE step at decode sizes launches, per layer, the dense Llama layer's attention-side ops and
-    the four MoE ops, nothing else (no head-norm kernel, copy, cast or fill): 9 ops, 12 CUDA kernels (the dense
-    layer's attention side: 6, the MoE part: 6); before issue 36's cut, 13 ops and 16 kernels at batch 1 (the two
-    head norms and their copies back), 18 above. The experts take moe_decode_experts as on CUDA at T * k <= 64 (on
-    the CPU `W8A8MoE.uses_decode_path` is False: patched here; the op has its CPU reference)."""
+    the three MoE ops, nothing else (no head-norm kernel, copy, cast or fill): 8 ops, 11 CUDA kernels (the dense
+    layer's attention side: 6, the MoE part: 5); before issue 36's cuts, 13 ops and 16 kernels at batch 1 (the two
+    head norms and their copies back), 18 above, then 9 ops and 12 kernels (the router GEMM and moe_route apart).
+    The experts take moe_decode_experts and the router moe_router_route as on CUDA at T * k <= 64 and T <= 16 (on
+    the CPU `W8A8MoE.uses_decode_path` and `router_route_applies` are False: patched here; the ops have their CPU
+    references)."""
     from cutlass_w8a8.testing.op_calls import cuda_kernels
 
     monkeypatch.setattr(cw.W8A8MoE, "uses_decode_path", lambda self, x, k: True)
+    monkeypatch.setattr(cw.W8A8MoE, "router_route_applies", lambda self, x, w, logits_dtype=None: True)
     names = _step_ops(tiny(quant), batch)
     layer = ATTENTION_SIDE + MOE_PART
     assert names == STEP_HEAD + layer * TINY.num_layers + STEP_TAIL, names
-    assert cuda_kernels(layer) == 12 and cuda_kernels(ATTENTION_SIDE) == 6
+    assert cuda_kernels(layer) == 11 and cuda_kernels(ATTENTION_SIDE) == 6
 
     dense = LlamaDecoder(TINY.replace(qk_norm=False, num_experts=0, num_experts_per_tok=0), quant,
                          max_batch=MAX_BATCH, max_seq_len=MAX_SEQ)

@@ -30,6 +30,8 @@ PAIRS = {
     "kMoeMaxExperts": "MOE_MAX_EXPERTS",
     "kMoeMaxGroups": "MOE_MAX_GROUPS",
     "kMoeDecodeMaxPairs": "MOE_DECODE_MAX_PAIRS",
+    "kMoeRouterRouteMaxT": "MOE_ROUTER_ROUTE_MAX_T",
+    "kMoeRouterHMultiple": "MOE_ROUTER_H_MULTIPLE",
     "kFp8FastAccumDefault": "FP8_FAST_ACCUM",  # 1 / 0 against True / False
 }
 

@@ -44,12 +44,14 @@ def _check_attention(ctx: Ctx, out: torch.Tensor, host, scale: float, dtype, wha
 _ATTENTION = [(3, 8, 2, 64, 300, BF16, [0, 299, 150], False),   # G = 4, strided q, many splits
               (2, 4, 4, 128, 40, F16, [39, 7], True),            # multi-head, out=
               (2, 8, 1, 256, 600, BF16, [599, 300], False),      # D = 256 (the largest), G = 8
-              (1, 2, 2, 32, 17, F32, [16], True)]                # float32
+              (1, 2, 2, 32, 17, F32, [16], True),                # float32
+              (1, 32, 4, 128, 512, BF16, [511], False)]          # Qwen3-30B-A3B heads: on sm90 the fused kernel, a
+                                                                 # cluster of 16 CTAs (8 splits x 4 head groups)
 
 
 @case("decode_attention", ["decode_attention", "decode_attention_out"])
 def _decode_attention(ctx: Ctx) -> None:
-    """decode_attention (split-KV, then combine) against the float64 reference: GQA and MHA, D = 32..256, positions
+    """decode_attention (split-KV, then combine, or the fused kernel on sm90) against the float64 reference: GQA and MHA, D = 32..256, positions
     0 and S - 1, bf16 / f16 / f32, functional and out=."""
     for b, h, kvh, d, s, dtype, positions, use_out in _ATTENTION:
         what = f"decode_attention B={b} H={h} KVH={kvh} D={d} S={s} {dtype} out={use_out}"

@@ -72,6 +72,35 @@ def _moe_route(ctx: Ctx) -> None:
             check_equal(w, w_ref.cpu(), f"{what}: weights")
 
 
+@case("moe_router_route", ["moe_router_route"])
+def _moe_router_route(ctx: Ctx) -> None:
+    """moe_router_route (the router GEMM and the routing in one cluster kernel): Qwen3-MoE, Mixtral, DeepSeek-V3
+    (float32 logits, sigmoid, bias, groups) and E = 1024 dims, T 1 / 9 / 16, bf16 / f16. x and the weight hold small
+    integers, so every float32 sum is exact in any order: ids and weights bit for bit against moe_route run on the
+    same device on the exact logits (a float64 F.linear) rounded to the logits dtype."""
+    params = [(1, 128, 2048, 8, "softmax", False, 1, 1, True, 1.0, BF16, None),
+              (9, 8, 4096, 2, "softmax", False, 1, 1, True, 1.0, F16, None),
+              (16, 256, 7168, 8, "sigmoid", True, 8, 4, True, 2.5, BF16, F32),
+              (5, 1024, 256, 16, "sigmoid", True, 32, 4, False, 1.0, BF16, None)]
+    for t, e, h, k, scoring, biased, n_group, topk_group, renorm, scale, dtype, ldt in (
+            params[:2] if ctx.quick else params):
+        what = (f"moe_router_route T={t} E={e} H={h} k={k} {scoring} bias={biased} groups={n_group}/{topk_group} "
+                f"{dtype} logits={ldt}")
+        with ctx.sub(what):
+            x = ctx.to(torch.randint(-3, 4, (t, h), generator=ctx.g).to(dtype))
+            w = ctx.to((torch.randint(-3, 4, (e, h), generator=ctx.g) * 2.0**-6).to(dtype))
+            bias = ctx.to(ctx.randn(e, std=0.1)) if biased else None
+            args = (k, scoring, bias, n_group, topk_group, renorm, scale)
+            tw, ids = Q.moe_router_route(x, w, *args, ldt)
+            dt = dtype if ldt is None else ldt
+            # the exact sums rounded to dt (a 16-bit cuBLAS GEMM may reduce in reduced precision: torch's
+            # allow_bf16 / fp16_reduced_precision_reduction default to True)
+            exact = torch.nn.functional.linear(x.double(), w.double()).float()
+            w_ref, ids_ref = Q.moe_route(exact.to(dt), *args)
+            check_equal(ids, ids_ref.cpu(), f"{what}: ids")
+            check_equal(tw, w_ref.cpu(), f"{what}: weights")
+
+
 @case("moe_align", ["moe_align"])
 def _moe_align(ctx: Ctx) -> None:
     """moe_align (the stable counting sort of the (token, expert) pairs): unrouted and out-of-range ids, many empty

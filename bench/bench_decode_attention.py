@@ -1,0 +1,111 @@
+"""decode attention alone: the one-kernel path (a cluster per row) against the split + combine kernels (issue 36).
+
+For each head layout (Qwen3-30B-A3B: 32 query / 4 key-value heads, Llama-3-8B: 32 / 8; D = 128, bfloat16), batch
+and cache length, times `decode_attention` and `decode_attention_quant` (int8, dynamic per-token) with every row at
+its last position (the whole cache read), on each path: "auto" (the fused path allowed through
+cutlass_w8a8._ext.set_decode_attention_fused(True), off by default: the fused kernel where its rule lets it serve,
+cutlass_w8a8._ext.decode_attention_path says which) and "split" (the fused path forbidden with
+cutlass_w8a8._ext.set_decode_attention_fused(False)). Times are CUDA-graph replays over rotating inputs (cold L2,
+cutlass_w8a8.testing.timers.bench_gpu_time), microseconds per call. Before timing, the two paths' outputs are
+compared bit for bit (a mismatch is reported in the table and makes the exit status 1).
+
+    python bench/bench_decode_attention.py                       # B 1, 8; S 512, 4096; PDL as configured
+    python bench/bench_decode_attention.py --batches 1,2,4,8,16 --seq 512 --pdl off --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+import cutlass_w8a8 as cw
+from cutlass_w8a8 import _ext
+from cutlass_w8a8.testing.attention import make_inputs
+from cutlass_w8a8.testing.timers import (
+    bench_gpu_time,
+    l2_cache_bytes,
+    rotating_arg_sets,
+)
+
+LAYOUTS = {"qwen3-30b-a3b": (32, 4), "llama-3-8b": (32, 8)}
+OPS = torch.ops.cutlass_w8a8
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _run(variant: str, softmax_scale: float):
+    if variant == "plain":
+        return lambda q, kv, slots, positions: OPS.decode_attention(q, kv, slots, positions, softmax_scale)
+    return lambda q, kv, slots, positions: OPS.decode_attention_quant(q, kv, slots, positions, softmax_scale,
+                                                                      torch.int8, None)
+
+
+def _bits(out) -> list[torch.Tensor]:
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return [t.view(torch.uint8) if t.element_size() == 1 else t for t in outs]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list of " + ", ".join(LAYOUTS))
+    parser.add_argument("--batches", default="1,8", type=_ints)
+    parser.add_argument("--seq", default="512,4096", type=_ints, help="cache lengths S (every row at S - 1)")
+    parser.add_argument("--pdl", choices=("on", "off", "default"), default="default")
+    parser.add_argument("--json", help="write the rows here too")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or not _ext.cuda_ops_available():
+        print("needs a CUDA device and the built extension", file=sys.stderr)
+        return 2
+    if args.pdl != "default":
+        cw._ext.set_pdl(args.pdl == "on")
+    dev = torch.cuda.current_device()
+    d = 128
+    rows, mismatches = [], 0
+    previous = _ext.set_decode_attention_fused(True)
+    try:
+        for name in args.layouts.split(","):
+            h, kvh = LAYOUTS[name]
+            for s in args.seq:
+                for b in args.batches:
+                    q, kv, slots, positions = make_inputs(b, h, kvh, d, s, torch.bfloat16, "cuda", seed=b,
+                                                          positions=[s - 1] * b)
+                    arg_sets = rotating_arg_sets((q, kv, slots, positions), l2_cache_bytes())
+                    _ext.set_decode_attention_fused(True)  # the path "auto" takes (the "split" mode turns it off)
+                    path = _ext.decode_attention_path(dev, b, h, kvh, s, d, torch.bfloat16)
+                    for variant in ("plain", "int8"):
+                        fn = _run(variant, 1.0 / math.sqrt(d))
+                        times, outs = {}, {}
+                        for mode in ("auto", "split"):
+                            _ext.set_decode_attention_fused(mode == "auto")
+                            outs[mode] = _bits(fn(q, kv, slots, positions))
+                            times[mode] = bench_gpu_time(fn, arg_sets).median_ms * 1e3
+                        same = all(torch.equal(x, y) for x, y in zip(outs["auto"], outs["split"]))
+                        mismatches += not same
+                        kv_bytes = 2 * b * kvh * s * d * 2
+                        rows.append({"layout": name, "B": b, "S": s, "variant": variant, "path": path,
+                                     "auto_us": round(times["auto"], 2), "split_us": round(times["split"], 2),
+                                     "speedup": round(times["split"] / times["auto"], 3), "bitwise_equal": same,
+                                     "kv_mb": round(kv_bytes / 1e6, 3)})
+    finally:
+        _ext.set_decode_attention_fused(previous)
+    print(f"device: {torch.cuda.get_device_name(dev)}, PDL {'on' if _ext.pdl_enabled() else 'off'}")
+    print("| layout | B | S | variant | path (auto) | auto us | split+combine us | speedup | equal | KV MB |")
+    print("|---|---:|---:|---|---|---:|---:|---:|---|---:|")
+    for r in rows:
+        print(f"| {r['layout']} | {r['B']} | {r['S']} | {r['variant']} | {r['path']} | {r['auto_us']} | "
+              f"{r['split_us']} | {r['speedup']}x | {r['bitwise_equal']} | {r['kv_mb']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(dev), "pdl": _ext.pdl_enabled(), "rows": rows}, f,
+                      indent=1)
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

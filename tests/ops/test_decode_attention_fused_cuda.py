@@ -1,0 +1,275 @@
+"""decode_attention's one-kernel path (issue 36) against its two-kernel path: the same bits.
+
+csrc/attention/decode_attention.cu serves a decode step in one kernel (decode_attention_fused_kernel, a thread-block
+cluster per row that merges the splits through distributed shared memory) where fused_plan allows it (sm90, 16-bit
+q, 32 < D <= 128, the row's head groups x splits within one cluster), else with the split and combine kernels. Both
+use the same splits (choose_splits) and the same float operations in the same order, so every output here is
+compared with torch.equal (never a tolerance): the fused path (allowed through the private switch
+cutlass_w8a8._ext.set_decode_attention_fused, off by default) against the two kernels (the switch off), for
+decode_attention and decode_attention_quant (int8 / fp8, dynamic per-token and static scales), over B 1..16, positions 0..S-1 (ragged
+rows), GQA groups 1, 2, 4, 8, D 64 / 128, bfloat16 / float16; and a CUDA graph's replays against the eager op.
+Each comparison first checks, through cutlass_w8a8._ext.decode_attention_path, which path the shape takes, so a
+rule change that sends everything to one path fails test_paths_of_the_target_shapes instead of passing silently.
+The accuracy of the attention itself is test_decode_attention_cuda.py's (against float64).
+"""
+
+import math
+
+import pytest
+import torch
+
+import cutlass_w8a8 as cw
+from cutlass_w8a8 import _ext
+from cutlass_w8a8.testing.attention import make_inputs
+
+pytestmark = pytest.mark.cuda
+
+OPS = torch.ops.cutlass_w8a8
+DTYPES = [torch.bfloat16, torch.float16]
+# (H, KVH): GQA groups 1, 2, 4, 8 (G' = 1, 2, 4, 8 query heads per split unit); (32, 4) is Qwen3-30B-A3B's,
+# (32, 8) Llama-3-8B's
+HEADS = [(8, 8), (16, 8), (32, 8), (32, 4)]
+BATCHES = [1, 2, 3, 5, 8, 11, 16]
+
+
+def _path(q, kv):
+    b, h, d = q.shape
+    return _ext.decode_attention_path(q.device.index or 0, b, h, kv.shape[2], kv.shape[3], d, q.dtype)
+
+
+class _Paths:
+    """Runs a callable on the fused path (the switch on for the block) and on the two-kernel path (off)."""
+
+    def __enter__(self):
+        self.previous = _ext.set_decode_attention_fused(True)
+        return self
+
+    def __exit__(self, *exc):
+        _ext.set_decode_attention_fused(self.previous)
+
+    @staticmethod
+    def split(fn, *args):
+        """fn(*args) with the fused path forbidden."""
+        previous = _ext.set_decode_attention_fused(False)
+        try:
+            return fn(*args)
+        finally:
+            _ext.set_decode_attention_fused(previous)
+
+
+def _positions(b, s, seed):
+    """0, S - 1, 1 and S // 2 first (an empty-but-one split, the full cache), then random: ragged rows."""
+    g = torch.Generator().manual_seed(seed)
+    first = [0, s - 1, 1, s // 2]
+    return (first + torch.randint(0, s, (max(b - 4, 0),), generator=g).tolist())[:b]
+
+
+def _inputs(b, heads, d, s, dtype, seed):
+    h, kvh = heads
+    return make_inputs(b, h, kvh, d, s, dtype, "cuda", seed=seed, positions=_positions(b, s, seed))
+
+
+def _is_sm90():
+    return torch.cuda.get_device_capability()[0] == 9
+
+
+def _skip_unless_sm90():
+    if not _is_sm90():
+        pytest.skip("the one-kernel path runs on sm90 (thread-block clusters; other archs keep the two kernels)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda hk: f"H{hk[0]}-KVH{hk[1]}")
+@pytest.mark.parametrize("s", [512, 4096])
+def test_plain_equals_two_kernel_path(s, heads, d, dtype):
+    """decode_attention, fused vs two kernels: torch.equal at every B in 1..16."""
+    fused_seen = 0
+    with _Paths() as paths:
+        for b in BATCHES:
+            q, kv, slots, positions = _inputs(b, heads, d, s, dtype, seed=b)
+            fused_seen += _path(q, kv) == "fused"
+            scale = 1.0 / math.sqrt(d)
+            got = OPS.decode_attention(q, kv, slots, positions, scale)
+            expect = paths.split(OPS.decode_attention, q, kv, slots, positions, scale)
+            assert not torch.isnan(expect).any()
+            assert torch.equal(got, expect), f"B={b} path={_path(q, kv)}"
+            out = torch.full_like(got, float("nan"))
+            OPS.decode_attention_out(out, q, kv, slots, positions, scale)
+            assert torch.equal(out, expect), f"B={b} out="
+    if _is_sm90() and s == 512:
+        assert fused_seen > 0, "no batch took the fused path at S = 512"
+
+
+@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda hk: f"H{hk[0]}-KVH{hk[1]}")
+def test_quant_equals_two_kernel_path(heads, d, dtype, static, qdtype):
+    """decode_attention_quant, fused vs two kernels: q_out and the row scales bit for bit (the row's max |y| is a
+    max over the cluster's CTAs in the fused path, over one CTA in the combine: exact either way)."""
+    if qdtype == torch.float8_e4m3fn and not cw.supports_fp8():
+        pytest.skip("no fp8 kernels on this device")
+    s = 512
+    with _Paths() as paths:
+        for b in BATCHES:
+            q, kv, slots, positions = _inputs(b, heads, d, s, dtype, seed=100 + b)
+            scale = 1.0 / math.sqrt(d)
+            static_scale = None
+            if static:
+                y = paths.split(OPS.decode_attention, q, kv, slots, positions, scale)
+                static_scale = (y.float().abs().amax() / (0.8 * (127.0 if qdtype == torch.int8 else 448.0))).reshape(1)
+            got_q, got_s = OPS.decode_attention_quant(q, kv, slots, positions, scale, qdtype, static_scale)
+            exp_q, exp_s = paths.split(OPS.decode_attention_quant, q, kv, slots, positions, scale, qdtype,
+                                       static_scale)
+            tag = f"B={b} path={_path(q, kv)}"
+            assert torch.equal(got_q.view(torch.uint8), exp_q.view(torch.uint8)), f"{tag}: q_out"
+            assert torch.equal(got_s, exp_s), f"{tag}: scales"
+
+
+
+# Plans the sweeps above never take (fused_plan, any SM count <= 256): Llama-3-8B's heads at B = 64 (one split, 8
+# units: U = 1, a portable cluster of 8 CTAs, no non-portable attribute); D = 80 (10 of a group's 16 lanes hold a
+# vector, the rest zeros; a CTA's share of 40 vectors is two heads of 20).
+EXTRA = [((32, 8), 64, 128), ((32, 4), 3, 80), ((8, 8), 2, 80)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,b,d", EXTRA, ids=lambda v: str(v))
+def test_other_plans_equal_two_kernel_path(heads, b, d, dtype):
+    """decode_attention and decode_attention_quant (int8, dynamic), fused vs two kernels, torch.equal."""
+    s = 512
+    q, kv, slots, positions = _inputs(b, heads, d, s, dtype, seed=200 + b)
+    if _is_sm90():
+        assert _path(q, kv) == "fused"
+    scale = 1.0 / math.sqrt(d)
+    with _Paths() as paths:
+        got = OPS.decode_attention(q, kv, slots, positions, scale)
+        expect = paths.split(OPS.decode_attention, q, kv, slots, positions, scale)
+        assert torch.equal(got, expect)
+        got_q, got_s = OPS.decode_attention_quant(q, kv, slots, positions, scale, torch.int8, None)
+        exp_q, exp_s = paths.split(OPS.decode_attention_quant, q, kv, slots, positions, scale, torch.int8, None)
+        assert torch.equal(got_q, exp_q)
+        assert torch.equal(got_s, exp_s)
+
+# (H, KVH, B, S, path on sm90) whatever the SM count (>= 16): Qwen3-30B-A3B at S = 512 has at most 8 splits, 4 x 8
+# split units, one cluster of 16 CTAs of 2 units; Llama-3-8B at B = 1 has 8 x 8 units (too many for one cluster); at
+# B = 64 one split (8 units); Qwen3 at B = 1, S = 4096 up to 64 splits.
+TARGETS = [(32, 4, 1, 512, "fused"), (32, 4, 8, 512, "fused"), (32, 8, 64, 512, "fused"),
+           (32, 8, 1, 512, "split"), (32, 4, 1, 4096, "split")]
+
+
+@pytest.mark.parametrize("h,kvh,b,s,expected", TARGETS, ids=lambda v: str(v))
+def test_paths_of_the_target_shapes(h, kvh, b, s, expected):
+    """The path each of the measured shapes takes (D = 128, bfloat16) on sm90; the switch sends every shape to the
+    two kernels, and so do float32 q and devices other than sm90."""
+    dev = torch.cuda.current_device()
+    with _Paths():
+        path = _ext.decode_attention_path(dev, b, h, kvh, s, 128, torch.bfloat16)
+        assert _ext.decode_attention_path(dev, b, h, kvh, s, 128, torch.float32) == "split"
+        previous = _ext.set_decode_attention_fused(False)
+        try:
+            assert _ext.decode_attention_path(dev, b, h, kvh, s, 128, torch.bfloat16) == "split"
+        finally:
+            _ext.set_decode_attention_fused(previous)
+    assert path == (expected if _is_sm90() else "split")
+
+
+def test_fused_path_is_off_by_default():
+    """The switch starts off (the two kernels serve every shape; csrc/attention/decode_attention.cu says why), and
+    every test here restores it, so each one starts from the default."""
+    previous = _ext.set_decode_attention_fused(False)
+    assert previous is False
+    dev = torch.cuda.current_device()
+    assert _ext.decode_attention_path(dev, 1, 32, 4, 512, 128, torch.bfloat16) == "split"
+
+
+def test_path_arguments_are_checked():
+    with pytest.raises(ValueError, match="must divide"):
+        _ext.decode_attention_path(0, 1, 32, 5, 512, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match="must be positive"):
+        _ext.decode_attention_path(0, 0, 32, 8, 512, 128, torch.bfloat16)
+
+
+@pytest.mark.parametrize("quant", [None, torch.int8], ids=["plain", "int8"])
+@pytest.mark.parametrize("heads,b", [((32, 4), 8), ((32, 8), 16)], ids=["qwen3-B8", "llama3-B16"])
+def test_graph_replay_equals_eager(heads, b, quant):
+    """The fused path captured once on static buffers (S = 512), replayed with new q, cache, positions and
+    slots copied in: each replay equals the eager fused op and the eager two-kernel op bit for bit. Capture and
+    replays run under sync debug mode "error"."""
+    _skip_unless_sm90()
+    h, kvh = heads
+    d, s, num_slots = 128, 512, b + 4
+    qkv = torch.zeros(b, h + 2 * kvh, d, dtype=torch.bfloat16, device="cuda")
+    kv = torch.zeros(num_slots, 2, kvh, s, d, dtype=torch.bfloat16, device="cuda")
+    rows = torch.zeros(b, 3, dtype=torch.int64, device="cuda")
+    q, slots, positions = qkv[:, :h], rows[:, 2], rows[:, 1]
+    scale = 1.0 / math.sqrt(d)
+
+    def op():
+        if quant is None:
+            return (OPS.decode_attention(q, kv, slots, positions, scale),)
+        return OPS.decode_attention_quant(q, kv, slots, positions, scale, quant, None)
+
+    steps = [make_inputs(b, h, kvh, d, s, torch.bfloat16, "cuda", seed=60 + i, num_slots=num_slots,
+                         positions=_positions(b, s, 70 + i)) for i in range(4)]
+    with _Paths() as paths:
+        assert _path(q, kv) == "fused"
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the capture
+                op()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = op()
+            results = []
+            for q_i, kv_i, slots_i, pos_i in steps:
+                q.copy_(q_i)
+                kv.copy_(kv_i)
+                slots.copy_(slots_i)
+                positions.copy_(pos_i)
+                graph.replay()
+                results.append(([t.clone() for t in captured], op(), paths.split(op)))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for i, (replayed, eager, two_kernel) in enumerate(results):
+        for j, (r, e, t) in enumerate(zip(replayed, eager, two_kernel)):
+            r, e, t = (x.view(torch.uint8) if x.element_size() == 1 else x for x in (r, e, t))
+            assert torch.equal(r, e), f"replay {i} output {j} vs eager"
+            assert torch.equal(r, t), f"replay {i} output {j} vs the two kernels"
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("quant", [None, torch.int8], ids=["plain", "int8"])
+def test_updatable_graph_set_rows(quant):
+    """The fused kernel's node is row-wise (its cluster spans grid y only): UpdatableGraph.set_rows shrinks it to the
+    first rows, whose outputs equal the eager op's rows at the captured batch (the splits stay the captured B's)."""
+    _skip_unless_sm90()
+    b, (h, kvh), d, s = 8, (32, 4), 128, 512
+    q0, kv0, slots0, pos0 = _inputs(b, (h, kvh), d, s, torch.bfloat16, seed=80)
+    q0 = q0.contiguous()
+    scale = 1.0 / math.sqrt(d)
+
+    def fn(q, kv, slots, positions):
+        if quant is None:
+            return (OPS.decode_attention(q, kv, slots, positions, scale),)
+        return OPS.decode_attention_quant(q, kv, slots, positions, scale, quant, None)
+
+    with _Paths():
+        assert _path(q0, kv0) == "fused"
+        upd = cw.graphs.UpdatableGraph(fn, [q0, kv0, slots0, pos0])
+        assert {node.op for node in upd.nodes} == {"decode_attention_quant" if quant else "decode_attention"}
+        for rows in (1, 3, 8):
+            upd.set_rows(rows)
+            q, kv, slots, positions = _inputs(b, (h, kvh), d, s, torch.bfloat16, seed=90 + rows)
+            q = q.contiguous()
+            got = upd(q, kv, slots, positions)
+            eager = fn(q, kv, slots, positions)
+            for j, (g, e) in enumerate(zip(got, eager)):
+                g, e = (x[:rows].view(torch.uint8) if x.element_size() == 1 else x[:rows] for x in (g, e))
+                assert torch.equal(g, e), f"rows={rows} output {j}"
