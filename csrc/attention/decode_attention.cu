@@ -66,6 +66,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -641,14 +642,32 @@ int heads_per_cta(int64_t group_size) {
   return 1;
 }
 
-// Splits per row: about two CTAs per SM over the B x H / G' (row, head group) pairs, at most S / kMinChunk (a
-// split of a full cache keeps at least kMinChunk positions), kMaxSplits, and kCombineSmemFloats / H (the combine
+// The least positions per split of a full cache: kMinChunk, or CUTLASS_W8A8_ATTN_MIN_CHUNK (a multiple of
+// kChunkAlign in [kChunkAlign, 4096]), read once per process. An experiment's knob (bench_decode_attention.py
+// sweeps it in separate processes): fewer positions per split give more CTAs and fewer serial load steps per CTA,
+// and more partial results for the combine; another value changes the splits, hence the bits.
+int min_chunk() {
+  static const int value = [] {
+    const char* env = std::getenv("CUTLASS_W8A8_ATTN_MIN_CHUNK");
+    if (env == nullptr || *env == '\0') return kMinChunk;
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    TORCH_CHECK_VALUE(end != nullptr && *end == '\0' && v >= kChunkAlign && v <= 4096 && v % kChunkAlign == 0,
+                      "decode_attention: CUTLASS_W8A8_ATTN_MIN_CHUNK must be a multiple of ", kChunkAlign,
+                      " in [", kChunkAlign, ", 4096], got '", env, "'");
+    return static_cast<int>(v);
+  }();
+  return value;
+}
+
+// Splits per row: about two CTAs per SM over the B x H / G' (row, head group) pairs, at most S / min_chunk() (a
+// split of a full cache keeps at least that many positions), kMaxSplits, and kCombineSmemFloats / H (the combine
 // kernel's H x splits weights in shared memory). From B, H, G', S and the SM count
 // only (never the positions: see the file comment).
 int choose_splits(int64_t batch, int64_t heads, int64_t head_groups, int64_t seq_len, int sms) {
   const int64_t pairs = batch * head_groups;
   int64_t splits = (2 * static_cast<int64_t>(sms) + pairs - 1) / pairs;
-  splits = std::min<int64_t>(splits, std::max<int64_t>(seq_len / kMinChunk, 1));
+  splits = std::min<int64_t>(splits, std::max<int64_t>(seq_len / min_chunk(), 1));
   splits = std::min<int64_t>(splits, kMaxSplits);
   splits = std::min<int64_t>(splits, std::max<int64_t>(kCombineSmemFloats / heads, 1));  // the combine's weights
   return static_cast<int>(std::max<int64_t>(splits, 1));
