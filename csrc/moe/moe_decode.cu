@@ -54,6 +54,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include <ATen/ATen.h>
@@ -279,6 +281,61 @@ __device__ __forceinline__ void mainloop_gather_scaled(float (&acc)[NT][4], cons
   }
 }
 
+// The dual forms (gate/up's one-pass variant, kDual below): two row tiles of one expert (weights at wga and wgb)
+// against the same activations. Each block's weights of both tiles and its activations (once) are loaded before
+// either tile's MMAs, so the warp has both tiles' bytes in flight at once; each accumulator then gets the MMAs of
+// mainloop_gather(_scaled) for its tile, in the same block order: the same sums, bit for bit.
+template <class Acc, int NT>
+__device__ __forceinline__ void mainloop_gather_dual(Acc (&acc_a)[NT][4], Acc (&acc_b)[NT][4], const uint8_t* wga,
+                                                     const uint8_t* wgb, int64_t ldw, const uint8_t* const (&arow)[NT],
+                                                     int first, int end, int step, int t, int k, uint32_t zero) {
+  BlockFrags<NT> fa, fb;
+  for (int blk = first; blk < end; blk += step) {
+    load_block_weights(fa, wga, ldw, blk, t, k);
+    load_block_weights(fb, wgb, ldw, blk, t, k);
+    load_block_acts_gather(fa, arow, blk, t, k);
+    tie_to_weight_loads(fa, zero);
+    tie_to_weight_loads(fb, zero);
+    mma_block(acc_a, fa);
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) fb.x[u][j] = fa.x[u][j];
+    }
+    mma_block(acc_b, fb);
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void mainloop_gather_scaled_dual(float (&acc_a)[NT][4], float (&acc_b)[NT][4],
+                                                            const uint8_t* wga, const uint8_t* wgb, int64_t ldw,
+                                                            const uint8_t* const (&arow)[NT],
+                                                            const float* const (&sa_row)[NT][2],
+                                                            const float* sb_row_a, const float* sb_row_b, int kgroups,
+                                                            int first, int end, int step, int t, int k,
+                                                            uint32_t zero) {
+  BlockFrags<NT> fa, fb;
+  BlockScales<NT> sca, scb;
+  for (int blk = first; blk < end; blk += step) {
+    load_block_weights(fa, wga, ldw, blk, t, k);
+    load_block_weights(fb, wgb, ldw, blk, t, k);
+    load_block_acts_gather(fa, arow, blk, t, k);
+    load_block_scales_gather(sca, sa_row, sb_row_a, kgroups, blk);
+    load_block_scales_gather(scb, sa_row, sb_row_b, kgroups, blk);
+    tie_to_weight_loads(fa, zero);
+    tie_to_weight_loads(fb, zero);
+    tie_to_scale_loads(fa, sca, zero);
+    tie_to_scale_loads(fb, scb, zero);
+    mma_block_scaled(acc_a, fa, sca);
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) fb.x[u][j] = fa.x[u][j];
+    }
+    mma_block_scaled(acc_b, fb, scb);
+  }
+}
+
 // The A operand of one chunk: rows a + row_of(pair) * lda for the chunk's pairs, scales (row-wise: one per row;
 // block: K/128 per row).
 struct ChunkA {
@@ -287,6 +344,28 @@ struct ChunkA {
   const float* scale;
   int by_token;  // 1: a row is the pair's token (gate/up, x); 0: the pair itself (down, the intermediate)
 };
+
+// The epilogue value of this thread's (row, token) of tile r: the sum of warps r, r + R, ... of `red` (warp order),
+// then the epilogue as grouped_scaled_mm's (row-wise: the token's scale *sa and the channel's or tensor's weight
+// scale; block-scaled: the scales were applied per K block), rounded to the output type. Row row0 + (thread % 16) of
+// the expert's [n, K] weight; token thread / 16 (< the chunk's m).
+template <class AB, class OutT, bool kBlockScaled>
+__device__ __forceinline__ float tile_value(const typename AB::Acc (&red)[kWarps][2][32][4], int r, int R,
+                                           const float* sa, const float* wscale, int wscale_per_channel, int e,
+                                           int64_t n, int64_t row0) {
+  using Acc = typename AB::Acc;
+  const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
+  const int jt = token / 8, tt = token % 8;
+  const int src = (row % 8) * 4 + tt / 2, reg = (row / 8) * 2 + tt % 2;  // warp_order_sum's C-fragment slot
+  Acc sum = red[r][jt][src][reg];
+  for (int w2 = r + R; w2 < kWarps; w2 += R) sum += red[w2][jt][src][reg];
+  if constexpr (kBlockScaled) {
+    return to_float(epilogue_scaled<OutT>(sum, 0.f));
+  } else {
+    const float sb = wscale_per_channel ? wscale[e * n + row0 + row] : wscale[e];
+    return to_float(epilogue<OutT>(sum, *sa, sb, 0.f));
+  }
+}
 
 // R 16-row weight tiles (rows row0 + 16 r .. + 16 of expert e's [N, K] weight at w, r < R) against the chunk's
 // m <= 8 NT pairs s.rows[r0 ..]. Warp w works on tile w % R, K blocks w / R, w / R + 8 / R, ...; tile r's value is
@@ -340,26 +419,78 @@ __device__ __forceinline__ void tiles_chunk(const MoeDecodeParams& p, const Slot
 
   store_warp_acc(red, acc, warp, lane);
   __syncthreads();
-  const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
+  const int token = threadIdx.x / kRows;
   if (token < m) {
-    const int jt = token / 8, tt = token % 8;
-    const int src = (row % 8) * 4 + tt / 2, reg = (row / 8) * 2 + tt % 2;  // warp_order_sum's C-fragment slot
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      Acc sum = red[r][jt][src][reg];
-#pragma unroll
-      for (int w2 = r + R; w2 < kWarps; w2 += R) sum += red[w2][jt][src][reg];
-      const int64_t ch = row0 + kRows * r + row;
-      if constexpr (kBlockScaled) {
-        val[r] = to_float(epilogue_scaled<OutT>(sum, 0.f));
-      } else {
-        const float sa = ca.scale[row_of(token)];
-        const float sb = wscale_per_channel ? wscale[e * n + ch] : wscale[e];
-        val[r] = to_float(epilogue<OutT>(sum, sa, sb, 0.f));
-      }
+      val[r] = tile_value<AB, OutT, kBlockScaled>(red, r, R, ca.scale ? ca.scale + row_of(token) : nullptr, wscale,
+                                                  wscale_per_channel, e, n, row0 + kRows * r);
     }
   }
   __syncthreads();  // `red` is reused by the next call
+}
+
+// Two 16-row weight tiles of the slot's expert (rows row0a .. + 16 and row0b .. + 16) against the chunk's m <= 8 NT
+// pairs in one pass (mainloop_gather(_scaled)_dual): va / vb equal tiles_chunk<.., R = 1>'s values for row0a /
+// row0b bit for bit (same blocks per warp, same MMA order per accumulator, the same warp-order reduction and
+// epilogue), with one main loop, one reduction barrier and both tiles' bytes in flight together. red_b is the second
+// tile's reduction buffer. All threads call it; it synchronizes.
+template <class AB, class OutT, int NT, bool kBlockScaled>
+__device__ __forceinline__ void tiles_chunk_dual(const MoeDecodeParams& p, const SlotShared& s, const ChunkA& ca,
+                                                 const uint8_t* w, const float* wscale, int wscale_per_channel,
+                                                 int64_t n, int k, int r0, int m, int64_t row0a, int64_t row0b,
+                                                 typename AB::Acc (&red_a)[kWarps][2][32][4],
+                                                 typename AB::Acc (&red_b)[kWarps][2][32][4], float& va, float& vb) {
+  using Acc = typename AB::Acc;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int e = s.expert;
+  const uint8_t* wbase = w + static_cast<int64_t>(e) * n * k + static_cast<int64_t>(g) * k + 16 * t;
+  const uint8_t* wga = wbase + row0a * k;
+  const uint8_t* wgb = wbase + row0b * k;
+  const int nblk = (k + kBlockBytes - 1) / kBlockBytes;
+  auto row_of = [&](int slot) -> int64_t {
+    const int pair = s.rows[r0 + slot];
+    return ca.by_token ? pair / p.k : pair;
+  };
+  const uint8_t* arow[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) arow[j] = 8 * j + g < m ? ca.a + row_of(8 * j + g) * ca.lda : nullptr;
+
+  Acc acc_a[NT][4], acc_b[NT][4];
+  zero_acc(acc_a);
+  zero_acc(acc_b);
+  if constexpr (kBlockScaled) {
+    const int kgroups = k / kGroupBytes;
+    const int64_t nb = (n + kGroupBytes - 1) / kGroupBytes;
+    const float* sb_row_a = wscale + (e * nb + row0a / kGroupBytes) * kgroups;
+    const float* sb_row_b = wscale + (e * nb + row0b / kGroupBytes) * kgroups;
+    const float* sa_row[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int slot = 8 * j + 2 * t + q;
+        sa_row[j][q] = slot < m ? ca.scale + row_of(slot) * kgroups : nullptr;
+      }
+    }
+    mainloop_gather_scaled_dual(acc_a, acc_b, wga, wgb, k, arow, sa_row, sb_row_a, sb_row_b, kgroups, warp, nblk,
+                                kWarps, t, k, p.zero);
+  } else {
+    mainloop_gather_dual(acc_a, acc_b, wga, wgb, k, arow, warp, nblk, kWarps, t, k, p.zero);
+  }
+  allow_dependent_launch();
+
+  store_warp_acc(red_a, acc_a, warp, lane);
+  store_warp_acc(red_b, acc_b, warp, lane);
+  __syncthreads();
+  const int token = threadIdx.x / kRows;
+  if (token < m) {
+    const float* sa = ca.scale ? ca.scale + row_of(token) : nullptr;
+    va = tile_value<AB, OutT, kBlockScaled>(red_a, 0, 1, sa, wscale, wscale_per_channel, e, n, row0a);
+    vb = tile_value<AB, OutT, kBlockScaled>(red_b, 0, 1, sa, wscale, wscale_per_channel, e, n, row0b);
+  }
+  __syncthreads();  // the buffers are reused by the next chunk
 }
 
 // h[pair] (I values of the output type, written by every gate/up CTA of the pair) quantized per token or per
@@ -417,12 +548,14 @@ constexpr int kCtasPerSm = kMaxNT == 1 && !kBlockScaled ? 3 : 2;
 
 // --- gate/up: grid (I / 16, slots) --------------------------------------------------------------------------------
 
-template <class AB, class OutT, int kMaxNT, bool kBlockScaled>
+// kDual: both tiles in one pass (tiles_chunk_dual: the same bits, one main loop; the A/B switch
+// CUTLASS_W8A8_MOE_GATE_UP_DUAL, host below), else the gate tile, then the up tile.
+template <class AB, class OutT, int kMaxNT, bool kBlockScaled, bool kDual>
 __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
     moe_decode_gate_up_kernel(MoeDecodeParams p) {
   using Acc = typename AB::Acc;
   using Q = typename AB::Q;
-  __shared__ alignas(16) Acc red[kWarps][2][32][4];
+  __shared__ alignas(16) Acc red[kDual ? 2 : 1][kWarps][2][32][4];
   __shared__ SlotShared s;
   wait_for_producers();  // topk_ids and weights (routing), qx / sx (prep)
   find_slot_pairs(p, static_cast<int>(blockIdx.y), s);
@@ -436,16 +569,24 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
   for (int r0 = 0; r0 < s.m; r0 += kChunk) {
     const int m = min(kChunk, s.m - r0);
     float gate[1], up[1];
-    if (kMaxNT == 1 || m <= 8) {
-      tiles_chunk<AB, OutT, 1, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0, red,
-                                                gate);
+    if constexpr (kDual) {
+      if (kMaxNT == 1 || m <= 8) {
+        tiles_chunk_dual<AB, OutT, 1, kBlockScaled>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0,
+                                                    inter + n0, red[0], red[1], gate[0], up[0]);
+      } else {
+        tiles_chunk_dual<AB, OutT, 2, kBlockScaled>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0,
+                                                    inter + n0, red[0], red[1], gate[0], up[0]);
+      }
+    } else if (kMaxNT == 1 || m <= 8) {
+      tiles_chunk<AB, OutT, 1, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0,
+                                                red[0], gate);
       tiles_chunk<AB, OutT, 1, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
-                                                inter + n0, red, up);
+                                                inter + n0, red[0], up);
     } else {
-      tiles_chunk<AB, OutT, 2, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0, red,
-                                                gate);
+      tiles_chunk<AB, OutT, 2, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0,
+                                                red[0], gate);
       tiles_chunk<AB, OutT, 2, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
-                                                inter + n0, red, up);
+                                                inter + n0, red[0], up);
     }
     if (token < m) {
       // silu_mul (quant/silu_mul.cu): silu rounded to the output type, then the product, rounded
@@ -660,18 +801,37 @@ void launch_down(const MoeDecodeParams& p, int r, unsigned slots, cudaStream_t s
   }
 }
 
+// Whether gate/up runs its two tiles in one pass (moe_decode_gate_up_kernel's kDual; the same bits either way): an
+// A/B switch, CUTLASS_W8A8_MOE_GATE_UP_DUAL=1 (read once per process), off by default until measured.
+bool gate_up_dual() {
+  static const bool value = [] {
+    const char* env = std::getenv("CUTLASS_W8A8_MOE_GATE_UP_DUAL");
+    return env != nullptr && std::string(env) == "1";
+  }();
+  return value;
+}
+
+template <class AB, class OutT, int kMaxNT, bool kBlockScaled>
+void launch_gate_up(const MoeDecodeParams& p, const dim3& grid, cudaStream_t stream, bool pdl) {
+  if (gate_up_dual()) {
+    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, kMaxNT, kBlockScaled, true>, grid,
+                                 dim3(kThreads), 0, stream, pdl, p));
+  } else {
+    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, kMaxNT, kBlockScaled, false>, grid,
+                                 dim3(kThreads), 0, stream, pdl, p));
+  }
+}
+
 template <class AB, class OutT, bool kBlockScaled>
 void launch_gemms(const MoeDecodeParams& p, int slots, cudaStream_t stream, bool pdl) {
   const dim3 g13(static_cast<unsigned>(p.inter / kRows), static_cast<unsigned>(slots));
   const int r = down_tiles(p.inter, p.hid);
   const bool tm = down_token_major(p.k);
   if (p.pairs <= 8) {
-    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, 1, kBlockScaled>, g13, dim3(kThreads), 0,
-                                 stream, pdl, p));
+    launch_gate_up<AB, OutT, 1, kBlockScaled>(p, g13, stream, pdl);
     if (!tm) launch_down<AB, OutT, 1, kBlockScaled>(p, r, static_cast<unsigned>(slots), stream, pdl);
   } else {
-    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, 2, kBlockScaled>, g13, dim3(kThreads), 0,
-                                 stream, pdl, p));
+    launch_gate_up<AB, OutT, 2, kBlockScaled>(p, g13, stream, pdl);
     if (!tm) launch_down<AB, OutT, 2, kBlockScaled>(p, r, static_cast<unsigned>(slots), stream, pdl);
   }
   if (tm) {

@@ -16,6 +16,11 @@ Python ones by tests/test_misuse_table.py::test_row_on_cuda.
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -83,6 +88,54 @@ def test_equals_the_chain_bitwise(scheme, t, k, e, route):
     ids, wts = routing(t, k, e, route, "cuda", seed=t * 100 + k)
     x = random_x(t, H, device="cuda", seed=t + k)
     _assert_equals_chain(x, ids, wts, ops, what=(scheme, t, k, e, route))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("h", [2048, 4608])
+@pytest.mark.parametrize("t, k", [(1, 8), (8, 8)])
+def test_equals_the_chain_bitwise_wide(scheme, h, t, k):
+    """Qwen3-30B-A3B's H = 2048 (8 K blocks of 256: one per warp) and H = 4608 (18: the warps take 2 or 3), I = 768
+    (48 gate/up CTAs per expert), T 1 and 8 at top-8: the sums of every warp and block count."""
+    ops = _wide_operands(scheme, h)
+    ids, wts = routing(t, k, 8, "random", "cuda", seed=h + t)
+    x = random_x(t, h, device="cuda", seed=h + t + 1)
+    _assert_equals_chain(x, ids, wts, ops, what=(scheme, h, t, k))
+
+
+@functools.lru_cache(maxsize=None)
+def _wide_operands(scheme, h):
+    ops = decode_operands(scheme, 8, h, 768, "cpu", seed=h)
+    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
+
+
+def test_gate_up_kernel_variant_follows_the_switch():
+    """moe_decode_gate_up_kernel's last template argument (kDual: both tiles in one pass) is what
+    CUTLASS_W8A8_MOE_GATE_UP_DUAL says for this process ("1": true; unset: false)."""
+    want = "true" if os.environ.get("CUTLASS_W8A8_MOE_GATE_UP_DUAL") == "1" else "false"
+    ops = _operands("int8", 8)
+    ids, wts = routing(1, 8, 8, "random", "cuda", seed=3)
+    x = random_x(1, H, device="cuda", seed=4)
+    cw.moe_decode_experts(x, ids, wts, **ops)  # warm-up (lazy loading)
+    names = [n for n in _kernel_names(lambda: cw.moe_decode_experts(x, ids, wts, **ops))
+             if "moe_decode_gate_up_kernel" in n]
+    if not names:
+        pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
+    m = re.search(r"moe_decode_gate_up_kernel<.*, (true|false)>\(", names[0])
+    assert m is not None and m.group(1) == want, names[0]
+
+
+def test_gate_up_one_pass_in_its_own_process():
+    """The one-pass gate/up (CUTLASS_W8A8_MOE_GATE_UP_DUAL=1 is read once per process, so a fresh one): this file's
+    bitwise tests against the chain and the kernel-variant check pass there too."""
+    if os.environ.get("CUTLASS_W8A8_MOE_GATE_UP_DUAL") == "1":
+        pytest.skip("this process already runs the one-pass gate/up")
+    here = pathlib.Path(__file__)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", str(here), "-k",
+           "equals_the_chain or dtypes_and_int64 or variant_follows"]
+    r = subprocess.run(cmd, env={**os.environ, "CUTLASS_W8A8_MOE_GATE_UP_DUAL": "1"}, capture_output=True, text=True,
+                       timeout=900, cwd=here.parents[2])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
