@@ -543,15 +543,17 @@ __device__ __forceinline__ bool arrive_last(int* counter, int total) {
 }
 
 // CTAs per SM the kernels are compiled for: as grouped_decode_kernel (three for the one-tile row-wise variants).
-template <int kMaxNT, bool kBlockScaled>
-constexpr int kCtasPerSm = kMaxNT == 1 && !kBlockScaled ? 3 : 2;
+// The one-pass gate/up (kDual) holds both tiles' weight fragments at once (64 registers): at three CTAs (80
+// registers) ptxas spilled them to local memory inside the main loop, so it is compiled for two.
+template <int kMaxNT, bool kBlockScaled, bool kDual = false>
+constexpr int kCtasPerSm = kMaxNT == 1 && !kBlockScaled && !kDual ? 3 : 2;
 
 // --- gate/up: grid (I / 16, slots) --------------------------------------------------------------------------------
 
 // kDual: both tiles in one pass (tiles_chunk_dual: the same bits, one main loop; the A/B switch
 // CUTLASS_W8A8_MOE_GATE_UP_DUAL, host below), else the gate tile, then the up tile.
 template <class AB, class OutT, int kMaxNT, bool kBlockScaled, bool kDual>
-__global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
+__global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled, kDual>))
     moe_decode_gate_up_kernel(MoeDecodeParams p) {
   using Acc = typename AB::Acc;
   using Q = typename AB::Q;
