@@ -92,14 +92,16 @@ def test_equals_the_chain_bitwise(scheme, t, k, e, route):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("h", [2048, 4608])
-@pytest.mark.parametrize("t, k", [(1, 8), (8, 8)])
-def test_equals_the_chain_bitwise_wide(scheme, h, t, k):
+@pytest.mark.parametrize("t, k, route", [(1, 8, "random"), (8, 8, "random"), (16, 4, "one-expert")])
+def test_equals_the_chain_bitwise_wide(scheme, h, t, k, route):
     """Qwen3-30B-A3B's H = 2048 (8 K blocks of 256: one per warp) and H = 4608 (18: the warps take 2 or 3), I = 768
-    (48 gate/up CTAs per expert), T 1 and 8 at top-8: the sums of every warp and block count."""
+    (48 gate/up CTAs per expert), T 1 and 8 at top-8: the sums of every warp and block count. Random routing leaves
+    at most 8 pairs per expert here (one-tile chunks); all 64 pairs of T 16 at top-4 on one expert make 16-pair
+    chunks (two token tiles, NT = 2) with every warp busy."""
     ops = _wide_operands(scheme, h)
-    ids, wts = routing(t, k, 8, "random", "cuda", seed=h + t)
+    ids, wts = routing(t, k, 8, route, "cuda", seed=h + t)
     x = random_x(t, h, device="cuda", seed=h + t + 1)
-    _assert_equals_chain(x, ids, wts, ops, what=(scheme, h, t, k))
+    _assert_equals_chain(x, ids, wts, ops, what=(scheme, h, t, k, route))
 
 
 @functools.lru_cache(maxsize=None)
