@@ -544,20 +544,23 @@ __device__ __forceinline__ bool arrive_last(int* counter, int total) {
 
 // CTAs per SM the kernels are compiled for: as grouped_decode_kernel (three for the one-tile row-wise variants).
 // The one-pass gate/up (kDual) holds both tiles' weight fragments at once (64 registers): at three CTAs (80
-// registers) ptxas spilled them to local memory inside the main loop, so it is compiled for two.
-template <int kMaxNT, bool kBlockScaled, bool kDual = false>
-constexpr int kCtasPerSm = kMaxNT == 1 && !kBlockScaled && !kDual ? 3 : 2;
+// registers) ptxas spills them to local memory inside the main loop (int8 200 B, fp8 188 B); at two it does not
+// (128 / 114 registers), but then Qwen3-30B-A3B's 384 gate/up CTAs at T = 1 take 1.45 waves of 264. Both are built
+// for the A/B: kDual 1 keeps the default's CTAs per SM, kDual 2 the two (the one-tile row-wise kernels only; the
+// others are at two either way).
+template <int kMaxNT, bool kBlockScaled, int kDual = 0>
+constexpr int kCtasPerSm = kMaxNT == 1 && !kBlockScaled && kDual != 2 ? 3 : 2;
 
 // --- gate/up: grid (I / 16, slots) --------------------------------------------------------------------------------
 
-// kDual: both tiles in one pass (tiles_chunk_dual: the same bits, one main loop; the A/B switch
-// CUTLASS_W8A8_MOE_GATE_UP_DUAL, host below), else the gate tile, then the up tile.
-template <class AB, class OutT, int kMaxNT, bool kBlockScaled, bool kDual>
+// kDual 1 / 2: both tiles in one pass (tiles_chunk_dual: the same bits, one main loop; 2: compiled for fewer CTAs
+// per SM, kCtasPerSm; the A/B switch CUTLASS_W8A8_MOE_GATE_UP_DUAL, host below); 0: the gate tile, then the up tile.
+template <class AB, class OutT, int kMaxNT, bool kBlockScaled, int kDual>
 __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled, kDual>))
     moe_decode_gate_up_kernel(MoeDecodeParams p) {
   using Acc = typename AB::Acc;
   using Q = typename AB::Q;
-  __shared__ alignas(16) Acc red[kDual ? 2 : 1][kWarps][2][32][4];
+  __shared__ alignas(16) Acc red[kDual != 0 ? 2 : 1][kWarps][2][32][4];
   __shared__ SlotShared s;
   wait_for_producers();  // topk_ids and weights (routing), qx / sx (prep)
   find_slot_pairs(p, static_cast<int>(blockIdx.y), s);
@@ -571,7 +574,7 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled, kD
   for (int r0 = 0; r0 < s.m; r0 += kChunk) {
     const int m = min(kChunk, s.m - r0);
     float gate[1], up[1];
-    if constexpr (kDual) {
+    if constexpr (kDual != 0) {
       if (kMaxNT == 1 || m <= 8) {
         tiles_chunk_dual<AB, OutT, 1, kBlockScaled>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0,
                                                     inter + n0, red[0], red[1], gate[0], up[0]);
@@ -803,23 +806,33 @@ void launch_down(const MoeDecodeParams& p, int r, unsigned slots, cudaStream_t s
   }
 }
 
-// Whether gate/up runs its two tiles in one pass (moe_decode_gate_up_kernel's kDual; the same bits either way): an
-// A/B switch, CUTLASS_W8A8_MOE_GATE_UP_DUAL=1 (read once per process), off by default until measured.
-bool gate_up_dual() {
-  static const bool value = [] {
+// How gate/up runs its two tiles (moe_decode_gate_up_kernel's kDual; the same bits every way): an A/B switch,
+// CUTLASS_W8A8_MOE_GATE_UP_DUAL (read once per process): unset or 0, one tile after the other (the default until
+// measured); 1, one pass at the default's CTAs per SM; 2, one pass compiled for two CTAs per SM (kCtasPerSm).
+int gate_up_dual() {
+  static const int value = [] {
     const char* env = std::getenv("CUTLASS_W8A8_MOE_GATE_UP_DUAL");
-    return env != nullptr && std::string(env) == "1";
+    const std::string v = env == nullptr ? "" : env;
+    return v == "1" ? 1 : (v == "2" ? 2 : 0);
   }();
   return value;
 }
 
 template <class AB, class OutT, int kMaxNT, bool kBlockScaled>
 void launch_gate_up(const MoeDecodeParams& p, const dim3& grid, cudaStream_t stream, bool pdl) {
-  if (gate_up_dual()) {
-    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, kMaxNT, kBlockScaled, true>, grid,
+  const int dual = gate_up_dual();
+  if constexpr (kMaxNT == 1 && !kBlockScaled) {  // the one variant whose CTAs per SM differ between 1 and 2
+    if (dual == 2) {
+      C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, kMaxNT, kBlockScaled, 2>, grid,
+                                   dim3(kThreads), 0, stream, pdl, p));
+      return;
+    }
+  }
+  if (dual != 0) {
+    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, kMaxNT, kBlockScaled, 1>, grid,
                                  dim3(kThreads), 0, stream, pdl, p));
   } else {
-    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, kMaxNT, kBlockScaled, false>, grid,
+    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, kMaxNT, kBlockScaled, 0>, grid,
                                  dim3(kThreads), 0, stream, pdl, p));
   }
 }

@@ -111,9 +111,10 @@ def _wide_operands(scheme, h):
 
 
 def test_gate_up_kernel_variant_follows_the_switch():
-    """moe_decode_gate_up_kernel's last template argument (kDual: both tiles in one pass) is what
-    CUTLASS_W8A8_MOE_GATE_UP_DUAL says for this process ("1": true; unset: false)."""
-    want = "true" if os.environ.get("CUTLASS_W8A8_MOE_GATE_UP_DUAL") == "1" else "false"
+    """moe_decode_gate_up_kernel's last template argument (kDual: 0 one tile after the other, 1 / 2 both tiles in
+    one pass at the default's / at two CTAs per SM) is what CUTLASS_W8A8_MOE_GATE_UP_DUAL says for this process
+    (unset: 0), at T = 1, top-8, int8 (the one-token-tile row-wise kernel, where 1 and 2 differ)."""
+    want = {"1": "1", "2": "2"}.get(os.environ.get("CUTLASS_W8A8_MOE_GATE_UP_DUAL", ""), "0")
     ops = _operands("int8", 8)
     ids, wts = routing(1, 8, 8, "random", "cuda", seed=3)
     x = random_x(1, H, device="cuda", seed=4)
@@ -122,19 +123,20 @@ def test_gate_up_kernel_variant_follows_the_switch():
              if "moe_decode_gate_up_kernel" in n]
     if not names:
         pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
-    m = re.search(r"moe_decode_gate_up_kernel<.*, (true|false)>\(", names[0])
+    m = re.search(r"moe_decode_gate_up_kernel<.*, ([012])>\(", names[0])
     assert m is not None and m.group(1) == want, names[0]
 
 
-def test_gate_up_one_pass_in_its_own_process():
-    """The one-pass gate/up (CUTLASS_W8A8_MOE_GATE_UP_DUAL=1 is read once per process, so a fresh one): this file's
-    bitwise tests against the chain and the kernel-variant check pass there too."""
-    if os.environ.get("CUTLASS_W8A8_MOE_GATE_UP_DUAL") == "1":
-        pytest.skip("this process already runs the one-pass gate/up")
+@pytest.mark.parametrize("mode", ["1", "2"])
+def test_gate_up_one_pass_in_its_own_process(mode):
+    """The one-pass gate/up (CUTLASS_W8A8_MOE_GATE_UP_DUAL=1 or 2 is read once per process, so a fresh one): this
+    file's bitwise tests against the chain and the kernel-variant check pass there too."""
+    if os.environ.get("CUTLASS_W8A8_MOE_GATE_UP_DUAL"):
+        pytest.skip("this process already runs a one-pass gate/up")
     here = pathlib.Path(__file__)
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", str(here), "-k",
            "equals_the_chain or dtypes_and_int64 or variant_follows"]
-    r = subprocess.run(cmd, env={**os.environ, "CUTLASS_W8A8_MOE_GATE_UP_DUAL": "1"}, capture_output=True, text=True,
+    r = subprocess.run(cmd, env={**os.environ, "CUTLASS_W8A8_MOE_GATE_UP_DUAL": mode}, capture_output=True, text=True,
                        timeout=900, cwd=here.parents[2])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
