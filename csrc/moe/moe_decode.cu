@@ -680,8 +680,16 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
 // expert-major kernel's 8 warps accumulate them (block b into accumulator b % 8, each in block order), then the 8
 // accumulators are added in order: the same sums as grouped_decode / the chain, bit for bit, for any K. An expert
 // shared by several tokens is streamed once per token (the later reads mostly from L2).
-template <class AB, class OutT, bool kBlockScaled>
-__global__ void __launch_bounds__(kThreads, 2) moe_decode_down_tm_kernel(MoeDecodeParams p) {
+//
+// kPrefetch (the A/B switch CUTLASS_W8A8_MOE_DOWN_PREFETCH=1, host below): block b + 1's weight and activation
+// fragments (and block scales) are loaded before block b's MMAs (two buffers), so a warp has two blocks of its pair in
+// flight instead of one at a time (without it the SASS is load, MMA, load, MMA: one round trip per 256-byte block, 3
+// for Qwen3-30B-A3B's I = 768, 8 for DeepSeek-V3's 2048). The MMAs, their order and the accumulators are the same:
+// the same bits. The second buffer needs about 40 more registers: compiled for two CTAs per SM ptxas spilled 480-676
+// bytes (nvcc 13.0 sm_90a), so this variant is compiled for one (164-168 registers, no spills); Qwen3's 128 CTAs at
+// T = 1 fit one wave either way.
+template <class AB, class OutT, bool kBlockScaled, bool kPrefetch>
+__global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2) moe_decode_down_tm_kernel(MoeDecodeParams p) {
   using Acc = typename AB::Acc;
   __shared__ float s_prod[kMaxPairs][kRows];
   __shared__ int s_routed[kMaxPairs];
@@ -709,17 +717,61 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_down_tm_kernel(MoeDeco
       const float* sb_row = p.s2 + (e * nb + n0 / kGroupBytes) * kgroups;
       const float* sa_row[1][2] = {{t == 0 ? p.sh + static_cast<int64_t>(pair) * kgroups : nullptr, nullptr}};
       BlockScales<1> sc;
+      if constexpr (kPrefetch) {
+        BlockFrags<1> buf[2];  // as in the row-wise branch below, with the block scales one block ahead too
+        BlockScales<1> scb[2];
+        load_block_weights(buf[0], wg, inter, 0, t, inter);
+        load_block_acts_gather(buf[0], arow, 0, t, inter);
+        load_block_scales_gather(scb[0], sa_row, sb_row, kgroups, 0);
+        for (int base = 0; base < nblk; base += kWarps) {
+#pragma unroll
+          for (int v = 0; v < kWarps; ++v) {
+            const int blk = base + v;
+            if (blk < nblk) {
+              if (blk + 1 < nblk) {
+                load_block_weights(buf[(v + 1) & 1], wg, inter, blk + 1, t, inter);
+                load_block_acts_gather(buf[(v + 1) & 1], arow, blk + 1, t, inter);
+                load_block_scales_gather(scb[(v + 1) & 1], sa_row, sb_row, kgroups, blk + 1);
+              }
+              tie_to_weight_loads(buf[v & 1], p.zero);
+              tie_to_scale_loads(buf[v & 1], scb[v & 1], p.zero);
+              mma_block_scaled(acc[v], buf[v & 1], scb[v & 1]);
+            }
+          }
+        }
+      } else {
+        for (int base = 0; base < nblk; base += kWarps) {
+#pragma unroll
+          for (int v = 0; v < kWarps; ++v) {
+            const int blk = base + v;
+            if (blk < nblk) {
+              load_block_weights(f, wg, inter, blk, t, inter);
+              load_block_acts_gather(f, arow, blk, t, inter);
+              load_block_scales_gather(sc, sa_row, sb_row, kgroups, blk);
+              tie_to_weight_loads(f, p.zero);
+              tie_to_scale_loads(f, sc, p.zero);
+              mma_block_scaled(acc[v], f, sc);
+            }
+          }
+        }
+      }
+    } else if constexpr (kPrefetch) {
+      // buf[v & 1] holds block base + v's weights and activations, loaded one block ahead (kWarps is even, so the
+      // parity of a block's buffer is the same in every base round)
+      BlockFrags<1> buf[2];
+      load_block_weights(buf[0], wg, inter, 0, t, inter);
+      load_block_acts_gather(buf[0], arow, 0, t, inter);
       for (int base = 0; base < nblk; base += kWarps) {
 #pragma unroll
         for (int v = 0; v < kWarps; ++v) {
           const int blk = base + v;
           if (blk < nblk) {
-            load_block_weights(f, wg, inter, blk, t, inter);
-            load_block_acts_gather(f, arow, blk, t, inter);
-            load_block_scales_gather(sc, sa_row, sb_row, kgroups, blk);
-            tie_to_weight_loads(f, p.zero);
-            tie_to_scale_loads(f, sc, p.zero);
-            mma_block_scaled(acc[v], f, sc);
+            if (blk + 1 < nblk) {
+              load_block_weights(buf[(v + 1) & 1], wg, inter, blk + 1, t, inter);
+              load_block_acts_gather(buf[(v + 1) & 1], arow, blk + 1, t, inter);
+            }
+            tie_to_weight_loads(buf[v & 1], p.zero);
+            mma_block(acc[v], buf[v & 1]);
           }
         }
       }
@@ -818,6 +870,17 @@ int gate_up_dual() {
   return value;
 }
 
+// Whether the token-major down kernel loads each block one block ahead (moe_decode_down_tm_kernel's kPrefetch; the
+// same bits either way): an A/B switch, CUTLASS_W8A8_MOE_DOWN_PREFETCH=1 (read once per process), off by default
+// until measured.
+bool down_prefetch() {
+  static const bool value = [] {
+    const char* env = std::getenv("CUTLASS_W8A8_MOE_DOWN_PREFETCH");
+    return env != nullptr && std::string(env) == "1";
+  }();
+  return value;
+}
+
 template <class AB, class OutT, int kMaxNT, bool kBlockScaled>
 void launch_gate_up(const MoeDecodeParams& p, const dim3& grid, cudaStream_t stream, bool pdl) {
   const int dual = gate_up_dual();
@@ -851,8 +914,13 @@ void launch_gemms(const MoeDecodeParams& p, int slots, cudaStream_t stream, bool
   }
   if (tm) {
     const dim3 g2(static_cast<unsigned>(p.hid / kRows), static_cast<unsigned>(p.t));
-    C10_CUDA_CHECK(launch_kernel(moe_decode_down_tm_kernel<AB, OutT, kBlockScaled>, g2, dim3(kThreads), 0, stream,
-                                 pdl, p));
+    if (down_prefetch()) {
+      C10_CUDA_CHECK(launch_kernel(moe_decode_down_tm_kernel<AB, OutT, kBlockScaled, true>, g2, dim3(kThreads), 0,
+                                   stream, pdl, p));
+    } else {
+      C10_CUDA_CHECK(launch_kernel(moe_decode_down_tm_kernel<AB, OutT, kBlockScaled, false>, g2, dim3(kThreads), 0,
+                                   stream, pdl, p));
+    }
   }
 }
 

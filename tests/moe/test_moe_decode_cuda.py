@@ -127,16 +127,38 @@ def test_gate_up_kernel_variant_follows_the_switch():
     assert m is not None and m.group(1) == want, names[0]
 
 
-@pytest.mark.parametrize("mode", ["1", "2"])
-def test_gate_up_one_pass_in_its_own_process(mode):
-    """The one-pass gate/up (CUTLASS_W8A8_MOE_GATE_UP_DUAL=1 or 2 is read once per process, so a fresh one): this
-    file's bitwise tests against the chain and the kernel-variant check pass there too."""
-    if os.environ.get("CUTLASS_W8A8_MOE_GATE_UP_DUAL"):
-        pytest.skip("this process already runs a one-pass gate/up")
+def test_down_kernel_variant_follows_the_switch():
+    """moe_decode_down_tm_kernel's last template argument (kPrefetch: each block loaded one block ahead) is what
+    CUTLASS_W8A8_MOE_DOWN_PREFETCH says for this process ("1": true; unset: false), at T = 1, top-8."""
+    want = "true" if os.environ.get("CUTLASS_W8A8_MOE_DOWN_PREFETCH") == "1" else "false"
+    ops = _operands("fp8-block", 8)
+    ids, wts = routing(1, 8, 8, "random", "cuda", seed=3)
+    x = random_x(1, H, device="cuda", seed=4)
+    cw.moe_decode_experts(x, ids, wts, **ops)  # warm-up (lazy loading)
+    names = [n for n in _kernel_names(lambda: cw.moe_decode_experts(x, ids, wts, **ops))
+             if "moe_decode_down_tm_kernel" in n]
+    if not names:
+        pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
+    m = re.search(r"moe_decode_down_tm_kernel<.*, (true|false)>\(", names[0])
+    assert m is not None and m.group(1) == want, names[0]
+
+
+SWITCHES = ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "CUTLASS_W8A8_MOE_DOWN_PREFETCH")
+
+
+@pytest.mark.parametrize("env", [{"CUTLASS_W8A8_MOE_GATE_UP_DUAL": "1"}, {"CUTLASS_W8A8_MOE_GATE_UP_DUAL": "2"},
+                                 {"CUTLASS_W8A8_MOE_DOWN_PREFETCH": "1", "CUTLASS_W8A8_MOE_GATE_UP_DUAL": "2"}],
+                         ids=["gate-up-1", "gate-up-2", "down-prefetch"])
+def test_kernel_variants_in_their_own_process(env):
+    """The A/B variants of the decode path's kernels (CUTLASS_W8A8_MOE_GATE_UP_DUAL=1 / 2: gate/up in one pass;
+    CUTLASS_W8A8_MOE_DOWN_PREFETCH=1: the down kernel one block ahead; each read once per process, so a fresh one):
+    this file's bitwise tests against the chain and the kernel-variant checks pass there too."""
+    if any(os.environ.get(name) for name in SWITCHES):
+        pytest.skip("this process already runs a variant")
     here = pathlib.Path(__file__)
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", str(here), "-k",
            "equals_the_chain or dtypes_and_int64 or variant_follows"]
-    r = subprocess.run(cmd, env={**os.environ, "CUTLASS_W8A8_MOE_GATE_UP_DUAL": mode}, capture_output=True, text=True,
+    r = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
                        timeout=900, cwd=here.parents[2])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
