@@ -547,7 +547,8 @@ __device__ __forceinline__ bool arrive_last(int* counter, int total) {
 // registers) ptxas spills them to local memory inside the main loop (int8 200 B, fp8 188 B); at two it does not
 // (128 / 114 registers), but then Qwen3-30B-A3B's 384 gate/up CTAs at T = 1 take 1.45 waves of 264. Both are built
 // for the A/B: kDual 1 keeps the default's CTAs per SM, kDual 2 the two (the one-tile row-wise kernels only; the
-// others are at two either way).
+// others are at two either way, and their kDual 1 spills at two too, nvcc 13.0 sm_90a: two token tiles int8 168 B,
+// fp8 144 B, block fp8 476 B; one token tile block fp8 8 B).
 template <int kMaxNT, bool kBlockScaled, int kDual = 0>
 constexpr int kCtasPerSm = kMaxNT == 1 && !kBlockScaled && kDual != 2 ? 3 : 2;
 
@@ -691,6 +692,8 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
 template <class AB, class OutT, bool kBlockScaled, bool kPrefetch>
 __global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2) moe_decode_down_tm_kernel(MoeDecodeParams p) {
   using Acc = typename AB::Acc;
+  // kPrefetch keeps block b in buf[b % 2] as buf[v & 1] (b = base + v, base a multiple of kWarps): needs kWarps even
+  static_assert(kWarps % 2 == 0, "kPrefetch's buffer parity: kWarps must be even");
   __shared__ float s_prod[kMaxPairs][kRows];
   __shared__ int s_routed[kMaxPairs];
   wait_for_producers();  // q2 / sh (gate/up)

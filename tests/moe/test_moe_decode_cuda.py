@@ -110,6 +110,27 @@ def _wide_operands(scheme, h):
     return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("i", [384, 2176])
+@pytest.mark.parametrize("t, k, route", [(1, 8, "random"), (8, 8, "random"), (4, 2, "random")])
+def test_equals_the_chain_bitwise_long_i(scheme, i, t, k, route):
+    """The down GEMM's K = I over several 256-byte blocks with a half block at the end: I = 384 (2 blocks: the
+    token-major kernel's one-block-ahead load of a tail block; the expert-major kernel's R = 4 tiles per CTA) and
+    I = 2176 (9 blocks: a second round of the 8 per-warp accumulators, whose one block is the tail; expert-major
+    R = 1 with warp 0 taking 2 blocks). Token-major at top-8, expert-major at top-2. The other tests' I is 128 or
+    768 (one block with a tail, or 3 whole blocks)."""
+    ops = _long_i_operands(scheme, i)
+    ids, wts = routing(t, k, 8, route, "cuda", seed=i + t)
+    x = random_x(t, H, device="cuda", seed=i + t + 1)
+    _assert_equals_chain(x, ids, wts, ops, what=(scheme, i, t, k, route))
+
+
+@functools.lru_cache(maxsize=None)
+def _long_i_operands(scheme, i):
+    ops = decode_operands(scheme, 8, H, i, "cpu", seed=i)
+    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
+
+
 def test_gate_up_kernel_variant_follows_the_switch():
     """moe_decode_gate_up_kernel's last template argument (kDual: 0 one tile after the other, 1 / 2 both tiles in
     one pass at the default's / at two CTAs per SM) is what CUTLASS_W8A8_MOE_GATE_UP_DUAL says for this process
