@@ -862,12 +862,16 @@ void launch_down(const MoeDecodeParams& p, int r, unsigned slots, cudaStream_t s
 }
 
 // How gate/up runs its two tiles (moe_decode_gate_up_kernel's kDual; the same bits every way): an A/B switch,
-// CUTLASS_W8A8_MOE_GATE_UP_DUAL (read once per process): unset or 0, one tile after the other (the default until
-// measured); 1, one pass at the default's CTAs per SM; 2, one pass compiled for two CTAs per SM (kCtasPerSm).
+// CUTLASS_W8A8_MOE_GATE_UP_DUAL (read once per process): unset, empty or 0, one tile after the other (the default
+// until measured); 1, one pass at the default's CTAs per SM; 2, one pass compiled for two CTAs per SM (kCtasPerSm).
+// Another value raises a ValueError naming the variable (a typo would otherwise measure the default).
 int gate_up_dual() {
   static const int value = [] {
     const char* env = std::getenv("CUTLASS_W8A8_MOE_GATE_UP_DUAL");
     const std::string v = env == nullptr ? "" : env;
+    TORCH_CHECK_VALUE(v.empty() || v == "0" || v == "1" || v == "2",
+                      "moe_decode_experts: CUTLASS_W8A8_MOE_GATE_UP_DUAL must be 0, 1 or 2 (or unset), got '", v,
+                      "'");
     return v == "1" ? 1 : (v == "2" ? 2 : 0);
   }();
   return value;
@@ -875,11 +879,14 @@ int gate_up_dual() {
 
 // Whether the token-major down kernel loads each block one block ahead (moe_decode_down_tm_kernel's kPrefetch; the
 // same bits either way): an A/B switch, CUTLASS_W8A8_MOE_DOWN_PREFETCH=1 (read once per process), off by default
-// until measured.
+// (unset, empty or 0) until measured. Another value raises a ValueError naming the variable.
 bool down_prefetch() {
   static const bool value = [] {
     const char* env = std::getenv("CUTLASS_W8A8_MOE_DOWN_PREFETCH");
-    return env != nullptr && std::string(env) == "1";
+    const std::string v = env == nullptr ? "" : env;
+    TORCH_CHECK_VALUE(v.empty() || v == "0" || v == "1",
+                      "moe_decode_experts: CUTLASS_W8A8_MOE_DOWN_PREFETCH must be 0 or 1 (or unset), got '", v, "'");
+    return v == "1";
   }();
   return value;
 }
@@ -946,6 +953,8 @@ at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, c
                               const at::Tensor& w2_scale, int64_t group_size, at::ScalarType out_dtype) {
   constexpr const char* op = "moe_decode_experts";
   moe::check_decode_experts(op, x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size, out_dtype);
+  gate_up_dual();  // the A/B switches: a bad value raises here, before any launch
+  down_prefetch();
   c10::cuda::CUDAGuard guard(x.device());
   const int device = x.device().index();
   const DeviceInfo& info = device_info(device);

@@ -131,14 +131,17 @@ def _long_i_operands(scheme, i):
     return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
 
 
-def test_gate_up_kernel_variant_follows_the_switch():
+@pytest.mark.parametrize("scheme, t", [("int8", 1), ("int8", 8), ("fp8-block", 1)])
+def test_gate_up_kernel_variant_follows_the_switch(scheme, t):
     """moe_decode_gate_up_kernel's last template argument (kDual: 0 one tile after the other, 1 / 2 both tiles in
     one pass at the default's / at two CTAs per SM) is what CUTLASS_W8A8_MOE_GATE_UP_DUAL says for this process
-    (unset: 0), at T = 1, top-8, int8 (the one-token-tile row-wise kernel, where 1 and 2 differ)."""
-    want = {"1": "1", "2": "2"}.get(os.environ.get("CUTLASS_W8A8_MOE_GATE_UP_DUAL", ""), "0")
-    ops = _operands("int8", 8)
-    ids, wts = routing(1, 8, 8, "random", "cuda", seed=3)
-    x = random_x(1, H, device="cuda", seed=4)
+    (unset: 0), at top-8: at T = 1 int8 (8 pairs: the one-token-tile row-wise kernel, the only one where 1 and 2
+    differ) 0, 1 or 2; at T = 8 int8 (64 pairs: two token tiles) and T = 1 block fp8, 1 for both 1 and 2."""
+    mode = os.environ.get("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "")
+    want = {"1": "1", "2": "2"}.get(mode, "0") if (scheme, t) == ("int8", 1) else ("1" if mode in ("1", "2") else "0")
+    ops = _operands(scheme, 8)
+    ids, wts = routing(t, 8, 8, "random", "cuda", seed=3)
+    x = random_x(t, H, device="cuda", seed=4)
     cw.moe_decode_experts(x, ids, wts, **ops)  # warm-up (lazy loading)
     names = [n for n in _kernel_names(lambda: cw.moe_decode_experts(x, ids, wts, **ops))
              if "moe_decode_gate_up_kernel" in n]
@@ -165,6 +168,30 @@ def test_down_kernel_variant_follows_the_switch():
 
 
 SWITCHES = ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "CUTLASS_W8A8_MOE_DOWN_PREFETCH")
+
+
+@pytest.mark.parametrize("name, value, allowed", [
+    ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "3", "0, 1 or 2"), ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "true", "0, 1 or 2"),
+    ("CUTLASS_W8A8_MOE_DOWN_PREFETCH", "2", "0 or 1"), ("CUTLASS_W8A8_MOE_DOWN_PREFETCH", "yes", "0 or 1")])
+def test_a_bad_switch_value_raises_naming_the_variable(name, value, allowed):
+    """A value of an A/B switch other than unset / empty / the listed ones makes the op raise a ValueError naming
+    the variable (read once per process, so a fresh one), instead of silently running the default variant."""
+    code = ("import sys, torch, cutlass_w8a8 as cw\n"
+            f"sys.path.insert(0, {str(pathlib.Path(__file__).parents[1])!r})\n"
+            "from _moe_decode import decode_operands, random_x, routing\n"
+            f"ops = decode_operands('int8', 8, {H}, {I}, 'cpu', seed=1)\n"
+            "ops = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in ops.items()}\n"
+            "ids, wts = routing(1, 8, 8, 'random', 'cuda', seed=2)\n"
+            f"x = random_x(1, {H}, device='cuda', seed=3)\n"
+            "try:\n"
+            "    cw.moe_decode_experts(x, ids, wts, **ops)\n"
+            "except ValueError as exc:\n"
+            "    print('RAISED', exc)\n")
+    env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+    r = subprocess.run([sys.executable, "-c", code], env={**env, name: value}, capture_output=True, text=True,
+                       timeout=300, cwd=pathlib.Path(__file__).parents[2])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "RAISED" in r.stdout and f"{name} must be {allowed} (or unset), got '{value}'" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("env", [{"CUTLASS_W8A8_MOE_GATE_UP_DUAL": "1"}, {"CUTLASS_W8A8_MOE_GATE_UP_DUAL": "2"},
