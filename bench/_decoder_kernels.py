@@ -47,8 +47,9 @@ KERNEL_RULES: tuple[Rule, ...] = (
     # Qwen3's q / k head norms applied first)
     Rule("rope + kv write", head=("rope_kv_cache",)),
     # csrc/moe/routing.cu: route_kernel (moe_route / moe_topk_softmax: scores, top-k, weights), align_kernel
-    # (moe_align: the pairs sorted by expert) and unpermute_kernel (moe_unpermute: the weighted top-k sum)
-    Rule("moe routing", head=("::route_kernel", "::align_kernel", "::unpermute_kernel")),
+    # (moe_align: the pairs sorted by expert) and unpermute_kernel (moe_unpermute: the weighted top-k sum);
+    # csrc/moe/router_route.cu: router_route_kernel (moe_router_route: the router GEMM and the routing in one)
+    Rule("moe routing", head=("::route_kernel", "::align_kernel", "::unpermute_kernel", "::router_route_kernel")),
     # csrc/moe/permute_quant.cu: moe_permute_quant, a row-wise kernel RowwiseOp<Permute, ...> (the gather of the
     # routed rows and their quantization for the gate/up grouped GEMM)
     Rule("quant", head=("rowwise_",), name=("permute",)),

@@ -106,6 +106,32 @@ def count_kernels(fn: Callable[[], Any], device: str) -> Optional[int]:
     return n or None
 
 
+def short_kernel_name(name: str) -> str:
+    """A profiler kernel name without its namespaces, template arguments and parameters:
+    ``void cutlass_w8a8::(anonymous namespace)::moe_decode_down_kernel<...>(...)`` -> ``moe_decode_down_kernel``;
+    a name that is no function signature (``Memset (Device)``) as it is."""
+    if not name.startswith("void "):
+        return name
+    head = name[len("void "):].replace("(anonymous namespace)::", "").split("<", 1)[0].split("(", 1)[0]
+    return head.rsplit("::", 1)[-1].strip()
+
+
+def kernel_durations(fn: Callable[[], Any], device: str) -> Optional[list]:
+    """``[(short kernel name, us), ...]`` of one eager call in launch order, with PDL off (a PDL kernel starts early
+    and its griddepcontrol wait would count in its duration; testing/timers.py cuda_kernel_times); None on the
+    CPU."""
+    if device != "cuda":
+        return None
+    from cutlass_w8a8 import _ext
+    from cutlass_w8a8.testing.timers import cuda_kernel_times
+
+    previous = _ext.set_pdl(False)
+    try:
+        return [(short_kernel_name(n), round(us, 2)) for n, us in cuda_kernel_times(fn)]
+    finally:
+        _ext.set_pdl(previous)
+
+
 def measure_decode_point(model: str, t: int, methods: dict, dims: tuple, args: argparse.Namespace, bu: Any,
                          l2_bytes: int, gen: torch.Generator, cgen: torch.Generator, device: str,
                          rel_tol: float) -> dict:
@@ -140,16 +166,18 @@ def measure_decode_point(model: str, t: int, methods: dict, dims: tuple, args: a
     timings = time_cases(cases, errors, bu, args, OPTIONAL)
     times = {name: tm.median_ms for name, tm in timings.items()}
     active = sum(active_experts(lg, top_k) for _, lg in sets) / len(sets)
-    kernels = {}
+    kernels, kernel_us = {}, {}
     for name in times:
         try:
             kernels[name] = count_kernels(lambda fn=methods[name][0]: fn(*sets[0]), device)
+            if name.endswith("_fused"):
+                kernel_us[name] = kernel_durations(lambda fn=methods[name][0]: fn(*sets[0]), device)
         except Exception as exc:  # noqa: BLE001 (the profiler is a measurement aid)
             errors[f"{name} kernels"] = short_error(exc)
     return {"model": model, "T": t, "pairs": t * top_k, "E": e, "top_k": top_k, "H": h, "I": inter,
             "time_ms": times, "errors": errors, "rel_err_vs_hf_bf16": accuracy, "active_experts_mean": active,
             "active_weight_bytes_mean": {name: active * methods[name][1] for name in times},
-            "kernels": kernels, "sets": n_sets,
+            "kernels": kernels, "kernel_us": {k: v for k, v in kernel_us.items() if v is not None}, "sets": n_sets,
             "timing": {name: {"calls_per_replay": tm.calls_per_replay, "copies": tm.copies, "min_ms": tm.min_ms,
                               "max_ms": tm.max_ms} for name, tm in timings.items()}}
 
@@ -281,6 +309,16 @@ def render_decode_markdown(results: dict[str, Any]) -> str:
                 ratio = _f(d.get(f"{m[:-len('_fused')]}_fused_over_unfused"), ".2f") if m.endswith("_fused") else ""
                 lines.append(f"| {p['T']} | {m} | {us} | {pct} | {_f(p['kernels'].get(m), 'd')} | {ratio} | "
                              f"{_f(p['active_experts_mean'], '.1f')} |")
+        lines.append("")
+    breakdown = [(p, m, ks) for p in results["decode_points"] for m, ks in p.get("kernel_us", {}).items() if ks]
+    if breakdown:
+        lines += ["## Kernel durations of the fused path", "",
+                  "One eager layer call per point, PDL off (torch.profiler's CUDA activity), us per kernel in launch "
+                  "order; the sum has no launch gaps, so it is below the graph time above.", "",
+                  "| model | T | method | kernels (us) | sum |", "|---|---:|---|---|---:|"]
+        for p, m, ks in breakdown:
+            cells = ", ".join(f"{n} {us:.1f}" for n, us in ks)
+            lines.append(f"| {p['model']} | {p['T']} | {m} | {cells} | {sum(us for _, us in ks):.1f} |")
         lines.append("")
     errs = [(p, m, msg) for p in results["decode_points"] for m, msg in p["errors"].items()]
     if errs or results.get("decode_errors"):

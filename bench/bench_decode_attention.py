@@ -10,6 +10,13 @@ cutlass_w8a8.testing.timers.bench_gpu_time), microseconds per call. Before timin
 compared bit for bit (a mismatch is reported in the table and makes the exit status 1).
 
     python bench/bench_decode_attention.py                       # B 1, 8; S 512, 4096; PDL as configured
+    python bench/bench_decode_attention.py --profile             # also each kernel's own time (torch.profiler)
+    CUTLASS_W8A8_ATTN_MIN_CHUNK=32 python bench/bench_decode_attention.py --json c32.json   # another split size
+
+``--profile`` adds, per point, path and variant, the mean duration of each attention kernel (split, combine,
+fused) over eager calls with PDL off (with PDL a kernel starts early and its griddepcontrol wait would count in its
+duration), from torch.profiler's CUDA activities: where a call's time goes. CUTLASS_W8A8_ATTN_MIN_CHUNK (read once
+per process by csrc/attention/decode_attention.cu) sets the least positions per split: one process per value.
     python bench/bench_decode_attention.py --batches 1,2,4,8,16 --seq 512 --pdl off --json out.json
 """
 
@@ -18,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import statistics
 import sys
 
 import torch
@@ -27,6 +36,7 @@ from cutlass_w8a8 import _ext
 from cutlass_w8a8.testing.attention import make_inputs
 from cutlass_w8a8.testing.timers import (
     bench_gpu_time,
+    cuda_kernel_times,
     l2_cache_bytes,
     rotating_arg_sets,
 )
@@ -51,6 +61,33 @@ def _bits(out) -> list[torch.Tensor]:
     return [t.view(torch.uint8) if t.element_size() == 1 else t for t in outs]
 
 
+def _kernel_tag(name: str) -> str:
+    for tag in ("fused", "split", "combine"):
+        if f"decode_attention_{tag}_kernel" in name:
+            return tag
+    return ""
+
+
+def _profile(fn, args, calls: int = 7) -> dict[str, float]:
+    """Median over ``calls`` eager calls (PDL off) of each attention kernel's duration in us, by tag
+    (testing/timers.py cuda_kernel_times: torch.profiler's CUDA activity of one call)."""
+    previous = _ext.set_pdl(False)
+    try:
+        per_call = [cuda_kernel_times(lambda: fn(*args)) for _ in range(calls)]
+    finally:
+        _ext.set_pdl(previous)
+    out: dict[str, list[float]] = {}
+    for kernels in per_call:
+        call: dict[str, float] = {}
+        for name, us in kernels:
+            tag = _kernel_tag(name)
+            if tag:
+                call[tag] = call.get(tag, 0.0) + us
+        for tag, us in call.items():
+            out.setdefault(tag, []).append(us)
+    return {tag: round(statistics.median(v), 2) for tag, v in out.items()}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list of " + ", ".join(LAYOUTS))
@@ -58,6 +95,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", default="512,4096", type=_ints, help="cache lengths S (every row at S - 1)")
     parser.add_argument("--pdl", choices=("on", "off", "default"), default="default")
     parser.add_argument("--json", help="write the rows here too")
+    parser.add_argument("--profile", action="store_true",
+                        help="also each attention kernel's mean duration (torch.profiler, eager, PDL off)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not _ext.cuda_ops_available():
         print("needs a CUDA device and the built extension", file=sys.stderr)
@@ -80,18 +119,21 @@ def main(argv=None) -> int:
                     path = _ext.decode_attention_path(dev, b, h, kvh, s, d, torch.bfloat16)
                     for variant in ("plain", "int8"):
                         fn = _run(variant, 1.0 / math.sqrt(d))
-                        times, outs = {}, {}
+                        times, outs, kernels = {}, {}, {}
                         for mode in ("auto", "split"):
                             _ext.set_decode_attention_fused(mode == "auto")
                             outs[mode] = _bits(fn(q, kv, slots, positions))
                             times[mode] = bench_gpu_time(fn, arg_sets).median_ms * 1e3
+                            if args.profile:
+                                kernels[mode] = _profile(fn, (q, kv, slots, positions))
                         same = all(torch.equal(x, y) for x, y in zip(outs["auto"], outs["split"]))
                         mismatches += not same
                         kv_bytes = 2 * b * kvh * s * d * 2
                         rows.append({"layout": name, "B": b, "S": s, "variant": variant, "path": path,
                                      "auto_us": round(times["auto"], 2), "split_us": round(times["split"], 2),
                                      "speedup": round(times["split"] / times["auto"], 3), "bitwise_equal": same,
-                                     "kv_mb": round(kv_bytes / 1e6, 3)})
+                                     "kv_mb": round(kv_bytes / 1e6, 3),
+                                     **({"kernel_us": kernels} if args.profile else {})})
     finally:
         _ext.set_decode_attention_fused(previous)
     print(f"device: {torch.cuda.get_device_name(dev)}, PDL {'on' if _ext.pdl_enabled() else 'off'}")
@@ -100,10 +142,19 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['layout']} | {r['B']} | {r['S']} | {r['variant']} | {r['path']} | {r['auto_us']} | "
               f"{r['split_us']} | {r['speedup']}x | {r['bitwise_equal']} | {r['kv_mb']} |")
+    if args.profile:
+        print("\nKernel durations, us per call (torch.profiler, eager, PDL off):\n")
+        print("| layout | B | S | variant | mode | split | combine | fused | sum |")
+        print("|---|---:|---:|---|---|---:|---:|---:|---:|")
+        for r in rows:
+            for mode, k in r["kernel_us"].items():
+                cells = " | ".join(f"{k[t]:.2f}" if t in k else "–" for t in ("split", "combine", "fused"))
+                print(f"| {r['layout']} | {r['B']} | {r['S']} | {r['variant']} | {mode} | {cells} | "
+                      f"{sum(k.values()):.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(dev), "pdl": _ext.pdl_enabled(), "rows": rows}, f,
-                      indent=1)
+            json.dump({"device": torch.cuda.get_device_name(dev), "pdl": _ext.pdl_enabled(),
+                       "min_chunk_env": os.environ.get("CUTLASS_W8A8_ATTN_MIN_CHUNK"), "rows": rows}, f, indent=1)
     return 1 if mismatches else 0
 
 

@@ -40,7 +40,7 @@
 //     (split_partial) into shared memory; after a cluster barrier each CTA merges part of the row from the units'
 //     results through distributed shared memory with the combine's code (split_weights, merge_splits) and stores
 //     or quantizes it (the row amax: a max over the cluster). One launch, no workspace, no second kernel. It serves
-//     when the row's (H / G') x splits units fit 16 CTAs (Qwen3-30B-A3B at S = 512: 4 x 8 units in 16 CTAs of 2);
+//     when the row's (H / G') x splits units fit 16 CTAs (Qwen3-30B-A3B at S = 256: 4 x 8 units in 16 CTAs of 2);
 //     else (Llama-3-8B at B <= 8, long caches at small B: more splits) the two kernels run.
 //
 // Before (one CTA per (row, head), no split; H100, Llama-3-8B heads 32 / 8 x 128, bf16): B = 1 at position 256
@@ -66,6 +66,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -96,7 +97,11 @@ constexpr int kUnroll = 4;       // positions per group and step (loads issued b
 constexpr int64_t kMaxHeads = limits::kAttnMaxHeads;  // H: gridDim.y
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kChunkAlign = 8;   // split chunks are multiples of this many positions
-constexpr int kMinChunk = 64;    // the host never splits a cache of S positions into more than S / kMinChunk
+// The host never splits a cache of S positions into more than S / kMinChunk. 32, not 64: on one H200 (split + combine,
+// CUDA graph, PDL on) Qwen3-30B-A3B's B 1 / S 512 took 12.85 us at 32, 15.67 at 64 and 14.93 at 16, Llama-3-8B's
+// 10.56 / 11.31 / 12.66; B 8 and S 4096 were the same at 32 and 64 (two CTAs per SM bound the splits there);
+// bench/results/decode_attention_min_chunk_nvidia-h200.md
+constexpr int kMinChunk = 32;
 constexpr int kMaxSplits = 64;
 constexpr int kCombineThreads = 1024;  // one thread per 4 outputs of a Llama-3 row (H * D = 4096)
 constexpr int kCombineVecs = 2;  // combine: up to 2 vectors of 4 elements per thread in registers (H * D <= 8192)
@@ -641,14 +646,32 @@ int heads_per_cta(int64_t group_size) {
   return 1;
 }
 
-// Splits per row: about two CTAs per SM over the B x H / G' (row, head group) pairs, at most S / kMinChunk (a
-// split of a full cache keeps at least kMinChunk positions), kMaxSplits, and kCombineSmemFloats / H (the combine
+// The least positions per split of a full cache: kMinChunk, or CUTLASS_W8A8_ATTN_MIN_CHUNK (a multiple of
+// kChunkAlign in [kChunkAlign, 4096]), read once per process. An experiment's knob (bench_decode_attention.py
+// sweeps it in separate processes): fewer positions per split give more CTAs and fewer serial load steps per CTA,
+// and more partial results for the combine; another value changes the splits, hence the bits.
+int min_chunk() {
+  static const int value = [] {
+    const char* env = std::getenv("CUTLASS_W8A8_ATTN_MIN_CHUNK");
+    if (env == nullptr || *env == '\0') return kMinChunk;
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    TORCH_CHECK_VALUE(end != nullptr && *end == '\0' && v >= kChunkAlign && v <= 4096 && v % kChunkAlign == 0,
+                      "decode_attention: CUTLASS_W8A8_ATTN_MIN_CHUNK must be a multiple of ", kChunkAlign,
+                      " in [", kChunkAlign, ", 4096], got '", env, "'");
+    return static_cast<int>(v);
+  }();
+  return value;
+}
+
+// Splits per row: about two CTAs per SM over the B x H / G' (row, head group) pairs, at most S / min_chunk() (a
+// split of a full cache keeps at least that many positions), kMaxSplits, and kCombineSmemFloats / H (the combine
 // kernel's H x splits weights in shared memory). From B, H, G', S and the SM count
 // only (never the positions: see the file comment).
 int choose_splits(int64_t batch, int64_t heads, int64_t head_groups, int64_t seq_len, int sms) {
   const int64_t pairs = batch * head_groups;
   int64_t splits = (2 * static_cast<int64_t>(sms) + pairs - 1) / pairs;
-  splits = std::min<int64_t>(splits, std::max<int64_t>(seq_len / kMinChunk, 1));
+  splits = std::min<int64_t>(splits, std::max<int64_t>(seq_len / min_chunk(), 1));
   splits = std::min<int64_t>(splits, kMaxSplits);
   splits = std::min<int64_t>(splits, std::max<int64_t>(kCombineSmemFloats / heads, 1));  // the combine's weights
   return static_cast<int>(std::max<int64_t>(splits, 1));
@@ -712,6 +735,7 @@ void launch_combine(const Args<T>& args, int64_t batch, cudaStream_t stream, boo
 // 2026-11-29) it was 1.05x the two kernels at Qwen3-30B-A3B B = 1, S = 512 (0.99x with int8 out), and 0.39-0.65x
 // wherever it served 8 or more rows (Qwen3 B 8 / 16, Llama-3-8B B 16): clusters of 16 CTAs are resident a few at
 // a time, so those rows ran in waves. It stays a candidate until a rule that keeps it within one wave wins there.
+// (Measured at kMinChunk 64; at 32 the two kernels took Qwen3's B 1, S 512 in 12.85 us, below the fused 14.86.)
 std::atomic<bool> g_fused_enabled{false};
 
 // The one-kernel path's shape for one launch: `units` split units per CTA (0: the path does not serve) and `ctas`
@@ -732,7 +756,8 @@ struct FusedPlan {
 //     vectors fit kFusedYRegs a thread;
 //   - a cluster above the portable 8 CTAs is resident on the device (fused_plan_resident: asked once, cached);
 //     else the next U (fewer CTAs), else the two kernels.
-// Qwen3-30B-A3B (32 / 4 heads x 128) at B = 1, S = 512: 8 splits, 4 x 8 units, U = 2: one cluster of 16 CTAs.
+// Qwen3-30B-A3B (32 / 4 heads x 128) at B = 1, S = 256: 8 splits, 4 x 8 units, U = 2: one cluster of 16 CTAs (at
+// S = 512: 16 splits since kMinChunk is 32, the two kernels).
 // Llama-3-8B (32 / 8 x 128) at B <= 8: 8 x (5 .. 8) units, more than 2 x 16: the two kernels (at B >= 16 the fused
 // path: 8 x 3 units, 12 CTAs of 2). Qwen3 at S = 4096, B <= 8: up to 64 splits, the two kernels.
 // Once per fused-kernel instantiation and device: allow clusters above the portable 8 CTAs (a driver call: never

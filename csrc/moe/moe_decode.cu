@@ -54,6 +54,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include <ATen/ATen.h>
@@ -279,6 +281,61 @@ __device__ __forceinline__ void mainloop_gather_scaled(float (&acc)[NT][4], cons
   }
 }
 
+// The dual forms (gate/up's one-pass variant, kDual below): two row tiles of one expert (weights at wga and wgb)
+// against the same activations. Each block's weights of both tiles and its activations (once) are loaded before
+// either tile's MMAs, so the warp has both tiles' bytes in flight at once; each accumulator then gets the MMAs of
+// mainloop_gather(_scaled) for its tile, in the same block order: the same sums, bit for bit.
+template <class Acc, int NT>
+__device__ __forceinline__ void mainloop_gather_dual(Acc (&acc_a)[NT][4], Acc (&acc_b)[NT][4], const uint8_t* wga,
+                                                     const uint8_t* wgb, int64_t ldw, const uint8_t* const (&arow)[NT],
+                                                     int first, int end, int step, int t, int k, uint32_t zero) {
+  BlockFrags<NT> fa, fb;
+  for (int blk = first; blk < end; blk += step) {
+    load_block_weights(fa, wga, ldw, blk, t, k);
+    load_block_weights(fb, wgb, ldw, blk, t, k);
+    load_block_acts_gather(fa, arow, blk, t, k);
+    tie_to_weight_loads(fa, zero);
+    tie_to_weight_loads(fb, zero);
+    mma_block(acc_a, fa);
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) fb.x[u][j] = fa.x[u][j];
+    }
+    mma_block(acc_b, fb);
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void mainloop_gather_scaled_dual(float (&acc_a)[NT][4], float (&acc_b)[NT][4],
+                                                            const uint8_t* wga, const uint8_t* wgb, int64_t ldw,
+                                                            const uint8_t* const (&arow)[NT],
+                                                            const float* const (&sa_row)[NT][2],
+                                                            const float* sb_row_a, const float* sb_row_b, int kgroups,
+                                                            int first, int end, int step, int t, int k,
+                                                            uint32_t zero) {
+  BlockFrags<NT> fa, fb;
+  BlockScales<NT> sca, scb;
+  for (int blk = first; blk < end; blk += step) {
+    load_block_weights(fa, wga, ldw, blk, t, k);
+    load_block_weights(fb, wgb, ldw, blk, t, k);
+    load_block_acts_gather(fa, arow, blk, t, k);
+    load_block_scales_gather(sca, sa_row, sb_row_a, kgroups, blk);
+    load_block_scales_gather(scb, sa_row, sb_row_b, kgroups, blk);
+    tie_to_weight_loads(fa, zero);
+    tie_to_weight_loads(fb, zero);
+    tie_to_scale_loads(fa, sca, zero);
+    tie_to_scale_loads(fb, scb, zero);
+    mma_block_scaled(acc_a, fa, sca);
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) fb.x[u][j] = fa.x[u][j];
+    }
+    mma_block_scaled(acc_b, fb, scb);
+  }
+}
+
 // The A operand of one chunk: rows a + row_of(pair) * lda for the chunk's pairs, scales (row-wise: one per row;
 // block: K/128 per row).
 struct ChunkA {
@@ -287,6 +344,28 @@ struct ChunkA {
   const float* scale;
   int by_token;  // 1: a row is the pair's token (gate/up, x); 0: the pair itself (down, the intermediate)
 };
+
+// The epilogue value of this thread's (row, token) of tile r: the sum of warps r, r + R, ... of `red` (warp order),
+// then the epilogue as grouped_scaled_mm's (row-wise: the token's scale *sa and the channel's or tensor's weight
+// scale; block-scaled: the scales were applied per K block), rounded to the output type. Row row0 + (thread % 16) of
+// the expert's [n, K] weight; token thread / 16 (< the chunk's m).
+template <class AB, class OutT, bool kBlockScaled>
+__device__ __forceinline__ float tile_value(const typename AB::Acc (&red)[kWarps][2][32][4], int r, int R,
+                                           const float* sa, const float* wscale, int wscale_per_channel, int e,
+                                           int64_t n, int64_t row0) {
+  using Acc = typename AB::Acc;
+  const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
+  const int jt = token / 8, tt = token % 8;
+  const int src = (row % 8) * 4 + tt / 2, reg = (row / 8) * 2 + tt % 2;  // warp_order_sum's C-fragment slot
+  Acc sum = red[r][jt][src][reg];
+  for (int w2 = r + R; w2 < kWarps; w2 += R) sum += red[w2][jt][src][reg];
+  if constexpr (kBlockScaled) {
+    return to_float(epilogue_scaled<OutT>(sum, 0.f));
+  } else {
+    const float sb = wscale_per_channel ? wscale[e * n + row0 + row] : wscale[e];
+    return to_float(epilogue<OutT>(sum, *sa, sb, 0.f));
+  }
+}
 
 // R 16-row weight tiles (rows row0 + 16 r .. + 16 of expert e's [N, K] weight at w, r < R) against the chunk's
 // m <= 8 NT pairs s.rows[r0 ..]. Warp w works on tile w % R, K blocks w / R, w / R + 8 / R, ...; tile r's value is
@@ -340,26 +419,78 @@ __device__ __forceinline__ void tiles_chunk(const MoeDecodeParams& p, const Slot
 
   store_warp_acc(red, acc, warp, lane);
   __syncthreads();
-  const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
+  const int token = threadIdx.x / kRows;
   if (token < m) {
-    const int jt = token / 8, tt = token % 8;
-    const int src = (row % 8) * 4 + tt / 2, reg = (row / 8) * 2 + tt % 2;  // warp_order_sum's C-fragment slot
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      Acc sum = red[r][jt][src][reg];
-#pragma unroll
-      for (int w2 = r + R; w2 < kWarps; w2 += R) sum += red[w2][jt][src][reg];
-      const int64_t ch = row0 + kRows * r + row;
-      if constexpr (kBlockScaled) {
-        val[r] = to_float(epilogue_scaled<OutT>(sum, 0.f));
-      } else {
-        const float sa = ca.scale[row_of(token)];
-        const float sb = wscale_per_channel ? wscale[e * n + ch] : wscale[e];
-        val[r] = to_float(epilogue<OutT>(sum, sa, sb, 0.f));
-      }
+      val[r] = tile_value<AB, OutT, kBlockScaled>(red, r, R, ca.scale ? ca.scale + row_of(token) : nullptr, wscale,
+                                                  wscale_per_channel, e, n, row0 + kRows * r);
     }
   }
   __syncthreads();  // `red` is reused by the next call
+}
+
+// Two 16-row weight tiles of the slot's expert (rows row0a .. + 16 and row0b .. + 16) against the chunk's m <= 8 NT
+// pairs in one pass (mainloop_gather(_scaled)_dual): va / vb equal tiles_chunk<.., R = 1>'s values for row0a /
+// row0b bit for bit (same blocks per warp, same MMA order per accumulator, the same warp-order reduction and
+// epilogue), with one main loop, one reduction barrier and both tiles' bytes in flight together. red_b is the second
+// tile's reduction buffer. All threads call it; it synchronizes.
+template <class AB, class OutT, int NT, bool kBlockScaled>
+__device__ __forceinline__ void tiles_chunk_dual(const MoeDecodeParams& p, const SlotShared& s, const ChunkA& ca,
+                                                 const uint8_t* w, const float* wscale, int wscale_per_channel,
+                                                 int64_t n, int k, int r0, int m, int64_t row0a, int64_t row0b,
+                                                 typename AB::Acc (&red_a)[kWarps][2][32][4],
+                                                 typename AB::Acc (&red_b)[kWarps][2][32][4], float& va, float& vb) {
+  using Acc = typename AB::Acc;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int e = s.expert;
+  const uint8_t* wbase = w + static_cast<int64_t>(e) * n * k + static_cast<int64_t>(g) * k + 16 * t;
+  const uint8_t* wga = wbase + row0a * k;
+  const uint8_t* wgb = wbase + row0b * k;
+  const int nblk = (k + kBlockBytes - 1) / kBlockBytes;
+  auto row_of = [&](int slot) -> int64_t {
+    const int pair = s.rows[r0 + slot];
+    return ca.by_token ? pair / p.k : pair;
+  };
+  const uint8_t* arow[NT];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) arow[j] = 8 * j + g < m ? ca.a + row_of(8 * j + g) * ca.lda : nullptr;
+
+  Acc acc_a[NT][4], acc_b[NT][4];
+  zero_acc(acc_a);
+  zero_acc(acc_b);
+  if constexpr (kBlockScaled) {
+    const int kgroups = k / kGroupBytes;
+    const int64_t nb = (n + kGroupBytes - 1) / kGroupBytes;
+    const float* sb_row_a = wscale + (e * nb + row0a / kGroupBytes) * kgroups;
+    const float* sb_row_b = wscale + (e * nb + row0b / kGroupBytes) * kgroups;
+    const float* sa_row[NT][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int slot = 8 * j + 2 * t + q;
+        sa_row[j][q] = slot < m ? ca.scale + row_of(slot) * kgroups : nullptr;
+      }
+    }
+    mainloop_gather_scaled_dual(acc_a, acc_b, wga, wgb, k, arow, sa_row, sb_row_a, sb_row_b, kgroups, warp, nblk,
+                                kWarps, t, k, p.zero);
+  } else {
+    mainloop_gather_dual(acc_a, acc_b, wga, wgb, k, arow, warp, nblk, kWarps, t, k, p.zero);
+  }
+  allow_dependent_launch();
+
+  store_warp_acc(red_a, acc_a, warp, lane);
+  store_warp_acc(red_b, acc_b, warp, lane);
+  __syncthreads();
+  const int token = threadIdx.x / kRows;
+  if (token < m) {
+    const float* sa = ca.scale ? ca.scale + row_of(token) : nullptr;
+    va = tile_value<AB, OutT, kBlockScaled>(red_a, 0, 1, sa, wscale, wscale_per_channel, e, n, row0a);
+    vb = tile_value<AB, OutT, kBlockScaled>(red_b, 0, 1, sa, wscale, wscale_per_channel, e, n, row0b);
+  }
+  __syncthreads();  // the buffers are reused by the next chunk
 }
 
 // h[pair] (I values of the output type, written by every gate/up CTA of the pair) quantized per token or per
@@ -412,17 +543,25 @@ __device__ __forceinline__ bool arrive_last(int* counter, int total) {
 }
 
 // CTAs per SM the kernels are compiled for: as grouped_decode_kernel (three for the one-tile row-wise variants).
-template <int kMaxNT, bool kBlockScaled>
-constexpr int kCtasPerSm = kMaxNT == 1 && !kBlockScaled ? 3 : 2;
+// The one-pass gate/up (kDual) holds both tiles' weight fragments at once (64 registers): at three CTAs (80
+// registers) ptxas spills them to local memory inside the main loop (int8 200 B, fp8 188 B); at two it does not
+// (128 / 114 registers), but then Qwen3-30B-A3B's 384 gate/up CTAs at T = 1 take 1.45 waves of 264. Both are built
+// for the A/B: kDual 1 keeps the default's CTAs per SM, kDual 2 the two (the one-tile row-wise kernels only; the
+// others are at two either way, and their kDual 1 spills at two too, nvcc 13.0 sm_90a: two token tiles int8 168 B,
+// fp8 144 B, block fp8 476 B; one token tile block fp8 8 B).
+template <int kMaxNT, bool kBlockScaled, int kDual = 0>
+constexpr int kCtasPerSm = kMaxNT == 1 && !kBlockScaled && kDual != 2 ? 3 : 2;
 
 // --- gate/up: grid (I / 16, slots) --------------------------------------------------------------------------------
 
-template <class AB, class OutT, int kMaxNT, bool kBlockScaled>
-__global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
+// kDual 1 / 2: both tiles in one pass (tiles_chunk_dual: the same bits, one main loop; 2: compiled for fewer CTAs
+// per SM, kCtasPerSm; the A/B switch CUTLASS_W8A8_MOE_GATE_UP_DUAL, host below); 0: the gate tile, then the up tile.
+template <class AB, class OutT, int kMaxNT, bool kBlockScaled, int kDual>
+__global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled, kDual>))
     moe_decode_gate_up_kernel(MoeDecodeParams p) {
   using Acc = typename AB::Acc;
   using Q = typename AB::Q;
-  __shared__ alignas(16) Acc red[kWarps][2][32][4];
+  __shared__ alignas(16) Acc red[kDual != 0 ? 2 : 1][kWarps][2][32][4];
   __shared__ SlotShared s;
   wait_for_producers();  // topk_ids and weights (routing), qx / sx (prep)
   find_slot_pairs(p, static_cast<int>(blockIdx.y), s);
@@ -436,16 +575,24 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
   for (int r0 = 0; r0 < s.m; r0 += kChunk) {
     const int m = min(kChunk, s.m - r0);
     float gate[1], up[1];
-    if (kMaxNT == 1 || m <= 8) {
-      tiles_chunk<AB, OutT, 1, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0, red,
-                                                gate);
+    if constexpr (kDual != 0) {
+      if (kMaxNT == 1 || m <= 8) {
+        tiles_chunk_dual<AB, OutT, 1, kBlockScaled>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0,
+                                                    inter + n0, red[0], red[1], gate[0], up[0]);
+      } else {
+        tiles_chunk_dual<AB, OutT, 2, kBlockScaled>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0,
+                                                    inter + n0, red[0], red[1], gate[0], up[0]);
+      }
+    } else if (kMaxNT == 1 || m <= 8) {
+      tiles_chunk<AB, OutT, 1, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0,
+                                                red[0], gate);
       tiles_chunk<AB, OutT, 1, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
-                                                inter + n0, red, up);
+                                                inter + n0, red[0], up);
     } else {
-      tiles_chunk<AB, OutT, 2, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0, red,
-                                                gate);
+      tiles_chunk<AB, OutT, 2, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0,
+                                                red[0], gate);
       tiles_chunk<AB, OutT, 2, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
-                                                inter + n0, red, up);
+                                                inter + n0, red[0], up);
     }
     if (token < m) {
       // silu_mul (quant/silu_mul.cu): silu rounded to the output type, then the product, rounded
@@ -534,9 +681,19 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
 // expert-major kernel's 8 warps accumulate them (block b into accumulator b % 8, each in block order), then the 8
 // accumulators are added in order: the same sums as grouped_decode / the chain, bit for bit, for any K. An expert
 // shared by several tokens is streamed once per token (the later reads mostly from L2).
-template <class AB, class OutT, bool kBlockScaled>
-__global__ void __launch_bounds__(kThreads, 2) moe_decode_down_tm_kernel(MoeDecodeParams p) {
+//
+// kPrefetch (the A/B switch CUTLASS_W8A8_MOE_DOWN_PREFETCH=1, host below): block b + 1's weight and activation
+// fragments (and block scales) are loaded before block b's MMAs (two buffers), so a warp has two blocks of its pair in
+// flight instead of one at a time (without it the SASS is load, MMA, load, MMA: one round trip per 256-byte block, 3
+// for Qwen3-30B-A3B's I = 768, 8 for DeepSeek-V3's 2048). The MMAs, their order and the accumulators are the same:
+// the same bits. The second buffer needs about 40 more registers: compiled for two CTAs per SM ptxas spilled 480-676
+// bytes (nvcc 13.0 sm_90a), so this variant is compiled for one (164-168 registers, no spills); Qwen3's 128 CTAs at
+// T = 1 fit one wave either way.
+template <class AB, class OutT, bool kBlockScaled, bool kPrefetch>
+__global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2) moe_decode_down_tm_kernel(MoeDecodeParams p) {
   using Acc = typename AB::Acc;
+  // kPrefetch keeps block b in buf[b % 2] as buf[v & 1] (b = base + v, base a multiple of kWarps): needs kWarps even
+  static_assert(kWarps % 2 == 0, "kPrefetch's buffer parity: kWarps must be even");
   __shared__ float s_prod[kMaxPairs][kRows];
   __shared__ int s_routed[kMaxPairs];
   wait_for_producers();  // q2 / sh (gate/up)
@@ -563,17 +720,61 @@ __global__ void __launch_bounds__(kThreads, 2) moe_decode_down_tm_kernel(MoeDeco
       const float* sb_row = p.s2 + (e * nb + n0 / kGroupBytes) * kgroups;
       const float* sa_row[1][2] = {{t == 0 ? p.sh + static_cast<int64_t>(pair) * kgroups : nullptr, nullptr}};
       BlockScales<1> sc;
+      if constexpr (kPrefetch) {
+        BlockFrags<1> buf[2];  // as in the row-wise branch below, with the block scales one block ahead too
+        BlockScales<1> scb[2];
+        load_block_weights(buf[0], wg, inter, 0, t, inter);
+        load_block_acts_gather(buf[0], arow, 0, t, inter);
+        load_block_scales_gather(scb[0], sa_row, sb_row, kgroups, 0);
+        for (int base = 0; base < nblk; base += kWarps) {
+#pragma unroll
+          for (int v = 0; v < kWarps; ++v) {
+            const int blk = base + v;
+            if (blk < nblk) {
+              if (blk + 1 < nblk) {
+                load_block_weights(buf[(v + 1) & 1], wg, inter, blk + 1, t, inter);
+                load_block_acts_gather(buf[(v + 1) & 1], arow, blk + 1, t, inter);
+                load_block_scales_gather(scb[(v + 1) & 1], sa_row, sb_row, kgroups, blk + 1);
+              }
+              tie_to_weight_loads(buf[v & 1], p.zero);
+              tie_to_scale_loads(buf[v & 1], scb[v & 1], p.zero);
+              mma_block_scaled(acc[v], buf[v & 1], scb[v & 1]);
+            }
+          }
+        }
+      } else {
+        for (int base = 0; base < nblk; base += kWarps) {
+#pragma unroll
+          for (int v = 0; v < kWarps; ++v) {
+            const int blk = base + v;
+            if (blk < nblk) {
+              load_block_weights(f, wg, inter, blk, t, inter);
+              load_block_acts_gather(f, arow, blk, t, inter);
+              load_block_scales_gather(sc, sa_row, sb_row, kgroups, blk);
+              tie_to_weight_loads(f, p.zero);
+              tie_to_scale_loads(f, sc, p.zero);
+              mma_block_scaled(acc[v], f, sc);
+            }
+          }
+        }
+      }
+    } else if constexpr (kPrefetch) {
+      // buf[v & 1] holds block base + v's weights and activations, loaded one block ahead (kWarps is even, so the
+      // parity of a block's buffer is the same in every base round)
+      BlockFrags<1> buf[2];
+      load_block_weights(buf[0], wg, inter, 0, t, inter);
+      load_block_acts_gather(buf[0], arow, 0, t, inter);
       for (int base = 0; base < nblk; base += kWarps) {
 #pragma unroll
         for (int v = 0; v < kWarps; ++v) {
           const int blk = base + v;
           if (blk < nblk) {
-            load_block_weights(f, wg, inter, blk, t, inter);
-            load_block_acts_gather(f, arow, blk, t, inter);
-            load_block_scales_gather(sc, sa_row, sb_row, kgroups, blk);
-            tie_to_weight_loads(f, p.zero);
-            tie_to_scale_loads(f, sc, p.zero);
-            mma_block_scaled(acc[v], f, sc);
+            if (blk + 1 < nblk) {
+              load_block_weights(buf[(v + 1) & 1], wg, inter, blk + 1, t, inter);
+              load_block_acts_gather(buf[(v + 1) & 1], arow, blk + 1, t, inter);
+            }
+            tie_to_weight_loads(buf[v & 1], p.zero);
+            mma_block(acc[v], buf[v & 1]);
           }
         }
       }
@@ -660,24 +861,76 @@ void launch_down(const MoeDecodeParams& p, int r, unsigned slots, cudaStream_t s
   }
 }
 
+// How gate/up runs its two tiles (moe_decode_gate_up_kernel's kDual; the same bits every way): an A/B switch,
+// CUTLASS_W8A8_MOE_GATE_UP_DUAL (read once per process): unset, empty or 0, one tile after the other (the default
+// until measured); 1, one pass at the default's CTAs per SM; 2, one pass compiled for two CTAs per SM (kCtasPerSm).
+// Another value raises a ValueError naming the variable (a typo would otherwise measure the default).
+int gate_up_dual() {
+  static const int value = [] {
+    const char* env = std::getenv("CUTLASS_W8A8_MOE_GATE_UP_DUAL");
+    const std::string v = env == nullptr ? "" : env;
+    TORCH_CHECK_VALUE(v.empty() || v == "0" || v == "1" || v == "2",
+                      "moe_decode_experts: CUTLASS_W8A8_MOE_GATE_UP_DUAL must be 0, 1 or 2 (or unset), got '", v,
+                      "'");
+    return v == "1" ? 1 : (v == "2" ? 2 : 0);
+  }();
+  return value;
+}
+
+// Whether the token-major down kernel loads each block one block ahead (moe_decode_down_tm_kernel's kPrefetch; the
+// same bits either way): an A/B switch, CUTLASS_W8A8_MOE_DOWN_PREFETCH=1 (read once per process), off by default
+// (unset, empty or 0) until measured. Another value raises a ValueError naming the variable.
+bool down_prefetch() {
+  static const bool value = [] {
+    const char* env = std::getenv("CUTLASS_W8A8_MOE_DOWN_PREFETCH");
+    const std::string v = env == nullptr ? "" : env;
+    TORCH_CHECK_VALUE(v.empty() || v == "0" || v == "1",
+                      "moe_decode_experts: CUTLASS_W8A8_MOE_DOWN_PREFETCH must be 0 or 1 (or unset), got '", v, "'");
+    return v == "1";
+  }();
+  return value;
+}
+
+template <class AB, class OutT, int kMaxNT, bool kBlockScaled>
+void launch_gate_up(const MoeDecodeParams& p, const dim3& grid, cudaStream_t stream, bool pdl) {
+  const int dual = gate_up_dual();
+  if constexpr (kMaxNT == 1 && !kBlockScaled) {  // the one variant whose CTAs per SM differ between 1 and 2
+    if (dual == 2) {
+      C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, kMaxNT, kBlockScaled, 2>, grid,
+                                   dim3(kThreads), 0, stream, pdl, p));
+      return;
+    }
+  }
+  if (dual != 0) {
+    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, kMaxNT, kBlockScaled, 1>, grid,
+                                 dim3(kThreads), 0, stream, pdl, p));
+  } else {
+    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, kMaxNT, kBlockScaled, 0>, grid,
+                                 dim3(kThreads), 0, stream, pdl, p));
+  }
+}
+
 template <class AB, class OutT, bool kBlockScaled>
 void launch_gemms(const MoeDecodeParams& p, int slots, cudaStream_t stream, bool pdl) {
   const dim3 g13(static_cast<unsigned>(p.inter / kRows), static_cast<unsigned>(slots));
   const int r = down_tiles(p.inter, p.hid);
   const bool tm = down_token_major(p.k);
   if (p.pairs <= 8) {
-    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, 1, kBlockScaled>, g13, dim3(kThreads), 0,
-                                 stream, pdl, p));
+    launch_gate_up<AB, OutT, 1, kBlockScaled>(p, g13, stream, pdl);
     if (!tm) launch_down<AB, OutT, 1, kBlockScaled>(p, r, static_cast<unsigned>(slots), stream, pdl);
   } else {
-    C10_CUDA_CHECK(launch_kernel(moe_decode_gate_up_kernel<AB, OutT, 2, kBlockScaled>, g13, dim3(kThreads), 0,
-                                 stream, pdl, p));
+    launch_gate_up<AB, OutT, 2, kBlockScaled>(p, g13, stream, pdl);
     if (!tm) launch_down<AB, OutT, 2, kBlockScaled>(p, r, static_cast<unsigned>(slots), stream, pdl);
   }
   if (tm) {
     const dim3 g2(static_cast<unsigned>(p.hid / kRows), static_cast<unsigned>(p.t));
-    C10_CUDA_CHECK(launch_kernel(moe_decode_down_tm_kernel<AB, OutT, kBlockScaled>, g2, dim3(kThreads), 0, stream,
-                                 pdl, p));
+    if (down_prefetch()) {
+      C10_CUDA_CHECK(launch_kernel(moe_decode_down_tm_kernel<AB, OutT, kBlockScaled, true>, g2, dim3(kThreads), 0,
+                                   stream, pdl, p));
+    } else {
+      C10_CUDA_CHECK(launch_kernel(moe_decode_down_tm_kernel<AB, OutT, kBlockScaled, false>, g2, dim3(kThreads), 0,
+                                   stream, pdl, p));
+    }
   }
 }
 
@@ -700,6 +953,8 @@ at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, c
                               const at::Tensor& w2_scale, int64_t group_size, at::ScalarType out_dtype) {
   constexpr const char* op = "moe_decode_experts";
   moe::check_decode_experts(op, x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size, out_dtype);
+  gate_up_dual();  // the A/B switches: a bad value raises here, before any launch
+  down_prefetch();
   c10::cuda::CUDAGuard guard(x.device());
   const int device = x.device().index();
   const DeviceInfo& info = device_info(device);

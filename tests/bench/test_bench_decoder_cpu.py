@@ -65,6 +65,7 @@ KERNEL_NAMES = [
     (f"void {_A}decode_reduce_kernel<__nv_bfloat16>(long, {_A}DecodeParams)", "gemm w8a8"),
     # csrc/moe/routing.cu (moe_route / moe_topk_softmax, moe_align, moe_unpermute) and csrc/moe/permute_quant.cu
     (f"void {_A}route_kernel<__nv_bfloat16>(__nv_bfloat16 const*, {_A}RouteArgs)", "moe routing"),
+    (f"void {_A}router_route_kernel<__nv_bfloat16, false, 8>({_A}RouterRouteParams<__nv_bfloat16>)", "moe routing"),
     (f"void {_A}align_kernel<int>(int const*, long, long, int, long, int, int, int*, int*, int*)", "moe routing"),
     (f"void {_A}unpermute_kernel<__nv_bfloat16>(__nv_bfloat16 const*, long, int const*, float const*, int, long, "
      "int, __nv_bfloat16*)", "moe routing"),

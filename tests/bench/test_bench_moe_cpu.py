@@ -311,6 +311,23 @@ def _decode_synthetic(dec, device="NVIDIA H200"):
             "decode_points": pts, "timing": {"method": "x"}, "decode_schemes": ["int8", "fp8", "block"]}
 
 
+def test_kernel_names_and_durations(bench, monkeypatch):
+    dec = bench.sys.modules["_moe_decode"]
+    name = ("void cutlass_w8a8::(anonymous namespace)::moe_decode_down_kernel<__nv_bfloat16, Int8Out, 8>"
+            "(cutlass_w8a8::MoeDecodeArgs)")
+    assert dec.short_kernel_name(name) == "moe_decode_down_kernel"
+    assert dec.short_kernel_name("Memset (Device)") == "Memset (Device)"
+    assert dec.kernel_durations(lambda: None, "cpu") is None
+    from cutlass_w8a8 import _ext
+    from cutlass_w8a8.testing import timers
+
+    pdl = []
+    monkeypatch.setattr(_ext, "set_pdl", lambda on: pdl.append(on) or True)
+    monkeypatch.setattr(timers, "cuda_kernel_times", lambda fn: [(name, 3.456), ("void route_kernel<f>(A)", 1.0)])
+    assert dec.kernel_durations(lambda: None, "cuda") == [("moe_decode_down_kernel", 3.46), ("route_kernel", 1.0)]
+    assert pdl == [False, True]
+
+
 def test_decode_derive_targets_and_report(bench, tmp_path):
     dec = bench.sys.modules["_moe_decode"]
     res = _decode_synthetic(dec)
@@ -327,6 +344,13 @@ def test_decode_derive_targets_and_report(bench, tmp_path):
     md = dec.render_decode_markdown(res)
     assert "## Targets (issue 36)" in md and "| met |" in md and "INVALID" in md and "### qwen3-30b-a3b" in md
     assert "| 1 | int8_fused | 18.0 |" in md and "| 0.60 |" in md
+    assert "## Kernel durations of the fused path" not in md  # no point has a breakdown
+    res["decode_points"][0]["kernel_us"] = {"int8_fused": [("route_kernel", 4.0), ("moe_decode_prep_kernel", 2.5),
+                                                           ("moe_decode_gate_up_kernel", 7.25)]}
+    md = dec.render_decode_markdown(res)
+    assert "## Kernel durations of the fused path" in md
+    assert ("| qwen3-30b-a3b | 1 | int8_fused | route_kernel 4.0, moe_decode_prep_kernel 2.5, "
+            "moe_decode_gate_up_kernel 7.2 | 13.8 |") in md
     # H100: the 26 us bound; another device: no bound, not judged; a kernel count missing: not judged
     res = _decode_synthetic(dec, "NVIDIA H100 80GB HBM3")
     res["decode_points"][0]["time_ms"]["int8_fused"] = 25e-3

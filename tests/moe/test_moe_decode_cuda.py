@@ -16,6 +16,11 @@ Python ones by tests/test_misuse_table.py::test_row_on_cuda.
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -83,6 +88,128 @@ def test_equals_the_chain_bitwise(scheme, t, k, e, route):
     ids, wts = routing(t, k, e, route, "cuda", seed=t * 100 + k)
     x = random_x(t, H, device="cuda", seed=t + k)
     _assert_equals_chain(x, ids, wts, ops, what=(scheme, t, k, e, route))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("h", [2048, 4608])
+@pytest.mark.parametrize("t, k, route", [(1, 8, "random"), (8, 8, "random"), (16, 4, "one-expert")])
+def test_equals_the_chain_bitwise_wide(scheme, h, t, k, route):
+    """Qwen3-30B-A3B's H = 2048 (8 K blocks of 256: one per warp) and H = 4608 (18: the warps take 2 or 3), I = 768
+    (48 gate/up CTAs per expert), T 1 and 8 at top-8: the sums of every warp and block count. Random routing leaves
+    at most 8 pairs per expert here (one-tile chunks); all 64 pairs of T 16 at top-4 on one expert make 16-pair
+    chunks (two token tiles, NT = 2) with every warp busy."""
+    ops = _wide_operands(scheme, h)
+    ids, wts = routing(t, k, 8, route, "cuda", seed=h + t)
+    x = random_x(t, h, device="cuda", seed=h + t + 1)
+    _assert_equals_chain(x, ids, wts, ops, what=(scheme, h, t, k, route))
+
+
+@functools.lru_cache(maxsize=None)
+def _wide_operands(scheme, h):
+    ops = decode_operands(scheme, 8, h, 768, "cpu", seed=h)
+    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("i", [384, 2176])
+@pytest.mark.parametrize("t, k, route", [(1, 8, "random"), (8, 8, "random"), (4, 2, "random")])
+def test_equals_the_chain_bitwise_long_i(scheme, i, t, k, route):
+    """The down GEMM's K = I over several 256-byte blocks with a half block at the end: I = 384 (2 blocks: the
+    token-major kernel's one-block-ahead load of a tail block; the expert-major kernel's R = 4 tiles per CTA) and
+    I = 2176 (9 blocks: a second round of the 8 per-warp accumulators, whose one block is the tail; expert-major
+    R = 1 with warp 0 taking 2 blocks). Token-major at top-8, expert-major at top-2. The other tests' I is 128 or
+    768 (one block with a tail, or 3 whole blocks)."""
+    ops = _long_i_operands(scheme, i)
+    ids, wts = routing(t, k, 8, route, "cuda", seed=i + t)
+    x = random_x(t, H, device="cuda", seed=i + t + 1)
+    _assert_equals_chain(x, ids, wts, ops, what=(scheme, i, t, k, route))
+
+
+@functools.lru_cache(maxsize=None)
+def _long_i_operands(scheme, i):
+    ops = decode_operands(scheme, 8, H, i, "cpu", seed=i)
+    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
+
+
+@pytest.mark.parametrize("scheme, t", [("int8", 1), ("int8", 8), ("fp8-block", 1)])
+def test_gate_up_kernel_variant_follows_the_switch(scheme, t):
+    """moe_decode_gate_up_kernel's last template argument (kDual: 0 one tile after the other, 1 / 2 both tiles in
+    one pass at the default's / at two CTAs per SM) is what CUTLASS_W8A8_MOE_GATE_UP_DUAL says for this process
+    (unset: 0), at top-8: at T = 1 int8 (8 pairs: the one-token-tile row-wise kernel, the only one where 1 and 2
+    differ) 0, 1 or 2; at T = 8 int8 (64 pairs: two token tiles) and T = 1 block fp8, 1 for both 1 and 2."""
+    mode = os.environ.get("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "")
+    want = {"1": "1", "2": "2"}.get(mode, "0") if (scheme, t) == ("int8", 1) else ("1" if mode in ("1", "2") else "0")
+    ops = _operands(scheme, 8)
+    ids, wts = routing(t, 8, 8, "random", "cuda", seed=3)
+    x = random_x(t, H, device="cuda", seed=4)
+    cw.moe_decode_experts(x, ids, wts, **ops)  # warm-up (lazy loading)
+    names = [n for n in _kernel_names(lambda: cw.moe_decode_experts(x, ids, wts, **ops))
+             if "moe_decode_gate_up_kernel" in n]
+    if not names:
+        pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
+    m = re.search(r"moe_decode_gate_up_kernel<.*, ([012])>\(", names[0])
+    assert m is not None and m.group(1) == want, names[0]
+
+
+def test_down_kernel_variant_follows_the_switch():
+    """moe_decode_down_tm_kernel's last template argument (kPrefetch: each block loaded one block ahead) is what
+    CUTLASS_W8A8_MOE_DOWN_PREFETCH says for this process ("1": true; unset: false), at T = 1, top-8."""
+    want = "true" if os.environ.get("CUTLASS_W8A8_MOE_DOWN_PREFETCH") == "1" else "false"
+    ops = _operands("fp8-block", 8)
+    ids, wts = routing(1, 8, 8, "random", "cuda", seed=3)
+    x = random_x(1, H, device="cuda", seed=4)
+    cw.moe_decode_experts(x, ids, wts, **ops)  # warm-up (lazy loading)
+    names = [n for n in _kernel_names(lambda: cw.moe_decode_experts(x, ids, wts, **ops))
+             if "moe_decode_down_tm_kernel" in n]
+    if not names:
+        pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
+    m = re.search(r"moe_decode_down_tm_kernel<.*, (true|false)>\(", names[0])
+    assert m is not None and m.group(1) == want, names[0]
+
+
+SWITCHES = ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "CUTLASS_W8A8_MOE_DOWN_PREFETCH")
+
+
+@pytest.mark.parametrize("name, value, allowed", [
+    ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "3", "0, 1 or 2"), ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "true", "0, 1 or 2"),
+    ("CUTLASS_W8A8_MOE_DOWN_PREFETCH", "2", "0 or 1"), ("CUTLASS_W8A8_MOE_DOWN_PREFETCH", "yes", "0 or 1")])
+def test_a_bad_switch_value_raises_naming_the_variable(name, value, allowed):
+    """A value of an A/B switch other than unset / empty / the listed ones makes the op raise a ValueError naming
+    the variable (read once per process, so a fresh one), instead of silently running the default variant."""
+    code = ("import sys, torch, cutlass_w8a8 as cw\n"
+            f"sys.path.insert(0, {str(pathlib.Path(__file__).parents[1])!r})\n"
+            "from _moe_decode import decode_operands, random_x, routing\n"
+            f"ops = decode_operands('int8', 8, {H}, {I}, 'cpu', seed=1)\n"
+            "ops = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in ops.items()}\n"
+            "ids, wts = routing(1, 8, 8, 'random', 'cuda', seed=2)\n"
+            f"x = random_x(1, {H}, device='cuda', seed=3)\n"
+            "try:\n"
+            "    cw.moe_decode_experts(x, ids, wts, **ops)\n"
+            "except ValueError as exc:\n"
+            "    print('RAISED', exc)\n")
+    env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+    r = subprocess.run([sys.executable, "-c", code], env={**env, name: value}, capture_output=True, text=True,
+                       timeout=300, cwd=pathlib.Path(__file__).parents[2])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "RAISED" in r.stdout and f"{name} must be {allowed} (or unset), got '{value}'" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("env", [{"CUTLASS_W8A8_MOE_GATE_UP_DUAL": "1"}, {"CUTLASS_W8A8_MOE_GATE_UP_DUAL": "2"},
+                                 {"CUTLASS_W8A8_MOE_DOWN_PREFETCH": "1", "CUTLASS_W8A8_MOE_GATE_UP_DUAL": "2"}],
+                         ids=["gate-up-1", "gate-up-2", "down-prefetch"])
+def test_kernel_variants_in_their_own_process(env):
+    """The A/B variants of the decode path's kernels (CUTLASS_W8A8_MOE_GATE_UP_DUAL=1 / 2: gate/up in one pass;
+    CUTLASS_W8A8_MOE_DOWN_PREFETCH=1: the down kernel one block ahead; each read once per process, so a fresh one):
+    this file's bitwise tests against the chain and the kernel-variant checks pass there too."""
+    if any(os.environ.get(name) for name in SWITCHES):
+        pytest.skip("this process already runs a variant")
+    here = pathlib.Path(__file__)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", str(here), "-k",
+           "equals_the_chain or dtypes_and_int64 or variant_follows"]
+    r = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
+                       timeout=900, cwd=here.parents[2])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

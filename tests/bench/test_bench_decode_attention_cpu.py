@@ -1,0 +1,43 @@
+"""bench/bench_decode_attention.py's pieces on the CPU (the benchmark itself needs a GPU): the kernel tags and the
+--profile aggregation (median per kernel over calls, PDL off while profiling and restored after)."""
+
+from __future__ import annotations
+
+import pytest
+
+from _bench_cpu import loaded_bench
+
+
+@pytest.fixture(scope="module")
+def bench():
+    with loaded_bench("bench_decode_attention") as mod:
+        yield mod
+
+
+def test_kernel_tags(bench):
+    ns = "void cutlass_w8a8::(anonymous namespace)::"
+    assert bench._kernel_tag(ns + "decode_attention_split_kernel<__nv_bfloat16, 8, 16, 1>(Args)") == "split"
+    assert bench._kernel_tag(ns + "decode_attention_combine_kernel<__nv_bfloat16, Int8Out, 2>(Args)") == "combine"
+    assert bench._kernel_tag(ns + "decode_attention_fused_kernel<__nv_bfloat16, Int8Out, 8, 16, 1>(Args)") == "fused"
+    assert bench._kernel_tag(ns + "rope_kv_cache_kernel<__nv_bfloat16>(Args)") == ""
+
+
+def test_profile_takes_medians_with_pdl_off(bench, monkeypatch):
+    pdl = []
+    monkeypatch.setattr(bench._ext, "set_pdl", lambda on: pdl.append(on) or True)
+    calls = iter([
+        [("decode_attention_split_kernel<a>", 5.0), ("decode_attention_combine_kernel<b>", 2.0), ("memset", 1.0)],
+        [("decode_attention_split_kernel<a>", 7.0), ("decode_attention_combine_kernel<b>", 3.0)],
+        [("decode_attention_split_kernel<a>", 6.0), ("decode_attention_combine_kernel<b>", 4.0)],
+    ])
+    seen = []
+
+    def fake_kernel_times(step):
+        step()
+        return next(calls)
+
+    monkeypatch.setattr(bench, "cuda_kernel_times", fake_kernel_times)
+    got = bench._profile(lambda *a: seen.append(a), (1, 2), calls=3)
+    assert got == {"split": 6.0, "combine": 3.0}
+    assert seen == [(1, 2)] * 3
+    assert pdl == [False, True]  # off while profiling, then the previous setting back
