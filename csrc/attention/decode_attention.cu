@@ -710,8 +710,9 @@ int min_chunk() {
 // The split kernel's CTAs per SM that choose_splits aims at: kCtasPerSm, or CUTLASS_W8A8_ATTN_CTAS_PER_SM (an integer
 // in [1, 16]), read once per process. An experiment's knob (issue 36; bench_decode_attention.py, a process per
 // value): more CTAs per SM give more splits where B x H / G' is small against the SMs (Qwen3-30B-A3B's B 8 at S 4096:
-// 32 pairs, 9 splits at 2, 33 at 8), so more loads in flight per SM and shorter walks per CTA, and more partial
-// results for the combine; another value changes the splits, hence the bits.
+// 32 pairs, 9 splits at 2, 33 at 8 on 132 SMs), so shorter walks per CTA and, where registers let more CTAs be
+// resident (the G' = 8 16-bit kernel: 2 per SM at 229-245 registers; G' = 4: 3), more loads in flight per SM; and
+// more partial results for the combine. Another value changes the splits, hence the bits.
 int ctas_per_sm() {
   static const int value = [] {
     const char* env = std::getenv("CUTLASS_W8A8_ATTN_CTAS_PER_SM");
