@@ -288,12 +288,12 @@ __device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int h
   };
 
   // The bounds are the same for every thread of the unit, so the shuffles below always see full warps.
-  Vec kr[kUnroll][kVecs], vr[kUnroll][kVecs];
   if constexpr (kPrefetch) {
     // CUTLASS_W8A8_ATTN_PREFETCH=1 (host below): each step issues the NEXT step's loads into a second buffer before
     // its own math, so the math overlaps them (software pipelining); the first step's vectors are loaded before the
     // loop, and the last step's "next" is all past s_end (zeros, nothing read). The same math on the same vectors
     // in the same order as the default: the same bits.
+    Vec kr[kUnroll][kVecs], vr[kUnroll][kVecs];
     load_step(s_begin, kr, vr);
     for (int base = s_begin; base < s_end; base += kStep) {
       Vec kn[kUnroll][kVecs], vn[kUnroll][kVecs];
@@ -311,6 +311,7 @@ __device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int h
   } else {
     // the default: a step issues its loads, waits for them, then does its math
     for (int base = s_begin; base < s_end; base += kStep) {
+      Vec kr[kUnroll][kVecs], vr[kUnroll][kVecs];
       load_step(base, kr, vr);
       step_math(base, kr, vr);
     }
