@@ -89,6 +89,17 @@ def _cases():
     return out
 
 
+def _calls(ops, args: tuple, fp8: bool) -> dict:
+    """The op variants compared, each a callable returning a tuple of outputs: decode_attention, and
+    decode_attention_quant to int8 (dynamic per-token scale) and, where fp8 kernels exist, to fp8 (static scale)."""
+    calls = {"plain": lambda: (ops.decode_attention(*args),),
+             "int8": lambda: ops.decode_attention_quant(*args, torch.int8, None)}
+    if fp8:
+        static = torch.full((1,), 0.01, device="cuda")
+        calls["fp8-static"] = lambda: ops.decode_attention_quant(*args, torch.float8_e4m3fn, static)
+    return calls
+
+
 def _compute_outputs(path: str) -> None:
     """Run in a child process: every case's outputs on the two-kernel path and on the fused path (the switch on),
     saved to ``path`` with the path each took and the split-step kernel variants that ran (kernel names)."""
@@ -110,12 +121,7 @@ def _compute_outputs(path: str) -> None:
                 _ext.set_decode_attention_fused(fused)
                 mode = "fused" if fused else "split"
                 paths[f"{key}/{mode}"] = _ext.decode_attention_path(dev, b, h, kvh, s, d, dtype)
-                calls = {"plain": lambda: (ops.decode_attention(q, kv, slots, pos, scale),),
-                         "int8": lambda: ops.decode_attention_quant(q, kv, slots, pos, scale, torch.int8, None)}
-                if fp8:
-                    static = torch.full((1,), 0.01, device="cuda")
-                    calls["fp8-static"] = lambda: ops.decode_attention_quant(q, kv, slots, pos, scale,
-                                                                             torch.float8_e4m3fn, static)
+                calls = _calls(ops, (q, kv, slots, pos, scale), fp8)
                 for variant, call in calls.items():
                     outs = call()
                     results[f"{key}/{mode}/{variant}"] = [
