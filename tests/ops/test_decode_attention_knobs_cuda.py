@@ -35,9 +35,10 @@ PREFETCH = "CUTLASS_W8A8_ATTN_PREFETCH"
 CTAS = "CUTLASS_W8A8_ATTN_CTAS_PER_SM"
 KNOBS = (PREFETCH, CTAS, "CUTLASS_W8A8_ATTN_MIN_CHUNK")
 
-# test_decode_attention_cuda.py's accuracy, long-cache, ragged, independence and graph tests
-REFERENCE_TESTS = ("float64_reference or long_cache or mixed_short_and_long or cuda_graph_replay or "
-                   "rows_are_independent")
+# test_decode_attention_cuda.py's accuracy, long-cache, ragged, independence and graph tests, and every lane layout
+# (other_head_dims: 1 to 32 lanes a position, idle lanes past D, float32's two vectors a lane)
+REFERENCE_TESTS = ("float64_reference or other_head_dims or long_cache or mixed_short_and_long or "
+                   "cuda_graph_replay or rows_are_independent")
 
 
 def _clean_env(**knobs) -> dict:
@@ -77,15 +78,21 @@ def _positions(b: int, s: int, seed: int) -> list[int]:
 
 def _cases():
     """(key, H, KVH, D, B, S, dtype, seed): the layouts x B x S in bfloat16, plus float16 and float32 (the split
-    kernel's other instantiations) at one shape each."""
+    kernel's other instantiations), G' = 1 and 2, and lanes left idle past D (D = 40: 5 vectors over 8 lanes, both
+    paths; float32 D = 192: 48 vectors over 32 lanes, two a lane)."""
     out = []
     for name, h, kvh in LAYOUTS:
         for s in SEQS:
             for b in BATCHES:
                 out.append((f"{name}-b{b}-s{s}-bf16", h, kvh, 128, b, s, torch.bfloat16, 10 * b + s))
     out.append(("qwen3-b8-s512-fp16", 32, 4, 128, 8, 512, torch.float16, 7))
+    out.append(("qwen3-b8-s256-fp16", 32, 4, 128, 8, 256, torch.float16, 11))  # the fused path in float16
     out.append(("llama3-b8-s512-fp32", 32, 8, 128, 8, 512, torch.float32, 8))
     out.append(("h12-kvh2-b3-s1000-d64-bf16", 12, 2, 64, 3, 1000, torch.bfloat16, 9))  # G' = 2, kLanes 8
+    # G' = 1 (8 splits, 64 units: fused where resident, 16 CTAs of 4 units)
+    out.append(("h8-kvh8-b3-s256-bf16", 8, 8, 128, 3, 256, torch.bfloat16, 12))
+    out.append(("h4-kvh2-b5-s300-d40-bf16", 4, 2, 40, 5, 300, torch.bfloat16, 13))
+    out.append(("h4-kvh2-b5-s300-d192-fp32", 4, 2, 192, 5, 300, torch.float32, 14))
     return out
 
 
@@ -223,29 +230,38 @@ def test_ctas_per_sm_reaches_the_fused_plan():
 
 # --- bad values ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name, value, message", [
-    (PREFETCH, "2", "must be 0 or 1 (or unset)"), (PREFETCH, "yes", "must be 0 or 1 (or unset)"),
-    (PREFETCH, "true", "must be 0 or 1 (or unset)"),
-    (CTAS, "0", "must be an integer in [1, 16]"), (CTAS, "17", "must be an integer in [1, 16]"),
-    (CTAS, "abc", "must be an integer in [1, 16]"), (CTAS, "2.5", "must be an integer in [1, 16]"),
-    (CTAS, "-1", "must be an integer in [1, 16]")])
-def test_a_bad_value_raises_naming_the_variable(name, value, message):
+# each variable's bad values and the C++ message (csrc/attention/decode_attention.cu: attn_prefetch, ctas_per_sm)
+BAD_VALUES = {PREFETCH: ("must be 0 or 1 (or unset)", ("2", "yes", "true")),
+              CTAS: ("must be an integer in [1, 16]", ("0", "17", "abc", "2.5", "-1"))}
+
+
+@pytest.mark.parametrize("name", list(BAD_VALUES))
+def test_a_bad_value_raises_naming_the_variable(name):
     """The op and decode_attention_path raise a ValueError naming the variable (read before any launch) instead of
-    silently running the default; a fresh process per value (the variables are read once per process)."""
-    code = ("import torch, cutlass_w8a8 as cw\n"
+    silently running the default. A fresh process per variable (each is read once per process), its bad values in
+    turn: a read that raised leaves the variable unread (C++ tries a static initialization that threw again on the
+    next call), so each call reads the value just set. The other variable is unset: the CUTLASS_W8A8_ATTN_PREFETCH
+    process reads the default CTAs per SM, and ctas_per_sm is read before attn_prefetch."""
+    message, values = BAD_VALUES[name]
+    code = ("import os, torch, cutlass_w8a8 as cw\n"
             "from cutlass_w8a8 import _ext\n"
             "from cutlass_w8a8.testing.attention import make_inputs\n"
             "q, kv, slots, pos = make_inputs(1, 8, 8, 64, 256, torch.bfloat16, 'cuda', seed=0)\n"
-            "for call in (lambda: cw.decode_attention(q, kv, slots, pos),\n"
-            "             lambda: _ext.decode_attention_path(0, 1, 8, 8, 256, 64, torch.bfloat16)):\n"
-            "    try:\n"
-            "        call()\n"
-            "    except ValueError as exc:\n"
-            "        print('RAISED', exc)\n")
-    r = subprocess.run([sys.executable, "-c", code], env=_clean_env(**{name: value}), capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+            f"for value in {values!r}:\n"
+            f"    os.environ[{name!r}] = value\n"
+            "    for call in (lambda: cw.decode_attention(q, kv, slots, pos),\n"
+            "                 lambda: _ext.decode_attention_path(0, 1, 8, 8, 256, 64, torch.bfloat16)):\n"
+            "        try:\n"
+            "            call()\n"
+            "            print('RAN', repr(value))\n"
+            "        except ValueError as exc:\n"
+            "            print('RAISED', exc)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.count(f"{name} {message}, got '{value}'") == 2, r.stdout
+    assert "RAN" not in r.stdout, r.stdout
+    for value in values:
+        assert r.stdout.count(f"{name} {message}, got '{value}'") == 2, (value, r.stdout)
 
 
 if __name__ == "__main__":  # the child process of test_prefetch_gives_the_default_bits
