@@ -1032,7 +1032,7 @@ void check_args(const char* op, const at::Tensor& q, const at::Tensor& kv_cache,
   CW8A8_CHECK_VALUE(heads % kv_heads == 0, op, "kv_cache", "KVH = kv_cache.shape[2] = ", kv_heads,
                     " must divide H = q.shape[1] = ", heads);
   CW8A8_CHECK_VALUE(kv_cache.size(3) < limits::kAttnMaxSeq, op, "kv_cache",
-                    "S = kv_cache.shape[3] must be below 2**31, got ", kv_cache.size(3));
+                    "S = kv_cache.shape[3] must be below 2**30, got ", kv_cache.size(3));
   CW8A8_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == batch, op, "slots",
                     "must be (B,) with B = q.shape[0] = ", batch, ", got shape ", py_tuple(slots.sizes()));
   CW8A8_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == batch, op, "positions",
