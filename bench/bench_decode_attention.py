@@ -12,11 +12,16 @@ compared bit for bit (a mismatch is reported in the table and makes the exit sta
     python bench/bench_decode_attention.py                       # B 1, 8; S 512, 4096; PDL as configured
     python bench/bench_decode_attention.py --profile             # also each kernel's own time (torch.profiler)
     CUTLASS_W8A8_ATTN_MIN_CHUNK=32 python bench/bench_decode_attention.py --json c32.json   # another split size
+    CUTLASS_W8A8_ATTN_CTAS_PER_SM=8 python bench/bench_decode_attention.py --json cta8.json  # more splits
+    CUTLASS_W8A8_ATTN_PREFETCH=1 python bench/bench_decode_attention.py --json pf.json       # loads a step ahead
 
 ``--profile`` adds, per point, path and variant, the mean duration of each attention kernel (split, combine,
 fused) over eager calls with PDL off (with PDL a kernel starts early and its griddepcontrol wait would count in its
-duration), from torch.profiler's CUDA activities: where a call's time goes. CUTLASS_W8A8_ATTN_MIN_CHUNK (read once
-per process by csrc/attention/decode_attention.cu) sets the least positions per split: one process per value.
+duration), from torch.profiler's CUDA activities: where a call's time goes. The A/B knobs of
+csrc/attention/decode_attention.cu are read once per process, so one process per value (the JSON records them, as
+set: None when unset): CUTLASS_W8A8_ATTN_MIN_CHUNK sets the least positions per split, CUTLASS_W8A8_ATTN_CTAS_PER_SM
+the split CTAs per SM the split count aims at (default 2), CUTLASS_W8A8_ATTN_PREFETCH=1 makes the split step load
+its next step's K and V before its math (the same bits).
     python bench/bench_decode_attention.py --batches 1,2,4,8,16 --seq 512 --pdl off --json out.json
 """
 
@@ -43,6 +48,16 @@ from cutlass_w8a8.testing.timers import (
 
 LAYOUTS = {"qwen3-30b-a3b": (32, 4), "llama-3-8b": (32, 8)}
 OPS = torch.ops.cutlass_w8a8
+
+
+#: The JSON key of each of the attention kernels' A/B knobs (environment variables read once per process).
+KNOB_ENVS = {"min_chunk_env": "CUTLASS_W8A8_ATTN_MIN_CHUNK", "ctas_per_sm_env": "CUTLASS_W8A8_ATTN_CTAS_PER_SM",
+             "prefetch_env": "CUTLASS_W8A8_ATTN_PREFETCH"}
+
+
+def _knob_envs() -> dict:
+    """Each knob's value in this process's environment, as set (None when unset), under its JSON key."""
+    return {key: os.environ.get(name) for key, name in KNOB_ENVS.items()}
 
 
 def _ints(text: str) -> list[int]:
@@ -136,7 +151,8 @@ def main(argv=None) -> int:
                                      **({"kernel_us": kernels} if args.profile else {})})
     finally:
         _ext.set_decode_attention_fused(previous)
-    print(f"device: {torch.cuda.get_device_name(dev)}, PDL {'on' if _ext.pdl_enabled() else 'off'}")
+    knobs = ", ".join(f"{name}={os.environ.get(name, '')!r}" for name in KNOB_ENVS.values())
+    print(f"device: {torch.cuda.get_device_name(dev)}, PDL {'on' if _ext.pdl_enabled() else 'off'}, {knobs}")
     print("| layout | B | S | variant | path (auto) | auto us | split+combine us | speedup | equal | KV MB |")
     print("|---|---:|---:|---|---|---:|---:|---:|---|---:|")
     for r in rows:
@@ -154,7 +170,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(dev), "pdl": _ext.pdl_enabled(),
-                       "min_chunk_env": os.environ.get("CUTLASS_W8A8_ATTN_MIN_CHUNK"), "rows": rows}, f, indent=1)
+                       **_knob_envs(), "rows": rows}, f, indent=1)
     return 1 if mismatches else 0
 
 

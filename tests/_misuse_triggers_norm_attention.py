@@ -77,7 +77,7 @@ DEVICE_TRIGGERS.update({
 
 CPU_TRIGGERS.update({
     "attn-too-many-heads": lambda: attn_meta(h=65536),
-    "attn-seq-len": lambda: attn_meta(s=2**31),
+    "attn-seq-len": lambda: attn_meta(s=2**30),
 })
 
 CUDA_TRIGGERS.update({
@@ -137,7 +137,7 @@ DEVICE_TRIGGERS.update({
 
 CPU_TRIGGERS.update({
     "attnq-too-many-heads": lambda: attnq_meta(h=65536),
-    "attnq-seq-len": lambda: attnq_meta(s=2**31),
+    "attnq-seq-len": lambda: attnq_meta(s=2**30),
 })
 
 CUDA_TRIGGERS.update({

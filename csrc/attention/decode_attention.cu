@@ -47,6 +47,14 @@
 // took about 10 us per layer, latency-bound on 32 CTAs each stepping through its positions. The two kernels (H200,
 // Qwen3-30B-A3B 32 / 4 x 128, S = 512, B = 1, CUDA graph): ~15.6 us per layer together.
 //
+// A/B knobs (issue 36), environment variables read once per process on the host; unset is the default, and a bad
+// value raises a ValueError naming the variable before any launch:
+//   CUTLASS_W8A8_ATTN_MIN_CHUNK   (min_chunk)    the least positions per split of a full cache (default kMinChunk);
+//   CUTLASS_W8A8_ATTN_CTAS_PER_SM (ctas_per_sm)  the split CTAs per SM choose_splits aims at, in [1, 16] (default 2);
+//     both change the splits, hence the bits (still from shapes only: a captured graph replays as eager runs);
+//   CUTLASS_W8A8_ATTN_PREFETCH=1  (attn_prefetch) split_partial issues step i + 1's K and V loads before step i's
+//     math (a second register buffer; both kernels): the same float operations in the same order, the same bits.
+//
 // Row-wise (csrc/graphs/graph_nodes.hpp): block (x, y, z) of any of the kernels reads only row x's inputs and writes
 // only row x's outputs and workspace (the fused kernel's cluster spans y only), and the one kernel argument chosen
 // from B (the split count, which sizes the workspace and, in the fused path, the cluster) stays valid for fewer
@@ -103,6 +111,7 @@ constexpr int kChunkAlign = 8;   // split chunks are multiples of this many posi
 // bench/results/decode_attention_min_chunk_nvidia-h200.md
 constexpr int kMinChunk = 32;
 constexpr int kMaxSplits = 64;
+constexpr int kCtasPerSm = 2;  // choose_splits: about this many split CTAs per SM (CUTLASS_W8A8_ATTN_CTAS_PER_SM)
 constexpr int kCombineThreads = 1024;  // one thread per 4 outputs of a Llama-3 row (H * D = 4096)
 constexpr int kCombineVecs = 2;  // combine: up to 2 vectors of 4 elements per thread in registers (H * D <= 8192)
 constexpr int64_t kCombineSmemFloats = 8192;  // combine: at most this many split weights (32 KiB of shared memory)
@@ -167,7 +176,7 @@ struct SplitSmem {
 // kG query heads per unit; kLanes lanes (a power of two, <= 32) per position, each owning kVecs 16-byte vectors of
 // the D elements: vector j of a row belongs to lane (j % kLanes) of the group, as its (j / kLanes)-th vector.
 // Vectors at or past D (when D is not kLanes * kVecs vectors) are zeros.
-template <class T, int kG, int kLanes, int kVecs, class AccRow, class StoreMl>
+template <class T, int kG, int kLanes, int kVecs, bool kPrefetch, class AccRow, class StoreMl>
 __device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int h0, int s_begin, int s_end, int t,
                                               SplitSmem<kG, kLanes * kVecs * 16 / static_cast<int>(sizeof(T))>& sm,
                                               AccRow acc_row, StoreMl store_ml) {
@@ -217,9 +226,9 @@ __device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int h
     for (int e = 0; e < kElems; ++e) acc[g][e] = 0.f;
   }
 
-  // The bounds are the same for every thread of the unit, so the shuffles below always see full warps.
-  for (int base = s_begin; base < s_end; base += kStep) {
-    Vec kr[kUnroll][kVecs], vr[kUnroll][kVecs];
+  // This lane's K and V vectors of the step at `base`: kUnroll positions of its group, zeros at positions from s_end
+  // on and at vectors past D (nothing read there).
+  auto load_step = [&](int base, Vec (&kr)[kUnroll][kVecs], Vec (&vr)[kUnroll][kVecs]) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int s = base + u * kGroups + group;
@@ -235,6 +244,11 @@ __device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int h
         }
       }
     }
+  };
+
+  // The math of the step at `base` on its vectors kr, vr: the scores of its kUnroll positions per head, then the
+  // online-softmax update of (m, l, acc).
+  auto step_math = [&](int base, const Vec (&kr)[kUnroll][kVecs], const Vec (&vr)[kUnroll][kVecs]) {
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
       float score[kUnroll];
@@ -270,6 +284,36 @@ __device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int h
         }
         m[g] = m_new;
       }
+    }
+  };
+
+  // The bounds are the same for every thread of the unit, so the shuffles below always see full warps.
+  if constexpr (kPrefetch) {
+    // CUTLASS_W8A8_ATTN_PREFETCH=1 (host below): each step issues the NEXT step's loads into a second buffer before
+    // its own math, so the math overlaps them (software pipelining); the first step's vectors are loaded before the
+    // loop, and the last step's "next" is all past s_end (zeros, nothing read). The same math on the same vectors
+    // in the same order as the default: the same bits.
+    Vec kr[kUnroll][kVecs], vr[kUnroll][kVecs];
+    load_step(s_begin, kr, vr);
+    for (int base = s_begin; base < s_end; base += kStep) {
+      Vec kn[kUnroll][kVecs], vn[kUnroll][kVecs];
+      load_step(base + kStep, kn, vn);
+      step_math(base, kr, vr);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int i = 0; i < kVecs; ++i) {
+          kr[u][i] = kn[u][i];
+          vr[u][i] = vn[u][i];
+        }
+      }
+    }
+  } else {
+    // the default: a step issues its loads, waits for them, then does its math
+    for (int base = s_begin; base < s_end; base += kStep) {
+      Vec kr[kUnroll][kVecs], vr[kUnroll][kVecs];
+      load_step(base, kr, vr);
+      step_math(base, kr, vr);
     }
   }
 
@@ -334,7 +378,7 @@ __device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int h
 
 // CTA (b, y, z): query heads y kG .. y kG + kG - 1 of row b over chunk z of its positions, into the workspace. (The
 // minimum of 1 block per SM keeps ptxas from capping small instantiations at 64 registers, where one spilled.)
-template <class T, int kG, int kLanes, int kVecs>
+template <class T, int kG, int kLanes, int kVecs, bool kPrefetch>
 __global__ void __launch_bounds__(kThreads, 1) decode_attention_split_kernel(const Args<T> a) {
   allow_dependent_launch();  // the combine kernel may be scheduled; it waits for this grid
   wait_for_producers();      // q and the cache row come from the rotary kernel
@@ -349,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_split_kernel(con
   if (s_begin >= len) return;  // an idle split: the combine does not read it
   const int s_end = min(len, s_begin + chunk);
   auto part = [&](int g) { return (b * a.heads + h0 + g) * a.splits + split; };
-  split_partial<T, kG, kLanes, kVecs>(
+  split_partial<T, kG, kLanes, kVecs, kPrefetch>(
       a, b, h0, s_begin, s_end, threadIdx.x, sm, [&](int g) { return a.part_acc + part(g) * a.head_dim; },
       [&](int g, float m, float l) { a.part_ml[part(g)] = make_float2(m, l); });
 }
@@ -529,7 +573,7 @@ constexpr size_t fused_unit_smem() {
   return sizeof(FusedUnitSmem<kG, kLanes * kVecs * 16 / static_cast<int>(sizeof(T))>);
 }
 
-template <class T, class O, int kG, int kLanes, int kVecs>
+template <class T, class O, int kG, int kLanes, int kVecs, bool kPrefetch>
 __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attention_fused_kernel(const Args<T> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // not reached: the host launches it on sm90 and newer only (fused_plan)
@@ -559,7 +603,7 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
   const int s_begin = split * chunk;
   const int s_end = min(len, s_begin + chunk);  // <= s_begin for an idle split: nothing read, never merged
   Unit& mine = units[sub];
-  split_partial<T, kG, kLanes, kVecs>(
+  split_partial<T, kG, kLanes, kVecs, kPrefetch>(
       a, b, hg * kG, s_begin, s_end, tid % kThreads, mine.split,
       [&](int g) { return &mine.acc[g][0]; }, [&](int g, float m, float l) { mine.ml[g] = make_float2(m, l); });
   cluster.sync();  // every unit's (M, l, acc) is in its CTA's shared memory
@@ -664,55 +708,97 @@ int min_chunk() {
   return value;
 }
 
-// Splits per row: about two CTAs per SM over the B x H / G' (row, head group) pairs, at most S / min_chunk() (a
-// split of a full cache keeps at least that many positions), kMaxSplits, and kCombineSmemFloats / H (the combine
-// kernel's H x splits weights in shared memory). From B, H, G', S and the SM count
-// only (never the positions: see the file comment).
+// The split kernel's CTAs per SM that choose_splits aims at: kCtasPerSm, or CUTLASS_W8A8_ATTN_CTAS_PER_SM (an integer
+// in [1, 16]), read once per process. An experiment's knob (issue 36; bench_decode_attention.py, a process per
+// value): more CTAs per SM give more splits where B x H / G' is small against the SMs (Qwen3-30B-A3B's B 8 at S 4096:
+// 32 pairs, 9 splits at 2, 33 at 8 on 132 SMs), so shorter walks per CTA and, where registers let more CTAs be
+// resident (the G' = 8 16-bit kernel: 2 per SM at 229-245 registers; G' = 4: 3), more loads in flight per SM; and
+// more partial results for the combine. Another value changes the splits, hence the bits.
+int ctas_per_sm() {
+  static const int value = [] {
+    const char* env = std::getenv("CUTLASS_W8A8_ATTN_CTAS_PER_SM");
+    if (env == nullptr || *env == '\0') return kCtasPerSm;
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    TORCH_CHECK_VALUE(end != nullptr && *end == '\0' && v >= 1 && v <= 16,
+                      "decode_attention: CUTLASS_W8A8_ATTN_CTAS_PER_SM must be an integer in [1, 16], got '", env,
+                      "'");
+    return static_cast<int>(v);
+  }();
+  return value;
+}
+
+// Whether split_partial loads each step's K and V one step ahead (its kPrefetch; both kernels, the same bits either
+// way): an A/B switch, CUTLASS_W8A8_ATTN_PREFETCH=1 (read once per process), off by default (unset, empty or 0)
+// until measured. Another value raises a ValueError naming the variable (a typo would otherwise measure the default).
+// The second buffer costs registers (nvcc 13.0, sm_90a, ptxas): the split kernel at G' = 8, 16-bit, goes from 229-245
+// to 242-255 registers, and bf16 spills there (24-60 bytes; Qwen3-30B-A3B's <bf16, 8, 16>: 52 B stored, 60 B
+// loaded), and so does float32's <float, 8, 32, 2> (D > 128: 241 to 255 registers, 200 B); the fused kernel spills
+// at G' = 8 (bf16 276-284 B, fp16 24 B) and at G' = 1 (16-28 B: 512 threads cap it at 128 registers). The launch
+// bounds already allow 255 registers wherever it spills at G' = 8 (more is not possible); G' = 1's would need fewer
+// units per CTA, i.e. another fused plan, so they stay.
+bool attn_prefetch() {
+  static const bool value = [] {
+    const char* env = std::getenv("CUTLASS_W8A8_ATTN_PREFETCH");
+    const std::string v = env == nullptr ? "" : env;
+    TORCH_CHECK_VALUE(v.empty() || v == "0" || v == "1",
+                      "decode_attention: CUTLASS_W8A8_ATTN_PREFETCH must be 0 or 1 (or unset), got '", v, "'");
+    return v == "1";
+  }();
+  return value;
+}
+
+// Splits per row: about ctas_per_sm() (default 2) CTAs per SM over the B x H / G' (row, head group) pairs,
+// splits = ceil(ctas_per_sm() x SMs / pairs), at most S / min_chunk() (a split of a full cache keeps at least that
+// many positions), kMaxSplits, and kCombineSmemFloats / H (the combine kernel's H x splits weights in shared memory).
+// From B, H, G', S, the SM count and the two per-process knobs only (never the positions: see the file comment), so
+// a captured graph's grid and workspace stay valid at replay. The one function every consumer asks: run() (the
+// split kernel's grid, the workspace size, the combine's Args::splits, the fused plan) and decode_attention_path.
 int choose_splits(int64_t batch, int64_t heads, int64_t head_groups, int64_t seq_len, int sms) {
   const int64_t pairs = batch * head_groups;
-  int64_t splits = (2 * static_cast<int64_t>(sms) + pairs - 1) / pairs;
+  int64_t splits = (int64_t(ctas_per_sm()) * sms + pairs - 1) / pairs;
   splits = std::min<int64_t>(splits, std::max<int64_t>(seq_len / min_chunk(), 1));
   splits = std::min<int64_t>(splits, kMaxSplits);
   splits = std::min<int64_t>(splits, std::max<int64_t>(kCombineSmemFloats / heads, 1));  // the combine's weights
   return static_cast<int>(std::max<int64_t>(splits, 1));
 }
 
-template <class T, int kG, int kLanes, int kVecs>
+template <class T, int kG, int kLanes, int kVecs, bool kPrefetch>
 void launch_split(const Args<T>& args, int64_t batch, int64_t heads, cudaStream_t stream, bool pdl) {
   const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(heads / kG), static_cast<unsigned>(args.splits));
-  C10_CUDA_CHECK(launch_kernel(decode_attention_split_kernel<T, kG, kLanes, kVecs>, grid, dim3(kThreads), 0, stream,
-                               pdl, args));
+  C10_CUDA_CHECK(launch_kernel(decode_attention_split_kernel<T, kG, kLanes, kVecs, kPrefetch>, grid, dim3(kThreads),
+                               0, stream, pdl, args));
 }
 
 // The narrowest group that holds a row of D elements: nvec 16-byte vectors over kLanes lanes.
-template <class T, int kG>
+template <class T, int kG, bool kPrefetch>
 void launch_split_for_head_dim(const Args<T>& args, int64_t batch, int64_t heads, cudaStream_t stream, bool pdl) {
   const int nvec = args.head_dim * static_cast<int>(sizeof(T)) / 16;
   if (nvec <= 1) {
-    launch_split<T, kG, 1, 1>(args, batch, heads, stream, pdl);
+    launch_split<T, kG, 1, 1, kPrefetch>(args, batch, heads, stream, pdl);
   } else if (nvec <= 2) {
-    launch_split<T, kG, 2, 1>(args, batch, heads, stream, pdl);
+    launch_split<T, kG, 2, 1, kPrefetch>(args, batch, heads, stream, pdl);
   } else if (nvec <= 4) {
-    launch_split<T, kG, 4, 1>(args, batch, heads, stream, pdl);
+    launch_split<T, kG, 4, 1, kPrefetch>(args, batch, heads, stream, pdl);
   } else if (nvec <= 8) {
-    launch_split<T, kG, 8, 1>(args, batch, heads, stream, pdl);
+    launch_split<T, kG, 8, 1, kPrefetch>(args, batch, heads, stream, pdl);
   } else if (nvec <= 16) {  // D = 128 in 16-bit types
-    launch_split<T, kG, 16, 1>(args, batch, heads, stream, pdl);
+    launch_split<T, kG, 16, 1, kPrefetch>(args, batch, heads, stream, pdl);
   } else if (nvec <= 32) {
-    launch_split<T, kG, 32, 1>(args, batch, heads, stream, pdl);
+    launch_split<T, kG, 32, 1, kPrefetch>(args, batch, heads, stream, pdl);
   } else if constexpr (sizeof(T) == 4) {  // float32 with D > 128 (16-bit types never get here: D <= 256)
-    launch_split<T, kG, 32, 2>(args, batch, heads, stream, pdl);
+    launch_split<T, kG, 32, 2, kPrefetch>(args, batch, heads, stream, pdl);
   }
 }
 
-template <class T>
+template <class T, bool kPrefetch>
 void launch_split_for_group(const Args<T>& args, int64_t batch, int64_t heads, int g, cudaStream_t stream,
                             bool pdl) {
   switch (g) {
-    case 8: launch_split_for_head_dim<T, 8>(args, batch, heads, stream, pdl); break;
-    case 4: launch_split_for_head_dim<T, 4>(args, batch, heads, stream, pdl); break;
-    case 2: launch_split_for_head_dim<T, 2>(args, batch, heads, stream, pdl); break;
-    default: launch_split_for_head_dim<T, 1>(args, batch, heads, stream, pdl); break;
+    case 8: launch_split_for_head_dim<T, 8, kPrefetch>(args, batch, heads, stream, pdl); break;
+    case 4: launch_split_for_head_dim<T, 4, kPrefetch>(args, batch, heads, stream, pdl); break;
+    case 2: launch_split_for_head_dim<T, 2, kPrefetch>(args, batch, heads, stream, pdl); break;
+    default: launch_split_for_head_dim<T, 1, kPrefetch>(args, batch, heads, stream, pdl); break;
   }
 }
 
@@ -762,11 +848,11 @@ struct FusedPlan {
 // path: 8 x 3 units, 12 CTAs of 2). Qwen3 at S = 4096, B <= 8: up to 64 splits, the two kernels.
 // Once per fused-kernel instantiation and device: allow clusters above the portable 8 CTAs (a driver call: never
 // per launch). Needed before a launch of more than 8 CTAs a cluster, and before asking the occupancy of one.
-template <class T, class O, int kG, int kLanes>
+template <class T, class O, int kG, int kLanes, bool kPrefetch>
 void allow_nonportable_clusters(int device) {
   static std::array<std::once_flag, 64> once;
   std::call_once(once.at(static_cast<size_t>(device)), [&] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_attention_fused_kernel<T, O, kG, kLanes, 1>,
+    C10_CUDA_CHECK(cudaFuncSetAttribute(decode_attention_fused_kernel<T, O, kG, kLanes, 1, kPrefetch>,
                                         cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   });
 }
@@ -775,9 +861,9 @@ void allow_nonportable_clusters(int device) {
 // current device (cudaOccupancyMaxActiveClusters > 0). A cluster above 8 CTAs needs that many SMs with room in one
 // GPC, and a CTA of the kG = 8 kernel takes a whole SM's register file: H100 / H200 SXM (132 SMs) have such GPCs,
 // sm90 parts with smaller GPCs may not, and there the two kernels serve rather than a launch that fails.
-template <class T, class O, int kG, int kLanes>
+template <class T, class O, int kG, int kLanes, bool kPrefetch>
 bool fused_cluster_resident(int device, int units, int ctas) {
-  allow_nonportable_clusters<T, O, kG, kLanes>(device);
+  allow_nonportable_clusters<T, O, kG, kLanes, kPrefetch>(device);
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(1, static_cast<unsigned>(ctas));
   cfg.blockDim = dim3(static_cast<unsigned>(units * kThreads));
@@ -790,7 +876,7 @@ bool fused_cluster_resident(int device, int units, int ctas) {
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
   int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, decode_attention_fused_kernel<T, O, kG, kLanes, 1>, &cfg) !=
+  if (cudaOccupancyMaxActiveClusters(&clusters, decode_attention_fused_kernel<T, O, kG, kLanes, 1, kPrefetch>, &cfg) !=
       cudaSuccess) {
     (void)cudaGetLastError();  // an unsupported configuration: not resident; leave no error for the next check
     return false;
@@ -799,47 +885,54 @@ bool fused_cluster_resident(int device, int units, int ctas) {
 }
 
 // The same for every output variant the launch may pick (q's dtype, int8, fp8), so the path does not depend on it.
-template <class T, int kG, int kLanes>
+template <class T, int kG, int kLanes, bool kPrefetch>
 bool fused_resident_all_outputs(int device, int units, int ctas) {
-  return fused_cluster_resident<T, FloatOut<T>, kG, kLanes>(device, units, ctas) &&
-         fused_cluster_resident<T, Int8Out, kG, kLanes>(device, units, ctas) &&
-         fused_cluster_resident<T, Fp8Out, kG, kLanes>(device, units, ctas);
+  return fused_cluster_resident<T, FloatOut<T>, kG, kLanes, kPrefetch>(device, units, ctas) &&
+         fused_cluster_resident<T, Int8Out, kG, kLanes, kPrefetch>(device, units, ctas) &&
+         fused_cluster_resident<T, Fp8Out, kG, kLanes, kPrefetch>(device, units, ctas);
 }
 
-template <class T, int kG>
+template <class T, int kG, bool kPrefetch>
 bool fused_resident_for_lanes(int lanes, int device, int units, int ctas) {
-  return lanes == 8 ? fused_resident_all_outputs<T, kG, 8>(device, units, ctas)
-                    : fused_resident_all_outputs<T, kG, 16>(device, units, ctas);
+  return lanes == 8 ? fused_resident_all_outputs<T, kG, 8, kPrefetch>(device, units, ctas)
+                    : fused_resident_all_outputs<T, kG, 16, kPrefetch>(device, units, ctas);
 }
 
-template <class T>
+template <class T, bool kPrefetch>
 bool fused_resident_for_group(int g, int lanes, int device, int units, int ctas) {
   switch (g) {
-    case 8: return fused_resident_for_lanes<T, 8>(lanes, device, units, ctas);
-    case 4: return fused_resident_for_lanes<T, 4>(lanes, device, units, ctas);
-    case 2: return fused_resident_for_lanes<T, 2>(lanes, device, units, ctas);
-    default: return fused_resident_for_lanes<T, 1>(lanes, device, units, ctas);
+    case 8: return fused_resident_for_lanes<T, 8, kPrefetch>(lanes, device, units, ctas);
+    case 4: return fused_resident_for_lanes<T, 4, kPrefetch>(lanes, device, units, ctas);
+    case 2: return fused_resident_for_lanes<T, 2, kPrefetch>(lanes, device, units, ctas);
+    default: return fused_resident_for_lanes<T, 1, kPrefetch>(lanes, device, units, ctas);
   }
 }
 
-// fused_cluster_resident for a plan above 8 CTAs a cluster, asked once per (device, dtype, G', lanes, units, CTAs)
-// and cached (a plan of at most 8 CTAs is the portable size: no check). The current device must be `device`.
-bool fused_plan_resident(int device, at::ScalarType dtype, int g, int lanes, int units, int ctas) {
+// fused_cluster_resident for a plan above 8 CTAs a cluster, asked once per (device, dtype, G', lanes, units, CTAs,
+// prefetch: the kernel variant that will run) and cached (a plan of at most 8 CTAs is the portable size: no check).
+// The current device must be `device`.
+bool fused_plan_resident(int device, at::ScalarType dtype, int g, int lanes, int units, int ctas, bool prefetch) {
   if (ctas <= 8) return true;
   static std::mutex mutex;
-  static std::map<std::array<int, 6>, bool> cache;
-  const std::array<int, 6> key{device, static_cast<int>(dtype), g, lanes, units, ctas};
+  static std::map<std::array<int, 7>, bool> cache;
+  const std::array<int, 7> key{device, static_cast<int>(dtype), g, lanes, units, ctas, prefetch ? 1 : 0};
   std::lock_guard<std::mutex> lock(mutex);
   const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  const bool resident = dtype == at::kBFloat16
-                            ? fused_resident_for_group<__nv_bfloat16>(g, lanes, device, units, ctas)
-                            : fused_resident_for_group<__half>(g, lanes, device, units, ctas);
+  bool resident;
+  if (dtype == at::kBFloat16) {
+    resident = prefetch ? fused_resident_for_group<__nv_bfloat16, true>(g, lanes, device, units, ctas)
+                        : fused_resident_for_group<__nv_bfloat16, false>(g, lanes, device, units, ctas);
+  } else {
+    resident = prefetch ? fused_resident_for_group<__half, true>(g, lanes, device, units, ctas)
+                        : fused_resident_for_group<__half, false>(g, lanes, device, units, ctas);
+  }
   cache.emplace(key, resident);
   return resident;
 }
 
-FusedPlan fused_plan(int64_t heads, int g, int64_t head_dim, at::ScalarType dtype, int splits, int device) {
+FusedPlan fused_plan(int64_t heads, int g, int64_t head_dim, at::ScalarType dtype, int splits, int device,
+                     bool prefetch) {
   // sm90, and its cluster code is what got loaded (core/device.hpp's clusters_available: not a compute_80 PTX JIT,
   // whose fused kernel is the __trap of its pre-sm90 pass)
   const int elem_bytes = static_cast<int>(c10::elementSize(dtype));
@@ -855,43 +948,45 @@ FusedPlan fused_plan(int64_t heads, int g, int64_t head_dim, at::ScalarType dtyp
   for (int u = 1; u <= fused_max_units(g); u *= 2) {
     if (units % u == 0 && units / u <= kFusedMaxCluster && nvec <= int64_t(kFusedYRegs) * units * kThreads) {
       const int ctas = static_cast<int>(units / u);
-      if (!fused_plan_resident(device, dtype, g, lane_vecs <= 8 ? 8 : 16, u, ctas)) continue;  // fewer, fuller CTAs
+      if (!fused_plan_resident(device, dtype, g, lane_vecs <= 8 ? 8 : 16, u, ctas, prefetch)) {
+        continue;  // fewer, fuller CTAs
+      }
       return {u, ctas};
     }
   }
   return {};
 }
 
-template <class T, class O, int kG, int kLanes>
+template <class T, class O, int kG, int kLanes, bool kPrefetch>
 void launch_fused(const Args<T>& args, int64_t batch, const FusedPlan& plan, int device, cudaStream_t stream,
                   bool pdl) {
-  auto* kernel = decode_attention_fused_kernel<T, O, kG, kLanes, 1>;
-  if (plan.ctas > 8) allow_nonportable_clusters<T, O, kG, kLanes>(device);
+  auto* kernel = decode_attention_fused_kernel<T, O, kG, kLanes, 1, kPrefetch>;
+  if (plan.ctas > 8) allow_nonportable_clusters<T, O, kG, kLanes, kPrefetch>(device);
   const size_t smem = fused_unit_smem<T, kG, kLanes, 1>() * static_cast<size_t>(plan.units);
   const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(plan.ctas));
   C10_CUDA_CHECK(launch_kernel_cluster(kernel, grid, dim3(plan.units * kThreads), smem, stream, pdl,
                                        dim3(1, static_cast<unsigned>(plan.ctas), 1), args));
 }
 
-template <class T, class O, int kG>
+template <class T, class O, int kG, bool kPrefetch>
 void launch_fused_for_head_dim(const Args<T>& args, int64_t batch, const FusedPlan& plan, int device,
                                cudaStream_t stream, bool pdl) {
   if (args.head_dim * static_cast<int>(sizeof(T)) / 16 <= 8) {
-    launch_fused<T, O, kG, 8>(args, batch, plan, device, stream, pdl);
+    launch_fused<T, O, kG, 8, kPrefetch>(args, batch, plan, device, stream, pdl);
   } else {
-    launch_fused<T, O, kG, 16>(args, batch, plan, device, stream, pdl);
+    launch_fused<T, O, kG, 16, kPrefetch>(args, batch, plan, device, stream, pdl);
   }
 }
 
-template <class T, class O>
+template <class T, class O, bool kPrefetch>
 void launch_fused_for_group(const Args<T>& args, int64_t batch, int g, const FusedPlan& plan, int device,
                             cudaStream_t stream, bool pdl) {
   if constexpr (sizeof(T) == 2) {
     switch (g) {
-      case 8: launch_fused_for_head_dim<T, O, 8>(args, batch, plan, device, stream, pdl); break;
-      case 4: launch_fused_for_head_dim<T, O, 4>(args, batch, plan, device, stream, pdl); break;
-      case 2: launch_fused_for_head_dim<T, O, 2>(args, batch, plan, device, stream, pdl); break;
-      default: launch_fused_for_head_dim<T, O, 1>(args, batch, plan, device, stream, pdl); break;
+      case 8: launch_fused_for_head_dim<T, O, 8, kPrefetch>(args, batch, plan, device, stream, pdl); break;
+      case 4: launch_fused_for_head_dim<T, O, 4, kPrefetch>(args, batch, plan, device, stream, pdl); break;
+      case 2: launch_fused_for_head_dim<T, O, 2, kPrefetch>(args, batch, plan, device, stream, pdl); break;
+      default: launch_fused_for_head_dim<T, O, 1, kPrefetch>(args, batch, plan, device, stream, pdl); break;
     }
   }
 }
@@ -937,7 +1032,7 @@ void check_args(const char* op, const at::Tensor& q, const at::Tensor& kv_cache,
   CW8A8_CHECK_VALUE(heads % kv_heads == 0, op, "kv_cache", "KVH = kv_cache.shape[2] = ", kv_heads,
                     " must divide H = q.shape[1] = ", heads);
   CW8A8_CHECK_VALUE(kv_cache.size(3) < limits::kAttnMaxSeq, op, "kv_cache",
-                    "S = kv_cache.shape[3] must be below 2**31, got ", kv_cache.size(3));
+                    "S = kv_cache.shape[3] must be below 2**30, got ", kv_cache.size(3));
   CW8A8_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == batch, op, "slots",
                     "must be (B,) with B = q.shape[0] = ", batch, ", got shape ", py_tuple(slots.sizes()));
   CW8A8_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == batch, op, "positions",
@@ -979,7 +1074,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
   const int64_t kv_heads = kv_cache.size(2);
   const int g = heads_per_cta(heads / kv_heads);
   const int splits = choose_splits(batch, heads, heads / g, kv_cache.size(3), device_info(device).sm_count);
-  const FusedPlan plan = fused_plan(heads, g, d, q.scalar_type(), splits, device);
+  const bool prefetch = attn_prefetch();  // before any launch: a bad value raises here
+  const FusedPlan plan = fused_plan(heads, g, d, q.scalar_type(), splits, device, prefetch);
   const int64_t parts = batch * heads * splits;
   at::Tensor workspace;  // the two-kernel path's partial results (the fused path keeps them in shared memory)
   if (plan.units == 0) workspace = at::empty({parts * (d + 2)}, q.options().dtype(at::kFloat));
@@ -1013,17 +1109,29 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
     args.scales = scales;
     args.static_scale = static_scale;
     if (plan.units > 0) {  // the one-kernel path (fused_plan)
-      if (!qtype) {
-        launch_fused_for_group<T, FloatOut<T>>(args, batch, g, plan, device, stream, pdl);
-      } else if (*qtype == at::kChar) {
-        launch_fused_for_group<T, Int8Out>(args, batch, g, plan, device, stream, pdl);
+      auto go = [&](auto prefetch_tag) {
+        constexpr bool kPrefetch = decltype(prefetch_tag)::value;
+        if (!qtype) {
+          launch_fused_for_group<T, FloatOut<T>, kPrefetch>(args, batch, g, plan, device, stream, pdl);
+        } else if (*qtype == at::kChar) {
+          launch_fused_for_group<T, Int8Out, kPrefetch>(args, batch, g, plan, device, stream, pdl);
+        } else {
+          launch_fused_for_group<T, Fp8Out, kPrefetch>(args, batch, g, plan, device, stream, pdl);
+        }
+      };
+      if (prefetch) {
+        go(std::true_type{});
       } else {
-        launch_fused_for_group<T, Fp8Out>(args, batch, g, plan, device, stream, pdl);
+        go(std::false_type{});
       }
       graph_nodes::note_rowwise_launch(stream, batch, op);
       return;
     }
-    launch_split_for_group<T>(args, batch, heads, g, stream, pdl);
+    if (prefetch) {
+      launch_split_for_group<T, true>(args, batch, heads, g, stream, pdl);
+    } else {
+      launch_split_for_group<T, false>(args, batch, heads, g, stream, pdl);
+    }
     graph_nodes::note_rowwise_launch(stream, batch, op);
     if (!qtype) {
       launch_combine<T, FloatOut<T>>(args, batch, stream, pdl);
@@ -1071,7 +1179,7 @@ std::string decode_attention_path(int64_t device, int64_t batch, int64_t heads, 
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(d));  // clusters_available queries the current device
   const int g = heads_per_cta(heads / kv_heads);
   const int splits = choose_splits(batch, heads, heads / g, seq_len, device_info(d).sm_count);
-  const FusedPlan plan = fused_plan(heads, g, head_dim, dtype, splits, d);
+  const FusedPlan plan = fused_plan(heads, g, head_dim, dtype, splits, d, attn_prefetch());
   return plan.units > 0 ? "fused" : "split";
 }
 

@@ -25,11 +25,12 @@ constexpr int64_t kDecodeMaxK = int64_t{1} << 30;
 // kGemmAlign: the last weight block may be partial). The sm90 blockwise kernels' TileK and scale granularity.
 constexpr int64_t kBlockSize = 128;
 // decode_attention: head dim D a multiple of 8 in [8, 256]; at most 65535 query heads (gridDim.y); S (cache
-// positions) below 2^31.
+// positions) below 2^30: the split kernel indexes positions with int and a step reads up to 2 x its step (<= 1024
+// positions) past its base (CUTLASS_W8A8_ATTN_PREFETCH), so no position arithmetic overflows below 2^30.
 constexpr int64_t kAttnMaxHeadDim = 256;
 constexpr int64_t kAttnMaxHeads = 65535;
 constexpr int64_t kAttnHeadDimMultiple = 8;
-constexpr int64_t kAttnMaxSeq = int64_t{1} << 31;
+constexpr int64_t kAttnMaxSeq = int64_t{1} << 30;
 
 // MoE routing (moe_topk_softmax, moe_align): at most this many experts (a router row is one warp's shared-memory
 // slice; moe_align's per-expert counts live in one block's shared memory).

@@ -22,11 +22,12 @@ MAX_ROW_K = 2**31
 # (32-bit K byte offsets).
 DECODE_MAX_M = 16
 DECODE_MAX_K = 2**30
-# decode_attention: head dim D a multiple of 8 in [8, 256]; S (cache positions) below 2**31; H at most
+# decode_attention: head dim D a multiple of 8 in [8, 256]; S (cache positions) below 2**30 (the kernels' int
+# position arithmetic, csrc/core/limits.hpp); H at most
 # 65535 (query heads are gridDim.y).
 ATTN_MAX_HEAD_DIM = 256
 ATTN_HEAD_DIM_MULTIPLE = 8
-ATTN_MAX_SEQ = 2**31
+ATTN_MAX_SEQ = 2**30
 ATTN_MAX_HEADS = 65535
 
 # MoE routing (moe_topk_softmax, moe_align): at most this many experts (a router row is one warp's shared-memory

@@ -90,9 +90,10 @@ def decode_attention(
        ``0..positions[b]``, and keeps an online softmax over it (a running maximum, a running sum and a
        float32 accumulator, rescaled when the maximum grows: Milakov & Gimelshein [1]_). The chunk bounds
        are computed on the device from ``positions[b]``; the number of splits is chosen from ``B``, ``H``,
-       ``KVH``, ``S`` and the SM count, never from the positions, so a CUDA graph stays valid when the
-       positions change between replays. It writes float32 partials (maximum, sum, accumulator) per
-       ``(b, h, split)`` to a workspace from torch's caching allocator.
+       ``KVH``, ``S`` and the SM count (and two per-process A/B knobs, ``CUTLASS_W8A8_ATTN_MIN_CHUNK`` and
+       ``CUTLASS_W8A8_ATTN_CTAS_PER_SM``: csrc/attention/decode_attention.cu), never from the positions, so a
+       CUDA graph stays valid when the positions change between replays. It writes float32 partials (maximum,
+       sum, accumulator) per ``(b, h, split)`` to a workspace from torch's caching allocator.
     2. ``decode_attention_combine_kernel``, grid ``(B,)``: one block per row merges the splits of its ``H``
        heads, rescaled to their common maximum, and rounds the row once to ``q``'s dtype.
     3. ``decode_attention_fused_kernel`` instead of both, where a row's ``H / G' x splits`` (head group, split)

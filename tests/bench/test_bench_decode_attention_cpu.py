@@ -41,3 +41,14 @@ def test_profile_takes_medians_with_pdl_off(bench, monkeypatch):
     assert got == {"split": 6.0, "combine": 3.0}
     assert seen == [(1, 2)] * 3
     assert pdl == [False, True]  # off while profiling, then the previous setting back
+
+
+def test_json_records_each_knob_as_set(bench, monkeypatch):
+    """The JSON's knob keys: each A/B variable of csrc/attention/decode_attention.cu, its value as set, None unset."""
+    assert set(bench.KNOB_ENVS.values()) == {"CUTLASS_W8A8_ATTN_MIN_CHUNK", "CUTLASS_W8A8_ATTN_CTAS_PER_SM",
+                                             "CUTLASS_W8A8_ATTN_PREFETCH"}
+    for name in bench.KNOB_ENVS.values():
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUTLASS_W8A8_ATTN_CTAS_PER_SM", "8")
+    monkeypatch.setenv("CUTLASS_W8A8_ATTN_PREFETCH", "1")
+    assert bench._knob_envs() == {"min_chunk_env": None, "ctas_per_sm_env": "8", "prefetch_env": "1"}

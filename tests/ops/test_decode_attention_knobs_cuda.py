@@ -1,0 +1,268 @@
+"""The A/B knobs of the decode attention's split step (csrc/attention/decode_attention.cu; issue 36), each an
+environment variable read once per process, so every check here runs in a fresh process:
+
+- CUTLASS_W8A8_ATTN_PREFETCH=1 (attn_prefetch): split_partial issues the next step's K and V loads before the
+  current step's math. The same float operations in the same order, so the outputs must be bit-identical to the
+  default's: computed in one process per setting from the same seeds and compared with torch.equal, on the two-kernel
+  path and on the fused path (cutlass_w8a8._ext.set_decode_attention_fused(True)), Qwen3-30B-A3B and Llama-3-8B
+  heads, B 1 / 8, S 256 / 512 / 4096, ragged positions, q's dtype / int8 / fp8 outputs. The kernels that ran must be
+  the variant the variable names (the kernel's last template argument, from torch.profiler).
+- CUTLASS_W8A8_ATTN_CTAS_PER_SM=N (ctas_per_sm, N in [1, 16], default 2): the split CTAs per SM choose_splits aims
+  at. Another value changes the splits, hence the bits, so it is checked against the float64 reference:
+  test_decode_attention_cuda.py's reference, long-cache, ragged-row, independence and graph-replay tests and
+  test_decode_attention_quant_cuda.py's composition tests pass at 8 (up to 4x the default's splits).
+  decode_attention_path (the fused plan) follows the same split count.
+- A bad value of either makes the op (and decode_attention_path) raise a ValueError naming the variable, not run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+HERE = pathlib.Path(__file__)
+ROOT = HERE.parents[2]
+PREFETCH = "CUTLASS_W8A8_ATTN_PREFETCH"
+CTAS = "CUTLASS_W8A8_ATTN_CTAS_PER_SM"
+KNOBS = (PREFETCH, CTAS, "CUTLASS_W8A8_ATTN_MIN_CHUNK")
+
+# test_decode_attention_cuda.py's accuracy, long-cache, ragged, independence and graph tests, and every lane layout
+# (other_head_dims: 1 to 32 lanes a position, idle lanes past D, float32's two vectors a lane)
+REFERENCE_TESTS = ("float64_reference or other_head_dims or long_cache or mixed_short_and_long or "
+                   "cuda_graph_replay or rows_are_independent")
+
+
+def _clean_env(**knobs) -> dict:
+    """This process's environment without any attention knob, then ``knobs`` set."""
+    env = {k: v for k, v in os.environ.items() if k not in KNOBS}
+    env.update(knobs)
+    return env
+
+
+def _skip_if_a_knob_is_set():
+    if any(os.environ.get(k) for k in KNOBS):
+        pytest.skip("an attention knob is already set in this process")
+
+
+def _pytest(env: dict, *args: str) -> None:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", *args]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout, r.stdout[-2000:]
+
+
+# --- PREFETCH: the same bits ------------------------------------------------------------------------------------
+
+# (name, H, KVH): Qwen3-30B-A3B (G' = 8 heads per unit) and Llama-3-8B (G' = 4); D = 128
+LAYOUTS = [("qwen3", 32, 4), ("llama3", 32, 8)]
+# S 256: Qwen3's B 1 / 8 take the fused path where it is allowed (sm90); 512 / 4096: the two kernels
+SEQS = [256, 512, 4096]
+BATCHES = [1, 8]
+
+
+def _positions(b: int, s: int, seed: int) -> list[int]:
+    """Ragged rows: 0, S - 1, 1, S // 2 first (a one-position row, the full cache), then random."""
+    g = torch.Generator().manual_seed(seed)
+    first = [0, s - 1, 1, s // 2]
+    return (first + torch.randint(0, s, (max(b - 4, 0),), generator=g).tolist())[:b]
+
+
+def _cases():
+    """(key, H, KVH, D, B, S, dtype, seed): the layouts x B x S in bfloat16, plus float16 and float32 (the split
+    kernel's other instantiations), G' = 1 and 2, and lanes left idle past D (D = 40: 5 vectors over 8 lanes, both
+    paths; float32 D = 192: 48 vectors over 32 lanes, two a lane)."""
+    out = []
+    for name, h, kvh in LAYOUTS:
+        for s in SEQS:
+            for b in BATCHES:
+                out.append((f"{name}-b{b}-s{s}-bf16", h, kvh, 128, b, s, torch.bfloat16, 10 * b + s))
+    out.append(("qwen3-b8-s512-fp16", 32, 4, 128, 8, 512, torch.float16, 7))
+    out.append(("qwen3-b8-s256-fp16", 32, 4, 128, 8, 256, torch.float16, 11))  # the fused path in float16
+    out.append(("llama3-b8-s512-fp32", 32, 8, 128, 8, 512, torch.float32, 8))
+    out.append(("h12-kvh2-b3-s1000-d64-bf16", 12, 2, 64, 3, 1000, torch.bfloat16, 9))  # G' = 2, kLanes 8
+    # G' = 1 (8 splits, 64 units: fused where resident, 16 CTAs of 4 units)
+    out.append(("h8-kvh8-b3-s256-bf16", 8, 8, 128, 3, 256, torch.bfloat16, 12))
+    out.append(("h4-kvh2-b5-s300-d40-bf16", 4, 2, 40, 5, 300, torch.bfloat16, 13))
+    out.append(("h4-kvh2-b5-s300-d192-fp32", 4, 2, 192, 5, 300, torch.float32, 14))
+    return out
+
+
+def _calls(ops, args: tuple, fp8: bool) -> dict:
+    """The op variants compared, each a callable returning a tuple of outputs: decode_attention, and
+    decode_attention_quant to int8 (dynamic per-token scale) and, where fp8 kernels exist, to fp8 (static scale)."""
+    calls = {"plain": lambda: (ops.decode_attention(*args),),
+             "int8": lambda: ops.decode_attention_quant(*args, torch.int8, None)}
+    if fp8:
+        static = torch.full((1,), 0.01, device="cuda")
+        calls["fp8-static"] = lambda: ops.decode_attention_quant(*args, torch.float8_e4m3fn, static)
+    return calls
+
+
+def _compute_outputs(path: str) -> None:
+    """Run in a child process: every case's outputs on the two-kernel path and on the fused path (the switch on),
+    saved to ``path`` with the path each took and the split-step kernel variants that ran (kernel names)."""
+    import cutlass_w8a8 as cw
+    from cutlass_w8a8 import _ext
+    from cutlass_w8a8.testing.attention import make_inputs
+    from cutlass_w8a8.testing.timers import cuda_kernel_times
+
+    ops = torch.ops.cutlass_w8a8
+    dev = torch.cuda.current_device()
+    fp8 = cw.supports_fp8()
+    results, paths, names, profiled = {}, {}, set(), set()
+    previous = _ext.set_decode_attention_fused(False)
+    try:
+        for key, h, kvh, d, b, s, dtype, seed in _cases():
+            q, kv, slots, pos = make_inputs(b, h, kvh, d, s, dtype, "cuda", seed=seed, positions=_positions(b, s, seed))
+            scale = 1.0 / math.sqrt(d)
+            for fused in (False, True):
+                _ext.set_decode_attention_fused(fused)
+                mode = "fused" if fused else "split"
+                paths[f"{key}/{mode}"] = _ext.decode_attention_path(dev, b, h, kvh, s, d, dtype)
+                calls = _calls(ops, (q, kv, slots, pos, scale), fp8)
+                for variant, call in calls.items():
+                    outs = call()
+                    results[f"{key}/{mode}/{variant}"] = [
+                        (t.view(torch.uint8) if t.element_size() == 1 else t).cpu() for t in outs]
+                if (paths[f"{key}/{mode}"], dtype) not in profiled:  # the kernel variant: once per path and dtype
+                    profiled.add((paths[f"{key}/{mode}"], dtype))
+                    names.update(n for n, _ in cuda_kernel_times(calls["int8"])
+                                 if "decode_attention_split_kernel" in n or "decode_attention_fused_kernel" in n)
+    finally:
+        _ext.set_decode_attention_fused(previous)
+    torch.save({"results": results, "paths": paths, "names": sorted(names)}, path)
+
+
+def _outputs_in_a_process(tmp_path, env: dict, tag: str) -> dict:
+    out = tmp_path / f"{tag}.pt"
+    r = subprocess.run([sys.executable, str(HERE), str(out)], env=env, capture_output=True, text=True, timeout=900,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return torch.load(out)
+
+
+def _variants(names: list[str]) -> set[str]:
+    """The last template argument (kPrefetch) of each split / fused kernel name."""
+    found = set()
+    for n in names:
+        m = re.search(r"decode_attention_(?:split|fused)_kernel<.*, (true|false)>\(", n)
+        assert m is not None, n
+        found.add(m.group(1))
+    return found
+
+
+def test_prefetch_gives_the_default_bits(tmp_path):
+    """Every output of CUTLASS_W8A8_ATTN_PREFETCH=1 equals (torch.equal) the default process's, on both paths;
+    the kernels that ran are the variants each process asked for; the fused path served some cases on sm90."""
+    _skip_if_a_knob_is_set()
+    base = _outputs_in_a_process(tmp_path, _clean_env(), "default")
+    pref = _outputs_in_a_process(tmp_path, _clean_env(**{PREFETCH: "1"}), "prefetch")
+    assert base["paths"] == pref["paths"]  # the variant does not change the plan
+    assert base["results"].keys() == pref["results"].keys() and len(base["results"]) >= 2 * 3 * 2 * 2 * 2
+    for key, expect in base["results"].items():
+        got = pref["results"][key]
+        assert len(got) == len(expect), key
+        for i, (x, y) in enumerate(zip(got, expect)):
+            assert x.dtype == y.dtype and x.shape == y.shape, (key, i)
+            assert not torch.isnan(y.float()).any(), (key, i)
+            assert torch.equal(x, y), f"{key} output {i}"
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert "fused" in base["paths"].values(), base["paths"]  # the fused kernels' variant ran too
+    if base["names"] and pref["names"]:  # empty where the profiler records no CUDA kernels (no CUPTI)
+        assert _variants(base["names"]) == {"false"}, base["names"]
+        assert _variants(pref["names"]) == {"true"}, pref["names"]
+
+
+def test_prefetch_still_matches_the_reference():
+    """test_decode_attention_cuda.py's float64-reference, long-cache, ragged, independence and graph tests, and the
+    fused path's bitwise tests against the two kernels (test_decode_attention_fused_cuda.py), with
+    CUTLASS_W8A8_ATTN_PREFETCH=1."""
+    _skip_if_a_knob_is_set()
+    _pytest(_clean_env(**{PREFETCH: "1"}), str(HERE.parent / "test_decode_attention_cuda.py"), "-k", REFERENCE_TESTS)
+    _pytest(_clean_env(**{PREFETCH: "1"}), str(HERE.parent / "test_decode_attention_fused_cuda.py"))
+
+
+# --- CTAS_PER_SM: other splits, still the reference ---------------------------------------------------------------
+
+def test_more_ctas_per_sm_still_match_the_reference():
+    """With CUTLASS_W8A8_ATTN_CTAS_PER_SM=8 (up to 4x the splits): test_decode_attention_cuda.py's float64-reference,
+    long-cache, ragged, independence and graph-replay tests (a captured graph's splits come from shapes only), and
+    decode_attention_quant against quantizing decode_attention's output (test_decode_attention_quant_cuda.py)."""
+    _skip_if_a_knob_is_set()
+    env = _clean_env(**{CTAS: "8"})
+    _pytest(env, str(HERE.parent / "test_decode_attention_cuda.py"), "-k", REFERENCE_TESTS)
+    _pytest(env, str(HERE.parent / "test_decode_attention_quant_cuda.py"), "-k",
+            "equals_composition or long_cache_mixed_rows")
+
+
+def test_ctas_per_sm_reaches_the_fused_plan():
+    """decode_attention_path asks choose_splits too: Llama-3-8B (32 / 8 x 128) at B 16, S 512 (128 (row, head
+    group) pairs) has ceil(2 SMs / 128) splits by default and ceil(8 SMs / 128) at CUTLASS_W8A8_ATTN_CTAS_PER_SM=8
+    (at most 16: S / 32). The fused plan fits 8 x splits units in one cluster of at most 16 CTAs of 2 units, so
+    splits <= 4: the default's for up to 256 SMs, 8's for at most 64. So on an sm90 with 64 < SMs <= 256 the path
+    is fused by default and split at 8."""
+    _skip_if_a_knob_is_set()
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the one-kernel path runs on sm90")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if not 64 < sms <= 256:
+        pytest.skip(f"{sms} SMs: the shape's paths differ from the ones asserted here")
+    code = ("import torch, cutlass_w8a8\n"
+            "from cutlass_w8a8 import _ext\n"
+            "_ext.set_decode_attention_fused(True)\n"
+            "print('PATH', _ext.decode_attention_path(0, 16, 32, 8, 512, 128, torch.bfloat16))\n")
+    for value, want in ((None, "fused"), ("8", "split")):
+        env = _clean_env() if value is None else _clean_env(**{CTAS: value})
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                           cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert f"PATH {want}" in r.stdout, (value, r.stdout)
+
+
+# --- bad values ---------------------------------------------------------------------------------------------------
+
+# each variable's bad values and the C++ message (csrc/attention/decode_attention.cu: attn_prefetch, ctas_per_sm)
+BAD_VALUES = {PREFETCH: ("must be 0 or 1 (or unset)", ("2", "yes", "true")),
+              CTAS: ("must be an integer in [1, 16]", ("0", "17", "abc", "2.5", "-1"))}
+
+
+@pytest.mark.parametrize("name", list(BAD_VALUES))
+def test_a_bad_value_raises_naming_the_variable(name):
+    """The op and decode_attention_path raise a ValueError naming the variable (read before any launch) instead of
+    silently running the default. A fresh process per variable (each is read once per process), its bad values in
+    turn: a read that raised leaves the variable unread (C++ tries a static initialization that threw again on the
+    next call), so each call reads the value just set. The other variable is unset: the CUTLASS_W8A8_ATTN_PREFETCH
+    process reads the default CTAs per SM, and ctas_per_sm is read before attn_prefetch."""
+    message, values = BAD_VALUES[name]
+    code = ("import os, torch, cutlass_w8a8 as cw\n"
+            "from cutlass_w8a8 import _ext\n"
+            "from cutlass_w8a8.testing.attention import make_inputs\n"
+            "q, kv, slots, pos = make_inputs(1, 8, 8, 64, 256, torch.bfloat16, 'cuda', seed=0)\n"
+            f"for value in {values!r}:\n"
+            f"    os.environ[{name!r}] = value\n"
+            "    for call in (lambda: cw.decode_attention(q, kv, slots, pos),\n"
+            "                 lambda: _ext.decode_attention_path(0, 1, 8, 8, 256, 64, torch.bfloat16)):\n"
+            "        try:\n"
+            "            call()\n"
+            "            print('RAN', repr(value))\n"
+            "        except ValueError as exc:\n"
+            "            print('RAISED', exc)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "RAN" not in r.stdout, r.stdout
+    for value in values:
+        assert r.stdout.count(f"{name} {message}, got '{value}'") == 2, (value, r.stdout)
+
+
+if __name__ == "__main__":  # the child process of test_prefetch_gives_the_default_bits
+    _compute_outputs(sys.argv[1])
