@@ -7,7 +7,9 @@
 # STAGES is a comma list, default "build,test,demo,bench": build (clean build + editable install), rebuild (the
 # same without removing build/: only changed sources recompile, for a second call on a warm machine), reuse
 # (build only when the extension is not already built and importable: a second call on a warm machine), cached (unpack
-# the .so files of an earlier build of the same sources from .socache/, else build: see below), test
+# the .so files of an earlier build of the same sources from .socache/, else build: see below), incremental (the
+# same, else recompile only the sources changed since an earlier build whose objects are in .objcache/: see below),
+# objcache (after a build, write its objects for a later "incremental"), test
 # (pytest, the whole suite), demo (python -m cutlass_w8a8), bench (bench/bench_gemm.py --quick), bench-full
 # (every M), bench-block (bench/bench_gemm.py --block: block-scaled fp8 against torch's blockwise scaled_mm, row-wise
 # fp8 and bf16 on the DeepSeek-V3 and Qwen3 shapes, every M, and the fp8 accuracy table; extra arguments in
@@ -68,6 +70,46 @@ so_key() {
     $PY -c 'import torch; print(torch.__version__, torch.version.cuda)'; echo "$TORCH_CUDA_ARCH_LIST"; } \
     | sha256sum | cut -c1-16
 }
+# The object cache (stages "objcache" and "incremental"): a clean build compiles all of csrc/ (about 420 s on 16
+# cores); most calls change a few files. "objcache", after a build, writes $OUT/obj-KEY.tar.xz.NN: build/ (ninja's
+# files and logs, the objects, the linked libraries) and the .so files, with build/objcache_manifest.txt (the repo's
+# path, torch, the arch list, then every csrc/ and setup.py file's sha256); put the parts together here as
+# .objcache/obj-KEY.tar.xz (git-ignored; keep the newest only: it is carried) and carry .objcache. "incremental":
+#   - the .so cache when it matches the sources exactly (as "cached");
+#   - else the newest .objcache/obj-*.tar.xz whose path, torch and arch list match this machine's: unpacked, the
+#     sources the manifest lists unchanged dated back to 2000, changed or new ones left at the checkout's time, the
+#     CUTLASS headers dated back too (pip gives them the install time), then "rebuild": ninja recompiles the changed
+#     sources and what includes them (its deps log, restored with the objects and their times), setuptools relinks
+#     the extensions whose sources changed;
+#   - else, or when that rebuild fails, a clean build.
+objcache_head() {
+  echo "path $PWD"
+  $PY -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
+  echo "arch $TORCH_CUDA_ARCH_LIST"
+}
+source_sums() { find csrc setup.py -type f | LC_ALL=C sort | xargs sha256sum; }
+OLD_TIME=946684800  # 2000-01-01
+incremental_from=
+if has incremental && ! has build && ! has build-tune; then
+  key=$(so_key)
+  obj=$(ls -t .objcache/obj-*.tar.xz 2>/dev/null | head -1)
+  if [ -f ".socache/so-$key.tar.xz" ]; then
+    STAGES="$STAGES,cached"
+  elif [ -n "$obj" ] && rm -rf build && tar -xJf "$obj" && [ -f build/objcache_manifest.txt ] \
+       && [ "$(head -3 build/objcache_manifest.txt)" == "$(objcache_head)" ]; then
+    changed=$(diff <(tail -n +4 build/objcache_manifest.txt) <(source_sums) | sed -n 's/^> [0-9a-f]*  //p')
+    find csrc setup.py -type f -exec touch -d "@$OLD_TIME" {} +
+    for f in $changed; do touch "$f"; done  # newer than every restored object
+    incremental_from=$obj
+    STAGES="$STAGES,rebuild"
+    stamp "incremental: $(echo "$changed" | grep -c .) source file(s) changed since $(basename "$obj"): $(echo $changed | cut -c1-300)"
+  else
+    rm -rf build cutlass_w8a8/*.so
+    stamp "incremental: no usable object cache (${obj:-none in .objcache/}), building from clean"
+    STAGES="$STAGES,build"
+  fi
+fi
+
 if has cached && ! has build && ! has build-tune; then
   key=$(so_key)
   if [ -f ".socache/so-$key.tar.xz" ] && tar -C cutlass_w8a8 -xJf ".socache/so-$key.tar.xz" \
@@ -98,13 +140,28 @@ if has build || has build-tune || has rebuild; then
     $PY -m pip install -q --no-deps --no-index .whl/setuptools-*.whl >"$OUT/pip_setuptools.log" 2>&1 \
       || { stamp "FAIL: setuptools < 77 and no usable setuptools wheel in .whl/"; exit 1; }
   fi
+  if [ -n "$incremental_from" ]; then  # see "incremental": the installed CUTLASS headers older than the objects
+    cutlass_dir=$($PY -c 'import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))')
+    find "$cutlass_dir" -exec touch -h -d "@$OLD_TIME" {} +
+  fi
   if has build || has build-tune; then rm -rf build cutlass_w8a8/*.so; fi  # rebuild: ninja redoes changed sources only
   has build-tune && export CUTLASS_W8A8_TUNE=${TUNE_TABLES:-1}
   t0=$(date +%s)
   $PY -m pip install --no-build-isolation --no-deps -v -e . >"$OUT/build.log" 2>&1
   rc=$?
   t1=$(date +%s)
-  stamp "build: rc=$rc in $((t1 - t0)) s (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS${CUTLASS_W8A8_TUNE:+ TUNE=$CUTLASS_W8A8_TUNE})"
+  stamp "build: rc=$rc in $((t1 - t0)) s (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS${CUTLASS_W8A8_TUNE:+ TUNE=$CUTLASS_W8A8_TUNE}${incremental_from:+, incremental: $(grep -cE '^\[[0-9]+/[0-9]+\]' "$OUT/build.log") ninja step(s)})"
+  if [ $rc -ne 0 ] && [ -n "$incremental_from" ]; then
+    cp "$OUT/build.log" "$OUT/build_incremental.log"
+    stamp "incremental: the rebuild failed (build_incremental.log), building from clean"
+    incremental_from=
+    rm -rf build cutlass_w8a8/*.so
+    t0=$(date +%s)
+    $PY -m pip install --no-build-isolation --no-deps -v -e . >"$OUT/build.log" 2>&1
+    rc=$?
+    t1=$(date +%s)
+    stamp "build: rc=$rc in $((t1 - t0)) s (from clean)"
+  fi
   if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; fi
   ls -la cutlass_w8a8/*.so | tee -a "$OUT/summary.txt"
   $PY -c "import cutlass_w8a8 as cw; print(cw.extension_status())" | tee -a "$OUT/summary.txt"
@@ -112,6 +169,11 @@ if has build || has build-tune || has rebuild; then
     key=$(so_key)
     (cd cutlass_w8a8 && tar -cf - *.so) | xz -T0 -6 | split -b 15M -d - "$OUT/so-$key.tar.xz."
     stamp "build cache: $(ls "$OUT"/so-"$key".tar.xz.* | wc -l) part(s) of so-$key.tar.xz in $OUT (cat them into .socache/)"
+    if has objcache; then  # see "incremental"
+      { objcache_head; source_sums; } > build/objcache_manifest.txt
+      tar -cf - build cutlass_w8a8/*.so | xz -T0 -6 | split -b 15M -d - "$OUT/obj-$key.tar.xz."
+      stamp "object cache: $(ls "$OUT"/obj-"$key".tar.xz.* | wc -l) part(s), $(cat "$OUT"/obj-"$key".tar.xz.* | wc -c) bytes, of obj-$key.tar.xz in $OUT (cat them into .objcache/)"
+    fi
   fi
 fi
 
