@@ -4,8 +4,8 @@
 #
 #   scripts/gpu_run.sh OUT_DIR [STAGES]
 #
-# STAGES is a comma list, default "build,test,demo,bench": build (clean build + editable install), rebuild (the
-# same without removing build/: only changed sources recompile, for a second call on a warm machine), reuse
+# STAGES is a comma list, default "build,test,demo,bench": build (clean build + editable install), rebuild (an in-place
+# build without removing build/: only changed sources recompile, for a second call on a warm machine), reuse
 # (build only when the extension is not already built and importable: a second call on a warm machine), cached (unpack
 # the .so files of an earlier build of the same sources from .socache/, else build: see below), incremental (the
 # same, else recompile only the sources changed since an earlier build whose objects are in .objcache/: see below),
@@ -146,8 +146,18 @@ if has build || has build-tune || has rebuild; then
   fi
   if has build || has build-tune; then rm -rf build cutlass_w8a8/*.so; fi  # rebuild: ninja redoes changed sources only
   has build-tune && export CUTLASS_W8A8_TUNE=${TUNE_TABLES:-1}
+  # pip install -e (PEP 660) compiles in a temporary directory: nothing survives for ninja to reuse. The stages that
+  # reuse objects (rebuild, incremental, objcache) build in place instead: setup.py build_ext --inplace keeps ninja's
+  # files and objects in build/ and puts the .so files in cutlass_w8a8/, which imports from the checkout (PYTHONPATH
+  # above). --force: setuptools would skip an extension whose listed sources are older than its .so and so miss a
+  # header-only change; ninja still recompiles only what changed (its deps log), then each extension is relinked.
+  if has rebuild || has incremental || has objcache; then
+    build_cmd=("$PY" setup.py build_ext --inplace --force)
+  else
+    build_cmd=("$PY" -m pip install --no-build-isolation --no-deps -v -e .)
+  fi
   t0=$(date +%s)
-  $PY -m pip install --no-build-isolation --no-deps -v -e . >"$OUT/build.log" 2>&1
+  "${build_cmd[@]}" >"$OUT/build.log" 2>&1
   rc=$?
   t1=$(date +%s)
   stamp "build: rc=$rc in $((t1 - t0)) s (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS${CUTLASS_W8A8_TUNE:+ TUNE=$CUTLASS_W8A8_TUNE}${incremental_from:+, incremental: $(grep -cE '^\[[0-9]+/[0-9]+\]' "$OUT/build.log") ninja step(s)})"
@@ -157,7 +167,7 @@ if has build || has build-tune || has rebuild; then
     incremental_from=
     rm -rf build cutlass_w8a8/*.so
     t0=$(date +%s)
-    $PY -m pip install --no-build-isolation --no-deps -v -e . >"$OUT/build.log" 2>&1
+    "${build_cmd[@]}" >"$OUT/build.log" 2>&1
     rc=$?
     t1=$(date +%s)
     stamp "build: rc=$rc in $((t1 - t0)) s (from clean)"
