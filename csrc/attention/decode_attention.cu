@@ -30,10 +30,14 @@
 //       M = max_i m_i,  l = sum_i l_i 2^(m_i - M),  acc = sum_i acc_i 2^(m_i - M).
 //     The CTA writes (M, l) and acc (unnormalized) per (b, h, z) to a float32 workspace from the caching
 //     allocator.
-//   decode_attention_combine_kernel, grid (B), 1024 threads: merges the active splits of every head of row b the
-//     same way, out = acc / l, rounds to q's dtype, and stores the row or quantizes it (rowwise_reduce.cuh's
-//     finish_regs / finish_loop: the code the row-wise quantization kernels use, so the result equals
-//     quantize_per_token(decode_attention(...)) bit for bit).
+//   decode_attention_combine_cluster_kernel (sm90, H * D <= 8192), grid (B, 8), a cluster of 8 CTAs of 128 threads
+//     per row: CTA y merges the active splits of its eighth of row b's H * D / 4 output vectors (one or two per
+//     thread, up to 8 loads in flight each), out = acc / l, rounds to q's dtype, and stores its part or quantizes
+//     it with the row's scale (the row amax: a max over the cluster). Rows elsewhere (older archs, longer rows,
+//     CUTLASS_W8A8_ATTN_COMBINE=row): decode_attention_combine_kernel, grid (B), 1024 threads, the whole row in one
+//     CTA. Both end in rowwise_reduce.cuh's finish_regs / finish_loop (the code the row-wise quantization kernels
+//     use), so the result equals quantize_per_token(decode_attention(...)) bit for bit, and the two combine kernels
+//     give the same bits (the same weights, the same fmaf chain per element, an exact max).
 //
 //   decode_attention_fused_kernel (sm90, 16-bit q, 32 < D <= 128), grid (B, C), one cluster of C CTAs per row: the
 //     split kernel's (head group, split) CTAs of row b become 4-warp "units", U per CTA, running the same code
@@ -54,6 +58,8 @@
 //     both change the splits, hence the bits (still from shapes only: a captured graph replays as eager runs);
 //   CUTLASS_W8A8_ATTN_PREFETCH=1  (attn_prefetch) split_partial issues step i + 1's K and V loads before step i's
 //     math (a second register buffer; both kernels): the same float operations in the same order, the same bits.
+//   CUTLASS_W8A8_ATTN_COMBINE=row (combine_cluster_allowed) the one-CTA-per-row combine where the cluster combine
+//     would serve (default: cluster): the same bits.
 //
 // Row-wise (csrc/graphs/graph_nodes.hpp): block (x, y, z) of any of the kernels reads only row x's inputs and writes
 // only row x's outputs and workspace (the fused kernel's cluster spans y only), and the one kernel argument chosen
@@ -115,6 +121,9 @@ constexpr int kCtasPerSm = 2;  // choose_splits: about this many split CTAs per 
 constexpr int kCombineThreads = 1024;  // one thread per 4 outputs of a Llama-3 row (H * D = 4096)
 constexpr int kCombineVecs = 2;  // combine: up to 2 vectors of 4 elements per thread in registers (H * D <= 8192)
 constexpr int64_t kCombineSmemFloats = 8192;  // combine: at most this many split weights (32 KiB of shared memory)
+constexpr int kCombineCluster = 8;             // the cluster combine: CTAs per row (the portable cluster size)
+constexpr int kCombineClusterThreads = 128;    // ... threads per CTA: one output vector each for H * D <= 4096
+constexpr int kCombineBatch = 8;               // ... split loads in flight per thread (merge_splits)
 
 // Element conversions (to_float, from_float), PDL (allow_dependent_launch, wait_for_producers) and the row tails
 // (finish_regs, finish_loop): csrc/quant/rowwise_reduce.cuh.
@@ -401,17 +410,19 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_split_kernel(con
 // sum_s acc_s w_s over the n_active splits of one head, 4 elements at acc_at(s) (16-byte aligned float32, global or
 // shared memory, a cluster's included), with the weights wh[s] (split_weights), rounded to T. Both paths merge with
 // this code: the same fmaf chain in the same order.
-template <class T, class AccAt>
+// kBatch: independent loads in flight per step (4, or kCombineBatch in the cluster combine); the sums are the
+// same for every kBatch: one fmaf per split, in split order.
+template <class T, int kBatch = 4, class AccAt>
 __device__ __forceinline__ Vec<T, 4> merge_splits(AccAt acc_at, const float* wh, int n_active) {
   float o[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int s0 = 0; s0 < n_active; s0 += 4) {  // up to four independent loads in flight, then their sums in order
-    float4 v[4];
+  for (int s0 = 0; s0 < n_active; s0 += kBatch) {  // up to kBatch independent loads in flight, then their sums in order
+    float4 v[kBatch];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < kBatch; ++u) {
       if (s0 + u < n_active) v[u] = *reinterpret_cast<const float4*>(acc_at(s0 + u));
     }
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < kBatch; ++u) {
       if (s0 + u < n_active) {
         const float ws = wh[s0 + u];
         o[0] = fmaf(v[u].x, ws, o[0]);
@@ -430,7 +441,7 @@ __device__ __forceinline__ Vec<T, 4> merge_splits(AccAt acc_at, const float* wh,
 // Vector idx (4 elements) of row b's attention output: the splits of its head merged, divided by the sum, rounded
 // to T. 4 divides D (a multiple of 8), so a vector never straddles two heads. `w` (shared memory, [H][n_active]):
 // each split's weight 2^(m_s - M) / l of its head (split_weights), or null: computed here from the workspace.
-template <class T>
+template <class T, int kBatch = 4>
 __device__ __forceinline__ Vec<T, 4> combine_vec(const Args<T>& a, int64_t b, int n_active, int idx,
                                                  const float* w) {
   const int e = idx * 4;
@@ -438,7 +449,8 @@ __device__ __forceinline__ Vec<T, 4> combine_vec(const Args<T>& a, int64_t b, in
   const int64_t part0 = (b * a.heads + h) * a.splits;
   const float* acc0 = a.part_acc + part0 * a.head_dim + d;
   if (w != nullptr) {
-    return merge_splits<T>([&](int s) { return acc0 + int64_t(s) * a.head_dim; }, w + h * n_active, n_active);
+    return merge_splits<T, kBatch>([&](int s) { return acc0 + int64_t(s) * a.head_dim; }, w + h * n_active,
+                                   n_active);
   }
   float o[4] = {0.f, 0.f, 0.f, 0.f};
   float m_max = -INFINITY;
@@ -536,6 +548,49 @@ __global__ void __launch_bounds__(kCombineThreads) decode_attention_combine_kern
         [&](int idx) { return combine_vec(a, b, n_active, idx, static_cast<const float*>(nullptr)); }, nvec,
         out_row, a.scales, a.static_scale, b);
   }
+}
+
+// Row b = blockIdx.x, its part y = blockIdx.y of kCombineCluster (block_part): the cluster combine. The split weights
+// of the heads its vectors lie in (the row combine's, head by head: head_split_weights), its kVecs vectors per
+// thread merged with kCombineBatch loads in flight (combine_vec: the row combine's fmaf chain), then finish_regs over
+// the cluster (the row amax: ClusterReduce's max over the 8 CTAs, exact). At B 1 the row combine read the row's
+// H x splits x D float32 partial results on one SM: 6.4 us of Qwen3-30B-A3B's 15.2 us at S 1024 (32 splits) on an
+// H200 (bench/results/decode_attention_knobs_nvidia-h200.md); a cluster reads them on 8.
+template <class T, class O, int kVecs>
+__global__ void CW8A8_CLUSTER_DIMS(1, kCombineCluster, 1) __launch_bounds__(kCombineClusterThreads)
+    decode_attention_combine_cluster_kernel(const Args<T> a) {
+#if !CW8A8_HAS_CLUSTERS
+  __trap();  // not reached: the host launches it where clusters_available (sm90 code loaded)
+#else
+  extern __shared__ float s_weights[];  // [H][n_active]: the heads of this CTA's part
+  allow_dependent_launch();  // o_proj's GEMM may be scheduled (and prefetch its weights); it waits for this grid
+  wait_for_producers();      // the split kernel's workspace
+  const int64_t b = blockIdx.x;
+  const int len = row_length(a, b);
+  const int chunk = split_chunk(len, a.splits);
+  const int n_active = (len + chunk - 1) / chunk;
+  const int nvec = a.heads * a.head_dim / 4;
+  int begin, end;
+  block_part<kCombineCluster>(nvec, begin, end);
+  if (begin < end) {
+    const int64_t part0 = b * a.heads * a.splits;
+    const int h_begin = begin * 4 / a.head_dim, h_end = ((end - 1) * 4) / a.head_dim + 1;
+    for (int h = h_begin + static_cast<int>(threadIdx.x) / 32; h < h_end; h += kCombineClusterThreads / 32) {
+      head_split_weights(n_active, [&](int s) { return a.part_ml[part0 + int64_t(h) * a.splits + s]; },
+                         s_weights + h * n_active);
+    }
+  }
+  __syncthreads();
+  Vec<T, 4> y[kVecs];
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int idx = begin + static_cast<int>(threadIdx.x) + i * kCombineClusterThreads;
+    if (idx < end) y[i] = combine_vec<T, kCombineBatch>(a, b, n_active, idx, s_weights);
+  }
+  auto* out_row = static_cast<typename O::type*>(a.out) + b * (int64_t(nvec) * 4);
+  finish_regs<T, O, 4, kVecs, kCombineClusterThreads, kCombineCluster>(y, begin, end, out_row, a.scales,
+                                                                        a.static_scale, b);
+#endif
 }
 
 // --- the one-kernel path: a cluster per row -------------------------------------------------------------------
@@ -748,6 +803,20 @@ bool attn_prefetch() {
   return value;
 }
 
+// Whether the cluster combine may serve (CUTLASS_W8A8_ATTN_COMBINE, read once per process): unset, empty or
+// "cluster" (the default), or "row" (the one-CTA-per-row combine everywhere: an A/B switch, the same bits). Another
+// value raises a ValueError naming the variable.
+bool combine_cluster_allowed() {
+  static const bool value = [] {
+    const char* env = std::getenv("CUTLASS_W8A8_ATTN_COMBINE");
+    const std::string v = env == nullptr ? "" : env;
+    TORCH_CHECK_VALUE(v.empty() || v == "cluster" || v == "row",
+                      "decode_attention: CUTLASS_W8A8_ATTN_COMBINE must be cluster or row (or unset), got '", v, "'");
+    return v != "row";
+  }();
+  return value;
+}
+
 // Splits per row: about ctas_per_sm() (default 2) CTAs per SM over the B x H / G' (row, head group) pairs,
 // splits = ceil(ctas_per_sm() x SMs / pairs), at most S / min_chunk() (a split of a full cache keeps at least that
 // many positions), kMaxSplits, and kCombineSmemFloats / H (the combine kernel's H x splits weights in shared memory).
@@ -802,12 +871,30 @@ void launch_split_for_group(const Args<T>& args, int64_t batch, int64_t heads, i
   }
 }
 
+// The combine kernel for a row of nvec = H * D / 4 vectors: the cluster combine (kVecs 1 or 2 a thread) on sm90
+// where clusters_available and the knob allows it, for nvec <= 8 x 128 x 2 (H * D <= 8192); else the row combine,
+// its vectors in registers (H * D <= 8192) or recomputed per pass (longer rows). From H, D and the device only, so
+// the choice is the same for every B (a captured graph shrunk to fewer rows keeps it).
 template <class T, class O>
-void launch_combine(const Args<T>& args, int64_t batch, cudaStream_t stream, bool pdl) {
+void launch_combine(const Args<T>& args, int64_t batch, int device, cudaStream_t stream, bool pdl) {
   const int64_t nvec = int64_t(args.heads) * args.head_dim / 4;
+  // H * splits <= kCombineSmemFloats (choose_splits): the split weights in shared memory
+  const size_t smem = sizeof(float) * static_cast<size_t>(args.heads) * args.splits;
+  constexpr int64_t kClusterPart = int64_t(kCombineCluster) * kCombineClusterThreads;  // vectors at one a thread
+  if (nvec <= 2 * kClusterPart && combine_cluster_allowed() && device_info(device).major == 9 &&
+      clusters_available(device)) {
+    const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(kCombineCluster));
+    if (nvec <= kClusterPart) {
+      C10_CUDA_CHECK(launch_kernel(decode_attention_combine_cluster_kernel<T, O, 1>, grid,
+                                   dim3(kCombineClusterThreads), smem, stream, pdl, args));
+    } else {
+      C10_CUDA_CHECK(launch_kernel(decode_attention_combine_cluster_kernel<T, O, 2>, grid,
+                                   dim3(kCombineClusterThreads), smem, stream, pdl, args));
+    }
+    return;
+  }
   const dim3 grid(static_cast<unsigned>(batch));
-  if (nvec <= int64_t(kCombineThreads) * kCombineVecs) {  // H * splits <= kCombineSmemFloats (choose_splits)
-    const size_t smem = sizeof(float) * static_cast<size_t>(args.heads) * args.splits;
+  if (nvec <= int64_t(kCombineThreads) * kCombineVecs) {
     C10_CUDA_CHECK(launch_kernel(decode_attention_combine_kernel<T, O, kCombineVecs>, grid, dim3(kCombineThreads),
                                  smem, stream, pdl, args));
   } else {
@@ -1075,6 +1162,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
   const int g = heads_per_cta(heads / kv_heads);
   const int splits = choose_splits(batch, heads, heads / g, kv_cache.size(3), device_info(device).sm_count);
   const bool prefetch = attn_prefetch();  // before any launch: a bad value raises here
+  (void)combine_cluster_allowed();        // likewise
   const FusedPlan plan = fused_plan(heads, g, d, q.scalar_type(), splits, device, prefetch);
   const int64_t parts = batch * heads * splits;
   at::Tensor workspace;  // the two-kernel path's partial results (the fused path keeps them in shared memory)
@@ -1134,11 +1222,11 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
     }
     graph_nodes::note_rowwise_launch(stream, batch, op);
     if (!qtype) {
-      launch_combine<T, FloatOut<T>>(args, batch, stream, pdl);
+      launch_combine<T, FloatOut<T>>(args, batch, device, stream, pdl);
     } else if (*qtype == at::kChar) {
-      launch_combine<T, Int8Out>(args, batch, stream, pdl);
+      launch_combine<T, Int8Out>(args, batch, device, stream, pdl);
     } else {
-      launch_combine<T, Fp8Out>(args, batch, stream, pdl);
+      launch_combine<T, Fp8Out>(args, batch, device, stream, pdl);
     }
     graph_nodes::note_rowwise_launch(stream, batch, op);
   };
@@ -1179,6 +1267,7 @@ std::string decode_attention_path(int64_t device, int64_t batch, int64_t heads, 
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(d));  // clusters_available queries the current device
   const int g = heads_per_cta(heads / kv_heads);
   const int splits = choose_splits(batch, heads, heads / g, seq_len, device_info(d).sm_count);
+  (void)combine_cluster_allowed();  // a bad value raises here as in the op
   const FusedPlan plan = fused_plan(heads, g, head_dim, dtype, splits, d, attn_prefetch());
   return plan.units > 0 ? "fused" : "split";
 }
