@@ -124,6 +124,7 @@ constexpr int64_t kCombineSmemFloats = 8192;  // combine: at most this many spli
 constexpr int kCombineCluster = 8;             // the cluster combine: CTAs per row (the portable cluster size)
 constexpr int kCombineClusterThreads = 128;    // ... threads per CTA: one output vector each for H * D <= 4096
 constexpr int kCombineBatch = 8;               // ... split loads in flight per thread (merge_splits)
+static_assert(kCombineBatch >= 4 && kCombineBatch <= kMaxSplits, "the cluster combine's loads in flight");
 
 // Element conversions (to_float, from_float), PDL (allow_dependent_launch, wait_for_producers) and the row tails
 // (finish_regs, finish_loop): csrc/quant/rowwise_reduce.cuh.
