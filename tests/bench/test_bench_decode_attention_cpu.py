@@ -18,7 +18,8 @@ def test_kernel_tags(bench):
     ns = "void cutlass_w8a8::(anonymous namespace)::"
     assert bench._kernel_tag(ns + "decode_attention_split_kernel<__nv_bfloat16, 8, 16, 1>(Args)") == "split"
     assert bench._kernel_tag(ns + "decode_attention_combine_kernel<__nv_bfloat16, Int8Out, 2>(Args)") == "combine"
-    assert bench._kernel_tag(ns + "decode_attention_combine_cluster_kernel<__nv_bfloat16, Int8Out, 1>(Args)") == "combine"
+    cluster = ns + "decode_attention_combine_cluster_kernel<__nv_bfloat16, Int8Out, 1>(Args)"
+    assert bench._kernel_tag(cluster) == "combine"
     assert bench._kernel_tag(ns + "decode_attention_fused_kernel<__nv_bfloat16, Int8Out, 8, 16, 1>(Args)") == "fused"
     assert bench._kernel_tag(ns + "rope_kv_cache_kernel<__nv_bfloat16>(Args)") == ""
 
