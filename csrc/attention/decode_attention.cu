@@ -33,7 +33,7 @@
 //   decode_attention_combine_cluster_kernel (sm90, H * D <= 8192), grid (B, 8), a cluster of 8 CTAs of 128 threads
 //     per row: CTA y merges the active splits of its eighth of row b's H * D / 4 output vectors (one or two per
 //     thread, up to 8 loads in flight each), out = acc / l, rounds to q's dtype, and stores its part or quantizes
-//     it with the row's scale (the row amax: a max over the cluster). Rows elsewhere (older archs, longer rows,
+//     it with the row's scale (the row amax: a max over the cluster). Rows elsewhere (other archs, longer rows,
 //     CUTLASS_W8A8_ATTN_COMBINE=row): decode_attention_combine_kernel, grid (B), 1024 threads, the whole row in one
 //     CTA. Both end in rowwise_reduce.cuh's finish_regs / finish_loop (the code the row-wise quantization kernels
 //     use), so the result equals quantize_per_token(decode_attention(...)) bit for bit, and the two combine kernels
@@ -62,10 +62,10 @@
 //     would serve (default: cluster): the same bits.
 //
 // Row-wise (csrc/graphs/graph_nodes.hpp): block (x, y, z) of any of the kernels reads only row x's inputs and writes
-// only row x's outputs and workspace (the fused kernel's cluster spans y only), and the one kernel argument chosen
-// from B (the split count, which sizes the workspace and, in the fused path, the cluster) stays valid for fewer
-// rows, so a captured node can be shrunk to fewer rows by its gridDim.x alone (an update keeps the cluster
-// dimension, a launch attribute). PDL: every kernel signals its dependents at its start and waits on
+// only row x's outputs and workspace (the fused kernel's and the cluster combine's clusters span y only), and the one
+// kernel argument chosen from B (the split count, which sizes the workspace and, in the fused path, the cluster)
+// stays valid for fewer rows, so a captured node can be shrunk to fewer rows by its gridDim.x alone (an update keeps
+// the fused kernel's cluster dimension, a launch attribute; the cluster combine's is compiled in). PDL: every kernel signals its dependents at its start and waits on
 // griddepcontrol before reading anything (core/launch_policy.hpp); no host synchronisation, no allocation beyond
 // the outputs and the workspace.
 //
@@ -440,17 +440,18 @@ __device__ __forceinline__ Vec<T, 4> merge_splits(AccAt acc_at, const float* wh,
 }
 
 // Vector idx (4 elements) of row b's attention output: the splits of its head merged, divided by the sum, rounded
-// to T. 4 divides D (a multiple of 8), so a vector never straddles two heads. `w` (shared memory, [H][n_active]):
-// each split's weight 2^(m_s - M) / l of its head (split_weights), or null: computed here from the workspace.
+// to T. 4 divides D (a multiple of 8), so a vector never straddles two heads. `w` (shared memory, [H - h0][n_active]:
+// heads h0 ..): each split's weight 2^(m_s - M) / l of its head (split_weights), or null: computed here from the
+// workspace.
 template <class T, int kBatch = 4>
 __device__ __forceinline__ Vec<T, 4> combine_vec(const Args<T>& a, int64_t b, int n_active, int idx,
-                                                 const float* w) {
+                                                 const float* w, int h0 = 0) {
   const int e = idx * 4;
   const int h = e / a.head_dim, d = e - h * a.head_dim;
   const int64_t part0 = (b * a.heads + h) * a.splits;
   const float* acc0 = a.part_acc + part0 * a.head_dim + d;
   if (w != nullptr) {
-    return merge_splits<T, kBatch>([&](int s) { return acc0 + int64_t(s) * a.head_dim; }, w + h * n_active,
+    return merge_splits<T, kBatch>([&](int s) { return acc0 + int64_t(s) * a.head_dim; }, w + (h - h0) * n_active,
                                    n_active);
   }
   float o[4] = {0.f, 0.f, 0.f, 0.f};
@@ -563,7 +564,7 @@ __global__ void CW8A8_CLUSTER_DIMS(1, kCombineCluster, 1) __launch_bounds__(kCom
 #if !CW8A8_HAS_CLUSTERS
   __trap();  // not reached: the host launches it where clusters_available (sm90 code loaded)
 #else
-  extern __shared__ float s_weights[];  // [H][n_active]: the heads of this CTA's part
+  extern __shared__ float s_weights[];  // [heads of this CTA's part][n_active], from head h_begin
   allow_dependent_launch();  // o_proj's GEMM may be scheduled (and prefetch its weights); it waits for this grid
   wait_for_producers();      // the split kernel's workspace
   const int64_t b = blockIdx.x;
@@ -573,12 +574,13 @@ __global__ void CW8A8_CLUSTER_DIMS(1, kCombineCluster, 1) __launch_bounds__(kCom
   const int nvec = a.heads * a.head_dim / 4;
   int begin, end;
   block_part<kCombineCluster>(nvec, begin, end);
+  const int h_begin = begin * 4 / a.head_dim;
   if (begin < end) {
     const int64_t part0 = b * a.heads * a.splits;
-    const int h_begin = begin * 4 / a.head_dim, h_end = ((end - 1) * 4) / a.head_dim + 1;
+    const int h_end = ((end - 1) * 4) / a.head_dim + 1;
     for (int h = h_begin + static_cast<int>(threadIdx.x) / 32; h < h_end; h += kCombineClusterThreads / 32) {
       head_split_weights(n_active, [&](int s) { return a.part_ml[part0 + int64_t(h) * a.splits + s]; },
-                         s_weights + h * n_active);
+                         s_weights + (h - h_begin) * n_active);
     }
   }
   __syncthreads();
@@ -586,7 +588,7 @@ __global__ void CW8A8_CLUSTER_DIMS(1, kCombineCluster, 1) __launch_bounds__(kCom
 #pragma unroll
   for (int i = 0; i < kVecs; ++i) {
     const int idx = begin + static_cast<int>(threadIdx.x) + i * kCombineClusterThreads;
-    if (idx < end) y[i] = combine_vec<T, kCombineBatch>(a, b, n_active, idx, s_weights);
+    if (idx < end) y[i] = combine_vec<T, kCombineBatch>(a, b, n_active, idx, s_weights, h_begin);
   }
   auto* out_row = static_cast<typename O::type*>(a.out) + b * (int64_t(nvec) * 4);
   finish_regs<T, O, 4, kVecs, kCombineClusterThreads, kCombineCluster>(y, begin, end, out_row, a.scales,
@@ -884,13 +886,18 @@ void launch_combine(const Args<T>& args, int64_t batch, int device, cudaStream_t
   constexpr int64_t kClusterPart = int64_t(kCombineCluster) * kCombineClusterThreads;  // vectors at one a thread
   if (nvec <= 2 * kClusterPart && combine_cluster_allowed() && device_info(device).major == 9 &&
       clusters_available(device)) {
+    // a CTA's part (block_part): ceil(nvec / 8) vectors, which lie in at most part * 4 / D + 2 heads (from the head
+    // of its first vector); the weights of those heads only
+    const int64_t part = (nvec + kCombineCluster - 1) / kCombineCluster;
+    const int64_t part_heads = std::min<int64_t>(args.heads, part * 4 / args.head_dim + 2);
+    const size_t cluster_smem = sizeof(float) * static_cast<size_t>(part_heads) * args.splits;
     const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(kCombineCluster));
     if (nvec <= kClusterPart) {
       C10_CUDA_CHECK(launch_kernel(decode_attention_combine_cluster_kernel<T, O, 1>, grid,
-                                   dim3(kCombineClusterThreads), smem, stream, pdl, args));
+                                   dim3(kCombineClusterThreads), cluster_smem, stream, pdl, args));
     } else {
       C10_CUDA_CHECK(launch_kernel(decode_attention_combine_cluster_kernel<T, O, 2>, grid,
-                                   dim3(kCombineClusterThreads), smem, stream, pdl, args));
+                                   dim3(kCombineClusterThreads), cluster_smem, stream, pdl, args));
     }
     return;
   }

@@ -96,7 +96,7 @@ def decode_attention(
        sum, accumulator) per ``(b, h, split)`` to a workspace from torch's caching allocator.
     2. ``decode_attention_combine_cluster_kernel``, grid ``(B, 8)``: a cluster of 8 blocks per row (sm90,
        ``H * D <= 8192``), each merging the splits of its eighth of the row's ``H * D`` outputs, rescaled to their
-       head's common maximum, and rounding them once to ``q``'s dtype. Elsewhere (older archs, longer rows, or
+       head's common maximum, and rounding them once to ``q``'s dtype. Elsewhere (other archs, longer rows, or
        ``CUTLASS_W8A8_ATTN_COMBINE=row``) ``decode_attention_combine_kernel``, grid ``(B,)``: one block per row
        does the same. Both give the same bits.
     3. ``decode_attention_fused_kernel`` instead of both, where a row's ``H / G' x splits`` (head group, split)

@@ -100,6 +100,11 @@ def _cases():
     out.append(("h4-kvh2-b5-s300-d192-fp32", 4, 2, 192, 5, 300, torch.float32, 14))
     # H * D = 8192: the cluster combine's two vectors a thread (the row combine's too)
     out.append(("h64-kvh8-b3-s700-bf16", 64, 8, 128, 3, 700, torch.bfloat16, 15))
+    # rows the cluster combine's 8 CTAs share unevenly: 2 vectors (6 CTAs idle), 30 (a short last part), 1054 (two
+    # vectors a thread, a short second one)
+    out.append(("h1-kvh1-b3-s300-d8-bf16", 1, 1, 8, 3, 300, torch.bfloat16, 16))
+    out.append(("h3-kvh1-b3-s300-d40-fp16", 3, 1, 40, 3, 300, torch.float16, 17))
+    out.append(("h17-kvh1-b2-s300-d248-bf16", 17, 1, 248, 2, 300, torch.bfloat16, 18))
     return out
 
 
@@ -140,8 +145,9 @@ def _compute_outputs(path: str) -> None:
                     outs = call()
                     results[f"{key}/{mode}/{variant}"] = [
                         (t.view(torch.uint8) if t.element_size() == 1 else t).cpu() for t in outs]
-                if (paths[f"{key}/{mode}"], dtype) not in profiled:  # the kernel variant: once per path and dtype
-                    profiled.add((paths[f"{key}/{mode}"], dtype))
+                # the kernels that ran: once per path, dtype and row width (the combine's variant follows H * D)
+                if (paths[f"{key}/{mode}"], dtype, h * d) not in profiled:
+                    profiled.add((paths[f"{key}/{mode}"], dtype, h * d))
                     names.update(n for n, _ in cuda_kernel_times(calls["int8"]) if "decode_attention_" in n)
     finally:
         _ext.set_decode_attention_fused(previous)
@@ -205,6 +211,11 @@ def _combine_kernels(names: list[str]) -> set[str]:
     return {m.group(1) for n in names if (m := re.search(r"(decode_attention_combine\w*_kernel)<", n))}
 
 
+def _cluster_vectors(names: list[str]) -> set[str]:
+    """The last template argument (output vectors a thread) of each cluster combine kernel name."""
+    return {m.group(1) for n in names if (m := re.search(r"decode_attention_combine_cluster_kernel<.*, (\d+)>\(", n))}
+
+
 def test_row_combine_gives_the_cluster_combine_bits(tmp_path):
     """Every output with CUTLASS_W8A8_ATTN_COMBINE=row equals (torch.equal) the default process's, on both paths
     (the fused path has no combine kernel: the same bits trivially); on sm90 the default ran the cluster combine and
@@ -225,6 +236,7 @@ def test_row_combine_gives_the_cluster_combine_bits(tmp_path):
         assert _combine_kernels(row["names"]) == {"decode_attention_combine_kernel"}, row["names"]
         if torch.cuda.get_device_capability()[0] == 9:
             assert "decode_attention_combine_cluster_kernel" in _combine_kernels(base["names"]), base["names"]
+            assert _cluster_vectors(base["names"]) == {"1", "2"}, base["names"]  # both variants ran
 
 
 # --- CTAS_PER_SM: other splits, still the reference ---------------------------------------------------------------
@@ -268,6 +280,8 @@ def test_ctas_per_sm_reaches_the_fused_plan():
 
 # each variable's bad values and the C++ message (csrc/attention/decode_attention.cu: attn_prefetch, ctas_per_sm,
 # combine_cluster_allowed)
+# and one accepted value each, set after them: the op and decode_attention_path then run
+GOOD_VALUES = {PREFETCH: "0", CTAS: "3", COMBINE: "cluster"}
 BAD_VALUES = {PREFETCH: ("must be 0 or 1 (or unset)", ("2", "yes", "true")),
               CTAS: ("must be an integer in [1, 16]", ("0", "17", "abc", "2.5", "-1")),
               COMBINE: ("must be cluster or row (or unset)", ("rows", "1", "Cluster"))}
@@ -279,7 +293,8 @@ def test_a_bad_value_raises_naming_the_variable(name):
     silently running the default. A fresh process per variable (each is read once per process), its bad values in
     turn: a read that raised leaves the variable unread (C++ tries a static initialization that threw again on the
     next call), so each call reads the value just set. The other variables are unset: each process reads the others'
-    defaults (ctas_per_sm is read first, then attn_prefetch and combine_cluster_allowed)."""
+    defaults (ctas_per_sm is read first, then attn_prefetch and combine_cluster_allowed). Then an accepted value
+    (GOOD_VALUES) runs both."""
     message, values = BAD_VALUES[name]
     code = ("import os, torch, cutlass_w8a8 as cw\n"
             "from cutlass_w8a8 import _ext\n"
@@ -293,14 +308,19 @@ def test_a_bad_value_raises_naming_the_variable(name):
             "            call()\n"
             "            print('RAN', repr(value))\n"
             "        except ValueError as exc:\n"
-            "            print('RAISED', exc)\n")
+            "            print('RAISED', exc)\n"
+            f"os.environ[{name!r}] = {GOOD_VALUES[name]!r}\n"
+            "cw.decode_attention(q, kv, slots, pos)\n"
+            "_ext.decode_attention_path(0, 1, 8, 8, 256, 64, torch.bfloat16)\n"
+            "print('GOOD')\n")
     r = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=300,
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "RAN" not in r.stdout, r.stdout
     for value in values:
         assert r.stdout.count(f"{name} {message}, got '{value}'") == 2, (value, r.stdout)
+    assert "GOOD" in r.stdout, r.stdout  # the accepted value runs
 
 
-if __name__ == "__main__":  # the child process of test_prefetch_gives_the_default_bits
+if __name__ == "__main__":  # the child process of the two bit-equality tests
     _compute_outputs(sys.argv[1])
