@@ -60,6 +60,8 @@
 //     math (a second register buffer; both kernels): the same float operations in the same order, the same bits.
 //   CUTLASS_W8A8_ATTN_COMBINE=row (combine_cluster_allowed) the one-CTA-per-row combine where the cluster combine
 //     would serve (default: cluster): the same bits.
+//   CUTLASS_W8A8_ATTN_SPLITS=waves (split_rule_waves) the split count with the fewest waves of resident CTAs times
+//     positions per CTA (choose_splits; default: ctas, the CTAs-per-SM rule): other splits, hence other bits.
 //
 // Row-wise (csrc/graphs/graph_nodes.hpp): block (x, y, z) of any of the kernels reads only row x's inputs and writes
 // only row x's outputs and workspace (the fused kernel's and the cluster combine's clusters span y only), and the one
@@ -93,6 +95,7 @@
 
 #include "core/checks.hpp"
 #include "core/device.hpp"
+#include "core/knobs.hpp"
 #include "core/launch_policy.hpp"
 #include "core/limits.hpp"
 #include "graphs/graph_nodes.hpp"
@@ -796,13 +799,7 @@ int ctas_per_sm() {
 // bounds already allow 255 registers wherever it spills at G' = 8 (more is not possible); G' = 1's would need fewer
 // units per CTA, i.e. another fused plan, so they stay.
 bool attn_prefetch() {
-  static const bool value = [] {
-    const char* env = std::getenv("CUTLASS_W8A8_ATTN_PREFETCH");
-    const std::string v = env == nullptr ? "" : env;
-    TORCH_CHECK_VALUE(v.empty() || v == "0" || v == "1",
-                      "decode_attention: CUTLASS_W8A8_ATTN_PREFETCH must be 0 or 1 (or unset), got '", v, "'");
-    return v == "1";
-  }();
+  static const bool value = env_choice(kOp, "CUTLASS_W8A8_ATTN_PREFETCH", {"0", "1"}) == "1";
   return value;
 }
 
@@ -810,68 +807,134 @@ bool attn_prefetch() {
 // "cluster" (the default), or "row" (the one-CTA-per-row combine everywhere: an A/B switch, the same bits). Another
 // value raises a ValueError naming the variable.
 bool combine_cluster_allowed() {
-  static const bool value = [] {
-    const char* env = std::getenv("CUTLASS_W8A8_ATTN_COMBINE");
-    const std::string v = env == nullptr ? "" : env;
-    TORCH_CHECK_VALUE(v.empty() || v == "cluster" || v == "row",
-                      "decode_attention: CUTLASS_W8A8_ATTN_COMBINE must be cluster or row (or unset), got '", v, "'");
-    return v != "row";
-  }();
+  static const bool value = env_choice(kOp, "CUTLASS_W8A8_ATTN_COMBINE", {"cluster", "row"}) != "row";
   return value;
 }
 
-// Splits per row: about ctas_per_sm() (default 2) CTAs per SM over the B x H / G' (row, head group) pairs,
-// splits = ceil(ctas_per_sm() x SMs / pairs), at most S / min_chunk() (a split of a full cache keeps at least that
-// many positions), kMaxSplits, and kCombineSmemFloats / H (the combine kernel's H x splits weights in shared memory).
-// From B, H, G', S, the SM count and the two per-process knobs only (never the positions: see the file comment), so
-// a captured graph's grid and workspace stay valid at replay. The one function every consumer asks: run() (the
-// split kernel's grid, the workspace size, the combine's Args::splits, the fused plan) and decode_attention_path.
-int choose_splits(int64_t batch, int64_t heads, int64_t head_groups, int64_t seq_len, int sms) {
-  const int64_t pairs = batch * head_groups;
-  int64_t splits = (int64_t(ctas_per_sm()) * sms + pairs - 1) / pairs;
-  splits = std::min<int64_t>(splits, std::max<int64_t>(seq_len / min_chunk(), 1));
-  splits = std::min<int64_t>(splits, kMaxSplits);
-  splits = std::min<int64_t>(splits, std::max<int64_t>(kCombineSmemFloats / heads, 1));  // the combine's weights
-  return static_cast<int>(std::max<int64_t>(splits, 1));
-}
-
-template <class T, int kG, int kLanes, int kVecs, bool kPrefetch>
-void launch_split(const Args<T>& args, int64_t batch, int64_t heads, cudaStream_t stream, bool pdl) {
-  const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(heads / kG), static_cast<unsigned>(args.splits));
-  C10_CUDA_CHECK(launch_kernel(decode_attention_split_kernel<T, kG, kLanes, kVecs, kPrefetch>, grid, dim3(kThreads),
-                               0, stream, pdl, args));
-}
-
-// The narrowest group that holds a row of D elements: nvec 16-byte vectors over kLanes lanes.
-template <class T, int kG, bool kPrefetch>
-void launch_split_for_head_dim(const Args<T>& args, int64_t batch, int64_t heads, cudaStream_t stream, bool pdl) {
-  const int nvec = args.head_dim * static_cast<int>(sizeof(T)) / 16;
+// Calls f(kernel) with the split kernel instantiation for T, G' = g and D = head_dim: the narrowest lane group that
+// holds a row of D elements (nvec 16-byte vectors over kLanes lanes). The one place that picks it: the launch and the
+// occupancy query of the wave rule (split_ctas_resident) ask here.
+template <class T, int kG, bool kPrefetch, class F>
+void with_split_kernel_for_head_dim(int head_dim, F&& f) {
+  const int nvec = head_dim * static_cast<int>(sizeof(T)) / 16;
   if (nvec <= 1) {
-    launch_split<T, kG, 1, 1, kPrefetch>(args, batch, heads, stream, pdl);
+    f(decode_attention_split_kernel<T, kG, 1, 1, kPrefetch>);
   } else if (nvec <= 2) {
-    launch_split<T, kG, 2, 1, kPrefetch>(args, batch, heads, stream, pdl);
+    f(decode_attention_split_kernel<T, kG, 2, 1, kPrefetch>);
   } else if (nvec <= 4) {
-    launch_split<T, kG, 4, 1, kPrefetch>(args, batch, heads, stream, pdl);
+    f(decode_attention_split_kernel<T, kG, 4, 1, kPrefetch>);
   } else if (nvec <= 8) {
-    launch_split<T, kG, 8, 1, kPrefetch>(args, batch, heads, stream, pdl);
+    f(decode_attention_split_kernel<T, kG, 8, 1, kPrefetch>);
   } else if (nvec <= 16) {  // D = 128 in 16-bit types
-    launch_split<T, kG, 16, 1, kPrefetch>(args, batch, heads, stream, pdl);
+    f(decode_attention_split_kernel<T, kG, 16, 1, kPrefetch>);
   } else if (nvec <= 32) {
-    launch_split<T, kG, 32, 1, kPrefetch>(args, batch, heads, stream, pdl);
+    f(decode_attention_split_kernel<T, kG, 32, 1, kPrefetch>);
   } else if constexpr (sizeof(T) == 4) {  // float32 with D > 128 (16-bit types never get here: D <= 256)
-    launch_split<T, kG, 32, 2, kPrefetch>(args, batch, heads, stream, pdl);
+    f(decode_attention_split_kernel<T, kG, 32, 2, kPrefetch>);
   }
+}
+
+template <class T, bool kPrefetch, class F>
+void with_split_kernel(int g, int head_dim, F&& f) {
+  switch (g) {
+    case 8: with_split_kernel_for_head_dim<T, 8, kPrefetch>(head_dim, f); break;
+    case 4: with_split_kernel_for_head_dim<T, 4, kPrefetch>(head_dim, f); break;
+    case 2: with_split_kernel_for_head_dim<T, 2, kPrefetch>(head_dim, f); break;
+    default: with_split_kernel_for_head_dim<T, 1, kPrefetch>(head_dim, f); break;
+  }
+}
+
+// The split rule (CUTLASS_W8A8_ATTN_SPLITS, read once per process): unset, empty or "ctas" (the default: about
+// ctas_per_sm() CTAs per SM), or "waves" (the fewest-waves rule below; an A/B switch). Another value raises a
+// ValueError naming the variable.
+bool split_rule_waves() {
+  static const bool value = env_choice(kOp, "CUTLASS_W8A8_ATTN_SPLITS", {"ctas", "waves"}) == "waves";
+  return value;
+}
+
+// How many CTAs of the split kernel that run() launches for (dtype, G', D, prefetch) are resident per SM
+// (cudaOccupancyMaxActiveBlocksPerMultiprocessor: registers and shared memory), asked once per key and cached. The
+// current device must be `device`. Only the wave rule asks.
+int split_ctas_resident(int device, at::ScalarType dtype, int g, int64_t head_dim, bool prefetch) {
+  static std::mutex mutex;
+  static std::map<std::array<int, 5>, int> cache;
+  const std::array<int, 5> key{device, static_cast<int>(dtype), g, static_cast<int>(head_dim), prefetch ? 1 : 0};
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int resident = 0;
+  auto ask = [&](auto kernel) {
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, 0));
+  };
+  auto for_type = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    if (prefetch) {
+      with_split_kernel<T, true>(g, static_cast<int>(head_dim), ask);
+    } else {
+      with_split_kernel<T, false>(g, static_cast<int>(head_dim), ask);
+    }
+  };
+  switch (dtype) {
+    case at::kBFloat16: for_type(static_cast<__nv_bfloat16*>(nullptr)); break;
+    case at::kHalf: for_type(static_cast<__half*>(nullptr)); break;
+    default: for_type(static_cast<float*>(nullptr)); break;
+  }
+  resident = std::max(resident, 1);
+  cache.emplace(key, resident);
+  return resident;
+}
+
+// Splits per row. The default rule: about ctas_per_sm() (default 2) CTAs per SM over the B x H / G' (row, head
+// group) pairs, splits = ceil(ctas_per_sm() x SMs / pairs). The wave rule (CUTLASS_W8A8_ATTN_SPLITS=waves), given
+// `resident` split CTAs per SM: the s in [1, cap] with the least ceil(pairs x s / (resident x SMs)) x (ceil(S / s) +
+// min_chunk()) -- waves of CTAs times the positions each CTA walks, the time of a latency-bound walk, plus a CTA's
+// fixed cost counted as min_chunk() positions (without it many waves of short walks tie with a few long ones and
+// the partial results to combine grow); a larger s must cost 3% less than the best smaller one (a near-tie keeps
+// the fewer splits: the model is not that precise).
+// On an H200 the default put Qwen3-30B-A3B's B 8 at 9 splits, 288 CTAs against 264 resident: a second wave of 24
+// (bench/results/decode_attention_knobs_nvidia-h200.md); Llama-3-8B's rows there ranked as this count ranks them.
+// Both: at most cap = min(S / min_chunk() (a split of a full cache keeps at least that many positions), kMaxSplits,
+// kCombineSmemFloats / H (the combine kernel's H x splits weights in shared memory)). From B, H, G', S, the SM count,
+// the kernel's occupancy and the per-process knobs only (never the positions: see the file comment), so a captured
+// graph's grid and workspace stay valid at replay. The one function every consumer asks: run() (the split kernel's
+// grid, the workspace size, the combine's Args::splits, the fused plan) and decode_attention_path.
+int choose_splits(int64_t batch, int64_t heads, int64_t head_groups, int64_t seq_len, int sms, int resident) {
+  const int64_t pairs = batch * head_groups;
+  int64_t cap = std::max<int64_t>(seq_len / min_chunk(), 1);
+  cap = std::min<int64_t>(cap, kMaxSplits);
+  cap = std::max<int64_t>(std::min<int64_t>(cap, kCombineSmemFloats / heads), 1);  // the combine's weights
+  if (split_rule_waves()) {
+    const int64_t slots = std::max<int64_t>(int64_t(resident) * sms, 1);
+    const int64_t fixed = min_chunk();
+    auto cost = [&](int64_t s) {  // in double: no overflow at any B, H, S
+      return double((pairs * s + slots - 1) / slots) * double((seq_len + s - 1) / s + fixed);
+    };
+    int64_t best = 1;
+    double best_cost = cost(1);
+    for (int64_t s = 2; s <= cap; ++s) {
+      const double c = cost(s);
+      if (c < 0.97 * best_cost) best = s, best_cost = c;
+    }
+    return static_cast<int>(best);
+  }
+  const int64_t splits = (int64_t(ctas_per_sm()) * sms + pairs - 1) / pairs;
+  return static_cast<int>(std::max<int64_t>(std::min<int64_t>(splits, cap), 1));
+}
+
+// choose_splits for one call: the wave rule's occupancy asked only when that rule is on.
+int splits_for(int device, int64_t batch, int64_t heads, int g, int64_t seq_len, int64_t head_dim,
+               at::ScalarType dtype, bool prefetch) {
+  const int resident = split_rule_waves() ? split_ctas_resident(device, dtype, g, head_dim, prefetch) : 0;
+  return choose_splits(batch, heads, heads / g, seq_len, device_info(device).sm_count, resident);
 }
 
 template <class T, bool kPrefetch>
 void launch_split_for_group(const Args<T>& args, int64_t batch, int64_t heads, int g, cudaStream_t stream,
                             bool pdl) {
-  switch (g) {
-    case 8: launch_split_for_head_dim<T, 8, kPrefetch>(args, batch, heads, stream, pdl); break;
-    case 4: launch_split_for_head_dim<T, 4, kPrefetch>(args, batch, heads, stream, pdl); break;
-    case 2: launch_split_for_head_dim<T, 2, kPrefetch>(args, batch, heads, stream, pdl); break;
-    default: launch_split_for_head_dim<T, 1, kPrefetch>(args, batch, heads, stream, pdl); break;
-  }
+  const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(heads / g), static_cast<unsigned>(args.splits));
+  with_split_kernel<T, kPrefetch>(g, args.head_dim, [&](auto kernel) {
+    C10_CUDA_CHECK(launch_kernel(kernel, grid, dim3(kThreads), 0, stream, pdl, args));
+  });
 }
 
 // The combine kernel for a row of nvec = H * D / 4 vectors: the cluster combine (kVecs 1 or 2 a thread) on sm90
@@ -1168,9 +1231,9 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
   const bool pdl = kernels_use_pdl(device);
   const int64_t kv_heads = kv_cache.size(2);
   const int g = heads_per_cta(heads / kv_heads);
-  const int splits = choose_splits(batch, heads, heads / g, kv_cache.size(3), device_info(device).sm_count);
   const bool prefetch = attn_prefetch();  // before any launch: a bad value raises here
   (void)combine_cluster_allowed();        // likewise
+  const int splits = splits_for(device, batch, heads, g, kv_cache.size(3), d, q.scalar_type(), prefetch);
   const FusedPlan plan = fused_plan(heads, g, d, q.scalar_type(), splits, device, prefetch);
   const int64_t parts = batch * heads * splits;
   at::Tensor workspace;  // the two-kernel path's partial results (the fused path keeps them in shared memory)
@@ -1274,9 +1337,10 @@ std::string decode_attention_path(int64_t device, int64_t batch, int64_t heads, 
   const int d = static_cast<int>(device);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(d));  // clusters_available queries the current device
   const int g = heads_per_cta(heads / kv_heads);
-  const int splits = choose_splits(batch, heads, heads / g, seq_len, device_info(d).sm_count);
+  const bool prefetch = attn_prefetch();
   (void)combine_cluster_allowed();  // a bad value raises here as in the op
-  const FusedPlan plan = fused_plan(heads, g, head_dim, dtype, splits, d, attn_prefetch());
+  const int splits = splits_for(d, batch, heads, g, seq_len, head_dim, dtype, prefetch);
+  const FusedPlan plan = fused_plan(heads, g, head_dim, dtype, splits, d, prefetch);
   return plan.units > 0 ? "fused" : "split";
 }
 

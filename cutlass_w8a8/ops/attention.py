@@ -90,10 +90,11 @@ def decode_attention(
        ``0..positions[b]``, and keeps an online softmax over it (a running maximum, a running sum and a
        float32 accumulator, rescaled when the maximum grows: Milakov & Gimelshein [1]_). The chunk bounds
        are computed on the device from ``positions[b]``; the number of splits is chosen from ``B``, ``H``,
-       ``KVH``, ``S`` and the SM count (and two per-process A/B knobs, ``CUTLASS_W8A8_ATTN_MIN_CHUNK`` and
-       ``CUTLASS_W8A8_ATTN_CTAS_PER_SM``: csrc/attention/decode_attention.cu), never from the positions, so a
-       CUDA graph stays valid when the positions change between replays. It writes float32 partials (maximum,
-       sum, accumulator) per ``(b, h, split)`` to a workspace from torch's caching allocator.
+       ``KVH``, ``S`` and the SM count (and per-process A/B knobs, ``CUTLASS_W8A8_ATTN_MIN_CHUNK``,
+       ``CUTLASS_W8A8_ATTN_CTAS_PER_SM`` and ``CUTLASS_W8A8_ATTN_SPLITS``: csrc/attention/decode_attention.cu), never
+       from the positions, so a CUDA graph stays valid when the positions change between replays. It writes
+       float32 partials (maximum, sum, accumulator) per ``(b, h, split)`` to a workspace from torch's caching
+       allocator.
     2. ``decode_attention_combine_cluster_kernel``, grid ``(B, 8)``: a cluster of 8 blocks per row (sm90,
        ``H * D <= 8192``), each merging the splits of its eighth of the row's ``H * D`` outputs, rescaled to their
        head's common maximum, and rounding them once to ``q``'s dtype. Elsewhere (other archs, longer rows, or

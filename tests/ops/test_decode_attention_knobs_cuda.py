@@ -16,6 +16,9 @@ environment variable read once per process, so every check here runs in a fresh 
   combine (8 blocks a row, sm90, H * D <= 8192) serves by default. The same weights and the same fmaf chain per
   element, an exact max for the row scale: bit-identical outputs, compared as for the prefetch, and the combine
   kernels that ran are the ones each process asked for.
+- CUTLASS_W8A8_ATTN_SPLITS=waves (split_rule_waves): the split count with the fewest waves of resident split CTAs
+  times positions per CTA. Other splits, other bits: the reference tests pass under it, and decode_attention_path
+  asks the same rule.
 - A bad value of any makes the op (and decode_attention_path) raise a ValueError naming the variable, not run.
 """
 
@@ -38,7 +41,8 @@ ROOT = HERE.parents[2]
 PREFETCH = "CUTLASS_W8A8_ATTN_PREFETCH"
 CTAS = "CUTLASS_W8A8_ATTN_CTAS_PER_SM"
 COMBINE = "CUTLASS_W8A8_ATTN_COMBINE"
-KNOBS = (PREFETCH, CTAS, COMBINE, "CUTLASS_W8A8_ATTN_MIN_CHUNK")
+SPLITS = "CUTLASS_W8A8_ATTN_SPLITS"
+KNOBS = (PREFETCH, CTAS, COMBINE, SPLITS, "CUTLASS_W8A8_ATTN_MIN_CHUNK")
 
 # test_decode_attention_cuda.py's accuracy, long-cache, ragged, independence and graph tests, and every lane layout
 # (other_head_dims: 1 to 32 lanes a position, idle lanes past D, float32's two vectors a lane)
@@ -252,6 +256,16 @@ def test_more_ctas_per_sm_still_match_the_reference():
             "equals_composition or long_cache_mixed_rows")
 
 
+def test_wave_splits_still_match_the_reference():
+    """With CUTLASS_W8A8_ATTN_SPLITS=waves (other split counts, from the split kernel's occupancy): the same reference,
+    long-cache, ragged, independence and graph-replay tests, and decode_attention_quant against the composition."""
+    _skip_if_a_knob_is_set()
+    env = _clean_env(**{SPLITS: "waves"})
+    _pytest(env, str(HERE.parent / "test_decode_attention_cuda.py"), "-k", REFERENCE_TESTS)
+    _pytest(env, str(HERE.parent / "test_decode_attention_quant_cuda.py"), "-k",
+            "equals_composition or long_cache_mixed_rows or split_unevenly")
+
+
 def test_ctas_per_sm_reaches_the_fused_plan():
     """decode_attention_path asks choose_splits too: Llama-3-8B (32 / 8 x 128) at B 16, S 512 (128 (row, head
     group) pairs) has ceil(2 SMs / 128) splits by default and ceil(8 SMs / 128) at CUTLASS_W8A8_ATTN_CTAS_PER_SM=8
@@ -279,12 +293,13 @@ def test_ctas_per_sm_reaches_the_fused_plan():
 # --- bad values ---------------------------------------------------------------------------------------------------
 
 # each variable's bad values and the C++ message (csrc/attention/decode_attention.cu: attn_prefetch, ctas_per_sm,
-# combine_cluster_allowed)
+# combine_cluster_allowed, split_rule_waves)
 # and one accepted value each, set after them: the op and decode_attention_path then run
-GOOD_VALUES = {PREFETCH: "0", CTAS: "3", COMBINE: "cluster"}
+GOOD_VALUES = {PREFETCH: "0", CTAS: "3", COMBINE: "cluster", SPLITS: "waves"}
 BAD_VALUES = {PREFETCH: ("must be 0 or 1 (or unset)", ("2", "yes", "true")),
               CTAS: ("must be an integer in [1, 16]", ("0", "17", "abc", "2.5", "-1")),
-              COMBINE: ("must be cluster or row (or unset)", ("rows", "1", "Cluster"))}
+              COMBINE: ("must be cluster or row (or unset)", ("rows", "1", "Cluster")),
+              SPLITS: ("must be ctas or waves (or unset)", ("wave", "2", "CTAS"))}
 
 
 @pytest.mark.parametrize("name", list(BAD_VALUES))
@@ -293,7 +308,7 @@ def test_a_bad_value_raises_naming_the_variable(name):
     silently running the default. A fresh process per variable (each is read once per process), its bad values in
     turn: a read that raised leaves the variable unread (C++ tries a static initialization that threw again on the
     next call), so each call reads the value just set. The other variables are unset: each process reads the others'
-    defaults (ctas_per_sm is read first, then attn_prefetch and combine_cluster_allowed). Then an accepted value
+    defaults (attn_prefetch is read first, then combine_cluster_allowed, then the split rule's). Then an accepted value
     (GOOD_VALUES) runs both."""
     message, values = BAD_VALUES[name]
     code = ("import os, torch, cutlass_w8a8 as cw\n"
