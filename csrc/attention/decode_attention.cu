@@ -21,7 +21,8 @@
 //     y G' .. y G' + G' - 1, which share one key/value head (G' = the largest of 8, 4, 2, 1 dividing the GQA
 //     group H / KVH: every K and V row the CTA reads serves G' heads), and chunk z of row b's positions
 //     0..positions[b]. The chunk length is computed on the device from positions[b] (split_chunk below), so the
-//     grid -- chosen on the host from B, H, G', S and the SM count only -- stays valid in a CUDA graph whose
+//     grid -- chosen on the host from B, H, G', S, the SM count and the per-process knobs only (the wave rule adds
+//     the kernel's occupancy) -- stays valid in a CUDA graph whose
 //     positions change between replays. Inside a CTA, a "group" of kLanes lanes handles one position at a
 //     time, each lane owning kVecs 16-byte slices of D (dot products: a shuffle reduction over the group); the
 //     32 / kLanes groups of a warp read consecutive positions, kUnroll positions per group and step. Each group
@@ -840,7 +841,8 @@ void with_split_kernel(int g, int head_dim, F&& f) {
     case 8: with_split_kernel_for_head_dim<T, 8, kPrefetch>(head_dim, f); break;
     case 4: with_split_kernel_for_head_dim<T, 4, kPrefetch>(head_dim, f); break;
     case 2: with_split_kernel_for_head_dim<T, 2, kPrefetch>(head_dim, f); break;
-    default: with_split_kernel_for_head_dim<T, 1, kPrefetch>(head_dim, f); break;
+    case 1: with_split_kernel_for_head_dim<T, 1, kPrefetch>(head_dim, f); break;
+    default: TORCH_CHECK(false, "decode_attention: internal error: G' = ", g, " (heads_per_cta gives 8, 4, 2 or 1)");
   }
 }
 
@@ -863,8 +865,10 @@ int split_ctas_resident(int device, at::ScalarType dtype, int g, int64_t head_di
   const auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   int resident = 0;
+  bool asked = false;
   auto ask = [&](auto kernel) {
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, 0));
+    asked = true;
   };
   auto for_type = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -879,6 +883,8 @@ int split_ctas_resident(int device, at::ScalarType dtype, int g, int64_t head_di
     case at::kHalf: for_type(static_cast<__half*>(nullptr)); break;
     default: for_type(static_cast<float*>(nullptr)); break;
   }
+  // no instantiation: a D the op refuses (decode_attention_path takes any D): nothing cached
+  TORCH_CHECK_VALUE(asked, "decode_attention: no split kernel for D = ", head_dim, " in ", dtype);
   resident = std::max(resident, 1);
   cache.emplace(key, resident);
   return resident;
@@ -889,7 +895,7 @@ int split_ctas_resident(int device, at::ScalarType dtype, int g, int64_t head_di
 // `resident` split CTAs per SM: the s in [1, cap] with the least ceil(pairs x s / (resident x SMs)) x (ceil(S / s) +
 // min_chunk()) -- waves of CTAs times the positions each CTA walks, the time of a latency-bound walk, plus a CTA's
 // fixed cost counted as min_chunk() positions (without it many waves of short walks tie with a few long ones and
-// the partial results to combine grow); a larger s must cost 3% less than the best smaller one (a near-tie keeps
+// the partial results to combine grow); s replaces the current choice only when 3% cheaper than it (a near-tie keeps
 // the fewer splits: the model is not that precise).
 // On an H200 the default put Qwen3-30B-A3B's B 8 at 9 splits, 288 CTAs against 264 resident: a second wave of 24
 // (bench/results/decode_attention_knobs_nvidia-h200.md); Llama-3-8B's rows there ranked as this count ranks them.
@@ -899,6 +905,7 @@ int split_ctas_resident(int device, at::ScalarType dtype, int g, int64_t head_di
 // graph's grid and workspace stay valid at replay. The one function every consumer asks: run() (the split kernel's
 // grid, the workspace size, the combine's Args::splits, the fused plan) and decode_attention_path.
 int choose_splits(int64_t batch, int64_t heads, int64_t head_groups, int64_t seq_len, int sms, int resident) {
+  const int cps = ctas_per_sm();  // read under either rule: a bad value raises whichever rule runs
   const int64_t pairs = batch * head_groups;
   int64_t cap = std::max<int64_t>(seq_len / min_chunk(), 1);
   cap = std::min<int64_t>(cap, kMaxSplits);
@@ -917,7 +924,7 @@ int choose_splits(int64_t batch, int64_t heads, int64_t head_groups, int64_t seq
     }
     return static_cast<int>(best);
   }
-  const int64_t splits = (int64_t(ctas_per_sm()) * sms + pairs - 1) / pairs;
+  const int64_t splits = (int64_t(cps) * sms + pairs - 1) / pairs;
   return static_cast<int>(std::max<int64_t>(std::min<int64_t>(splits, cap), 1));
 }
 

@@ -17,8 +17,8 @@ environment variable read once per process, so every check here runs in a fresh 
   element, an exact max for the row scale: bit-identical outputs, compared as for the prefetch, and the combine
   kernels that ran are the ones each process asked for.
 - CUTLASS_W8A8_ATTN_SPLITS=waves (split_rule_waves): the split count with the fewest waves of resident split CTAs
-  times positions per CTA. Other splits, other bits: the reference tests pass under it, and decode_attention_path
-  asks the same rule.
+  times positions per CTA. Other splits, other bits: the reference tests pass under it (decode_attention_path
+  asks the same function, splits_for, as the op).
 - A bad value of any makes the op (and decode_attention_path) raise a ValueError naming the variable, not run.
 """
 
@@ -261,7 +261,7 @@ def test_wave_splits_still_match_the_reference():
     long-cache, ragged, independence and graph-replay tests, and decode_attention_quant against the composition."""
     _skip_if_a_knob_is_set()
     env = _clean_env(**{SPLITS: "waves"})
-    _pytest(env, str(HERE.parent / "test_decode_attention_cuda.py"), "-k", REFERENCE_TESTS)
+    _pytest(env, str(HERE.parent / "test_decode_attention_cuda.py"), "-k", REFERENCE_TESTS + " or split_unevenly")
     _pytest(env, str(HERE.parent / "test_decode_attention_quant_cuda.py"), "-k",
             "equals_composition or long_cache_mixed_rows or split_unevenly")
 
@@ -335,6 +335,23 @@ def test_a_bad_value_raises_naming_the_variable(name):
     for value in values:
         assert r.stdout.count(f"{name} {message}, got '{value}'") == 2, (value, r.stdout)
     assert "GOOD" in r.stdout, r.stdout  # the accepted value runs
+
+
+def test_a_bad_ctas_per_sm_raises_under_the_wave_rule():
+    """CUTLASS_W8A8_ATTN_CTAS_PER_SM is read (and checked) under either split rule: with SPLITS=waves, which does not
+    use it, a bad value still raises instead of being ignored."""
+    code = ("import torch, cutlass_w8a8 as cw\n"
+            "from cutlass_w8a8.testing.attention import make_inputs\n"
+            "q, kv, slots, pos = make_inputs(1, 8, 8, 64, 256, torch.bfloat16, 'cuda', seed=0)\n"
+            "try:\n"
+            "    cw.decode_attention(q, kv, slots, pos)\n"
+            "    print('RAN')\n"
+            "except ValueError as exc:\n"
+            "    print('RAISED', exc)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=_clean_env(**{SPLITS: "waves", CTAS: "abc"}),
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"{CTAS} must be an integer in [1, 16], got 'abc'" in r.stdout, r.stdout
 
 
 if __name__ == "__main__":  # the child process of the two bit-equality tests
