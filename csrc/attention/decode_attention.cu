@@ -525,6 +525,14 @@ __device__ __forceinline__ void combine_weights(const Args<T>& a, int64_t b, int
                 [&](int h, int s) { return a.part_ml[part0 + int64_t(h) * a.splits + s]; }, w);
 }
 
+// The splits of row b that hold positions, ceil(len / chunk): the ones the split kernel wrote and the combine reads.
+template <class T>
+__device__ __forceinline__ int active_splits(const Args<T>& a, int64_t b) {
+  const int len = row_length(a, b);
+  const int chunk = split_chunk(len, a.splits);
+  return (len + chunk - 1) / chunk;
+}
+
 // Row b = blockIdx.x: out row = the merged attention output (O = FloatOut<T>) or its quantization (Int8Out /
 // Fp8Out, dynamic per-token scale or a static one), through rowwise_reduce.cuh's row tails. kVecsRegs > 0: the
 // row's H * D / 4 vectors fit kVecsRegs per thread and are held in registers, and the split weights are computed
@@ -535,9 +543,7 @@ __global__ void __launch_bounds__(kCombineThreads) decode_attention_combine_kern
   allow_dependent_launch();  // o_proj's GEMM may be scheduled (and prefetch its weights); it waits for this grid
   wait_for_producers();      // the split kernel's workspace
   const int64_t b = blockIdx.x;
-  const int len = row_length(a, b);
-  const int chunk = split_chunk(len, a.splits);
-  const int n_active = (len + chunk - 1) / chunk;
+  const int n_active = active_splits(a, b);
   const int nvec = a.heads * a.head_dim / 4;
   auto* out_row = static_cast<typename O::type*>(a.out) + b * (int64_t(nvec) * 4);
   if constexpr (kVecsRegs > 0) {
@@ -572,9 +578,7 @@ __global__ void CW8A8_CLUSTER_DIMS(1, kCombineCluster, 1) __launch_bounds__(kCom
   allow_dependent_launch();  // o_proj's GEMM may be scheduled (and prefetch its weights); it waits for this grid
   wait_for_producers();      // the split kernel's workspace
   const int64_t b = blockIdx.x;
-  const int len = row_length(a, b);
-  const int chunk = split_chunk(len, a.splits);
-  const int n_active = (len + chunk - 1) / chunk;
+  const int n_active = active_splits(a, b);
   const int nvec = a.heads * a.head_dim / 4;
   int begin, end;
   block_part<kCombineCluster>(nvec, begin, end);
