@@ -68,9 +68,9 @@
 // only row x's outputs and workspace (the fused kernel's and the cluster combine's clusters span y only), and the one
 // kernel argument chosen from B (the split count, which sizes the workspace and, in the fused path, the cluster)
 // stays valid for fewer rows, so a captured node can be shrunk to fewer rows by its gridDim.x alone (an update keeps
-// the fused kernel's cluster dimension, a launch attribute; the cluster combine's is compiled in). PDL: every kernel signals its dependents at its start and waits on
-// griddepcontrol before reading anything (core/launch_policy.hpp); no host synchronisation, no allocation beyond
-// the outputs and the workspace.
+// the fused kernel's cluster dimension, a launch attribute; the cluster combine's is compiled in). PDL: every kernel
+// signals its dependents at its start and waits on griddepcontrol before reading anything (core/launch_policy.hpp);
+// no host synchronisation, no allocation beyond the outputs and the workspace.
 //
 // Not checked (it would need a host synchronisation): slots in [0, num_slots) and positions in [0, S).
 // The kernels clamp both into range, so a bad value reads the wrong (but allocated) cache entries instead of
@@ -420,7 +420,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_split_kernel(con
 template <class T, int kBatch = 4, class AccAt>
 __device__ __forceinline__ Vec<T, 4> merge_splits(AccAt acc_at, const float* wh, int n_active) {
   float o[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int s0 = 0; s0 < n_active; s0 += kBatch) {  // up to kBatch independent loads in flight, then their sums in order
+  for (int s0 = 0; s0 < n_active; s0 += kBatch) {  // up to kBatch independent loads in flight, then sums in order
     float4 v[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
