@@ -761,16 +761,10 @@ int heads_per_cta(int64_t group_size) {
 // sweeps it in separate processes): fewer positions per split give more CTAs and fewer serial load steps per CTA,
 // and more partial results for the combine; another value changes the splits, hence the bits.
 int min_chunk() {
-  static const int value = [] {
-    const char* env = std::getenv("CUTLASS_W8A8_ATTN_MIN_CHUNK");
-    if (env == nullptr || *env == '\0') return kMinChunk;
-    char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    TORCH_CHECK_VALUE(end != nullptr && *end == '\0' && v >= kChunkAlign && v <= 4096 && v % kChunkAlign == 0,
-                      "decode_attention: CUTLASS_W8A8_ATTN_MIN_CHUNK must be a multiple of ", kChunkAlign,
-                      " in [", kChunkAlign, ", 4096], got '", env, "'");
-    return static_cast<int>(v);
-  }();
+  static const int value = env_int(
+      kOp, "CUTLASS_W8A8_ATTN_MIN_CHUNK", kMinChunk,
+      [](long v) { return v >= kChunkAlign && v <= 4096 && v % kChunkAlign == 0; },
+      "a multiple of " + std::to_string(kChunkAlign) + " in [" + std::to_string(kChunkAlign) + ", 4096]");
   return value;
 }
 
@@ -781,16 +775,8 @@ int min_chunk() {
 // resident (the G' = 8 16-bit kernel: 2 per SM at 229-245 registers; G' = 4: 3), more loads in flight per SM; and
 // more partial results for the combine. Another value changes the splits, hence the bits.
 int ctas_per_sm() {
-  static const int value = [] {
-    const char* env = std::getenv("CUTLASS_W8A8_ATTN_CTAS_PER_SM");
-    if (env == nullptr || *env == '\0') return kCtasPerSm;
-    char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    TORCH_CHECK_VALUE(end != nullptr && *end == '\0' && v >= 1 && v <= 16,
-                      "decode_attention: CUTLASS_W8A8_ATTN_CTAS_PER_SM must be an integer in [1, 16], got '", env,
-                      "'");
-    return static_cast<int>(v);
-  }();
+  static const int value = env_int(kOp, "CUTLASS_W8A8_ATTN_CTAS_PER_SM", kCtasPerSm,
+                                   [](long v) { return v >= 1 && v <= 16; }, "an integer in [1, 16]");
   return value;
 }
 

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include <c10/util/Exception.h>
 
@@ -29,6 +30,20 @@ inline std::string env_choice(const char* op, const char* name, std::initializer
   }
   TORCH_CHECK_VALUE(ok, op, ": ", name, " must be ", choices, " (or unset), got '", value, "'");
   return value;
+}
+
+// The integer value of environment variable `name`: `fallback` when unset or empty; a value that is not a whole
+// decimal integer, or that `ok` refuses, raises a ValueError "<op>: <name> must be <what>, got '<value>'". Read once
+// per process as env_choice's values are.
+template <class Ok>
+int env_int(const char* op, const char* name, int fallback, Ok&& ok, const std::string& what) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  char* end = nullptr;
+  const long value = std::strtol(env, &end, 10);
+  TORCH_CHECK_VALUE(end != nullptr && *end == '\0' && std::forward<Ok>(ok)(value), op, ": ", name, " must be ", what,
+                    ", got '", env, "'");
+  return static_cast<int>(value);
 }
 
 }  // namespace cutlass_w8a8
