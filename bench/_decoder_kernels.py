@@ -39,7 +39,8 @@ KERNEL_RULES: tuple[Rule, ...] = (
     # CUDA runtime copies and fills: torch.profiler's "Memcpy HtoD (Pinned -> Device)", "Memset (Device)"
     Rule("copy", head=("memcpy", "memset")),
     # csrc/attention/decode_attention.cu: the split-KV pair decode_attention_split_kernel +
-    # decode_attention_combine_kernel (the combine also quantizes for a W8A8 o_proj: decode_attention_quant), or
+    # decode_attention_combine_cluster_kernel (sm90) or decode_attention_combine_kernel (the combine also quantizes
+    # for a W8A8 o_proj: decode_attention_quant), or
     # the one decode_attention_fused_kernel (a cluster per row) where it serves;
     # earlier builds: the one decode_attention_kernel
     Rule("attention", head=("decode_attention",)),

@@ -14,6 +14,8 @@ compared bit for bit (a mismatch is reported in the table and makes the exit sta
     CUTLASS_W8A8_ATTN_MIN_CHUNK=32 python bench/bench_decode_attention.py --json c32.json   # another split size
     CUTLASS_W8A8_ATTN_CTAS_PER_SM=8 python bench/bench_decode_attention.py --json cta8.json  # more splits
     CUTLASS_W8A8_ATTN_PREFETCH=1 python bench/bench_decode_attention.py --json pf.json       # loads a step ahead
+    CUTLASS_W8A8_ATTN_COMBINE=row python bench/bench_decode_attention.py --json row.json     # one-block combine
+    CUTLASS_W8A8_ATTN_SPLITS=waves python bench/bench_decode_attention.py --json waves.json  # fewest-waves splits
 
 ``--profile`` adds, per point, path and variant, the mean duration of each attention kernel (split, combine,
 fused) over eager calls with PDL off (with PDL a kernel starts early and its griddepcontrol wait would count in its
@@ -21,7 +23,9 @@ duration), from torch.profiler's CUDA activities: where a call's time goes. The 
 csrc/attention/decode_attention.cu are read once per process, so one process per value (the JSON records them, as
 set: None when unset): CUTLASS_W8A8_ATTN_MIN_CHUNK sets the least positions per split, CUTLASS_W8A8_ATTN_CTAS_PER_SM
 the split CTAs per SM the split count aims at (default 2), CUTLASS_W8A8_ATTN_PREFETCH=1 makes the split step load
-its next step's K and V before its math (the same bits).
+its next step's K and V before its math (the same bits), CUTLASS_W8A8_ATTN_COMBINE=row runs the one-block-per-row
+combine kernel where the cluster combine (8 blocks a row, sm90) serves by default (the same bits),
+CUTLASS_W8A8_ATTN_SPLITS=waves picks the split count with the fewest waves of resident CTAs times positions per CTA.
     python bench/bench_decode_attention.py --batches 1,2,4,8,16 --seq 512 --pdl off --json out.json
 """
 
@@ -52,7 +56,8 @@ OPS = torch.ops.cutlass_w8a8
 
 #: The JSON key of each of the attention kernels' A/B knobs (environment variables read once per process).
 KNOB_ENVS = {"min_chunk_env": "CUTLASS_W8A8_ATTN_MIN_CHUNK", "ctas_per_sm_env": "CUTLASS_W8A8_ATTN_CTAS_PER_SM",
-             "prefetch_env": "CUTLASS_W8A8_ATTN_PREFETCH"}
+             "prefetch_env": "CUTLASS_W8A8_ATTN_PREFETCH", "combine_env": "CUTLASS_W8A8_ATTN_COMBINE",
+             "splits_env": "CUTLASS_W8A8_ATTN_SPLITS"}
 
 
 def _knob_envs() -> dict:
@@ -78,7 +83,7 @@ def _bits(out) -> list[torch.Tensor]:
 
 def _kernel_tag(name: str) -> str:
     for tag in ("fused", "split", "combine"):
-        if f"decode_attention_{tag}_kernel" in name:
+        if f"decode_attention_{tag}_" in name:  # the combine: decode_attention_combine(_cluster)_kernel
             return tag
     return ""
 

@@ -21,7 +21,8 @@
 //     y G' .. y G' + G' - 1, which share one key/value head (G' = the largest of 8, 4, 2, 1 dividing the GQA
 //     group H / KVH: every K and V row the CTA reads serves G' heads), and chunk z of row b's positions
 //     0..positions[b]. The chunk length is computed on the device from positions[b] (split_chunk below), so the
-//     grid -- chosen on the host from B, H, G', S and the SM count only -- stays valid in a CUDA graph whose
+//     grid -- chosen on the host from B, H, G', S, the SM count and the per-process knobs only (the wave rule adds
+//     the kernel's occupancy) -- stays valid in a CUDA graph whose
 //     positions change between replays. Inside a CTA, a "group" of kLanes lanes handles one position at a
 //     time, each lane owning kVecs 16-byte slices of D (dot products: a shuffle reduction over the group); the
 //     32 / kLanes groups of a warp read consecutive positions, kUnroll positions per group and step. Each group
@@ -30,10 +31,14 @@
 //       M = max_i m_i,  l = sum_i l_i 2^(m_i - M),  acc = sum_i acc_i 2^(m_i - M).
 //     The CTA writes (M, l) and acc (unnormalized) per (b, h, z) to a float32 workspace from the caching
 //     allocator.
-//   decode_attention_combine_kernel, grid (B), 1024 threads: merges the active splits of every head of row b the
-//     same way, out = acc / l, rounds to q's dtype, and stores the row or quantizes it (rowwise_reduce.cuh's
-//     finish_regs / finish_loop: the code the row-wise quantization kernels use, so the result equals
-//     quantize_per_token(decode_attention(...)) bit for bit).
+//   decode_attention_combine_cluster_kernel (sm90, H * D <= 8192), grid (B, 8), a cluster of 8 CTAs of 128 threads
+//     per row: CTA y merges the active splits of its eighth of row b's H * D / 4 output vectors (one or two per
+//     thread, up to 8 loads in flight each), out = acc / l, rounds to q's dtype, and stores its part or quantizes
+//     it with the row's scale (the row amax: a max over the cluster). Rows elsewhere (other archs, longer rows,
+//     CUTLASS_W8A8_ATTN_COMBINE=row): decode_attention_combine_kernel, grid (B), 1024 threads, the whole row in one
+//     CTA. Both end in rowwise_reduce.cuh's finish_regs / finish_loop (the code the row-wise quantization kernels
+//     use), so the result equals quantize_per_token(decode_attention(...)) bit for bit, and the two combine kernels
+//     give the same bits (the same weights, the same fmaf chain per element, an exact max).
 //
 //   decode_attention_fused_kernel (sm90, 16-bit q, 32 < D <= 128), grid (B, C), one cluster of C CTAs per row: the
 //     split kernel's (head group, split) CTAs of row b become 4-warp "units", U per CTA, running the same code
@@ -54,14 +59,18 @@
 //     both change the splits, hence the bits (still from shapes only: a captured graph replays as eager runs);
 //   CUTLASS_W8A8_ATTN_PREFETCH=1  (attn_prefetch) split_partial issues step i + 1's K and V loads before step i's
 //     math (a second register buffer; both kernels): the same float operations in the same order, the same bits.
+//   CUTLASS_W8A8_ATTN_COMBINE=row (combine_cluster_allowed) the one-CTA-per-row combine where the cluster combine
+//     would serve (default: cluster): the same bits.
+//   CUTLASS_W8A8_ATTN_SPLITS=waves (split_rule_waves) the split count with the fewest waves of resident CTAs times
+//     positions per CTA (choose_splits; default: ctas, the CTAs-per-SM rule): other splits, hence other bits.
 //
 // Row-wise (csrc/graphs/graph_nodes.hpp): block (x, y, z) of any of the kernels reads only row x's inputs and writes
-// only row x's outputs and workspace (the fused kernel's cluster spans y only), and the one kernel argument chosen
-// from B (the split count, which sizes the workspace and, in the fused path, the cluster) stays valid for fewer
-// rows, so a captured node can be shrunk to fewer rows by its gridDim.x alone (an update keeps the cluster
-// dimension, a launch attribute). PDL: every kernel signals its dependents at its start and waits on
-// griddepcontrol before reading anything (core/launch_policy.hpp); no host synchronisation, no allocation beyond
-// the outputs and the workspace.
+// only row x's outputs and workspace (the fused kernel's and the cluster combine's clusters span y only), and the one
+// kernel argument chosen from B (the split count, which sizes the workspace and, in the fused path, the cluster)
+// stays valid for fewer rows, so a captured node can be shrunk to fewer rows by its gridDim.x alone (an update keeps
+// the fused kernel's cluster dimension, a launch attribute; the cluster combine's is compiled in). PDL: every kernel
+// signals its dependents at its start and waits on griddepcontrol before reading anything (core/launch_policy.hpp);
+// no host synchronisation, no allocation beyond the outputs and the workspace.
 //
 // Not checked (it would need a host synchronisation): slots in [0, num_slots) and positions in [0, S).
 // The kernels clamp both into range, so a bad value reads the wrong (but allocated) cache entries instead of
@@ -87,6 +96,7 @@
 
 #include "core/checks.hpp"
 #include "core/device.hpp"
+#include "core/knobs.hpp"
 #include "core/launch_policy.hpp"
 #include "core/limits.hpp"
 #include "graphs/graph_nodes.hpp"
@@ -115,6 +125,10 @@ constexpr int kCtasPerSm = 2;  // choose_splits: about this many split CTAs per 
 constexpr int kCombineThreads = 1024;  // one thread per 4 outputs of a Llama-3 row (H * D = 4096)
 constexpr int kCombineVecs = 2;  // combine: up to 2 vectors of 4 elements per thread in registers (H * D <= 8192)
 constexpr int64_t kCombineSmemFloats = 8192;  // combine: at most this many split weights (32 KiB of shared memory)
+constexpr int kCombineCluster = 8;             // the cluster combine: CTAs per row (the portable cluster size)
+constexpr int kCombineClusterThreads = 128;    // ... threads per CTA: one output vector each for H * D <= 4096
+constexpr int kCombineBatch = 8;               // ... split loads in flight per thread (merge_splits)
+static_assert(kCombineBatch >= 4 && kCombineBatch <= kMaxSplits, "the cluster combine's loads in flight");
 
 // Element conversions (to_float, from_float), PDL (allow_dependent_launch, wait_for_producers) and the row tails
 // (finish_regs, finish_loop): csrc/quant/rowwise_reduce.cuh.
@@ -401,17 +415,19 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_split_kernel(con
 // sum_s acc_s w_s over the n_active splits of one head, 4 elements at acc_at(s) (16-byte aligned float32, global or
 // shared memory, a cluster's included), with the weights wh[s] (split_weights), rounded to T. Both paths merge with
 // this code: the same fmaf chain in the same order.
-template <class T, class AccAt>
+// kBatch: independent loads in flight per step (4, or kCombineBatch in the cluster combine); the sums are the
+// same for every kBatch: one fmaf per split, in split order.
+template <class T, int kBatch = 4, class AccAt>
 __device__ __forceinline__ Vec<T, 4> merge_splits(AccAt acc_at, const float* wh, int n_active) {
   float o[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int s0 = 0; s0 < n_active; s0 += 4) {  // up to four independent loads in flight, then their sums in order
-    float4 v[4];
+  for (int s0 = 0; s0 < n_active; s0 += kBatch) {  // up to kBatch independent loads in flight, then sums in order
+    float4 v[kBatch];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < kBatch; ++u) {
       if (s0 + u < n_active) v[u] = *reinterpret_cast<const float4*>(acc_at(s0 + u));
     }
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < kBatch; ++u) {
       if (s0 + u < n_active) {
         const float ws = wh[s0 + u];
         o[0] = fmaf(v[u].x, ws, o[0]);
@@ -428,17 +444,19 @@ __device__ __forceinline__ Vec<T, 4> merge_splits(AccAt acc_at, const float* wh,
 }
 
 // Vector idx (4 elements) of row b's attention output: the splits of its head merged, divided by the sum, rounded
-// to T. 4 divides D (a multiple of 8), so a vector never straddles two heads. `w` (shared memory, [H][n_active]):
-// each split's weight 2^(m_s - M) / l of its head (split_weights), or null: computed here from the workspace.
-template <class T>
+// to T. 4 divides D (a multiple of 8), so a vector never straddles two heads. `w` (shared memory, [H - h0][n_active]:
+// heads h0 ..): each split's weight 2^(m_s - M) / l of its head (split_weights), or null: computed here from the
+// workspace.
+template <class T, int kBatch = 4>
 __device__ __forceinline__ Vec<T, 4> combine_vec(const Args<T>& a, int64_t b, int n_active, int idx,
-                                                 const float* w) {
+                                                 const float* w, int h0 = 0) {
   const int e = idx * 4;
   const int h = e / a.head_dim, d = e - h * a.head_dim;
   const int64_t part0 = (b * a.heads + h) * a.splits;
   const float* acc0 = a.part_acc + part0 * a.head_dim + d;
   if (w != nullptr) {
-    return merge_splits<T>([&](int s) { return acc0 + int64_t(s) * a.head_dim; }, w + h * n_active, n_active);
+    return merge_splits<T, kBatch>([&](int s) { return acc0 + int64_t(s) * a.head_dim; }, w + (h - h0) * n_active,
+                                   n_active);
   }
   float o[4] = {0.f, 0.f, 0.f, 0.f};
   float m_max = -INFINITY;
@@ -507,6 +525,14 @@ __device__ __forceinline__ void combine_weights(const Args<T>& a, int64_t b, int
                 [&](int h, int s) { return a.part_ml[part0 + int64_t(h) * a.splits + s]; }, w);
 }
 
+// The splits of row b that hold positions, ceil(len / chunk): the ones the split kernel wrote and the combine reads.
+template <class T>
+__device__ __forceinline__ int active_splits(const Args<T>& a, int64_t b) {
+  const int len = row_length(a, b);
+  const int chunk = split_chunk(len, a.splits);
+  return (len + chunk - 1) / chunk;
+}
+
 // Row b = blockIdx.x: out row = the merged attention output (O = FloatOut<T>) or its quantization (Int8Out /
 // Fp8Out, dynamic per-token scale or a static one), through rowwise_reduce.cuh's row tails. kVecsRegs > 0: the
 // row's H * D / 4 vectors fit kVecsRegs per thread and are held in registers, and the split weights are computed
@@ -517,9 +543,7 @@ __global__ void __launch_bounds__(kCombineThreads) decode_attention_combine_kern
   allow_dependent_launch();  // o_proj's GEMM may be scheduled (and prefetch its weights); it waits for this grid
   wait_for_producers();      // the split kernel's workspace
   const int64_t b = blockIdx.x;
-  const int len = row_length(a, b);
-  const int chunk = split_chunk(len, a.splits);
-  const int n_active = (len + chunk - 1) / chunk;
+  const int n_active = active_splits(a, b);
   const int nvec = a.heads * a.head_dim / 4;
   auto* out_row = static_cast<typename O::type*>(a.out) + b * (int64_t(nvec) * 4);
   if constexpr (kVecsRegs > 0) {
@@ -536,6 +560,48 @@ __global__ void __launch_bounds__(kCombineThreads) decode_attention_combine_kern
         [&](int idx) { return combine_vec(a, b, n_active, idx, static_cast<const float*>(nullptr)); }, nvec,
         out_row, a.scales, a.static_scale, b);
   }
+}
+
+// Row b = blockIdx.x, its part y = blockIdx.y of kCombineCluster (block_part): the cluster combine. The split weights
+// of the heads its vectors lie in (the row combine's, head by head: head_split_weights), its kVecs vectors per
+// thread merged with kCombineBatch loads in flight (combine_vec: the row combine's fmaf chain), then finish_regs over
+// the cluster (the row amax: ClusterReduce's max over the 8 CTAs, exact). At B 1 the row combine read the row's
+// H x splits x D float32 partial results on one SM: 6.4 us of Qwen3-30B-A3B's 15.2 us at S 1024 (32 splits) on an
+// H200 (bench/results/decode_attention_knobs_nvidia-h200.md); a cluster reads them on 8.
+template <class T, class O, int kVecs>
+__global__ void CW8A8_CLUSTER_DIMS(1, kCombineCluster, 1) __launch_bounds__(kCombineClusterThreads)
+    decode_attention_combine_cluster_kernel(const Args<T> a) {
+#if !CW8A8_HAS_CLUSTERS
+  __trap();  // not reached: the host launches it where clusters_available (sm90 code loaded)
+#else
+  extern __shared__ float s_weights[];  // [heads of this CTA's part][n_active], from head h_begin
+  allow_dependent_launch();  // o_proj's GEMM may be scheduled (and prefetch its weights); it waits for this grid
+  wait_for_producers();      // the split kernel's workspace
+  const int64_t b = blockIdx.x;
+  const int n_active = active_splits(a, b);
+  const int nvec = a.heads * a.head_dim / 4;
+  int begin, end;
+  block_part<kCombineCluster>(nvec, begin, end);
+  const int h_begin = begin * 4 / a.head_dim;
+  if (begin < end) {
+    const int64_t part0 = b * a.heads * a.splits;
+    const int h_end = ((end - 1) * 4) / a.head_dim + 1;
+    for (int h = h_begin + static_cast<int>(threadIdx.x) / 32; h < h_end; h += kCombineClusterThreads / 32) {
+      head_split_weights(n_active, [&](int s) { return a.part_ml[part0 + int64_t(h) * a.splits + s]; },
+                         s_weights + (h - h_begin) * n_active);
+    }
+  }
+  __syncthreads();
+  Vec<T, 4> y[kVecs];
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int idx = begin + static_cast<int>(threadIdx.x) + i * kCombineClusterThreads;
+    if (idx < end) y[i] = combine_vec<T, kCombineBatch>(a, b, n_active, idx, s_weights, h_begin);
+  }
+  auto* out_row = static_cast<typename O::type*>(a.out) + b * (int64_t(nvec) * 4);
+  finish_regs<T, O, 4, kVecs, kCombineClusterThreads, kCombineCluster>(y, begin, end, out_row, a.scales,
+                                                                        a.static_scale, b);
+#endif
 }
 
 // --- the one-kernel path: a cluster per row -------------------------------------------------------------------
@@ -695,16 +761,10 @@ int heads_per_cta(int64_t group_size) {
 // sweeps it in separate processes): fewer positions per split give more CTAs and fewer serial load steps per CTA,
 // and more partial results for the combine; another value changes the splits, hence the bits.
 int min_chunk() {
-  static const int value = [] {
-    const char* env = std::getenv("CUTLASS_W8A8_ATTN_MIN_CHUNK");
-    if (env == nullptr || *env == '\0') return kMinChunk;
-    char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    TORCH_CHECK_VALUE(end != nullptr && *end == '\0' && v >= kChunkAlign && v <= 4096 && v % kChunkAlign == 0,
-                      "decode_attention: CUTLASS_W8A8_ATTN_MIN_CHUNK must be a multiple of ", kChunkAlign,
-                      " in [", kChunkAlign, ", 4096], got '", env, "'");
-    return static_cast<int>(v);
-  }();
+  static const int value = env_int(
+      kOp, "CUTLASS_W8A8_ATTN_MIN_CHUNK", kMinChunk,
+      [](long v) { return v >= kChunkAlign && v <= 4096 && v % kChunkAlign == 0; },
+      "a multiple of " + std::to_string(kChunkAlign) + " in [" + std::to_string(kChunkAlign) + ", 4096]");
   return value;
 }
 
@@ -715,16 +775,8 @@ int min_chunk() {
 // resident (the G' = 8 16-bit kernel: 2 per SM at 229-245 registers; G' = 4: 3), more loads in flight per SM; and
 // more partial results for the combine. Another value changes the splits, hence the bits.
 int ctas_per_sm() {
-  static const int value = [] {
-    const char* env = std::getenv("CUTLASS_W8A8_ATTN_CTAS_PER_SM");
-    if (env == nullptr || *env == '\0') return kCtasPerSm;
-    char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    TORCH_CHECK_VALUE(end != nullptr && *end == '\0' && v >= 1 && v <= 16,
-                      "decode_attention: CUTLASS_W8A8_ATTN_CTAS_PER_SM must be an integer in [1, 16], got '", env,
-                      "'");
-    return static_cast<int>(v);
-  }();
+  static const int value = env_int(kOp, "CUTLASS_W8A8_ATTN_CTAS_PER_SM", kCtasPerSm,
+                                   [](long v) { return v >= 1 && v <= 16; }, "an integer in [1, 16]");
   return value;
 }
 
@@ -738,76 +790,179 @@ int ctas_per_sm() {
 // bounds already allow 255 registers wherever it spills at G' = 8 (more is not possible); G' = 1's would need fewer
 // units per CTA, i.e. another fused plan, so they stay.
 bool attn_prefetch() {
-  static const bool value = [] {
-    const char* env = std::getenv("CUTLASS_W8A8_ATTN_PREFETCH");
-    const std::string v = env == nullptr ? "" : env;
-    TORCH_CHECK_VALUE(v.empty() || v == "0" || v == "1",
-                      "decode_attention: CUTLASS_W8A8_ATTN_PREFETCH must be 0 or 1 (or unset), got '", v, "'");
-    return v == "1";
-  }();
+  static const bool value = env_choice(kOp, "CUTLASS_W8A8_ATTN_PREFETCH", {"0", "1"}) == "1";
   return value;
 }
 
-// Splits per row: about ctas_per_sm() (default 2) CTAs per SM over the B x H / G' (row, head group) pairs,
-// splits = ceil(ctas_per_sm() x SMs / pairs), at most S / min_chunk() (a split of a full cache keeps at least that
-// many positions), kMaxSplits, and kCombineSmemFloats / H (the combine kernel's H x splits weights in shared memory).
-// From B, H, G', S, the SM count and the two per-process knobs only (never the positions: see the file comment), so
-// a captured graph's grid and workspace stay valid at replay. The one function every consumer asks: run() (the
-// split kernel's grid, the workspace size, the combine's Args::splits, the fused plan) and decode_attention_path.
-int choose_splits(int64_t batch, int64_t heads, int64_t head_groups, int64_t seq_len, int sms) {
-  const int64_t pairs = batch * head_groups;
-  int64_t splits = (int64_t(ctas_per_sm()) * sms + pairs - 1) / pairs;
-  splits = std::min<int64_t>(splits, std::max<int64_t>(seq_len / min_chunk(), 1));
-  splits = std::min<int64_t>(splits, kMaxSplits);
-  splits = std::min<int64_t>(splits, std::max<int64_t>(kCombineSmemFloats / heads, 1));  // the combine's weights
-  return static_cast<int>(std::max<int64_t>(splits, 1));
+// Whether the cluster combine may serve (CUTLASS_W8A8_ATTN_COMBINE, read once per process): unset, empty or
+// "cluster" (the default), or "row" (the one-CTA-per-row combine everywhere: an A/B switch, the same bits). Another
+// value raises a ValueError naming the variable.
+bool combine_cluster_allowed() {
+  static const bool value = env_choice(kOp, "CUTLASS_W8A8_ATTN_COMBINE", {"cluster", "row"}) != "row";
+  return value;
 }
 
-template <class T, int kG, int kLanes, int kVecs, bool kPrefetch>
-void launch_split(const Args<T>& args, int64_t batch, int64_t heads, cudaStream_t stream, bool pdl) {
-  const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(heads / kG), static_cast<unsigned>(args.splits));
-  C10_CUDA_CHECK(launch_kernel(decode_attention_split_kernel<T, kG, kLanes, kVecs, kPrefetch>, grid, dim3(kThreads),
-                               0, stream, pdl, args));
-}
-
-// The narrowest group that holds a row of D elements: nvec 16-byte vectors over kLanes lanes.
-template <class T, int kG, bool kPrefetch>
-void launch_split_for_head_dim(const Args<T>& args, int64_t batch, int64_t heads, cudaStream_t stream, bool pdl) {
-  const int nvec = args.head_dim * static_cast<int>(sizeof(T)) / 16;
+// Calls f(kernel) with the split kernel instantiation for T, G' = g and D = head_dim: the narrowest lane group that
+// holds a row of D elements (nvec 16-byte vectors over kLanes lanes). The one place that picks it: the launch and the
+// occupancy query of the wave rule (split_ctas_resident) ask here.
+template <class T, int kG, bool kPrefetch, class F>
+void with_split_kernel_for_head_dim(int head_dim, F&& f) {
+  const int nvec = head_dim * static_cast<int>(sizeof(T)) / 16;
   if (nvec <= 1) {
-    launch_split<T, kG, 1, 1, kPrefetch>(args, batch, heads, stream, pdl);
+    f(decode_attention_split_kernel<T, kG, 1, 1, kPrefetch>);
   } else if (nvec <= 2) {
-    launch_split<T, kG, 2, 1, kPrefetch>(args, batch, heads, stream, pdl);
+    f(decode_attention_split_kernel<T, kG, 2, 1, kPrefetch>);
   } else if (nvec <= 4) {
-    launch_split<T, kG, 4, 1, kPrefetch>(args, batch, heads, stream, pdl);
+    f(decode_attention_split_kernel<T, kG, 4, 1, kPrefetch>);
   } else if (nvec <= 8) {
-    launch_split<T, kG, 8, 1, kPrefetch>(args, batch, heads, stream, pdl);
+    f(decode_attention_split_kernel<T, kG, 8, 1, kPrefetch>);
   } else if (nvec <= 16) {  // D = 128 in 16-bit types
-    launch_split<T, kG, 16, 1, kPrefetch>(args, batch, heads, stream, pdl);
+    f(decode_attention_split_kernel<T, kG, 16, 1, kPrefetch>);
   } else if (nvec <= 32) {
-    launch_split<T, kG, 32, 1, kPrefetch>(args, batch, heads, stream, pdl);
+    f(decode_attention_split_kernel<T, kG, 32, 1, kPrefetch>);
   } else if constexpr (sizeof(T) == 4) {  // float32 with D > 128 (16-bit types never get here: D <= 256)
-    launch_split<T, kG, 32, 2, kPrefetch>(args, batch, heads, stream, pdl);
+    f(decode_attention_split_kernel<T, kG, 32, 2, kPrefetch>);
   }
+}
+
+template <class T, bool kPrefetch, class F>
+void with_split_kernel(int g, int head_dim, F&& f) {
+  switch (g) {
+    case 8: with_split_kernel_for_head_dim<T, 8, kPrefetch>(head_dim, f); break;
+    case 4: with_split_kernel_for_head_dim<T, 4, kPrefetch>(head_dim, f); break;
+    case 2: with_split_kernel_for_head_dim<T, 2, kPrefetch>(head_dim, f); break;
+    case 1: with_split_kernel_for_head_dim<T, 1, kPrefetch>(head_dim, f); break;
+    default: TORCH_CHECK(false, "decode_attention: internal error: G' = ", g, " (heads_per_cta gives 8, 4, 2 or 1)");
+  }
+}
+
+// The split rule (CUTLASS_W8A8_ATTN_SPLITS, read once per process): unset, empty or "ctas" (the default: about
+// ctas_per_sm() CTAs per SM), or "waves" (the fewest-waves rule below; an A/B switch). Another value raises a
+// ValueError naming the variable.
+bool split_rule_waves() {
+  static const bool value = env_choice(kOp, "CUTLASS_W8A8_ATTN_SPLITS", {"ctas", "waves"}) == "waves";
+  return value;
+}
+
+// How many CTAs of the split kernel that run() launches for (dtype, G', D, prefetch) are resident per SM
+// (cudaOccupancyMaxActiveBlocksPerMultiprocessor: registers and shared memory), asked once per key and cached. The
+// current device must be `device`. Only the wave rule asks.
+int split_ctas_resident(int device, at::ScalarType dtype, int g, int64_t head_dim, bool prefetch) {
+  static std::mutex mutex;
+  static std::map<std::array<int, 5>, int> cache;
+  const std::array<int, 5> key{device, static_cast<int>(dtype), g, static_cast<int>(head_dim), prefetch ? 1 : 0};
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int resident = 0;
+  bool asked = false;
+  auto ask = [&](auto kernel) {
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, 0));
+    asked = true;
+  };
+  auto for_type = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    if (prefetch) {
+      with_split_kernel<T, true>(g, static_cast<int>(head_dim), ask);
+    } else {
+      with_split_kernel<T, false>(g, static_cast<int>(head_dim), ask);
+    }
+  };
+  switch (dtype) {
+    case at::kBFloat16: for_type(static_cast<__nv_bfloat16*>(nullptr)); break;
+    case at::kHalf: for_type(static_cast<__half*>(nullptr)); break;
+    default: for_type(static_cast<float*>(nullptr)); break;
+  }
+  // no instantiation: a D the op refuses (decode_attention_path takes any D): nothing cached
+  TORCH_CHECK_VALUE(asked, "decode_attention: no split kernel for D = ", head_dim, " in ", dtype);
+  resident = std::max(resident, 1);
+  cache.emplace(key, resident);
+  return resident;
+}
+
+// Splits per row. The default rule: about ctas_per_sm() (default 2) CTAs per SM over the B x H / G' (row, head
+// group) pairs, splits = ceil(ctas_per_sm() x SMs / pairs). The wave rule (CUTLASS_W8A8_ATTN_SPLITS=waves), given
+// `resident` split CTAs per SM: the s in [1, cap] with the least ceil(pairs x s / (resident x SMs)) x (ceil(S / s) +
+// min_chunk()) -- waves of CTAs times the positions each CTA walks, the time of a latency-bound walk, plus a CTA's
+// fixed cost counted as min_chunk() positions (without it many waves of short walks tie with a few long ones and
+// the partial results to combine grow); s replaces the current choice only when 3% cheaper than it (a near-tie keeps
+// the fewer splits: the model is not that precise).
+// On an H200 the default put Qwen3-30B-A3B's B 8 at 9 splits, 288 CTAs against 264 resident: a second wave of 24
+// (bench/results/decode_attention_knobs_nvidia-h200.md); Llama-3-8B's rows there ranked as this count ranks them.
+// Both: at most cap = min(S / min_chunk() (a split of a full cache keeps at least that many positions), kMaxSplits,
+// kCombineSmemFloats / H (the combine kernel's H x splits weights in shared memory)). From B, H, G', S, the SM count,
+// the kernel's occupancy and the per-process knobs only (never the positions: see the file comment), so a captured
+// graph's grid and workspace stay valid at replay. The one function every consumer asks: run() (the split kernel's
+// grid, the workspace size, the combine's Args::splits, the fused plan) and decode_attention_path.
+int choose_splits(int64_t batch, int64_t heads, int64_t head_groups, int64_t seq_len, int sms, int resident) {
+  const int cps = ctas_per_sm();  // read under either rule: a bad value raises whichever rule runs
+  const int64_t pairs = batch * head_groups;
+  int64_t cap = std::max<int64_t>(seq_len / min_chunk(), 1);
+  cap = std::min<int64_t>(cap, kMaxSplits);
+  cap = std::max<int64_t>(std::min<int64_t>(cap, kCombineSmemFloats / heads), 1);  // the combine's weights
+  if (split_rule_waves()) {
+    const int64_t slots = std::max<int64_t>(int64_t(resident) * sms, 1);
+    const int64_t fixed = min_chunk();
+    auto cost = [&](int64_t s) {  // in double: no overflow at any B, H, S
+      return double((pairs * s + slots - 1) / slots) * double((seq_len + s - 1) / s + fixed);
+    };
+    int64_t best = 1;
+    double best_cost = cost(1);
+    for (int64_t s = 2; s <= cap; ++s) {
+      const double c = cost(s);
+      if (c < 0.97 * best_cost) best = s, best_cost = c;
+    }
+    return static_cast<int>(best);
+  }
+  const int64_t splits = (int64_t(cps) * sms + pairs - 1) / pairs;
+  return static_cast<int>(std::max<int64_t>(std::min<int64_t>(splits, cap), 1));
+}
+
+// choose_splits for one call: the wave rule's occupancy asked only when that rule is on.
+int splits_for(int device, int64_t batch, int64_t heads, int g, int64_t seq_len, int64_t head_dim,
+               at::ScalarType dtype, bool prefetch) {
+  const int resident = split_rule_waves() ? split_ctas_resident(device, dtype, g, head_dim, prefetch) : 0;
+  return choose_splits(batch, heads, heads / g, seq_len, device_info(device).sm_count, resident);
 }
 
 template <class T, bool kPrefetch>
 void launch_split_for_group(const Args<T>& args, int64_t batch, int64_t heads, int g, cudaStream_t stream,
                             bool pdl) {
-  switch (g) {
-    case 8: launch_split_for_head_dim<T, 8, kPrefetch>(args, batch, heads, stream, pdl); break;
-    case 4: launch_split_for_head_dim<T, 4, kPrefetch>(args, batch, heads, stream, pdl); break;
-    case 2: launch_split_for_head_dim<T, 2, kPrefetch>(args, batch, heads, stream, pdl); break;
-    default: launch_split_for_head_dim<T, 1, kPrefetch>(args, batch, heads, stream, pdl); break;
-  }
+  const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(heads / g), static_cast<unsigned>(args.splits));
+  with_split_kernel<T, kPrefetch>(g, args.head_dim, [&](auto kernel) {
+    C10_CUDA_CHECK(launch_kernel(kernel, grid, dim3(kThreads), 0, stream, pdl, args));
+  });
 }
 
+// The combine kernel for a row of nvec = H * D / 4 vectors: the cluster combine (kVecs 1 or 2 a thread) on sm90
+// where clusters_available and the knob allows it, for nvec <= 8 x 128 x 2 (H * D <= 8192); else the row combine,
+// its vectors in registers (H * D <= 8192) or recomputed per pass (longer rows). From H, D and the device only, so
+// the choice is the same for every B (a captured graph shrunk to fewer rows keeps it).
 template <class T, class O>
-void launch_combine(const Args<T>& args, int64_t batch, cudaStream_t stream, bool pdl) {
+void launch_combine(const Args<T>& args, int64_t batch, int device, cudaStream_t stream, bool pdl) {
   const int64_t nvec = int64_t(args.heads) * args.head_dim / 4;
+  // H * splits <= kCombineSmemFloats (choose_splits): the split weights in shared memory
+  const size_t smem = sizeof(float) * static_cast<size_t>(args.heads) * args.splits;
+  constexpr int64_t kClusterPart = int64_t(kCombineCluster) * kCombineClusterThreads;  // vectors at one a thread
+  if (nvec <= 2 * kClusterPart && combine_cluster_allowed() && device_info(device).major == 9 &&
+      clusters_available(device)) {
+    // a CTA's part (block_part): ceil(nvec / 8) vectors, which lie in at most part * 4 / D + 2 heads (from the head
+    // of its first vector); the weights of those heads only
+    const int64_t part = (nvec + kCombineCluster - 1) / kCombineCluster;
+    const int64_t part_heads = std::min<int64_t>(args.heads, part * 4 / args.head_dim + 2);
+    const size_t cluster_smem = sizeof(float) * static_cast<size_t>(part_heads) * args.splits;
+    const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(kCombineCluster));
+    if (nvec <= kClusterPart) {
+      C10_CUDA_CHECK(launch_kernel(decode_attention_combine_cluster_kernel<T, O, 1>, grid,
+                                   dim3(kCombineClusterThreads), cluster_smem, stream, pdl, args));
+    } else {
+      C10_CUDA_CHECK(launch_kernel(decode_attention_combine_cluster_kernel<T, O, 2>, grid,
+                                   dim3(kCombineClusterThreads), cluster_smem, stream, pdl, args));
+    }
+    return;
+  }
   const dim3 grid(static_cast<unsigned>(batch));
-  if (nvec <= int64_t(kCombineThreads) * kCombineVecs) {  // H * splits <= kCombineSmemFloats (choose_splits)
-    const size_t smem = sizeof(float) * static_cast<size_t>(args.heads) * args.splits;
+  if (nvec <= int64_t(kCombineThreads) * kCombineVecs) {
     C10_CUDA_CHECK(launch_kernel(decode_attention_combine_kernel<T, O, kCombineVecs>, grid, dim3(kCombineThreads),
                                  smem, stream, pdl, args));
   } else {
@@ -1073,8 +1228,9 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
   const bool pdl = kernels_use_pdl(device);
   const int64_t kv_heads = kv_cache.size(2);
   const int g = heads_per_cta(heads / kv_heads);
-  const int splits = choose_splits(batch, heads, heads / g, kv_cache.size(3), device_info(device).sm_count);
   const bool prefetch = attn_prefetch();  // before any launch: a bad value raises here
+  (void)combine_cluster_allowed();        // likewise
+  const int splits = splits_for(device, batch, heads, g, kv_cache.size(3), d, q.scalar_type(), prefetch);
   const FusedPlan plan = fused_plan(heads, g, d, q.scalar_type(), splits, device, prefetch);
   const int64_t parts = batch * heads * splits;
   at::Tensor workspace;  // the two-kernel path's partial results (the fused path keeps them in shared memory)
@@ -1134,11 +1290,11 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
     }
     graph_nodes::note_rowwise_launch(stream, batch, op);
     if (!qtype) {
-      launch_combine<T, FloatOut<T>>(args, batch, stream, pdl);
+      launch_combine<T, FloatOut<T>>(args, batch, device, stream, pdl);
     } else if (*qtype == at::kChar) {
-      launch_combine<T, Int8Out>(args, batch, stream, pdl);
+      launch_combine<T, Int8Out>(args, batch, device, stream, pdl);
     } else {
-      launch_combine<T, Fp8Out>(args, batch, stream, pdl);
+      launch_combine<T, Fp8Out>(args, batch, device, stream, pdl);
     }
     graph_nodes::note_rowwise_launch(stream, batch, op);
   };
@@ -1178,8 +1334,10 @@ std::string decode_attention_path(int64_t device, int64_t batch, int64_t heads, 
   const int d = static_cast<int>(device);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(d));  // clusters_available queries the current device
   const int g = heads_per_cta(heads / kv_heads);
-  const int splits = choose_splits(batch, heads, heads / g, seq_len, device_info(d).sm_count);
-  const FusedPlan plan = fused_plan(heads, g, head_dim, dtype, splits, d, attn_prefetch());
+  const bool prefetch = attn_prefetch();
+  (void)combine_cluster_allowed();  // a bad value raises here as in the op
+  const int splits = splits_for(d, batch, heads, g, seq_len, head_dim, dtype, prefetch);
+  const FusedPlan plan = fused_plan(heads, g, head_dim, dtype, splits, d, prefetch);
   return plan.units > 0 ? "fused" : "split";
 }
 

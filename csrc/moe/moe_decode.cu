@@ -64,6 +64,7 @@
 
 #include "core/checks.hpp"
 #include "core/device.hpp"
+#include "core/knobs.hpp"
 #include "core/launch.hpp"
 #include "core/launch_policy.hpp"
 #include "core/limits.hpp"
@@ -867,11 +868,7 @@ void launch_down(const MoeDecodeParams& p, int r, unsigned slots, cudaStream_t s
 // Another value raises a ValueError naming the variable (a typo would otherwise measure the default).
 int gate_up_dual() {
   static const int value = [] {
-    const char* env = std::getenv("CUTLASS_W8A8_MOE_GATE_UP_DUAL");
-    const std::string v = env == nullptr ? "" : env;
-    TORCH_CHECK_VALUE(v.empty() || v == "0" || v == "1" || v == "2",
-                      "moe_decode_experts: CUTLASS_W8A8_MOE_GATE_UP_DUAL must be 0, 1 or 2 (or unset), got '", v,
-                      "'");
+    const std::string v = env_choice("moe_decode_experts", "CUTLASS_W8A8_MOE_GATE_UP_DUAL", {"0", "1", "2"});
     return v == "1" ? 1 : (v == "2" ? 2 : 0);
   }();
   return value;
@@ -881,13 +878,7 @@ int gate_up_dual() {
 // same bits either way): an A/B switch, CUTLASS_W8A8_MOE_DOWN_PREFETCH=1 (read once per process), off by default
 // (unset, empty or 0) until measured. Another value raises a ValueError naming the variable.
 bool down_prefetch() {
-  static const bool value = [] {
-    const char* env = std::getenv("CUTLASS_W8A8_MOE_DOWN_PREFETCH");
-    const std::string v = env == nullptr ? "" : env;
-    TORCH_CHECK_VALUE(v.empty() || v == "0" || v == "1",
-                      "moe_decode_experts: CUTLASS_W8A8_MOE_DOWN_PREFETCH must be 0 or 1 (or unset), got '", v, "'");
-    return v == "1";
-  }();
+  static const bool value = env_choice("moe_decode_experts", "CUTLASS_W8A8_MOE_DOWN_PREFETCH", {"0", "1"}) == "1";
   return value;
 }
 

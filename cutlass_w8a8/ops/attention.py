@@ -90,12 +90,16 @@ def decode_attention(
        ``0..positions[b]``, and keeps an online softmax over it (a running maximum, a running sum and a
        float32 accumulator, rescaled when the maximum grows: Milakov & Gimelshein [1]_). The chunk bounds
        are computed on the device from ``positions[b]``; the number of splits is chosen from ``B``, ``H``,
-       ``KVH``, ``S`` and the SM count (and two per-process A/B knobs, ``CUTLASS_W8A8_ATTN_MIN_CHUNK`` and
-       ``CUTLASS_W8A8_ATTN_CTAS_PER_SM``: csrc/attention/decode_attention.cu), never from the positions, so a
-       CUDA graph stays valid when the positions change between replays. It writes float32 partials (maximum,
-       sum, accumulator) per ``(b, h, split)`` to a workspace from torch's caching allocator.
-    2. ``decode_attention_combine_kernel``, grid ``(B,)``: one block per row merges the splits of its ``H``
-       heads, rescaled to their common maximum, and rounds the row once to ``q``'s dtype.
+       ``KVH``, ``S`` and the SM count (and per-process A/B knobs, ``CUTLASS_W8A8_ATTN_MIN_CHUNK``,
+       ``CUTLASS_W8A8_ATTN_CTAS_PER_SM`` and ``CUTLASS_W8A8_ATTN_SPLITS``: csrc/attention/decode_attention.cu), never
+       from the positions, so a CUDA graph stays valid when the positions change between replays. It writes
+       float32 partials (maximum, sum, accumulator) per ``(b, h, split)`` to a workspace from torch's caching
+       allocator.
+    2. ``decode_attention_combine_cluster_kernel``, grid ``(B, 8)``: a cluster of 8 blocks per row (sm90,
+       ``H * D <= 8192``), each merging the splits of its eighth of the row's ``H * D`` outputs, rescaled to their
+       head's common maximum, and rounding them once to ``q``'s dtype. Elsewhere (other archs, longer rows, or
+       ``CUTLASS_W8A8_ATTN_COMBINE=row``) ``decode_attention_combine_kernel``, grid ``(B,)``: one block per row
+       does the same. Both give the same bits.
     3. ``decode_attention_fused_kernel`` instead of both, where a row's ``H / G' x splits`` (head group, split)
        units fit one thread-block cluster of at most 16 blocks (sm90, 16-bit ``q``, ``32 < D <= 128``; e.g.
        Qwen3-30B-A3B's 32 / 4 heads at ``S = 512``): the units run the split kernel's code into shared memory
@@ -200,9 +204,10 @@ def decode_attention_quant(
     (``torch.ops.cutlass_w8a8.decode_attention_quant``) returns per-row scales in both modes: in the static
     one the given value repeated, ``(B, 1)``.
 
-    CUDA: :func:`decode_attention`'s two split-KV kernels; the combine kernel (one block per row) rounds the
-    merged row to ``q``'s dtype, then quantizes it (the row's absolute maximum, then each element divided by
-    the scale, rounded half to even and saturated) and writes ``q_out`` and the row's scale. Row-wise, no host
+    CUDA: :func:`decode_attention`'s two split-KV kernels; the combine kernel (a cluster of 8 blocks per row on
+    sm90, else one block) rounds the merged row to ``q``'s dtype, then quantizes it (the row's absolute maximum,
+    a max over the cluster's blocks, then each element divided by the scale, rounded half to even and saturated)
+    and writes ``q_out`` and the row's scale. Row-wise, no host
     synchronisation, CUDA-graph safe with positions that change between replays.
 
     Examples

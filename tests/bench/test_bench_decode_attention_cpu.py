@@ -18,6 +18,8 @@ def test_kernel_tags(bench):
     ns = "void cutlass_w8a8::(anonymous namespace)::"
     assert bench._kernel_tag(ns + "decode_attention_split_kernel<__nv_bfloat16, 8, 16, 1>(Args)") == "split"
     assert bench._kernel_tag(ns + "decode_attention_combine_kernel<__nv_bfloat16, Int8Out, 2>(Args)") == "combine"
+    cluster = ns + "decode_attention_combine_cluster_kernel<__nv_bfloat16, Int8Out, 1>(Args)"
+    assert bench._kernel_tag(cluster) == "combine"
     assert bench._kernel_tag(ns + "decode_attention_fused_kernel<__nv_bfloat16, Int8Out, 8, 16, 1>(Args)") == "fused"
     assert bench._kernel_tag(ns + "rope_kv_cache_kernel<__nv_bfloat16>(Args)") == ""
 
@@ -46,9 +48,12 @@ def test_profile_takes_medians_with_pdl_off(bench, monkeypatch):
 def test_json_records_each_knob_as_set(bench, monkeypatch):
     """The JSON's knob keys: each A/B variable of csrc/attention/decode_attention.cu, its value as set, None unset."""
     assert set(bench.KNOB_ENVS.values()) == {"CUTLASS_W8A8_ATTN_MIN_CHUNK", "CUTLASS_W8A8_ATTN_CTAS_PER_SM",
-                                             "CUTLASS_W8A8_ATTN_PREFETCH"}
+                                             "CUTLASS_W8A8_ATTN_PREFETCH", "CUTLASS_W8A8_ATTN_COMBINE",
+                                             "CUTLASS_W8A8_ATTN_SPLITS"}
     for name in bench.KNOB_ENVS.values():
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CUTLASS_W8A8_ATTN_CTAS_PER_SM", "8")
     monkeypatch.setenv("CUTLASS_W8A8_ATTN_PREFETCH", "1")
-    assert bench._knob_envs() == {"min_chunk_env": None, "ctas_per_sm_env": "8", "prefetch_env": "1"}
+    monkeypatch.setenv("CUTLASS_W8A8_ATTN_COMBINE", "row")
+    assert bench._knob_envs() == {"min_chunk_env": None, "ctas_per_sm_env": "8", "prefetch_env": "1",
+                                  "combine_env": "row", "splits_env": None}

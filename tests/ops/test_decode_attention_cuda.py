@@ -80,6 +80,20 @@ def test_other_head_dims(d, dtype):
     run_checked(q, kv, slots, pos, scale=0.7 / math.sqrt(d))
 
 
+# (H, KVH, D) whose H * D / 4 output vectors split unevenly over the cluster combine's 8 CTAs (sm90): 2 vectors (6
+# CTAs idle), 30 (a short last part, heads across CTAs), 70, 1054 (two vectors a thread, a short second one)
+UNEVEN_ROWS = [(1, 1, 8), (3, 1, 40), (5, 5, 56), (17, 1, 248)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hkd", UNEVEN_ROWS, ids=lambda hkd: "H{}-KVH{}-D{}".format(*hkd))
+def test_rows_split_unevenly_over_the_combine(hkd, dtype):
+    """Rows whose outputs the cluster combine's CTAs share unevenly (and G' = 1 heads), S = 300, B 3."""
+    h, kvh, d = hkd
+    q, kv, slots, pos = make_inputs(3, h, kvh, d, 300, dtype, "cuda", seed=h * d, positions=[299, 0, 150])
+    run_checked(q, kv, slots, pos, scale=0.7 / math.sqrt(d), what=f"H {h} D {d}")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("s", [2048, 4096])
 @pytest.mark.parametrize("b", [1, 64])

@@ -112,7 +112,7 @@ def test_plain_equals_two_kernel_path(s, heads, d, dtype):
 @pytest.mark.parametrize("heads", HEADS, ids=lambda hk: f"H{hk[0]}-KVH{hk[1]}")
 def test_quant_equals_two_kernel_path(heads, d, dtype, static, qdtype):
     """decode_attention_quant, fused vs two kernels: q_out and the row scales bit for bit (the row's max |y| is a
-    max over the cluster's CTAs in the fused path, over one CTA in the combine: exact either way)."""
+    max over the cluster's CTAs in the fused path and in the sm90 cluster combine: exact in any grouping)."""
     if qdtype == torch.float8_e4m3fn and not cw.supports_fp8():
         pytest.skip("no fp8 kernels on this device")
     s = S_FUSED

@@ -12,7 +12,14 @@ environment variable read once per process, so every check here runs in a fresh 
   test_decode_attention_cuda.py's reference, long-cache, ragged-row, independence and graph-replay tests and
   test_decode_attention_quant_cuda.py's composition tests pass at 8 (up to 4x the default's splits).
   decode_attention_path (the fused plan) follows the same split count.
-- A bad value of either makes the op (and decode_attention_path) raise a ValueError naming the variable, not run.
+- CUTLASS_W8A8_ATTN_COMBINE=row (combine_cluster_allowed): the one-block-per-row combine kernel where the cluster
+  combine (8 blocks a row, sm90, H * D <= 8192) serves by default. The same weights and the same fmaf chain per
+  element, an exact max for the row scale: bit-identical outputs, compared as for the prefetch, and the combine
+  kernels that ran are the ones each process asked for.
+- CUTLASS_W8A8_ATTN_SPLITS=waves (split_rule_waves): the split count with the fewest waves of resident split CTAs
+  times positions per CTA. Other splits, other bits: the reference tests pass under it (decode_attention_path
+  asks the same function, splits_for, as the op).
+- A bad value of any makes the op (and decode_attention_path) raise a ValueError naming the variable, not run.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ HERE = pathlib.Path(__file__)
 ROOT = HERE.parents[2]
 PREFETCH = "CUTLASS_W8A8_ATTN_PREFETCH"
 CTAS = "CUTLASS_W8A8_ATTN_CTAS_PER_SM"
-KNOBS = (PREFETCH, CTAS, "CUTLASS_W8A8_ATTN_MIN_CHUNK")
+COMBINE = "CUTLASS_W8A8_ATTN_COMBINE"
+SPLITS = "CUTLASS_W8A8_ATTN_SPLITS"
+KNOBS = (PREFETCH, CTAS, COMBINE, SPLITS, "CUTLASS_W8A8_ATTN_MIN_CHUNK")
 
 # test_decode_attention_cuda.py's accuracy, long-cache, ragged, independence and graph tests, and every lane layout
 # (other_head_dims: 1 to 32 lanes a position, idle lanes past D, float32's two vectors a lane)
@@ -93,6 +102,13 @@ def _cases():
     out.append(("h8-kvh8-b3-s256-bf16", 8, 8, 128, 3, 256, torch.bfloat16, 12))
     out.append(("h4-kvh2-b5-s300-d40-bf16", 4, 2, 40, 5, 300, torch.bfloat16, 13))
     out.append(("h4-kvh2-b5-s300-d192-fp32", 4, 2, 192, 5, 300, torch.float32, 14))
+    # H * D = 8192: the cluster combine's two vectors a thread (the row combine's too)
+    out.append(("h64-kvh8-b3-s700-bf16", 64, 8, 128, 3, 700, torch.bfloat16, 15))
+    # rows the cluster combine's 8 CTAs share unevenly: 2 vectors (6 CTAs idle), 30 (a short last part), 1054 (two
+    # vectors a thread, a short second one)
+    out.append(("h1-kvh1-b3-s300-d8-bf16", 1, 1, 8, 3, 300, torch.bfloat16, 16))
+    out.append(("h3-kvh1-b3-s300-d40-fp16", 3, 1, 40, 3, 300, torch.float16, 17))
+    out.append(("h17-kvh1-b2-s300-d248-bf16", 17, 1, 248, 2, 300, torch.bfloat16, 18))
     return out
 
 
@@ -109,7 +125,7 @@ def _calls(ops, args: tuple, fp8: bool) -> dict:
 
 def _compute_outputs(path: str) -> None:
     """Run in a child process: every case's outputs on the two-kernel path and on the fused path (the switch on),
-    saved to ``path`` with the path each took and the split-step kernel variants that ran (kernel names)."""
+    saved to ``path`` with the path each took and the attention kernels that ran (kernel names)."""
     import cutlass_w8a8 as cw
     from cutlass_w8a8 import _ext
     from cutlass_w8a8.testing.attention import make_inputs
@@ -133,10 +149,10 @@ def _compute_outputs(path: str) -> None:
                     outs = call()
                     results[f"{key}/{mode}/{variant}"] = [
                         (t.view(torch.uint8) if t.element_size() == 1 else t).cpu() for t in outs]
-                if (paths[f"{key}/{mode}"], dtype) not in profiled:  # the kernel variant: once per path and dtype
-                    profiled.add((paths[f"{key}/{mode}"], dtype))
-                    names.update(n for n, _ in cuda_kernel_times(calls["int8"])
-                                 if "decode_attention_split_kernel" in n or "decode_attention_fused_kernel" in n)
+                # the kernels that ran: once per path, dtype and row width (the combine's variant follows H * D)
+                if (paths[f"{key}/{mode}"], dtype, h * d) not in profiled:
+                    profiled.add((paths[f"{key}/{mode}"], dtype, h * d))
+                    names.update(n for n, _ in cuda_kernel_times(calls["int8"]) if "decode_attention_" in n)
     finally:
         _ext.set_decode_attention_fused(previous)
     torch.save({"results": results, "paths": paths, "names": sorted(names)}, path)
@@ -154,6 +170,8 @@ def _variants(names: list[str]) -> set[str]:
     """The last template argument (kPrefetch) of each split / fused kernel name."""
     found = set()
     for n in names:
+        if "decode_attention_split_kernel" not in n and "decode_attention_fused_kernel" not in n:
+            continue
         m = re.search(r"decode_attention_(?:split|fused)_kernel<.*, (true|false)>\(", n)
         assert m is not None, n
         found.add(m.group(1))
@@ -191,6 +209,40 @@ def test_prefetch_still_matches_the_reference():
     _pytest(_clean_env(**{PREFETCH: "1"}), str(HERE.parent / "test_decode_attention_fused_cuda.py"))
 
 
+# --- COMBINE: the row combine gives the cluster combine's bits ----------------------------------------------------
+
+def _combine_kernels(names: list[str]) -> set[str]:
+    return {m.group(1) for n in names if (m := re.search(r"(decode_attention_combine\w*_kernel)<", n))}
+
+
+def _cluster_vectors(names: list[str]) -> set[str]:
+    """The last template argument (output vectors a thread) of each cluster combine kernel name."""
+    return {m.group(1) for n in names if (m := re.search(r"decode_attention_combine_cluster_kernel<.*, (\d+)>\(", n))}
+
+
+def test_row_combine_gives_the_cluster_combine_bits(tmp_path):
+    """Every output with CUTLASS_W8A8_ATTN_COMBINE=row equals (torch.equal) the default process's, on both paths
+    (the fused path has no combine kernel: the same bits trivially); on sm90 the default ran the cluster combine and
+    the row process only the one-block-per-row combine."""
+    _skip_if_a_knob_is_set()
+    base = _outputs_in_a_process(tmp_path, _clean_env(), "default")
+    row = _outputs_in_a_process(tmp_path, _clean_env(**{COMBINE: "row"}), "row")
+    assert base["paths"] == row["paths"]
+    assert base["results"].keys() == row["results"].keys()
+    for key, expect in base["results"].items():
+        got = row["results"][key]
+        assert len(got) == len(expect), key
+        for i, (x, y) in enumerate(zip(got, expect)):
+            assert x.dtype == y.dtype and x.shape == y.shape, (key, i)
+            assert not torch.isnan(y.float()).any(), (key, i)
+            assert torch.equal(x, y), f"{key} output {i}"
+    if base["names"] and row["names"]:  # empty where the profiler records no CUDA kernels (no CUPTI)
+        assert _combine_kernels(row["names"]) == {"decode_attention_combine_kernel"}, row["names"]
+        if torch.cuda.get_device_capability()[0] == 9:
+            assert "decode_attention_combine_cluster_kernel" in _combine_kernels(base["names"]), base["names"]
+            assert _cluster_vectors(base["names"]) == {"1", "2"}, base["names"]  # both variants ran
+
+
 # --- CTAS_PER_SM: other splits, still the reference ---------------------------------------------------------------
 
 def test_more_ctas_per_sm_still_match_the_reference():
@@ -202,6 +254,16 @@ def test_more_ctas_per_sm_still_match_the_reference():
     _pytest(env, str(HERE.parent / "test_decode_attention_cuda.py"), "-k", REFERENCE_TESTS)
     _pytest(env, str(HERE.parent / "test_decode_attention_quant_cuda.py"), "-k",
             "equals_composition or long_cache_mixed_rows")
+
+
+def test_wave_splits_still_match_the_reference():
+    """With CUTLASS_W8A8_ATTN_SPLITS=waves (other split counts, from the split kernel's occupancy): the same reference,
+    long-cache, ragged, independence and graph-replay tests, and decode_attention_quant against the composition."""
+    _skip_if_a_knob_is_set()
+    env = _clean_env(**{SPLITS: "waves"})
+    _pytest(env, str(HERE.parent / "test_decode_attention_cuda.py"), "-k", REFERENCE_TESTS + " or split_unevenly")
+    _pytest(env, str(HERE.parent / "test_decode_attention_quant_cuda.py"), "-k",
+            "equals_composition or long_cache_mixed_rows or split_unevenly")
 
 
 def test_ctas_per_sm_reaches_the_fused_plan():
@@ -230,9 +292,14 @@ def test_ctas_per_sm_reaches_the_fused_plan():
 
 # --- bad values ---------------------------------------------------------------------------------------------------
 
-# each variable's bad values and the C++ message (csrc/attention/decode_attention.cu: attn_prefetch, ctas_per_sm)
+# each variable's bad values and the C++ message (csrc/attention/decode_attention.cu: attn_prefetch, ctas_per_sm,
+# combine_cluster_allowed, split_rule_waves)
+# and one accepted value each, set after them: the op and decode_attention_path then run
+GOOD_VALUES = {PREFETCH: "0", CTAS: "3", COMBINE: "cluster", SPLITS: "waves"}
 BAD_VALUES = {PREFETCH: ("must be 0 or 1 (or unset)", ("2", "yes", "true")),
-              CTAS: ("must be an integer in [1, 16]", ("0", "17", "abc", "2.5", "-1"))}
+              CTAS: ("must be an integer in [1, 16]", ("0", "17", "abc", "2.5", "-1")),
+              COMBINE: ("must be cluster or row (or unset)", ("rows", "1", "Cluster")),
+              SPLITS: ("must be ctas or waves (or unset)", ("wave", "2", "CTAS"))}
 
 
 @pytest.mark.parametrize("name", list(BAD_VALUES))
@@ -240,8 +307,9 @@ def test_a_bad_value_raises_naming_the_variable(name):
     """The op and decode_attention_path raise a ValueError naming the variable (read before any launch) instead of
     silently running the default. A fresh process per variable (each is read once per process), its bad values in
     turn: a read that raised leaves the variable unread (C++ tries a static initialization that threw again on the
-    next call), so each call reads the value just set. The other variable is unset: the CUTLASS_W8A8_ATTN_PREFETCH
-    process reads the default CTAs per SM, and ctas_per_sm is read before attn_prefetch."""
+    next call), so each call reads the value just set. The other variables are unset: each process reads the others'
+    defaults (attn_prefetch is read first, then combine_cluster_allowed, then the split rule's). Then an accepted value
+    (GOOD_VALUES) runs both."""
     message, values = BAD_VALUES[name]
     code = ("import os, torch, cutlass_w8a8 as cw\n"
             "from cutlass_w8a8 import _ext\n"
@@ -255,14 +323,36 @@ def test_a_bad_value_raises_naming_the_variable(name):
             "            call()\n"
             "            print('RAN', repr(value))\n"
             "        except ValueError as exc:\n"
-            "            print('RAISED', exc)\n")
+            "            print('RAISED', exc)\n"
+            f"os.environ[{name!r}] = {GOOD_VALUES[name]!r}\n"
+            "cw.decode_attention(q, kv, slots, pos)\n"
+            "_ext.decode_attention_path(0, 1, 8, 8, 256, 64, torch.bfloat16)\n"
+            "print('GOOD')\n")
     r = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=300,
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "RAN" not in r.stdout, r.stdout
     for value in values:
         assert r.stdout.count(f"{name} {message}, got '{value}'") == 2, (value, r.stdout)
+    assert "GOOD" in r.stdout, r.stdout  # the accepted value runs
 
 
-if __name__ == "__main__":  # the child process of test_prefetch_gives_the_default_bits
+def test_a_bad_ctas_per_sm_raises_under_the_wave_rule():
+    """CUTLASS_W8A8_ATTN_CTAS_PER_SM is read (and checked) under either split rule: with SPLITS=waves, which does not
+    use it, a bad value still raises instead of being ignored."""
+    code = ("import torch, cutlass_w8a8 as cw\n"
+            "from cutlass_w8a8.testing.attention import make_inputs\n"
+            "q, kv, slots, pos = make_inputs(1, 8, 8, 64, 256, torch.bfloat16, 'cuda', seed=0)\n"
+            "try:\n"
+            "    cw.decode_attention(q, kv, slots, pos)\n"
+            "    print('RAN')\n"
+            "except ValueError as exc:\n"
+            "    print('RAISED', exc)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=_clean_env(**{SPLITS: "waves", CTAS: "abc"}),
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"{CTAS} must be an integer in [1, 16], got 'abc'" in r.stdout, r.stdout
+
+
+if __name__ == "__main__":  # the child process of the two bit-equality tests
     _compute_outputs(sys.argv[1])

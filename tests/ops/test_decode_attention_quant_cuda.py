@@ -114,6 +114,20 @@ def test_head_dims(d, dtype, qdtype):
         check_against_composition(q, kv, slots, pos, qdtype, static, 0.7 / math.sqrt(d), what=f"D = {d}")
 
 
+@pytest.mark.parametrize("qdtype", QDTYPES, ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hkd", [(1, 1, 8), (3, 1, 40), (5, 5, 56), (17, 1, 248)],
+                         ids=lambda hkd: "H{}-KVH{}-D{}".format(*hkd))
+def test_rows_split_unevenly_over_the_combine(hkd, dtype, qdtype):
+    """Rows whose H * D / 4 output vectors the cluster combine's 8 CTAs share unevenly (sm90): 2 (6 CTAs idle, the
+    row amax still a max over all 8), 30, 70 and 1054 (two vectors a thread); dynamic and static."""
+    _skip_without_fp8(qdtype)
+    h, kvh, d = hkd
+    for static in (False, True):
+        q, kv, slots, pos = make_inputs(3, h, kvh, d, 300, dtype, "cuda", seed=h + d, positions=[299, 0, 150])
+        check_against_composition(q, kv, slots, pos, qdtype, static, 0.7 / math.sqrt(d), what=f"H {h} D {d}")
+
+
 def test_long_rows_of_a_wide_model():
     """64 heads of 128 over 8 kv heads (H * D = 8192, the combine kernel's register limit) at S = 4096."""
     q, kv, slots, pos = make_inputs(3, 64, 8, 128, 4096, torch.bfloat16, "cuda", seed=3, positions=[4095, 0, 2049])
