@@ -22,10 +22,11 @@
 // for the weight rows and the tokens alike, so each product x[t, k] * w[e, k] is formed once (a permuted dot
 // product). The summation order differs from cuBLAS's: ops/moe.py's moe_router_route states the bound.
 //
-// Time (estimate, H200): Qwen3-30B-A3B (E 128, H 2048, bf16): 64 KB of weights per CTA, prefetched into L2 before
-// griddepcontrol.wait (the weights are never written by the previous kernel); ~1 us of loads, + the DSMEM exchange
-// and the routing (the warp code of moe_route, ~2 us) in one launch, against ~8 + 6.4 us measured for the cuBLAS
-// GEMM and moe_route. DeepSeek-V3 (E 256, H 7168): 460 KB per CTA, ~3-4 us at one SM's read rate.
+// Time, H200 (2026-11-29, before the batched loads and route_row's redux rounds; CUDA graph of 20 calls, median):
+// Qwen3-30B-A3B (E 128, H 2048, top-8) 8.1 us, of which the routing ~6 (6.8 us at H 64); cuBLAS's x @ W^T alone 4.7
+// and moe_route alone 6.1. DeepSeek-V3 dims (E 256, H 7168) 17.5 us against cuBLAS 5.8 + moe_route 7.5: with 8 warps
+// and two chunks of loads in flight a CTA read its 460 KB at ~46 GB/s (Nsight Compute at T 1: 8 CTAs, SM-active
+// busy ~40% of the elapsed cycles, warps stalled on L1TEX). A warp now issues kBatch chunks' loads before their mma.
 //
 // Devices without clusters (before sm90) get the two-kernel path inside the op (at::linear in logits_dtype, then
 // route_kernel): the same result up to the summation order of the logits.
@@ -60,6 +61,7 @@ constexpr int kRRThreads = kRRWarps * 32;
 constexpr int kChunk = 64;   // H elements per warp step (4 lanes x 16)
 constexpr int kTileE = 16;   // experts per mma tile (M)
 constexpr int kTileT = 8;    // tokens per mma tile (N)
+constexpr int kBatch = 4;    // chunks a warp loads before their mma (32 chunks of Qwen3's H 2048: one batch)
 
 struct RouterRouteParams {
   const void* x;      // [T, H], unit column stride, 16-byte aligned rows
@@ -142,23 +144,32 @@ __global__ void CW8A8_CLUSTER_DIMS(kClusterCtas, 1, 1) __launch_bounds__(kRRThre
     const bool ra = m0 + g < p.e, rb = m0 + g + 8 < p.e;
     const char* wa = wbytes + (m0 + g) * p.w_stride * sizeof(T) + q * 16 * sizeof(T);
     const char* wb = wa + 8 * p.w_stride * sizeof(T);
-#pragma unroll 2
-    for (int c = warp; c < chunks; c += kRRWarps) {
-      const int64_t kb = int64_t(c) * kChunk * sizeof(T);
-      uint32_t ar[8], br[8];
-      load16(ar, wa + kb, ra);
-      load16(br, wb + kb, rb);
-      uint32_t xr[NT][8];
+    // kBatch chunks' loads issued before their math (one memory latency per batch, not per chunk); the mma order
+    // per warp is still chunk w, w + 8, w + 16, ...
+    for (int c0 = warp; c0 < chunks; c0 += kRRWarps * kBatch) {
+      uint32_t ar[kBatch][8], br[kBatch][8], xr[kBatch][NT][8];
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        const int tok = n * kTileT + g;
-        load16(xr[n], xbytes + tok * p.x_stride * sizeof(T) + q * 16 * sizeof(T) + kb, tok < p.t);
+      for (int u = 0; u < kBatch; ++u) {
+        const int c = c0 + u * kRRWarps;
+        const bool in = c < chunks;
+        const int64_t kb = int64_t(c) * kChunk * sizeof(T);
+        load16(ar[u], wa + kb, ra && in);
+        load16(br[u], wb + kb, rb && in);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const int tok = n * kTileT + g;
+          load16(xr[u][n], xbytes + tok * p.x_stride * sizeof(T) + q * 16 * sizeof(T) + kb, in && tok < p.t);
+        }
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t a[4] = {ar[2 * j], br[2 * j], ar[2 * j + 1], br[2 * j + 1]};
+      for (int u = 0; u < kBatch; ++u) {
+        if (c0 + u * kRRWarps >= chunks) break;  // warp-uniform
 #pragma unroll
-        for (int n = 0; n < NT; ++n) mma_16x8x16<T>(acc[n], a, xr[n][2 * j], xr[n][2 * j + 1]);
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t a[4] = {ar[u][2 * j], br[u][2 * j], ar[u][2 * j + 1], br[u][2 * j + 1]};
+#pragma unroll
+          for (int n = 0; n < NT; ++n) mma_16x8x16<T>(acc[n], a, xr[u][n][2 * j], xr[u][n][2 * j + 1]);
+        }
       }
     }
     // the warps' partial sums, then their sum in warp order
