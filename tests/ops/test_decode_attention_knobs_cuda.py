@@ -178,6 +178,19 @@ def _variants(names: list[str]) -> set[str]:
     return found
 
 
+def _assert_same_outputs(base: dict, other: dict) -> None:
+    """Two processes' _outputs_in_a_process results: the same cases, and every output of `other` equal
+    (torch.equal) to `base`'s, same dtype and shape, base's free of NaN."""
+    assert base["results"].keys() == other["results"].keys()
+    for key, expect in base["results"].items():
+        got = other["results"][key]
+        assert len(got) == len(expect), key
+        for i, (x, y) in enumerate(zip(got, expect)):
+            assert x.dtype == y.dtype and x.shape == y.shape, (key, i)
+            assert not torch.isnan(y.float()).any(), (key, i)
+            assert torch.equal(x, y), f"{key} output {i}"
+
+
 def test_prefetch_gives_the_default_bits(tmp_path):
     """Every output of CUTLASS_W8A8_ATTN_PREFETCH=1 equals (torch.equal) the default process's, on both paths;
     the kernels that ran are the variants each process asked for; the fused path served some cases on sm90."""
@@ -185,14 +198,8 @@ def test_prefetch_gives_the_default_bits(tmp_path):
     base = _outputs_in_a_process(tmp_path, _clean_env(), "default")
     pref = _outputs_in_a_process(tmp_path, _clean_env(**{PREFETCH: "1"}), "prefetch")
     assert base["paths"] == pref["paths"]  # the variant does not change the plan
-    assert base["results"].keys() == pref["results"].keys() and len(base["results"]) >= 2 * 3 * 2 * 2 * 2
-    for key, expect in base["results"].items():
-        got = pref["results"][key]
-        assert len(got) == len(expect), key
-        for i, (x, y) in enumerate(zip(got, expect)):
-            assert x.dtype == y.dtype and x.shape == y.shape, (key, i)
-            assert not torch.isnan(y.float()).any(), (key, i)
-            assert torch.equal(x, y), f"{key} output {i}"
+    assert len(base["results"]) >= 2 * 3 * 2 * 2 * 2
+    _assert_same_outputs(base, pref)
     if torch.cuda.get_device_capability()[0] == 9:
         assert "fused" in base["paths"].values(), base["paths"]  # the fused kernels' variant ran too
     if base["names"] and pref["names"]:  # empty where the profiler records no CUDA kernels (no CUPTI)
@@ -228,14 +235,7 @@ def test_row_combine_gives_the_cluster_combine_bits(tmp_path):
     base = _outputs_in_a_process(tmp_path, _clean_env(), "default")
     row = _outputs_in_a_process(tmp_path, _clean_env(**{COMBINE: "row"}), "row")
     assert base["paths"] == row["paths"]
-    assert base["results"].keys() == row["results"].keys()
-    for key, expect in base["results"].items():
-        got = row["results"][key]
-        assert len(got) == len(expect), key
-        for i, (x, y) in enumerate(zip(got, expect)):
-            assert x.dtype == y.dtype and x.shape == y.shape, (key, i)
-            assert not torch.isnan(y.float()).any(), (key, i)
-            assert torch.equal(x, y), f"{key} output {i}"
+    _assert_same_outputs(base, row)
     if base["names"] and row["names"]:  # empty where the profiler records no CUDA kernels (no CUPTI)
         assert _combine_kernels(row["names"]) == {"decode_attention_combine_kernel"}, row["names"]
         if torch.cuda.get_device_capability()[0] == 9:
