@@ -145,18 +145,21 @@ def test_fused_matches_linear_then_moe_route(case, t, dtype):
     assert bool((rel <= tol).all()), f"{name}: weight relative difference {rel.max():.3g} above the bound"
 
 
-# (E, H, top_k, routing kwargs): Kimi-K2's E = 384 (three 16-expert tiles per CTA) with sigmoid and a bias; H of 9
-# and 17 64-element chunks (the 8 warps get unequal counts); Qwen2-MoE's E = 60 (CTAs 4..7 without experts)
+# (E, H, top_k, routing kwargs): Kimi-K2's E = 384 (three 16-expert tiles per CTA of the cluster of 8) with sigmoid
+# and a bias; H of 9 and 17 64-element chunks (the 8 warps get unequal counts); Qwen2-MoE's E = 60 and E = 64 (4 tiles:
+# H split into 2 slices of 9 and 8 chunks over the 8 CTAs); E = 384 at H = 1408 (1.03 MiB of bf16 weight: the
+# cluster of 16 where resident, 24 tiles in 2 slices of 11 chunks, 48 units: 3 on each CTA)
 EXACT_CASES = [
     (384, 576, 8, dict(scoring="sigmoid", renormalize=True, scaling_factor=2.827)),
     (60, 1088, 4, dict(renormalize=False)),
     (64, 1088, 6, dict(n_group=8, topk_group=3, renormalize=True)),
+    (384, 1408, 8, dict(scoring="sigmoid", renormalize=True, scaling_factor=2.827)),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("t", [1, 9, 16])
-@pytest.mark.parametrize("case", EXACT_CASES, ids=["kimi_k2_e384", "qwen2_e60", "groups"])
+@pytest.mark.parametrize("case", EXACT_CASES, ids=["kimi_k2_e384", "qwen2_e60", "groups", "kimi_k2_wide"])
 def test_exact_sums_bit_for_bit_each_logits_dtype(case, t, dtype):
     """x holds integers in [-64, 64] and the weight integers in [-3, 3] times 2**-10 (both exact in bf16 / f16), so
     every float32 sum of the H products is exact in any order (|sum| <= 192 * H units of 2**-10 < 2**24): the
@@ -184,7 +187,8 @@ def test_exact_sums_bit_for_bit_each_logits_dtype(case, t, dtype):
     assert not torch.equal(wants[0][0], wants[1][0])  # the test tells the two logits dtypes apart
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[2]], ids=["qwen3_moe", "deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[2], CASES[5]],
+                         ids=["qwen3_moe", "deepseek_v3", "mixtral", "glm4_5"])
 def test_row_invariance(case):
     """Row t of T = 16 equals T = 1 of that row (and row t of T = 5) bit for bit: a fixed summation order."""
     name, e, h, k, kw, ldt = case
