@@ -37,11 +37,13 @@
 // route_kernel): the same result up to the summation order of the logits.
 #include <cuda_runtime.h>
 
+#include <array>
+#include <atomic>
 #include <cstdint>
-#include <map>
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -253,20 +255,29 @@ size_t router_route_smem(int nt, int tokens_per_cta, int slices, int e) {
 }
 
 // H slices per 16-expert tile for a cluster of c CTAs, from E, H and c only (never T: the logits' summation order is
-// a token's own): the s in [1, kMaxSlices] that least loads the busiest CTA, ceil(tiles x s / c) units of 1 / s of
-// a tile; ties keep fewer slices. Each slice keeps at least kRRWarps chunks (every warp has one), and the slots of
-// ceil(kMaxT / c) tokens fit kMaxSlotBytes. E.g. c 8: Qwen3-30B-A3B (8 tiles) 1, OLMoE (E 64: 4 tiles) 2; c 16:
-// DeepSeek-V3 (16 tiles) 1, Kimi-K2 (E 384: 24 tiles) 2, GLM-4.5 (E 160: 10 tiles, H 5120) 3.
+// a token's own). A unit is latency-bound: its warps load in rounds of kBatch chunks each, then it pays a fixed cost
+// (two barriers, the warps' reduce, the DSMEM writes: counted as one round). The s in [1, kMaxSlices] with the least
+// ceil(tiles x s / c) x (ceil(ceil(chunks / s) / (kRRWarps x kBatch)) + 1) -- units on the busiest CTA times the rounds
+// of one -- serves; ties keep fewer slices. s stays within chunks / kRRWarps (a warp per chunk at least) and the
+// slots of ceil(kMaxT / c) tokens within kMaxSlotBytes. E.g. c 8: Qwen3-30B-A3B (8 tiles, 32 chunks), OLMoE (4 tiles)
+// and E 60 at H 1088 one slice, Mixtral (1 tile, 64 chunks) 2; c 16: DeepSeek-V3 (16 tiles, 112 chunks) and GLM-4.5
+// (10 tiles, 80 chunks) 1, Kimi-K2 (24 tiles, 112 chunks) 2, E 128 at H 7168 2.
 int router_slices(int tiles, int chunks, int e, int c) {
   const int64_t tokens_per_cta = (kMaxT + c - 1) / c;
+  const int64_t per_round = int64_t(kRRWarps) * kBatch;
+  auto cost = [&](int64_t s) {
+    const int64_t units = (int64_t(tiles) * s + c - 1) / c;
+    const int64_t slice_chunks = (chunks + s - 1) / s;
+    return units * ((slice_chunks + per_round - 1) / per_round + 1);
+  };
   int best = 1;
-  int64_t best_units = (tiles + c - 1) / c;
+  int64_t best_cost = cost(1);
   for (int s = 2; s <= kMaxSlices; ++s) {
     if (chunks / s < kRRWarps || tokens_per_cta * s * e * int64_t(sizeof(float)) > kMaxSlotBytes) break;
-    const int64_t units = (int64_t(tiles) * s + c - 1) / c;
-    if (units * best < best_units * s) {  // units / s < best_units / best
+    const int64_t v = cost(s);
+    if (v < best_cost) {
       best = s;
-      best_units = units;
+      best_cost = v;
     }
   }
   return best;
@@ -278,11 +289,13 @@ int router_slices(int tiles, int chunks, int e, int c) {
 // must not depend on T or the routing (the slices follow it).
 template <class T>
 bool wide_cluster_resident(int device) {
+  static std::array<std::atomic<int>, 64> state{};  // 0: not asked yet, 1: resident, 2: not
+  std::atomic<int>& known = state.at(static_cast<size_t>(device));
+  const int v = known.load(std::memory_order_acquire);
+  if (v != 0) return v == 1;
   static std::mutex mutex;
-  static std::map<int, bool> cache;
   std::lock_guard<std::mutex> lock(mutex);
-  const auto it = cache.find(device);
-  if (it != cache.end()) return it->second;
+  if (known.load(std::memory_order_relaxed) != 0) return known.load(std::memory_order_relaxed) == 1;
   bool ok = true;
   auto ask = [&](auto kernel) {
     if (!ok) return;
@@ -313,8 +326,22 @@ bool wide_cluster_resident(int device) {
   ask(router_route_kernel<T, 2, false, kWideClusterCtas>);
   ask(router_route_kernel<T, 1, true, kWideClusterCtas>);
   ask(router_route_kernel<T, 2, true, kWideClusterCtas>);
-  cache.emplace(device, ok);
+  known.store(ok ? 1 : 2, std::memory_order_release);
   return ok;
+}
+
+// The cluster size and H slices moe_router_route uses for E experts of H in `dtype` on `device` (the current device).
+struct RouterPlan {
+  int ctas;
+  int slices;
+};
+RouterPlan router_plan(int device, int64_t e, int64_t h, at::ScalarType dtype) {
+  const bool bf16 = dtype == at::kBFloat16;
+  const bool wide = e * h * int64_t(c10::elementSize(dtype)) >= kWideRouterBytes &&
+                    (bf16 ? wide_cluster_resident<__nv_bfloat16>(device) : wide_cluster_resident<__half>(device));
+  const int c = wide ? kWideClusterCtas : kClusterCtas;
+  const int tiles = static_cast<int>((e + kTileE - 1) / kTileE);
+  return {c, router_slices(tiles, static_cast<int>(h / kChunk), static_cast<int>(e), c)};
 }
 
 }  // namespace
@@ -351,11 +378,11 @@ std::tuple<at::Tensor, at::Tensor> moe_router_route(const at::Tensor& x, const a
   p.h = static_cast<int>(h);
   p.e = static_cast<int>(e);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const bool wide = e * h * int64_t(x.element_size()) >= kWideRouterBytes &&
-                    (bf16 ? wide_cluster_resident<__nv_bfloat16>(device) : wide_cluster_resident<__half>(device));
-  const int c = wide ? kWideClusterCtas : kClusterCtas;
+  const RouterPlan plan = router_plan(device, e, h, x.scalar_type());
+  const int c = plan.ctas;
+  const bool wide = c == kWideClusterCtas;
   p.tiles = static_cast<int>((e + kTileE - 1) / kTileE);
-  p.slices = router_slices(p.tiles, p.h / kChunk, p.e, c);
+  p.slices = plan.slices;
   const int chunks = p.h / kChunk;
   p.slice_chunks = (chunks + p.slices - 1) / p.slices;
   p.tokens_per_cta = static_cast<int>((t + c - 1) / c);
@@ -411,6 +438,19 @@ std::tuple<at::Tensor, at::Tensor> moe_router_route(const at::Tensor& x, const a
     by_sig(__half{});
   }
   return {weights, ids};
+}
+
+std::vector<int64_t> moe_router_route_plan(int64_t device, int64_t experts, int64_t hidden, at::ScalarType dtype) {
+  constexpr const char* op = "cutlass_w8a8._moe_router_route_plan";
+  TORCH_CHECK_VALUE(device >= 0 && device < 64, op, ": `device` must be a CUDA device index, got ", device);
+  TORCH_CHECK_VALUE(experts >= 1 && experts <= 1024, op, ": `experts` must be in [1, 1024], got ", experts);
+  TORCH_CHECK_VALUE(hidden >= kChunk && hidden % kChunk == 0, op, ": `hidden` must be a positive multiple of ", kChunk,
+                    ", got ", hidden);
+  TORCH_CHECK_VALUE(dtype == at::kBFloat16 || dtype == at::kHalf, op, ": `dtype` must be bfloat16 or float16");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  if (!clusters_available(static_cast<int>(device))) return {0, 0};
+  const RouterPlan plan = router_plan(static_cast<int>(device), experts, hidden, dtype);
+  return {plan.ctas, plan.slices};
 }
 
 }  // namespace cutlass_w8a8
