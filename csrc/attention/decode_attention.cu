@@ -882,8 +882,11 @@ int split_ctas_resident(int device, at::ScalarType dtype, int g, int64_t head_di
 
 // Splits per row. The default rule: about ctas_per_sm() (default 2) CTAs per SM over the B x H / G' (row, head
 // group) pairs, splits = ceil(ctas_per_sm() x SMs / pairs). The wave rule (CUTLASS_W8A8_ATTN_SPLITS=waves), given
-// `resident` split CTAs per SM: the s in [1, cap] with the least ceil(pairs x s / (resident x SMs)) x (ceil(S / s) +
-// min_chunk()) -- waves of CTAs times the positions each CTA walks, the time of a latency-bound walk, plus a CTA's
+// `resident` split CTAs per SM: the s in [1, cap] with the least ceil(pairs x s / (resident x SMs)) x (chunk(s) +
+// min_chunk()), chunk(s) = ceil(S / s) rounded up to kChunkAlign as split_chunk walks it (without the rounding, on an
+// H200, Qwen3 B 1, S 4096 took 63 splits of 72 positions, 1.16x the default's 64 of 64:
+// bench/results/decode_attention_combine_nvidia-h200.md) -- waves of CTAs times the positions each CTA walks, the
+// time of a latency-bound walk, plus a CTA's
 // fixed cost counted as min_chunk() positions (without it many waves of short walks tie with a few long ones and
 // the partial results to combine grow); s replaces the current choice only when 3% cheaper than it (a near-tie keeps
 // the fewer splits: the model is not that precise).
@@ -904,7 +907,11 @@ int choose_splits(int64_t batch, int64_t heads, int64_t head_groups, int64_t seq
     const int64_t slots = std::max<int64_t>(int64_t(resident) * sms, 1);
     const int64_t fixed = min_chunk();
     auto cost = [&](int64_t s) {  // in double: no overflow at any B, H, S
-      return double((pairs * s + slots - 1) / slots) * double((seq_len + s - 1) / s + fixed);
+      // the chunk a split walks is rounded up to kChunkAlign positions (split_chunk): at S 4096 63 splits walk 72
+      // positions each (57 of them hold work), 64 splits 64
+      const int64_t per = (seq_len + s - 1) / s;
+      const int64_t chunk = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+      return double((pairs * s + slots - 1) / slots) * double(chunk + fixed);
     };
     int64_t best = 1;
     double best_cost = cost(1);
