@@ -136,7 +136,10 @@ def decode_attention_path(device_index: int, batch: int, heads: int, kv_heads: i
     Raises
     ------
     ValueError
-        A size that is not positive, ``kv_heads`` not dividing ``heads``, or a negative device index.
+        A size that is not positive, ``kv_heads`` not dividing ``heads``, or a negative device index; a bad value of
+        one of the attention's ``CUTLASS_W8A8_ATTN_*`` environment knobs (as the op would raise); under the default
+        split rule (the wave rule, which asks the split kernel's occupancy), a ``head_dim`` no split kernel serves in
+        ``dtype`` (16-bit: above 256).
     RuntimeError
         The CUDA extension is not loaded.
     """
