@@ -11,21 +11,23 @@ compared bit for bit (a mismatch is reported in the table and makes the exit sta
 
     python bench/bench_decode_attention.py                       # B 1, 8; S 512, 4096; PDL as configured
     python bench/bench_decode_attention.py --profile             # also each kernel's own time (torch.profiler)
+    CUTLASS_W8A8_ATTN_SPLITS=ctas python bench/bench_decode_attention.py --json ctas.json    # CTAs-per-SM splits
     CUTLASS_W8A8_ATTN_MIN_CHUNK=32 python bench/bench_decode_attention.py --json c32.json   # another split size
-    CUTLASS_W8A8_ATTN_CTAS_PER_SM=8 python bench/bench_decode_attention.py --json cta8.json  # more splits
+    CUTLASS_W8A8_ATTN_SPLITS=ctas CUTLASS_W8A8_ATTN_CTAS_PER_SM=8 python bench/bench_decode_attention.py --json c8.json
     CUTLASS_W8A8_ATTN_PREFETCH=1 python bench/bench_decode_attention.py --json pf.json       # loads a step ahead
     CUTLASS_W8A8_ATTN_COMBINE=row python bench/bench_decode_attention.py --json row.json     # one-block combine
-    CUTLASS_W8A8_ATTN_SPLITS=waves python bench/bench_decode_attention.py --json waves.json  # fewest-waves splits
 
 ``--profile`` adds, per point, path and variant, the mean duration of each attention kernel (split, combine,
 fused) over eager calls with PDL off (with PDL a kernel starts early and its griddepcontrol wait would count in its
 duration), from torch.profiler's CUDA activities: where a call's time goes. The A/B knobs of
 csrc/attention/decode_attention.cu are read once per process, so one process per value (the JSON records them, as
-set: None when unset): CUTLASS_W8A8_ATTN_MIN_CHUNK sets the least positions per split, CUTLASS_W8A8_ATTN_CTAS_PER_SM
-the split CTAs per SM the split count aims at (default 2), CUTLASS_W8A8_ATTN_PREFETCH=1 makes the split step load
-its next step's K and V before its math (the same bits), CUTLASS_W8A8_ATTN_COMBINE=row runs the one-block-per-row
-combine kernel where the cluster combine (8 blocks a row, sm90) serves by default (the same bits),
-CUTLASS_W8A8_ATTN_SPLITS=waves picks the split count with the fewest waves of resident CTAs times positions per CTA.
+set: None when unset): CUTLASS_W8A8_ATTN_SPLITS=ctas picks the split count of the CTAs-per-SM rule in place of the
+default wave rule's (the fewest waves of resident CTAs times positions per CTA), CUTLASS_W8A8_ATTN_MIN_CHUNK sets the
+least positions per split, CUTLASS_W8A8_ATTN_CTAS_PER_SM the split CTAs per SM the ctas rule aims at (default 2; no
+effect under the wave rule), CUTLASS_W8A8_ATTN_PREFETCH=1 makes the split step load its next step's K and V before
+its math (the same bits at the same split count; the wave rule's count follows the variant's occupancy),
+CUTLASS_W8A8_ATTN_COMBINE=row runs the one-block-per-row combine kernel where the cluster combine (8 blocks a row,
+sm90) serves by default (the same bits).
     python bench/bench_decode_attention.py --batches 1,2,4,8,16 --seq 512 --pdl off --json out.json
 """
 

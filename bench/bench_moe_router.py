@@ -5,13 +5,16 @@ For each model's router dims and T (default 1, 8, 16), both are timed interleave
 ``bench_gpu_time_interleaved``: many calls per graph replay over rotating copies of x and the router weight, so
 the weight is read from HBM as in a decode step that cycles through the layers) and checked against each other:
 the share of tokens whose experts are the same, and the largest relative weight difference on those tokens (the op
-differs from cuBLAS only by the logits' summation order, ops/moe.py moe_router_route). Prints a markdown table and
+differs from cuBLAS only by the logits' summation order, ops/moe.py moe_router_route). ``moe_route`` alone on the
+logits is timed in the same interleaving (the routing's share), and each row names the fused launch (the cluster's
+CTAs x the H slices per 16-expert tile, ``cutlass_w8a8._ext.moe_router_route_plan``). Prints a markdown table and
 writes ``moe_router_<device>.json`` to ``--out``.
 
 Models (router dims, routing): qwen3-30b-a3b (E 128, H 2048, top-8, softmax, renormalized, bf16 logits),
 deepseek-v3 (E 256, H 7168, top-8, sigmoid + correction bias, 8 groups keep 4, x2.5, float32 logits as
 transformers' ``F.linear(x.float(), w.float())``), mixtral-8x7b (E 8, H 4096, top-2), olmoe (E 64, H 2048, top-8,
-not renormalized).
+not renormalized), kimi-k2 (E 384, H 7168, top-8, sigmoid + bias, x2.827, float32 logits), glm-4.5 (E 160,
+H 5120, top-8, sigmoid + bias, x2.5, float32 logits).
 
 Example::
 
@@ -38,6 +41,8 @@ MODELS = {
                                        scaling_factor=2.5), torch.float32),
     "mixtral-8x7b": (8, 4096, 2, dict(renormalize=True), None),
     "olmoe": (64, 2048, 8, dict(renormalize=False), None),
+    "kimi-k2": (384, 7168, 8, dict(scoring="sigmoid", renormalize=True, scaling_factor=2.827), torch.float32),
+    "glm-4.5": (160, 5120, 8, dict(scoring="sigmoid", renormalize=True, scaling_factor=2.5), torch.float32),
 }
 
 
@@ -55,6 +60,15 @@ def parse_args(argv=None):
         p.error(f"--models: unknown {bad}; known: {', '.join(MODELS)}")
     args.tokens = [int(t) for t in args.tokens.split(",") if t]
     return args
+
+
+def router_plan(cw, dev, e, h):
+    """moe_router_route's (cluster CTAs, H slices) for this router (cutlass_w8a8._ext.moe_router_route_plan), or
+    (None, None) with a build that predates the op."""
+    try:
+        return cw._ext.moe_router_route_plan(dev.index or 0, e, h, torch.bfloat16)
+    except (AttributeError, RuntimeError):
+        return None, None
 
 
 def main(argv=None) -> int:
@@ -89,20 +103,31 @@ def main(argv=None) -> int:
             fw, fi = fused(x, w)
             same = (ui == fi).all(dim=1)
             rel = ((fw - uw).abs() / uw.abs().clamp_min(1e-30))[same].max().item() if same.any() else float("nan")
+            def route_only(logits):
+                return cw.moe_route(logits, k, **kw)
+
+            logits = F.linear(x, w) if ldt is None else F.linear(x.float(), w.float())
             sets = timers.rotating_arg_sets((x, w), l2)
-            got = timers.bench_gpu_time_interleaved({"unfused": (unfused, sets), "fused": (fused, sets)},
-                                                    replays=args.replays)
+            got = timers.bench_gpu_time_interleaved(
+                {"unfused": (unfused, sets), "fused": (fused, sets),
+                 "route": (route_only, timers.rotating_arg_sets((logits,), l2))}, replays=args.replays)
             u_us, f_us = got["unfused"].median_ms * 1e3, got["fused"].median_ms * 1e3
+            r_us = got["route"].median_ms * 1e3
+            ctas, slices = router_plan(cw, dev, e, h)
             rows.append(dict(model=model, tokens=t, experts=e, hidden=h, top_k=k, unfused_us=u_us, fused_us=f_us,
-                             speedup=u_us / f_us, same_experts=float(same.float().mean().item()),
-                             max_rel_weight_diff=rel, weight_bytes=w.numel() * w.element_size()))
-            print(f"{model} T={t}: unfused {u_us:.2f} us, fused {f_us:.2f} us ({u_us / f_us:.2f}x), "
-                  f"same experts {rows[-1]['same_experts']:.3f}, max rel weight diff {rel:.2e}", flush=True)
-    head = "| model | T | E | H | unfused (linear + moe_route) us | moe_router_route us | speedup | same experts |"
-    print("\n" + head + "\n|---|---:|---:|---:|---:|---:|---:|---:|")
+                             route_only_us=r_us, speedup=u_us / f_us, same_experts=float(same.float().mean().item()),
+                             max_rel_weight_diff=rel, weight_bytes=w.numel() * w.element_size(), cluster_ctas=ctas,
+                             h_slices=slices))
+            print(f"{model} T={t}: unfused {u_us:.2f} us, fused {f_us:.2f} us ({u_us / f_us:.2f}x; {ctas} CTAs, "
+                  f"{slices} slices), moe_route alone {r_us:.2f} us, same experts {rows[-1]['same_experts']:.3f}, "
+                  f"max rel weight diff {rel:.2e}", flush=True)
+    head = ("| model | T | E | H | unfused (linear + moe_route) us | moe_router_route us | speedup | CTAs x slices | "
+            "moe_route alone us | same experts |")
+    print("\n" + head + "\n|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
     for r in rows:
         print(f"| {r['model']} | {r['tokens']} | {r['experts']} | {r['hidden']} | {r['unfused_us']:.2f} | "
-              f"{r['fused_us']:.2f} | {r['speedup']:.2f}x | {r['same_experts']:.3f} |")
+              f"{r['fused_us']:.2f} | {r['speedup']:.2f}x | {r['cluster_ctas']} x {r['h_slices']} | "
+              f"{r['route_only_us']:.2f} | {r['same_experts']:.3f} |")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"moe_router_{timers.device_slug(name)}.json")
     commit, dirty = timers.git_commit(REPO_ROOT)

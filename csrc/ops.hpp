@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -94,6 +95,10 @@ void decode_attention_out(at::Tensor& out, const at::Tensor& q, const at::Tensor
 std::string decode_attention_path(int64_t device, int64_t batch, int64_t heads, int64_t kv_heads, int64_t seq_len,
                                   int64_t head_dim, at::ScalarType dtype);
 bool set_decode_attention_fused(bool enabled);
+// moe_router_route's launch for E experts of H in `dtype` on `device`: {cluster CTAs, H slices per 16-expert tile}
+// ({0, 0} where clusters are not available: the op runs F.linear and moe_route). Tests use it to know which
+// configuration they exercised.
+std::vector<int64_t> moe_router_route_plan(int64_t device, int64_t experts, int64_t hidden, at::ScalarType dtype);
 // decode_attention, rounded to q's dtype, then quantized per token (or with a static scale) for o_proj: (q, scales)
 std::tuple<at::Tensor, at::Tensor> decode_attention_quant(const at::Tensor& q, const at::Tensor& kv_cache,
                                                           const at::Tensor& slots, const at::Tensor& positions,

@@ -136,12 +136,42 @@ def decode_attention_path(device_index: int, batch: int, heads: int, kv_heads: i
     Raises
     ------
     ValueError
-        A size that is not positive, ``kv_heads`` not dividing ``heads``, or a negative device index.
+        A size that is not positive, ``kv_heads`` not dividing ``heads``, or a negative device index; a bad value of
+        one of the attention's ``CUTLASS_W8A8_ATTN_*`` environment knobs (as the op would raise); under the default
+        split rule (the wave rule, which asks the split kernel's occupancy), a ``head_dim`` no split kernel serves in
+        ``dtype`` (16-bit: above 256).
     RuntimeError
         The CUDA extension is not loaded.
     """
     return str(_c_ops("decode_attention_path")._decode_attention_path(
         int(device_index), int(batch), int(heads), int(kv_heads), int(seq_len), int(head_dim), dtype))
+
+
+def moe_router_route_plan(device_index: int, experts: int, hidden: int, dtype: torch.dtype) -> tuple:
+    """How `cutlass_w8a8.moe_router_route` launches for a router of ``experts`` x ``hidden`` on CUDA device
+    ``device_index``: ``(ctas, slices)``, the thread-block cluster's CTAs (8, or 16 for a router weight of at least
+    1 MiB where a cluster of 16 is resident) and the H slices per 16-expert tile; ``(0, 0)`` where clusters are not
+    available (the op then runs ``F.linear`` and `cutlass_w8a8.moe_route`). The rule lives in
+    csrc/moe/router_route.cu (router_plan); tests use this to know which configuration they exercised.
+
+    Parameters
+    ----------
+    device_index : int
+        A CUDA device index.
+    experts, hidden : int
+        E in [1, 1024] and H, a positive multiple of 64.
+    dtype : torch.dtype
+        x's and the router weight's dtype: torch.bfloat16 or torch.float16.
+
+    Raises
+    ------
+    ValueError
+        A size or dtype outside those ranges, or a negative device index.
+    RuntimeError
+        The CUDA extension is not loaded.
+    """
+    plan = _c_ops("moe_router_route_plan")._moe_router_route_plan(int(device_index), int(experts), int(hidden), dtype)
+    return int(plan[0]), int(plan[1])
 
 
 def set_decode_attention_fused(enabled: bool) -> bool:

@@ -21,8 +21,8 @@
 //     y G' .. y G' + G' - 1, which share one key/value head (G' = the largest of 8, 4, 2, 1 dividing the GQA
 //     group H / KVH: every K and V row the CTA reads serves G' heads), and chunk z of row b's positions
 //     0..positions[b]. The chunk length is computed on the device from positions[b] (split_chunk below), so the
-//     grid -- chosen on the host from B, H, G', S, the SM count and the per-process knobs only (the wave rule adds
-//     the kernel's occupancy) -- stays valid in a CUDA graph whose
+//     grid -- chosen on the host from B, H, G', S, the SM count, the split kernel's occupancy (the default wave
+//     rule's input) and the per-process knobs only -- stays valid in a CUDA graph whose
 //     positions change between replays. Inside a CTA, a "group" of kLanes lanes handles one position at a
 //     time, each lane owning kVecs 16-byte slices of D (dot products: a shuffle reduction over the group); the
 //     32 / kLanes groups of a warp read consecutive positions, kUnroll positions per group and step. Each group
@@ -54,15 +54,19 @@
 //
 // A/B knobs (issue 36), environment variables read once per process on the host; unset is the default, and a bad
 // value raises a ValueError naming the variable before any launch:
+//   CUTLASS_W8A8_ATTN_SPLITS=ctas (split_rule_waves) the split count of the CTAs-per-SM rule (choose_splits) in
+//     place of the default wave rule's (the fewest waves of resident CTAs times positions per CTA);
 //   CUTLASS_W8A8_ATTN_MIN_CHUNK   (min_chunk)    the least positions per split of a full cache (default kMinChunk);
-//   CUTLASS_W8A8_ATTN_CTAS_PER_SM (ctas_per_sm)  the split CTAs per SM choose_splits aims at, in [1, 16] (default 2);
-//     both change the splits, hence the bits (still from shapes only: a captured graph replays as eager runs);
+//   CUTLASS_W8A8_ATTN_CTAS_PER_SM (ctas_per_sm)  the split CTAs per SM the ctas rule aims at, in [1, 16] (default 2;
+//     read and checked under either rule, used by the ctas rule only);
+//     these three change the splits, hence the bits (still from shapes and the split kernel's occupancy only: a
+//     captured graph replays as eager runs);
 //   CUTLASS_W8A8_ATTN_PREFETCH=1  (attn_prefetch) split_partial issues step i + 1's K and V loads before step i's
-//     math (a second register buffer; both kernels): the same float operations in the same order, the same bits.
+//     math (a second register buffer; both kernels): the same float operations in the same order, so the same
+//     bits at the same split count; under the wave rule the count follows the launched variant's occupancy, which
+//     its registers may lower (then other splits, other bits; SPLITS=ctas keeps the count).
 //   CUTLASS_W8A8_ATTN_COMBINE=row (combine_cluster_allowed) the one-CTA-per-row combine where the cluster combine
 //     would serve (default: cluster): the same bits.
-//   CUTLASS_W8A8_ATTN_SPLITS=waves (split_rule_waves) the split count with the fewest waves of resident CTAs times
-//     positions per CTA (choose_splits; default: ctas, the CTAs-per-SM rule): other splits, hence other bits.
 //
 // Row-wise (csrc/graphs/graph_nodes.hpp): block (x, y, z) of any of the kernels reads only row x's inputs and writes
 // only row x's outputs and workspace (the fused kernel's and the cluster combine's clusters span y only), and the one
@@ -121,7 +125,7 @@ constexpr int kChunkAlign = 8;   // split chunks are multiples of this many posi
 // bench/results/decode_attention_min_chunk_nvidia-h200.md
 constexpr int kMinChunk = 32;
 constexpr int kMaxSplits = 64;
-constexpr int kCtasPerSm = 2;  // choose_splits: about this many split CTAs per SM (CUTLASS_W8A8_ATTN_CTAS_PER_SM)
+constexpr int kCtasPerSm = 2;  // choose_splits' ctas rule: about this many split CTAs per SM (..._CTAS_PER_SM)
 constexpr int kCombineThreads = 1024;  // one thread per 4 outputs of a Llama-3 row (H * D = 4096)
 constexpr int kCombineVecs = 2;  // combine: up to 2 vectors of 4 elements per thread in registers (H * D <= 8192)
 constexpr int64_t kCombineSmemFloats = 8192;  // combine: at most this many split weights (32 KiB of shared memory)
@@ -768,21 +772,23 @@ int min_chunk() {
   return value;
 }
 
-// The split kernel's CTAs per SM that choose_splits aims at: kCtasPerSm, or CUTLASS_W8A8_ATTN_CTAS_PER_SM (an integer
-// in [1, 16]), read once per process. An experiment's knob (issue 36; bench_decode_attention.py, a process per
-// value): more CTAs per SM give more splits where B x H / G' is small against the SMs (Qwen3-30B-A3B's B 8 at S 4096:
-// 32 pairs, 9 splits at 2, 33 at 8 on 132 SMs), so shorter walks per CTA and, where registers let more CTAs be
-// resident (the G' = 8 16-bit kernel: 2 per SM at 229-245 registers; G' = 4: 3), more loads in flight per SM; and
-// more partial results for the combine. Another value changes the splits, hence the bits.
+// The split kernel's CTAs per SM that choose_splits' ctas rule (CUTLASS_W8A8_ATTN_SPLITS=ctas) aims at: kCtasPerSm,
+// or CUTLASS_W8A8_ATTN_CTAS_PER_SM (an integer in [1, 16]), read once per process and checked under either rule. An
+// experiment's knob (issue 36; bench_decode_attention.py, a process per value): more CTAs per SM give more splits
+// where B x H / G' is small against the SMs (Qwen3-30B-A3B's B 8 at S 4096: 32 pairs, 9 splits at 2, 33 at 8 on 132
+// SMs), so shorter walks per CTA and, where registers let more CTAs be resident (the G' = 8 16-bit kernel: 2 per SM
+// at 229-245 registers; G' = 4: 3), more loads in flight per SM; and more partial results for the combine. Under the
+// ctas rule another value changes the splits, hence the bits.
 int ctas_per_sm() {
   static const int value = env_int(kOp, "CUTLASS_W8A8_ATTN_CTAS_PER_SM", kCtasPerSm,
                                    [](long v) { return v >= 1 && v <= 16; }, "an integer in [1, 16]");
   return value;
 }
 
-// Whether split_partial loads each step's K and V one step ahead (its kPrefetch; both kernels, the same bits either
-// way): an A/B switch, CUTLASS_W8A8_ATTN_PREFETCH=1 (read once per process), off by default (unset, empty or 0)
-// until measured. Another value raises a ValueError naming the variable (a typo would otherwise measure the default).
+// Whether split_partial loads each step's K and V one step ahead (its kPrefetch; both kernels, the same bits at the
+// same split count, which under the wave rule follows the variant's occupancy: see the file comment): an A/B
+// switch, CUTLASS_W8A8_ATTN_PREFETCH=1 (read once per process), off by default (unset, empty or 0) until measured.
+// Another value raises a ValueError naming the variable (a typo would otherwise measure the default).
 // The second buffer costs registers (nvcc 13.0, sm_90a, ptxas): the split kernel at G' = 8, 16-bit, goes from 229-245
 // to 242-255 registers, and bf16 spills there (24-60 bytes; Qwen3-30B-A3B's <bf16, 8, 16>: 52 B stored, 60 B
 // loaded), and so does float32's <float, 8, 32, 2> (D > 128: 241 to 255 registers, 200 B); the fused kernel spills
@@ -836,11 +842,11 @@ void with_split_kernel(int g, int head_dim, F&& f) {
   }
 }
 
-// The split rule (CUTLASS_W8A8_ATTN_SPLITS, read once per process): unset, empty or "ctas" (the default: about
-// ctas_per_sm() CTAs per SM), or "waves" (the fewest-waves rule below; an A/B switch). Another value raises a
-// ValueError naming the variable.
+// The split rule (CUTLASS_W8A8_ATTN_SPLITS, read once per process): unset, empty or "waves" (the default: the
+// fewest-waves rule of choose_splits), or "ctas" (about ctas_per_sm() CTAs per SM, the default before it; an A/B
+// switch). Another value raises a ValueError naming the variable.
 bool split_rule_waves() {
-  static const bool value = env_choice(kOp, "CUTLASS_W8A8_ATTN_SPLITS", {"ctas", "waves"}) == "waves";
+  static const bool value = env_choice(kOp, "CUTLASS_W8A8_ATTN_SPLITS", {"waves", "ctas"}) != "ctas";
   return value;
 }
 
@@ -880,15 +886,20 @@ int split_ctas_resident(int device, at::ScalarType dtype, int g, int64_t head_di
   return resident;
 }
 
-// Splits per row. The default rule: about ctas_per_sm() (default 2) CTAs per SM over the B x H / G' (row, head
-// group) pairs, splits = ceil(ctas_per_sm() x SMs / pairs). The wave rule (CUTLASS_W8A8_ATTN_SPLITS=waves), given
-// `resident` split CTAs per SM: the s in [1, cap] with the least ceil(pairs x s / (resident x SMs)) x (ceil(S / s) +
-// min_chunk()) -- waves of CTAs times the positions each CTA walks, the time of a latency-bound walk, plus a CTA's
-// fixed cost counted as min_chunk() positions (without it many waves of short walks tie with a few long ones and
-// the partial results to combine grow); s replaces the current choice only when 3% cheaper than it (a near-tie keeps
-// the fewer splits: the model is not that precise).
-// On an H200 the default put Qwen3-30B-A3B's B 8 at 9 splits, 288 CTAs against 264 resident: a second wave of 24
-// (bench/results/decode_attention_knobs_nvidia-h200.md); Llama-3-8B's rows there ranked as this count ranks them.
+// Splits per row. The wave rule (the default; split_rule_waves), given `resident` split CTAs per SM: the s in
+// [1, cap] with the least ceil(pairs x s / (resident x SMs)) x (chunk(s) + min_chunk()) over the B x H / G' (row, head
+// group) pairs, chunk(s) = ceil(S / s) rounded up to kChunkAlign as split_chunk walks it -- waves of CTAs times the
+// positions each CTA walks, the time of a latency-bound walk, plus a CTA's fixed cost counted as min_chunk()
+// positions (without it many waves of short walks tie with a few long ones and the partial results to combine
+// grow); s replaces the current choice only when 3% cheaper than it (a near-tie keeps the fewer splits: the model
+// is not that precise). The ctas rule (CUTLASS_W8A8_ATTN_SPLITS=ctas, the default before it): about ctas_per_sm()
+// (default 2) CTAs per SM, splits = ceil(ctas_per_sm() x SMs / pairs).
+// On an H200 the ctas rule put Qwen3-30B-A3B's B 8 at 9 splits, 288 CTAs against 264 resident: a second wave of 24
+// (bench/results/decode_attention_knobs_nvidia-h200.md); Llama-3-8B's rows there ranked as the wave count ranks
+// them. On the H200 sweep of bench/results/decode_attention_combine_nvidia-h200.md the wave rule, then without the
+// chunk's rounding, took 0.854x the ctas rule's time in geomean (0.76x at B 32), but 1.16x at Qwen3 B 1, S 4096
+// (63 splits of 72 positions against 64 of 64: the rounding's case) and 1.01-1.04x at Llama-3-8B B 1 / 4, S 512.
+// The rule with the rounding is the default pending its own H200 measurement against SPLITS=ctas.
 // Both: at most cap = min(S / min_chunk() (a split of a full cache keeps at least that many positions), kMaxSplits,
 // kCombineSmemFloats / H (the combine kernel's H x splits weights in shared memory)). From B, H, G', S, the SM count,
 // the kernel's occupancy and the per-process knobs only (never the positions: see the file comment), so a captured
@@ -904,7 +915,11 @@ int choose_splits(int64_t batch, int64_t heads, int64_t head_groups, int64_t seq
     const int64_t slots = std::max<int64_t>(int64_t(resident) * sms, 1);
     const int64_t fixed = min_chunk();
     auto cost = [&](int64_t s) {  // in double: no overflow at any B, H, S
-      return double((pairs * s + slots - 1) / slots) * double((seq_len + s - 1) / s + fixed);
+      // the chunk a split walks is rounded up to kChunkAlign positions (split_chunk): at S 4096 63 splits walk 72
+      // positions each (57 of them hold work), 64 splits 64
+      const int64_t per = (seq_len + s - 1) / s;
+      const int64_t chunk = (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
+      return double((pairs * s + slots - 1) / slots) * double(chunk + fixed);
     };
     int64_t best = 1;
     double best_cost = cost(1);
@@ -997,10 +1012,12 @@ struct FusedPlan {
 //     vectors fit kFusedYRegs a thread;
 //   - a cluster above the portable 8 CTAs is resident on the device (fused_plan_resident: asked once, cached);
 //     else the next U (fewer CTAs), else the two kernels.
-// Qwen3-30B-A3B (32 / 4 heads x 128) at B = 1, S = 256: 8 splits, 4 x 8 units, U = 2: one cluster of 16 CTAs (at
-// S = 512: 16 splits since kMinChunk is 32, the two kernels).
-// Llama-3-8B (32 / 8 x 128) at B <= 8: 8 x (5 .. 8) units, more than 2 x 16: the two kernels (at B >= 16 the fused
-// path: 8 x 3 units, 12 CTAs of 2). Qwen3 at S = 4096, B <= 8: up to 64 splits, the two kernels.
+// On 132 SMs (bf16, the wave rule at 2 resident split CTAs per SM for G' = 8 and 3 for G' = 4: ctas_per_sm's
+// comment): Qwen3-30B-A3B (32 / 4 heads x 128) at B = 1, S = 256: 8 splits under either rule, 4 x 8 units, U = 2:
+// one cluster of 16 CTAs (at S = 512: 16 splits since kMinChunk is 32, the two kernels). Llama-3-8B (32 / 8 x 128)
+// at S >= 256, B <= 8: 8 x 5 or more units, more than 2 x 16: the two kernels (at B = 16 the fused path under either
+// rule: 8 x 3 units, 12 CTAs of 2). Qwen3 at S = 4096: up to 64 splits at B = 1, the two kernels; at B = 8 the ctas
+// rule's 9 splits take the two kernels, the wave rule's 8 one cluster.
 // Once per fused-kernel instantiation and device: allow clusters above the portable 8 CTAs (a driver call: never
 // per launch). Needed before a launch of more than 8 CTAs a cluster, and before asking the occupancy of one.
 template <class T, class O, int kG, int kLanes, bool kPrefetch>

@@ -4,17 +4,22 @@
 //   logits = round_to(logits_dtype, x [T, H] @ router_weight [E, H]^T, accumulated in float32)
 //   (topk_weights, topk_ids) = moe_route(logits, ...)            (route_row, moe/route_row.cuh: the same code)
 //
-// One thread-block cluster of kClusterCtas = 8 CTAs (sm90), no global workspace and no counter:
-//   1. CTA r computes the logits of experts [r * Es, (r + 1) * Es) (Es = ceil(E / 8) rounded up to 16) for every
-//      token: per 16-expert tile, its 8 warps split H into 64-element chunks (warp w: chunks w, w + 8, ...), each
-//      chunk 4 bf16 / fp16 mma.sync m16n8k16 per 8-token tile with float32 accumulation; then the 8 warps' partial
-//      sums are added in warp order (a fixed order: a token's logits depend neither on T nor on scheduling);
-//   2. each logit, rounded to logits_dtype (x's dtype, or float32 for DeepSeek-V3 / GLM's float32 router linear),
-//      is written through distributed shared memory into the CTA that routes its token (token t: CTA t % 8);
-//   3. cluster barrier; each CTA routes its tokens, one warp per token, with route_row on the logits in its shared
-//      memory, and writes topk_weights / topk_ids.
-// (A first cluster barrier, arrived at the start and waited before the GEMM, makes sure every CTA of the cluster
-// runs before its shared memory is written.)
+// One thread-block cluster of C CTAs (sm90; C = 8, or 16 for routers of at least kWideRouterBytes where a
+// non-portable cluster of 16 is resident), no global workspace and no counter:
+//   1. the router's work is units (16-expert tile, H slice): `slices` (1..kMaxSlices) equal runs of 64-element
+//      chunks of H per tile, unit u = (tile u / slices, slice u % slices); CTA r takes units r, r + C, ...; per unit
+//      its 8 warps split the slice's chunks (warp w: the slice's chunks w, w + 8, ..., kBatch chunks' loads before
+//      their mma), each chunk 4 bf16 / fp16 mma.sync m16n8k16 per 8-token tile with float32 accumulation; then the
+//      8 warps' partial sums are added in warp order;
+//   2. each unit's sums are written through distributed shared memory into the CTA that routes their token (token
+//      t: CTA t % C), in the token's slot for that slice;
+//   3. cluster barrier; each CTA adds its tokens' slices in slice order, rounds the logits to logits_dtype (x's
+//      dtype, or float32 for DeepSeek-V3 / GLM's float32 router linear) and routes its tokens, one warp per token,
+//      with route_row on the logits in its shared memory, and writes topk_weights / topk_ids.
+// The slices and C come from E, H, the dtype and the device only (never T): a token's logits are a fixed-order sum,
+// the same at any T, eager or replayed. With one slice (Qwen3-30B-A3B: 8 tiles over 8 CTAs) the sums are those of
+// the former one-tile-per-CTA kernel. (A first cluster barrier, arrived at the start and waited before the GEMM,
+// makes sure every CTA of the cluster runs before its shared memory is written.)
 //
 // Lane (g, q) of a warp (g = lane / 4, q = lane % 4) loads 16 consecutive elements of H from expert rows g and g + 8
 // and from token g: 32-byte loads, four lanes covering 128 contiguous bytes of a row. The mma's k index is a
@@ -22,19 +27,23 @@
 // for the weight rows and the tokens alike, so each product x[t, k] * w[e, k] is formed once (a permuted dot
 // product). The summation order differs from cuBLAS's: ops/moe.py's moe_router_route states the bound.
 //
-// Time, H200 (2026-11-29, before the batched loads and route_row's redux rounds; CUDA graph of 20 calls, median):
-// Qwen3-30B-A3B (E 128, H 2048, top-8) 8.1 us, of which the routing ~6 (6.8 us at H 64); cuBLAS's x @ W^T alone 4.7
-// and moe_route alone 6.1. DeepSeek-V3 dims (E 256, H 7168) 17.5 us against cuBLAS 5.8 + moe_route 7.5: with 8 warps
-// and two chunks of loads in flight a CTA read its 460 KB at ~46 GB/s (Nsight Compute at T 1: 8 CTAs, SM-active
-// busy ~40% of the elapsed cycles, warps stalled on L1TEX). A warp now issues kBatch chunks' loads before their mma.
+// Time, H200 (2026-11-29, CUDA graph of 20 calls on the same x and weight, median; bench/results/
+// moe_router_route_nvidia-h200.md): Qwen3-30B-A3B dims (E 128, H 2048, top-8) 8.2 us before the batched loads and
+// route_row's redux rounds, 6.2 after (cuBLAS's x @ W^T alone 4.7, moe_route alone 4.2). E 256, H 7168 (DeepSeek-V3's
+// router): 17.6 us, then 13.0, on 8 CTAs of 460 KB each (Nsight Compute at T 1 before: warps stalled on L1TEX, the
+// 8 SMs busy ~40% of the elapsed cycles); hence the cluster of 16 CTAs for wide routers (not measured yet).
 //
 // Devices without clusters (before sm90) get the two-kernel path inside the op (at::linear in logits_dtype, then
 // route_kernel): the same result up to the summation order of the logits.
 #include <cuda_runtime.h>
 
+#include <array>
+#include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -55,13 +64,18 @@ namespace {
 
 using moe_routing::RouteArgs;
 
-constexpr int kClusterCtas = 8;
+constexpr int kClusterCtas = 8;       // the portable cluster: every router
+constexpr int kWideClusterCtas = 16;  // routers of at least kWideRouterBytes where resident (non-portable size)
+constexpr int64_t kWideRouterBytes = int64_t(1) << 20;
+constexpr int kMaxSlices = 8;
+constexpr int kMaxT = static_cast<int>(limits::kMoeRouterRouteMaxT);  // the op checks T against it
 constexpr int kRRWarps = 8;
 constexpr int kRRThreads = kRRWarps * 32;
 constexpr int kChunk = 64;   // H elements per warp step (4 lanes x 16)
 constexpr int kTileE = 16;   // experts per mma tile (M)
 constexpr int kTileT = 8;    // tokens per mma tile (N)
 constexpr int kBatch = 4;    // chunks a warp loads before their mma (32 chunks of Qwen3's H 2048: one batch)
+static_assert(kBatch >= 1 && kBatch <= 8, "router_route_kernel: chunks' loads in flight per warp");
 
 struct RouterRouteParams {
   const void* x;      // [T, H], unit column stride, 16-byte aligned rows
@@ -69,8 +83,10 @@ struct RouterRouteParams {
   const void* w;      // [E, H], same
   int64_t w_stride;
   int t, h, e;
-  int e_per_cta;      // multiple of kTileE
-  int tokens_per_cta; // ceil(T / kClusterCtas)
+  int tiles;          // ceil(E / kTileE)
+  int slices;         // H slices per tile (router_slices)
+  int slice_chunks;   // chunks per slice: ceil((H / kChunk) / slices)
+  int tokens_per_cta; // ceil(T / C)
   bool round_logits;  // round the float32 sums to T (logits_dtype = x's dtype); else keep float32
   RouteArgs a;
 };
@@ -93,7 +109,7 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4
 }
 
 // 16 elements (32 bytes) at p as 8 registers of 2 elements; zeros when !valid.
-__device__ __forceinline__ void load16(uint32_t (&r)[8], const void* p, bool valid) {
+[[maybe_unused]] __device__ __forceinline__ void load16(uint32_t (&r)[8], const void* p, bool valid) {
   uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
   if (valid) {
     lo = __ldg(reinterpret_cast<const uint4*>(p));
@@ -103,11 +119,11 @@ __device__ __forceinline__ void load16(uint32_t (&r)[8], const void* p, bool val
   r[4] = hi.x; r[5] = hi.y; r[6] = hi.z; r[7] = hi.w;
 }
 
-// Shared memory (floats): partial [kRRWarps][NT][kTileE * kTileT], logits [tokens_per_cta][E], rows
-// [route warps][E] (route warps = min(kRRWarps, tokens_per_cta)).
-template <class T, int NT, bool kSigmoid>
-__global__ void CW8A8_CLUSTER_DIMS(kClusterCtas, 1, 1) __launch_bounds__(kRRThreads)
-    router_route_kernel(const RouterRouteParams p) {
+// Shared memory (floats): partial [kRRWarps][NT][kTileE * kTileT], slots [tokens_per_cta][slices][E] (each slice's
+// sums of the CTA's tokens; slice 0 then holds the logits), rows [route warps][E] (route warps = min(kRRWarps,
+// tokens_per_cta)). Launched with a cluster of kC CTAs (the launch attribute; kC > 8 needs the non-portable size).
+template <class T, int NT, bool kSigmoid, int kC>
+__global__ void __launch_bounds__(kRRThreads, 1) router_route_kernel(const RouterRouteParams p) {
 #if CW8A8_HAS_CLUSTERS
   extern __shared__ float rr_smem[];
   namespace cg = cooperative_groups;
@@ -115,29 +131,34 @@ __global__ void CW8A8_CLUSTER_DIMS(kClusterCtas, 1, 1) __launch_bounds__(kRRThre
   const int rank = static_cast<int>(cluster.block_rank());
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   float* partial = rr_smem;
-  float* logits = partial + kRRWarps * NT * kTileE * kTileT;
-  float* rows = logits + p.tokens_per_cta * p.e;
-  const int e0 = rank * p.e_per_cta;
-  const int e1 = min(e0 + p.e_per_cta, p.e);
+  float* slots = partial + kRRWarps * NT * kTileE * kTileT;
+  float* rows = slots + p.tokens_per_cta * p.slices * p.e;
   const char* wbytes = static_cast<const char*>(p.w);
   const char* xbytes = static_cast<const char*>(p.x);
-  const int64_t row_bytes = int64_t(p.h) * sizeof(T);
+  const int chunks = p.h / kChunk;
+  const int units = p.tiles * p.slices;
 
   allow_dependent_launch();
   // Every CTA of the cluster must have started before another writes into its shared memory: arrive now, wait
   // after the prefetches (the CTAs of a cluster start together, so the wait is short).
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-  // The router weight is not written by the previous kernel: start its reads from HBM before waiting on it.
-  for (int e = e0; e < e1; ++e) {
-    for (int64_t off = int64_t(threadIdx.x) * 128; off < row_bytes; off += int64_t(kRRThreads) * 128) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(wbytes + e * p.w_stride * sizeof(T) + off));
+  // The router weight is not written by the previous kernel: start its reads from HBM before waiting on it (one
+  // 128-byte line per chunk and row).
+  for (int u = rank; u < units; u += kC) {
+    const int m0 = (u / p.slices) * kTileE, c_begin = (u % p.slices) * p.slice_chunks;
+    const int rows_here = min(kTileE, p.e - m0), lines = min(p.slice_chunks, chunks - c_begin);
+    for (int i = threadIdx.x; i < rows_here * lines; i += kRRThreads) {
+      const char* line = wbytes + (m0 + i / lines) * p.w_stride * sizeof(T) +
+                         int64_t(c_begin + i % lines) * kChunk * sizeof(T);
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
     }
   }
   wait_for_producers();
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 
-  const int chunks = p.h / kChunk;
-  for (int m0 = e0; m0 < e1; m0 += kTileE) {
+  for (int u = rank; u < units; u += kC) {
+    const int m0 = (u / p.slices) * kTileE, slice = u % p.slices;
+    const int c_begin = slice * p.slice_chunks, c_end = min(c_begin + p.slice_chunks, chunks);
     float acc[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
@@ -145,30 +166,30 @@ __global__ void CW8A8_CLUSTER_DIMS(kClusterCtas, 1, 1) __launch_bounds__(kRRThre
     const char* wa = wbytes + (m0 + g) * p.w_stride * sizeof(T) + q * 16 * sizeof(T);
     const char* wb = wa + 8 * p.w_stride * sizeof(T);
     // kBatch chunks' loads issued before their math (one memory latency per batch, not per chunk); the mma order
-    // per warp is still chunk w, w + 8, w + 16, ...
-    for (int c0 = warp; c0 < chunks; c0 += kRRWarps * kBatch) {
+    // per warp is chunk c_begin + w, + 8, + 16, ...
+    for (int c0 = c_begin + warp; c0 < c_end; c0 += kRRWarps * kBatch) {
       uint32_t ar[kBatch][8], br[kBatch][8], xr[kBatch][NT][8];
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int c = c0 + u * kRRWarps;
-        const bool in = c < chunks;
+      for (int b = 0; b < kBatch; ++b) {
+        const int c = c0 + b * kRRWarps;
+        const bool in = c < c_end;
         const int64_t kb = int64_t(c) * kChunk * sizeof(T);
-        load16(ar[u], wa + kb, ra && in);
-        load16(br[u], wb + kb, rb && in);
+        load16(ar[b], wa + kb, ra && in);
+        load16(br[b], wb + kb, rb && in);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
           const int tok = n * kTileT + g;
-          load16(xr[u][n], xbytes + tok * p.x_stride * sizeof(T) + q * 16 * sizeof(T) + kb, in && tok < p.t);
+          load16(xr[b][n], xbytes + tok * p.x_stride * sizeof(T) + q * 16 * sizeof(T) + kb, in && tok < p.t);
         }
       }
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        if (c0 + u * kRRWarps >= chunks) break;  // warp-uniform
+      for (int b = 0; b < kBatch; ++b) {
+        if (c0 + b * kRRWarps >= c_end) break;  // warp-uniform
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const uint32_t a[4] = {ar[u][2 * j], br[u][2 * j], ar[u][2 * j + 1], br[u][2 * j + 1]};
+          const uint32_t a[4] = {ar[b][2 * j], br[b][2 * j], ar[b][2 * j + 1], br[b][2 * j + 1]};
 #pragma unroll
-          for (int n = 0; n < NT; ++n) mma_16x8x16<T>(acc[n], a, xr[u][n][2 * j], xr[u][n][2 * j + 1]);
+          for (int n = 0; n < NT; ++n) mma_16x8x16<T>(acc[n], a, xr[b][n][2 * j], xr[b][n][2 * j + 1]);
         }
       }
     }
@@ -188,23 +209,33 @@ __global__ void CW8A8_CLUSTER_DIMS(kClusterCtas, 1, 1) __launch_bounds__(kRRThre
       float s = 0.f;
 #pragma unroll
       for (int w = 0; w < kRRWarps; ++w) s += partial[(w * NT + n) * kTileE * kTileT + idx];
-      if (expert < e1 && tok < p.t) {
-        const float v = p.round_logits ? to_float(from_float<T>(s)) : s;
-        float* dst = cluster.map_shared_rank(logits, tok % kClusterCtas);
-        dst[(tok / kClusterCtas) * p.e + expert] = v;
+      if (expert < p.e && tok < p.t) {
+        float* dst = cluster.map_shared_rank(slots, tok % kC);
+        dst[((tok / kC) * p.slices + slice) * p.e + expert] = s;
       }
     }
-    __syncthreads();  // partial is reused by the next tile
+    __syncthreads();  // partial is reused by the next unit
   }
-  cluster.sync();  // every logit of this CTA's tokens has arrived (and no CTA exits while others write to it)
+  cluster.sync();  // every slice of this CTA's tokens has arrived (and no CTA exits while others write to it)
+
+  // the logits: the slices added in slice order, rounded to logits_dtype, into slice 0
+  for (int i = 0; i < p.tokens_per_cta && rank + i * kC < p.t; ++i) {
+    float* slot = slots + i * p.slices * p.e;
+    for (int k = threadIdx.x; k < p.e; k += kRRThreads) {
+      float s = slot[k];
+      for (int sl = 1; sl < p.slices; ++sl) s += slot[sl * p.e + k];
+      slot[k] = p.round_logits ? to_float(from_float<T>(s)) : s;
+    }
+  }
+  __syncthreads();
 
   const int route_warps = min(kRRWarps, p.tokens_per_cta);
   if (warp < route_warps) {
     float* row = rows + warp * p.e;
     for (int i = warp; i < p.tokens_per_cta; i += route_warps) {
-      const int t = rank + i * kClusterCtas;
+      const int t = rank + i * kC;
       if (t >= p.t) break;
-      const float* lg = logits + i * p.e;
+      const float* lg = slots + i * p.slices * p.e;
       auto logit = [&](int k) { return lg[k]; };
       moe_routing::route_row<kSigmoid>(logit, row, p.a, t, lane);
       __syncwarp();  // the next token reuses row
@@ -215,10 +246,102 @@ __global__ void CW8A8_CLUSTER_DIMS(kClusterCtas, 1, 1) __launch_bounds__(kRRThre
 #endif
 }
 
-size_t router_route_smem(int nt, int tokens_per_cta, int e) {
+constexpr int64_t kMaxSlotBytes = 32 * 1024;  // slots: with partial and rows, at most 48 KiB of shared memory
+
+size_t router_route_smem(int nt, int tokens_per_cta, int slices, int e) {
   const int route_warps = tokens_per_cta < kRRWarps ? tokens_per_cta : kRRWarps;
   return sizeof(float) * (static_cast<size_t>(kRRWarps) * nt * kTileE * kTileT +
-                          static_cast<size_t>(tokens_per_cta + route_warps) * e);
+                          (static_cast<size_t>(tokens_per_cta) * slices + route_warps) * e);
+}
+
+// H slices per 16-expert tile for a cluster of c CTAs, from E, H and c only (never T: the logits' summation order is
+// a token's own). A unit is latency-bound: its warps load in rounds of kBatch chunks each, then it pays a fixed cost
+// (two barriers, the warps' reduce, the DSMEM writes: counted as one round). The s in [1, kMaxSlices] with the least
+// ceil(tiles x s / c) x (ceil(ceil(chunks / s) / (kRRWarps x kBatch)) + 1) -- units on the busiest CTA times the rounds
+// of one -- serves; ties keep fewer slices. s stays within chunks / kRRWarps (a warp per chunk at least) and the
+// slots of ceil(kMaxT / c) tokens within kMaxSlotBytes. E.g. c 8: Qwen3-30B-A3B (8 tiles, 32 chunks), OLMoE (4 tiles)
+// and E 60 at H 1088 one slice, Mixtral (1 tile, 64 chunks) 2; c 16: DeepSeek-V3 (16 tiles, 112 chunks) and GLM-4.5
+// (10 tiles, 80 chunks) 1, Kimi-K2 (24 tiles, 112 chunks) 2, E 128 at H 7168 2.
+int router_slices(int tiles, int chunks, int e, int c) {
+  const int64_t tokens_per_cta = (kMaxT + c - 1) / c;
+  const int64_t per_round = int64_t(kRRWarps) * kBatch;
+  auto cost = [&](int64_t s) {
+    const int64_t units = (int64_t(tiles) * s + c - 1) / c;
+    const int64_t slice_chunks = (chunks + s - 1) / s;
+    return units * ((slice_chunks + per_round - 1) / per_round + 1);
+  };
+  int best = 1;
+  int64_t best_cost = cost(1);
+  for (int s = 2; s <= kMaxSlices; ++s) {
+    if (chunks / s < kRRWarps || tokens_per_cta * s * e * int64_t(sizeof(float)) > kMaxSlotBytes) break;
+    const int64_t v = cost(s);
+    if (v < best_cost) {
+      best = s;
+      best_cost = v;
+    }
+  }
+  return best;
+}
+
+// Whether a cluster of kWideClusterCtas CTAs of every router_route_kernel<T, *, *, 16> instantiation can be resident
+// on the current device, asked once per (device, T) and cached; sets the kernels' non-portable cluster attribute
+// first (a cluster above 8 CTAs needs it, to launch and to ask). Both token tiles and both scorings: the cluster size
+// must not depend on T or the routing (the slices follow it).
+template <class T>
+bool wide_cluster_resident(int device) {
+  static std::array<std::atomic<int>, 64> state{};  // 0: not asked yet, 1: resident, 2: not
+  std::atomic<int>& known = state.at(static_cast<size_t>(device));
+  const int v = known.load(std::memory_order_acquire);
+  if (v != 0) return v == 1;
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (known.load(std::memory_order_relaxed) != 0) return known.load(std::memory_order_relaxed) == 1;
+  bool ok = true;
+  auto ask = [&](auto kernel) {
+    if (!ok) return;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+      (void)cudaGetLastError();
+      ok = false;
+      return;
+    }
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(kWideClusterCtas);
+    cfg.blockDim = dim3(kRRThreads);
+    cfg.dynamicSmemBytes = 48 * 1024;  // the most router_route_smem gives (router_slices' bound)
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = kWideClusterCtas;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();  // an unsupported configuration: not resident; leave no error behind
+      clusters = 0;
+    }
+    ok = clusters > 0;
+  };
+  ask(router_route_kernel<T, 1, false, kWideClusterCtas>);
+  ask(router_route_kernel<T, 2, false, kWideClusterCtas>);
+  ask(router_route_kernel<T, 1, true, kWideClusterCtas>);
+  ask(router_route_kernel<T, 2, true, kWideClusterCtas>);
+  known.store(ok ? 1 : 2, std::memory_order_release);
+  return ok;
+}
+
+// The cluster size and H slices moe_router_route uses for E experts of H in `dtype` on `device` (the current device).
+struct RouterPlan {
+  int ctas;
+  int slices;
+};
+RouterPlan router_plan(int device, int64_t e, int64_t h, at::ScalarType dtype) {
+  const bool bf16 = dtype == at::kBFloat16;
+  const bool wide = e * h * int64_t(c10::elementSize(dtype)) >= kWideRouterBytes &&
+                    (bf16 ? wide_cluster_resident<__nv_bfloat16>(device) : wide_cluster_resident<__half>(device));
+  const int c = wide ? kWideClusterCtas : kClusterCtas;
+  const int tiles = static_cast<int>((e + kTileE - 1) / kTileE);
+  return {c, router_slices(tiles, static_cast<int>(h / kChunk), static_cast<int>(e), c)};
 }
 
 }  // namespace
@@ -254,9 +377,15 @@ std::tuple<at::Tensor, at::Tensor> moe_router_route(const at::Tensor& x, const a
   p.t = static_cast<int>(t);
   p.h = static_cast<int>(h);
   p.e = static_cast<int>(e);
-  const int64_t per = (e + kClusterCtas - 1) / kClusterCtas;
-  p.e_per_cta = static_cast<int>((per + kTileE - 1) / kTileE * kTileE);
-  p.tokens_per_cta = static_cast<int>((t + kClusterCtas - 1) / kClusterCtas);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const RouterPlan plan = router_plan(device, e, h, x.scalar_type());
+  const int c = plan.ctas;
+  const bool wide = c == kWideClusterCtas;
+  p.tiles = static_cast<int>((e + kTileE - 1) / kTileE);
+  p.slices = plan.slices;
+  const int chunks = p.h / kChunk;
+  p.slice_chunks = (chunks + p.slices - 1) / p.slices;
+  p.tokens_per_cta = static_cast<int>((t + c - 1) / c);
   p.round_logits = ldt != at::kFloat;
   RouteArgs& a = p.a;
   a.rows = t;
@@ -274,13 +403,20 @@ std::tuple<at::Tensor, at::Tensor> moe_router_route(const at::Tensor& x, const a
   a.ids = ids.data_ptr<int>();
 
   const int nt = t > kTileT ? 2 : 1;
-  const size_t smem = router_route_smem(nt, p.tokens_per_cta, p.e);  // <= 24 KB (T <= 16, E <= 1024)
+  const size_t smem = router_route_smem(nt, p.tokens_per_cta, p.slices, p.e);  // <= 48 KiB (router_slices)
   const bool pdl = kernels_use_pdl(device);
   cudaStream_t stream = current_stream(x);
   auto launch = [&](auto tag, auto nt_c, auto sig_c) {
     using T = decltype(tag);
-    auto kernel = router_route_kernel<T, decltype(nt_c)::value, decltype(sig_c)::value>;
-    C10_CUDA_CHECK(launch_kernel(kernel, dim3(kClusterCtas), dim3(kRRThreads), smem, stream, pdl, p));
+    constexpr int kNt = decltype(nt_c)::value;
+    constexpr bool kSig = decltype(sig_c)::value;
+    if (wide) {
+      C10_CUDA_CHECK(launch_kernel_cluster(router_route_kernel<T, kNt, kSig, kWideClusterCtas>, dim3(kWideClusterCtas),
+                                           dim3(kRRThreads), smem, stream, pdl, dim3(kWideClusterCtas, 1, 1), p));
+    } else {
+      C10_CUDA_CHECK(launch_kernel_cluster(router_route_kernel<T, kNt, kSig, kClusterCtas>, dim3(kClusterCtas),
+                                           dim3(kRRThreads), smem, stream, pdl, dim3(kClusterCtas, 1, 1), p));
+    }
   };
   auto by_nt = [&](auto tag, auto sig_c) {
     if (nt == 1) {
@@ -296,12 +432,25 @@ std::tuple<at::Tensor, at::Tensor> moe_router_route(const at::Tensor& x, const a
       by_nt(tag, std::false_type{});
     }
   };
-  if (x.scalar_type() == at::kBFloat16) {
+  if (bf16) {
     by_sig(__nv_bfloat16{});
   } else {
     by_sig(__half{});
   }
   return {weights, ids};
+}
+
+std::vector<int64_t> moe_router_route_plan(int64_t device, int64_t experts, int64_t hidden, at::ScalarType dtype) {
+  constexpr const char* op = "cutlass_w8a8._moe_router_route_plan";
+  TORCH_CHECK_VALUE(device >= 0 && device < 64, op, ": `device` must be a CUDA device index, got ", device);
+  TORCH_CHECK_VALUE(experts >= 1 && experts <= 1024, op, ": `experts` must be in [1, 1024], got ", experts);
+  TORCH_CHECK_VALUE(hidden >= kChunk && hidden % kChunk == 0, op, ": `hidden` must be a positive multiple of ", kChunk,
+                    ", got ", hidden);
+  TORCH_CHECK_VALUE(dtype == at::kBFloat16 || dtype == at::kHalf, op, ": `dtype` must be bfloat16 or float16");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  if (!clusters_available(static_cast<int>(device))) return {0, 0};
+  const RouterPlan plan = router_plan(static_cast<int>(device), experts, hidden, dtype);
+  return {plan.ctas, plan.slices};
 }
 
 }  // namespace cutlass_w8a8

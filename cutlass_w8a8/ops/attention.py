@@ -90,11 +90,12 @@ def decode_attention(
        ``0..positions[b]``, and keeps an online softmax over it (a running maximum, a running sum and a
        float32 accumulator, rescaled when the maximum grows: Milakov & Gimelshein [1]_). The chunk bounds
        are computed on the device from ``positions[b]``; the number of splits is chosen from ``B``, ``H``,
-       ``KVH``, ``S`` and the SM count (and per-process A/B knobs, ``CUTLASS_W8A8_ATTN_MIN_CHUNK``,
-       ``CUTLASS_W8A8_ATTN_CTAS_PER_SM`` and ``CUTLASS_W8A8_ATTN_SPLITS``: csrc/attention/decode_attention.cu), never
-       from the positions, so a CUDA graph stays valid when the positions change between replays. It writes
-       float32 partials (maximum, sum, accumulator) per ``(b, h, split)`` to a workspace from torch's caching
-       allocator.
+       ``KVH``, ``S``, the SM count and the split kernel's occupancy (by default the count with the fewest waves of
+       resident blocks times positions per block; ``CUTLASS_W8A8_ATTN_SPLITS=ctas``: about
+       ``CUTLASS_W8A8_ATTN_CTAS_PER_SM``, default 2, blocks per SM; and ``CUTLASS_W8A8_ATTN_MIN_CHUNK``: per-process
+       A/B knobs, csrc/attention/decode_attention.cu), never from the positions, so a CUDA graph stays valid when
+       the positions change between replays. It writes float32 partials (maximum, sum, accumulator) per
+       ``(b, h, split)`` to a workspace from torch's caching allocator.
     2. ``decode_attention_combine_cluster_kernel``, grid ``(B, 8)``: a cluster of 8 blocks per row (sm90,
        ``H * D <= 8192``), each merging the splits of its eighth of the row's ``H * D`` outputs, rescaled to their
        head's common maximum, and rounding them once to ``q``'s dtype. Elsewhere (other archs, longer rows, or
@@ -102,12 +103,13 @@ def decode_attention(
        does the same. Both give the same bits.
     3. ``decode_attention_fused_kernel`` instead of both, where a row's ``H / G' x splits`` (head group, split)
        units fit one thread-block cluster of at most 16 blocks (sm90, 16-bit ``q``, ``32 < D <= 128``; e.g.
-       Qwen3-30B-A3B's 32 / 4 heads at ``S = 512``): the units run the split kernel's code into shared memory
-       and the cluster merges them through distributed shared memory with the combine kernel's code, in one
-       launch and without the workspace. Same splits, same operations in the same order: the same bits as 1. + 2.
-       (``cutlass_w8a8._ext.decode_attention_path`` names the path a shape takes). Off by default
-       (``cutlass_w8a8._ext.set_decode_attention_fused(True)`` allows it): on an H200 it was 1.05x the two kernels
-       at Qwen3-30B-A3B B = 1, S = 512 and 0.39-0.65x at B >= 8 (bench/results/decode_attention_nvidia-h200.md).
+       Qwen3-30B-A3B's 32 / 4 heads at ``S = 256``: at most 8 splits, 4 x 8 units): the units run the split
+       kernel's code into shared memory and the cluster merges them through distributed shared memory with the
+       combine kernel's code, in one launch and without the workspace. Same splits, same operations in the same
+       order: the same bits as 1. + 2. (``cutlass_w8a8._ext.decode_attention_path`` names the path a shape
+       takes). Off by default (``cutlass_w8a8._ext.set_decode_attention_fused(True)`` allows it): on an H200 it
+       was 1.05x the two kernels at Qwen3-30B-A3B B = 1, S = 512 and 0.39-0.65x at B >= 8
+       (bench/results/decode_attention_nvidia-h200.md).
 
     All kernels index rows by ``blockIdx.x`` and row ``b`` reads only row ``b``'s inputs and writes only its
     output (row-wise kernels whose CUDA-graph nodes can be shrunk to fewer rows). The CPU implementation is the

@@ -190,13 +190,14 @@ def moe_router_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, *
     values are the same exact float32 numbers), then :func:`moe_route` on those logits with the same arguments:
     the same device code (csrc/moe/route_row.cuh), so the same float32 operations on the same logit values.
 
-    On sm90 one launch of a thread-block cluster of 8 CTAs (csrc/moe/router_route.cu): each CTA computes the logits of
-    E / 8 experts for every token with mma.sync, its 8 warps' partial sums added in a fixed order, and sends them
-    through distributed shared memory to the CTA routing the token; no workspace, no counter, no host
-    synchronisation, the launch fixed by the shapes (it captures into a CUDA graph and replays with new ``x``). A
-    token's result depends on that token's row alone, bit for bit (not on T, not on scheduling). Devices without
-    clusters run ``F.linear`` in ``logits_dtype`` and :func:`moe_route` inside the op (two kernels). The CPU runs
-    ``F.linear(x.to(logits_dtype), router_weight.to(logits_dtype))`` and :func:`moe_route`.
+    On sm90 one launch of a thread-block cluster of 8 CTAs, or 16 for a router weight of at least 1 MiB where such a
+    cluster is resident (csrc/moe/router_route.cu): the CTAs share (16-expert tile, H slice) units and compute their
+    sums for every token with mma.sync, the warps' partial sums added in a fixed order, and send them through
+    distributed shared memory to the CTA routing the token, which adds the slices in order; no workspace, no
+    counter, no host synchronisation, the launch fixed by the shapes (it captures into a CUDA graph and replays with
+    new ``x``). A token's result depends on that token's row alone, bit for bit (not on T, not on scheduling).
+    Devices without clusters run ``F.linear`` in ``logits_dtype`` and :func:`moe_route` inside the op (two
+    kernels). The CPU runs ``F.linear(x.to(logits_dtype), router_weight.to(logits_dtype))`` and :func:`moe_route`.
 
     **Against cuBLAS's logits.** Both form the H products ``x[t, h] * w[e, h]`` exactly in float32 and add them in
     float32, in different orders (the tensor cores' adds may truncate: a relative error of at most ``2**-23`` per

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.sm90
 # Llama-3-8B's attention shape (32 / 8 heads of 128: query-head groups of 4) at a smaller width and depth, so
 # that every kernel family of the step runs (decode GEMM at M <= 8, CUTLASS above, split attention; at S = 1024 the
 # attention of batch 1 and 5 takes the split + combine kernels, of batch 12 the fused kernel on sm90 when it is allowed
-# (the `attention_path` fixture: off by default, cutlass_w8a8._ext.set_decode_attention_fused): 3 splits).
+# (the `attention_path` fixture: off by default, cutlass_w8a8._ext.set_decode_attention_fused): on an H200, 4 splits
+# under the default wave rule (3 split CTAs resident per SM at G' = 4), 3 under CUTLASS_W8A8_ATTN_SPLITS=ctas).
 CFG = LlamaConfig(vocab_size=2048, hidden_size=4096, intermediate_size=2048, num_layers=2, num_heads=32,
                   num_kv_heads=8, head_dim=128, max_position=1024)
 

@@ -166,3 +166,11 @@ def test_route_from_hidden_on_cpu_is_the_two_ops():
                                  topk_group=2, renormalize=False, logits_dtype=ld)
         for a, b in zip(got, op):
             assert torch.equal(a, b)
+
+
+def test_router_route_plan_needs_the_extension():
+    """cutlass_w8a8._ext.moe_router_route_plan names itself when the CUDA extension is not loaded."""
+    if cw.cuda_ops_available():
+        pytest.skip("the CUDA extension is loaded here")
+    with pytest.raises(RuntimeError, match="moe_router_route_plan: the CUDA extension is not loaded"):
+        cw._ext.moe_router_route_plan(0, 128, 2048, torch.bfloat16)

@@ -145,18 +145,27 @@ def test_fused_matches_linear_then_moe_route(case, t, dtype):
     assert bool((rel <= tol).all()), f"{name}: weight relative difference {rel.max():.3g} above the bound"
 
 
-# (E, H, top_k, routing kwargs): Kimi-K2's E = 384 (three 16-expert tiles per CTA) with sigmoid and a bias; H of 9
-# and 17 64-element chunks (the 8 warps get unequal counts); Qwen2-MoE's E = 60 (CTAs 4..7 without experts)
+# (E, H, top_k, routing kwargs), with the launch each gets (moe_router_route_plan; on an H100 / H200 the wide ones
+# take the cluster of 16):
+# - Kimi-K2's E = 384 at H = 576 (9 chunks): 8 CTAs, three 16-expert tiles each, the 8 warps with unequal chunks;
+# - Qwen2-MoE's E = 60 and E = 64 at H = 1088 (17 chunks): 8 CTAs, 4 of them without experts;
+# - E = 384 at H = 1408 (1.03 MiB of weight): 16 CTAs, 24 tiles (two on 8 of the CTAs), one slice;
+# - E = 120 at H = 4416 (1.01 MiB, 69 chunks): 16 CTAs, 8 tiles (the last half empty) in 2 slices of 35 and 34 chunks;
+# - E = 8 at H = 2112 (33 chunks): 8 CTAs, one tile in 2 slices of 17 and 16 chunks.
 EXACT_CASES = [
     (384, 576, 8, dict(scoring="sigmoid", renormalize=True, scaling_factor=2.827)),
     (60, 1088, 4, dict(renormalize=False)),
     (64, 1088, 6, dict(n_group=8, topk_group=3, renormalize=True)),
+    (384, 1408, 8, dict(scoring="sigmoid", renormalize=True, scaling_factor=2.827)),
+    (120, 4416, 8, dict(scoring="sigmoid", renormalize=True, scaling_factor=2.5)),
+    (8, 2112, 2, dict(renormalize=True)),
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("t", [1, 9, 16])
-@pytest.mark.parametrize("case", EXACT_CASES, ids=["kimi_k2_e384", "qwen2_e60", "groups"])
+@pytest.mark.parametrize("case", EXACT_CASES,
+                         ids=["kimi_k2_e384", "qwen2_e60", "groups", "kimi_k2_wide", "wide_slices", "mixtral_slices"])
 def test_exact_sums_bit_for_bit_each_logits_dtype(case, t, dtype):
     """x holds integers in [-64, 64] and the weight integers in [-3, 3] times 2**-10 (both exact in bf16 / f16), so
     every float32 sum of the H products is exact in any order (|sum| <= 192 * H units of 2**-10 < 2**24): the
@@ -184,7 +193,8 @@ def test_exact_sums_bit_for_bit_each_logits_dtype(case, t, dtype):
     assert not torch.equal(wants[0][0], wants[1][0])  # the test tells the two logits dtypes apart
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[2]], ids=["qwen3_moe", "deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[2], CASES[5]],
+                         ids=["qwen3_moe", "deepseek_v3", "mixtral", "glm4_5"])
 def test_row_invariance(case):
     """Row t of T = 16 equals T = 1 of that row (and row t of T = 5) bit for bit: a fixed summation order."""
     name, e, h, k, kw, ldt = case
@@ -238,6 +248,50 @@ def test_graph_replay_equals_eager(t):
         for j, (a, b) in enumerate(zip(replayed, eager)):
             assert torch.equal(a, b), f"replay {i}, output {j}"
     assert not torch.equal(results[0][1][1], results[1][1][1])  # the replays saw the new inputs
+
+
+def _expected_slices(e, h, ctas):
+    """csrc/moe/router_route.cu's router_slices re-derived: the s in [1, 8] with the least ceil(tiles * s / C) *
+    (ceil(ceil(chunks / s) / 32) + 1), within chunks / s >= 8 and ceil(16 / C) * s * E * 4 <= 32 KiB, ties to fewer."""
+    tiles, chunks = -(-e // 16), h // 64
+
+    def cost(s):
+        return -(-tiles * s // ctas) * (-(-(-(-chunks // s)) // 32) + 1)
+
+    best = 1
+    for s in range(2, 9):
+        if chunks // s < 8 or -(-16 // ctas) * s * e * 4 > 32 * 1024:
+            break
+        if cost(s) < cost(best):
+            best = s
+    return best
+
+
+# (E, H) -> the cluster size on an H100 / H200 (132 SMs: clusters of 16 are resident there)
+PLAN_CASES = [(128, 2048, 8), (8, 4096, 8), (256, 7168, 16), (384, 7168, 16), (160, 5120, 16), (120, 4416, 16),
+              (60, 2048, 8), (1024, 256, 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_plan_cluster_and_slices(dtype):
+    """moe_router_route_plan: 8 CTAs below 1 MiB of router weight; at or above it 16 where a cluster of 16 is resident
+    (asserted on 132-SM sm90 parts, where it is) or 8; the slices follow router_slices' rule for that cluster."""
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    for e, h, want_ctas in PLAN_CASES:
+        ctas, slices = cw._ext.moe_router_route_plan(dev, e, h, dtype)
+        if props.major < 9:
+            assert (ctas, slices) == (0, 0), (e, h)
+            continue
+        wide = e * h * 2 >= 1 << 20
+        assert ctas in ((8, 16) if wide else (8,)), (e, h, ctas)
+        if props.major == 9 and props.multi_processor_count >= 132:  # H100 / H200 SXM: the cluster of 16 is resident
+            assert ctas == want_ctas, (e, h, ctas)
+        assert slices == _expected_slices(e, h, ctas), (e, h, ctas, slices)
+    with pytest.raises(ValueError, match="`hidden` must be a positive multiple of 64"):
+        cw._ext.moe_router_route_plan(dev, 128, 100, dtype)
+    with pytest.raises(ValueError, match="`experts` must be in"):
+        cw._ext.moe_router_route_plan(dev, 0, 2048, dtype)
 
 
 def test_zero_tokens_and_errors():

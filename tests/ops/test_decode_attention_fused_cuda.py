@@ -11,9 +11,15 @@ rows), GQA groups 1, 2, 4, 8, D 64 / 128, bfloat16 / float16; and a CUDA graph's
 Each comparison first checks, through cutlass_w8a8._ext.decode_attention_path, which path the shape takes, so a
 rule change that sends everything to one path fails test_paths_of_the_target_shapes instead of passing silently.
 The accuracy of the attention itself is test_decode_attention_cuda.py's (against float64).
+
+The split count follows the split rule of the process (CUTLASS_W8A8_ATTN_SPLITS, read once per process): the wave
+rule by default, whose count also follows the split kernel's occupancy, or the CTAs-per-SM rule with
+CUTLASS_W8A8_ATTN_SPLITS=ctas (test_decode_attention_knobs_cuda.py runs this file so). The bitwise comparisons hold
+under either; the paths asserted here hold under either rule unless marked as the ctas rule's (CTAS_RULE).
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -31,9 +37,13 @@ DTYPES = [torch.bfloat16, torch.float16]
 HEADS = [(8, 8), (16, 8), (32, 8), (32, 4)]
 BATCHES = [1, 2, 3, 5, 8, 11, 16]
 # A cache length the fused path serves at small B: at the default min chunk of 32 positions (kMinChunk in
-# csrc/attention/decode_attention.cu) a cache of 256 has at most 8 splits, so Qwen3-30B-A3B's 4 head groups make
-# 4 x 8 units, one cluster of 16 CTAs. At S = 512 Qwen3's B 1 has 16 splits and takes the two kernels.
+# csrc/attention/decode_attention.cu) a cache of 256 has at most 8 splits under either rule, so Qwen3-30B-A3B's 4
+# head groups make at most 4 x 8 units, one cluster of 16 CTAs. At S = 512 Qwen3's B 1 has 16 splits (one wave of 64
+# CTAs: the wave rule takes them too) and takes the two kernels.
 S_FUSED = 256
+# The process runs the ctas rule (CUTLASS_W8A8_ATTN_SPLITS=ctas), whose split counts the ctas-only path checks below
+# assume (choose_splits: ceil(2 x SMs / (B x H / G')), at most S / 32); unset or "waves": the wave rule.
+CTAS_RULE = os.environ.get("CUTLASS_W8A8_ATTN_SPLITS") == "ctas"
 
 
 def _path(q, kv):
@@ -87,7 +97,10 @@ def _skip_unless_sm90():
 @pytest.mark.parametrize("heads", HEADS, ids=lambda hk: f"H{hk[0]}-KVH{hk[1]}")
 @pytest.mark.parametrize("s", [S_FUSED, 512, 4096])
 def test_plain_equals_two_kernel_path(s, heads, d, dtype):
-    """decode_attention, fused vs two kernels: torch.equal at every B in 1..16."""
+    """decode_attention, fused vs two kernels: torch.equal at every B in 1..16. Some B takes the fused path on sm90:
+    under either rule at S_FUSED for heads whose units fit one cluster at any split count up to S_FUSED / 32 = 8
+    (Qwen3's 4 groups of G' = 8: at most 32 units, U = 2; 8 / 8 heads, G' = 1: at most 64 units, U = 4); under the
+    ctas rule at S <= 512 for every layout (at B 11 and 16 on 132 SMs: 3 splits for 8 head groups)."""
     fused_seen = 0
     with _Paths() as paths:
         for b in BATCHES:
@@ -101,7 +114,9 @@ def test_plain_equals_two_kernel_path(s, heads, d, dtype):
             out = torch.full_like(got, float("nan"))
             OPS.decode_attention_out(out, q, kv, slots, positions, scale)
             assert torch.equal(out, expect), f"B={b} out="
-    if _is_sm90() and s <= 512:
+    h, kvh = heads
+    any_split_count_fits = s == S_FUSED and (h, kvh) in ((32, 4), (8, 8))
+    if _is_sm90() and (any_split_count_fits or (CTAS_RULE and s <= 512)):
         assert fused_seen > 0, f"no batch took the fused path at S = {s}"
 
 
@@ -133,17 +148,17 @@ def test_quant_equals_two_kernel_path(heads, d, dtype, static, qdtype):
 
 
 
-# Plans the sweeps above never take (fused_plan, any SM count <= 256): Llama-3-8B's heads at B = 64 (one split, 8
-# units: U = 1, a portable cluster of 8 CTAs, no non-portable attribute); D = 80 (10 of a group's 16 lanes hold a
-# vector, the rest zeros; a CTA's share of 40 vectors is two heads of 20).
-EXTRA = [((32, 8), 64, 128), ((32, 4), 3, 80), ((8, 8), 2, 80)]
+# Plans the sweeps above do not take: Llama-3-8B's heads at S = 48 (below 2 x 32 positions: one split under either
+# rule, 8 units: U = 1, a portable cluster of 8 CTAs, no non-portable attribute), B = 64; D = 80 at S = 256 (10 of a
+# group's 16 lanes hold a vector, the rest zeros; a CTA's share of 40 vectors is two heads of 20; at most 8 splits,
+# whose units fit one cluster of at most 16 CTAs for these layouts).
+EXTRA = [((32, 8), 64, 128, 48), ((32, 4), 3, 80, S_FUSED), ((8, 8), 2, 80, S_FUSED)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,b,d", EXTRA, ids=lambda v: str(v))
-def test_other_plans_equal_two_kernel_path(heads, b, d, dtype):
+@pytest.mark.parametrize("heads,b,d,s", EXTRA, ids=lambda v: str(v))
+def test_other_plans_equal_two_kernel_path(heads, b, d, s, dtype):
     """decode_attention and decode_attention_quant (int8, dynamic), fused vs two kernels, torch.equal."""
-    s = S_FUSED
     q, kv, slots, positions = _inputs(b, heads, d, s, dtype, seed=200 + b)
     scale = 1.0 / math.sqrt(d)
     with _Paths() as paths:
@@ -157,9 +172,11 @@ def test_other_plans_equal_two_kernel_path(heads, b, d, dtype):
         assert torch.equal(got_q, exp_q)
         assert torch.equal(got_s, exp_s)
 
-# (H, KVH, B, S, path on sm90, the switch on) whatever the SM count (>= 16): Qwen3-30B-A3B at S = 256 has at most 8
-# splits, 4 x 8 split units, one cluster of 16 CTAs of 2 units; at S = 512 and B = 1, 16 splits (4 x 16 units: too
-# many); Llama-3-8B at B = 1 has 8 x 16 units; at B = 64 one split (8 units); Qwen3 at B = 1, S = 4096 up to 64 splits.
+# (H, KVH, B, S, path on sm90, the switch on) under either split rule, on 64 to 256 SMs: Qwen3-30B-A3B at S = 256
+# has at most 8 splits, at most 4 x 8 split units, one cluster of at most 16 CTAs of 2 units; at S = 512 and B = 1, 16
+# splits (4 x 16 units: too many; the wave rule too: 64 CTAs, one wave); Llama-3-8B at B = 1 has 8 x 16 units; at
+# B = 64 few splits (the ctas rule: one, 8 units; the wave rule: at most 4, 8 x 4 units in 16 CTAs of 2, wherever 9
+# or fewer split CTAs are resident per SM on 132 SMs: 3 at G' = 4); Qwen3 at B = 1, S = 4096 up to 64 splits.
 TARGETS = [(32, 4, 1, S_FUSED, "fused"), (32, 4, 8, S_FUSED, "fused"), (32, 8, 64, 512, "fused"),
            (32, 4, 1, 512, "split"), (32, 8, 1, 512, "split"), (32, 4, 1, 4096, "split")]
 
@@ -197,11 +214,13 @@ def test_path_arguments_are_checked():
 
 
 @pytest.mark.parametrize("quant", [None, torch.int8], ids=["plain", "int8"])
-@pytest.mark.parametrize("heads,b,s", [((32, 4), 8, S_FUSED), ((32, 8), 16, 512)], ids=["qwen3-B8", "llama3-B16"])
+@pytest.mark.parametrize("heads,b,s", [((32, 4), 8, S_FUSED), ((32, 8), 16, 128)], ids=["qwen3-B8", "llama3-B16"])
 def test_graph_replay_equals_eager(heads, b, s, quant):
-    """The fused path captured once on static buffers (S = 256 / 512), replayed with new q, cache, positions and
-    slots copied in: each replay equals the eager fused op and the eager two-kernel op bit for bit. Capture and
-    replays run under sync debug mode "error"."""
+    """The fused path captured once on static buffers, replayed with new q, cache, positions and slots copied in:
+    each replay equals the eager fused op and the eager two-kernel op bit for bit. Capture and replays run under sync
+    debug mode "error". The shapes take the fused path under either split rule: Qwen3-30B-A3B's 4 head groups at
+    S = 256 (at most 8 splits: 4 x 8 units), Llama-3-8B's 8 at S = 128 (at most 4 splits: 8 x 4 units; on an H200
+    3 splits under either rule, 12 CTAs of 2 units)."""
     _skip_unless_sm90()
     h, kvh = heads
     d, num_slots = 128, b + 4

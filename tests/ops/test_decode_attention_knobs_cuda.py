@@ -1,24 +1,32 @@
 """The A/B knobs of the decode attention's split step (csrc/attention/decode_attention.cu; issue 36), each an
 environment variable read once per process, so every check here runs in a fresh process:
 
+- CUTLASS_W8A8_ATTN_SPLITS (split_rule_waves): unset (or "waves") the wave rule, the split count with the fewest
+  waves of resident split CTAs times positions per CTA, from the split kernel's occupancy; "ctas" the CTAs-per-SM
+  rule, the A/B value. Unset gives the bits of "waves", and not those of "ctas" on shapes where the two rules' split
+  counts differ for any SM count and occupancy. Other splits, other bits: under "ctas" the reference tests pass, and
+  the fused path's bitwise tests with their ctas-rule path checks (decode_attention_path asks the same function,
+  splits_for, as the op).
 - CUTLASS_W8A8_ATTN_PREFETCH=1 (attn_prefetch): split_partial issues the next step's K and V loads before the
-  current step's math. The same float operations in the same order, so the outputs must be bit-identical to the
-  default's: computed in one process per setting from the same seeds and compared with torch.equal, on the two-kernel
-  path and on the fused path (cutlass_w8a8._ext.set_decode_attention_fused(True)), Qwen3-30B-A3B and Llama-3-8B
-  heads, B 1 / 8, S 256 / 512 / 4096, ragged positions, q's dtype / int8 / fp8 outputs. The kernels that ran must be
-  the variant the variable names (the kernel's last template argument, from torch.profiler).
-- CUTLASS_W8A8_ATTN_CTAS_PER_SM=N (ctas_per_sm, N in [1, 16], default 2): the split CTAs per SM choose_splits aims
-  at. Another value changes the splits, hence the bits, so it is checked against the float64 reference:
+  current step's math. The same float operations in the same order, so at the same split count the outputs must be
+  bit-identical to the default's: computed in one process per setting from the same seeds, both under the ctas rule
+  (the wave rule asks the occupancy of the variant that runs, which the prefetch's registers may lower, so its split
+  count may differ), and compared with torch.equal, on the two-kernel path and on the fused path
+  (cutlass_w8a8._ext.set_decode_attention_fused(True)), Qwen3-30B-A3B and Llama-3-8B heads, B 1 / 8, S 256 / 512 /
+  4096, ragged positions, q's dtype / int8 / fp8 outputs. The kernels that ran must be the variant the variable
+  names (the kernel's last template argument, from torch.profiler). Under the default rule the reference tests pass
+  with it.
+- CUTLASS_W8A8_ATTN_CTAS_PER_SM=N (ctas_per_sm, N in [1, 16], default 2): the split CTAs per SM the ctas rule aims
+  at; read and checked under either rule, used by the ctas rule only. Another value changes that rule's splits,
+  hence the bits, so it is checked against the float64 reference under SPLITS=ctas:
   test_decode_attention_cuda.py's reference, long-cache, ragged-row, independence and graph-replay tests and
-  test_decode_attention_quant_cuda.py's composition tests pass at 8 (up to 4x the default's splits).
-  decode_attention_path (the fused plan) follows the same split count.
+  test_decode_attention_quant_cuda.py's composition tests pass at 8 (up to 4x the splits at 2).
+  decode_attention_path (the fused plan) follows the same split count; under the wave rule it does not move.
 - CUTLASS_W8A8_ATTN_COMBINE=row (combine_cluster_allowed): the one-block-per-row combine kernel where the cluster
   combine (8 blocks a row, sm90, H * D <= 8192) serves by default. The same weights and the same fmaf chain per
-  element, an exact max for the row scale: bit-identical outputs, compared as for the prefetch, and the combine
-  kernels that ran are the ones each process asked for.
-- CUTLASS_W8A8_ATTN_SPLITS=waves (split_rule_waves): the split count with the fewest waves of resident split CTAs
-  times positions per CTA. Other splits, other bits: the reference tests pass under it (decode_attention_path
-  asks the same function, splits_for, as the op).
+  element, an exact max for the row scale: bit-identical outputs (the combine does not change the split count under
+  either rule), compared as for the prefetch under the default rule, and the combine kernels that ran are the ones
+  each process asked for.
 - A bad value of any makes the op (and decode_attention_path) raise a ValueError naming the variable, not run.
 """
 
@@ -73,7 +81,9 @@ def _pytest(env: dict, *args: str) -> None:
 
 # (name, H, KVH): Qwen3-30B-A3B (G' = 8 heads per unit) and Llama-3-8B (G' = 4); D = 128
 LAYOUTS = [("qwen3", 32, 4), ("llama3", 32, 8)]
-# S 256: Qwen3's B 1 / 8 take the fused path where it is allowed (sm90); 512 / 4096: the two kernels
+# S 256: Qwen3's B 1 / 8 take the fused path where it is allowed (sm90), under either split rule (at most 8
+# splits, 4 x 8 units); 512 / 4096: the two kernels under the ctas rule (the wave rule may fit Qwen3's B 8 in one
+# cluster there)
 SEQS = [256, 512, 4096]
 BATCHES = [1, 8]
 
@@ -98,7 +108,7 @@ def _cases():
     out.append(("qwen3-b8-s256-fp16", 32, 4, 128, 8, 256, torch.float16, 11))  # the fused path in float16
     out.append(("llama3-b8-s512-fp32", 32, 8, 128, 8, 512, torch.float32, 8))
     out.append(("h12-kvh2-b3-s1000-d64-bf16", 12, 2, 64, 3, 1000, torch.bfloat16, 9))  # G' = 2, kLanes 8
-    # G' = 1 (8 splits, 64 units: fused where resident, 16 CTAs of 4 units)
+    # G' = 1 (at most 8 splits, up to 64 units: fused where resident, up to 16 CTAs of 4 units)
     out.append(("h8-kvh8-b3-s256-bf16", 8, 8, 128, 3, 256, torch.bfloat16, 12))
     out.append(("h4-kvh2-b5-s300-d40-bf16", 4, 2, 40, 5, 300, torch.bfloat16, 13))
     out.append(("h4-kvh2-b5-s300-d192-fp32", 4, 2, 192, 5, 300, torch.float32, 14))
@@ -192,11 +202,13 @@ def _assert_same_outputs(base: dict, other: dict) -> None:
 
 
 def test_prefetch_gives_the_default_bits(tmp_path):
-    """Every output of CUTLASS_W8A8_ATTN_PREFETCH=1 equals (torch.equal) the default process's, on both paths;
-    the kernels that ran are the variants each process asked for; the fused path served some cases on sm90."""
+    """At the same split count (both processes under CUTLASS_W8A8_ATTN_SPLITS=ctas, whose count does not follow the
+    kernel's occupancy) every output of CUTLASS_W8A8_ATTN_PREFETCH=1 equals (torch.equal) the process without it, on
+    both paths; the kernels that ran are the variants each process asked for; the fused path served some cases on
+    sm90."""
     _skip_if_a_knob_is_set()
-    base = _outputs_in_a_process(tmp_path, _clean_env(), "default")
-    pref = _outputs_in_a_process(tmp_path, _clean_env(**{PREFETCH: "1"}), "prefetch")
+    base = _outputs_in_a_process(tmp_path, _clean_env(**{SPLITS: "ctas"}), "default")
+    pref = _outputs_in_a_process(tmp_path, _clean_env(**{SPLITS: "ctas", PREFETCH: "1"}), "prefetch")
     assert base["paths"] == pref["paths"]  # the variant does not change the plan
     assert len(base["results"]) >= 2 * 3 * 2 * 2 * 2
     _assert_same_outputs(base, pref)
@@ -210,7 +222,8 @@ def test_prefetch_gives_the_default_bits(tmp_path):
 def test_prefetch_still_matches_the_reference():
     """test_decode_attention_cuda.py's float64-reference, long-cache, ragged, independence and graph tests, and the
     fused path's bitwise tests against the two kernels (test_decode_attention_fused_cuda.py), with
-    CUTLASS_W8A8_ATTN_PREFETCH=1."""
+    CUTLASS_W8A8_ATTN_PREFETCH=1 under the default (wave) rule, whose split counts then follow the variant's
+    occupancy."""
     _skip_if_a_knob_is_set()
     _pytest(_clean_env(**{PREFETCH: "1"}), str(HERE.parent / "test_decode_attention_cuda.py"), "-k", REFERENCE_TESTS)
     _pytest(_clean_env(**{PREFETCH: "1"}), str(HERE.parent / "test_decode_attention_fused_cuda.py"))
@@ -228,9 +241,10 @@ def _cluster_vectors(names: list[str]) -> set[str]:
 
 
 def test_row_combine_gives_the_cluster_combine_bits(tmp_path):
-    """Every output with CUTLASS_W8A8_ATTN_COMBINE=row equals (torch.equal) the default process's, on both paths
-    (the fused path has no combine kernel: the same bits trivially); on sm90 the default ran the cluster combine and
-    the row process only the one-block-per-row combine."""
+    """Every output with CUTLASS_W8A8_ATTN_COMBINE=row equals (torch.equal) the default process's (the wave rule's
+    splits, the same in both: the combine is not the split kernel whose occupancy the rule asks), on both paths (the
+    fused path has no combine kernel: the same bits trivially); on sm90 the default ran the cluster combine and the
+    row process only the one-block-per-row combine."""
     _skip_if_a_knob_is_set()
     base = _outputs_in_a_process(tmp_path, _clean_env(), "default")
     row = _outputs_in_a_process(tmp_path, _clean_env(**{COMBINE: "row"}), "row")
@@ -243,51 +257,103 @@ def test_row_combine_gives_the_cluster_combine_bits(tmp_path):
             assert _cluster_vectors(base["names"]) == {"1", "2"}, base["names"]  # both variants ran
 
 
-# --- CTAS_PER_SM: other splits, still the reference ---------------------------------------------------------------
+# --- SPLITS: unset is the wave rule; the ctas rule's splits still match the reference ------------------------------
+
+# Llama-3-8B heads (32 / 8 x 128, 8 (row, head group) pairs a row) at S 4096, every row at its last position, float32
+# (its output shows any change of the summation order; a 16-bit output would round most of them away). At B 3, 5
+# and 8 the ctas rule's chunk (ceil(S / splits) rounded up to 8 positions) differs from the wave rule's for at least
+# one of them at every SM count in [16, 300] and every occupancy of 1 to 16 split CTAs per SM (worked through both
+# rules of choose_splits for each pair): other chunks, another summation order.
+RULE_BATCHES = (3, 5, 8)
+
+
+def _rule_outputs(tmp_path, env: dict, tag: str) -> dict:
+    """decode_attention's float32 output per batch of RULE_BATCHES, computed in a process with ``env``."""
+    out = tmp_path / f"rule-{tag}.pt"
+    code = ("import sys, torch, cutlass_w8a8 as cw\n"
+            "from cutlass_w8a8.testing.attention import make_inputs\n"
+            "out = {}\n"
+            f"for b in {RULE_BATCHES!r}:\n"
+            "    q, kv, slots, pos = make_inputs(b, 32, 8, 128, 4096, torch.float32, 'cuda', seed=b,\n"
+            "                                    positions=[4095] * b)\n"
+            "    out[b] = cw.decode_attention(q, kv, slots, pos).cpu()\n"
+            "torch.save(out, sys.argv[1])\n")
+    r = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return torch.load(out)
+
+
+def test_unset_is_the_wave_rule(tmp_path):
+    """With CUTLASS_W8A8_ATTN_SPLITS unset every output equals (torch.equal) the process with SPLITS=waves, and at
+    least one differs from the process with SPLITS=ctas (RULE_BATCHES: the two rules split some row differently)."""
+    _skip_if_a_knob_is_set()
+    unset = _rule_outputs(tmp_path, _clean_env(), "unset")
+    waves = _rule_outputs(tmp_path, _clean_env(**{SPLITS: "waves"}), "waves")
+    ctas = _rule_outputs(tmp_path, _clean_env(**{SPLITS: "ctas"}), "ctas")
+    assert unset.keys() == waves.keys() == ctas.keys() == set(RULE_BATCHES)
+    for b in RULE_BATCHES:
+        assert torch.isfinite(unset[b]).all() and torch.isfinite(ctas[b]).all(), b
+        assert torch.equal(unset[b], waves[b]), f"B {b}: unset differs from SPLITS=waves"
+    assert any(not torch.equal(unset[b], ctas[b]) for b in RULE_BATCHES), "unset gave SPLITS=ctas's bits everywhere"
+
+
+def test_ctas_splits_still_match_the_reference():
+    """With CUTLASS_W8A8_ATTN_SPLITS=ctas (the CTAs-per-SM rule, the A/B value): test_decode_attention_cuda.py's
+    float64-reference, long-cache, ragged, independence and graph-replay tests, decode_attention_quant against the
+    composition, and the fused path's bitwise tests against the two kernels with their ctas-rule path checks
+    (test_decode_attention_fused_cuda.py)."""
+    _skip_if_a_knob_is_set()
+    env = _clean_env(**{SPLITS: "ctas"})
+    _pytest(env, str(HERE.parent / "test_decode_attention_cuda.py"), "-k", REFERENCE_TESTS + " or split_unevenly")
+    _pytest(env, str(HERE.parent / "test_decode_attention_quant_cuda.py"), "-k",
+            "equals_composition or long_cache_mixed_rows or split_unevenly")
+    _pytest(env, str(HERE.parent / "test_decode_attention_fused_cuda.py"))
+
+
+# --- CTAS_PER_SM: other splits under the ctas rule, still the reference ---------------------------------------------
 
 def test_more_ctas_per_sm_still_match_the_reference():
-    """With CUTLASS_W8A8_ATTN_CTAS_PER_SM=8 (up to 4x the splits): test_decode_attention_cuda.py's float64-reference,
-    long-cache, ragged, independence and graph-replay tests (a captured graph's splits come from shapes only), and
-    decode_attention_quant against quantizing decode_attention's output (test_decode_attention_quant_cuda.py)."""
+    """With CUTLASS_W8A8_ATTN_SPLITS=ctas and CUTLASS_W8A8_ATTN_CTAS_PER_SM=8 (up to 4x the splits at 2):
+    test_decode_attention_cuda.py's float64-reference, long-cache, ragged, independence and graph-replay tests (a
+    captured graph's splits come from shapes only), and decode_attention_quant against quantizing
+    decode_attention's output (test_decode_attention_quant_cuda.py)."""
     _skip_if_a_knob_is_set()
-    env = _clean_env(**{CTAS: "8"})
+    env = _clean_env(**{SPLITS: "ctas", CTAS: "8"})
     _pytest(env, str(HERE.parent / "test_decode_attention_cuda.py"), "-k", REFERENCE_TESTS)
     _pytest(env, str(HERE.parent / "test_decode_attention_quant_cuda.py"), "-k",
             "equals_composition or long_cache_mixed_rows")
 
 
-def test_wave_splits_still_match_the_reference():
-    """With CUTLASS_W8A8_ATTN_SPLITS=waves (other split counts, from the split kernel's occupancy): the same reference,
-    long-cache, ragged, independence and graph-replay tests, and decode_attention_quant against the composition."""
-    _skip_if_a_knob_is_set()
-    env = _clean_env(**{SPLITS: "waves"})
-    _pytest(env, str(HERE.parent / "test_decode_attention_cuda.py"), "-k", REFERENCE_TESTS + " or split_unevenly")
-    _pytest(env, str(HERE.parent / "test_decode_attention_quant_cuda.py"), "-k",
-            "equals_composition or long_cache_mixed_rows or split_unevenly")
+def _path_in_a_process(env: dict) -> str:
+    """decode_attention_path of Llama-3-8B heads (32 / 8 x 128) at B 16, S 512, bfloat16, the fused path allowed."""
+    code = ("import torch, cutlass_w8a8\n"
+            "from cutlass_w8a8 import _ext\n"
+            "_ext.set_decode_attention_fused(True)\n"
+            "print('PATH', _ext.decode_attention_path(0, 16, 32, 8, 512, 128, torch.bfloat16))\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    paths = re.findall(r"^PATH (\w+)$", r.stdout, re.M)
+    assert len(paths) == 1, r.stdout
+    return paths[0]
 
 
 def test_ctas_per_sm_reaches_the_fused_plan():
-    """decode_attention_path asks choose_splits too: Llama-3-8B (32 / 8 x 128) at B 16, S 512 (128 (row, head
-    group) pairs) has ceil(2 SMs / 128) splits by default and ceil(8 SMs / 128) at CUTLASS_W8A8_ATTN_CTAS_PER_SM=8
-    (at most 16: S / 32). The fused plan fits 8 x splits units in one cluster of at most 16 CTAs of 2 units, so
-    splits <= 4: the default's for up to 256 SMs, 8's for at most 64. So on an sm90 with 64 < SMs <= 256 the path
-    is fused by default and split at 8."""
+    """decode_attention_path asks choose_splits too: under SPLITS=ctas, Llama-3-8B (32 / 8 x 128) at B 16, S 512
+    (128 (row, head group) pairs) has ceil(2 SMs / 128) splits at the default CTAS_PER_SM and ceil(8 SMs / 128) at
+    CUTLASS_W8A8_ATTN_CTAS_PER_SM=8 (at most 16: S / 32). The fused plan fits 8 x splits units in one cluster of at
+    most 16 CTAs of 2 units, so splits <= 4: CTAS_PER_SM 2's for up to 256 SMs, 8's for at most 64. So on an sm90
+    with 64 < SMs <= 256 the path is fused at 2 and split at 8. Under the wave rule (unset) CTAS_PER_SM=8 leaves
+    the path as it is without it."""
     _skip_if_a_knob_is_set()
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the one-kernel path runs on sm90")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if not 64 < sms <= 256:
         pytest.skip(f"{sms} SMs: the shape's paths differ from the ones asserted here")
-    code = ("import torch, cutlass_w8a8\n"
-            "from cutlass_w8a8 import _ext\n"
-            "_ext.set_decode_attention_fused(True)\n"
-            "print('PATH', _ext.decode_attention_path(0, 16, 32, 8, 512, 128, torch.bfloat16))\n")
-    for value, want in ((None, "fused"), ("8", "split")):
-        env = _clean_env() if value is None else _clean_env(**{CTAS: value})
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                           cwd=ROOT)
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert f"PATH {want}" in r.stdout, (value, r.stdout)
+    assert _path_in_a_process(_clean_env(**{SPLITS: "ctas"})) == "fused"
+    assert _path_in_a_process(_clean_env(**{SPLITS: "ctas", CTAS: "8"})) == "split"
+    assert _path_in_a_process(_clean_env(**{CTAS: "8"})) == _path_in_a_process(_clean_env())
 
 
 # --- bad values ---------------------------------------------------------------------------------------------------
@@ -295,11 +361,11 @@ def test_ctas_per_sm_reaches_the_fused_plan():
 # each variable's bad values and the C++ message (csrc/attention/decode_attention.cu: attn_prefetch, ctas_per_sm,
 # combine_cluster_allowed, split_rule_waves)
 # and one accepted value each, set after them: the op and decode_attention_path then run
-GOOD_VALUES = {PREFETCH: "0", CTAS: "3", COMBINE: "cluster", SPLITS: "waves"}
+GOOD_VALUES = {PREFETCH: "0", CTAS: "3", COMBINE: "cluster", SPLITS: "ctas"}
 BAD_VALUES = {PREFETCH: ("must be 0 or 1 (or unset)", ("2", "yes", "true")),
               CTAS: ("must be an integer in [1, 16]", ("0", "17", "abc", "2.5", "-1")),
               COMBINE: ("must be cluster or row (or unset)", ("rows", "1", "Cluster")),
-              SPLITS: ("must be ctas or waves (or unset)", ("wave", "2", "CTAS"))}
+              SPLITS: ("must be waves or ctas (or unset)", ("wave", "2", "CTAS"))}
 
 
 @pytest.mark.parametrize("name", list(BAD_VALUES))
@@ -337,9 +403,11 @@ def test_a_bad_value_raises_naming_the_variable(name):
     assert "GOOD" in r.stdout, r.stdout  # the accepted value runs
 
 
-def test_a_bad_ctas_per_sm_raises_under_the_wave_rule():
-    """CUTLASS_W8A8_ATTN_CTAS_PER_SM is read (and checked) under either split rule: with SPLITS=waves, which does not
-    use it, a bad value still raises instead of being ignored."""
+@pytest.mark.parametrize("rule", [None, "waves", "ctas"], ids=["splits-unset", "splits-waves", "splits-ctas"])
+def test_a_bad_ctas_per_sm_raises_under_either_rule(rule):
+    """CUTLASS_W8A8_ATTN_CTAS_PER_SM is read (and checked) under either split rule: under the wave rule (the
+    default: SPLITS unset, or SPLITS=waves), which does not use it, a bad value still raises instead of being
+    ignored, and so it does under SPLITS=ctas, which uses it."""
     code = ("import torch, cutlass_w8a8 as cw\n"
             "from cutlass_w8a8.testing.attention import make_inputs\n"
             "q, kv, slots, pos = make_inputs(1, 8, 8, 64, 256, torch.bfloat16, 'cuda', seed=0)\n"
@@ -348,8 +416,8 @@ def test_a_bad_ctas_per_sm_raises_under_the_wave_rule():
             "    print('RAN')\n"
             "except ValueError as exc:\n"
             "    print('RAISED', exc)\n")
-    r = subprocess.run([sys.executable, "-c", code], env=_clean_env(**{SPLITS: "waves", CTAS: "abc"}),
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    env = _clean_env(**{CTAS: "abc"}) if rule is None else _clean_env(**{SPLITS: rule, CTAS: "abc"})
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"{CTAS} must be an integer in [1, 16], got 'abc'" in r.stdout, r.stdout
 

@@ -1,8 +1,9 @@
 """CUTLASS_W8A8_ATTN_MIN_CHUNK (csrc/attention/decode_attention.cu min_chunk: the least positions per split of a full
 cache, read once per process; an A/B knob of issue 36's attention work). Another value changes the split count, hence
 the bits, so it is checked against the float64 reference: test_decode_attention_cuda.py's reference, long-cache,
-ragged-row and graph tests pass in a process with 16 positions per split (up to 2x the splits of the default 32). A
-value that is not a multiple of 8 in [8, 4096] makes the op raise a ValueError naming the variable, not run."""
+ragged-row and graph tests pass in a process with 16 positions per split (at most S / 16 splits, twice the default's
+cap; under the default wave rule min_chunk is also a CTA's fixed cost in the split count's model). A value that is
+not a multiple of 8 in [8, 4096] makes the op raise a ValueError naming the variable, not run."""
 
 from __future__ import annotations
 
