@@ -126,12 +126,10 @@ __global__ void __launch_bounds__(kPrepThreads) moe_decode_prep_kernel(MoeDecode
   const int tiles = p.hid / kRows;
   for (int i = threadIdx.x; i < p.k; i += kPrepThreads) p.cnt13[tok * p.k + i] = 0;
   for (int i = threadIdx.x; i < tiles; i += kPrepThreads) p.cnt2[static_cast<int64_t>(tok) * tiles + i] = 0;
+  // Whether any of the token's pairs is routed: one id per thread, its load in flight during the quantization, and a
+  // block-wide OR at the end (each thread reading all k ids in a loop cost k dependent round trips).
   int routed = 0;
-  for (int j = 0; j < p.k; ++j) routed += load_id(p, tok * p.k + j) >= 0 ? 1 : 0;
-  if (routed == 0) {
-    OutT* o = static_cast<OutT*>(p.out) + static_cast<int64_t>(tok) * p.hid;
-    for (int i = threadIdx.x; i < p.hid; i += kPrepThreads) o[i] = from_float<OutT>(0.f);
-  }
+  for (int j = threadIdx.x; j < p.k; j += kPrepThreads) routed |= load_id(p, tok * p.k + j) >= 0 ? 1 : 0;
   const XT* xr = static_cast<const XT*>(p.x) + static_cast<int64_t>(tok) * p.ldx;
   using QT = typename Q::type;
   QT* qr = reinterpret_cast<QT*>(p.qx + static_cast<int64_t>(tok) * p.hid);
@@ -158,6 +156,11 @@ __global__ void __launch_bounds__(kPrepThreads) moe_decode_prep_kernel(MoeDecode
     const float scale = block_max<kPrepThreads>(amax) / Q::kMax;
     if (threadIdx.x == 0) p.sx[tok] = scale;
     for (int i = threadIdx.x; i < p.hid; i += kPrepThreads) qr[i] = quantize_one<Q>(to_float(xr[i]), scale);
+  }
+  // A token none of whose pairs is routed gets a zero output row (no later kernel writes it).
+  if (__syncthreads_or(routed) == 0) {
+    OutT* o = static_cast<OutT*>(p.out) + static_cast<int64_t>(tok) * p.hid;
+    for (int i = threadIdx.x; i < p.hid; i += kPrepThreads) o[i] = from_float<OutT>(0.f);
   }
 }
 
