@@ -46,13 +46,15 @@ MOE_ROUTER_ROUTE_MAX_T = 16
 # moe_router_route: H a positive multiple of this many elements (one warp step: 4 lanes x 16 elements).
 MOE_ROUTER_H_MULTIPLE = 64
 # moe_router_route's speed rule (W8A8MoE.router_route_pays): the fused kernel serves a router of at least
-# MOE_ROUTER_ROUTE_MIN_EXPERTS experts whose weight is at most MOE_ROUTER_ROUTE_MAX_WEIGHT_BYTES (one 8-CTA cluster
-# reads the whole weight through 8 SMs). Measured on an H200 against F.linear + moe_route in CUDA graphs
-# (bench/results/moe_router_nvidia-h200.md, 2026-11-29), T = 1 / 8 / 16: Qwen3-30B-A3B (128 x 2048 bf16, 512 KiB)
-# 1.22x / 1.22x / 1.18x, OLMoE (64 x 2048) 1.27x / 1.21x / 1.14x; DeepSeek-V3 (256 x 7168, 3.5 MiB) 0.90x / 1.26x
-# / 0.99x, Mixtral (8 x 4096) 1.00x / 0.89x / 0.77x: those two keep the two ops.
-MOE_ROUTER_ROUTE_MIN_EXPERTS = 64
-MOE_ROUTER_ROUTE_MAX_WEIGHT_BYTES = 512 * 1024
+# MOE_ROUTER_ROUTE_MIN_EXPERTS experts whose weight is at most MOE_ROUTER_ROUTE_MAX_WEIGHT_BYTES: the range measured,
+# Mixtral-8x7B's 8 x 4096 to Kimi-K2's 384 x 7168 bf16 (5.25 MiB); outside it the two ops, unmeasured. On an H200
+# against F.linear + moe_route in CUDA graphs (bench/results/moe_router_nvidia-h200.md, 2026-11-29, after the
+# (16-expert tile, H slice) units and the 16-CTA cluster for routers of 1 MiB or more), T = 1 / 8: Qwen3-30B-A3B
+# 1.50x / 1.48x, OLMoE 1.55x / 1.50x, Mixtral 1.86x / 1.76x, GLM-4.5 1.85x / 2.97x, DeepSeek-V3 1.55x / 2.19x,
+# Kimi-K2 1.47x / 2.12x (before those units: DeepSeek-V3 0.90x and Mixtral 1.00x at T = 1, so the rule stopped at
+# 512 KiB and 64 experts).
+MOE_ROUTER_ROUTE_MIN_EXPERTS = 8
+MOE_ROUTER_ROUTE_MAX_WEIGHT_BYTES = 6 * 1024 * 1024
 
 # Block-scaled fp8 (DeepSeek-V3 / compressed-tensors FP8_BLOCK): activations in 1 x BLOCK_SIZE groups along K,
 # weights in BLOCK_SIZE x BLOCK_SIZE blocks; the GEMM's K must be a multiple of it, and so is the only group size

@@ -104,18 +104,18 @@ def test_rule_fits_at_decode_sizes_only():
 
 
 def test_speed_rule_takes_the_measured_winners_only():
-    """router_route_pays (ops/_limits.py's two bounds): Qwen3-30B-A3B's and OLMoE's routers take the fused op,
-    Mixtral's 8 experts and DeepSeek-V3's 3.5 MiB router the two ops; the bounds themselves are inclusive."""
+    """router_route_pays (ops/_limits.py's two bounds): the measured routers, Mixtral's 8 experts to Kimi-K2's
+    5.25 MiB, take the fused op; fewer experts or a heavier router the two ops; the bounds themselves are inclusive."""
     pays = cw.W8A8MoE.router_route_pays
     meta = dict(dtype=torch.bfloat16, device="meta")
-    assert pays(torch.empty(128, 2048, **meta)) and pays(torch.empty(64, 2048, **meta))  # Qwen3, OLMoE
-    assert not pays(torch.empty(8, 4096, **meta))  # Mixtral
-    assert not pays(torch.empty(256, 7168, **meta))  # DeepSeek-V3
+    for e, h in [(8, 4096), (64, 2048), (128, 2048), (160, 5120), (256, 7168), (384, 7168)]:  # Mixtral .. Kimi-K2
+        assert pays(torch.empty(e, h, **meta)), (e, h)
     assert pays(torch.empty(MOE_ROUTER_ROUTE_MIN_EXPERTS, 64, **meta))
     assert not pays(torch.empty(MOE_ROUTER_ROUTE_MIN_EXPERTS - 1, 64, **meta))
-    h = MOE_ROUTER_ROUTE_MAX_WEIGHT_BYTES // (2 * 128)
-    assert pays(torch.empty(128, h, **meta)) and not pays(torch.empty(128, h + 64, **meta))
-    assert not pays(torch.empty(128, 2048, dtype=torch.float32, device="meta"))  # 1 MiB in float32
+    h = MOE_ROUTER_ROUTE_MAX_WEIGHT_BYTES // (2 * 512)
+    assert pays(torch.empty(512, h, **meta)) and not pays(torch.empty(512, h + 64, **meta))
+    assert not pays(torch.empty(384, 7168, dtype=torch.float32, device="meta"))  # 10.5 MiB in float32
+    assert not pays(torch.empty(128, 2048, 1, **meta))  # not a matrix
 
 
 @pytest.mark.parametrize("why", ["x_float32", "weight_dtype", "weight_shape", "h_multiple", "logits_dtype",
