@@ -899,7 +899,10 @@ int split_ctas_resident(int device, at::ScalarType dtype, int g, int64_t head_di
 // them. On the H200 sweep of bench/results/decode_attention_combine_nvidia-h200.md the wave rule, then without the
 // chunk's rounding, took 0.854x the ctas rule's time in geomean (0.76x at B 32), but 1.16x at Qwen3 B 1, S 4096
 // (63 splits of 72 positions against 64 of 64: the rounding's case) and 1.01-1.04x at Llama-3-8B B 1 / 4, S 512.
-// The rule with the rounding is the default pending its own H200 measurement against SPLITS=ctas.
+// With the rounding (the default), on the same 64-row H200 sweep against SPLITS=ctas (2026-11-29, ninth session,
+// bench/results/decode_attention_waves_nvidia-h200.md): geomean 0.850x, 0.96x / 0.88x / 0.81x / 0.76x at B 1 / 4 /
+// 8 / 32, best 0.586x (Qwen3 B 8, S 16384), worst 1.039x (Llama-3-8B B 4, S 512: 0.5 us); Qwen3 B 1, S 4096 no
+// longer loses.
 // Both: at most cap = min(S / min_chunk() (a split of a full cache keeps at least that many positions), kMaxSplits,
 // kCombineSmemFloats / H (the combine kernel's H x splits weights in shared memory)). From B, H, G', S, the SM count,
 // the kernel's occupancy and the per-process knobs only (never the positions: see the file comment), so a captured
