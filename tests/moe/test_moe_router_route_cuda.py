@@ -152,6 +152,8 @@ def test_fused_matches_linear_then_moe_route(case, t, dtype):
 # - E = 384 at H = 1408 (1.03 MiB of weight): 16 CTAs, 24 tiles (two on 8 of the CTAs), one slice;
 # - E = 120 at H = 4416 (1.01 MiB, 69 chunks): 16 CTAs, 8 tiles (the last half empty) in 2 slices of 35 and 34 chunks;
 # - E = 8 at H = 2112 (33 chunks): 8 CTAs, one tile in 2 slices of 17 and 16 chunks.
+# The 8-CTA one-slice plans run router_route_kernel_one_slice, the others router_route_kernel
+# (test_exact_cases_reach_each_kernel).
 EXACT_CASES = [
     (384, 576, 8, dict(scoring="sigmoid", renormalize=True, scaling_factor=2.827)),
     (60, 1088, 4, dict(renormalize=False)),
@@ -292,6 +294,25 @@ def test_plan_cluster_and_slices(dtype):
         cw._ext.moe_router_route_plan(dev, 128, 100, dtype)
     with pytest.raises(ValueError, match="`experts` must be in"):
         cw._ext.moe_router_route_plan(dev, 0, 2048, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_exact_cases_reach_each_kernel(dtype):
+    """The exact-sum cases launch every kernel of router_route.cu: router_route_kernel_one_slice (the plan of 8 CTAs x
+    1 slice: the logits rounded where their sums are formed, no slice pass) and router_route_kernel with 8 CTAs and
+    more than one slice; on 132-SM sm90 parts (clusters of 16 resident) also router_route_kernel with 16 CTAs at one
+    slice and at more. A change of the plan rule that left a kernel without an exact case fails here."""
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    if props.major < 9:
+        pytest.skip("no clusters before sm90: the two-kernel path")
+    reached = set()
+    for e, h, _, _ in EXACT_CASES:
+        ctas, slices = cw._ext.moe_router_route_plan(dev, e, h, dtype)
+        reached.add((ctas, slices > 1))
+    assert {(8, False), (8, True)} <= reached, reached
+    if props.major == 9 and props.multi_processor_count >= 132:
+        assert reached == {(8, False), (8, True), (16, False), (16, True)}, reached
 
 
 def test_zero_tokens_and_errors():
