@@ -110,6 +110,20 @@ def test_equals_the_chain_bitwise_wide(scheme, h, t, k, route):
     _assert_equals_chain(x, ids, wts, ops, what=(scheme, h, t, k, route))
 
 
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if "block" not in s])
+@pytest.mark.parametrize("h, i", [(2112, 784), (2128, 784), (1040, 400)])
+@pytest.mark.parametrize("t, k", [(1, 8), (8, 8), (16, 4)])
+def test_equals_the_chain_bitwise_unaligned(scheme, h, i, t, k):
+    """Row-wise H and I that are multiples of 16 but not of 128 (block fp8 needs 128): the two-kernel path's shared
+    x rows (their pitch and a partial last run of the row) and h rows (a partial last 16-byte group of a warp's row)
+    outside the 128-multiples every other case uses; T 16 at top-4 the two-token-tile gate/up."""
+    ops = decode_operands(scheme, 8, h, i, "cpu", seed=h + i)
+    ops = {n: (v.cuda() if isinstance(v, torch.Tensor) else v) for n, v in ops.items()}
+    ids, wts = routing(t, k, 8, "random", "cuda", seed=h + t)
+    x = random_x(t, h, device="cuda", seed=h + t + 2)
+    _assert_equals_chain(x, ids, wts, ops, what=(scheme, h, i, t, k))
+
+
 @functools.lru_cache(maxsize=None)
 def _wide_operands(scheme, h):
     ops = decode_operands(scheme, 8, h, 768, "cpu", seed=h)
