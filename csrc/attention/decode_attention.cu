@@ -19,11 +19,11 @@
 //
 //   decode_attention_split_kernel, grid (B, H / G', splits), 4 warps. CTA (b, y, z) takes the G' query heads
 //     y G' .. y G' + G' - 1, which share one key/value head (G' = the largest of 8, 4, 2, 1 dividing the GQA
-//     group H / KVH: every K and V row the CTA reads serves G' heads), and chunk z of row b's positions
-//     0..positions[b]. The chunk length is computed on the device from positions[b] (split_chunk below), so the
-//     grid -- chosen on the host from B, H, G', S, the SM count, the split kernel's occupancy (the default wave
-//     rule's input) and the per-process knobs only -- stays valid in a CUDA graph whose
-//     positions change between replays. Inside a CTA, a "group" of kLanes lanes handles one position at a
+//     group H / KVH, at most CUTLASS_W8A8_ATTN_HEADS_PER_CTA: every K and V row the CTA reads serves G' heads),
+//     and chunk z of row b's positions 0..positions[b]. The chunk length is computed on the device from
+//     positions[b] (split_chunk below), so the grid -- chosen on the host from B, H, G', S, the SM count, the split
+//     kernel's occupancy (the default wave rule's input) and the per-process knobs only -- stays valid in a CUDA
+//     graph whose positions change between replays. Inside a CTA, a "group" of kLanes lanes handles one position at a
 //     time, each lane owning kVecs 16-byte slices of D (dot products: a shuffle reduction over the group); the
 //     32 / kLanes groups of a warp read consecutive positions, kUnroll positions per group and step. Each group
 //     keeps, per head, its running max m, running sum l and float32 accumulator; groups merge by shuffles, warps
@@ -59,7 +59,11 @@
 //   CUTLASS_W8A8_ATTN_MIN_CHUNK   (min_chunk)    the least positions per split of a full cache (default kMinChunk);
 //   CUTLASS_W8A8_ATTN_CTAS_PER_SM (ctas_per_sm)  the split CTAs per SM the ctas rule aims at, in [1, 16] (default 2;
 //     read and checked under either rule, used by the ctas rule only);
-//     these three change the splits, hence the bits (still from shapes and the split kernel's occupancy only: a
+//   CUTLASS_W8A8_ATTN_HEADS_PER_CTA (heads_per_cta_cap) the most query heads per CTA, 1, 2, 4 or 8 (default 8):
+//     G' = the largest of 8, 4, 2, 1 dividing the group and at most it (both kernels, the split count, the fused
+//     plan); at the same split count the same bits (a head's math does not depend on the CTA's other heads), but
+//     the count follows the (row, head group) pairs and, under the wave rule, the launched variant's occupancy;
+//     these four change the splits, hence the bits (still from shapes and the split kernel's occupancy only: a
 //     captured graph replays as eager runs);
 //   CUTLASS_W8A8_ATTN_PREFETCH=1  (attn_prefetch) split_partial issues step i + 1's K and V loads before step i's
 //     math (a second register buffer; both kernels): the same float operations in the same order, so the same
@@ -126,6 +130,7 @@ constexpr int kChunkAlign = 8;   // split chunks are multiples of this many posi
 constexpr int kMinChunk = 32;
 constexpr int kMaxSplits = 64;
 constexpr int kCtasPerSm = 2;  // choose_splits' ctas rule: about this many split CTAs per SM (..._CTAS_PER_SM)
+constexpr int kMaxHeadsPerCta = 8;  // heads_per_cta: at most this many query heads per CTA (..._HEADS_PER_CTA)
 constexpr int kCombineThreads = 1024;  // one thread per 4 outputs of a Llama-3 row (H * D = 4096)
 constexpr int kCombineVecs = 2;  // combine: up to 2 vectors of 4 elements per thread in registers (H * D <= 8192)
 constexpr int64_t kCombineSmemFloats = 8192;  // combine: at most this many split weights (32 KiB of shared memory)
@@ -752,10 +757,29 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
 #endif
 }
 
-// Query heads per CTA: the largest of 8, 4, 2, 1 that divides the GQA group.
+// The most query heads per CTA (G'): kMaxHeadsPerCta, or CUTLASS_W8A8_ATTN_HEADS_PER_CTA (1, 2, 4 or 8), read once per
+// process. An experiment's knob (issue 36; bench_decode_attention.py, a process per value): at G' = 8 the 16-bit
+// split kernel at D = 128 holds 244 registers (2 CTAs per SM) and serializes its 8 heads' math; a cap of 4 gives
+// Qwen3-30B-A3B (32 / 4 heads) Llama-3-8B's CTA shape (G' = 4, 166 registers, 3 per SM) at twice the CTAs, each
+// K / V row read by two CTAs (on an H200 at B 1, S 512 and 16 splits, eager: Qwen3's split kernel 7.62 us at G' = 8,
+// Llama-3-8B's 4.70 us at G' = 4 with twice the K / V bytes; decode_attention_min_chunk_nvidia-h200.md). Every G' in {1, 2, 4, 8} is
+// instantiated for every dtype, D and output (with_split_kernel, launch_fused_for_group), so any cap is safe. A
+// CTA's per-head math does not depend on the other heads it holds: at the same split count the same bits; but the
+// split count follows the launched variant (the (row, head group) pairs, and under the wave rule its occupancy),
+// so another value may change the splits, hence the bits.
+int heads_per_cta_cap() {
+  static const int value = env_int(kOp, "CUTLASS_W8A8_ATTN_HEADS_PER_CTA", kMaxHeadsPerCta,
+                                   [](long v) { return v == 1 || v == 2 || v == 4 || v == 8; }, "1, 2, 4 or 8");
+  return value;
+}
+
+// Query heads per CTA: the largest of 8, 4, 2, 1 that divides the GQA group and is at most heads_per_cta_cap(). The
+// one function every consumer asks (run, decode_attention_path; the split count, its occupancy query and the fused
+// plan take its g).
 int heads_per_cta(int64_t group_size) {
+  const int cap = heads_per_cta_cap();
   for (int g : {8, 4, 2}) {
-    if (group_size % g == 0) return g;
+    if (g <= cap && group_size % g == 0) return g;
   }
   return 1;
 }
