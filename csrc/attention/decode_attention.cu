@@ -150,6 +150,7 @@ struct Args {
   const T* q;                 // (B, H, D), strides q_stride_b, q_stride_h, 1
   int64_t q_stride_b;
   int64_t q_stride_h;
+  bool q_vec16;               // q's pointer and both strides 16-byte aligned: split_partial loads q in 16-byte vectors
   const T* kv;                // (num_slots, 2, KVH, S, D) contiguous, 16-byte aligned
   int64_t num_slots;
   int heads;                  // H
@@ -179,6 +180,13 @@ __device__ __forceinline__ int row_length(const Args<T>& a, int64_t b) {
   pos = pos < 0 ? 0 : (pos >= a.seq_len ? a.seq_len - 1 : pos);
   return static_cast<int>(pos) + 1;
 }
+// Row b's cache slot, clamped into range. The kernels load it beside positions[b] (row_length), before anything
+// waits on that load: b < B, so the read is in bounds even for a split that then finds no work.
+template <class T>
+__device__ __forceinline__ int64_t row_slot(const Args<T>& a, int64_t b) {
+  const int64_t slot = a.slots[b * a.slots_stride];
+  return slot < 0 ? 0 : (slot >= a.num_slots ? a.num_slots - 1 : slot);
+}
 __device__ __forceinline__ int split_chunk(int len, int splits) {
   const int per = (len + splits - 1) / splits;
   return (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
@@ -192,7 +200,7 @@ struct SplitSmem {
 };
 
 // One split unit: the kThreads threads t = 0 .. kThreads - 1 of 4 whole warps compute the partial result (M, l, acc)
-// of query heads h0 .. h0 + kG - 1 of row b over positions [s_begin, s_end) (empty: M = -inf, l = 0, acc = 0) into
+// of query heads h0 .. h0 + kG - 1 of row b (cache slot `slot`: row_slot) over positions [s_begin, s_end) (empty: M = -inf, l = 0, acc = 0) into
 // acc_row(g)[d] for d < D and store_ml(g, M, l) (thread 0). Every thread of the CTA must call it
 // (it synchronizes the CTA once). Both kernels run this code, so a split's (M, l, acc) are the same bits in both.
 //
@@ -200,7 +208,8 @@ struct SplitSmem {
 // the D elements: vector j of a row belongs to lane (j % kLanes) of the group, as its (j / kLanes)-th vector.
 // Vectors at or past D (when D is not kLanes * kVecs vectors) are zeros.
 template <class T, int kG, int kLanes, int kVecs, bool kPrefetch, class AccRow, class StoreMl>
-__device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int h0, int s_begin, int s_end, int t,
+__device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int64_t slot, int h0, int s_begin, int s_end,
+                                              int t,
                                               SplitSmem<kG, kLanes * kVecs * 16 / static_cast<int>(sizeof(T))>& sm,
                                               AccRow acc_row, StoreMl store_ml) {
   constexpr int kPer = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte vector
@@ -218,25 +227,53 @@ __device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int h
   const int group = warp * kGroupsPerWarp + lane / kLanes;
   const int nvec = a.head_dim / kPer;  // vectors per cached row of D elements
 
-  int64_t slot = a.slots[b * a.slots_stride];
-  slot = slot < 0 ? 0 : (slot >= a.num_slots ? a.num_slots - 1 : slot);
   const int kvh = h0 / a.group_size;
   const int64_t head_rows = int64_t(a.seq_len) * nvec;  // vectors of one (slot, k/v, head)
   const Vec* k_rows = reinterpret_cast<const Vec*>(a.kv) + ((slot * 2) * a.kv_heads + kvh) * head_rows;
   const Vec* v_rows = k_rows + int64_t(a.kv_heads) * head_rows;
 
-  // this lane's slice of the kG queries, scaled (scalar loads: q is a strided view with no alignment promise)
+  // this lane's slice of the kG queries, scaled: one 16-byte load per vector where the host found q's pointer and
+  // strides 16-byte aligned (a.q_vec16; the decoder's q, a view of the fused qkv output, is), else scalar loads (q
+  // is a strided view with no alignment promise). The same elements, the same float operations either way.
+  // One branch around all kG x kVecs loads, so they are all in flight together (a branch per vector would wait for
+  // each vector's conversion before the next load: kG round trips).
+  Vec qv[kG][kVecs];
+  const T* q_rows = a.q + b * a.q_stride_b + int64_t(h0) * a.q_stride_h;
+  if (a.q_vec16) {
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        const int j = lane_in_group + i * kLanes;
+        if (j < nvec) {
+          qv[g][i] = reinterpret_cast<const Vec*>(q_rows + g * a.q_stride_h)[j];
+        } else {
+#pragma unroll
+          for (int e = 0; e < kPer; ++e) qv[g][i].v[e] = from_float<T>(0.f);
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        const int j = lane_in_group + i * kLanes;
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) {
+          qv[g][i].v[e] = j < nvec ? q_rows[g * a.q_stride_h + j * kPer + e] : from_float<T>(0.f);
+        }
+      }
+    }
+  }
   float qf[kG][kElems];
 #pragma unroll
   for (int g = 0; g < kG; ++g) {
-    const T* q_row = a.q + b * a.q_stride_b + int64_t(h0 + g) * a.q_stride_h;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int j = lane_in_group + i * kLanes;
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) {
-        qf[g][i * kPer + e] = j < nvec ? to_float(q_row[j * kPer + e]) * a.scale_log2 : 0.f;
-      }
+      for (int e = 0; e < kPer; ++e) qf[g][i * kPer + e] = j < nvec ? to_float(qv[g][i].v[e]) * a.scale_log2 : 0.f;
     }
   }
 
@@ -410,6 +447,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_split_kernel(con
   const int64_t b = blockIdx.x;
   const int h0 = blockIdx.y * kG;
   const int split = blockIdx.z;
+  const int64_t slot = row_slot(a, b);  // loaded beside positions[b]: one round trip for both
   const int len = row_length(a, b);
   const int chunk = split_chunk(len, a.splits);
   const int s_begin = split * chunk;
@@ -417,7 +455,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_split_kernel(con
   const int s_end = min(len, s_begin + chunk);
   auto part = [&](int g) { return (b * a.heads + h0 + g) * a.splits + split; };
   split_partial<T, kG, kLanes, kVecs, kPrefetch>(
-      a, b, h0, s_begin, s_end, threadIdx.x, sm, [&](int g) { return a.part_acc + part(g) * a.head_dim; },
+      a, b, slot, h0, s_begin, s_end, threadIdx.x, sm, [&](int g) { return a.part_acc + part(g) * a.head_dim; },
       [&](int g, float m, float l) { a.part_ml[part(g)] = make_float2(m, l); });
 }
 
@@ -672,6 +710,7 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
   const int sub = tid / kThreads;
   const int unit = rank * kU + sub;
   const int hg = unit / a.splits, split = unit - hg * a.splits;
+  const int64_t slot = row_slot(a, b);  // loaded beside positions[b]: one round trip for both
   const int len = row_length(a, b);
   const int chunk = split_chunk(len, a.splits);
   const int n_active = (len + chunk - 1) / chunk;
@@ -679,7 +718,7 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
   const int s_end = min(len, s_begin + chunk);  // <= s_begin for an idle split: nothing read, never merged
   Unit& mine = units[sub];
   split_partial<T, kG, kLanes, kVecs, kPrefetch>(
-      a, b, hg * kG, s_begin, s_end, tid % kThreads, mine.split,
+      a, b, slot, hg * kG, s_begin, s_end, tid % kThreads, mine.split,
       [&](int g) { return &mine.acc[g][0]; }, [&](int g, float m, float l) { mine.ml[g] = make_float2(m, l); });
   cluster.sync();  // every unit's (M, l, acc) is in its CTA's shared memory
 
@@ -1285,6 +1324,11 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
     args.q = reinterpret_cast<const T*>(q.data_ptr());
     args.q_stride_b = q.stride(0);
     args.q_stride_h = q.stride(1);
+    // 16-byte q loads (split_partial): the pointer and both strides (in elements of T) 16-byte aligned; D is a
+    // multiple of 8 (check_args), so a lane's vectors j < D / (16 / sizeof(T)) lie inside the row
+    constexpr int64_t kPerVec = 16 / static_cast<int64_t>(sizeof(T));
+    args.q_vec16 = reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 && q.stride(0) % kPerVec == 0 &&
+                   q.stride(1) % kPerVec == 0;
     args.kv = reinterpret_cast<const T*>(kv_cache.data_ptr());
     args.num_slots = kv_cache.size(0);
     args.heads = static_cast<int>(heads);
