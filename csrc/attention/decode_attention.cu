@@ -853,9 +853,9 @@ int ctas_per_sm() {
 // switch, CUTLASS_W8A8_ATTN_PREFETCH=1 (read once per process), off by default (unset, empty or 0) until measured.
 // Another value raises a ValueError naming the variable (a typo would otherwise measure the default).
 // The second buffer costs registers (nvcc 13.0, sm_90a, ptxas): the split kernel at G' = 8, 16-bit, goes from 229-245
-// to 242-255 registers, and bf16 spills there (24-60 bytes; Qwen3-30B-A3B's <bf16, 8, 16>: 52 B stored, 60 B
-// loaded), and so does float32's <float, 8, 32, 2> (D > 128: 241 to 255 registers, 200 B); the fused kernel spills
-// at G' = 8 (bf16 276-284 B, fp16 24 B) and at G' = 1 (16-28 B: 512 threads cap it at 128 registers). The launch
+// to 243-255 registers, and bf16 spills there (28-72 bytes; Qwen3-30B-A3B's <bf16, 8, 16>: 64 B stored, 60 B
+// loaded), and so does float32's <float, 8, 32, 2> (D > 128: 241 to 254 registers, 208 B); the fused kernel spills
+// at G' = 8 (bf16 284-292 B, fp16 16 B) and at G' = 1 (16-28 B: 512 threads cap it at 128 registers). The launch
 // bounds already allow 255 registers wherever it spills at G' = 8 (more is not possible); G' = 1's would need fewer
 // units per CTA, i.e. another fused plan, so they stay.
 bool attn_prefetch() {
