@@ -425,7 +425,7 @@ class W8A8MoE(nn.Module):
     def router_route_pays(router_weight: torch.Tensor) -> bool:
         """The speed rule of `router_route_applies`: a router weight ``[E, H]`` of at least
         ``MOE_ROUTER_ROUTE_MIN_EXPERTS`` experts and at most ``MOE_ROUTER_ROUTE_MAX_WEIGHT_BYTES`` bytes (ops/_limits.py
-        owns both and cites the H200 measurement: 1.47-2.97x the two ops at T = 1 / 8 over the routers of
+        owns both and cites the H200 measurement: 1.35-2.99x the two ops at T = 1 / 8 / 16 over the routers of
         Mixtral-8x7B, OLMoE, Qwen3-30B-A3B, GLM-4.5, DeepSeek-V3 and Kimi-K2; a router outside that range keeps the
         two ops, unmeasured)."""
         return (router_weight.dim() == 2 and router_weight.shape[0] >= MOE_ROUTER_ROUTE_MIN_EXPERTS
