@@ -59,7 +59,7 @@
 //   CUTLASS_W8A8_ATTN_MIN_CHUNK   (min_chunk)    the least positions per split of a full cache (default kMinChunk);
 //   CUTLASS_W8A8_ATTN_CTAS_PER_SM (ctas_per_sm)  the split CTAs per SM the ctas rule aims at, in [1, 16] (default 2;
 //     read and checked under either rule, used by the ctas rule only);
-//   CUTLASS_W8A8_ATTN_HEADS_PER_CTA (heads_per_cta_cap) the most query heads per CTA, 1, 2, 4 or 8 (default 8):
+//   CUTLASS_W8A8_ATTN_HEADS_PER_CTA (heads_per_cta_cap) the most query heads per CTA, 1, 2, 4 or 8 (default 4):
 //     G' = the largest of 8, 4, 2, 1 dividing the group and at most it (both kernels, the split count, the fused
 //     plan); at the same split count the same bits (a head's math does not depend on the CTA's other heads), but
 //     the count follows the (row, head group) pairs and, under the wave rule, the launched variant's occupancy;
@@ -130,7 +130,8 @@ constexpr int kChunkAlign = 8;   // split chunks are multiples of this many posi
 constexpr int kMinChunk = 32;
 constexpr int kMaxSplits = 64;
 constexpr int kCtasPerSm = 2;  // choose_splits' ctas rule: about this many split CTAs per SM (..._CTAS_PER_SM)
-constexpr int kMaxHeadsPerCta = 8;  // heads_per_cta: at most this many query heads per CTA (..._HEADS_PER_CTA)
+constexpr int kMaxHeadsPerCta = 8;  // the kernels are instantiated for G' in {1, 2, 4, 8}: at most this many heads
+constexpr int kDefaultHeadsPerCta = 4;  // heads_per_cta_cap's default (..._HEADS_PER_CTA unset): see there
 constexpr int kCombineThreads = 1024;  // one thread per 4 outputs of a Llama-3 row (H * D = 4096)
 constexpr int kCombineVecs = 2;  // combine: up to 2 vectors of 4 elements per thread in registers (H * D <= 8192)
 constexpr int64_t kCombineSmemFloats = 8192;  // combine: at most this many split weights (32 KiB of shared memory)
@@ -796,8 +797,11 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
 #endif
 }
 
-// The most query heads per CTA (G'): kMaxHeadsPerCta, or CUTLASS_W8A8_ATTN_HEADS_PER_CTA (1, 2, 4 or 8), read once per
-// process. An experiment's knob (issue 36; bench_decode_attention.py, a process per value): at G' = 8 the 16-bit
+// The most query heads per CTA (G'): kDefaultHeadsPerCta (4), or CUTLASS_W8A8_ATTN_HEADS_PER_CTA (1, 2, 4 or 8), read
+// once per process. The default was 8 until the tenth session's H200 runs (bench_decode_attention.py, Qwen3-30B-A3B
+// and Llama-3-8B heads, B 1-32, S 256-16384, alternating processes): a cap of 4 took Qwen3's split + combine to
+// 0.847x (B 1), 0.910x (B 4), 0.935x (B 8), 0.998x (B 32) of the cap of 8 (geomean per batch), Llama-3-8B (G 4)
+// unchanged, and the Qwen3-MoE decoder's int8 batch-1 step from 2.831 to 2.685 ms. Why: at G' = 8 the 16-bit
 // split kernel at D = 128 holds 244 registers (2 CTAs per SM) and serializes its 8 heads' math; a cap of 4 gives
 // Qwen3-30B-A3B (32 / 4 heads) Llama-3-8B's CTA shape (G' = 4, 166 registers, 3 per SM) at twice the CTAs, each
 // K / V row read by two CTAs (on an H200 at B 1, S 512 and 16 splits, eager: Qwen3's split kernel 7.62 us at G' = 8,
@@ -807,7 +811,8 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
 // split count follows the launched variant (the (row, head group) pairs, and under the wave rule its occupancy),
 // so another value may change the splits, hence the bits.
 int heads_per_cta_cap() {
-  static const int value = env_int(kOp, "CUTLASS_W8A8_ATTN_HEADS_PER_CTA", kMaxHeadsPerCta,
+  static_assert(kDefaultHeadsPerCta <= kMaxHeadsPerCta, "the default cap is one of the instantiated G'");
+  static const int value = env_int(kOp, "CUTLASS_W8A8_ATTN_HEADS_PER_CTA", kDefaultHeadsPerCta,
                                    [](long v) { return v == 1 || v == 2 || v == 4 || v == 8; }, "1, 2, 4 or 8");
   return value;
 }

@@ -5,8 +5,9 @@
 //   moe_align -> moe_permute_quant -> grouped_scaled_mm (w13) -> silu_mul_quant -> grouped_scaled_mm (w2)
 //   -> moe_unpermute                                              (7 kernels, 5 intermediate tensors)
 //
-// The two-kernel path (top_k >= 4, own_quant on the host; CUTLASS_W8A8_MOE_DECODE_PREP=1 forces the three-kernel one,
-// the A/B switch):
+// The two-kernel path (top_k >= 4 and T x H <= 2048, top_k x I <= 6144: own_quant on the host, the measured speed
+// rule; CUTLASS_W8A8_MOE_DECODE_PREP=1 forces the three-kernel one and =0 the two-kernel one where its shared
+// memory fits, the A/B switch):
 //   gate/up'  the gate/up CTA below (moe_decode_gate_up_kernel with XT = x's dtype), except that after finding its
 //             slot's pairs it quantizes the x rows of the slot's tokens itself (quantize_x_rows: prep's arithmetic
 //             into dynamic shared memory, T rows of own_x_pitch(H) bytes and their scales), its main loop reads A
@@ -1179,12 +1180,13 @@ void launch_gemms(const MoeDecodeParams& p, int slots, cudaStream_t stream, bool
 
 // --- the two-kernel path (top_k >= 4): gate/up quantizes x, the token-major down quantizes h --------------------
 
-// Whether the three-kernel path (prep -> gate/up with the last-CTA quantization of h -> down) is forced where the
-// two-kernel one applies: an A/B switch, CUTLASS_W8A8_MOE_DECODE_PREP=1 (read once per process); unset, empty or 0:
-// the two-kernel path where own_quant allows it. Another value raises a ValueError naming the variable. Both paths
-// give the same bits.
-bool decode_prep_forced() {
-  static const bool value = env_choice("moe_decode_experts", "CUTLASS_W8A8_MOE_DECODE_PREP", {"0", "1"}) == "1";
+// CUTLASS_W8A8_MOE_DECODE_PREP, an A/B switch read once per process: unset or empty, the speed rule below picks the
+// path; 1 forces the three-kernel path (prep -> gate/up with the last-CTA quantization of h -> down) where the
+// two-kernel one would apply; 0 forces the two-kernel path wherever top_k >= 4 and its shared memory fits (the rule's
+// bounds ignored: the A/B runs and the tests of the two-kernel path at wide shapes). Another value raises a
+// ValueError naming the variable. Both paths give the same bits.
+const std::string& decode_prep_switch() {
+  static const std::string value = env_choice("moe_decode_experts", "CUTLASS_W8A8_MOE_DECODE_PREP", {"0", "1"});
   return value;
 }
 
@@ -1202,11 +1204,23 @@ int64_t own_h_smem(int64_t inter, bool group) {
 }
 static_assert(kMaxPairs / kTokenMajorMinTopK <= 32, "quantize_x_rows' token mask is 32 bits");
 
-// Whether this call runs the two-kernel path: the token-major down (top_k >= 4), not forced off, and both kernels'
-// shared memory within kOwnQuantMaxSmem (else the three-kernel path, which needs none).
+// The speed rule: the two-kernel path's redundant quantization, per CTA, at most what measured a win. On an H200
+// (bench_moe.py --parts decode, alternating with the three-kernel path, two rounds, the tenth session) it won at
+// Qwen3-30B-A3B dims at T = 1 (each gate/up CTA quantizing T x H = 2048 x elements, each down CTA top_k x I = 6144
+// h elements: the layer 26.5 -> 24.4 us int8, 27.6 -> 25.9 fp8, 31.1 -> 29.5 block fp8) and lost at T = 8 (16384 x
+// elements: 100 -> 114 us int8) and at DeepSeek-V3's at T = 1 (7168 / 16384: 110 -> 128 us int8; at T = 8 670 ->
+// 817 us). Between those points nothing was measured: the bounds sit at the winning point.
+constexpr int64_t kOwnQuantMaxXElems = 2048;  // T x H per gate/up CTA
+constexpr int64_t kOwnQuantMaxHElems = 6144;  // top_k x I per down CTA
+
+// Whether this call runs the two-kernel path: the token-major down (top_k >= 4), not forced off, both kernels' shared
+// memory within kOwnQuantMaxSmem, and the redundant quantization within the speed rule's bounds unless the switch
+// is 0 (else the three-kernel path, which needs no shared memory of this kind).
 bool own_quant(int64_t t, int64_t k, int64_t hid, int64_t inter, bool group) {
-  return down_token_major(static_cast<int>(k)) && !decode_prep_forced() &&
-         own_x_smem(t, hid, group) <= kOwnQuantMaxSmem && own_h_smem(inter, group) <= kOwnQuantMaxSmem;
+  const std::string& forced = decode_prep_switch();
+  const bool fits = own_x_smem(t, hid, group) <= kOwnQuantMaxSmem && own_h_smem(inter, group) <= kOwnQuantMaxSmem;
+  const bool pays = t * hid <= kOwnQuantMaxXElems && k * inter <= kOwnQuantMaxHElems;
+  return down_token_major(static_cast<int>(k)) && forced != "1" && fits && (forced == "0" || pays);
 }
 
 // Launches kKernel with `smem` bytes of dynamic shared memory, after raising its limit to kOwnQuantMaxSmem once per
@@ -1262,7 +1276,7 @@ at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, c
   moe::check_decode_experts(op, x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size, out_dtype);
   gate_up_dual();  // the A/B switches: a bad value raises here, before any launch
   down_prefetch();
-  decode_prep_forced();
+  decode_prep_switch();
   c10::cuda::CUDAGuard guard(x.device());
   const int device = x.device().index();
   const DeviceInfo& info = device_info(device);

@@ -86,7 +86,7 @@ def decode_attention(
 
     1. ``decode_attention_split_kernel``, grid ``(B, H / G', splits)``: a block takes row ``b``, the ``G'``
        query heads that share one key/value head (``G'`` the largest of 8, 4, 2, 1 dividing ``G = H / KVH``
-       and at most ``CUTLASS_W8A8_ATTN_HEADS_PER_CTA``, default 8, so each key/value row is read once for those
+       and at most ``CUTLASS_W8A8_ATTN_HEADS_PER_CTA``, default 4, so each key/value row is read once for those
        heads) and one contiguous chunk of the positions ``0..positions[b]``, and keeps an online softmax over it
        (a running maximum, a running sum and a float32 accumulator, rescaled when the maximum grows: Milakov &
        Gimelshein [1]_). The chunk bounds are computed on the device from ``positions[b]``; the number of splits

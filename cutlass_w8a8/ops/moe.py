@@ -485,8 +485,9 @@ def moe_decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     (``group_size`` 128), the intermediate ``silu(gate) * up`` is rounded to ``out_dtype`` before its quantization,
     and the top-k outputs are weighted and summed in float32 in increasing ``j``, then rounded once.
 
-    On CUDA (sm90) the op runs two kernels at ``top_k >= 4`` and three below, with no host synchronisation, its
-    launches fixed by the shapes (it captures into a CUDA graph and replays with new routings). At ``top_k >= 4``:
+    On CUDA (sm90) the op runs two kernels at ``top_k >= 4`` within the speed rule below and three otherwise, with
+    no host synchronisation, its launches fixed by the shapes (it captures into a CUDA graph and replays with new
+    routings). The two kernels:
 
     1. **gate/up**: a grouped decode GEMM whose CTAs find their expert from ``topk_ids`` (no sort), quantize the
        ``x`` rows of their tokens themselves (per token or per group, into shared memory) and apply
@@ -495,8 +496,12 @@ def moe_decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
        intermediate rows itself, weights each row's result by ``topk_weights`` and sums them in increasing ``j``
        (deterministic: a fixed order, no float atomics), writing ``out`` (zeros for a token with no routed pair).
 
-    Below ``top_k`` 4 (or with the environment variable ``CUTLASS_W8A8_MOE_DECODE_PREP=1``, read once per process:
-    an A/B switch giving the same bits; another value than unset, empty, 0 or 1 raises ``ValueError``):
+    Below ``top_k`` 4, or where the redundant quantization of the two kernels above outweighs the launch they save
+    (``T x H > 2048`` or ``top_k x I > 6144``: on an H200 the two-kernel path won at Qwen3-30B-A3B dims at ``T = 1``
+    and lost at ``T = 8`` and at DeepSeek-V3 dims, csrc/moe/moe_decode.cu ``own_quant``), or with the environment
+    variable ``CUTLASS_W8A8_MOE_DECODE_PREP=1`` (read once per process: an A/B switch giving the same bits; ``0``
+    forces the two kernels wherever ``top_k >= 4`` and their shared memory fits; another value than unset, empty,
+    0 or 1 raises ``ValueError``):
 
     1. **prep**: the per-token (or per-group) quantization of ``x`` and the zeroing of the workspace counters;
     2. **gate/up**: as above on prep's quantized rows; the last CTA of each (token, expert) pair to finish

@@ -1,5 +1,5 @@
-"""`moe_decode_experts` on an sm90 GPU: the fused MoE decode path (2 kernels at top_k >= 4, 3 below or with
-CUTLASS_W8A8_MOE_DECODE_PREP=1) against the unfused CUDA chain
+"""`moe_decode_experts` on an sm90 GPU: the fused MoE decode path (2 kernels at top_k >= 4 within csrc/moe/moe_decode.cu's
+speed rule or with CUTLASS_W8A8_MOE_DECODE_PREP=0, else 3) against the unfused CUDA chain
 (`moe_align` -> `moe_permute_quant` -> `grouped_scaled_mm` -> `silu_mul_quant` -> `grouped_scaled_mm` ->
 `moe_unpermute`) BIT FOR BIT, for int8, fp8 with per-channel and per-expert weight scales and block fp8, bfloat16 and
 float16 outputs, float32 / float16 / bfloat16 x, T * top_k from 1 to 64, 8 and 128 experts, routings with empty
@@ -151,10 +151,25 @@ def _long_i_operands(scheme, i):
     return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
 
 
+# csrc/moe/moe_decode.cu's speed rule for the two-kernel path (kOwnQuantMaxXElems, kOwnQuantMaxHElems): T x H and
+# top_k x I at most these
+OWN_QUANT_MAX_X, OWN_QUANT_MAX_H = 2048, 6144
+
+
 def _prep_forced():
     """Whether this process runs the three-kernel path where the two-kernel one applies
     (CUTLASS_W8A8_MOE_DECODE_PREP=1)."""
     return os.environ.get("CUTLASS_W8A8_MOE_DECODE_PREP") == "1"
+
+
+def _two_kernel(t, k, h=H, i=I):
+    """Whether this process runs the two-kernel path at (T, top_k, H, I) (shared memory fitting, as at every size
+    the kernel-variant tests use): top_k >= 4 and CUTLASS_W8A8_MOE_DECODE_PREP not 1; unset, the speed rule's
+    bounds; 0, regardless of them."""
+    switch = os.environ.get("CUTLASS_W8A8_MOE_DECODE_PREP", "")
+    if k < 4 or switch == "1":
+        return False
+    return switch == "0" or (t * h <= OWN_QUANT_MAX_X and k * i <= OWN_QUANT_MAX_H)
 
 
 @pytest.mark.parametrize("scheme, t, k", [("int8", 1, 8), ("int8", 8, 8), ("fp8-block", 1, 8), ("int8", 1, 2),
@@ -165,8 +180,9 @@ def test_gate_up_kernel_variant_follows_the_switch(scheme, t, k):
     the CTA quantizes x itself). On the three-kernel path (top_k < 4, or CUTLASS_W8A8_MOE_DECODE_PREP=1) kDual is what
     CUTLASS_W8A8_MOE_GATE_UP_DUAL says for this process (unset: 0): with 8 pairs or fewer (the one-token-tile kernel;
     row-wise, the only one where 1 and 2 differ) 0, 1 or 2; with more (two token tiles) and block fp8, 1 for both 1 and
-    2. The two-kernel path (top_k >= 4, unset) runs kDual 0 whatever the switch, with XT = bfloat16 here."""
-    three = k < 4 or _prep_forced()
+    2. The two-kernel path (top_k >= 4 within the speed rule, or CUTLASS_W8A8_MOE_DECODE_PREP=0) runs kDual 0
+    whatever the switch, with XT = bfloat16 here."""
+    three = not _two_kernel(t, k)
     mode = os.environ.get("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "")
     if not three:
         want = "0"
@@ -190,7 +206,7 @@ def test_gate_up_kernel_variant_follows_the_switch(scheme, t, k):
 def test_down_kernel_variant_follows_the_switch():
     """moe_decode_down_tm_kernel's template arguments kPrefetch (each block loaded one block ahead) and kOwnH (the
     kernel quantizes h itself: the two-kernel path) are what CUTLASS_W8A8_MOE_DOWN_PREFETCH ("1": true; unset: false)
-    and CUTLASS_W8A8_MOE_DECODE_PREP ("1": false; unset: true) say for this process, at T = 1, top-8."""
+    and CUTLASS_W8A8_MOE_DECODE_PREP ("1": false; unset or "0": true) say for this process, at T = 1, top-8."""
     want = "true" if os.environ.get("CUTLASS_W8A8_MOE_DOWN_PREFETCH") == "1" else "false"
     ops = _operands("fp8-block", 8)
     ids, wts = routing(1, 8, 8, "random", "cuda", seed=3)
@@ -202,15 +218,16 @@ def test_down_kernel_variant_follows_the_switch():
         pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
     m = re.search(r"moe_decode_down_tm_kernel<.*, (true|false), (true|false)>\(", names[0])
     assert m is not None and m.group(1) == want, names[0]
-    assert m.group(2) == ("false" if _prep_forced() else "true"), names[0]
+    assert m.group(2) == ("true" if _two_kernel(1, 8) else "false"), names[0]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("t, k", [(1, 8), (4, 8), (8, 8), (16, 4), (8, 2)])
 def test_decode_path_kernels_follow_the_switch(scheme, t, k):
-    """The op's kernels, in launch order: at top_k >= 4 gate/up then the token-major down (the two-kernel path),
-    or, with CUTLASS_W8A8_MOE_DECODE_PREP=1, prep first (the three-kernel path); below top_k 4 prep, gate/up and the
-    expert-major down whatever the switch."""
+    """The op's kernels, in launch order: at top_k >= 4 gate/up then the token-major down (the two-kernel path:
+    T x H and top_k x I within the speed rule, or CUTLASS_W8A8_MOE_DECODE_PREP=0), else prep first (the three-kernel
+    path: beyond the rule, here T 16 at H 256, or CUTLASS_W8A8_MOE_DECODE_PREP=1); below top_k 4 prep, gate/up and
+    the expert-major down whatever the switch."""
     ops = _operands(scheme, 8)
     ids, wts = routing(t, k, 8, "random", "cuda", seed=t + k)
     x = random_x(t, H, device="cuda", seed=5)
@@ -221,7 +238,7 @@ def test_decode_path_kernels_follow_the_switch(scheme, t, k):
     short = [re.search(r"(moe_decode_\w+_kernel)", n).group(1) for n in names if "moe_decode_" in n]
     if k < 4:
         want = ["moe_decode_prep_kernel", "moe_decode_gate_up_kernel", "moe_decode_down_kernel"]
-    elif _prep_forced():
+    elif not _two_kernel(t, k):
         want = ["moe_decode_prep_kernel", "moe_decode_gate_up_kernel", "moe_decode_down_tm_kernel"]
     else:
         want = ["moe_decode_gate_up_kernel", "moe_decode_down_tm_kernel"]
@@ -260,7 +277,8 @@ def test_two_and_three_kernel_paths_equal_bitwise(tmp_path):
     path (prep, gate/up with the last-CTA quantization of h, down) give the same bits at top_k >= 4: int8 / fp8 /
     block fp8 (and per-expert scales), T 1, 4, 8 at top-8 and 16 at top-4, random routings with repeated experts,
     out-of-range and -1 ids and an unrouted token. The other path runs in a subprocess (the switch
-    CUTLASS_W8A8_MOE_DECODE_PREP is read once per process)."""
+    CUTLASS_W8A8_MOE_DECODE_PREP is read once per process): 1 (the three-kernel path) against this process (unset:
+    the speed rule, the two-kernel path at T 1-8 here; 0: everywhere), or 0 against 1."""
     here = pathlib.Path(__file__)
     out_file = tmp_path / "other_path.pt"
     code = ("import sys, torch\n"
@@ -313,14 +331,16 @@ def test_a_bad_switch_value_raises_naming_the_variable(name, value, allowed):
 
 @pytest.mark.parametrize("env", [{"CUTLASS_W8A8_MOE_GATE_UP_DUAL": "1"}, {"CUTLASS_W8A8_MOE_GATE_UP_DUAL": "2"},
                                  {"CUTLASS_W8A8_MOE_DOWN_PREFETCH": "1", "CUTLASS_W8A8_MOE_GATE_UP_DUAL": "2"},
-                                 {"CUTLASS_W8A8_MOE_DECODE_PREP": "1"},
+                                 {"CUTLASS_W8A8_MOE_DECODE_PREP": "1"}, {"CUTLASS_W8A8_MOE_DECODE_PREP": "0"},
                                  {"CUTLASS_W8A8_MOE_DECODE_PREP": "1", "CUTLASS_W8A8_MOE_GATE_UP_DUAL": "2",
                                   "CUTLASS_W8A8_MOE_DOWN_PREFETCH": "1"}],
-                         ids=["gate-up-1", "gate-up-2", "down-prefetch", "prep", "prep-gate-up-2-down-prefetch"])
+                         ids=["gate-up-1", "gate-up-2", "down-prefetch", "prep", "two-kernel",
+                              "prep-gate-up-2-down-prefetch"])
 def test_kernel_variants_in_their_own_process(env):
     """The A/B variants of the decode path's kernels (CUTLASS_W8A8_MOE_GATE_UP_DUAL=1 / 2: gate/up in one pass, on the
     three-kernel path; CUTLASS_W8A8_MOE_DOWN_PREFETCH=1: the token-major down kernel one block ahead;
-    CUTLASS_W8A8_MOE_DECODE_PREP=1: the three-kernel path at top_k >= 4 too; each read once per process, so a fresh
+    CUTLASS_W8A8_MOE_DECODE_PREP=1: the three-kernel path at top_k >= 4 too; =0: the two-kernel path beyond the
+    speed rule, at every wide / unaligned shape whose shared memory fits; each read once per process, so a fresh
     one): this file's bitwise tests against the chain and the kernel-variant checks pass there too."""
     if any(os.environ.get(name) for name in SWITCHES):
         pytest.skip("this process already runs a variant")

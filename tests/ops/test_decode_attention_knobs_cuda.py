@@ -27,9 +27,9 @@ environment variable read once per process, so every check here runs in a fresh 
   element, an exact max for the row scale: bit-identical outputs (the combine does not change the split count under
   either rule), compared as for the prefetch under the default rule, and the combine kernels that ran are the ones
   each process asked for.
-- CUTLASS_W8A8_ATTN_HEADS_PER_CTA=N (heads_per_cta_cap, N in 1, 2, 4, 8, default 8): the most query heads per CTA,
+- CUTLASS_W8A8_ATTN_HEADS_PER_CTA=N (heads_per_cta_cap, N in 1, 2, 4, 8, default 4): the most query heads per CTA,
   G' = the largest of 8, 4, 2, 1 dividing the GQA group and at most N, for the split kernel, the fused kernel, the
-  split count and the fused plan alike. At 4 and 1, Qwen3-30B-A3B heads (32 / 4 x 128, bf16) at B 1 / 3, S 256 /
+  split count and the fused plan alike. At 8 and 1, Qwen3-30B-A3B heads (32 / 4 x 128, bf16) at B 1 / 3, S 256 /
   1000, ragged rows, match the float64 reference on both paths, decode_attention_quant's int8 output equals
   quantizing the plain output, the split / fused kernel that ran has kG = N (Llama-3-8B's group 4 keeps kG 4 at a
   cap of 4), and decode_attention_path gives Qwen3 the path of the layout whose group is N (the same H / G' head
@@ -369,7 +369,9 @@ def test_ctas_per_sm_reaches_the_fused_plan():
 
 # --- HEADS_PER_CTA: at most N query heads per CTA ------------------------------------------------------------------
 
-# (name, H, KVH): Qwen3-30B-A3B (group 8: G' 8 by default) and Llama-3-8B (group 4: G' 4); D = 128, bfloat16
+# (name, H, KVH): Qwen3-30B-A3B (group 8: G' 4 by default, 8 at a cap of 8) and Llama-3-8B (group 4: G' 4); D = 128,
+# bfloat16. DEFAULT_HEADS_CAP: heads_per_cta_cap's default (kDefaultHeadsPerCta)
+DEFAULT_HEADS_CAP = 4
 HEADS_LAYOUTS = [("qwen3", 32, 4), ("llama3", 32, 8)]
 HEADS_BATCHES = (1, 3)
 HEADS_SEQS = (256, 1000)
@@ -448,12 +450,13 @@ def _heads_in_a_process(tmp_path, env: dict, tag: str) -> dict:
     return torch.load(out)
 
 
-@pytest.mark.parametrize("cap", [4, 1])
+@pytest.mark.parametrize("cap", [8, 1])
 def test_heads_per_cta_cap_matches_the_reference(tmp_path, cap):
     """With CUTLASS_W8A8_ATTN_HEADS_PER_CTA=cap: Qwen3 heads match the float64 reference on both paths and the int8
     op equals the composition (checked in the child); the kernels that ran hold G' = min(group, cap) heads (where
     the profiler records kernels); decode_attention_path gives Qwen3 (group 8) the path of the layout of group cap,
-    whose head groups are the same, and Llama-3-8B (group 4) its unset path at a cap of 4."""
+    whose head groups are the same, and the groups at or below both caps (the default's and this one) their unset
+    path."""
     _skip_if_a_knob_is_set()
     base = _heads_in_a_process(tmp_path, _clean_env(), "unset")
     got = _heads_in_a_process(tmp_path, _clean_env(**{HEADS: str(cap)}), f"cap{cap}")
@@ -464,14 +467,14 @@ def test_heads_per_cta_cap_matches_the_reference(tmp_path, cap):
             for mode in ("split", "fused"):
                 # Qwen3's G' becomes cap: the path (split count, plan) of H / cap head groups, as group cap's
                 assert got["paths"][f"kvh4-b{b}-s{s}/{mode}"] == got["paths"][f"kvh{32 // cap}-b{b}-s{s}/{mode}"]
-                # groups at or below the cap keep their G', hence their path
+                # groups at or below both caps keep their G', hence their path
                 for kvh in (32, 16, 8):
-                    if 32 // kvh <= cap:
+                    if 32 // kvh <= min(cap, DEFAULT_HEADS_CAP):
                         key = f"kvh{kvh}-b{b}-s{s}/{mode}"
                         assert got["paths"][key] == base["paths"][key], key
     if any(base["groups"].values()):  # empty where the profiler records no CUDA kernels (no CUPTI)
         assert {k: v for k, v in base["groups"].items() if k.startswith("qwen3/")} and all(
-            v == [8] for k, v in base["groups"].items() if k.startswith("qwen3/")), base["groups"]
+            v == [DEFAULT_HEADS_CAP] for k, v in base["groups"].items() if k.startswith("qwen3/")), base["groups"]
         assert all(v == [4] for k, v in base["groups"].items() if k.startswith("llama3/")), base["groups"]
         assert all(v == [cap] for k, v in got["groups"].items() if k.startswith("qwen3/")), got["groups"]
         assert all(v == [min(4, cap)] for k, v in got["groups"].items() if k.startswith("llama3/")), got["groups"]
@@ -479,11 +482,11 @@ def test_heads_per_cta_cap_matches_the_reference(tmp_path, cap):
 
 def test_heads_per_cta_cap_gives_the_same_bits_at_one_split(tmp_path):
     """At one split (CUTLASS_W8A8_ATTN_MIN_CHUNK=4096: at most S / 4096 splits, so one for S < 8192, whatever G')
-    every output with CUTLASS_W8A8_ATTN_HEADS_PER_CTA=4 and =1 equals (torch.equal) the default's: a head's float
+    every output with CUTLASS_W8A8_ATTN_HEADS_PER_CTA=8 and =1 equals (torch.equal) the default's: a head's float
     operations do not depend on the other heads of its CTA."""
     _skip_if_a_knob_is_set()
     base = _heads_in_a_process(tmp_path, _clean_env(**{MIN_CHUNK: "4096"}), "one-split")
-    for cap in ("4", "1"):
+    for cap in ("8", "1"):
         got = _heads_in_a_process(tmp_path, _clean_env(**{MIN_CHUNK: "4096", HEADS: cap}), f"one-split-cap{cap}")
         _assert_same_outputs(base, got)
 
