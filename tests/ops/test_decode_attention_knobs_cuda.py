@@ -90,11 +90,12 @@ def _pytest(env: dict, *args: str) -> None:
 
 # --- PREFETCH: the same bits ------------------------------------------------------------------------------------
 
-# (name, H, KVH): Qwen3-30B-A3B (G' = 8 heads per unit) and Llama-3-8B (G' = 4); D = 128
+# (name, H, KVH): Qwen3-30B-A3B (group 8: G' = 4 heads per unit at the default cap, CUTLASS_W8A8_ATTN_HEADS_PER_CTA)
+# and Llama-3-8B (G' = 4); D = 128
 LAYOUTS = [("qwen3", 32, 4), ("llama3", 32, 8)]
-# S 256: Qwen3's B 1 / 8 take the fused path where it is allowed (sm90), under either split rule (at most 8
-# splits, 4 x 8 units); 512 / 4096: the two kernels under the ctas rule (the wave rule may fit Qwen3's B 8 in one
-# cluster there)
+# S 256 / 512 / 4096: mostly the two kernels (8 head groups x up to 8 splits at S 256 overflow one cluster of 16 x 2
+# units; the wave rule may fit B 8 in one cluster); the float16 case at S 128 below (at most 4 splits, 8 x 4 units)
+# takes the fused path where it is allowed (sm90) under either rule
 SEQS = [256, 512, 4096]
 BATCHES = [1, 8]
 
@@ -116,7 +117,7 @@ def _cases():
             for b in BATCHES:
                 out.append((f"{name}-b{b}-s{s}-bf16", h, kvh, 128, b, s, torch.bfloat16, 10 * b + s))
     out.append(("qwen3-b8-s512-fp16", 32, 4, 128, 8, 512, torch.float16, 7))
-    out.append(("qwen3-b8-s256-fp16", 32, 4, 128, 8, 256, torch.float16, 11))  # the fused path in float16
+    out.append(("qwen3-b8-s128-fp16", 32, 4, 128, 8, 128, torch.float16, 11))  # the fused path in float16
     out.append(("llama3-b8-s512-fp32", 32, 8, 128, 8, 512, torch.float32, 8))
     out.append(("h12-kvh2-b3-s1000-d64-bf16", 12, 2, 64, 3, 1000, torch.bfloat16, 9))  # G' = 2, kLanes 8
     # G' = 1 (at most 8 splits, up to 64 units: fused where resident, up to 16 CTAs of 4 units)
@@ -489,6 +490,14 @@ def test_heads_per_cta_cap_gives_the_same_bits_at_one_split(tmp_path):
     for cap in ("8", "1"):
         got = _heads_in_a_process(tmp_path, _clean_env(**{MIN_CHUNK: "4096", HEADS: cap}), f"one-split-cap{cap}")
         _assert_same_outputs(base, got)
+
+
+def test_fused_path_under_a_cap_of_8():
+    """test_decode_attention_fused_cuda.py (the one-kernel path against the two kernels, bit for bit, and the paths
+    of the target shapes) in a process with CUTLASS_W8A8_ATTN_HEADS_PER_CTA=8: Qwen3-30B-A3B's groups of G' = 8
+    (the default 4 leaves that fused instantiation to this run)."""
+    _skip_if_a_knob_is_set()
+    _pytest(_clean_env(**{HEADS: "8"}), str(HERE.parent / "test_decode_attention_fused_cuda.py"))
 
 
 # --- bad values ---------------------------------------------------------------------------------------------------
