@@ -66,7 +66,8 @@ KERNEL_RULES: tuple[Rule, ...] = (
     # csrc/gemm/decode/decode_kernels.cuh: the M <= 16 GEMM and its split-K reduction
     Rule("gemm w8a8", head=("decode_gemm_kernel", "decode_reduce_kernel")),
     # csrc/gemm/decode/grouped_decode.cu (grouped_scaled_mm at T <= 64) and csrc/moe/moe_decode.cu (the MoE decode
-    # path: the gate/up and down GEMMs; its prep kernel quantizes x)
+    # path: the gate/up and down GEMMs, which at top_k >= 4 quantize x and h themselves; below, or with
+    # CUTLASS_W8A8_MOE_DECODE_PREP=1, its prep kernel quantizes x)
     Rule("gemm w8a8", head=("grouped_decode_kernel", "moe_decode_gate_up_kernel", "moe_decode_down_kernel",
                             "moe_decode_down_tm_kernel")),
     Rule("quant", head=("moe_decode_prep_kernel",)),

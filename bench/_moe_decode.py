@@ -1,5 +1,6 @@
 """Part ``decode`` of bench/bench_moe.py (issue 36): the MoE layer at decode sizes, routing included, the fused decode
-path (`cutlass_w8a8.ops.moe.moe_decode_experts`: 3 kernels after the routing) against the unfused chain
+path (`cutlass_w8a8.ops.moe.moe_decode_experts`: 2 kernels after the routing at top_k >= 4, 3 below or with
+``CUTLASS_W8A8_MOE_DECODE_PREP=1``) against the unfused chain
 (``W8A8MoE.fused_decode = False``: moe_align, moe_permute_quant, two grouped GEMMs, silu_mul_quant, moe_unpermute)
 and transformers' bf16 experts.
 

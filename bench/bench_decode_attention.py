@@ -16,6 +16,8 @@ compared bit for bit (a mismatch is reported in the table and makes the exit sta
     CUTLASS_W8A8_ATTN_SPLITS=ctas CUTLASS_W8A8_ATTN_CTAS_PER_SM=8 python bench/bench_decode_attention.py --json c8.json
     CUTLASS_W8A8_ATTN_PREFETCH=1 python bench/bench_decode_attention.py --json pf.json       # loads a step ahead
     CUTLASS_W8A8_ATTN_COMBINE=row python bench/bench_decode_attention.py --json row.json     # one-block combine
+    CUTLASS_W8A8_ATTN_HEADS_PER_CTA=8 python bench/bench_decode_attention.py --layouts qwen3-30b-a3b \
+        --batches 1,4,8,32 --seq 256,512,1024,4096,16384 --json h8.json                 # up to 8 heads per CTA
 
 ``--profile`` adds, per point, path and variant, the mean duration of each attention kernel (split, combine,
 fused) over eager calls with PDL off (with PDL a kernel starts early and its griddepcontrol wait would count in its
@@ -27,7 +29,9 @@ least positions per split, CUTLASS_W8A8_ATTN_CTAS_PER_SM the split CTAs per SM t
 effect under the wave rule), CUTLASS_W8A8_ATTN_PREFETCH=1 makes the split step load its next step's K and V before
 its math (the same bits at the same split count; the wave rule's count follows the variant's occupancy),
 CUTLASS_W8A8_ATTN_COMBINE=row runs the one-block-per-row combine kernel where the cluster combine (8 blocks a row,
-sm90) serves by default (the same bits).
+sm90) serves by default (the same bits), CUTLASS_W8A8_ATTN_HEADS_PER_CTA=1, 2, 4 or 8 caps the query heads per block
+G' (default 4: the largest of 8, 4, 2, 1 dividing the GQA group and at most the cap; Qwen3-30B-A3B's 8 become 4, 8 at 8; Llama-3-8B's 4
+stay; the same bits at the same split count, but the count follows the blocks, so it may change).
     python bench/bench_decode_attention.py --batches 1,2,4,8,16 --seq 512 --pdl off --json out.json
 """
 
@@ -59,7 +63,7 @@ OPS = torch.ops.cutlass_w8a8
 #: The JSON key of each of the attention kernels' A/B knobs (environment variables read once per process).
 KNOB_ENVS = {"min_chunk_env": "CUTLASS_W8A8_ATTN_MIN_CHUNK", "ctas_per_sm_env": "CUTLASS_W8A8_ATTN_CTAS_PER_SM",
              "prefetch_env": "CUTLASS_W8A8_ATTN_PREFETCH", "combine_env": "CUTLASS_W8A8_ATTN_COMBINE",
-             "splits_env": "CUTLASS_W8A8_ATTN_SPLITS"}
+             "splits_env": "CUTLASS_W8A8_ATTN_SPLITS", "heads_per_cta_env": "CUTLASS_W8A8_ATTN_HEADS_PER_CTA"}
 
 
 def _knob_envs() -> dict:

@@ -19,11 +19,11 @@
 //
 //   decode_attention_split_kernel, grid (B, H / G', splits), 4 warps. CTA (b, y, z) takes the G' query heads
 //     y G' .. y G' + G' - 1, which share one key/value head (G' = the largest of 8, 4, 2, 1 dividing the GQA
-//     group H / KVH: every K and V row the CTA reads serves G' heads), and chunk z of row b's positions
-//     0..positions[b]. The chunk length is computed on the device from positions[b] (split_chunk below), so the
-//     grid -- chosen on the host from B, H, G', S, the SM count, the split kernel's occupancy (the default wave
-//     rule's input) and the per-process knobs only -- stays valid in a CUDA graph whose
-//     positions change between replays. Inside a CTA, a "group" of kLanes lanes handles one position at a
+//     group H / KVH, at most CUTLASS_W8A8_ATTN_HEADS_PER_CTA: every K and V row the CTA reads serves G' heads),
+//     and chunk z of row b's positions 0..positions[b]. The chunk length is computed on the device from
+//     positions[b] (split_chunk below), so the grid -- chosen on the host from B, H, G', S, the SM count, the split
+//     kernel's occupancy (the default wave rule's input) and the per-process knobs only -- stays valid in a CUDA
+//     graph whose positions change between replays. Inside a CTA, a "group" of kLanes lanes handles one position at a
 //     time, each lane owning kVecs 16-byte slices of D (dot products: a shuffle reduction over the group); the
 //     32 / kLanes groups of a warp read consecutive positions, kUnroll positions per group and step. Each group
 //     keeps, per head, its running max m, running sum l and float32 accumulator; groups merge by shuffles, warps
@@ -59,7 +59,11 @@
 //   CUTLASS_W8A8_ATTN_MIN_CHUNK   (min_chunk)    the least positions per split of a full cache (default kMinChunk);
 //   CUTLASS_W8A8_ATTN_CTAS_PER_SM (ctas_per_sm)  the split CTAs per SM the ctas rule aims at, in [1, 16] (default 2;
 //     read and checked under either rule, used by the ctas rule only);
-//     these three change the splits, hence the bits (still from shapes and the split kernel's occupancy only: a
+//   CUTLASS_W8A8_ATTN_HEADS_PER_CTA (heads_per_cta_cap) the most query heads per CTA, 1, 2, 4 or 8 (default 4):
+//     G' = the largest of 8, 4, 2, 1 dividing the group and at most it (both kernels, the split count, the fused
+//     plan); at the same split count the same bits (a head's math does not depend on the CTA's other heads), but
+//     the count follows the (row, head group) pairs and, under the wave rule, the launched variant's occupancy;
+//     these four change the splits, hence the bits (still from shapes and the split kernel's occupancy only: a
 //     captured graph replays as eager runs);
 //   CUTLASS_W8A8_ATTN_PREFETCH=1  (attn_prefetch) split_partial issues step i + 1's K and V loads before step i's
 //     math (a second register buffer; both kernels): the same float operations in the same order, so the same
@@ -126,6 +130,8 @@ constexpr int kChunkAlign = 8;   // split chunks are multiples of this many posi
 constexpr int kMinChunk = 32;
 constexpr int kMaxSplits = 64;
 constexpr int kCtasPerSm = 2;  // choose_splits' ctas rule: about this many split CTAs per SM (..._CTAS_PER_SM)
+constexpr int kMaxHeadsPerCta = 8;  // the kernels are instantiated for G' in {1, 2, 4, 8}: at most this many heads
+constexpr int kDefaultHeadsPerCta = 4;  // heads_per_cta_cap's default (..._HEADS_PER_CTA unset): see there
 constexpr int kCombineThreads = 1024;  // one thread per 4 outputs of a Llama-3 row (H * D = 4096)
 constexpr int kCombineVecs = 2;  // combine: up to 2 vectors of 4 elements per thread in registers (H * D <= 8192)
 constexpr int64_t kCombineSmemFloats = 8192;  // combine: at most this many split weights (32 KiB of shared memory)
@@ -145,6 +151,7 @@ struct Args {
   const T* q;                 // (B, H, D), strides q_stride_b, q_stride_h, 1
   int64_t q_stride_b;
   int64_t q_stride_h;
+  bool q_vec16;               // q's pointer and both strides 16-byte aligned: split_partial loads q in 16-byte vectors
   const T* kv;                // (num_slots, 2, KVH, S, D) contiguous, 16-byte aligned
   int64_t num_slots;
   int heads;                  // H
@@ -174,6 +181,13 @@ __device__ __forceinline__ int row_length(const Args<T>& a, int64_t b) {
   pos = pos < 0 ? 0 : (pos >= a.seq_len ? a.seq_len - 1 : pos);
   return static_cast<int>(pos) + 1;
 }
+// Row b's cache slot, clamped into range. The kernels load it beside positions[b] (row_length), before anything
+// waits on that load: b < B, so the read is in bounds even for a split that then finds no work.
+template <class T>
+__device__ __forceinline__ int64_t row_slot(const Args<T>& a, int64_t b) {
+  const int64_t slot = a.slots[b * a.slots_stride];
+  return slot < 0 ? 0 : (slot >= a.num_slots ? a.num_slots - 1 : slot);
+}
 __device__ __forceinline__ int split_chunk(int len, int splits) {
   const int per = (len + splits - 1) / splits;
   return (per + kChunkAlign - 1) / kChunkAlign * kChunkAlign;
@@ -187,7 +201,7 @@ struct SplitSmem {
 };
 
 // One split unit: the kThreads threads t = 0 .. kThreads - 1 of 4 whole warps compute the partial result (M, l, acc)
-// of query heads h0 .. h0 + kG - 1 of row b over positions [s_begin, s_end) (empty: M = -inf, l = 0, acc = 0) into
+// of query heads h0 .. h0 + kG - 1 of row b (cache slot `slot`: row_slot) over positions [s_begin, s_end) (empty: M = -inf, l = 0, acc = 0) into
 // acc_row(g)[d] for d < D and store_ml(g, M, l) (thread 0). Every thread of the CTA must call it
 // (it synchronizes the CTA once). Both kernels run this code, so a split's (M, l, acc) are the same bits in both.
 //
@@ -195,7 +209,8 @@ struct SplitSmem {
 // the D elements: vector j of a row belongs to lane (j % kLanes) of the group, as its (j / kLanes)-th vector.
 // Vectors at or past D (when D is not kLanes * kVecs vectors) are zeros.
 template <class T, int kG, int kLanes, int kVecs, bool kPrefetch, class AccRow, class StoreMl>
-__device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int h0, int s_begin, int s_end, int t,
+__device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int64_t slot, int h0, int s_begin, int s_end,
+                                              int t,
                                               SplitSmem<kG, kLanes * kVecs * 16 / static_cast<int>(sizeof(T))>& sm,
                                               AccRow acc_row, StoreMl store_ml) {
   constexpr int kPer = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte vector
@@ -213,25 +228,53 @@ __device__ __forceinline__ void split_partial(const Args<T>& a, int64_t b, int h
   const int group = warp * kGroupsPerWarp + lane / kLanes;
   const int nvec = a.head_dim / kPer;  // vectors per cached row of D elements
 
-  int64_t slot = a.slots[b * a.slots_stride];
-  slot = slot < 0 ? 0 : (slot >= a.num_slots ? a.num_slots - 1 : slot);
   const int kvh = h0 / a.group_size;
   const int64_t head_rows = int64_t(a.seq_len) * nvec;  // vectors of one (slot, k/v, head)
   const Vec* k_rows = reinterpret_cast<const Vec*>(a.kv) + ((slot * 2) * a.kv_heads + kvh) * head_rows;
   const Vec* v_rows = k_rows + int64_t(a.kv_heads) * head_rows;
 
-  // this lane's slice of the kG queries, scaled (scalar loads: q is a strided view with no alignment promise)
+  // this lane's slice of the kG queries, scaled: one 16-byte load per vector where the host found q's pointer and
+  // strides 16-byte aligned (a.q_vec16; the decoder's q, a view of the fused qkv output, is), else scalar loads (q
+  // is a strided view with no alignment promise). The same elements, the same float operations either way.
+  // One branch around all kG x kVecs loads, so they are all in flight together (a branch per vector would wait for
+  // each vector's conversion before the next load: kG round trips).
+  Vec qv[kG][kVecs];
+  const T* q_rows = a.q + b * a.q_stride_b + int64_t(h0) * a.q_stride_h;
+  if (a.q_vec16) {
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        const int j = lane_in_group + i * kLanes;
+        if (j < nvec) {
+          qv[g][i] = reinterpret_cast<const Vec*>(q_rows + g * a.q_stride_h)[j];
+        } else {
+#pragma unroll
+          for (int e = 0; e < kPer; ++e) qv[g][i].v[e] = from_float<T>(0.f);
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int g = 0; g < kG; ++g) {
+#pragma unroll
+      for (int i = 0; i < kVecs; ++i) {
+        const int j = lane_in_group + i * kLanes;
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) {
+          qv[g][i].v[e] = j < nvec ? q_rows[g * a.q_stride_h + j * kPer + e] : from_float<T>(0.f);
+        }
+      }
+    }
+  }
   float qf[kG][kElems];
 #pragma unroll
   for (int g = 0; g < kG; ++g) {
-    const T* q_row = a.q + b * a.q_stride_b + int64_t(h0 + g) * a.q_stride_h;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int j = lane_in_group + i * kLanes;
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) {
-        qf[g][i * kPer + e] = j < nvec ? to_float(q_row[j * kPer + e]) * a.scale_log2 : 0.f;
-      }
+      for (int e = 0; e < kPer; ++e) qf[g][i * kPer + e] = j < nvec ? to_float(qv[g][i].v[e]) * a.scale_log2 : 0.f;
     }
   }
 
@@ -405,6 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_split_kernel(con
   const int64_t b = blockIdx.x;
   const int h0 = blockIdx.y * kG;
   const int split = blockIdx.z;
+  const int64_t slot = row_slot(a, b);  // loaded beside positions[b]: one round trip for both
   const int len = row_length(a, b);
   const int chunk = split_chunk(len, a.splits);
   const int s_begin = split * chunk;
@@ -412,7 +456,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_split_kernel(con
   const int s_end = min(len, s_begin + chunk);
   auto part = [&](int g) { return (b * a.heads + h0 + g) * a.splits + split; };
   split_partial<T, kG, kLanes, kVecs, kPrefetch>(
-      a, b, h0, s_begin, s_end, threadIdx.x, sm, [&](int g) { return a.part_acc + part(g) * a.head_dim; },
+      a, b, slot, h0, s_begin, s_end, threadIdx.x, sm, [&](int g) { return a.part_acc + part(g) * a.head_dim; },
       [&](int g, float m, float l) { a.part_ml[part(g)] = make_float2(m, l); });
 }
 
@@ -667,6 +711,7 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
   const int sub = tid / kThreads;
   const int unit = rank * kU + sub;
   const int hg = unit / a.splits, split = unit - hg * a.splits;
+  const int64_t slot = row_slot(a, b);  // loaded beside positions[b]: one round trip for both
   const int len = row_length(a, b);
   const int chunk = split_chunk(len, a.splits);
   const int n_active = (len + chunk - 1) / chunk;
@@ -674,7 +719,7 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
   const int s_end = min(len, s_begin + chunk);  // <= s_begin for an idle split: nothing read, never merged
   Unit& mine = units[sub];
   split_partial<T, kG, kLanes, kVecs, kPrefetch>(
-      a, b, hg * kG, s_begin, s_end, tid % kThreads, mine.split,
+      a, b, slot, hg * kG, s_begin, s_end, tid % kThreads, mine.split,
       [&](int g) { return &mine.acc[g][0]; }, [&](int g, float m, float l) { mine.ml[g] = make_float2(m, l); });
   cluster.sync();  // every unit's (M, l, acc) is in its CTA's shared memory
 
@@ -752,10 +797,33 @@ __global__ void __launch_bounds__(fused_max_units(kG) * kThreads) decode_attenti
 #endif
 }
 
-// Query heads per CTA: the largest of 8, 4, 2, 1 that divides the GQA group.
+// The most query heads per CTA (G'): kDefaultHeadsPerCta (4), or CUTLASS_W8A8_ATTN_HEADS_PER_CTA (1, 2, 4 or 8), read
+// once per process. The default was 8 until the tenth session's H200 runs (bench_decode_attention.py, Qwen3-30B-A3B
+// and Llama-3-8B heads, B 1-32, S 256-16384, alternating processes): a cap of 4 took Qwen3's split + combine to
+// 0.847x (B 1), 0.910x (B 4), 0.935x (B 8), 0.998x (B 32) of the cap of 8 (geomean per batch), Llama-3-8B (G 4)
+// unchanged, and the Qwen3-MoE decoder's int8 batch-1 step from 2.831 to 2.685 ms. Why: at G' = 8 the 16-bit
+// split kernel at D = 128 holds 244 registers (2 CTAs per SM) and serializes its 8 heads' math; a cap of 4 gives
+// Qwen3-30B-A3B (32 / 4 heads) Llama-3-8B's CTA shape (G' = 4, 166 registers, 3 per SM) at twice the CTAs, each
+// K / V row read by two CTAs (on an H200 at B 1, S 512 and 16 splits, eager: Qwen3's split kernel 7.62 us at G' = 8,
+// Llama-3-8B's 4.70 us at G' = 4 with twice the K / V bytes; decode_attention_min_chunk_nvidia-h200.md). Every G' in {1, 2, 4, 8} is
+// instantiated for every dtype, D and output (with_split_kernel, launch_fused_for_group), so any cap is safe. A
+// CTA's per-head math does not depend on the other heads it holds: at the same split count the same bits; but the
+// split count follows the launched variant (the (row, head group) pairs, and under the wave rule its occupancy),
+// so another value may change the splits, hence the bits.
+int heads_per_cta_cap() {
+  static_assert(kDefaultHeadsPerCta <= kMaxHeadsPerCta, "the default cap is one of the instantiated G'");
+  static const int value = env_int(kOp, "CUTLASS_W8A8_ATTN_HEADS_PER_CTA", kDefaultHeadsPerCta,
+                                   [](long v) { return v == 1 || v == 2 || v == 4 || v == 8; }, "1, 2, 4 or 8");
+  return value;
+}
+
+// Query heads per CTA: the largest of 8, 4, 2, 1 that divides the GQA group and is at most heads_per_cta_cap(). The
+// one function every consumer asks (run, decode_attention_path; the split count, its occupancy query and the fused
+// plan take its g).
 int heads_per_cta(int64_t group_size) {
+  const int cap = heads_per_cta_cap();
   for (int g : {8, 4, 2}) {
-    if (group_size % g == 0) return g;
+    if (g <= cap && group_size % g == 0) return g;
   }
   return 1;
 }
@@ -790,9 +858,9 @@ int ctas_per_sm() {
 // switch, CUTLASS_W8A8_ATTN_PREFETCH=1 (read once per process), off by default (unset, empty or 0) until measured.
 // Another value raises a ValueError naming the variable (a typo would otherwise measure the default).
 // The second buffer costs registers (nvcc 13.0, sm_90a, ptxas): the split kernel at G' = 8, 16-bit, goes from 229-245
-// to 242-255 registers, and bf16 spills there (24-60 bytes; Qwen3-30B-A3B's <bf16, 8, 16>: 52 B stored, 60 B
-// loaded), and so does float32's <float, 8, 32, 2> (D > 128: 241 to 255 registers, 200 B); the fused kernel spills
-// at G' = 8 (bf16 276-284 B, fp16 24 B) and at G' = 1 (16-28 B: 512 threads cap it at 128 registers). The launch
+// to 243-255 registers, and bf16 spills there (28-72 bytes; Qwen3-30B-A3B's <bf16, 8, 16>: 64 B stored, 60 B
+// loaded), and so does float32's <float, 8, 32, 2> (D > 128: 241 to 254 registers, 208 B); the fused kernel spills
+// at G' = 8 (bf16 284-292 B, fp16 16 B) and at G' = 1 (16-28 B: 512 threads cap it at 128 registers). The launch
 // bounds already allow 255 registers wherever it spills at G' = 8 (more is not possible); G' = 1's would need fewer
 // units per CTA, i.e. another fused plan, so they stay.
 bool attn_prefetch() {
@@ -1261,6 +1329,11 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache, const
     args.q = reinterpret_cast<const T*>(q.data_ptr());
     args.q_stride_b = q.stride(0);
     args.q_stride_h = q.stride(1);
+    // 16-byte q loads (split_partial): the pointer and both strides (in elements of T) 16-byte aligned; D is a
+    // multiple of 8 (check_args), so a lane's vectors j < D / (16 / sizeof(T)) lie inside the row
+    constexpr int64_t kPerVec = 16 / static_cast<int64_t>(sizeof(T));
+    args.q_vec16 = reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 && q.stride(0) % kPerVec == 0 &&
+                   q.stride(1) % kPerVec == 0;
     args.kv = reinterpret_cast<const T*>(kv_cache.data_ptr());
     args.num_slots = kv_cache.size(0);
     args.heads = static_cast<int>(heads);

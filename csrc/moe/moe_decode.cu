@@ -1,9 +1,30 @@
 // moe_decode_experts: the routed experts of a SwiGLU mixture-of-experts layer at decode sizes (T * top_k <= 64
-// (token, expert) pairs) in three kernels, equal bit for bit to the unfused chain (cutlass_w8a8/ops/moe.py):
+// (token, expert) pairs) in two kernels at top_k >= 4 and three below, equal bit for bit to the unfused chain
+// (cutlass_w8a8/ops/moe.py):
 //
 //   moe_align -> moe_permute_quant -> grouped_scaled_mm (w13) -> silu_mul_quant -> grouped_scaled_mm (w2)
 //   -> moe_unpermute                                              (7 kernels, 5 intermediate tensors)
 //
+// The two-kernel path (top_k >= 4 and T x H <= 2048, top_k x I <= 6144: own_quant on the host, the measured speed
+// rule; CUTLASS_W8A8_MOE_DECODE_PREP=1 forces the three-kernel one and =0 the two-kernel one where its shared
+// memory fits, the A/B switch):
+//   gate/up'  the gate/up CTA below (moe_decode_gate_up_kernel with XT = x's dtype), except that after finding its
+//             slot's pairs it quantizes the x rows of the slot's tokens itself (quantize_x_rows: prep's arithmetic
+//             into dynamic shared memory, T rows of own_x_pitch(H) bytes and their scales), its main loop reads A
+//             from there (the same fragments as from qx: load_a16 / load_a_scale), and its epilogue stores h and
+//             exits: no counters, fences, atomics or last-CTA quantization.
+//   down_tm'  the token-major down below (moe_decode_down_tm_kernel with kOwnH), with warp w quantizing its pair's
+//             h row itself (quantize_h_row: silu_mul_quant's arithmetic, into its I bytes of dynamic shared memory)
+//             before streaming the pair's w2 rows against it. It writes every (token, column) of out, zeros for a
+//             token with no routed pair (nothing else zeroes them: prep does not run).
+//   PDL chain: routing -> gate/up' -> down_tm' (down_tm' reads h after its griddepcontrol.wait: gate/up' is done).
+//   The price: each pair's x row is quantized by every gate/up' CTA of its expert (I / 16 of them) and each h row by
+//   every down_tm' CTA of its token (H / 16): redundant work, cheap at T = 1, growing with T; the workspace is h only.
+//   The path is left for the three-kernel one when its shared memory would exceed kOwnQuantMaxSmem (64 KiB).
+//   (An earlier form, the "fold", quantized block by block inside the main loops; it measured slower on an H200,
+//   docs/BENCHMARKS.md.)
+//
+// The three-kernel path (top_k < 4, or the switch):
 //   prep      one CTA per token: x's row quantized per token (or per 1 x 128 group) exactly as quantize_per_token
 //             (quantize_per_token_group) does; the token's completion counters zeroed; a token with no routed
 //             pair gets its output row zeroed (no later kernel writes it).
@@ -39,13 +60,17 @@
 //             is fixed by j, not by which CTA finishes last: deterministic.
 //
 // Why the results equal the chain's: the same quantized bytes and scales of x (prep = quantize per token / group,
-// gathered = moe_permute_quant), the same per-row GEMM sums (each CTA runs grouped_decode's per-chunk main loop
+// gathered = moe_permute_quant; gate/up' computes them with the same functions from the same values: scale =
+// max |x| / QMAX over the row or the 1 x 128 group, exact in any order of the max, then quantize_one per element), the
+// same quantized bytes and scales of h (the last gate/up CTA's quantize_pair_row, or down_tm's quantize_h_row: the
+// same arithmetic on the same stored h), the same per-row GEMM sums (each CTA runs grouped_decode's per-chunk main loop
 // with the same block-to-warp assignment and warp-order reduction; a chunk of an expert's rows is its pairs in
 // increasing pair index, as in moe_align's order, and a row's result does not depend on which other rows share its
 // chunk), the same epilogue and roundings, silu_mul_quant's arithmetic, and moe_unpermute's sum.
 //
 // Graphs: grids depend on T, top_k, E, H and I only (slots = min(E, T * top_k)), never on the routing; no host
-// synchronisation; the workspace is one tensor from the caching allocator per call. PDL: each kernel waits on
+// synchronisation; the workspace is one tensor from the caching allocator per call (the two-kernel path: h only;
+// its shared memory depends on T, H and I only). PDL: each kernel waits on
 // griddepcontrol before its first global read and lets its dependent launch early (the host launches them with
 // programmatic stream serialization when kernels_use_pdl), as the grouped decode GEMM does.
 #include <cuda_bf16.h>
@@ -53,8 +78,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <type_traits>
 
@@ -218,7 +245,26 @@ __device__ __forceinline__ void find_slot_pairs(const MoeDecodeParams& p, int sl
 
 // --- gathered main loops (decode_mma.cuh's mainloop_global(_scaled) with one A row pointer per token tile) -------
 
-template <int NT>
+// An A fragment's 16 bytes, or a scale: from global memory through the read-only path, or (kSmemA: the two-kernel
+// path's own quantized rows, quantize_x_rows / quantize_h_row) from shared memory.
+template <bool kSmemA>
+__device__ __forceinline__ uint4 load_a16(const uint8_t* ptr) {
+  if constexpr (kSmemA) {
+    return *reinterpret_cast<const uint4*>(ptr);
+  } else {
+    return __ldg(reinterpret_cast<const uint4*>(ptr));
+  }
+}
+template <bool kSmemA>
+__device__ __forceinline__ float load_a_scale(const float* ptr) {
+  if constexpr (kSmemA) {
+    return *ptr;
+  } else {
+    return __ldg(ptr);
+  }
+}
+
+template <int NT, bool kSmemA = false>
 __device__ __forceinline__ void load_block_acts_gather(BlockFrags<NT>& f, const uint8_t* const (&arow)[NT], int blk,
                                                        int t, int k) {
   const int base = blk * kBlockBytes + 16 * t;
@@ -227,14 +273,13 @@ __device__ __forceinline__ void load_block_acts_gather(BlockFrags<NT>& f, const 
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const int kk = base + u * kStepBytes;
-      f.x[u][j] = (arow[j] != nullptr && kk < k) ? __ldg(reinterpret_cast<const uint4*>(arow[j] + kk))
-                                                 : make_uint4(0, 0, 0, 0);
+      f.x[u][j] = (arow[j] != nullptr && kk < k) ? load_a16<kSmemA>(arow[j] + kk) : make_uint4(0, 0, 0, 0);
     }
   }
 }
 
 // load_block_scales with one scale row per accumulator token (8j + 2t + e): null for a token past the chunk.
-template <int NT>
+template <int NT, bool kSmemA = false>
 __device__ __forceinline__ void load_block_scales_gather(BlockScales<NT>& sc, const float* const (&sa_row)[NT][2],
                                                          const float* sb_row, int kgroups, int blk) {
 #pragma unroll
@@ -246,7 +291,7 @@ __device__ __forceinline__ void load_block_scales_gather(BlockScales<NT>& sc, co
     for (int j = 0; j < NT; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float sa = in_k && sa_row[j][e] != nullptr ? __ldg(sa_row[j][e] + kb) : 0.f;
+        const float sa = in_k && sa_row[j][e] != nullptr ? load_a_scale<kSmemA>(sa_row[j][e] + kb) : 0.f;
         sc.s[hh][j][e] = __fmul_rn(sa, sb);
       }
     }
@@ -254,20 +299,20 @@ __device__ __forceinline__ void load_block_scales_gather(BlockScales<NT>& sc, co
 }
 
 // Warp blocks first, first + step, ... (step = kWarps / R when R tiles share the CTA's warps).
-template <class Acc, int NT>
+template <class Acc, int NT, bool kSmemA = false>
 __device__ __forceinline__ void mainloop_gather(Acc (&acc)[NT][4], const uint8_t* wg, int64_t ldw,
                                                 const uint8_t* const (&arow)[NT], int first, int end, int step, int t,
                                                 int k, uint32_t zero) {
   BlockFrags<NT> f;
   for (int blk = first; blk < end; blk += step) {
     load_block_weights(f, wg, ldw, blk, t, k);
-    load_block_acts_gather(f, arow, blk, t, k);
+    load_block_acts_gather<NT, kSmemA>(f, arow, blk, t, k);
     tie_to_weight_loads(f, zero);
     mma_block(acc, f);
   }
 }
 
-template <int NT>
+template <int NT, bool kSmemA = false>
 __device__ __forceinline__ void mainloop_gather_scaled(float (&acc)[NT][4], const uint8_t* wg, int64_t ldw,
                                                        const uint8_t* const (&arow)[NT],
                                                        const float* const (&sa_row)[NT][2], const float* sb_row,
@@ -277,8 +322,8 @@ __device__ __forceinline__ void mainloop_gather_scaled(float (&acc)[NT][4], cons
   BlockScales<NT> sc;
   for (int blk = first; blk < end; blk += step) {
     load_block_weights(f, wg, ldw, blk, t, k);
-    load_block_acts_gather(f, arow, blk, t, k);
-    load_block_scales_gather(sc, sa_row, sb_row, kgroups, blk);
+    load_block_acts_gather<NT, kSmemA>(f, arow, blk, t, k);
+    load_block_scales_gather<NT, kSmemA>(sc, sa_row, sb_row, kgroups, blk);
     tie_to_weight_loads(f, zero);
     tie_to_scale_loads(f, sc, zero);
     mma_block_scaled(acc, f, sc);
@@ -379,7 +424,7 @@ __device__ __forceinline__ float tile_value(const typename AB::Acc (&red)[kWarps
 // block add zeros), and the result is bit for bit the same. Leaves each (row, token) thread's epilogue value of tile
 // r in val[r], rounded to the output type (threads with token >= m: unspecified). All threads call it; it
 // synchronizes.
-template <class AB, class OutT, int NT, bool kBlockScaled, int R>
+template <class AB, class OutT, int NT, bool kBlockScaled, int R, bool kSmemA = false>
 __device__ __forceinline__ void tiles_chunk(const MoeDecodeParams& p, const SlotShared& s, const ChunkA& ca,
                                             const uint8_t* w, const float* wscale, int wscale_per_channel, int64_t n,
                                             int k, int r0, int m, int64_t row0,
@@ -415,9 +460,10 @@ __device__ __forceinline__ void tiles_chunk(const MoeDecodeParams& p, const Slot
         sa_row[j][q] = slot < m ? ca.scale + row_of(slot) * kgroups : nullptr;
       }
     }
-    mainloop_gather_scaled(acc, wg, k, arow, sa_row, sb_row, kgroups, warp / R, nblk, kWarps / R, t, k, p.zero);
+    mainloop_gather_scaled<NT, kSmemA>(acc, wg, k, arow, sa_row, sb_row, kgroups, warp / R, nblk, kWarps / R, t, k,
+                                       p.zero);
   } else {
-    mainloop_gather(acc, wg, k, arow, warp / R, nblk, kWarps / R, t, k, p.zero);
+    mainloop_gather<Acc, NT, kSmemA>(acc, wg, k, arow, warp / R, nblk, kWarps / R, t, k, p.zero);
   }
   allow_dependent_launch();
 
@@ -535,6 +581,173 @@ __device__ __forceinline__ void quantize_pair_row(const MoeDecodeParams& p, int 
   }
 }
 
+// --- the two-kernel path's own quantization (top_k >= 4; own_quant on the host) ------------------------------------
+//
+// Each gate/up CTA quantizes the x rows of its slot's tokens itself, and each token-major down CTA the h rows of its
+// token's pairs, into shared memory, with prep's / quantize_pair_row's arithmetic: scale = max |v| / QMAX over the
+// row (per token) or over each 1 x 128 group, q = quantize_one(v, scale). A max is exact in any order, so the scales
+// and the bytes equal those the three-kernel path writes to qx / sx and q2 / sh, whatever the thread mapping.
+
+// Shared-memory row pitch of the quantized x rows: at least H bytes, a multiple of 16 (the A loads are 16 bytes),
+// 64 mod 128, so that the two rows read by one 8-thread phase of a 16-byte load (rows g and g + 1: four 16-byte
+// columns each) fall on different banks.
+__host__ __device__ __forceinline__ int own_x_pitch(int hid) { return (hid + 63) / 128 * 128 + 64; }
+
+// At T <= 4, every thread asks L1 for one 128-byte line of x's rows (the T rows whole, 4 KiB each at H 2048 bf16),
+// before the expert search that quantize_x_rows waits for: its loads then hit L1 instead of waiting on L2. A hint:
+// no registers held, no effect on any value.
+template <class XT>
+__device__ __forceinline__ void prefetch_x_rows(const MoeDecodeParams& p) {
+  if (p.t > 4) return;
+  const int lines = static_cast<int>((static_cast<int64_t>(p.hid) * sizeof(XT) + 127) / 128);
+  for (int i = threadIdx.x; i < p.t * lines; i += kThreads) {
+    const char* row = reinterpret_cast<const char*>(static_cast<const XT*>(p.x) + (i / lines) * p.ldx);
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(row + static_cast<int64_t>(i % lines) * 128));
+  }
+}
+
+// The eight values of an 8-element run starting at v[0] (x: any alignment, scalar loads issued together).
+template <class T>
+__device__ __forceinline__ void load8(const T* v, float (&out)[8]) {
+#pragma unroll
+  for (int u = 0; u < 8; ++u) out[u] = to_float(v[u]);
+}
+
+// Eight quantized values to shared memory (dst: 8-byte aligned) as one 8-byte store.
+template <class Q>
+__device__ __forceinline__ void store_q8(uint8_t* dst, const float (&v)[8], float scale) {
+  union {
+    typename Q::type q[8];
+    uint2 u;
+  } pk;
+#pragma unroll
+  for (int u = 0; u < 8; ++u) pk.q[u] = quantize_one<Q>(v[u], scale);
+  *reinterpret_cast<uint2*>(dst) = pk.u;
+}
+
+// gate/up: x's rows of the tokens of the slot's pairs s.rows[0 .. s.m), quantized into qs[token * lds ..] with
+// scales ss[token] (per token) or ss[token * H/128 + group]. Thread i takes elements 8 i .. 8 i + 8 of each run of
+// 2048 (kThreads x 8); a 1 x 128 group is 16 consecutive threads (a half-warp: a 16-lane butterfly). Tokens < 32
+// (the host takes this path at T <= 16). All threads call it after find_slot_pairs; it ends with a barrier.
+template <class XT, class Q, bool kGroup>
+__device__ __forceinline__ void quantize_x_rows(const MoeDecodeParams& p, const SlotShared& s, uint8_t* qs, float* ss,
+                                                int lds) {
+  unsigned mask = 0u;  // the slot's tokens (repeated experts may give a token several pairs of one slot)
+  for (int r = 0; r < s.m; ++r) mask |= 1u << (s.rows[r] / p.k);
+  const int hid = p.hid;
+  constexpr int kRun = kThreads * 8;
+  const int e0 = 8 * static_cast<int>(threadIdx.x);
+  for (unsigned mm = mask; mm != 0u; mm &= mm - 1u) {
+    const int tok = __ffs(mm) - 1;  // uniform: every thread has the same mask
+    const XT* xr = static_cast<const XT*>(p.x) + static_cast<int64_t>(tok) * p.ldx;
+    uint8_t* qr = qs + static_cast<int64_t>(tok) * lds;
+    if constexpr (kGroup) {
+      const int groups = hid / kGroupElems;
+      for (int c = 0; c < hid; c += kRun) {
+        const int i = c + e0;
+        float v[8], amax = 0.f;
+        if (i < hid) {
+          load8(xr + i, v);
+#pragma unroll
+          for (int u = 0; u < 8; ++u) amax = fmaxf(amax, fabsf(v[u]));
+        }
+#pragma unroll
+        for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        if (i < hid) {
+          const float scale = amax / Q::kMax;  // quantize_per_token_group's scale
+          if (threadIdx.x % 16 == 0) ss[tok * groups + i / kGroupElems] = scale;
+          store_q8<Q>(qr + i, v, scale);
+        }
+      }
+    } else {
+      float amax = 0.f;
+#pragma unroll 4
+      for (int c = 0; c < hid; c += kRun) {
+        const int i = c + e0;
+        if (i < hid) {
+          float v[8];
+          load8(xr + i, v);
+#pragma unroll
+          for (int u = 0; u < 8; ++u) amax = fmaxf(amax, fabsf(v[u]));
+        }
+      }
+      const float scale = block_max<kThreads>(amax) / Q::kMax;  // quantize_per_token's scale
+      if (threadIdx.x == 0) ss[tok] = scale;
+      for (int c = 0; c < hid; c += kRun) {
+        const int i = c + e0;
+        if (i < hid) {
+          float v[8];
+          load8(xr + i, v);  // the second read of the row hits L1
+          store_q8<Q>(qr + i, v, scale);
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// Token-major down: h[pair] (I values of the output type, from gate/up) quantized by one warp into q[0 .. I) with
+// its scale returned (per token) or written to gs[group] (1 x 128 groups): quantize_pair_row's arithmetic. Lane l
+// takes elements 8 l .. 8 l + 8 of each run of 256 (h's rows are 16-byte aligned: one 16-byte load); a group is 16
+// lanes. The whole warp calls it; it ends with __syncwarp.
+template <class Q, bool kGroup, class OutT>
+__device__ __forceinline__ float quantize_h_row(const MoeDecodeParams& p, int pair, uint8_t* q, float* gs) {
+  const int inter = p.inter, lane = threadIdx.x % 32;
+  const OutT* hr = static_cast<const OutT*>(p.h) + static_cast<int64_t>(pair) * inter;
+  auto load = [&](int i, float (&v)[8]) {
+    // written by the previous grid (gate/up), complete after griddepcontrol.wait: the read-only path, as the
+    // three-kernel path's loads of q2 (the second pass hits L1)
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(hr + i));
+    const OutT* e = reinterpret_cast<const OutT*>(&raw);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) v[u] = to_float(e[u]);
+  };
+  float scale = 0.f;
+  if constexpr (kGroup) {
+    for (int c = 0; c < inter; c += 256) {
+      const int i = c + 8 * lane;
+      float v[8], amax = 0.f;
+      if (i < inter) {
+        load(i, v);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) amax = fmaxf(amax, fabsf(v[u]));
+      }
+#pragma unroll
+      for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      if (i < inter) {
+        const float sc = amax / Q::kMax;  // silu_mul_quant's group scale
+        if (lane % 16 == 0) gs[i / kGroupElems] = sc;
+        store_q8<Q>(q + i, v, sc);
+      }
+    }
+  } else {
+    float amax = 0.f;
+#pragma unroll 4
+    for (int c = 0; c < inter; c += 256) {
+      const int i = c + 8 * lane;
+      if (i < inter) {
+        float v[8];
+        load(i, v);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) amax = fmaxf(amax, fabsf(v[u]));
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    scale = amax / Q::kMax;  // silu_mul_quant's per-token scale
+    for (int c = 0; c < inter; c += 256) {
+      const int i = c + 8 * lane;
+      if (i < inter) {
+        float v[8];
+        load(i, v);
+        store_q8<Q>(q + i, v, scale);
+      }
+    }
+  }
+  __syncwarp();
+  return scale;
+}
+
 // Signals that this CTA's stores to the pair / (token, tile) slots are done, and tells whether it was the last of
 // `total` CTAs: CUTLASS's semaphore pattern (the CTA's stores, a barrier, then one thread's device-scope fence and
 // atomic; the last one fences again before its CTA reads the others' stores).
@@ -560,20 +773,34 @@ constexpr int kCtasPerSm = kMaxNT == 1 && !kBlockScaled && kDual != 2 ? 3 : 2;
 
 // kDual 1 / 2: both tiles in one pass (tiles_chunk_dual: the same bits, one main loop; 2: compiled for fewer CTAs
 // per SM, kCtasPerSm; the A/B switch CUTLASS_W8A8_MOE_GATE_UP_DUAL, host below); 0: the gate tile, then the up tile.
-template <class AB, class OutT, int kMaxNT, bool kBlockScaled, int kDual>
+// XT (the two-kernel path, own_quant on the host; kDual 0 only): x's dtype; the CTA quantizes its slot's tokens' x
+// rows itself into dynamic shared memory (quantize_x_rows: p.t rows of own_x_pitch(H) bytes, then the scales), its
+// main loop reads A there, and the epilogue stores h and exits (no counters, no h quantization: the token-major down
+// quantizes h). void: the three-kernel path (qx / sx from prep; the last CTA of a pair quantizes h into q2 / sh).
+template <class AB, class OutT, int kMaxNT, bool kBlockScaled, int kDual, class XT = void>
 __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled, kDual>))
     moe_decode_gate_up_kernel(MoeDecodeParams p) {
   using Acc = typename AB::Acc;
   using Q = typename AB::Q;
+  constexpr bool kOwnX = !std::is_void_v<XT>;
+  static_assert(!kOwnX || kDual == 0, "the two-kernel path runs gate/up one tile after the other");
   __shared__ alignas(16) Acc red[kDual != 0 ? 2 : 1][kWarps][2][32][4];
   __shared__ SlotShared s;
-  wait_for_producers();  // topk_ids and weights (routing), qx / sx (prep)
+  extern __shared__ __align__(16) uint8_t own_smem[];  // kOwnX: the quantized x rows, then their scales
+  wait_for_producers();  // topk_ids and weights (routing), x; qx / sx (prep) on the three-kernel path
+  if constexpr (kOwnX) prefetch_x_rows<XT>(p);  // x's lines on their way to L1 during the expert search
   find_slot_pairs(p, static_cast<int>(blockIdx.y), s);
   if (s.expert < 0) return;
   const int inter = p.inter, hid = p.hid;
   const int64_t n13 = 2 * static_cast<int64_t>(inter);
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kRows;
-  const ChunkA ca{p.qx, hid, p.sx, 1};
+  ChunkA ca{p.qx, hid, p.sx, 1};
+  if constexpr (kOwnX) {
+    const int lds = own_x_pitch(hid);
+    float* ss = reinterpret_cast<float*>(own_smem + static_cast<int64_t>(p.t) * lds);
+    quantize_x_rows<XT, Q, kBlockScaled>(p, s, own_smem, ss, lds);
+    ca = ChunkA{own_smem, lds, ss, 1};
+  }
   constexpr int kChunk = 8 * kMaxNT;
   const int row = threadIdx.x % kRows, token = threadIdx.x / kRows;
   for (int r0 = 0; r0 < s.m; r0 += kChunk) {
@@ -588,15 +815,15 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled, kD
                                                     inter + n0, red[0], red[1], gate[0], up[0]);
       }
     } else if (kMaxNT == 1 || m <= 8) {
-      tiles_chunk<AB, OutT, 1, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0,
-                                                red[0], gate);
-      tiles_chunk<AB, OutT, 1, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
-                                                inter + n0, red[0], up);
+      tiles_chunk<AB, OutT, 1, kBlockScaled, 1, kOwnX>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
+                                                       n0, red[0], gate);
+      tiles_chunk<AB, OutT, 1, kBlockScaled, 1, kOwnX>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
+                                                       inter + n0, red[0], up);
     } else {
-      tiles_chunk<AB, OutT, 2, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m, n0,
-                                                red[0], gate);
-      tiles_chunk<AB, OutT, 2, kBlockScaled, 1>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
-                                                inter + n0, red[0], up);
+      tiles_chunk<AB, OutT, 2, kBlockScaled, 1, kOwnX>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
+                                                       n0, red[0], gate);
+      tiles_chunk<AB, OutT, 2, kBlockScaled, 1, kOwnX>(p, s, ca, p.w13, p.s13, p.s13_per_channel, n13, hid, r0, m,
+                                                       inter + n0, red[0], up);
     }
     if (token < m) {
       // silu_mul (quant/silu_mul.cu): silu rounded to the output type, then the product, rounded
@@ -605,16 +832,18 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled, kD
       const int pair = s.rows[r0 + token];
       static_cast<OutT*>(p.h)[static_cast<int64_t>(pair) * inter + n0 + row] = hv;
     }
-    __syncthreads();
-    if (row == 0 && token < m) {
-      const int pair = s.rows[r0 + token];
-      s.last[token] = arrive_last(p.cnt13 + pair, static_cast<int>(gridDim.x)) ? pair : -1;
+    if constexpr (!kOwnX) {
+      __syncthreads();
+      if (row == 0 && token < m) {
+        const int pair = s.rows[r0 + token];
+        s.last[token] = arrive_last(p.cnt13 + pair, static_cast<int>(gridDim.x)) ? pair : -1;
+      }
+      __syncthreads();
+      for (int i = 0; i < m; ++i) {
+        if (s.last[i] >= 0) quantize_pair_row<Q, kBlockScaled, OutT>(p, s.last[i]);  // uniform: shared
+      }
+      __syncthreads();  // s.last is rewritten by the next chunk
     }
-    __syncthreads();
-    for (int i = 0; i < m; ++i) {
-      if (s.last[i] >= 0) quantize_pair_row<Q, kBlockScaled, OutT>(p, s.last[i]);  // uniform: shared
-    }
-    __syncthreads();  // s.last is rewritten by the next chunk
   }
 }
 
@@ -693,14 +922,20 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
 // the same bits. The second buffer needs about 40 more registers: compiled for two CTAs per SM ptxas spilled 480-676
 // bytes (nvcc 13.0 sm_90a), so this variant is compiled for one (164-168 registers, no spills); Qwen3's 128 CTAs at
 // T = 1 fit one wave either way.
-template <class AB, class OutT, bool kBlockScaled, bool kPrefetch>
+//
+// kOwnH (the two-kernel path, own_quant on the host): warp w quantizes its pair's h row itself (quantize_h_row:
+// silu_mul_quant's scale and bytes) into its I bytes of dynamic shared memory (then 8 x I / 128 group scales), and
+// its main loop reads A there; otherwise A is the pair's row of q2 / sh (the three-kernel path).
+template <class AB, class OutT, bool kBlockScaled, bool kPrefetch, bool kOwnH = false>
 __global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2) moe_decode_down_tm_kernel(MoeDecodeParams p) {
   using Acc = typename AB::Acc;
+  using Q = typename AB::Q;
   // kPrefetch keeps block b in buf[b % 2] as buf[v & 1] (b = base + v, base a multiple of kWarps): needs kWarps even
   static_assert(kWarps % 2 == 0, "kPrefetch's buffer parity: kWarps must be even");
   __shared__ float s_prod[kMaxPairs][kRows];
   __shared__ int s_routed[kMaxPairs];
-  wait_for_producers();  // q2 / sh (gate/up)
+  extern __shared__ __align__(16) uint8_t own_smem[];  // kOwnH: each warp's quantized h row, then group scales
+  wait_for_producers();  // h (kOwnH) or q2 / sh (gate/up)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int tok = blockIdx.y;
@@ -713,7 +948,22 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2) moe_decode_down_t
     if (lane == 0) s_routed[j] = e >= 0 ? 1 : 0;
     if (e < 0) continue;  // a whole warp
     const uint8_t* wg = p.w2 + (static_cast<int64_t>(e) * hid + n0 + g) * inter + 16 * t;
-    const uint8_t* arow[1] = {g == 0 ? p.q2 + static_cast<int64_t>(pair) * inter : nullptr};
+    const uint8_t* qa = nullptr;                   // the pair's quantized h row
+    [[maybe_unused]] const float* gsa = nullptr;  // its group scales (block)
+    [[maybe_unused]] float sa_own = 0.f;          // its scale (row-wise, kOwnH)
+    if constexpr (!kOwnH) {
+      qa = p.q2 + static_cast<int64_t>(pair) * inter;
+      gsa = p.sh + static_cast<int64_t>(pair) * (inter / kGroupBytes);
+    } else {
+      uint8_t* qw = own_smem + static_cast<int64_t>(warp) * inter;
+      float* gw =
+          reinterpret_cast<float*>(own_smem + static_cast<int64_t>(kWarps) * inter) + warp * (inter / kGroupElems);
+      __syncwarp();  // the warp's previous pair has read its buffers
+      sa_own = quantize_h_row<Q, kBlockScaled, OutT>(p, pair, qw, gw);
+      qa = qw;
+      gsa = gw;
+    }
+    const uint8_t* arow[1] = {g == 0 ? qa : nullptr};
     Acc acc[kWarps][1][4];
 #pragma unroll
     for (int v = 0; v < kWarps; ++v) zero_acc(acc[v]);
@@ -722,14 +972,14 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2) moe_decode_down_t
       const int kgroups = inter / kGroupBytes;
       const int64_t nb = (hid + kGroupBytes - 1) / kGroupBytes;
       const float* sb_row = p.s2 + (e * nb + n0 / kGroupBytes) * kgroups;
-      const float* sa_row[1][2] = {{t == 0 ? p.sh + static_cast<int64_t>(pair) * kgroups : nullptr, nullptr}};
+      const float* sa_row[1][2] = {{t == 0 ? gsa : nullptr, nullptr}};
       BlockScales<1> sc;
       if constexpr (kPrefetch) {
         BlockFrags<1> buf[2];  // as in the row-wise branch below, with the block scales one block ahead too
         BlockScales<1> scb[2];
         load_block_weights(buf[0], wg, inter, 0, t, inter);
-        load_block_acts_gather(buf[0], arow, 0, t, inter);
-        load_block_scales_gather(scb[0], sa_row, sb_row, kgroups, 0);
+        load_block_acts_gather<1, kOwnH>(buf[0], arow, 0, t, inter);
+        load_block_scales_gather<1, kOwnH>(scb[0], sa_row, sb_row, kgroups, 0);
         for (int base = 0; base < nblk; base += kWarps) {
 #pragma unroll
           for (int v = 0; v < kWarps; ++v) {
@@ -737,8 +987,8 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2) moe_decode_down_t
             if (blk < nblk) {
               if (blk + 1 < nblk) {
                 load_block_weights(buf[(v + 1) & 1], wg, inter, blk + 1, t, inter);
-                load_block_acts_gather(buf[(v + 1) & 1], arow, blk + 1, t, inter);
-                load_block_scales_gather(scb[(v + 1) & 1], sa_row, sb_row, kgroups, blk + 1);
+                load_block_acts_gather<1, kOwnH>(buf[(v + 1) & 1], arow, blk + 1, t, inter);
+                load_block_scales_gather<1, kOwnH>(scb[(v + 1) & 1], sa_row, sb_row, kgroups, blk + 1);
               }
               tie_to_weight_loads(buf[v & 1], p.zero);
               tie_to_scale_loads(buf[v & 1], scb[v & 1], p.zero);
@@ -753,8 +1003,8 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2) moe_decode_down_t
             const int blk = base + v;
             if (blk < nblk) {
               load_block_weights(f, wg, inter, blk, t, inter);
-              load_block_acts_gather(f, arow, blk, t, inter);
-              load_block_scales_gather(sc, sa_row, sb_row, kgroups, blk);
+              load_block_acts_gather<1, kOwnH>(f, arow, blk, t, inter);
+              load_block_scales_gather<1, kOwnH>(sc, sa_row, sb_row, kgroups, blk);
               tie_to_weight_loads(f, p.zero);
               tie_to_scale_loads(f, sc, p.zero);
               mma_block_scaled(acc[v], f, sc);
@@ -767,7 +1017,7 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2) moe_decode_down_t
       // parity of a block's buffer is the same in every base round)
       BlockFrags<1> buf[2];
       load_block_weights(buf[0], wg, inter, 0, t, inter);
-      load_block_acts_gather(buf[0], arow, 0, t, inter);
+      load_block_acts_gather<1, kOwnH>(buf[0], arow, 0, t, inter);
       for (int base = 0; base < nblk; base += kWarps) {
 #pragma unroll
         for (int v = 0; v < kWarps; ++v) {
@@ -775,7 +1025,7 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2) moe_decode_down_t
           if (blk < nblk) {
             if (blk + 1 < nblk) {
               load_block_weights(buf[(v + 1) & 1], wg, inter, blk + 1, t, inter);
-              load_block_acts_gather(buf[(v + 1) & 1], arow, blk + 1, t, inter);
+              load_block_acts_gather<1, kOwnH>(buf[(v + 1) & 1], arow, blk + 1, t, inter);
             }
             tie_to_weight_loads(buf[v & 1], p.zero);
             mma_block(acc[v], buf[v & 1]);
@@ -789,7 +1039,7 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2) moe_decode_down_t
           const int blk = base + v;
           if (blk < nblk) {
             load_block_weights(f, wg, inter, blk, t, inter);
-            load_block_acts_gather(f, arow, blk, t, inter);
+            load_block_acts_gather<1, kOwnH>(f, arow, blk, t, inter);
             tie_to_weight_loads(f, p.zero);
             mma_block(acc[v], f);
           }
@@ -810,7 +1060,7 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2) moe_decode_down_t
         if constexpr (kBlockScaled) {
           val = to_float(epilogue_scaled<OutT>(sum, 0.f));
         } else {
-          const float sa = p.sh[pair];
+          const float sa = kOwnH ? sa_own : p.sh[pair];
           const float sb = p.s2_per_channel ? p.s2[static_cast<int64_t>(e) * hid + n0 + row] : p.s2[e];
           val = to_float(epilogue<OutT>(sum, sa, sb, 0.f));
         }
@@ -928,6 +1178,83 @@ void launch_gemms(const MoeDecodeParams& p, int slots, cudaStream_t stream, bool
   }
 }
 
+// --- the two-kernel path (top_k >= 4): gate/up quantizes x, the token-major down quantizes h --------------------
+
+// CUTLASS_W8A8_MOE_DECODE_PREP, an A/B switch read once per process: unset or empty, the speed rule below picks the
+// path; 1 forces the three-kernel path (prep -> gate/up with the last-CTA quantization of h -> down) where the
+// two-kernel one would apply; 0 forces the two-kernel path wherever top_k >= 4 and its shared memory fits (the rule's
+// bounds ignored: the A/B runs and the tests of the two-kernel path at wide shapes). Another value raises a
+// ValueError naming the variable. Both paths give the same bits.
+const std::string& decode_prep_switch() {
+  static const std::string value = env_choice("moe_decode_experts", "CUTLASS_W8A8_MOE_DECODE_PREP", {"0", "1"});
+  return value;
+}
+
+// The two-kernel path's dynamic shared memory: gate/up, T quantized x rows of own_x_pitch(H) bytes, then their
+// scales (T, or T x H / 128); the token-major down, 8 warps' quantized h rows (I bytes each), then their group scales
+// (8 x I / 128, block only). The path is taken only when both fit kOwnQuantMaxSmem (each kernel's opt-in, set once
+// per kernel and device): at Qwen3-30B-A3B dims (H 2048, I 768) gate/up needs 2.1 KB at T = 1 and 16.9 KB at T = 8,
+// down 6 KB; at DeepSeek-V3's (H 7168, I 2048) 7.1 KB / 59.7 KB (block fp8, T = 8) and 16.5 KB.
+constexpr int64_t kOwnQuantMaxSmem = 64 * 1024;
+int64_t own_x_smem(int64_t t, int64_t hid, bool group) {
+  return t * own_x_pitch(static_cast<int>(hid)) + (group ? t * (hid / kGroupElems) : t) * 4;
+}
+int64_t own_h_smem(int64_t inter, bool group) {
+  return kWarps * inter + (group ? kWarps * (inter / kGroupElems) * 4 : 0);
+}
+static_assert(kMaxPairs / kTokenMajorMinTopK <= 32, "quantize_x_rows' token mask is 32 bits");
+
+// The speed rule: the two-kernel path's redundant quantization, per CTA, at most what measured a win. On an H200
+// (bench_moe.py --parts decode, alternating with the three-kernel path, two rounds, the tenth session) it won at
+// Qwen3-30B-A3B dims at T = 1 (each gate/up CTA quantizing T x H = 2048 x elements, each down CTA top_k x I = 6144
+// h elements: the layer 26.5 -> 24.4 us int8, 27.6 -> 25.9 fp8, 31.1 -> 29.5 block fp8) and lost at T = 8 (16384 x
+// elements: 100 -> 114 us int8) and at DeepSeek-V3's at T = 1 (7168 / 16384: 110 -> 128 us int8; at T = 8 670 ->
+// 817 us). Between those points nothing was measured: the bounds sit at the winning point.
+constexpr int64_t kOwnQuantMaxXElems = 2048;  // T x H per gate/up CTA
+constexpr int64_t kOwnQuantMaxHElems = 6144;  // top_k x I per down CTA
+
+// Whether this call runs the two-kernel path: the token-major down (top_k >= 4), not forced off, both kernels' shared
+// memory within kOwnQuantMaxSmem, and the redundant quantization within the speed rule's bounds unless the switch
+// is 0 (else the three-kernel path, which needs no shared memory of this kind).
+bool own_quant(int64_t t, int64_t k, int64_t hid, int64_t inter, bool group) {
+  const std::string& forced = decode_prep_switch();
+  const bool fits = own_x_smem(t, hid, group) <= kOwnQuantMaxSmem && own_h_smem(inter, group) <= kOwnQuantMaxSmem;
+  const bool pays = t * hid <= kOwnQuantMaxXElems && k * inter <= kOwnQuantMaxHElems;
+  return down_token_major(static_cast<int>(k)) && forced != "1" && fits && (forced == "0" || pays);
+}
+
+// Launches kKernel with `smem` bytes of dynamic shared memory, after raising its limit to kOwnQuantMaxSmem once per
+// kernel and device (a driver call: never per launch).
+template <auto kKernel>
+void launch_own(const dim3& grid, int64_t smem, int device, cudaStream_t stream, bool pdl, const MoeDecodeParams& p) {
+  static std::array<std::once_flag, 64> once;
+  std::call_once(once.at(static_cast<size_t>(device)), [] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kOwnQuantMaxSmem)));
+  });
+  C10_CUDA_CHECK(launch_kernel(kKernel, grid, dim3(kThreads), static_cast<size_t>(smem), stream, pdl, p));
+}
+
+// gate/up (x quantized in each CTA, h stored) -> token-major down (h quantized in each CTA), PDL between them.
+template <class XT, class AB, class OutT, bool kBlockScaled>
+void launch_own_quant(const MoeDecodeParams& p, int slots, int device, cudaStream_t stream, bool pdl) {
+  const bool group = kBlockScaled;
+  const dim3 g13(static_cast<unsigned>(p.inter / kRows), static_cast<unsigned>(slots));
+  const int64_t smem13 = own_x_smem(p.t, p.hid, group);
+  if (p.pairs <= 8) {
+    launch_own<moe_decode_gate_up_kernel<AB, OutT, 1, kBlockScaled, 0, XT>>(g13, smem13, device, stream, pdl, p);
+  } else {
+    launch_own<moe_decode_gate_up_kernel<AB, OutT, 2, kBlockScaled, 0, XT>>(g13, smem13, device, stream, pdl, p);
+  }
+  const dim3 g2(static_cast<unsigned>(p.hid / kRows), static_cast<unsigned>(p.t));
+  const int64_t smem2 = own_h_smem(p.inter, group);
+  if (down_prefetch()) {
+    launch_own<moe_decode_down_tm_kernel<AB, OutT, kBlockScaled, true, true>>(g2, smem2, device, stream, pdl, p);
+  } else {
+    launch_own<moe_decode_down_tm_kernel<AB, OutT, kBlockScaled, false, true>>(g2, smem2, device, stream, pdl, p);
+  }
+}
+
 template <class XT, class Q, class OutT>
 void launch_prep(const MoeDecodeParams& p, bool group, cudaStream_t stream, bool pdl) {
   const dim3 grid(static_cast<unsigned>(p.t));
@@ -949,6 +1276,7 @@ at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, c
   moe::check_decode_experts(op, x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size, out_dtype);
   gate_up_dual();  // the A/B switches: a bad value raises here, before any launch
   down_prefetch();
+  decode_prep_switch();
   c10::cuda::CUDAGuard guard(x.device());
   const int device = x.device().index();
   const DeviceInfo& info = device_info(device);
@@ -964,18 +1292,20 @@ at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, c
 
   const at::Tensor x2 = x.stride(1) == 1 ? x : x.contiguous();
   const at::Tensor tw = topk_weights.contiguous();
-  // One workspace: qx [T, H] | sx | h [P, I] (2-byte output type) | q2 [P, I] | sh | y [P, H] f32 | counters
+  // The two-kernel path (own_quant) needs h only. The three-kernel path's workspace: qx [T, H] | sx | h [P, I]
+  // (2-byte output type) | q2 [P, I] | sh | y [P, H] f32 | counters.
+  const bool own = own_quant(t, k, hid, inter, group);
   const int64_t sx_n = group ? t * (hid / limits::kBlockSize) : t;
   const int64_t sh_n = group ? pairs * (inter / limits::kBlockSize) : pairs;
   const int64_t cnt_n = pairs + t * (hid / kRows);
   int64_t off = 0;
-  const int64_t o_qx = off; off += align16(t * hid);
-  const int64_t o_sx = off; off += align16(sx_n * 4);
   const int64_t o_h = off; off += align16(pairs * inter * 2);
-  const int64_t o_q2 = off; off += align16(pairs * inter);
-  const int64_t o_sh = off; off += align16(sh_n * 4);
-  const int64_t o_y = off; off += align16(pairs * hid * 4);
-  const int64_t o_cnt = off; off += align16(cnt_n * 4);
+  const int64_t o_qx = off; off += own ? 0 : align16(t * hid);
+  const int64_t o_sx = off; off += own ? 0 : align16(sx_n * 4);
+  const int64_t o_q2 = off; off += own ? 0 : align16(pairs * inter);
+  const int64_t o_sh = off; off += own ? 0 : align16(sh_n * 4);
+  const int64_t o_y = off; off += own ? 0 : align16(pairs * hid * 4);
+  const int64_t o_cnt = off; off += own ? 0 : align16(cnt_n * 4);
   at::Tensor ws = at::empty({off}, x.options().dtype(at::kByte));
   uint8_t* base = ws.data_ptr<uint8_t>();
 
@@ -993,14 +1323,16 @@ at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, c
   p.w2 = static_cast<const uint8_t*>(w2.data_ptr());
   p.s2 = w2_scale.data_ptr<float>();
   p.s2_per_channel = !group && w2_scale.dim() == 2 && w2_scale.size(1) == hid ? 1 : 0;
-  p.qx = base + o_qx;
-  p.sx = reinterpret_cast<float*>(base + o_sx);
   p.h = base + o_h;
-  p.q2 = base + o_q2;
-  p.sh = reinterpret_cast<float*>(base + o_sh);
-  p.y = reinterpret_cast<float*>(base + o_y);
-  p.cnt13 = reinterpret_cast<int*>(base + o_cnt);
-  p.cnt2 = p.cnt13 + pairs;
+  if (!own) {  // the two-kernel path leaves these null
+    p.qx = base + o_qx;
+    p.sx = reinterpret_cast<float*>(base + o_sx);
+    p.q2 = base + o_q2;
+    p.sh = reinterpret_cast<float*>(base + o_sh);
+    p.y = reinterpret_cast<float*>(base + o_y);
+    p.cnt13 = reinterpret_cast<int*>(base + o_cnt);
+    p.cnt2 = p.cnt13 + pairs;
+  }
   p.out = out.data_ptr();
   p.t = static_cast<int>(t);
   p.k = static_cast<int>(k);
@@ -1019,6 +1351,24 @@ at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, c
     using AB = decltype(ab_tag);
     using OutT = decltype(out_tag);
     using Q = typename AB::Q;
+    if (own) {
+      auto two = [&](auto x_tag) {
+        using XT = decltype(x_tag);
+        if constexpr (std::is_same_v<AB, Fp8Ab>) {
+          if (group) {
+            launch_own_quant<XT, AB, OutT, true>(p, slots, device, stream, pdl);
+            return;
+          }
+        }
+        launch_own_quant<XT, AB, OutT, false>(p, slots, device, stream, pdl);
+      };
+      switch (x2.scalar_type()) {
+        case at::kBFloat16: two(__nv_bfloat16{}); break;
+        case at::kHalf: two(__half{}); break;
+        default: two(float{}); break;
+      }
+      return;
+    }
     switch (x2.scalar_type()) {
       case at::kBFloat16: launch_prep<__nv_bfloat16, Q, OutT>(p, group, stream, pdl); break;
       case at::kHalf: launch_prep<__half, Q, OutT>(p, group, stream, pdl); break;

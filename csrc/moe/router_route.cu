@@ -20,6 +20,11 @@
 // the same at any T, eager or replayed. With one slice (Qwen3-30B-A3B: 8 tiles over 8 CTAs) the sums are those of
 // the former one-tile-per-CTA kernel. (A first cluster barrier, arrived at the start and waited before the GEMM,
 // makes sure every CTA of the cluster runs before its shared memory is written.)
+// The plan of 8 CTAs x 1 slice (Qwen3-30B-A3B, OLMoE) runs router_route_kernel_one_slice: the cluster in the binary,
+// each logit rounded where its sum is formed (step 3 without the slice pass and its block barrier), no division by
+// the slice count. That plan went from 6.18 to 6.37 us at T 1 on the H200 with the units; the SASS reading puts it
+// on the general kernel's slice pass and barrier after the cluster barrier and its division before the first load
+// (the one-slice kernel not measured yet).
 //
 // Lane (g, q) of a warp (g = lane / 4, q = lane % 4) loads 16 consecutive elements of H from expert rows g and g + 8
 // and from token g: 32-byte loads, four lanes covering 128 contiguous bytes of a row. The mma's k index is a
@@ -121,9 +126,15 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4
 
 // Shared memory (floats): partial [kRRWarps][NT][kTileE * kTileT], slots [tokens_per_cta][slices][E] (each slice's
 // sums of the CTA's tokens; slice 0 then holds the logits), rows [route warps][E] (route warps = min(kRRWarps,
-// tokens_per_cta)). Launched with a cluster of kC CTAs (the launch attribute; kC > 8 needs the non-portable size).
-template <class T, int NT, bool kSigmoid, int kC>
-__global__ void __launch_bounds__(kRRThreads, 1) router_route_kernel(const RouterRouteParams p) {
+// tokens_per_cta)). Run by a cluster of kC CTAs.
+//
+// kOneSlice (the plan's slices == 1; router_route_kernel_one_slice): the unit is the tile (no division by the slice
+// count in the unit loops), each logit is rounded where its sum is formed and written into its slot as the final
+// value, so the pass that adds the slices after the cluster barrier and its block barrier are left out; the weight
+// prefetch takes rows by warp and 128-byte lines by lane (no division). The same sums in the same order as the
+// general path with one slice: the same bits.
+template <class T, int NT, bool kSigmoid, int kC, bool kOneSlice>
+__device__ __forceinline__ void router_route_body(const RouterRouteParams p) {
 #if CW8A8_HAS_CLUSTERS
   extern __shared__ float rr_smem[];
   namespace cg = cooperative_groups;
@@ -132,11 +143,11 @@ __global__ void __launch_bounds__(kRRThreads, 1) router_route_kernel(const Route
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   float* partial = rr_smem;
   float* slots = partial + kRRWarps * NT * kTileE * kTileT;
-  float* rows = slots + p.tokens_per_cta * p.slices * p.e;
+  float* rows = slots + p.tokens_per_cta * (kOneSlice ? 1 : p.slices) * p.e;
   const char* wbytes = static_cast<const char*>(p.w);
   const char* xbytes = static_cast<const char*>(p.x);
   const int chunks = p.h / kChunk;
-  const int units = p.tiles * p.slices;
+  const int units = kOneSlice ? p.tiles : p.tiles * p.slices;
 
   allow_dependent_launch();
   // Every CTA of the cluster must have started before another writes into its shared memory: arrive now, wait
@@ -144,21 +155,33 @@ __global__ void __launch_bounds__(kRRThreads, 1) router_route_kernel(const Route
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
   // The router weight is not written by the previous kernel: start its reads from HBM before waiting on it (one
   // 128-byte line per chunk and row).
-  for (int u = rank; u < units; u += kC) {
-    const int m0 = (u / p.slices) * kTileE, c_begin = (u % p.slices) * p.slice_chunks;
-    const int rows_here = min(kTileE, p.e - m0), lines = min(p.slice_chunks, chunks - c_begin);
-    for (int i = threadIdx.x; i < rows_here * lines; i += kRRThreads) {
-      const char* line = wbytes + (m0 + i / lines) * p.w_stride * sizeof(T) +
-                         int64_t(c_begin + i % lines) * kChunk * sizeof(T);
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
+  if constexpr (kOneSlice) {
+    for (int m0 = rank * kTileE; m0 < p.e; m0 += kC * kTileE) {
+      for (int r = m0 + warp; r < min(m0 + kTileE, p.e); r += kRRWarps) {
+        const char* row = wbytes + r * p.w_stride * sizeof(T);
+        for (int l = lane; l < chunks; l += 32) {
+          asm volatile("prefetch.global.L2 [%0];" ::"l"(row + int64_t(l) * kChunk * sizeof(T)));
+        }
+      }
+    }
+  } else {
+    for (int u = rank; u < units; u += kC) {
+      const int m0 = (u / p.slices) * kTileE, c_begin = (u % p.slices) * p.slice_chunks;
+      const int rows_here = min(kTileE, p.e - m0), lines = min(p.slice_chunks, chunks - c_begin);
+      for (int i = threadIdx.x; i < rows_here * lines; i += kRRThreads) {
+        const char* line = wbytes + (m0 + i / lines) * p.w_stride * sizeof(T) +
+                           int64_t(c_begin + i % lines) * kChunk * sizeof(T);
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
+      }
     }
   }
   wait_for_producers();
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 
   for (int u = rank; u < units; u += kC) {
-    const int m0 = (u / p.slices) * kTileE, slice = u % p.slices;
-    const int c_begin = slice * p.slice_chunks, c_end = min(c_begin + p.slice_chunks, chunks);
+    const int m0 = (kOneSlice ? u : u / p.slices) * kTileE, slice = kOneSlice ? 0 : u % p.slices;
+    const int c_begin = kOneSlice ? 0 : slice * p.slice_chunks;
+    const int c_end = kOneSlice ? chunks : min(c_begin + p.slice_chunks, chunks);
     float acc[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
@@ -211,23 +234,26 @@ __global__ void __launch_bounds__(kRRThreads, 1) router_route_kernel(const Route
       for (int w = 0; w < kRRWarps; ++w) s += partial[(w * NT + n) * kTileE * kTileT + idx];
       if (expert < p.e && tok < p.t) {
         float* dst = cluster.map_shared_rank(slots, tok % kC);
-        dst[((tok / kC) * p.slices + slice) * p.e + expert] = s;
+        if constexpr (kOneSlice) s = p.round_logits ? to_float(from_float<T>(s)) : s;  // the final logit
+        dst[((tok / kC) * (kOneSlice ? 1 : p.slices) + slice) * p.e + expert] = s;
       }
     }
     __syncthreads();  // partial is reused by the next unit
   }
   cluster.sync();  // every slice of this CTA's tokens has arrived (and no CTA exits while others write to it)
 
-  // the logits: the slices added in slice order, rounded to logits_dtype, into slice 0
-  for (int i = 0; i < p.tokens_per_cta && rank + i * kC < p.t; ++i) {
-    float* slot = slots + i * p.slices * p.e;
-    for (int k = threadIdx.x; k < p.e; k += kRRThreads) {
-      float s = slot[k];
-      for (int sl = 1; sl < p.slices; ++sl) s += slot[sl * p.e + k];
-      slot[k] = p.round_logits ? to_float(from_float<T>(s)) : s;
+  if constexpr (!kOneSlice) {
+    // the logits: the slices added in slice order, rounded to logits_dtype, into slice 0
+    for (int i = 0; i < p.tokens_per_cta && rank + i * kC < p.t; ++i) {
+      float* slot = slots + i * p.slices * p.e;
+      for (int k = threadIdx.x; k < p.e; k += kRRThreads) {
+        float s = slot[k];
+        for (int sl = 1; sl < p.slices; ++sl) s += slot[sl * p.e + k];
+        slot[k] = p.round_logits ? to_float(from_float<T>(s)) : s;
+      }
     }
+    __syncthreads();
   }
-  __syncthreads();
 
   const int route_warps = min(kRRWarps, p.tokens_per_cta);
   if (warp < route_warps) {
@@ -235,7 +261,7 @@ __global__ void __launch_bounds__(kRRThreads, 1) router_route_kernel(const Route
     for (int i = warp; i < p.tokens_per_cta; i += route_warps) {
       const int t = rank + i * kC;
       if (t >= p.t) break;
-      const float* lg = slots + i * p.slices * p.e;
+      const float* lg = slots + i * (kOneSlice ? 1 : p.slices) * p.e;
       auto logit = [&](int k) { return lg[k]; };
       moe_routing::route_row<kSigmoid>(logit, row, p.a, t, lane);
       __syncwarp();  // the next token reuses row
@@ -244,6 +270,20 @@ __global__ void __launch_bounds__(kRRThreads, 1) router_route_kernel(const Route
 #else
   __trap();  // not reached: launched only where clusters_available
 #endif
+}
+
+// Any plan: a cluster of kC CTAs from the launch attribute (kC > 8 needs the non-portable size).
+template <class T, int NT, bool kSigmoid, int kC>
+__global__ void __launch_bounds__(kRRThreads, 1) router_route_kernel(const RouterRouteParams p) {
+  router_route_body<T, NT, kSigmoid, kC, false>(p);
+}
+
+// The portable plan with one slice (Qwen3-30B-A3B, OLMoE: 8 CTAs x 1 slice): the cluster of kClusterCtas in the
+// binary (launched without the attribute, as the former one-tile-per-CTA kernel) and router_route_body's kOneSlice.
+template <class T, int NT, bool kSigmoid>
+__global__ void CW8A8_CLUSTER_DIMS(kClusterCtas, 1, 1) __launch_bounds__(kRRThreads, 1)
+    router_route_kernel_one_slice(const RouterRouteParams p) {
+  router_route_body<T, NT, kSigmoid, kClusterCtas, true>(p);
 }
 
 constexpr int64_t kMaxSlotBytes = 32 * 1024;  // slots: with partial and rows, at most 48 KiB of shared memory
@@ -413,6 +453,9 @@ std::tuple<at::Tensor, at::Tensor> moe_router_route(const at::Tensor& x, const a
     if (wide) {
       C10_CUDA_CHECK(launch_kernel_cluster(router_route_kernel<T, kNt, kSig, kWideClusterCtas>, dim3(kWideClusterCtas),
                                            dim3(kRRThreads), smem, stream, pdl, dim3(kWideClusterCtas, 1, 1), p));
+    } else if (p.slices == 1) {  // the cluster of kClusterCtas is the kernel's own (__cluster_dims__)
+      C10_CUDA_CHECK(launch_kernel(router_route_kernel_one_slice<T, kNt, kSig>, dim3(kClusterCtas), dim3(kRRThreads),
+                                   smem, stream, pdl, p));
     } else {
       C10_CUDA_CHECK(launch_kernel_cluster(router_route_kernel<T, kNt, kSig, kClusterCtas>, dim3(kClusterCtas),
                                            dim3(kRRThreads), smem, stream, pdl, dim3(kClusterCtas, 1, 1), p));

@@ -85,16 +85,16 @@ def decode_attention(
     PDL is on (`cutlass_w8a8.pdl_enabled`):
 
     1. ``decode_attention_split_kernel``, grid ``(B, H / G', splits)``: a block takes row ``b``, the ``G'``
-       query heads that share one key/value head (``G'`` the largest of 8, 4, 2, 1 dividing ``G = H / KVH``,
-       so each key/value row is read once for those heads) and one contiguous chunk of the positions
-       ``0..positions[b]``, and keeps an online softmax over it (a running maximum, a running sum and a
-       float32 accumulator, rescaled when the maximum grows: Milakov & Gimelshein [1]_). The chunk bounds
-       are computed on the device from ``positions[b]``; the number of splits is chosen from ``B``, ``H``,
-       ``KVH``, ``S``, the SM count and the split kernel's occupancy (by default the count with the fewest waves of
-       resident blocks times positions per block; ``CUTLASS_W8A8_ATTN_SPLITS=ctas``: about
-       ``CUTLASS_W8A8_ATTN_CTAS_PER_SM``, default 2, blocks per SM; and ``CUTLASS_W8A8_ATTN_MIN_CHUNK``: per-process
-       A/B knobs, csrc/attention/decode_attention.cu), never from the positions, so a CUDA graph stays valid when
-       the positions change between replays. It writes float32 partials (maximum, sum, accumulator) per
+       query heads that share one key/value head (``G'`` the largest of 8, 4, 2, 1 dividing ``G = H / KVH``
+       and at most ``CUTLASS_W8A8_ATTN_HEADS_PER_CTA``, default 4, so each key/value row is read once for those
+       heads) and one contiguous chunk of the positions ``0..positions[b]``, and keeps an online softmax over it
+       (a running maximum, a running sum and a float32 accumulator, rescaled when the maximum grows: Milakov &
+       Gimelshein [1]_). The chunk bounds are computed on the device from ``positions[b]``; the number of splits
+       is chosen from ``B``, ``H``, ``KVH``, ``S``, the SM count and the split kernel's occupancy (by default the
+       count with the fewest waves of resident blocks times positions per block; ``CUTLASS_W8A8_ATTN_SPLITS=ctas``:
+       about ``CUTLASS_W8A8_ATTN_CTAS_PER_SM``, default 2, blocks per SM; ``CUTLASS_W8A8_ATTN_MIN_CHUNK`` and
+       ``CUTLASS_W8A8_ATTN_HEADS_PER_CTA``: per-process A/B knobs, csrc/attention/decode_attention.cu), never from
+       the positions, so a CUDA graph stays valid when the positions change between replays. It writes float32 partials (maximum, sum, accumulator) per
        ``(b, h, split)`` to a workspace from torch's caching allocator.
     2. ``decode_attention_combine_cluster_kernel``, grid ``(B, 8)``: a cluster of 8 blocks per row (sm90,
        ``H * D <= 8192``), each merging the splits of its eighth of the row's ``H * D`` outputs, rescaled to their

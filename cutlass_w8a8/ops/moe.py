@@ -13,7 +13,8 @@ A W8A8 MoE layer runs, for T tokens routed to top_k of E experts (T * top_k (tok
     q2, s2 = silu_mul_quant(h, dtype)                                               # [T * top_k, I]
     y = grouped_scaled_mm(q2, w2, s2, w2_scale, offsets, x.dtype)                   # [T * top_k, H]
     out = moe_unpermute(y, dst_pos, topk_weights)                                   # [T, H]
-    # or, at decode sizes (T * top_k <= 64, dynamic activation scales), the same result bit for bit in 3 kernels:
+    # or, at decode sizes (T * top_k <= 64, dynamic activation scales), the same result bit for bit in 2 kernels
+    # (top_k >= 4) or 3:
     out = moe_decode_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size, x.dtype)
 
 Every shape depends on T, top_k, E, H and I only, never on the routing, and no op synchronises with the host: the
@@ -463,7 +464,7 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
 def moe_decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                        w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, group_size: int = 0,
                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The routed experts of a SwiGLU MoE layer at decode sizes (``T * top_k <= 64``), fused into three kernels.
+    """The routed experts of a SwiGLU MoE layer at decode sizes (``T * top_k <= 64``), fused into two or three kernels.
 
     For each token ``t`` and its experts ``e_j = topk_ids[t, j]`` (``j < top_k``) with weights
     ``w_j = topk_weights[t, j]``::
@@ -484,16 +485,33 @@ def moe_decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     (``group_size`` 128), the intermediate ``silu(gate) * up`` is rounded to ``out_dtype`` before its quantization,
     and the top-k outputs are weighted and summed in float32 in increasing ``j``, then rounded once.
 
-    On CUDA (sm90) the op runs three kernels, with no host synchronisation, its launches fixed by the shapes (it
-    captures into a CUDA graph and replays with new routings):
+    On CUDA (sm90) the op runs two kernels at ``top_k >= 4`` within the speed rule below and three otherwise, with
+    no host synchronisation, its launches fixed by the shapes (it captures into a CUDA graph and replays with new
+    routings). The two kernels:
+
+    1. **gate/up**: a grouped decode GEMM whose CTAs find their expert from ``topk_ids`` (no sort), quantize the
+       ``x`` rows of their tokens themselves (per token or per group, into shared memory) and apply
+       ``silu(gate) * up`` in the epilogue, storing the intermediate row in ``out_dtype``;
+    2. **down** (token-major): each CTA owns one token's 16 output columns; it quantizes the token's ``top_k``
+       intermediate rows itself, weights each row's result by ``topk_weights`` and sums them in increasing ``j``
+       (deterministic: a fixed order, no float atomics), writing ``out`` (zeros for a token with no routed pair).
+
+    Below ``top_k`` 4, or where the redundant quantization of the two kernels above outweighs the launch they save
+    (``T x H > 2048`` or ``top_k x I > 6144``: on an H200 the two-kernel path won at Qwen3-30B-A3B dims at ``T = 1``
+    and lost at ``T = 8`` and at DeepSeek-V3 dims, csrc/moe/moe_decode.cu ``own_quant``), or with the environment
+    variable ``CUTLASS_W8A8_MOE_DECODE_PREP=1`` (read once per process: an A/B switch giving the same bits; ``0``
+    forces the two kernels wherever ``top_k >= 4`` and their shared memory fits; another value than unset, empty,
+    0 or 1 raises ``ValueError``):
 
     1. **prep**: the per-token (or per-group) quantization of ``x`` and the zeroing of the workspace counters;
-    2. **gate/up**: a grouped decode GEMM whose CTAs find their expert from ``topk_ids`` (no sort), gather ``x``'s
-       quantized rows by token, and apply ``silu(gate) * up`` in the epilogue; the last CTA of each (token, expert)
-       pair to finish quantizes that pair's intermediate row;
-    3. **down**: a grouped decode GEMM whose epilogue weights each row by ``topk_weights``; the last CTA per
-       (token, 16-column tile) sums the token's ``top_k`` rows in increasing ``j`` (deterministic: a fixed order,
-       no float atomics) and writes ``out``.
+    2. **gate/up**: as above on prep's quantized rows; the last CTA of each (token, expert) pair to finish
+       quantizes that pair's intermediate row;
+    3. **down**: the token-major kernel above on the quantized rows (``top_k >= 4``), or a grouped decode GEMM whose
+       epilogue weights each row by ``topk_weights``, the last CTA per (token, 16-column tile) summing the token's
+       ``top_k`` rows in increasing ``j`` and writing ``out``.
+
+    The two-kernel path is also left for the three-kernel one where its shared memory would exceed 64 KiB per CTA
+    (``T`` quantized ``x`` rows of about ``H`` bytes in gate/up, 8 intermediate rows of ``I`` bytes in down).
 
     Only the weights of the experts that some pair routes to are read, each once per CTA tile. On the CPU the op
     runs the chain's CPU references (`cutlass_w8a8.ops._reference`), so it equals the chain there by construction.
@@ -541,7 +559,8 @@ def moe_decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     ValueError
         ``group_size`` not 0 / 128; a tensor on another device than ``x``; a shape that disagrees with the ones above
         (the message names the argument), ``T * top_k`` above 64, ``E``, ``H`` or ``I`` out of range, a weight or
-        scale not contiguous.
+        scale not contiguous; on CUDA, ``CUTLASS_W8A8_MOE_DECODE_PREP`` (or another of the decode path's A/B
+        switches, docs/MOE.md) set to a value it does not accept.
     NotImplementedError
         On a CUDA device other than sm90 (the message names the device).
     RuntimeError

@@ -49,11 +49,12 @@ def test_json_records_each_knob_as_set(bench, monkeypatch):
     """The JSON's knob keys: each A/B variable of csrc/attention/decode_attention.cu, its value as set, None unset."""
     assert set(bench.KNOB_ENVS.values()) == {"CUTLASS_W8A8_ATTN_MIN_CHUNK", "CUTLASS_W8A8_ATTN_CTAS_PER_SM",
                                              "CUTLASS_W8A8_ATTN_PREFETCH", "CUTLASS_W8A8_ATTN_COMBINE",
-                                             "CUTLASS_W8A8_ATTN_SPLITS"}
+                                             "CUTLASS_W8A8_ATTN_SPLITS", "CUTLASS_W8A8_ATTN_HEADS_PER_CTA"}
     for name in bench.KNOB_ENVS.values():
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CUTLASS_W8A8_ATTN_CTAS_PER_SM", "8")
     monkeypatch.setenv("CUTLASS_W8A8_ATTN_PREFETCH", "1")
     monkeypatch.setenv("CUTLASS_W8A8_ATTN_COMBINE", "row")
+    monkeypatch.setenv("CUTLASS_W8A8_ATTN_HEADS_PER_CTA", "4")
     assert bench._knob_envs() == {"min_chunk_env": None, "ctas_per_sm_env": "8", "prefetch_env": "1",
-                                  "combine_env": "row", "splits_env": None}
+                                  "combine_env": "row", "splits_env": None, "heads_per_cta_env": "4"}

@@ -60,6 +60,11 @@ KERNEL_NAMES = [
     (f"void {_A}moe_decode_gate_up_kernel<{_A}Fp8Ab, __nv_bfloat16, 2, true>({_A}MoeDecodeParams)", "gemm w8a8"),
     (f"void {_A}moe_decode_down_kernel<{_A}Int8Ab, __half, 1, false, 2>({_A}MoeDecodeParams)", "gemm w8a8"),
     (f"void {_A}moe_decode_down_tm_kernel<{_A}Fp8Ab, __nv_bfloat16, true>({_A}MoeDecodeParams)", "gemm w8a8"),
+    # the two-kernel path (top_k >= 4): gate/up with x's dtype last (it quantizes x), down_tm quantizing h
+    (f"void {_A}moe_decode_gate_up_kernel<{_A}Int8Ab, __nv_bfloat16, 1, false, 0, __half>({_A}MoeDecodeParams)",
+     "gemm w8a8"),
+    (f"void {_A}moe_decode_down_tm_kernel<{_A}Int8Ab, __half, false, false, true>({_A}MoeDecodeParams)",
+     "gemm w8a8"),
     (f"void {_A}moe_decode_prep_kernel<__nv_bfloat16, {_A}Int8Out, false, __nv_bfloat16>({_A}MoeDecodeParams)",
      "quant"),
     (f"void {_A}decode_reduce_kernel<__nv_bfloat16>(long, {_A}DecodeParams)", "gemm w8a8"),

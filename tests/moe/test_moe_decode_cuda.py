@@ -1,4 +1,5 @@
-"""`moe_decode_experts` on an sm90 GPU: the fused MoE decode path (3 kernels) against the unfused CUDA chain
+"""`moe_decode_experts` on an sm90 GPU: the fused MoE decode path (2 kernels at top_k >= 4 within csrc/moe/moe_decode.cu's
+speed rule or with CUTLASS_W8A8_MOE_DECODE_PREP=0, else 3) against the unfused CUDA chain
 (`moe_align` -> `moe_permute_quant` -> `grouped_scaled_mm` -> `silu_mul_quant` -> `grouped_scaled_mm` ->
 `moe_unpermute`) BIT FOR BIT, for int8, fp8 with per-channel and per-expert weight scales and block fp8, bfloat16 and
 float16 outputs, float32 / float16 / bfloat16 x, T * top_k from 1 to 64, 8 and 128 experts, routings with empty
@@ -8,7 +9,9 @@ fully written (the caching allocator filled with NaN blocks first, two runs equa
 `W8A8MoE.forward` at T = 1 and 8 replayed with new router logits equal to eager; the profiler: the layer at
 T * top_k <= 64 launches `moe_decode_gate_up_kernel` and the token-major `moe_decode_down_tm_kernel` at top_k >= 4
 (the expert-major `moe_decode_down_kernel` below), no `grouped_decode_kernel`, and at most 6 kernels per call with
-the routing. (A device other than sm90 raises NotImplementedError: not testable
+the routing; the two-kernel and the three-kernel paths (CUTLASS_W8A8_MOE_DECODE_PREP, read once per process: one of
+them in a subprocess) equal bit for bit on random routings with repeated experts and unrouted ids, and each runs the
+kernels it should. (A device other than sm90 raises NotImplementedError: not testable
 here.) The CPU op and the checks are tests/moe/test_moe_decode_cpu.py; the checks' C++ messages are held to the
 Python ones by tests/test_misuse_table.py::test_row_on_cuda.
 """
@@ -91,17 +94,34 @@ def test_equals_the_chain_bitwise(scheme, t, k, e, route):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("h", [2048, 4608])
+@pytest.mark.parametrize("h", [2048, 4608, 6144])
 @pytest.mark.parametrize("t, k, route", [(1, 8, "random"), (8, 8, "random"), (16, 4, "one-expert")])
 def test_equals_the_chain_bitwise_wide(scheme, h, t, k, route):
     """Qwen3-30B-A3B's H = 2048 (8 K blocks of 256: one per warp) and H = 4608 (18: the warps take 2 or 3), I = 768
     (48 gate/up CTAs per expert), T 1 and 8 at top-8: the sums of every warp and block count. Random routing leaves
     at most 8 pairs per expert here (one-tile chunks); all 64 pairs of T 16 at top-4 on one expert make 16-pair
-    chunks (two token tiles, NT = 2) with every warp busy."""
+    chunks (two token tiles, NT = 2) with every warp busy. The two-kernel path's gate/up shared memory (T rows of
+    about H bytes): H 4608 and 6144 leave runs of 2048 elements partly outside the row; T 8 at H 6144 takes 49.7 KB
+    (above the 48 KB that needs the kernel's opt-in); T 16 at H 4608 and 6144 would take more than 64 KiB, so that
+    call takes the three-kernel path."""
     ops = _wide_operands(scheme, h)
     ids, wts = routing(t, k, 8, route, "cuda", seed=h + t)
     x = random_x(t, h, device="cuda", seed=h + t + 1)
     _assert_equals_chain(x, ids, wts, ops, what=(scheme, h, t, k, route))
+
+
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if "block" not in s])
+@pytest.mark.parametrize("h, i", [(2112, 784), (2128, 784), (1040, 400)])
+@pytest.mark.parametrize("t, k", [(1, 8), (8, 8), (16, 4)])
+def test_equals_the_chain_bitwise_unaligned(scheme, h, i, t, k):
+    """Row-wise H and I that are multiples of 16 but not of 128 (block fp8 needs 128): the two-kernel path's shared
+    x rows (their pitch and a partial last run of the row) and h rows (a partial last 16-byte group of a warp's row)
+    outside the 128-multiples every other case uses; T 16 at top-4 the two-token-tile gate/up."""
+    ops = decode_operands(scheme, 8, h, i, "cpu", seed=h + i)
+    ops = {n: (v.cuda() if isinstance(v, torch.Tensor) else v) for n, v in ops.items()}
+    ids, wts = routing(t, k, 8, "random", "cuda", seed=h + t)
+    x = random_x(t, h, device="cuda", seed=h + t + 2)
+    _assert_equals_chain(x, ids, wts, ops, what=(scheme, h, i, t, k))
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,29 +151,62 @@ def _long_i_operands(scheme, i):
     return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
 
 
-@pytest.mark.parametrize("scheme, t", [("int8", 1), ("int8", 8), ("fp8-block", 1)])
-def test_gate_up_kernel_variant_follows_the_switch(scheme, t):
-    """moe_decode_gate_up_kernel's last template argument (kDual: 0 one tile after the other, 1 / 2 both tiles in
-    one pass at the default's / at two CTAs per SM) is what CUTLASS_W8A8_MOE_GATE_UP_DUAL says for this process
-    (unset: 0), at top-8: at T = 1 int8 (8 pairs: the one-token-tile row-wise kernel, the only one where 1 and 2
-    differ) 0, 1 or 2; at T = 8 int8 (64 pairs: two token tiles) and T = 1 block fp8, 1 for both 1 and 2."""
+# csrc/moe/moe_decode.cu's speed rule for the two-kernel path (kOwnQuantMaxXElems, kOwnQuantMaxHElems): T x H and
+# top_k x I at most these
+OWN_QUANT_MAX_X, OWN_QUANT_MAX_H = 2048, 6144
+
+
+def _prep_forced():
+    """Whether this process runs the three-kernel path where the two-kernel one applies
+    (CUTLASS_W8A8_MOE_DECODE_PREP=1)."""
+    return os.environ.get("CUTLASS_W8A8_MOE_DECODE_PREP") == "1"
+
+
+def _two_kernel(t, k, h=H, i=I):
+    """Whether this process runs the two-kernel path at (T, top_k, H, I) (shared memory fitting, as at every size
+    the kernel-variant tests use): top_k >= 4 and CUTLASS_W8A8_MOE_DECODE_PREP not 1; unset, the speed rule's
+    bounds; 0, regardless of them."""
+    switch = os.environ.get("CUTLASS_W8A8_MOE_DECODE_PREP", "")
+    if k < 4 or switch == "1":
+        return False
+    return switch == "0" or (t * h <= OWN_QUANT_MAX_X and k * i <= OWN_QUANT_MAX_H)
+
+
+@pytest.mark.parametrize("scheme, t, k", [("int8", 1, 8), ("int8", 8, 8), ("fp8-block", 1, 8), ("int8", 1, 2),
+                                          ("int8", 8, 2), ("fp8-block", 1, 2)])
+def test_gate_up_kernel_variant_follows_the_switch(scheme, t, k):
+    """moe_decode_gate_up_kernel's template arguments kDual (0 one tile after the other, 1 / 2 both tiles in one
+    pass at the default's / at two CTAs per SM) and XT (void: x quantized by prep; x's dtype: the two-kernel path,
+    the CTA quantizes x itself). On the three-kernel path (top_k < 4, or CUTLASS_W8A8_MOE_DECODE_PREP=1) kDual is what
+    CUTLASS_W8A8_MOE_GATE_UP_DUAL says for this process (unset: 0): with 8 pairs or fewer (the one-token-tile kernel;
+    row-wise, the only one where 1 and 2 differ) 0, 1 or 2; with more (two token tiles) and block fp8, 1 for both 1 and
+    2. The two-kernel path (top_k >= 4 within the speed rule, or CUTLASS_W8A8_MOE_DECODE_PREP=0) runs kDual 0
+    whatever the switch, with XT = bfloat16 here."""
+    three = not _two_kernel(t, k)
     mode = os.environ.get("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "")
-    want = {"1": "1", "2": "2"}.get(mode, "0") if (scheme, t) == ("int8", 1) else ("1" if mode in ("1", "2") else "0")
+    if not three:
+        want = "0"
+    elif scheme == "int8" and t * k <= 8:
+        want = {"1": "1", "2": "2"}.get(mode, "0")
+    else:
+        want = "1" if mode in ("1", "2") else "0"
     ops = _operands(scheme, 8)
-    ids, wts = routing(t, 8, 8, "random", "cuda", seed=3)
+    ids, wts = routing(t, k, 8, "random", "cuda", seed=3)
     x = random_x(t, H, device="cuda", seed=4)
     cw.moe_decode_experts(x, ids, wts, **ops)  # warm-up (lazy loading)
     names = [n for n in _kernel_names(lambda: cw.moe_decode_experts(x, ids, wts, **ops))
              if "moe_decode_gate_up_kernel" in n]
     if not names:
         pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
-    m = re.search(r"moe_decode_gate_up_kernel<.*, ([012])>\(", names[0])
+    m = re.search(r"moe_decode_gate_up_kernel<.*, ([012]), (void|__nv_bfloat16)>\(", names[0])
     assert m is not None and m.group(1) == want, names[0]
+    assert m.group(2) == ("void" if three else "__nv_bfloat16"), names[0]
 
 
 def test_down_kernel_variant_follows_the_switch():
-    """moe_decode_down_tm_kernel's last template argument (kPrefetch: each block loaded one block ahead) is what
-    CUTLASS_W8A8_MOE_DOWN_PREFETCH says for this process ("1": true; unset: false), at T = 1, top-8."""
+    """moe_decode_down_tm_kernel's template arguments kPrefetch (each block loaded one block ahead) and kOwnH (the
+    kernel quantizes h itself: the two-kernel path) are what CUTLASS_W8A8_MOE_DOWN_PREFETCH ("1": true; unset: false)
+    and CUTLASS_W8A8_MOE_DECODE_PREP ("1": false; unset or "0": true) say for this process, at T = 1, top-8."""
     want = "true" if os.environ.get("CUTLASS_W8A8_MOE_DOWN_PREFETCH") == "1" else "false"
     ops = _operands("fp8-block", 8)
     ids, wts = routing(1, 8, 8, "random", "cuda", seed=3)
@@ -163,16 +216,98 @@ def test_down_kernel_variant_follows_the_switch():
              if "moe_decode_down_tm_kernel" in n]
     if not names:
         pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
-    m = re.search(r"moe_decode_down_tm_kernel<.*, (true|false)>\(", names[0])
+    m = re.search(r"moe_decode_down_tm_kernel<.*, (true|false), (true|false)>\(", names[0])
     assert m is not None and m.group(1) == want, names[0]
+    assert m.group(2) == ("true" if _two_kernel(1, 8) else "false"), names[0]
 
 
-SWITCHES = ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "CUTLASS_W8A8_MOE_DOWN_PREFETCH")
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("t, k", [(1, 8), (4, 8), (8, 8), (16, 4), (8, 2)])
+def test_decode_path_kernels_follow_the_switch(scheme, t, k):
+    """The op's kernels, in launch order: at top_k >= 4 gate/up then the token-major down (the two-kernel path:
+    T x H and top_k x I within the speed rule, or CUTLASS_W8A8_MOE_DECODE_PREP=0), else prep first (the three-kernel
+    path: beyond the rule, here T 16 at H 256, or CUTLASS_W8A8_MOE_DECODE_PREP=1); below top_k 4 prep, gate/up and
+    the expert-major down whatever the switch."""
+    ops = _operands(scheme, 8)
+    ids, wts = routing(t, k, 8, "random", "cuda", seed=t + k)
+    x = random_x(t, H, device="cuda", seed=5)
+    cw.moe_decode_experts(x, ids, wts, **ops)  # warm-up (lazy loading)
+    names = _kernel_names(lambda: cw.moe_decode_experts(x, ids, wts, **ops))
+    if not names:
+        pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
+    short = [re.search(r"(moe_decode_\w+_kernel)", n).group(1) for n in names if "moe_decode_" in n]
+    if k < 4:
+        want = ["moe_decode_prep_kernel", "moe_decode_gate_up_kernel", "moe_decode_down_kernel"]
+    elif not _two_kernel(t, k):
+        want = ["moe_decode_prep_kernel", "moe_decode_gate_up_kernel", "moe_decode_down_tm_kernel"]
+    else:
+        want = ["moe_decode_gate_up_kernel", "moe_decode_down_tm_kernel"]
+    assert short == want and len(names) == len(want), names
+
+
+def _path_cases():
+    """(scheme, T, top_k, x, ids, wts) at T 1, 4, 8 (top-8) and 16 (top-4): ids drawn uniformly from [-2, E + 2)
+    with repeats (a token may name an expert twice; -1, -2, E and E + 1 are not routed), and T > 1's last token
+    unrouted; x of each dtype; 8 and 128 experts."""
+    cases = []
+    for scheme in SCHEMES:
+        for t, k in [(1, 8), (4, 8), (8, 8), (16, 4)]:
+            for e in (8, 128):
+                g = torch.Generator().manual_seed(1000 * t + 10 * k + e)
+                ids = torch.randint(-2, e + 2, (t, k), generator=g, dtype=torch.int64)
+                if t > 1:
+                    ids[-1] = -1
+                wts = torch.rand(t, k, generator=g)
+                x_dtype = (torch.bfloat16, torch.float16, torch.float32)[len(cases) % 3]
+                x = random_x(t, H, x_dtype, "cpu", seed=t + e)
+                cases.append((scheme, e, x, ids.to(torch.int32 if t % 2 else torch.int64), wts))
+    return cases
+
+
+def _path_outputs():
+    outs = []
+    for scheme, e, x, ids, wts in _path_cases():
+        ops = _operands(scheme, e)
+        outs.append(cw.moe_decode_experts(x.cuda(), ids.cuda(), wts.cuda(), **ops).cpu())
+    return outs
+
+
+def test_two_and_three_kernel_paths_equal_bitwise(tmp_path):
+    """The two-kernel path (gate/up and the token-major down quantizing x and h themselves) and the three-kernel
+    path (prep, gate/up with the last-CTA quantization of h, down) give the same bits at top_k >= 4: int8 / fp8 /
+    block fp8 (and per-expert scales), T 1, 4, 8 at top-8 and 16 at top-4, random routings with repeated experts,
+    out-of-range and -1 ids and an unrouted token. The other path runs in a subprocess (the switch
+    CUTLASS_W8A8_MOE_DECODE_PREP is read once per process): 1 (the three-kernel path) against this process (unset:
+    the speed rule, the two-kernel path at T 1-8 here; 0: everywhere), or 0 against 1."""
+    here = pathlib.Path(__file__)
+    out_file = tmp_path / "other_path.pt"
+    code = ("import sys, torch\n"
+            f"sys.path.insert(0, {str(here.parent)!r}); sys.path.insert(0, {str(here.parents[1])!r})\n"
+            "import test_moe_decode_cuda as m\n"
+            f"torch.save(m._path_outputs(), {str(out_file)!r})\n")
+    env = {k: v for k, v in os.environ.items() if k != "CUTLASS_W8A8_MOE_DECODE_PREP"}
+    env["CUTLASS_W8A8_MOE_DECODE_PREP"] = "0" if _prep_forced() else "1"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=here.parents[2])
+    assert r.returncode == 0, r.stderr[-4000:]
+    other = torch.load(out_file)
+    mine = _path_outputs()
+    assert len(mine) == len(other) == len(_path_cases())
+    for case, a, b in zip(_path_cases(), mine, other):
+        scheme, e, x, ids, _ = case
+        assert torch.equal(a, b), (scheme, e, tuple(x.shape), x.dtype, ids.tolist())
+        assert not torch.isnan(a.float()).any()
+        routed = ((ids >= 0) & (ids < e)).any(1)
+        assert bool((a[~routed] == 0).all()), (scheme, e, ids.tolist())
+
+
+SWITCHES = ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "CUTLASS_W8A8_MOE_DOWN_PREFETCH", "CUTLASS_W8A8_MOE_DECODE_PREP")
 
 
 @pytest.mark.parametrize("name, value, allowed", [
     ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "3", "0, 1 or 2"), ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "true", "0, 1 or 2"),
-    ("CUTLASS_W8A8_MOE_DOWN_PREFETCH", "2", "0 or 1"), ("CUTLASS_W8A8_MOE_DOWN_PREFETCH", "yes", "0 or 1")])
+    ("CUTLASS_W8A8_MOE_DOWN_PREFETCH", "2", "0 or 1"), ("CUTLASS_W8A8_MOE_DOWN_PREFETCH", "yes", "0 or 1"),
+    ("CUTLASS_W8A8_MOE_DECODE_PREP", "2", "0 or 1"), ("CUTLASS_W8A8_MOE_DECODE_PREP", "on", "0 or 1")])
 def test_a_bad_switch_value_raises_naming_the_variable(name, value, allowed):
     """A value of an A/B switch other than unset / empty / the listed ones makes the op raise a ValueError naming
     the variable (read once per process, so a fresh one), instead of silently running the default variant."""
@@ -195,17 +330,23 @@ def test_a_bad_switch_value_raises_naming_the_variable(name, value, allowed):
 
 
 @pytest.mark.parametrize("env", [{"CUTLASS_W8A8_MOE_GATE_UP_DUAL": "1"}, {"CUTLASS_W8A8_MOE_GATE_UP_DUAL": "2"},
-                                 {"CUTLASS_W8A8_MOE_DOWN_PREFETCH": "1", "CUTLASS_W8A8_MOE_GATE_UP_DUAL": "2"}],
-                         ids=["gate-up-1", "gate-up-2", "down-prefetch"])
+                                 {"CUTLASS_W8A8_MOE_DOWN_PREFETCH": "1", "CUTLASS_W8A8_MOE_GATE_UP_DUAL": "2"},
+                                 {"CUTLASS_W8A8_MOE_DECODE_PREP": "1"}, {"CUTLASS_W8A8_MOE_DECODE_PREP": "0"},
+                                 {"CUTLASS_W8A8_MOE_DECODE_PREP": "1", "CUTLASS_W8A8_MOE_GATE_UP_DUAL": "2",
+                                  "CUTLASS_W8A8_MOE_DOWN_PREFETCH": "1"}],
+                         ids=["gate-up-1", "gate-up-2", "down-prefetch", "prep", "two-kernel",
+                              "prep-gate-up-2-down-prefetch"])
 def test_kernel_variants_in_their_own_process(env):
-    """The A/B variants of the decode path's kernels (CUTLASS_W8A8_MOE_GATE_UP_DUAL=1 / 2: gate/up in one pass;
-    CUTLASS_W8A8_MOE_DOWN_PREFETCH=1: the down kernel one block ahead; each read once per process, so a fresh one):
-    this file's bitwise tests against the chain and the kernel-variant checks pass there too."""
+    """The A/B variants of the decode path's kernels (CUTLASS_W8A8_MOE_GATE_UP_DUAL=1 / 2: gate/up in one pass, on the
+    three-kernel path; CUTLASS_W8A8_MOE_DOWN_PREFETCH=1: the token-major down kernel one block ahead;
+    CUTLASS_W8A8_MOE_DECODE_PREP=1: the three-kernel path at top_k >= 4 too; =0: the two-kernel path beyond the
+    speed rule, at every wide / unaligned shape whose shared memory fits; each read once per process, so a fresh
+    one): this file's bitwise tests against the chain and the kernel-variant checks pass there too."""
     if any(os.environ.get(name) for name in SWITCHES):
         pytest.skip("this process already runs a variant")
     here = pathlib.Path(__file__)
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", str(here), "-k",
-           "equals_the_chain or dtypes_and_int64 or variant_follows"]
+           "equals_the_chain or dtypes_and_int64 or variant_follows or kernels_follow"]
     r = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True,
                        timeout=900, cwd=here.parents[2])
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

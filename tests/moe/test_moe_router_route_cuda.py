@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import cutlass_w8a8 as cw
+from cutlass_w8a8.ops._limits import MOE_ROUTER_ROUTE_MIN_EXPERTS
 from _fused_quant_cuda import poison_allocator
 
 pytestmark = pytest.mark.cuda
@@ -152,6 +153,8 @@ def test_fused_matches_linear_then_moe_route(case, t, dtype):
 # - E = 384 at H = 1408 (1.03 MiB of weight): 16 CTAs, 24 tiles (two on 8 of the CTAs), one slice;
 # - E = 120 at H = 4416 (1.01 MiB, 69 chunks): 16 CTAs, 8 tiles (the last half empty) in 2 slices of 35 and 34 chunks;
 # - E = 8 at H = 2112 (33 chunks): 8 CTAs, one tile in 2 slices of 17 and 16 chunks.
+# The 8-CTA one-slice plans run router_route_kernel_one_slice, the others router_route_kernel
+# (test_exact_cases_reach_each_kernel).
 EXACT_CASES = [
     (384, 576, 8, dict(scoring="sigmoid", renormalize=True, scaling_factor=2.827)),
     (60, 1088, 4, dict(renormalize=False)),
@@ -172,25 +175,26 @@ def test_exact_sums_bit_for_bit_each_logits_dtype(case, t, dtype):
     kernel's logits are the float64 GEMM's, rounded to logits_dtype, bit for bit. Against moe_route on exactly those
     logits (not on cuBLAS's 16-bit GEMM, which may reduce in reduced precision), for logits_dtype None and float32;
     the two roundings route differently on these inputs, so a kernel that rounds to the wrong dtype fails. x is a
-    strided view (row pitch H + 64, offset 64 elements)."""
+    strided view (row pitch H + 64, offset 64 elements). Where a draw routes the same under both roundings (a
+    single token at 8 experts may: its two winners' weights need not move), the next seed is drawn, up to 16."""
     e, h, k, kw = case
-    g = torch.Generator().manual_seed(1000 * t + e)
-    x = torch.randint(-64, 65, (t, h + 64), generator=g).to(DEV, dtype)[:, 64:]
-    w = (torch.randint(-3, 4, (e, h), generator=g) * 2.0**-10).to(DEV, dtype)
-    bias = (torch.randn(e, generator=g) * 0.1).to(DEV) if kw.get("scoring") == "sigmoid" else None
-    kw = {**kw, "correction_bias": bias}
-    exact = F.linear(x.double(), w.double()).float()
-    wants = []
-    for ldt in (None, torch.float32):
-        logits = exact if ldt is torch.float32 else exact.to(dtype)
-        want = cw.moe_route(logits, k, **kw)
+    for attempt in range(16):
+        g = torch.Generator().manual_seed(1000 * t + e + 100_000 * attempt)
+        x = torch.randint(-64, 65, (t, h + 64), generator=g).to(DEV, dtype)[:, 64:]
+        w = (torch.randint(-3, 4, (e, h), generator=g) * 2.0**-10).to(DEV, dtype)
+        bias = (torch.randn(e, generator=g) * 0.1).to(DEV) if kw.get("scoring") == "sigmoid" else None
+        exact = F.linear(x.double(), w.double()).float()
+        args = {**kw, "correction_bias": bias}
+        wants = [cw.moe_route(exact.to(dtype), k, **args), cw.moe_route(exact, k, **args)]
+        if not torch.equal(wants[0][0], wants[1][0]):
+            break
+    assert not torch.equal(wants[0][0], wants[1][0]), "no draw told the two logits dtypes apart"
+    for ldt, want in zip((None, torch.float32), wants):
         poison_allocator(t * k * 4, t * k * 4)
-        got = cw.moe_router_route(x, w, k, logits_dtype=ldt, **kw)
+        got = cw.moe_router_route(x, w, k, logits_dtype=ldt, **args)
         for a, b, what in zip(got, want, ("weights", "ids")):
             bad = (a != b).any(dim=1).nonzero().flatten().tolist()
             assert torch.equal(a, b), f"logits_dtype {ldt}: {what} differ in tokens {bad}"
-        wants.append(want)
-    assert not torch.equal(wants[0][0], wants[1][0])  # the test tells the two logits dtypes apart
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[2], CASES[5]],
@@ -294,6 +298,25 @@ def test_plan_cluster_and_slices(dtype):
         cw._ext.moe_router_route_plan(dev, 0, 2048, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_exact_cases_reach_each_kernel(dtype):
+    """The exact-sum cases launch every kernel of router_route.cu: router_route_kernel_one_slice (the plan of 8 CTAs x
+    1 slice: the logits rounded where their sums are formed, no slice pass) and router_route_kernel with 8 CTAs and
+    more than one slice; on 132-SM sm90 parts (clusters of 16 resident) also router_route_kernel with 16 CTAs at one
+    slice and at more. A change of the plan rule that left a kernel without an exact case fails here."""
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    if props.major < 9:
+        pytest.skip("no clusters before sm90: the two-kernel path")
+    reached = set()
+    for e, h, _, _ in EXACT_CASES:
+        ctas, slices = cw._ext.moe_router_route_plan(dev, e, h, dtype)
+        reached.add((ctas, slices > 1))
+    assert {(8, False), (8, True)} <= reached, reached
+    if props.major == 9 and props.multi_processor_count >= 132:
+        assert reached == {(8, False), (8, True), (16, False), (16, True)}, reached
+
+
 def test_zero_tokens_and_errors():
     w = torch.zeros(8, 64, dtype=torch.bfloat16, device=DEV)
     tw, ids = cw.moe_router_route(torch.zeros(0, 64, dtype=torch.bfloat16, device=DEV), w, 2)
@@ -306,8 +329,8 @@ def test_zero_tokens_and_errors():
 
 
 def test_decoder_block_takes_it_at_decode_sizes():
-    """W8A8MoE's rule on CUDA: the fused op at 1 <= T <= 16 with the router's bf16 weight (64 experts: the speed
-    rule's least), the two ops above."""
+    """W8A8MoE's rule on CUDA: the fused op at 1 <= T <= 16 with the router's bf16 weight (64 experts), the two ops
+    above; below the speed rule's least expert count (MOE_ROUTER_ROUTE_MIN_EXPERTS, Mixtral's 8) the two ops."""
     layer = cw.W8A8MoE(64, 2, 128, 64, device=DEV)
     w = torch.zeros(64, 128, dtype=torch.bfloat16, device=DEV)
     assert layer.router_route_applies(torch.zeros(16, 128, dtype=torch.bfloat16, device=DEV), w)
@@ -315,8 +338,11 @@ def test_decoder_block_takes_it_at_decode_sizes():
     layer.fused_router = False  # the A/B switch
     assert not layer.router_route_applies(torch.zeros(16, 128, dtype=torch.bfloat16, device=DEV), w)
     layer.fused_router = True
-    assert not cw.W8A8MoE(8, 2, 128, 64, device=DEV).router_route_applies(  # Mixtral's 8 experts: the two ops
-        torch.zeros(1, 128, dtype=torch.bfloat16, device=DEV), w[:8])
+    least = MOE_ROUTER_ROUTE_MIN_EXPERTS
+    assert cw.W8A8MoE(least, 2, 128, 64, device=DEV).router_route_applies(  # Mixtral's 8 experts: the fused op
+        torch.zeros(1, 128, dtype=torch.bfloat16, device=DEV), w[:least])
+    assert not cw.W8A8MoE(least - 1, 2, 128, 64, device=DEV).router_route_applies(  # fewer: the two ops
+        torch.zeros(1, 128, dtype=torch.bfloat16, device=DEV), w[:least - 1])
     x = torch.randn(3, 128, dtype=torch.bfloat16, device=DEV)
     w = torch.randn(64, 128, dtype=torch.bfloat16, device=DEV)
     got = layer.route_from_hidden(x, w)

@@ -105,6 +105,27 @@ def test_long_cache(b, s, dtype):
     run_checked(q, kv, slots, pos)
 
 
+# (H, KVH, D, dtype): Qwen3-30B-A3B heads (G' = 8, 16 lanes a position), 12 / 2 x 64 in float16 (G' = 2), and D = 40
+# in float32 (G' = 1, 10 vectors over 16 lanes: idle lanes past D)
+Q_LAYOUTS = [(32, 4, 128, torch.bfloat16), (12, 2, 64, torch.float16), (4, 2, 40, torch.float32)]
+
+
+@pytest.mark.parametrize("hkd", Q_LAYOUTS, ids=lambda c: f"H{c[0]}-KVH{c[1]}-D{c[2]}-{str(c[3])[6:]}")
+def test_q_loads_aligned_or_not_give_the_same_bits(hkd):
+    """The split step loads q in 16-byte vectors where q's pointer and both strides are 16-byte aligned (make_inputs'
+    q, a view of the fused qkv output, is), else element by element: the same values copied into a buffer one
+    element off 16 bytes (a misaligned pointer) and into rows of D + 1 elements (an odd stride(1)) give the aligned
+    q's outputs bit for bit, each also checked against the float64 reference."""
+    h, kvh, d, dtype = hkd
+    q, kv, slots, pos = make_inputs(3, h, kvh, d, 300, dtype, "cuda", seed=h + d, positions=[299, 0, 150])
+    expect = run_checked(q, kv, slots, pos, what="aligned q")
+    shifted = torch.empty(q.numel() + 1, dtype=dtype, device="cuda")[1:].view(q.shape)
+    padded = torch.empty(3, h, d + 1, dtype=dtype, device="cuda")[:, :, :d]
+    for other, what in ((shifted, "q one element off 16 bytes"), (padded, "q rows of D + 1 elements")):
+        other.copy_(q)
+        assert torch.equal(run_checked(other, kv, slots, pos, what=what), expect), what
+
+
 # Around the split kernel's chunk edges (chunks are multiples of 8 positions, at least 32 of a full cache)
 EDGE_POSITIONS = [0, 1, 7, 8, 9, 31, 32, 33, 63, 64, 255, 256, 257, 1000, 4094, 4095]
 

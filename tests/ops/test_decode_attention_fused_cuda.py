@@ -36,14 +36,18 @@ DTYPES = [torch.bfloat16, torch.float16]
 # (32, 8) Llama-3-8B's
 HEADS = [(8, 8), (16, 8), (32, 8), (32, 4)]
 BATCHES = [1, 2, 3, 5, 8, 11, 16]
-# A cache length the fused path serves at small B: at the default min chunk of 32 positions (kMinChunk in
-# csrc/attention/decode_attention.cu) a cache of 256 has at most 8 splits under either rule, so Qwen3-30B-A3B's 4
-# head groups make at most 4 x 8 units, one cluster of 16 CTAs. At S = 512 Qwen3's B 1 has 16 splits (one wave of 64
-# CTAs: the wave rule takes them too) and takes the two kernels.
-S_FUSED = 256
+# A cache length the fused path serves at any B: at the default min chunk of 32 positions (kMinChunk in
+# csrc/attention/decode_attention.cu) a cache of 128 has at most 4 splits under either rule, so every layout here
+# makes at most 8 head groups x 4 units (Qwen3-30B-A3B's 8 groups of G' = 4 at the default cap of 4 query heads per
+# CTA, CUTLASS_W8A8_ATTN_HEADS_PER_CTA), one cluster of at most 16 CTAs of 2. At S = 256 those 8 groups make up to
+# 8 x 8 units and B 1 takes the two kernels; at S = 512 Qwen3's B 1 has 16 splits.
+S_FUSED = 128
 # The process runs the ctas rule (CUTLASS_W8A8_ATTN_SPLITS=ctas), whose split counts the ctas-only path checks below
 # assume (choose_splits: ceil(2 x SMs / (B x H / G')), at most S / 32); unset or "waves": the wave rule.
 CTAS_RULE = os.environ.get("CUTLASS_W8A8_ATTN_SPLITS") == "ctas"
+# The process's cap on query heads per CTA (CUTLASS_W8A8_ATTN_HEADS_PER_CTA, default 4; test_decode_attention_knobs_cuda
+# runs this file at 8 too, where Qwen3-30B-A3B's 4 groups of 8 fit one cluster at S = 256)
+HEADS_CAP = int(os.environ.get("CUTLASS_W8A8_ATTN_HEADS_PER_CTA") or 4)
 
 
 def _path(q, kv):
@@ -98,9 +102,9 @@ def _skip_unless_sm90():
 @pytest.mark.parametrize("s", [S_FUSED, 512, 4096])
 def test_plain_equals_two_kernel_path(s, heads, d, dtype):
     """decode_attention, fused vs two kernels: torch.equal at every B in 1..16. Some B takes the fused path on sm90:
-    under either rule at S_FUSED for heads whose units fit one cluster at any split count up to S_FUSED / 32 = 8
-    (Qwen3's 4 groups of G' = 8: at most 32 units, U = 2; 8 / 8 heads, G' = 1: at most 64 units, U = 4); under the
-    ctas rule at S <= 512 for every layout (at B 11 and 16 on 132 SMs: 3 splits for 8 head groups)."""
+    under either rule at S_FUSED, where every layout's units fit one cluster at any split count up to S_FUSED / 32
+    = 4 (at most 8 head groups x 4 units, U = 2); under the ctas rule at S <= 512 for every layout (at B 11 and 16
+    on 132 SMs: 3 splits for 8 head groups)."""
     fused_seen = 0
     with _Paths() as paths:
         for b in BATCHES:
@@ -114,9 +118,7 @@ def test_plain_equals_two_kernel_path(s, heads, d, dtype):
             out = torch.full_like(got, float("nan"))
             OPS.decode_attention_out(out, q, kv, slots, positions, scale)
             assert torch.equal(out, expect), f"B={b} out="
-    h, kvh = heads
-    any_split_count_fits = s == S_FUSED and (h, kvh) in ((32, 4), (8, 8))
-    if _is_sm90() and (any_split_count_fits or (CTAS_RULE and s <= 512)):
+    if _is_sm90() and (s == S_FUSED or (CTAS_RULE and s <= 512)):
         assert fused_seen > 0, f"no batch took the fused path at S = {s}"
 
 
@@ -149,10 +151,10 @@ def test_quant_equals_two_kernel_path(heads, d, dtype, static, qdtype):
 
 
 # Plans the sweeps above do not take: Llama-3-8B's heads at S = 48 (below 2 x 32 positions: one split under either
-# rule, 8 units: U = 1, a portable cluster of 8 CTAs, no non-portable attribute), B = 64; D = 80 at S = 256 (10 of a
-# group's 16 lanes hold a vector, the rest zeros; a CTA's share of 40 vectors is two heads of 20; at most 8 splits,
-# whose units fit one cluster of at most 16 CTAs for these layouts).
-EXTRA = [((32, 8), 64, 128, 48), ((32, 4), 3, 80, S_FUSED), ((8, 8), 2, 80, S_FUSED)]
+# rule, 8 units: U = 1, a portable cluster of 8 CTAs, no non-portable attribute), B = 64; D = 80 (10 of a group's 16
+# lanes hold a vector, the rest zeros; a CTA's share of 40 vectors is two heads of 20) at S_FUSED, and for 8 / 8
+# heads (G' = 1) at S = 256: 8 splits at B 2 under either rule, 8 x 8 units, 16 CTAs of U = 4 (512 threads).
+EXTRA = [((32, 8), 64, 128, 48), ((32, 4), 3, 80, S_FUSED), ((8, 8), 2, 80, 256)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -172,13 +174,15 @@ def test_other_plans_equal_two_kernel_path(heads, b, d, s, dtype):
         assert torch.equal(got_q, exp_q)
         assert torch.equal(got_s, exp_s)
 
-# (H, KVH, B, S, path on sm90, the switch on) under either split rule, on 64 to 256 SMs: Qwen3-30B-A3B at S = 256
-# has at most 8 splits, at most 4 x 8 split units, one cluster of at most 16 CTAs of 2 units; at S = 512 and B = 1, 16
-# splits (4 x 16 units: too many; the wave rule too: 64 CTAs, one wave); Llama-3-8B at B = 1 has 8 x 16 units; at
-# B = 64 few splits (the ctas rule: one, 8 units; the wave rule: at most 4, 8 x 4 units in 16 CTAs of 2, wherever 9
-# or fewer split CTAs are resident per SM on 132 SMs: 3 at G' = 4); Qwen3 at B = 1, S = 4096 up to 64 splits.
+# (H, KVH, B, S, path on sm90, the switch on) under either split rule, on 64 to 256 SMs, at the default cap of 4
+# query heads per CTA (Qwen3-30B-A3B's 32 / 4 heads in 8 groups of 4, as Llama-3-8B's 32 / 8): at S = 128 at most 4
+# splits, 8 x 4 split units, one cluster of at most 16 CTAs of 2 units; at S = 256 and B = 1, 8 splits (8 x 8 units:
+# too many); at S = 512 and B = 1, 16 splits (the wave rule too: 128 CTAs, one wave); Llama-3-8B at B = 1 has 8 x 16
+# units; at B = 64 few splits (the ctas rule: one, 8 units; the wave rule: at most 4, 8 x 4 units in 16 CTAs of 2,
+# wherever 9 or fewer split CTAs are resident per SM on 132 SMs: 3 at G' = 4); Qwen3 at B = 1, S = 4096 up to 64
+# splits.
 TARGETS = [(32, 4, 1, S_FUSED, "fused"), (32, 4, 8, S_FUSED, "fused"), (32, 8, 64, 512, "fused"),
-           (32, 4, 1, 512, "split"), (32, 8, 1, 512, "split"), (32, 4, 1, 4096, "split")]
+           (32, 4, 1, 256, "fused" if HEADS_CAP == 8 else "split"), (32, 4, 1, 512, "split"), (32, 8, 1, 512, "split"), (32, 4, 1, 4096, "split")]
 
 
 @pytest.mark.parametrize("h,kvh,b,s,expected", TARGETS, ids=lambda v: str(v))
@@ -218,9 +222,9 @@ def test_path_arguments_are_checked():
 def test_graph_replay_equals_eager(heads, b, s, quant):
     """The fused path captured once on static buffers, replayed with new q, cache, positions and slots copied in:
     each replay equals the eager fused op and the eager two-kernel op bit for bit. Capture and replays run under sync
-    debug mode "error". The shapes take the fused path under either split rule: Qwen3-30B-A3B's 4 head groups at
-    S = 256 (at most 8 splits: 4 x 8 units), Llama-3-8B's 8 at S = 128 (at most 4 splits: 8 x 4 units; on an H200
-    3 splits under either rule, 12 CTAs of 2 units)."""
+    debug mode "error". The shapes take the fused path under either split rule: Qwen3-30B-A3B's 8 head groups (at
+    the default cap of 4 heads per CTA) at S_FUSED (at most 4 splits: 8 x 4 units), Llama-3-8B's 8 at S = 128 (on
+    an H200 3 splits at B 16 under either rule, 12 CTAs of 2 units)."""
     _skip_unless_sm90()
     h, kvh = heads
     d, num_slots = 128, b + 4

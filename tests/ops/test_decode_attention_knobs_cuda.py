@@ -27,11 +27,20 @@ environment variable read once per process, so every check here runs in a fresh 
   element, an exact max for the row scale: bit-identical outputs (the combine does not change the split count under
   either rule), compared as for the prefetch under the default rule, and the combine kernels that ran are the ones
   each process asked for.
+- CUTLASS_W8A8_ATTN_HEADS_PER_CTA=N (heads_per_cta_cap, N in 1, 2, 4, 8, default 4): the most query heads per CTA,
+  G' = the largest of 8, 4, 2, 1 dividing the GQA group and at most N, for the split kernel, the fused kernel, the
+  split count and the fused plan alike. At 8 and 1, Qwen3-30B-A3B heads (32 / 4 x 128, bf16) at B 1 / 3, S 256 /
+  1000, ragged rows, match the float64 reference on both paths, decode_attention_quant's int8 output equals
+  quantizing the plain output, the split / fused kernel that ran has kG = N (Llama-3-8B's group 4 keeps kG 4 at a
+  cap of 4), and decode_attention_path gives Qwen3 the path of the layout whose group is N (the same H / G' head
+  groups, hence the same split count and plan). A head's math does not depend on the CTA's other heads: at one split
+  (CUTLASS_W8A8_ATTN_MIN_CHUNK=4096) every output equals (torch.equal) the default process's.
 - A bad value of any makes the op (and decode_attention_path) raise a ValueError naming the variable, not run.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import pathlib
@@ -50,7 +59,9 @@ PREFETCH = "CUTLASS_W8A8_ATTN_PREFETCH"
 CTAS = "CUTLASS_W8A8_ATTN_CTAS_PER_SM"
 COMBINE = "CUTLASS_W8A8_ATTN_COMBINE"
 SPLITS = "CUTLASS_W8A8_ATTN_SPLITS"
-KNOBS = (PREFETCH, CTAS, COMBINE, SPLITS, "CUTLASS_W8A8_ATTN_MIN_CHUNK")
+HEADS = "CUTLASS_W8A8_ATTN_HEADS_PER_CTA"
+MIN_CHUNK = "CUTLASS_W8A8_ATTN_MIN_CHUNK"
+KNOBS = (PREFETCH, CTAS, COMBINE, SPLITS, MIN_CHUNK, HEADS)
 
 # test_decode_attention_cuda.py's accuracy, long-cache, ragged, independence and graph tests, and every lane layout
 # (other_head_dims: 1 to 32 lanes a position, idle lanes past D, float32's two vectors a lane)
@@ -79,11 +90,12 @@ def _pytest(env: dict, *args: str) -> None:
 
 # --- PREFETCH: the same bits ------------------------------------------------------------------------------------
 
-# (name, H, KVH): Qwen3-30B-A3B (G' = 8 heads per unit) and Llama-3-8B (G' = 4); D = 128
+# (name, H, KVH): Qwen3-30B-A3B (group 8: G' = 4 heads per unit at the default cap, CUTLASS_W8A8_ATTN_HEADS_PER_CTA)
+# and Llama-3-8B (G' = 4); D = 128
 LAYOUTS = [("qwen3", 32, 4), ("llama3", 32, 8)]
-# S 256: Qwen3's B 1 / 8 take the fused path where it is allowed (sm90), under either split rule (at most 8
-# splits, 4 x 8 units); 512 / 4096: the two kernels under the ctas rule (the wave rule may fit Qwen3's B 8 in one
-# cluster there)
+# S 256 / 512 / 4096: mostly the two kernels (8 head groups x up to 8 splits at S 256 overflow one cluster of 16 x 2
+# units; the wave rule may fit B 8 in one cluster); the float16 case at S 128 below (at most 4 splits, 8 x 4 units)
+# takes the fused path where it is allowed (sm90) under either rule
 SEQS = [256, 512, 4096]
 BATCHES = [1, 8]
 
@@ -105,7 +117,7 @@ def _cases():
             for b in BATCHES:
                 out.append((f"{name}-b{b}-s{s}-bf16", h, kvh, 128, b, s, torch.bfloat16, 10 * b + s))
     out.append(("qwen3-b8-s512-fp16", 32, 4, 128, 8, 512, torch.float16, 7))
-    out.append(("qwen3-b8-s256-fp16", 32, 4, 128, 8, 256, torch.float16, 11))  # the fused path in float16
+    out.append(("qwen3-b8-s128-fp16", 32, 4, 128, 8, 128, torch.float16, 11))  # the fused path in float16
     out.append(("llama3-b8-s512-fp32", 32, 8, 128, 8, 512, torch.float32, 8))
     out.append(("h12-kvh2-b3-s1000-d64-bf16", 12, 2, 64, 3, 1000, torch.bfloat16, 9))  # G' = 2, kLanes 8
     # G' = 1 (at most 8 splits, up to 64 units: fused where resident, up to 16 CTAs of 4 units)
@@ -356,16 +368,149 @@ def test_ctas_per_sm_reaches_the_fused_plan():
     assert _path_in_a_process(_clean_env(**{CTAS: "8"})) == _path_in_a_process(_clean_env())
 
 
+# --- HEADS_PER_CTA: at most N query heads per CTA ------------------------------------------------------------------
+
+# (name, H, KVH): Qwen3-30B-A3B (group 8: G' 4 by default, 8 at a cap of 8) and Llama-3-8B (group 4: G' 4); D = 128,
+# bfloat16. DEFAULT_HEADS_CAP: heads_per_cta_cap's default (kDefaultHeadsPerCta)
+DEFAULT_HEADS_CAP = 4
+HEADS_LAYOUTS = [("qwen3", 32, 4), ("llama3", 32, 8)]
+HEADS_BATCHES = (1, 3)
+HEADS_SEQS = (256, 1000)
+
+
+def _kernel_groups(names) -> set[int]:
+    """The kG template argument (query heads per CTA or unit) of each split / fused kernel name."""
+    found = set()
+    for n in names:
+        m = (re.search(r"decode_attention_split_kernel<[^,<>]+, (\d+),", n)
+             or re.search(r"decode_attention_fused_kernel<[^,<>]+, [^,]+, (\d+),", n))
+        if m is not None:
+            found.add(int(m.group(1)))
+    return found
+
+
+def _heads_outputs(path: str) -> None:
+    """Run in a child process (under the knobs of its environment): for each HEADS_LAYOUTS x HEADS_BATCHES x
+    HEADS_SEQS case, on the two-kernel path and on the fused path (the switch on), decode_attention checked against
+    the float64 reference and decode_attention_quant (int8, dynamic) against quantizing that output bit for bit;
+    saved to ``path``: the outputs, the kG of the split / fused kernels that ran per (layout, path), and
+    decode_attention_path of 32 query heads over KVH = 32, 16, 8, 4 (groups 1, 2, 4, 8) at each (B, S)."""
+    from cutlass_w8a8 import _ext
+    from cutlass_w8a8.testing.attention import (
+        assert_close_to_reference,
+        make_inputs,
+        reference,
+    )
+    from cutlass_w8a8.testing.timers import cuda_kernel_times
+
+    ops = torch.ops.cutlass_w8a8
+    dev = torch.cuda.current_device()
+    results, paths, groups = {}, {}, {}
+    previous = _ext.set_decode_attention_fused(False)
+    try:
+        for fused in (False, True):
+            _ext.set_decode_attention_fused(fused)
+            mode = "fused" if fused else "split"
+            for b in HEADS_BATCHES:
+                for s in HEADS_SEQS:
+                    for kvh in (32, 16, 8, 4):
+                        paths[f"kvh{kvh}-b{b}-s{s}/{mode}"] = _ext.decode_attention_path(
+                            dev, b, 32, kvh, s, 128, torch.bfloat16)
+        for name, h, kvh in HEADS_LAYOUTS:
+            for b in HEADS_BATCHES:
+                for s in HEADS_SEQS:
+                    seed = 100 * b + s
+                    q, kv, slots, pos = make_inputs(b, h, kvh, 128, s, torch.bfloat16, "cuda", seed=seed,
+                                                    positions=_positions(b, s, seed))
+                    scale = 1.0 / math.sqrt(128)
+                    ref = reference(q, kv, slots, pos, scale)
+                    for fused in (False, True):
+                        _ext.set_decode_attention_fused(fused)
+                        key = f"{name}-b{b}-s{s}/{'fused' if fused else 'split'}"
+                        plain = ops.decode_attention(q, kv, slots, pos, scale)
+                        assert_close_to_reference(plain, ref, torch.bfloat16, key)
+                        q8, s8 = ops.decode_attention_quant(q, kv, slots, pos, scale, torch.int8, None)
+                        e8, es = ops.quantize_per_token(plain, torch.int8)
+                        assert torch.equal(q8, e8) and torch.equal(s8, es), key
+                        results[key] = [plain.cpu(), q8.cpu(), s8.cpu()]
+                        group_key = f"{name}/{_ext.decode_attention_path(dev, b, h, kvh, s, 128, torch.bfloat16)}"
+                        if group_key not in groups:
+                            call = functools.partial(ops.decode_attention, q, kv, slots, pos, scale)
+                            names = [n for n, _ in cuda_kernel_times(call)]
+                            groups[group_key] = sorted(_kernel_groups(names))
+    finally:
+        _ext.set_decode_attention_fused(previous)
+    torch.save({"results": results, "paths": paths, "groups": groups}, path)
+
+
+def _heads_in_a_process(tmp_path, env: dict, tag: str) -> dict:
+    out = tmp_path / f"heads-{tag}.pt"
+    r = subprocess.run([sys.executable, str(HERE), "heads", str(out)], env=env, capture_output=True, text=True,
+                       timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("cap", [8, 1])
+def test_heads_per_cta_cap_matches_the_reference(tmp_path, cap):
+    """With CUTLASS_W8A8_ATTN_HEADS_PER_CTA=cap: Qwen3 heads match the float64 reference on both paths and the int8
+    op equals the composition (checked in the child); the kernels that ran hold G' = min(group, cap) heads (where
+    the profiler records kernels); decode_attention_path gives Qwen3 (group 8) the path of the layout of group cap,
+    whose head groups are the same, and the groups at or below both caps (the default's and this one) their unset
+    path."""
+    _skip_if_a_knob_is_set()
+    base = _heads_in_a_process(tmp_path, _clean_env(), "unset")
+    got = _heads_in_a_process(tmp_path, _clean_env(**{HEADS: str(cap)}), f"cap{cap}")
+    assert got["results"].keys() == base["results"].keys()
+    assert len(got["results"]) == len(HEADS_LAYOUTS) * len(HEADS_BATCHES) * len(HEADS_SEQS) * 2
+    for b in HEADS_BATCHES:
+        for s in HEADS_SEQS:
+            for mode in ("split", "fused"):
+                # Qwen3's G' becomes cap: the path (split count, plan) of H / cap head groups, as group cap's
+                assert got["paths"][f"kvh4-b{b}-s{s}/{mode}"] == got["paths"][f"kvh{32 // cap}-b{b}-s{s}/{mode}"]
+                # groups at or below both caps keep their G', hence their path
+                for kvh in (32, 16, 8):
+                    if 32 // kvh <= min(cap, DEFAULT_HEADS_CAP):
+                        key = f"kvh{kvh}-b{b}-s{s}/{mode}"
+                        assert got["paths"][key] == base["paths"][key], key
+    if any(base["groups"].values()):  # empty where the profiler records no CUDA kernels (no CUPTI)
+        assert {k: v for k, v in base["groups"].items() if k.startswith("qwen3/")} and all(
+            v == [DEFAULT_HEADS_CAP] for k, v in base["groups"].items() if k.startswith("qwen3/")), base["groups"]
+        assert all(v == [4] for k, v in base["groups"].items() if k.startswith("llama3/")), base["groups"]
+        assert all(v == [cap] for k, v in got["groups"].items() if k.startswith("qwen3/")), got["groups"]
+        assert all(v == [min(4, cap)] for k, v in got["groups"].items() if k.startswith("llama3/")), got["groups"]
+
+
+def test_heads_per_cta_cap_gives_the_same_bits_at_one_split(tmp_path):
+    """At one split (CUTLASS_W8A8_ATTN_MIN_CHUNK=4096: at most S / 4096 splits, so one for S < 8192, whatever G')
+    every output with CUTLASS_W8A8_ATTN_HEADS_PER_CTA=8 and =1 equals (torch.equal) the default's: a head's float
+    operations do not depend on the other heads of its CTA."""
+    _skip_if_a_knob_is_set()
+    base = _heads_in_a_process(tmp_path, _clean_env(**{MIN_CHUNK: "4096"}), "one-split")
+    for cap in ("8", "1"):
+        got = _heads_in_a_process(tmp_path, _clean_env(**{MIN_CHUNK: "4096", HEADS: cap}), f"one-split-cap{cap}")
+        _assert_same_outputs(base, got)
+
+
+def test_fused_path_under_a_cap_of_8():
+    """test_decode_attention_fused_cuda.py (the one-kernel path against the two kernels, bit for bit, and the paths
+    of the target shapes) in a process with CUTLASS_W8A8_ATTN_HEADS_PER_CTA=8: Qwen3-30B-A3B's groups of G' = 8
+    (the default 4 leaves that fused instantiation to this run)."""
+    _skip_if_a_knob_is_set()
+    _pytest(_clean_env(**{HEADS: "8"}), str(HERE.parent / "test_decode_attention_fused_cuda.py"))
+
+
 # --- bad values ---------------------------------------------------------------------------------------------------
 
 # each variable's bad values and the C++ message (csrc/attention/decode_attention.cu: attn_prefetch, ctas_per_sm,
-# combine_cluster_allowed, split_rule_waves)
+# combine_cluster_allowed, split_rule_waves, heads_per_cta_cap)
 # and one accepted value each, set after them: the op and decode_attention_path then run
-GOOD_VALUES = {PREFETCH: "0", CTAS: "3", COMBINE: "cluster", SPLITS: "ctas"}
+GOOD_VALUES = {PREFETCH: "0", CTAS: "3", COMBINE: "cluster", SPLITS: "ctas", HEADS: "4"}
 BAD_VALUES = {PREFETCH: ("must be 0 or 1 (or unset)", ("2", "yes", "true")),
               CTAS: ("must be an integer in [1, 16]", ("0", "17", "abc", "2.5", "-1")),
               COMBINE: ("must be cluster or row (or unset)", ("rows", "1", "Cluster")),
-              SPLITS: ("must be waves or ctas (or unset)", ("wave", "2", "CTAS"))}
+              SPLITS: ("must be waves or ctas (or unset)", ("wave", "2", "CTAS")),
+              HEADS: ("must be 1, 2, 4 or 8", ("3", "16", "x", "0", "-4"))}
 
 
 @pytest.mark.parametrize("name", list(BAD_VALUES))
@@ -374,8 +519,8 @@ def test_a_bad_value_raises_naming_the_variable(name):
     silently running the default. A fresh process per variable (each is read once per process), its bad values in
     turn: a read that raised leaves the variable unread (C++ tries a static initialization that threw again on the
     next call), so each call reads the value just set. The other variables are unset: each process reads the others'
-    defaults (attn_prefetch is read first, then combine_cluster_allowed, then the split rule's). Then an accepted value
-    (GOOD_VALUES) runs both."""
+    defaults (heads_per_cta_cap is read first, then attn_prefetch, then combine_cluster_allowed, then the split
+    rule's). Then an accepted value (GOOD_VALUES) runs both."""
     message, values = BAD_VALUES[name]
     code = ("import os, torch, cutlass_w8a8 as cw\n"
             "from cutlass_w8a8 import _ext\n"
@@ -422,5 +567,8 @@ def test_a_bad_ctas_per_sm_raises_under_either_rule(rule):
     assert f"{CTAS} must be an integer in [1, 16], got 'abc'" in r.stdout, r.stdout
 
 
-if __name__ == "__main__":  # the child process of the two bit-equality tests
-    _compute_outputs(sys.argv[1])
+if __name__ == "__main__":  # the child process of the bit-equality tests
+    if len(sys.argv) == 3 and sys.argv[1] == "heads":
+        _heads_outputs(sys.argv[2])
+    else:
+        _compute_outputs(sys.argv[1])
