@@ -19,6 +19,7 @@ CLASSES = ("gemm w8a8", "gemm bf16", "attention", "norm/act (+quant)", "quant", 
 
 OTHER_NAMES_MAX = 20  # distinct names of "other" kernels kept in the results, each cut to OTHER_NAME_CHARS
 OTHER_NAME_CHARS = 120
+KERNELS_MAX = 16  # kernel heads kept per profiled step (summarize_kernels' by_kernel), those of the most time
 
 
 class Rule(NamedTuple):
@@ -122,9 +123,13 @@ def summarize_kernels(events: Iterable[tuple[str, float]]) -> dict[str, Any]:
     """Group ``(kernel name, duration in microseconds)`` pairs by class.
 
     Returns ``{"kernels": count, "busy_ms": sum of durations (ms), "by_class": {class: {"count", "ms"}}
-    (classes with no kernel left out), "other_names": the distinct names classed "other"}`` (at most
-    `OTHER_NAMES_MAX`, sorted, each cut to `OTHER_NAME_CHARS` characters, so a misclassification shows)."""
+    (classes with no kernel left out), "other_names": the distinct names classed "other" (at most
+    `OTHER_NAMES_MAX`, sorted, each cut to `OTHER_NAME_CHARS` characters, so a misclassification shows),
+    "by_kernel": {kernel_head(name): {"class", "count", "ms"}}}`` (the `KERNELS_MAX` heads of the most time, in
+    decreasing time, ties by head (times rounded to 1e-9 ms): where a class's time goes, e.g. the decode GEMM
+    against the MoE decode path's kernels)."""
     by_class: dict[str, dict[str, float]] = {}
+    by_kernel: dict[str, dict[str, Any]] = {}
     others: set[str] = set()
     count, busy = 0, 0.0
     for name, us in events:
@@ -132,12 +137,16 @@ def summarize_kernels(events: Iterable[tuple[str, float]]) -> dict[str, Any]:
         entry = by_class.setdefault(cls, {"count": 0, "ms": 0.0})
         entry["count"] += 1
         entry["ms"] += us / 1e3
+        kernel = by_kernel.setdefault(kernel_head(name), {"class": cls, "count": 0, "ms": 0.0})
+        kernel["count"] += 1
+        kernel["ms"] += us / 1e3
         count += 1
         busy += us / 1e3
         if cls == "other":
             others.add(name[:OTHER_NAME_CHARS])
+    top = sorted(by_kernel.items(), key=lambda kv: (-round(kv[1]["ms"], 9), kv[0]))[:KERNELS_MAX]
     return {"kernels": count, "busy_ms": busy, "by_class": by_class,
-            "other_names": sorted(others)[:OTHER_NAMES_MAX]}
+            "other_names": sorted(others)[:OTHER_NAMES_MAX], "by_kernel": dict(top)}
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -284,6 +284,37 @@ def class_tables(results: dict[str, Any]) -> str:
     return "\n\n".join(out) if out else "(no kernel profile)"
 
 
+def kernel_tables(results: dict[str, Any]) -> str:
+    """Markdown: per model, the kernels of the profiled PDL-off step by name (`_decoder_kernels.kernel_head`: a
+    name without its template arguments, so every instantiation of one kernel is one row), those of the most time
+    at any profiled batch: class, then per batch the count, the count per layer, the mean us per call and the sum
+    (ms). Profiles of results written before the breakdown existed (no ``by_kernel``) are left out."""
+    layers = results.get("config", {}).get("num_layers") or 1
+    out = []
+    for m in _models(results):
+        profiles = {b: results["models"][m]["batches"][str(b)].get("classes", {}).get("profile", {})
+                    for b in results["batches"]}
+        profiles = {b: p["by_kernel"] for b, p in profiles.items() if p.get("by_kernel")}
+        if not profiles:
+            continue
+        first = next(iter(profiles.values()))
+        names = list(first) + [n for p in profiles.values() for n in p if n not in first]
+        names = list(dict.fromkeys(names))
+        head = "| kernel | class | " + " | ".join(f"b={b} n | b={b} per layer | b={b} us/call | b={b} ms"
+                                                  for b in profiles) + " |"
+        rows = [f"### {m}: kernels", "", head, "|:---|:---|" + "---:|" * (4 * len(profiles))]
+        for name in names:
+            cls = next(p[name]["class"] for p in profiles.values() if name in p)
+            cells = []
+            for p in profiles.values():
+                e = p.get(name)
+                cells += ([str(e["count"]), f"{e['count'] / layers:.2f}", f"{1e3 * e['ms'] / e['count']:.2f}",
+                           f"{e['ms']:.3f}"] if e else ["–"] * 4)
+            rows.append(f"| `{name}` | {cls} | " + " | ".join(cells) + " |")
+        out.append("\n".join(rows))
+    return "\n\n".join(out) if out else "(no per-kernel profile)"
+
+
 def pdl_table(results: dict[str, Any]) -> str:
     """Markdown: graph step time with PDL off and on (interleaved, same run), on / off, and the profiled
     PDL-off step's kernel count and busy time (sum of durations; step - busy = the GPU's idle gaps)."""
@@ -419,6 +450,13 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"- kernels classed \"other\": {', '.join(f'`{n}`' for n in other) if other else 'none'}",
         "",
         class_tables(results),
+        "",
+        "## Kernels of one graph step, PDL off (torch.profiler)",
+        "",
+        "- The same profiled steps by kernel name (template arguments dropped): the kernels of the most time "
+        "(bench/_decoder_kernels.py KERNELS_MAX per step), per layer = count / the model's layers.",
+        "",
+        kernel_tables(results),
         "",
         "## PDL on / off (graph step, interleaved replays)",
         "",

@@ -159,6 +159,20 @@ def test_summarize_kernels(bench):
     assert all(len(n) <= k.OTHER_NAME_CHARS for n in s["other_names"])
     assert s["other_names"] == sorted(s["other_names"])
     assert k.summarize_kernels([("nvjet_tst_x", 5.0)])["other_names"] == []
+    # by kernel head: the KERNELS_MAX of the most time, in decreasing time, with their class, count and ms
+    heads = {}
+    for (name, cls), (_, us) in zip(KERNEL_NAMES, events):
+        e = heads.setdefault(k.kernel_head(name), {"class": cls, "count": 0, "ms": 0.0})
+        e["count"] += 1
+        e["ms"] += us / 1e3
+    want = sorted(heads.items(), key=lambda kv: (-round(kv[1]["ms"], 9), kv[0]))[:k.KERNELS_MAX]
+    assert list(s["by_kernel"]) == [h for h, _ in want]
+    for h, e in want:
+        assert s["by_kernel"][h]["class"] == e["class"] and s["by_kernel"][h]["count"] == e["count"]
+        assert s["by_kernel"][h]["ms"] == pytest.approx(e["ms"])
+    two = k.summarize_kernels([("void a::k<int>(x)", 3.0), ("void a::k<float>(x)", 5.0), ("void a::j()", 1.0)])
+    assert two["by_kernel"] == {"a::k": {"class": "other", "count": 2, "ms": pytest.approx(0.008)},
+                                "a::j": {"class": "other", "count": 1, "ms": pytest.approx(0.001)}}
 
 
 # ---- bytes per class -----------------------------------------------------------------------------------------
@@ -529,6 +543,15 @@ def test_render_markdown_moe_class_tables(bench):
                      "| – | – | – |" for ln in totals), totals
     per_layer = [ln for ln in lines if ln.startswith("Kernels per layer")]
     assert per_layer == [f"Kernels per layer (a step's kernels / 48 layers): b=1: {n:.1f}, b=8: {n:.1f}."] * len(TIMES)
+    # the per-kernel tables: a row per kept head, its count per layer and us per call at both batches
+    kernels = bench.report.kernel_tables(res)
+    assert kernels.count(": kernels") == len(TIMES)
+    for head, e in prof["by_kernel"].items():
+        row = [ln for ln in kernels.splitlines() if ln.startswith(f"| `{head}` |")]
+        per = f"{e['count'] / 48:.2f} | {1e3 * e['ms'] / e['count']:.2f} | {e['ms']:.3f}"
+        assert len(row) == len(TIMES) and all(ln.count(per) == 2 for ln in row), (head, row)
+    del prof["by_kernel"]  # a result written before the breakdown: no table, no error
+    assert bench.report.kernel_tables(res) == "(no per-kernel profile)"
 
 
 def test_plot(bench, tmp_path):
