@@ -186,8 +186,8 @@ def time_steps(step: Callable[[], Any], steps: int, warmup: int) -> dict[str, fl
 
 def profile_step(step: Callable[[], Any]) -> dict[str, Any]:
     """The GPU kernels of one ``step`` (torch.profiler, CUDA activity) by class (`_decoder_kernels.summarize_kernels`:
-    ``kernels``, ``busy_ms`` = sum of durations, ``by_class``, ``other_names``, ``by_kernel``). Step time minus busy time is
-    the time the GPU waited. Best effort: returns ``{"error": ...}`` where profiling fails."""
+    ``kernels``, ``busy_ms`` = sum of durations, ``by_class``, ``other_names``, ``by_kernel``). Step time minus busy
+    time is the time the GPU waited. Best effort: returns ``{"error": ...}`` where profiling fails."""
     try:
         return summarize_kernels(cuda_kernel_times(step))
     except Exception as exc:  # noqa: BLE001 (a diagnostic; the timings do not depend on it)
