@@ -30,8 +30,8 @@ effect under the wave rule), CUTLASS_W8A8_ATTN_PREFETCH=1 makes the split step l
 its math (the same bits at the same split count; the wave rule's count follows the variant's occupancy),
 CUTLASS_W8A8_ATTN_COMBINE=row runs the one-block-per-row combine kernel where the cluster combine (8 blocks a row,
 sm90) serves by default (the same bits), CUTLASS_W8A8_ATTN_HEADS_PER_CTA=1, 2, 4 or 8 caps the query heads per block
-G' (default 4: the largest of 8, 4, 2, 1 dividing the GQA group and at most the cap; Qwen3-30B-A3B's 8 become 4, 8 at 8; Llama-3-8B's 4
-stay; the same bits at the same split count, but the count follows the blocks, so it may change).
+G' (default 4: the largest of 8, 4, 2, 1 dividing the GQA group and at most the cap; Qwen3-30B-A3B's 8 become 4, 8
+at 8; Llama-3-8B's 4 stay; the same bits at the same split count, but the count follows the blocks, so it may change).
     python bench/bench_decode_attention.py --batches 1,2,4,8,16 --seq 512 --pdl off --json out.json
 """
 

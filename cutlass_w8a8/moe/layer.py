@@ -7,8 +7,8 @@ CUDA graph whatever the routing), all from `cutlass_w8a8.ops.moe` and `cutlass_w
 ``grouped_scaled_mm`` (w13) -> ``silu_mul_quant`` -> ``grouped_scaled_mm`` (w2) -> ``moe_unpermute``.
 
 At decode sizes on CUDA (``T * top_k <= MOE_DECODE_MAX_PAIRS`` = 64, dynamic activation scales) the six ops after
-the routing are one ``moe_decode_experts`` call (two kernels at top_k >= 4, three below), equal to them bit for bit
-(`W8A8MoE.fused_decode`).
+the routing are one ``moe_decode_experts`` call (two kernels at top_k >= 4 where its speed rule allows, else three),
+equal to them bit for bit (`W8A8MoE.fused_decode`).
 On the CPU the chain's ops run their references.
 """
 
@@ -132,10 +132,11 @@ class W8A8MoE(nn.Module):
 
     **Decode path.** On CUDA, when the call has ``1 <= T * k <= 64`` (``MOE_DECODE_MAX_PAIRS``) (token, expert)
     pairs and dynamic activation scales (no ``a13_scale``), the experts run as one
-    `cutlass_w8a8.ops.moe.moe_decode_experts` call (at top_k >= 4 two kernels: the gate/up GEMM quantizing x
-    itself with SiLU * up in its epilogue, the token-major down GEMM quantizing the intermediate itself with the
-    weighted top-k sum in its epilogue; below, three: the quantization of x, the gate/up GEMM with the
-    intermediate's quantization in its epilogue, the down GEMM) instead of the six ops of the chain; the result is the chain's bit for bit, so the choice never
+    `cutlass_w8a8.ops.moe.moe_decode_experts` call (at top_k >= 4 with ``T x H <= 2048`` and ``top_k x I <= 6144``,
+    its measured speed rule, two kernels: the gate/up GEMM quantizing x itself with SiLU * up in its epilogue, the
+    token-major down GEMM quantizing the intermediate itself with the weighted top-k sum in its epilogue;
+    elsewhere three: the quantization of x, the gate/up GEMM with the intermediate's quantization in its epilogue,
+    the down GEMM) instead of the six ops of the chain; the result is the chain's bit for bit, so the choice never
     changes an output. Larger calls, static activation scales and CPU tensors run the chain.
 
     **Router and routing in one kernel.** `route_from_hidden` (``x`` and the router's weight, as the decoders and

@@ -64,8 +64,8 @@ Ops:
 - ``moe_unpermute(y, dst_pos, topk_weights) -> Tensor``: out[t] = sum_j topk_weights[t, j] * y[dst_pos[t*k+j]]
 - ``moe_unpermute_out(out, y, dst_pos, topk_weights) -> ()``
 - ``moe_decode_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, group_size, out_dtype) -> Tensor``:
-  a SwiGLU MoE layer's routed experts at decode sizes (T * top_k <= 64) in two kernels (top_k >= 4) or three,
-  bit for bit the chain
+  a SwiGLU MoE layer's routed experts at decode sizes (T * top_k <= 64) in two kernels (top_k >= 4 within the
+  speed rule of ops/moe.py's docstring) or three, bit for bit the chain
   moe_align -> moe_permute_quant -> grouped_scaled_mm -> silu_mul_quant -> grouped_scaled_mm -> moe_unpermute
 - ``grouped_scaled_mm(a, b, scale_a, scale_b, offsets, out_dtype, bias=None) -> Tensor``: the mixture-of-experts
   grouped GEMM: ``a`` (T, K) rows grouped by expert, ``b`` (E, K, N), ``offsets`` int32 (E,) the end row of each
@@ -207,8 +207,8 @@ _define("moe_permute_quant(Tensor x, Tensor sorted_pairs, int top_k, ScalarType 
 _define("moe_unpermute(Tensor y, Tensor dst_pos, Tensor topk_weights) -> Tensor")
 _define("moe_unpermute_out(Tensor(a!) out, Tensor y, Tensor dst_pos, Tensor topk_weights) -> ()")
 # The fused MoE decode path (csrc/moe/moe_decode.cu): the chain above, from x and the routing to the weighted sum,
-# in two kernels (top_k >= 4) or three at T * top_k <= MOE_DECODE_MAX_PAIRS (group_size 0: per-token activations,
-# 128: 1x128 groups).
+# in two kernels (top_k >= 4 within its speed rule) or three at T * top_k <= MOE_DECODE_MAX_PAIRS (group_size 0:
+# per-token activations, 128: 1x128 groups).
 _define("moe_decode_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w13_scale, "
         "Tensor w2, Tensor w2_scale, int group_size, ScalarType out_dtype) -> Tensor")
 

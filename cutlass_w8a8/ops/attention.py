@@ -94,8 +94,8 @@ def decode_attention(
        count with the fewest waves of resident blocks times positions per block; ``CUTLASS_W8A8_ATTN_SPLITS=ctas``:
        about ``CUTLASS_W8A8_ATTN_CTAS_PER_SM``, default 2, blocks per SM; ``CUTLASS_W8A8_ATTN_MIN_CHUNK`` and
        ``CUTLASS_W8A8_ATTN_HEADS_PER_CTA``: per-process A/B knobs, csrc/attention/decode_attention.cu), never from
-       the positions, so a CUDA graph stays valid when the positions change between replays. It writes float32 partials (maximum, sum, accumulator) per
-       ``(b, h, split)`` to a workspace from torch's caching allocator.
+       the positions, so a CUDA graph stays valid when the positions change between replays. It writes float32
+       partials (maximum, sum, accumulator) per ``(b, h, split)`` to a workspace from torch's caching allocator.
     2. ``decode_attention_combine_cluster_kernel``, grid ``(B, 8)``: a cluster of 8 blocks per row (sm90,
        ``H * D <= 8192``), each merging the splits of its eighth of the row's ``H * D`` outputs, rescaled to their
        head's common maximum, and rounding them once to ``q``'s dtype. Elsewhere (other archs, longer rows, or
@@ -103,7 +103,8 @@ def decode_attention(
        does the same. Both give the same bits.
     3. ``decode_attention_fused_kernel`` instead of both, where a row's ``H / G' x splits`` (head group, split)
        units fit one thread-block cluster of at most 16 blocks (sm90, 16-bit ``q``, ``32 < D <= 128``; e.g.
-       Qwen3-30B-A3B's 32 / 4 heads at ``S = 256``: at most 8 splits, 4 x 8 units): the units run the split
+       Qwen3-30B-A3B's 32 / 4 heads, 8 groups of 4 at the default cap, at ``S = 128``: at most 4 splits, 8 x 4
+       units): the units run the split
        kernel's code into shared memory and the cluster merges them through distributed shared memory with the
        combine kernel's code, in one launch and without the workspace. Same splits, same operations in the same
        order: the same bits as 1. + 2. (``cutlass_w8a8._ext.decode_attention_path`` names the path a shape

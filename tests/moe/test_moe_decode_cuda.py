@@ -1,5 +1,5 @@
-"""`moe_decode_experts` on an sm90 GPU: the fused MoE decode path (2 kernels at top_k >= 4 within csrc/moe/moe_decode.cu's
-speed rule or with CUTLASS_W8A8_MOE_DECODE_PREP=0, else 3) against the unfused CUDA chain
+"""`moe_decode_experts` on an sm90 GPU: the fused MoE decode path (2 kernels at top_k >= 4 within
+csrc/moe/moe_decode.cu's speed rule or with CUTLASS_W8A8_MOE_DECODE_PREP=0, else 3) against the unfused CUDA chain
 (`moe_align` -> `moe_permute_quant` -> `grouped_scaled_mm` -> `silu_mul_quant` -> `grouped_scaled_mm` ->
 `moe_unpermute`) BIT FOR BIT, for int8, fp8 with per-channel and per-expert weight scales and block fp8, bfloat16 and
 float16 outputs, float32 / float16 / bfloat16 x, T * top_k from 1 to 64, 8 and 128 experts, routings with empty
@@ -246,7 +246,7 @@ def test_decode_path_kernels_follow_the_switch(scheme, t, k):
 
 
 def _path_cases():
-    """(scheme, T, top_k, x, ids, wts) at T 1, 4, 8 (top-8) and 16 (top-4): ids drawn uniformly from [-2, E + 2)
+    """(scheme, E, x, ids, wts) at T 1, 4, 8 (top-8) and 16 (top-4): ids drawn uniformly from [-2, E + 2)
     with repeats (a token may name an expert twice; -1, -2, E and E + 1 are not routed), and T > 1's last token
     unrouted; x of each dtype; 8 and 128 experts."""
     cases = []
@@ -276,29 +276,32 @@ def test_two_and_three_kernel_paths_equal_bitwise(tmp_path):
     """The two-kernel path (gate/up and the token-major down quantizing x and h themselves) and the three-kernel
     path (prep, gate/up with the last-CTA quantization of h, down) give the same bits at top_k >= 4: int8 / fp8 /
     block fp8 (and per-expert scales), T 1, 4, 8 at top-8 and 16 at top-4, random routings with repeated experts,
-    out-of-range and -1 ids and an unrouted token. The other path runs in a subprocess (the switch
-    CUTLASS_W8A8_MOE_DECODE_PREP is read once per process): 1 (the three-kernel path) against this process (unset:
-    the speed rule, the two-kernel path at T 1-8 here; 0: everywhere), or 0 against 1."""
+    out-of-range and -1 ids and an unrouted token. The other paths run in subprocesses (the switch
+    CUTLASS_W8A8_MOE_DECODE_PREP is read once per process): unset here (the speed rule: two kernels at T 1-8 with
+    H 256, three at T 16), the processes at 0 (two kernels everywhere) and at 1 (three everywhere); set here, the
+    other value."""
     here = pathlib.Path(__file__)
-    out_file = tmp_path / "other_path.pt"
-    code = ("import sys, torch\n"
-            f"sys.path.insert(0, {str(here.parent)!r}); sys.path.insert(0, {str(here.parents[1])!r})\n"
-            "import test_moe_decode_cuda as m\n"
-            f"torch.save(m._path_outputs(), {str(out_file)!r})\n")
-    env = {k: v for k, v in os.environ.items() if k != "CUTLASS_W8A8_MOE_DECODE_PREP"}
-    env["CUTLASS_W8A8_MOE_DECODE_PREP"] = "0" if _prep_forced() else "1"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                       cwd=here.parents[2])
-    assert r.returncode == 0, r.stderr[-4000:]
-    other = torch.load(out_file)
     mine = _path_outputs()
-    assert len(mine) == len(other) == len(_path_cases())
-    for case, a, b in zip(_path_cases(), mine, other):
-        scheme, e, x, ids, _ = case
-        assert torch.equal(a, b), (scheme, e, tuple(x.shape), x.dtype, ids.tolist())
-        assert not torch.isnan(a.float()).any()
-        routed = ((ids >= 0) & (ids < e)).any(1)
-        assert bool((a[~routed] == 0).all()), (scheme, e, ids.tolist())
+    switch = os.environ.get("CUTLASS_W8A8_MOE_DECODE_PREP", "")
+    for value in {"0": ["1"], "1": ["0"]}.get(switch, ["0", "1"]):
+        out_file = tmp_path / f"path_prep{value}.pt"
+        code = ("import sys, torch\n"
+                f"sys.path.insert(0, {str(here.parent)!r}); sys.path.insert(0, {str(here.parents[1])!r})\n"
+                "import test_moe_decode_cuda as m\n"
+                f"torch.save(m._path_outputs(), {str(out_file)!r})\n")
+        env = {k: v for k, v in os.environ.items() if k != "CUTLASS_W8A8_MOE_DECODE_PREP"}
+        env["CUTLASS_W8A8_MOE_DECODE_PREP"] = value
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                           cwd=here.parents[2])
+        assert r.returncode == 0, r.stderr[-4000:]
+        other = torch.load(out_file)
+        assert len(mine) == len(other) == len(_path_cases())
+        for case, a, b in zip(_path_cases(), mine, other):
+            scheme, e, x, ids, _ = case
+            assert torch.equal(a, b), (value, scheme, e, tuple(x.shape), x.dtype, ids.tolist())
+            assert not torch.isnan(a.float()).any()
+            routed = ((ids >= 0) & (ids < e)).any(1)
+            assert bool((a[~routed] == 0).all()), (scheme, e, ids.tolist())
 
 
 SWITCHES = ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "CUTLASS_W8A8_MOE_DOWN_PREFETCH", "CUTLASS_W8A8_MOE_DECODE_PREP")

@@ -311,10 +311,10 @@ def _decode_chain(ctx: Ctx, x, ids, wts, w13, s13, w2, s2, group, out_dtype):
 
 @case("moe_decode_experts", ["moe_decode_experts"], needs_sm90=True)
 def _moe_decode_experts(ctx: Ctx) -> None:
-    """moe_decode_experts (the fused MoE decode path, 2 or 3 kernels) int8, fp8 and block fp8, per-channel and per-expert
-    weight scales, T * top_k from 1 to 64, 8 and 128 experts (most of them empty), unrouted and out-of-range ids and a
-    token with none routed, int32 / int64 ids, f32 / bf16 / f16 x, bf16 / f16 out: bit for bit against the unfused
-    chain on the same device, no NaN in the fresh output."""
+    """moe_decode_experts (the fused MoE decode path, 2 or 3 kernels) int8, fp8 and block fp8, per-channel and
+    per-expert weight scales, T * top_k from 1 to 64, 8 and 128 experts (most of them empty), unrouted and
+    out-of-range ids and a token with none routed, int32 / int64 ids, f32 / bf16 / f16 x, bf16 / f16 out: bit for
+    bit against the unfused chain on the same device, no NaN in the fresh output."""
     params = [(1, 1, 8, 256, 128, I8, "channel", BF16, BF16, torch.int32),
               (8, 8, 128, 256, 128, FP8, "expert", F32, BF16, torch.int64),
               (16, 4, 8, 256, 256, FP8, "block", BF16, F16, torch.int32),
