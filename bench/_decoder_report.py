@@ -297,9 +297,7 @@ def kernel_tables(results: dict[str, Any]) -> str:
         profiles = {b: p["by_kernel"] for b, p in profiles.items() if p.get("by_kernel")}
         if not profiles:
             continue
-        first = next(iter(profiles.values()))
-        names = list(first) + [n for p in profiles.values() for n in p if n not in first]
-        names = list(dict.fromkeys(names))
+        names = list(dict.fromkeys(n for p in profiles.values() for n in p))  # the first batch's order first
         head = "| kernel | class | " + " | ".join(f"b={b} n | b={b} per layer | b={b} us/call | b={b} ms"
                                                   for b in profiles) + " |"
         rows = [f"### {m}: kernels", "", head, "|:---|:---|" + "---:|" * (4 * len(profiles))]

@@ -156,12 +156,6 @@ def _long_i_operands(scheme, i):
 OWN_QUANT_MAX_X, OWN_QUANT_MAX_H = 2048, 6144
 
 
-def _prep_forced():
-    """Whether this process runs the three-kernel path where the two-kernel one applies
-    (CUTLASS_W8A8_MOE_DECODE_PREP=1)."""
-    return os.environ.get("CUTLASS_W8A8_MOE_DECODE_PREP") == "1"
-
-
 def _two_kernel(t, k, h=H, i=I):
     """Whether this process runs the two-kernel path at (T, top_k, H, I) (shared memory fitting, as at every size
     the kernel-variant tests use): top_k >= 4 and CUTLASS_W8A8_MOE_DECODE_PREP not 1; unset, the speed rule's
