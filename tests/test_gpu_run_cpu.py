@@ -70,8 +70,15 @@ def _run(repo: pathlib.Path, tmp_path: pathlib.Path) -> tuple[int, str]:
                     'if [ "$1" = setup.py ]; then echo "stand-in build: failing"; exit 3; fi\n'
                     f'exec "{sys.executable}" "$@"\n')
     fake.chmod(0o755)
+    # A stand-in cutlass_library first on the path: the script neither installs the wheel (absent from the copy's
+    # .whl/; on the GPU machine the package may not be installed in the test's process) nor dates back the real
+    # package's headers.
+    stub = tmp_path / "stub_site" / "cutlass_library"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("")
     env = {k: v for k, v in os.environ.items() if k not in ("CUTLASS_W8A8_GIT_COMMIT",)}
-    env.update(PYTHON=str(fake), TORCH_CUDA_ARCH_LIST="9.0a", PATH=os.environ.get("PATH", ""))
+    env.update(PYTHON=str(fake), TORCH_CUDA_ARCH_LIST="9.0a", PATH=os.environ.get("PATH", ""),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(stub.parent), os.environ.get("PYTHONPATH", "")])))
     out = tmp_path / "out"
     r = subprocess.run(["bash", str(repo / "scripts" / "gpu_run.sh"), str(out), "incremental"], env=env,
                        capture_output=True, text=True, timeout=300)
@@ -92,6 +99,8 @@ def test_incremental_restores_and_dates_back_unchanged_sources(tmp_path):
     assert changed.stat().st_mtime > OLD_TIME + 86400  # newer than every restored object
     others = [p for p in (repo / "csrc").rglob("*") if p.is_file() and p != changed] + [repo / "setup.py"]
     assert others and all(p.stat().st_mtime == OLD_TIME for p in others)
+    # the CUTLASS headers (here the stand-in package) dated back with them
+    assert (tmp_path / "stub_site" / "cutlass_library" / "__init__.py").stat().st_mtime == OLD_TIME
 
 
 def test_an_archive_from_another_path_is_not_used(tmp_path):
