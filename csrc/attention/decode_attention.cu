@@ -45,8 +45,9 @@
 //     (split_partial) into shared memory; after a cluster barrier each CTA merges part of the row from the units'
 //     results through distributed shared memory with the combine's code (split_weights, merge_splits) and stores
 //     or quantizes it (the row amax: a max over the cluster). One launch, no workspace, no second kernel. It serves
-//     when the row's (H / G') x splits units fit 16 CTAs (Qwen3-30B-A3B at S = 256: 4 x 8 units in 16 CTAs of 2);
-//     else (Llama-3-8B at B <= 8, long caches at small B: more splits) the two kernels run.
+//     when the row's (H / G') x splits units fit 16 CTAs (at the default cap of 4 heads per CTA, Qwen3-30B-A3B and
+//     Llama-3-8B alike at S = 128: 8 x 4 units in 16 CTAs of 2; at a cap of 8, Qwen3 at S = 256: 4 x 8); else
+//     (S = 256 at B 1 at the default cap, long caches at small B: more splits) the two kernels run.
 //
 // Before (one CTA per (row, head), no split; H100, Llama-3-8B heads 32 / 8 x 128, bf16): B = 1 at position 256
 // took about 10 us per layer, latency-bound on 32 CTAs each stepping through its positions. The two kernels (H200,
@@ -843,8 +844,8 @@ int min_chunk() {
 // The split kernel's CTAs per SM that choose_splits' ctas rule (CUTLASS_W8A8_ATTN_SPLITS=ctas) aims at: kCtasPerSm,
 // or CUTLASS_W8A8_ATTN_CTAS_PER_SM (an integer in [1, 16]), read once per process and checked under either rule. An
 // experiment's knob (issue 36; bench_decode_attention.py, a process per value): more CTAs per SM give more splits
-// where B x H / G' is small against the SMs (Qwen3-30B-A3B's B 8 at S 4096: 32 pairs, 9 splits at 2, 33 at 8 on 132
-// SMs), so shorter walks per CTA and, where registers let more CTAs be resident (the G' = 8 16-bit kernel: 2 per SM
+// where B x H / G' is small against the SMs (Qwen3-30B-A3B's B 8 at S 4096: at the default G' = 4 64 pairs, 5
+// splits at 2, 17 at 8 on 132 SMs; at G' = 8 32 pairs, 9 and 33), so shorter walks per CTA and, where registers let more CTAs be resident (the G' = 8 16-bit kernel: 2 per SM
 // at 229-245 registers; G' = 4: 3), more loads in flight per SM; and more partial results for the combine. Under the
 // ctas rule another value changes the splits, hence the bits.
 int ctas_per_sm() {
@@ -1084,11 +1085,12 @@ struct FusedPlan {
 //   - a cluster above the portable 8 CTAs is resident on the device (fused_plan_resident: asked once, cached);
 //     else the next U (fewer CTAs), else the two kernels.
 // On 132 SMs (bf16, the wave rule at 2 resident split CTAs per SM for G' = 8 and 3 for G' = 4: ctas_per_sm's
-// comment): Qwen3-30B-A3B (32 / 4 heads x 128) at B = 1, S = 256: 8 splits under either rule, 4 x 8 units, U = 2:
-// one cluster of 16 CTAs (at S = 512: 16 splits since kMinChunk is 32, the two kernels). Llama-3-8B (32 / 8 x 128)
-// at S >= 256, B <= 8: 8 x 5 or more units, more than 2 x 16: the two kernels (at B = 16 the fused path under either
-// rule: 8 x 3 units, 12 CTAs of 2). Qwen3 at S = 4096: up to 64 splits at B = 1, the two kernels; at B = 8 the ctas
-// rule's 9 splits take the two kernels, the wave rule's 8 one cluster.
+// comment), at the default cap of 4 heads per CTA (CUTLASS_W8A8_ATTN_HEADS_PER_CTA): Qwen3-30B-A3B (32 / 4 heads x
+// 128: 8 groups of 4) and Llama-3-8B (32 / 8 x 128) alike: at S = 128 at most 4 splits, 8 x 4 units, U = 2, one
+// cluster of at most 16 CTAs; at S >= 256, B <= 8: 8 x 5 or more units, more than 2 x 16: the two kernels (at B = 16
+// the fused path under either rule: 8 x 3 units, 12 CTAs of 2); at S = 4096 the two kernels. At a cap of 8, Qwen3 at
+// B = 1, S = 256: 8 splits under either rule, 4 x 8 units, U = 2, one cluster of 16 CTAs (at S = 512: 16 splits, the
+// two kernels); at B = 8, S = 4096 the ctas rule's 9 splits take the two kernels, the wave rule's 8 one cluster.
 // Once per fused-kernel instantiation and device: allow clusters above the portable 8 CTAs (a driver call: never
 // per launch). Needed before a launch of more than 8 CTAs a cluster, and before asking the occupancy of one.
 template <class T, class O, int kG, int kLanes, bool kPrefetch>

@@ -22,9 +22,10 @@
 // makes sure every CTA of the cluster runs before its shared memory is written.)
 // The plan of 8 CTAs x 1 slice (Qwen3-30B-A3B, OLMoE) runs router_route_kernel_one_slice: the cluster in the binary,
 // each logit rounded where its sum is formed (step 3 without the slice pass and its block barrier), no division by
-// the slice count. That plan went from 6.18 to 6.37 us at T 1 on the H200 with the units; the SASS reading puts it
-// on the general kernel's slice pass and barrier after the cluster barrier and its division before the first load
-// (the one-slice kernel not measured yet).
+// the slice count. That plan went from 6.18 to 6.37 us at T 1 on the H200 with the units; the SASS reading put it
+// on the general kernel's slice pass and barrier after the cluster barrier and its division before the first load,
+// and the one-slice kernel took it back: 6.38 -> 6.18 us at T 1 (OLMoE 6.01 -> 5.81; H200, tenth session,
+// bench_moe_router.py, main's build and the new one alternating, two identical rounds).
 //
 // Lane (g, q) of a warp (g = lane / 4, q = lane % 4) loads 16 consecutive elements of H from expert rows g and g + 8
 // and from token g: 32-byte loads, four lanes covering 128 contiguous bytes of a row. The mma's k index is a
