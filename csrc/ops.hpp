@@ -95,6 +95,10 @@ void decode_attention_out(at::Tensor& out, const at::Tensor& q, const at::Tensor
 std::string decode_attention_path(int64_t device, int64_t batch, int64_t heads, int64_t kv_heads, int64_t seq_len,
                                   int64_t head_dim, at::ScalarType dtype);
 bool set_decode_attention_fused(bool enabled);
+// The query heads per CTA (G') decode_attention(_quant) runs for a GQA group of `group` = H / KVH query heads per KV
+// head in this process (heads_per_cta: the largest of 8, 4, 2, 1 dividing the group and at most the cap, default 4
+// or CUTLASS_W8A8_ATTN_HEADS_PER_CTA).
+int64_t decode_attention_heads_per_cta(int64_t group);
 // moe_router_route's launch for E experts of H in `dtype` on `device`: {cluster CTAs, H slices per 16-expert tile}
 // ({0, 0} where clusters are not available: the op runs F.linear and moe_route). Tests use it to know which
 // configuration they exercised.
@@ -128,11 +132,16 @@ std::tuple<at::Tensor, at::Tensor> moe_permute_quant(const at::Tensor& x, const 
 at::Tensor moe_unpermute(const at::Tensor& y, const at::Tensor& dst_pos, const at::Tensor& topk_weights);
 void moe_unpermute_out(at::Tensor& out, const at::Tensor& y, const at::Tensor& dst_pos,
                        const at::Tensor& topk_weights);
-// moe/moe_decode.cu: the routed experts of a SwiGLU MoE layer at T * top_k <= 64 pairs in three kernels, equal bit
-// for bit to moe_align -> moe_permute_quant -> grouped_scaled_mm -> silu_mul_quant -> grouped_scaled_mm ->
+// moe/moe_decode.cu: the routed experts of a SwiGLU MoE layer at T * top_k <= 64 pairs in two or three kernels,
+// equal bit for bit to moe_align -> moe_permute_quant -> grouped_scaled_mm -> silu_mul_quant -> grouped_scaled_mm ->
 // moe_unpermute
 at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                               const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w2,
                               const at::Tensor& w2_scale, int64_t group_size, at::ScalarType out_dtype);
+// The path moe_decode_experts takes at T tokens, top_k, H, I and group_size in this process (own_quant, the rule
+// the op launches by; it reads CUTLASS_W8A8_MOE_DECODE_PREP): "two-kernel" or "three-kernel". Tests and benchmarks
+// use it to know which path they exercised.
+std::string moe_decode_path(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
+                            int64_t group_size);
 
 }  // namespace cutlass_w8a8

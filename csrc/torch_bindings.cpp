@@ -61,9 +61,14 @@ TORCH_LIBRARY_FRAGMENT(cutlass_w8a8, m) {
   m.def("_decode_attention_path(int device, int batch, int heads, int kv_heads, int seq_len, int head_dim, "
         "ScalarType dtype) -> str", &decode_attention_path);
   m.def("_set_decode_attention_fused(bool enabled) -> bool", &set_decode_attention_fused);
+  // decode attention's query heads per CTA for a GQA group size (heads_per_cta)
+  m.def("_decode_attention_heads_per_cta(int group) -> int", &decode_attention_heads_per_cta);
   // moe_router_route's cluster size and H slices for given sizes
   m.def("_moe_router_route_plan(int device, int experts, int hidden, ScalarType dtype) -> int[]",
         &moe_router_route_plan);
+  // moe_decode_experts' path for given sizes ("two-kernel" / "three-kernel")
+  m.def("_moe_decode_path(int tokens, int top_k, int hidden, int intermediate, int group_size) -> str",
+        &moe_decode_path);
   // the largest T grouped_scaled_mm sends to the grouped decode kernel (tests pick T on both sides of it)
   m.def("_grouped_decode_max_rows() -> int", &grouped_decode_max_rows_op);
   m.def("_graph_record_begin() -> int", &graph_record_begin_op);

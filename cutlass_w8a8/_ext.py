@@ -147,6 +147,61 @@ def decode_attention_path(device_index: int, batch: int, heads: int, kv_heads: i
         int(device_index), int(batch), int(heads), int(kv_heads), int(seq_len), int(head_dim), dtype))
 
 
+def decode_attention_heads_per_cta(group: int) -> int:
+    """The query heads per CTA (G') `cutlass_w8a8.decode_attention` / ``decode_attention_quant`` run on CUDA for a GQA
+    group of ``group`` query heads per KV head (H / KVH) in this process: the largest of 8, 4, 2, 1 that divides
+    ``group`` and is at most the cap, 4 by default or ``CUTLASS_W8A8_ATTN_HEADS_PER_CTA`` (1, 2, 4 or 8, read once per
+    process). Both kernels, the split count and the fused plan take it. The rule lives in
+    csrc/attention/decode_attention.cu (heads_per_cta); tests and benchmarks use this instead of re-deriving it. At a
+    group of 8 (or any multiple of 8) it is the cap itself.
+
+    Parameters
+    ----------
+    group : int
+        H / KVH, in [1, 65535].
+
+    Raises
+    ------
+    ValueError
+        ``group`` outside [1, 65535]; ``CUTLASS_W8A8_ATTN_HEADS_PER_CTA`` set to another value than 1, 2, 4 or 8 (as
+        the op would raise).
+    RuntimeError
+        The CUDA extension is not loaded.
+    """
+    return int(_c_ops("decode_attention_heads_per_cta")._decode_attention_heads_per_cta(int(group)))
+
+
+def moe_decode_path(tokens: int, top_k: int, hidden: int, intermediate: int, group_size: int = 0) -> str:
+    """The kernels `cutlass_w8a8.moe_decode_experts` (`W8A8MoE`'s decode path after its routing) launches for these
+    sizes on sm90 in this process: ``"two-kernel"`` (gate/up and the token-major down quantizing x and h themselves)
+    or ``"three-kernel"`` (prep, gate/up with the last-CTA quantization of h, down). Both give the same bits. Two
+    kernels at ``top_k >= 4`` where both kernels' shared memory fits 64 KiB and within the measured speed rule
+    (``T x H <= 2048``, ``top_k x I <= 6144``); ``CUTLASS_W8A8_MOE_DECODE_PREP`` (read once per process) ``1`` forces
+    three kernels, ``0`` two wherever ``top_k >= 4`` and the shared memory fits. The rule lives in
+    csrc/moe/moe_decode.cu (own_quant, which the op launches by); tests and benchmarks use this to know which path
+    they exercised. It asks no device (the op itself runs on sm90 only).
+
+    Parameters
+    ----------
+    tokens, top_k : int
+        T and top_k, positive, ``T * top_k <= 64`` (``MOE_DECODE_MAX_PAIRS``).
+    hidden, intermediate : int
+        H and I: positive multiples of 16 (of 128 with ``group_size`` 128), at most 2**30.
+    group_size : int, default 0
+        0 (per-token activation scales) or 128 (block fp8), as the op's.
+
+    Raises
+    ------
+    ValueError
+        A size or ``group_size`` outside those ranges (the message names the argument);
+        ``CUTLASS_W8A8_MOE_DECODE_PREP`` set to another value than 0 or 1 (as the op would raise).
+    RuntimeError
+        The CUDA extension is not loaded.
+    """
+    return str(_c_ops("moe_decode_path")._moe_decode_path(int(tokens), int(top_k), int(hidden), int(intermediate),
+                                                          int(group_size)))
+
+
 def moe_router_route_plan(device_index: int, experts: int, hidden: int, dtype: torch.dtype) -> tuple:
     """How `cutlass_w8a8.moe_router_route` launches for a router of ``experts`` x ``hidden`` on CUDA device
     ``device_index``: ``(ctas, slices)``, the thread-block cluster's CTAs (8, or 16 for a router weight of at least

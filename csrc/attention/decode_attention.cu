@@ -819,8 +819,8 @@ int heads_per_cta_cap() {
 }
 
 // Query heads per CTA: the largest of 8, 4, 2, 1 that divides the GQA group and is at most heads_per_cta_cap(). The
-// one function every consumer asks (run, decode_attention_path; the split count, its occupancy query and the fused
-// plan take its g).
+// one function every consumer asks (run, decode_attention_path, decode_attention_heads_per_cta; the split count, its
+// occupancy query and the fused plan take its g).
 int heads_per_cta(int64_t group_size) {
   const int cap = heads_per_cta_cap();
   for (int g : {8, 4, 2}) {
@@ -1434,6 +1434,14 @@ std::string decode_attention_path(int64_t device, int64_t batch, int64_t heads, 
   const int splits = splits_for(d, batch, heads, g, seq_len, head_dim, dtype, prefetch);
   const FusedPlan plan = fused_plan(heads, g, head_dim, dtype, splits, d, prefetch);
   return plan.units > 0 ? "fused" : "split";
+}
+
+int64_t decode_attention_heads_per_cta(int64_t group) {
+  constexpr const char* op = "cutlass_w8a8._decode_attention_heads_per_cta";
+  TORCH_CHECK_VALUE(group >= 1 && group <= limits::kAttnMaxHeads, op,
+                    ": `group` (query heads per KV head, H / KVH) must be in [1, ", limits::kAttnMaxHeads, "], got ",
+                    group);
+  return heads_per_cta(group);
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_attention_quant(const at::Tensor& q, const at::Tensor& kv_cache,

@@ -1215,7 +1215,8 @@ constexpr int64_t kOwnQuantMaxHElems = 6144;  // top_k x I per down CTA
 
 // Whether this call runs the two-kernel path: the token-major down (top_k >= 4), not forced off, both kernels' shared
 // memory within kOwnQuantMaxSmem, and the redundant quantization within the speed rule's bounds unless the switch
-// is 0 (else the three-kernel path, which needs no shared memory of this kind).
+// is 0 (else the three-kernel path, which needs no shared memory of this kind). The one rule: moe_decode_experts
+// launches by it and moe_decode_path (cutlass_w8a8._ext.moe_decode_path: tests, benchmarks) answers by it.
 bool own_quant(int64_t t, int64_t k, int64_t hid, int64_t inter, bool group) {
   const std::string& forced = decode_prep_switch();
   const bool fits = own_x_smem(t, hid, group) <= kOwnQuantMaxSmem && own_h_smem(inter, group) <= kOwnQuantMaxSmem;
@@ -1383,6 +1384,27 @@ at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, c
     launch_gemms<AB, OutT, false>(p, slots, stream, pdl);
   });
   return out;
+}
+
+std::string moe_decode_path(int64_t tokens, int64_t top_k, int64_t hidden, int64_t intermediate,
+                            int64_t group_size) {
+  constexpr const char* op = "cutlass_w8a8._moe_decode_path";
+  constexpr int64_t max_pairs = limits::kMoeDecodeMaxPairs;
+  TORCH_CHECK_VALUE(tokens >= 1 && top_k >= 1, op, ": `tokens` and `top_k` must be positive, got ", tokens, ", ",
+                    top_k);
+  TORCH_CHECK_VALUE(tokens <= max_pairs && top_k <= max_pairs && tokens * top_k <= max_pairs, op, ": `tokens` x `top_k` = ",
+                    tokens, " x ", top_k, " (token, expert) pairs; the decode path serves at most ", max_pairs);
+  TORCH_CHECK_VALUE(group_size == 0 || group_size == limits::kBlockSize, op,
+                    ": `group_size` must be 0 (per-token) or ", limits::kBlockSize, " (block fp8), got ", group_size);
+  // as the op's checks (moe_args.hpp): multiples of 16, of 128 with block scales; below 2^30 (int arithmetic)
+  const int64_t align = group_size != 0 ? limits::kBlockSize : limits::kGemmAlign;
+  TORCH_CHECK_VALUE(hidden > 0 && hidden % align == 0 && hidden <= limits::kDecodeMaxK, op,
+                    ": `hidden` must be a positive multiple of ", align, " (group_size = ", group_size,
+                    ") at most 2^30, got ", hidden);
+  TORCH_CHECK_VALUE(intermediate > 0 && intermediate % align == 0 && intermediate <= limits::kDecodeMaxK, op,
+                    ": `intermediate` must be a positive multiple of ", align, " (group_size = ", group_size,
+                    ") at most 2^30, got ", intermediate);
+  return own_quant(tokens, top_k, hidden, intermediate, group_size != 0) ? "two-kernel" : "three-kernel";
 }
 
 }  // namespace cutlass_w8a8

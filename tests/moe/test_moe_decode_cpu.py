@@ -181,6 +181,15 @@ def test_decode_path_rule():
     assert wide.uses_decode_path(_cuda_like(1), 8)
 
 
+def test_decode_path_query_needs_the_extension():
+    """cutlass_w8a8._ext.moe_decode_path (the CUDA op's two- or three-kernel rule, csrc/moe/moe_decode.cu own_quant)
+    names itself when the CUDA extension is not loaded."""
+    if cw.cuda_ops_available():
+        pytest.skip("the CUDA extension is loaded here (tests/moe/test_moe_decode_cuda.py tests the query)")
+    with pytest.raises(RuntimeError, match="moe_decode_path: the CUDA extension is not loaded"):
+        cw._ext.moe_decode_path(1, 8, 2048, 768, 0)
+
+
 @pytest.mark.parametrize("scheme", ["int8", "fp8-block"])
 def test_layer_on_cpu_equals_the_op(scheme):
     """On the CPU the layer runs the chain; the op gives the same bits (what the CUDA path relies on)."""

@@ -308,9 +308,11 @@ def test_decoder_unchanged_on_cpu(quant, dtype, monkeypatch):
 
 @pytest.mark.skipif(cw._ext.cuda_ops_available(), reason="checks the message without the CUDA extension")
 def test_path_helpers_without_extension_raise():
-    """The private path helpers of the CUDA op (the fused-or-split dispatch, csrc/attention/decode_attention.cu)
-    name themselves when `_C` is missing."""
+    """The private path helpers of the CUDA op (the fused-or-split dispatch and the query heads per CTA,
+    csrc/attention/decode_attention.cu) name themselves when `_C` is missing."""
     with pytest.raises(RuntimeError, match="decode_attention_path: the CUDA extension is not loaded"):
         cw._ext.decode_attention_path(0, 1, 32, 4, 512, 128, torch.bfloat16)
     with pytest.raises(RuntimeError, match="set_decode_attention_fused: the CUDA extension is not loaded"):
         cw._ext.set_decode_attention_fused(False)
+    with pytest.raises(RuntimeError, match="decode_attention_heads_per_cta: the CUDA extension is not loaded"):
+        cw._ext.decode_attention_heads_per_cta(8)
