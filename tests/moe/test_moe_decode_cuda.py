@@ -11,13 +11,16 @@ T * top_k <= 64 launches `moe_decode_gate_up_kernel` and the token-major `moe_de
 (the expert-major `moe_decode_down_kernel` below), no `grouped_decode_kernel`, and at most 6 kernels per call with
 the routing; the two-kernel and the three-kernel paths (CUTLASS_W8A8_MOE_DECODE_PREP, read once per process: one of
 them in a subprocess) equal bit for bit on random routings with repeated experts and unrouted ids, and each runs the
-kernels it should. (A device other than sm90 raises NotImplementedError: not testable
+kernels it should; `cutlass_w8a8._ext.moe_decode_path` (the rule the op launches by, which the kernel tests here
+ask for the path they expect) on both sides of each of the rule's bounds under each switch value, its argument
+checks and a bad switch value. (A device other than sm90 raises NotImplementedError: not testable
 here.) The CPU op and the checks are tests/moe/test_moe_decode_cpu.py; the checks' C++ messages are held to the
 Python ones by tests/test_misuse_table.py::test_row_on_cuda.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import os
 import pathlib
@@ -151,19 +154,110 @@ def _long_i_operands(scheme, i):
     return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in ops.items()}
 
 
-# csrc/moe/moe_decode.cu's speed rule for the two-kernel path (kOwnQuantMaxXElems, kOwnQuantMaxHElems): T x H and
-# top_k x I at most these
-OWN_QUANT_MAX_X, OWN_QUANT_MAX_H = 2048, 6144
+def _two_kernel(t, k, h=H, i=I, scheme="int8"):
+    """Whether this process runs the two-kernel path at (T, top_k, H, I) for ``scheme``: csrc/moe/moe_decode.cu's
+    own_quant (top_k >= 4, shared memory, the speed rule, CUTLASS_W8A8_MOE_DECODE_PREP), asked through
+    cutlass_w8a8._ext.moe_decode_path; test_decode_path_query_* hold that answer to the rule's bounds."""
+    return cw._ext.moe_decode_path(t, k, h, i, SCHEMES[scheme][2]) == "two-kernel"
 
 
-def _two_kernel(t, k, h=H, i=I):
-    """Whether this process runs the two-kernel path at (T, top_k, H, I) (shared memory fitting, as at every size
-    the kernel-variant tests use): top_k >= 4 and CUTLASS_W8A8_MOE_DECODE_PREP not 1; unset, the speed rule's
-    bounds; 0, regardless of them."""
+# (T, top_k, H, I, group_size, path unset, path with CUTLASS_W8A8_MOE_DECODE_PREP=0); with =1 every case takes the
+# three kernels. csrc/moe/moe_decode.cu's own_quant: top_k >= 4; the speed rule T x H <= 2048 and top_k x I <= 6144
+# (ignored at 0); both kernels' dynamic shared memory <= 64 KiB (gate/up: T rows of own_x_pitch(H) = (H + 63) / 128 x
+# 128 + 64 bytes, then T scales, or T x H / 128 with block scales, of 4 bytes; down: 8 x I bytes, plus 8 x I / 128
+# scales with block scales).
+TWO, THREE = "two-kernel", "three-kernel"
+PATH_CASES = [
+    (1, 8, 2048, 768, 0, TWO, TWO),        # Qwen3-30B-A3B at T 1: T x H = 2048 and top_k x I = 6144, both at the bound
+    (1, 8, 2048, 768, 128, TWO, TWO),      # the same, block fp8
+    (1, 8, 2064, 768, 0, THREE, TWO),      # T x H = 2064: one multiple of 16 above
+    (2, 8, 1024, 768, 0, TWO, TWO),        # T x H = 2048 at T 2
+    (2, 8, 1040, 768, 0, THREE, TWO),      # T x H = 2080
+    (1, 8, 2048, 784, 0, THREE, TWO),      # top_k x I = 6272
+    (1, 4, 256, 1536, 0, TWO, TWO),        # top_k x I = 6144 at top-4
+    (1, 4, 256, 1552, 0, THREE, TWO),      # 6208
+    (1, 4, 256, 1536, 128, TWO, TWO),      # 6144, block fp8
+    (1, 4, 256, 1664, 128, THREE, TWO),    # 6656, block fp8 (the next multiple of 128)
+    (4, 16, 256, 384, 0, TWO, TWO),        # top-16: 64 pairs, T x H = 1024, top_k x I = 6144
+    (1, 3, 256, 128, 0, THREE, THREE),     # top_k 3: the expert-major down, whatever the switch
+    (1, 4, 256, 128, 0, TWO, TWO),         # top_k 4: the token-major down
+    (64, 1, 256, 128, 0, THREE, THREE),    # top_k 1 at 64 pairs
+    (16, 4, 256, 128, 0, THREE, TWO),      # T x H = 4096; gate/up's shared memory 5184 bytes
+    (16, 4, 4032, 128, 0, THREE, TWO),     # gate/up's shared memory 16 x 4032 + 64 = 64576 bytes: fits
+    (16, 4, 4096, 128, 0, THREE, THREE),   # 16 x 4160 + 64 = 66624 bytes: does not fit, even at 0
+    (16, 4, 3968, 128, 0, THREE, TWO),     # 64576 bytes row-wise
+    (16, 4, 3968, 128, 128, THREE, THREE),  # block fp8: 64512 + 16 x 31 x 4 = 66496 bytes
+    (1, 4, 256, 8192, 0, THREE, TWO),      # down's shared memory 8 x 8192 = 65536 bytes: exactly fits
+    (1, 4, 256, 8192, 128, THREE, THREE),  # block fp8: 65536 + 8 x 64 x 4 = 67584 bytes
+    (1, 4, 256, 8208, 0, THREE, THREE),    # 65664 bytes
+]
+
+
+def _want_paths(switch):
+    return [{"": unset, "0": zero, "1": THREE}[switch] for *_, unset, zero in PATH_CASES]
+
+
+def _query_paths_in_a_process(value):
+    """cutlass_w8a8._ext.moe_decode_path of every PATH_CASES case in a fresh process with
+    CUTLASS_W8A8_MOE_DECODE_PREP = value (None: unset)."""
+    cases = [c[:5] for c in PATH_CASES]
+    code = ("import cutlass_w8a8 as cw\n"
+            f"print('PATHS', [cw._ext.moe_decode_path(*c) for c in {cases!r}])\n")
+    env = {k: v for k, v in os.environ.items() if k != "CUTLASS_W8A8_MOE_DECODE_PREP"}
+    if value is not None:
+        env["CUTLASS_W8A8_MOE_DECODE_PREP"] = value
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                       cwd=pathlib.Path(__file__).parents[2])
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("PATHS "))
+    return ast.literal_eval(line[len("PATHS "):])
+
+
+def test_decode_path_query_at_the_rule_bounds():
+    """cutlass_w8a8._ext.moe_decode_path (csrc/moe/moe_decode.cu own_quant, the rule the op launches by; the kernel
+    tests above check the op's launches against it) on both sides of each of the rule's bounds (PATH_CASES): top_k 3
+    / 4, T x H and top_k x I at and just above the speed rule's 2048 / 6144, and each kernel's shared memory at and
+    above 64 KiB. In this process under its own CUTLASS_W8A8_MOE_DECODE_PREP, then in one fresh process per other
+    value (unset, 0, 1: read once per process)."""
     switch = os.environ.get("CUTLASS_W8A8_MOE_DECODE_PREP", "")
-    if k < 4 or switch == "1":
-        return False
-    return switch == "0" or (t * h <= OWN_QUANT_MAX_X and k * i <= OWN_QUANT_MAX_H)
+    got = [cw._ext.moe_decode_path(*c[:5]) for c in PATH_CASES]
+    assert got == _want_paths(switch), list(zip(PATH_CASES, got))
+    for value in ("", "0", "1"):
+        if value != switch:
+            other = _query_paths_in_a_process(value or None)
+            assert other == _want_paths(value), (value, list(zip(PATH_CASES, other)))
+
+
+@pytest.mark.parametrize("args, name", [((0, 8, 2048, 768, 0), "`tokens` and `top_k` must be positive"),
+                                        ((1, 0, 2048, 768, 0), "`tokens` and `top_k` must be positive"),
+                                        ((9, 8, 2048, 768, 0), "`tokens` x `top_k` = 9 x 8"),
+                                        ((1, 65, 2048, 768, 0), "`tokens` x `top_k` = 1 x 65"),
+                                        ((1, 8, 2048, 768, 64), "`group_size` must be 0 (per-token) or 128"),
+                                        ((1, 8, 2056, 768, 0), "`hidden` must be a positive multiple of 16"),
+                                        ((1, 8, 2064, 768, 128), "`hidden` must be a positive multiple of 128"),
+                                        ((1, 8, 0, 768, 0), "`hidden` must be a positive multiple of 16"),
+                                        ((1, 8, 2048, 776, 0), "`intermediate` must be a positive multiple of 16"),
+                                        ((1, 8, 2048, 784, 128), "`intermediate` must be a positive multiple of 128"),
+                                        ((1, 8, 2048, -768, 0), "`intermediate` must be a positive multiple of 16")])
+def test_decode_path_query_checks_its_arguments(args, name):
+    with pytest.raises(ValueError, match=re.escape(f"cutlass_w8a8._moe_decode_path: {name}")):
+        cw._ext.moe_decode_path(*args)
+
+
+def test_decode_path_query_refuses_a_bad_switch_value():
+    """A bad CUTLASS_W8A8_MOE_DECODE_PREP makes moe_decode_path raise the op's ValueError (the same message, naming
+    the variable), in a fresh process: the switch is read once per process."""
+    code = ("import cutlass_w8a8 as cw\n"
+            "try:\n"
+            "    cw._ext.moe_decode_path(1, 8, 2048, 768, 0)\n"
+            "except ValueError as exc:\n"
+            "    print('RAISED', exc)\n")
+    env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+    r = subprocess.run([sys.executable, "-c", code], env={**env, "CUTLASS_W8A8_MOE_DECODE_PREP": "on"},
+                       capture_output=True, text=True, timeout=300, cwd=pathlib.Path(__file__).parents[2])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "RAISED moe_decode_experts: CUTLASS_W8A8_MOE_DECODE_PREP must be 0 or 1 (or unset), got 'on'" in r.stdout, \
+        r.stdout
 
 
 @pytest.mark.parametrize("scheme, t, k", [("int8", 1, 8), ("int8", 8, 8), ("fp8-block", 1, 8), ("int8", 1, 2),
@@ -176,7 +270,7 @@ def test_gate_up_kernel_variant_follows_the_switch(scheme, t, k):
     row-wise, the only one where 1 and 2 differ) 0, 1 or 2; with more (two token tiles) and block fp8, 1 for both 1 and
     2. The two-kernel path (top_k >= 4 within the speed rule, or CUTLASS_W8A8_MOE_DECODE_PREP=0) runs kDual 0
     whatever the switch, with XT = bfloat16 here."""
-    three = not _two_kernel(t, k)
+    three = not _two_kernel(t, k, scheme=scheme)
     mode = os.environ.get("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "")
     if not three:
         want = "0"
@@ -212,7 +306,7 @@ def test_down_kernel_variant_follows_the_switch():
         pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
     m = re.search(r"moe_decode_down_tm_kernel<.*, (true|false), (true|false)>\(", names[0])
     assert m is not None and m.group(1) == want, names[0]
-    assert m.group(2) == ("true" if _two_kernel(1, 8) else "false"), names[0]
+    assert m.group(2) == ("true" if _two_kernel(1, 8, scheme="fp8-block") else "false"), names[0]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -232,7 +326,7 @@ def test_decode_path_kernels_follow_the_switch(scheme, t, k):
     short = [re.search(r"(moe_decode_\w+_kernel)", n).group(1) for n in names if "moe_decode_" in n]
     if k < 4:
         want = ["moe_decode_prep_kernel", "moe_decode_gate_up_kernel", "moe_decode_down_kernel"]
-    elif not _two_kernel(t, k):
+    elif not _two_kernel(t, k, scheme=scheme):
         want = ["moe_decode_prep_kernel", "moe_decode_gate_up_kernel", "moe_decode_down_tm_kernel"]
     else:
         want = ["moe_decode_gate_up_kernel", "moe_decode_down_tm_kernel"]

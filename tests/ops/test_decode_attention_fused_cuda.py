@@ -45,9 +45,6 @@ S_FUSED = 128
 # The process runs the ctas rule (CUTLASS_W8A8_ATTN_SPLITS=ctas), whose split counts the ctas-only path checks below
 # assume (choose_splits: ceil(2 x SMs / (B x H / G')), at most S / 32); unset or "waves": the wave rule.
 CTAS_RULE = os.environ.get("CUTLASS_W8A8_ATTN_SPLITS") == "ctas"
-# The process's cap on query heads per CTA (CUTLASS_W8A8_ATTN_HEADS_PER_CTA, default 4; test_decode_attention_knobs_cuda
-# runs this file at 8 too, where Qwen3-30B-A3B's 4 groups of 8 fit one cluster at S = 256)
-HEADS_CAP = int(os.environ.get("CUTLASS_W8A8_ATTN_HEADS_PER_CTA") or 4)
 
 
 def _path(q, kv):
@@ -177,19 +174,25 @@ def test_other_plans_equal_two_kernel_path(heads, b, d, s, dtype):
 # (H, KVH, B, S, path on sm90, the switch on) under either split rule, on 64 to 256 SMs, at the default cap of 4
 # query heads per CTA (Qwen3-30B-A3B's 32 / 4 heads in 8 groups of 4, as Llama-3-8B's 32 / 8): at S = 128 at most 4
 # splits, 8 x 4 split units, one cluster of at most 16 CTAs of 2 units; at S = 256 and B = 1, 8 splits (8 x 8 units:
-# too many); at S = 512 and B = 1, 16 splits (the wave rule too: 128 CTAs, one wave); Llama-3-8B at B = 1 has 8 x 16
-# units; at B = 64 few splits (the ctas rule: one, 8 units; the wave rule: at most 4, 8 x 4 units in 16 CTAs of 2,
-# wherever 9 or fewer split CTAs are resident per SM on 132 SMs: 3 at G' = 4); Qwen3 at B = 1, S = 4096 up to 64
-# splits.
+# too many; at a cap of 8, CUTLASS_W8A8_ATTN_HEADS_PER_CTA=8, which test_decode_attention_knobs_cuda runs this file
+# with, Qwen3's 4 groups of 8 x 8 units fit one cluster: that path is keyed by the process's G' for the shape,
+# cutlass_w8a8._ext.decode_attention_heads_per_cta); at S = 512 and B = 1, 16 splits (the wave rule too: 128 CTAs,
+# one wave); Llama-3-8B at B = 1 has 8 x 16 units; at B = 64 few splits (the ctas rule: one, 8 units; the wave rule:
+# at most 4, 8 x 4 units in 16 CTAs of 2, wherever 9 or fewer split CTAs are resident per SM on 132 SMs: 3 at
+# G' = 4); Qwen3 at B = 1, S = 4096 up to 64 splits.
 TARGETS = [(32, 4, 1, S_FUSED, "fused"), (32, 4, 8, S_FUSED, "fused"), (32, 8, 64, 512, "fused"),
-           (32, 4, 1, 256, "fused" if HEADS_CAP == 8 else "split"), (32, 4, 1, 512, "split"),
+           (32, 4, 1, 256, {1: "split", 2: "split", 4: "split", 8: "fused"}), (32, 4, 1, 512, "split"),
            (32, 8, 1, 512, "split"), (32, 4, 1, 4096, "split")]
 
 
-@pytest.mark.parametrize("h,kvh,b,s,expected", TARGETS, ids=lambda v: str(v))
+@pytest.mark.parametrize("h,kvh,b,s,expected", TARGETS,
+                         ids=lambda v: "by-heads-per-cta" if isinstance(v, dict) else str(v))
 def test_paths_of_the_target_shapes(h, kvh, b, s, expected):
-    """The path each of the measured shapes takes (D = 128, bfloat16) on sm90; the switch sends every shape to the
-    two kernels, and so do float32 q and devices other than sm90."""
+    """The path each of the measured shapes takes (D = 128, bfloat16) on sm90 (a path given per G' is the one of the
+    G' this process runs the shape's group at); the switch sends every shape to the two kernels, and so do float32 q
+    and devices other than sm90."""
+    if isinstance(expected, dict):
+        expected = expected[_ext.decode_attention_heads_per_cta(h // kvh)]
     dev = torch.cuda.current_device()
     with _Paths():
         path = _ext.decode_attention_path(dev, b, h, kvh, s, 128, torch.bfloat16)

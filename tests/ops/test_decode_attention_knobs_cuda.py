@@ -35,11 +35,14 @@ environment variable read once per process, so every check here runs in a fresh 
   cap of 4), and decode_attention_path gives Qwen3 the path of the layout whose group is N (the same H / G' head
   groups, hence the same split count and plan). A head's math does not depend on the CTA's other heads: at one split
   (CUTLASS_W8A8_ATTN_MIN_CHUNK=4096) every output equals (torch.equal) the default process's.
+- cutlass_w8a8._ext.decode_attention_heads_per_cta (heads_per_cta itself) gives each group's G' unset and at caps 8,
+  2 and 1 (a process each), and raises the op's ValueError for a bad cap.
 - A bad value of any makes the op (and decode_attention_path) raise a ValueError naming the variable, not run.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import math
 import os
@@ -50,6 +53,8 @@ import sys
 
 import pytest
 import torch
+
+from cutlass_w8a8 import _ext
 
 pytestmark = pytest.mark.cuda
 
@@ -371,8 +376,7 @@ def test_ctas_per_sm_reaches_the_fused_plan():
 # --- HEADS_PER_CTA: at most N query heads per CTA ------------------------------------------------------------------
 
 # (name, H, KVH): Qwen3-30B-A3B (group 8: G' 4 by default, 8 at a cap of 8) and Llama-3-8B (group 4: G' 4); D = 128,
-# bfloat16. DEFAULT_HEADS_CAP: heads_per_cta_cap's default (kDefaultHeadsPerCta)
-DEFAULT_HEADS_CAP = 4
+# bfloat16
 HEADS_LAYOUTS = [("qwen3", 32, 4), ("llama3", 32, 8)]
 HEADS_BATCHES = (1, 3)
 HEADS_SEQS = (256, 1000)
@@ -459,6 +463,7 @@ def test_heads_per_cta_cap_matches_the_reference(tmp_path, cap):
     whose head groups are the same, and the groups at or below both caps (the default's and this one) their unset
     path."""
     _skip_if_a_knob_is_set()
+    default_cap = _ext.decode_attention_heads_per_cta(8)  # a group of 8: the cap itself, unset here (the default)
     base = _heads_in_a_process(tmp_path, _clean_env(), "unset")
     got = _heads_in_a_process(tmp_path, _clean_env(**{HEADS: str(cap)}), f"cap{cap}")
     assert got["results"].keys() == base["results"].keys()
@@ -471,7 +476,7 @@ def test_heads_per_cta_cap_matches_the_reference(tmp_path, cap):
                 assert got["paths"][f"kvh4-b{b}-s{s}/{mode}"] == got["paths"][f"kvh{32 // cap}-b{b}-s{s}/{mode}"]
                 # groups at or below both caps keep their G', hence their path
                 for kvh in (32, 16, 8):
-                    if 32 // kvh <= min(cap, DEFAULT_HEADS_CAP):
+                    if 32 // kvh <= min(cap, default_cap):
                         key = f"kvh{kvh}-b{b}-s{s}/{mode}"
                         assert got["paths"][key] == base["paths"][key], key
     if cap == 8 and torch.cuda.get_device_capability()[0] == 9:
@@ -481,7 +486,7 @@ def test_heads_per_cta_cap_matches_the_reference(tmp_path, cap):
         assert got["paths"]["kvh4-b1-s256/fused"] == "fused", got["paths"]
     if any(base["groups"].values()):  # empty where the profiler records no CUDA kernels (no CUPTI)
         assert {k: v for k, v in base["groups"].items() if k.startswith("qwen3/")} and all(
-            v == [DEFAULT_HEADS_CAP] for k, v in base["groups"].items() if k.startswith("qwen3/")), base["groups"]
+            v == [default_cap] for k, v in base["groups"].items() if k.startswith("qwen3/")), base["groups"]
         assert all(v == [4] for k, v in base["groups"].items() if k.startswith("llama3/")), base["groups"]
         assert all(v == [cap] for k, v in got["groups"].items() if k.startswith("qwen3/")), got["groups"]
         assert all(v == [min(4, cap)] for k, v in got["groups"].items() if k.startswith("llama3/")), got["groups"]
@@ -504,6 +509,57 @@ def test_fused_path_under_a_cap_of_8():
     (the default 4 leaves that fused instantiation to this run)."""
     _skip_if_a_knob_is_set()
     _pytest(_clean_env(**{HEADS: "8"}), str(HERE.parent / "test_decode_attention_fused_cuda.py"))
+
+
+# GQA groups H / KVH and the G' of each for a cap (CUTLASS_W8A8_ATTN_HEADS_PER_CTA; None: unset, the default 4): the
+# largest of 8, 4, 2, 1 that divides the group and is at most the cap
+HEADS_GROUPS = (1, 2, 3, 4, 6, 8, 12, 16)
+HEADS_PER_CTA = {None: (1, 2, 1, 4, 2, 4, 4, 4), "8": (1, 2, 1, 4, 2, 8, 4, 8), "2": (1, 2, 1, 2, 2, 2, 2, 2),
+                 "1": (1, 1, 1, 1, 1, 1, 1, 1)}
+
+
+@pytest.mark.parametrize("cap", list(HEADS_PER_CTA), ids=lambda c: f"cap-{c or 'unset'}")
+def test_heads_per_cta_query(cap):
+    """cutlass_w8a8._ext.decode_attention_heads_per_cta (heads_per_cta, the function the kernels, the split count and
+    the fused plan ask) gives HEADS_PER_CTA's G' for each group: unset in this process, each cap in a fresh one (the
+    variable is read once per process). A group outside [1, 65535] raises a ValueError naming `group`."""
+    _skip_if_a_knob_is_set()
+    if cap is None:
+        got = tuple(_ext.decode_attention_heads_per_cta(g) for g in HEADS_GROUPS)
+        for bad in (0, -8, 65536):
+            with pytest.raises(ValueError, match=r"heads_per_cta: `group` .* must be in \[1, 65535\], got"):
+                _ext.decode_attention_heads_per_cta(bad)
+    else:
+        code = ("from cutlass_w8a8 import _ext\n"
+                f"print('G', [_ext.decode_attention_heads_per_cta(g) for g in {HEADS_GROUPS!r}])\n")
+        r = subprocess.run([sys.executable, "-c", code], env=_clean_env(**{HEADS: cap}), capture_output=True,
+                           text=True, timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-2000:]
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith("G "))
+        got = tuple(ast.literal_eval(line[2:]))
+    assert got == HEADS_PER_CTA[cap], dict(zip(HEADS_GROUPS, got))
+
+
+def test_heads_per_cta_query_refuses_a_bad_cap():
+    """With a bad CUTLASS_W8A8_ATTN_HEADS_PER_CTA, decode_attention_heads_per_cta raises the op's ValueError (the same
+    message, naming the variable), in a fresh process."""
+    code = ("import torch, cutlass_w8a8 as cw\n"
+            "from cutlass_w8a8 import _ext\n"
+            "from cutlass_w8a8.testing.attention import make_inputs\n"
+            "q, kv, slots, pos = make_inputs(1, 8, 8, 64, 256, torch.bfloat16, 'cuda', seed=0)\n"
+            "for call in (lambda: _ext.decode_attention_heads_per_cta(8),\n"
+            "             lambda: cw.decode_attention(q, kv, slots, pos)):\n"
+            "    try:\n"
+            "        call()\n"
+            "        print('RAN')\n"
+            "    except ValueError as exc:\n"
+            "        print('RAISED', str(exc).splitlines()[0])\n")
+    r = subprocess.run([sys.executable, "-c", code], env=_clean_env(**{HEADS: "3"}), capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("RAN", "RAISED"))]
+    assert len(lines) == 2 and lines[0] == lines[1], r.stdout
+    assert f"{HEADS} must be 1, 2, 4 or 8, got '3'" in lines[0], r.stdout
 
 
 # --- bad values ---------------------------------------------------------------------------------------------------
