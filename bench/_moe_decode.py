@@ -24,7 +24,9 @@ aborts), and both are within `LAYER_REL_TOL` of transformers' bf16 experts.
 Reported per point and method: time (us); the active experts' weight bytes (the experts some token is routed to,
 w13 and w2 with their scales; bf16 for transformers) / time as a fraction of the read rate measured in the same run
 (the whole layer's time, routing included: stricter than the GEMM alone); the CUDA kernels of one eager layer call
-(torch.profiler; graphs not needed for a count); fused / unfused time (< 1: the fused path is faster).
+(torch.profiler; graphs not needed for a count); fused / unfused time (< 1: the fused path is faster); the fused
+layer's path (``paths``: "two-kernel" / "three-kernel" from ``cutlass_w8a8._ext.moe_decode_path``, "chain" where the
+layer does not take the decode path: above 64 pairs, or on the CPU).
 
 Targets (issue 36): the layer at T = 1, Qwen3-30B-A3B dims, routing included, <= 20 us on H200 (<= 26 us on H100;
 no bound on other devices); <= 6 kernels per layer call; the active weights streamed at >= 80% of the read rate at
@@ -133,6 +135,16 @@ def kernel_durations(fn: Callable[[], Any], device: str) -> Optional[list]:
         _ext.set_pdl(previous)
 
 
+def decode_path(cw: Any, mod: torch.nn.Module, t: int, top_k: int, device: str) -> str:
+    """The kernels the fused layer ``mod`` (a `W8A8MoE`) runs after its routing at ``t`` tokens: ``"chain"`` where it
+    does not take the decode path (`W8A8MoE.uses_decode_path`: above 64 pairs, or on the CPU), else
+    ``cutlass_w8a8._ext.moe_decode_path``'s ``"two-kernel"`` / ``"three-kernel"`` (csrc/moe/moe_decode.cu own_quant,
+    with this process's ``CUTLASS_W8A8_MOE_DECODE_PREP``)."""
+    if not mod.uses_decode_path(torch.empty(t, mod.hidden_size, device=device), top_k):
+        return "chain"
+    return cw._ext.moe_decode_path(t, top_k, mod.hidden_size, mod.intermediate_size, mod.group_size)
+
+
 def measure_decode_point(model: str, t: int, methods: dict, dims: tuple, args: argparse.Namespace, bu: Any,
                          l2_bytes: int, gen: torch.Generator, cgen: torch.Generator, device: str,
                          rel_tol: float) -> dict:
@@ -213,6 +225,7 @@ def run_decode(args: argparse.Namespace, cw: Any, bu: Any, results: dict, device
         methods = {**{n: ((lambda x, lg, m=m: m(x, lg)), b) for n, (m, b) in ours.items()}, **methods}
         for t in args.decode_tokens:
             p = measure_decode_point(model, t, methods, dims, args, bu, l2_bytes, gen, cgen, device, rel_tol)
+            p["paths"] = {n: decode_path(cw, m, t, top_k, device) for n, (m, _) in ours.items() if n.endswith("_fused")}
             results["decode_points"].append(p)
             tm = p["time_ms"]
             print(f"  decode {model} T={t}: " + ", ".join(f"{m} {tm[m] * 1e3:.1f} us" for m in tm)
@@ -291,14 +304,16 @@ def render_decode_markdown(results: dict[str, Any]) -> str:
     lines += ["", "## Per point", "",
               "Times in us (CUDA graphs, median); read % = active experts' weight bytes / time / read rate (the whole "
               "layer, routing included); kernels = CUDA activities of one eager call (profiler); fused / unfused "
-              "< 1: the fused decode path is faster.", ""]
+              "< 1: the fused decode path is faster; path = the fused layer's kernels after the routing "
+              "(cutlass_w8a8._ext.moe_decode_path: two-kernel or three-kernel; chain: the unfused chain).", ""]
     models: dict = {}
     for p in results["decode_points"]:
         models.setdefault(p["model"], []).append(p)
     for model, pts in models.items():
         p0 = pts[0]
         lines += [f"### {model} (E {p0['E']}, top-{p0['top_k']}, H {p0['H']}, I {p0['I']})", "",
-                  "| T | method | time (us) | read % | kernels | fused / unfused | experts hit |", "|---|---|---|---|---|---|---|"]
+                  "| T | method | time (us) | read % | kernels | fused / unfused | experts hit | path |",
+                  "|---|---|---|---|---|---|---|---|"]
         for p in pts:
             tm, d = p["time_ms"], p["derived"]
             for m in [f"{s}_{k}" for s in schemes for k in ("fused", "unfused")] + ["hf_bf16"]:
@@ -308,8 +323,9 @@ def render_decode_markdown(results: dict[str, Any]) -> str:
                 rf = d.get(f"{m}_read_fraction")
                 pct = mark(_f(None if rf is None else 100 * rf, ".0f"), physical_check(rf, 1.0, "read fraction"))
                 ratio = _f(d.get(f"{m[:-len('_fused')]}_fused_over_unfused"), ".2f") if m.endswith("_fused") else ""
+                path = (p.get("paths", {}).get(m) or "–") if m.endswith("_fused") else ""
                 lines.append(f"| {p['T']} | {m} | {us} | {pct} | {_f(p['kernels'].get(m), 'd')} | {ratio} | "
-                             f"{_f(p['active_experts_mean'], '.1f')} |")
+                             f"{_f(p['active_experts_mean'], '.1f')} | {path} |")
         lines.append("")
     breakdown = [(p, m, ks) for p in results["decode_points"] for m, ks in p.get("kernel_us", {}).items() if ks]
     if breakdown:

@@ -306,7 +306,8 @@ def _decode_synthetic(dec, device="NVIDIA H200"):
         pts.append({"model": "qwen3-30b-a3b", "T": t, "pairs": 8 * t, "E": 128, "top_k": 8, "H": 2048, "I": 768,
                     "time_ms": tm, "errors": {}, "rel_err_vs_hf_bf16": {}, "active_experts_mean": 8.0 * min(t, 16),
                     "active_weight_bytes_mean": {m: 8 * min(t, 16) * 3 * 2048 * 768 * (2 if m == "hf_bf16" else 1)
-                                                 for m in tm}, "kernels": kernels})
+                                                 for m in tm}, "kernels": kernels,
+                    "paths": {f"{s}_fused": "two-kernel" if t == 1 else "chain" for s in ("int8", "fp8", "block")}})
     return {"device": device, "read_GBps": 4000.0, "read_GBps_end": 4200.0, "read_GBps_max": 4200.0,
             "decode_points": pts, "timing": {"method": "x"}, "decode_schemes": ["int8", "fp8", "block"]}
 
@@ -328,6 +329,19 @@ def test_kernel_names_and_durations(bench, monkeypatch):
     assert pdl == [False, True]
 
 
+def test_decode_path_asks_the_layer_and_the_extension(bench):
+    """decode_path: "chain" where the fused layer does not take the decode path (W8A8MoE.uses_decode_path), else
+    cutlass_w8a8._ext.moe_decode_path of the layer's T, top_k, H, I and group size."""
+    dec = bench.sys.modules["_moe_decode"]
+    asked = []
+    cw_ = SimpleNamespace(_ext=SimpleNamespace(
+        moe_decode_path=lambda *a: asked.append(a) or "three-kernel"))
+    mod = SimpleNamespace(hidden_size=256, intermediate_size=128, group_size=128,
+                                uses_decode_path=lambda x, k: x.shape[0] * k <= 64)
+    assert dec.decode_path(cw_, mod, 8, 8, "cpu") == "three-kernel" and asked == [(8, 8, 256, 128, 128)]
+    assert dec.decode_path(cw_, mod, 9, 8, "cpu") == "chain" and len(asked) == 1
+
+
 def test_decode_derive_targets_and_report(bench, tmp_path):
     dec = bench.sys.modules["_moe_decode"]
     res = _decode_synthetic(dec)
@@ -344,6 +358,9 @@ def test_decode_derive_targets_and_report(bench, tmp_path):
     md = dec.render_decode_markdown(res)
     assert "## Targets (issue 36)" in md and "| met |" in md and "INVALID" in md and "### qwen3-30b-a3b" in md
     assert "| 1 | int8_fused | 18.0 |" in md and "| 0.60 |" in md
+    rows = [ln for ln in md.splitlines() if ln.startswith(("| 1 | ", "| 16 | "))]
+    assert [ln.rsplit("|", 2)[1].strip() for ln in rows if "_fused |" in ln] == ["two-kernel"] * 3 + ["chain"] * 3
+    assert all(ln.endswith("|  |") for ln in rows if "_fused |" not in ln)  # no path for the chain and transformers
     assert "## Kernel durations of the fused path" not in md  # no point has a breakdown
     res["decode_points"][0]["kernel_us"] = {"int8_fused": [("route_kernel", 4.0), ("moe_decode_prep_kernel", 2.5),
                                                            ("moe_decode_gate_up_kernel", 7.25)]}
@@ -394,6 +411,7 @@ def test_decode_flow_on_cpu(on_cpu, monkeypatch, tmp_path):
         assert all(p["rel_err_vs_hf_bf16"][m] < b.LAYER_REL_TOL for m in p["time_ms"] if m != "hf_bf16")
         assert 1 <= p["active_experts_mean"] <= min(p["E"], p["pairs"])
         assert p["kernels"] == {m: None for m in p["time_ms"]}  # no CUDA profiler on the CPU
+        assert p["paths"] == {"int8_fused": "chain", "block_fused": "chain"}  # the CPU layer runs the chain
         assert p["derived"]["int8_fused_read_fraction"] > 0 and p["derived"]["int8_fused_over_unfused"] > 0
     assert {it["key"] for it in dec["targets"]["items"]} == {f"decode_{s}_{k}" for s in ("int8", "block")
                                                              for k in ("T1_us", "kernels", "read_fraction")}
