@@ -512,6 +512,8 @@ def moe_decode_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
 
     The two-kernel path is also left for the three-kernel one where its shared memory would exceed 64 KiB per CTA
     (``T`` quantized ``x`` rows of about ``H`` bytes in gate/up, 8 intermediate rows of ``I`` bytes in down).
+    ``cutlass_w8a8._ext.moe_decode_path(T, top_k, H, I, group_size)`` names the path these sizes take in this
+    process.
 
     Only the weights of the experts that some pair routes to are read, each once per CTA tile. On the CPU the op
     runs the chain's CPU references (`cutlass_w8a8.ops._reference`), so it equals the chain there by construction.
