@@ -54,6 +54,7 @@ OLMoE's attention (q / k norms over all heads at once: `optimize_` does not fuse
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -68,14 +69,55 @@ from ..moe.families import family_of, read_routing
 from ..moe.layer import W8A8MoE
 from .optimize import SUPPORTED_LAYERS, FusedGateUpMLP, FusedQKVAttention
 
-__all__ = ["DecodeStep", "MoeMLP", "MOE_FAMILIES"]
+__all__ = ["DecodeStep", "MoeMLP", "MoeBlockForward", "MOE_FAMILIES"]
 
-#: The `cutlass_w8a8.moe.families` rows (by name) whose sparse-MoE block forward `MoeMLP` reproduces: a router of one
-#: ``weight`` ``[E, H]`` whose logits are ``F.linear(x, weight)`` in its dtype, the row's routing (softmax top-k), the
-#: experts called with the top-k ids and weights, and the row's shared expert (a SwiGLU module) times the sigmoid of
-#: its gate where the row has one. Other rows' blocks compute their logits otherwise (DeepSeek-V3's router in float32,
-#: Laguna's soft-capped) or scale their outputs: not served.
-MOE_FAMILIES = ("Qwen2-MoE", "Qwen3-MoE", "Mixtral", "OLMoE")
+@dataclasses.dataclass(frozen=True)
+class MoeBlockForward:
+    """How a family's transformers sparse-MoE block computes its forward around the routing and the routed experts
+    (what `MoeMLP` reproduces; the routing itself is the `cutlass_w8a8.moe.families` row's, which `W8A8MoE.route`
+    applies).
+
+    Attributes
+    ----------
+    router_logits : str
+        ``"input"``: the router's logits are ``F.linear(x, weight)`` in the dtype of the block's input (Qwen /
+        Mixtral / OLMoE routers, whose weight is in the model dtype); ``"float32"``: ``F.linear(x.float(),
+        weight.float())`` (GLM-4.5's ``Glm4MoeTopkRouter``, whose weight transformers keeps in float32).
+    shared : str
+        ``"none"``: no shared experts; ``"gated"``: the row's shared experts times ``sigmoid(gate(x))`` added to
+        the routed experts' output (Qwen2-MoE); ``"plain"``: the shared experts' output added as it is (GLM-4.5).
+    """
+
+    router_logits: str
+    shared: str
+
+    def __post_init__(self):
+        if self.router_logits not in ("input", "float32"):
+            raise ValueError(f"MoeBlockForward: `router_logits` must be 'input' or 'float32', got "
+                             f"{self.router_logits!r}")
+        if self.shared not in ("none", "gated", "plain"):
+            raise ValueError(f"MoeBlockForward: `shared` must be 'none', 'gated' or 'plain', got {self.shared!r}")
+
+    @property
+    def logits_dtype(self) -> Optional[torch.dtype]:
+        """The dtype of the router's logits for `W8A8MoE.route_from_hidden`: None (the input's) or float32."""
+        return torch.float32 if self.router_logits == "float32" else None
+
+
+#: The `cutlass_w8a8.moe.families` rows (by name) whose sparse-MoE block forward `MoeMLP` reproduces, each with how
+#: the block computes around its routing (`MoeBlockForward`): a router of one ``weight`` ``[E, H]`` without bias
+#: whose logits are computed as the record says, the row's routing (`W8A8MoE.route`: softmax top-k; GLM-4.5's
+#: sigmoid + correction bias + groups + renormalize + ``routed_scaling_factor``), the experts called with the top-k
+#: ids and weights, plus the row's shared experts as the record says. Other rows' blocks compute otherwise
+#: (DeepSeek-V3's attention is MLA; Laguna's logits are soft-capped, its block scales its output) or are untested
+#: here: not served (`DecodeStep.why_not` names the row).
+MOE_FAMILIES = {
+    "Qwen2-MoE": MoeBlockForward(router_logits="input", shared="gated"),
+    "Qwen3-MoE": MoeBlockForward(router_logits="input", shared="none"),
+    "Mixtral": MoeBlockForward(router_logits="input", shared="none"),
+    "OLMoE": MoeBlockForward(router_logits="input", shared="none"),
+    "GLM-4.5": MoeBlockForward(router_logits="float32", shared="plain"),
+}
 
 
 def _decoder(model: nn.Module):
@@ -104,57 +146,72 @@ def _our_norm(norm: nn.Module) -> RMSNorm:
 
 class MoeRouter(nn.Module):
     """The routing of a `MoeMLP`: ``forward(x)`` with ``x`` ``(T, H)`` in the model dtype returns
-    ``(router_logits (T, E) in weight's dtype, topk_weights float32 (T, k), topk_ids int32 (T, k))``, transformers 5
-    routers' triple: logits ``F.linear(x, weight)``, then ``experts.route`` (`cutlass_w8a8.moe_route` with the
-    experts' routing). ``weight``: the transformers router's own Parameter (shared)."""
+    ``(router_logits (T, E), topk_weights float32 (T, k), topk_ids int32 (T, k))``, transformers 5 routers' triple:
+    logits `logits` (``F.linear(x, weight)`` in ``x``'s dtype, or in float32 for a ``logits_dtype`` float32 router),
+    then ``experts.route`` (`cutlass_w8a8.moe_route` with the experts' routing). ``weight``: the transformers
+    router's own Parameter (shared)."""
 
-    def __init__(self, weight: torch.Tensor, experts: W8A8MoE):
+    def __init__(self, weight: torch.Tensor, experts: W8A8MoE, logits_dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.logits_dtype = logits_dtype
         self._route = experts.route  # a bound method, not a second registration of the experts module
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router logits ``(T, E)`` of ``x`` ``(T, H)``, as the transformers router computes them."""
+        if self.logits_dtype is None:
+            return F.linear(x, self.weight)
+        return F.linear(x.to(self.logits_dtype), self.weight.to(self.logits_dtype))
+
     def forward(self, x: torch.Tensor):
-        logits = F.linear(x, self.weight)
+        logits = self.logits(x)
         topk_weights, topk_ids = self._route(logits)
         return logits, topk_weights, topk_ids
 
 
 class MoeMLP(nn.Module):
     """The MLP of a `DecodeStep` layer whose transformers ``mlp`` is a sparse-MoE block of `MOE_FAMILIES`, over the
-    block's own modules (nothing copied).
+    block's own modules (nothing copied), computing the block's forward as its `MoeBlockForward` record says.
 
     ``forward(x)``: ``x`` ``(T, H)`` in the model dtype (the post-attention norm's float output) -> ``(T, H)``:
     ``experts(x, ids, weights)`` with ``(_, weights, ids) = gate(x)`` (`MoeRouter`), or where
-    ``experts.router_route_applies`` (CUDA, T <= 16) ``(weights, ids) = experts.route_from_hidden(x, gate.weight)``
-    (the same routing as one ``moe_router_route`` kernel), plus
-    ``shared_expert(x)`` (times ``sigmoid(shared_expert_gate(x))`` when the block has that gate).
+    ``experts.router_route_applies`` (CUDA, T <= 16, a router weight in the model dtype)
+    ``(weights, ids) = experts.route_from_hidden(x, gate.weight, logits_dtype)`` (the same routing as one
+    ``moe_router_route`` kernel), plus ``shared_expert(x)`` (``"gated"``: times ``sigmoid(shared_expert_gate(x))``;
+    ``"plain"``: as it is).
 
     Attributes
     ----------
+    forward_spec : MoeBlockForward
+        The family's record in `MOE_FAMILIES`.
     gate : MoeRouter
     experts : W8A8MoE
         The block's experts module.
     shared_expert : nn.Module or None
-        The block's shared expert(s) module (Qwen2-MoE's ``shared_expert``), called as transformers calls it.
+        The block's shared expert(s) module (Qwen2-MoE's ``shared_expert``, GLM-4.5's ``shared_experts``; a fused
+        gate_up MLP after `optimize_`), called as transformers calls it.
     shared_expert_gate : nn.Module or None
-        Its gate (an ``nn.Linear`` of N = 1, left in float by `quantize_`).
+        Its gate (an ``nn.Linear`` of N = 1, left in float by `quantize_`), for a ``"gated"`` record.
     """
 
     def __init__(self, block: nn.Module):
         super().__init__()
         fam = family_of(block)
+        self.forward_spec = MOE_FAMILIES[fam.name]
         self.experts = getattr(block, fam.layout.module)
-        self.gate = MoeRouter(getattr(block, fam.routing.router).weight, self.experts)
-        shared = fam.shared_experts
+        self.gate = MoeRouter(getattr(block, fam.routing.router).weight, self.experts,
+                              self.forward_spec.logits_dtype)
+        shared = fam.shared_experts if self.forward_spec.shared != "none" else None
         self.shared_expert = getattr(block, shared.module) if shared is not None else None
-        self.shared_expert_gate = (getattr(block, shared.gate) if shared is not None and shared.gate is not None
-                                   else None)
+        self.shared_expert_gate = (getattr(block, shared.gate) if shared is not None
+                                   and self.forward_spec.shared == "gated" else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the router GEMM and the routing: one kernel (moe_router_route) at decode sizes on CUDA, else `gate`'s two
-        # ops; transformers' routers of MOE_FAMILIES compute their logits in the model dtype, as both do
-        if self.experts.router_route_applies(x, self.gate.weight):
-            topk_weights, topk_ids = self.experts.route_from_hidden(x, self.gate.weight)
+        # ops; both compute the logits in the dtype the family's router computes them in (MoeBlockForward)
+        logits_dtype = self.gate.logits_dtype
+        if self.experts.router_route_applies(x, self.gate.weight, logits_dtype):
+            topk_weights, topk_ids = self.experts.route_from_hidden(x, self.gate.weight, logits_dtype)
         else:
             _, topk_weights, topk_ids = self.gate(x)
         out = self.experts(x, topk_ids, topk_weights)
@@ -173,9 +230,24 @@ def _why_not_moe(block: nn.Module, where: str) -> Optional[str]:
         return (f"`{where}` ({type(block).__name__}) is neither a fused SiLU gate_up MLP with a "
                                    "W8A8 down_proj (run cutlass_w8a8.optimize_ on a W8A8 model first) nor a "
                                    "sparse-MoE block of a cutlass_w8a8.moe.families row")
-    if fam.name not in MOE_FAMILIES:
+    spec = MOE_FAMILIES.get(fam.name)
+    if spec is None:
         return (f"`{where}` is a {fam.name} block ({type(block).__name__}), whose forward DecodeStep does not "
                 f"run (it runs the blocks of {', '.join(MOE_FAMILIES)})")
+    shared = fam.shared_experts
+    if spec.shared == "none" and shared is not None:
+        return (f"`{where}` ({type(block).__name__}) has shared experts (`{shared.module}`), which DecodeStep's "
+                f"{fam.name} block forward does not add")
+    if spec.shared != "none":
+        if shared is None or not isinstance(getattr(block, shared.module, None), nn.Module):
+            return (f"`{where}` ({type(block).__name__}) has no shared experts module "
+                    f"`{shared.module if shared is not None else 'shared_experts'}`, which DecodeStep's {fam.name} "
+                    "block forward adds")
+        has_gate = shared.gate is not None and isinstance(getattr(block, shared.gate, None), nn.Module)
+        if (spec.shared == "gated") != has_gate:
+            return (f"`{where}.{shared.module}`: DecodeStep's {fam.name} block forward adds the shared experts "
+                    f"{'times the sigmoid of a gate' if spec.shared == 'gated' else 'without a gate'}, and the block "
+                    f"has {'a gate `' + shared.gate + '`' if has_gate else 'no gate'}")
     experts = getattr(block, fam.layout.module, None)
     if not isinstance(experts, W8A8MoE):
         return (f"`{where}.{fam.layout.module}` ({type(experts).__name__}) is not a W8A8MoE (quantize the model "
@@ -188,6 +260,10 @@ def _why_not_moe(block: nn.Module, where: str) -> Optional[str]:
                 f"{experts.hidden_size}]")
     if getattr(router, "bias", None) is not None:
         return f"`{where}.{fam.routing.router}` has a bias"
+    if spec.router_logits == "input" and w.dtype != experts.dtype:
+        return (f"`{where}.{fam.routing.router}.weight` is {w.dtype}; its {fam.name} router computes its logits in "
+                f"the dtype of its input ({experts.dtype}), which DecodeStep's MoeRouter reproduces only for a weight "
+                "of that dtype")
     try:
         args = read_routing(block, fam, where)
     except ValueError as e:
@@ -213,6 +289,17 @@ def _is_mla(attn) -> bool:
     return any(hasattr(attn, n) for n in ("kv_a_proj_with_mqa", "kv_lora_rank", "q_lora_rank"))
 
 
+def _rotary_cos_sin(rotary_emb: nn.Module, positions: int, device) -> tuple:
+    """The model's rotary embedding at positions ``0 .. positions - 1``: ``(cos, sin)``, each ``(1, positions, R)``
+    float32, ``R`` the rotary width (``head_dim``, or ``head_dim * partial_rotary_factor`` for GLM-4.5, whose
+    transformers ``apply_rotary_pos_emb`` rotates the first ``R`` features of each head and passes the rest). The
+    one reader of ``R``: what the model's own rotary embedding produces."""
+    pos = torch.arange(positions, device=device)[None]
+    probe = torch.zeros((), dtype=torch.float32, device=device)
+    with torch.no_grad():
+        return rotary_emb(probe, pos)
+
+
 class DecodeStep:
     """One decode step of an `optimize_`d transformers causal LM, through the package's decoder-layer code.
 
@@ -229,7 +316,10 @@ class DecodeStep:
         Cache slots allocated so far (`allocate`); 0 before.
     max_cache_len : int
     rope_table : torch.Tensor
-        ``(S, D / 2, 2)`` float32 ``(cos, sin)`` from the model's ``rotary_emb``.
+        ``(S, R / 2, 2)`` float32 ``(cos, sin)`` from the model's ``rotary_emb``, ``R`` its rotary width.
+    rotary_dim : int
+        ``R``: ``head_dim``, or less for a partial rotary embedding (GLM-4.5: ``head_dim * partial_rotary_factor``;
+        the features from ``R`` on pass through unrotated).
 
     Raises
     ------
@@ -277,7 +367,13 @@ class DecodeStep:
         self.embed_tokens = base.embed_tokens
         self.norm = _our_norm(base.norm)
         self.lm_head = model.lm_head
-        self.rope_table = self._rope_table(base.rotary_emb, head_dim)
+        self.rope_table = self._rope_table(base.rotary_emb)
+        self.rotary_dim = 2 * self.rope_table.shape[1]
+        if self.rotary_dim != head_dim:
+            # partial rotary (GLM-4.5): rope_kv_cache_ takes the (B, R / 2, 2) table; the one-op layer
+            # (decode_layer) is left to the Python path, which calls rope_kv_cache_ itself
+            for layer in self.layers:
+                layer.use_layer_op = False
         self.slots = 0
 
     # ---- what is supported ------------------------------------------------------------------------------
@@ -348,18 +444,31 @@ class DecodeStep:
                 eps = e
             if mlp_device != device:
                 return f"`{where}` is on {mlp_device}, the embedding on {device}"
+        try:
+            cos, sin = _rotary_cos_sin(base.rotary_emb, 1, device)
+        except Exception as e:  # noqa: BLE001 -- a rotary module of another signature: named, not raised
+            return (f"`model.model.rotary_emb` ({type(base.rotary_emb).__name__}) cannot be called as "
+                    f"rotary_emb(x, position_ids) -> (cos, sin): {type(e).__name__}: {e}")
+        if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.dim() == 3
+                and cos.shape == sin.shape and cos.shape[:2] == (1, 1)):
+            return (f"`model.model.rotary_emb` ({type(base.rotary_emb).__name__}) does not return (cos, sin) of "
+                    "shape (1, positions, R)")
+        r = int(cos.shape[-1])
+        for i, layer in enumerate(base.layers):
+            d = int(layer.self_attn.head_dim)
+            if r % 2 or not 2 <= r <= d:
+                return (f"`model.model.rotary_emb` gives a rotary width of {r} for `model.model.layers.{i}."
+                        f"self_attn.head_dim` {d}; the step rotates an even width R in [2, head_dim] of each head")
         return None
 
     # ---- cache ------------------------------------------------------------------------------------------
 
-    def _rope_table(self, rotary_emb: nn.Module, head_dim: int) -> torch.Tensor:
-        """``(S, D / 2, 2)`` float32: the model's rotary ``(cos, sin)`` at positions ``0 .. S - 1`` (its
-        ``attention_scaling`` included), of the first half of ``D`` (transformers' layout repeats it)."""
-        pos = torch.arange(self.max_cache_len, device=self.device)[None]
-        probe = torch.zeros((), dtype=torch.float32, device=self.device)
-        with torch.no_grad():
-            cos, sin = rotary_emb(probe, pos)
-        half = head_dim // 2
+    def _rope_table(self, rotary_emb: nn.Module) -> torch.Tensor:
+        """``(S, R / 2, 2)`` float32: the model's rotary ``(cos, sin)`` at positions ``0 .. S - 1`` (its
+        ``attention_scaling`` included), of the first half of the rotary width ``R`` (transformers' layout repeats
+        it; `_rotary_cos_sin`)."""
+        cos, sin = _rotary_cos_sin(rotary_emb, self.max_cache_len, self.device)
+        half = cos.shape[-1] // 2
         return torch.stack((cos[0, :, :half].float(), sin[0, :, :half].float()), dim=-1).contiguous()
 
     def allocate(self, slots: int) -> bool:

@@ -1,8 +1,9 @@
 """`optimize_`: transformers decoder layers rebuilt in place around fused W8A8 projections and fused
 norm / activation quantization (`RMSNormQuant`, `unfused` and `unoptimize_` are re-exported from `.unfuse`).
 
-What a recognised decoder layer (Llama, Mistral, Qwen2, Qwen3; the attention side of Qwen3-MoE, Mixtral and Qwen2-MoE,
-and Qwen2-MoE's dense MLP layers; ``SUPPORTED_LAYERS``) becomes:
+What a recognised decoder layer (Llama, Mistral, Qwen2, Qwen3; the attention side of Qwen3-MoE, Mixtral, Qwen2-MoE and
+GLM-4.5 / 4.6, their dense MLP layers, and the shared experts of Qwen2-MoE's and GLM-4.5's MoE blocks;
+``SUPPORTED_LAYERS``) becomes:
 
 - ``self_attn``: ``q_proj`` / ``k_proj`` / ``v_proj`` (`W8A8Linear`) are replaced by one ``qkv_proj``
   (`cutlass_w8a8.distributed.fuse_w8a8`: rows stacked ``[q | k | v]``; per-tensor weight scales become
@@ -15,6 +16,11 @@ and Qwen2-MoE's dense MLP layers; ``SUPPORTED_LAYERS``) becomes:
 - ``mlp``: ``gate_proj`` / ``up_proj`` become one ``gate_up_proj`` ``[gate | up]``, and ``act_fn(gate) * up``
   before a `W8A8Linear` ``down_proj`` becomes `cutlass_w8a8.silu_mul_quant`, which hands ``down_proj`` a
   `QuantizedActivation` (one kernel instead of silu, mul and the activation quantization).
+- a sparse-MoE block's shared experts (the block's `cutlass_w8a8.moe.families` row's ``SharedExperts.module``) when
+  that module is the layer's MLP class (Qwen2-MoE's ``shared_expert``, GLM-4.5's ``shared_experts``): fused as the
+  ``mlp`` above (its quantization of the block's input stays its own: the norm before the block is not fused, the
+  router and the routed experts read its float output); the block's forward and its shared-expert gate are
+  unchanged.
 - ``input_layernorm`` / ``post_attention_layernorm``: replaced by `RMSNormQuant`, which runs
   `cutlass_w8a8.rms_norm_quant` with the quantization of the fused projection that follows it and returns a
   `QuantizedActivation` (the decoder layer passes the norm's output straight to ``self_attn`` / ``mlp``). It holds
@@ -47,6 +53,7 @@ from torch import nn
 
 from ..fuse import fuse_w8a8
 from ..linear import QuantizedActivation, W8A8Linear
+from ..moe.families import family_of
 from ..ops._schema import OVERLOADS as _op
 from .unfuse import RMSNormQuant, _FusedModule, _add_hooks, _plain_w8a8, unfused, unoptimize_
 
@@ -64,6 +71,10 @@ SUPPORTED_LAYERS = {
     "Qwen3MoeDecoderLayer": ("Qwen3MoeAttention", "Qwen3MoeMLP", "Qwen3MoeRMSNorm"),
     "MixtralDecoderLayer": ("MixtralAttention", "MixtralMLP", "MixtralRMSNorm"),
     "Qwen2MoeDecoderLayer": ("Qwen2MoeAttention", "Qwen2MoeMLP", "Qwen2MoeRMSNorm"),
+    # GLM-4.5 / 4.6: q / k / v bias (attention_bias), q / k norms when config.use_qk_norm, partial rotary (transformers'
+    # own apply_rotary_pos_emb rotates the first head_dim * partial_rotary_factor features); the first
+    # first_k_dense_replace layers have a dense MLP
+    "Glm4MoeDecoderLayer": ("Glm4MoeAttention", "Glm4MoeMLP", "Glm4MoeRMSNorm"),
 }
 # the transformers versions these layers' code was read from and the tests run with (pyproject.toml's range)
 TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")
@@ -222,16 +233,26 @@ def _fuse_attention(layer: nn.Module, norm_cls: str, fqn: str, notes: list) -> b
 
 
 def _fuse_mlp(layer: nn.Module, norm_cls: str, fqn: str, notes: list) -> bool:
-    mlp = layer.mlp
+    """The layer's dense ``mlp`` fused (`_fuse_gate_up`), and the ``post_attention_layernorm`` before it."""
+    fused = _fuse_gate_up(layer.mlp, f"{fqn}.mlp", notes)
+    if fused is None:
+        return False
+    _fuse_norm(layer, "post_attention_layernorm", norm_cls, fused, fqn, notes)
+    return True
+
+
+def _fuse_gate_up(mlp: nn.Module, where: str, notes: list) -> Optional[W8A8Linear]:
+    """``mlp``'s ``gate_proj`` / ``up_proj`` fused into one ``gate_up_proj`` and its class swapped for
+    ``Fused<Class>``; returns the fused layer, or None (a note naming ``where``) when it is left as it is."""
     why = _why_not_parts(mlp, ("gate_proj", "up_proj"))
     if why:
-        notes.append(f"{fqn}.mlp: left unfused: {why}")
-        return False
+        notes.append(f"{where}: left unfused: {why}")
+        return None
     try:
         fused, sizes = fuse_w8a8([mlp.gate_proj, mlp.up_proj])
     except ValueError as e:
-        notes.append(f"{fqn}.mlp: left unfused: {e}")
-        return False
+        notes.append(f"{where}: left unfused: {e}")
+        return None
     fused.train(mlp.gate_proj.training)
     meta = [("gate_proj", *_part_meta(mlp.gate_proj)), ("up_proj", *_part_meta(mlp.up_proj))]
     base = type(mlp)
@@ -244,8 +265,20 @@ def _fuse_mlp(layer: nn.Module, norm_cls: str, fqn: str, notes: list) -> bool:
                           and down.dtype == fused.dtype)
     mlp.__class__ = _fused_class(_FusedGateUpMLP, base)
     _add_hooks(mlp)
-    _fuse_norm(layer, "post_attention_layernorm", norm_cls, fused, fqn, notes)
-    return True
+    return fused
+
+
+def _fuse_shared_experts(block: nn.Module, mlp_cls: str, fqn: str, notes: list) -> bool:
+    """The shared experts of a sparse-MoE ``block`` (its `cutlass_w8a8.moe.families` row's
+    ``SharedExperts.module``: Qwen2-MoE's ``shared_expert``, GLM-4.5's ``shared_experts``) fused as a gate_up MLP
+    when that module is the decoder layer's own MLP class ``mlp_cls`` (the same forward as a dense layer's MLP). A
+    block's shared-expert gate (Qwen2-MoE's ``shared_expert_gate``) stays as it is, and so does the norm before the
+    block (the router and the experts read its float output). Returns whether it fused."""
+    fam = family_of(block)
+    shared = None if fam is None or fam.shared_experts is None else getattr(block, fam.shared_experts.module, None)
+    if shared is None or type(shared).__name__ != mlp_cls:
+        return False
+    return _fuse_gate_up(shared, f"{fqn}.{fam.shared_experts.module}", notes) is not None
 
 
 def _is_moe_block(m) -> bool:
@@ -290,8 +323,8 @@ def optimize_(model: nn.Module) -> nn.Module:
     model : torch.nn.Module
         A transformers model (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
         ``Qwen3ForCausalLM``, or their base models; ``Qwen3MoeForCausalLM`` / ``MixtralForCausalLM`` /
-        ``Qwen2MoeForCausalLM``: the attention side and any dense MLP layer; their sparse MoE blocks, shared experts
-        included, are left as they are) whose q / k / v and gate / up projections are `W8A8Linear`
+        ``Qwen2MoeForCausalLM`` / ``Glm4MoeForCausalLM``: the attention side, any dense MLP layer and the MoE blocks'
+        shared experts; the blocks' routers and routed experts are left as they are) whose q / k / v and gate / up projections are `W8A8Linear`
         (`cutlass_w8a8.quantize_`, `cutlass_w8a8.from_pretrained`): int8 or fp8, per-channel or per-tensor
         weights, dynamic per-token or static per-tensor activations, or block-scaled fp8.
 
@@ -347,6 +380,8 @@ def optimize_(model: nn.Module) -> nn.Module:
                 did |= _fuse_attention(layer, norm_cls, fqn, notes)
             if type(mlp).__name__ == mlp_cls:
                 did |= _fuse_mlp(layer, norm_cls, fqn, notes)
+            elif mlp is not None and _is_moe_block(mlp):
+                did |= _fuse_shared_experts(mlp, mlp_cls, f"{fqn}.mlp", notes)
             fused_layers += did
         elif cls.endswith("DecoderLayer") or (hasattr(layer, "self_attn") and hasattr(layer, "mlp")):
             notes.append(f"{fqn!r} ({cls}) is not a recognised decoder layer (supported: "

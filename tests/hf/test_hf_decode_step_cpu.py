@@ -24,6 +24,7 @@ from _hf_tiny import (MIN_CHECKED, QK_GAIN, check_greedy_against_transformers, l
                       optimized, rel_err, tiny_model)
 
 from cutlass_w8a8.hf import DecodeStep, GraphGenerator  # noqa: E402
+from cutlass_w8a8.hf.optimize import FusedGateUpMLP  # noqa: E402
 
 CACHE = 48
 NEW = 12
@@ -152,7 +153,8 @@ def test_generate_wrapper_takes_step():
 
 # ---- MoE models (tests/_moe_models.py): DecodeStep's MoeMLP over the blocks' own router, W8A8MoE and shared expert --
 
-MOE_CASES = [("qwen3_moe", "int8"), ("mixtral", "fp8"), ("qwen2_moe", "int8"), ("qwen3_moe", "fp8-block")]
+MOE_CASES = [("qwen3_moe", "int8"), ("mixtral", "fp8"), ("qwen2_moe", "int8"), ("qwen3_moe", "fp8-block"),
+             ("glm4_moe", "int8"), ("glm4_moe", "fp8-block")]
 
 
 @pytest.mark.parametrize("kind,scheme", MOE_CASES)
@@ -165,8 +167,11 @@ def test_moe_step_logits_match_the_transformers_step_teacher_forced(kind, scheme
     gpu_cases._moe_cw_teacher_forced_case(kind, scheme, "cpu", steps=8)
 
 
-@pytest.mark.full  # the greedy run of both paths and an eager re-run: ~10-20 s on 2 CPU cores
-@pytest.mark.parametrize("kind,scheme", [("qwen3_moe", "int8"), ("qwen2_moe", "fp8")])
+# the greedy run of both paths and an eager re-run: ~10-20 s on 2 CPU cores for Qwen (full runs only), ~3 s for the
+# tiny GLM-4.5
+@pytest.mark.parametrize("kind,scheme", [pytest.param("qwen3_moe", "int8", marks=pytest.mark.full),
+                                         pytest.param("qwen2_moe", "fp8", marks=pytest.mark.full),
+                                         ("glm4_moe", "int8"), ("glm4_moe", "fp8-block")])
 def test_moe_greedy_agrees_with_transformers(kind, scheme):
     import test_hf_generate_graph_cuda as gpu_cases
 
@@ -176,10 +181,10 @@ def test_moe_greedy_agrees_with_transformers(kind, scheme):
 def _moe(kind, scheme="int8"):
     import test_hf_generate_graph_cuda as gpu_cases
 
-    return gpu_cases._moe_model(kind, scheme, "cpu")
+    return gpu_cases._moe_model(kind, scheme, "cpu", **gpu_cases.MOE_CW_OVERRIDES.get(kind, {}))
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"])
 def test_moe_auto_picks_the_cw_step_and_shares_the_blocks(kind):
     import warnings
 
@@ -200,16 +205,30 @@ def test_moe_auto_picks_the_cw_step_and_shares_the_blocks(kind):
     cw.generate(model, ids, 2, max_cache_len=CACHE, pad_token_id=0)
     gen = model.__dict__["_cw_graph_generator"]
     assert gen.step == "cw" and gen.step_reason is None and not gen.use_graphs
-    for layer, hf in zip(gen._cw.layers, model.model.layers):
+    step = gen._cw
+    head_dim = model.model.layers[0].self_attn.head_dim
+    rotary = int(head_dim * model.config.rope_parameters.get("partial_rotary_factor", 1.0))
+    assert step.rotary_dim == rotary and step.rope_table.shape == (CACHE, rotary // 2, 2)
+    assert (rotary < head_dim) == (kind == "glm4_moe")  # GLM-4.5: partial rotary, R = head_dim / 2
+    for i, (layer, hf) in enumerate(zip(step.layers, model.model.layers)):
+        assert layer.self_attn.qkv_proj is hf.self_attn.qkv_proj
+        if kind == "glm4_moe" and i == 0:  # first_k_dense_replace = 1: a dense, fused gate_up MLP
+            assert isinstance(hf.mlp, FusedGateUpMLP) and layer.mlp.gate_up_proj is hf.mlp.gate_up_proj
+            continue
         assert isinstance(layer.mlp, MoeMLP)
         assert layer.mlp.experts is hf.mlp.experts and isinstance(hf.mlp.experts, cw.W8A8MoE)
         assert layer.mlp.gate.weight is hf.mlp.gate.weight
         if kind == "qwen2_moe":
             assert layer.mlp.shared_expert is hf.mlp.shared_expert
             assert layer.mlp.shared_expert_gate is hf.mlp.shared_expert_gate
+            assert isinstance(hf.mlp.shared_expert, FusedGateUpMLP)  # optimize_ fused the shared expert
+        elif kind == "glm4_moe":  # a shared expert without gate; the router's logits in float32
+            assert layer.mlp.shared_expert is hf.mlp.shared_experts and layer.mlp.shared_expert_gate is None
+            assert isinstance(hf.mlp.shared_experts, FusedGateUpMLP)
+            assert layer.mlp.gate.logits_dtype == torch.float32 and hf.mlp.gate.weight.dtype == torch.float32
         else:
             assert layer.mlp.shared_expert is None and layer.mlp.shared_expert_gate is None
-        assert layer.self_attn.qkv_proj is hf.self_attn.qkv_proj
+            assert layer.mlp.gate.logits_dtype is None
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -251,6 +270,86 @@ def test_moe_why_not_names_what_is_not_served():
     with pytest.raises(ValueError, match=r"step='cw' cannot run this model: `model.model.layers.0.self_attn` "
                                          r"\(DeepseekV3Attention\) is multi-head latent attention"):
         GraphGenerator(ds, step="cw")
+
+
+def test_moe_families_table_matches_the_family_rows():
+    """Each `MOE_FAMILIES` record names a `cutlass_w8a8.moe.families` row and says what that row's block has: shared
+    experts with a sigmoid gate ("gated"), without ("plain"), or none; GLM-4.5's router logits in float32."""
+    from cutlass_w8a8.hf.decode_step import MOE_FAMILIES, MoeBlockForward
+    from cutlass_w8a8.moe.families import FAMILIES
+
+    rows = {f.name: f for f in FAMILIES}
+    for name, spec in MOE_FAMILIES.items():
+        assert isinstance(spec, MoeBlockForward) and name in rows, name
+        shared = rows[name].shared_experts
+        want = "none" if shared is None else ("gated" if shared.gate is not None else "plain")
+        assert spec.shared == want, name
+    assert MOE_FAMILIES["GLM-4.5"] == MoeBlockForward(router_logits="float32", shared="plain")
+    assert MOE_FAMILIES["Qwen2-MoE"] == MoeBlockForward(router_logits="input", shared="gated")
+    with pytest.raises(ValueError, match="`router_logits` must be 'input' or 'float32', got 'bf16'"):
+        MoeBlockForward("bf16", "none")
+    with pytest.raises(ValueError, match="`shared` must be 'none', 'gated' or 'plain', got 'sum'"):
+        MoeBlockForward("input", "sum")
+
+
+def test_glm_why_not_names_the_router_shared_experts_and_rotary(monkeypatch):
+    """A GLM-4.5 model DecodeStep would run otherwise than transformers is refused with the reason: a block-forward
+    record that disagrees with the block (shared experts, gate, router logits dtype), a block without its shared
+    experts, a rotary embedding wider than a head or of odd width."""
+    import warnings
+
+    from cutlass_w8a8.hf import decode_step as ds
+    from cutlass_w8a8.hf import optimize_
+
+    model = _moe("glm4_moe")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimize_(model)
+    assert DecodeStep.why_not(model) is None
+    where = "`model.model.layers.1.mlp`"
+    monkeypatch.setitem(ds.MOE_FAMILIES, "GLM-4.5", ds.MoeBlockForward("float32", "none"))
+    assert DecodeStep.why_not(model) == (f"{where} (Glm4MoeMoE) has shared experts (`shared_experts`), which "
+                                         "DecodeStep's GLM-4.5 block forward does not add")
+    monkeypatch.setitem(ds.MOE_FAMILIES, "GLM-4.5", ds.MoeBlockForward("float32", "gated"))
+    assert DecodeStep.why_not(model) == ("`model.model.layers.1.mlp.shared_experts`: DecodeStep's GLM-4.5 block "
+                                         "forward adds the shared experts times the sigmoid of a gate, and the block "
+                                         "has no gate")
+    monkeypatch.setitem(ds.MOE_FAMILIES, "GLM-4.5", ds.MoeBlockForward("input", "plain"))
+    assert DecodeStep.why_not(model) == ("`model.model.layers.1.mlp.gate.weight` is torch.float32; its GLM-4.5 router "
+                                         "computes its logits in the dtype of its input (torch.bfloat16), which "
+                                         "DecodeStep's MoeRouter reproduces only for a weight of that dtype")
+    monkeypatch.setitem(ds.MOE_FAMILIES, "GLM-4.5", ds.MoeBlockForward("float32", "plain"))
+    assert DecodeStep.why_not(model) is None
+    block = model.model.layers[1].mlp
+    shared = block.shared_experts
+    block.shared_experts = None
+    assert DecodeStep.why_not(model) == (f"{where} (Glm4MoeMoE) has no shared experts module `shared_experts`, which "
+                                         "DecodeStep's GLM-4.5 block forward adds")
+    block.shared_experts = shared
+
+    rotary = model.model.rotary_emb
+
+    class Widened(torch.nn.Module):  # the model's rotary embedding, `extra` features wider
+        def __init__(self, extra):
+            super().__init__()
+            self.inner, self.extra = rotary, extra
+
+        def forward(self, x, position_ids):
+            cos, sin = self.inner(x, position_ids)
+            pad = cos.new_ones(*cos.shape[:-1], self.extra)
+            return torch.cat((cos, pad), -1), torch.cat((sin, 0 * pad), -1)
+
+    for extra, width in ((33, 65), (34, 66), (1, 33)):
+        model.model.rotary_emb = Widened(extra)
+        assert DecodeStep.why_not(model) == (f"`model.model.rotary_emb` gives a rotary width of {width} for "
+                                             "`model.model.layers.0.self_attn.head_dim` 64; the step rotates an even "
+                                             "width R in [2, head_dim] of each head")
+    model.model.rotary_emb = Widened(32)  # R = 64 = head_dim: served (as a full rotary embedding)
+    assert DecodeStep.why_not(model) is None
+    model.model.rotary_emb = rotary
+    step = DecodeStep(model, CACHE)
+    assert step.rotary_dim == 32 and step.rope_table.shape == (CACHE, 16, 2)
+    assert not any(layer.use_layer_op for layer in step.layers)  # partial rotary: the Python path
 
 
 # Per layer, the ops of a Qwen3-MoE DecodeStep at decode sizes (issue 36; tests/models/test_decoder_moe_cpu.py pins

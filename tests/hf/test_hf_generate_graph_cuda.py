@@ -99,9 +99,12 @@ def test_moe_families_greedy_tokens_equal_transformers(kind, scheme):
     _moe_greedy_case(kind, scheme, "cuda")
 
 
-def _moe_model(kind, scheme, device):
-    """tests/_moe_models.py's tiny ``kind`` (bf16, sdpa), ``quantize_``d with ``scheme`` (``lm_head`` left in bf16:
-    experts W8A8MoE, the router float, attention / MLA / shared experts W8A8Linear), on ``device``."""
+def _moe_model(kind, scheme, device, qk_gain=1.0, **overrides):
+    """tests/_moe_models.py's tiny ``kind`` (bf16, sdpa; ``overrides`` set on its config), its q and k projections'
+    weights times ``qk_gain`` (`_hf_tiny.QK_GAIN`: attention that sees positions), ``quantize_``d with ``scheme``
+    (``lm_head`` left in bf16: experts W8A8MoE, the router float, attention / MLA / shared experts W8A8Linear), on
+    ``device``. With an ``attention_bias`` override, the projection biases, which transformers initialises to 0, are
+    drawn as ``0.05 N(0, 1)``."""
     import warnings
 
     from _hf_tiny import SCHEMES as CONFIGS
@@ -109,7 +112,15 @@ def _moe_model(kind, scheme, device):
 
     if device == "cuda" and scheme != "int8" and not cw.supports_fp8():
         pytest.skip("no fp8 kernels on this device")
-    model = tiny_moe_model(kind).to(device)
+    model = tiny_moe_model(kind, **overrides)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if overrides.get("attention_bias") and name.endswith("proj.bias"):
+                p.copy_((0.05 * torch.randn(p.shape, generator=gen)).to(p.dtype))
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(qk_gain)
+    model = model.to(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a shared expert's gate (N = 1) stays in float
         cw.quantize_(model, CONFIGS[scheme], filter_fn=lambda m, fqn: fqn != "lm_head")
@@ -179,17 +190,26 @@ def test_batch_above_the_buckets_gets_its_own_graph():
 
 # ---- the "cw" step (hf.DecodeStep) on MoE models ------------------------------------------------------------------
 # The MoE families whose layers DecodeStep runs (cutlass_w8a8.hf.decode_step.MOE_FAMILIES with an attention optimize_
-# fuses): Qwen3-MoE (per-head q / k norms), Mixtral, Qwen2-MoE (q / k / v bias, a shared expert times its sigmoid gate).
-MOE_CW_KINDS = ["qwen3_moe", "mixtral", "qwen2_moe"]
+# fuses): Qwen3-MoE (per-head q / k norms), Mixtral, Qwen2-MoE (q / k / v bias, a shared expert times its sigmoid gate),
+# GLM-4.5 (q / k / v bias, partial rotary: R = 32 of head_dim 64, a dense first layer, sigmoid routing with a
+# correction bias and routed_scaling_factor from a float32 router, a shared expert without gate).
+MOE_CW_KINDS = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe"]
+# `_moe_model` arguments of the "cw" cases: GLM-4.5 / 4.6's checkpoints have q / k / v biases (attention_bias True;
+# its tiny config's partial_rotary_factor is transformers' default 0.5, the real models'); QK_GAIN makes the tiny
+# model's attention see positions (at transformers' init it hardly does: a rotary table pairing the features
+# (x[j], x[j + D/2]) instead of GLM's (x[j], x[j + R/2]) passed the teacher-forced bound without it, and fails it
+# with it)
+MOE_CW_OVERRIDES = {"glm4_moe": dict(attention_bias=True, qk_gain=QK_GAIN)}
 
 
 def _moe_optimized(kind, scheme, device):
-    """`_moe_model` `optimize_`d: the attention fused, the MoE blocks as they were (their W8A8MoE experts)."""
+    """`_moe_model` (with `MOE_CW_OVERRIDES`) `optimize_`d: the attention, the dense MLPs and the shared experts
+    fused, the MoE blocks' routers and W8A8MoE experts as they were."""
     import warnings
 
     from cutlass_w8a8.hf import DecodeStep, optimize_
 
-    model = _moe_model(kind, scheme, device)
+    model = _moe_model(kind, scheme, device, **MOE_CW_OVERRIDES.get(kind, {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         optimize_(model)
@@ -201,7 +221,7 @@ def _cw_routers(gen):
     """``{block name: (experts module, adapter)}`` of a "cw" `GraphGenerator`'s decode step (the names
     `RoutingRecorder` uses): each MoeMLP's experts are called ``experts(x, topk_ids, topk_weights)`` with the routing
     whichever op computed it (its `MoeRouter`, or at decode sizes on CUDA moe_router_route, which computes no logits
-    tensor); the recorded logits are ``F.linear(x, gate.weight)``, the router's (the fused op's within its
+    tensor); the recorded logits are ``gate.logits(x)``, the router's (the fused op's within its
     summation-order bound, ops/moe.py moe_router_route). The experts module is the transformers block's own, so
     only its calls inside a MoeMLP forward (DecodeStep's, flagged by hooks on the MoeMLP) are recorded."""
     from cutlass_w8a8.hf.decode_step import MoeMLP
@@ -210,9 +230,8 @@ def _cw_routers(gen):
         inside = [False]
         mlp.register_forward_pre_hook(lambda m, args: inside.__setitem__(0, True))
         mlp.register_forward_hook(lambda m, args, out: inside.__setitem__(0, False))
-        weight = mlp.gate.weight
-        return lambda args, out: ((torch.nn.functional.linear(args[0], weight), args[2], args[1]) if inside[0]
-                                  else None)
+        gate = mlp.gate
+        return lambda args, out: (gate.logits(args[0]), args[2], args[1]) if inside[0] else None
 
     return {f"model.layers.{i}.mlp": (layer.mlp.experts, adapter(layer.mlp))
             for i, layer in enumerate(gen._cw.layers) if isinstance(layer.mlp, MoeMLP)}
