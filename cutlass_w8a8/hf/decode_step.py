@@ -16,9 +16,11 @@ without bias all of it in one op call (``torch.ops.cutlass_w8a8.decode_layer``).
 What is shared with the transformers model (no weight is copied): the token embedding, every `W8A8Linear`
 (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``), the norm weights (input, post-attention, Qwen3's
 per-head q / k norms, the final norm) and ``lm_head``. What it owns: a KV cache per layer, ``(slots, 2, KVH, S, D)``
-in the model dtype (the layout `cutlass_w8a8.decode_attention` reads), and the rotary table ``(S, D / 2, 2)``
+in the model dtype (the layout `cutlass_w8a8.decode_attention` reads), and the rotary table ``(S, R / 2, 2)``
 float32 made by the model's own ``rotary_emb`` at positions ``0 .. S - 1`` (so Llama 3 / YaRN / linear rope scaling
-and ``attention_scaling`` are the model's).
+and ``attention_scaling`` are the model's), ``R`` the rotary width that embedding produces (its ``cos``'s last
+dimension): ``D``, or ``D * partial_rotary_factor`` for GLM-4.5, whose transformers attention rotates the first ``R``
+features of each head and passes the rest (`cutlass_w8a8.rope_kv_cache_` takes the ``(B, R / 2, 2)`` rows).
 
 Numerics against transformers' eager step on the same prefix: the same GEMMs on the same quantized activations
 up to bf16 rounding differences elsewhere: the rotary embedding is computed in float32 and rounded once
@@ -31,23 +33,27 @@ Left padding: transformers' prefill leaves a left-padded row's prompt at cache c
 token's position (``position_ids = cumsum(attention_mask) - 1``) and the decode attention of a row reads its
 columns ``0 .. position``, none of the padding.
 
-Mixture-of-experts layers (`MOE_FAMILIES`: Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE): the attention side as above; the
-MLP is `MoeMLP` over the block's own modules: the post-attention norm fused with the residual add gives the normed
-hidden state in the model dtype (`W8A8MoE` quantizes its own input, per routed pair), the router's logits
-``F.linear(x, gate.weight)`` in the router's dtype (as transformers' routers compute them), the routing by
+Mixture-of-experts layers (`MOE_FAMILIES`: Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GLM-4.5; each with a
+`MoeBlockForward` record of its block's forward): the attention side as above; the MLP is `MoeMLP` over the block's
+own modules: the post-attention norm fused with the residual add gives the normed hidden state in the model dtype
+(`W8A8MoE` quantizes its own input, per routed pair), the router's logits ``F.linear(x, gate.weight)`` in the
+model dtype, or ``F.linear(x.float(), gate.weight.float())`` for a ``"float32"`` record (GLM-4.5's router), as
+transformers' routers compute them, the routing by
 `cutlass_w8a8.moe_route` with the routing `W8A8MoE` holds (read from the router by `quantize_`: ``W8A8MoE.route``;
 `why_not` checks it against the router, `cutlass_w8a8.moe.families.read_routing`), the experts
-``W8A8MoE(x, topk_ids, topk_weights)``, plus the block's shared expert (Qwen2-MoE: its own SwiGLU module of
-`W8A8Linear` layers, times ``sigmoid(shared_expert_gate(x))``). Numerics against transformers' block: the same
+``W8A8MoE(x, topk_ids, topk_weights)``, plus the block's shared expert (its own SwiGLU module of `W8A8Linear` layers,
+fused by `optimize_`: Qwen2-MoE's times ``sigmoid(shared_expert_gate(x))``, GLM-4.5's as it is). Numerics against transformers' block: the same
 experts on the same quantized activations; the routing weights stay float32 (transformers' Qwen routers round them
 to the model dtype), and a near-tie of a router can pick another expert than transformers' on hidden states that
 differ by bf16 noise (the tests treat it as a token near-tie: tests/_hf_tiny.py's ``routing_flip``).
 
 Supported (`DecodeStep.why_not`): decoder-only models whose decoder layers are all ones `optimize_` fused
-(Llama, Mistral without a sliding window, Qwen2, Qwen3; the attention side of Qwen3-MoE, Mixtral and Qwen2-MoE):
+(Llama, Mistral without a sliding window, Qwen2, Qwen3; the attention side of Qwen3-MoE, Mixtral, Qwen2-MoE and
+GLM-4.5 / 4.6, partial rotary included):
 fused ``qkv_proj`` `W8A8Linear` (any granularity, a bias allowed), a SiLU ``gate_up_proj`` MLP or a sparse-MoE block
-of `MOE_FAMILIES` with `W8A8MoE` experts, RMSNorms, a softmax scale of ``head_dim ** -0.5``, ``head_dim`` a multiple
-of 8 up to 256, all on one device in bfloat16 / float16. Not: multi-head latent attention (DeepSeek-V2 / V3, ...),
+of `MOE_FAMILIES` with `W8A8MoE` experts (its router and shared experts as its record says), RMSNorms, a softmax
+scale of ``head_dim ** -0.5``, ``head_dim`` a multiple of 8 up to 256, an even rotary width ``R <= head_dim``, all
+on one device in bfloat16 / float16. Not: multi-head latent attention (DeepSeek-V2 / V3, ...),
 OLMoE's attention (q / k norms over all heads at once: `optimize_` does not fuse it), other attention layers
 `optimize_` does not fuse, the MoE blocks of other families; their models keep transformers' step.
 """

@@ -25,7 +25,9 @@ __all__ = ["StepContext", "RMSNorm", "LlamaAttention", "LlamaMLP", "LlamaDecoder
 class StepContext(NamedTuple):
     """What every layer of one decode step shares; computed once per step from the positions and slots.
 
-    - ``rope``: ``(B, head_dim // 2, 2)`` float32, ``(cos, sin)`` of each sequence's position.
+    - ``rope``: ``(B, R // 2, 2)`` float32, ``(cos, sin)`` of each sequence's position; ``R`` the rotary width,
+      ``head_dim`` or less (a partial rotary embedding, GLM-4.5: ``rope_kv_cache_`` rotates the pairs
+      ``(x[j], x[j + R/2])``, ``j < R/2``, of each q / k head and passes ``x[R:]`` through).
     - ``slots``: ``(B,)`` int64, the cache slots the batch writes (at its positions) and reads.
     - ``positions``: ``(B,)`` int64, each sequence's position: attention reads cache positions ``0..position``.
     """
