@@ -8,7 +8,8 @@ The models (`BLOCK_MODELS`), their dims from transformers' config classes, whose
   ``DeepseekV3MoE``. Kimi-K2 and DeepSeek-R1 / V3.1 have the same block.
 - ``glm-4.5-air``: ``Glm4MoeConfig`` (hidden 4096, 128 routed experts of 1408, top-8, ``n_group`` 1, ``topk_group``
   1, ``routed_scaling_factor`` 1.0, ``norm_topk_prob``, one shared expert of 1408; the config's docstring calls its
-  defaults "GLM-4-MOE-100B-A10B style"), block ``Glm4MoeMoE``. The same dims are in NVIDIA Megatron-Bridge's
+  defaults "GLM-4-MOE-100B-A10B style"; the values come from `cutlass_w8a8.testing.model_dims.GLM_45_AIR`, which
+  bench/bench_hf.py's ``--config glm-4.5-air`` shares), block ``Glm4MoeMoE``. The same dims are in NVIDIA Megatron-Bridge's
   GLM-4.5-Air page (https://docs.nvidia.com/nemo/megatron-bridge/latest/models/llm/glm45.html: 4096 hidden,
   128 experts, top-8, 1.0x scaling, MoE FFN 1408, shared expert 1408).
 
@@ -57,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cutlass_w8a8.testing.model_dims import GLM_45_AIR as _GLM
 from cutlass_w8a8.testing.report import AccuracyError
 from cutlass_w8a8.testing.timers import tensor_bytes
 
@@ -83,7 +85,11 @@ class BlockModel:
 
 BLOCK_MODELS = {
     "deepseek-v3": BlockModel("DeepseekV3Config", "deepseek_v3", "DeepseekV3MoE", 256, 8, 7168, 2048, 8, 4, 2.5, 1),
-    "glm-4.5-air": BlockModel("Glm4MoeConfig", "glm4_moe", "Glm4MoeMoE", 128, 8, 4096, 1408, 1, 1, 1.0, 1),
+    # GLM-4.5-Air's block dims from their one owner, cutlass_w8a8.testing.model_dims (also bench_hf's --config)
+    "glm-4.5-air": BlockModel("Glm4MoeConfig", "glm4_moe", "Glm4MoeMoE", _GLM["n_routed_experts"],
+                              _GLM["num_experts_per_tok"], _GLM["hidden_size"], _GLM["moe_intermediate_size"],
+                              _GLM["n_group"], _GLM["topk_group"], _GLM["routed_scaling_factor"],
+                              _GLM["n_shared_experts"], _GLM["norm_topk_prob"]),
 }
 SCHEMES = ("int8", "fp8", "block")
 OURS_BLOCK = tuple(f"ours_{s}{v}" for s in SCHEMES for v in ("", "_fused"))

@@ -57,6 +57,14 @@ per layer + 0.58 GiB per W8A8 copy, so bf16 with one or two W8A8 models takes al
 models asked for. Its files are ``hf_decode_qwen3-30b-a3b[_<tag>]_<device>.*`` and its one target is issue 36's:
 each ``-opt`` model's graph path >= 2.5x bf16 compiled at batch 1 (the Llama targets are not shown for it).
 
+``--config glm-4.5-air`` times transformers' ``Glm4MoeForCausalLM`` at GLM-4.5-Air's dimensions (`glm45_air_config`:
+`cutlass_w8a8.testing.model_dims.GLM_45_AIR`, shared with bench/_moe_block.py: hidden 4096, 46 layers, 96 / 8 heads
+x 128 with q / k / v bias and rope over half of each head, the first layer dense (10944), then 128 experts of 1408 + 1
+shared expert, top-8, sigmoid routing from a float32 router), random weights (biases drawn like the matrices), layers
+by the same fit rule. ``optimize_`` fuses its attention, its dense MLP and its shared experts, and ``step="auto"``
+runs the ``-opt`` models on ``hf.DecodeStep``. No target is set for it (the report has the measurements only); our
+reference decoder (``--decoder``) has no GLM layers.
+
 ``--decoder`` adds, in graph mode, the package's own reference decoder (``decoder int8 (cutlass_w8a8.models)``):
 ``cutlass_w8a8.models.LlamaDecoder(config, quant="int8", max_batch=max(--batches), max_seq_len=--max-cache-len
 rounded up to a multiple of 16, device="cuda", dtype=torch.bfloat16)`` at the same dimensions and layers (random
@@ -159,7 +167,8 @@ GRAPH_STEPS = ("auto", "cw", "transformers")
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Per-token decode latency and warm-up of transformers' LlamaForCausalLM (Llama-3-8B "
-                    "dimensions, random weights; --config qwen3-30b-a3b: Qwen3MoeForCausalLM): bf16 vs W8A8 int8 / fp8 / fp8-block (cutlass_w8a8.quantize_, and "
+                    "dimensions, random weights; --config qwen3-30b-a3b: Qwen3MoeForCausalLM; --config glm-4.5-air: "
+                    "Glm4MoeForCausalLM): bf16 vs W8A8 int8 / fp8 / fp8-block (cutlass_w8a8.quantize_, and "
                     "after cutlass_w8a8.optimize_: -opt), eager vs torch.compile (reduce-overhead, fullgraph) vs "
                     "cutlass_w8a8.generate's CUDA-graph step, on a StaticCache.")
     parser.add_argument("--batches", type=int_list(), default=[1, 8], metavar="LIST",
@@ -168,11 +177,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help=f"models among {','.join(MODELS)} (default: all; with --quick "
                              f"{','.join(QUICK_MODELS)}; without bf16 there are no speedups and no SQNR against it)")
     parser.add_argument("--config", choices=list(CONFIGS), default="llama3-8b",
-                        help="model: llama3-8b (default: LlamaForCausalLM at Llama-3-8B dims) or qwen3-30b-a3b "
+                        help="model: llama3-8b (default: LlamaForCausalLM at Llama-3-8B dims), qwen3-30b-a3b "
                              "(Qwen3MoeForCausalLM at Qwen3-30B-A3B dims: 128 experts of 768, top-8; experts become "
-                             "W8A8MoE, routers stay bf16); its name goes into the report's title and file names")
+                             "W8A8MoE, routers stay bf16) or glm-4.5-air (Glm4MoeForCausalLM at GLM-4.5-Air dims: "
+                             "128 experts of 1408 + 1 shared, top-8, partial rotary; its router stays float32); its "
+                             "name goes into the report's title and file names")
     parser.add_argument("--layers", type=int, default=None,
-                        help="decoder layers (default: llama3-8b 32; qwen3-30b-a3b as many of its 48 as fit beside "
+                        help="decoder layers (default: llama3-8b 32; qwen3-30b-a3b / glm-4.5-air as many of their "
+                             "48 / 46 as fit beside "
                              f"the bf16 copy: the bf16 weights, each W8A8 copy's and the KV caches within "
                              f"{FIT_FRACTION} of the GPU's free memory; 2 with --quick or --tiny)")
     parser.add_argument("--quick", action="store_true",
@@ -306,6 +318,27 @@ def qwen3_moe_config(transformers: Any, tiny: bool, layers: int):
         use_sliding_window=False, tie_word_embeddings=False, **dims)
 
 
+def glm45_air_config(transformers: Any, tiny: bool, layers: int):
+    """A transformers ``Glm4MoeConfig`` with GLM-4.5-Air's dimensions and ``layers`` layers, or a tiny one.
+
+    The dimensions are `cutlass_w8a8.testing.model_dims.GLM_45_AIR`'s (their one owner, shared with
+    bench/_moe_block.py's ``glm-4.5-air`` block; its docstring cites the model's config.json on the Hub): hidden 4096,
+    46 layers, 96 query / 8 key-value heads of 128, 128 routed experts of 1408 + 1 shared expert, top-8, ``n_group``
+    1, ``topk_group`` 1, ``routed_scaling_factor`` 1.0, the first layer dense (intermediate 10944), q / k / v bias, no
+    q / k norms, rope_theta 1e6 over half of each head (``partial_rotary_factor`` 0.5). Tiny (``tiny``): hidden 128,
+    4 query and 4 key/value heads of 32 (16 of them rotated), 8 experts of width 128 + 1 shared, top-2, dense
+    intermediate 256, vocab 256 (every K and N a multiple of 128: block fp8 and the fused q/k/v apply)."""
+    from cutlass_w8a8.testing.model_dims import GLM_45_AIR, glm_45_air_rope
+
+    dims = dict(GLM_45_AIR)
+    if tiny:
+        dims.update(vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                    num_key_value_heads=4, head_dim=32, max_position_embeddings=512, n_routed_experts=8,
+                    num_experts_per_tok=2, moe_intermediate_size=128)
+    dims["num_hidden_layers"] = layers
+    return transformers.Glm4MoeConfig(rope_parameters=glm_45_air_rope(), **dims)
+
+
 # The model configurations (--config): name -> the transformers class built, its config builder (transformers,
 # tiny, layers), the layers of the full model, and the default layers ("fit": as many as fit beside the bf16
 # copy, `fit_layers`; else that number). The Llama row is the script's original benchmark, its report unchanged.
@@ -314,6 +347,8 @@ CONFIGS = {
                   "default_layers": 32, "dims": "Llama-3-8B"},
     "qwen3-30b-a3b": {"model_class": "Qwen3MoeForCausalLM", "build_config": qwen3_moe_config, "full_layers": 48,
                       "default_layers": "fit", "dims": "Qwen3-30B-A3B"},
+    "glm-4.5-air": {"model_class": "Glm4MoeForCausalLM", "build_config": glm45_air_config, "full_layers": 46,
+                    "default_layers": "fit", "dims": "GLM-4.5-Air"},
 }
 # `fit_layers`: the share of the GPU's free memory (at the start) that the weights and KV caches may take; the rest
 # is left to transients (quantization of one layer, logits, compile and CUDA-graph pools, the allocator's slack)
@@ -361,11 +396,11 @@ def build_bf16(transformers: Any, config, device: torch.device, seed: int):
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     gen = torch.Generator(device=device).manual_seed(seed)
-    for p in model.parameters():
-        if p.dim() >= 2:
+    for name, p in model.named_parameters():
+        if p.dim() >= 2 or name.endswith(".bias"):  # GLM-4.5's q / k / v biases drawn like the matrices
             p.normal_(0.0, 0.02, generator=gen)
         else:
-            p.fill_(1.0)  # the RMSNorm weights (Llama and Qwen3-MoE have no biases)
+            p.fill_(1.0)  # the RMSNorm weights
     return model.eval().requires_grad_(False)
 
 
@@ -558,9 +593,13 @@ def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
             "num_key_value_heads", "head_dim")}, "rope_theta": config.rope_parameters["rope_theta"],
             "attn_implementation": None,
             **({"model_class": spec["model_class"], "full_layers": spec["full_layers"], "dims": spec["dims"],
-                "num_experts": config.num_experts, "num_experts_per_tok": config.num_experts_per_tok,
+                "num_experts": getattr(config, "num_experts", None) or config.n_routed_experts,  # GLM: n_routed_
+                "num_experts_per_tok": config.num_experts_per_tok,
                 "moe_intermediate_size": config.moe_intermediate_size, "norm_topk_prob": config.norm_topk_prob,
-                "experts_implementation": None} if args.config != "llama3-8b" else {})},
+                "experts_implementation": None,
+                **({"first_k_dense_replace": config.first_k_dense_replace, "n_shared_experts": config.n_shared_experts,
+                    "partial_rotary_factor": config.rope_parameters.get("partial_rotary_factor", 1.0)}
+                   if config.model_type == "glm4_moe" else {})} if args.config != "llama3-8b" else {})},
         "layers_rule": layers_rule,
         "batches": args.batches,
         "dtypes": [],

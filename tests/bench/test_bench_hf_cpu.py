@@ -433,3 +433,52 @@ def test_bench_hf_qwen3_moe_config_and_layers():
     assert bench.results_prefix("b1", "qwen3-30b-a3b") == "hf_decode_qwen3-30b-a3b_b1"
     assert bench.results_prefix("", "qwen3-30b-a3b") == "hf_decode_qwen3-30b-a3b"
     assert bench.results_prefix("b1", "llama3-8b") == bench.results_prefix("b1") == "hf_decode_b1"
+
+
+def test_bench_hf_tiny_glm45_air(tmp_path):
+    """``--config glm-4.5-air --tiny``: the whole flow on a tiny Glm4MoeForCausalLM (a dense first layer, then a MoE
+    layer: experts W8A8MoE, the router float32, a shared expert; q / k / v bias, partial rotary), the config's name in
+    the file names and the title, the -opt models on the "cw" step, no targets (none is set for it); the dims of the
+    full config are GLM-4.5-Air's, from the one owner bench/_moe_block.py shares."""
+    import transformers
+
+    from cutlass_w8a8.testing.model_dims import GLM_45_AIR
+
+    bench = load_bench()
+    full = bench.glm45_air_config(transformers, False, 46)
+    assert (full.hidden_size, full.num_hidden_layers, full.num_attention_heads, full.num_key_value_heads,
+            full.head_dim) == (4096, 46, 96, 8, 128)
+    assert (full.n_routed_experts, full.moe_intermediate_size, full.n_shared_experts, full.num_experts_per_tok,
+            full.n_group, full.topk_group, full.routed_scaling_factor) == (128, 1408, 1, 8, 1, 1, 1.0)
+    assert (full.first_k_dense_replace, full.intermediate_size, full.attention_bias, full.use_qk_norm) == (
+        1, 10944, True, False)
+    assert full.rope_parameters["partial_rotary_factor"] == 0.5 and full.rope_parameters["rope_theta"] == 1e6
+    assert bench.CONFIGS["glm-4.5-air"]["full_layers"] == GLM_45_AIR["num_hidden_layers"] == 46
+    rc = bench.main(["--tiny", "--config", "glm-4.5-air", "--batches", "1", "--reps", "1", "--steps", "2",
+                     "--check-steps", "3", "--prompt-len", "8", "--max-cache-len", "16", "--out", str(tmp_path),
+                     "--dtypes", "bf16,int8,int8-opt,fp8-block-opt"])
+    assert rc == 0
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["hf_decode_glm-4.5-air_b1_cpu.json"]
+    with open(tmp_path / "hf_decode_glm-4.5-air_b1_cpu.json", encoding="utf-8") as f:
+        res = json.load(f)
+    assert res["config_name"] == "glm-4.5-air" and res["failures"] == [] and not res["full_size"]
+    c = res["config"]
+    assert c["model_class"] == "Glm4MoeForCausalLM" and c["num_experts"] == 8 and c["first_k_dense_replace"] == 1
+    assert c["partial_rotary_factor"] == 0.5 and c["head_dim"] == 32
+    for m in ("int8", "int8-opt", "fp8-block-opt"):
+        assert res["models"][m]["w8a8_moe"] == 1  # layer 1; layer 0 is dense
+        # q, k, v, o of 2 layers, gate / up / down of the dense MLP and of the shared expert; fused: qkv, o,
+        # gate_up, down
+        assert res["models"][m]["w8a8_linears"] == (2 * 2 + 2 * 2 if m.endswith("-opt") else 2 * 4 + 2 * 3)
+    takes_step = graph_step_takes_step_arg()
+    for m in ("bf16", "int8", "int8-opt", "fp8-block-opt"):
+        step = res["graph_step"]["1"][m]
+        assert step["step"] == ("cw" if takes_step and m.endswith("-opt") else "transformers"), (m, step)
+        gve = res["accuracy"]["1"][m]["graph_vs_eager"]
+        assert gve["worst_sqnr_db"] >= CW_GRAPH_MIN_SQNR_DB if step["step"] == "cw" else gve["max_abs"] == 0
+    assert res["accuracy"]["1"]["int8-opt"]["eager_sqnr_vs_bf16_db"] > 20.0
+    assert res["targets"] == []
+    report = (tmp_path / "hf_decode_glm-4.5-air_b1_cpu.md").read_text(encoding="utf-8")
+    assert report.startswith("# transformers Glm4MoeForCausalLM decode: cpu\n")
+    assert "MLP: 8 experts of 128, top-2 renormalized" in report
+    assert "(MLP above: the first 1 layer(s)' dense MLP; the others' blocks also have 1 shared expert(s) of 128)" in report
