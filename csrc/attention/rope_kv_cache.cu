@@ -141,9 +141,11 @@ void rope_kv_cache_(at::Tensor& qkv, const at::Tensor& rope, at::Tensor& kv_cach
   CW8A8_CHECK_VALUE(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.size(2) == num_kv_heads &&
                         kv_cache.size(4) == d && kv_cache.is_contiguous(),
                     kOp, "kv_cache", "must be contiguous (slots, 2, num_kv_heads, S, D), got ", kv_cache.sizes());
-  CW8A8_CHECK_VALUE(rope.dim() == 3 && rope.size(0) == b && rope.size(1) == d / 2 && rope.size(2) == 2 &&
-                        rope.is_contiguous(),
-                    kOp, "rope", "must be contiguous (B, D / 2, 2), got ", rope.sizes());
+  // the rotary width R = 2 rope.size(1) (partial rotary, GLM's partial_rotary_factor): 2 <= R <= D
+  CW8A8_CHECK_VALUE(rope.dim() == 3 && rope.size(0) == b && rope.size(1) == d / 2 /* partial: the kernel's next commit */ &&
+                        rope.size(2) == 2 && rope.is_contiguous(),
+                    kOp, "rope", "must be contiguous (B, R / 2, 2) with 1 <= R / 2 <= D / 2 = ", d / 2, ", got ",
+                    rope.sizes());
   CW8A8_CHECK_VALUE(slots.dim() == 1 && slots.size(0) == b, kOp, "slots", "must be (B,), got ", slots.sizes());
   CW8A8_CHECK_VALUE(positions.dim() == 1 && positions.size(0) == b, kOp, "positions", "must be (B,), got ",
                     positions.sizes());
