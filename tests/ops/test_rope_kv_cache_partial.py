@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import cutlass_w8a8
+from _full import opcheck
 
 H, KVH, SLOTS, S = 4, 2, 5, 16
 EPS = 1e-6
@@ -208,4 +209,98 @@ def test_cpu_bad_rope_width_is_rejected(pairs):
 def test_opcheck_partial_cpu(norms):
     args, w = make(2, 64, 32, torch.bfloat16, norms=norms)
     tail = (w[0], w[1], EPS) if norms else ()
+    opcheck(torch.ops.cutlass_w8a8.rope_kv_cache_.default, (*args, H, KVH, *tail))
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------------------
+
+GPU_CASES = [(d, r) for d in (64, 128, 256) for r in (d // 4, d // 2, d)]
+
+
+def gpu_bound(ref, nmax, dtype, d, norms):
+    """Per element, what the kernel may differ by from the CPU op: tests/ops/test_rope_kv_cache.py's bounds for
+    R == D, unchanged by the width. Without norms one ulp of the element (the CPU's complex multiply may fuse a
+    multiply-add where the kernel rounds each product). With norms, plus what the kernel's own order of the D
+    squares' sum moves a normalized element, dn <= ulp_T(nmax) + (D + 11) u nmax (nmax the head's largest
+    normalized |element|), carried through the rotation as at most 2 dn (|cos| dn1 + |sin| dn2); the pass-through
+    elements move by dn alone, inside the same bound."""
+    bound = ulp(ref, dtype)
+    if norms:
+        bound = bound + 2 * (ulp(nmax, dtype) + (d + 11) * U32 * nmax)
+    return bound
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norms", [False, True], ids=["plain", "norms"])
+@pytest.mark.parametrize("d,r", GPU_CASES, ids=[f"D{d}-R{r}" for d, r in GPU_CASES])
+@pytest.mark.parametrize("b", [1, 3])
+def test_cuda_partial_matches_cpu(b, d, r, norms, dtype):
+    """The kernel against the CPU op on the same inputs, a row-padded qkv view: q / k heads within `gpu_bound`
+    (the pass-through part bitwise the input without norms), value heads and the row padding untouched, the
+    written cache entries exactly what the kernel left in qkv, every other entry as it was."""
+    cpu, w = make(b, d, r, dtype, seed=100 * b + d + r, norms=norms)
+    x0 = cpu[0].clone()
+    gpu = [t.cuda() for t in cpu]
+    wide = torch.full((b, H + 2 * KVH + 1, d), float("nan"), device="cuda", dtype=dtype)
+    wide[:, :H + 2 * KVH] = gpu[0]
+    gpu[0] = wide[:, :H + 2 * KVH]
+    before = gpu[2].cpu()
+    tail = (w[0].cuda(), w[1].cuda(), EPS) if norms else ()
+    torch.ops.cutlass_w8a8.rope_kv_cache_(*gpu, H, KVH, *tail)
+    normed = run_op(cpu, w)  # the CPU op on the host copies; its normalized heads
+    torch.cuda.synchronize()
+    got, ref = gpu[0].cpu(), cpu[0]
+    nmax = normed.double().abs().amax(dim=-1, keepdim=True)
+    bound = gpu_bound(ref[:, :H + KVH].double(), nmax, dtype, d, norms)
+    err = (got[:, :H + KVH].double() - ref[:, :H + KVH].double()).abs()
+    assert (err <= bound).all(), f"worst excess {(err - bound).max().item()}"
+    if not norms:
+        assert torch.equal(got[:, :H + KVH, r:], x0[:, :H + KVH, r:]), "the pass-through part changed"
+    assert torch.equal(got[:, H + KVH:], x0[:, H + KVH:]), "the value heads changed"
+    assert torch.isnan(wide[:, -1].float()).all(), "the padding was written"
+    check_cache([got, cpu[1], gpu[2].cpu(), cpu[3], cpu[4]], before)
+
+
+@pytest.mark.cuda
+def test_cuda_partial_graph_replay_and_opcheck():
+    """R = D / 2 with head norms (GLM-4.5's layout: D = 128, R = 64) captured in a CUDA graph: replays on new inputs
+    equal eager calls bit for bit (qkv and the cache); then opcheck on CUDA."""
+    def new(seed):
+        args, w = make(3, 128, 64, torch.bfloat16, seed=seed, norms=True)
+        return [t.cuda() for t in args], (w[0].cuda(), w[1].cuda(), EPS)
+
+    static, tail = new(20)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.ops.cutlass_w8a8.rope_kv_cache_(*[t.clone() for t in static], H, KVH, *tail)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        torch.ops.cutlass_w8a8.rope_kv_cache_(*static, H, KVH, *tail)
+    for seed in (21, 22):
+        fresh, _ = new(seed)
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        g.replay()
+        torch.ops.cutlass_w8a8.rope_kv_cache_(*fresh, H, KVH, *tail)
+        torch.cuda.synchronize()
+        assert torch.equal(static[0], fresh[0]) and torch.equal(static[2], fresh[2])
+    args, tail = new(23)
     torch.library.opcheck(torch.ops.cutlass_w8a8.rope_kv_cache_.default, (*args, H, KVH, *tail))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pairs", [0, 33], ids=["R0", "R66"])
+def test_cuda_bad_rope_width_is_rejected(pairs):
+    """The C++ check: the CPU implementation's message (R / 2 outside [1, D / 2], D = 64); nothing is written."""
+    args, _ = make(2, 64, 32, torch.bfloat16)
+    args = [t.cuda() for t in args]
+    args[1] = torch.rand(2, pairs, 2, device="cuda")
+    msg = (r"^rope_kv_cache_: `rope` must be contiguous \(B, R / 2, 2\) with 1 <= R / 2 <= D / 2 = 32, "
+           rf"got \[2, {pairs}, 2\]$")
+    before = [t.clone() for t in args]
+    with pytest.raises(ValueError, match=msg):
+        torch.ops.cutlass_w8a8.rope_kv_cache_(*args, H, KVH)
+    assert all(torch.equal(a, b) for a, b in zip(args, before))
