@@ -173,6 +173,7 @@ DEVICE_TRIGGERS.update({
     "rope-qkv-layout": lambda d: rope(d, qkv=lambda kw: kw["qkv"].transpose(0, 1).contiguous().transpose(0, 1)),
     "rope-kv-shape": lambda d: rope(d, kv_cache=lambda kw: kw["kv_cache"][:, :, :1]),
     "rope-rope-shape": lambda d: rope(d, rope=lambda kw: kw["rope"][:, :4]),
+    "rope-rope-width": lambda d: rope(d, rope=torch.randn(2, 9, 2, device=d)),
     "rope-slots-shape": lambda d: rope(d, slots=torch.tensor([0, 1, 2], device=d)),
     "rope-positions-shape": lambda d: rope(d, positions=lambda kw: kw["positions"][None]),
     "rope-kv-empty": lambda d: rope(d, kv_cache=torch.zeros(3, 2, 2, 0, 16, dtype=torch.bfloat16, device=d)),

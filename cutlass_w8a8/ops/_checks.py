@@ -438,9 +438,11 @@ def check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv
             and kv_cache.shape[4] == d and kv_cache.is_contiguous()):
         fail_value(op, "kv_cache", f"must be contiguous (slots, 2, num_kv_heads, S, D), got "
                    f"{cxx_list(kv_cache.shape)}")
-    if not (rope.dim() == 3 and rope.shape[0] == b and rope.shape[1] == d // 2 and rope.shape[2] == 2
+    # the rotary width R = 2 rope.shape[1] (partial rotary, GLM's partial_rotary_factor): 2 <= R <= D
+    if not (rope.dim() == 3 and rope.shape[0] == b and 1 <= rope.shape[1] <= d // 2 and rope.shape[2] == 2
             and rope.is_contiguous()):
-        fail_value(op, "rope", f"must be contiguous (B, D / 2, 2), got {cxx_list(rope.shape)}")
+        fail_value(op, "rope", f"must be contiguous (B, R / 2, 2) with 1 <= R / 2 <= D / 2 = {d // 2}, got "
+                   f"{cxx_list(rope.shape)}")
     for name, t in (("slots", slots), ("positions", positions)):
         if t.dim() != 1 or t.shape[0] != b:
             fail_value(op, name, f"must be (B,), got {cxx_list(t.shape)}")

@@ -333,7 +333,8 @@ def _rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_head
                    eps=-1.0):
     """The torch formulation rope_kv_cache_ replaces: with q_norm / k_norm, the rms_norm of the q heads and of the k
     heads copied back into qkv (rounded to its dtype: the chain the fused op replaces); then the neox rotation of
-    the q and k heads as a float32 complex multiply rounded once to qkv's dtype, then one index_put_ of the k and v
+    the first R = 2 rope.shape[1] elements of the q and k heads (pairs (x[j], x[j + R/2]); x[R:] unchanged: partial
+    rotary when R < D) as a float32 complex multiply rounded once to qkv's dtype, then one index_put_ of the k and v
     heads into the cache."""
     C.check_rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads, q_norm, k_norm, eps)
     b, _, d = qkv.shape
@@ -342,9 +343,9 @@ def _rope_kv_cache(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_head
     if q_norm is not None:
         for heads, w in ((qkv[:, :num_heads], q_norm), (qkv[:, num_heads:num_heads + num_kv_heads], k_norm)):
             heads.copy_(_rms_norm_reference(heads, w, eps, None))
-    h = d // 2
-    qk = qkv[:, : num_heads + num_kv_heads]
-    pairs = qk.unflatten(-1, (2, h)).transpose(-1, -2)  # (B, N, D/2, 2): (x[j], x[j + D/2])
+    h = rope.shape[1]  # R / 2: the rotary width R is rope's (partial rotary when R < D; x[R:] passes through)
+    qk = qkv[:, : num_heads + num_kv_heads, : 2 * h]
+    pairs = qk.unflatten(-1, (2, h)).transpose(-1, -2)  # (B, N, R/2, 2): (x[j], x[j + R/2])
     xc = torch.view_as_complex(torch.empty(pairs.shape, dtype=torch.float32).copy_(pairs))
     pairs.copy_(torch.view_as_real(xc * torch.view_as_complex(rope).unsqueeze(1)))
     s = kv_cache.shape[3]

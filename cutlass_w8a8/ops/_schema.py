@@ -40,7 +40,8 @@ Ops:
   the attention's last kernel
 - ``rope_kv_cache_(qkv, rope, kv_cache, slots, positions, num_heads, num_kv_heads, q_norm=None, k_norm=None,
   eps=-1.0) -> ()``: rotary embedding of the q and k heads in place (RMS-normalized first with Qwen3's
-  ``q_norm`` / ``k_norm``), then the k and v heads into the slot cache (the decoder's glue before attention)
+  ``q_norm`` / ``k_norm``; over their first R = 2 rope.shape[1] elements, partial rotary when R < D), then the k
+  and v heads into the slot cache (the decoder's glue before attention)
 - ``_scaled_mm_config(out, a, b, scale_a, scale_b, bias, config) -> ()``: force a kernel config (tuning only)
 - ``scaled_mm_decode(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor``: ``scaled_mm`` for M <= 16
 - ``scaled_mm_decode_out(out, a, b, scale_a, scale_b, bias=None) -> ()``
@@ -178,6 +179,8 @@ _define("decode_attention_quant(Tensor q, Tensor kv_cache, Tensor slots, Tensor 
 # of the q and k heads in place, then the k and v heads written into the slot cache.
 # With q_norm and k_norm (Qwen3's head norms; eps then required: the default -1 is "not given"), every q and k head
 # is RMS-normalized first, in the same kernel.
+# rope (B, R / 2, 2) float32 sets the rotary width R (2 <= R <= D, even): the pairs (x[j], x[j + R/2]) of each q and k
+# head are rotated and x[R:] passes through (partial rotary, GLM-4.5's partial_rotary_factor); R == D is full rotary.
 _define("rope_kv_cache_(Tensor(a!) qkv, Tensor rope, Tensor(b!) kv_cache, Tensor slots, Tensor positions, "
         "int num_heads, int num_kv_heads, Tensor? q_norm=None, Tensor? k_norm=None, float eps=-1.0) -> ()")
 # CUDA-graph node update (cutlass_w8a8/graphs, UpdatableGraph.update_scaled_mm): CUDA only

@@ -241,19 +241,21 @@ def rope_kv_cache_(
     """Rotary embedding of a decode step's query and key heads, in place, and the write of its key and value
     heads into the slot cache: the glue between the qkv projection and :func:`decode_attention`.
 
-    For row ``b``, with ``H = num_heads``, ``KVH = num_kv_heads``, ``(cos_j, sin_j) = rope[b, j]`` and heads
-    ordered q, k, v (vLLM's ``QKVParallelLinear``)::
+    For row ``b``, with ``H = num_heads``, ``KVH = num_kv_heads``, ``(cos_j, sin_j) = rope[b, j]``, the rotary
+    width ``R = 2 * rope.shape[1]`` (``R == D``, or ``R < D`` for partial rotary: GLM-4.5's
+    ``partial_rotary_factor``) and heads ordered q, k, v (vLLM's ``QKVParallelLinear``)::
 
         if q_norm is not None:                                    # Qwen3's head norms, first
             qkv[b, n] = rms_norm(qkv[b, n], q_norm, eps)  for n < H           # rounded to qkv's dtype
             qkv[b, n] = rms_norm(qkv[b, n], k_norm, eps)  for H <= n < H + KVH
-        for each head x = qkv[b, n], n < H + KVH:                 # the "neox" rotation of (x[j], x[j + D/2])
-            x[j], x[j + D/2] = x[j] cos_j - x[j + D/2] sin_j, x[j + D/2] cos_j + x[j] sin_j    # float32
+        for each head x = qkv[b, n], n < H + KVH, j < R/2:        # the "neox" rotation of (x[j], x[j + R/2])
+            x[j], x[j + R/2] = x[j] cos_j - x[j + R/2] sin_j, x[j + R/2] cos_j + x[j] sin_j    # float32
+            # x[R:] is left as it is (normalized, with the norms): transformers' q_pass / k_pass
         kv_cache[slots[b], 0, g, positions[b]] = qkv[b, H + g]         # the rotated key heads, g < KVH
         kv_cache[slots[b], 1, g, positions[b]] = qkv[b, H + KVH + g]   # the value heads
 
     Each rotated element is computed in float32 and rounded once to ``qkv``'s dtype; only the written cache
-    entries change. `cutlass_w8a8.models.LlamaAttention` calls it on its qkv projection's output before
+    entries change (all ``D`` elements of each k and v head). `cutlass_w8a8.models.LlamaAttention` calls it on its qkv projection's output before
     :func:`decode_attention`.
 
     Parameters
@@ -263,7 +265,8 @@ def rope_kv_cache_(
         ``D`` (strides ``(*, D, 1)``: rows may be padded, e.g. the output of a wider projection). Updated in
         place: its q and k heads are rotated.
     rope : torch.Tensor
-        ``(B, D / 2, 2)`` float32, contiguous: ``(cos, sin)`` of each row's position for frequency ``j``.
+        ``(B, R / 2, 2)`` float32, contiguous, ``1 <= R / 2 <= D / 2``: ``(cos, sin)`` of each row's position for
+        frequency ``j``; its second dimension sets the rotary width ``R`` (as vLLM's ``rot_dim``).
     kv_cache : torch.Tensor
         ``(num_slots, 2, num_kv_heads, S, D)`` in ``qkv``'s dtype, contiguous, ``num_slots, S >= 1``: index 0
         of dimension 1 holds the keys, 1 the values (the layout :func:`decode_attention` reads). Written in

@@ -131,8 +131,11 @@ def test_cpu_head_norm_checks_are_the_cuda_checks(case):
             torch.ops.cutlass_w8a8.rope_kv_cache_(*fake, H, KVH, *fake_norms)
 
 
-@pytest.mark.parametrize("case", ["positions int32", "slots int32", "rope strided", "rope short", "qkv strided heads",
-                                  "kv_cache strided", "no positions"])
+ROPE_SHAPE = r"^rope_kv_cache_: `rope` must be contiguous \(B, R / 2, 2\) with 1 <= R / 2 <= D / 2 = 32, "
+
+
+@pytest.mark.parametrize("case", ["positions int32", "slots int32", "rope strided", "rope wide", "rope empty",
+                                  "qkv strided heads", "kv_cache strided", "no positions"])
 def test_cpu_checks_are_the_cuda_checks(case):
     """The CPU and fake implementations make csrc/attention/rope_kv_cache.cu's checks, with its messages (int32
     indices, layouts and rope's shape included); nothing is written when they fail."""
@@ -140,8 +143,9 @@ def test_cpu_checks_are_the_cuda_checks(case):
     exc, msg = {
         "positions int32": (TypeError, "^rope_kv_cache_: `positions` must be int64$"),
         "slots int32": (TypeError, "^rope_kv_cache_: `slots` must be int64$"),
-        "rope strided": (ValueError, r"^rope_kv_cache_: `rope` must be contiguous \(B, D / 2, 2\), got \[2, 32, 2\]$"),
-        "rope short": (ValueError, r"^rope_kv_cache_: `rope` must be contiguous \(B, D / 2, 2\), got \[2, 16, 2\]$"),
+        "rope strided": (ValueError, ROPE_SHAPE + r"got \[2, 32, 2\]$"),
+        "rope wide": (ValueError, ROPE_SHAPE + r"got \[2, 33, 2\]$"),
+        "rope empty": (ValueError, ROPE_SHAPE + r"got \[2, 0, 2\]$"),
         "qkv strided heads": (ValueError, r"^rope_kv_cache_: `qkv` must have contiguous heads of even D \(strides "
                                           r"\(\*, D, 1\)\), got strides \[64, 128, 1\]$"),
         "kv_cache strided": (ValueError, r"^rope_kv_cache_: `kv_cache` must be contiguous \(slots, 2, num_kv_heads, S, "
@@ -152,7 +156,8 @@ def test_cpu_checks_are_the_cuda_checks(case):
         "positions int32": lambda: dict(positions=positions.int()),
         "slots int32": lambda: dict(slots=slots.int()),
         "rope strided": lambda: dict(rope=rope.transpose(0, 1).contiguous().transpose(0, 1)),
-        "rope short": lambda: dict(rope=rope[:, :16].contiguous()),
+        "rope wide": lambda: dict(rope=torch.cat((rope, rope[:, :1]), dim=1)),  # R / 2 = D / 2 + 1
+        "rope empty": lambda: dict(rope=rope[:, :0].contiguous()),  # R = 0 (rope[:, :16] would be R = D / 2, legal)
         "qkv strided heads": lambda: dict(qkv=qkv.transpose(0, 1).contiguous().transpose(0, 1)),
         "kv_cache strided": lambda: dict(kv_cache=cache.transpose(0, 3).contiguous().transpose(0, 3)),
         "no positions": lambda: dict(kv_cache=cache[:, :, :, :0]),
