@@ -171,13 +171,27 @@ struct NormX {
   using type = T;
 };
 
+// add_rms_norm_linear_decode's parameter block: the GEMM's (a = x), then the fused norm's operands. (A type of its
+// own rather than more DecodeParams fields: a larger DecodeParams changed ptxas's register allocation of the other
+// decode kernels.)
+struct NormDecodeParams : DecodeParams {
+  const void* residual;     // [M, K] in x's type, ldr apart; nullptr: s = x
+  int64_t ldr;
+  void* residual_out;       // [M, K] in x's type, ldro apart: s, written by one CTA per row
+  int64_t ldro;
+  const void* norm_weight;  // [K] in x's type
+  float eps;
+};
+
 template <class XT>
 struct NormOf : std::false_type {
   using elem = XT;  // the element type of `a` (void: 8-bit, read as bytes)
+  using params = DecodeParams;
 };
 template <class T>
 struct NormOf<NormX<T>> : std::true_type {
   using elem = T;
+  using params = NormDecodeParams;
 };
 
 // Phase 1 of the fused norm: for the rows r < m, s = T(x + residual) (or x), inv_rms into s_inv[r] exactly as
@@ -185,10 +199,10 @@ struct NormOf<NormX<T>> : std::true_type {
 // the absmax of y = normalize(s, w, inv_rms) over the row, and s_scale[r] = absmax / QMAX (0 for r >= m). The CTA
 // owning row r (CTA index r mod the number of CTAs) writes s to residual_out. All threads call it; it synchronizes.
 template <class T, class Q, int NT>
-__device__ __forceinline__ void norm_row_scales(const DecodeParams& p, int m, float (&s_amax)[kWarps][kMaxTokens],
+__device__ __forceinline__ void norm_row_scales(const NormDecodeParams& p, int m, float (&s_amax)[kWarps][kMaxTokens],
                                                 float* s_inv, float* s_scale) {
   constexpr int kTokens = 8 * NT;
-  constexpr int kGroup = 4;  // rows at a time: x and residual loads in flight per thread
+  constexpr int kGroup = 2;  // rows at a time: x and residual loads in flight per thread
   constexpr int N = 16 / sizeof(T);
   using V = Vec<T, N>;
   const T* x = static_cast<const T*>(p.a);
@@ -275,7 +289,7 @@ __device__ __forceinline__ void norm_row_scales(const DecodeParams& p, int m, fl
 // r < m, y recomputed from x, residual and norm_weight with the row's s_inv, quantized with its s_scale. Rows go
 // 2 at a time (x and residual of each, and the weights: 5 loads in flight), within 128 registers.
 template <class T, class Q, int NT>
-__device__ __forceinline__ void norm_quantize_chunk(const DecodeParams& p, int m, int c0, int c1, const float* s_inv,
+__device__ __forceinline__ void norm_quantize_chunk(const NormDecodeParams& p, int m, int c0, int c1, const float* s_inv,
                                                     const float* s_scale, uint8_t* q_s) {
   constexpr int kTokens = 8 * NT;
   constexpr int kGroup = 2;
@@ -318,11 +332,11 @@ __device__ __forceinline__ void norm_quantize_chunk(const DecodeParams& p, int m
 // AB: Int8Ab / Fp8Ab. OutT: __nv_bfloat16 / __half. NT: token tiles (m <= 8 NT). XT: void (scaled_mm_decode:
 // `a` holds the quantized activations) or the type of x (linear_decode: quantized here; the output type is
 // x's), or NormX<T> (add_rms_norm_linear_decode: x of type T, added to the residual, normalized and quantized
-// here; the output type is T). kBlockScaled: e4m3 with block scales (scaled_mm_decode only; scale_a [M, K/128], scale_b
+// here; the output type is T; its parameter block is a NormDecodeParams). kBlockScaled: e4m3 with block scales (scaled_mm_decode only; scale_a [M, K/128], scale_b
 // [ceil(N/128), K/128], K a multiple of 128): each group's partial dot products are scaled into the float32
 // accumulators (mma_block_scaled), and the epilogue adds only the bias. Grid (N / 16, splits), 256 threads.
 template <class AB, class OutT, int NT, class XT, bool kBlockScaled = false>
-__global__ void __launch_bounds__(kThreads, 2) decode_gemm_kernel(int64_t m64, DecodeParams p) {
+__global__ void __launch_bounds__(kThreads, 2) decode_gemm_kernel(int64_t m64, typename NormOf<XT>::params p) {
   using Acc = typename AB::Acc;
   constexpr bool kFused = !std::is_void_v<XT>;
   constexpr bool kNorm = NormOf<XT>::value;

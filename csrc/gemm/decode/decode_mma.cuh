@@ -82,14 +82,6 @@ struct DecodeParams {
   uint32_t prefetch_bytes;   // per weight row: L2 prefetch of the first bytes of the CTA's K range (0: none)
   uint32_t prefetch_ctas;    // only CTAs (x + y * gridDim.x) below this prefetch: the first wave, which may
                              // start before the previous kernel ends (later CTAs would fetch what they load)
-  // add_rms_norm_linear_decode only (decode_kernels.cuh, NormX): a = x, then s = residual + x, residual_out = s,
-  // A = quantize_per_token(rms_norm(s) * norm_weight). Unused (null) by the other kernels.
-  const void* residual;      // [M, K] in x's type, ldr apart; nullptr: s = x
-  int64_t ldr;
-  void* residual_out;        // [M, K] in x's type, ldro apart: s, written by one CTA per row
-  int64_t ldro;
-  const void* norm_weight;   // [K] in x's type
-  float eps;
 };
 
 struct Int8Ab {

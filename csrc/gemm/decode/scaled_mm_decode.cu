@@ -217,9 +217,9 @@ int choose_splits(int64_t n, int64_t k, int sms, int* blocks_per_split) {
   return static_cast<int>(splits);
 }
 
-template <class... KArgs>
+template <class P, class... KArgs>
 void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t stream, bool pdl, int64_t m,
-            const DecodeParams& p) {
+            const P& p) {
   C10_CUDA_CHECK(launch_kernel(kernel, grid, block, 0, stream, pdl, m, p));
 }
 
@@ -238,8 +238,8 @@ uint32_t choose_prefetch_bytes(const DeviceInfo& info, int64_t ldw, int blocks_p
   return static_cast<uint32_t>(per_row);
 }
 
-template <class AB, class OutT, class XT, bool kBlockScaled = false>
-void launch_typed(const char* op, int64_t m, DecodeParams& p, cudaStream_t stream, bool pdl) {
+template <class AB, class OutT, class XT, bool kBlockScaled = false, class P>
+void launch_typed(const char* op, int64_t m, const P& p, cudaStream_t stream, bool pdl) {
   const dim3 grid(static_cast<unsigned>(p.n / kRows), static_cast<unsigned>(p.splits));
   if (m <= 8) {
     launch(decode_gemm_kernel<AB, OutT, 1, XT, kBlockScaled>, grid, dim3(kThreads), stream, pdl, m, p);
@@ -250,7 +250,7 @@ void launch_typed(const char* op, int64_t m, DecodeParams& p, cudaStream_t strea
   if (p.splits > 1) {
     const dim3 rgrid(static_cast<unsigned>((p.n + kReduceThreads - 1) / kReduceThreads));
     launch(decode_reduce_kernel<typename AB::Acc, OutT, kBlockScaled>, rgrid, dim3(kReduceThreads), stream, pdl, m,
-           p);
+           static_cast<const DecodeParams&>(p));
     graph_nodes::note_m_param_launch(stream, m, op, kReduceParams);
   }
 }
@@ -277,7 +277,8 @@ DecodeParams common_params(const at::Tensor& act, const at::Tensor& b, const at:
 
 // Fills the M-independent launch fields shared by both ops, allocates the split-K workspace, launches.
 // `xt` is the type of linear_decode's x, or Undefined for scaled_mm_decode. `block`: e4m3 with block scales
-// (scaled_mm_decode only; p.scale_a [M, K/128], p.scale_b [ceil(N/128), K/128]).
+// (scaled_mm_decode only; p.scale_a [M, K/128], p.scale_b [ceil(N/128), K/128]). `norm`: add_rms_norm_linear_decode,
+// whose `p` is the DecodeParams part of a NormDecodeParams (the kernel gets the whole block).
 void run(const char* op, int64_t m, DecodeParams& p, at::ScalarType ab, at::ScalarType out_type,
          at::ScalarType xt, const at::Tensor& like, bool block = false, bool norm = false) {
   const int device = like.device().index();
@@ -307,7 +308,7 @@ void run(const char* op, int64_t m, DecodeParams& p, at::ScalarType ab, at::Scal
     using AB = decltype(ab_tag);
     using OutT = decltype(out_tag);
     if (fused && norm) {
-      launch_typed<AB, OutT, NormX<OutT>>(op, m, p, stream, pdl);
+      launch_typed<AB, OutT, NormX<OutT>>(op, m, static_cast<const NormDecodeParams&>(p), stream, pdl);
     } else if (fused) {
       launch_typed<AB, OutT, OutT>(op, m, p, stream, pdl);
     } else if constexpr (std::is_same_v<AB, Fp8Ab>) {
@@ -346,7 +347,8 @@ void run_add_rms_norm_linear_decode(at::Tensor& out, at::Tensor& residual_out, c
                                     double eps, const at::Tensor& b, const at::Tensor& scale_b,
                                     const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
   const int64_t m = x.size(0);
-  DecodeParams p = common_params(x, b, scale_b, bias, out);
+  NormDecodeParams p{};
+  static_cast<DecodeParams&>(p) = common_params(x, b, scale_b, bias, out);
   p.scale_a = nullptr;  // computed in the kernel (the workspace when K is split)
   p.scale_a_per_token = 1;
   p.residual = residual ? residual->data_ptr() : nullptr;
