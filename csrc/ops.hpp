@@ -65,6 +65,13 @@ at::Tensor linear_decode(const at::Tensor& x, const at::Tensor& b, const at::Ten
                          const std::optional<at::Tensor>& bias, at::ScalarType dtype);
 void linear_decode_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& b, const at::Tensor& scale_b,
                        const std::optional<at::Tensor>& bias, at::ScalarType dtype);
+// The input RMSNorm (residual add, per-token quantization) and the decode GEMM in one kernel: (out, residual_out).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_linear_decode(const at::Tensor& x,
+                                                              const std::optional<at::Tensor>& residual,
+                                                              const at::Tensor& norm_weight, double eps,
+                                                              const at::Tensor& b, const at::Tensor& scale_b,
+                                                              const std::optional<at::Tensor>& bias,
+                                                              at::ScalarType dtype);
 
 // quant/quantize.cu
 std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x, at::ScalarType dtype);

@@ -89,6 +89,7 @@ TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
   m.impl("scaled_mm_decode_out", &cutlass_w8a8::scaled_mm_decode_out);
   m.impl("linear_decode", &cutlass_w8a8::linear_decode);
   m.impl("linear_decode_out", &cutlass_w8a8::linear_decode_out);
+  m.impl("add_rms_norm_linear_decode", &cutlass_w8a8::add_rms_norm_linear_decode);
   m.impl("quantize_per_token", &cutlass_w8a8::quantize_per_token);
   m.impl("quantize_per_tensor", &cutlass_w8a8::quantize_per_tensor);
   m.impl("quantize_per_token_group", &cutlass_w8a8::quantize_per_token_group);

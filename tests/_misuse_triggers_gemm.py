@@ -258,6 +258,49 @@ DEVICE_TRIGGERS.update({
 
 CPU_TRIGGERS["decode-k-too-large"] = _decode_k_too_large
 
+
+def norm_lin(device="cpu", **change):
+    """cw.ops.add_rms_norm_linear_decode on legal arguments: x and residual (4, 64) bf16, norm_weight (64,) bf16, eps
+    1e-6, int8 w (32, 64), sb (32,), bf16 bias."""
+    kw = operands(device)
+    kw = dict(x=torch.zeros(4, 64, dtype=torch.bfloat16, device=device),
+              residual=torch.zeros(4, 64, dtype=torch.bfloat16, device=device),
+              norm_weight=torch.ones(64, dtype=torch.bfloat16, device=device), eps=1e-6, b=kw["b"],
+              scale_b=kw["scale_b"], bias=kw["bias"], dtype=None)
+    kw = _changed(kw, change)
+    return cw.ops.add_rms_norm_linear_decode(kw["x"], kw["residual"], kw["norm_weight"], kw["eps"], kw["b"],
+                                             kw["scale_b"], kw["bias"], kw["dtype"])
+
+
+def _norm_lin_k(d):
+    k = 8208
+    return norm_lin(d, x=torch.zeros(2, k, dtype=torch.bfloat16, device=d), residual=None,
+                    norm_weight=torch.ones(k, dtype=torch.bfloat16, device=d),
+                    b=torch.zeros(32, k, dtype=torch.int8, device=d).t())
+
+
+def _norm_lin_block(d):
+    return norm_lin(d, x=torch.zeros(2, 256, dtype=torch.bfloat16, device=d), residual=None,
+                    norm_weight=torch.ones(256, dtype=torch.bfloat16, device=d),
+                    b=torch.zeros(256, 256, dtype=torch.float8_e4m3fn, device=d).t(),
+                    scale_b=torch.ones(2, 2, device=d), bias=None)
+
+
+DEVICE_TRIGGERS.update({
+    "norm-decode-residual-dtype": lambda d: norm_lin(d, residual=lambda kw: kw["residual"].half()),
+    "norm-decode-norm-weight-dtype": lambda d: norm_lin(d, norm_weight=lambda kw: kw["norm_weight"].float()),
+    "norm-decode-eps": lambda d: norm_lin(d, eps=-1.0),
+    "norm-decode-k-range": _norm_lin_k,
+    "norm-decode-residual-shape": lambda d: norm_lin(d, residual=torch.zeros(3, 64, dtype=torch.bfloat16, device=d)),
+    "norm-decode-norm-weight-shape": lambda d: norm_lin(d, norm_weight=torch.ones(32, dtype=torch.bfloat16,
+                                                                                   device=d)),
+    "norm-decode-block-scales": _norm_lin_block,
+    "norm-decode-residual-pitch": lambda d: norm_lin(d, residual=torch.zeros(4, 68, dtype=torch.bfloat16,
+                                                                             device=d)[:, :64]),
+    "norm-decode-norm-weight-misaligned": lambda d: norm_lin(d, norm_weight=torch.ones(
+        72, dtype=torch.bfloat16, device=d)[4:68]),
+})
+
 CUDA_TRIGGERS.update({
     "op-decode-m-range": lambda: torch.ops.cutlass_w8a8.scaled_mm_decode(
         torch.zeros(17, 64, dtype=torch.int8, device="cuda"), operands("cuda")["b"], torch.ones(1, device="cuda"),

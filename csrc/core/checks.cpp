@@ -1,6 +1,11 @@
 // The CUDA ops' argument checks by operand role (core/checks.hpp).
 #include "core/checks.hpp"
 
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
 namespace cutlass_w8a8 {
 
 std::string py_dtype(at::ScalarType t) {
@@ -19,6 +24,39 @@ std::string py_dtype(at::ScalarType t) {
     case at::kFloat8_e5m2: return "torch.float8_e5m2";
     default: return std::string("torch.") + c10::toString(t);
   }
+}
+
+std::string py_float(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[40];
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*e", digits - 1, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  // buf: [-]d[.ddd]e(+|-)XX
+  std::string s(buf);
+  const bool negative = s[0] == '-';
+  if (negative) s.erase(0, 1);
+  const size_t e = s.find('e');
+  const int exponent = std::atoi(s.c_str() + e + 1);
+  std::string mantissa = s.substr(0, e), digits;
+  for (char c : mantissa) {
+    if (c != '.') digits += c;
+  }
+  std::string out;
+  if (exponent < -4 || exponent >= 16) {
+    out = digits.substr(0, 1) + (digits.size() > 1 ? "." + digits.substr(1) : "");
+    const int a = exponent < 0 ? -exponent : exponent;
+    out += std::string("e") + (exponent < 0 ? "-" : "+") + (a < 10 ? "0" : "") + std::to_string(a);
+  } else if (exponent < 0) {
+    out = "0." + std::string(-exponent - 1, '0') + digits;
+  } else {
+    if (digits.size() < static_cast<size_t>(exponent) + 1) digits.append(exponent + 1 - digits.size(), '0');
+    const std::string whole = digits.substr(0, exponent + 1), frac = digits.substr(exponent + 1);
+    out = whole + "." + (frac.empty() ? "0" : frac);
+  }
+  return negative ? "-" + out : out;
 }
 
 std::string py_tuple(at::IntArrayRef v) {

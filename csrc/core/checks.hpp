@@ -24,6 +24,9 @@ namespace cutlass_w8a8 {
 // How Python prints a dtype ("torch.bfloat16") and a shape or strides ("(4, 64)", "(64,)").
 std::string py_dtype(at::ScalarType t);
 std::string py_tuple(at::IntArrayRef v);
+// How Python prints a float (repr): the shortest digits that read back as v; positional notation for decimal
+// exponents in [-4, 16), with ".0" on whole numbers, else "1e-05" / "1.5e+16"; "nan", "inf", "-inf".
+std::string py_float(double v);
 
 inline bool is_aligned(const void* p, size_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;

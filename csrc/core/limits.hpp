@@ -20,6 +20,9 @@ constexpr int64_t kMaxRowK = int64_t{1} << 31;
 // (32-bit K byte offsets).
 constexpr int64_t kDecodeMaxM = 16;
 constexpr int64_t kDecodeMaxK = int64_t{1} << 30;
+// add_rms_norm_linear_decode: K <= 8192, the rows rms_norm.cu serves with its one-block register kernel (256
+// threads, at most 4 vectors of 8 each): the order of its sum of squares, which the fused decode GEMM repeats.
+constexpr int64_t kNormDecodeMaxK = 8192;
 // Block-scaled fp8 (DeepSeek-V3 / compressed-tensors FP8_BLOCK): activations in 1 x kBlockSize groups along K,
 // weights in kBlockSize x kBlockSize blocks; scaled_mm's K must then be a multiple of it (and N any multiple of
 // kGemmAlign: the last weight block may be partial). The sm90 blockwise kernels' TileK and scale granularity.

@@ -47,6 +47,7 @@
 #include "ops.hpp"
 #include "quant/rowwise_args.hpp"
 #include "quant/rowwise_launch.hpp"
+#include "quant/rms_norm_row.cuh"
 #include "quant/rowwise_reduce.cuh"
 
 namespace cutlass_w8a8 {
@@ -64,37 +65,7 @@ struct RmsNormParams : RowwiseIO<T, OutT> {
   float eps;
 };
 
-// s = x, or residual = s = T(x + residual); returns sum of float(s)^2 over the vector.
-template <class T, int N>
-__device__ __forceinline__ float add_residual(Vec<T, N>& s, T* residual_vec_ptr) {
-  if (residual_vec_ptr != nullptr) {
-    auto* rp = reinterpret_cast<Vec<T, N>*>(residual_vec_ptr);
-    const Vec<T, N> r = *rp;
-#pragma unroll
-    for (int j = 0; j < N; ++j) s.v[j] = from_float<T>(to_float(s.v[j]) + to_float(r.v[j]));
-    *rp = s;
-  }
-  float ss = 0.f;
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const float f = to_float(s.v[j]);
-    ss += __fmul_rn(f, f);  // the square rounded on its own (as torch's pow), not fused into the sum
-  }
-  return ss;
-}
-
-template <class T, int N>
-__device__ __forceinline__ Vec<T, N> normalize(const Vec<T, N>& s, const Vec<T, N>& w, float inv_rms) {
-  Vec<T, N> y;
-#pragma unroll
-  for (int j = 0; j < N; ++j) y.v[j] = from_float<T>(__fmul_rn(__fmul_rn(to_float(s.v[j]), inv_rms), to_float(w.v[j])));
-  return y;
-}
-
-__device__ __forceinline__ float inverse_rms(float sum_sq, int k, float eps) {
-  // F.rms_norm: rsqrt(mean(s^2) + eps), the mean as sum / K; IEEE division and square root.
-  return 1.f / sqrtf(sum_sq / static_cast<float>(k) + eps);
-}
+// add_residual, normalize, inverse_rms: quant/rms_norm_row.cuh (shared with the decode GEMM's fused norm).
 
 // y = rms_norm(s) * weight of a row (s = x, or the updated residual), for RowwiseOp (quant/rowwise_reduce.cuh,
 // launched by launch_rowwise_op).
@@ -151,40 +122,7 @@ struct RmsNormRow {
 
 // --- host side ---------------------------------------------------------------------------------------
 
-// How Python prints a float (repr): the shortest digits that read back as v; positional notation for decimal
-// exponents in [-4, 16), with ".0" on whole numbers, else "1e-05" / "1.5e+16"; "nan", "inf", "-inf".
-std::string py_float(double v) {
-  if (std::isnan(v)) return "nan";
-  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
-  char buf[40];
-  for (int digits = 1; digits <= 17; ++digits) {
-    std::snprintf(buf, sizeof(buf), "%.*e", digits - 1, v);
-    if (std::strtod(buf, nullptr) == v) break;
-  }
-  // buf: [-]d[.ddd]e(+|-)XX
-  std::string s(buf);
-  const bool negative = s[0] == '-';
-  if (negative) s.erase(0, 1);
-  const size_t e = s.find('e');
-  const int exponent = std::atoi(s.c_str() + e + 1);
-  std::string mantissa = s.substr(0, e), digits;
-  for (char c : mantissa) {
-    if (c != '.') digits += c;
-  }
-  std::string out;
-  if (exponent < -4 || exponent >= 16) {
-    out = digits.substr(0, 1) + (digits.size() > 1 ? "." + digits.substr(1) : "");
-    const int a = exponent < 0 ? -exponent : exponent;
-    out += std::string("e") + (exponent < 0 ? "-" : "+") + (a < 10 ? "0" : "") + std::to_string(a);
-  } else if (exponent < 0) {
-    out = "0." + std::string(-exponent - 1, '0') + digits;
-  } else {
-    if (digits.size() < static_cast<size_t>(exponent) + 1) digits.append(exponent + 1 - digits.size(), '0');
-    const std::string whole = digits.substr(0, exponent + 1), frac = digits.substr(exponent + 1);
-    out = whole + "." + (frac.empty() ? "0" : frac);
-  }
-  return negative ? "-" + out : out;
-}
+// py_float (how Python prints eps): core/checks.
 
 // ops/_checks.py check_rms_norm: x, then weight, eps and the optional residual (which must be writable as [M, K] rows).
 void check_rms_norm(const char* op, const at::Tensor& x, const at::Tensor& weight, double eps,

@@ -178,6 +178,38 @@ __device__ __forceinline__ float block_sum(float v) {
   return block_reduce<kThreads>(v, SumOp{});
 }
 
+// block_sum of `rows` values at once (v[r] a thread's partial sum of row r, r < rows <= R), with block_sum's float
+// operations in block_sum's order for each row (a butterfly over the lanes, the warps' values through shared
+// memory, a butterfly over them in warp 0 with zeros past the last warp): out[r] (shared memory, R floats) is what
+// block_sum<kThreads>(v[r]) returns, for two synchronisations in all instead of two per row. `warp_value`: shared
+// memory of kThreads / 32 rows of kPitch >= R floats. Every thread must call it; out is valid after it returns.
+template <int kThreads, int R, int kPitch>
+__device__ __forceinline__ void block_sum_rows(const float (&v)[R], int rows, float (*warp_value)[kPitch],
+                                               float* out) {
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024 && R <= kPitch, "block size, rows");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    if (r >= rows) break;
+    float x = v[r];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x = x + __shfl_xor_sync(0xffffffffu, x, off);
+    if (lane == 0) warp_value[warp][r] = x;
+  }
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r >= rows) break;
+      float x = lane < kThreads / 32 ? warp_value[lane][r] : 0.f;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) x = x + __shfl_xor_sync(0xffffffffu, x, off);
+      if (lane == 0) out[r] = x;
+    }
+  }
+  __syncthreads();
+}
+
 // --- cluster-wide reductions (sm90) -------------------------------------------------------------------
 //
 // A row too long for one block to finish quickly at small M (decode) is split over a cluster of C blocks

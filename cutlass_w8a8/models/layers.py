@@ -9,6 +9,7 @@ allow). Layout, fusions and numerics: `cutlass_w8a8.models.llama`'s docstring.
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -16,10 +17,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..linear import QuantizedActivation, W8A8Linear
+from ..ops._limits import DECODE_MAX_M, NORM_DECODE_MAX_K
 from .config import LlamaConfig
 from .moe import SparseMoeBlock
 
-__all__ = ["StepContext", "RMSNorm", "LlamaAttention", "LlamaMLP", "LlamaDecoderLayer"]
+__all__ = ["StepContext", "RMSNorm", "LlamaAttention", "LlamaMLP", "LlamaDecoderLayer", "fused_norm_qkv"]
+
+
+FUSED_NORM_QKV_ENV = "CUTLASS_W8A8_FUSED_NORM_QKV"
+_fused_norm_qkv: Optional[bool] = None
+
+
+def fused_norm_qkv(reread: bool = False) -> bool:
+    """Whether `LlamaDecoderLayer`'s Python path runs its input norm and ``qkv_proj`` as one
+    `cutlass_w8a8.ops.add_rms_norm_linear_decode` kernel where it can: the switch ``CUTLASS_W8A8_FUSED_NORM_QKV``,
+    read from the environment once per process (``reread=True`` reads it again: tests). Unset or ``0``: off (the
+    default until it is measured on a GPU); ``1``: on. Any other value raises ValueError naming the variable. Both
+    give the same results bit for bit (the op equals rms_norm_quant followed by the decode GEMM)."""
+    global _fused_norm_qkv
+    if _fused_norm_qkv is None or reread:
+        value = os.environ.get(FUSED_NORM_QKV_ENV, "0")
+        if value not in ("", "0", "1"):
+            raise ValueError(f"{FUSED_NORM_QKV_ENV} must be 0 or 1, got {value!r}")
+        _fused_norm_qkv = value == "1"
+    return _fused_norm_qkv
 
 
 class StepContext(NamedTuple):
@@ -159,9 +180,14 @@ class LlamaAttention(nn.Module):
         return None, None, -1.0
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        b = x.shape[0]
+        return self.attend(self.qkv_proj(x), ctx)
+
+    def attend(self, qkv: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The layer after ``qkv_proj``: ``qkv`` ``(B, (H + 2 KVH) * D)`` is its output (`LlamaDecoderLayer` computes
+        it together with the input norm where it can, `fused_norm_qkv`); written in place (rotary)."""
+        b = qkv.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(b, h + 2 * kvh, d)
+        qkv = qkv.view(b, h + 2 * kvh, d)
         q_w, k_w, eps = self._fused_head_norms(qkv.dtype)
         if self.q_norm is not None and q_w is None:
             self._norm_heads_(qkv)
@@ -216,6 +242,7 @@ class LlamaMLP(nn.Module):
 
 
 _decode_layer = torch.ops.cutlass_w8a8.decode_layer.default
+_add_rms_norm_linear_decode = torch.ops.cutlass_w8a8.add_rms_norm_linear_decode.default
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -293,6 +320,31 @@ class LlamaDecoderLayer(nn.Module):
         out.append(kv_cache)
         return out
 
+    def _norm_qkv_operands(self, h: torch.Tensor) -> Optional[tuple]:
+        """add_rms_norm_linear_decode's operands after ``residual`` (norm weight, eps, qkv weight.t(), weight scale,
+        bias, quantized dtype), or None for the unfused path: the switch on (`fused_norm_qkv`), our `RMSNorm` and
+        `LlamaAttention`, a `W8A8Linear` ``qkv_proj`` with dynamic per-token activations (no input_scale, no weight
+        blocks) whose output dtype is ``h``'s, ``h`` (B, K) bfloat16 / float16 with B <= 16 and K <= 8192."""
+        if not fused_norm_qkv():
+            return None
+        dtype = h.dtype
+        if (dtype is not torch.bfloat16 and dtype is not torch.float16) or h.dim() != 2:
+            return None
+        if not 1 <= h.shape[0] <= DECODE_MAX_M or h.shape[1] > NORM_DECODE_MAX_K:
+            return None
+        mods = self._modules
+        norm, attn = mods["input_layernorm"], mods["self_attn"]
+        if type(norm) is not RMSNorm or type(attn) is not LlamaAttention:
+            return None
+        lin = attn._modules["qkv_proj"]
+        if type(lin) is not W8A8Linear or lin.dtype != dtype or lin.weight_block_size is not None:
+            return None
+        b = lin._buffers
+        w = norm._parameters["weight"]
+        if b["input_scale"] is not None or w.dtype != dtype:
+            return None
+        return w, norm.eps, b["weight"].t(), b["weight_scale"], b["bias"], b["weight"].dtype
+
     def forward(self, h: torch.Tensor, ctx: StepContext,
                 residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         operands = self._layer_op_operands(h)
@@ -302,13 +354,20 @@ class LlamaDecoderLayer(nn.Module):
             out = _decode_layer(None if residual is None else h, stream, *operands, ctx.rope, ctx.slots,
                                 ctx.positions, attn.num_heads, attn.num_kv_heads, 1.0 / math.sqrt(attn.head_dim))
             return out, stream
-        qkv_proj = self.self_attn.qkv_proj
-        if residual is None:
-            residual = h
-            x = self.input_layernorm(h, quant_for=qkv_proj)
+        fused = self._norm_qkv_operands(h)
+        if fused is not None:
+            # the input norm (with the residual add and the quantization) and qkv_proj in one kernel; the stream goes
+            # on as its residual_out, a new tensor (the caller's residual, or h at the first layer, is not written)
+            qkv, residual = _add_rms_norm_linear_decode(h, residual, *fused)
+            h = self._modules["self_attn"].attend(qkv, ctx)
         else:
-            x = self.input_layernorm(h, residual, quant_for=qkv_proj)  # residual += h, then the norm
-        h = self.self_attn(x, ctx)
+            qkv_proj = self.self_attn.qkv_proj
+            if residual is None:
+                residual = h
+                x = self.input_layernorm(h, quant_for=qkv_proj)
+            else:
+                x = self.input_layernorm(h, residual, quant_for=qkv_proj)  # residual += h, then the norm
+            h = self.self_attn(x, ctx)
         mlp = self.mlp
         # the MoE block quantizes inside its experts (per routed pair): it gets the float output
         x = self.post_attention_layernorm(h, residual, quant_for=getattr(mlp, "gate_up_proj", None))

@@ -14,16 +14,18 @@ import math
 import torch
 
 from ._limits import (AB_DTYPES, ATTN_DTYPES, ATTN_HEAD_DIM_MULTIPLE, ATTN_MAX_HEAD_DIM, ATTN_MAX_HEADS,
-                      ATTN_MAX_SEQ, BLOCK_SIZE, DECODE_MAX_K, DECODE_X_DTYPES, GEMM_ALIGN, MAX_M, OUT_DTYPES)
+                      ATTN_MAX_SEQ, BLOCK_SIZE, DECODE_MAX_K, DECODE_X_DTYPES, GEMM_ALIGN, MAX_M, NORM_DECODE_MAX_K,
+                      OUT_DTYPES)
 from ._limits import MOE_MAX_EXPERTS
-from ._roles import (aligned16, bias_vector, block_scaled, block_scales, block_weight_scaled, contiguous, cxx_dtype,
+from ._roles import (aligned16, bias_vector, block_scale_shaped, block_scaled, block_scales, block_weight_scaled, contiguous, cxx_dtype,
                      exact_shape,
                      cxx_list, grouped_block_scaled, decode_m, eight_bit, float32_scale,
                      float_input, gemm_shapes, gemm_size, int8_k_bound, out_matrix, output_dtype, per_channel_scale,
                      limit_text, quant_dtype, row_input, row_major, same_device, static_scale, tensor_arg,
                      weight_columns, fail_type, fail_value, flat_row_stride, expert_weights)
 
-__all__ = ["check_scaled_mm", "check_scaled_mm_decode", "check_grouped_scaled_mm", "check_linear_decode", "check_w8a8_linear",
+__all__ = ["check_scaled_mm", "check_scaled_mm_decode", "check_grouped_scaled_mm", "check_linear_decode",
+           "check_add_rms_norm_linear_decode", "check_w8a8_linear",
            "check_quantize", "check_quantize_group", "check_rms_norm", "check_rms_norm_quant", "check_silu_mul",
            "check_silu_mul_quant",
            "check_decode_attention", "check_decode_attention_quant", "check_rope_kv_cache", "check_decode_layer",
@@ -200,6 +202,61 @@ def check_linear_decode(op: str, x, b, scale_b, bias, dtype, out=None) -> None:
     aligned16(op, "x", x)
     if out is not None:
         out_matrix(op, out, m, n)
+
+
+def check_add_rms_norm_linear_decode(x, residual, norm_weight, eps, b, scale_b, bias, dtype) -> None:
+    """add_rms_norm_linear_decode: x (M, K) bfloat16 / float16 and residual (M, K) or None added, RMS-normalized
+    with norm_weight (K,) and eps, quantized per token to `dtype`, then linear_decode's GEMM; K <= 8192."""
+    op = "add_rms_norm_linear_decode"
+    for name, t in (("x", x), ("norm_weight", norm_weight), ("b", b), ("scale_b", scale_b)):
+        tensor_arg(op, name, t)
+    tensor_arg(op, "residual", residual, optional=True)
+    tensor_arg(op, "bias", bias, optional=True)
+    # dtypes
+    float_input(op, "x", x, DECODE_X_DTYPES)
+    for name, t in (("residual", residual), ("norm_weight", norm_weight)):
+        if t is not None and t.dtype != x.dtype:
+            fail_type(op, name, f"must have x's dtype {x.dtype}, got {t.dtype}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        fail_type(op, "eps", f"must be a float, got {type(eps).__name__}")
+    quant_dtype(op, dtype)
+    if b.dtype != dtype:
+        fail_type(op, "b", f"must have the quantized dtype {dtype}, got {b.dtype}")
+    float32_scale(op, "scale_b", scale_b)
+    if bias is not None and bias.dtype != x.dtype:
+        fail_type(op, "bias", f"must have x's dtype {x.dtype}, got {bias.dtype}")
+    same_device(op, "x", x, [("residual", residual), ("norm_weight", norm_weight), ("b", b), ("scale_b", scale_b),
+                             ("bias", bias)])
+    # values and shapes
+    if not 0.0 <= eps < float("inf"):
+        fail_value(op, "eps", f"must be a finite number >= 0, got {eps}")
+    m, k, n = gemm_shapes(op, "x", x, b)
+    decode_m(op, "x", m)
+    gemm_size(op, "x", "K = x.shape[1]", k)
+    gemm_size(op, "b", "N = b.shape[1]", n)
+    int8_k_bound(op, "x", b.dtype, k)
+    if k > NORM_DECODE_MAX_K:
+        fail_value(op, "x", f"K = x.shape[1] must be at most {NORM_DECODE_MAX_K} (the rows rms_norm_quant "
+                   f"normalizes in one block), got {k}")
+    if residual is not None and tuple(residual.shape) != tuple(x.shape):
+        fail_value(op, "residual", f"must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if tuple(norm_weight.shape) != (k,):
+        fail_value(op, "norm_weight", f"must be [K] with K = {k}, got shape {tuple(norm_weight.shape)}")
+    if block_scale_shaped(n, k, scale_b):
+        fail_value(op, "scale_b", f"block scales {tuple(scale_b.shape)} are not supported (the fused norm quantizes "
+                   "per token): use rms_norm_quant(group_size=128) and scaled_mm")
+    per_channel_scale(op, "scale_b", scale_b, n)
+    bias_vector(op, bias, n)
+    # layouts: b as scaled_mm's; x, residual and norm_weight read with 16-byte loads
+    weight_columns(op, b, k)
+    aligned16(op, "b", b)
+    row_major(op, "x", x, m, k, "K", 8)
+    aligned16(op, "x", x)
+    if residual is not None:
+        row_major(op, "residual", residual, m, k, "K", 8)
+        aligned16(op, "residual", residual)
+    contiguous(op, "norm_weight", norm_weight)
+    aligned16(op, "norm_weight", norm_weight)
 
 
 def check_w8a8_linear(x, weight, weight_scale, input_scale, bias, out_dtype) -> None:

@@ -81,6 +81,12 @@ def _linear_decode_out(out, x, b, scale_b, bias, dtype):
     C.check_linear_decode("linear_decode", x, b, scale_b, bias, dtype, out)
 
 
+@_fake("add_rms_norm_linear_decode")
+def _add_rms_norm_linear_decode(x, residual, norm_weight, eps, b, scale_b, bias, dtype):
+    C.check_add_rms_norm_linear_decode(x, residual, norm_weight, eps, b, scale_b, bias, dtype)
+    return x.new_empty((x.shape[0], b.shape[1])), x.new_empty(x.shape)
+
+
 @_fake("quantize_per_token")
 def _quantize_per_token(x, dtype):
     C.check_quantize("quantize_per_token", x, dtype)

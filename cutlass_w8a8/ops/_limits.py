@@ -22,6 +22,9 @@ MAX_ROW_K = 2**31
 # (32-bit K byte offsets).
 DECODE_MAX_M = 16
 DECODE_MAX_K = 2**30
+# add_rms_norm_linear_decode: K <= 8192, the rows rms_norm's one-block register kernel serves (256 threads, at most
+# 4 vectors of 8 each): the order of its sum of squares, which the fused decode GEMM repeats.
+NORM_DECODE_MAX_K = 8192
 # decode_attention: head dim D a multiple of 8 in [8, 256]; S (cache positions) below 2**30 (the kernels' int
 # position arithmetic, csrc/core/limits.hpp); H at most
 # 65535 (query heads are gridDim.y).

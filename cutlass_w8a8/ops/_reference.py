@@ -196,6 +196,23 @@ _linear_decode, _linear_decode_out = _same_args_pair("linear_decode", C.check_li
                                                      _linear_decode_reference)
 
 
+
+def _add_rms_norm_linear_decode(x, residual, norm_weight, eps, b, scale_b, bias, dtype):
+    """The CPU chain the fused op replaces, op for op: rms_norm_quant(x, norm_weight, eps, dtype, None, r) on a copy r
+    of the residual (which it updates in place to s = residual + x: residual_out), then scaled_mm_decode's reference
+    with the per-token scales. Without a residual, s = x and residual_out is a copy of x."""
+    C.check_add_rms_norm_linear_decode(x, residual, norm_weight, eps, b, scale_b, bias, dtype)
+    stream = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        stream.copy_(x)
+        y = _rms_norm_reference(x, norm_weight, eps, None)
+    else:
+        stream.copy_(residual)
+        y = _rms_norm_reference(x, norm_weight, eps, stream)  # stream += x in x's dtype
+    q, scale = _quantize_fused(y, dtype, None)
+    return scaled_mm_reference(q, b, scale, scale_b, x.dtype, bias), stream
+
+
 # ---- quantization -------------------------------------------------------------------------------------------
 
 
@@ -579,7 +596,8 @@ for _name, _fn in (
         ("scaled_mm", _scaled_mm), ("scaled_mm_out", _scaled_mm_out), ("_scaled_mm_config", _scaled_mm_config),
         ("w8a8_linear", _w8a8_linear), ("scaled_mm_decode", _scaled_mm_decode),
         ("scaled_mm_decode_out", _scaled_mm_decode_out), ("linear_decode", _linear_decode),
-        ("linear_decode_out", _linear_decode_out), ("quantize_per_token", _quantize_per_token),
+        ("linear_decode_out", _linear_decode_out), ("add_rms_norm_linear_decode", _add_rms_norm_linear_decode),
+        ("quantize_per_token", _quantize_per_token),
         ("quantize_per_token_group", _quantize_per_token_group),
         ("quantize_per_tensor", _quantize_per_tensor), ("rms_norm", _rms_norm),
         ("fused_add_rms_norm", _fused_add_rms_norm), ("rms_norm_quant", _rms_norm_quant), ("silu_mul", _silu_mul),

@@ -47,6 +47,10 @@ Ops:
 - ``scaled_mm_decode_out(out, a, b, scale_a, scale_b, bias=None) -> ()``
 - ``linear_decode(x, b, scale_b, bias, dtype) -> Tensor``: per-token quantization of x and the GEMM, one kernel
 - ``linear_decode_out(out, x, b, scale_b, bias, dtype) -> ()``
+- ``add_rms_norm_linear_decode(x, residual, norm_weight, eps, b, scale_b, bias, dtype) -> (out, residual_out)``:
+  a decoder layer's input norm and its qkv GEMM at M <= 16, K <= 8192, one kernel: ``s = residual + x`` (``x``
+  without a residual), ``residual_out = s`` (a new tensor: ``residual`` is not written), then ``rms_norm_quant(s)``
+  per token and ``linear_decode``'s GEMM (no out= variant: the decoder uses the functional form)
 - ``moe_topk_softmax(router_logits, top_k, renormalize) -> (topk_weights, topk_ids)``: the router's softmax over
   the E experts in float32 and its top_k largest (ties: lower expert first), optionally renormalized
 - ``moe_route(router_logits, top_k, scoring="softmax", correction_bias=None, n_group=1, topk_group=1,
@@ -153,6 +157,8 @@ _define("scaled_mm_decode_out(Tensor(a!) out, Tensor a, Tensor b, Tensor scale_a
 _define("linear_decode(Tensor x, Tensor b, Tensor scale_b, Tensor? bias, ScalarType dtype) -> Tensor")
 _define("linear_decode_out(Tensor(a!) out, Tensor x, Tensor b, Tensor scale_b, Tensor? bias, "
         "ScalarType dtype) -> ()")
+_define("add_rms_norm_linear_decode(Tensor x, Tensor? residual, Tensor norm_weight, float eps, Tensor b, "
+        "Tensor scale_b, Tensor? bias, ScalarType dtype) -> (Tensor, Tensor)")
 _define("quantize_per_token(Tensor x, ScalarType dtype) -> (Tensor, Tensor)")
 _define("quantize_per_tensor(Tensor x, Tensor scale, ScalarType dtype) -> Tensor")
 # Block-scaled fp8 activations: one scale per 1 x group_size group along K (csrc/quant/)

@@ -1,4 +1,5 @@
-"""The GEMM ops' public wrappers: `scaled_mm`, `scaled_mm_decode`, `linear_decode`, and `supports_fp8`.
+"""The GEMM ops' public wrappers: `scaled_mm`, `scaled_mm_decode`, `linear_decode`, `add_rms_norm_linear_decode`,
+and `supports_fp8`.
 
 Each wrapper calls its op once and returns; the op checks its arguments (C++ on CUDA, `_checks.py` on the CPU
 and in the fake kernels) and raises errors that name the argument (docs/MISUSE.md). The one check a wrapper makes
@@ -16,7 +17,7 @@ from ._checks import check_fp8_fast_accum
 from ._limits import FP8_FAST_ACCUM
 from ._schema import OVERLOADS as _op
 
-__all__ = ["scaled_mm", "scaled_mm_decode", "linear_decode", "supports_fp8"]
+__all__ = ["scaled_mm", "scaled_mm_decode", "linear_decode", "add_rms_norm_linear_decode", "supports_fp8"]
 
 
 def scaled_mm(
@@ -279,6 +280,58 @@ def linear_decode(
         return _op.linear_decode(x, b, scale_b, bias, dtype)
     _op.linear_decode_out(out, x, b, scale_b, bias, dtype)
     return out
+
+
+def add_rms_norm_linear_decode(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    norm_weight: torch.Tensor,
+    eps: float,
+    b: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's residual add, input RMSNorm and W8A8 projection for M <= 16 in one kernel.
+
+    ``s = residual + x`` (rounded to x's dtype; ``s = x`` without a residual), ``residual_out = s``, and
+    ``out = linear_decode(rms_norm(s) * norm_weight)`` with the per-token quantization of the normalized rows.
+    Equal bit for bit to ``q, scale = rms_norm_quant(x, norm_weight, eps, dtype, None, r)`` on a copy ``r`` of
+    ``residual`` (which it turns into ``residual_out``), then ``scaled_mm_decode(q, b, scale, scale_b, x.dtype,
+    bias)``: every thread block computes each row's sum of squares in rms_norm_quant's order (K <= 8192: its
+    one-block kernel), y, the scale and the quantized values as that op does, then runs :func:`linear_decode`'s
+    main loop and epilogue. ``residual`` is read, never written: the thread block that owns a row writes ``s`` to
+    the new ``residual_out`` (the other blocks still read ``residual``).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(M, K)`` with ``1 <= M <= 16`` and ``K <= 8192``, bfloat16 or float16, row-major, ``stride(0)`` a
+        multiple of 8 elements when M > 1, 16-byte aligned. The outputs have ``x``'s dtype.
+    residual : torch.Tensor or None
+        ``(M, K)`` in ``x``'s dtype with ``x``'s layout rules, or None (the first layer: the stream is ``x``, and
+        ``residual_out`` is a copy of it).
+    norm_weight : torch.Tensor
+        ``(K,)`` in ``x``'s dtype, contiguous, 16-byte aligned.
+    eps : float
+        RMSNorm's epsilon, finite and ``>= 0``.
+    b, scale_b, bias, dtype
+        As :func:`linear_decode` (per-tensor or per-channel ``scale_b``; block scales are refused).
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        ``out`` ``(M, N)`` and ``residual_out`` ``(M, K)`` (contiguous), both in ``x``'s dtype.
+
+    Raises
+    ------
+    TypeError, ValueError, NotImplementedError
+        As :func:`linear_decode`, naming the argument; also K above 8192, a ``residual`` / ``norm_weight`` of
+        another dtype, shape or layout, a bad ``eps``, and block-scaled ``scale_b``.
+    """
+    if dtype is None:
+        dtype = getattr(b, "dtype", None)  # a non-tensor `b` gets the op's own error
+    return _op.add_rms_norm_linear_decode(x, residual, norm_weight, eps, b, scale_b, bias, dtype)
 
 
 def supports_fp8(device=None) -> bool:

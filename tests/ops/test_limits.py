@@ -22,6 +22,7 @@ PAIRS = {
     "kMaxRowK": "MAX_ROW_K",
     "kDecodeMaxM": "DECODE_MAX_M",
     "kDecodeMaxK": "DECODE_MAX_K",
+    "kNormDecodeMaxK": "NORM_DECODE_MAX_K",
     "kAttnMaxHeadDim": "ATTN_MAX_HEAD_DIM",
     "kAttnHeadDimMultiple": "ATTN_HEAD_DIM_MULTIPLE",
     "kAttnMaxHeads": "ATTN_MAX_HEADS",

@@ -41,6 +41,16 @@
 // for bit. The absmax pass and the quantization are repeated by every CTA (M x K x 2 bytes read from L2 and
 // M x K divisions per CTA), which is why it only pays at small M: csrc/gemm/decode/README.md, "Crossover".
 //
+// add_rms_norm_linear_decode (fused residual add + RMSNorm + quantization; XT = NormX<T>): as linear_decode, with
+// A = quantize_per_token(y), y = rms_norm(s) * norm_weight, s = T(x + residual) (or x), computed by every CTA as
+// rms_norm.cu's register kernel computes it for K <= 8192 (one block of 256 threads per row, thread i summing the
+// squares of vectors i, i + 256, ... of its row in that order, then block_sum): norm_row_scales runs the same
+// float operations in the same order for every row at once (the shared arithmetic: quant/rms_norm_row.cuh; the
+// reduction: block_sum_rows), so inv_rms, y, the scale and the quantized values equal rms_norm_quant's bit for bit.
+// Passes per CTA: s and its sums of squares (the CTA that owns a row, CTA index r mod the grid's CTAs, also
+// writes s to residual_out: out of place, since the other CTAs still read residual), then y's absmax, then per
+// chunk y again, quantized into shared memory. x, residual and norm_weight are read from L2 three times per CTA.
+//
 // PDL: the kernels wait on griddepcontrol before their first access to memory another kernel writes (the main
 // kernel first asks L2 to prefetch the start of its weight rows: weights are nobody's output) and signal
 // launch_dependents once their loads are done; the host launches the main kernel with programmatic stream
@@ -55,6 +65,7 @@
 #include <type_traits>
 
 #include "gemm/decode/decode_mma.cuh"  // DecodeParams, shape constants, loads, MMAs, epilogue, block scales
+#include "quant/rms_norm_row.cuh"      // add_vec, sum_squares, normalize, inverse_rms (rms_norm.cu's arithmetic)
 #include "quant/rowwise_reduce.cuh"     // to_float, quantize_one, allow_dependent_launch, wait_for_producers
 
 namespace cutlass_w8a8 {
@@ -152,17 +163,184 @@ __device__ __forceinline__ void quantize_chunk(const XT* x, int64_t ldx, int m, 
   }
 }
 
+// --- add_rms_norm_linear_decode: the fused residual add and RMSNorm ---------------------------------------------
+
+// The XT of decode_gemm_kernel for add_rms_norm_linear_decode: x (and the output) of type T, normalized in the kernel.
+template <class T>
+struct NormX {
+  using type = T;
+};
+
+// add_rms_norm_linear_decode's parameter block: the GEMM's (a = x), then the fused norm's operands. (A type of its
+// own rather than more DecodeParams fields: a larger DecodeParams changed ptxas's register allocation of the other
+// decode kernels.)
+struct NormDecodeParams : DecodeParams {
+  const void* residual;     // [M, K] in x's type, ldr apart; nullptr: s = x
+  int64_t ldr;
+  void* residual_out;       // [M, K] in x's type, ldro apart: s, written by one CTA per row
+  int64_t ldro;
+  const void* norm_weight;  // [K] in x's type
+  float eps;
+};
+
+template <class XT>
+struct NormOf : std::false_type {
+  using elem = XT;  // the element type of `a` (void: 8-bit, read as bytes)
+  using params = DecodeParams;
+};
+template <class T>
+struct NormOf<NormX<T>> : std::true_type {
+  using elem = T;
+  using params = NormDecodeParams;
+};
+
+// Phase 1 of the fused norm: for the rows r < m, s = T(x + residual) (or x), inv_rms into s_inv[r] exactly as
+// rms_norm.cu computes it for this row (thread i: vectors i, i + kThreads, ... in order, then block_sum's order),
+// the absmax of y = normalize(s, w, inv_rms) over the row, and s_scale[r] = absmax / QMAX (0 for r >= m). The CTA
+// owning row r (CTA index r mod the number of CTAs) writes s to residual_out. All threads call it; it synchronizes.
+template <class T, class Q, int NT>
+__device__ __forceinline__ void norm_row_scales(const NormDecodeParams& p, int m, float (&s_amax)[kWarps][kMaxTokens],
+                                                float* s_inv, float* s_scale) {
+  constexpr int kTokens = 8 * NT;
+  constexpr int kGroup = 2;  // rows at a time: x and residual loads in flight per thread
+  constexpr int N = 16 / sizeof(T);
+  using V = Vec<T, N>;
+  const T* x = static_cast<const T*>(p.a);
+  const T* res = static_cast<const T*>(p.residual);
+  T* rout = static_cast<T*>(p.residual_out);
+  const V* wv = static_cast<const V*>(p.norm_weight);
+  const int nvec = p.k / N;
+  const unsigned cta = blockIdx.x + blockIdx.y * gridDim.x, nctas = gridDim.x * gridDim.y;
+
+  // s, its sums of squares, residual_out
+  float ss[kTokens];
+#pragma unroll
+  for (int r = 0; r < kTokens; ++r) ss[r] = 0.f;
+#pragma unroll
+  for (int r0 = 0; r0 < kTokens; r0 += kGroup) {
+    if (r0 >= m) break;
+    for (int v = threadIdx.x; v < nvec; v += kThreads) {
+      V s[kGroup], r[kGroup];
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) {
+        if (r0 + i < m) {
+          s[i] = reinterpret_cast<const V*>(x + (r0 + i) * p.lda)[v];
+          if (res != nullptr) r[i] = reinterpret_cast<const V*>(res + (r0 + i) * p.ldr)[v];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) {
+        if (r0 + i < m) {
+          if (res != nullptr) add_vec<T, N>(s[i], r[i]);
+          ss[r0 + i] += sum_squares<T, N>(s[i]);
+          if (cta == static_cast<unsigned>(r0 + i) % nctas) reinterpret_cast<V*>(rout + (r0 + i) * p.ldro)[v] = s[i];
+        }
+      }
+    }
+  }
+  block_sum_rows<kThreads>(ss, m, s_amax, s_inv);
+  if (threadIdx.x < m) s_inv[threadIdx.x] = inverse_rms(s_inv[threadIdx.x], p.k, p.eps);
+  __syncthreads();
+
+  // max |y| per row
+  float amax[kTokens];
+#pragma unroll
+  for (int r = 0; r < kTokens; ++r) amax[r] = 0.f;
+#pragma unroll
+  for (int r0 = 0; r0 < kTokens; r0 += kGroup) {
+    if (r0 >= m) break;
+    for (int v = threadIdx.x; v < nvec; v += kThreads) {
+      V s[kGroup], r[kGroup];
+      const V w = wv[v];
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) {
+        if (r0 + i < m) {
+          s[i] = reinterpret_cast<const V*>(x + (r0 + i) * p.lda)[v];
+          if (res != nullptr) r[i] = reinterpret_cast<const V*>(res + (r0 + i) * p.ldr)[v];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) {
+        if (r0 + i < m) {
+          if (res != nullptr) add_vec<T, N>(s[i], r[i]);
+          amax[r0 + i] = vec_amax(amax[r0 + i], normalize<T, N>(s[i], w, s_inv[r0 + i]));
+        }
+      }
+    }
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < kTokens; ++r) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], off));
+    if (lane == 0) s_amax[warp][r] = amax[r];
+  }
+  __syncthreads();
+  if (threadIdx.x < kTokens) {
+    float a = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) a = fmaxf(a, s_amax[w][threadIdx.x]);
+    s_scale[threadIdx.x] = a / Q::kMax;
+  }
+  __syncthreads();
+}
+
+// Phase 2 of the fused norm (per chunk), as quantize_chunk: q_s[r][0 .. c1 - c0) = quantize(y[r, c0 .. c1)) for
+// r < m, y recomputed from x, residual and norm_weight with the row's s_inv, quantized with its s_scale. Rows go
+// 2 at a time (x and residual of each, and the weights: 5 loads in flight), within 128 registers.
+template <class T, class Q, int NT>
+__device__ __forceinline__ void norm_quantize_chunk(const NormDecodeParams& p, int m, int c0, int c1, const float* s_inv,
+                                                    const float* s_scale, uint8_t* q_s) {
+  constexpr int kTokens = 8 * NT;
+  constexpr int kGroup = 2;
+  constexpr int N = 16 / sizeof(T);
+  static_assert(N == 8, "a thread's 8 columns are one 16-byte vector");
+  using V = Vec<T, N>;
+  const int col = threadIdx.x * 8;
+  if (c0 + col >= c1) return;
+  const T* x = static_cast<const T*>(p.a);
+  const T* res = static_cast<const T*>(p.residual);
+  const V w = *reinterpret_cast<const V*>(static_cast<const T*>(p.norm_weight) + c0 + col);
+#pragma unroll 1
+  for (int r0 = 0; r0 < kTokens; r0 += kGroup) {
+    if (r0 >= m) break;
+    V s[kGroup], r[kGroup];
+#pragma unroll
+    for (int i = 0; i < kGroup; ++i) {
+      if (r0 + i < m) {
+        s[i] = *reinterpret_cast<const V*>(x + (r0 + i) * p.lda + c0 + col);
+        if (res != nullptr) r[i] = *reinterpret_cast<const V*>(res + (r0 + i) * p.ldr + c0 + col);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kGroup; ++i) {
+      if (r0 + i < m) {
+        if (res != nullptr) add_vec<T, N>(s[i], r[i]);
+        const V y = normalize<T, N>(s[i], w, s_inv[r0 + i]);
+        const float sc = s_scale[r0 + i];
+        uint2 q;
+        q.x = quantize4<Q>(to_float(y.v[0]), to_float(y.v[1]), to_float(y.v[2]), to_float(y.v[3]), sc);
+        q.y = quantize4<Q>(to_float(y.v[4]), to_float(y.v[5]), to_float(y.v[6]), to_float(y.v[7]), sc);
+        *reinterpret_cast<uint2*>(q_s + (r0 + i) * kChunkPitch + col) = q;
+      }
+    }
+  }
+}
+
 // --- the kernels -------------------------------------------------------------------------------------------
 
 // AB: Int8Ab / Fp8Ab. OutT: __nv_bfloat16 / __half. NT: token tiles (m <= 8 NT). XT: void (scaled_mm_decode:
 // `a` holds the quantized activations) or the type of x (linear_decode: quantized here; the output type is
-// x's). kBlockScaled: e4m3 with block scales (scaled_mm_decode only; scale_a [M, K/128], scale_b
+// x's), or NormX<T> (add_rms_norm_linear_decode: x of type T, added to the residual, normalized and quantized
+// here; the output type is T; its parameter block is a NormDecodeParams). kBlockScaled: e4m3 with block scales (scaled_mm_decode only; scale_a [M, K/128], scale_b
 // [ceil(N/128), K/128], K a multiple of 128): each group's partial dot products are scaled into the float32
 // accumulators (mma_block_scaled), and the epilogue adds only the bias. Grid (N / 16, splits), 256 threads.
 template <class AB, class OutT, int NT, class XT, bool kBlockScaled = false>
-__global__ void __launch_bounds__(kThreads, 2) decode_gemm_kernel(int64_t m64, DecodeParams p) {
+__global__ void __launch_bounds__(kThreads, 2) decode_gemm_kernel(int64_t m64, typename NormOf<XT>::params p) {
   using Acc = typename AB::Acc;
   constexpr bool kFused = !std::is_void_v<XT>;
+  constexpr bool kNorm = NormOf<XT>::value;
+  using XE = typename NormOf<XT>::elem;  // x's element type (XT itself unless NormX)
   static_assert(!kBlockScaled || (std::is_same_v<AB, Fp8Ab> && !kFused), "block scales: scaled_mm_decode, e4m3");
   constexpr int kQRows = kFused ? 8 * NT : 1;
   constexpr int kQPitch = kFused ? kChunkPitch : 16;
@@ -201,16 +379,27 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gemm_kernel(int64_t m64, D
     mainloop_global(acc, wg, p.ldw, static_cast<const uint8_t*>(p.a), p.lda, m, bs + warp, be, g, t, p.k, p.zero);
   } else {
     BlockFrags<NT> f;
-    const XT* x = static_cast<const XT*>(p.a);
+    const XE* x = static_cast<const XE*>(p.a);
     // Chunk c holds blocks [bs + 8c, bs + 8c + 8): warp w takes block bs + 8c + w, as in the unfused loop.
     const int nchunks = (be - bs + kWarps - 1) / kWarps;
-    row_scales<XT, typename AB::Q, NT>(x, p.lda, m, p.k, s_amax, s_scale);
+    [[maybe_unused]] float* s_inv = nullptr;  // the fused norm's inverse RMS per row
+    if constexpr (kNorm) {
+      __shared__ float s_inv_rms[kMaxTokens];
+      s_inv = s_inv_rms;
+      norm_row_scales<XE, typename AB::Q, NT>(p, m, s_amax, s_inv, s_scale);
+    } else {
+      row_scales<XE, typename AB::Q, NT>(x, p.lda, m, p.k, s_amax, s_scale);
+    }
     int blk = bs + warp;
     for (int c = 0; c < nchunks; ++c, blk += kWarps) {
       const int c0 = (bs + c * kWarps) * kBlockBytes;
       const int c1 = min(min(c0 + kChunkBytes, be * kBlockBytes), p.k);
       if (c > 0) __syncthreads();  // every warp has read the previous chunk before it is overwritten
-      quantize_chunk<XT, typename AB::Q, NT>(x, p.lda, m, c0, c1, s_scale, &q_s[0][0]);
+      if constexpr (kNorm) {
+        norm_quantize_chunk<XE, typename AB::Q, NT>(p, m, c0, c1, s_inv, s_scale, &q_s[0][0]);
+      } else {
+        quantize_chunk<XE, typename AB::Q, NT>(x, p.lda, m, c0, c1, s_scale, &q_s[0][0]);
+      }
       __syncthreads();  // the chunk is in shared memory
       if (blk < be) {
         load_block_weights(f, wg, p.ldw, blk, t, p.k);

@@ -5,6 +5,8 @@
 //                     acc = A[M, K] @ W[N, K]^T (int8: exact int32; e4m3: float32)
 //   linear_decode:    the same with A = quantize_per_token(x) computed inside the kernel, bit for bit as
 //                     csrc/quant/quantize.cu computes it (so the two paths give identical D).
+//   add_rms_norm_linear_decode: the same with A = rms_norm_quant(x, norm_weight, eps, dtype, None, residual)'s q
+//                     (K <= 8192), and residual_out = residual + x (out of place), bit for bit that chain.
 //   block scales:     scaled_mm_decode with e4m3 operands, scale_a [M, K/128] and scale_b [ceil(N/128), K/128]
 //                     (core/checks.hpp is_block_scaled; cw8a8_scaled_mm_args.scale_block from scaled_mm):
 //                     D[m, n] = round(sum_kb scale_a[m, kb] * scale_b[n / 128, kb] * acc_kb[m, n] + bias[n]),
@@ -20,8 +22,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 
 #include <c10/cuda/CUDAException.h>
@@ -44,6 +48,7 @@ namespace {
 
 constexpr const char* kGemmOp = "scaled_mm_decode";
 constexpr const char* kLinearOp = "linear_decode";
+constexpr const char* kNormOp = "add_rms_norm_linear_decode";
 
 // --- checks ------------------------------------------------------------------------------------------------
 
@@ -114,6 +119,72 @@ void check_linear_decode(const at::Tensor& x, const at::Tensor& b, const at::Ten
   if (out != nullptr) check_out_matrix(op, *out, m, n);
 }
 
+// ops/_checks.py check_add_rms_norm_linear_decode, in its order and wording: linear_decode's contract for x, b,
+// scale_b and bias, with residual (optional) and norm_weight in x's dtype, eps, K <= 8192 and no block scales.
+void check_add_rms_norm_linear_decode(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                      const at::Tensor& norm_weight, double eps, const at::Tensor& b,
+                                      const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
+                                      at::ScalarType dtype) {
+  constexpr const char* op = kNormOp;
+  auto same_dtype = [&](const char* name, const at::Tensor& t) {
+    CW8A8_CHECK_TYPE(t.scalar_type() == x.scalar_type(), op, name, "must have x's dtype ", py_dtype(x.scalar_type()),
+                     ", got ", py_dtype(t.scalar_type()));
+  };
+  // dtypes
+  CW8A8_CHECK_TYPE(is_out_dtype(x.scalar_type()), op, "x", "must be bfloat16 or float16, got ",
+                   py_dtype(x.scalar_type()));
+  if (residual) same_dtype("residual", *residual);
+  same_dtype("norm_weight", norm_weight);
+  quant::check_quant_dtype(op, dtype);
+  CW8A8_CHECK_TYPE(b.scalar_type() == dtype, op, "b", "must have the quantized dtype ", py_dtype(dtype), ", got ",
+                   py_dtype(b.scalar_type()));
+  check_float32(op, "scale_b", scale_b);
+  if (bias) same_dtype("bias", *bias);
+  // devices
+  check_same_device(op, "residual", residual, "x", x);
+  check_same_device(op, "norm_weight", norm_weight, "x", x);
+  check_same_device(op, "b", b, "x", x);
+  check_same_device(op, "scale_b", scale_b, "x", x);
+  check_same_device(op, "bias", bias, "x", x);
+  check_cuda(op, "x", x);
+  // values and shapes
+  CW8A8_CHECK_VALUE(eps >= 0.0 && eps < INFINITY, op, "eps", "must be a finite number >= 0, got ", py_float(eps));
+  CW8A8_CHECK_VALUE(x.dim() == 2, op, "x", "must be 2-D [M, K], got shape ", py_tuple(x.sizes()));
+  CW8A8_CHECK_VALUE(b.dim() == 2, op, "b", "must be 2-D [K, N], got shape ", py_tuple(b.sizes()));
+  const int64_t m = x.size(0), k = x.size(1), n = b.size(1);
+  CW8A8_CHECK_VALUE(b.size(0) == k, op, "b", "must be [K, N] with K = x.shape[1] = ", k, ", got shape ",
+                    py_tuple(b.sizes()));
+  check_decode_m(op, "x", m);
+  check_gemm_dim(op, "x", "K = x.shape[1]", k);
+  check_gemm_dim(op, "b", "N = b.shape[1]", n);
+  check_int8_k(op, "x", b.scalar_type(), k);
+  CW8A8_CHECK_VALUE(k <= limits::kNormDecodeMaxK, op, "x", "K = x.shape[1] must be at most ",
+                    limits::kNormDecodeMaxK, " (the rows rms_norm_quant normalizes in one block), got ", k);
+  if (residual) {
+    CW8A8_CHECK_VALUE(residual->sizes() == x.sizes(), op, "residual", "must have x's shape ", py_tuple(x.sizes()),
+                      ", got ", py_tuple(residual->sizes()));
+  }
+  CW8A8_CHECK_VALUE(norm_weight.dim() == 1 && norm_weight.size(0) == k, op, "norm_weight", "must be [K] with K = ", k,
+                    ", got shape ", py_tuple(norm_weight.sizes()));
+  CW8A8_CHECK_VALUE(!is_block_weight_scale(scale_b, n, k), op, "scale_b", "block scales ", py_tuple(scale_b.sizes()),
+                    " are not supported (the fused norm quantizes per token): use rms_norm_quant(group_size=128) "
+                    "and scaled_mm");
+  check_scale_b_shape(op, "scale_b", scale_b, n);
+  check_contiguous(op, "scale_b", scale_b);
+  check_bias_shape(op, bias, n);
+  // layouts: b as scaled_mm's; x, residual and norm_weight read with 16-byte loads
+  check_column_major_b(op, "b", b, k);
+  check_aligned16(op, "b", b);
+  check_row_major(op, "x", x, k, "K", 8);
+  check_aligned16(op, "x", x);
+  if (residual) {
+    check_row_major(op, "residual", *residual, k, "K", 8);
+    check_aligned16(op, "residual", *residual);
+  }
+  check_contiguous(op, "norm_weight", norm_weight);
+  check_aligned16(op, "norm_weight", norm_weight);
+}
+
 // The clear error for a device the kernels cannot run on (int8 mma.sync needs 8.0, fp8 mma.sync 8.9).
 void check_backend(const char* op, int device, bool fp8) {
   if (gemm_backend(device, fp8) != GemmBackend::kNone) return;
@@ -147,9 +218,9 @@ int choose_splits(int64_t n, int64_t k, int sms, int* blocks_per_split) {
   return static_cast<int>(splits);
 }
 
-template <class... KArgs>
+template <class P, class... KArgs>
 void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, cudaStream_t stream, bool pdl, int64_t m,
-            const DecodeParams& p) {
+            const P& p) {
   C10_CUDA_CHECK(launch_kernel(kernel, grid, block, 0, stream, pdl, m, p));
 }
 
@@ -168,8 +239,8 @@ uint32_t choose_prefetch_bytes(const DeviceInfo& info, int64_t ldw, int blocks_p
   return static_cast<uint32_t>(per_row);
 }
 
-template <class AB, class OutT, class XT, bool kBlockScaled = false>
-void launch_typed(const char* op, int64_t m, DecodeParams& p, cudaStream_t stream, bool pdl) {
+template <class AB, class OutT, class XT, bool kBlockScaled = false, class P>
+void launch_typed(const char* op, int64_t m, const P& p, cudaStream_t stream, bool pdl) {
   const dim3 grid(static_cast<unsigned>(p.n / kRows), static_cast<unsigned>(p.splits));
   if (m <= 8) {
     launch(decode_gemm_kernel<AB, OutT, 1, XT, kBlockScaled>, grid, dim3(kThreads), stream, pdl, m, p);
@@ -180,7 +251,7 @@ void launch_typed(const char* op, int64_t m, DecodeParams& p, cudaStream_t strea
   if (p.splits > 1) {
     const dim3 rgrid(static_cast<unsigned>((p.n + kReduceThreads - 1) / kReduceThreads));
     launch(decode_reduce_kernel<typename AB::Acc, OutT, kBlockScaled>, rgrid, dim3(kReduceThreads), stream, pdl, m,
-           p);
+           static_cast<const DecodeParams&>(p));
     graph_nodes::note_m_param_launch(stream, m, op, kReduceParams);
   }
 }
@@ -207,9 +278,10 @@ DecodeParams common_params(const at::Tensor& act, const at::Tensor& b, const at:
 
 // Fills the M-independent launch fields shared by both ops, allocates the split-K workspace, launches.
 // `xt` is the type of linear_decode's x, or Undefined for scaled_mm_decode. `block`: e4m3 with block scales
-// (scaled_mm_decode only; p.scale_a [M, K/128], p.scale_b [ceil(N/128), K/128]).
+// (scaled_mm_decode only; p.scale_a [M, K/128], p.scale_b [ceil(N/128), K/128]). `norm`: add_rms_norm_linear_decode,
+// whose `p` is the DecodeParams part of a NormDecodeParams (the kernel gets the whole block).
 void run(const char* op, int64_t m, DecodeParams& p, at::ScalarType ab, at::ScalarType out_type,
-         at::ScalarType xt, const at::Tensor& like, bool block = false) {
+         at::ScalarType xt, const at::Tensor& like, bool block = false, bool norm = false) {
   const int device = like.device().index();
   const bool fused = xt != at::ScalarType::Undefined;  // linear_decode: x's type is the output type
   TORCH_CHECK(!block || (!fused && ab == at::kFloat8_e4m3fn), "cutlass_w8a8.", op,
@@ -236,7 +308,9 @@ void run(const char* op, int64_t m, DecodeParams& p, at::ScalarType ab, at::Scal
   auto with_types = [&](auto ab_tag, auto out_tag) {
     using AB = decltype(ab_tag);
     using OutT = decltype(out_tag);
-    if (fused) {
+    if (fused && norm) {
+      launch_typed<AB, OutT, NormX<OutT>>(op, m, static_cast<const NormDecodeParams&>(p), stream, pdl);
+    } else if (fused) {
       launch_typed<AB, OutT, OutT>(op, m, p, stream, pdl);
     } else if constexpr (std::is_same_v<AB, Fp8Ab>) {
       if (block) {
@@ -269,7 +343,38 @@ void run_linear_decode(at::Tensor& out, const at::Tensor& x, const at::Tensor& b
   run(kLinearOp, x.size(0), p, dtype, out.scalar_type(), x.scalar_type(), x);
 }
 
+void run_add_rms_norm_linear_decode(at::Tensor& out, at::Tensor& residual_out, const at::Tensor& x,
+                                    const std::optional<at::Tensor>& residual, const at::Tensor& norm_weight,
+                                    double eps, const at::Tensor& b, const at::Tensor& scale_b,
+                                    const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
+  const int64_t m = x.size(0);
+  NormDecodeParams p{};
+  static_cast<DecodeParams&>(p) = common_params(x, b, scale_b, bias, out);
+  p.scale_a = nullptr;  // computed in the kernel (the workspace when K is split)
+  p.scale_a_per_token = 1;
+  p.residual = residual ? residual->data_ptr() : nullptr;
+  p.ldr = residual && m > 1 ? residual->stride(0) : 0;
+  p.residual_out = residual_out.data_ptr();
+  p.ldro = m <= 1 ? 0 : residual_out.stride(0);
+  p.norm_weight = norm_weight.data_ptr();
+  p.eps = static_cast<float>(eps);
+  run(kNormOp, m, p, dtype, out.scalar_type(), x.scalar_type(), x, false, true);
+}
+
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_linear_decode(const at::Tensor& x,
+                                                              const std::optional<at::Tensor>& residual,
+                                                              const at::Tensor& norm_weight, double eps,
+                                                              const at::Tensor& b, const at::Tensor& scale_b,
+                                                              const std::optional<at::Tensor>& bias,
+                                                              at::ScalarType dtype) {
+  check_add_rms_norm_linear_decode(x, residual, norm_weight, eps, b, scale_b, bias, dtype);
+  at::Tensor out = at::empty({x.size(0), b.size(1)}, x.options());
+  at::Tensor residual_out = at::empty({x.size(0), x.size(1)}, x.options());
+  run_add_rms_norm_linear_decode(out, residual_out, x, residual, norm_weight, eps, b, scale_b, bias, dtype);
+  return {out, residual_out};
+}
 
 void launch_scaled_mm_decode(const cw8a8_scaled_mm_args& args, const at::Tensor& a) {
   DecodeParams p{};

@@ -167,6 +167,35 @@ def _linear_decode(ctx: Ctx) -> None:
             check_gemm(out, q, w_h.t(), s, sb_h.reshape(-1), bias_h, what)
 
 
+@case("add_rms_norm_linear_decode", ["add_rms_norm_linear_decode"])
+def _add_rms_norm_linear_decode(ctx: Ctx) -> None:
+    """add_rms_norm_linear_decode (residual add, RMSNorm and per-token quantization fused into the decode GEMM),
+    M = 1, 5, 16, int8 and fp8, bf16 and fp16, residual or None, bias or not; checked against the device's
+    rms_norm_quant chain (q and its scales) and the residual add."""
+    n, k, eps = 256, 512, 1e-6
+    for m, dtype, xdtype, res_on, bias_on in ((1, I8, BF16, False, True), (16, I8, F16, True, False),
+                                              (5, FP8, BF16, True, True), (16, FP8, F16, False, False)):
+        if dtype not in ctx.qdtypes:
+            continue
+        what = f"add_rms_norm_linear_decode M={m} {xdtype} -> {dtype} residual={res_on} bias={bias_on}"
+        with ctx.sub(what):
+            x_h = ctx.randn(m, k, dtype=xdtype, std=3.0)
+            r_h = ctx.randn(m, k, dtype=xdtype, std=3.0) if res_on else None
+            nw_h = ctx.randn(k, dtype=xdtype, std=1.0)
+            w_h = _operand(ctx, (n, k), dtype)
+            sb_h = rand_scale((n,), "cpu", scale_magnitudes(dtype, k)[1], ctx.g)
+            bias_h = ctx.randn(n, dtype=xdtype, std=2.0) if bias_on else None
+            x, r, nw, w, sb, bias = (ctx.to(t) for t in (x_h, r_h, nw_h, w_h, sb_h, bias_h))
+            out, r_out = Q.add_rms_norm_linear_decode(x, r, nw, eps, w.t(), sb, bias, dtype)
+            stream = r.clone() if r is not None else None
+            q, s = Q.rms_norm_quant(x, nw, eps, dtype, None, stream)
+            ctx.sync()
+            expect_r = (x_h if r_h is None else (r_h.float() + x_h.float()).to(xdtype))
+            if not torch.equal(r_out.cpu(), expect_r):
+                raise AssertionError(f"{what}: residual_out differs from residual + x")
+            check_gemm(out, q.cpu(), w_h.t(), s.cpu(), sb_h, bias_h, what)
+
+
 @case("w8a8_linear", ["w8a8_linear"])
 def _w8a8_linear(ctx: Ctx) -> None:
     """w8a8_linear (quantize x, then the GEMM, one op): per-token and static per-tensor int8 / fp8, block fp8 weights
