@@ -9,6 +9,7 @@ allow). Layout, fusions and numerics: `cutlass_w8a8.models.llama`'s docstring.
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -59,6 +60,14 @@ def _rope_(x: torch.Tensor, rope: torch.Tensor) -> None:
 # Activation dtypes of the fused non-GEMM ops (cutlass_w8a8.ops.rms_norm, silu_mul, ...); other dtypes (a
 # float64 reference) take the equivalent torch chain.
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def fused_norm_router_enabled() -> bool:
+    """The A/B switch of the MoE layers' post-attention norm folded into the router kernel
+    (`SparseMoeBlock.forward_add_norm`, ``add_rms_norm_moe_router_route``): on when the environment variable
+    ``CUTLASS_W8A8_FUSED_NORM_ROUTER`` is ``1`` (read at each layer call), off otherwise (the default until a GPU A/B
+    measures it). Either way the logits are the same bit for bit."""
+    return os.environ.get("CUTLASS_W8A8_FUSED_NORM_ROUTER") == "1"
 
 
 def _quantized_for(linear: W8A8Linear, q: torch.Tensor, scale: torch.Tensor) -> QuantizedActivation:
@@ -308,6 +317,11 @@ class LlamaDecoderLayer(nn.Module):
             x = self.input_layernorm(h, residual, quant_for=qkv_proj)  # residual += h, then the norm
         h = self.self_attn(x, ctx)
         mlp = self.mlp
+        norm2 = self.post_attention_layernorm
+        if (fused_norm_router_enabled() and type(mlp) is SparseMoeBlock and type(norm2) is RMSNorm
+                and mlp.add_norm_route_applies(h, residual, norm2.weight)):
+            # the post-attention norm folded into the router kernel: a new residual stream tensor
+            return mlp.forward_add_norm(h, residual, norm2.weight, norm2.eps)
         # the MoE block quantizes inside its experts (per routed pair): it gets the float output
         x = self.post_attention_layernorm(h, residual, quant_for=getattr(mlp, "gate_up_proj", None))
         return mlp(x), residual
