@@ -318,9 +318,10 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(x, ctx)
         mlp = self.mlp
         norm2 = self.post_attention_layernorm
-        if (fused_norm_router_enabled() and type(mlp) is SparseMoeBlock and type(norm2) is RMSNorm
+        if (fused_norm_router_enabled() and type(norm2) is RMSNorm and hasattr(mlp, "forward_add_norm")
                 and mlp.add_norm_route_applies(h, residual, norm2.weight)):
-            # the post-attention norm folded into the router kernel: a new residual stream tensor
+            # the post-attention norm folded into the router kernel (SparseMoeBlock, hf's MoeMLP): a new residual
+            # stream tensor
             return mlp.forward_add_norm(h, residual, norm2.weight, norm2.eps)
         # the MoE block quantizes inside its experts (per routed pair): it gets the float output
         x = self.post_attention_layernorm(h, residual, quant_for=getattr(mlp, "gate_up_proj", None))
