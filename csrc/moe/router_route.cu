@@ -39,6 +39,15 @@
 // router): 17.6 us, then 13.0, on 8 CTAs of 460 KB each (Nsight Compute at T 1 before: warps stalled on L1TEX, the
 // 8 SMs busy ~40% of the elapsed cycles); hence the cluster of 16 CTAs for wide routers (not measured yet).
 //
+// add_rms_norm_moe_router_route (ops/moe.py): the MoE layer's post-attention norm folded in (router_route_body's
+// kNorm, router_norm_route_kernel*): after the wait on the previous kernel every CTA computes s = h + residual and
+// y = RMSNorm(s) * norm_weight of every token row with rms_norm.cu's arithmetic in its order (quant/rms_norm_row.cuh;
+// H <= 8192: its one-block kernel of 256 threads, whose thread i sums vectors i, i + 256, ... then block_sum), keeps
+// the y rows in shared memory (up to the device's opt-in size) and reads them for the GEMM instead of x; the CTA that
+// routes token t (t % C) writes y and residual_out row t (new tensors: no CTA writes what another reads). The plan,
+// the sums and the routing are moe_router_route's, so the op is bit for bit fused_add_rms_norm on a copy of residual
+// then moe_router_route; where the y rows do not fit or no cluster of 16 with them is resident, it runs those two.
+//
 // Devices without clusters (before sm90) get the two-kernel path inside the op (at::linear in logits_dtype, then
 // route_kernel): the same result up to the summation order of the logits.
 #include <cuda_runtime.h>
@@ -682,9 +691,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_rms_norm_moe_rout
   const int device = x.get_device();
   const auto opts = x.options();
   at::Tensor residual_out = at::empty({t, h}, opts);
+  if (t == 0) {
+    return {at::empty({0, h}, opts), residual_out, at::empty({0, top_k}, opts.dtype(at::kFloat)),
+            at::empty({0, top_k}, opts.dtype(at::kInt))};
+  }
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const int nt = t > kTileT ? 2 : 1;
-  bool fused = t > 0 && clusters_available(device);
+  bool fused = clusters_available(device);
   RouterPlan plan{0, 0};
   size_t smem = 0;
   int xs_offset = 0;
@@ -700,7 +713,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_rms_norm_moe_rout
             (plan.ctas != kWideClusterCtas ||
              (bf16 ? norm_wide_resident<__nv_bfloat16>(device) : norm_wide_resident<__half>(device)));
   }
-  if (!fused) {  // T = 0, before sm90, y rows above the shared memory, or no resident cluster of 16: the two ops
+  if (!fused) {  // before sm90, y rows above the shared memory, or no resident cluster of 16: the two ops
     residual_out.copy_(residual);
     at::Tensor y = fused_add_rms_norm(x, residual_out, norm_weight, eps);
     auto [weights, ids] = moe_router_route(y, router_weight, top_k, scoring, correction_bias, n_group, topk_group,

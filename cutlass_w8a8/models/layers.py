@@ -318,7 +318,7 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(x, ctx)
         mlp = self.mlp
         norm2 = self.post_attention_layernorm
-        if (fused_norm_router_enabled() and type(norm2) is RMSNorm and hasattr(mlp, "forward_add_norm")
+        if (hasattr(mlp, "forward_add_norm") and fused_norm_router_enabled() and type(norm2) is RMSNorm
                 and mlp.add_norm_route_applies(h, residual, norm2.weight)):
             # the post-attention norm folded into the router kernel (SparseMoeBlock, hf's MoeMLP): a new residual
             # stream tensor
