@@ -267,6 +267,12 @@ __device__ __forceinline__ void router_route_body(const RouterRouteParams p, con
       }
     }
   }
+  if constexpr (kNorm) {  // the norm weight is not written by the previous kernel either (H * 2 bytes: 128-byte lines)
+    const char* nw = static_cast<const char*>(nrm.weight);
+    for (int l = threadIdx.x; l < p.h * int(sizeof(T)) / 128; l += kRRThreads) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(nw + l * 128));
+    }
+  }
   wait_for_producers();
   if constexpr (kNorm) router_norm_rows<T, kC>(p, nrm, rr_smem, rank);
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
