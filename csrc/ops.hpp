@@ -132,6 +132,13 @@ std::tuple<at::Tensor, at::Tensor> moe_router_route(const at::Tensor& x, const a
                                                     const std::optional<at::Tensor>& correction_bias, int64_t n_group,
                                                     int64_t topk_group, bool renormalize, double scaling_factor,
                                                     std::optional<at::ScalarType> logits_dtype);
+// The post-attention norm (residual add, RMSNorm) folded into moe_router_route: (y, residual_out, topk_weights,
+// topk_ids), bit for bit fused_add_rms_norm on a copy of residual, then moe_router_route(y, ...).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_rms_norm_moe_router_route(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& router_weight, int64_t top_k, c10::string_view scoring,
+    const std::optional<at::Tensor>& correction_bias, int64_t n_group, int64_t topk_group, bool renormalize,
+    double scaling_factor, std::optional<at::ScalarType> logits_dtype);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_align(const at::Tensor& topk_ids, int64_t num_experts);
 std::tuple<at::Tensor, at::Tensor> moe_permute_quant(const at::Tensor& x, const at::Tensor& sorted_pairs,
                                                      int64_t top_k, at::ScalarType dtype,

@@ -109,6 +109,7 @@ TORCH_LIBRARY_IMPL(cutlass_w8a8, CUDA, m) {
   m.impl("moe_topk_softmax", &cutlass_w8a8::moe_topk_softmax);
   m.impl("moe_route", &cutlass_w8a8::moe_route);
   m.impl("moe_router_route", &cutlass_w8a8::moe_router_route);
+  m.impl("add_rms_norm_moe_router_route", &cutlass_w8a8::add_rms_norm_moe_router_route);
   m.impl("moe_align", &cutlass_w8a8::moe_align);
   m.impl("moe_permute_quant", &cutlass_w8a8::moe_permute_quant);
   m.impl("moe_unpermute", &cutlass_w8a8::moe_unpermute);

@@ -265,6 +265,36 @@ DEVICE_TRIGGERS.update({
     "moe-rr-n-group-divide": lambda d: _router_route(d, n_group=3),
 })
 
+
+def _norm_router(d, x=None, residual=None, norm_weight=None, eps=1e-6, w=None, k=2, **kw):
+    """cw.ops.add_rms_norm_moe_router_route on x and residual (2, 64) bf16, norm_weight (64,) bf16, eps 1e-6 and
+    router_weight (8, 64) bf16 on device d, with the changes given."""
+    x = torch.zeros(2, 64, dtype=_BF16, device=d) if x is None else x
+    residual = torch.zeros(2, 64, dtype=_BF16, device=d) if residual is None else residual
+    norm_weight = torch.ones(64, dtype=_BF16, device=d) if norm_weight is None else norm_weight
+    w = torch.zeros(8, 64, dtype=_BF16, device=d) if w is None else w
+    return cw.ops.add_rms_norm_moe_router_route(x, residual, norm_weight, eps, w, k, **kw)
+
+
+def _norm_router_h(d):
+    h = 8256
+    return _norm_router(d, x=torch.zeros(2, h, dtype=_BF16, device=d), residual=torch.zeros(2, h, dtype=_BF16, device=d),
+                        norm_weight=torch.ones(h, dtype=_BF16, device=d), w=torch.zeros(8, h, dtype=_BF16, device=d))
+
+
+DEVICE_TRIGGERS.update({
+    "norm-rr-x-rows": lambda d: _norm_router(d, x=torch.zeros(17, 64, dtype=_BF16, device=d)),
+    "norm-rr-h-range": _norm_router_h,
+    "norm-rr-residual-dtype": lambda d: _norm_router(d, residual=torch.zeros(2, 64, dtype=torch.float16, device=d)),
+    "norm-rr-residual-shape": lambda d: _norm_router(d, residual=torch.zeros(3, 64, dtype=_BF16, device=d)),
+    "norm-rr-residual-layout": lambda d: _norm_router(d, residual=torch.zeros(2, 68, dtype=_BF16, device=d)[:, :64]),
+    "norm-rr-norm-weight-dtype": lambda d: _norm_router(d, norm_weight=torch.ones(64, device=d)),
+    "norm-rr-norm-weight-shape": lambda d: _norm_router(d, norm_weight=torch.ones(32, dtype=_BF16, device=d)),
+    "norm-rr-norm-weight-misaligned": lambda d: _norm_router(d, norm_weight=torch.ones(72, dtype=_BF16,
+                                                                                       device=d)[4:68]),
+    "norm-rr-eps": lambda d: _norm_router(d, eps=-1.0),
+})
+
 CPU_TRIGGERS.update({
     "moe-logits-too-many-rows": lambda: cw.moe_topk_softmax(torch.empty(2**31, 8, device="meta"), 2),
     "moe-ids-too-many": lambda: cw.moe_align(torch.empty(2**28, 8, dtype=torch.int32, device="meta"), 8),
@@ -285,6 +315,7 @@ CUDA_TRIGGERS.update({
     "moe-route-bias-device": lambda: _route("cuda", correction_bias=torch.zeros(8)),
     "moe-rr-weight-device": lambda: _router_route("cuda", w=torch.zeros(8, 64, dtype=torch.bfloat16)),
     "moe-rr-bias-device": lambda: _router_route("cuda", correction_bias=torch.zeros(8)),
+    "norm-rr-residual-device": lambda: _norm_router("cuda", residual=torch.zeros(2, 64, dtype=_BF16)),
 })
 
 

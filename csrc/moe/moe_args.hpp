@@ -117,6 +117,40 @@ inline void check_router_route(const char* op, const at::Tensor& x, const at::Te
   check_routing_spec(op, e, "x", x, top_k, scoring, bias, n_group, topk_group, scaling_factor);
 }
 
+// add_rms_norm_moe_router_route: x (the hidden states h) and router_weight as check_router_route (in its order), then
+// H <= kNormDecodeMaxK (rms_norm.cu's one-block register rows: the order of its sum of squares); residual [T, H] of
+// x's dtype on x's device with x's row layout, 16-byte aligned; norm_weight [H] of x's dtype on x's device,
+// contiguous, 16-byte aligned; eps finite and >= 0.
+inline void check_norm_router_route(const char* op, const at::Tensor& x, const at::Tensor& residual,
+                                    const at::Tensor& norm_weight, double eps, const at::Tensor& w, int64_t top_k,
+                                    c10::string_view scoring, const std::optional<at::Tensor>& bias, int64_t n_group,
+                                    int64_t topk_group, double scaling_factor,
+                                    std::optional<at::ScalarType> logits_dtype) {
+  check_router_route(op, x, w, top_k, scoring, bias, n_group, topk_group, scaling_factor, logits_dtype);
+  const at::ScalarType xt = x.scalar_type();
+  const int64_t h = x.size(1);
+  CW8A8_CHECK_VALUE(h <= limits::kNormDecodeMaxK, op, "x", "H = x.shape[1] must be at most ",
+                    limits::kNormDecodeMaxK, " (the rows fused_add_rms_norm normalizes in one block), got ", h);
+  CW8A8_CHECK_TYPE(residual.scalar_type() == xt, op, "residual", "must have x's dtype ", py_dtype(xt), ", got ",
+                   py_dtype(residual.scalar_type()));
+  check_same_device(op, "residual", residual, "x", x);
+  CW8A8_CHECK_VALUE(residual.sizes() == x.sizes(), op, "residual", "must have x's shape ", py_tuple(x.sizes()),
+                    ", got ", py_tuple(residual.sizes()));
+  CW8A8_CHECK_VALUE(residual.stride(1) == 1 && (residual.size(0) <= 1 || residual.stride(0) % 8 == 0), op,
+                    "residual",
+                    "must have unit-stride rows with a row pitch that is a multiple of 8 elements, got strides ",
+                    py_tuple(residual.strides()));
+  check_aligned16(op, "residual", residual);
+  CW8A8_CHECK_TYPE(norm_weight.scalar_type() == xt, op, "norm_weight", "must have x's dtype ", py_dtype(xt),
+                   ", got ", py_dtype(norm_weight.scalar_type()));
+  check_same_device(op, "norm_weight", norm_weight, "x", x);
+  CW8A8_CHECK_VALUE(norm_weight.dim() == 1 && norm_weight.size(0) == h, op, "norm_weight", "must be [H] with H = ",
+                    h, ", got shape ", py_tuple(norm_weight.sizes()));
+  check_contiguous(op, "norm_weight", norm_weight);
+  check_aligned16(op, "norm_weight", norm_weight);
+  CW8A8_CHECK_VALUE(eps >= 0.0 && eps < INFINITY, op, "eps", "must be a finite number >= 0, got ", py_float(eps));
+}
+
 // moe_align: topk_ids [T, top_k] int32 / int64 (any strides), 1 <= num_experts <= 1024, at most 2**31 - 1 pairs.
 inline void check_align(const char* op, const at::Tensor& ids, int64_t num_experts) {
   CW8A8_CHECK_TYPE(ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong, op, "topk_ids",

@@ -39,6 +39,15 @@
 // router): 17.6 us, then 13.0, on 8 CTAs of 460 KB each (Nsight Compute at T 1 before: warps stalled on L1TEX, the
 // 8 SMs busy ~40% of the elapsed cycles); hence the cluster of 16 CTAs for wide routers (not measured yet).
 //
+// add_rms_norm_moe_router_route (ops/moe.py): the MoE layer's post-attention norm folded in (router_route_body's
+// kNorm, router_norm_route_kernel*): after the wait on the previous kernel every CTA computes s = h + residual and
+// y = RMSNorm(s) * norm_weight of every token row with rms_norm.cu's arithmetic in its order (quant/rms_norm_row.cuh;
+// H <= 8192: its one-block kernel of 256 threads, whose thread i sums vectors i, i + 256, ... then block_sum), keeps
+// the y rows in shared memory (up to the device's opt-in size) and reads them for the GEMM instead of x; the CTA that
+// routes token t (t % C) writes y and residual_out row t (new tensors: no CTA writes what another reads). The plan,
+// the sums and the routing are moe_router_route's, so the op is bit for bit fused_add_rms_norm on a copy of residual
+// then moe_router_route; where the y rows do not fit or no cluster of 16 with them is resident, it runs those two.
+//
 // Devices without clusters (before sm90) get the two-kernel path inside the op (at::linear in logits_dtype, then
 // route_kernel): the same result up to the summation order of the logits.
 #include <cuda_runtime.h>
@@ -63,6 +72,7 @@
 #include "moe/moe_args.hpp"
 #include "moe/route_row.cuh"
 #include "ops.hpp"
+#include "quant/rms_norm_row.cuh"
 #include "quant/rowwise_reduce.cuh"
 
 namespace cutlass_w8a8 {
@@ -97,6 +107,19 @@ struct RouterRouteParams {
   RouteArgs a;
 };
 
+// add_rms_norm_moe_router_route's norm (router_route_body's kNorm): x and residual [T, H] (unit column stride,
+// 16-byte aligned rows), weight [H]; y and residual_out [T, H] contiguous, written by the CTA that routes the row.
+constexpr int kNormPad = 8;  // elements past H in each row of the y rows in shared memory (no 8-way bank conflicts)
+struct RouterNormArgs {
+  const void* residual;
+  int64_t residual_stride;
+  const void* weight;
+  void* y;
+  void* residual_out;
+  float eps;
+  int xs_offset;  // floats from the start of dynamic shared memory to the y rows (a multiple of 4)
+};
+
 template <class T>
 __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
@@ -125,6 +148,71 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4
   r[4] = hi.x; r[5] = hi.y; r[6] = hi.z; r[7] = hi.w;
 }
 
+// load16 from shared memory (the kNorm body's y rows).
+[[maybe_unused]] __device__ __forceinline__ void load16_shared(uint32_t (&r)[8], const void* p, bool valid) {
+  uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+  if (valid) {
+    lo = reinterpret_cast<const uint4*>(p)[0];
+    hi = reinterpret_cast<const uint4*>(p)[1];
+  }
+  r[0] = lo.x; r[1] = lo.y; r[2] = lo.z; r[3] = lo.w;
+  r[4] = hi.x; r[5] = hi.y; r[6] = hi.z; r[7] = hi.w;
+}
+
+// kNorm: y = RMSNorm(x + residual) * weight of every token row, into shared memory (rows of H + kNormPad elements at
+// xs_offset, then 8 x kMaxT + kMaxT floats for the block sums), with rms_norm.cu's float operations in its order for
+// H <= 8192 (its one-block register kernel of 256 threads: thread i's vectors i, i + 256, ... summed in that order
+// from 0, then block_sum; rms_norm_row.cuh), and the rows this CTA routes (t % C == rank) written to y and
+// residual_out. The other CTAs compute the same rows and read nothing another CTA writes.
+template <class T, int kC>
+__device__ __forceinline__ void router_norm_rows(const RouterRouteParams& p, const RouterNormArgs& n, float* smem,
+                                                 int rank) {
+  static_assert(kRRThreads == 256, "rms_norm.cu's register kernel: blocks of 256 threads");
+  constexpr int N = 16 / sizeof(T);
+  using V = Vec<T, N>;
+  T* xs = reinterpret_cast<T*>(smem + n.xs_offset);
+  const int pitch = p.h + kNormPad;
+  float(*warp_value)[kMaxT] = reinterpret_cast<float(*)[kMaxT]>(smem + n.xs_offset + p.t * pitch * sizeof(T) / 4);
+  float* sums = &warp_value[kRRWarps][0];
+  const int nvec = p.h / N;
+  const char* xbytes = static_cast<const char*>(p.x);
+  const char* rbytes = static_cast<const char*>(n.residual);
+  float ss[kMaxT];
+#pragma unroll
+  for (int t = 0; t < kMaxT; ++t) {
+    ss[t] = 0.f;
+    if (t < p.t) {
+      const V* xr = reinterpret_cast<const V*>(xbytes + t * p.x_stride * sizeof(T));
+      const V* rr = reinterpret_cast<const V*>(rbytes + t * n.residual_stride * sizeof(T));
+      for (int idx = threadIdx.x; idx < nvec; idx += kRRThreads) {
+        V s = xr[idx];
+        add_vec<T, N>(s, rr[idx]);
+        ss[t] += sum_squares<T, N>(s);
+        *reinterpret_cast<V*>(xs + t * pitch + idx * N) = s;
+      }
+    }
+  }
+  block_sum_rows<kRRThreads, kMaxT, kMaxT>(ss, p.t, warp_value, sums);  // ends with a block barrier
+  const V* wv = reinterpret_cast<const V*>(n.weight);
+  for (int t = 0; t < p.t; ++t) {
+    const float inv_rms = inverse_rms(sums[t], p.h, n.eps);
+    const bool mine = t % kC == rank;
+    V* yo = reinterpret_cast<V*>(static_cast<T*>(n.y) + int64_t(t) * p.h);
+    V* ro = reinterpret_cast<V*>(static_cast<T*>(n.residual_out) + int64_t(t) * p.h);
+    for (int idx = threadIdx.x; idx < nvec; idx += kRRThreads) {
+      V* slot = reinterpret_cast<V*>(xs + t * pitch + idx * N);
+      const V s = *slot;
+      const V y = normalize<T, N>(s, wv[idx], inv_rms);
+      *slot = y;
+      if (mine) {
+        ro[idx] = s;
+        yo[idx] = y;
+      }
+    }
+  }
+  __syncthreads();  // the y rows, read by every warp of the GEMM
+}
+
 // Shared memory (floats): partial [kRRWarps][NT][kTileE * kTileT], slots [tokens_per_cta][slices][E] (each slice's
 // sums of the CTA's tokens; slice 0 then holds the logits), rows [route warps][E] (route warps = min(kRRWarps,
 // tokens_per_cta)). Run by a cluster of kC CTAs.
@@ -134,8 +222,11 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4
 // value, so the pass that adds the slices after the cluster barrier and its block barrier are left out; the weight
 // prefetch takes rows by warp and 128-byte lines by lane (no division). The same sums in the same order as the
 // general path with one slice: the same bits.
-template <class T, int NT, bool kSigmoid, int kC, bool kOneSlice>
-__device__ __forceinline__ void router_route_body(const RouterRouteParams p) {
+//
+// kNorm (add_rms_norm_moe_router_route): x is h, the residual is added and the rows normalized first
+// (router_norm_rows, after the wait on the previous kernel), and the GEMM reads those y rows from shared memory.
+template <class T, int NT, bool kSigmoid, int kC, bool kOneSlice, bool kNorm = false>
+__device__ __forceinline__ void router_route_body(const RouterRouteParams p, const RouterNormArgs& nrm = {}) {
 #if CW8A8_HAS_CLUSTERS
   extern __shared__ float rr_smem[];
   namespace cg = cooperative_groups;
@@ -176,7 +267,14 @@ __device__ __forceinline__ void router_route_body(const RouterRouteParams p) {
       }
     }
   }
+  if constexpr (kNorm) {  // the norm weight is not written by the previous kernel either (H * 2 bytes: 128-byte lines)
+    const char* nw = static_cast<const char*>(nrm.weight);
+    for (int l = threadIdx.x; l < p.h * int(sizeof(T)) / 128; l += kRRThreads) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(nw + l * 128));
+    }
+  }
   wait_for_producers();
+  if constexpr (kNorm) router_norm_rows<T, kC>(p, nrm, rr_smem, rank);
   asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 
   for (int u = rank; u < units; u += kC) {
@@ -203,7 +301,12 @@ __device__ __forceinline__ void router_route_body(const RouterRouteParams p) {
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
           const int tok = n * kTileT + g;
-          load16(xr[b][n], xbytes + tok * p.x_stride * sizeof(T) + q * 16 * sizeof(T) + kb, in && tok < p.t);
+          if constexpr (kNorm) {
+            const T* xs = reinterpret_cast<const T*>(rr_smem + nrm.xs_offset);
+            load16_shared(xr[b][n], xs + tok * (p.h + kNormPad) + q * 16 + c * kChunk, in && tok < p.t);
+          } else {
+            load16(xr[b][n], xbytes + tok * p.x_stride * sizeof(T) + q * 16 * sizeof(T) + kb, in && tok < p.t);
+          }
         }
       }
 #pragma unroll
@@ -285,6 +388,19 @@ template <class T, int NT, bool kSigmoid>
 __global__ void CW8A8_CLUSTER_DIMS(kClusterCtas, 1, 1) __launch_bounds__(kRRThreads, 1)
     router_route_kernel_one_slice(const RouterRouteParams p) {
   router_route_body<T, NT, kSigmoid, kClusterCtas, true>(p);
+}
+
+// add_rms_norm_moe_router_route's kernels: the two above with the norm (router_route_body's kNorm).
+template <class T, int NT, bool kSigmoid, int kC>
+__global__ void __launch_bounds__(kRRThreads, 1)
+    router_norm_route_kernel(const RouterRouteParams p, const RouterNormArgs n) {
+  router_route_body<T, NT, kSigmoid, kC, false, true>(p, n);
+}
+
+template <class T, int NT, bool kSigmoid>
+__global__ void CW8A8_CLUSTER_DIMS(kClusterCtas, 1, 1) __launch_bounds__(kRRThreads, 1)
+    router_norm_route_kernel_one_slice(const RouterRouteParams p, const RouterNormArgs n) {
+  router_route_body<T, NT, kSigmoid, kClusterCtas, true, true>(p, n);
 }
 
 constexpr int64_t kMaxSlotBytes = 32 * 1024;  // slots: with partial and rows, at most 48 KiB of shared memory
@@ -385,6 +501,135 @@ RouterPlan router_plan(int device, int64_t e, int64_t h, at::ScalarType dtype) {
   return {c, router_slices(tiles, static_cast<int>(h / kChunk), static_cast<int>(e), c)};
 }
 
+// The launch arguments of both ops for x [T, H] (T >= 1) and router_weight [E, H] under `plan` (router_plan),
+// writing into weights / ids.
+RouterRouteParams router_params(const at::Tensor& x, const at::Tensor& router_weight, int64_t top_k, bool sigmoid,
+                                const std::optional<at::Tensor>& correction_bias, int64_t n_group, int64_t topk_group,
+                                bool renormalize, double scaling_factor, at::ScalarType ldt, const RouterPlan& plan,
+                                at::Tensor& weights, at::Tensor& ids) {
+  const int64_t t = x.size(0), h = x.size(1), e = router_weight.size(0);
+  RouterRouteParams p{};
+  p.x = x.data_ptr();
+  p.x_stride = t > 1 ? x.stride(0) : h;
+  p.w = router_weight.data_ptr();
+  p.w_stride = e > 1 ? router_weight.stride(0) : h;
+  p.t = static_cast<int>(t);
+  p.h = static_cast<int>(h);
+  p.e = static_cast<int>(e);
+  const int c = plan.ctas;
+  p.tiles = static_cast<int>((e + kTileE - 1) / kTileE);
+  p.slices = plan.slices;
+  const int chunks = p.h / kChunk;
+  p.slice_chunks = (chunks + p.slices - 1) / p.slices;
+  p.tokens_per_cta = static_cast<int>((t + c - 1) / c);
+  p.round_logits = ldt != at::kFloat;
+  RouteArgs& a = p.a;
+  a.rows = t;
+  a.e = static_cast<int>(e);
+  a.k = static_cast<int>(top_k);
+  a.bias = correction_bias.has_value() ? correction_bias->data_ptr<float>() : nullptr;
+  a.bias_stride = correction_bias.has_value() ? correction_bias->stride(0) : 0;
+  a.n_group = static_cast<int>(n_group);
+  a.group_size = static_cast<int>(e / n_group);
+  a.topk_group = static_cast<int>(topk_group);
+  a.renormalize = renormalize;
+  a.renorm_eps = sigmoid ? static_cast<float>(1e-20) : 0.f;  // as route_impl (routing.cu)
+  a.scale = static_cast<float>(scaling_factor);
+  a.weights = weights.data_ptr<float>();
+  a.ids = ids.data_ptr<int>();
+  return p;
+}
+
+// Calls launch(T{}, NT constant, kSigmoid constant) for the dtype, the token tiles (nt 1 or 2) and the scoring.
+template <class F>
+void dispatch_router(bool bf16, int nt, bool sigmoid, F&& launch) {
+  auto by_nt = [&](auto tag, auto sig_c) {
+    if (nt == 1) {
+      launch(tag, std::integral_constant<int, 1>{}, sig_c);
+    } else {
+      launch(tag, std::integral_constant<int, 2>{}, sig_c);
+    }
+  };
+  auto by_sig = [&](auto tag) {
+    if (sigmoid) {
+      by_nt(tag, std::true_type{});
+    } else {
+      by_nt(tag, std::false_type{});
+    }
+  };
+  if (bf16) {
+    by_sig(__nv_bfloat16{});
+  } else {
+    by_sig(__half{});
+  }
+}
+
+// --- add_rms_norm_moe_router_route's launch: more than 48 KiB of shared memory (the y rows) ----------------------
+
+// The device's opt-in shared memory per block, asked once per device.
+int max_optin_smem(int device) {
+  static std::array<std::atomic<int>, 64> known{};  // 0: not asked yet
+  std::atomic<int>& v = known.at(static_cast<size_t>(device));
+  int bytes = v.load(std::memory_order_acquire);
+  if (bytes == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    v.store(bytes, std::memory_order_release);
+  }
+  return bytes;
+}
+
+// Sets a norm kernel's attributes once per (kernel, device): the opt-in shared memory, and for the clusters of 16 the
+// non-portable cluster size.
+void prepare_norm_kernel(const void* kernel, int device, bool wide) {
+  static std::mutex mutex;
+  static std::vector<std::pair<const void*, int>> done;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& d : done) {
+    if (d.first == kernel && d.second == device) return;
+  }
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_optin_smem(device)));
+  if (wide) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  done.emplace_back(kernel, device);
+}
+
+// Whether a cluster of kWideClusterCtas CTAs of the norm kernels is resident with the most shared memory a CTA may
+// have (then at any size), asked once per (device, T) and cached. Where not, the op runs its two-op composition.
+template <class T>
+bool norm_wide_resident(int device) {
+  static std::array<std::atomic<int>, 64> state{};  // 0: not asked yet, 1: resident, 2: not
+  std::atomic<int>& known = state.at(static_cast<size_t>(device));
+  const int v = known.load(std::memory_order_acquire);
+  if (v != 0) return v == 1;
+  bool ok = true;
+  auto ask = [&](auto kernel) {
+    if (!ok) return;
+    prepare_norm_kernel(reinterpret_cast<const void*>(kernel), device, true);
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(kWideClusterCtas);
+    cfg.blockDim = dim3(kRRThreads);
+    cfg.dynamicSmemBytes = static_cast<size_t>(max_optin_smem(device));
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = kWideClusterCtas;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError();
+      clusters = 0;
+    }
+    ok = clusters > 0;
+  };
+  ask(router_norm_route_kernel<T, 1, false, kWideClusterCtas>);
+  ask(router_norm_route_kernel<T, 2, false, kWideClusterCtas>);
+  ask(router_norm_route_kernel<T, 1, true, kWideClusterCtas>);
+  ask(router_norm_route_kernel<T, 2, true, kWideClusterCtas>);
+  known.store(ok ? 1 : 2, std::memory_order_release);
+  return ok;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> moe_router_route(const at::Tensor& x, const at::Tensor& router_weight, int64_t top_k,
@@ -410,44 +655,15 @@ std::tuple<at::Tensor, at::Tensor> moe_router_route(const at::Tensor& x, const a
   at::Tensor ids = at::empty({t, top_k}, opts.dtype(at::kInt));
   if (t == 0) return {weights, ids};
 
-  RouterRouteParams p{};
-  p.x = x.data_ptr();
-  p.x_stride = t > 1 ? x.stride(0) : h;
-  p.w = router_weight.data_ptr();
-  p.w_stride = e > 1 ? router_weight.stride(0) : h;
-  p.t = static_cast<int>(t);
-  p.h = static_cast<int>(h);
-  p.e = static_cast<int>(e);
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
   const RouterPlan plan = router_plan(device, e, h, x.scalar_type());
-  const int c = plan.ctas;
-  const bool wide = c == kWideClusterCtas;
-  p.tiles = static_cast<int>((e + kTileE - 1) / kTileE);
-  p.slices = plan.slices;
-  const int chunks = p.h / kChunk;
-  p.slice_chunks = (chunks + p.slices - 1) / p.slices;
-  p.tokens_per_cta = static_cast<int>((t + c - 1) / c);
-  p.round_logits = ldt != at::kFloat;
-  RouteArgs& a = p.a;
-  a.rows = t;
-  a.e = static_cast<int>(e);
-  a.k = static_cast<int>(top_k);
-  a.bias = correction_bias.has_value() ? correction_bias->data_ptr<float>() : nullptr;
-  a.bias_stride = correction_bias.has_value() ? correction_bias->stride(0) : 0;
-  a.n_group = static_cast<int>(n_group);
-  a.group_size = static_cast<int>(e / n_group);
-  a.topk_group = static_cast<int>(topk_group);
-  a.renormalize = renormalize;
-  a.renorm_eps = sigmoid ? static_cast<float>(1e-20) : 0.f;  // as route_impl (routing.cu)
-  a.scale = static_cast<float>(scaling_factor);
-  a.weights = weights.data_ptr<float>();
-  a.ids = ids.data_ptr<int>();
-
+  const RouterRouteParams p = router_params(x, router_weight, top_k, sigmoid, correction_bias, n_group, topk_group,
+                                            renormalize, scaling_factor, ldt, plan, weights, ids);
+  const bool wide = plan.ctas == kWideClusterCtas;
   const int nt = t > kTileT ? 2 : 1;
   const size_t smem = router_route_smem(nt, p.tokens_per_cta, p.slices, p.e);  // <= 48 KiB (router_slices)
   const bool pdl = kernels_use_pdl(device);
   cudaStream_t stream = current_stream(x);
-  auto launch = [&](auto tag, auto nt_c, auto sig_c) {
+  dispatch_router(x.scalar_type() == at::kBFloat16, nt, sigmoid, [&](auto tag, auto nt_c, auto sig_c) {
     using T = decltype(tag);
     constexpr int kNt = decltype(nt_c)::value;
     constexpr bool kSig = decltype(sig_c)::value;
@@ -461,27 +677,92 @@ std::tuple<at::Tensor, at::Tensor> moe_router_route(const at::Tensor& x, const a
       C10_CUDA_CHECK(launch_kernel_cluster(router_route_kernel<T, kNt, kSig, kClusterCtas>, dim3(kClusterCtas),
                                            dim3(kRRThreads), smem, stream, pdl, dim3(kClusterCtas, 1, 1), p));
     }
-  };
-  auto by_nt = [&](auto tag, auto sig_c) {
-    if (nt == 1) {
-      launch(tag, std::integral_constant<int, 1>{}, sig_c);
-    } else {
-      launch(tag, std::integral_constant<int, 2>{}, sig_c);
-    }
-  };
-  auto by_sig = [&](auto tag) {
-    if (sigmoid) {
-      by_nt(tag, std::true_type{});
-    } else {
-      by_nt(tag, std::false_type{});
-    }
-  };
-  if (bf16) {
-    by_sig(__nv_bfloat16{});
-  } else {
-    by_sig(__half{});
-  }
+  });
   return {weights, ids};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_rms_norm_moe_router_route(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_weight, double eps,
+    const at::Tensor& router_weight, int64_t top_k, c10::string_view scoring,
+    const std::optional<at::Tensor>& correction_bias, int64_t n_group, int64_t topk_group, bool renormalize,
+    double scaling_factor, std::optional<at::ScalarType> logits_dtype) {
+  constexpr const char* op = "add_rms_norm_moe_router_route";
+  moe::check_norm_router_route(op, x, residual, norm_weight, eps, router_weight, top_k, scoring, correction_bias,
+                               n_group, topk_group, scaling_factor, logits_dtype);
+  check_cuda(op, "x", x);
+  c10::cuda::CUDAGuard guard(x.device());
+  const at::ScalarType ldt = logits_dtype.value_or(x.scalar_type());
+  const bool sigmoid = scoring == "sigmoid";
+  const int64_t t = x.size(0), h = x.size(1), e = router_weight.size(0);
+  const int device = x.get_device();
+  const auto opts = x.options();
+  at::Tensor residual_out = at::empty({t, h}, opts);
+  if (t == 0) {
+    return {at::empty({0, h}, opts), residual_out, at::empty({0, top_k}, opts.dtype(at::kFloat)),
+            at::empty({0, top_k}, opts.dtype(at::kInt))};
+  }
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int nt = t > kTileT ? 2 : 1;
+  bool fused = clusters_available(device);
+  RouterPlan plan{0, 0};
+  size_t smem = 0;
+  int xs_offset = 0;
+  if (fused) {
+    plan = router_plan(device, e, h, x.scalar_type());
+    const int c = plan.ctas;
+    const int tokens_per_cta = static_cast<int>((t + c - 1) / c);
+    const size_t base = router_route_smem(nt, tokens_per_cta, plan.slices, static_cast<int>(e));
+    xs_offset = static_cast<int>((base + 15) / 16 * 4);
+    smem = size_t(xs_offset) * 4 + size_t(t) * size_t(h + kNormPad) * x.element_size() +
+           size_t(kRRWarps + 1) * kMaxT * sizeof(float);
+    fused = smem <= static_cast<size_t>(max_optin_smem(device)) &&
+            (plan.ctas != kWideClusterCtas ||
+             (bf16 ? norm_wide_resident<__nv_bfloat16>(device) : norm_wide_resident<__half>(device)));
+  }
+  if (!fused) {  // before sm90, y rows above the shared memory, or no resident cluster of 16: the two ops
+    residual_out.copy_(residual);
+    at::Tensor y = fused_add_rms_norm(x, residual_out, norm_weight, eps);
+    auto [weights, ids] = moe_router_route(y, router_weight, top_k, scoring, correction_bias, n_group, topk_group,
+                                           renormalize, scaling_factor, logits_dtype);
+    return {y, residual_out, weights, ids};
+  }
+  at::Tensor y = at::empty({t, h}, opts);
+  at::Tensor weights = at::empty({t, top_k}, opts.dtype(at::kFloat));
+  at::Tensor ids = at::empty({t, top_k}, opts.dtype(at::kInt));
+  const RouterRouteParams p = router_params(x, router_weight, top_k, sigmoid, correction_bias, n_group, topk_group,
+                                            renormalize, scaling_factor, ldt, plan, weights, ids);
+  RouterNormArgs n{};
+  n.residual = residual.data_ptr();
+  n.residual_stride = t > 1 ? residual.stride(0) : h;
+  n.weight = norm_weight.data_ptr();
+  n.y = y.data_ptr();
+  n.residual_out = residual_out.data_ptr();
+  n.eps = static_cast<float>(eps);
+  n.xs_offset = xs_offset;
+  const bool wide = plan.ctas == kWideClusterCtas;
+  const bool pdl = kernels_use_pdl(device);
+  cudaStream_t stream = current_stream(x);
+  dispatch_router(bf16, nt, sigmoid, [&](auto tag, auto nt_c, auto sig_c) {
+    using T = decltype(tag);
+    constexpr int kNt = decltype(nt_c)::value;
+    constexpr bool kSig = decltype(sig_c)::value;
+    if (wide) {
+      auto kernel = router_norm_route_kernel<T, kNt, kSig, kWideClusterCtas>;
+      prepare_norm_kernel(reinterpret_cast<const void*>(kernel), device, true);
+      C10_CUDA_CHECK(launch_kernel_cluster(kernel, dim3(kWideClusterCtas), dim3(kRRThreads), smem, stream, pdl,
+                                           dim3(kWideClusterCtas, 1, 1), p, n));
+    } else if (p.slices == 1) {
+      auto kernel = router_norm_route_kernel_one_slice<T, kNt, kSig>;
+      prepare_norm_kernel(reinterpret_cast<const void*>(kernel), device, false);
+      C10_CUDA_CHECK(launch_kernel(kernel, dim3(kClusterCtas), dim3(kRRThreads), smem, stream, pdl, p, n));
+    } else {
+      auto kernel = router_norm_route_kernel<T, kNt, kSig, kClusterCtas>;
+      prepare_norm_kernel(reinterpret_cast<const void*>(kernel), device, false);
+      C10_CUDA_CHECK(launch_kernel_cluster(kernel, dim3(kClusterCtas), dim3(kRRThreads), smem, stream, pdl,
+                                           dim3(kClusterCtas, 1, 1), p, n));
+    }
+  });
+  return {y, residual_out, weights, ids};
 }
 
 std::vector<int64_t> moe_router_route_plan(int64_t device, int64_t experts, int64_t hidden, at::ScalarType dtype) {

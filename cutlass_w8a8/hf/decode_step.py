@@ -71,6 +71,7 @@ from torch import nn
 from ..linear import W8A8Linear
 from ..models.config import LlamaConfig
 from ..models.layers import LlamaDecoderLayer, RMSNorm, StepContext
+from ..models.moe import add_norm_route, add_norm_route_applies
 from ..moe.families import family_of, read_routing
 from ..moe.layer import W8A8MoE
 from .optimize import SUPPORTED_LAYERS, FusedGateUpMLP, FusedQKVAttention
@@ -220,6 +221,23 @@ class MoeMLP(nn.Module):
             topk_weights, topk_ids = self.experts.route_from_hidden(x, self.gate.weight, logits_dtype)
         else:
             _, topk_weights, topk_ids = self.gate(x)
+        return self._experts_and_shared(x, topk_ids, topk_weights)
+
+    def add_norm_route_applies(self, h: torch.Tensor, residual: Optional[torch.Tensor],
+                               norm_weight: torch.Tensor) -> bool:
+        """Whether `forward_add_norm` can take the post-attention norm's inputs (models/moe.py
+        `add_norm_route_applies` of the experts and the router weight)."""
+        return add_norm_route_applies(self.experts, self.gate.weight, h, residual, norm_weight)
+
+    def forward_add_norm(self, h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The post-attention norm folded into the router kernel (models/moe.py `add_norm_route`), then the experts
+        and the shared expert as `forward` on y: ``(out, residual_out)``, ``residual`` not written."""
+        y, residual_out, topk_weights, topk_ids = add_norm_route(self.experts, self.gate.weight, h, residual,
+                                                                 norm_weight, eps)
+        return self._experts_and_shared(y, topk_ids, topk_weights), residual_out
+
+    def _experts_and_shared(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         out = self.experts(x, topk_ids, topk_weights)
         if self.shared_expert is not None:
             s = self.shared_expert(x)

@@ -84,6 +84,14 @@ def _rope_(x: torch.Tensor, rope: torch.Tensor) -> None:
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def fused_norm_router_enabled() -> bool:
+    """The A/B switch of the MoE layers' post-attention norm folded into the router kernel
+    (`SparseMoeBlock.forward_add_norm`, ``add_rms_norm_moe_router_route``): on when the environment variable
+    ``CUTLASS_W8A8_FUSED_NORM_ROUTER`` is ``1`` (read at each layer call), off otherwise (the default until a GPU A/B
+    measures it). Either way the logits are the same bit for bit."""
+    return os.environ.get("CUTLASS_W8A8_FUSED_NORM_ROUTER") == "1"
+
+
 def _quantized_for(linear: W8A8Linear, q: torch.Tensor, scale: torch.Tensor) -> QuantizedActivation:
     # A static layer gets its own (1,) input_scale back (the op repeats it per row): the GEMM then runs
     # exactly as when the layer quantizes a float input itself.
@@ -369,6 +377,12 @@ class LlamaDecoderLayer(nn.Module):
                 x = self.input_layernorm(h, residual, quant_for=qkv_proj)  # residual += h, then the norm
             h = self.self_attn(x, ctx)
         mlp = self.mlp
+        norm2 = self.post_attention_layernorm
+        if (hasattr(mlp, "forward_add_norm") and fused_norm_router_enabled() and type(norm2) is RMSNorm
+                and mlp.add_norm_route_applies(h, residual, norm2.weight)):
+            # the post-attention norm folded into the router kernel (SparseMoeBlock, hf's MoeMLP): a new residual
+            # stream tensor
+            return mlp.forward_add_norm(h, residual, norm2.weight, norm2.eps)
         # the MoE block quantizes inside its experts (per routed pair): it gets the float output
         x = self.post_attention_layernorm(h, residual, quant_for=getattr(mlp, "gate_up_proj", None))
         return mlp(x), residual

@@ -9,7 +9,9 @@
   float reference); ``forward(x) = experts(x, gate(x))``, or, where a `cutlass_w8a8.W8A8MoE`'s
   ``router_route_applies`` (CUDA, T <= 16), ``experts(x, ids, weights)`` of ``experts.route_from_hidden(x,
   gate.weight)``: the router GEMM and the routing in one kernel (``moe_router_route``; ``gate`` itself is then not
-  called, so hooks on it do not run).
+  called, so hooks on it do not run). The decoder layer may fold its post-attention norm into that kernel:
+  ``add_norm_route_applies`` / ``forward_add_norm`` (``add_rms_norm_moe_router_route``, behind the decoder's
+  ``CUTLASS_W8A8_FUSED_NORM_ROUTER`` switch, models/layers.py).
 
 Every step is a fixed sequence of kernels on tensors whose shapes depend on the batch only (no host sync, no
 data-dependent shape), so the block captures into a CUDA graph like the rest of the decoder.
@@ -17,9 +19,14 @@ data-dependent shape), so the block captures into a CUDA graph like the rest of 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..ops._limits import NORM_DECODE_MAX_K
+from ..ops.moe import add_rms_norm_moe_router_route
 
 __all__ = ["MoEExperts", "SparseMoeBlock", "route_topk"]
 
@@ -122,3 +129,56 @@ class SparseMoeBlock(nn.Module):
             topk_weights, topk_ids = self.experts.route_from_hidden(x, self.gate.weight)
             return self.experts(x, topk_ids, topk_weights)
         return self.experts(x, self.gate(x))
+
+    def add_norm_route_applies(self, h: torch.Tensor, residual: Optional[torch.Tensor],
+                               norm_weight: torch.Tensor) -> bool:
+        """Whether `forward_add_norm` can take ``h`` and ``residual`` (the post-attention norm's inputs):
+        `add_norm_route_applies` of this block's experts and ``gate`` (a bias-free one)."""
+        return self.gate.bias is None and add_norm_route_applies(self.experts, self.gate.weight, h, residual,
+                                                                 norm_weight)
+
+    def forward_add_norm(self, h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The post-attention norm and this block in one go where `add_norm_route_applies`: ``(out, residual_out)``
+        with ``residual_out = residual + h`` (a new tensor; ``residual`` is not written) and ``out = forward(y)``,
+        ``y = rms_norm(residual_out) * norm_weight``; the norm and the routing are one kernel (`add_norm_route`),
+        the experts as in `forward`."""
+        y, residual_out, topk_weights, topk_ids = add_norm_route(self.experts, self.gate.weight, h, residual,
+                                                                 norm_weight, eps)
+        return self.experts(y, topk_ids, topk_weights), residual_out
+
+
+def add_norm_route_applies(experts, router_weight: torch.Tensor, h: torch.Tensor, residual: Optional[torch.Tensor],
+                           norm_weight: torch.Tensor) -> bool:
+    """Whether `add_norm_route` can take the post-attention norm's inputs ``h`` and ``residual`` for a MoE block's
+    ``experts`` and router weight: where the block would route with one kernel (``experts.router_route_applies`` of
+    ``h``: a `cutlass_w8a8.W8A8MoE`, CUDA, ``T <= 16``), ``H <= NORM_DECODE_MAX_K``, a ``residual`` of ``h``'s dtype,
+    device and shape with unit-stride rows whose pitch is a multiple of 8 at a 16-byte aligned offset, and a
+    contiguous ``(H,)`` ``norm_weight`` of ``h``'s dtype and device, 16-byte aligned (add_rms_norm_moe_router_route's
+    contract, so the op never raises on a call it takes)."""
+    applies = getattr(experts, "router_route_applies", None)
+    if applies is None or residual is None or not applies(h, router_weight):
+        return False
+    hidden = h.shape[1]
+    if hidden > NORM_DECODE_MAX_K or residual.dtype != h.dtype or residual.device != h.device:
+        return False
+    if (tuple(residual.shape) != tuple(h.shape) or residual.stride(1) != 1
+            or (residual.shape[0] > 1 and residual.stride(0) % 8 != 0)
+            or residual.storage_offset() * residual.element_size() % 16 != 0):
+        return False
+    return (norm_weight.dtype == h.dtype and norm_weight.device == h.device
+            and tuple(norm_weight.shape) == (hidden,) and norm_weight.is_contiguous()
+            and norm_weight.storage_offset() * norm_weight.element_size() % 16 == 0)
+
+
+def add_norm_route(experts, router_weight: torch.Tensor, h: torch.Tensor, residual: torch.Tensor,
+                   norm_weight: torch.Tensor, eps: float):
+    """``(y, residual_out, topk_weights, topk_ids)``: `cutlass_w8a8.ops.moe.add_rms_norm_moe_router_route` with the
+    routing of ``experts`` (a `cutlass_w8a8.W8A8MoE`: its ``top_k``, ``scoring``, ``correction_bias``, ``n_group``,
+    ``topk_group``, ``renormalize``, ``scaling_factor``; logits in the model dtype, as ``route_from_hidden``), bit
+    for bit ``fused_add_rms_norm`` on a copy of ``residual`` then ``experts.route_from_hidden(y, router_weight)``
+    where `add_norm_route_applies`."""
+    return add_rms_norm_moe_router_route(
+        h, residual, norm_weight, eps, router_weight, experts.top_k, scoring=experts.scoring,
+        correction_bias=experts.correction_bias, n_group=experts.n_group, topk_group=experts.topk_group,
+        renormalize=experts.renormalize, scaling_factor=experts.scaling_factor)

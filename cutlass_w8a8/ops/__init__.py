@@ -17,7 +17,7 @@ from ._limits import BLOCK_SIZE, DECODE_MAX_M, INT8_MAX_K
 from ._schema import register_cuda_fallback
 from .attention import decode_attention, decode_attention_quant, rope_kv_cache_
 from .gemm import add_rms_norm_linear_decode, linear_decode, scaled_mm, scaled_mm_decode, supports_fp8
-from .moe import (grouped_scaled_mm, moe_align, moe_decode_experts, moe_permute_quant, moe_route, moe_router_route,
+from .moe import (add_rms_norm_moe_router_route, grouped_scaled_mm, moe_align, moe_decode_experts, moe_permute_quant, moe_route, moe_router_route,
                   moe_topk_softmax, moe_unpermute)
 from .norm_act import rms_norm, rms_norm_quant, silu_mul, silu_mul_quant
 from .quant import quantize_fp8, quantize_int8, quantize_per_token_group
@@ -25,4 +25,4 @@ from .quant import quantize_fp8, quantize_int8, quantize_per_token_group
 __all__ = ["scaled_mm", "scaled_mm_decode", "linear_decode", "add_rms_norm_linear_decode", "supports_fp8", "quantize_int8", "quantize_fp8",
            "quantize_per_token_group", "BLOCK_SIZE",
            "rms_norm", "rms_norm_quant", "silu_mul", "silu_mul_quant", "decode_attention", "decode_attention_quant",
-           "rope_kv_cache_", "grouped_scaled_mm", "moe_topk_softmax", "moe_route", "moe_router_route", "moe_align", "moe_permute_quant", "moe_unpermute", "moe_decode_experts", "INT8_MAX_K", "DECODE_MAX_M", "check_scaled_mm", "register_cuda_fallback"]
+           "rope_kv_cache_", "grouped_scaled_mm", "moe_topk_softmax", "moe_route", "moe_router_route", "add_rms_norm_moe_router_route", "moe_align", "moe_permute_quant", "moe_unpermute", "moe_decode_experts", "INT8_MAX_K", "DECODE_MAX_M", "check_scaled_mm", "register_cuda_fallback"]

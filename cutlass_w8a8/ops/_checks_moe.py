@@ -6,7 +6,7 @@ same order."""
 from __future__ import annotations
 
 __all__ = ["MOE_SCORINGS", "check_moe_align", "check_moe_decode_experts", "check_moe_permute_quant", "check_moe_route",
-           "check_moe_router_route", "check_moe_topk_softmax", "check_moe_unpermute"]
+           "check_moe_router_route", "check_moe_topk_softmax", "check_moe_unpermute", "check_norm_router_route"]
 
 import math
 
@@ -14,7 +14,7 @@ import torch
 
 from ._checks import _group_quant
 from ._limits import (BLOCK_SIZE, GEMM_ALIGN, MAX_ROW_K, MAX_ROWS, MOE_DECODE_MAX_PAIRS, MOE_MAX_EXPERTS,
-                      MOE_MAX_GROUPS, MOE_ROUTER_H_MULTIPLE, MOE_ROUTER_ROUTE_MAX_T, blocks)
+                      MOE_MAX_GROUPS, MOE_ROUTER_H_MULTIPLE, MOE_ROUTER_ROUTE_MAX_T, NORM_DECODE_MAX_K, blocks)
 from ._roles import (aligned16, contiguous, eight_bit, exact_shape, fail_type, fail_value, float32_scale, float_input,
                      gemm_size, int8_k_bound, limit_text, output_dtype, quant_dtype, row_input, same_device, tensor_arg)
 
@@ -94,7 +94,13 @@ def check_moe_router_route(x, router_weight, top_k, scoring, correction_bias, n_
     MOE_ROUTER_H_MULTIPLE; router_weight [E, H] of x's dtype on x's device, 1 <= E <= MOE_MAX_EXPERTS; both with
     unit-stride rows whose pitch is a multiple of 8 elements, 16-byte aligned; logits_dtype None, x's dtype or
     float32; 1 <= top_k <= E; then moe_route's routing arguments (correction_bias on x's device)."""
-    op = "moe_router_route"
+    _router_route_args("moe_router_route", x, router_weight, top_k, scoring, correction_bias, n_group, topk_group,
+                       scaling_factor, logits_dtype)
+
+
+def _router_route_args(op, x, router_weight, top_k, scoring, correction_bias, n_group, topk_group, scaling_factor,
+                       logits_dtype) -> None:
+    """check_moe_router_route's checks under the name `op` (add_rms_norm_moe_router_route runs them first)."""
     tensor_arg(op, "x", x)
     float_input(op, "x", x, ROUTER_DTYPES)
     if x.dim() != 2:
@@ -124,6 +130,44 @@ def check_moe_router_route(x, router_weight, top_k, scoring, correction_bias, n_
     if not 1 <= top_k <= e:
         fail_value(op, "top_k", f"must be in [1, E] with E = {e}, got {top_k}")
     _routing_spec(op, e, "x", x, top_k, scoring, correction_bias, n_group, topk_group, scaling_factor)
+
+
+def check_norm_router_route(x, residual, norm_weight, eps, router_weight, top_k, scoring, correction_bias, n_group,
+                            topk_group, renormalize, scaling_factor, logits_dtype) -> None:
+    """add_rms_norm_moe_router_route: x (the hidden states h) and router_weight as moe_router_route (its checks, in
+    its order), then H <= NORM_DECODE_MAX_K (fused_add_rms_norm's one-block rows: the order of its sum of squares);
+    residual [T, H] of x's dtype on x's device with x's row layout, 16-byte aligned; norm_weight [H] of x's dtype on
+    x's device, contiguous, 16-byte aligned; eps a finite number >= 0 (csrc/moe/moe_args.hpp check_norm_router_route
+    raises the same)."""
+    op = "add_rms_norm_moe_router_route"
+    _router_route_args(op, x, router_weight, top_k, scoring, correction_bias, n_group, topk_group, scaling_factor,
+                       logits_dtype)
+    h = x.shape[1]
+    if h > NORM_DECODE_MAX_K:
+        fail_value(op, "x", f"H = x.shape[1] must be at most {NORM_DECODE_MAX_K} (the rows fused_add_rms_norm "
+                   f"normalizes in one block), got {h}")
+    tensor_arg(op, "residual", residual)
+    if residual.dtype != x.dtype:
+        fail_type(op, "residual", f"must have x's dtype {x.dtype}, got {residual.dtype}")
+    same_device(op, "x", x, [("residual", residual)])
+    if tuple(residual.shape) != tuple(x.shape):
+        fail_value(op, "residual", f"must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if residual.stride(1) != 1 or (residual.shape[0] > 1 and residual.stride(0) % 8 != 0):
+        fail_value(op, "residual", f"must have unit-stride rows with a row pitch that is a multiple of 8 elements, "
+                   f"got strides {tuple(residual.stride())}")
+    aligned16(op, "residual", residual)
+    tensor_arg(op, "norm_weight", norm_weight)
+    if norm_weight.dtype != x.dtype:
+        fail_type(op, "norm_weight", f"must have x's dtype {x.dtype}, got {norm_weight.dtype}")
+    same_device(op, "x", x, [("norm_weight", norm_weight)])
+    if norm_weight.dim() != 1 or norm_weight.shape[0] != h:
+        fail_value(op, "norm_weight", f"must be [H] with H = {h}, got shape {tuple(norm_weight.shape)}")
+    contiguous(op, "norm_weight", norm_weight)
+    aligned16(op, "norm_weight", norm_weight)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        fail_type(op, "eps", f"must be a float, got {type(eps).__name__}")
+    if not 0.0 <= eps < float("inf"):
+        fail_value(op, "eps", f"must be a finite number >= 0, got {float(eps)}")
 
 
 def check_moe_align(topk_ids, num_experts) -> None:

@@ -205,6 +205,17 @@ def _moe_router_route(x, router_weight, top_k, scoring="softmax", correction_bia
     return (x.new_empty((t, top_k), dtype=torch.float32), x.new_empty((t, top_k), dtype=torch.int32))
 
 
+@_fake("add_rms_norm_moe_router_route")
+def _add_rms_norm_moe_router_route(x, residual, norm_weight, eps, router_weight, top_k, scoring="softmax",
+                                   correction_bias=None, n_group=1, topk_group=1, renormalize=True,
+                                   scaling_factor=1.0, logits_dtype=None):
+    CM.check_norm_router_route(x, residual, norm_weight, eps, router_weight, top_k, scoring, correction_bias, n_group,
+                               topk_group, renormalize, scaling_factor, logits_dtype)
+    t = x.shape[0]
+    return (x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty((t, top_k), dtype=torch.float32),
+            x.new_empty((t, top_k), dtype=torch.int32))
+
+
 @_fake("moe_align")
 def _moe_align(topk_ids, num_experts):
     CM.check_moe_align(topk_ids, num_experts)

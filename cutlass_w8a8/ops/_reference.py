@@ -558,6 +558,21 @@ def _moe_router_route(x, router_weight, top_k, scoring="softmax", correction_bia
                                       renormalize, scaling_factor, logits_dtype)
 
 
+def _add_rms_norm_moe_router_route(x, residual, norm_weight, eps, router_weight, top_k, scoring="softmax",
+                                   correction_bias=None, n_group=1, topk_group=1, renormalize=True,
+                                   scaling_factor=1.0, logits_dtype=None):
+    """The CPU chain the fused op replaces, op for op: fused_add_rms_norm(x, r, norm_weight, eps) on a copy r of the
+    residual (which it turns into residual_out = residual + x in x's dtype), then moe_router_route(y, ...)."""
+    CM.check_norm_router_route(x, residual, norm_weight, eps, router_weight, top_k, scoring, correction_bias, n_group,
+                               topk_group, renormalize, scaling_factor, logits_dtype)
+    stream = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    stream.copy_(residual)
+    y = _fused_add_rms_norm(x, stream, norm_weight, eps)
+    weights, ids = _moe_router_route(y, router_weight, top_k, scoring, correction_bias, n_group, topk_group,
+                                     renormalize, scaling_factor, logits_dtype)
+    return y, stream, weights, ids
+
+
 def _moe_align(topk_ids, num_experts):
     CM.check_moe_align(topk_ids, num_experts)
     return moe_align_reference(topk_ids, num_experts)
@@ -586,6 +601,7 @@ def _moe_decode_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
 
 for _name, _fn in (
         ("moe_topk_softmax", _moe_topk_softmax), ("moe_route", _moe_route), ("moe_router_route", _moe_router_route),
+        ("add_rms_norm_moe_router_route", _add_rms_norm_moe_router_route),
         ("moe_align", _moe_align),
         ("moe_permute_quant", _moe_permute_quant), ("moe_unpermute", _moe_unpermute),
         ("moe_unpermute_out", _moe_unpermute_out), ("moe_decode_experts", _moe_decode_experts)):

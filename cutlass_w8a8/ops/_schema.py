@@ -62,6 +62,11 @@ Ops:
   renormalize=True, scaling_factor=1.0, logits_dtype=None) -> (topk_weights, topk_ids)``: the router GEMM
   (``x @ router_weight.T`` in float32, rounded to ``logits_dtype``) and ``moe_route`` on those logits in one kernel,
   at decode sizes (T <= 16)
+- ``add_rms_norm_moe_router_route(x, residual, norm_weight, eps, router_weight, top_k, <moe_router_route's routing
+  arguments>) -> (y, residual_out, topk_weights, topk_ids)``: a MoE layer's post-attention norm and its router in one
+  kernel at T <= 16, H <= 8192: ``s = residual + x``, ``residual_out = s`` (a new tensor: ``residual`` is not
+  written), ``y = rms_norm(s) * norm_weight``, then ``moe_router_route(y, ...)``; bit for bit ``fused_add_rms_norm``
+  on a copy of ``residual`` followed by ``moe_router_route``
 - ``moe_align(topk_ids, num_experts) -> (sorted_pairs, dst_pos, offsets)``: the (token, expert) pairs sorted by
   expert (stable), the inverse permutation and the end row of each expert's group
 - ``moe_permute_quant(x, sorted_pairs, top_k, dtype, scale=None, group_size=0) -> (q, scale)``: the tokens
@@ -210,6 +215,10 @@ _define("moe_route(Tensor router_logits, int top_k, str scoring=\"softmax\", Ten
 _define("moe_router_route(Tensor x, Tensor router_weight, int top_k, str scoring=\"softmax\", "
         "Tensor? correction_bias=None, int n_group=1, int topk_group=1, bool renormalize=True, "
         "float scaling_factor=1.0, ScalarType? logits_dtype=None) -> (Tensor, Tensor)")
+_define("add_rms_norm_moe_router_route(Tensor x, Tensor residual, Tensor norm_weight, float eps, Tensor router_weight, "
+        "int top_k, str scoring=\"softmax\", Tensor? correction_bias=None, int n_group=1, int topk_group=1, "
+        "bool renormalize=True, float scaling_factor=1.0, ScalarType? logits_dtype=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor)")
 _define("moe_align(Tensor topk_ids, int num_experts) -> (Tensor, Tensor, Tensor)")
 _define("moe_permute_quant(Tensor x, Tensor sorted_pairs, int top_k, ScalarType dtype, Tensor? scale=None, "
         "int group_size=0) -> (Tensor, Tensor)")

@@ -31,7 +31,7 @@ import torch
 
 from ._schema import OVERLOADS as _op
 
-__all__ = ["moe_topk_softmax", "moe_route", "moe_router_route", "moe_align", "moe_permute_quant", "moe_unpermute",
+__all__ = ["moe_topk_softmax", "moe_route", "moe_router_route", "add_rms_norm_moe_router_route", "moe_align", "moe_permute_quant", "moe_unpermute",
            "grouped_scaled_mm", "moe_decode_experts"]
 
 
@@ -246,6 +246,53 @@ def moe_router_route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, *
     """
     return _op.moe_router_route(x, router_weight, top_k, scoring, correction_bias, n_group, topk_group, renormalize,
                                 scaling_factor, logits_dtype)
+
+
+def add_rms_norm_moe_router_route(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                  router_weight: torch.Tensor, top_k: int, *, scoring: str = "softmax",
+                                  correction_bias: Optional[torch.Tensor] = None, n_group: int = 1,
+                                  topk_group: int = 1, renormalize: bool = True, scaling_factor: float = 1.0,
+                                  logits_dtype: Optional[torch.dtype] = None):
+    """A MoE layer's post-attention norm and its router in one kernel, at decode sizes.
+
+    ``s = residual + x`` (rounded to ``x``'s dtype), ``residual_out = s``, ``y = rms_norm(s) * norm_weight``, then
+    :func:`moe_router_route` on ``y``. Bit for bit ``fused_add_rms_norm(x, r, norm_weight, eps)`` on a copy ``r`` of
+    ``residual`` (which it turns into ``residual_out``) followed by ``moe_router_route(y, router_weight, top_k,
+    ...)``: every CTA of the router's cluster computes every row's sum of squares in fused_add_rms_norm's order
+    (``H <= 8192``: its one-block kernel) and y with its float operations, keeps the y rows in shared memory for the
+    router GEMM (csrc/moe/router_route.cu, the same plan, summation order and routing as moe_router_route), and the
+    CTA that routes a token writes its ``y`` and ``residual_out`` rows. ``residual`` is read, never written. Where
+    the y rows do not fit the shared memory, a cluster of 16 CTAs with them is not resident, or the device has no
+    clusters, the op runs the two ops itself (the same bits).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(T, H)`` the attention block's output ``h``, as ``moe_router_route``'s ``x`` (bfloat16 / float16,
+        ``T <= 16``, ``H`` a positive multiple of 64), and ``H <= 8192``.
+    residual : torch.Tensor
+        ``(T, H)`` the residual stream, ``x``'s dtype, device and row layout rules.
+    norm_weight : torch.Tensor
+        ``(H,)`` the post-attention RMSNorm weight, ``x``'s dtype, contiguous, 16-byte aligned.
+    eps : float
+        RMSNorm's epsilon, finite and ``>= 0``.
+    router_weight, top_k, scoring, correction_bias, n_group, topk_group, renormalize, scaling_factor, logits_dtype
+        As :func:`moe_router_route`.
+
+    Returns
+    -------
+    (y, residual_out, topk_weights, topk_ids) : tuple of torch.Tensor
+        ``y`` and ``residual_out`` ``(T, H)`` contiguous in ``x``'s dtype; the routing as :func:`moe_router_route`.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`moe_router_route`, naming the argument; also ``H`` above 8192, a ``residual`` / ``norm_weight``
+        of another dtype, device, shape or layout, and a bad ``eps``.
+    """
+    return _op.add_rms_norm_moe_router_route(x, residual, norm_weight, eps, router_weight, top_k, scoring,
+                                             correction_bias, n_group, topk_group, renormalize, scaling_factor,
+                                             logits_dtype)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int):

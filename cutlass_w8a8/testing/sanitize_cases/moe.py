@@ -101,6 +101,35 @@ def _moe_router_route(ctx: Ctx) -> None:
             check_equal(tw, w_ref.cpu(), f"{what}: weights")
 
 
+@case("add_rms_norm_moe_router_route", ["add_rms_norm_moe_router_route"])
+def _add_rms_norm_moe_router_route(ctx: Ctx) -> None:
+    """add_rms_norm_moe_router_route (the post-attention norm folded into moe_router_route's cluster kernel):
+    Qwen3-MoE dims at T 1 / 16 (the one-slice kernel), Mixtral's two H slices, a 1 MiB router (the 16-CTA kernel
+    where resident), DeepSeek-V3 dims; bit for bit against fused_add_rms_norm on a copy of the residual then
+    moe_router_route, on the same device; the residual is not written."""
+    params = [(1, 128, 2048, 8, "softmax", False, 1, 1, BF16, None), (16, 128, 2048, 8, "softmax", False, 1, 1, F16,
+                                                                        None),
+              (9, 8, 4096, 2, "softmax", False, 1, 1, BF16, None), (5, 128, 4096, 8, "sigmoid", True, 1, 1, BF16, None),
+              (3, 256, 7168, 8, "sigmoid", True, 8, 4, BF16, F32)]
+    for t, e, h, k, scoring, biased, n_group, topk_group, dtype, ldt in (params[:2] if ctx.quick else params):
+        what = f"add_rms_norm_moe_router_route T={t} E={e} H={h} k={k} {scoring} {dtype} logits={ldt}"
+        with ctx.sub(what):
+            x = ctx.to(ctx.randn(t, h, std=2.0).to(dtype))
+            r = ctx.to(ctx.randn(t, h, std=4.0).to(dtype))
+            nw = ctx.to((1 + 0.2 * ctx.randn(h, std=1.0)).to(dtype))
+            w = ctx.to((ctx.randn(e, h, std=1.0) / h**0.5).to(dtype))
+            bias = ctx.to(ctx.randn(e, std=0.1)) if biased else None
+            args = (k, scoring, bias, n_group, topk_group, True, 2.5 if biased else 1.0, ldt)
+            r_before = r.clone()
+            got = Q.add_rms_norm_moe_router_route(x, r, nw, 1e-6, w, *args)
+            stream = r.clone()
+            y = Q.fused_add_rms_norm(x, stream, nw, 1e-6)
+            want = (y, stream) + tuple(Q.moe_router_route(y, w, *args))
+            check_equal(r, r_before.cpu(), f"{what}: residual written")
+            for a, b, name in zip(got, want, ("y", "residual_out", "weights", "ids")):
+                check_equal(a, b.cpu(), f"{what}: {name}")
+
+
 @case("moe_align", ["moe_align"])
 def _moe_align(ctx: Ctx) -> None:
     """moe_align (the stable counting sort of the (token, expert) pairs): unrouted and out-of-range ids, many empty

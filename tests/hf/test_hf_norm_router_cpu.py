@@ -1,0 +1,60 @@
+"""`cutlass_w8a8.hf.DecodeStep` on tiny sparse-MoE transformers models (Qwen3-MoE; Qwen2-MoE with its shared expert)
+with ``CUTLASS_W8A8_FUSED_NORM_ROUTER=1``: the layers' post-attention norm folded into the router kernel
+(`MoeMLP.forward_add_norm`, ``add_rms_norm_moe_router_route``) gives the same logits bit for bit as the switch off
+(``fused_add_rms_norm``, ``moe_router_route``), one op fewer per layer. On the CPU `W8A8MoE.uses_decode_path` and
+`router_route_applies` are False: patched as in tests/hf/test_hf_decode_step_cpu.py.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import cutlass_w8a8 as cw
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from cutlass_w8a8.hf import DecodeStep  # noqa: E402
+from cutlass_w8a8.testing.op_calls import OpCalls  # noqa: E402
+
+CACHE = 48
+SWITCH = "CUTLASS_W8A8_FUSED_NORM_ROUTER"
+
+
+def _moe(kind):
+    import test_hf_generate_graph_cuda as gpu_cases
+
+    return gpu_cases._moe_model(kind, "int8", "cpu")
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_step_logits_equal_switch_on_off(kind, batch, monkeypatch):
+    from cutlass_w8a8.hf import optimize_
+
+    model = _moe(kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimize_(model)
+    monkeypatch.setattr(cw.W8A8MoE, "uses_decode_path", lambda self, x, k: True)
+    monkeypatch.setattr(cw.W8A8MoE, "router_route_applies", lambda self, x, w, logits_dtype=None: True)
+    step = DecodeStep(model, CACHE)
+    step.allocate(batch)
+    rows = torch.arange(batch)
+    g = torch.Generator().manual_seed(batch)
+    n = len(step.layers)
+    for i in range(3):  # each step twice at the same positions: both write the same cache columns
+        tokens = torch.randint(1, 64, (batch,), generator=g)
+        positions = rows + 2 + i
+        monkeypatch.setenv(SWITCH, "1")
+        with torch.no_grad(), OpCalls() as on_calls:
+            on = step(tokens, positions, rows)
+        monkeypatch.setenv(SWITCH, "0")
+        with torch.no_grad(), OpCalls() as off_calls:
+            off = step(tokens, positions, rows)
+        assert torch.equal(on, off), f"{kind} step {i}"
+        assert on_calls.names.count("cutlass_w8a8::add_rms_norm_moe_router_route") == n
+        assert on_calls.names.count("cutlass_w8a8::moe_router_route") == 0
+        assert off_calls.names.count("cutlass_w8a8::moe_router_route") == n
+        assert len(on_calls.names) == len(off_calls.names) - n
