@@ -24,23 +24,29 @@ from .moe import SparseMoeBlock
 __all__ = ["StepContext", "RMSNorm", "LlamaAttention", "LlamaMLP", "LlamaDecoderLayer", "fused_norm_qkv"]
 
 
+# The decoder's fused-norm switches (environment variables, "0" / unset: off, "1": on), all read by `_switch`. Both
+# fusions give the same results bit for bit and both measured slower on an H200 (48-layer Qwen3-MoE decoder, int8
+# graph, batch 1: 2.694 ms with both off, 2.875 with the qkv one, 3.053 with both; batch 8: 6.831 / 7.987 / 8.378;
+# bench/results/decoder_moe_fused_norms_nvidia-h200.md), so both are off by default.
 FUSED_NORM_QKV_ENV = "CUTLASS_W8A8_FUSED_NORM_QKV"
-_fused_norm_qkv: Optional[bool] = None
+FUSED_NORM_ROUTER_ENV = "CUTLASS_W8A8_FUSED_NORM_ROUTER"
 
 
-def fused_norm_qkv(reread: bool = False) -> bool:
+def _switch(env: str) -> bool:
+    """The on / off switch ``env``, read from the environment at each call (a dictionary lookup; tests set it with
+    monkeypatch). Unset, empty or ``0``: off; ``1``: on; any other value raises ValueError naming the variable."""
+    value = os.environ.get(env, "0")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{env} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def fused_norm_qkv() -> bool:
     """Whether `LlamaDecoderLayer`'s Python path runs its input norm and ``qkv_proj`` as one
-    `cutlass_w8a8.ops.add_rms_norm_linear_decode` kernel where it can: the switch ``CUTLASS_W8A8_FUSED_NORM_QKV``,
-    read from the environment once per process (``reread=True`` reads it again: tests). Unset or ``0``: off (the
-    default until it is measured on a GPU); ``1``: on. Any other value raises ValueError naming the variable. Both
-    give the same results bit for bit (the op equals rms_norm_quant followed by the decode GEMM)."""
-    global _fused_norm_qkv
-    if _fused_norm_qkv is None or reread:
-        value = os.environ.get(FUSED_NORM_QKV_ENV, "0")
-        if value not in ("", "0", "1"):
-            raise ValueError(f"{FUSED_NORM_QKV_ENV} must be 0 or 1, got {value!r}")
-        _fused_norm_qkv = value == "1"
-    return _fused_norm_qkv
+    `cutlass_w8a8.ops.add_rms_norm_linear_decode` kernel where it can: the switch ``CUTLASS_W8A8_FUSED_NORM_QKV``
+    (`_switch`; off by default: measured slower, see above). Both give the same results bit for bit (the op equals
+    rms_norm_quant followed by the decode GEMM)."""
+    return _switch(FUSED_NORM_QKV_ENV)
 
 
 class StepContext(NamedTuple):
@@ -85,11 +91,11 @@ _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def fused_norm_router_enabled() -> bool:
-    """The A/B switch of the MoE layers' post-attention norm folded into the router kernel
-    (`SparseMoeBlock.forward_add_norm`, ``add_rms_norm_moe_router_route``): on when the environment variable
-    ``CUTLASS_W8A8_FUSED_NORM_ROUTER`` is ``1`` (read at each layer call), off otherwise (the default until a GPU A/B
-    measures it). Either way the logits are the same bit for bit."""
-    return os.environ.get("CUTLASS_W8A8_FUSED_NORM_ROUTER") == "1"
+    """Whether the MoE layers' post-attention norm is folded into the router kernel
+    (`SparseMoeBlock.forward_add_norm`, ``add_rms_norm_moe_router_route``): the switch
+    ``CUTLASS_W8A8_FUSED_NORM_ROUTER`` (`_switch`; off by default: measured slower, see `FUSED_NORM_QKV_ENV`'s
+    comment). Either way the logits are the same bit for bit."""
+    return _switch(FUSED_NORM_ROUTER_ENV)
 
 
 def _quantized_for(linear: W8A8Linear, q: torch.Tensor, scale: torch.Tensor) -> QuantizedActivation:

@@ -20,16 +20,15 @@ MOE = DENSE.replace(qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_inte
 
 @pytest.fixture
 def switch(monkeypatch):
-    """set(value): CUTLASS_W8A8_FUSED_NORM_QKV for this test; the process's value is read again afterwards."""
+    """set(value): CUTLASS_W8A8_FUSED_NORM_QKV for this test (read at each call), undone afterwards."""
     def set_(value):
         if value is None:
             monkeypatch.delenv(L.FUSED_NORM_QKV_ENV, raising=False)
         else:
             monkeypatch.setenv(L.FUSED_NORM_QKV_ENV, value)
-        return L.fused_norm_qkv(reread=True)
+        return L.fused_norm_qkv()
     yield set_
     monkeypatch.undo()
-    L.fused_norm_qkv(reread=True)
 
 
 class _OpCounter(TorchDispatchMode):

@@ -25,10 +25,9 @@ MOE = DENSE.replace(qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_inte
 def switch(monkeypatch):
     def set_(value):
         monkeypatch.setenv(L.FUSED_NORM_QKV_ENV, value)
-        return L.fused_norm_qkv(reread=True)
+        return L.fused_norm_qkv()
     yield set_
     monkeypatch.undo()
-    L.fused_norm_qkv(reread=True)
 
 
 def _step_inputs(batch, step):

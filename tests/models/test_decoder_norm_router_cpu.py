@@ -50,9 +50,12 @@ def decode_sizes(monkeypatch):
 def test_switch_values(monkeypatch):
     monkeypatch.delenv(SWITCH, raising=False)
     assert not fused_norm_router_enabled()
-    for value, on in (("1", True), ("0", False), ("", False), ("yes", False)):
+    for value, on in (("1", True), ("0", False), ("", False)):
         monkeypatch.setenv(SWITCH, value)
         assert fused_norm_router_enabled() is on, value
+    monkeypatch.setenv(SWITCH, "yes")
+    with pytest.raises(ValueError, match="CUTLASS_W8A8_FUSED_NORM_ROUTER must be 0 or 1, got 'yes'"):
+        fused_norm_router_enabled()
 
 
 @pytest.mark.parametrize("quant", ["int8", "fp8"])
