@@ -226,15 +226,17 @@ class MoeMLP(nn.Module):
     def add_norm_route_applies(self, h: torch.Tensor, residual: Optional[torch.Tensor],
                                norm_weight: torch.Tensor) -> bool:
         """Whether `forward_add_norm` can take the post-attention norm's inputs (models/moe.py
-        `add_norm_route_applies` of the experts and the router weight)."""
-        return add_norm_route_applies(self.experts, self.gate.weight, h, residual, norm_weight)
+        `add_norm_route_applies` of the experts, the router weight and the record's logits dtype)."""
+        return add_norm_route_applies(self.experts, self.gate.weight, h, residual, norm_weight,
+                                      self.gate.logits_dtype)
 
     def forward_add_norm(self, h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The post-attention norm folded into the router kernel (models/moe.py `add_norm_route`), then the experts
         and the shared expert as `forward` on y: ``(out, residual_out)``, ``residual`` not written."""
+        # the logits in the dtype the family's router computes them in (GLM-4.5: float32), as `forward`
         y, residual_out, topk_weights, topk_ids = add_norm_route(self.experts, self.gate.weight, h, residual,
-                                                                 norm_weight, eps)
+                                                                 norm_weight, eps, self.gate.logits_dtype)
         return self._experts_and_shared(y, topk_ids, topk_weights), residual_out
 
     def _experts_and_shared(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):

@@ -149,15 +149,16 @@ class SparseMoeBlock(nn.Module):
 
 
 def add_norm_route_applies(experts, router_weight: torch.Tensor, h: torch.Tensor, residual: Optional[torch.Tensor],
-                           norm_weight: torch.Tensor) -> bool:
+                           norm_weight: torch.Tensor, logits_dtype: Optional[torch.dtype] = None) -> bool:
     """Whether `add_norm_route` can take the post-attention norm's inputs ``h`` and ``residual`` for a MoE block's
     ``experts`` and router weight: where the block would route with one kernel (``experts.router_route_applies`` of
-    ``h``: a `cutlass_w8a8.W8A8MoE`, CUDA, ``T <= 16``), ``H <= NORM_DECODE_MAX_K``, a ``residual`` of ``h``'s dtype,
+    ``h`` and ``logits_dtype``: a `cutlass_w8a8.W8A8MoE`, CUDA, ``T <= 16``), ``H <= NORM_DECODE_MAX_K``, a
+    ``residual`` of ``h``'s dtype,
     device and shape with unit-stride rows whose pitch is a multiple of 8 at a 16-byte aligned offset, and a
     contiguous ``(H,)`` ``norm_weight`` of ``h``'s dtype and device, 16-byte aligned (add_rms_norm_moe_router_route's
     contract, so the op never raises on a call it takes)."""
     applies = getattr(experts, "router_route_applies", None)
-    if applies is None or residual is None or not applies(h, router_weight):
+    if applies is None or residual is None or not applies(h, router_weight, logits_dtype):
         return False
     hidden = h.shape[1]
     if hidden > NORM_DECODE_MAX_K or residual.dtype != h.dtype or residual.device != h.device:
@@ -172,13 +173,13 @@ def add_norm_route_applies(experts, router_weight: torch.Tensor, h: torch.Tensor
 
 
 def add_norm_route(experts, router_weight: torch.Tensor, h: torch.Tensor, residual: torch.Tensor,
-                   norm_weight: torch.Tensor, eps: float):
+                   norm_weight: torch.Tensor, eps: float, logits_dtype: Optional[torch.dtype] = None):
     """``(y, residual_out, topk_weights, topk_ids)``: `cutlass_w8a8.ops.moe.add_rms_norm_moe_router_route` with the
     routing of ``experts`` (a `cutlass_w8a8.W8A8MoE`: its ``top_k``, ``scoring``, ``correction_bias``, ``n_group``,
-    ``topk_group``, ``renormalize``, ``scaling_factor``; logits in the model dtype, as ``route_from_hidden``), bit
-    for bit ``fused_add_rms_norm`` on a copy of ``residual`` then ``experts.route_from_hidden(y, router_weight)``
-    where `add_norm_route_applies`."""
+    ``topk_group``, ``renormalize``, ``scaling_factor``; logits in ``logits_dtype``, None: the model dtype, as
+    ``route_from_hidden``), bit for bit ``fused_add_rms_norm`` on a copy of ``residual`` then
+    ``experts.route_from_hidden(y, router_weight, logits_dtype)`` where `add_norm_route_applies`."""
     return add_rms_norm_moe_router_route(
         h, residual, norm_weight, eps, router_weight, experts.top_k, scoring=experts.scoring,
         correction_bias=experts.correction_bias, n_group=experts.n_group, topk_group=experts.topk_group,
-        renormalize=experts.renormalize, scaling_factor=experts.scaling_factor)
+        renormalize=experts.renormalize, scaling_factor=experts.scaling_factor, logits_dtype=logits_dtype)
