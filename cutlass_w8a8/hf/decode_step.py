@@ -206,6 +206,11 @@ class MoeMLP(nn.Module):
         fam = family_of(block)
         self.forward_spec = MOE_FAMILIES[fam.name]
         self.experts = getattr(block, fam.layout.module)
+        if fam.routing.correction_bias is not None:  # the experts route with the router's current bias (a device
+            # move after quantize_ ends the two tensors' sharing: W8A8MoE.tie_correction_bias)
+            bias = read_routing(block, fam, type(block).__name__).correction_bias
+            if bias is not None:
+                self.experts.tie_correction_bias(bias)
         self.gate = MoeRouter(getattr(block, fam.routing.router).weight, self.experts,
                               self.forward_spec.logits_dtype)
         shared = fam.shared_experts if self.forward_spec.shared != "none" else None

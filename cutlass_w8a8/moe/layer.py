@@ -227,6 +227,41 @@ class W8A8MoE(nn.Module):
         self.fused_decode = None  # None: the decode path where it is measured faster (uses_decode_path); True / False
         self.fused_router = True  # route_from_hidden: moe_router_route where router_route_applies; False: two ops
 
+    def tie_correction_bias(self, bias: torch.Tensor) -> None:
+        """Point the layer's ``correction_bias`` at the router's ``bias`` again.
+
+        The constructor shares the router's tensor where it can (a float32 view of it), so that a state dict
+        loaded into the router later is seen by the layer; a device move (``model.to(device)``) moves the two
+        modules' tensors separately and ends the sharing, and a later load into the router would leave the
+        layer routing with the old values. The decode step (`cutlass_w8a8.hf.DecodeStep`) calls this when it is
+        built.
+
+        Parameters
+        ----------
+        bias : torch.Tensor
+            The router's correction bias: E floating-point elements (``[E]`` or ``[1, E]``, any float dtype).
+            Shared (a view) when it is float32 on the layer's device, else copied to float32 there.
+
+        Raises
+        ------
+        ValueError
+            The layer routes without a correction bias, or ``bias`` does not have E elements.
+        TypeError
+            ``bias`` is not a floating-point tensor.
+        """
+        if self.correction_bias is None:
+            raise ValueError("W8A8MoE.tie_correction_bias: this layer routes without a correction bias")
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            raise TypeError(f"W8A8MoE.tie_correction_bias: `bias` must be a floating-point tensor, got "
+                            f"{getattr(bias, 'dtype', type(bias).__name__)}")
+        e = self.num_experts
+        if bias.numel() != e:
+            raise ValueError(f"W8A8MoE.tie_correction_bias: `bias` must have E = {e} elements, got shape "
+                             f"{tuple(bias.shape)}")
+        device = self.w13.device
+        bias = bias.detach().reshape(e)  # a view where it can be: the same storage
+        self._buffers["correction_bias"] = bias.to(device=device, dtype=torch.float32)
+
     @property
     def group_size(self) -> int:
         """128 when activations are quantized per 1 x 128 group (block-scaled fp8), else 0."""

@@ -391,3 +391,40 @@ def test_qwen3_moe_step_ops_per_layer(batch, monkeypatch):
     assert calls.names == (["aten::index_select", "aten::embedding"] + MOE_LAYER_OPS * n
                            + ["cutlass_w8a8::fused_add_rms_norm", "aten::mm"]), calls.names
     assert cuda_kernels(MOE_LAYER_OPS) == 11
+
+
+def test_glm_step_routes_with_the_routers_current_correction_bias():
+    """A device move after quantize_ ends the sharing of the router's correction bias with its W8A8MoE (both modules
+    move their own tensor); a bias loaded into the router afterwards must still be the one the decode step routes
+    with: DecodeStep re-ties the experts' bias to the router's (W8A8MoE.tie_correction_bias), sharing its storage
+    again where it is float32 on the experts' device."""
+    import test_hf_generate_graph_cuda as gpu_cases
+
+    model = gpu_cases._moe_optimized("glm4_moe", "int8", "cpu")
+    block = next(m for m in model.modules() if type(m).__name__ == "Glm4MoeMoE")
+    experts, router_bias = block.experts, block.gate.e_score_correction_bias
+    # what model.to(device) leaves: two tensors with the same values, not shared
+    experts._buffers["correction_bias"] = experts.correction_bias.clone()
+    with torch.no_grad():
+        router_bias.copy_(torch.linspace(-0.5, 0.5, router_bias.numel()).reshape(router_bias.shape))
+    assert not torch.equal(experts.correction_bias, router_bias.float().reshape(-1))
+    DecodeStep(model, 32)
+    assert torch.equal(experts.correction_bias, router_bias.float().reshape(-1))
+    if router_bias.dtype == torch.float32:  # shared again: a later load into the router is seen
+        assert experts.correction_bias.data_ptr() == router_bias.data_ptr()
+        with torch.no_grad():
+            router_bias.add_(1.0)
+        assert torch.equal(experts.correction_bias, router_bias.reshape(-1))
+
+
+def test_tie_correction_bias_errors():
+    model = _moe("glm4_moe")
+    experts = next(m for m in model.modules() if isinstance(m, cw.W8A8MoE))
+    e = experts.num_experts
+    with pytest.raises(ValueError, match=f"`bias` must have E = {e} elements"):
+        experts.tie_correction_bias(torch.zeros(e + 1))
+    with pytest.raises(TypeError, match="`bias` must be a floating-point tensor"):
+        experts.tie_correction_bias(torch.zeros(e, dtype=torch.int32))
+    plain = next(m for m in _moe("qwen3_moe").modules() if isinstance(m, cw.W8A8MoE))
+    with pytest.raises(ValueError, match="routes without a correction bias"):
+        plain.tie_correction_bias(torch.zeros(plain.num_experts))
