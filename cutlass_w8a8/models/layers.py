@@ -21,7 +21,8 @@ from ..ops._limits import DECODE_MAX_M, NORM_DECODE_MAX_K
 from .config import LlamaConfig
 from .moe import SparseMoeBlock
 
-__all__ = ["StepContext", "RMSNorm", "LlamaAttention", "LlamaMLP", "LlamaDecoderLayer", "fused_norm_qkv"]
+__all__ = ["StepContext", "RMSNorm", "LlamaAttention", "LlamaMLP", "LlamaDecoderLayer", "fused_norm_qkv",
+           "fused_norm_router"]
 
 
 # The decoder's fused-norm switches (environment variables, "0" / unset: off, "1": on), all read by `_switch`. Both
@@ -90,7 +91,7 @@ def _rope_(x: torch.Tensor, rope: torch.Tensor) -> None:
 _FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def fused_norm_router_enabled() -> bool:
+def fused_norm_router() -> bool:
     """Whether the MoE layers' post-attention norm is folded into the router kernel
     (`SparseMoeBlock.forward_add_norm`, ``add_rms_norm_moe_router_route``): the switch
     ``CUTLASS_W8A8_FUSED_NORM_ROUTER`` (`_switch`; off by default: measured slower, see `FUSED_NORM_QKV_ENV`'s
@@ -384,7 +385,7 @@ class LlamaDecoderLayer(nn.Module):
             h = self.self_attn(x, ctx)
         mlp = self.mlp
         norm2 = self.post_attention_layernorm
-        if (hasattr(mlp, "forward_add_norm") and fused_norm_router_enabled() and type(norm2) is RMSNorm
+        if (hasattr(mlp, "forward_add_norm") and fused_norm_router() and type(norm2) is RMSNorm
                 and mlp.add_norm_route_applies(h, residual, norm2.weight)):
             # the post-attention norm folded into the router kernel (SparseMoeBlock, hf's MoeMLP): a new residual
             # stream tensor

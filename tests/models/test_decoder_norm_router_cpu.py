@@ -15,7 +15,7 @@ import torch
 
 import cutlass_w8a8 as cw
 from cutlass_w8a8.models import LlamaConfig, LlamaDecoder
-from cutlass_w8a8.models.layers import fused_norm_router_enabled
+from cutlass_w8a8.models.layers import fused_norm_router
 from cutlass_w8a8.testing.op_calls import OpCalls
 
 TINY = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -49,13 +49,13 @@ def decode_sizes(monkeypatch):
 
 def test_switch_values(monkeypatch):
     monkeypatch.delenv(SWITCH, raising=False)
-    assert not fused_norm_router_enabled()
+    assert not fused_norm_router()
     for value, on in (("1", True), ("0", False), ("", False)):
         monkeypatch.setenv(SWITCH, value)
-        assert fused_norm_router_enabled() is on, value
+        assert fused_norm_router() is on, value
     monkeypatch.setenv(SWITCH, "yes")
     with pytest.raises(ValueError, match="CUTLASS_W8A8_FUSED_NORM_ROUTER must be 0 or 1, got 'yes'"):
-        fused_norm_router_enabled()
+        fused_norm_router()
 
 
 @pytest.mark.parametrize("quant", ["int8", "fp8"])
