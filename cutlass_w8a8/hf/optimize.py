@@ -282,9 +282,9 @@ def _fuse_shared_experts(block: nn.Module, mlp_cls: str, fqn: str, notes: list) 
 
 
 def _is_moe_block(m) -> bool:
-    """A sparse mixture-of-experts block (transformers' ``*SparseMoeBlock``, or one holding a W8A8MoE)."""
-    name = type(m).__name__
-    return "Moe" in name or "MoE" in name or any("MoE" in type(c).__name__ for c in m.children())
+    """A sparse mixture-of-experts block: a block of a `cutlass_w8a8.moe.families` row (the one owner of which
+    transformers classes are MoE blocks; not a class-name test, which dense ``Glm4MoeMLP`` / ``Qwen3MoeMLP`` pass)."""
+    return family_of(m) is not None
 
 
 def _is_silu(act) -> bool:

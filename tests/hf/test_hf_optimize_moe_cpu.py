@@ -140,3 +140,25 @@ def test_moe_model_save_load_and_unoptimize_round_trip(tmp_path, case, scheme):
     optimize_(o)
     assert isinstance(getattr(o.model.layers[1].mlp, SHARED[case]), FusedGateUpMLP)
     assert torch.equal(_logits(o), want)
+
+
+def test_a_module_named_like_a_moe_block_is_not_taken_for_one():
+    """Which modules are MoE blocks is the family table's answer (`cutlass_w8a8.moe.families.family_of`), not a class
+    name test: a layer's ``mlp`` replaced by a module of no family row whose name contains "Moe" gets optimize_'s
+    "left as is" note like any other unrecognised MLP, while the family's own blocks are still passed over silently."""
+    model = tiny_moe_model("qwen3_moe")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cw.quantize_(model, SCHEMES["int8"], filter_fn=lambda m, fqn: fqn != "lm_head")
+
+    class MyMoeThing(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    layers = model.model.layers
+    layers[0].mlp = MyMoeThing()
+    with pytest.warns(UserWarning) as record:
+        optimize_(model)
+    text = " ".join(str(w.message) for w in record)
+    assert "its mlp is MyMoeThing, not Qwen3MoeMLP" in text
+    assert "Qwen3MoeSparseMoeBlock" not in text  # the other layers' blocks: passed over without a note
