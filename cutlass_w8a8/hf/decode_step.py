@@ -90,20 +90,17 @@ class MoeBlockForward:
         ``"input"``: the router's logits are ``F.linear(x, weight)`` in the dtype of the block's input (Qwen /
         Mixtral / OLMoE routers, whose weight is in the model dtype); ``"float32"``: ``F.linear(x.float(),
         weight.float())`` (GLM-4.5's ``Glm4MoeTopkRouter``, whose weight transformers keeps in float32).
-    shared : str
-        ``"none"``: no shared experts; ``"gated"``: the row's shared experts times ``sigmoid(gate(x))`` added to
-        the routed experts' output (Qwen2-MoE); ``"plain"``: the shared experts' output added as it is (GLM-4.5).
+
+    The shared experts are the row's (`cutlass_w8a8.moe.families.SharedExperts`, their one owner): with a gate
+    (Qwen2-MoE) their output times ``sigmoid(gate(x))`` is added to the routed experts', without (GLM-4.5) as it is.
     """
 
     router_logits: str
-    shared: str
 
     def __post_init__(self):
         if self.router_logits not in ("input", "float32"):
             raise ValueError(f"MoeBlockForward: `router_logits` must be 'input' or 'float32', got "
                              f"{self.router_logits!r}")
-        if self.shared not in ("none", "gated", "plain"):
-            raise ValueError(f"MoeBlockForward: `shared` must be 'none', 'gated' or 'plain', got {self.shared!r}")
 
     @property
     def logits_dtype(self) -> Optional[torch.dtype]:
@@ -115,15 +112,15 @@ class MoeBlockForward:
 #: the block computes around its routing (`MoeBlockForward`): a router of one ``weight`` ``[E, H]`` without bias
 #: whose logits are computed as the record says, the row's routing (`W8A8MoE.route`: softmax top-k; GLM-4.5's
 #: sigmoid + correction bias + groups + renormalize + ``routed_scaling_factor``), the experts called with the top-k
-#: ids and weights, plus the row's shared experts as the record says. Other rows' blocks compute otherwise
+#: ids and weights, plus the row's shared experts (times the sigmoid of their gate where the row has one). Other rows' blocks compute otherwise
 #: (DeepSeek-V3's attention is MLA; Laguna's logits are soft-capped, its block scales its output) or are untested
 #: here: not served (`DecodeStep.why_not` names the row).
 MOE_FAMILIES = {
-    "Qwen2-MoE": MoeBlockForward(router_logits="input", shared="gated"),
-    "Qwen3-MoE": MoeBlockForward(router_logits="input", shared="none"),
-    "Mixtral": MoeBlockForward(router_logits="input", shared="none"),
-    "OLMoE": MoeBlockForward(router_logits="input", shared="none"),
-    "GLM-4.5": MoeBlockForward(router_logits="float32", shared="plain"),
+    "Qwen2-MoE": MoeBlockForward(router_logits="input"),
+    "Qwen3-MoE": MoeBlockForward(router_logits="input"),
+    "Mixtral": MoeBlockForward(router_logits="input"),
+    "OLMoE": MoeBlockForward(router_logits="input"),
+    "GLM-4.5": MoeBlockForward(router_logits="float32"),
 }
 
 
@@ -213,10 +210,10 @@ class MoeMLP(nn.Module):
                 self.experts.tie_correction_bias(bias)
         self.gate = MoeRouter(getattr(block, fam.routing.router).weight, self.experts,
                               self.forward_spec.logits_dtype)
-        shared = fam.shared_experts if self.forward_spec.shared != "none" else None
+        shared = fam.shared_experts
         self.shared_expert = getattr(block, shared.module) if shared is not None else None
-        self.shared_expert_gate = (getattr(block, shared.gate) if shared is not None
-                                   and self.forward_spec.shared == "gated" else None)
+        self.shared_expert_gate = (getattr(block, shared.gate) if shared is not None and shared.gate is not None
+                                   else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the router GEMM and the routing: one kernel (moe_router_route) at decode sizes on CUDA, else `gate`'s two
@@ -265,20 +262,14 @@ def _why_not_moe(block: nn.Module, where: str) -> Optional[str]:
     if spec is None:
         return (f"`{where}` is a {fam.name} block ({type(block).__name__}), whose forward DecodeStep does not "
                 f"run (it runs the blocks of {', '.join(MOE_FAMILIES)})")
-    shared = fam.shared_experts
-    if spec.shared == "none" and shared is not None:
-        return (f"`{where}` ({type(block).__name__}) has shared experts (`{shared.module}`), which DecodeStep's "
-                f"{fam.name} block forward does not add")
-    if spec.shared != "none":
-        if shared is None or not isinstance(getattr(block, shared.module, None), nn.Module):
-            return (f"`{where}` ({type(block).__name__}) has no shared experts module "
-                    f"`{shared.module if shared is not None else 'shared_experts'}`, which DecodeStep's {fam.name} "
-                    "block forward adds")
-        has_gate = shared.gate is not None and isinstance(getattr(block, shared.gate, None), nn.Module)
-        if (spec.shared == "gated") != has_gate:
-            return (f"`{where}.{shared.module}`: DecodeStep's {fam.name} block forward adds the shared experts "
-                    f"{'times the sigmoid of a gate' if spec.shared == 'gated' else 'without a gate'}, and the block "
-                    f"has {'a gate `' + shared.gate + '`' if has_gate else 'no gate'}")
+    shared = fam.shared_experts  # the row's: DecodeStep adds them (times the sigmoid of the row's gate)
+    if shared is not None:
+        if not isinstance(getattr(block, shared.module, None), nn.Module):
+            return (f"`{where}` ({type(block).__name__}) has no shared experts module `{shared.module}`, which its "
+                    f"{fam.name} block forward adds")
+        if shared.gate is not None and not isinstance(getattr(block, shared.gate, None), nn.Module):
+            return (f"`{where}` ({type(block).__name__}) has no shared experts gate `{shared.gate}`, which its "
+                    f"{fam.name} block forward applies")
     experts = getattr(block, fam.layout.module, None)
     if not isinstance(experts, W8A8MoE):
         return (f"`{where}.{fam.layout.module}` ({type(experts).__name__}) is not a W8A8MoE (quantize the model "

@@ -274,29 +274,24 @@ def test_moe_why_not_names_what_is_not_served():
 
 
 def test_moe_families_table_matches_the_family_rows():
-    """Each `MOE_FAMILIES` record names a `cutlass_w8a8.moe.families` row and says what that row's block has: shared
-    experts with a sigmoid gate ("gated"), without ("plain"), or none; GLM-4.5's router logits in float32."""
+    """Each `MOE_FAMILIES` record names a `cutlass_w8a8.moe.families` row; GLM-4.5's router logits in float32, the
+    others' in the input's dtype; a bad record is refused."""
     from cutlass_w8a8.hf.decode_step import MOE_FAMILIES, MoeBlockForward
     from cutlass_w8a8.moe.families import FAMILIES
 
     rows = {f.name: f for f in FAMILIES}
     for name, spec in MOE_FAMILIES.items():
         assert isinstance(spec, MoeBlockForward) and name in rows, name
-        shared = rows[name].shared_experts
-        want = "none" if shared is None else ("gated" if shared.gate is not None else "plain")
-        assert spec.shared == want, name
-    assert MOE_FAMILIES["GLM-4.5"] == MoeBlockForward(router_logits="float32", shared="plain")
-    assert MOE_FAMILIES["Qwen2-MoE"] == MoeBlockForward(router_logits="input", shared="gated")
+    assert MOE_FAMILIES["GLM-4.5"] == MoeBlockForward(router_logits="float32")
+    assert all(spec.router_logits == "input" for name, spec in MOE_FAMILIES.items() if name != "GLM-4.5")
     with pytest.raises(ValueError, match="`router_logits` must be 'input' or 'float32', got 'bf16'"):
-        MoeBlockForward("bf16", "none")
-    with pytest.raises(ValueError, match="`shared` must be 'none', 'gated' or 'plain', got 'sum'"):
-        MoeBlockForward("input", "sum")
+        MoeBlockForward("bf16")
 
 
 def test_glm_why_not_names_the_router_shared_experts_and_rotary(monkeypatch):
     """A GLM-4.5 model DecodeStep would run otherwise than transformers is refused with the reason: a block-forward
-    record that disagrees with the block (shared experts, gate, router logits dtype), a block without its shared
-    experts, a rotary embedding wider than a head or of odd width."""
+    record whose router logits dtype disagrees with the router weight's, a block without its shared experts, a
+    rotary embedding wider than a head or of odd width."""
     import warnings
 
     from cutlass_w8a8.hf import decode_step as ds
@@ -308,26 +303,19 @@ def test_glm_why_not_names_the_router_shared_experts_and_rotary(monkeypatch):
         optimize_(model)
     assert DecodeStep.why_not(model) is None
     where = "`model.model.layers.1.mlp`"
-    monkeypatch.setitem(ds.MOE_FAMILIES, "GLM-4.5", ds.MoeBlockForward("float32", "none"))
-    assert DecodeStep.why_not(model) == (f"{where} (Glm4MoeMoE) has shared experts (`shared_experts`), which "
-                                         "DecodeStep's GLM-4.5 block forward does not add")
-    monkeypatch.setitem(ds.MOE_FAMILIES, "GLM-4.5", ds.MoeBlockForward("float32", "gated"))
-    assert DecodeStep.why_not(model) == ("`model.model.layers.1.mlp.shared_experts`: DecodeStep's GLM-4.5 block "
-                                         "forward adds the shared experts times the sigmoid of a gate, and the block "
-                                         "has no gate")
     gate = model.model.layers[1].mlp.gate
     gate.weight.data = gate.weight.data.float()  # as transformers 5.24 keeps it (5.17: in the model dtype)
-    monkeypatch.setitem(ds.MOE_FAMILIES, "GLM-4.5", ds.MoeBlockForward("input", "plain"))
+    monkeypatch.setitem(ds.MOE_FAMILIES, "GLM-4.5", ds.MoeBlockForward("input"))
     assert DecodeStep.why_not(model) == ("`model.model.layers.1.mlp.gate.weight` is torch.float32; its GLM-4.5 router "
                                          "computes its logits in the dtype of its input (torch.bfloat16), which "
                                          "DecodeStep's MoeRouter reproduces only for a weight of that dtype")
-    monkeypatch.setitem(ds.MOE_FAMILIES, "GLM-4.5", ds.MoeBlockForward("float32", "plain"))
+    monkeypatch.setitem(ds.MOE_FAMILIES, "GLM-4.5", ds.MoeBlockForward("float32"))
     assert DecodeStep.why_not(model) is None
     block = model.model.layers[1].mlp
     shared = block.shared_experts
     block.shared_experts = None
     assert DecodeStep.why_not(model) == (f"{where} (Glm4MoeMoE) has no shared experts module `shared_experts`, which "
-                                         "DecodeStep's GLM-4.5 block forward adds")
+                                         "its GLM-4.5 block forward adds")
     block.shared_experts = shared
 
     rotary = model.model.rotary_emb
