@@ -333,7 +333,8 @@ def test_moe_cw_step_graph_replay_equals_eager(kind, scheme):
 # Open (2026-11-30, H200, transformers 5.17): the GLM-4.5 case with per-token fp8 activations failed once, at the
 # sanity bound of `_hf_tiny.routing_flip` rule 3: at a router near-tie (rules 1 and 2 held) in layer 1, row 0, step 2,
 # the two paths' router logits differed by 1.016e-01 relative, over LOGITS_REL_TOL = 0.1. int8 and fp8-block passed
-# on the same run; on the CPU the case runs with final-logit differences up to 6.7e-2 (int8 2.2e-2). LOGITS_REL_TOL is
+# on the same run; on the CPU the case's router logits differ by up to 8.7e-2 with fp8 and 8.5e-2 with fp8-block
+# (int8 2.1e-2): the e4m3 schemes sit near the bound. LOGITS_REL_TOL is
 # a measured bound (its comment), not derived for e4m3 per-token activations, whose level spacing (1/8 relative)
 # turns bf16 noise into larger flips than int8's; the GLM tiny model's QK_GAIN attention (no q / k norms) amplifies
 # them. Not yet established whether that is all: marked non-strict xfail (it still runs and reports) until a
