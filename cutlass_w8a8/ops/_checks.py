@@ -171,6 +171,26 @@ def check_grouped_scaled_mm(op: str, a, b, scale_a, scale_b, offsets, out_dtype,
         aligned16(op, "out", out)
 
 
+def _decode_sizes(op: str, x, b) -> tuple:
+    """The decode GEMM's (M, K, N) from x (M, K) and b (K, N), checked: M in [1, DECODE_MAX_M], K and N sizes,
+    int8's K bound (linear_decode and add_rms_norm_linear_decode, in their C++ order)."""
+    m, k, n = gemm_shapes(op, "x", x, b)
+    decode_m(op, "x", m)
+    gemm_size(op, "x", "K = x.shape[1]", k)
+    gemm_size(op, "b", "N = b.shape[1]", n)
+    int8_k_bound(op, "x", b.dtype, k)
+    return m, k, n
+
+
+def _decode_layouts(op: str, x, b, m: int, k: int) -> None:
+    """The layouts the decode GEMM reads with 16-byte loads: b as scaled_mm's (column-major weight), x row-major with
+    a row pitch that is a multiple of 8 elements, both 16-byte aligned."""
+    weight_columns(op, b, k)
+    aligned16(op, "b", b)
+    row_major(op, "x", x, m, k, "K", 8)
+    aligned16(op, "x", x)
+
+
 def check_linear_decode(op: str, x, b, scale_b, bias, dtype, out=None) -> None:
     """linear_decode(_out): x (M, K) bfloat16 / float16 quantized to `dtype`, then scaled_mm_decode's GEMM."""
     for name, t in (("x", x), ("b", b), ("scale_b", scale_b)):
@@ -186,20 +206,12 @@ def check_linear_decode(op: str, x, b, scale_b, bias, dtype, out=None) -> None:
         if t is not None and t.dtype != x.dtype:
             fail_type(op, name, f"must have x's dtype {x.dtype}, got {t.dtype}")
     same_device(op, "x", x, [("b", b), ("scale_b", scale_b), ("out", out), ("bias", bias)])
-    m, k, n = gemm_shapes(op, "x", x, b)
-    decode_m(op, "x", m)
-    gemm_size(op, "x", "K = x.shape[1]", k)
-    gemm_size(op, "b", "N = b.shape[1]", n)
-    int8_k_bound(op, "x", b.dtype, k)
+    m, k, n = _decode_sizes(op, x, b)
     if k > DECODE_MAX_K:
         fail_value(op, "x", f"K = {k} must be at most {limit_text(DECODE_MAX_K)}")
     per_channel_scale(op, "scale_b", scale_b, n)
     bias_vector(op, bias, n)
-    # layouts: b as scaled_mm's; x read with 16-byte loads
-    weight_columns(op, b, k)
-    aligned16(op, "b", b)
-    row_major(op, "x", x, m, k, "K", 8)
-    aligned16(op, "x", x)
+    _decode_layouts(op, x, b, m, k)
     if out is not None:
         out_matrix(op, out, m, n)
 
@@ -230,11 +242,7 @@ def check_add_rms_norm_linear_decode(x, residual, norm_weight, eps, b, scale_b, 
     # values and shapes
     if not 0.0 <= eps < float("inf"):
         fail_value(op, "eps", f"must be a finite number >= 0, got {eps}")
-    m, k, n = gemm_shapes(op, "x", x, b)
-    decode_m(op, "x", m)
-    gemm_size(op, "x", "K = x.shape[1]", k)
-    gemm_size(op, "b", "N = b.shape[1]", n)
-    int8_k_bound(op, "x", b.dtype, k)
+    m, k, n = _decode_sizes(op, x, b)
     if k > NORM_DECODE_MAX_K:
         fail_value(op, "x", f"K = x.shape[1] must be at most {NORM_DECODE_MAX_K} (the rows rms_norm_quant "
                    f"normalizes in one block), got {k}")
@@ -247,11 +255,7 @@ def check_add_rms_norm_linear_decode(x, residual, norm_weight, eps, b, scale_b, 
                    "per token): use rms_norm_quant(group_size=128) and scaled_mm")
     per_channel_scale(op, "scale_b", scale_b, n)
     bias_vector(op, bias, n)
-    # layouts: b as scaled_mm's; x, residual and norm_weight read with 16-byte loads
-    weight_columns(op, b, k)
-    aligned16(op, "b", b)
-    row_major(op, "x", x, m, k, "K", 8)
-    aligned16(op, "x", x)
+    _decode_layouts(op, x, b, m, k)  # residual and norm_weight: below
     if residual is not None:
         row_major(op, "residual", residual, m, k, "K", 8)
         aligned16(op, "residual", residual)
