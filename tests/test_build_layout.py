@@ -159,7 +159,7 @@ def test_wave_candidates_are_named_and_compiled_apart():
     gen = load_generator()
     waves = "Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>"
     plain = "Config<256, 128, 128, 2, 1, CO, PE, false>"
-    assert gen.config_args(waves)[-1] == "true" and gen.config_args(plain)[-1] == "false"
+    assert gen.config_args(waves)[10] == "true" and gen.config_args(plain)[10] == "false"
     assert gen.candidate_name("fp8block", waves) == "fp8block_tile256x128x128_cluster2x1_co_waves"
     assert gen.candidate_name("fp8block", plain) == "fp8block_tile256x128x128_cluster2x1_co"
     assert gen.kernel_key(waves) != gen.kernel_key(plain)
@@ -174,6 +174,26 @@ def test_wave_candidates_are_named_and_compiled_apart():
                 found.setdefault(table, []).append(config)
                 assert args[2] == "128" and args[8] == "false", f"{table}: {config}"
     assert set(found) == {"Fp8TuneCandidates", "Fp8BlockTuneCandidates"}, found
+
+
+def test_wave_n_is_part_of_the_kernel():
+    """A Config's 12th argument (WaveN: the wave mainloop's waves along N) names its file (`_waves_n<W>`) and its
+    kernel; it defaults to 0 (the tile's N) and is refused without the wave mainloop or as a non-number."""
+    gen = load_generator()
+    wide = "Config<128, 256, 128, 1, 2, CO, PE, false, false, 1, true, 128>"
+    whole = "Config<128, 256, 128, 1, 2, CO, PE, false, false, 1, true>"
+    assert gen.config_args(wide)[11] == "128" and gen.config_args(whole)[11] == "0"
+    assert gen.candidate_name("fp8block", wide) == "fp8block_tile128x256x128_cluster1x2_co_waves_n128"
+    assert gen.candidate_name("fp8block", whole) == "fp8block_tile128x256x128_cluster1x2_co_waves"
+    assert gen.kernel_key(wide) != gen.kernel_key(whole)
+    for bad in ("Config<128, 256, 128, 1, 2, CO, PE, false, false, 1, false, 128>",
+                "Config<128, 256, 128, 1, 2, CO, PE, false, false, 1, true, n128>"):
+        with pytest.raises(SystemExit):
+            gen.candidate_name("fp8block", bad)
+    # the shipped aliases with WaveN are in the fp8 tables only, with the wave mainloop (Config's static_assert)
+    aliases, _ = gen.parse_header(GEMM / "sm90/scaled_mm_sm90_dispatch.cuh")
+    with_n = {name: c for name, c in aliases.items() if gen.config_args(c)[11] != "0"}
+    assert with_n and all(name.startswith("Fp8") and gen.config_args(c)[10] == "true" for name, c in with_n.items())
 
 
 def test_dispatch_returns_named_indices():

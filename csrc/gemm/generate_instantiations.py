@@ -20,9 +20,9 @@ File names never hold a table index (inserting a row must not rename the files a
 - sm90 tuning candidates (`Int8TuneCandidates`, `Fp8TuneCandidates`, `Fp8BlockTuneCandidates`: no bucket,
   bfloat16 output only, built with CUTLASS_W8A8_TUNE=1 or with their table named in it, e.g.
   CUTLASS_W8A8_TUNE=fp8-block) are named by their kernel in sm90/instantiations_tune/:
-  `<int8|fp8|fp8block>_tile<M>x<N>x<K>_cluster<M>x<N>_<pp|co>[_swap][_fastaccum][_waves]_bf16.cu`
+  `<int8|fp8|fp8block>_tile<M>x<N>x<K>_cluster<M>x<N>_<pp|co>[_swap][_fastaccum][_waves[_n<W>]]_bf16.cu`
   (pp: pingpong, co: cooperative; the persistent tile scheduler is the only one; waves: the wave mainloop,
-  sm90/wave_mainloop.cuh). Candidates that differ only in
+  sm90/wave_mainloop.cuh; _n<W>: its waves W wide along N, Config's WaveN). Candidates that differ only in
   the scheduler's swizzle (Config's last argument, a runtime setting of the same kernel) share one file, so the
   kernel is compiled once; a candidate that runs a shipped config's kernel with another swizzle is instantiated in
   that config's bf16 file instead, inside `#ifdef CUTLASS_W8A8_TUNE_<INT8|FP8|FP8_BLOCK>` (setup.py defines the
@@ -156,11 +156,12 @@ TUNE_MACROS = {"Int8": "CUTLASS_W8A8_TUNE_INT8", "Fp8": "CUTLASS_W8A8_TUNE_FP8",
 
 def config_args(config: str) -> list:
     """The arguments of an sm90 `Config<...>` with the defaults filled in: [TileM, TileN, TileK, ClusterM,
-    ClusterN, schedule, scheduler, swap, fast accumulation, swizzle, waves], as written ("64", "PP", "true", ...)."""
+    ClusterN, schedule, scheduler, swap, fast accumulation, swizzle, waves, wave N], as written ("64", "PP", "true",
+    ...; wave N "0": the tile's N)."""
     args = [a.strip() for a in config[len("Config<"):-1].split(",")]
-    if not 8 <= len(args) <= 11:
+    if not 8 <= len(args) <= 12:
         raise SystemExit(f"cannot read the config {config}")
-    return args + ["false", "1", "false"][len(args) - 8:]
+    return args + ["false", "1", "false", "0"][len(args) - 8:]
 
 
 def kernel_key(config: str) -> tuple:
@@ -173,16 +174,16 @@ def candidate_name(op: str, config: str) -> str:
     """`int8_tile64x16x128_cluster1x1_pp_swap` for an sm90 `Config<64, 16, 128, 1, 1, PP, PE, true>` (the swizzle
     is not in the name: the file is the kernel's). The grouped header's names of the same values (GPP, GCO, GPE) are
     read as PP, CO, PE."""
-    tm, tn, tk, cm, cn, sched, scheduler, swap, fast, swizzle, waves = config_args(config)
+    tm, tn, tk, cm, cn, sched, scheduler, swap, fast, swizzle, waves, wave_n = config_args(config)
     grouped = {"GPP": "PP", "GCO": "CO", "GPE": "PE"}
     sched, scheduler = grouped.get(sched, sched), grouped.get(scheduler, scheduler)
     flags = (swap, fast, waves)
     if (scheduler != "PE" or sched not in SCHEDULES or any(f not in ("true", "false") for f in flags)
-            or swizzle not in ("1", "2", "4", "8")):
+            or swizzle not in ("1", "2", "4", "8") or not wave_n.isdigit() or (wave_n != "0" and waves != "true")):
         raise SystemExit(f"cannot name the tuning candidate {config}")
     return (f"{op}_tile{tm}x{tn}x{tk}_cluster{cm}x{cn}_{SCHEDULES[sched]}"
             + ("_swap" if swap == "true" else "") + ("_fastaccum" if fast == "true" else "")
-            + ("_waves" if waves == "true" else ""))
+            + ("_waves" if waves == "true" else "") + (f"_n{wave_n}" if wave_n != "0" else ""))
 
 
 def instantiation(template: str, cfg: str, ab: str, out: str) -> str:

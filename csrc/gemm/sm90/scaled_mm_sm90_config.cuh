@@ -43,8 +43,12 @@ enum class Scheduler {
 // WGMMA M atom) into one 64-row temporary accumulator, promoted into the float32 accumulator after every 128-deep k
 // tile, instead of a temporary the size of the whole tile. The same arithmetic per element as CUTLASS's mainloop,
 // with room for 128 x 128 rows per warpgroup (256x128 cooperative, 128x128 pingpong) without spilling.
+// `WaveN` (with Waves only; 0: the tile's N) narrows the waves along N as well: the warpgroup's WGMMA atom is 64 x
+// WaveN (WaveN dividing TileN), so a warpgroup's 64 x TileN rows run as TileN / WaveN waves of 64 x WaveN through one
+// temporary of WaveN / 2 registers (128x256 cooperative or 64x256 pingpong with WaveN 128: 128 + 64 registers, where
+// CUTLASS's collectives need 128 + 128 and spill, or refuse the tile). The same arithmetic per element again.
 template <int TileM, int TileN, int TileK, int ClusterM, int ClusterN, Schedule Sched, Scheduler TileSched,
-          bool SwapAB, bool FastAccum = false, int Swizzle = 1, bool Waves = false>
+          bool SwapAB, bool FastAccum = false, int Swizzle = 1, bool Waves = false, int WaveN = 0>
 struct Config {
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
@@ -54,6 +58,9 @@ struct Config {
   static constexpr bool kFastAccum = FastAccum;
   static constexpr int kSwizzle = Swizzle;
   static constexpr bool kWaves = Waves;
+  static constexpr int kWaveN = WaveN;
+  static_assert(WaveN == 0 || (Waves && WaveN % 8 == 0 && TileN % (WaveN == 0 ? 1 : WaveN) == 0 && WaveN < TileN),
+                "WaveN: 0, or (with Waves) a multiple of 8 dividing TileN and smaller than it");
   static_assert(Swizzle == 1 || Swizzle == 2 || Swizzle == 4 || Swizzle == 8, "max_swizzle_size: 1, 2, 4 or 8");
 };
 
@@ -66,7 +73,7 @@ std::string config_name() {
   using namespace cute;
   char buf[128];
   // "_persistent": the tile scheduler (the only one now); kept so that names match earlier sweeps' results.
-  // "_waves": the wave mainloop (Config's Waves, wave_mainloop.cuh).
+  // "_waves": the wave mainloop (Config's Waves, wave_mainloop.cuh); "_waves_n<W>" with waves WaveN wide along N.
   // "_swizzle<S>": the tile scheduler's max_swizzle_size, named only when it is not CUTLASS's default 1.
   std::snprintf(buf, sizeof(buf), "%s%dx%dx%d_c%dx%d_%s_persistent%s%s", Cfg::kSwapAB ? "swap_" : "",
                 int(size<0>(typename Cfg::TileShape{})), int(size<1>(typename Cfg::TileShape{})),
@@ -74,6 +81,7 @@ std::string config_name() {
                 int(size<1>(typename Cfg::ClusterShape{})), schedule_name(Cfg::kSchedule),
                 Cfg::kFastAccum ? "_fastaccum" : "", Cfg::kWaves ? "_waves" : "");
   std::string name = buf;
+  if (Cfg::kWaveN != 0) name += "_n" + std::to_string(Cfg::kWaveN);
   if (Cfg::kSwizzle != 1) name += "_swizzle" + std::to_string(Cfg::kSwizzle);
   return name;
 }

@@ -135,10 +135,15 @@ using Fp8_M1024_Accurate = Config<128, 128, 128, 1, 2, CO, PE, false>;
 // (tune_nvidia-h200_fp8_waves.md), where the best CUTLASS promoted config took 1.24-1.26x.
 using Fp8_MLarge_Accurate = Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>;
 
-// Table indices 0..10, in this order (see the top of this file): the fast-accumulation rows, then the accurate ones.
+// Not selected yet (issue 37: forced by index, bench/tune_sm90.py --dtypes fp8 --fp8-accum accurate, to decide the
+// accurate rows at M in (128, 1024)): 128x256 cooperative with the wave mainloop's waves along N too (WaveN 128: each
+// warpgroup's 64 x 256 rows in two 64 x 128 waves, 128 + 64 registers), one token tile of 128 rows over N / 256 CTAs.
+using Fp8_MMid_Accurate_WavesN = Config<128, 256, 128, 1, 1, CO, PE, false, false, 1, true, 128>;
+
+// Table indices 0..11, in this order (see the top of this file): the fast-accumulation rows, then the accurate ones.
 using Fp8Configs = std::tuple<Fp8_M16, Fp8_M64, Fp8_M128, Fp8_MLarge, Fp8_MLarge_KBig, Fp8_M16_Accurate,
                               Fp8_M64_Accurate, Fp8_M128_Accurate, Fp8_M256_Accurate, Fp8_M1024_Accurate,
-                              Fp8_MLarge_Accurate>;
+                              Fp8_MLarge_Accurate, Fp8_MMid_Accurate_WavesN>;
 
 // Returns an index into Fp8Configs: among the fast-accumulation rows when `fast_accum`, else the accurate ones.
 inline int select_fp8(int64_t m, int64_t n, int64_t k, int sm_count, bool fast_accum) {
@@ -205,8 +210,19 @@ using Fp8Block_MLarge = Config<128, 128, 128, 1, 2, CO, PE, false>;
 // the H100 ran Fp8Block_MLarge's tile 8-13% slower without its cluster (above). Launched without PDL (cooperative).
 using Fp8Block_MLarge_Waves = Config<256, 128, 128, 1, 2, CO, PE, false, false, 1, true>;
 
-// Table indices 0..4, in this order (see the top of this file).
-using Fp8BlockConfigs = std::tuple<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp8Block_MLarge, Fp8Block_MLarge_Waves>;
+// Not selected yet (issue 37: forced by index, bench/tune_sm90.py --dtypes fp8-block, to decide M in (64, 1024)):
+// 256 weight columns per tile, the tile CUTLASS 4.2's blockwise collective refuses ("Accumulator and scaleB must have
+// same shape"), with the wave mainloop's waves along N too (WaveN 128: each warpgroup's 64 x 256 rows in two 64 x 128
+// waves, each one 128-column scale block; 128 + 64 registers). At M = 128 and N = 7168-32768 the shipped tiles give
+// each SM 1.9-3.9 tiles (Fp8Block_M128's 64-row tiles read every weight tile twice); these give 0.2-1.9 (one pass):
+//   128x256 cooperative, pairs along N sharing the token tile (Fp8Block_MLarge's cluster);
+//   64x256 pingpong (one warpgroup per tile, its epilogue overlapped with the other's mainloop).
+using Fp8Block_MMid_WavesN = Config<128, 256, 128, 1, 2, CO, PE, false, false, 1, true, 128>;
+using Fp8Block_M128_WavesN = Config<64, 256, 128, 1, 1, PP, PE, false, false, 1, true, 128>;
+
+// Table indices 0..6, in this order (see the top of this file).
+using Fp8BlockConfigs = std::tuple<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp8Block_MLarge, Fp8Block_MLarge_Waves,
+                                   Fp8Block_MMid_WavesN, Fp8Block_M128_WavesN>;
 
 // Rows of a tile that the busiest SM computes when `tiles_m` x `tiles_n` persistent tiles of `tile_m` rows run on
 // `sms` SMs, the N tiles padded to pairs (a 1x2 cluster): rounds of tiles times their rows.
@@ -288,7 +304,11 @@ using Fp8TuneCandidates = std::tuple<
     Config<128, 128, 128, 1, 1, CO, PE, false, false, 1, true>,
     Config<128, 128, 128, 2, 1, CO, PE, false, false, 1, true>,
     Config<128, 64, 128, 2, 1, CO, PE, false, false, 1, true>,
-    Config<128, 128, 128, 1, 1, CO, PE, true, false, 1, true>>;
+    Config<128, 128, 128, 1, 1, CO, PE, true, false, 1, true>,
+    // Waves along N as well (Config's WaveN, issue 37): 256 columns per tile in two 64 x 128 waves per warpgroup
+    // (128 + 64 registers), for M <= 512 where 128-wide tiles leave the SMs a fraction of a wave or read the weight
+    // twice: 128x256 cooperative (one token tile of 128 rows over N / 256 CTAs) and 64x256 pingpong.
+    Config<64, 256, 128, 1, 1, PP, PE, false, false, 1, true, 128>>;
 
 // Block-scaled candidates (TileK 128, the weight's side a multiple of 128, no fast accumulation), chosen after the
 // first H100 run (M >= 256 at 0.73-0.95x torch's cuBLASLt blockwise GEMM). Each consumer warpgroup holds its
@@ -322,7 +342,13 @@ using Fp8BlockTuneCandidates = std::tuple<
     Config<256, 128, 128, 1, 1, CO, PE, false, false, 1, true>,
     Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>,
     Config<128, 128, 128, 1, 1, PP, PE, false, false, 1, true>,
-    Config<128, 128, 128, 2, 1, PP, PE, false, false, 1, true>>;
+    Config<128, 128, 128, 2, 1, PP, PE, false, false, 1, true>,
+    // Waves along N as well (Config's WaveN, issue 37): 256 weight columns per tile (the tile CUTLASS 4.2's collective
+    // refuses) in two 64 x 128 waves per warpgroup, each wave one 128-column scale block: 128x256 cooperative (no
+    // cluster; pairs along N sharing the token tile) and 64x256 pingpong, for M in (64, 1024), where the 128-wide
+    // tiles give the SMs 1.9-3.9 tiles each at N 7168-32768 (M 128) and each weight tile is read by every token tile.
+    // (The 1x2 cooperative and the 64x256 pingpong forms are in the shipped table, unselected: Fp8Block_*_WavesN.)
+    Config<128, 256, 128, 1, 1, CO, PE, false, false, 1, true, 128>>;
 
 template <class Tuple>
 constexpr int size_of() {

@@ -117,11 +117,12 @@ struct GemmTypes {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Sched::Kernel>::CollectiveOp;
-  // Cfg::kWaves: the same collective with the per-64-row-wave consumer (wave_mainloop.cuh); the kernel schedule, the
+  // Cfg::kWaves: the same collective with the per-64-row-wave consumer (wave_mainloop.cuh; Cfg::kWaveN: its WGMMA atom
+  // 64 x kWaveN, waves along N too); the kernel schedule, the
   // loads, pipelines and shared memory stay CUTLASS's (kPtrArray: the ptr-array collective, its per-group tensormap
   // updates included).
   using CollectiveMainloop =
-      cute::conditional_t<Cfg::kWaves, WaveMainloop<BuiltMainloop, kBlock>, BuiltMainloop>;
+      cute::conditional_t<Cfg::kWaves, WaveMainloop<BuiltMainloop, kBlock, Cfg::kWaveN>, BuiltMainloop>;
 
   using GemmKernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue, TileScheduler...>;

@@ -53,30 +53,54 @@ namespace cutlass_w8a8::sm90 {
 
 namespace wave_detail {
 
-// The 64 rows of wave `w` of a warpgroup's (MMA, MMA_M, ...) tensor: the accumulator or scale fragments, or the A
-// operand's descriptors. Mode 1 (MMA_M, one M atom per entry) is narrowed to the size-1 mode of entry w; the rank is
-// kept, as cute::gemm dispatches on it ((V,M) x (V,N) => (V,M,N)). `w` is a cute::Int: the register offsets are static.
-template <class TensorT, class W>
-CUTLASS_DEVICE auto wave_rows(TensorT&& t, W w) {
+// Entry `i` of mode `Mode` of a warpgroup's (MMA, MMA_M, MMA_N, ...) tensor (the accumulator or scale fragments, or
+// the A / B operands' descriptors): that mode narrowed to the size-1 mode of entry i, the rank kept, as cute::gemm
+// dispatches on it ((V,M) x (V,N) => (V,M,N)). `i` is a cute::Int: the register offsets are static.
+template <int Mode, class TensorT, class I>
+CUTLASS_DEVICE auto atom_slice(TensorT&& t, I i) {
   using namespace cute;
   auto const& l = t.layout();
-  return make_tensor(t.data() + layout<1>(l)(w),
-                     make_layout(replace<1>(l.shape(), _1{}), replace<1>(l.stride(), _0{})));
+  return make_tensor(t.data() + layout<Mode>(l)(i),
+                     make_layout(replace<Mode>(l.shape(), _1{}), replace<Mode>(l.stride(), _0{})));
 }
+
+// Wave (m, n) of an (MMA, MMA_M, MMA_N) tensor: one 64 x atom-N block of the warpgroup's rows.
+template <class TensorT, class M, class N>
+CUTLASS_DEVICE auto wave_rows(TensorT&& t, M m, N n) {
+  return atom_slice<2>(atom_slice<1>(t, m), n);
+}
+
+// The collective's TiledMma with its WGMMA atom narrowed to N = AtomN (the same operand types, majors and warpgroup
+// layout): the tile's N is then covered by TileN / AtomN atoms (MMA_N), each one wave of the consumer below.
+template <class TiledMmaT, int AtomN, class TileShape, class = void>
+struct NarrowTiledMma {
+  using type = TiledMmaT;  // AtomN 0: the collective's own
+};
+template <class Atom, class AtomLayout, class Permutation, int AtomN, class TileShape>
+struct NarrowTiledMma<cute::TiledMMA<Atom, AtomLayout, Permutation>, AtomN, TileShape, cute::enable_if_t<AtomN != 0>> {
+  using Op = decltype(cute::GMMA::ss_op_selector<
+                      typename Atom::ValTypeA, typename Atom::ValTypeB, typename Atom::ValTypeC,
+                      cute::Shape<cute::_64, cute::Int<AtomN>, cute::tuple_element_t<2, TileShape>>,
+                      cute::GMMA::Major::K, cute::GMMA::Major::K>());
+  using type = cute::TiledMMA<cute::MMA_Atom<Op>, AtomLayout, Permutation>;
+};
 
 }  // namespace wave_detail
 
 // `Base`: the CollectiveBuilder's CollectiveOp (MainloopSm90TmaGmmaWarpSpecializedBlockwiseFP8 when kBlockScaled, else
 // MainloopSm90TmaGmmaWarpSpecializedFP8). GemmUniversal calls `collective_mainloop.mma(...)` on the CollectiveMainloop
 // type it is given, so this `mma` hides the base's; everything else is inherited unchanged.
-template <class Base, bool kBlockScaled>
+// `kAtomN` (0: the base's atom, the tile's N): the WGMMA atom's N, so that waves run along N too (TileN / kAtomN of
+// them per 64 rows). GemmUniversal builds the accumulators and the epilogue's partition from `TiledMma`, which this
+// type redefines; the base's producer side never reads it (its shared memory holds the same element types).
+template <class Base, bool kBlockScaled, int kAtomN = 0>
 struct WaveMainloop : Base {
   using typename Base::MainloopPipeline;
   using typename Base::PipelineState;
   using typename Base::TensorStorage;
   using typename Base::Params;
-  using typename Base::TiledMma;
   using typename Base::TileShape;
+  using TiledMma = typename wave_detail::NarrowTiledMma<typename Base::TiledMma, kAtomN, TileShape>::type;
   using typename Base::SmemLayoutA;
   using typename Base::SmemLayoutB;
   using typename Base::ElementAccumulator;
@@ -149,32 +173,40 @@ struct WaveMainloop : Base {
           }
         }
       };
-      // main[w] += temp * scale: GmmaFP8Accumulation::scale_core's expressions, on wave w's rows.
-      auto promote = [&](auto& main_w, auto const& temp, auto w) {
+      // A wave's columns share one weight-side scale when its atom is at most one scale block wide.
+      constexpr int kGranularityN = int(cute::size<1>(TileShape{})) / kScaleNsPerTile;
+      constexpr int kWaveN = int(cute::tile_size<1>(TiledMma{}));
+      static_assert(kScaleNsPerTile == 1 || kGranularityN % kWaveN == 0,
+                    "a wave must not straddle two scale blocks along N");
+      // main[wave] += temp * scale: GmmaFP8Accumulation::scale_core's expressions, on the wave's rows and columns.
+      // With several scales along both sides (waves along N), the wave's one column-side scale is combined with the
+      // row-side ones first, temp * (scale_a * scale_b), as load_scales combines them for the one-column-scale tiles:
+      // the same float32 expression, so the same bits as those tiles.
+      auto promote = [&](auto& main_w, auto const& temp, auto m, auto n) {
         if constexpr (kScaleMsPerTile == 1 && kScaleNsPerTile == 1) {
           ElementAccumulator const scale_ab = tCrSFA(_0{});
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < size(main_w); ++i) main_w(i) += temp(i) * scale_ab;
         } else if constexpr (kScaleMsPerTile > 1 && kScaleNsPerTile == 1) {
-          auto sfa_w = wave_detail::wave_rows(tCrSFA, w);
+          auto sfa_w = wave_detail::wave_rows(tCrSFA, m, n);
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < size(main_w); ++i) main_w(i) += temp(i) * sfa_w(i);
         } else if constexpr (kScaleMsPerTile == 1 && kScaleNsPerTile > 1) {
-          auto sfb_w = wave_detail::wave_rows(tCrSFB, w);
+          auto sfb_w = wave_detail::wave_rows(tCrSFB, m, n);
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < size(main_w); ++i) main_w(i) += temp(i) * sfb_w(i);
         } else {
-          auto sfa_w = wave_detail::wave_rows(tCrSFA, w);
-          auto sfb_w = wave_detail::wave_rows(tCrSFB, w);
+          auto sfa_w = wave_detail::wave_rows(tCrSFA, m, n);
+          ElementBlockScale const scale_b = wave_detail::wave_rows(tCrSFB, m, n)(_0{});
           CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < size(main_w); ++i) main_w(i) += temp(i) * sfa_w(i) * sfb_w(i);
+          for (int i = 0; i < size(main_w); ++i) main_w(i) += temp(i) * (sfa_w(i) * scale_b);
         }
       };
       mma_waves(pipeline, smem_pipe_read, accum, k_tile_count, thread_idx, shared_tensors, load_scales, promote);
     } else {
       // Row-wise: a plain add (GmmaFP8Accumulation::promote_core); the per-token / per-channel scales are the
       // epilogue's.
-      auto promote = [](auto& main_w, auto const& temp, auto) {
+      auto promote = [](auto& main_w, auto const& temp, auto, auto) {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(main_w); ++i) main_w(i) += temp(i);
       };
@@ -206,14 +238,16 @@ struct WaveMainloop : Base {
     Tensor tCsB = thread_mma.partition_B(sB);           // (MMA, MMA_N, MMA_K, PIPE)
     Tensor tCrA = thread_mma.make_fragment_A(tCsA);     // descriptors
     Tensor tCrB = thread_mma.make_fragment_B(tCsB);
-    CUTE_STATIC_ASSERT_V(size<1>(tCsA) == size<1>(accum));  // M: the waves
-    CUTE_STATIC_ASSERT_V(size<1>(tCsB) == size<2>(accum));  // N
+    CUTE_STATIC_ASSERT_V(size<1>(tCsA) == size<1>(accum));  // M atoms: the waves along M
+    CUTE_STATIC_ASSERT_V(size<1>(tCsB) == size<2>(accum));  // N atoms: the waves along N (1 unless kAtomN)
     CUTE_STATIC_ASSERT_V(size<2>(tCsA) == size<2>(tCsB));   // K blocks
-    constexpr int kWaves = decltype(size<1>(accum))::value;
+    constexpr int kWavesM = decltype(size<1>(accum))::value;
+    constexpr int kWavesN = decltype(size<2>(accum))::value;
+    constexpr int kWaves = kWavesM * kWavesN;
     constexpr int kKBlocks = decltype(size<2>(tCrA))::value;
 
-    // One wave's temporary accumulator: (MMA, _1, MMA_N), 64 rows x TileN / 128 threads = TileN / 2 registers.
-    Tensor temp = make_fragment_like(wave_detail::wave_rows(accum, _0{}));
+    // One wave's temporary accumulator: (MMA, _1, _1), 64 rows x atom N / 128 threads = atom N / 2 registers.
+    Tensor temp = make_fragment_like(wave_detail::wave_rows(accum, _0{}, _0{}));
     clear(accum);
 
     auto barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
@@ -222,14 +256,17 @@ struct WaveMainloop : Base {
       pipeline.consumer_wait(smem_pipe_read, barrier_token);
       int read_stage = smem_pipe_read.index();
       for_each(make_int_sequence<kWaves>{}, [&](auto w) {
+        auto m = Int<decltype(w)::value / kWavesN>{};  // waves in M-major order (one wave per M atom: as before)
+        auto n = Int<decltype(w)::value % kWavesN>{};
         warpgroup_fence_operand(temp);
         warpgroup_arrive();
         tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
         CUTLASS_PRAGMA_UNROLL
         for (int k_block = 0; k_block < kKBlocks; ++k_block) {
-          // (V, 1) x (V, N) => (V, 1, N): wave w's 64 rows, the k block's 32 of K, in CUTLASS's order
-          cute::gemm(tiled_mma, wave_detail::wave_rows(tCrA(_, _, k_block, read_stage), w),
-                     tCrB(_, _, k_block, read_stage), temp);
+          // (V, 1) x (V, 1) => (V, 1, 1): the wave's 64 rows and atom-N columns, the k block's 32 of K, in CUTLASS's
+          // order
+          cute::gemm(tiled_mma, wave_detail::atom_slice<1>(tCrA(_, _, k_block, read_stage), m),
+                     wave_detail::atom_slice<1>(tCrB(_, _, k_block, read_stage), n), temp);
           tiled_mma.accumulate_ = GMMA::ScaleOut::One;
         }
         warpgroup_commit_batch();
@@ -247,8 +284,8 @@ struct WaveMainloop : Base {
           ++smem_pipe_read;
           barrier_token = pipeline.consumer_try_wait(smem_pipe_read);
         }
-        auto main_w = wave_detail::wave_rows(accum, w);
-        promote(main_w, temp, w);
+        auto main_w = wave_detail::wave_rows(accum, m, n);
+        promote(main_w, temp, m, n);
       });
     }
     warpgroup_fence_operand(accum);
