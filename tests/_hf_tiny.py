@@ -2,12 +2,13 @@
 (q/k/v bias), Qwen3 (q/k norms), bf16, every projection's K and N a multiple of 128 (so block-scaled fp8 fuses:
 q, k and v have N = 128), and their W8A8 copies; the greedy comparison of `cutlass_w8a8.generate` with transformers'
 ``generate`` (`check_greedy_against_transformers`), with, for MoE models, each path's routing (`RoutingRecorder`) and
-the routing near-tie rule (`routing_flip`)."""
+the routing near-tie rule (`routing_flip`); the two paths' logit bound per scheme (`logits_rel_tol`)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import re
 
 import torch
@@ -112,21 +113,106 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # to its bucket, 4 rows instead of 3, can pick other GEMM / lm_head kernels; another 4-D mask construction; an
 # 8-bit activation level flipped by a bf16 rounding), so their logits on the same prefix differ by bf16 noise and
 # the tiny random models' frequent near-ties (logits ~0.7, bf16 ulp 2^-8, many exact ties) flip greedy tokens.
-# Bound on ||ours - reference|| / ||reference|| of one row's logits on the same prefix: measured on the CPU up to
-# 4.9e-2 between the `sdpa` and `eager` attention paths of these models (expected larger than the GPU's
-# roundings; not measured on a GPU), while a decode step with the padding keys visible, its own key masked or its
-# positions not advanced measured 0.15 and more there (with QK_GAIN).
+# Bound on ||ours - reference|| / ||reference|| of one row's logits on the same prefix WITH INT8 PER-TOKEN
+# ACTIVATIONS: measured on the CPU up to 4.9e-2 between the `sdpa` and `eager` attention paths of these models
+# (expected larger than the GPU's roundings; not measured on a GPU), while a decode step with the padding keys
+# visible, its own key masked or its positions not advanced measured 0.15 and more there (with QK_GAIN). The other
+# schemes' bounds are this one times their derived noise ratio: `logits_rel_tol`.
 LOGITS_REL_TOL = 0.1
 # The greedy test's q / k projections are scaled by this: transformers' init (std 0.02) gives Llama near-uniform
 # attention that hardly sees positions (a decode step that does not advance the positions moved its logits by
 # <= 3e-2 relative, under LOGITS_REL_TOL); x4 makes that bug move them by 0.15 - 0.43. (Qwen3's q / k norms undo
-# the gain: it sees positions already.)
+# the gain: it sees positions already.) Which schemes catch those bugs: int8 (bound 0.1) catches all of them; the
+# e4m3 schemes' derived bound (`logits_rel_tol`: 0.1 x ~2.3, about 0.23) catches only the upper part of that range
+# (a bug moving the logits by 0.15 - 0.23 passes it), so for those the e4m3 cases depend on the int8 case of the
+# same model: the mask / position / cache code is the same for every scheme (only the GEMMs' operands differ), and
+# every kind runs an int8 case on the GPU (tests/hf/test_hf_generate_graph_cuda.py: each kind x every scheme) and on
+# the CPU for Llama, Qwen2, Qwen3-MoE, Qwen2-MoE and GLM-4.5 (Qwen3 and Mixtral's CPU cases are e4m3 only).
 QK_GAIN = 4.0
 # Fewest (row, step) token comparisons on equal prefixes the greedy test must make over its 3 rows.
 MIN_CHECKED = 6  # half of the greedy tests' 12 new tokens
 
 
-def check_greedy_against_transformers(ours, ours_logits, ref, length, routing=None, attention_mask=None):
+# ---- the per-scheme bound: how much more noise an e4m3 scheme makes of the same bf16 roundings -------------------
+# The activation rows the bound's model draws: unit Gaussian rows of the MoE tiny models' hidden size (RMSNorm's
+# output, read by the router and the q / k / v, gate / up and expert GEMMs), 1 x 128 groups for fp8-block.
+NOISE_ROWS, NOISE_K, NOISE_GROUP, NOISE_SEED = 4096, 256, 128, 0
+
+
+def qdq_int(x: torch.Tensor, qmax: int = 127) -> torch.Tensor:
+    """Per-row symmetric integer quantize-dequantize of float32 ``x`` ``(N, K)``: scale ``absmax / qmax``, levels
+    ``round_half_even(x / scale)`` (int8 per-token: ``qmax`` 127; a level step of ``absmax / qmax``, absolute)."""
+    scale = x.abs().amax(-1, keepdim=True) / qmax
+    return torch.round(x / scale).clamp(-qmax, qmax) * scale
+
+
+def qdq_float(x: torch.Tensor, dtype=torch.float8_e4m3fn, group: int | None = None) -> torch.Tensor:
+    """Per-row (``group`` None) or per-``group``-column symmetric float quantize-dequantize of float32 ``x``
+    ``(N, K)``: scale ``absmax / finfo(dtype).max``, ``x / scale`` rounded to ``dtype`` (nearest even; e4m3's level
+    step is 2^-3 of the value's binade, relative)."""
+    g = x.shape[-1] if group is None else group
+    xg = x.unflatten(-1, (-1, g))
+    scale = xg.abs().amax(-1, keepdim=True) / torch.finfo(dtype).max
+    return ((xg / scale).to(dtype).float() * scale).flatten(-2)
+
+
+# Each scheme's activation quantize-dequantize (the formats of `SCHEMES`' activations: its weights are the same on
+# both paths and do not enter the comparison).
+QDQ = {"int8": qdq_int,
+       "fp8": qdq_float,
+       "fp8-block": functools.partial(qdq_float, group=NOISE_GROUP)}
+
+
+def requant_noise(qdq, rows: int = NOISE_ROWS, k: int = NOISE_K, seed: int = NOISE_SEED) -> float:
+    """The relative noise that a one-bf16-ulp perturbation of activation rows leaves after ``qdq``:
+    ``sqrt(mean ||qdq(x') - qdq(x)||^2 / mean ||qdq(x)||^2)`` over ``rows`` seeded rows ``x`` of ``k`` N(0, 1)
+    values rounded to bf16, ``x'`` each element of ``x`` moved by one bf16 ulp up or down (seeded random sign),
+    rounded to bf16. float32 arithmetic, deterministic for a seed."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).bfloat16().float()
+    sign = torch.randint(0, 2, (rows, k), generator=g).float() * 2 - 1
+    _, e = torch.frexp(x)
+    ulp = torch.ldexp(torch.ones_like(x), e - 8)  # bf16: 8 significant bits, x = m 2^e with m in [0.5, 1)
+    x2 = (x + sign * ulp).bfloat16().float()
+    q, q2 = qdq(x), qdq(x2)
+    return float(((q2 - q).square().sum(-1).mean() / q.square().sum(-1).mean()).sqrt())
+
+
+@functools.lru_cache(maxsize=None)
+def logits_rel_tol(scheme: str) -> float:
+    """The bound on the two paths' relative logit difference (``rel_err`` of one row's logits, or of one token's
+    router logits) for a model whose activations are quantized with ``scheme`` (a key of `SCHEMES`):
+    ``LOGITS_REL_TOL * max(1, requant_noise(QDQ[scheme]) / requant_noise(QDQ["int8"]))``. int8: 0.1 exactly.
+
+    Model. The two paths compute the same quantized model; their activations differ by bf16 roundings, which
+    reach the logits through the 8-bit activation levels they flip at each quantized GEMM's input (then read out
+    linearly: a random linear readout keeps a perturbation's relative size). A perturbation ``eps`` of an element
+    whose level step is ``h`` (``|eps| < h``) flips its level with probability ``|eps| / h``, by ``h``: expected
+    squared error ``|eps| h``. With ``eps`` one bf16 ulp (2^-8 to 2^-7 of ``|x|``): int8 per-token's ``h =
+    absmax / 127`` is absolute, e4m3's ``h`` is 2^-4 to 2^-3 of ``|x|``, so the e4m3 schemes turn the same ulps
+    into more noise (the scale's own change, when the absmax element moves, is in the computation too).
+    `requant_noise` computes it over seeded rows (`NOISE_ROWS` x `NOISE_K` unit Gaussian values, the RMSNorm'd
+    hidden states of the MoE tiny models), each element moved by one ulp; the ratio to int8's is about 2.3 for
+    per-token e4m3 and 1 x 128 e4m3 (rows captured from the tiny GLM-4.5's q / k / v / o, gate / up and expert
+    inputs give 2.31 - 2.37; the heavier-tailed down projection inputs ``silu(g) u`` 1.8: their larger absmax
+    coarsens int8's step; moving a tenth of the elements instead of all gives 2.2).
+
+    Margin: the int8 bound's own (0.1 over its measured 4.9e-2, about 2x), carried by the ratio; no other factor.
+    The ratio scales the whole int8 bound, also its part that is no quantization's (bf16 attention, softmax,
+    lm_head), which an e4m3 scheme does not enlarge: an overestimate there; ``max(1, .)`` keeps that part for a
+    scheme finer than int8. Not modeled: noise compounding over the layers (a flipped level is a perturbation
+    larger than an ulp at the next GEMM; in the limit the noise is a level step, and the ratio that of the steps
+    themselves, RMS e4m3 step over int8's: about 3.8 for these rows); the CPU's GLM-4.5 measurement (median
+    router-logit difference 2.4e-2 with fp8 against 0.9e-2 with int8, 2.7x) sits between the two.
+
+    Raises ValueError naming ``scheme`` when it is not a key of `SCHEMES`."""
+    if scheme not in QDQ:
+        raise ValueError(f"logits_rel_tol: scheme {scheme!r} is not one of {sorted(QDQ)}")
+    ratio = requant_noise(QDQ[scheme]) / requant_noise(QDQ["int8"])
+    return LOGITS_REL_TOL * max(1.0, ratio)
+
+
+def check_greedy_against_transformers(ours, ours_logits, ref, length, *, scheme, routing=None, attention_mask=None):
     """Our greedy tokens against transformers', row by row, while the prefixes are equal.
 
     ``ours``: ``(B, L + NEW)`` tokens with ``ours_logits`` (``NEW`` ``(B, V)`` float32 logits that picked them,
@@ -140,8 +226,9 @@ def check_greedy_against_transformers(ours, ours_logits, ref, length, routing=No
       logits by far more than rounding noise: the row is not compared further (its later steps see other hidden
       states), as after a token flip. Where they are equal at every block, the checks below run as for a dense
       model;
-    - the two logit rows differ by at most ``LOGITS_REL_TOL`` (relative, Frobenius): a wrong mask / position /
-      cache column / logits row fails here;
+    - the two logit rows differ by at most ``logits_rel_tol(scheme)`` (relative, Frobenius; ``scheme``: the
+      model's `SCHEMES` key, whose activation format sets how much bf16 noise the two paths' logits carry): a wrong
+      mask / position / cache column / logits row fails here;
     - the tokens are equal, or, where they differ, the reference prefers its token over ours by at most
       ``2 * d``, ``d`` the largest |logit difference| of the two paths at this step: a near-tie that bf16 noise of
       that size can flip. Any larger gap is a wrong token. The row is then not compared further (the prefixes
@@ -153,7 +240,8 @@ def check_greedy_against_transformers(ours, ours_logits, ref, length, routing=No
     positions whose routing is compared are the row's prompt tokens (default: all ``L``; a padding position's
     hidden state reaches no other position).
 
-    Returns the number of (row, step) pairs whose tokens were compared equal on equal prefixes."""
+    Raises ValueError (from `logits_rel_tol`) for a ``scheme`` not in `SCHEMES`. Returns the number of (row, step)
+    pairs whose tokens were compared equal on equal prefixes."""
     assert ref.sequences.shape == ours.shape
     assert len(ours_logits) == len(ref.logits) == ours.shape[1] - length
     if routing is not None:
@@ -161,6 +249,7 @@ def check_greedy_against_transformers(ours, ours_logits, ref, length, routing=No
         assert len(ours_routing) == len(ref_routing) == len(ours_logits), (
             f"routing records: ours {len(ours_routing)} and transformers' {len(ref_routing)} steps, "
             f"expected {len(ours_logits)} (one forward per new token)")
+    tol = logits_rel_tol(scheme)
     checked = 0
     for r in range(ours.shape[0]):
         assert torch.equal(ours[r, :length], ref.sequences[r, :length])
@@ -175,10 +264,11 @@ def check_greedy_against_transformers(ours, ours_logits, ref, length, routing=No
                     positions = [int(p) for p in torch.nonzero(attention_mask[r]).flatten()]
                 else:
                     positions = list(range(ref_routing[i][0].ids.shape[1]))
-                if routing_flip(ours_routing[i], ref_routing[i], r, positions, where):
+                if routing_flip(ours_routing[i], ref_routing[i], r, positions, where, scheme=scheme):
                     break
             err = rel_err(o, w)
-            assert err <= LOGITS_REL_TOL, f"{where}: logits differ from transformers' by {err:.3e} (relative)"
+            assert err <= tol, (f"{where}: logits differ from transformers' by {err:.3e} (relative) > "
+                                f"{tol:.3g} ({scheme})")
             if t_o == t_w:
                 checked += 1
                 continue
@@ -363,7 +453,7 @@ def selection_margin(choice: torch.Tensor, ids, n_group: int = 1, topk_group: in
     return min(m_expert, m_group / 2)
 
 
-def routing_flip(ours_step, ref_step, row: int, positions, where: str = "") -> bool:
+def routing_flip(ours_step, ref_step, row: int, positions, where: str = "", *, scheme: str) -> bool:
     """Whether our path's and transformers' expert selections differ at ``row`` in one forward (lists of
     `LayerRouting`, one per MoE block in forward order), checking that the difference is a routing near-tie.
 
@@ -384,15 +474,18 @@ def routing_flip(ours_step, ref_step, row: int, positions, where: str = "") -> b
        With groups, a changed group choice needs ``m_group <= 4 delta`` by the same steps (a group's sum of its two
        best choice values moves by at most ``2 delta``), hence the half group margin in ``m``. Any larger margin
        is a selection these choice values cannot give: a wrong routing;
-    3. the router logits ``z`` of that block and token differ by at most ``LOGITS_REL_TOL`` (relative, Frobenius
-       over the E experts): ``delta`` is the noise of the two paths' hidden states before the flip (the earlier
-       blocks selected the same experts), read out by a linear router as the lm_head reads out the last hidden
-       state, so bounded as the logits are. (Given 1, rule 2 holds for any selections; this bound is what keeps a
-       grossly wrong hidden state from passing as a near-tie, as the logits bound does for a token flip.)
+    3. the router logits ``z`` of that block and token differ by at most ``logits_rel_tol(scheme)`` (relative,
+       Frobenius over the E experts; ``scheme``: the model's `SCHEMES` key): ``delta`` is the noise of the two
+       paths' hidden states before the flip (the earlier blocks selected the same experts), read out by a linear
+       router as the lm_head reads out the last hidden state, so bounded as the logits are. (Given 1, rule 2 holds
+       for any selections; this bound is what keeps a grossly wrong hidden state from passing as a near-tie, as the
+       logits bound does for a token flip.)
 
     Returns True when the selections differ (every check passed; the caller stops comparing the row), False when
     they are equal at every block (or differ only where nothing compared sees it). Raises AssertionError naming
-    the block, ``where`` (row and step) and the position."""
+    the block, ``where`` (row and step) and the position; ValueError (from `logits_rel_tol`) for a ``scheme`` not in
+    `SCHEMES`."""
+    tol = logits_rel_tol(scheme)
     assert len(ours_step) == len(ref_step), (f"{where}: {len(ours_step)} MoE blocks in our forward, "
                                              f"{len(ref_step)} in transformers'")
     for ours_l, ref_l in zip(ours_step, ref_step):
@@ -416,9 +509,9 @@ def routing_flip(ours_step, ref_step, row: int, positions, where: str = "") -> b
             assert m_o >= 0, (f"{at}: our experts {ids_o} are not a top-k of our router's choice values "
                               f"(margin {m_o:.3e}): the routing record does not read the router")
             err = rel_err(ours_l.logits[row, p], ref_l.logits[row, p])
-            assert err <= LOGITS_REL_TOL, (f"{at}: experts {ids_o} instead of transformers' {ids_w} at router logits "
-                                           f"that differ from transformers' by {err:.3e} (relative) > "
-                                           f"{LOGITS_REL_TOL}: not rounding noise")
+            assert err <= tol, (f"{at}: experts {ids_o} instead of transformers' {ids_w} at router logits that "
+                                f"differ from transformers' by {err:.3e} (relative) > {tol:.3g} ({scheme}): not "
+                                "rounding noise")
         if any(not ref_l.last_layer or p == ref_l.ids.shape[1] - 1 for p in flips):
             return True
     return False

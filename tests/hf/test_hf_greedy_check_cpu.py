@@ -4,7 +4,7 @@
 
 A step whose expert selections differ between the two paths passes only as a near-tie (the reference's margin
 between its last selected and first unselected choice value at most twice the paths' largest |choice value
-difference|, at router logits within ``LOGITS_REL_TOL``), and ends the row's comparison; a selection difference
+difference|, at router logits within the scheme's ``logits_rel_tol``), and ends the row's comparison; a selection difference
 with a larger margin fails naming the block, row, step and position; where the selections are equal the logits
 bound applies as for a dense model."""
 
@@ -13,10 +13,12 @@ import types
 import pytest
 import torch
 
-from _hf_tiny import (LOGITS_REL_TOL, LayerRouting, RoutingRecorder, check_greedy_against_transformers,
+from _hf_tiny import (LOGITS_REL_TOL, NOISE_K, NOISE_ROWS, NOISE_SEED, QDQ, SCHEMES, LayerRouting, RoutingRecorder,
+                      check_greedy_against_transformers, logits_rel_tol, qdq_float, qdq_int, requant_noise,
                       routing_flip, selection_margin)
 
 LENGTH, NEW, VOCAB = 2, 3, 8
+SCHEME = "int8"  # the synthetic records' bound: LOGITS_REL_TOL (`logits_rel_tol`)
 TOKENS = (3, 5, 1)  # the reference's new tokens
 LAYERS = ("model.layers.0.mlp", "model.layers.1.mlp")
 
@@ -85,15 +87,15 @@ def test_selection_margin():  # float32 choice values: margins within 1e-6 of th
 
 def test_equal_routing_keeps_the_logits_bound():
     ours, ol, ref = _paths()
-    assert check_greedy_against_transformers(ours, ol, ref, LENGTH, routing=_routing()) == NEW
+    assert check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=SCHEME, routing=_routing()) == NEW
     # the same logits difference as a routing flip below, with equal selections: the dense bound fails it
     bad = [_logits(0) + 1e-3, _logits(1) * 1.5, _logits(2)]
     ours, ol, ref = _paths(bad)
-    assert float((bad[1] - ref.logits[1]).norm() / ref.logits[1].norm()) > LOGITS_REL_TOL
+    assert float((bad[1] - ref.logits[1]).norm() / ref.logits[1].norm()) > logits_rel_tol(SCHEME)
     with pytest.raises(AssertionError, match=r"row 0 step 1: logits differ from transformers' by"):
-        check_greedy_against_transformers(ours, ol, ref, LENGTH, routing=_routing())
+        check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=SCHEME, routing=_routing())
     with pytest.raises(AssertionError, match=r"row 0 step 1: logits differ from transformers' by"):
-        check_greedy_against_transformers(ours, ol, ref, LENGTH)
+        check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=SCHEME)
 
 
 def _flip_paths():
@@ -108,10 +110,11 @@ NEAR_TIE = dict(ours_layer=([0.4, 0.2995, 0.2996, 0.001], [0, 2]), ref_layer=([0
 def test_routing_near_tie_flip_passes_and_ends_the_row():
     # margin 1e-3 <= 2 x max |choice difference| 6e-4; router logits 10 x choice: relative difference ~1e-3
     ours, ol, ref = _flip_paths()
-    assert check_greedy_against_transformers(ours, ol, ref, LENGTH, routing=_routing(at=1, **NEAR_TIE)) == 1
+    assert check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=SCHEME,
+                                             routing=_routing(at=1, **NEAR_TIE)) == 1
     # an exact tie (the same values on both paths, another top-k tie-break): margin 0 <= 0
     tie = dict(ours_layer=([0.4, 0.3, 0.3, 0.001], [0, 2]), ref_layer=([0.4, 0.3, 0.3, 0.001], [0, 1]))
-    assert check_greedy_against_transformers(ours, ol, ref, LENGTH, routing=_routing(at=1, **tie)) == 1
+    assert check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=SCHEME, routing=_routing(at=1, **tie)) == 1
 
 
 def test_routing_flip_with_a_large_margin_fails():
@@ -121,18 +124,21 @@ def test_routing_flip_with_a_large_margin_fails():
                                              r"instead of transformers' \[0, 1\], whose selection leads by a margin "
                                              r"2.000e-01 > 2 x the paths' max \|choice value difference\| 1.000e-04: "
                                              r"not a routing near-tie"):
-        check_greedy_against_transformers(ours, ol, ref, LENGTH, routing=_routing(at=1, **far))
+        check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=SCHEME, routing=_routing(at=1, **far))
 
 
 def test_routing_flip_at_router_logits_far_apart_fails():
     ours, ol, ref = _flip_paths()
     ours_layer = (*NEAR_TIE["ours_layer"], [5.2, 3.9, 3.9, 0.0])  # router logits 30 % off the reference's
-    with pytest.raises(AssertionError, match=r"layer model.layers.1.mlp, row 0 step 1, position 0: experts \[0, 2\] "
-                                             r"instead of transformers' \[0, 1\] at router logits that differ from "
-                                             r"transformers' by .* \(relative\) > 0.1: not rounding noise"):
-        check_greedy_against_transformers(ours, ol, ref, LENGTH,
-                                          routing=_routing(at=1, ours_layer=ours_layer,
-                                                           ref_layer=NEAR_TIE["ref_layer"]))
+    for scheme in SCHEMES:  # over every scheme's bound (e4m3's: ~0.23)
+        tol = f"{logits_rel_tol(scheme):.3g}"
+        with pytest.raises(AssertionError, match=(r"layer model.layers.1.mlp, row 0 step 1, position 0: experts "
+                                                  r"\[0, 2\] instead of transformers' \[0, 1\] at router logits that "
+                                                  r"differ from transformers' by 3.0\d+e-01 \(relative\) > "
+                                                  rf"{tol} \({scheme}\): not rounding noise")):
+            check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=scheme,
+                                              routing=_routing(at=1, ours_layer=ours_layer,
+                                                               ref_layer=NEAR_TIE["ref_layer"]))
 
 
 def test_selection_not_a_top_k_of_its_choice_values_fails():
@@ -140,7 +146,7 @@ def test_selection_not_a_top_k_of_its_choice_values_fails():
     misread = dict(ours_layer=NEAR_TIE["ref_layer"], ref_layer=([0.4, 0.3, 0.299, 0.001], [0, 3]))
     with pytest.raises(AssertionError, match=r"row 0 step 1, position 0: transformers' experts \[0, 3\] are not a "
                                              r"top-k of its router's choice values"):
-        check_greedy_against_transformers(ours, ol, ref, LENGTH, routing=_routing(at=1, **misread))
+        check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=SCHEME, routing=_routing(at=1, **misread))
 
 
 def test_only_the_first_flipped_block_is_checked():
@@ -148,12 +154,12 @@ def test_only_the_first_flipped_block_is_checked():
     ours, ol, ref = _flip_paths()
     rec_o, rec_w = _routing(at=1, layer=0, **NEAR_TIE)
     rec_o[1][1] = _layer(LAYERS[1], [0.1, 0.1, 0.3, 0.5], [2, 3])
-    assert check_greedy_against_transformers(ours, ol, ref, LENGTH, routing=(rec_o, rec_w)) == 1
+    assert check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=SCHEME, routing=(rec_o, rec_w)) == 1
     # the same selections the other way round: block 0 a far flip fails, named
     rec_o, rec_w = _routing(at=1, layer=0, ours_layer=([0.5001, 0.3001, 0.1001, 0.1], [0, 2]), ref_layer=CLEAR)
     with pytest.raises(AssertionError, match=r"layer model.layers.0.mlp, row 0 step 1, position 0: .* not a routing "
                                              r"near-tie"):
-        check_greedy_against_transformers(ours, ol, ref, LENGTH, routing=(rec_o, rec_w))
+        check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=SCHEME, routing=(rec_o, rec_w))
 
 
 def test_grouped_routing_near_tie_of_the_groups():
@@ -164,14 +170,14 @@ def test_grouped_routing_near_tie_of_the_groups():
     rec_o, rec_w = _routing()
     rec_o[1][1] = _layer(LAYERS[1], ours_c, [4, 5], groups=(2, 1))
     rec_w[1][1] = _layer(LAYERS[1], ref_c, [0, 1], groups=(2, 1))
-    assert check_greedy_against_transformers(ours, ol, ref, LENGTH, routing=(rec_o, rec_w)) == 1
+    assert check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=SCHEME, routing=(rec_o, rec_w)) == 1
     # the reference's group 1 far behind (sum 0.5): a group margin of 0.45
     ref_far = [0.5, 0.45, 0.1, 0.1, 0.25, 0.25, 0.1, 0.1]
     ours_far = [0.5, 0.45, 0.1, 0.1, 0.2501, 0.2501, 0.1, 0.1]
     rec_o[1][1] = _layer(LAYERS[1], ours_far, [4, 5], groups=(2, 1))
     rec_w[1][1] = _layer(LAYERS[1], ref_far, [0, 1], groups=(2, 1))
     with pytest.raises(AssertionError, match=r"margin 2.250e-01 > 2 x .* not a routing near-tie"):
-        check_greedy_against_transformers(ours, ol, ref, LENGTH, routing=(rec_o, rec_w))
+        check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=SCHEME, routing=(rec_o, rec_w))
 
 
 def test_prefill_compares_the_prompt_positions_only():
@@ -180,10 +186,10 @@ def test_prefill_compares_the_prompt_positions_only():
     ours, ol, ref = _paths()
     rec_o, rec_w = _routing()
     rec_o[0][1].ids[0, 0] = torch.tensor([2, 3])
-    assert check_greedy_against_transformers(ours, ol, ref, LENGTH, routing=(rec_o, rec_w),
+    assert check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=SCHEME, routing=(rec_o, rec_w),
                                              attention_mask=torch.tensor([[0, 1]])) == NEW
     with pytest.raises(AssertionError, match=r"layer model.layers.1.mlp, row 0 step 0, position 0: experts \[2, 3\]"):
-        check_greedy_against_transformers(ours, ol, ref, LENGTH, routing=(rec_o, rec_w),
+        check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=SCHEME, routing=(rec_o, rec_w),
                                           attention_mask=torch.tensor([[1, 1]]))
 
 
@@ -197,20 +203,21 @@ def test_last_layer_flip_at_a_prompt_position_does_not_end_the_row():
             rec[0][layer].choice[0, position] = torch.tensor(choice)
             rec[0][layer].logits[0, position] = 10 * torch.tensor(choice)
             rec[0][layer].ids[0, position] = torch.tensor(ids)
-        assert check_greedy_against_transformers(ours, ol, ref, LENGTH, routing=(rec_o, rec_w)) == expected
+        assert check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=SCHEME,
+                                                 routing=(rec_o, rec_w)) == expected
     # checked all the same: a far flip there fails
     rec_o, rec_w = _routing()
     rec_o[0][1].ids[0, 0] = torch.tensor([2, 3])
     with pytest.raises(AssertionError, match=r"layer model.layers.1.mlp, row 0 step 0, position 0: .* not a routing "
                                              r"near-tie"):
-        check_greedy_against_transformers(ours, ol, ref, LENGTH, routing=(rec_o, rec_w))
+        check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme=SCHEME, routing=(rec_o, rec_w))
 
 
 def test_routing_flip_returns_false_on_equal_selections():
     rec_o, rec_w = _routing()
-    assert routing_flip(rec_o[1], rec_w[1], 0, [0]) is False
+    assert routing_flip(rec_o[1], rec_w[1], 0, [0], scheme=SCHEME) is False
     rec_o[1][0].ids[0, 0] = torch.tensor([1, 0])  # the same experts in another order
-    assert routing_flip(rec_o[1], rec_w[1], 0, [0]) is False
+    assert routing_flip(rec_o[1], rec_w[1], 0, [0], scheme=SCHEME) is False
 
 
 pytest.importorskip("transformers")
@@ -252,3 +259,51 @@ def test_recorder_reads_the_routers(kind):
             assert (lr.n_group, lr.topk_group) == ((4, 2) if kind == "deepseek_v3" else (1, 1))
             assert lr.last_layer == (lr.layer == f"model.layers.{model.config.num_hidden_layers - 1}.mlp")
     assert steps[0][-1].last_layer and steps[0][-1].layer == "model.layers.1.mlp"
+
+
+# ---- the per-scheme bound (`logits_rel_tol`) ------------------------------------------------------------------------
+
+
+def _step_ratio():
+    """RMS level step of per-token e4m3 over int8 per-token's, on `requant_noise`'s rows (dequantized units): e4m3's
+    ``scale 2^(floor(log2 |x / scale|) - 3)`` per element, int8's ``absmax / 127`` per row."""
+    x = torch.randn(NOISE_ROWS, NOISE_K, generator=torch.Generator().manual_seed(NOISE_SEED)).bfloat16().float()
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = amax / torch.finfo(torch.float8_e4m3fn).max
+    e4m3 = scale * torch.exp2(torch.floor(torch.log2((x / scale).abs())) - 3)
+    return float(e4m3.square().mean().sqrt() / (amax / 127).square().mean().sqrt())
+
+
+def test_logits_rel_tol_is_the_int8_bound_scaled_by_the_derived_noise_ratio():
+    assert set(QDQ) == set(SCHEMES)
+    assert logits_rel_tol("int8") == LOGITS_REL_TOL == 0.1
+    for scheme in ("fp8", "fp8-block"):
+        tol = logits_rel_tol(scheme)
+        ratio = requant_noise(QDQ[scheme]) / requant_noise(QDQ["int8"])
+        assert tol == pytest.approx(LOGITS_REL_TOL * ratio, rel=1e-12)
+        # e4m3's relative level step turns a bf16 ulp into more noise than int8's absolute one: more than 1.5x,
+        # less than the ratio of the steps themselves (the noise compounded over many layers, a step's size)
+        assert 1.5 * LOGITS_REL_TOL < tol < _step_ratio() * LOGITS_REL_TOL, (scheme, tol, _step_ratio())
+    # 1 x 128 groups of a Gaussian row: the same relative steps, nearly the same noise as per-token e4m3
+    assert logits_rel_tol("fp8-block") == pytest.approx(logits_rel_tol("fp8"), rel=0.05)
+
+
+def test_requant_noise_grows_with_the_level_step():
+    ints = [requant_noise(lambda x, q=q: qdq_int(x, q)) for q in (127, 63, 31, 15)]
+    assert all(a < b for a, b in zip(ints, ints[1:])), ints
+    # e5m2's relative step (2^-2) against e4m3's (2^-3)
+    assert requant_noise(qdq_float) < requant_noise(lambda x: qdq_float(x, torch.float8_e5m2))
+    # no quantization: the ulp itself, 2^-8 to 2^-7 of each value
+    assert 2 ** -8 < requant_noise(lambda x: x) < 2 ** -7
+    # another seed's rows: the same ratio within 2% (the sampling error of NOISE_ROWS rows)
+    r0 = requant_noise(QDQ["fp8"]) / requant_noise(QDQ["int8"])
+    r1 = requant_noise(QDQ["fp8"], seed=1) / requant_noise(QDQ["int8"], seed=1)
+    assert r1 == pytest.approx(r0, rel=0.02)
+
+
+def test_logits_rel_tol_refuses_an_unknown_scheme():
+    with pytest.raises(ValueError, match=r"logits_rel_tol: scheme 'fp4' is not one of"):
+        logits_rel_tol("fp4")
+    ours, ol, ref = _paths()
+    with pytest.raises(ValueError, match=r"scheme 'w8a8'"):
+        check_greedy_against_transformers(ours, ol, ref, LENGTH, scheme="w8a8")
