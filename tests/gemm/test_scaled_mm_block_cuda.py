@@ -37,7 +37,7 @@ FROBENIUS = {torch.bfloat16: 2.5e-3, torch.float16: 1e-3}
 BLOCK_CONFIGS = ["swap_128x16x128_c1x1_pingpong_persistent", "swap_128x32x128_c1x1_pingpong_persistent",
                  "64x128x128_c1x1_pingpong_persistent", "128x128x128_c1x2_cooperative_persistent",
                  "256x128x128_c1x2_cooperative_persistent_waves",
-                 # not selected yet (issue 37's sweep decides): waves along N (tests/gemm/test_wave_n_cuda.py)
+                 # waves along N (test_wave_n_cuda.py): M in (128, 1024] where waves_n_fill_ok; the second never
                  "128x256x128_c1x2_cooperative_persistent_waves_n128", "64x256x128_c1x1_pingpong_persistent_waves_n128"]
 # Crosses every bucket of select_fp8_block: [1, 32], (32, 64], (64, 128], > 128 (two tile shapes by wave fill), and
 # M >= 1024 where the wave tile's rows per SM stay within 1.05x (M = 4096 at N = 1024 on 132 SMs).
@@ -98,9 +98,9 @@ def check(out, a, w, sa, sb, bias, what):
 
 
 def large_m_config(m: int, n: int) -> str:
-    """The name of the config select_fp8_block picks for M > 128 on this GPU (its rules, mirrored): at M >= 1024 the
-    256x128 wave tile unless its busiest SM has more than 1.05x the rows of the 128x128 tile's; else the wave-fill
-    rule between the 64x128 and 128x128 tiles."""
+    """The name of the config select_fp8_block picks for M > 128 on this GPU (its rules, mirrored): the 128x256 wave
+    tile at M <= 1024 where waves_n_fill_ok; else at M >= 1024 the 256x128 wave tile unless its busiest SM has more
+    than 1.05x the rows of the 128x128 tile's; else the wave-fill rule between the 64x128 and 128x128 tiles."""
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     pairs = (blocks(n) + 1) // 2 * 2  # a 1x2 cluster pads the N tiles to pairs
 
@@ -111,11 +111,25 @@ def large_m_config(m: int, n: int) -> str:
     def busiest_sm_rows(tile_m):
         return -(-(-(-m // tile_m) * pairs) // sms) * tile_m
 
+    if 128 < m <= 1024 and waves_n_fill_ok(m, n, sms, pairs_along_n=True):
+        return BLOCK_CONFIGS[5]
     if m >= 1024 and busiest_sm_rows(256) * 100 <= busiest_sm_rows(128) * 105:
         return BLOCK_CONFIGS[4]
     few = fill(-(-m // 64) * blocks(n))
     large = fill(-(-m // 128) * pairs)
     return BLOCK_CONFIGS[2] if few > large + 0.05 else BLOCK_CONFIGS[3]
+
+
+def waves_n_fill_ok(m, n, sms, pairs_along_n):
+    """The dispatch's waves_n_fill_ok (csrc/gemm/sm90/scaled_mm_sm90_dispatch.cuh): the 128x256 wave tile's busiest SM
+    computes no more of the output than the 128x128 1x2 tile's (rounds of tiles times tile area)."""
+    tiles_m = -(-m // 128)
+
+    def rounds(tiles_n, pairs):
+        tiles_n = (tiles_n + 1) // 2 * 2 if pairs else tiles_n
+        return -(-(tiles_m * tiles_n) // sms)
+
+    return rounds(-(-n // 256), pairs_along_n) * 256 <= rounds(blocks(n), True) * 128
 
 
 def run(a, w, sa, sb, bias, out_dtype, out=None):

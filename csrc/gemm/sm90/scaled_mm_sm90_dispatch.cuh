@@ -135,9 +135,9 @@ using Fp8_M1024_Accurate = Config<128, 128, 128, 1, 2, CO, PE, false>;
 // (tune_nvidia-h200_fp8_waves.md), where the best CUTLASS promoted config took 1.24-1.26x.
 using Fp8_MLarge_Accurate = Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>;
 
-// Not selected yet (issue 37: forced by index, bench/tune_sm90.py --dtypes fp8 --fp8-accum accurate, to decide the
-// accurate rows at M in (128, 1024)): 128x256 cooperative with the wave mainloop's waves along N too (WaveN 128: each
-// warpgroup's 64 x 256 rows in two 64 x 128 waves, 128 + 64 registers), one token tile of 128 rows over N / 256 CTAs.
+// M in (128, 1024) where waves_n_fill_ok (select_fp8, issue 37): 128x256 cooperative with the wave mainloop's waves
+// along N too (WaveN 128: each warpgroup's 64 x 256 rows in two 64 x 128 waves, 128 + 64 registers), one token tile of
+// 128 rows over N / 256 CTAs. Bit-identical to the promoted 128x128 rows (32 of 32 points of the sweep).
 using Fp8_MMid_Accurate_WavesN = Config<128, 256, 128, 1, 1, CO, PE, false, false, 1, true, 128>;
 
 // Table indices 0..11, in this order (see the top of this file): the fast-accumulation rows, then the accurate ones.
@@ -145,14 +145,38 @@ using Fp8Configs = std::tuple<Fp8_M16, Fp8_M64, Fp8_M128, Fp8_MLarge, Fp8_MLarge
                               Fp8_M64_Accurate, Fp8_M128_Accurate, Fp8_M256_Accurate, Fp8_M1024_Accurate,
                               Fp8_MLarge_Accurate, Fp8_MMid_Accurate_WavesN>;
 
-// Returns an index into Fp8Configs: among the fast-accumulation rows when `fast_accum`, else the accurate ones.
+// Rows of a tile that the busiest SM computes when `tiles_m` x `tiles_n` persistent tiles of `tile_m` rows run on
+// `sms` SMs, the N tiles padded to pairs (a 1x2 cluster): rounds of tiles times their rows.
+inline int64_t busiest_sm_rows(int64_t tiles_m, int64_t tiles_n, int64_t tile_m, int sms) {
+  const int64_t tiles = tiles_m * ((tiles_n + 1) / 2 * 2);
+  return (tiles + sms - 1) / sms * tile_m;
+}
+
+// The 128x256 wave tiles (Fp8Block_MMid_WavesN, Fp8_MMid_Accurate_WavesN) when their busiest SM computes no more of
+// the output than the 128x128 1x2 tile's busiest SM (rounds of tiles times tile area; N tiles padded to pairs with a
+// 1x2 cluster): then one pass over the weight with half the CTAs won at every such point of the H200 sweep at
+// M in (128, 1024] except M = 128 (bench/results/tune_nvidia-h200_fp8-block_waves_n.md: block fp8 0.806-0.994 of the
+// shipped time at 21 of 21 points with M 256-1024, 1.035-1.106 at 2 of 4 at M = 128; row-wise accurate 0.849-0.963
+// at 6 of 6 with M 256-512), and lost where it leaves the busiest SM more (1.10-2.33x at 1.2-2x the area).
+inline bool waves_n_fill_ok(int64_t m, int64_t n, int sms, bool pairs_along_n) {
+  const int64_t tiles_m = (m + 127) / 128;
+  const int64_t wide_n = (n + 255) / 256;
+  const int64_t wide = pairs_along_n ? busiest_sm_rows(tiles_m, wide_n, 128, sms)
+                                     : (tiles_m * wide_n + sms - 1) / sms * 128;
+  const int64_t narrow = busiest_sm_rows(tiles_m, (n + 127) / 128, 128, sms);
+  return wide * 256 <= narrow * 128;
+}
+
+// Returns an index into Fp8Configs: among the fast-accumulation rows when `fast_accum`, else the accurate ones
+// (M in (128, 1024): Fp8_MMid_Accurate_WavesN where waves_n_fill_ok).
 inline int select_fp8(int64_t m, int64_t n, int64_t k, int sm_count, bool fast_accum) {
-  (void)n;
-  (void)sm_count;
   if (!fast_accum) {
     if (m <= 16) return index_of<Fp8_M16_Accurate, Fp8Configs>;
     if (m <= 64) return index_of<Fp8_M64_Accurate, Fp8Configs>;
     if (m <= 128) return index_of<Fp8_M128_Accurate, Fp8Configs>;
+    if (m < 1024 && waves_n_fill_ok(m, n, sm_count > 0 ? sm_count : 132, /*pairs_along_n=*/false)) {
+      return index_of<Fp8_MMid_Accurate_WavesN, Fp8Configs>;
+    }
     if (m <= 256) return index_of<Fp8_M256_Accurate, Fp8Configs>;
     if (m < 1024) return index_of<Fp8_M1024_Accurate, Fp8Configs>;
     return index_of<Fp8_MLarge_Accurate, Fp8Configs>;
@@ -210,13 +234,13 @@ using Fp8Block_MLarge = Config<128, 128, 128, 1, 2, CO, PE, false>;
 // the H100 ran Fp8Block_MLarge's tile 8-13% slower without its cluster (above). Launched without PDL (cooperative).
 using Fp8Block_MLarge_Waves = Config<256, 128, 128, 1, 2, CO, PE, false, false, 1, true>;
 
-// Not selected yet (issue 37: forced by index, bench/tune_sm90.py --dtypes fp8-block, to decide M in (64, 1024)):
-// 256 weight columns per tile, the tile CUTLASS 4.2's blockwise collective refuses ("Accumulator and scaleB must have
-// same shape"), with the wave mainloop's waves along N too (WaveN 128: each warpgroup's 64 x 256 rows in two 64 x 128
-// waves, each one 128-column scale block; 128 + 64 registers). At M = 128 and N = 7168-32768 the shipped tiles give
-// each SM 1.9-3.9 tiles (Fp8Block_M128's 64-row tiles read every weight tile twice); these give 0.2-1.9 (one pass):
-//   128x256 cooperative, pairs along N sharing the token tile (Fp8Block_MLarge's cluster);
-//   64x256 pingpong (one warpgroup per tile, its epilogue overlapped with the other's mainloop).
+// Fp8Block_MMid_WavesN: M in (128, 1024] where waves_n_fill_ok (select_fp8_block, issue 37); Fp8Block_M128_WavesN:
+// not selected (slower everywhere in the sweep: 1.02-1.90x the shipped time at M 128-1024). 256 weight columns per
+// tile, the tile CUTLASS 4.2's blockwise collective refuses ("Accumulator and scaleB must have same shape"), with the
+// wave mainloop's waves along N too (WaveN 128: each warpgroup's 64 x 256 rows in two 64 x 128 waves, each one
+// 128-column scale block; 128 + 64 registers, no spills). One pass over the weight with half the CTAs of the 128x128
+// tile; pairs along N share the token tile (Fp8Block_MLarge's cluster). Bit-identical to every block config (52 of 52
+// points of the sweep).
 using Fp8Block_MMid_WavesN = Config<128, 256, 128, 1, 2, CO, PE, false, false, 1, true, 128>;
 using Fp8Block_M128_WavesN = Config<64, 256, 128, 1, 1, PP, PE, false, false, 1, true, 128>;
 
@@ -224,21 +248,18 @@ using Fp8Block_M128_WavesN = Config<64, 256, 128, 1, 1, PP, PE, false, false, 1,
 using Fp8BlockConfigs = std::tuple<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp8Block_MLarge, Fp8Block_MLarge_Waves,
                                    Fp8Block_MMid_WavesN, Fp8Block_M128_WavesN>;
 
-// Rows of a tile that the busiest SM computes when `tiles_m` x `tiles_n` persistent tiles of `tile_m` rows run on
-// `sms` SMs, the N tiles padded to pairs (a 1x2 cluster): rounds of tiles times their rows.
-inline int64_t busiest_sm_rows(int64_t tiles_m, int64_t tiles_n, int64_t tile_m, int sms) {
-  const int64_t tiles = tiles_m * ((tiles_n + 1) / 2 * 2);
-  return (tiles + sms - 1) / sms * tile_m;
-}
-
-// Returns an index into Fp8BlockConfigs. M >= 1024: Fp8Block_MLarge_Waves unless its 256-row tiles leave the busiest
-// SM more than 1.05x the rows of Fp8Block_MLarge's 128-row tiles (at equal rows it took 0.94-0.96 of the shipped
-// time in the sweep; 1.02x rows still won at 0.948-0.958, 1.2x lost at 1.163). Otherwise, and for M > 128:
+// Returns an index into Fp8BlockConfigs. M in (128, 1024] (the range measured): Fp8Block_MMid_WavesN where
+// waves_n_fill_ok. Else M >= 1024: Fp8Block_MLarge_Waves unless its 256-row tiles leave the busiest SM more than
+// 1.05x the rows of Fp8Block_MLarge's 128-row tiles (at equal rows it took 0.94-0.96 of the shipped time in the
+// sweep; 1.02x rows still won at 0.948-0.958, 1.2x lost at 1.163). Otherwise, and for M > 128:
 // Fp8Block_MLarge unless Fp8Block_M128 fills its last wave better by more than 0.05.
 inline int select_fp8_block(int64_t m, int64_t n, int64_t k, int sm_count) {
   (void)k;
+  const int sms = sm_count > 0 ? sm_count : 132;
+  if (m > 128 && m <= 1024 && waves_n_fill_ok(m, n, sms, /*pairs_along_n=*/true)) {
+    return index_of<Fp8Block_MMid_WavesN, Fp8BlockConfigs>;
+  }
   if (m >= 1024) {
-    const int sms = sm_count > 0 ? sm_count : 132;
     const int64_t tiles_n = (n + 127) / 128;
     const int64_t waves_rows = busiest_sm_rows((m + 255) / 256, tiles_n, 256, sms);
     const int64_t large_rows = busiest_sm_rows((m + 127) / 128, tiles_n, 128, sms);
