@@ -1,6 +1,6 @@
-// The sm90 fp8 mainloop with per-64-row waves: CUTLASS's own fp8 mainloop collective with only its consumer side
-// (`mma`) replaced, so that a consumer warpgroup keeps ONE 64-row temporary accumulator instead of a second copy of
-// its whole tile.
+// The sm90 fp8 mainloop with waves of one WGMMA atom (64 rows, and with kAtomN 64 x kAtomN): CUTLASS's own fp8 mainloop
+// collective with only its consumer side (`mma`) and its TiledMma's atom replaced, so that a consumer warpgroup keeps
+// ONE one-atom temporary accumulator instead of a second copy of its whole tile.
 //
 // Derived from (everything but `mma` is theirs: load / load_auxiliary, pipelines, shared-memory layouts, Arguments,
 // Params, to_underlying_arguments, can_implement, mma_tail):
@@ -25,8 +25,10 @@
 //
 // Why: CUTLASS's two mainloops hold a temporary accumulator of the SAME shape as the main one (GmmaFP8Accumulation,
 // fp8_accumulation.hpp), so a consumer warpgroup's 128 x 128 rows (256 x 128 cooperative, 128 x 128 pingpong) need
-// 128 + 128 float registers per thread and spill. Here each k tile (TileK = 128, one scale per k tile) runs per wave w
-// (the warpgroup's MMA_M atoms, 64 rows each: size<1>(accum) waves):
+// 128 + 128 float registers per thread and spill (and CUTLASS 4.2 refuses a blockwise 128 x 256 tile: "Accumulator and
+// scaleB must have same shape"). Here each k tile (TileK = 128, one scale per k tile) runs per wave w, one atom of the
+// warpgroup's (MMA_M, MMA_N) atoms in M-major order: 64 rows each, and the tile's N wide (MMA_N = 1) unless kAtomN
+// narrows the atom to 64 x kAtomN (MMA_N = TileN / kAtomN; a wave then never straddles two scale blocks along N):
 //
 //   temp  = sum over the 4 k blocks (K 32 each, in order) of A[rows of w] x B   (WGMMA, ScaleOut::Zero on block 0)
 //   wait for the WGMMAs
@@ -34,9 +36,12 @@
 //                                        applied exactly as GmmaFP8Accumulation::scale does in CUTLASS's collective
 //   row-wise: main[w] += temp            (GmmaFP8Accumulation::promote_core; the scales stay in the epilogue)
 //
-// so 128 x 128 rows per warpgroup take 128 (main) + 64 (temp) registers. While one warpgroup promotes (FFMA), the
-// other's WGMMAs keep the tensor cores busy (cooperative: two warpgroups on one tile; pingpong: the other warpgroup
-// is in its epilogue or its own mainloop).
+// so 128 x 128 rows per warpgroup (or 64 x 256 in two 64 x 128 waves) take 128 (main) + 64 (temp) registers. With
+// scales on both sides varying within the tile (kAtomN waves of a block tile) the wave's one weight-side scale is
+// combined with the token-side ones first, temp * (scale_a * scale_b): the expression GmmaFP8Accumulation uses when one
+// side has a single scale per tile, so the same bits as every other block tile. While one warpgroup promotes (FFMA),
+// the other's WGMMAs keep the tensor cores busy (cooperative: two warpgroups on one tile; pingpong: the other
+// warpgroup is in its epilogue or its own mainloop).
 //
 // Result: the same products in the same K order, one promotion per k tile, the same float32 expressions as CUTLASS's
 // collective (TileK 128: its promotion interval of 4 MMAs is one k tile, so it never has a residue), so each element
