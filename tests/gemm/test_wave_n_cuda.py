@@ -21,13 +21,12 @@ import pytest
 import torch
 
 import cutlass_w8a8 as cw
-from cutlass_w8a8.testing.references import rand_operand, rand_scale, scale_magnitudes
+from test_fp8_fast_accum_cuda import rowwise_problem
+from test_scaled_mm_block_cuda import block_problem
 
 pytestmark = pytest.mark.sm90
 
 OPS = torch.ops.cutlass_w8a8
-FP8 = torch.float8_e4m3fn
-BLOCK = 128
 TABLE_FP8, TABLE_BLOCK = 1, 2  # kernel_api.h cw8a8_config_table
 BLOCK_REFERENCE = "128x128x128_c1x2_cooperative_persistent"  # Fp8Block_MLarge
 ROWWISE_REFERENCE = "128x128x128_c1x2_cooperative_persistent"  # Fp8_M1024_Accurate
@@ -60,21 +59,6 @@ def forced(a, w, sa, sb, bias, config, out_dtype):
     return out
 
 
-def block_operands(m, n, k, out_dtype, bias, seed):
-    """e4m3 a (M, K), w (N, K); 1x128 group and 128x128 block scales of magnitudes 2^-3 .. 2^2 that differ from group
-    to group (a wave reading its neighbour's scale shows); bias ~ |D|."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    a, w = rand_operand((m, k), FP8, "cuda", g), rand_operand((n, k), FP8, "cuda", g)
-
-    def scales(shape):
-        mag = 2.0 ** torch.randint(-3, 3, shape, device="cuda", generator=g).float()
-        return (torch.rand(shape, device="cuda", generator=g) + 0.5) * mag / (k ** 0.5)
-
-    sa, sb = scales((m, k // BLOCK)), scales((-(-n // BLOCK), k // BLOCK))
-    b = (torch.randn(n, device="cuda", generator=g) * 2).to(out_dtype) if bias else None
-    return a, w, sa, sb, b
-
-
 @pytest.mark.parametrize("m", [1, 100, 300])
 @pytest.mark.parametrize("nk", [(256, 128), (400, 1024), (2112, 7168)], ids=["N256-K128", "N400-K1024", "N2112-K7168"])
 @pytest.mark.parametrize("out_dtype,bias", [(torch.bfloat16, True), (torch.float16, False)], ids=["bf16-bias", "f16"])
@@ -83,7 +67,7 @@ def test_block_wave_n_equals_128x128_bitwise(m, nk, out_dtype, bias):
     names = table(TABLE_BLOCK)
     ref_index = names.index(BLOCK_REFERENCE)
     n, k = nk
-    args = block_operands(m, n, k, out_dtype, bias, seed=m * 31 + n + k)
+    args = block_problem(m, n, k, out_dtype, bias, seed=m * 31 + n + k)  # scales differ group to group
     ref = forced(*args, ref_index, out_dtype)
     assert not torch.isnan(ref).any(), f"{BLOCK_REFERENCE} left elements unwritten"
     for i in wave_n_entries(names):
@@ -100,11 +84,7 @@ def test_rowwise_accurate_wave_n_equals_promoted_bitwise(m, nk):
     names = table(TABLE_FP8)
     ref_index = names.index(ROWWISE_REFERENCE)
     n, k = nk
-    g = torch.Generator(device="cuda").manual_seed(m * 17 + n + k)
-    a, w = rand_operand((m, k), FP8, "cuda", g), rand_operand((n, k), FP8, "cuda", g)
-    ma, mb = scale_magnitudes(FP8, k)
-    sa, sb = rand_scale((m, 1), "cuda", ma, g), rand_scale((n,), "cuda", mb, g)
-    bias = (torch.randn(n, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    a, w, sa, sb, bias = rowwise_problem(m, n, k, seed=m * 17 + n + k)
     ref = forced(a, w, sa, sb, bias, ref_index, torch.bfloat16)
     assert not torch.isnan(ref).any(), f"{ROWWISE_REFERENCE} left elements unwritten"
     for i in wave_n_entries(names):

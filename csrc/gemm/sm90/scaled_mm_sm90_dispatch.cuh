@@ -159,12 +159,13 @@ inline int64_t busiest_sm_rows(int64_t tiles_m, int64_t tiles_n, int64_t tile_m,
 // shipped time at 21 of 21 points with M 256-1024, 1.035-1.106 at 2 of 4 at M = 128; row-wise accurate 0.849-0.963
 // at 6 of 6 with M 256-512), and lost where it leaves the busiest SM more (1.10-2.33x at 1.2-2x the area).
 inline bool waves_n_fill_ok(int64_t m, int64_t n, int sms, bool pairs_along_n) {
-  const int64_t tiles_m = (m + 127) / 128;
-  const int64_t wide_n = (n + 255) / 256;
-  const int64_t wide = pairs_along_n ? busiest_sm_rows(tiles_m, wide_n, 128, sms)
-                                     : (tiles_m * wide_n + sms - 1) / sms * 128;
-  const int64_t narrow = busiest_sm_rows(tiles_m, (n + 127) / 128, 128, sms);
-  return wide * 256 <= narrow * 128;
+  constexpr int64_t kTileM = 128, kWideN = 256, kNarrowN = 128;
+  const int64_t tiles_m = (m + kTileM - 1) / kTileM;
+  const int64_t wide_n = (n + kWideN - 1) / kWideN;
+  const int64_t wide_rows = pairs_along_n ? busiest_sm_rows(tiles_m, wide_n, kTileM, sms)
+                                          : (tiles_m * wide_n + sms - 1) / sms * kTileM;
+  const int64_t narrow_rows = busiest_sm_rows(tiles_m, (n + kNarrowN - 1) / kNarrowN, kTileM, sms);
+  return wide_rows * kWideN <= narrow_rows * kNarrowN;  // the busiest SM's output elements
 }
 
 // Returns an index into Fp8Configs: among the fast-accumulation rows when `fast_accum`, else the accurate ones
