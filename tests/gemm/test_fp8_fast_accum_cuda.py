@@ -110,7 +110,7 @@ def test_flag_runs_its_table_row(cutlass_only, m):
     accumulation on random operands often stays inside the accurate bound). At K = 8192 the two rows' outputs
     differ, so each comparison can fail."""
     names = fp8_table()
-    assert all(names.index(name) < 11 for _, name in FAST_ROWS + ACCURATE_ROWS), names  # shipped rows, not candidates
+    assert all(names.index(name) < 12 for _, name in FAST_ROWS + ACCURATE_ROWS), names  # shipped rows, not candidates
     n, k = 384, 8192
     a, w, sa, sb, bias = rowwise_problem(m, n, k, seed=m)
     results = {}

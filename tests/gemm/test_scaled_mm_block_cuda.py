@@ -39,8 +39,9 @@ BLOCK_CONFIGS = ["swap_128x16x128_c1x1_pingpong_persistent", "swap_128x32x128_c1
                  "256x128x128_c1x2_cooperative_persistent_waves",
                  # waves along N (test_wave_n_cuda.py): M in (128, 1024] where waves_n_fill_ok; the second never
                  "128x256x128_c1x2_cooperative_persistent_waves_n128", "64x256x128_c1x1_pingpong_persistent_waves_n128"]
-# Crosses every bucket of select_fp8_block: [1, 32], (32, 64], (64, 128], > 128 (two tile shapes by wave fill), and
-# M >= 1024 where the wave tile's rows per SM stay within 1.05x (M = 4096 at N = 1024 on 132 SMs).
+# Crosses every bucket of select_fp8_block: [1, 32], (32, 64], (64, 128], > 128 (two tile shapes by wave fill),
+# M >= 1024 where the wave tile's rows per SM stay within 1.05x (M = 4096 at N = 1024 on 132 SMs), and with N = 4096
+# the 128x256 tile with waves along N at M = 1024 (waves_n_fill_ok on 132 SMs).
 M_BUCKETS = [1, 7, 16, 17, 32, 33, 64, 100, 128, 129, 1024, 2048, 4096]
 
 
@@ -97,11 +98,12 @@ def check(out, a, w, sa, sb, bias, what):
     assert_within(o, d, bound + torch.maximum(ulp(d, out.dtype), ulp(o, out.dtype)), what, "(m, n) = ")
 
 
-def large_m_config(m: int, n: int) -> str:
-    """The name of the config select_fp8_block picks for M > 128 on this GPU (its rules, mirrored): the 128x256 wave
-    tile at M <= 1024 where waves_n_fill_ok; else at M >= 1024 the 256x128 wave tile unless its busiest SM has more
-    than 1.05x the rows of the 128x128 tile's; else the wave-fill rule between the 64x128 and 128x128 tiles."""
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+def large_m_config(m: int, n: int, sms: int = 0) -> str:
+    """The name of the config select_fp8_block picks for M > 128 on `sms` SMs (default: this GPU's; its rules,
+    mirrored): the 128x256 wave tile at M in (128, 1024] where waves_n_fill_ok; else at M >= 1024 the 256x128 wave
+    tile unless its busiest SM has more than 1.05x the rows of the 128x128 tile's; else the wave-fill rule between the
+    64x128 and 128x128 tiles."""
+    sms = sms or torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     pairs = (blocks(n) + 1) // 2 * 2  # a 1x2 cluster pads the N tiles to pairs
 
     def fill(tiles):
@@ -144,7 +146,8 @@ def run(a, w, sa, sb, bias, out_dtype, out=None):
 # ---- the kernels against the float64 reference ------------------------------------------------------------
 
 @pytest.mark.parametrize("m", M_BUCKETS)
-@pytest.mark.parametrize("nk", [(272, 512), (768, 128), (1024, 7168)], ids=["N272-K512", "N768-K128", "N1024-K7168"])
+@pytest.mark.parametrize("nk", [(272, 512), (768, 128), (1024, 7168), (4096, 512)],
+                         ids=["N272-K512", "N768-K128", "N1024-K7168", "N4096-K512"])
 @torch.no_grad()
 def test_buckets_match_fp64_reference(cutlass_only, m, nk):
     """Every M bucket; N with a partial last block (272 = 2 * 128 + 16) and multiples of 128; K = 128 (one
@@ -206,6 +209,35 @@ def test_decode_sizes_dispatch():
 def test_zero_rows():
     a, w, sa, sb, b = block_problem(0, 256, 512)
     assert cw.scaled_mm(a, w.t(), sa, sb, torch.bfloat16, b).shape == (0, 256)
+
+
+def test_dispatch_follows_the_mirrored_rules():
+    """The library's own choice (cw8a8_sm90_select_config, what scaled_mm runs) against the rules mirrored here, over
+    SM counts and shapes where they differ: the block table at M > 128 (large_m_config), and the fp8 table's accurate
+    rows at M in (128, 1024), where the 128x256 wave row runs exactly where waves_n_fill_ok holds (no pairing: cluster
+    1x1). A rule changed in one place only fails here."""
+    import ctypes
+
+    lib = cw._ext.kernel_library("_kernels_sm90")
+    if lib is None:
+        pytest.skip("the sm90 kernel library is not loaded through ctypes here")
+    lib.cw8a8_sm90_config_name.restype = ctypes.c_char_p
+    select = lib.cw8a8_sm90_select_config
+    select.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    fp8_names = [lib.cw8a8_sm90_config_name(1, i).decode() for i in range(lib.cw8a8_sm90_num_configs(1))]
+    accurate_wide = "128x256x128_c1x1_cooperative_persistent_waves_n128"
+    seen = set()
+    for sms in (132, 114, 78):
+        for m in (129, 256, 300, 512, 1000, 1024, 1025, 2048, 4096):
+            for n in (768, 2112, 4096, 7168, 24576, 51200):
+                got = BLOCK_CONFIGS[select(2, m, n, 7168, sms, 0)]
+                assert got == large_m_config(m, n, sms), f"block M={m} N={n} on {sms} SMs: {got}"
+                seen.add(got)
+                if m < 1024:
+                    wide = waves_n_fill_ok(m, n, sms, pairs_along_n=False)
+                    name = fp8_names[select(1, m, n, 8192, sms, 0)]
+                    assert (name == accurate_wide) == wide, f"accurate fp8 M={m} N={n} on {sms} SMs: {name}"
+    assert {BLOCK_CONFIGS[3], BLOCK_CONFIGS[4], BLOCK_CONFIGS[5]} <= seen, seen
 
 
 # ---- layouts, streams ----------------------------------------------------------------------------------
@@ -335,11 +367,12 @@ def test_updatable_graph_set_rows():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("captured_m,config", [(512, 3), (1024, 4)], ids=["128x128", "256x128_waves"])
+@pytest.mark.parametrize("captured_m,config", [(512, 3), (2048, 4), (1024, 5)],
+                         ids=["128x128", "256x128_waves", "128x256_waves_n"])
 def test_updatable_graph_keeps_cluster_config(captured_m, config):
-    """Captured at M = 512 or 1024 with N = 4096 (on 132 SMs the 128x128 cooperative tile, or at M = 1024 the 256x128
-    wave tile, both cluster 1x2 and launched without PDL); smaller M keep that config (a node's cluster shape cannot
-    change) and stay right."""
+    """Captured with N = 4096 at M = 512, 2048 or 1024 (on 132 SMs the 128x128 cooperative tile, the 256x128 wave tile,
+    or the 128x256 tile with waves along N, all cluster 1x2 and launched without PDL); smaller M keep that config (a
+    node's cluster shape cannot change) and stay right."""
     if large_m_config(captured_m, 4096) != BLOCK_CONFIGS[config]:
         pytest.skip(f"on this GPU's SM count dispatch picks another tile at M = {captured_m}, N = 4096")
     g, node, w, sb, b = _updatable_gemm(captured_m, 4096, 512, seed=31)
@@ -355,9 +388,9 @@ def test_updatable_graph_quantizer_then_gemm_with_pdl(captured_m, n):
     """The block layer's two kernels, quantize_per_token_group then the GEMM, captured with PDL on (the GEMM's
     node gets a programmatic edge from the quantizer, which lets its dependents start early): at M = 16 the
     pingpong kernel, whose producer warps wait on griddepcontrol before loading A, B and the scales; at M = 1024
-    (on 132 SMs) the cooperative 256x128 wave kernel, which the library launches without PDL (its scale-loading warp
-    does not wait). Replays with new inputs at several M must read the scales the quantizer wrote in that
-    replay."""
+    (on 132 SMs) the cooperative 128x256 wave kernel (Fp8Block_MMid_WavesN), which the library launches without PDL
+    (its scale-loading warp does not wait). Replays with new inputs at several M must read the scales the quantizer
+    wrote in that replay."""
     k = 2048
     _, w, _, sb, b = block_problem(1, n, k, seed=32)
 

@@ -6,9 +6,9 @@ temporary, one promotion per 128-deep k tile, the scales combined as CUTLASS's c
 
 - block fp8: the N-wave entries of the block table (``*_waves_n128``) equal the shipped 128x128 cooperative entry
   (Fp8Block_MLarge, CUTLASS's own blockwise mainloop) bit for bit, at M in and out of their tile (1, 100, 300),
-  N a multiple of 256, one with a partial 256-tile whose second wave is half or wholly past N (400, 2112), K one and
-  several k tiles, bias or none, bfloat16 and float16 out; the 128x128 entry's accuracy against float64 is
-  tests/gemm/test_scaled_mm_block_cuda.py's;
+  N a multiple of 256 and two with a partial last 256-tile (N 400: its second wave has 16 of 128 columns in range;
+  N 2112: its first wave half, its second none), K one and several k tiles, bias or none, bfloat16 and float16
+  out; the 128x128 entry's accuracy against float64 is tests/gemm/test_scaled_mm_block_cuda.py's;
 - row-wise fp8 with promotion: the accurate N-wave entry of the fp8 table equals the shipped 128x128 promoted entry
   (Fp8_M1024_Accurate, CUTLASS's promoted mainloop) bit for bit.
 

@@ -13,8 +13,8 @@
 // candidate indices are refused with an error naming the setting).
 //
 // Reading a config: Config<TileM, TileN, TileK, ClusterM, ClusterN, schedule, tile scheduler, swap A/B
-// [, fp8 fast accumulation [, scheduler swizzle [, wave mainloop]]]>, in the kernel's own frame: with the swap, the kernel's M is the weight's N
-// and its N is the tokens.
+// [, fp8 fast accumulation [, scheduler swizzle [, wave mainloop [, wave N]]]]>, in the kernel's own frame: with the
+// swap, the kernel's M is the weight's N and its N is the tokens.
 #pragma once
 
 #include <cstdint>
@@ -156,8 +156,9 @@ inline int64_t busiest_sm_rows(int64_t tiles_m, int64_t tiles_n, int64_t tile_m,
 // the output than the 128x128 1x2 tile's busiest SM (rounds of tiles times tile area; N tiles padded to pairs with a
 // 1x2 cluster): then one pass over the weight with half the CTAs won at every such point of the H200 sweep at
 // M in (128, 1024] except M = 128 (bench/results/tune_nvidia-h200_fp8-block_waves_n.md: block fp8 0.806-0.994 of the
-// shipped time at 21 of 21 points with M 256-1024, 1.035-1.106 at 2 of 4 at M = 128; row-wise accurate 0.849-0.963
-// at 6 of 6 with M 256-512), and lost where it leaves the busiest SM more (1.10-2.33x at 1.2-2x the area).
+// shipped time at 18 of 18 points with M 256-1024, 1.035-1.106 at 2 of 4 at M = 128; row-wise accurate 0.849-0.963
+// at 6 of 6 with M 256-512). Where it leaves the busiest SM 1.2-2x the area it lost (1.03-2.32x); at 1.04-1.14x
+// (N = 51200) it took 0.905-1.001, left to the other tiles here.
 inline bool waves_n_fill_ok(int64_t m, int64_t n, int sms, bool pairs_along_n) {
   constexpr int64_t kTileM = 128, kWideN = 256, kNarrowN = 128;
   const int64_t tiles_m = (m + kTileM - 1) / kTileM;
@@ -328,8 +329,8 @@ using Fp8TuneCandidates = std::tuple<
     Config<128, 64, 128, 2, 1, CO, PE, false, false, 1, true>,
     Config<128, 128, 128, 1, 1, CO, PE, true, false, 1, true>,
     // Waves along N as well (Config's WaveN, issue 37): 256 columns per tile in two 64 x 128 waves per warpgroup
-    // (128 + 64 registers), for M <= 512 where 128-wide tiles leave the SMs a fraction of a wave or read the weight
-    // twice: 128x256 cooperative (one token tile of 128 rows over N / 256 CTAs) and 64x256 pingpong.
+    // (128 + 64 registers): 64x256 pingpong (the 128x256 cooperative form ships as Fp8_MMid_Accurate_WavesN). Not
+    // compiled yet (a CUTLASS_W8A8_TUNE=fp8 build; the only row-wise pingpong kernel with WaveN).
     Config<64, 256, 128, 1, 1, PP, PE, false, false, 1, true, 128>>;
 
 // Block-scaled candidates (TileK 128, the weight's side a multiple of 128, no fast accumulation), chosen after the
@@ -369,7 +370,8 @@ using Fp8BlockTuneCandidates = std::tuple<
     // refuses) in two 64 x 128 waves per warpgroup, each wave one 128-column scale block: 128x256 cooperative (no
     // cluster; pairs along N sharing the token tile) and 64x256 pingpong, for M in (64, 1024), where the 128-wide
     // tiles give the SMs 1.9-3.9 tiles each at N 7168-32768 (M 128) and each weight tile is read by every token tile.
-    // (The 1x2 cooperative and the 64x256 pingpong forms are in the shipped table, unselected: Fp8Block_*_WavesN.)
+    // (The 1x2 cooperative and the 64x256 pingpong forms are in the shipped table: Fp8Block_*_WavesN.) Not compiled
+    // yet (a CUTLASS_W8A8_TUNE=fp8-block build).
     Config<128, 256, 128, 1, 1, CO, PE, false, false, 1, true, 128>>;
 
 template <class Tuple>

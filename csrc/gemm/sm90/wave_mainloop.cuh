@@ -2,8 +2,8 @@
 // collective with only its consumer side (`mma`) and its TiledMma's atom replaced, so that a consumer warpgroup keeps
 // ONE one-atom temporary accumulator instead of a second copy of its whole tile.
 //
-// Derived from (everything but `mma` is theirs: load / load_auxiliary, pipelines, shared-memory layouts, Arguments,
-// Params, to_underlying_arguments, can_implement, mma_tail):
+// Derived from (everything but `mma` and, with kAtomN, `TiledMma` is theirs: load / load_auxiliary, pipelines,
+// shared-memory layouts, Arguments, Params, to_underlying_arguments, can_implement, mma_tail):
 //   - block-scaled fp8: CUTLASS 4.2's CollectiveMma<MainloopSm90TmaGmmaWarpSpecializedBlockwiseFP8, ...>
 //     (cutlass/gemm/collective/sm90_mma_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp), the
 //     CollectiveBuilder's CollectiveOp for the KernelTmaWarpSpecialized{Cooperative,Pingpong}FP8Blockwise schedules;
@@ -34,6 +34,8 @@
 //   wait for the WGMMAs
 //   block:    main[w] += temp * scale    scale = scale_a(row, k tile) * scale_b(n block, k tile), combined and
 //                                        applied exactly as GmmaFP8Accumulation::scale does in CUTLASS's collective
+//                                        on its tiles with one scale along a side (with scales varying along both
+//                                        sides: temp * (scale_a * scale_b), below)
 //   row-wise: main[w] += temp            (GmmaFP8Accumulation::promote_core; the scales stay in the epilogue)
 //
 // so 128 x 128 rows per warpgroup (or 64 x 256 in two 64 x 128 waves) take 128 (main) + 64 (temp) registers. With
@@ -44,10 +46,10 @@
 // warpgroup is in its epilogue or its own mainloop).
 //
 // Result: the same products in the same K order, one promotion per k tile, the same float32 expressions as CUTLASS's
-// collective (TileK 128: its promotion interval of 4 MMAs is one k tile, so it never has a residue), so each element
-// depends only on its own row of A, column of B and scales: not on M, the tile shape or the number of waves. The
-// main accumulator starts from zero (clear), where CUTLASS's collective adds into the kernel's uninitialized
-// fragment.
+// collective on its one-scale-per-side tiles (TileK 128: its promotion interval of 4 MMAs is one k tile, so it never
+// has a residue), so each element depends only on its own row of A, column of B and scales: not on M, the tile shape or
+// the number of waves. The main accumulator starts from zero (clear), where CUTLASS's collective adds into the kernel's
+// uninitialized fragment.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -115,9 +117,9 @@ struct WaveMainloop : Base {
                 "interval of 4 MMAs of K 32)");
   static_assert(cute::size<2>(TileShape{}) / cute::tile_size<2>(TiledMma{}) == 4, "4 MMAs of K 32 per k tile");
 
-  // Consumer side: the k tiles of one work tile, `accum` ((MMA, MMA_M, MMA_N) per thread, MMA_M waves of 64 rows)
-  // zeroed and then accumulated. Stage protocol as the base's (the kernel calls the base's mma_tail after this): every
-  // stage but the last is released here, the last one by mma_tail.
+  // Consumer side: the k tiles of one work tile, `accum` ((MMA, MMA_M, MMA_N) per thread, MMA_M x MMA_N waves of one
+  // 64 x atom-N atom each) zeroed and then accumulated. Stage protocol as the base's (the kernel calls the base's
+  // mma_tail after this): every stage but the last is released here, the last one by mma_tail.
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum, int k_tile_count,
                           int thread_idx, TensorStorage& shared_tensors, Params const& mainloop_params) {
@@ -181,8 +183,8 @@ struct WaveMainloop : Base {
       // A wave's columns share one weight-side scale when its atom is at most one scale block wide.
       constexpr int kGranularityN = int(cute::size<1>(TileShape{})) / kScaleNsPerTile;
       constexpr int kWaveN = int(cute::tile_size<1>(TiledMma{}));
-      static_assert(kScaleNsPerTile == 1 || kGranularityN % kWaveN == 0,
-                    "a wave must not straddle two scale blocks along N");
+      static_assert(!(kScaleMsPerTile > 1 && kScaleNsPerTile > 1) || kGranularityN % kWaveN == 0,
+                    "a wave must not straddle two scale blocks along N (promote takes one column-side scale a wave)");
       // main[wave] += temp * scale: GmmaFP8Accumulation::scale_core's expressions, on the wave's rows and columns.
       // With several scales along both sides (waves along N), the wave's one column-side scale is combined with the
       // row-side ones first, temp * (scale_a * scale_b), as load_scales combines them for the one-column-scale tiles:
@@ -221,8 +223,8 @@ struct WaveMainloop : Base {
 
  private:
   // The pipelined k loop shared by both forms: per k tile, per wave, the WGMMAs into the one temporary, a wait, then
-  // `promote(main rows of the wave, temp, wave)`. `load_scales(stage)` runs while the first wave's WGMMAs are in
-  // flight (the stage is released only after it).
+  // `promote(main_w, temp, m, n)` (main_w: the wave's atom of the accumulator). `load_scales(stage)` runs while the
+  // first wave's WGMMAs are in flight (the stage is released only after it).
   template <class FrgTensorC, class LoadScales, class Promote>
   CUTLASS_DEVICE void mma_waves(MainloopPipeline& pipeline, PipelineState& smem_pipe_read, FrgTensorC& accum,
                                 int k_tile_count, int thread_idx, TensorStorage& shared_tensors,

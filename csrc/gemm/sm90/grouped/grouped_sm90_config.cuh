@@ -56,7 +56,7 @@ using GFp8BlockConfigs = std::tuple<GFp8Block_Small, GFp8Block_Large>;
 // defines CUTLASS_W8A8_TUNE_GROUPED and compiles instantiations_tune/grouped_*.cu, which generate_instantiations.py
 // writes from these tables). They follow a table's shipped entries (indices 2, 3, ...), reached only through the
 // tuning op _grouped_scaled_mm_config (bench/bench_moe.py --grouped-configs); select_grouped never picks them.
-// Issue 37: the wave mainloop (wave_mainloop.cuh, Config's last argument) on the ptr-array collectives, 256x128
+// Issue 37: the wave mainloop (wave_mainloop.cuh, Config's 11th argument) on the ptr-array collectives, 256x128
 // cooperative tiles whose warpgroups hold 128 token rows each in two 64-row waves (128 + 64 accumulator registers), for
 // T >= 512 where the experts have >= 128 rows each. Row-wise: CUTLASS's promoted 128x128 cooperative tile (64 + 64
 // registers, no waves) is listed too: the bit-for-bit reference of the wave kernel (same products, same K order, one
