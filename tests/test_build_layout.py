@@ -152,18 +152,32 @@ def test_grouped_candidates_named_like_the_dense_ones():
             assert args[9] == "1" and (args[10] == "false" or (args[2] == "128" and args[8] == "false")), config
 
 
-def test_wave_candidates_are_named_and_compiled_apart():
-    """A Config's 11th argument (the wave mainloop) is part of the kernel: it names its own file (`_waves`), is never
-    folded into the file of the same tile without it, and its swizzle variants share its kernel. It appears only in
-    the fp8 tables, never with fast accumulation, and with TileK 128 (GemmTypes' static_assert and the mainloop's)."""
+WAVES = "Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>"
+WAVES_N = "Config<128, 256, 128, 1, 2, CO, PE, false, false, 1, true, 128>"
+
+
+@pytest.mark.parametrize("arg,with_flag,without,names", [
+    (10, WAVES, "Config<256, 128, 128, 2, 1, CO, PE, false>",
+     ("fp8block_tile256x128x128_cluster2x1_co_waves", "fp8block_tile256x128x128_cluster2x1_co")),
+    (11, WAVES_N, "Config<128, 256, 128, 1, 2, CO, PE, false, false, 1, true>",
+     ("fp8block_tile128x256x128_cluster1x2_co_waves_n128", "fp8block_tile128x256x128_cluster1x2_co_waves")),
+], ids=["waves", "wave_n"])
+def test_wave_arguments_name_their_kernels(arg, with_flag, without, names):
+    """A Config's 11th argument (the wave mainloop; default false) and 12th (WaveN, its waves along N; default 0, the
+    tile's N) are part of the kernel: each names its own file (`_waves`, `_waves_n<W>`) and kernel key, never folded
+    into the file of the same tile without it."""
     gen = load_generator()
-    waves = "Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>"
-    plain = "Config<256, 128, 128, 2, 1, CO, PE, false>"
-    assert gen.config_args(waves)[10] == "true" and gen.config_args(plain)[10] == "false"
-    assert gen.candidate_name("fp8block", waves) == "fp8block_tile256x128x128_cluster2x1_co_waves"
-    assert gen.candidate_name("fp8block", plain) == "fp8block_tile256x128x128_cluster2x1_co"
-    assert gen.kernel_key(waves) != gen.kernel_key(plain)
-    assert gen.kernel_key(waves) == gen.kernel_key("Config<256, 128, 128, 2, 1, CO, PE, false, false, 8, true>")
+    assert gen.config_args(with_flag)[arg] == with_flag[:-1].split(",")[arg].strip()
+    assert gen.config_args(without)[arg] in ("false", "0")
+    assert (gen.candidate_name("fp8block", with_flag), gen.candidate_name("fp8block", without)) == names
+    assert gen.kernel_key(with_flag) != gen.kernel_key(without)
+
+
+def test_wave_candidates_share_swizzles_and_stay_in_fp8_tables():
+    """The wave mainloop's swizzle variants share its kernel; a bad flag is refused; it appears only in the fp8
+    tables, never with fast accumulation, and with TileK 128 (GemmTypes' static_assert and the mainloop's)."""
+    gen = load_generator()
+    assert gen.kernel_key(WAVES) == gen.kernel_key("Config<256, 128, 128, 2, 1, CO, PE, false, false, 8, true>")
     with pytest.raises(SystemExit):
         gen.candidate_name("fp8", "Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, maybe>")
     found = {}
@@ -176,21 +190,14 @@ def test_wave_candidates_are_named_and_compiled_apart():
     assert set(found) == {"Fp8TuneCandidates", "Fp8BlockTuneCandidates"}, found
 
 
-def test_wave_n_is_part_of_the_kernel():
-    """A Config's 12th argument (WaveN: the wave mainloop's waves along N) names its file (`_waves_n<W>`) and its
-    kernel; it defaults to 0 (the tile's N) and is refused without the wave mainloop or as a non-number."""
+def test_wave_n_needs_the_wave_mainloop():
+    """WaveN is refused without the wave mainloop or as a non-number; the shipped aliases with it are in the fp8
+    tables only, with the wave mainloop (Config's static_assert)."""
     gen = load_generator()
-    wide = "Config<128, 256, 128, 1, 2, CO, PE, false, false, 1, true, 128>"
-    whole = "Config<128, 256, 128, 1, 2, CO, PE, false, false, 1, true>"
-    assert gen.config_args(wide)[11] == "128" and gen.config_args(whole)[11] == "0"
-    assert gen.candidate_name("fp8block", wide) == "fp8block_tile128x256x128_cluster1x2_co_waves_n128"
-    assert gen.candidate_name("fp8block", whole) == "fp8block_tile128x256x128_cluster1x2_co_waves"
-    assert gen.kernel_key(wide) != gen.kernel_key(whole)
     for bad in ("Config<128, 256, 128, 1, 2, CO, PE, false, false, 1, false, 128>",
                 "Config<128, 256, 128, 1, 2, CO, PE, false, false, 1, true, n128>"):
         with pytest.raises(SystemExit):
             gen.candidate_name("fp8block", bad)
-    # the shipped aliases with WaveN are in the fp8 tables only, with the wave mainloop (Config's static_assert)
     aliases, _ = gen.parse_header(GEMM / "sm90/scaled_mm_sm90_dispatch.cuh")
     with_n = {name: c for name, c in aliases.items() if gen.config_args(c)[11] != "0"}
     assert with_n and all(name.startswith("Fp8") and gen.config_args(c)[10] == "true" for name, c in with_n.items())
