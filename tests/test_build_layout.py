@@ -144,8 +144,10 @@ def test_grouped_candidates_named_like_the_dense_ones():
                           ("grouped_fp8_tile128x128x128_cluster1x1_co_bf16.cu",
                            "grouped_fp8_tile256x128x128_cluster1x1_co_waves_bf16.cu",
                            "grouped_fp8_tile256x128x128_cluster2x1_co_waves_bf16.cu",
+                           "grouped_fp8_tile128x256x128_cluster1x1_co_waves_n128_bf16.cu",
                            "grouped_fp8block_tile256x128x128_cluster1x1_co_waves_bf16.cu",
-                           "grouped_fp8block_tile256x128x128_cluster2x1_co_waves_bf16.cu")}
+                           "grouped_fp8block_tile256x128x128_cluster2x1_co_waves_bf16.cu",
+                           "grouped_fp8block_tile128x256x128_cluster1x1_co_waves_n128_bf16.cu")}
     for table in ("GFp8TuneCandidates", "GFp8BlockTuneCandidates"):
         for config in table_items("sm90/grouped/grouped_sm90_config.cuh", table):
             args = gen.config_args(config)

@@ -324,13 +324,13 @@ def test_grouped_config_table_size_and_names():
 def test_wave_candidates_bit_identical(dtype):
     """The wave mainloop on the ptr-array collectives (wave_mainloop.cuh) computes CUTLASS's products in CUTLASS's K
     order with one promotion per 128 of K, so its output equals, bit for bit, the block table's shipped Large kernel
-    (CUTLASS's blockwise mainloop) and, row-wise, CUTLASS's promoted 128x128 cooperative candidate. Needs a
-    CUTLASS_W8A8_TUNE=grouped build."""
+    (CUTLASS's blockwise mainloop) and, row-wise, CUTLASS's promoted 128x128 cooperative candidate; so do its
+    128x256 tiles with waves along N (Config's WaveN). Needs a CUTLASS_W8A8_TUNE=grouped build."""
     if not cw.supports_fp8():
         pytest.skip("the sm90 fp8 kernels are not available in this build")
     block = dtype == "block"
     names = grouped_tables()[2 if block else 1]
-    waves = [i for i, name in enumerate(names) if name.endswith("_waves")]
+    waves = [i for i, name in enumerate(names) if "_waves" in name]  # also _waves_n128: waves along N
     reference_name = "128x128x128_c1x1_cooperative_persistent"
     if not waves or reference_name not in names:
         pytest.skip("built without the grouped tuning candidates (CUTLASS_W8A8_TUNE=grouped)")

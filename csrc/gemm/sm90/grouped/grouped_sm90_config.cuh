@@ -64,14 +64,20 @@ using GFp8BlockConfigs = std::tuple<GFp8Block_Small, GFp8Block_Large>;
 // and with CTA pairs along M (2x1: the pair's two 256-row tiles of one expert share its weight tile through TMA
 // multicast; CUTLASS's group scheduler keeps a cluster's tiles in one group). Every one compiles without spills (nvcc
 // 13.0 -Xptxas -v, sm_90a: 168 registers, as the shipped grouped kernels).
+// The 128x256 tile with waves along N too (Config's WaveN 128: each warpgroup's 64 x 256 rows in two 64 x 128 waves),
+// which the dense block and accurate row-wise tables run at M in (128, 1024] where it fills the SMs (2026-11-30):
+// one pass over an expert's weight tile per 128 tokens, half the CTAs of the 128x128 tile. Both compile without spills
+// (nvcc 13.0 -Xptxas -v, sm_90a: 168 registers); not timed yet.
 using GInt8TuneCandidates = std::tuple<>;
 using GFp8TuneCandidates = std::tuple<
     Config<128, 128, 128, 1, 1, GCO, GPE, false>,
     Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>,
-    Config<256, 128, 128, 2, 1, GCO, GPE, false, false, 1, true>>;
+    Config<256, 128, 128, 2, 1, GCO, GPE, false, false, 1, true>,
+    Config<128, 256, 128, 1, 1, GCO, GPE, false, false, 1, true, 128>>;
 using GFp8BlockTuneCandidates = std::tuple<
     Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>,
-    Config<256, 128, 128, 2, 1, GCO, GPE, false, false, 1, true>>;
+    Config<256, 128, 128, 2, 1, GCO, GPE, false, false, 1, true>,
+    Config<128, 256, 128, 1, 1, GCO, GPE, false, false, 1, true, 128>>;
 
 #ifdef CUTLASS_W8A8_TUNE_GROUPED
 constexpr bool kTuneGrouped = true;
