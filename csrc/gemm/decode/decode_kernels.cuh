@@ -77,6 +77,30 @@ struct alignas(16) XVec {
   XT v[8];
 };
 
+// The end of row_scales and norm_row_scales: each thread's running absmax per row (amax[r], over the values it
+// read) is reduced across the CTA, lanes by shuffles, then the warps in warp order through s_amax, and
+// s_scale[r] = absmax / QMAX for every r < 8 NT (0 for rows no thread read). All threads call it; it synchronizes.
+template <class Q, int NT>
+__device__ __forceinline__ void scales_from_amax(float (&amax)[8 * NT], float (&s_amax)[kWarps][kMaxTokens],
+                                                 float* s_scale) {
+  constexpr int kTokens = 8 * NT;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < kTokens; ++r) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], off));
+    if (lane == 0) s_amax[warp][r] = amax[r];
+  }
+  __syncthreads();
+  if (threadIdx.x < kTokens) {
+    float a = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) a = fmaxf(a, s_amax[w][threadIdx.x]);
+    s_scale[threadIdx.x] = a / Q::kMax;
+  }
+  __syncthreads();
+}
+
 // linear_decode, phase 1: scale[r] = max_k |x[r, k]| / QMAX for the rows r < m, into s_scale (all threads call
 // it; it synchronizes). max is exact in any order, so this equals quantize.cu's per-token scale bit for bit.
 template <class XT, class Q, int NT>
@@ -105,21 +129,7 @@ __device__ __forceinline__ void row_scales(const XT* x, int64_t ldx, int m, int 
       }
     }
   }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int r = 0; r < kTokens; ++r) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], off));
-    if (lane == 0) s_amax[warp][r] = amax[r];
-  }
-  __syncthreads();
-  if (threadIdx.x < kTokens) {
-    float a = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) a = fmaxf(a, s_amax[w][threadIdx.x]);
-    s_scale[threadIdx.x] = a / Q::kMax;
-  }
-  __syncthreads();
+  scales_from_amax<Q, NT>(amax, s_amax, s_scale);
 }
 
 template <class Q>
@@ -129,6 +139,16 @@ __device__ __forceinline__ uint32_t quantize4(float x0, float x1, float x2, floa
   const uint32_t q2 = static_cast<uint8_t>(quantize_one<Q>(x2, scale));
   const uint32_t q3 = static_cast<uint8_t>(quantize_one<Q>(x3, scale));
   return q0 | (q1 << 8) | (q2 << 16) | (q3 << 24);
+}
+
+// 8 quantized values of row r's columns [col, col + 8) into q_s (one 8-byte store): quantize_one of each of the
+// vector's 8 elements with the row's scale. V: an 8-element vector of bf16 / fp16 (XVec or Vec).
+template <class Q, class V>
+__device__ __forceinline__ void store_quantized8(const V& v, float scale, uint8_t* q_s, int r, int col) {
+  uint2 q;
+  q.x = quantize4<Q>(to_float(v.v[0]), to_float(v.v[1]), to_float(v.v[2]), to_float(v.v[3]), scale);
+  q.y = quantize4<Q>(to_float(v.v[4]), to_float(v.v[5]), to_float(v.v[6]), to_float(v.v[7]), scale);
+  *reinterpret_cast<uint2*>(q_s + r * kChunkPitch + col) = q;
 }
 
 // linear_decode, phase 2 (per chunk): q_s[r][0 .. c1 - c0) = quantize(x[r, c0 .. c1)) for r < m. Thread i
@@ -152,12 +172,7 @@ __device__ __forceinline__ void quantize_chunk(const XT* x, int64_t ldx, int m, 
 #pragma unroll
     for (int i = 0; i < kGroup; ++i) {
       if (r0 + i < m) {
-        const float s = s_scale[r0 + i];
-        const XVec<XT>& v = vals[i];
-        uint2 q;
-        q.x = quantize4<Q>(to_float(v.v[0]), to_float(v.v[1]), to_float(v.v[2]), to_float(v.v[3]), s);
-        q.y = quantize4<Q>(to_float(v.v[4]), to_float(v.v[5]), to_float(v.v[6]), to_float(v.v[7]), s);
-        *reinterpret_cast<uint2*>(q_s + (r0 + i) * kChunkPitch + col) = q;
+        store_quantized8<Q>(vals[i], s_scale[r0 + i], q_s, r0 + i, col);
       }
     }
   }
@@ -194,6 +209,21 @@ struct NormOf<NormX<T>> : std::true_type {
   using params = NormDecodeParams;
 };
 
+// The loads of both passes of norm_row_scales: the 16-byte vector v of x's rows r0 .. r0 + kGroup - 1 into s and,
+// when there is a residual, of its rows into r (rows >= m are not read; all loads issued before any use).
+template <class T, int N, int kGroup>
+__device__ __forceinline__ void load_norm_rows(Vec<T, N> (&s)[kGroup], Vec<T, N> (&r)[kGroup], const T* x,
+                                               const T* res, const NormDecodeParams& p, int r0, int m, int v) {
+  using V = Vec<T, N>;
+#pragma unroll
+  for (int i = 0; i < kGroup; ++i) {
+    if (r0 + i < m) {
+      s[i] = reinterpret_cast<const V*>(x + (r0 + i) * p.lda)[v];
+      if (res != nullptr) r[i] = reinterpret_cast<const V*>(res + (r0 + i) * p.ldr)[v];
+    }
+  }
+}
+
 // Phase 1 of the fused norm: for the rows r < m, s = T(x + residual) (or x), inv_rms into s_inv[r] exactly as
 // rms_norm.cu computes it for this row (thread i: vectors i, i + kThreads, ... in order, then block_sum's order),
 // the absmax of y = normalize(s, w, inv_rms) over the row, and s_scale[r] = absmax / QMAX (0 for r >= m). The CTA
@@ -221,13 +251,7 @@ __device__ __forceinline__ void norm_row_scales(const NormDecodeParams& p, int m
     if (r0 >= m) break;
     for (int v = threadIdx.x; v < nvec; v += kThreads) {
       V s[kGroup], r[kGroup];
-#pragma unroll
-      for (int i = 0; i < kGroup; ++i) {
-        if (r0 + i < m) {
-          s[i] = reinterpret_cast<const V*>(x + (r0 + i) * p.lda)[v];
-          if (res != nullptr) r[i] = reinterpret_cast<const V*>(res + (r0 + i) * p.ldr)[v];
-        }
-      }
+      load_norm_rows(s, r, x, res, p, r0, m, v);
 #pragma unroll
       for (int i = 0; i < kGroup; ++i) {
         if (r0 + i < m) {
@@ -252,13 +276,7 @@ __device__ __forceinline__ void norm_row_scales(const NormDecodeParams& p, int m
     for (int v = threadIdx.x; v < nvec; v += kThreads) {
       V s[kGroup], r[kGroup];
       const V w = wv[v];
-#pragma unroll
-      for (int i = 0; i < kGroup; ++i) {
-        if (r0 + i < m) {
-          s[i] = reinterpret_cast<const V*>(x + (r0 + i) * p.lda)[v];
-          if (res != nullptr) r[i] = reinterpret_cast<const V*>(res + (r0 + i) * p.ldr)[v];
-        }
-      }
+      load_norm_rows(s, r, x, res, p, r0, m, v);
 #pragma unroll
       for (int i = 0; i < kGroup; ++i) {
         if (r0 + i < m) {
@@ -268,21 +286,7 @@ __device__ __forceinline__ void norm_row_scales(const NormDecodeParams& p, int m
       }
     }
   }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int r = 0; r < kTokens; ++r) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], off));
-    if (lane == 0) s_amax[warp][r] = amax[r];
-  }
-  __syncthreads();
-  if (threadIdx.x < kTokens) {
-    float a = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) a = fmaxf(a, s_amax[w][threadIdx.x]);
-    s_scale[threadIdx.x] = a / Q::kMax;
-  }
-  __syncthreads();
+  scales_from_amax<Q, NT>(amax, s_amax, s_scale);
 }
 
 // Phase 2 of the fused norm (per chunk), as quantize_chunk: q_s[r][0 .. c1 - c0) = quantize(y[r, c0 .. c1)) for
@@ -317,11 +321,7 @@ __device__ __forceinline__ void norm_quantize_chunk(const NormDecodeParams& p, i
       if (r0 + i < m) {
         if (res != nullptr) add_vec<T, N>(s[i], r[i]);
         const V y = normalize<T, N>(s[i], w, s_inv[r0 + i]);
-        const float sc = s_scale[r0 + i];
-        uint2 q;
-        q.x = quantize4<Q>(to_float(y.v[0]), to_float(y.v[1]), to_float(y.v[2]), to_float(y.v[3]), sc);
-        q.y = quantize4<Q>(to_float(y.v[4]), to_float(y.v[5]), to_float(y.v[6]), to_float(y.v[7]), sc);
-        *reinterpret_cast<uint2*>(q_s + (r0 + i) * kChunkPitch + col) = q;
+        store_quantized8<Q>(y, s_scale[r0 + i], q_s, r0 + i, col);
       }
     }
   }
