@@ -72,9 +72,37 @@ void check_scaled_mm_decode(const at::Tensor& a, const at::Tensor& b, const at::
 }
 
 // "`name` must have x's dtype {x.dtype}, got {t.dtype}" (TypeError)
-void check_x_dtype(const char* name, const at::Tensor& t, const at::Tensor& x) {
-  CW8A8_CHECK_TYPE(t.scalar_type() == x.scalar_type(), kLinearOp, name, "must have x's dtype ",
-                   py_dtype(x.scalar_type()), ", got ", py_dtype(t.scalar_type()));
+void check_x_dtype(const char* op, const char* name, const at::Tensor& t, const at::Tensor& x) {
+  CW8A8_CHECK_TYPE(t.scalar_type() == x.scalar_type(), op, name, "must have x's dtype ", py_dtype(x.scalar_type()),
+                   ", got ", py_dtype(t.scalar_type()));
+}
+
+// The shape checks both fused ops make on x (M, K) and b (K, N), in ops/_checks.py's order: both 2-D, b's K equal to
+// x's, M a decode size, K and N GEMM dimensions, int8's K rule. Returns {M, K, N}.
+std::tuple<int64_t, int64_t, int64_t> check_x_b_shapes(const char* op, const at::Tensor& x, const at::Tensor& b) {
+  CW8A8_CHECK_VALUE(x.dim() == 2, op, "x", "must be 2-D [M, K], got shape ", py_tuple(x.sizes()));
+  CW8A8_CHECK_VALUE(b.dim() == 2, op, "b", "must be 2-D [K, N], got shape ", py_tuple(b.sizes()));
+  const int64_t m = x.size(0), k = x.size(1), n = b.size(1);
+  CW8A8_CHECK_VALUE(b.size(0) == k, op, "b", "must be [K, N] with K = x.shape[1] = ", k, ", got shape ",
+                    py_tuple(b.sizes()));
+  check_decode_m(op, "x", m);
+  check_gemm_dim(op, "x", "K = x.shape[1]", k);
+  check_gemm_dim(op, "b", "N = b.shape[1]", n);
+  check_int8_k(op, "x", b.scalar_type(), k);
+  return {m, k, n};
+}
+
+// The checks both fused ops make after the shapes, in ops/_checks.py's order: scale_b's and bias's shapes for N,
+// then the layouts: b as scaled_mm's, x row-major and 16-byte aligned (read with 16-byte loads).
+void check_b_terms_and_layouts(const char* op, const at::Tensor& x, const at::Tensor& b, const at::Tensor& scale_b,
+                               const std::optional<at::Tensor>& bias, int64_t k, int64_t n) {
+  check_scale_b_shape(op, "scale_b", scale_b, n);
+  check_contiguous(op, "scale_b", scale_b);
+  check_bias_shape(op, bias, n);
+  check_column_major_b(op, "b", b, k);
+  check_aligned16(op, "b", b);
+  check_row_major(op, "x", x, k, "K", 8);
+  check_aligned16(op, "x", x);
 }
 
 // ops/_checks.py check_linear_decode: x (M, K) bfloat16 / float16 where scaled_mm has a; b, scale_b, bias and out as
@@ -89,8 +117,8 @@ void check_linear_decode(const at::Tensor& x, const at::Tensor& b, const at::Ten
   CW8A8_CHECK_TYPE(b.scalar_type() == dtype, op, "b", "must have the quantized dtype ", py_dtype(dtype), ", got ",
                    py_dtype(b.scalar_type()));
   check_float32(op, "scale_b", scale_b);
-  if (out != nullptr) check_x_dtype("out", *out, x);
-  if (bias) check_x_dtype("bias", *bias, x);
+  if (out != nullptr) check_x_dtype(op, "out", *out, x);
+  if (bias) check_x_dtype(op, "bias", *bias, x);
   // devices
   check_same_device(op, "b", b, "x", x);
   check_same_device(op, "scale_b", scale_b, "x", x);
@@ -98,24 +126,9 @@ void check_linear_decode(const at::Tensor& x, const at::Tensor& b, const at::Ten
   check_same_device(op, "bias", bias, "x", x);
   check_cuda(op, "x", x);  // holds after the device checks: the op reached CUDA through one of its tensors
   // shapes
-  CW8A8_CHECK_VALUE(x.dim() == 2, op, "x", "must be 2-D [M, K], got shape ", py_tuple(x.sizes()));
-  CW8A8_CHECK_VALUE(b.dim() == 2, op, "b", "must be 2-D [K, N], got shape ", py_tuple(b.sizes()));
-  const int64_t m = x.size(0), k = x.size(1), n = b.size(1);
-  CW8A8_CHECK_VALUE(b.size(0) == k, op, "b", "must be [K, N] with K = x.shape[1] = ", k, ", got shape ",
-                    py_tuple(b.sizes()));
-  check_decode_m(op, "x", m);
-  check_gemm_dim(op, "x", "K = x.shape[1]", k);
-  check_gemm_dim(op, "b", "N = b.shape[1]", n);
-  check_int8_k(op, "x", b.scalar_type(), k);
+  const auto [m, k, n] = check_x_b_shapes(op, x, b);
   check_decode_k(op, "x", k);
-  check_scale_b_shape(op, "scale_b", scale_b, n);
-  check_contiguous(op, "scale_b", scale_b);
-  check_bias_shape(op, bias, n);
-  // layouts: b as scaled_mm's; x read with 16-byte loads
-  check_column_major_b(op, "b", b, k);
-  check_aligned16(op, "b", b);
-  check_row_major(op, "x", x, k, "K", 8);
-  check_aligned16(op, "x", x);
+  check_b_terms_and_layouts(op, x, b, scale_b, bias, k, n);
   if (out != nullptr) check_out_matrix(op, *out, m, n);
 }
 
@@ -126,20 +139,16 @@ void check_add_rms_norm_linear_decode(const at::Tensor& x, const std::optional<a
                                       const at::Tensor& scale_b, const std::optional<at::Tensor>& bias,
                                       at::ScalarType dtype) {
   constexpr const char* op = kNormOp;
-  auto same_dtype = [&](const char* name, const at::Tensor& t) {
-    CW8A8_CHECK_TYPE(t.scalar_type() == x.scalar_type(), op, name, "must have x's dtype ", py_dtype(x.scalar_type()),
-                     ", got ", py_dtype(t.scalar_type()));
-  };
   // dtypes
   CW8A8_CHECK_TYPE(is_out_dtype(x.scalar_type()), op, "x", "must be bfloat16 or float16, got ",
                    py_dtype(x.scalar_type()));
-  if (residual) same_dtype("residual", *residual);
-  same_dtype("norm_weight", norm_weight);
+  if (residual) check_x_dtype(op, "residual", *residual, x);
+  check_x_dtype(op, "norm_weight", norm_weight, x);
   quant::check_quant_dtype(op, dtype);
   CW8A8_CHECK_TYPE(b.scalar_type() == dtype, op, "b", "must have the quantized dtype ", py_dtype(dtype), ", got ",
                    py_dtype(b.scalar_type()));
   check_float32(op, "scale_b", scale_b);
-  if (bias) same_dtype("bias", *bias);
+  if (bias) check_x_dtype(op, "bias", *bias, x);
   // devices
   check_same_device(op, "residual", residual, "x", x);
   check_same_device(op, "norm_weight", norm_weight, "x", x);
@@ -149,15 +158,7 @@ void check_add_rms_norm_linear_decode(const at::Tensor& x, const std::optional<a
   check_cuda(op, "x", x);
   // values and shapes
   CW8A8_CHECK_VALUE(eps >= 0.0 && eps < INFINITY, op, "eps", "must be a finite number >= 0, got ", py_float(eps));
-  CW8A8_CHECK_VALUE(x.dim() == 2, op, "x", "must be 2-D [M, K], got shape ", py_tuple(x.sizes()));
-  CW8A8_CHECK_VALUE(b.dim() == 2, op, "b", "must be 2-D [K, N], got shape ", py_tuple(b.sizes()));
-  const int64_t m = x.size(0), k = x.size(1), n = b.size(1);
-  CW8A8_CHECK_VALUE(b.size(0) == k, op, "b", "must be [K, N] with K = x.shape[1] = ", k, ", got shape ",
-                    py_tuple(b.sizes()));
-  check_decode_m(op, "x", m);
-  check_gemm_dim(op, "x", "K = x.shape[1]", k);
-  check_gemm_dim(op, "b", "N = b.shape[1]", n);
-  check_int8_k(op, "x", b.scalar_type(), k);
+  const auto [m, k, n] = check_x_b_shapes(op, x, b);
   CW8A8_CHECK_VALUE(k <= limits::kNormDecodeMaxK, op, "x", "K = x.shape[1] must be at most ",
                     limits::kNormDecodeMaxK, " (the rows rms_norm_quant normalizes in one block), got ", k);
   if (residual) {
@@ -169,14 +170,8 @@ void check_add_rms_norm_linear_decode(const at::Tensor& x, const std::optional<a
   CW8A8_CHECK_VALUE(!is_block_weight_scale(scale_b, n, k), op, "scale_b", "block scales ", py_tuple(scale_b.sizes()),
                     " are not supported (the fused norm quantizes per token): use rms_norm_quant(group_size=128) "
                     "and scaled_mm");
-  check_scale_b_shape(op, "scale_b", scale_b, n);
-  check_contiguous(op, "scale_b", scale_b);
-  check_bias_shape(op, bias, n);
-  // layouts: b as scaled_mm's; x, residual and norm_weight read with 16-byte loads
-  check_column_major_b(op, "b", b, k);
-  check_aligned16(op, "b", b);
-  check_row_major(op, "x", x, k, "K", 8);
-  check_aligned16(op, "x", x);
+  check_b_terms_and_layouts(op, x, b, scale_b, bias, k, n);
+  // layouts of the norm's operands: residual and norm_weight read with 16-byte loads
   if (residual) {
     check_row_major(op, "residual", *residual, k, "K", 8);
     check_aligned16(op, "residual", *residual);
