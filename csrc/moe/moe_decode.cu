@@ -143,6 +143,42 @@ __device__ __forceinline__ int load_id(const MoeDecodeParams& p, int pair) {
   return v >= 0 && v < p.e ? static_cast<int>(v) : -1;
 }
 
+// --- row quantization: quantize_per_token(_group)'s arithmetic, shared by prep and the last gate/up CTA ------------
+
+// Row `row` of n values (value(i): element i as float) quantized by a block of kBlockThreads threads into qr[0 .. n)
+// with its scales: per token (kGroup false) scale = block max |v| / QMAX into scales[row]; per 1 x 128 group (kGroup)
+// one warp per group, 4 elements a lane, scale = the group's max |v| / QMAX into scales[row * n / 128 + group]; then
+// quantize_one per element. A max is exact in any order: the bytes and scales of quantize_per_token(_group) (prep, x)
+// and of silu_mul_quant's tail (quantize_pair_row, h). All threads of the block call it. n and scales are references
+// (prep passes p.hid and p.sx): read where they are used, as in the kernel before this function existed.
+template <class Q, bool kGroup, int kBlockThreads, class Value>
+__device__ __forceinline__ void quantize_row(Value value, const int& n, typename Q::type* qr,
+                                             float* const& scales, int row) {
+  if constexpr (kGroup) {
+    const int groups = n / kGroupElems, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int gi = warp; gi < groups; gi += kBlockThreads / 32) {
+      float v[4], amax = 0.f;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        v[u] = value(gi * kGroupElems + lane * 4 + u);
+        amax = fmaxf(amax, fabsf(v[u]));
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      const float scale = amax / Q::kMax;
+      if (lane == 0) scales[static_cast<int64_t>(row) * groups + gi] = scale;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) qr[gi * kGroupElems + lane * 4 + u] = quantize_one<Q>(v[u], scale);
+    }
+  } else {
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < n; i += kBlockThreads) amax = fmaxf(amax, fabsf(value(i)));
+    const float scale = block_max<kBlockThreads>(amax) / Q::kMax;
+    if (threadIdx.x == 0) scales[row] = scale;
+    for (int i = threadIdx.x; i < n; i += kBlockThreads) qr[i] = quantize_one<Q>(value(i), scale);
+  }
+}
+
 // --- prep: x quantized per token / group, counters zeroed --------------------------------------------------------
 
 template <class XT, class Q, bool kGroup, class OutT>
@@ -160,30 +196,8 @@ __global__ void __launch_bounds__(kPrepThreads) moe_decode_prep_kernel(MoeDecode
   const XT* xr = static_cast<const XT*>(p.x) + static_cast<int64_t>(tok) * p.ldx;
   using QT = typename Q::type;
   QT* qr = reinterpret_cast<QT*>(p.qx + static_cast<int64_t>(tok) * p.hid);
-  if constexpr (kGroup) {
-    // quantize_per_token_group: one warp per 128-element group, 4 elements a lane.
-    const int groups = p.hid / kGroupElems, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int gi = warp; gi < groups; gi += kPrepThreads / 32) {
-      float v[4], amax = 0.f;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        v[u] = to_float(xr[gi * kGroupElems + lane * 4 + u]);
-        amax = fmaxf(amax, fabsf(v[u]));
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-      const float scale = amax / Q::kMax;
-      if (lane == 0) p.sx[static_cast<int64_t>(tok) * groups + gi] = scale;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) qr[gi * kGroupElems + lane * 4 + u] = quantize_one<Q>(v[u], scale);
-    }
-  } else {
-    float amax = 0.f;
-    for (int i = threadIdx.x; i < p.hid; i += kPrepThreads) amax = fmaxf(amax, fabsf(to_float(xr[i])));
-    const float scale = block_max<kPrepThreads>(amax) / Q::kMax;
-    if (threadIdx.x == 0) p.sx[tok] = scale;
-    for (int i = threadIdx.x; i < p.hid; i += kPrepThreads) qr[i] = quantize_one<Q>(to_float(xr[i]), scale);
-  }
+  // quantize_per_token(_group): per token a block max, per group one warp per 128-element group, 4 elements a lane
+  quantize_row<Q, kGroup, kPrepThreads>([&](int i) { return to_float(xr[i]); }, p.hid, qr, p.sx, tok);
   // A token none of whose pairs is routed gets a zero output row (no later kernel writes it).
   if (__syncthreads_or(routed) == 0) {
     OutT* o = static_cast<OutT*>(p.out) + static_cast<int64_t>(tok) * p.hid;
@@ -330,6 +344,16 @@ __device__ __forceinline__ void mainloop_gather_scaled(float (&acc)[NT][4], cons
   }
 }
 
+// The activation fragments of src copied into dst (the dual forms below: A loaded once for both tiles).
+template <int NT>
+__device__ __forceinline__ void copy_acts(BlockFrags<NT>& dst, const BlockFrags<NT>& src) {
+#pragma unroll
+  for (int u = 0; u < kSteps; ++u) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) dst.x[u][j] = src.x[u][j];
+  }
+}
+
 // The dual forms (gate/up's one-pass variant, kDual below): two row tiles of one expert (weights at wga and wgb)
 // against the same activations. Each block's weights of both tiles and its activations (once) are loaded before
 // either tile's MMAs, so the warp has both tiles' bytes in flight at once; each accumulator then gets the MMAs of
@@ -346,11 +370,7 @@ __device__ __forceinline__ void mainloop_gather_dual(Acc (&acc_a)[NT][4], Acc (&
     tie_to_weight_loads(fa, zero);
     tie_to_weight_loads(fb, zero);
     mma_block(acc_a, fa);
-#pragma unroll
-    for (int u = 0; u < kSteps; ++u) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j) fb.x[u][j] = fa.x[u][j];
-    }
+    copy_acts(fb, fa);
     mma_block(acc_b, fb);
   }
 }
@@ -376,11 +396,7 @@ __device__ __forceinline__ void mainloop_gather_scaled_dual(float (&acc_a)[NT][4
     tie_to_scale_loads(fa, sca, zero);
     tie_to_scale_loads(fb, scb, zero);
     mma_block_scaled(acc_a, fa, sca);
-#pragma unroll
-    for (int u = 0; u < kSteps; ++u) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j) fb.x[u][j] = fa.x[u][j];
-    }
+    copy_acts(fb, fa);
     mma_block_scaled(acc_b, fb, scb);
   }
 }
@@ -393,6 +409,37 @@ struct ChunkA {
   const float* scale;
   int by_token;  // 1: a row is the pair's token (gate/up, x); 0: the pair itself (down, the intermediate)
 };
+
+// The A operand's rows of a chunk (pairs s.rows[r0 .. r0 + m)): chunk_row, the row of chunk slot `slot` (its pair,
+// or the pair's token when ca.by_token); chunk_a_rows, lane (g, t)'s row pointers for the MMA's tokens 8 j + g (null
+// at m and past); chunk_a_scale_rows (block scales, K / 128 per row), its scale rows for the accumulator's tokens
+// 8 j + 2 t + q (null at m and past).
+__device__ __forceinline__ int64_t chunk_row(const MoeDecodeParams& p, const SlotShared& s, const ChunkA& ca, int r0,
+                                             int slot) {
+  const int pair = s.rows[r0 + slot];
+  return ca.by_token ? pair / p.k : pair;
+}
+
+template <int NT>
+__device__ __forceinline__ void chunk_a_rows(const uint8_t* (&arow)[NT], const MoeDecodeParams& p, const SlotShared& s,
+                                             const ChunkA& ca, int r0, int m, int g) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) arow[j] = 8 * j + g < m ? ca.a + chunk_row(p, s, ca, r0, 8 * j + g) * ca.lda : nullptr;
+}
+
+template <int NT>
+__device__ __forceinline__ void chunk_a_scale_rows(const float* (&sa_row)[NT][2], const MoeDecodeParams& p,
+                                                   const SlotShared& s, const ChunkA& ca, int r0, int m, int t,
+                                                   int kgroups) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const int slot = 8 * j + 2 * t + q;
+      sa_row[j][q] = slot < m ? ca.scale + chunk_row(p, s, ca, r0, slot) * kgroups : nullptr;
+    }
+  }
+}
 
 // The epilogue value of this thread's (row, token) of tile r: the sum of warps r, r + R, ... of `red` (warp order),
 // then the epilogue as grouped_scaled_mm's (row-wise: the token's scale *sa and the channel's or tensor's weight
@@ -437,13 +484,9 @@ __device__ __forceinline__ void tiles_chunk(const MoeDecodeParams& p, const Slot
   const int64_t wrow0 = row0 + kRows * (warp % R);
   const uint8_t* wg = w + static_cast<int64_t>(e) * n * k + (wrow0 + g) * k + 16 * t;
   const int nblk = (k + kBlockBytes - 1) / kBlockBytes;
-  auto row_of = [&](int slot) -> int64_t {
-    const int pair = s.rows[r0 + slot];
-    return ca.by_token ? pair / p.k : pair;
-  };
+  auto row_of = [&](int slot) { return chunk_row(p, s, ca, r0, slot); };
   const uint8_t* arow[NT];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) arow[j] = 8 * j + g < m ? ca.a + row_of(8 * j + g) * ca.lda : nullptr;
+  chunk_a_rows(arow, p, s, ca, r0, m, g);
 
   Acc acc[NT][4];
   zero_acc(acc);
@@ -452,14 +495,7 @@ __device__ __forceinline__ void tiles_chunk(const MoeDecodeParams& p, const Slot
     const int64_t nb = (n + kGroupBytes - 1) / kGroupBytes;
     const float* sb_row = wscale + (e * nb + wrow0 / kGroupBytes) * kgroups;
     const float* sa_row[NT][2];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int slot = 8 * j + 2 * t + q;
-        sa_row[j][q] = slot < m ? ca.scale + row_of(slot) * kgroups : nullptr;
-      }
-    }
+    chunk_a_scale_rows(sa_row, p, s, ca, r0, m, t, kgroups);
     mainloop_gather_scaled<NT, kSmemA>(acc, wg, k, arow, sa_row, sb_row, kgroups, warp / R, nblk, kWarps / R, t, k,
                                        p.zero);
   } else {
@@ -499,13 +535,9 @@ __device__ __forceinline__ void tiles_chunk_dual(const MoeDecodeParams& p, const
   const uint8_t* wga = wbase + row0a * k;
   const uint8_t* wgb = wbase + row0b * k;
   const int nblk = (k + kBlockBytes - 1) / kBlockBytes;
-  auto row_of = [&](int slot) -> int64_t {
-    const int pair = s.rows[r0 + slot];
-    return ca.by_token ? pair / p.k : pair;
-  };
+  auto row_of = [&](int slot) { return chunk_row(p, s, ca, r0, slot); };
   const uint8_t* arow[NT];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) arow[j] = 8 * j + g < m ? ca.a + row_of(8 * j + g) * ca.lda : nullptr;
+  chunk_a_rows(arow, p, s, ca, r0, m, g);
 
   Acc acc_a[NT][4], acc_b[NT][4];
   zero_acc(acc_a);
@@ -516,14 +548,7 @@ __device__ __forceinline__ void tiles_chunk_dual(const MoeDecodeParams& p, const
     const float* sb_row_a = wscale + (e * nb + row0a / kGroupBytes) * kgroups;
     const float* sb_row_b = wscale + (e * nb + row0b / kGroupBytes) * kgroups;
     const float* sa_row[NT][2];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const int slot = 8 * j + 2 * t + q;
-        sa_row[j][q] = slot < m ? ca.scale + row_of(slot) * kgroups : nullptr;
-      }
-    }
+    chunk_a_scale_rows(sa_row, p, s, ca, r0, m, t, kgroups);
     mainloop_gather_scaled_dual(acc_a, acc_b, wga, wgb, k, arow, sa_row, sb_row_a, sb_row_b, kgroups, warp, nblk,
                                 kWarps, t, k, p.zero);
   } else {
@@ -556,29 +581,7 @@ __device__ __forceinline__ void quantize_pair_row(const MoeDecodeParams& p, int 
   };
   using QT = typename Q::type;
   QT* qr = reinterpret_cast<QT*>(p.q2 + static_cast<int64_t>(pair) * inter);
-  if constexpr (kGroup) {
-    const int groups = inter / kGroupElems, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int gi = warp; gi < groups; gi += kWarps) {
-      float v[4], amax = 0.f;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        v[u] = hval(gi * kGroupElems + lane * 4 + u);
-        amax = fmaxf(amax, fabsf(v[u]));
-      }
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-      const float scale = amax / Q::kMax;
-      if (lane == 0) p.sh[static_cast<int64_t>(pair) * groups + gi] = scale;
-#pragma unroll
-      for (int u = 0; u < 4; ++u) qr[gi * kGroupElems + lane * 4 + u] = quantize_one<Q>(v[u], scale);
-    }
-  } else {
-    float amax = 0.f;
-    for (int i = threadIdx.x; i < inter; i += kThreads) amax = fmaxf(amax, fabsf(hval(i)));
-    const float scale = block_max<kThreads>(amax) / Q::kMax;
-    if (threadIdx.x == 0) p.sh[pair] = scale;
-    for (int i = threadIdx.x; i < inter; i += kThreads) qr[i] = quantize_one<Q>(hval(i), scale);
-  }
+  quantize_row<Q, kGroup, kThreads>(hval, inter, qr, p.sh, pair);
 }
 
 // --- the two-kernel path's own quantization (top_k >= 4; own_quant on the host) ------------------------------------
@@ -905,6 +908,50 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled>))
   }
 }
 
+// One K block (blk) of the token-major down's pair: tm_load_block loads its weight fragments (wg, K = I), its
+// activation fragments (arow: the pair's quantized h row, from shared memory when kSmemA) and (kBlockScaled) its
+// block scales (sa_row / sb_row, kgroups per row); tm_mma_block ties the MMAs to those loads and runs them into acc
+// (mma_block, or mma_block_scaled with the block scales).
+template <bool kBlockScaled, bool kSmemA>
+__device__ __forceinline__ void tm_load_block(BlockFrags<1>& f, BlockScales<1>& sc, const uint8_t* wg,
+                                              const uint8_t* const (&arow)[1], const float* const (&sa_row)[1][2],
+                                              const float* sb_row, int kgroups, int blk, int t, int inter) {
+  load_block_weights(f, wg, inter, blk, t, inter);
+  load_block_acts_gather<1, kSmemA>(f, arow, blk, t, inter);
+  if constexpr (kBlockScaled) load_block_scales_gather<1, kSmemA>(sc, sa_row, sb_row, kgroups, blk);
+}
+
+template <bool kBlockScaled, class Acc>
+__device__ __forceinline__ void tm_mma_block(Acc (&acc)[1][4], BlockFrags<1>& f, const BlockScales<1>& sc,
+                                             uint32_t zero) {
+  tie_to_weight_loads(f, zero);
+  if constexpr (kBlockScaled) {
+    tie_to_scale_loads(f, sc, zero);
+    mma_block_scaled(acc, f, sc);
+  } else {
+    mma_block(acc, f);
+  }
+}
+
+// The token-major down's pair without kPrefetch: block b = base + v on accumulator v (v < kWarps), loaded then
+// multiplied one block at a time (tm_load_block, tm_mma_block).
+template <bool kBlockScaled, bool kSmemA, class Acc>
+__device__ __forceinline__ void tm_mainloop(Acc (&acc)[kWarps][1][4], BlockFrags<1>& f, BlockScales<1>& sc,
+                                            const uint8_t* wg, const uint8_t* const (&arow)[1],
+                                            const float* const (&sa_row)[1][2], const float* sb_row, int kgroups,
+                                            int nblk, int t, int inter, uint32_t zero) {
+  for (int base = 0; base < nblk; base += kWarps) {
+#pragma unroll
+    for (int v = 0; v < kWarps; ++v) {
+      const int blk = base + v;
+      if (blk < nblk) {
+        tm_load_block<kBlockScaled, kSmemA>(f, sc, wg, arow, sa_row, sb_row, kgroups, blk, t, inter);
+        tm_mma_block<kBlockScaled>(acc[v], f, sc, zero);
+      }
+    }
+  }
+}
+
 // --- down, token-major: grid (H / 16, T) ------------------------------------------------------------------------
 //
 // CTA (x, t) computes out[t, 16 x .. 16 x + 16) alone: warp w takes the token's pairs j = w, w + 8, ... and streams
@@ -997,20 +1044,7 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2) moe_decode_down_t
           }
         }
       } else {
-        for (int base = 0; base < nblk; base += kWarps) {
-#pragma unroll
-          for (int v = 0; v < kWarps; ++v) {
-            const int blk = base + v;
-            if (blk < nblk) {
-              load_block_weights(f, wg, inter, blk, t, inter);
-              load_block_acts_gather<1, kOwnH>(f, arow, blk, t, inter);
-              load_block_scales_gather<1, kOwnH>(sc, sa_row, sb_row, kgroups, blk);
-              tie_to_weight_loads(f, p.zero);
-              tie_to_scale_loads(f, sc, p.zero);
-              mma_block_scaled(acc[v], f, sc);
-            }
-          }
-        }
+        tm_mainloop<kBlockScaled, kOwnH>(acc, f, sc, wg, arow, sa_row, sb_row, kgroups, nblk, t, inter, p.zero);
       }
     } else if constexpr (kPrefetch) {
       // buf[v & 1] holds block base + v's weights and activations, loaded one block ahead (kWarps is even, so the
@@ -1033,18 +1067,9 @@ __global__ void __launch_bounds__(kThreads, kPrefetch ? 1 : 2) moe_decode_down_t
         }
       }
     } else {
-      for (int base = 0; base < nblk; base += kWarps) {
-#pragma unroll
-        for (int v = 0; v < kWarps; ++v) {
-          const int blk = base + v;
-          if (blk < nblk) {
-            load_block_weights(f, wg, inter, blk, t, inter);
-            load_block_acts_gather<1, kOwnH>(f, arow, blk, t, inter);
-            tie_to_weight_loads(f, p.zero);
-            mma_block(acc[v], f);
-          }
-        }
-      }
+      BlockScales<1> sc;  // unused: row-wise scales apply in the epilogue
+      const float* sa_row[1][2] = {{nullptr, nullptr}};
+      tm_mainloop<kBlockScaled, kOwnH>(acc, f, sc, wg, arow, sa_row, nullptr, 0, nblk, t, inter, p.zero);
     }
     // Token 0 of the C fragment: lanes t == 0 hold rows g (register 0) and g + 8 (register 2).
     if (t == 0) {

@@ -440,52 +440,34 @@ int router_slices(int tiles, int chunks, int e, int c) {
   return best;
 }
 
-// Whether a cluster of kWideClusterCtas CTAs of every router_route_kernel<T, *, *, 16> instantiation can be resident
-// on the current device, asked once per (device, T) and cached; sets the kernels' non-portable cluster attribute
-// first (a cluster above 8 CTAs needs it, to launch and to ask). Both token tiles and both scorings: the cluster size
-// must not depend on T or the routing (the slices follow it).
-template <class T>
-bool wide_cluster_resident(int device) {
-  static std::array<std::atomic<int>, 64> state{};  // 0: not asked yet, 1: resident, 2: not
-  std::atomic<int>& known = state.at(static_cast<size_t>(device));
-  const int v = known.load(std::memory_order_acquire);
-  if (v != 0) return v == 1;
-  static std::mutex mutex;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (known.load(std::memory_order_relaxed) != 0) return known.load(std::memory_order_relaxed) == 1;
-  bool ok = true;
-  auto ask = [&](auto kernel) {
-    if (!ok) return;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
-      (void)cudaGetLastError();
-      ok = false;
-      return;
-    }
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(kWideClusterCtas);
-    cfg.blockDim = dim3(kRRThreads);
-    cfg.dynamicSmemBytes = 48 * 1024;  // the most router_route_smem gives (router_slices' bound)
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = kWideClusterCtas;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();  // an unsupported configuration: not resident; leave no error behind
-      clusters = 0;
-    }
-    ok = clusters > 0;
-  };
-  ask(router_route_kernel<T, 1, false, kWideClusterCtas>);
-  ask(router_route_kernel<T, 2, false, kWideClusterCtas>);
-  ask(router_route_kernel<T, 1, true, kWideClusterCtas>);
-  ask(router_route_kernel<T, 2, true, kWideClusterCtas>);
-  known.store(ok ? 1 : 2, std::memory_order_release);
-  return ok;
+// Whether at least one cluster of kWideClusterCtas CTAs of `kernel` (kRRThreads threads and `smem` bytes of dynamic
+// shared memory each) can be resident on the current device. An unsupported configuration is an error of the query:
+// not resident, and no error is left behind. The caller sets the non-portable cluster size first.
+template <class... KArgs>
+bool wide_cluster_fits(void (*kernel)(KArgs...), size_t smem) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(kWideClusterCtas);
+  cfg.blockDim = dim3(kRRThreads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = kWideClusterCtas;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    clusters = 0;
+  }
+  return clusters > 0;
 }
+
+// Whether a cluster of kWideClusterCtas CTAs of the router (!kNorm) or norm (kNorm) kernels can be resident: defined
+// below, with the norm kernels' attributes.
+template <class T, bool kNorm>
+bool wide_cluster_resident(int device);
 
 // The cluster size and H slices moe_router_route uses for E experts of H in `dtype` on `device` (the current device).
 struct RouterPlan {
@@ -495,7 +477,8 @@ struct RouterPlan {
 RouterPlan router_plan(int device, int64_t e, int64_t h, at::ScalarType dtype) {
   const bool bf16 = dtype == at::kBFloat16;
   const bool wide = e * h * int64_t(c10::elementSize(dtype)) >= kWideRouterBytes &&
-                    (bf16 ? wide_cluster_resident<__nv_bfloat16>(device) : wide_cluster_resident<__half>(device));
+                    (bf16 ? wide_cluster_resident<__nv_bfloat16, false>(device)
+                          : wide_cluster_resident<__half, false>(device));
   const int c = wide ? kWideClusterCtas : kClusterCtas;
   const int tiles = static_cast<int>((e + kTileE - 1) / kTileE);
   return {c, router_slices(tiles, static_cast<int>(h / kChunk), static_cast<int>(e), c)};
@@ -592,42 +575,73 @@ void prepare_norm_kernel(const void* kernel, int device, bool wide) {
   done.emplace_back(kernel, device);
 }
 
-// Whether a cluster of kWideClusterCtas CTAs of the norm kernels is resident with the most shared memory a CTA may
-// have (then at any size), asked once per (device, T) and cached. Where not, the op runs its two-op composition.
-template <class T>
-bool norm_wide_resident(int device) {
+// Whether a cluster of kWideClusterCtas CTAs of every wide instantiation can be resident on the current device,
+// asked once per (device, T) and cached. Both token tiles and both scorings: the cluster size must not depend on T
+// or the routing (the slices follow it).
+//   !kNorm: router_route_kernel<T, *, *, 16>; sets the kernels' non-portable cluster attribute first (a cluster above
+//           8 CTAs needs it, to launch and to ask); asked at 48 KiB, the most router_route_smem gives (router_slices'
+//           bound).
+//   kNorm:  router_norm_route_kernel<T, *, *, 16>, with the most shared memory a CTA may have (then at any size;
+//           prepare_norm_kernel sets both attributes). Where not, add_rms_norm_moe_router_route runs its two-op
+//           composition.
+template <class T, bool kNorm>
+bool wide_cluster_resident(int device) {
   static std::array<std::atomic<int>, 64> state{};  // 0: not asked yet, 1: resident, 2: not
   std::atomic<int>& known = state.at(static_cast<size_t>(device));
   const int v = known.load(std::memory_order_acquire);
   if (v != 0) return v == 1;
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (known.load(std::memory_order_relaxed) != 0) return known.load(std::memory_order_relaxed) == 1;
   bool ok = true;
   auto ask = [&](auto kernel) {
     if (!ok) return;
-    prepare_norm_kernel(reinterpret_cast<const void*>(kernel), device, true);
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(kWideClusterCtas);
-    cfg.blockDim = dim3(kRRThreads);
-    cfg.dynamicSmemBytes = static_cast<size_t>(max_optin_smem(device));
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = kWideClusterCtas;
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
-      (void)cudaGetLastError();
-      clusters = 0;
+    if constexpr (kNorm) {
+      prepare_norm_kernel(reinterpret_cast<const void*>(kernel), device, true);
+      ok = wide_cluster_fits(kernel, static_cast<size_t>(max_optin_smem(device)));
+    } else {
+      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+        (void)cudaGetLastError();
+        ok = false;
+        return;
+      }
+      ok = wide_cluster_fits(kernel, 48 * 1024);
     }
-    ok = clusters > 0;
   };
-  ask(router_norm_route_kernel<T, 1, false, kWideClusterCtas>);
-  ask(router_norm_route_kernel<T, 2, false, kWideClusterCtas>);
-  ask(router_norm_route_kernel<T, 1, true, kWideClusterCtas>);
-  ask(router_norm_route_kernel<T, 2, true, kWideClusterCtas>);
+  if constexpr (kNorm) {
+    ask(router_norm_route_kernel<T, 1, false, kWideClusterCtas>);
+    ask(router_norm_route_kernel<T, 2, false, kWideClusterCtas>);
+    ask(router_norm_route_kernel<T, 1, true, kWideClusterCtas>);
+    ask(router_norm_route_kernel<T, 2, true, kWideClusterCtas>);
+  } else {
+    ask(router_route_kernel<T, 1, false, kWideClusterCtas>);
+    ask(router_route_kernel<T, 2, false, kWideClusterCtas>);
+    ask(router_route_kernel<T, 1, true, kWideClusterCtas>);
+    ask(router_route_kernel<T, 2, true, kWideClusterCtas>);
+  }
   known.store(ok ? 1 : 2, std::memory_order_release);
   return ok;
+}
+
+// Launches one grid of a cluster of kRRThreads-thread CTAs by the plan (router_plan): wide, wide_kernel on a cluster
+// of kWideClusterCtas (the launch attribute, non-portable size); one slice, one_slice_kernel (its cluster of
+// kClusterCtas is the kernel's own, __cluster_dims__); else kernel on a cluster of kClusterCtas (the launch
+// attribute). prepare(kernel, wide) runs first on the kernel launched (the norm kernels' attributes).
+template <class KWide, class KOneSlice, class K, class Prepare, class... Args>
+void launch_by_plan(bool wide, int slices, KWide wide_kernel, KOneSlice one_slice_kernel, K kernel,
+                    Prepare&& prepare, size_t smem, cudaStream_t stream, bool pdl, const Args&... args) {
+  if (wide) {
+    prepare(wide_kernel, true);
+    C10_CUDA_CHECK(launch_kernel_cluster(wide_kernel, dim3(kWideClusterCtas), dim3(kRRThreads), smem, stream, pdl,
+                                         dim3(kWideClusterCtas, 1, 1), args...));
+  } else if (slices == 1) {
+    prepare(one_slice_kernel, false);
+    C10_CUDA_CHECK(launch_kernel(one_slice_kernel, dim3(kClusterCtas), dim3(kRRThreads), smem, stream, pdl, args...));
+  } else {
+    prepare(kernel, false);
+    C10_CUDA_CHECK(launch_kernel_cluster(kernel, dim3(kClusterCtas), dim3(kRRThreads), smem, stream, pdl,
+                                         dim3(kClusterCtas, 1, 1), args...));
+  }
 }
 
 }  // namespace
@@ -667,16 +681,9 @@ std::tuple<at::Tensor, at::Tensor> moe_router_route(const at::Tensor& x, const a
     using T = decltype(tag);
     constexpr int kNt = decltype(nt_c)::value;
     constexpr bool kSig = decltype(sig_c)::value;
-    if (wide) {
-      C10_CUDA_CHECK(launch_kernel_cluster(router_route_kernel<T, kNt, kSig, kWideClusterCtas>, dim3(kWideClusterCtas),
-                                           dim3(kRRThreads), smem, stream, pdl, dim3(kWideClusterCtas, 1, 1), p));
-    } else if (p.slices == 1) {  // the cluster of kClusterCtas is the kernel's own (__cluster_dims__)
-      C10_CUDA_CHECK(launch_kernel(router_route_kernel_one_slice<T, kNt, kSig>, dim3(kClusterCtas), dim3(kRRThreads),
-                                   smem, stream, pdl, p));
-    } else {
-      C10_CUDA_CHECK(launch_kernel_cluster(router_route_kernel<T, kNt, kSig, kClusterCtas>, dim3(kClusterCtas),
-                                           dim3(kRRThreads), smem, stream, pdl, dim3(kClusterCtas, 1, 1), p));
-    }
+    launch_by_plan(wide, p.slices, router_route_kernel<T, kNt, kSig, kWideClusterCtas>,
+                   router_route_kernel_one_slice<T, kNt, kSig>, router_route_kernel<T, kNt, kSig, kClusterCtas>,
+                   [](auto, bool) {}, smem, stream, pdl, p);
   });
   return {weights, ids};
 }
@@ -717,7 +724,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_rms_norm_moe_rout
            size_t(kRRWarps + 1) * kMaxT * sizeof(float);
     fused = smem <= static_cast<size_t>(max_optin_smem(device)) &&
             (plan.ctas != kWideClusterCtas ||
-             (bf16 ? norm_wide_resident<__nv_bfloat16>(device) : norm_wide_resident<__half>(device)));
+             (bf16 ? wide_cluster_resident<__nv_bfloat16, true>(device) : wide_cluster_resident<__half, true>(device)));
   }
   if (!fused) {  // before sm90, y rows above the shared memory, or no resident cluster of 16: the two ops
     residual_out.copy_(residual);
@@ -746,21 +753,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_rms_norm_moe_rout
     using T = decltype(tag);
     constexpr int kNt = decltype(nt_c)::value;
     constexpr bool kSig = decltype(sig_c)::value;
-    if (wide) {
-      auto kernel = router_norm_route_kernel<T, kNt, kSig, kWideClusterCtas>;
-      prepare_norm_kernel(reinterpret_cast<const void*>(kernel), device, true);
-      C10_CUDA_CHECK(launch_kernel_cluster(kernel, dim3(kWideClusterCtas), dim3(kRRThreads), smem, stream, pdl,
-                                           dim3(kWideClusterCtas, 1, 1), p, n));
-    } else if (p.slices == 1) {
-      auto kernel = router_norm_route_kernel_one_slice<T, kNt, kSig>;
-      prepare_norm_kernel(reinterpret_cast<const void*>(kernel), device, false);
-      C10_CUDA_CHECK(launch_kernel(kernel, dim3(kClusterCtas), dim3(kRRThreads), smem, stream, pdl, p, n));
-    } else {
-      auto kernel = router_norm_route_kernel<T, kNt, kSig, kClusterCtas>;
-      prepare_norm_kernel(reinterpret_cast<const void*>(kernel), device, false);
-      C10_CUDA_CHECK(launch_kernel_cluster(kernel, dim3(kClusterCtas), dim3(kRRThreads), smem, stream, pdl,
-                                           dim3(kClusterCtas, 1, 1), p, n));
-    }
+    auto prepare = [&](auto kernel, bool wide_cluster) {
+      prepare_norm_kernel(reinterpret_cast<const void*>(kernel), device, wide_cluster);
+    };
+    launch_by_plan(wide, p.slices, router_norm_route_kernel<T, kNt, kSig, kWideClusterCtas>,
+                   router_norm_route_kernel_one_slice<T, kNt, kSig>,
+                   router_norm_route_kernel<T, kNt, kSig, kClusterCtas>, prepare, smem, stream, pdl, p, n);
   });
   return {y, residual_out, weights, ids};
 }
