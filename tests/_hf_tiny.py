@@ -515,3 +515,21 @@ def routing_flip(ours_step, ref_step, row: int, positions, where: str = "", *, s
         if any(not ref_l.last_layer or p == ref_l.ids.shape[1] - 1 for p in flips):
             return True
     return False
+
+
+def optimized_moe_step(model, cache: int, batch: int, monkeypatch):
+    """`optimize_(model)` (its notes silenced) and a `DecodeStep` of `cache` positions allocated for `batch` rows, with
+    the fused MoE decode path and the one-kernel router taken on the CPU too (`W8A8MoE.uses_decode_path` and
+    `router_route_applies` are False there: patched True, their CPU implementations being the reference chains)."""
+    import warnings
+
+    from cutlass_w8a8.hf import DecodeStep, optimize_
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimize_(model)
+    monkeypatch.setattr(cw.W8A8MoE, "uses_decode_path", lambda self, x, k: True)
+    monkeypatch.setattr(cw.W8A8MoE, "router_route_applies", lambda self, x, w, logits_dtype=None: True)
+    step = DecodeStep(model, cache)
+    step.allocate(batch)
+    return step

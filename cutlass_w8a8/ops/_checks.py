@@ -22,7 +22,7 @@ from ._roles import (aligned16, bias_vector, block_scale_shaped, block_scaled, b
                      cxx_list, grouped_block_scaled, decode_m, eight_bit, float32_scale,
                      float_input, gemm_shapes, gemm_size, int8_k_bound, out_matrix, output_dtype, per_channel_scale,
                      limit_text, quant_dtype, row_input, row_major, same_device, static_scale, tensor_arg,
-                     weight_columns, fail_type, fail_value, flat_row_stride, expert_weights)
+                     weight_columns, fail_type, fail_value, flat_row_stride, expert_weights, x_dtype, eps_type)
 
 __all__ = ["check_scaled_mm", "check_scaled_mm_decode", "check_grouped_scaled_mm", "check_linear_decode",
            "check_add_rms_norm_linear_decode", "check_w8a8_linear",
@@ -203,8 +203,7 @@ def check_linear_decode(op: str, x, b, scale_b, bias, dtype, out=None) -> None:
         fail_type(op, "b", f"must have the quantized dtype {dtype}, got {b.dtype}")
     float32_scale(op, "scale_b", scale_b)
     for name, t in (("out", out), ("bias", bias)):
-        if t is not None and t.dtype != x.dtype:
-            fail_type(op, name, f"must have x's dtype {x.dtype}, got {t.dtype}")
+        x_dtype(op, name, t, x)
     same_device(op, "x", x, [("b", b), ("scale_b", scale_b), ("out", out), ("bias", bias)])
     m, k, n = _decode_sizes(op, x, b)
     if k > DECODE_MAX_K:
@@ -227,16 +226,13 @@ def check_add_rms_norm_linear_decode(x, residual, norm_weight, eps, b, scale_b, 
     # dtypes
     float_input(op, "x", x, DECODE_X_DTYPES)
     for name, t in (("residual", residual), ("norm_weight", norm_weight)):
-        if t is not None and t.dtype != x.dtype:
-            fail_type(op, name, f"must have x's dtype {x.dtype}, got {t.dtype}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        fail_type(op, "eps", f"must be a float, got {type(eps).__name__}")
+        x_dtype(op, name, t, x)
+    eps_type(op, eps)
     quant_dtype(op, dtype)
     if b.dtype != dtype:
         fail_type(op, "b", f"must have the quantized dtype {dtype}, got {b.dtype}")
     float32_scale(op, "scale_b", scale_b)
-    if bias is not None and bias.dtype != x.dtype:
-        fail_type(op, "bias", f"must have x's dtype {x.dtype}, got {bias.dtype}")
+    x_dtype(op, "bias", bias, x)
     same_device(op, "x", x, [("residual", residual), ("norm_weight", norm_weight), ("b", b), ("scale_b", scale_b),
                              ("bias", bias)])
     # values and shapes
@@ -356,22 +352,19 @@ def check_rms_norm(op: str, x, weight, eps, residual) -> None:
     row_input(op, x)
     k = x.shape[-1]
     tensor_arg(op, "weight", weight)
-    if weight.dtype != x.dtype:
-        fail_type(op, "weight", f"must have x's dtype {x.dtype}, got {weight.dtype}")
+    x_dtype(op, "weight", weight, x)
     same_device(op, "x", x, [("weight", weight)])
     if weight.dim() != 1 or weight.shape[0] != k:
         fail_value(op, "weight", f"must be [K] with K = {k}, got shape {tuple(weight.shape)}")
     if k > 1 and weight.stride(0) != 1:
         fail_value(op, "weight", "must be contiguous")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        fail_type(op, "eps", f"must be a float, got {type(eps).__name__}")
+    eps_type(op, eps)
     if not 0.0 <= eps < float("inf"):
         fail_value(op, "eps", f"must be a finite number >= 0, got {eps}")
     if residual is None:
         return
     tensor_arg(op, "residual", residual, optional=True)
-    if residual.dtype != x.dtype:
-        fail_type(op, "residual", f"must have x's dtype {x.dtype}, got {residual.dtype}")
+    x_dtype(op, "residual", residual, x)
     same_device(op, "x", x, [("residual", residual)])
     if residual.shape != x.shape:
         fail_value(op, "residual", f"must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")

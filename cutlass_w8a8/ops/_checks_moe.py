@@ -16,7 +16,8 @@ from ._checks import _group_quant
 from ._limits import (BLOCK_SIZE, GEMM_ALIGN, MAX_ROW_K, MAX_ROWS, MOE_DECODE_MAX_PAIRS, MOE_MAX_EXPERTS,
                       MOE_MAX_GROUPS, MOE_ROUTER_H_MULTIPLE, MOE_ROUTER_ROUTE_MAX_T, NORM_DECODE_MAX_K, blocks)
 from ._roles import (aligned16, contiguous, eight_bit, exact_shape, fail_type, fail_value, float32_scale, float_input,
-                     gemm_size, int8_k_bound, limit_text, output_dtype, quant_dtype, row_input, same_device, tensor_arg)
+                     gemm_size, int8_k_bound, limit_text, output_dtype, quant_dtype, row_input, same_device, tensor_arg,
+                     x_dtype, eps_type)
 
 
 # ---- MoE routing (csrc/moe/routing.cu raises the same messages in the same order) -------------------------
@@ -98,6 +99,14 @@ def check_moe_router_route(x, router_weight, top_k, scoring, correction_bias, n_
                        scaling_factor, logits_dtype)
 
 
+def _pitched_rows(op: str, name: str, m) -> None:
+    """The router kernels' row reads: unit-stride rows whose pitch is a multiple of 8 elements, 16-byte aligned."""
+    if m.stride(1) != 1 or (m.shape[0] > 1 and m.stride(0) % 8 != 0):
+        fail_value(op, name, f"must have unit-stride rows with a row pitch that is a multiple of 8 elements, got "
+                   f"strides {tuple(m.stride())}")
+    aligned16(op, name, m)
+
+
 def _router_route_args(op, x, router_weight, top_k, scoring, correction_bias, n_group, topk_group, scaling_factor,
                        logits_dtype) -> None:
     """check_moe_router_route's checks under the name `op` (add_rms_norm_moe_router_route runs them first)."""
@@ -112,8 +121,7 @@ def _router_route_args(op, x, router_weight, top_k, scoring, correction_bias, n_
     if h == 0 or h % MOE_ROUTER_H_MULTIPLE != 0:
         fail_value(op, "x", f"H = x.shape[1] must be a positive multiple of {MOE_ROUTER_H_MULTIPLE}, got {h}")
     tensor_arg(op, "router_weight", router_weight)
-    if router_weight.dtype != x.dtype:
-        fail_type(op, "router_weight", f"must have x's dtype {x.dtype}, got {router_weight.dtype}")
+    x_dtype(op, "router_weight", router_weight, x)
     same_device(op, "x", x, [("router_weight", router_weight)])
     if router_weight.dim() != 2 or router_weight.shape[1] != h:
         fail_value(op, "router_weight", f"must be 2-D [E, H] with H = {h}, got shape {tuple(router_weight.shape)}")
@@ -121,10 +129,7 @@ def _router_route_args(op, x, router_weight, top_k, scoring, correction_bias, n_
     if not 1 <= e <= MOE_MAX_EXPERTS:
         fail_value(op, "router_weight", f"E = router_weight.shape[0] must be in [1, {MOE_MAX_EXPERTS}], got {e}")
     for name, m in (("x", x), ("router_weight", router_weight)):
-        if m.stride(1) != 1 or (m.shape[0] > 1 and m.stride(0) % 8 != 0):
-            fail_value(op, name, f"must have unit-stride rows with a row pitch that is a multiple of 8 elements, got "
-                       f"strides {tuple(m.stride())}")
-        aligned16(op, name, m)
+        _pitched_rows(op, name, m)
     if logits_dtype is not None and logits_dtype not in (x.dtype, torch.float32):
         fail_type(op, "logits_dtype", f"must be None, x's dtype ({x.dtype}) or torch.float32, got {logits_dtype}")
     if not 1 <= top_k <= e:
@@ -147,25 +152,19 @@ def check_norm_router_route(x, residual, norm_weight, eps, router_weight, top_k,
         fail_value(op, "x", f"H = x.shape[1] must be at most {NORM_DECODE_MAX_K} (the rows fused_add_rms_norm "
                    f"normalizes in one block), got {h}")
     tensor_arg(op, "residual", residual)
-    if residual.dtype != x.dtype:
-        fail_type(op, "residual", f"must have x's dtype {x.dtype}, got {residual.dtype}")
+    x_dtype(op, "residual", residual, x)
     same_device(op, "x", x, [("residual", residual)])
     if tuple(residual.shape) != tuple(x.shape):
         fail_value(op, "residual", f"must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
-    if residual.stride(1) != 1 or (residual.shape[0] > 1 and residual.stride(0) % 8 != 0):
-        fail_value(op, "residual", f"must have unit-stride rows with a row pitch that is a multiple of 8 elements, "
-                   f"got strides {tuple(residual.stride())}")
-    aligned16(op, "residual", residual)
+    _pitched_rows(op, "residual", residual)
     tensor_arg(op, "norm_weight", norm_weight)
-    if norm_weight.dtype != x.dtype:
-        fail_type(op, "norm_weight", f"must have x's dtype {x.dtype}, got {norm_weight.dtype}")
+    x_dtype(op, "norm_weight", norm_weight, x)
     same_device(op, "x", x, [("norm_weight", norm_weight)])
     if norm_weight.dim() != 1 or norm_weight.shape[0] != h:
         fail_value(op, "norm_weight", f"must be [H] with H = {h}, got shape {tuple(norm_weight.shape)}")
     contiguous(op, "norm_weight", norm_weight)
     aligned16(op, "norm_weight", norm_weight)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        fail_type(op, "eps", f"must be a float, got {type(eps).__name__}")
+    eps_type(op, eps)
     if not 0.0 <= eps < float("inf"):
         fail_value(op, "eps", f"must be a finite number >= 0, got {float(eps)}")
 

@@ -227,6 +227,18 @@ def row_major(op: str, name: str, t, rows: int, cols: int, cols_name: str, pitch
         fail_value(op, name, f"stride(0) must be a multiple of {pitch} elements, got {t.stride(0)}")
 
 
+def x_dtype(op: str, name: str, t, x) -> None:
+    """`t` (None: nothing to check) has x's dtype; else TypeError "`name` must have x's dtype ..."."""
+    if t is not None and t.dtype != x.dtype:
+        fail_type(op, name, f"must have x's dtype {x.dtype}, got {t.dtype}")
+
+
+def eps_type(op: str, eps) -> None:
+    """A norm's eps is a Python int or float (not a bool); else TypeError naming `eps`."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        fail_type(op, "eps", f"must be a float, got {type(eps).__name__}")
+
+
 def aligned16(op: str, name: str, t) -> None:
     if _misaligned(t, 16):
         fail_value(op, name, f"data must be 16-byte aligned (storage offset {t.storage_offset()})")

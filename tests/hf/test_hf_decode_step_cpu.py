@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 from _hf_tiny import (MIN_CHECKED, QK_GAIN, check_greedy_against_transformers, left_padded_batch,  # noqa: E402
-                      optimized, rel_err, tiny_model)
+                      optimized, optimized_moe_step, rel_err, tiny_model)
 
 from cutlass_w8a8.hf import DecodeStep, GraphGenerator  # noqa: E402
 from cutlass_w8a8.hf.optimize import FusedGateUpMLP  # noqa: E402
@@ -358,19 +358,9 @@ def test_qwen3_moe_step_ops_per_layer(batch, monkeypatch):
     kernels), nothing else: no head-norm kernel, copy, cast or fill. The experts take moe_decode_experts and the
     router moe_router_route as on CUDA at T * k <= 64 and T <= 16 (on the CPU `W8A8MoE.uses_decode_path` and
     `router_route_applies` are False: patched here)."""
-    import warnings
-
-    from cutlass_w8a8.hf import optimize_
     from cutlass_w8a8.testing.op_calls import OpCalls, cuda_kernels
 
-    model = _moe("qwen3_moe")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        optimize_(model)
-    monkeypatch.setattr(cw.W8A8MoE, "uses_decode_path", lambda self, x, k: True)
-    monkeypatch.setattr(cw.W8A8MoE, "router_route_applies", lambda self, x, w, logits_dtype=None: True)
-    step = DecodeStep(model, CACHE)
-    step.allocate(batch)
+    step = optimized_moe_step(_moe("qwen3_moe"), CACHE, batch, monkeypatch)
     rows = torch.arange(batch)
     tokens, positions = rows + 1, rows + 2
     with torch.no_grad(), OpCalls() as calls:

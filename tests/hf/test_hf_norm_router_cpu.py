@@ -7,17 +7,14 @@ logits in float32 (`MoeBlockForward` "float32"): with its weight in the model dt
 keeps it in float32, which the fused router kernels do not take) the folded norm must route on float32 logits too.
 """
 
-import warnings
-
 import pytest
 import torch
-
-import cutlass_w8a8 as cw
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from cutlass_w8a8.hf import DecodeStep  # noqa: E402
+from _hf_tiny import optimized_moe_step  # noqa: E402
+
 from cutlass_w8a8.hf.decode_step import MoeMLP  # noqa: E402
 from cutlass_w8a8.testing.op_calls import OpCalls  # noqa: E402
 
@@ -40,16 +37,7 @@ def _moe(kind):
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_step_logits_equal_switch_on_off(kind, batch, monkeypatch):
-    from cutlass_w8a8.hf import optimize_
-
-    model = _moe(kind)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        optimize_(model)
-    monkeypatch.setattr(cw.W8A8MoE, "uses_decode_path", lambda self, x, k: True)
-    monkeypatch.setattr(cw.W8A8MoE, "router_route_applies", lambda self, x, w, logits_dtype=None: True)
-    step = DecodeStep(model, CACHE)
-    step.allocate(batch)
+    step = optimized_moe_step(_moe(kind), CACHE, batch, monkeypatch)
     rows = torch.arange(batch)
     g = torch.Generator().manual_seed(batch)
     n = sum(isinstance(layer.mlp, MoeMLP) for layer in step.layers)  # GLM-4.5's first layer is dense

@@ -15,9 +15,6 @@ shared expert without gate) and Qwen2-MoE (a shared expert times a sigmoid gate)
 - `unoptimize_` gives transformers' classes, logits and state dict back, and `optimize_` again the optimized logits.
 """
 
-import copy
-import filecmp
-import os
 import warnings
 
 import pytest
@@ -30,6 +27,8 @@ pytest.importorskip("compressed_tensors")
 
 from _hf_tiny import SCHEMES  # noqa: E402
 from _moe_models import VOCAB, tiny_moe_model  # noqa: E402
+from test_hf_interfaces_cpu import _same_files  # noqa: E402
+from test_hf_optimize_cpu import _optimized  # noqa: E402
 
 from cutlass_w8a8.hf import RMSNormQuant, is_optimized, optimize_, unoptimize_  # noqa: E402
 from cutlass_w8a8.hf.optimize import FusedGateUpMLP, FusedQKVAttention  # noqa: E402
@@ -59,26 +58,10 @@ def _quantized(case, scheme):
     return model
 
 
-def _optimized(model):
-    out = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a supported model optimizes without a warning
-        optimize_(out)
-    return out
-
-
 def _logits(model):
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         return model(ids).logits
-
-
-def _same_files(a, b):
-    names = sorted(os.listdir(a))
-    assert names == sorted(os.listdir(b))
-    for n in names:
-        assert filecmp.cmp(os.path.join(a, n), os.path.join(b, n), shallow=False), n
-    return names
 
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8-block"])
