@@ -152,21 +152,23 @@ inline int64_t busiest_sm_rows(int64_t tiles_m, int64_t tiles_n, int64_t tile_m,
   return (tiles + sms - 1) / sms * tile_m;
 }
 
-// The 128x256 wave tiles (Fp8Block_MMid_WavesN, Fp8_MMid_Accurate_WavesN) when their busiest SM computes no more of
-// the output than the 128x128 1x2 tile's busiest SM (rounds of tiles times tile area; N tiles padded to pairs with a
-// 1x2 cluster): then one pass over the weight with half the CTAs won at every such point of the H200 sweep at
-// M in (128, 1024] except M = 128 (bench/results/tune_nvidia-h200_fp8-block_waves_n.md: block fp8 0.806-0.994 of the
-// shipped time at 18 of 18 points with M 256-1024, 1.035-1.106 at 2 of 4 at M = 128; row-wise accurate 0.849-0.963
-// at 6 of 6 with M 256-512). Where it leaves the busiest SM 1.2-2x the area it lost (1.03-2.32x); at 1.04-1.14x
-// (N = 51200) it took 0.905-1.001, left to the other tiles here.
-inline bool waves_n_fill_ok(int64_t m, int64_t n, int sms, bool pairs_along_n) {
+// The 128x256 wave tiles (Fp8Block_MMid_WavesN, Fp8_MMid_Accurate_WavesN) when their busiest SM computes no more of the
+// output than the 128x128 1x2 tile's busiest SM (rounds of tiles times tile area; N tiles padded to pairs with a 1x2
+// cluster), give or take `slack_pct` percent: then one pass over the weight with half the CTAs won at every such point
+// of the H200 sweeps at M > 128 (bench/results/tune_nvidia-h200_fp8-block_waves_n.md: block fp8 0.806-0.994 of the
+// shipped time at 18 of 18 points with M 256-1024, 1.035-1.106 at 2 of 4 at M = 128; row-wise accurate 0.849-0.963 at 6
+// of 6 with M 256-512; tune_nvidia-h200_fp8-block_waves_n_mlarge.md: 0.909-0.974 at 20 of 20 points with M 2048 / 4096,
+// 4 of them at 1.01-1.02x the area). Where it leaves the busiest SM 1.14-2x the area it lost (1.03-2.32x, or to the
+// 128x128 tile by 7-19%); at 1.04x (N = 51200, M = 1024) it took 0.975, at 1.08x (M = 512) 1.001.
+inline bool waves_n_fill_ok(int64_t m, int64_t n, int sms, bool pairs_along_n, int slack_pct = 0) {
   constexpr int64_t kTileM = 128, kWideN = 256, kNarrowN = 128;
   const int64_t tiles_m = (m + kTileM - 1) / kTileM;
   const int64_t wide_n = (n + kWideN - 1) / kWideN;
   const int64_t wide_rows = pairs_along_n ? busiest_sm_rows(tiles_m, wide_n, kTileM, sms)
                                           : (tiles_m * wide_n + sms - 1) / sms * kTileM;
   const int64_t narrow_rows = busiest_sm_rows(tiles_m, (n + kNarrowN - 1) / kNarrowN, kTileM, sms);
-  return wide_rows * kWideN <= narrow_rows * kNarrowN;  // the busiest SM's output elements
+  // the busiest SM's output elements
+  return wide_rows * kWideN * 100 <= narrow_rows * kNarrowN * (100 + slack_pct);
 }
 
 // Returns an index into Fp8Configs: among the fast-accumulation rows when `fast_accum`, else the accurate ones
@@ -210,10 +212,10 @@ inline int select_fp8(int64_t m, int64_t n, int64_t k, int sm_count, bool fast_a
 using Fp8Block_M32 = Config<128, 16, 128, 1, 1, PP, PE, true>;
 // M in (32, 64]: the same with 32 token columns (best at 11 of 13 at M = 64).
 using Fp8Block_M64 = Config<128, 32, 128, 1, 1, PP, PE, true>;
-// M in (64, 128], and M > 128 when Fp8Block_MLarge's tiles would leave much of their last wave idle
-// (select_fp8_block): unswapped, tokens on a 64-row tile, weight on a 128-column tile (one consumer warpgroup per
-// tile, 64 + 64 accumulators per thread). At M = 128: 0.852 of the swapped 128x64 tile's time in geomean (no shape
-// slower), which the first table shipped.
+// M in (64, 128], and M > 128 when its busiest SM has far fewer rows to compute than Fp8Block_MLarge's
+// (select_fp8_block, block_few_tiles_pay): unswapped, tokens on a 64-row tile, weight on a 128-column tile (one
+// consumer warpgroup per tile, 64 + 64 accumulators per thread). At M = 128: 0.852 of the swapped 128x64 tile's time in
+// geomean (no shape slower), which the first table shipped.
 using Fp8Block_M128 = Config<64, 128, 128, 1, 1, PP, PE, false>;
 // M > 128 otherwise: 128x128 cooperative (two warpgroups split the 128 token rows: 64 + 64 accumulators each, the
 // most the blockwise mainloop's second accumulator set leaves room for; a 128x128 pingpong tile spills), pairs of
@@ -224,25 +226,25 @@ using Fp8Block_M128 = Config<64, 128, 128, 1, 1, PP, PE, false>;
 // GPU loses more than 2-8% with it. Launched without PDL (the cooperative blockwise kernel's scale loads do not wait on
 // griddepcontrol; M > 16 launches without it anyway, except while an UpdatableGraph records).
 using Fp8Block_MLarge = Config<128, 128, 128, 1, 2, CO, PE, false>;
-// M >= 1024 when its busiest SM has at most 1.05x Fp8Block_MLarge's rows to compute (select_fp8_block): 256x128
-// cooperative with the wave mainloop (wave_mainloop.cuh: each warpgroup's 128 token rows in two 64-row waves through
-// one temporary accumulator, 128 + 64 registers, no spills), pairs of CTAs along N sharing the token tile as
-// Fp8Block_MLarge's. Bit-identical to Fp8Block_MLarge (and to every block config) at all 15 points of the H200 sweep
-// (bench/results/tune_nvidia-h200_fp8-block_waves.md, 2026-11-29, DeepSeek-V3 shapes at M = 256 / 1024 / 4096).
-// Where the rule picks it (all 5 shapes at M = 1024, 4 of 5 at M = 4096) it took 0.818-0.958 of the shipped time
-// (geomean 0.901 at M = 1024, 0.941 at M = 4096 over those 4); where it does not, it lost: 1.163x at M = 4096,
-// N = 2112 (3 rounds of 256 rows per SM against 5 of 128: 1.2x the work) and 1.03-2.46x at every M = 256 point.
-// Cluster 1x2 rather than the sweep's best-by-1% 1x1 (geomean 0.890 vs 0.901 at M = 1024, 0.986 vs 0.982 at 4096):
-// the H100 ran Fp8Block_MLarge's tile 8-13% slower without its cluster (above). Launched without PDL (cooperative).
+// M >= 1024 when Fp8Block_MMid_WavesN does not fill the SMs and its busiest SM has at most 1.05x Fp8Block_MLarge's rows
+// to compute (select_fp8_block): 256x128 cooperative with the wave mainloop (wave_mainloop.cuh: each warpgroup's 128
+// token rows in two 64-row waves through one temporary accumulator, 128 + 64 registers, no spills), pairs of CTAs along
+// N sharing the token tile as Fp8Block_MLarge's. Bit-identical to Fp8Block_MLarge (and to every block config) at all 15
+// points of the H200 sweep (bench/results/tune_nvidia-h200_fp8-block_waves.md, 2026-11-29, DeepSeek-V3 shapes at M =
+// 256 / 1024 / 4096). Where the rule picks it (all 5 shapes at M = 1024, 4 of 5 at M = 4096) it took 0.818-0.958 of the
+// shipped time (geomean 0.901 at M = 1024, 0.941 at M = 4096 over those 4); where it does not, it lost: 1.163x at M =
+// 4096, N = 2112 (3 rounds of 256 rows per SM against 5 of 128: 1.2x the work) and 1.03-2.46x at every M = 256 point.
+// Cluster 1x2 rather than the sweep's best-by-1% 1x1 (geomean 0.890 vs 0.901 at M = 1024, 0.986 vs 0.982 at 4096): the
+// H100 ran Fp8Block_MLarge's tile 8-13% slower without its cluster (above). Launched without PDL (cooperative).
 using Fp8Block_MLarge_Waves = Config<256, 128, 128, 1, 2, CO, PE, false, false, 1, true>;
 
-// Fp8Block_MMid_WavesN: M in (128, 1024] where waves_n_fill_ok (select_fp8_block, issue 37); Fp8Block_M128_WavesN:
-// not selected (slower everywhere in the sweep: 1.02-1.90x the shipped time at M 128-1024). 256 weight columns per
-// tile, the tile CUTLASS 4.2's blockwise collective refuses ("Accumulator and scaleB must have same shape"), with the
-// wave mainloop's waves along N too (WaveN 128: each warpgroup's 64 x 256 rows in two 64 x 128 waves, each one
-// 128-column scale block; 128 + 64 registers, no spills). One pass over the weight with half the CTAs of the 128x128
-// tile; pairs along N share the token tile (Fp8Block_MLarge's cluster). Bit-identical to every block config (52 of 52
-// points of the sweep).
+// Fp8Block_MMid_WavesN: M > 128 where waves_n_fill_ok (with 5% slack; select_fp8_block, issue 37);
+// Fp8Block_M128_WavesN: not selected (slower everywhere in the sweep: 1.02-1.90x the shipped time at M 128-1024). 256
+// weight columns per tile, the tile CUTLASS 4.2's blockwise collective refuses ("Accumulator and scaleB must have same
+// shape"), with the wave mainloop's waves along N too (WaveN 128: each warpgroup's 64 x 256 rows in two 64 x 128 waves,
+// each one 128-column scale block; 128 + 64 registers, no spills). One pass over the weight with half the CTAs of the
+// 128x128 tile; pairs along N share the token tile (Fp8Block_MLarge's cluster). Bit-identical to every block config (52
+// of 52 points of the sweep).
 using Fp8Block_MMid_WavesN = Config<128, 256, 128, 1, 2, CO, PE, false, false, 1, true, 128>;
 using Fp8Block_M128_WavesN = Config<64, 256, 128, 1, 1, PP, PE, false, false, 1, true, 128>;
 
@@ -250,15 +252,35 @@ using Fp8Block_M128_WavesN = Config<64, 256, 128, 1, 1, PP, PE, false, false, 1,
 using Fp8BlockConfigs = std::tuple<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp8Block_MLarge, Fp8Block_MLarge_Waves,
                                    Fp8Block_MMid_WavesN, Fp8Block_M128_WavesN>;
 
-// Returns an index into Fp8BlockConfigs. M in (128, 1024] (the range measured): Fp8Block_MMid_WavesN where
-// waves_n_fill_ok. Else M >= 1024: Fp8Block_MLarge_Waves unless its 256-row tiles leave the busiest SM more than
-// 1.05x the rows of Fp8Block_MLarge's 128-row tiles (at equal rows it took 0.94-0.96 of the shipped time in the
-// sweep; 1.02x rows still won at 0.948-0.958, 1.2x lost at 1.163). Otherwise, and for M > 128:
-// Fp8Block_MLarge unless Fp8Block_M128 fills its last wave better by more than 0.05.
+// Fp8Block_M128 (64x128 tiles, no cluster) over Fp8Block_MLarge (128x128, 1x2) at M > 128 when its busiest SM has at
+// most 1/1.4 of the rows to compute: per row, the one-warpgroup 64-row tile took 1.27-1.56x the 128-row tile's time in
+// the H200 sweeps (M 256-2048, where the two tiles' busiest SMs had 0.5 and 0.83-0.93 of each other's rows). Over the
+// 143 points of the four block sweeps with M > 128 this rule picks the slower of the two at 4, by at most 3.3%; the
+// wave-fill rule it replaces (select_by_m_and_wave_fill, still the int8 table's) picked it at 20, by up to 25% (M =
+// 2048, N = 2112: 5 rounds of 64 rows against 3 of 128).
+inline bool block_few_tiles_pay(int64_t m, int64_t n, int sms) {
+  const int64_t tiles_n = (n + 127) / 128;
+  const int64_t few_rows = ((m + 63) / 64 * tiles_n + sms - 1) / sms * 64;
+  const int64_t large_rows = busiest_sm_rows((m + 127) / 128, tiles_n, 128, sms);
+  return few_rows * 14 <= large_rows * 10;
+}
+
+// Returns an index into Fp8BlockConfigs. M <= 128: by M (select_by_m_and_wave_fill's buckets). M > 128:
+// Fp8Block_MMid_WavesN where waves_n_fill_ok with 5% slack (issue 37; measured at M 256-4096). Else at M >= 1024
+// Fp8Block_MLarge_Waves unless its 256-row tiles leave the busiest SM more than 1.05x the rows of Fp8Block_MLarge's
+// 128-row tiles (at equal rows it took 0.94-0.96 of the shipped time in the sweep; 1.02x rows still won at 0.948-0.958,
+// 1.2x lost at 1.163). Else Fp8Block_M128 where block_few_tiles_pay, Fp8Block_MLarge otherwise. Over the 65 points of
+// the two waves-along-N sweeps with M > 128 (every shipped block tile timed), it is within 1.9% of the fastest of the
+// four at every point (geomean 1.0000 at M 256-512, 1.0003 at 1024, 1.0007 at 2048-4096), where the rule it replaces
+// lost up to 25% (geomean 1.011, 1.020, 1.060).
 inline int select_fp8_block(int64_t m, int64_t n, int64_t k, int sm_count) {
   (void)k;
   const int sms = sm_count > 0 ? sm_count : 132;
-  if (m > 128 && m <= 1024 && waves_n_fill_ok(m, n, sms, /*pairs_along_n=*/true)) {
+  if (m <= 128) {
+    return select_by_m_and_wave_fill<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp8Block_M128, Fp8Block_MLarge,
+                                     Fp8BlockConfigs>(m, n, sm_count, /*pairs_along_m=*/false);
+  }
+  if (waves_n_fill_ok(m, n, sms, /*pairs_along_n=*/true, /*slack_pct=*/5)) {
     return index_of<Fp8Block_MMid_WavesN, Fp8BlockConfigs>;
   }
   if (m >= 1024) {
@@ -267,8 +289,8 @@ inline int select_fp8_block(int64_t m, int64_t n, int64_t k, int sm_count) {
     const int64_t large_rows = busiest_sm_rows((m + 127) / 128, tiles_n, 128, sms);
     if (waves_rows * 100 <= large_rows * 105) return index_of<Fp8Block_MLarge_Waves, Fp8BlockConfigs>;
   }
-  return select_by_m_and_wave_fill<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp8Block_M128, Fp8Block_MLarge,
-                                   Fp8BlockConfigs>(m, n, sm_count, /*pairs_along_m=*/false);
+  return block_few_tiles_pay(m, n, sms) ? index_of<Fp8Block_M128, Fp8BlockConfigs>
+                                        : index_of<Fp8Block_MLarge, Fp8BlockConfigs>;
 }
 
 // ---- tuning candidates (bfloat16 output; built with CUTLASS_W8A8_TUNE=1, or =int8,fp8,fp8-block: some tables) --
@@ -317,13 +339,13 @@ using Fp8TuneCandidates = std::tuple<
     // the shipped 128x128 tiles. Both compile without spills (nvcc 13.0 -Xptxas -v, sm_90a), where CUTLASS's promoted
     // 256x128 cooperative 2x1 tile spills 848 bytes.
     Config<128, 128, 128, 2, 1, PP, PE, false, false, 1, true>,
-    // Accurate candidates for M <= 512 (issue 37: for the accurate rows of Fp8Configs, select_fp8), the wave
-    // mainloop with one 64-row wave per cooperative warpgroup (64 + 64 registers, as CUTLASS's promoted cooperative
-    // tiles, which do not spill either): the 128x128 tile with and without CTA pairs along M, the 128x64 tile (twice
-    // the CTAs at M <= 512), and the swapped 128x128 tile (the weight's N on the MMA's M), the twin of the best
-    // promoted config measured at M = 256 (swap_128x128x128_c1x1_cooperative_persistent, 1.143x the per-point best:
-    // bench/results/tune_nvidia-h200_fp8_promotion.md). Not timed yet; each compiles without spills (nvcc 13.0 -Xptxas -v,
-    // sm_90a: 168 registers).
+    // Accurate candidates for M <= 512 (issue 37: for the accurate rows of Fp8Configs, select_fp8), the wave mainloop
+    // with one 64-row wave per cooperative warpgroup (64 + 64 registers, as CUTLASS's promoted cooperative tiles, which
+    // do not spill either): the 128x128 tile with and without CTA pairs along M, the 128x64 tile (twice the CTAs at M
+    // <= 512), and the swapped 128x128 tile (the weight's N on the MMA's M), the twin of the best promoted config
+    // measured at M = 256 (swap_128x128x128_c1x1_cooperative_persistent, 1.143x the per-point best:
+    // bench/results/tune_nvidia-h200_fp8_promotion.md). Not timed yet; each compiles without spills (nvcc 13.0 -Xptxas
+    // -v, sm_90a: 168 registers).
     Config<128, 128, 128, 1, 1, CO, PE, false, false, 1, true>,
     Config<128, 128, 128, 2, 1, CO, PE, false, false, 1, true>,
     Config<128, 64, 128, 2, 1, CO, PE, false, false, 1, true>,
