@@ -262,7 +262,8 @@ inline bool block_few_tiles_pay(int64_t m, int64_t n, int sms) {
   const int64_t tiles_n = (n + 127) / 128;
   const int64_t few_rows = ((m + 63) / 64 * tiles_n + sms - 1) / sms * 64;
   const int64_t large_rows = busiest_sm_rows((m + 127) / 128, tiles_n, 128, sms);
-  return few_rows * 14 <= large_rows * 10;
+  constexpr int64_t kFewRowCostTenths = 14, kLargeRowCostTenths = 10;  // 1.4x per row
+  return few_rows * kFewRowCostTenths <= large_rows * kLargeRowCostTenths;
 }
 
 // Returns an index into Fp8BlockConfigs. M <= 128: by M (select_by_m_and_wave_fill's buckets). M > 128:
