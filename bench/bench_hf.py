@@ -357,23 +357,28 @@ FIT_FRACTION = 0.85
 
 def layer_bytes(transformers: Any, config_name: str, n_w8a8: int, max_batch: int, max_cache_len: int,
                 n_models: int) -> tuple[int, int]:
-    """``(fixed, per_layer)`` bytes of the benchmark's models at ``config_name``'s dimensions, counted on a 1-layer
+    """``(fixed, per_layer)`` bytes of the benchmark's models at ``config_name``'s dimensions, counted on a 2-layer
     model built on the meta device (no memory): ``fixed``, what every layer count holds once (the bf16 embedding,
-    final norm and ``lm_head``, shared by every model); ``per_layer``, one decoder layer's share: its bf16 weights
-    (2 bytes per parameter), plus, for each of the ``n_w8a8`` W8A8 models, its W8A8 copy (1 byte per element of the
-    matrices ``quantize_`` swaps: every projection and expert matrix; the bf16 router and norms at 2 bytes; the
-    float32 scales, under 1% of it, left to the margin), plus two KV caches (a StaticCache of the eager and compiled
-    modes, and the graph path's) per model of ``n_models`` at ``max_batch`` x ``max_cache_len`` in bf16."""
-    cfg = CONFIGS[config_name]["build_config"](transformers, False, 1)
+    final norm and ``lm_head``, shared by every model); ``per_layer``, the larger of the two layers' share (GLM-4.5's
+    first layer is dense, the rest MoE and 9x its size; counting the dense one ran the full 46 layers out of an
+    H200's memory): its bf16 weights (2 bytes per parameter), plus, for each of the ``n_w8a8`` W8A8 models, its W8A8
+    copy (1 byte per element of the matrices ``quantize_`` swaps: every projection and expert matrix; the bf16
+    router and norms at 2 bytes; the float32 scales, under 1% of it, left to the margin), plus two KV caches (a
+    StaticCache of the eager and compiled modes, and the graph path's) per model of ``n_models`` at ``max_batch`` x
+    ``max_cache_len`` in bf16."""
+    cfg = CONFIGS[config_name]["build_config"](transformers, False, 2)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    layer = model.model.layers[0]
-    quantized = sum(p.numel() for name, p in layer.named_parameters()
-                    if p.dim() >= 2 and ".gate." not in f".{name}")
-    other = sum(p.numel() for p in layer.parameters()) - quantized
-    per_layer = 2 * (quantized + other) + n_w8a8 * (quantized + 2 * other)
+
+    def weight_bytes(layer: torch.nn.Module) -> int:
+        quantized = sum(p.numel() for name, p in layer.named_parameters()
+                        if p.dim() >= 2 and ".gate." not in f".{name}")
+        other = sum(p.numel() for p in layer.parameters()) - quantized
+        return 2 * (quantized + other) + n_w8a8 * (quantized + 2 * other)
+
+    per_layer = max(weight_bytes(layer) for layer in model.model.layers)
     per_layer += n_models * 2 * (2 * cfg.num_key_value_heads * cfg.head_dim * max_batch * max_cache_len * 2)
-    fixed = 2 * (sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in layer.parameters()))
+    fixed = 2 * (sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in model.model.layers.parameters()))
     return fixed, per_layer
 
 
