@@ -353,8 +353,14 @@ using Fp8TuneCandidates = std::tuple<
     Config<128, 128, 128, 1, 1, CO, PE, true, false, 1, true>,
     // Waves along N as well (Config's WaveN, issue 37): 256 columns per tile in two 64 x 128 waves per warpgroup
     // (128 + 64 registers): 64x256 pingpong (the 128x256 cooperative form ships as Fp8_MMid_Accurate_WavesN).
-    // Compiled without spills (nvcc 13.0 -Xptxas -v, sm_90a), not timed yet.
-    Config<64, 256, 128, 1, 1, PP, PE, false, false, 1, true, 128>>;
+    // Compiled without spills (nvcc 13.0 -Xptxas -v, sm_90a), not timed yet. The 128x256 cooperative form in clusters
+    // (the shipped one has none): pairs along M sharing the weight tile, as the fast-accumulation 128x256 2x1 tile
+    // that ran 4-7% faster than the accurate 1x1 one at M 1024-4096 (tune_nvidia-h200_fp8_accurate_mlarge.md, where
+    // the 1x1 form tied the shipped 256x128 wave tile), and pairs along N sharing the token tile. Not timed yet; the
+    // 2x1 form compiles without spills (nvcc 13.0 sm_90a, 168 registers).
+    Config<64, 256, 128, 1, 1, PP, PE, false, false, 1, true, 128>,
+    Config<128, 256, 128, 2, 1, CO, PE, false, false, 1, true, 128>,
+    Config<128, 256, 128, 1, 2, CO, PE, false, false, 1, true, 128>>;
 
 // Block-scaled candidates (TileK 128, the weight's side a multiple of 128, no fast accumulation), chosen after the
 // first H100 run (M >= 256 at 0.73-0.95x torch's cuBLASLt blockwise GEMM). Each consumer warpgroup holds its
@@ -394,8 +400,13 @@ using Fp8BlockTuneCandidates = std::tuple<
     // cluster; pairs along N sharing the token tile) and 64x256 pingpong, for M in (64, 1024), where the 128-wide
     // tiles give the SMs 1.9-3.9 tiles each at N 7168-32768 (M 128) and each weight tile is read by every token tile.
     // (The 1x2 cooperative and the 64x256 pingpong forms are in the shipped table: Fp8Block_*_WavesN.) Not compiled
-    // here (its 1x2 twin is, without spills), not timed yet.
-    Config<128, 256, 128, 1, 1, CO, PE, false, false, 1, true, 128>>;
+    // here (its 1x2 twin is, without spills), not timed yet. And the 128x256 tile in pairs along M sharing the weight
+    // tile (32 KiB a stage, twice the token tile's): for M >= 1024, where the shipped 1x2 form runs (2026-11-30) and
+    // the fast-accumulation row-wise 128x256 tile, in 2x1 pairs, ran 4-7% faster than the accurate 1x1 one
+    // (tune_nvidia-h200_fp8_accurate_mlarge.md). Not timed yet; compiles without spills (nvcc 13.0 sm_90a, 168
+    // registers).
+    Config<128, 256, 128, 1, 1, CO, PE, false, false, 1, true, 128>,
+    Config<128, 256, 128, 2, 1, CO, PE, false, false, 1, true, 128>>;
 
 template <class Tuple>
 constexpr int size_of() {
