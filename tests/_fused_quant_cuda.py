@@ -1,5 +1,5 @@
 """Inputs and comparisons for the CUDA tests of the fused non-GEMM kernels (test_fused_quant_cuda.py,
-test_fused_quant_cuda_edges.py).
+test_fused_quant_cuda_edges.py) and of the MoE routing kernels (tests/moe/test_moe_route_cuda.py, ...).
 
 - `exact_norm_rows(shape, gen, eps)` -> (x, w) float64 on the CPU and `exact_silu_input(shape, dtype, gen)`:
   inputs on which no step depends on the order of a float32 sum or on the last bit of an exp or rsqrt, so the
@@ -8,6 +8,8 @@ test_fused_quant_cuda_edges.py).
   so an element a kernel fails to write shows.
 - `gaussian(shape, dtype, seed)` -> (x, w, r) on the GPU; `assert_bits_equal(got, expect)` compares shape,
   dtype and raw bits, naming the first element that differs.
+- `replay_and_eager(step, statics, inputs)`: a step captured in a CUDA graph (side-stream warm-up, sync debug mode
+  "error"), replayed on new inputs copied into its static tensors, each replay beside the eager step.
 
 Nothing here touches the GPU at import.
 """
@@ -165,3 +167,35 @@ def gaussian(shape, dtype, seed, scale=3.0):
     w = (torch.rand(shape[-1], device=DEV, generator=g) + 0.5).to(dtype)
     r = (torch.randn(shape, device=DEV, generator=g) * scale).to(dtype)
     return x, w, r
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA graphs
+
+
+def replay_and_eager(step, statics, inputs):
+    """``step()`` (a function of the tensors in ``statics``, returning a sequence of tensors) captured in a CUDA graph
+    after a warm-up call on a side stream, all under torch's sync debug mode "error" (a host synchronisation raises);
+    then for each entry of ``inputs`` (one tensor per static): copied into ``statics``, the graph replayed, and
+    ``step()`` run eagerly on the same statics. Returns ``[(replayed, eager)]``, one per entry: clones of the
+    captured outputs after the replay, and the eager call's outputs."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        results = []
+        for new in inputs:
+            for dst, src in zip(statics, new, strict=True):
+                dst.copy_(src)
+            graph.replay()
+            results.append(([c.clone() for c in captured], step()))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return results
