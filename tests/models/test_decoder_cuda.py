@@ -21,6 +21,7 @@ import cutlass_w8a8 as cw
 from cutlass_w8a8.testing.references import rel_err
 from cutlass_w8a8.models import LlamaConfig, LlamaDecoder, float_reference, generate_greedy
 from cutlass_w8a8.runner import DecodeGraphRunner, cuda_graph_batch_sizes
+from _runner_greedy import bucket_steps
 
 try:  # optional: the joint-capture tests skip without them
     import triton
@@ -94,21 +95,13 @@ def test_every_bucket_replay_equals_eager_and_reference(quant):
     assert runner.sizes == cuda_graph_batch_sizes(MAX_BATCH) == [1, 2, 4, 8, 16, 24, 32]
     assert list(runner.graphs) == sorted(runner.sizes, reverse=True)  # captured largest first
     assert len({g.pool() for g in runner.graphs.values()}) == 1  # one shared pool
-    gen = torch.Generator().manual_seed(0)
-    for b in runner.sizes:
-        for n in sorted({b, b - 1} - {0}):
-            if runner.bucket(n) != b:
-                continue
-            for i in range(3):
-                tok, pos, slots = host_inputs(n, gen)
-                graph = runner.step(tok, pos, slots).clone()
-                eager = runner.step(tok, pos, slots, use_graph=False).clone()
-                expect = ref(*on_cuda(tok, pos, slots))
-                where = f"bucket {b}, {n} rows, step {i}"
-                assert graph.shape == (n, CFG.vocab_size), where
-                assert torch.equal(graph, eager), where
-                err = rel_err(eager, expect)
-                assert err < EAGER_VS_FP32_REL[quant], f"{where}: relative error {err:.3g}"
+    for b, n, i, inputs, graph, eager in bucket_steps(runner, host_inputs, 3, torch.Generator().manual_seed(0)):
+        expect = ref(*on_cuda(*inputs))
+        where = f"bucket {b}, {n} rows, step {i}"
+        assert graph.shape == (n, CFG.vocab_size), where
+        assert torch.equal(graph, eager), where
+        err = rel_err(eager, expect)
+        assert err < EAGER_VS_FP32_REL[quant], f"{where}: relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("quant", [None, "int8"])

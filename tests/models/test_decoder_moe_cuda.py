@@ -21,7 +21,7 @@ import torch
 import cutlass_w8a8 as cw
 from cutlass_w8a8.models import LlamaConfig, LlamaDecoder, MoEExperts, float_reference
 from cutlass_w8a8.runner import DecodeGraphRunner, cuda_graph_batch_sizes
-from _runner_greedy import greedy_graph_and_eager
+from _runner_greedy import bucket_steps, greedy_graph_and_eager
 from cutlass_w8a8.testing.references import rel_err
 from test_decoder_moe_cpu import EAGER_VS_FP32_REL, step_with_routing
 
@@ -87,21 +87,13 @@ def test_every_bucket_replay_equals_eager_and_reference(quant):
     ref = float_reference(model)
     runner = DecodeGraphRunner(model)
     assert runner.sizes == cuda_graph_batch_sizes(MAX_BATCH)
-    gen = torch.Generator().manual_seed(0)
-    for b in runner.sizes:
-        for n in sorted({b, b - 1} - {0}):
-            if runner.bucket(n) != b:
-                continue
-            for i in range(2):
-                tok, pos, slots = host_inputs(n, gen)
-                graph = runner.step(tok, pos, slots).clone()
-                eager = runner.step(tok, pos, slots, use_graph=False).clone()
-                where = f"{quant} bucket {b}, {n} rows, step {i}"
-                assert graph.shape == (n, CFG.vocab_size) and torch.isfinite(graph).all(), where
-                assert torch.equal(graph, eager), where
-                out, expect = step_with_routing(model, ref, *on_cuda(tok, pos, slots))
-                err = rel_err(out, expect)
-                assert err < EAGER_VS_FP32_REL[quant], f"{where}: relative error {err:.3g}"
+    for b, n, i, inputs, graph, eager in bucket_steps(runner, host_inputs, 2, torch.Generator().manual_seed(0)):
+        where = f"{quant} bucket {b}, {n} rows, step {i}"
+        assert graph.shape == (n, CFG.vocab_size) and torch.isfinite(graph).all(), where
+        assert torch.equal(graph, eager), where
+        out, expect = step_with_routing(model, ref, *on_cuda(*inputs))
+        err = rel_err(out, expect)
+        assert err < EAGER_VS_FP32_REL[quant], f"{where}: relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("quant", [None, "int8"])
