@@ -8,8 +8,9 @@ test_fused_quant_cuda_edges.py) and of the MoE routing kernels (tests/moe/test_m
   so an element a kernel fails to write shows.
 - `gaussian(shape, dtype, seed)` -> (x, w, r) on the GPU; `assert_bits_equal(got, expect)` compares shape,
   dtype and raw bits, naming the first element that differs.
-- `replay_and_eager(step, statics, inputs)`: a step captured in a CUDA graph (side-stream warm-up, sync debug mode
-  "error"), replayed on new inputs copied into its static tensors, each replay beside the eager step.
+- `capture(step)`: a step captured in a CUDA graph after a warm-up on a side stream; `replay_and_eager(step, statics,
+  inputs)`: that under sync debug mode "error", replayed on new inputs copied into the step's static tensors, each
+  replay beside the eager step.
 
 Nothing here touches the GPU at import.
 """
@@ -173,29 +174,36 @@ def gaussian(shape, dtype, seed, scale=3.0):
 # CUDA graphs
 
 
-def replay_and_eager(step, statics, inputs):
+def capture(step, warm_up=None):
+    """``warm_up()`` (default ``step``) run on a side stream (lazy loading and first allocations outside the capture),
+    then ``step()`` captured in a CUDA graph on the current stream. Returns ``(graph, what step returned)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        (warm_up or step)()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    return graph, captured
+
+
+def replay_and_eager(step, statics, inputs, eager=None):
     """``step()`` (a function of the tensors in ``statics``, returning a sequence of tensors) captured in a CUDA graph
     after a warm-up call on a side stream, all under torch's sync debug mode "error" (a host synchronisation raises);
     then for each entry of ``inputs`` (one tensor per static): copied into ``statics``, the graph replayed, and
-    ``step()`` run eagerly on the same statics. Returns ``[(replayed, eager)]``, one per entry: clones of the
-    captured outputs after the replay, and the eager call's outputs."""
+    ``eager()`` (default ``step``) run on the same statics. Returns ``[(replayed, eager)]``, one per entry: clones of
+    the captured outputs after the replay, and what the eager call returned."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step()
+        graph, captured = capture(step)
         results = []
         for new in inputs:
             for dst, src in zip(statics, new, strict=True):
                 dst.copy_(src)
             graph.replay()
-            results.append(([c.clone() for c in captured], step()))
+            results.append(([c.clone() for c in captured], (eager or step)()))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return results
