@@ -1,13 +1,23 @@
 """The decoder CUDA tests' checks of `cutlass_w8a8.runner.DecodeGraphRunner` (tests/models/test_decoder_cuda.py,
-test_decoder_block_cuda.py, test_decoder_moe_cuda.py): `bucket_steps`, each bucket's graph replayed on new inputs
-beside the eager step at the same padded batch; `greedy_graph_and_eager`, greedy decoding through graph replays on
-a side stream under sync debug mode "error" against the runner's eager steps."""
+test_decoder_block_cuda.py, test_decoder_moe_cuda.py): `random_host_inputs`, a decode step's random inputs;
+`bucket_steps`, each bucket's graph replayed on new inputs beside the eager step at the same padded batch;
+`greedy_graph_and_eager`, greedy decoding through graph replays on a side stream under sync debug mode "error"
+against the runner's eager steps."""
 
 from __future__ import annotations
 
 import torch
 
 from cutlass_w8a8.models import generate_greedy
+
+
+def random_host_inputs(batch, gen, *, vocab: int, max_seq: int, max_batch: int):
+    """Random ``(token_ids, positions, slots)`` CPU int64 tensors of ``batch`` rows: tokens below ``vocab``, positions
+    below ``max_seq``, distinct slots below ``max_batch`` (the test files bind the last three to their model's)."""
+    tok = torch.randint(0, vocab, (batch,), generator=gen)
+    pos = torch.randint(0, max_seq, (batch,), generator=gen)
+    slots = torch.randperm(max_batch, generator=gen)[:batch]
+    return tok, pos, slots
 
 
 def bucket_steps(runner, host_inputs, steps: int, gen: torch.Generator):

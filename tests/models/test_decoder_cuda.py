@@ -21,7 +21,7 @@ import cutlass_w8a8 as cw
 from cutlass_w8a8.testing.references import rel_err
 from cutlass_w8a8.models import LlamaConfig, LlamaDecoder, float_reference, generate_greedy
 from cutlass_w8a8.runner import DecodeGraphRunner, cuda_graph_batch_sizes
-from _runner_greedy import bucket_steps
+from _runner_greedy import bucket_steps, random_host_inputs
 
 try:  # optional: the joint-capture tests skip without them
     import triton
@@ -68,12 +68,8 @@ def build(quant, **kw):
     return LlamaDecoder(CFG, quant, max_seq_len=MAX_SEQ, device="cuda", **kw)
 
 
-def host_inputs(batch, gen, positions=None):
-    """Random ``(token_ids, positions, slots)`` CPU int64 tensors of ``batch`` rows in distinct slots."""
-    tok = torch.randint(0, CFG.vocab_size, (batch,), generator=gen)
-    pos = torch.randint(0, MAX_SEQ, (batch,), generator=gen) if positions is None else positions
-    slots = torch.randperm(MAX_BATCH, generator=gen)[:batch]
-    return tok, pos, slots
+# host_inputs(batch, gen): random (token_ids, positions, slots) CPU int64 tensors of `batch` rows in distinct slots
+host_inputs = functools.partial(random_host_inputs, vocab=CFG.vocab_size, max_seq=MAX_SEQ, max_batch=MAX_BATCH)
 
 
 def on_cuda(*ts):
