@@ -1,5 +1,5 @@
 """Inputs and comparisons for the CUDA tests of the fused non-GEMM kernels (test_fused_quant_cuda.py,
-test_fused_quant_cuda_edges.py).
+test_fused_quant_cuda_edges.py) and of the MoE routing kernels (tests/moe/test_moe_route_cuda.py, ...).
 
 - `exact_norm_rows(shape, gen, eps)` -> (x, w) float64 on the CPU and `exact_silu_input(shape, dtype, gen)`:
   inputs on which no step depends on the order of a float32 sum or on the last bit of an exp or rsqrt, so the
@@ -8,6 +8,9 @@ test_fused_quant_cuda_edges.py).
   so an element a kernel fails to write shows.
 - `gaussian(shape, dtype, seed)` -> (x, w, r) on the GPU; `assert_bits_equal(got, expect)` compares shape,
   dtype and raw bits, naming the first element that differs.
+- `capture(step)`: a step captured in a CUDA graph after a warm-up on a side stream; `replay_and_eager(step, statics,
+  inputs)`: that under sync debug mode "error", replayed on new inputs copied into the step's static tensors, each
+  replay beside the eager step.
 
 Nothing here touches the GPU at import.
 """
@@ -165,3 +168,42 @@ def gaussian(shape, dtype, seed, scale=3.0):
     w = (torch.rand(shape[-1], device=DEV, generator=g) + 0.5).to(dtype)
     r = (torch.randn(shape, device=DEV, generator=g) * scale).to(dtype)
     return x, w, r
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA graphs
+
+
+def capture(step, warm_up=None):
+    """``warm_up()`` (default ``step``) run on a side stream (lazy loading and first allocations outside the capture),
+    then ``step()`` captured in a CUDA graph on the current stream. Returns ``(graph, what step returned)``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        (warm_up or step)()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    return graph, captured
+
+
+def replay_and_eager(step, statics, inputs, eager=None):
+    """``step()`` (a function of the tensors in ``statics``, returning a sequence of tensors) captured in a CUDA graph
+    after a warm-up call on a side stream, all under torch's sync debug mode "error" (a host synchronisation raises);
+    then for each entry of ``inputs`` (one tensor per static): copied into ``statics``, the graph replayed, and
+    ``eager()`` (default ``step``) run on the same statics. Returns ``[(replayed, eager)]``, one per entry: clones of
+    the captured outputs after the replay, and what the eager call returned."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph, captured = capture(step)
+        results = []
+        for new in inputs:
+            for dst, src in zip(statics, new, strict=True):
+                dst.copy_(src)
+            graph.replay()
+            results.append(([c.clone() for c in captured], (eager or step)()))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return results

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import cutlass_w8a8 as cw
-from cutlass_w8a8.testing.references import assert_close_to_reference, fp8_accum_bound, rand_operand, rand_scale, reference, scale_magnitudes
+from cutlass_w8a8.testing.references import rand_operand, rand_scale, scale_magnitudes
 from _opcheck import run_opcheck
+from test_scaled_mm_cuda import check, problem  # the operands and the float64-reference check of scaled_mm's tests
 
 pytestmark = pytest.mark.cuda
 
@@ -40,17 +41,6 @@ def _skip_fp8_where_unsupported(request):
         pytest.skip("fp8 mma needs compute capability 8.9 or newer")
 
 
-def problem(m, n, k, dtype, per_token=True, per_channel=True, bias=False, out_dtype=torch.bfloat16, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    a = rand_operand((m, k), dtype, "cuda", g)
-    w = rand_operand((n, k), dtype, "cuda", g)
-    ma, mb = scale_magnitudes(dtype, k)
-    sa = rand_scale((m, 1) if per_token else (1,), "cuda", ma, g)
-    sb = rand_scale((n,) if per_channel else (1,), "cuda", mb, g)
-    b = (torch.randn(n, device="cuda", generator=g) * 4).to(out_dtype) if bias else None
-    return a, w, sa, sb, b
-
-
 def activations(m, k, xdtype=torch.bfloat16, seed=0, zero_row=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = (torch.randn(m, k, device="cuda", generator=g) * 2).to(xdtype)
@@ -65,12 +55,6 @@ def decode(a, w, sa, sb, b, out_dtype, out=None):
         out = torch.empty(a.shape[0], w.shape[0], dtype=out_dtype, device="cuda")
     out.fill_(float("nan"))
     return cw.scaled_mm_decode(a, w.t(), sa, sb, out_dtype, b, out=out)
-
-
-def check(out, a, w, sa, sb, b, out_dtype, what):
-    ref = reference(a, w.t(), sa, sb, b)
-    rel = fp8_accum_bound(a.shape[1]) if a.dtype == torch.float8_e4m3fn else 0.0
-    assert_close_to_reference(out, ref, out_dtype, accum_rel=rel, what=what)
 
 
 # ---- against the float64 reference --------------------------------------------------------------------------

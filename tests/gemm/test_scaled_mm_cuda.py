@@ -28,7 +28,9 @@ def _skip_fp8_where_unsupported(request):
         pytest.skip("fp8 kernels not available on this device/build")
 
 
-def problem(m, n, k, dtype, per_token, per_channel, bias, out_dtype, seed):
+def problem(m, n, k, dtype, per_token=True, per_channel=True, bias=False, out_dtype=torch.bfloat16, seed=0):
+    """Random (a, w, sa, sb, bias) on the GPU: operands of ``dtype``, per-token / per-tensor and per-channel /
+    per-tensor float32 scales, a bias of ``out_dtype`` or None (tests/gemm/test_decode_gemm_cuda.py uses it too)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     a = rand_operand((m, k), dtype, "cuda", g)
     w = rand_operand((n, k), dtype, "cuda", g)
@@ -39,14 +41,20 @@ def problem(m, n, k, dtype, per_token, per_channel, bias, out_dtype, seed):
     return a, w, sa, sb, b
 
 
+def check(out, a, w, sa, sb, b, out_dtype, what):
+    """``out`` against the float64 reference of a @ w.T from the dequantized operands (fp8: with the accumulation
+    allowance fp8_accum_bound(K)); tests/gemm/test_decode_gemm_cuda.py uses it too."""
+    ref = reference(a, w.t(), sa, sb, b)
+    rel = fp8_accum_bound(a.shape[1]) if a.dtype == torch.float8_e4m3fn else 0.0
+    assert_close_to_reference(out, ref, out_dtype, accum_rel=rel, what=what)
+
+
 def run_and_check(a, w, sa, sb, b, out_dtype, what, out=None):
     if out is None:
         out = torch.empty(a.shape[0], w.shape[0], dtype=out_dtype, device="cuda")
     out.fill_(float("nan"))  # poison: every element must be written
     cw.scaled_mm(a, w.t(), sa, sb, out_dtype, b, out=out)
-    ref = reference(a, w.t(), sa, sb, b)
-    rel = fp8_accum_bound(a.shape[1]) if a.dtype == torch.float8_e4m3fn else 0.0
-    assert_close_to_reference(out, ref, out_dtype, accum_rel=rel, what=what)
+    check(out, a, w, sa, sb, b, out_dtype, what)
     return out
 
 

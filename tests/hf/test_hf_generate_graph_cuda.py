@@ -146,14 +146,22 @@ def _moe_greedy_case(kind, scheme, device):
     gen.record_logits = True  # the same generator and graphs again, keeping the logits
     assert torch.equal(cw.generate(model, ids, NEW, attention_mask=am, step="transformers", pad_token_id=0), ours)
     ours_routing = _our_routing(model, ids, am, ours, gen.logits_history)
+    return ours, _check_routed_against_transformers(model, ids, am, ours, gen.logits_history, ours_routing, scheme)
+
+
+def _check_routed_against_transformers(model, ids, am, ours, logits_history, ours_routing, scheme):
+    """``model.generate`` (eager: ``disable_compile=True``) with a ``StaticCache`` of the same length, its routing
+    recorded by forward hooks on the routers (`_hf_tiny.RoutingRecorder`), against our tokens ``ours``, their logits
+    and routing (`_hf_tiny.check_greedy_against_transformers`, at least ``MIN_CHECKED`` token steps compared on equal
+    prefixes). Returns the reference's output."""
     cache = transformers.StaticCache(config=model.config, max_cache_len=CACHE)
     with RoutingRecorder(model, batch=ids.shape[0]) as rec:
         ref = model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=NEW, do_sample=False,
                              pad_token_id=0, output_logits=True, return_dict_in_generate=True, disable_compile=True)
-    checked = check_greedy_against_transformers(ours, gen.logits_history, ref, ids.shape[1], scheme=scheme,
+    checked = check_greedy_against_transformers(ours, logits_history, ref, ids.shape[1], scheme=scheme,
                                                 routing=(ours_routing, rec.steps()), attention_mask=am)
     assert checked >= MIN_CHECKED, f"only {checked} token steps compared on equal prefixes"
-    return ours, ref
+    return ref
 
 
 def _our_routing(model, ids, am, ours, logits_history):
@@ -302,14 +310,7 @@ def _moe_cw_greedy_case(kind, scheme, device):
     eager_logits, ours_routing = _teacher_forced(model, ids, am, ours[:, ids.shape[1]:-1], "cw")
     for i, (e, g) in enumerate(zip(eager_logits, gen.logits_history)):
         assert torch.equal(e[:ids.shape[0]], g.float()), f"step {i}: the eager re-run differs from the generator's"
-    cache = transformers.StaticCache(config=model.config, max_cache_len=CACHE)
-    with RoutingRecorder(model, batch=ids.shape[0]) as rec:
-        ref = model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=NEW, do_sample=False,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True, disable_compile=True)
-    checked = check_greedy_against_transformers(ours, gen.logits_history, ref, ids.shape[1], scheme=scheme,
-                                                routing=(ours_routing, rec.steps()), attention_mask=am)
-    assert checked >= MIN_CHECKED, f"only {checked} token steps compared on equal prefixes"
-    return ours, ref
+    return ours, _check_routed_against_transformers(model, ids, am, ours, gen.logits_history, ours_routing, scheme)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

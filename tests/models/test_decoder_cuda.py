@@ -21,6 +21,7 @@ import cutlass_w8a8 as cw
 from cutlass_w8a8.testing.references import rel_err
 from cutlass_w8a8.models import LlamaConfig, LlamaDecoder, float_reference, generate_greedy
 from cutlass_w8a8.runner import DecodeGraphRunner, cuda_graph_batch_sizes
+from _runner_greedy import bucket_steps, random_host_inputs
 
 try:  # optional: the joint-capture tests skip without them
     import triton
@@ -67,12 +68,8 @@ def build(quant, **kw):
     return LlamaDecoder(CFG, quant, max_seq_len=MAX_SEQ, device="cuda", **kw)
 
 
-def host_inputs(batch, gen, positions=None):
-    """Random ``(token_ids, positions, slots)`` CPU int64 tensors of ``batch`` rows in distinct slots."""
-    tok = torch.randint(0, CFG.vocab_size, (batch,), generator=gen)
-    pos = torch.randint(0, MAX_SEQ, (batch,), generator=gen) if positions is None else positions
-    slots = torch.randperm(MAX_BATCH, generator=gen)[:batch]
-    return tok, pos, slots
+# host_inputs(batch, gen): random (token_ids, positions, slots) CPU int64 tensors of `batch` rows in distinct slots
+host_inputs = functools.partial(random_host_inputs, vocab=CFG.vocab_size, max_seq=MAX_SEQ, max_batch=MAX_BATCH)
 
 
 def on_cuda(*ts):
@@ -94,21 +91,13 @@ def test_every_bucket_replay_equals_eager_and_reference(quant):
     assert runner.sizes == cuda_graph_batch_sizes(MAX_BATCH) == [1, 2, 4, 8, 16, 24, 32]
     assert list(runner.graphs) == sorted(runner.sizes, reverse=True)  # captured largest first
     assert len({g.pool() for g in runner.graphs.values()}) == 1  # one shared pool
-    gen = torch.Generator().manual_seed(0)
-    for b in runner.sizes:
-        for n in sorted({b, b - 1} - {0}):
-            if runner.bucket(n) != b:
-                continue
-            for i in range(3):
-                tok, pos, slots = host_inputs(n, gen)
-                graph = runner.step(tok, pos, slots).clone()
-                eager = runner.step(tok, pos, slots, use_graph=False).clone()
-                expect = ref(*on_cuda(tok, pos, slots))
-                where = f"bucket {b}, {n} rows, step {i}"
-                assert graph.shape == (n, CFG.vocab_size), where
-                assert torch.equal(graph, eager), where
-                err = rel_err(eager, expect)
-                assert err < EAGER_VS_FP32_REL[quant], f"{where}: relative error {err:.3g}"
+    for b, n, i, inputs, graph, eager in bucket_steps(runner, host_inputs, 3, torch.Generator().manual_seed(0)):
+        expect = ref(*on_cuda(*inputs))
+        where = f"bucket {b}, {n} rows, step {i}"
+        assert graph.shape == (n, CFG.vocab_size), where
+        assert torch.equal(graph, eager), where
+        err = rel_err(eager, expect)
+        assert err < EAGER_VS_FP32_REL[quant], f"{where}: relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("quant", [None, "int8"])
@@ -265,11 +254,11 @@ extern "C" __global__ void row_argmax(const float* x, long long* out, int n_cols
 """
 
 
-def _check_sampling_steps(runner, temp, what):
-    """Several steps (buckets, padding, new temperatures): replay == eager, the scaled logits equal
-    ``logits.float() / temp`` to a few float32 ulps (Triton's fp32 division is not correctly rounded), and
-    the tokens are the argmax of the scaled logits."""
-    gen = torch.Generator().manual_seed(4)
+def _check_sampling_steps(runner, temp, what, seed):
+    """Several steps (buckets, padding, new temperatures; inputs drawn from ``seed``): replay == eager, the scaled
+    logits equal ``logits.float() / temp`` to a few float32 ulps (Triton's fp32 division is not correctly rounded),
+    and the tokens are the argmax of the scaled logits."""
+    gen = torch.Generator().manual_seed(seed)
     for i, n in enumerate((1, 3, 8, 13, 32)):
         tok, pos, slots = host_inputs(n, gen)
         temp.fill_(0.5 + 0.25 * i)
@@ -310,7 +299,7 @@ def test_joint_capture_triton_and_cupy():
         return logits, scaled[:b], tokens[:b]
 
     runner = DecodeGraphRunner(model, postprocess=sample)
-    _check_sampling_steps(runner, temp, "triton+cupy")
+    _check_sampling_steps(runner, temp, "triton+cupy", seed=4)
 
 
 @torch.no_grad()
@@ -337,15 +326,7 @@ def test_joint_capture_warp():
         return logits, scaled[:b], scaled[:b].argmax(dim=-1)
 
     runner = DecodeGraphRunner(model, postprocess=sample)
-    gen = torch.Generator().manual_seed(5)
-    for i, n in enumerate((1, 3, 8, 13, 32)):
-        tok, pos, slots = host_inputs(n, gen)
-        temp.fill_(0.5 + 0.25 * i)
-        graph = [t.clone() for t in runner.step(tok, pos, slots)]
-        eager = [t.clone() for t in runner.step(tok, pos, slots, use_graph=False)]
-        for g, e in zip(graph, eager):
-            assert torch.equal(g, e), f"warp, step {i}"
-        torch.testing.assert_close(graph[1], graph[0].float() / temp, rtol=5e-7, atol=0)
+    _check_sampling_steps(runner, temp, "warp", seed=5)
 
 
 if wp is not None:

@@ -21,7 +21,7 @@ import torch
 import cutlass_w8a8 as cw
 from cutlass_w8a8.models import LlamaConfig, LlamaDecoder, MoEExperts, float_reference
 from cutlass_w8a8.runner import DecodeGraphRunner, cuda_graph_batch_sizes
-from _runner_greedy import greedy_graph_and_eager
+from _runner_greedy import bucket_steps, greedy_graph_and_eager, random_host_inputs
 from cutlass_w8a8.testing.references import rel_err
 from test_decoder_moe_cpu import EAGER_VS_FP32_REL, step_with_routing
 
@@ -63,12 +63,8 @@ def build(quant, **kw):
     return LlamaDecoder(CFG, quant, max_seq_len=MAX_SEQ, device="cuda", **kw)
 
 
-def host_inputs(batch, gen):
-    """Random ``(token_ids, positions, slots)`` CPU int64 tensors of ``batch`` rows in distinct slots."""
-    tok = torch.randint(0, CFG.vocab_size, (batch,), generator=gen)
-    pos = torch.randint(0, MAX_SEQ, (batch,), generator=gen)
-    slots = torch.randperm(MAX_BATCH, generator=gen)[:batch]
-    return tok, pos, slots
+# host_inputs(batch, gen): random (token_ids, positions, slots) CPU int64 tensors of `batch` rows in distinct slots
+host_inputs = functools.partial(random_host_inputs, vocab=CFG.vocab_size, max_seq=MAX_SEQ, max_batch=MAX_BATCH)
 
 
 def on_cuda(*ts):
@@ -87,21 +83,13 @@ def test_every_bucket_replay_equals_eager_and_reference(quant):
     ref = float_reference(model)
     runner = DecodeGraphRunner(model)
     assert runner.sizes == cuda_graph_batch_sizes(MAX_BATCH)
-    gen = torch.Generator().manual_seed(0)
-    for b in runner.sizes:
-        for n in sorted({b, b - 1} - {0}):
-            if runner.bucket(n) != b:
-                continue
-            for i in range(2):
-                tok, pos, slots = host_inputs(n, gen)
-                graph = runner.step(tok, pos, slots).clone()
-                eager = runner.step(tok, pos, slots, use_graph=False).clone()
-                where = f"{quant} bucket {b}, {n} rows, step {i}"
-                assert graph.shape == (n, CFG.vocab_size) and torch.isfinite(graph).all(), where
-                assert torch.equal(graph, eager), where
-                out, expect = step_with_routing(model, ref, *on_cuda(tok, pos, slots))
-                err = rel_err(out, expect)
-                assert err < EAGER_VS_FP32_REL[quant], f"{where}: relative error {err:.3g}"
+    for b, n, i, inputs, graph, eager in bucket_steps(runner, host_inputs, 2, torch.Generator().manual_seed(0)):
+        where = f"{quant} bucket {b}, {n} rows, step {i}"
+        assert graph.shape == (n, CFG.vocab_size) and torch.isfinite(graph).all(), where
+        assert torch.equal(graph, eager), where
+        out, expect = step_with_routing(model, ref, *on_cuda(*inputs))
+        err = rel_err(out, expect)
+        assert err < EAGER_VS_FP32_REL[quant], f"{where}: relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("quant", [None, "int8"])

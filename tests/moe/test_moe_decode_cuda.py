@@ -32,7 +32,6 @@ import pytest
 import torch
 
 import cutlass_w8a8 as cw
-from cutlass_w8a8.graphs import CapturedGraph
 
 transformers = pytest.importorskip("transformers")  # _moe_models (the float64 reference) imports it
 
@@ -40,6 +39,7 @@ from _checkpoints import sqnr_db  # noqa: E402
 from _moe_decode import ROUTES, SCHEMES, chain, decode_operands, random_x, routing  # noqa: E402
 from _moe_models import LAYER_SQNR_DB, FakeQuantExperts  # noqa: E402
 from _opcheck import run_opcheck  # noqa: E402
+from test_moe_layer_cuda import graph_replays  # noqa: E402
 
 pytestmark = pytest.mark.sm90
 
@@ -260,6 +260,20 @@ def test_decode_path_query_refuses_a_bad_switch_value():
         r.stdout
 
 
+def _launches(kernel, scheme, t, k):
+    """The profiled names of the ``kernel`` launches in one moe_decode_experts call (``scheme``'s operands, 8 experts,
+    T x top_k random routing, seeds 3 and 4) after a warm-up call; skips where the profiler records none (no
+    CUPTI)."""
+    ops = _operands(scheme, 8)
+    ids, wts = routing(t, k, 8, "random", "cuda", seed=3)
+    x = random_x(t, H, device="cuda", seed=4)
+    cw.moe_decode_experts(x, ids, wts, **ops)  # warm-up (lazy loading)
+    names = [n for n in _kernel_names(lambda: cw.moe_decode_experts(x, ids, wts, **ops)) if kernel in n]
+    if not names:
+        pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
+    return names
+
+
 @pytest.mark.parametrize("scheme, t, k", [("int8", 1, 8), ("int8", 8, 8), ("fp8-block", 1, 8), ("int8", 1, 2),
                                           ("int8", 8, 2), ("fp8-block", 1, 2)])
 def test_gate_up_kernel_variant_follows_the_switch(scheme, t, k):
@@ -278,14 +292,7 @@ def test_gate_up_kernel_variant_follows_the_switch(scheme, t, k):
         want = {"1": "1", "2": "2"}.get(mode, "0")
     else:
         want = "1" if mode in ("1", "2") else "0"
-    ops = _operands(scheme, 8)
-    ids, wts = routing(t, k, 8, "random", "cuda", seed=3)
-    x = random_x(t, H, device="cuda", seed=4)
-    cw.moe_decode_experts(x, ids, wts, **ops)  # warm-up (lazy loading)
-    names = [n for n in _kernel_names(lambda: cw.moe_decode_experts(x, ids, wts, **ops))
-             if "moe_decode_gate_up_kernel" in n]
-    if not names:
-        pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
+    names = _launches("moe_decode_gate_up_kernel", scheme, t, k)
     m = re.search(r"moe_decode_gate_up_kernel<.*, ([012]), (void|__nv_bfloat16)>\(", names[0])
     assert m is not None and m.group(1) == want, names[0]
     assert m.group(2) == ("void" if three else "__nv_bfloat16"), names[0]
@@ -296,14 +303,7 @@ def test_down_kernel_variant_follows_the_switch():
     kernel quantizes h itself: the two-kernel path) are what CUTLASS_W8A8_MOE_DOWN_PREFETCH ("1": true; unset: false)
     and CUTLASS_W8A8_MOE_DECODE_PREP ("1": false; unset or "0": true) say for this process, at T = 1, top-8."""
     want = "true" if os.environ.get("CUTLASS_W8A8_MOE_DOWN_PREFETCH") == "1" else "false"
-    ops = _operands("fp8-block", 8)
-    ids, wts = routing(1, 8, 8, "random", "cuda", seed=3)
-    x = random_x(1, H, device="cuda", seed=4)
-    cw.moe_decode_experts(x, ids, wts, **ops)  # warm-up (lazy loading)
-    names = [n for n in _kernel_names(lambda: cw.moe_decode_experts(x, ids, wts, **ops))
-             if "moe_decode_down_tm_kernel" in n]
-    if not names:
-        pytest.skip("the profiler recorded no CUDA kernels here (no CUPTI)")
+    names = _launches("moe_decode_down_tm_kernel", "fp8-block", 1, 8)
     m = re.search(r"moe_decode_down_tm_kernel<.*, (true|false), (true|false)>\(", names[0])
     assert m is not None and m.group(1) == want, names[0]
     assert m.group(2) == ("true" if _two_kernel(1, 8, scheme="fp8-block") else "false"), names[0]
@@ -555,13 +555,7 @@ def test_graph_replay_with_new_router_logits_equals_eager(scheme, t):
              for i, route in enumerate(["random", "one-expert", "random"])]
     first = [random_x(t, H, device="cuda", seed=99), _logits(t, 128, 98)]
     assert mod.uses_decode_path(first[0], mod.top_k)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        g = CapturedGraph(mod, first)
-        outs = [g(*case).clone() for case in cases]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    outs = graph_replays(mod, first, cases)
     for i, (case, out) in enumerate(zip(cases, outs)):
         assert torch.equal(out, mod(*case)), (scheme, t, i)
 

@@ -137,6 +137,19 @@ def test_static_activation_scales():
         assert sqnr_db(mod(x.cuda(), logits.cuda()), ref(x, logits)) >= LAYER_SQNR_DB["int8"], t
 
 
+def graph_replays(mod, first, cases):
+    """``mod`` captured once by `CapturedGraph` on the inputs ``first``, then called with each input list of ``cases``,
+    all under torch's sync debug mode "error" (any host synchronisation raises; make the inputs on the GPU before):
+    the outputs, cloned (tests/moe/test_moe_decode_cuda.py uses it too)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        g = CapturedGraph(mod, first)
+        return [g(*case).clone() for case in cases]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def _graph_case(mode, route, t, seed):
     x = hidden(t, seed).cuda()
     if mode == "logits":
@@ -155,13 +168,7 @@ def test_graph_replay_with_changing_routings_equals_eager(scheme, mode, t):
     routes = ["random", "one-expert", "skewed" if mode == "logits" else "unrouted", "random"]
     cases = [_graph_case(mode, r, t, seed=10 * i) for i, r in enumerate(routes)]
     first = _graph_case(mode, "random", t, seed=99)  # host-to-device copies before sync debug mode: they sync
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        g = CapturedGraph(mod, first)
-        outs = [g(*case).clone() for case in cases]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    outs = graph_replays(mod, first, cases)
     for route, case, out in zip(routes, cases, outs):
         eager = mod(*case)
         assert torch.equal(out, eager), (scheme, mode, t, route)

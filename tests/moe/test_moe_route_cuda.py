@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import cutlass_w8a8 as cw
-from _fused_quant_cuda import POISON, assert_bits_equal, poison_allocator
+from _fused_quant_cuda import POISON, assert_bits_equal, poison_allocator, replay_and_eager
 from _moe_routing import ROUTER_DIMS, compare_with_router, hf_router, selection_ties
 from cutlass_w8a8.ops._reference import moe_route_reference
 
@@ -191,25 +191,7 @@ def test_route_graph_replay_equals_eager(t):
         if i == 2:
             lg[:, 200:] += 20.0  # every token's scores saturate in the last groups
         steps.append((lg.to(DEV), (torch.randn(e, generator=gen) * 0.1 * i).to(DEV)))
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture
-            route_step(logits, bias)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = route_step(logits, bias)
-        results = []
-        for lg, b in steps:
-            logits.copy_(lg)
-            bias.copy_(b)
-            graph.replay()
-            results.append(([c.clone() for c in captured], route_step(logits, bias)))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    results = replay_and_eager(lambda: route_step(logits, bias), (logits, bias), steps)
     for i, (replayed, eager) in enumerate(results):
         for name, a, b in zip(("weights", "ids", "softmax weights", "softmax ids"), replayed, eager):
             assert torch.equal(a, b), f"replay {i}: {name}"

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import cutlass_w8a8 as cw
 from cutlass_w8a8.ops._limits import MOE_ROUTER_ROUTE_MIN_EXPERTS
-from _fused_quant_cuda import poison_allocator
+from _fused_quant_cuda import poison_allocator, replay_and_eager
 
 pytestmark = pytest.mark.cuda
 
@@ -229,25 +229,7 @@ def test_graph_replay_equals_eager(t):
 
     inputs = [(torch.randn(t, h, generator=g).to(DEV, torch.bfloat16), (torch.randn(e, generator=g) * 0.05).to(DEV))
               for _ in range(3)]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step(x, bias)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step(x, bias)
-        results = []
-        for xi, bi in inputs:
-            x.copy_(xi)
-            bias.copy_(bi)
-            graph.replay()
-            results.append(([c.clone() for c in captured], step(x, bias)))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    results = replay_and_eager(lambda: step(x, bias), (x, bias), inputs)
     for i, (replayed, eager) in enumerate(results):
         for j, (a, b) in enumerate(zip(replayed, eager)):
             assert torch.equal(a, b), f"replay {i}, output {j}"

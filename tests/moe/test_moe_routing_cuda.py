@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import cutlass_w8a8 as cw
-from _fused_quant_cuda import POISON, assert_bits_equal, poison_allocator
+from _fused_quant_cuda import POISON, assert_bits_equal, poison_allocator, replay_and_eager
 from _moe_routing import FP8, OPS, opcheck_cases, random_ids
 
 pytestmark = pytest.mark.cuda
@@ -189,27 +189,7 @@ def test_routing_graph_replay_equals_eager(t, e, k, qdtype, group):
         if i == 1:
             lg[:, :k] += 50.0  # every token on the same k experts: the other groups are empty
         steps.append((lg.to(DEV), torch.randn(t, h, generator=gen).to(DEV, torch.bfloat16)))
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture
-            route(logits, x, e, k, qdtype, group)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = route(logits, x, e, k, qdtype, group)
-        results = []
-        for lg, xi in steps:
-            logits.copy_(lg)
-            x.copy_(xi)
-            graph.replay()
-            replayed = [c.clone() for c in captured]
-            eager = route(logits, x, e, k, qdtype, group)
-            results.append((replayed, eager))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    results = replay_and_eager(lambda: route(logits, x, e, k, qdtype, group), (logits, x), steps)
     names = ("topk_weights", "topk_ids", "sorted_pairs", "dst_pos", "offsets", "q", "scale", "out")
     for i, (replayed, eager) in enumerate(results):
         for name, a, b in zip(names, replayed, eager):

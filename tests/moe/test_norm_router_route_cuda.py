@@ -24,7 +24,7 @@ import torch
 
 import cutlass_w8a8 as cw
 from cutlass_w8a8.ops import add_rms_norm_moe_router_route
-from _fused_quant_cuda import poison_allocator
+from _fused_quant_cuda import poison_allocator, replay_and_eager
 
 pytestmark = pytest.mark.cuda
 
@@ -173,25 +173,7 @@ def test_graph_replay_equals_eager(t):
                 torch.randn(t, 4096, generator=g).to(DEV, torch.bfloat16), (torch.randn(64, generator=g) * 0.05).to(DEV)]
 
     inputs = [draw() for _ in range(3)]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step()
-        results = []
-        for new in inputs:
-            for dst, src in zip((x, r, x2, bias), new):
-                dst.copy_(src)
-            graph.replay()
-            results.append(([c.clone() for c in captured], step()))
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    results = replay_and_eager(step, (x, r, x2, bias), inputs)
     for i, (replayed, eager) in enumerate(results):
         for j, (a, b) in enumerate(zip(replayed, eager)):
             assert torch.equal(a, b), f"replay {i}, output {j}"

@@ -16,6 +16,7 @@ from cutlass_w8a8.models import LlamaConfig, LlamaDecoder
 from cutlass_w8a8.models import llama as llama_mod
 
 from cutlass_w8a8.testing.attention import assert_close_to_reference, make_inputs, opcheck_cases, reference, sdpa_formulation
+from _fused_quant_cuda import capture
 
 pytestmark = pytest.mark.cuda
 
@@ -212,17 +213,13 @@ def test_cuda_graph_replay_with_new_positions_and_slots():
         steps.append((q_i, kv_i, slots_i, pos_i, reference(q_i, kv_i, slots_i, pos_i, 1.0 / math.sqrt(d))))
     torch.cuda.synchronize()
 
+    def both_forms():
+        cw.decode_attention(q, kv, slots, positions, out=out)
+        return cw.decode_attention(q, kv, slots, positions)
+
     torch.cuda.set_sync_debug_mode("error")
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture
-            cw.decode_attention(q, kv, slots, positions, out=out)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            cw.decode_attention(q, kv, slots, positions, out=out)
-            functional = cw.decode_attention(q, kv, slots, positions)
+        graph, functional = capture(both_forms, warm_up=lambda: cw.decode_attention(q, kv, slots, positions, out=out))
         results = []
         for q_i, kv_i, slots_i, pos_i, _ in steps:
             q.copy_(q_i)

@@ -27,6 +27,7 @@ import torch
 import cutlass_w8a8 as cw
 from cutlass_w8a8 import _ext
 from cutlass_w8a8.testing.attention import make_inputs
+from _fused_quant_cuda import replay_and_eager
 
 pytestmark = pytest.mark.cuda
 
@@ -247,28 +248,8 @@ def test_graph_replay_equals_eager(heads, b, s, quant):
                          positions=_positions(b, s, 70 + i)) for i in range(4)]
     with _Paths() as paths:
         assert _path(q, kv) == "fused"
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside the capture
-                op()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = op()
-            results = []
-            for q_i, kv_i, slots_i, pos_i in steps:
-                q.copy_(q_i)
-                kv.copy_(kv_i)
-                slots.copy_(slots_i)
-                positions.copy_(pos_i)
-                graph.replay()
-                results.append(([t.clone() for t in captured], op(), paths.split(op)))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    for i, (replayed, eager, two_kernel) in enumerate(results):
+        results = replay_and_eager(op, (q, kv, slots, positions), steps, eager=lambda: (op(), paths.split(op)))
+    for i, (replayed, (eager, two_kernel)) in enumerate(results):
         for j, (r, e, t) in enumerate(zip(replayed, eager, two_kernel)):
             r, e, t = (x.view(torch.uint8) if x.element_size() == 1 else x for x in (r, e, t))
             assert torch.equal(r, e), f"replay {i} output {j} vs eager"

@@ -23,7 +23,7 @@ import cutlass_w8a8 as cw
 from cutlass_w8a8.models import LlamaConfig, LlamaDecoder
 from cutlass_w8a8.testing.attention import make_inputs
 
-from _fused_quant_cuda import assert_bits_equal, poison_allocator
+from _fused_quant_cuda import assert_bits_equal, capture, poison_allocator
 
 pytestmark = pytest.mark.cuda
 
@@ -210,14 +210,8 @@ def test_cuda_graph_replay_with_positions_changed_in_place(qdtype, static):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture
-            OPS.decode_attention_quant(q, kv, slots, positions, 0.088, qdtype, scale)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            q_out, scales = OPS.decode_attention_quant(q, kv, slots, positions, 0.088, qdtype, scale)
+        graph, (q_out, scales) = capture(
+            lambda: OPS.decode_attention_quant(q, kv, slots, positions, 0.088, qdtype, scale))
         results = []
         for i in range(len(steps)):
             load(i)

@@ -213,26 +213,34 @@ def test_cuda_matches_reference(dtype, b):
         assert torch.equal(cache[s, 1, :, p], qkv[i, H + KVH:].cpu())
 
 
-def check_graph_replay_and_opcheck(*tail):
-    """rope_kv_cache_(*inputs, H, KVH, *tail) captured in a CUDA graph: replays on new inputs equal eager calls bit
-    for bit (q / k heads and the cache); then opcheck on CUDA."""
-    static = inputs(3, torch.bfloat16, "cuda", seed=7)
+def check_graph_replay(static, h, kvh, tail, fresh):
+    """rope_kv_cache_(*static, h, kvh, *tail) captured in a CUDA graph (warm-up on a side stream, on copies of
+    ``static``); for each input list of ``fresh`` (an iterable, drawn one list at a time): copied into ``static``,
+    the graph replayed, and the op run eagerly on copies of the same inputs; the replay's qkv and cache equal the
+    eager call's bit for bit (tests/ops/test_rope_kv_cache_partial.py uses it too)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        torch.ops.cutlass_w8a8.rope_kv_cache_(*[t.clone() for t in static], H, KVH, *tail)
+        torch.ops.cutlass_w8a8.rope_kv_cache_(*[t.clone() for t in static], h, kvh, *tail)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        torch.ops.cutlass_w8a8.rope_kv_cache_(*static, H, KVH, *tail)
-    for seed in (1, 2):
-        new = inputs(3, torch.bfloat16, "cuda", seed=seed)
-        for dst, src in zip(static, new):
+        torch.ops.cutlass_w8a8.rope_kv_cache_(*static, h, kvh, *tail)
+    for new in fresh:
+        for dst, src in zip(static, new, strict=True):
             dst.copy_(src)
         g.replay()
         eager = [t.clone() for t in new]
-        torch.ops.cutlass_w8a8.rope_kv_cache_(*eager, H, KVH, *tail)
+        torch.ops.cutlass_w8a8.rope_kv_cache_(*eager, h, kvh, *tail)
+        torch.cuda.synchronize()
         assert torch.equal(static[0], eager[0]) and torch.equal(static[2], eager[2])
+
+
+def check_graph_replay_and_opcheck(*tail):
+    """rope_kv_cache_(*inputs, H, KVH, *tail) captured in a CUDA graph: replays on new inputs equal eager calls bit
+    for bit (q / k heads and the cache); then opcheck on CUDA."""
+    check_graph_replay(inputs(3, torch.bfloat16, "cuda", seed=7), H, KVH, tail,
+                       (inputs(3, torch.bfloat16, "cuda", seed=seed) for seed in (1, 2)))
     torch.library.opcheck(torch.ops.cutlass_w8a8.rope_kv_cache_.default,
                           (*inputs(2, torch.bfloat16, "cuda", seed=3), H, KVH, *tail))
 
