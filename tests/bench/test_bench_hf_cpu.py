@@ -430,11 +430,14 @@ def test_bench_hf_qwen3_moe_config_and_layers():
     assert args.layers is None and args.tag == "b1"  # resolved on the GPU by fit_layers
     assert bench.parse_args(["--config", "qwen3-30b-a3b", "--quick"]).layers == 2
     assert bench.parse_args(["--config", "qwen3-30b-a3b", "--layers", "24"]).layers == 24
+    assert bench.results_prefix("b1", "qwen3-30b-a3b") == "hf_decode_qwen3-30b-a3b_b1"
+    assert bench.results_prefix("", "qwen3-30b-a3b") == "hf_decode_qwen3-30b-a3b"
+    assert bench.results_prefix("b1", "llama3-8b") == bench.results_prefix("b1") == "hf_decode_b1"
 
 
 def test_bench_hf_glm_layer_bytes_counts_an_moe_layer():
     """GLM-4.5-Air's first layer is dense (intermediate 10944) and the others MoE (128 experts of 1408 + 1 shared):
-    `layer_bytes` counts an MoE layer, so the fit rule chooses fewer than the 46 layers on an H200 (141 GiB free), not
+    `layer_bytes` counts an MoE layer, so the fit rule chooses fewer than the 46 layers on an H200 (139.3 GiB free), not
     all 46 of a dense layer's size (which ran out of memory there)."""
     import transformers
 
@@ -447,10 +450,7 @@ def test_bench_hf_glm_layer_bytes_counts_an_moe_layer():
     assert per_layer >= 2 * (E + 1) * 3 * H * I  # the routed and shared experts' gate, up and down in bf16
     assert fixed == 2 * (2 * d["vocab_size"] * H + H)  # embedding, lm_head, final norm
     _, per_layer_int8 = bench.layer_bytes(transformers, "glm-4.5-air", 1, 1, 256, 2)
-    assert bench.fit_layers(141 * 2**30, fixed, per_layer_int8, 46) < 20
-    assert bench.results_prefix("b1", "qwen3-30b-a3b") == "hf_decode_qwen3-30b-a3b_b1"
-    assert bench.results_prefix("", "qwen3-30b-a3b") == "hf_decode_qwen3-30b-a3b"
-    assert bench.results_prefix("b1", "llama3-8b") == bench.results_prefix("b1") == "hf_decode_b1"
+    assert bench.fit_layers(int(139.3 * 2**30), fixed, per_layer_int8, 46) < 20
 
 
 def test_bench_hf_tiny_glm45_air(tmp_path):

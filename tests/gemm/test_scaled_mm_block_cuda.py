@@ -42,7 +42,7 @@ BLOCK_CONFIGS = ["swap_128x16x128_c1x1_pingpong_persistent", "swap_128x32x128_c1
 # Crosses every bucket of select_fp8_block: [1, 32], (32, 64], (64, 128], > 128 (on 132 SMs: the 64x128 tile at
 # M = 129, the 128x128 tile at M = 1024 with N = 1280, the 128x256 tile with waves along N at M = 1024 with N = 4096
 # (waves_n_fill_ok), and the 256x128 wave tile at M = 3072 with N = 1280, where its rows per SM stay within 1.05x and
-# the 128x256 tile would leave the busiest SM 1.2x the output).
+# the 128x256 tile would leave the busiest SM 2x the output).
 M_BUCKETS = [1, 7, 16, 17, 32, 33, 64, 100, 128, 129, 1024, 2048, 3072, 4096]
 
 

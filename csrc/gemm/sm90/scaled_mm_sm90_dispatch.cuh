@@ -63,11 +63,11 @@ inline double wave_fill(int64_t tiles, int sms) {
   return waves > 0 ? static_cast<double>(tiles) / static_cast<double>(waves * sms) : 1.0;
 }
 
-// The choice of the int8 and block-scaled tables, which share their buckets: M in [1, 32], (32, 64] and (64, 128]
-// to M32, M64 and M128; M > 128 to `Large` (128 x 128 tiles in clusters of two CTAs, along M when `pairs_along_m`,
-// else along N: the cluster pads that side's tiles to pairs) unless `FewTiles` (64 x 128 tiles, no cluster: twice the
-// tiles) fills its last wave better by more than 0.05 on `sm_count` SMs (0: unknown, taken as an H100's / H200's
-// 132). Returns the index of the chosen config in `Table`.
+// The int8 table's choice, and the block-scaled table's for M <= 128 (they share their buckets): M in [1, 32], (32, 64]
+// and (64, 128] to M32, M64 and M128; M > 128 to `Large` (128 x 128 tiles in clusters of two CTAs, along M when
+// `pairs_along_m`, else along N: the cluster pads that side's tiles to pairs) unless `FewTiles` (64 x 128 tiles, no
+// cluster: twice the tiles) fills its last wave better by more than 0.05 on `sm_count` SMs (0: unknown, taken as an
+// H100's / H200's 132). Returns the index of the chosen config in `Table`.
 template <class M32, class M64, class M128, class FewTiles, class Large, class Table>
 int select_by_m_and_wave_fill(int64_t m, int64_t n, int sm_count, bool pairs_along_m) {
   if (m <= 32) return index_of<M32, Table>;
@@ -158,8 +158,9 @@ inline int64_t busiest_sm_rows(int64_t tiles_m, int64_t tiles_n, int64_t tile_m,
 // of the H200 sweeps at M > 128 (bench/results/tune_nvidia-h200_fp8-block_waves_n.md: block fp8 0.806-0.994 of the
 // shipped time at 18 of 18 points with M 256-1024, 1.035-1.106 at 2 of 4 at M = 128; row-wise accurate 0.849-0.963 at 6
 // of 6 with M 256-512; tune_nvidia-h200_fp8-block_waves_n_mlarge.md: 0.909-0.974 at 20 of 20 points with M 2048 / 4096,
-// 4 of them at 1.01-1.02x the area). Where it leaves the busiest SM 1.14-2x the area it lost (1.03-2.32x, or to the
-// 128x128 tile by 7-19%); at 1.04x (N = 51200, M = 1024) it took 0.975, at 1.08x (M = 512) 1.001.
+// 5 of them at 1.01-1.02x the area). Where it leaves the busiest SM 1.14-2x the area it lost (1.03-2.32x, or to the
+// 128x128 tile by 7-19%), but for M = 2048, N = 7168, K = 16384 (1.14x: 0.981, the fastest tile there); at 1.04x (N =
+// 51200, M = 1024) it took 0.975, at 1.08x (M = 512) 1.001.
 inline bool waves_n_fill_ok(int64_t m, int64_t n, int sms, bool pairs_along_n, int slack_pct = 0) {
   constexpr int64_t kTileM = 128, kWideN = 256, kNarrowN = 128;
   const int64_t tiles_m = (m + kTileM - 1) / kTileM;
@@ -231,11 +232,12 @@ using Fp8Block_MLarge = Config<128, 128, 128, 1, 2, CO, PE, false>;
 // token rows in two 64-row waves through one temporary accumulator, 128 + 64 registers, no spills), pairs of CTAs along
 // N sharing the token tile as Fp8Block_MLarge's. Bit-identical to Fp8Block_MLarge (and to every block config) at all 15
 // points of the H200 sweep (bench/results/tune_nvidia-h200_fp8-block_waves.md, 2026-11-29, DeepSeek-V3 shapes at M =
-// 256 / 1024 / 4096). Where the rule picks it (all 5 shapes at M = 1024, 4 of 5 at M = 4096) it took 0.818-0.958 of the
-// shipped time (geomean 0.901 at M = 1024, 0.941 at M = 4096 over those 4); where it does not, it lost: 1.163x at M =
-// 4096, N = 2112 (3 rounds of 256 rows per SM against 5 of 128: 1.2x the work) and 1.03-2.46x at every M = 256 point.
-// Cluster 1x2 rather than the sweep's best-by-1% 1x1 (geomean 0.890 vs 0.901 at M = 1024, 0.986 vs 0.982 at 4096): the
-// H100 ran Fp8Block_MLarge's tile 8-13% slower without its cluster (above). Launched without PDL (cooperative).
+// 256 / 1024 / 4096). Where the rule of 2026-11-29 picked it (all 5 shapes at M = 1024, 4 of 5 at M = 4096) it took
+// 0.818-0.958 of the shipped time (geomean 0.901 at M = 1024, 0.941 at M = 4096 over those 4); where it did not, it
+// lost: 1.163x at M = 4096, N = 2112 (3 rounds of 256 rows per SM against 5 of 128: 1.2x the work) and 1.03-2.46x at
+// every M = 256 point. Cluster 1x2 rather than the sweep's best-by-1% 1x1 (geomean 0.890 vs 0.901 at M = 1024, 0.986 vs
+// 0.982 at 4096): the H100 ran Fp8Block_MLarge's tile 8-13% slower without its cluster (above). Launched without PDL
+// (cooperative).
 using Fp8Block_MLarge_Waves = Config<256, 128, 128, 1, 2, CO, PE, false, false, 1, true>;
 
 // Fp8Block_MMid_WavesN: M > 128 where waves_n_fill_ok (with 5% slack; select_fp8_block, issue 37);
@@ -255,7 +257,7 @@ using Fp8BlockConfigs = std::tuple<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp
 // Fp8Block_M128 (64x128 tiles, no cluster) over Fp8Block_MLarge (128x128, 1x2) at M > 128 when its busiest SM has at
 // most 1/1.4 of the rows to compute: per row, the one-warpgroup 64-row tile took 1.27-1.56x the 128-row tile's time in
 // the H200 sweeps (M 256-2048, where the two tiles' busiest SMs had 0.5 and 0.83-0.93 of each other's rows). Over the
-// 143 points of the four block sweeps with M > 128 this rule picks the slower of the two at 4, by at most 3.3%; the
+// 143 points of the three block sweeps with M > 128 this rule picks the slower of the two at 4, by at most 3.3%; the
 // wave-fill rule it replaces (select_by_m_and_wave_fill, still the int8 table's) picked it at 20, by up to 25% (M =
 // 2048, N = 2112: 5 rounds of 64 rows against 3 of 128).
 inline bool block_few_tiles_pay(int64_t m, int64_t n, int sms) {
@@ -351,13 +353,13 @@ using Fp8TuneCandidates = std::tuple<
     Config<128, 128, 128, 2, 1, CO, PE, false, false, 1, true>,
     Config<128, 64, 128, 2, 1, CO, PE, false, false, 1, true>,
     Config<128, 128, 128, 1, 1, CO, PE, true, false, 1, true>,
-    // Waves along N as well (Config's WaveN, issue 37): 256 columns per tile in two 64 x 128 waves per warpgroup
-    // (128 + 64 registers): 64x256 pingpong (the 128x256 cooperative form ships as Fp8_MMid_Accurate_WavesN).
-    // Compiled without spills (nvcc 13.0 -Xptxas -v, sm_90a), not timed yet. The 128x256 cooperative form in clusters
-    // (the shipped one has none): pairs along M sharing the weight tile, as the fast-accumulation 128x256 2x1 tile
-    // that ran 4-7% faster than the accurate 1x1 one at M 1024-4096 (tune_nvidia-h200_fp8_accurate_mlarge.md, where
-    // the 1x1 form tied the shipped 256x128 wave tile), and pairs along N sharing the token tile. Not timed yet; the
-    // 2x1 form compiles without spills (nvcc 13.0 sm_90a, 168 registers).
+    // Waves along N as well (Config's WaveN, issue 37): 256 columns per tile in two 64 x 128 waves per warpgroup (128 +
+    // 64 registers): 64x256 pingpong (the 128x256 cooperative form ships as Fp8_MMid_Accurate_WavesN). Compiled without
+    // spills (nvcc 13.0 -Xptxas -v, sm_90a), not timed yet. The 128x256 cooperative form in clusters (the shipped one
+    // has none): pairs along M sharing the weight tile, as the fast-accumulation 128x256 2x1 tile that ran 4-7% faster
+    // than the accurate 1x1 one at M 1024-4096 (tune_nvidia-h200_fp8_accurate_mlarge.md, where the 1x1 form tied the
+    // shipped 256x128 wave tile), and pairs along N sharing the token tile. Not timed yet; both compile without spills
+    // (nvcc 13.0 sm_90a, 168 registers).
     Config<64, 256, 128, 1, 1, PP, PE, false, false, 1, true, 128>,
     Config<128, 256, 128, 2, 1, CO, PE, false, false, 1, true, 128>,
     Config<128, 256, 128, 1, 2, CO, PE, false, false, 1, true, 128>>;
