@@ -146,9 +146,9 @@ using Fp8Configs = std::tuple<Fp8_M16, Fp8_M64, Fp8_M128, Fp8_MLarge, Fp8_MLarge
                               Fp8_MLarge_Accurate, Fp8_MMid_Accurate_WavesN>;
 
 // Rows of a tile that the busiest SM computes when `tiles_m` x `tiles_n` persistent tiles of `tile_m` rows run on
-// `sms` SMs, the N tiles padded to pairs (a 1x2 cluster): rounds of tiles times their rows.
-inline int64_t busiest_sm_rows(int64_t tiles_m, int64_t tiles_n, int64_t tile_m, int sms) {
-  const int64_t tiles = tiles_m * ((tiles_n + 1) / 2 * 2);
+// `sms` SMs, the N tiles padded to pairs when `pairs_along_n` (a 1x2 cluster): rounds of tiles times their rows.
+inline int64_t busiest_sm_rows(int64_t tiles_m, int64_t tiles_n, int64_t tile_m, int sms, bool pairs_along_n = true) {
+  const int64_t tiles = tiles_m * (pairs_along_n ? (tiles_n + 1) / 2 * 2 : tiles_n);
   return (tiles + sms - 1) / sms * tile_m;
 }
 
@@ -165,8 +165,7 @@ inline bool waves_n_fill_ok(int64_t m, int64_t n, int sms, bool pairs_along_n, i
   constexpr int64_t kTileM = 128, kWideN = 256, kNarrowN = 128;
   const int64_t tiles_m = (m + kTileM - 1) / kTileM;
   const int64_t wide_n = (n + kWideN - 1) / kWideN;
-  const int64_t wide_rows = pairs_along_n ? busiest_sm_rows(tiles_m, wide_n, kTileM, sms)
-                                          : (tiles_m * wide_n + sms - 1) / sms * kTileM;
+  const int64_t wide_rows = busiest_sm_rows(tiles_m, wide_n, kTileM, sms, pairs_along_n);
   const int64_t narrow_rows = busiest_sm_rows(tiles_m, (n + kNarrowN - 1) / kNarrowN, kTileM, sms);
   // the busiest SM's output elements
   return wide_rows * kWideN * 100 <= narrow_rows * kNarrowN * (100 + slack_pct);
@@ -262,7 +261,7 @@ using Fp8BlockConfigs = std::tuple<Fp8Block_M32, Fp8Block_M64, Fp8Block_M128, Fp
 // 2048, N = 2112: 5 rounds of 64 rows against 3 of 128).
 inline bool block_few_tiles_pay(int64_t m, int64_t n, int sms) {
   const int64_t tiles_n = (n + 127) / 128;
-  const int64_t few_rows = ((m + 63) / 64 * tiles_n + sms - 1) / sms * 64;
+  const int64_t few_rows = busiest_sm_rows((m + 63) / 64, tiles_n, 64, sms, /*pairs_along_n=*/false);
   const int64_t large_rows = busiest_sm_rows((m + 127) / 128, tiles_n, 128, sms);
   constexpr int64_t kFewRowCostTenths = 14, kLargeRowCostTenths = 10;  // 1.4x per row
   return few_rows * kFewRowCostTenths <= large_rows * kLargeRowCostTenths;
