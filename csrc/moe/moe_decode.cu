@@ -134,6 +134,7 @@ struct MoeDecodeParams {
   void* out;                  // [T, H] output type
   int t, k, pairs, e, hid, inter;
   uint32_t zero;              // always 0 (tie_to_weight_loads)
+  int w2_prefetch;            // 1: each gate/up CTA asks L2 for its share of its expert's w2 (w2_l2_prefetch, host)
 };
 
 // topk_ids[pair], or -1 when outside [0, E) (not routed).
@@ -774,6 +775,16 @@ constexpr int kCtasPerSm = kMaxNT == 1 && !kBlockScaled && kDual != 2 ? 3 : 2;
 
 // --- gate/up: grid (I / 16, slots) --------------------------------------------------------------------------------
 
+// Part `part` of `parts` of an expert's `bytes` contiguous weight bytes at w (16-byte aligned, bytes a multiple of
+// 16): one bulk L2 prefetch of ceil(bytes / parts) bytes rounded up to 16 (the last part shorter, none past the end).
+// gate/up's CTAs of a slot (I / 16 of them) so ask L2 for the whole of its expert's w2 [H, I] while they stream w13:
+// the down kernel, which waits for gate/up, then reads w2 from L2 (w2_l2_prefetch on the host says when).
+__device__ __forceinline__ void prefetch_share(const uint8_t* w, int64_t bytes, int part, int parts) {
+  const int64_t share = ((bytes + parts - 1) / parts + 15) / 16 * 16;
+  const int64_t off = static_cast<int64_t>(part) * share;
+  if (off < bytes) prefetch_l2(w + off, static_cast<uint32_t>(min(share, bytes - off)));
+}
+
 // kDual 1 / 2: both tiles in one pass (tiles_chunk_dual: the same bits, one main loop; 2: compiled for fewer CTAs
 // per SM, kCtasPerSm; the A/B switch CUTLASS_W8A8_MOE_GATE_UP_DUAL, host below); 0: the gate tile, then the up tile.
 // XT (the two-kernel path, own_quant on the host; kDual 0 only): x's dtype; the CTA quantizes its slot's tokens' x
@@ -795,6 +806,10 @@ __global__ void __launch_bounds__(kThreads, (kCtasPerSm<kMaxNT, kBlockScaled, kD
   find_slot_pairs(p, static_cast<int>(blockIdx.y), s);
   if (s.expert < 0) return;
   const int inter = p.inter, hid = p.hid;
+  if (p.w2_prefetch && threadIdx.x == 0) {
+    prefetch_share(p.w2 + static_cast<int64_t>(s.expert) * hid * inter, static_cast<int64_t>(hid) * inter,
+                   static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x));
+  }
   const int64_t n13 = 2 * static_cast<int64_t>(inter);
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kRows;
   ChunkA ca{p.qx, hid, p.sx, 1};
@@ -1160,6 +1175,22 @@ bool down_prefetch() {
   return value;
 }
 
+// Whether gate/up asks L2 for the routed experts' w2 (moe_decode_gate_up_kernel's prefetch_share; the same bits
+// either way: a hint): CUTLASS_W8A8_MOE_W2_PREFETCH (read once per process) 0 never, 1 always; unset or empty, where
+// the w2 of every slot's expert (slots x H x I bytes, slots = min(E, T x top_k): an upper bound of the experts routed)
+// fits in half the device's L2, so that the prefetched rows are still there when the down kernel reads them while
+// gate/up streams w13 through the same L2 (Qwen3-30B-A3B dims: 12.6 MB at T = 1, 25.2 MB at T = 2, of an H100's /
+// H200's 50 MB). Another value raises a ValueError naming the variable.
+const std::string& w2_prefetch_switch() {
+  static const std::string value = env_choice("moe_decode_experts", "CUTLASS_W8A8_MOE_W2_PREFETCH", {"0", "1"});
+  return value;
+}
+bool w2_l2_prefetch(int64_t slots, int64_t hid, int64_t inter, int64_t l2_bytes) {
+  const std::string& forced = w2_prefetch_switch();
+  if (!forced.empty()) return forced == "1";
+  return slots * hid * inter <= l2_bytes / 2;
+}
+
 template <class AB, class OutT, int kMaxNT, bool kBlockScaled>
 void launch_gate_up(const MoeDecodeParams& p, const dim3& grid, cudaStream_t stream, bool pdl) {
   const int dual = gate_up_dual();
@@ -1303,6 +1334,7 @@ at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, c
   gate_up_dual();  // the A/B switches: a bad value raises here, before any launch
   down_prefetch();
   decode_prep_switch();
+  w2_prefetch_switch();
   c10::cuda::CUDAGuard guard(x.device());
   const int device = x.device().index();
   const DeviceInfo& info = device_info(device);
@@ -1367,6 +1399,7 @@ at::Tensor moe_decode_experts(const at::Tensor& x, const at::Tensor& topk_ids, c
   p.hid = static_cast<int>(hid);
   p.inter = static_cast<int>(inter);
   p.zero = 0;
+  p.w2_prefetch = w2_l2_prefetch(std::min<int64_t>(e, pairs), hid, inter, info.l2_bytes) ? 1 : 0;
 
   cudaStream_t stream = current_stream(x);
   // T is in the grids: an UpdatableGraph cannot rewrite these launches (as grouped_scaled_mm's).

@@ -392,13 +392,15 @@ def test_two_and_three_kernel_paths_equal_bitwise(tmp_path):
             assert bool((a[~routed] == 0).all()), (scheme, e, ids.tolist())
 
 
-SWITCHES = ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "CUTLASS_W8A8_MOE_DOWN_PREFETCH", "CUTLASS_W8A8_MOE_DECODE_PREP")
+SWITCHES = ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "CUTLASS_W8A8_MOE_DOWN_PREFETCH", "CUTLASS_W8A8_MOE_DECODE_PREP",
+            "CUTLASS_W8A8_MOE_W2_PREFETCH")
 
 
 @pytest.mark.parametrize("name, value, allowed", [
     ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "3", "0, 1 or 2"), ("CUTLASS_W8A8_MOE_GATE_UP_DUAL", "true", "0, 1 or 2"),
     ("CUTLASS_W8A8_MOE_DOWN_PREFETCH", "2", "0 or 1"), ("CUTLASS_W8A8_MOE_DOWN_PREFETCH", "yes", "0 or 1"),
-    ("CUTLASS_W8A8_MOE_DECODE_PREP", "2", "0 or 1"), ("CUTLASS_W8A8_MOE_DECODE_PREP", "on", "0 or 1")])
+    ("CUTLASS_W8A8_MOE_DECODE_PREP", "2", "0 or 1"), ("CUTLASS_W8A8_MOE_DECODE_PREP", "on", "0 or 1"),
+    ("CUTLASS_W8A8_MOE_W2_PREFETCH", "2", "0 or 1"), ("CUTLASS_W8A8_MOE_W2_PREFETCH", "auto", "0 or 1")])
 def test_a_bad_switch_value_raises_naming_the_variable(name, value, allowed):
     """A value of an A/B switch other than unset / empty / the listed ones makes the op raise a ValueError naming
     the variable (read once per process, so a fresh one), instead of silently running the default variant."""
@@ -424,15 +426,19 @@ def test_a_bad_switch_value_raises_naming_the_variable(name, value, allowed):
                                  {"CUTLASS_W8A8_MOE_DOWN_PREFETCH": "1", "CUTLASS_W8A8_MOE_GATE_UP_DUAL": "2"},
                                  {"CUTLASS_W8A8_MOE_DECODE_PREP": "1"}, {"CUTLASS_W8A8_MOE_DECODE_PREP": "0"},
                                  {"CUTLASS_W8A8_MOE_DECODE_PREP": "1", "CUTLASS_W8A8_MOE_GATE_UP_DUAL": "2",
-                                  "CUTLASS_W8A8_MOE_DOWN_PREFETCH": "1"}],
+                                  "CUTLASS_W8A8_MOE_DOWN_PREFETCH": "1"},
+                                 {"CUTLASS_W8A8_MOE_W2_PREFETCH": "0"},
+                                 {"CUTLASS_W8A8_MOE_W2_PREFETCH": "1", "CUTLASS_W8A8_MOE_DECODE_PREP": "1"}],
                          ids=["gate-up-1", "gate-up-2", "down-prefetch", "prep", "two-kernel",
-                              "prep-gate-up-2-down-prefetch"])
+                              "prep-gate-up-2-down-prefetch", "no-w2-prefetch", "w2-prefetch-prep"])
 def test_kernel_variants_in_their_own_process(env):
     """The A/B variants of the decode path's kernels (CUTLASS_W8A8_MOE_GATE_UP_DUAL=1 / 2: gate/up in one pass, on the
     three-kernel path; CUTLASS_W8A8_MOE_DOWN_PREFETCH=1: the token-major down kernel one block ahead;
     CUTLASS_W8A8_MOE_DECODE_PREP=1: the three-kernel path at top_k >= 4 too; =0: the two-kernel path beyond the
-    speed rule, at every wide / unaligned shape whose shared memory fits; each read once per process, so a fresh
-    one): this file's bitwise tests against the chain and the kernel-variant checks pass there too."""
+    speed rule, at every wide / unaligned shape whose shared memory fits; CUTLASS_W8A8_MOE_W2_PREFETCH=0 / 1: gate/up
+    never / always asks L2 for the experts' w2, where unset the rule does at these small shapes; each read once per
+    process, so a fresh one): this file's bitwise tests against the chain and the kernel-variant checks pass there
+    too."""
     if any(os.environ.get(name) for name in SWITCHES):
         pytest.skip("this process already runs a variant")
     here = pathlib.Path(__file__)
