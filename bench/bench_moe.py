@@ -23,7 +23,8 @@ Part ``gemm`` (the grouped GEMM alone, on the w13 GEMM, N = 2I, K = H, and the w
   tables whose names contain one of LIST's substrings (``waves``: the wave-mainloop candidates of a
   ``CUTLASS_W8A8_TUNE=grouped`` build), forced with ``_grouped_scaled_mm_config``, as ``ours_fp8[<entry>]`` /
   ``ours_block[<entry>]``, each checked against float64 as the others and bit for bit against its table's reference
-  entry (block: the shipped 128x128 cooperative kernel; row-wise: CUTLASS's promoted 128x128 cooperative candidate).
+  entry (block: the shipped 128x128 cooperative kernel; row-wise: CUTLASS's promoted 128x128 cooperative candidate;
+  fast-accumulation entries, a different sum, are not compared: "n/a").
 
 Reported per point: time (us), TOPS (2 * rows * N * K), the ratio torch_fp8 time / ours (> 1: ours faster) and, at
 T <= 16, the active experts' weight bytes (experts with at least one row, N * K bytes each, plus their scales) /

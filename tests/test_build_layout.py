@@ -147,11 +147,21 @@ def test_grouped_candidates_named_like_the_dense_ones():
                            "grouped_fp8_tile128x256x128_cluster1x1_co_waves_n128_bf16.cu",
                            "grouped_fp8block_tile256x128x128_cluster1x1_co_waves_bf16.cu",
                            "grouped_fp8block_tile256x128x128_cluster2x1_co_waves_bf16.cu",
-                           "grouped_fp8block_tile128x256x128_cluster1x1_co_waves_n128_bf16.cu")}
+                           "grouped_fp8block_tile128x256x128_cluster1x1_co_waves_n128_bf16.cu",
+                           # 2026-11-30: 64-token tiles (pingpong, swapped pingpong), 2x1 clusters, 128x256 fast acc.
+                           "grouped_fp8_tile64x128x128_cluster1x1_pp_fastaccum_bf16.cu",
+                           "grouped_fp8_tile128x64x128_cluster1x1_pp_swap_fastaccum_bf16.cu",
+                           "grouped_fp8_tile128x128x128_cluster2x1_co_fastaccum_bf16.cu",
+                           "grouped_fp8_tile128x256x128_cluster1x1_co_fastaccum_bf16.cu",
+                           "grouped_fp8block_tile64x128x128_cluster1x1_pp_bf16.cu",
+                           "grouped_fp8block_tile128x64x128_cluster1x1_pp_swap_bf16.cu",
+                           "grouped_fp8block_tile128x128x128_cluster2x1_co_bf16.cu")}
     for table in ("GFp8TuneCandidates", "GFp8BlockTuneCandidates"):
         for config in table_items("sm90/grouped/grouped_sm90_config.cuh", table):
             args = gen.config_args(config)
             assert args[9] == "1" and (args[10] == "false" or (args[2] == "128" and args[8] == "false")), config
+            # the blockwise mainloop always promotes (scaled_mm_sm90_gemm.cuh refuses fast accumulation with it)
+            assert table != "GFp8BlockTuneCandidates" or args[8] == "false", config
 
 
 WAVES = "Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>"

@@ -253,6 +253,46 @@ def test_grouped_configs_selection(bench):
     assert configs.bit_identity({"ours_block[x]": a}, 3) == {"ours_block[x]": None}
 
 
+# the candidates of grouped_sm90_config.cuh for 32-64 rows per expert and compute-bound experts (pingpong 64-token
+# tiles, swapped 64-token tiles, 2x1 clusters, the 128x256 fast-accumulation tile), as config_name spells them
+NEW_CANDIDATES = {1: ["64x128x128_c1x1_pingpong_persistent_fastaccum",
+                      "swap_128x64x128_c1x1_pingpong_persistent_fastaccum",
+                      "128x128x128_c2x1_cooperative_persistent_fastaccum",
+                      "128x256x128_c1x1_cooperative_persistent_fastaccum"],
+                  2: ["64x128x128_c1x1_pingpong_persistent", "swap_128x64x128_c1x1_pingpong_persistent",
+                      "128x128x128_c2x1_cooperative_persistent"]}
+NEW_SUBSTRINGS = ["64x128x128_c1x1_pingpong", "swap_128x64x128", "128x128x128_c2x1",
+                  "128x256x128_c1x1_cooperative_persistent_fastaccum"]
+
+
+def test_grouped_configs_new_candidates_and_fast_accumulation(bench):
+    """The substring list given for the new candidates selects exactly them (plus each table's bit reference) from the
+    full tuning table; a fast-accumulation entry is not compared bit for bit with the promoted reference (a different
+    sum): None, shown as n/a, never as a failure."""
+    configs = bench.sys.modules["_moe_configs"]
+    wave_fp8 = ["256x128x128_c2x1_cooperative_persistent_waves", "128x256x128_c1x1_cooperative_persistent_waves_n128"]
+    wave_block = ["256x128x128_c2x1_cooperative_persistent_waves", "128x256x128_c1x1_cooperative_persistent_waves_n128"]
+    names = {1: TUNED_NAMES[1] + wave_fp8 + NEW_CANDIDATES[1], 2: TUNED_NAMES[2] + wave_block + NEW_CANDIDATES[2]}
+    got = configs.selected(names, NEW_SUBSTRINGS)
+    for family, table in (("ours_fp8", 1), ("ours_block", 2)):
+        assert [n for _, n in got[family]] == NEW_CANDIDATES[table] + [configs.BIT_REFERENCE]
+        assert all(names[table][i] == n for i, n in got[family])
+    ref = configs.method_name("ours_fp8", configs.BIT_REFERENCE)
+    fast = configs.method_name("ours_fp8", NEW_CANDIDATES[1][0])
+    promoted = configs.method_name("ours_block", NEW_CANDIDATES[2][0])
+    block_ref = configs.method_name("ours_block", configs.BIT_REFERENCE)
+    a, b = torch.zeros(3, 4), torch.zeros(3, 4)
+    b[0, 0] = 1.0  # differs in a routed row
+    same = configs.bit_identity({fast: a, ref: b, promoted: a, block_ref: b}, 3)
+    assert same == {fast: None, ref: True, promoted: False, block_ref: True}
+    point = {"model": "m", "gemm": "w2", "T": 512, "rows": 4096, "configs": {"bit_identical": same},
+             "time_ms": {fast: 1.0, ref: 1.0, promoted: 1.0, block_ref: 1.0, "ours_fp8": 1.0, "ours_block": 1.0,
+                         "torch_fp8": 1.0}}
+    rows = {line.split(" | ")[4]: line.split(" | ")[-1] for line in configs.config_markdown([point])
+            if line.startswith("| m |")}
+    assert rows == {fast: "n/a |", ref: "yes |", promoted: "NO |", block_ref: "yes |"}
+
+
 @pytest.mark.skipif(not hasattr(cw, "grouped_scaled_mm"), reason="cw.grouped_scaled_mm not in this tree yet")
 def test_grouped_configs_flow_on_cpu(on_cpu, monkeypatch, tmp_path):
     """The gemm part with --grouped-configs waves on the CPU references (which ignore the forced entry, so every

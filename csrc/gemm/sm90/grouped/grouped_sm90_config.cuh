@@ -68,16 +68,35 @@ using GFp8BlockConfigs = std::tuple<GFp8Block_Small, GFp8Block_Large>;
 // which the dense block and accurate row-wise tables run at M in (128, 1024] where it fills the SMs (2026-11-30):
 // one pass over an expert's weight tile per 128 tokens, half the CTAs of the 128x128 tile. Both compile without spills
 // (nvcc 13.0 -Xptxas -v, sm_90a: 168 registers); not timed yet.
+// Then (2026-11-30) for the points still below 1.2x torch on an H200 (bench/results/moe_grouped_waves_nvidia-h200.md):
+// Qwen3-30B-A3B w2 (E 128, N 2048, K 768) at T 512-1024, 32-64 rows per expert, memory-bound (96 us for 201 MB of
+// weights, 2.1 TB/s), fp8 1.13x; Mixtral-8x7B w13 (E 8, N 28672, K 4096, 128-1024 rows per expert, compute-bound)
+// block 1.10-1.12x, fp8 1.19x at T 1024; Mixtral w2 block 1.17x. Row-wise with fast accumulation, as the shipped
+// row-wise entries (so not bit-comparable with the promoted reference; bench_moe reports n/a), block promoted:
+//   64x128 pingpong: a 64-token tile for 32-64 rows per expert (the 128-row tile is half empty there);
+//   swapped 128x64 pingpong: the *_Small layout (weight N on the MMA's M, tokens on its N) with 64 token columns in
+//     place of 32, so 64 rows per expert read the weight once; TileM 128 (not *_Small's fp8 64x32x256), as the block
+//     kernel needs the weight's side a multiple of 128 and TileK 128: one shape for both families;
+//   128x128 with a 2x1 cluster: each weight tile multicast to two token tiles of one expert (compute-bound w13);
+//   128x256 cooperative, fast accumulation without waves (fp8): one weight pass per 128 tokens, half the CTAs.
+// Each compiles without spills (nvcc 13.0 -Xptxas -v, sm_90a: 168 registers); not timed yet.
 using GInt8TuneCandidates = std::tuple<>;
 using GFp8TuneCandidates = std::tuple<
     Config<128, 128, 128, 1, 1, GCO, GPE, false>,
     Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>,
     Config<256, 128, 128, 2, 1, GCO, GPE, false, false, 1, true>,
-    Config<128, 256, 128, 1, 1, GCO, GPE, false, false, 1, true, 128>>;
+    Config<128, 256, 128, 1, 1, GCO, GPE, false, false, 1, true, 128>,
+    Config<64, 128, 128, 1, 1, GPP, GPE, false, true>,
+    Config<128, 64, 128, 1, 1, GPP, GPE, true, true>,
+    Config<128, 128, 128, 2, 1, GCO, GPE, false, true>,
+    Config<128, 256, 128, 1, 1, GCO, GPE, false, true>>;
 using GFp8BlockTuneCandidates = std::tuple<
     Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>,
     Config<256, 128, 128, 2, 1, GCO, GPE, false, false, 1, true>,
-    Config<128, 256, 128, 1, 1, GCO, GPE, false, false, 1, true, 128>>;
+    Config<128, 256, 128, 1, 1, GCO, GPE, false, false, 1, true, 128>,
+    Config<64, 128, 128, 1, 1, GPP, GPE, false>,
+    Config<128, 64, 128, 1, 1, GPP, GPE, true>,
+    Config<128, 128, 128, 2, 1, GCO, GPE, false>>;
 
 #ifdef CUTLASS_W8A8_TUNE_GROUPED
 constexpr bool kTuneGrouped = true;
