@@ -56,6 +56,13 @@ CHILD = textwrap.dedent("""
 
 
 def test_forced_sm80_int8_path_matches_reference():
+    import cutlass_w8a8 as cw
+
+    lib = os.path.join(os.path.dirname(os.path.abspath(cw.__file__)), "_kernels_sm80.so")
+    if not os.path.exists(lib):
+        # setup.py leaves the sm80 library out of a CUTLASS_W8A8_TUNE build (and of TORCH_CUDA_ARCH_LIST without 8.x
+        # or 9.0); a default build with 9.0 listed has it, and then the child below must pass
+        pytest.skip(f"{lib} is not built here (a CUTLASS_W8A8_TUNE build, or no 8.x / 9.0 in TORCH_CUDA_ARCH_LIST)")
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, CUTLASS_W8A8_FORCE_ARCH="sm80")
     res = subprocess.run([sys.executable, "-c", CHILD.format(tests=tests_dir)], env=env, capture_output=True,
