@@ -134,7 +134,8 @@ struct MoeDecodeParams {
   void* out;                  // [T, H] output type
   int t, k, pairs, e, hid, inter;
   uint32_t zero;              // always 0 (tie_to_weight_loads)
-  int w2_prefetch;            // 1: each gate/up CTA asks L2 for its share of its expert's w2 (w2_l2_prefetch, host)
+  int w2_prefetch;            // 1: each gate/up CTA asks L2 for its share of its expert's w2 (w2_l2_prefetch, host:
+                              // an A/B switch, off by default)
 };
 
 // topk_ids[pair], or -1 when outside [0, E) (not routed).
@@ -1176,19 +1177,20 @@ bool down_prefetch() {
 }
 
 // Whether gate/up asks L2 for the routed experts' w2 (moe_decode_gate_up_kernel's prefetch_share; the same bits
-// either way: a hint): CUTLASS_W8A8_MOE_W2_PREFETCH (read once per process) 0 never, 1 always; unset or empty, where
-// the w2 of every slot's expert (slots x H x I bytes, slots = min(E, T x top_k): an upper bound of the experts routed)
-// fits in half the device's L2, so that the prefetched rows are still there when the down kernel reads them while
-// gate/up streams w13 through the same L2 (Qwen3-30B-A3B dims: 12.6 MB at T = 1, 25.2 MB at T = 2, of an H100's /
-// H200's 50 MB). Another value raises a ValueError naming the variable.
+// either way: a hint): an A/B switch, CUTLASS_W8A8_MOE_W2_PREFETCH=1 (read once per process), off by default (unset,
+// empty or 0). With it on, where the w2 of every slot's expert (slots x H x I bytes, slots = min(E, T x top_k): an
+// upper bound of the experts routed) fits in half the device's L2, so that the rows are still there when the down
+// kernel reads them while gate/up streams w13 through the same L2. Measured on an H200 (2026-11-30,
+// bench/results/moe_decode_w2_prefetch_nvidia-h200.md; Qwen3-30B-A3B dims, the layer with its routing, two rounds):
+// T = 1 int8 23.7 us against 24.0-24.1 off, block fp8 29.5 against 29.6; T = 2 (25.2 MB, within the bound) slower,
+// int8 42.6 against 38.5, block fp8 41.1 against 38.7; the decoder's int8 graph step at batch 1 2.719 ms against
+// 2.708 off. Hence off. Another value raises a ValueError naming the variable.
 const std::string& w2_prefetch_switch() {
   static const std::string value = env_choice("moe_decode_experts", "CUTLASS_W8A8_MOE_W2_PREFETCH", {"0", "1"});
   return value;
 }
 bool w2_l2_prefetch(int64_t slots, int64_t hid, int64_t inter, int64_t l2_bytes) {
-  const std::string& forced = w2_prefetch_switch();
-  if (!forced.empty()) return forced == "1";
-  return slots * hid * inter <= l2_bytes / 2;
+  return w2_prefetch_switch() == "1" && slots * hid * inter <= l2_bytes / 2;
 }
 
 template <class AB, class OutT, int kMaxNT, bool kBlockScaled>

@@ -427,17 +427,17 @@ def test_a_bad_switch_value_raises_naming_the_variable(name, value, allowed):
                                  {"CUTLASS_W8A8_MOE_DECODE_PREP": "1"}, {"CUTLASS_W8A8_MOE_DECODE_PREP": "0"},
                                  {"CUTLASS_W8A8_MOE_DECODE_PREP": "1", "CUTLASS_W8A8_MOE_GATE_UP_DUAL": "2",
                                   "CUTLASS_W8A8_MOE_DOWN_PREFETCH": "1"},
-                                 {"CUTLASS_W8A8_MOE_W2_PREFETCH": "0"},
+                                 {"CUTLASS_W8A8_MOE_W2_PREFETCH": "1"},
                                  {"CUTLASS_W8A8_MOE_W2_PREFETCH": "1", "CUTLASS_W8A8_MOE_DECODE_PREP": "1"}],
                          ids=["gate-up-1", "gate-up-2", "down-prefetch", "prep", "two-kernel",
-                              "prep-gate-up-2-down-prefetch", "no-w2-prefetch", "w2-prefetch-prep"])
+                              "prep-gate-up-2-down-prefetch", "w2-prefetch", "w2-prefetch-prep"])
 def test_kernel_variants_in_their_own_process(env):
     """The A/B variants of the decode path's kernels (CUTLASS_W8A8_MOE_GATE_UP_DUAL=1 / 2: gate/up in one pass, on the
     three-kernel path; CUTLASS_W8A8_MOE_DOWN_PREFETCH=1: the token-major down kernel one block ahead;
     CUTLASS_W8A8_MOE_DECODE_PREP=1: the three-kernel path at top_k >= 4 too; =0: the two-kernel path beyond the
-    speed rule, at every wide / unaligned shape whose shared memory fits; CUTLASS_W8A8_MOE_W2_PREFETCH=0 / 1: gate/up
-    never / always asks L2 for the experts' w2, where unset the rule does at these small shapes; each read once per
-    process, so a fresh one): this file's bitwise tests against the chain and the kernel-variant checks pass there
+    speed rule, at every wide / unaligned shape whose shared memory fits; CUTLASS_W8A8_MOE_W2_PREFETCH=1: gate/up asks
+    L2 for the experts' w2 (which fits the rule's half of the L2 at these small shapes), off when unset; each read
+    once per process, so a fresh one): this file's bitwise tests against the chain and the kernel-variant checks pass there
     too."""
     if any(os.environ.get(name) for name in SWITCHES):
         pytest.skip("this process already runs a variant")
