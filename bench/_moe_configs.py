@@ -3,8 +3,8 @@ op ``_grouped_scaled_mm_config``, timed in the gemm part beside the shipped disp
 and torch's ``F.scaled_grouped_mm``, with a bit-for-bit check against one reference entry per table.
 
 The tables (csrc/gemm/sm90/grouped/grouped_sm90_config.cuh; names from the library's
-``cw8a8_sm90_grouped_config_name``): the shipped ``*_Small`` / ``*_Large`` entries, then the tuning candidates of a
-``CUTLASS_W8A8_TUNE=grouped`` build. A method is ``<family>[<entry name>]``, ``family`` ``ours_fp8`` (row-wise,
+``cw8a8_sm90_grouped_config_name``): the shipped ``*_Small`` / ``*_Mid`` / ``*_Large`` entries, then the tuning
+candidates of a ``CUTLASS_W8A8_TUNE=grouped`` build. A method is ``<family>[<entry name>]``, ``family`` ``ours_fp8`` (row-wise,
 per-token x per-channel) or ``ours_block`` (1x128 x 128x128 block scales). Every entry whose name contains one of the
 option's substrings is timed, and so is its table's bit reference `BIT_REFERENCE`: for block fp8 the shipped Large
 entry (CUTLASS's blockwise mainloop), for row-wise fp8 CUTLASS's promoted 128x128 cooperative candidate (the shipped

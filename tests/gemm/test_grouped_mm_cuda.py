@@ -1,13 +1,13 @@
 """grouped_scaled_mm on an sm90 GPU (issue 27): the grouped decode kernel (T <= _grouped_decode_max_rows()) and the
-CUTLASS ptr-array grouped GEMM (csrc/gemm/sm90/grouped: its *_Small configs while T <= 16 E, *_Large above) against
-the float64 product of the dequantized operands, expert by expert.
+CUTLASS ptr-array grouped GEMM (csrc/gemm/sm90/grouped: its *_Small configs while T <= 16 E, *_Mid while T <= 64 E,
+*_Large above) against the float64 product of the dequantized operands, expert by expert.
 
 Tolerances are the dense GEMMs': row-wise int8 / fp8 as tests/gemm/test_scaled_mm_cuda.py (assert_close_to_reference:
 one output ulp, float32 epilogue roundoffs, and for fp8 the tensor cores' accumulation, fp8_accum_bound(K)); block
 fp8 as tests/gemm/test_scaled_mm_block_cuda.py (its block_reference bound per element and the relative Frobenius error
 2.5e-3 for bfloat16, 1e-3 for float16). Outputs are poisoned with NaN first: every routed row must be written and
 rows >= offsets[E - 1] must stay untouched. Routings cover empty experts (first, last and inner), all rows on one
-expert, T = 1, unrouted tail rows, T on both sides of the decode bound and of the Small / Large config switch, and
+expert, T = 1, unrouted tail rows, T on both sides of the decode bound and of the Small / Mid / Large config switches, and
 offsets the device must clamp. CUDA graphs: captured once, replayed with other offsets (and activations), equal to
 eager bit for bit.
 """
@@ -114,7 +114,7 @@ def check(out, a, w, sa, sb, offsets, b, what):
 
 def t_values():
     dmax = decode_max_rows()
-    return sorted({1, 2, dmax, dmax + 1, 200, 513, 1000})
+    return sorted({1, 2, dmax, dmax + 1, 200, 512, 513, 1000})  # at E = 8: Small <= 128, Mid <= 512, Large above
 
 
 # ---- the kernels against the float64 reference ------------------------------------------------------------
@@ -124,7 +124,7 @@ def t_values():
 @pytest.mark.parametrize("kind", ["random", "one", "tail", "uniform"])
 @torch.no_grad()
 def test_routings_and_sizes(dtype, kind):
-    """E = 8, N = 272 (partial tiles), K = 512: every T of t_values() (decode kernel, CUTLASS Small and Large)."""
+    """E = 8, N = 272 (partial tiles), K = 512: every T of t_values() (decode kernel, CUTLASS Small, Mid and Large)."""
     e, n, k = 8, 272, 512
     for t in t_values():
         a, w, sa, sb, b = problem(t, n, k, e, dtype, seed=t)
@@ -236,8 +236,8 @@ def test_runs_on_current_stream():
 @pytest.mark.parametrize("dtype", DTYPES + [pytest.param("block", id="block")])
 @torch.no_grad()
 def test_graph_replay_equals_eager_bitwise(dtype):
-    """Captured once per T (decode kernel and both CUTLASS configs), replayed with new offsets and activations:
-    the replay equals eager on the same inputs bit for bit, and the float64 reference."""
+    """Captured once per T (decode kernel, CUTLASS Mid at 300 and Large at 1000), replayed with new offsets and
+    activations: the replay equals eager on the same inputs bit for bit, and the float64 reference."""
     if dtype != torch.int8 and not cw.supports_fp8():
         pytest.skip("the sm90 fp8 kernels are not available in this build")
     block = dtype == "block"
@@ -267,7 +267,7 @@ def test_graph_replay_equals_eager_bitwise(dtype):
 
 def grouped_tables():
     """{table id: [entry names]} of the sm90 library's grouped tables (kernel_api.h cw8a8_config_table: 0 int8, 1 fp8,
-    2 block fp8): the shipped Small and Large entries, then the tuning candidates of a CUTLASS_W8A8_TUNE=grouped
+    2 block fp8): the shipped Small, Mid and Large entries, then the tuning candidates of a CUTLASS_W8A8_TUNE=grouped
     build."""
     import ctypes
 
@@ -295,7 +295,7 @@ def test_every_grouped_config_forced(dtype):
     block = dtype == "block"
     table = 2 if block else (0 if dtype == torch.int8 else 1)
     names = grouped_tables()[table]
-    assert names[:2] and all(names), names
+    assert len(names) >= 3 and all(names), names
     e, n, k = 8, 208 if block else 272, 512
     for config, name in enumerate(names):
         for t in (40, 600):
@@ -306,17 +306,20 @@ def test_every_grouped_config_forced(dtype):
 
 
 def test_grouped_config_table_size_and_names():
-    """The op's range is the library's table size (2 shipped entries, more only in a tuning build), named as the dense
-    tables' entries are."""
+    """The op's range is the library's table size (3 shipped entries, more only in a tuning build), named as the dense
+    tables' entries are; int8's Mid entry is its Large config (no int8 candidate was timed)."""
     a, w, sa, sb, b = problem(8, 128, 256, 4, torch.int8)
     o = torch.tensor([2, 4, 6, 8], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match=r"^_grouped_scaled_mm_config: `config` must be in \[0, (\d+)\), got 99999"):
         forced(a, w, sa, sb, o, b, 99_999)
     tables = grouped_tables()
-    assert tables[0][:2] == ["swap_64x32x256_c1x1_pingpong_persistent", "128x128x128_c1x1_cooperative_persistent"]
-    assert tables[1][:2] == ["swap_64x32x256_c1x1_pingpong_persistent_fastaccum",
-                             "128x128x128_c1x1_cooperative_persistent_fastaccum"]
-    assert tables[2][:2] == ["swap_128x32x128_c1x1_pingpong_persistent", "128x128x128_c1x1_cooperative_persistent"]
+    assert tables[0][:3] == ["swap_64x32x256_c1x1_pingpong_persistent", "128x128x128_c1x1_cooperative_persistent",
+                             "128x128x128_c1x1_cooperative_persistent"]
+    assert tables[1][:3] == ["swap_64x32x256_c1x1_pingpong_persistent_fastaccum",
+                             "64x128x128_c1x1_pingpong_persistent_fastaccum",
+                             "128x256x128_c1x1_cooperative_persistent_fastaccum"]
+    assert tables[2][:3] == ["swap_128x32x128_c1x1_pingpong_persistent", "64x128x128_c1x1_pingpong_persistent",
+                             "128x128x128_c1x1_cooperative_persistent"]
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(FP8, id="fp8"), pytest.param("block", id="block")])

@@ -258,8 +258,8 @@ def _grouped(ctx: Ctx, t, n, k, e, dtype, kind, *, sa_kind="token", sb_kind="cha
 @case("grouped_scaled_mm", ["grouped_scaled_mm", "grouped_scaled_mm_out"], needs_sm90=True)
 def _grouped_scaled_mm(ctx: Ctx) -> None:
     """grouped_scaled_mm int8, fp8 and block fp8 with empty experts (first, last, inner), unrouted tail rows and all
-    rows on one expert; T on both sides of the grouped decode bound (64 rows) and of the CUTLASS Small / Large switch
-    (16 E); per-token / per-tensor x per-channel / per-expert scales; a K tail (K = 400) in the decode kernel; offsets
+    rows on one expert; T on both sides of the grouped decode bound (64 rows) and of the CUTLASS Small / Mid / Large
+    switches (16 E, 64 E); per-token / per-tensor x per-channel / per-expert scales; a K tail (K = 400) in the decode kernel; offsets
     the device must clamp."""
     e, n, k = 8, 272, 512
     rows = [(I8, 5, "empty", dict(functional=True)),

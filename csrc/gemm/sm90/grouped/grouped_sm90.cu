@@ -15,7 +15,8 @@
 namespace cutlass_w8a8::sm90::grouped {
 namespace {
 
-// Calls run(Cfg{}) with candidate `i` of the tuple Candidates (i in range: the entry checked it).
+// Calls run(Cfg{}) with entry `i` of the tuple Candidates (a table's shipped configs or its tuning candidates; i in
+// range: the entry checked it).
 template <class Candidates, class Run, size_t... I>
 int run_candidate(int i, Run&& run, std::index_sequence<I...>) {
   int rc = 1;
@@ -33,8 +34,7 @@ int run_entry(int index, const cw8a8_grouped_mm_args& args, cw8a8_alloc_fn alloc
     return run_grouped_mm<AB, ElementD, decltype(cfg), Tb::kBlock>(args, alloc, ctx, err, err_len);
   };
   if (index < kNumGroupedConfigs) {
-    return index == 0 ? run(std::tuple_element_t<0, typename Tb::Shipped>{})
-                      : run(std::tuple_element_t<1, typename Tb::Shipped>{});
+    return run_candidate<typename Tb::Shipped>(index, run, std::make_index_sequence<kNumGroupedConfigs>{});
   }
   if constexpr (kTuneGrouped && Tb::kCandidates > 0 && std::is_same_v<ElementD, cutlass::bfloat16_t>) {
     return run_candidate<typename Tb::Candidates>(index - kNumGroupedConfigs, run,

@@ -1,16 +1,19 @@
 // Configurations of the sm90 grouped (mixture-of-experts) GEMM, cw8a8_sm90_grouped_mm (gemm/kernel_api.h), and the
 // choice among them. Light on purpose: the dispatcher (grouped_sm90.cu) includes it without the kernel templates.
 //
-// One small table per kernel family (the cw8a8_config_table ids: int8, fp8 row-wise, block-scaled fp8), two
-// configs each, named by the bucket they serve:
-//   *_Small: rows per expert (T / E on average) <= kSmallRowsPerExpert. Swapped (D^T = B^T A^T): the expert's
-//            weight N fills the MMA's M side and the expert's few tokens its N side (32 columns), as the dense
-//            decode-sized configs of scaled_mm_sm90_dispatch.cuh do.
-//   *_Large: otherwise. Unswapped 128x128 cooperative tiles (the tile of CUTLASS examples 57 / 68), no cluster.
+// One small table per kernel family (the cw8a8_config_table ids: int8, fp8 row-wise, block-scaled fp8), three
+// configs each, named by the bucket of average rows per expert (T / E) they serve:
+//   *_Small: <= kSmallRowsPerExpert. Swapped (D^T = B^T A^T): the expert's weight N fills the MMA's M side and the
+//            expert's few tokens its N side (32 columns), as the dense decode-sized configs of
+//            scaled_mm_sm90_dispatch.cuh do.
+//   *_Mid:   <= kMidRowsPerExpert. fp8 and block fp8: 64x128 pingpong tiles, one weight pass per 64 tokens of an
+//            expert, where the 128-row tile would be half empty; int8: its *_Large config (not measured).
+//   *_Large: above. int8 and block fp8: 128x128 cooperative tiles (the tile of CUTLASS examples 57 / 68), no cluster;
+//            fp8 row-wise: 128x256 cooperative (fast accumulation: 128 accumulator registers a thread, no waves).
 // Accumulation follows the dense tables: int8 accumulates exactly in int32; row-wise fp8 uses fast accumulation
 // (csrc/gemm/EPILOGUES.md states its error); block fp8 promotes and scales every 128-deep K block (example 68's
 // mainloop). Each (family, output type, config) is compiled in its own file, grouped_<family>_<bucket>_<out>.cu.
-// Not tuned yet: the configs are first choices to be measured (bench/bench_moe.py).
+// Measured: bench/bench_moe.py, the *_Mid / fp8 *_Large choice on an H200 (2026-11-30, below).
 #pragma once
 
 #include <cstdint>
@@ -37,24 +40,35 @@ constexpr Scheduler GPE = Scheduler::kPersistent;
 // tile reads each weight once per 128 rows (1.06-1.32x at 128 rows per expert).
 constexpr int64_t kSmallRowsPerExpert = 16;
 
-// int8 x int8 -> int32
+// Average rows per expert up to which the *_Mid configs run (above kSmallRowsPerExpert). On an H200 (2026-11-30,
+// bench/results/moe_grouped_candidates_nvidia-h200.md: Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 w13 / w2 at T 512,
+// 1024 and 4096, then-shipped tables against the candidates, forced, same run) the 64x128 pingpong tile was the
+// fastest or within 2% of it at the 12 fp8 / block points with 32 and 64 rows per expert, 1.04-1.36x the 128x128
+// cooperative tile (at 16 rows, DeepSeek-V3 T 512, 1.00-1.05x *_Small, which keeps that point). From 128 rows it was
+// slower than the family's *_Large at 18 of the 20 points (0.70-0.97x; block fp8 1.17x at Mixtral w13 and 1.02x at
+// DeepSeek-V3 w2, both 128 rows per expert).
+constexpr int64_t kMidRowsPerExpert = 64;
+
+// int8 x int8 -> int32 (*_Mid is *_Large: no int8 candidate was timed)
 using GInt8_Small = Config<64, 32, 256, 1, 1, GPP, GPE, true>;
 using GInt8_Large = Config<128, 128, 128, 1, 1, GCO, GPE, false>;
-using GInt8Configs = std::tuple<GInt8_Small, GInt8_Large>;
+using GInt8_Mid = GInt8_Large;
 
-// fp8 e4m3 row-wise (per-token / per-tensor x per-channel / per-expert scales), fast accumulation
+// fp8 e4m3 row-wise (per-token / per-tensor x per-channel / per-expert scales), fast accumulation. *_Large: the
+// 128x256 tile was 1.05-1.39x the 128x128 one at 9 of the 10 points with 128-1024 rows per expert of the run above
+// (0.99x at Mixtral w2, 1024 rows).
 using GFp8_Small = Config<64, 32, 256, 1, 1, GPP, GPE, true, true>;
-using GFp8_Large = Config<128, 128, 128, 1, 1, GCO, GPE, false, true>;
-using GFp8Configs = std::tuple<GFp8_Small, GFp8_Large>;
+using GFp8_Mid = Config<64, 128, 128, 1, 1, GPP, GPE, false, true>;
+using GFp8_Large = Config<128, 256, 128, 1, 1, GCO, GPE, false, true>;
 
 // block-scaled fp8 (1x128 activation groups x 128x128 weight blocks): TileK 128, the weight's side a multiple of 128
 using GFp8Block_Small = Config<128, 32, 128, 1, 1, GPP, GPE, true>;
+using GFp8Block_Mid = Config<64, 128, 128, 1, 1, GPP, GPE, false>;
 using GFp8Block_Large = Config<128, 128, 128, 1, 1, GCO, GPE, false>;
-using GFp8BlockConfigs = std::tuple<GFp8Block_Small, GFp8Block_Large>;
 
 // Tuning candidates (bfloat16 output; built with CUTLASS_W8A8_TUNE=1, or with `grouped` in its list: setup.py
 // defines CUTLASS_W8A8_TUNE_GROUPED and compiles instantiations_tune/grouped_*.cu, which generate_instantiations.py
-// writes from these tables). They follow a table's shipped entries (indices 2, 3, ...), reached only through the
+// writes from these tables). They follow a table's shipped entries (indices 3, 4, ...), reached only through the
 // tuning op _grouped_scaled_mm_config (bench/bench_moe.py --grouped-configs); select_grouped never picks them.
 // Issue 37: the wave mainloop (wave_mainloop.cuh, Config's 11th argument) on the ptr-array collectives, 256x128
 // cooperative tiles whose warpgroups hold 128 token rows each in two 64-row waves (128 + 64 accumulator registers), for
@@ -73,28 +87,28 @@ using GFp8BlockConfigs = std::tuple<GFp8Block_Small, GFp8Block_Large>;
 // weights, 2.1 TB/s), fp8 1.13x; Mixtral-8x7B w13 (E 8, N 28672, K 4096, 128-1024 rows per expert, compute-bound)
 // block 1.10-1.12x, fp8 1.19x at T 1024; Mixtral w2 block 1.17x. Row-wise with fast accumulation, as the shipped
 // row-wise entries (so not bit-comparable with the promoted reference; bench_moe reports n/a), block promoted:
-//   64x128 pingpong: a 64-token tile for 32-64 rows per expert (the 128-row tile is half empty there);
 //   swapped 128x64 pingpong: the *_Small layout (weight N on the MMA's M, tokens on its N) with 64 token columns in
 //     place of 32, so 64 rows per expert read the weight once; TileM 128 (not *_Small's fp8 64x32x256), as the block
 //     kernel needs the weight's side a multiple of 128 and TileK 128: one shape for both families;
 //   128x128 with a 2x1 cluster: each weight tile multicast to two token tiles of one expert (compute-bound w13);
-//   128x256 cooperative, fast accumulation without waves (fp8): one weight pass per 128 tokens, half the CTAs.
-// Each compiles without spills (nvcc 13.0 -Xptxas -v, sm_90a: 168 registers); not timed yet.
+//   the 64x128 pingpong and fp8's 128x256 cooperative tiles of the same list are now the shipped *_Mid / fp8 *_Large.
+// Each compiles without spills (nvcc 13.0 -Xptxas -v, sm_90a: 168 registers). Timed on an H200
+// (bench/results/moe_grouped_candidates_nvidia-h200.md): the swapped 128x64 tile within 1% of the 64x128 one at 32
+// rows per expert, slower elsewhere; the 2x1 clusters 0.47-0.95x the 128x128 tile. Fp8's former *_Large (128x128
+// cooperative, fast accumulation) stays listed for the next A/B.
 using GInt8TuneCandidates = std::tuple<>;
 using GFp8TuneCandidates = std::tuple<
     Config<128, 128, 128, 1, 1, GCO, GPE, false>,
     Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>,
     Config<256, 128, 128, 2, 1, GCO, GPE, false, false, 1, true>,
     Config<128, 256, 128, 1, 1, GCO, GPE, false, false, 1, true, 128>,
-    Config<64, 128, 128, 1, 1, GPP, GPE, false, true>,
     Config<128, 64, 128, 1, 1, GPP, GPE, true, true>,
     Config<128, 128, 128, 2, 1, GCO, GPE, false, true>,
-    Config<128, 256, 128, 1, 1, GCO, GPE, false, true>>;
+    Config<128, 128, 128, 1, 1, GCO, GPE, false, true>>;
 using GFp8BlockTuneCandidates = std::tuple<
     Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>,
     Config<256, 128, 128, 2, 1, GCO, GPE, false, false, 1, true>,
     Config<128, 256, 128, 1, 1, GCO, GPE, false, false, 1, true, 128>,
-    Config<64, 128, 128, 1, 1, GPP, GPE, false>,
     Config<128, 64, 128, 1, 1, GPP, GPE, true>,
     Config<128, 128, 128, 2, 1, GCO, GPE, false>>;
 
@@ -104,14 +118,14 @@ constexpr bool kTuneGrouped = true;
 constexpr bool kTuneGrouped = false;
 #endif
 
-constexpr int kNumGroupedConfigs = 2;  // shipped, in every table; index 0 = *_Small, 1 = *_Large
+constexpr int kNumGroupedConfigs = 3;  // shipped, in every table; index 0 = *_Small, 1 = *_Mid, 2 = *_Large
 
 // One grouped table: its operand type, scaling, shipped configs and tuning candidates (compiled when kTuneGrouped).
-template <class ElementAB_, bool kBlock_, class Small_, class Large_, class Candidates_>
+template <class ElementAB_, bool kBlock_, class Small_, class Mid_, class Large_, class Candidates_>
 struct GroupedTable {
   using ElementAB = ElementAB_;
   static constexpr bool kBlock = kBlock_;
-  using Shipped = std::tuple<Small_, Large_>;
+  using Shipped = std::tuple<Small_, Mid_, Large_>;
   using Candidates = Candidates_;
   static constexpr int kCandidates = static_cast<int>(std::tuple_size_v<Candidates>);
   static constexpr int kSize = kNumGroupedConfigs + (kTuneGrouped ? kCandidates : 0);
@@ -122,11 +136,12 @@ template <class F>
 int visit_grouped_table(int table, F&& f) {
   switch (table) {
     case CW8A8_TABLE_INT8:
-      return f(GroupedTable<int8_t, false, GInt8_Small, GInt8_Large, GInt8TuneCandidates>{});
+      return f(GroupedTable<int8_t, false, GInt8_Small, GInt8_Mid, GInt8_Large, GInt8TuneCandidates>{});
     case CW8A8_TABLE_FP8:
-      return f(GroupedTable<cutlass::float_e4m3_t, false, GFp8_Small, GFp8_Large, GFp8TuneCandidates>{});
+      return f(GroupedTable<cutlass::float_e4m3_t, false, GFp8_Small, GFp8_Mid, GFp8_Large, GFp8TuneCandidates>{});
     case CW8A8_TABLE_FP8_BLOCK:
-      return f(GroupedTable<cutlass::float_e4m3_t, true, GFp8Block_Small, GFp8Block_Large, GFp8BlockTuneCandidates>{});
+      return f(GroupedTable<cutlass::float_e4m3_t, true, GFp8Block_Small, GFp8Block_Mid, GFp8Block_Large,
+                            GFp8BlockTuneCandidates>{});
     default:
       return -1;
   }
@@ -163,11 +178,12 @@ inline const char* grouped_config_name(int table, int i) {
   return name != nullptr ? name->c_str() : nullptr;
 }
 
-// Index 0 (*_Small) when the average expert has at most kSmallRowsPerExpert rows, else 1 (*_Large).
+// By the average rows per expert (T / E): index 0 (*_Small) up to kSmallRowsPerExpert, 1 (*_Mid) up to
+// kMidRowsPerExpert, else 2 (*_Large).
 inline int select_grouped(int64_t t, int64_t n, int64_t num_experts) {
   (void)n;
   const int64_t e = num_experts > 0 ? num_experts : 1;
-  return t <= kSmallRowsPerExpert * e ? 0 : 1;
+  return t <= kSmallRowsPerExpert * e ? 0 : (t <= kMidRowsPerExpert * e ? 1 : 2);
 }
 
 // Defined in grouped_sm90.cuh, instantiated one (ElementAB, ElementD, Config, block) per file. Returns 0 or writes
