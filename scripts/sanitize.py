@@ -15,7 +15,7 @@ not call an op it names. The cases and the ops they drive: ``--list``.
 - ``scaled_mm_decode`` / ``linear_decode`` (and out=) at M = 1..16, split-K and not; ``w8a8_linear`` per token,
   per tensor and block, decode and CUTLASS M;
 - ``grouped_scaled_mm`` (and out=) int8, fp8 and block with empty experts and unrouted rows, T on both sides of the
-  grouped decode bound and of the CUTLASS Small / Large switch, a K tail, offsets the device clamps;
+  grouped decode bound and of the CUTLASS Small / Mid / Large switches, a K tail, offsets the device clamps;
 - ``moe_topk_softmax``, ``moe_route`` (softmax / sigmoid, bias, grouped top-k), ``moe_align``, ``moe_permute_quant``,
   ``moe_unpermute`` (and out=);
 - ``decode_attention`` (and out=), ``decode_attention_quant``, ``rope_kv_cache_``, ``decode_layer``;
