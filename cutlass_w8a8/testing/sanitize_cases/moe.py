@@ -259,8 +259,9 @@ def _grouped(ctx: Ctx, t, n, k, e, dtype, kind, *, sa_kind="token", sb_kind="cha
 def _grouped_scaled_mm(ctx: Ctx) -> None:
     """grouped_scaled_mm int8, fp8 and block fp8 with empty experts (first, last, inner), unrouted tail rows and all
     rows on one expert; T on both sides of the grouped decode bound (64 rows) and of the CUTLASS Small / Mid / Large
-    switches (16 E, 64 E); per-token / per-tensor x per-channel / per-expert scales; a K tail (K = 400) in the decode kernel; offsets
-    the device must clamp."""
+    switches (16 E, 64 E; at E = 8: Small up to T 128, Mid up to 512, int8's Mid being its Large): fp8 65 / 512 / 600,
+    block 128 / 129 / 513; per-token / per-tensor x per-channel / per-expert scales; a K tail (K = 400) in the decode
+    kernel; offsets the device must clamp."""
     e, n, k = 8, 272, 512
     rows = [(I8, 5, "empty", dict(functional=True)),
             (I8, 64, "tail", dict(sa_kind="tensor", sb_kind="expert", bias=False, out_dtype=F16)),
@@ -269,11 +270,12 @@ def _grouped_scaled_mm(ctx: Ctx) -> None:
             (FP8, 1, "one", dict(sa_kind="token1d", sb_kind="expert")),
             (FP8, 33, "empty", dict(bias=False, out_dtype=F16, functional=True)),
             (FP8, 65, "tail", dict(sa_kind="tensor")),
-            (FP8, 600, "empty", dict(bias=False))]
-    blocks = [(7, "empty", dict(functional=True)), (64, "tail", dict(out_dtype=F16)), (129, "empty", {}),
-              (300, "one", dict(bias=False))]
+            (FP8, 600, "empty", dict(bias=False)),
+            (FP8, 512, "tail", dict(sb_kind="expert2d"))]
+    blocks = [(7, "empty", dict(functional=True)), (64, "tail", dict(out_dtype=F16)), (128, "tail", {}),
+              (129, "empty", {}), (513, "one", dict(bias=False))]
     if ctx.quick:
-        rows, blocks = [rows[i] for i in (0, 3, 5, 7)], [blocks[0], blocks[3]]
+        rows, blocks = [rows[i] for i in (0, 3, 5, 7)], [blocks[0], blocks[4]]
     for dtype, t, kind, kw in rows:
         if dtype in ctx.qdtypes:
             _grouped(ctx, t, n, k, e, dtype, kind, **kw)
