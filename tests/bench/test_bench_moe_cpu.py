@@ -222,12 +222,16 @@ def test_run_flow_on_cpu(on_cpu, monkeypatch, tmp_path):
     assert "## Grouped GEMM" in b.render_markdown(res)
 
 
-# the grouped tables as a CUTLASS_W8A8_TUNE=grouped build names them (the library's cw8a8_sm90_grouped_config_name)
-TUNED_NAMES = {1: ["swap_64x32x256_c1x1_pingpong_persistent_fastaccum",
-                   "128x128x128_c1x1_cooperative_persistent_fastaccum", "128x128x128_c1x1_cooperative_persistent",
-                   "256x128x128_c1x1_cooperative_persistent_waves"],
-               2: ["swap_128x32x128_c1x1_pingpong_persistent", "128x128x128_c1x1_cooperative_persistent",
-                   "256x128x128_c1x1_cooperative_persistent_waves"]}
+# the grouped tables as a CUTLASS_W8A8_TUNE=grouped build names them (the library's cw8a8_sm90_grouped_config_name):
+# the three shipped entries (*_Small, *_Mid, *_Large; grouped_sm90_config.cuh), then candidates (the first of each
+# table's here)
+SHIPPED_NAMES = {1: ["swap_64x32x256_c1x1_pingpong_persistent_fastaccum", "64x128x128_c1x1_pingpong_persistent_fastaccum",
+                     "128x256x128_c1x1_cooperative_persistent_fastaccum"],
+                 2: ["swap_128x32x128_c1x1_pingpong_persistent", "64x128x128_c1x1_pingpong_persistent",
+                     "128x128x128_c1x1_cooperative_persistent"]}
+TUNED_NAMES = {1: SHIPPED_NAMES[1] + ["128x128x128_c1x1_cooperative_persistent",
+                                      "256x128x128_c1x1_cooperative_persistent_waves"],
+               2: SHIPPED_NAMES[2] + ["256x128x128_c1x1_cooperative_persistent_waves"]}
 
 
 def test_grouped_configs_selection(bench):
@@ -235,15 +239,17 @@ def test_grouped_configs_selection(bench):
     candidates is refused with the build setting to use."""
     configs = bench.sys.modules["_moe_configs"]
     got = configs.selected(TUNED_NAMES, ["waves"])
-    assert got == {"ours_fp8": [(3, "256x128x128_c1x1_cooperative_persistent_waves"),
-                                (2, "128x128x128_c1x1_cooperative_persistent")],
-                   "ours_block": [(2, "256x128x128_c1x1_cooperative_persistent_waves"),
-                                  (1, "128x128x128_c1x1_cooperative_persistent")]}
+    assert got == {"ours_fp8": [(4, "256x128x128_c1x1_cooperative_persistent_waves"),
+                                (3, "128x128x128_c1x1_cooperative_persistent")],
+                   "ours_block": [(3, "256x128x128_c1x1_cooperative_persistent_waves"),
+                                  (2, "128x128x128_c1x1_cooperative_persistent")]}
     assert [n for _, n in configs.selected(TUNED_NAMES, ["cooperative_persistent"])["ours_block"]] == \
         ["128x128x128_c1x1_cooperative_persistent", "256x128x128_c1x1_cooperative_persistent_waves"]
-    shipped = {1: TUNED_NAMES[1][:2], 2: TUNED_NAMES[2][:2]}
+    # a default build (the shipped entries only): no candidate, and no promoted row-wise reference
     with pytest.raises(RuntimeError, match="CUTLASS_W8A8_TUNE=grouped"):
-        configs.selected(shipped, ["waves"])
+        configs.selected(SHIPPED_NAMES, ["waves"])
+    with pytest.raises(RuntimeError, match="CUTLASS_W8A8_TUNE=grouped"):
+        configs.selected(SHIPPED_NAMES, ["64x128x128_c1x1_pingpong"])
     assert configs.base_method("ours_block[256x128x128_c1x1_cooperative_persistent_waves]") == "ours_block"
     a, b = torch.zeros(3, 4), torch.zeros(3, 4)
     b[2, 0] = 1.0  # past the routed rows: not compared
@@ -268,16 +274,32 @@ NEW_SUBSTRINGS = ["64x128x128_c1x1_pingpong", "swap_128x64x128", "128x128x128_c2
 
 def test_grouped_configs_new_candidates_and_fast_accumulation(bench):
     """The substring list given for the new candidates selects exactly them (plus each table's bit reference) from the
-    full tuning table; a fast-accumulation entry is not compared bit for bit with the promoted reference (a different
-    sum): None, shown as n/a, never as a failure."""
+    full tuning table of the build they were timed with (af7e1fb: two shipped entries), and in today's (three shipped
+    entries, two of them the former candidates) the same entries by today's indices; a fast-accumulation entry is not
+    compared bit for bit with the promoted reference (a different sum): None, shown as n/a, never as a failure."""
     configs = bench.sys.modules["_moe_configs"]
-    wave_fp8 = ["256x128x128_c2x1_cooperative_persistent_waves", "128x256x128_c1x1_cooperative_persistent_waves_n128"]
-    wave_block = ["256x128x128_c2x1_cooperative_persistent_waves", "128x256x128_c1x1_cooperative_persistent_waves_n128"]
-    names = {1: TUNED_NAMES[1] + wave_fp8 + NEW_CANDIDATES[1], 2: TUNED_NAMES[2] + wave_block + NEW_CANDIDATES[2]}
-    got = configs.selected(names, NEW_SUBSTRINGS)
+    waves = ["256x128x128_c1x1_cooperative_persistent_waves", "256x128x128_c2x1_cooperative_persistent_waves",
+             "128x256x128_c1x1_cooperative_persistent_waves_n128"]
+    promoted_ref = "128x128x128_c1x1_cooperative_persistent"
+    then = {1: ["swap_64x32x256_c1x1_pingpong_persistent_fastaccum", "128x128x128_c1x1_cooperative_persistent_fastaccum",
+                promoted_ref] + waves + NEW_CANDIDATES[1],
+            2: ["swap_128x32x128_c1x1_pingpong_persistent", promoted_ref] + waves + NEW_CANDIDATES[2]}
+    got = configs.selected(then, NEW_SUBSTRINGS)
     for family, table in (("ours_fp8", 1), ("ours_block", 2)):
         assert [n for _, n in got[family]] == NEW_CANDIDATES[table] + [configs.BIT_REFERENCE]
-        assert all(names[table][i] == n for i, n in got[family])
+        assert all(then[table][i] == n for i, n in got[family])
+    # today (grouped_sm90_config.cuh): Small, Mid, Large, then the candidates (fp8's former Large among them)
+    now = {1: SHIPPED_NAMES[1] + [promoted_ref] + waves + ["swap_128x64x128_c1x1_pingpong_persistent_fastaccum",
+                                                          "128x128x128_c2x1_cooperative_persistent_fastaccum",
+                                                          "128x128x128_c1x1_cooperative_persistent_fastaccum"],
+           2: SHIPPED_NAMES[2] + waves + ["swap_128x64x128_c1x1_pingpong_persistent",
+                                          "128x128x128_c2x1_cooperative_persistent"]}
+    got = configs.selected(now, NEW_SUBSTRINGS)
+    assert [i for i, _ in got["ours_fp8"]] == [1, 2, 7, 8, 3]  # Mid, Large, swap, c2x1, then the promoted reference
+    assert [i for i, _ in got["ours_block"]] == [1, 6, 7, 2]  # Mid, swap, c2x1, then Large (the reference)
+    for family, table in (("ours_fp8", 1), ("ours_block", 2)):
+        assert sorted(n for _, n in got[family]) == sorted(NEW_CANDIDATES[table] + [configs.BIT_REFERENCE])
+        assert all(now[table][i] == n for i, n in got[family])
     ref = configs.method_name("ours_fp8", configs.BIT_REFERENCE)
     fast = configs.method_name("ours_fp8", NEW_CANDIDATES[1][0])
     promoted = configs.method_name("ours_block", NEW_CANDIDATES[2][0])
