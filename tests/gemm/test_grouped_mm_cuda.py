@@ -236,8 +236,9 @@ def test_runs_on_current_stream():
 @pytest.mark.parametrize("dtype", DTYPES + [pytest.param("block", id="block")])
 @torch.no_grad()
 def test_graph_replay_equals_eager_bitwise(dtype):
-    """Captured once per T (decode kernel, CUTLASS Mid at 300 and Large at 1000), replayed with new offsets and
-    activations: the replay equals eager on the same inputs bit for bit, and the float64 reference."""
+    """Captured once per T (decode kernel at 1 and 64; at E = 8 CUTLASS Small at 65, Mid at 300, Large at 1000),
+    replayed with new offsets and activations: the replay equals eager on the same inputs bit for bit, and the float64
+    reference."""
     if dtype != torch.int8 and not cw.supports_fp8():
         pytest.skip("the sm90 fp8 kernels are not available in this build")
     block = dtype == "block"
@@ -288,8 +289,9 @@ def forced(a, w, sa, sb, offsets, b, config):
 @pytest.mark.parametrize("dtype", DTYPES + [pytest.param("block", id="block")])
 @torch.no_grad()
 def test_every_grouped_config_forced(dtype):
-    """Every entry of the grouped table (tuning candidates included when built) forced at T on both sides of the
-    decode bound and the Small / Large switch: right at any T, rows past the last expert untouched."""
+    """Every entry of the grouped table (tuning candidates included when built) forced at T 40 and 600 (E = 8: a
+    decode-size T and one in *_Large's range; a forced entry runs whatever T): right at any T, rows past the last
+    expert untouched."""
     if dtype != torch.int8 and not cw.supports_fp8():
         pytest.skip("the sm90 fp8 kernels are not available in this build")
     block = dtype == "block"
