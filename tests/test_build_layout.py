@@ -130,6 +130,45 @@ def test_tune_tables_select_their_candidates_only():
     assert claimed == set(tune_files), f"files no table builds: {set(tune_files) - claimed}"
 
 
+GROUPED_FAMILIES = {"GInt8": ("int8", "int8_t", "false", "GInt8TuneCandidates"),
+                    "GFp8": ("fp8", "cutlass::float_e4m3_t", "false", "GFp8TuneCandidates"),
+                    "GFp8Block": ("fp8block", "cutlass::float_e4m3_t", "true", "GFp8BlockTuneCandidates")}
+GROUPED_BUCKETS = ("Small", "Mid", "Large")  # the shipped entries' order (kNumGroupedConfigs, select_grouped)
+
+
+def test_grouped_shipped_buckets_have_their_files():
+    """Each family's shipped grouped entries (G<family>_Small / _Mid / _Large of grouped_sm90_config.cuh, in that order
+    in visit_grouped_table) are instantiated once per output type, in grouped/grouped_<family>_<bucket>_<out>.cu; an
+    alias of another bucket (int8's Mid is its Large) has no file of its own (no second instantiation), and no tuning
+    candidate repeats a shipped config of its table (it would be instantiated twice)."""
+    header = GEMM / "sm90" / "grouped" / "grouped_sm90_config.cuh"
+    code = " ".join(line.split("//")[0] for line in header.read_text().splitlines())
+    aliases = dict(re.findall(r"using (G\w+?_(?:Small|Mid|Large)) = ([^;]+);", code))
+    files = {p.name: p.read_text() for p in (GEMM / "sm90" / "grouped").glob("grouped_*_*_*.cu")}
+    expected = set()
+    visit = re.sub(r"\s+", " ", code.split("int visit_grouped_table", 1)[1].split("default:", 1)[0])
+    for family, (stem, ab, block, candidates) in GROUPED_FAMILIES.items():
+        names = [f"{family}_{b}" for b in GROUPED_BUCKETS]
+        assert all(n in aliases for n in names), f"{family}: {names} not all defined: {sorted(aliases)}"
+        assert f"{ab}, {block}, {', '.join(names)}, {candidates}>" in visit, f"{family}'s table in visit_grouped_table"
+        shipped = set()
+        for bucket, name in zip(GROUPED_BUCKETS, names):
+            target = aliases[name].strip()
+            if target in aliases:  # an alias of another bucket: that bucket's files serve it
+                assert target in names and not aliases[target].strip() in aliases, f"{name} = {target}"
+                continue
+            shipped.add(re.sub(r"\s+", " ", target))
+            for out, out_type in (("bf16", "cutlass::bfloat16_t"), ("f16", "cutlass::half_t")):
+                rel = f"grouped_{stem}_{bucket}_{out}.cu"
+                expected.add(rel)
+                assert rel in files, f"{name} has no grouped/{rel}"
+                assert re.search(rf"template int run_grouped_mm<{re.escape(ab)}, {re.escape(out_type)}, {name}, "
+                                 rf"{block}>\(", files[rel]), f"grouped/{rel} does not instantiate {name}"
+        tune = {re.sub(r"\s+", " ", c) for c in table_items("sm90/grouped/grouped_sm90_config.cuh", candidates) if c}
+        assert not tune & shipped, f"{candidates} repeats shipped configs: {tune & shipped}"
+    assert set(files) == expected, f"grouped/ files no shipped bucket explains: {set(files) - expected}"
+
+
 def test_grouped_candidates_named_like_the_dense_ones():
     """A grouped candidate's file is the dense candidate name of its kernel after `grouped_` (the grouped header's
     GPP / GCO / GPE read as PP / CO / PE); the wave mainloop ones end in `_waves`, never with fast accumulation, TileK
