@@ -168,8 +168,8 @@ typedef int (*cw8a8_grouped_mm_fn)(const cw8a8_grouped_mm_args* args, cw8a8_allo
 
 // The grouped table a call's `config` indexes (the ids of cw8a8_config_table, as cw8a8_config_table_of). The sm90
 // library exports each table's size and names as cw8a8_sm90_grouped_num_configs / cw8a8_sm90_grouped_config_name
-// (cw8a8_num_configs_fn / cw8a8_config_name_fn): its shipped configs (index 0 for few rows per expert, 1 otherwise),
-// then any tuning candidates a tuning build (setup.py CUTLASS_W8A8_TUNE naming grouped) compiled.
+// (cw8a8_num_configs_fn / cw8a8_config_name_fn): its shipped configs (indices 0 / 1 / 2: few / mid / many rows per
+// expert), then any tuning candidates a tuning build (setup.py CUTLASS_W8A8_TUNE naming grouped) compiled.
 static inline int cw8a8_grouped_table_of(const cw8a8_grouped_mm_args* args) {
   return args->scale_block ? CW8A8_TABLE_FP8_BLOCK : args->ab_type;
 }

@@ -36,8 +36,8 @@ constexpr Scheduler GPE = Scheduler::kPersistent;
 // Average rows per expert up to which the swapped *_Small configs run. Their 32-token tiles re-read the expert's
 // weight once per 32 rows, so past ~32 rows per expert they read it twice or more: on an H100 (bench_moe, 59d6a17,
 // when this was 64) Mixtral w13 at 64 rows per expert took 748 us against torch's fp8 grouped GEMM's 367 (0.49x),
-// Qwen3-30B-A3B w13 at 64 rows 0.70x, both at 32 rows 0.87-1.01x, and 1.09-1.20x at <= 16 rows; the *_Large 128-row
-// tile reads each weight once per 128 rows (1.06-1.32x at 128 rows per expert).
+// Qwen3-30B-A3B w13 at 64 rows 0.70x, both at 32 rows 0.87-1.01x, and 1.09-1.20x at <= 16 rows; the 128-row tile
+// (then the only other config) read each weight once per 128 rows (1.06-1.32x at 128 rows per expert).
 constexpr int64_t kSmallRowsPerExpert = 16;
 
 // Average rows per expert up to which the *_Mid configs run (above kSmallRowsPerExpert). On an H200 (2026-11-30,
@@ -93,9 +93,9 @@ using GFp8Block_Large = Config<128, 128, 128, 1, 1, GCO, GPE, false>;
 //   128x128 with a 2x1 cluster: each weight tile multicast to two token tiles of one expert (compute-bound w13);
 //   the 64x128 pingpong and fp8's 128x256 cooperative tiles of the same list are now the shipped *_Mid / fp8 *_Large.
 // Each compiles without spills (nvcc 13.0 -Xptxas -v, sm_90a: 168 registers). Timed on an H200
-// (bench/results/moe_grouped_candidates_nvidia-h200.md): the swapped 128x64 tile within 1% of the 64x128 one at 32
-// rows per expert, slower elsewhere; the 2x1 clusters 0.47-0.95x the 128x128 tile. Fp8's former *_Large (128x128
-// cooperative, fast accumulation) stays listed for the next A/B.
+// (bench/results/moe_grouped_candidates_nvidia-h200.md): the swapped 128x64 tile took 0.99-1.03x the 64x128 tile's
+// time at 16-32 rows per expert and 1.05-1.50x from 64 rows; the 2x1 clusters ran at 0.57-0.95x the 128x128 tile's
+// speed. Fp8's former *_Large (128x128 cooperative, fast accumulation) stays listed for the next A/B.
 using GInt8TuneCandidates = std::tuple<>;
 using GFp8TuneCandidates = std::tuple<
     Config<128, 128, 128, 1, 1, GCO, GPE, false>,
