@@ -121,12 +121,15 @@ def test_tune_tables_select_their_candidates_only():
     assert mine and not mine & claimed, f"grouped's glob {file_prefix}*.cu also matches another table's files"
     claimed |= mine
     code = "\n".join(tune_files[n] for n in mine)
-    for table, block in (("GFp8TuneCandidates", "false"), ("GFp8BlockTuneCandidates", "true")):
-        for config in table_items("sm90/grouped/grouped_sm90_config.cuh", table):
-            hits = re.findall(rf"template int run_grouped_mm<cutlass::float_e4m3_t, cutlass::bfloat16_t, "
+    for table, ab, block in (("GInt8TuneCandidates", "int8_t", "false"),
+                             ("GFp8TuneCandidates", "cutlass::float_e4m3_t", "false"),
+                             ("GFp8BlockTuneCandidates", "cutlass::float_e4m3_t", "true")):
+        configs = table_items("sm90/grouped/grouped_sm90_config.cuh", table)
+        assert configs and all(configs), f"{table} lists no candidate"
+        for config in configs:
+            hits = re.findall(rf"template int run_grouped_mm<{re.escape(ab)}, cutlass::bfloat16_t, "
                               rf"{re.escape(config)}, {block}>\(", code)
             assert len(hits) == 1, f"{table}: {config} is instantiated {len(hits)} times in grouped's tuning files"
-    assert table_items("sm90/grouped/grouped_sm90_config.cuh", "GInt8TuneCandidates") == [""]
     assert claimed == set(tune_files), f"files no table builds: {set(tune_files) - claimed}"
 
 
@@ -178,9 +181,14 @@ def test_grouped_candidates_named_like_the_dense_ones():
     assert gen.candidate_name("grouped_fp8block", waves) == "grouped_fp8block_tile256x128x128_cluster1x1_co_waves"
     assert gen.candidate_name("grouped_fp8", "Config<128, 128, 128, 1, 1, GCO, GPE, false>") == \
         "grouped_fp8_tile128x128x128_cluster1x1_co"
+    assert gen.candidate_name("grouped_int8", "Config<64, 128, 128, 1, 1, GPP, GPE, false>") == \
+        "grouped_int8_tile64x128x128_cluster1x1_pp"
     files = gen.grouped_tune_files()
     assert set(files) == {f"sm90/instantiations_tune/{n}" for n in
-                          ("grouped_fp8_tile128x128x128_cluster1x1_co_bf16.cu",
+                          (# int8 (2026-11-30): the tiles fp8 ships as *_Mid and *_Large, exact int32 accumulation
+                           "grouped_int8_tile64x128x128_cluster1x1_pp_bf16.cu",
+                           "grouped_int8_tile128x256x128_cluster1x1_co_bf16.cu",
+                           "grouped_fp8_tile128x128x128_cluster1x1_co_bf16.cu",
                            "grouped_fp8_tile256x128x128_cluster1x1_co_waves_bf16.cu",
                            "grouped_fp8_tile256x128x128_cluster2x1_co_waves_bf16.cu",
                            "grouped_fp8_tile128x256x128_cluster1x1_co_waves_n128_bf16.cu",
@@ -194,12 +202,14 @@ def test_grouped_candidates_named_like_the_dense_ones():
                            "grouped_fp8_tile128x128x128_cluster1x1_co_fastaccum_bf16.cu",
                            "grouped_fp8block_tile128x64x128_cluster1x1_pp_swap_bf16.cu",
                            "grouped_fp8block_tile128x128x128_cluster2x1_co_bf16.cu")}
-    for table in ("GFp8TuneCandidates", "GFp8BlockTuneCandidates"):
+    for table in ("GInt8TuneCandidates", "GFp8TuneCandidates", "GFp8BlockTuneCandidates"):
         for config in table_items("sm90/grouped/grouped_sm90_config.cuh", table):
             args = gen.config_args(config)
             assert args[9] == "1" and (args[10] == "false" or (args[2] == "128" and args[8] == "false")), config
-            # the blockwise mainloop always promotes (scaled_mm_sm90_gemm.cuh refuses fast accumulation with it)
+            # the blockwise mainloop always promotes (scaled_mm_sm90_gemm.cuh refuses fast accumulation with it);
+            # int8 has neither fast accumulation nor the wave mainloop (both fp8 only: scaled_mm_sm90_config.cuh)
             assert table != "GFp8BlockTuneCandidates" or args[8] == "false", config
+            assert table != "GInt8TuneCandidates" or (args[8], args[10]) == ("false", "false"), config
 
 
 WAVES = "Config<256, 128, 128, 2, 1, CO, PE, false, false, 1, true>"

@@ -28,9 +28,10 @@ File names never hold a table index (inserting a row must not rename the files a
   that config's bf16 file instead, inside `#ifdef CUTLASS_W8A8_TUNE_<INT8|FP8|FP8_BLOCK>` (setup.py defines the
   macro of each table a tuning build compiles).
 
-- sm90 grouped (mixture-of-experts) tuning candidates (`GFp8TuneCandidates`, `GFp8BlockTuneCandidates` of
-  sm90/grouped/grouped_sm90_config.cuh: bfloat16 output only, built with CUTLASS_W8A8_TUNE=1 or with `grouped` in its
-  list) in sm90/instantiations_tune/ as `grouped_<fp8|fp8block>_tile..._bf16.cu` (the names of the dense candidates
+- sm90 grouped (mixture-of-experts) tuning candidates (`GInt8TuneCandidates`, `GFp8TuneCandidates`,
+  `GFp8BlockTuneCandidates` of sm90/grouped/grouped_sm90_config.cuh: bfloat16 output only, built with
+  CUTLASS_W8A8_TUNE=1 or with `grouped` in its list) in sm90/instantiations_tune/ as
+  `grouped_<int8|fp8|fp8block>_tile..._bf16.cu` (the names of the dense candidates
   after `grouped_`), one per candidate (the grouped kernels have no swizzle variants). The grouped GEMM's shipped
   configs are instantiated by hand, one file each beside it (sm90/grouped/grouped_<family>_<bucket>_<out>.cu).
 
@@ -100,8 +101,9 @@ template int run_grouped_mm<{ab}, {out}, {cfg}, {block}>(
     const cw8a8_grouped_mm_args&, cw8a8_alloc_fn, void*, char*, size_t);
 }}  // namespace cutlass_w8a8::sm90::grouped
 """
-# Grouped candidate table -> (file prefix, C++ operand type, block-scaled). The int8 table has no candidates.
-GROUPED_TUNE = {"GFp8TuneCandidates": ("grouped_fp8", "cutlass::float_e4m3_t", "false"),
+# Grouped candidate table -> (file prefix, C++ operand type, block-scaled).
+GROUPED_TUNE = {"GInt8TuneCandidates": ("grouped_int8", "int8_t", "false"),
+                "GFp8TuneCandidates": ("grouped_fp8", "cutlass::float_e4m3_t", "false"),
                 "GFp8BlockTuneCandidates": ("grouped_fp8block", "cutlass::float_e4m3_t", "true")}
 GROUPED_TUNE_MACRO = "CUTLASS_W8A8_TUNE_GROUPED"  # setup.py's macro of CUTLASS_W8A8_TUNE=grouped
 

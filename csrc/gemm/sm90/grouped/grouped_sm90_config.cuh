@@ -96,7 +96,16 @@ using GFp8Block_Large = Config<128, 128, 128, 1, 1, GCO, GPE, false>;
 // (bench/results/moe_grouped_candidates_nvidia-h200.md): the swapped 128x64 tile took 0.99-1.03x the 64x128 tile's
 // time at 16-32 rows per expert and 1.05-1.50x from 64 rows; the 2x1 clusters ran at 0.57-0.95x the 128x128 tile's
 // speed. Fp8's former *_Large (128x128 cooperative, fast accumulation) stays listed for the next A/B.
-using GInt8TuneCandidates = std::tuple<>;
+// int8 (2026-11-30; int8's *_Mid is its *_Large because no int8 candidate was ever timed): the tiles fp8 now ships,
+// for bench_moe to time against the shipped 128x128 cooperative tile: 64x128 pingpong for *_Mid's 17-64 rows per
+// expert, 128x256 cooperative for *_Large's rows. TileK 128 as the dense int8 configs of these tiles (the shipped
+// Int8_MLarge_FewTiles, the 128x256 cooperative candidates): a 128x256x256 stage (96 KB) would leave room for two.
+// Exact int32 sums and one epilogue, so every int8 entry is expected to equal the shipped *_Large bit for bit
+// (tests/gemm/test_grouped_mm_cuda.py). Both compile without spills (nvcc 13.0 -Xptxas -v, sm_90a: 168 registers, as
+// the shipped grouped kernels); not timed yet.
+using GInt8TuneCandidates = std::tuple<
+    Config<64, 128, 128, 1, 1, GPP, GPE, false>,
+    Config<128, 256, 128, 1, 1, GCO, GPE, false>>;
 using GFp8TuneCandidates = std::tuple<
     Config<128, 128, 128, 1, 1, GCO, GPE, false>,
     Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>,
