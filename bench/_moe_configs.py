@@ -1,15 +1,19 @@
 """bench/bench_moe.py ``--grouped-configs`` (issue 37): entries of the sm90 grouped GEMM's tables forced with the tuning
-op ``_grouped_scaled_mm_config``, timed in the gemm part beside the shipped dispatch (``ours_fp8`` / ``ours_block``)
-and torch's ``F.scaled_grouped_mm``, with a bit-for-bit check against one reference entry per table.
+op ``_grouped_scaled_mm_config``, timed in the gemm part beside the shipped dispatch (``ours_int8`` / ``ours_fp8`` /
+``ours_block``) and torch's ``F.scaled_grouped_mm``, with a bit-for-bit check against one reference entry per table.
 
 The tables (csrc/gemm/sm90/grouped/grouped_sm90_config.cuh; names from the library's
 ``cw8a8_sm90_grouped_config_name``): the shipped ``*_Small`` / ``*_Mid`` / ``*_Large`` entries, then the tuning
-candidates of a ``CUTLASS_W8A8_TUNE=grouped`` build. A method is ``<family>[<entry name>]``, ``family`` ``ours_fp8`` (row-wise,
-per-token x per-channel) or ``ours_block`` (1x128 x 128x128 block scales). Every entry whose name contains one of the
-option's substrings is timed, and so is its table's bit reference `BIT_REFERENCE`: for block fp8 the shipped Large
-entry (CUTLASS's blockwise mainloop), for row-wise fp8 CUTLASS's promoted 128x128 cooperative candidate (the shipped
-row-wise entries use fast accumulation, a different sum). The wave mainloop performs the same products in the same K
-order with one promotion per 128 of K, so its outputs are expected to equal the reference's bit for bit. A
+candidates of a ``CUTLASS_W8A8_TUNE=grouped`` build. A method is ``<family>[<entry name>]``, ``family`` ``ours_int8``
+(int8, per-token x per-channel), ``ours_fp8`` (row-wise e4m3, per-token x per-channel) or ``ours_block`` (1x128 x
+128x128 block scales). Every entry whose method name contains one of the option's substrings is timed (an entry
+substring such as ``64x128x128_c1x1_pingpong`` picks that tile in every table that has it; ``ours_int8[`` every int8
+entry; ``ours_int8[64x128`` only int8's), and so is its table's bit reference `BIT_REFERENCE`; a table with no
+matching entry is left out. The references: for int8 the shipped Large entry (int8 accumulates exactly in int32 and
+every entry applies the same float32 epilogue, so every int8 entry must equal it bit for bit), for block fp8 the
+shipped Large entry (CUTLASS's blockwise mainloop), for row-wise fp8 CUTLASS's promoted 128x128 cooperative candidate
+(the shipped row-wise entries use fast accumulation, a different sum). The wave mainloop performs the same products in
+the same K order with one promotion per 128 of K, so its outputs are expected to equal the reference's bit for bit. A
 fast-accumulation entry (`FAST_ACCUM` in its name: the tensor cores' own accumulator over the whole K loop, a different
 sum) is not compared: its bits column reads "n/a" (its float64 check still applies).
 
@@ -23,9 +27,12 @@ from typing import Any, Callable, Optional
 import torch
 
 # family -> (cw8a8_config_table id, activation key, its scale key, weight attribute, its scale attribute)
-FAMILIES = {"ours_fp8": (1, "a_fp8", "sa_fp8", "w_fp8", "s_fp8"),
+FAMILIES = {"ours_int8": (0, "a_int8", "sa_int8", "w_int8", "s_int8"),
+            "ours_fp8": (1, "a_fp8", "sa_fp8", "w_fp8", "s_fp8"),
             "ours_block": (2, "a_block", "sa_block", "w_block", "s_block")}
-BIT_REFERENCE = "128x128x128_c1x1_cooperative_persistent"  # in both tables
+# In every table: int8's and block's shipped Large (so in a default build too), row-wise fp8's promoted candidate (a
+# CUTLASS_W8A8_TUNE=grouped build only).
+BIT_REFERENCE = "128x128x128_c1x1_cooperative_persistent"
 FAST_ACCUM = "_fastaccum"  # config_name's mark of fast accumulation (scaled_mm_sm90_config.cuh)
 
 
@@ -39,7 +46,7 @@ def base_method(name: str) -> str:
 
 
 def table_names(cw: Any) -> dict[int, list[str]]:
-    """{table id: entry names} of the fp8 and block grouped tables of the loaded sm90 library."""
+    """{table id: entry names} of the int8, fp8 and block grouped tables of the loaded sm90 library."""
     import ctypes
 
     lib = cw._ext.kernel_library("_kernels_sm90")
@@ -52,19 +59,30 @@ def table_names(cw: Any) -> dict[int, list[str]]:
 
 
 def selected(names: dict[int, list[str]], substrings: list[str]) -> dict[str, list[tuple[int, str]]]:
-    """{family: [(index, name), ...]}: the entries whose name contains one of ``substrings``, then the family's
-    `BIT_REFERENCE` if not among them. Raises when a family has no such entry or no reference (the candidates are in a
-    ``CUTLASS_W8A8_TUNE=grouped`` build only)."""
+    """{family: [(index, name), ...]}: the entries whose method name (``<family>[<name>]``) contains one of
+    ``substrings``, then the family's `BIT_REFERENCE` if not among them; a family with no such entry is left out. An
+    entry listed under two indices (an alias bucket: int8's Mid is its Large) counts once, by its first index. Raises
+    when no family has such an entry, or when one that has lacks its reference (the candidates, and row-wise fp8's
+    reference, are in a ``CUTLASS_W8A8_TUNE=grouped`` build only)."""
     out = {}
     for family, (table, *_) in FAMILIES.items():
-        entries = [(i, n) for i, n in enumerate(names[table]) if any(s in n for s in substrings)]
-        if not entries or BIT_REFERENCE not in names[table]:
+        first = {}
+        for i, n in enumerate(names[table]):
+            first.setdefault(n, i)
+        entries = [(i, n) for n, i in first.items() if any(s in method_name(family, n) for s in substrings)]
+        if not entries:
+            continue
+        if BIT_REFERENCE not in first:
             raise RuntimeError(f"--grouped-configs {','.join(substrings)}: the {family} grouped table "
-                               f"({', '.join(names[table])}) has no matching entry or no {BIT_REFERENCE}: build with "
+                               f"({', '.join(names[table])}) has no {BIT_REFERENCE}: build with "
                                "CUTLASS_W8A8_TUNE=grouped")
         if BIT_REFERENCE not in [n for _, n in entries]:
-            entries.append((names[table].index(BIT_REFERENCE), BIT_REFERENCE))
+            entries.append((first[BIT_REFERENCE], BIT_REFERENCE))
         out[family] = entries
+    if not out:
+        tables = "; ".join(f"{family}: {', '.join(names[t])}" for family, (t, *_) in FAMILIES.items())
+        raise RuntimeError(f"--grouped-configs {','.join(substrings)}: no grouped table entry matches ({tables}); the "
+                           "tuning candidates need a CUTLASS_W8A8_TUNE=grouped build")
     return out
 
 
@@ -91,8 +109,9 @@ def comparable(name: str) -> bool:
 
 
 def bit_identity(outs: dict[str, torch.Tensor], routed: int) -> dict[str, Optional[bool]]:
-    """{method: whether its first ``routed`` rows equal, bit for bit, its family's `BIT_REFERENCE` method's}; None
-    when the reference did not run or the entry is not `comparable` (fast accumulation: a different sum)."""
+    """{method: whether its first ``routed`` rows equal, bit for bit, its family's `BIT_REFERENCE` method's (int8: the
+    shipped Large entry, which every int8 entry must equal: exact int32 sums, the same epilogue)}; None when the
+    reference did not run or the entry is not `comparable` (fast accumulation: a different sum)."""
     result = {}
     for name, out in outs.items():
         ref = outs.get(method_name(base_method(name), BIT_REFERENCE))

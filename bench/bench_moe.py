@@ -19,12 +19,13 @@ Part ``gemm`` (the grouped GEMM alone, on the w13 GEMM, N = 2I, K = H, and the w
   (``use_fast_accum=False``), as bench_gemm.py's ``torch_fp8_rowwise``;
 - ``torch_bf16``: ``torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)`` in bfloat16.
 
-- ``--grouped-configs LIST`` (issue 37; bench/_moe_configs.py): also the entries of the sm90 grouped fp8 and block
-  tables whose names contain one of LIST's substrings (``waves``: the wave-mainloop candidates of a
-  ``CUTLASS_W8A8_TUNE=grouped`` build), forced with ``_grouped_scaled_mm_config``, as ``ours_fp8[<entry>]`` /
-  ``ours_block[<entry>]``, each checked against float64 as the others and bit for bit against its table's reference
-  entry (block: the shipped 128x128 cooperative kernel; row-wise: CUTLASS's promoted 128x128 cooperative candidate;
-  fast-accumulation entries, a different sum, are not compared: "n/a").
+- ``--grouped-configs LIST`` (issue 37; bench/_moe_configs.py): also the entries of the sm90 grouped int8, fp8 and
+  block tables whose method names (``ours_int8[<entry>]`` / ``ours_fp8[<entry>]`` / ``ours_block[<entry>]``) contain
+  one of LIST's substrings (``waves``: the wave-mainloop candidates of a ``CUTLASS_W8A8_TUNE=grouped`` build;
+  ``ours_int8[``: every int8 entry), forced with ``_grouped_scaled_mm_config``, each checked against float64 as the
+  others and bit for bit against its table's reference entry (int8 and block: the shipped 128x128 cooperative kernel;
+  row-wise: CUTLASS's promoted 128x128 cooperative candidate; fast-accumulation entries, a different sum, are not
+  compared: "n/a").
 
 Reported per point: time (us), TOPS (2 * rows * N * K), the ratio torch_fp8 time / ours (> 1: ours faster) and, at
 T <= 16, the active experts' weight bytes (experts with at least one row, N * K bytes each, plus their scales) /
@@ -171,8 +172,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         metavar="LIST", help=f"our schemes in the block part, among {','.join(SCHEMES)} (default all; "
                         "each holds its own 8-bit experts: 11.3 GB at DeepSeek-V3 dims)")
     parser.add_argument("--grouped-configs", type=lambda s: [x for x in s.split(",") if x], default=None,
-                        metavar="LIST", help="gemm part (issue 37): also time the entries of the sm90 grouped fp8 and "
-                        "block tables whose names contain one of these substrings (e.g. waves; the tuning candidates "
+                        metavar="LIST", help="gemm part (issue 37): also time the entries of the sm90 grouped int8, fp8 "
+                        "and block tables whose method names (ours_int8[<entry>], ...) contain one of these substrings "
+                        "(e.g. waves, or ours_int8[ for every int8 entry; the tuning candidates "
                         "need a CUTLASS_W8A8_TUNE=grouped build), forced with _grouped_scaled_mm_config, with each "
                         "table's bit reference (bench/_moe_configs.py)")
     parser.add_argument("--quick", action="store_true", help="fewer T and replays")

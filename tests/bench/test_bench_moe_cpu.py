@@ -223,20 +223,24 @@ def test_run_flow_on_cpu(on_cpu, monkeypatch, tmp_path):
 
 
 # the grouped tables as a CUTLASS_W8A8_TUNE=grouped build names them (the library's cw8a8_sm90_grouped_config_name):
-# the three shipped entries (*_Small, *_Mid, *_Large; grouped_sm90_config.cuh), then candidates (the first of each
-# table's here)
-SHIPPED_NAMES = {1: ["swap_64x32x256_c1x1_pingpong_persistent_fastaccum", "64x128x128_c1x1_pingpong_persistent_fastaccum",
+# the three shipped entries (*_Small, *_Mid, *_Large; grouped_sm90_config.cuh; int8's Mid is its Large, so its name
+# appears twice), then candidates (int8's two, the first of the others')
+INT8_LARGE = "128x128x128_c1x1_cooperative_persistent"
+SHIPPED_NAMES = {0: ["swap_64x32x256_c1x1_pingpong_persistent", INT8_LARGE, INT8_LARGE],
+                 1: ["swap_64x32x256_c1x1_pingpong_persistent_fastaccum", "64x128x128_c1x1_pingpong_persistent_fastaccum",
                      "128x256x128_c1x1_cooperative_persistent_fastaccum"],
                  2: ["swap_128x32x128_c1x1_pingpong_persistent", "64x128x128_c1x1_pingpong_persistent",
                      "128x128x128_c1x1_cooperative_persistent"]}
-TUNED_NAMES = {1: SHIPPED_NAMES[1] + ["128x128x128_c1x1_cooperative_persistent",
+INT8_CANDIDATES = ["64x128x128_c1x1_pingpong_persistent", "128x256x128_c1x1_cooperative_persistent"]
+TUNED_NAMES = {0: SHIPPED_NAMES[0] + INT8_CANDIDATES,
+               1: SHIPPED_NAMES[1] + ["128x128x128_c1x1_cooperative_persistent",
                                       "256x128x128_c1x1_cooperative_persistent_waves"],
                2: SHIPPED_NAMES[2] + ["256x128x128_c1x1_cooperative_persistent_waves"]}
 
 
 def test_grouped_configs_selection(bench):
-    """--grouped-configs: the entries whose names match, each table's bit reference added once; a build without the
-    candidates is refused with the build setting to use."""
+    """--grouped-configs: the entries whose names match, each table's bit reference added once, a table with no match
+    (int8 has no wave entry) left out; a build without the candidates is refused with the build setting to use."""
     configs = bench.sys.modules["_moe_configs"]
     got = configs.selected(TUNED_NAMES, ["waves"])
     assert got == {"ours_fp8": [(4, "256x128x128_c1x1_cooperative_persistent_waves"),
@@ -250,6 +254,8 @@ def test_grouped_configs_selection(bench):
         configs.selected(SHIPPED_NAMES, ["waves"])
     with pytest.raises(RuntimeError, match="CUTLASS_W8A8_TUNE=grouped"):
         configs.selected(SHIPPED_NAMES, ["64x128x128_c1x1_pingpong"])
+    with pytest.raises(RuntimeError, match="no grouped table entry matches"):
+        configs.selected(TUNED_NAMES, ["no_such_tile"])
     assert configs.base_method("ours_block[256x128x128_c1x1_cooperative_persistent_waves]") == "ours_block"
     a, b = torch.zeros(3, 4), torch.zeros(3, 4)
     b[2, 0] = 1.0  # past the routed rows: not compared
@@ -272,6 +278,49 @@ NEW_SUBSTRINGS = ["64x128x128_c1x1_pingpong", "swap_128x64x128", "128x128x128_c2
                   "128x256x128_c1x1_cooperative_persistent_fastaccum"]
 
 
+def test_grouped_configs_int8_family(bench):
+    """ours_int8: table 0 with int8's operands; its bit reference is its shipped Large entry, present in a default build
+    too (int8's Mid, the same entry, counts once); the int8 candidates are selected by entry substrings (with the same
+    tiles of the other tables) or by their method names alone; every int8 entry is compared bit for bit with the
+    reference (exact int32 sums: a difference is a failure, NO) and reported in the markdown."""
+    configs = bench.sys.modules["_moe_configs"]
+    assert configs.FAMILIES["ours_int8"] == (0, "a_int8", "sa_int8", "w_int8", "s_int8")
+    assert configs.BIT_REFERENCE == INT8_LARGE
+    # a default build: int8's shipped entries alone, the reference once under its first index (the Mid alias)
+    assert configs.selected(SHIPPED_NAMES, ["ours_int8["]) == {
+        "ours_int8": [(0, "swap_64x32x256_c1x1_pingpong_persistent"), (1, INT8_LARGE)]}
+    assert configs.selected(SHIPPED_NAMES, ["ours_int8[128x128x128"]) == {"ours_int8": [(1, INT8_LARGE)]}
+    # a tuning build: the two candidates by their tiles, in every table that has them
+    subs = ["64x128x128_c1x1_pingpong", "128x256x128_c1x1_cooperative"]
+    got = configs.selected(TUNED_NAMES, subs)
+    assert got["ours_int8"] == [(3, INT8_CANDIDATES[0]), (4, INT8_CANDIDATES[1]), (1, INT8_LARGE)]
+    assert [n for _, n in got["ours_fp8"]] == ["64x128x128_c1x1_pingpong_persistent_fastaccum",
+                                               "128x256x128_c1x1_cooperative_persistent_fastaccum", INT8_LARGE]
+    assert [n for _, n in got["ours_block"]] == ["64x128x128_c1x1_pingpong_persistent", INT8_LARGE]
+    # ... or int8's alone
+    only = configs.selected(TUNED_NAMES, [f"ours_int8[{s}" for s in subs])
+    assert only == {"ours_int8": got["ours_int8"]}
+    assert all(TUNED_NAMES[0][i] == n for i, n in only["ours_int8"])
+    # the bit check: against ours_int8's own reference, never another family's
+    ref = configs.method_name("ours_int8", INT8_LARGE)
+    pp, co = (configs.method_name("ours_int8", n) for n in INT8_CANDIDATES)
+    fp8_ref = configs.method_name("ours_fp8", INT8_LARGE)
+    a, b = torch.zeros(3, 4), torch.zeros(3, 4)
+    b[1, 3] = 2.0 ** -20  # one routed element differs by a small amount: still a failure (exact accumulation)
+    same = configs.bit_identity({pp: a.clone(), co: b, ref: a, fp8_ref: b}, 3)
+    assert same == {pp: True, co: False, ref: True, fp8_ref: True}
+    assert configs.bit_identity({pp: a}, 3) == {pp: None}  # the reference did not run
+    assert configs.comparable(pp) and configs.comparable(co)
+    point = {"model": "m", "gemm": "w13", "T": 1024, "rows": 8192, "configs": {"bit_identical": same},
+             "time_ms": {pp: 0.8, co: 1.0, ref: 1.0, fp8_ref: 1.0, "ours_int8": 1.0, "ours_fp8": 2.0,
+                         "torch_fp8": 1.2}}
+    rows = {line.split(" | ")[4]: line.split(" | ")[5:] for line in configs.config_markdown([point])
+            if line.startswith("| m |")}
+    assert rows[pp] == ["800.0", "1.250", "1.500", "yes |"]  # x shipped: ours_int8's time (1.0) / 0.8
+    assert rows[co] == ["1000.0", "1.000", "1.200", "NO |"]
+    assert rows[fp8_ref] == ["1000.0", "2.000", "1.200", "yes |"]  # against ours_fp8's dispatch, not int8's
+
+
 def test_grouped_configs_new_candidates_and_fast_accumulation(bench):
     """The substring list given for the new candidates selects exactly them (plus each table's bit reference) from the
     full tuning table of the build they were timed with (af7e1fb: two shipped entries), and in today's (three shipped
@@ -281,15 +330,18 @@ def test_grouped_configs_new_candidates_and_fast_accumulation(bench):
     waves = ["256x128x128_c1x1_cooperative_persistent_waves", "256x128x128_c2x1_cooperative_persistent_waves",
              "128x256x128_c1x1_cooperative_persistent_waves_n128"]
     promoted_ref = "128x128x128_c1x1_cooperative_persistent"
-    then = {1: ["swap_64x32x256_c1x1_pingpong_persistent_fastaccum", "128x128x128_c1x1_cooperative_persistent_fastaccum",
+    then = {0: ["swap_64x32x256_c1x1_pingpong_persistent", promoted_ref],
+            1: ["swap_64x32x256_c1x1_pingpong_persistent_fastaccum", "128x128x128_c1x1_cooperative_persistent_fastaccum",
                 promoted_ref] + waves + NEW_CANDIDATES[1],
             2: ["swap_128x32x128_c1x1_pingpong_persistent", promoted_ref] + waves + NEW_CANDIDATES[2]}
     got = configs.selected(then, NEW_SUBSTRINGS)
+    assert "ours_int8" not in got  # that build's int8 table had none of these entries
     for family, table in (("ours_fp8", 1), ("ours_block", 2)):
         assert [n for _, n in got[family]] == NEW_CANDIDATES[table] + [configs.BIT_REFERENCE]
         assert all(then[table][i] == n for i, n in got[family])
     # today (grouped_sm90_config.cuh): Small, Mid, Large, then the candidates (fp8's former Large among them)
-    now = {1: SHIPPED_NAMES[1] + [promoted_ref] + waves + ["swap_128x64x128_c1x1_pingpong_persistent_fastaccum",
+    now = {0: TUNED_NAMES[0],
+           1: SHIPPED_NAMES[1] + [promoted_ref] + waves + ["swap_128x64x128_c1x1_pingpong_persistent_fastaccum",
                                                           "128x128x128_c2x1_cooperative_persistent_fastaccum",
                                                           "128x128x128_c1x1_cooperative_persistent_fastaccum"],
            2: SHIPPED_NAMES[2] + waves + ["swap_128x64x128_c1x1_pingpong_persistent",
@@ -297,6 +349,7 @@ def test_grouped_configs_new_candidates_and_fast_accumulation(bench):
     got = configs.selected(now, NEW_SUBSTRINGS)
     assert [i for i, _ in got["ours_fp8"]] == [1, 2, 7, 8, 3]  # Mid, Large, swap, c2x1, then the promoted reference
     assert [i for i, _ in got["ours_block"]] == [1, 6, 7, 2]  # Mid, swap, c2x1, then Large (the reference)
+    assert got["ours_int8"] == [(3, INT8_CANDIDATES[0]), (1, INT8_LARGE)]  # its 64x128 pingpong candidate
     for family, table in (("ours_fp8", 1), ("ours_block", 2)):
         assert sorted(n for _, n in got[family]) == sorted(NEW_CANDIDATES[table] + [configs.BIT_REFERENCE])
         assert all(now[table][i] == n for i, n in got[family])
@@ -339,6 +392,29 @@ def test_grouped_configs_flow_on_cpu(on_cpu, monkeypatch, tmp_path):
         assert p["configs"]["bit_identical"] == {m: True for m in forced}
     md = "\n".join(b.sys.modules["_moe_configs"].config_markdown(res["gemm_points"]))
     assert "## Grouped GEMM: forced table entries" in md and f"| ours_block[{waves}] |" in md and "| yes |" in md
+
+
+@pytest.mark.skipif(not hasattr(cw, "grouped_scaled_mm"), reason="cw.grouped_scaled_mm not in this tree yet")
+def test_grouped_configs_int8_flow_on_cpu(on_cpu, monkeypatch, tmp_path):
+    """The gemm part with --grouped-configs for int8's candidates only: int8's operands reach the forced entries (the
+    float64 check uses int8's dequantized operands), the int8 reference runs, every int8 entry equals it bit for bit,
+    and the other tables are not forced."""
+    b = on_cpu
+    monkeypatch.setattr(b, "MOE_MODELS", {"qwen3-30b-a3b": (8, 2, 256, 128, True)})
+    monkeypatch.setattr(b, "table_names", lambda cw_: TUNED_NAMES)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(b, "provenance", lambda device, root: {"device": device, "git_commit": None})
+    args = b.parse_args(["--models", "qwen3-30b-a3b", "--parts", "gemm", "--tokens", "5", "--replays", "1",
+                         "--grouped-configs", "ours_int8[64x128x128_c1x1_pingpong,ours_int8[128x256x128_c1x1_cooperative"])
+    res = b.run(args, cw, _fake_timers())
+    assert res["grouped_configs"] == {"ours_int8": INT8_CANDIDATES + [INT8_LARGE]}
+    forced = {f"ours_int8[{n}]" for n in INT8_CANDIDATES + [INT8_LARGE]}
+    for p in res["gemm_points"]:
+        assert forced <= set(p["time_ms"]) and not {m for m in p["time_ms"] if "[" in m} - forced
+        assert all(p["rel_err_vs_fp64"][m] < b.GEMM_REL_TOL for m in forced)
+        assert p["configs"]["bit_identical"] == {m: True for m in forced}
+    md = "\n".join(b.sys.modules["_moe_configs"].config_markdown(res["gemm_points"]))
+    assert f"| ours_int8[{INT8_CANDIDATES[1]}] |" in md and "| NO |" not in md
 
 
 # ---- the decode part (issue 36) ------------------------------------------------------------------------------------

@@ -309,7 +309,7 @@ def test_every_grouped_config_forced(dtype):
 
 def test_grouped_config_table_size_and_names():
     """The op's range is the library's table size (3 shipped entries, more only in a tuning build), named as the dense
-    tables' entries are; int8's Mid entry is its Large config (no int8 candidate was timed)."""
+    tables' entries are; int8's Mid entry is its Large config (its candidates, a tuning build's, not timed yet)."""
     a, w, sa, sb, b = problem(8, 128, 256, 4, torch.int8)
     o = torch.tensor([2, 4, 6, 8], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match=r"^_grouped_scaled_mm_config: `config` must be in \[0, (\d+)\), got 99999"):
@@ -349,6 +349,32 @@ def test_wave_candidates_bit_identical(dtype):
         for i in waves:
             got = forced(a, w, sa, sb, offsets, b, i)
             assert torch.equal(got[:end], want[:end]), f"{names[i]} differs from {reference_name} at T={t} N={n} K={k}"
+
+
+@torch.no_grad()
+def test_int8_entries_bit_identical():
+    """int8 accumulates exactly in int32 and every int8 entry (swapped or not, any tile or schedule) applies the same
+    float32 epilogue per element (scale_tok * (scale_ch * float(acc)) + bias, rounded once: scaled_mm_sm90_epilogue.cuh
+    RowwiseEVT), so every entry of the int8 grouped table (shipped Small / Mid / Large and, in a CUTLASS_W8A8_TUNE=grouped
+    build, the candidates) equals the shipped Large entry bit for bit (the bench's bit reference for int8,
+    bench/_moe_configs.py), itself checked against float64. N 272 leaves partial tiles of every tile width; random
+    routing leaves experts empty and rows unrouted."""
+    names = grouped_tables()[0]
+    reference_index = 2  # *_Large (kNumGroupedConfigs' order: Small, Mid, Large)
+    assert names[reference_index] == "128x128x128_c1x1_cooperative_persistent", names
+    e = 8
+    for t, n, k in ((600, 272, 512), (4096, 1536, 2048)):
+        a, w, sa, sb, b = problem(t, n, k, e, torch.int8, seed=t + 1)
+        offsets = offsets_for(t, e, "random", seed=t)
+        want = forced(a, w, sa, sb, offsets, b, reference_index)
+        check(want, a, w, sa, sb, offsets, b, f"int8 reference {names[reference_index]} T={t} N={n} K={k}")
+        end = int(offsets[-1])
+        for i, name in enumerate(names):
+            if i == reference_index:
+                continue
+            got = forced(a, w, sa, sb, offsets, b, i)
+            assert torch.equal(got[:end], want[:end]), \
+                f"int8 entry {i} ({name}) differs from {names[reference_index]} at T={t} N={n} K={k}"
 
 
 # ---- opcheck and the checks ---------------------------------------------------------------------------------
