@@ -369,19 +369,25 @@ def test_grouped_configs_new_candidates_and_fast_accumulation(bench):
     assert rows == {fast: "n/a |", ref: "yes |", promoted: "NO |", block_ref: "yes |"}
 
 
+def _run_grouped_configs(b, monkeypatch, configs):
+    """bench_moe's gemm part on the CPU references (one tiny Qwen3-like model, T = 5, the tuning table TUNED_NAMES)
+    with --grouped-configs `configs`; its results."""
+    monkeypatch.setattr(b, "MOE_MODELS", {"qwen3-30b-a3b": (8, 2, 256, 128, True)})
+    monkeypatch.setattr(b, "table_names", lambda cw_: TUNED_NAMES)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(b, "provenance", lambda device, root: {"device": device, "git_commit": None})
+    args = b.parse_args(["--models", "qwen3-30b-a3b", "--parts", "gemm", "--tokens", "5", "--replays", "1",
+                         "--grouped-configs", configs])
+    return b.run(args, cw, _fake_timers())
+
+
 @pytest.mark.skipif(not hasattr(cw, "grouped_scaled_mm"), reason="cw.grouped_scaled_mm not in this tree yet")
 def test_grouped_configs_flow_on_cpu(on_cpu, monkeypatch, tmp_path):
     """The gemm part with --grouped-configs waves on the CPU references (which ignore the forced entry, so every
     entry equals its reference): the forced entries are checked against float64, timed, compared bit for bit, and
     reported in their own section."""
     b = on_cpu
-    monkeypatch.setattr(b, "MOE_MODELS", {"qwen3-30b-a3b": (8, 2, 256, 128, True)})
-    monkeypatch.setattr(b, "table_names", lambda cw_: TUNED_NAMES)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(b, "provenance", lambda device, root: {"device": device, "git_commit": None})
-    args = b.parse_args(["--models", "qwen3-30b-a3b", "--parts", "gemm", "--tokens", "5", "--replays", "1",
-                         "--grouped-configs", "waves"])
-    res = b.run(args, cw, _fake_timers())
+    res = _run_grouped_configs(b, monkeypatch, "waves")
     waves = "256x128x128_c1x1_cooperative_persistent_waves"
     forced = {f"{fam}[{n}]" for fam in ("ours_fp8", "ours_block")
               for n in (waves, "128x128x128_c1x1_cooperative_persistent")}
@@ -400,13 +406,8 @@ def test_grouped_configs_int8_flow_on_cpu(on_cpu, monkeypatch, tmp_path):
     float64 check uses int8's dequantized operands), the int8 reference runs, every int8 entry equals it bit for bit,
     and the other tables are not forced."""
     b = on_cpu
-    monkeypatch.setattr(b, "MOE_MODELS", {"qwen3-30b-a3b": (8, 2, 256, 128, True)})
-    monkeypatch.setattr(b, "table_names", lambda cw_: TUNED_NAMES)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(b, "provenance", lambda device, root: {"device": device, "git_commit": None})
-    args = b.parse_args(["--models", "qwen3-30b-a3b", "--parts", "gemm", "--tokens", "5", "--replays", "1",
-                         "--grouped-configs", "ours_int8[64x128x128_c1x1_pingpong,ours_int8[128x256x128_c1x1_cooperative"])
-    res = b.run(args, cw, _fake_timers())
+    res = _run_grouped_configs(b, monkeypatch,
+                               "ours_int8[64x128x128_c1x1_pingpong,ours_int8[128x256x128_c1x1_cooperative")
     assert res["grouped_configs"] == {"ours_int8": INT8_CANDIDATES + [INT8_LARGE]}
     forced = {f"ours_int8[{n}]" for n in INT8_CANDIDATES + [INT8_LARGE]}
     for p in res["gemm_points"]:
