@@ -9,10 +9,11 @@ candidates of a ``CUTLASS_W8A8_TUNE=grouped`` build. A method is ``<family>[<ent
 128x128 block scales). Every entry whose method name contains one of the option's substrings is timed (an entry
 substring such as ``64x128x128_c1x1_pingpong`` picks that tile in every table that has it; ``ours_int8[`` every int8
 entry; ``ours_int8[64x128`` only int8's), and so is its table's bit reference `BIT_REFERENCE`; a table with no
-matching entry is left out. The references: for int8 the shipped Large entry (int8 accumulates exactly in int32 and
-every entry applies the same float32 epilogue, so every int8 entry must equal it bit for bit), for block fp8 the
-shipped Large entry (CUTLASS's blockwise mainloop), for row-wise fp8 CUTLASS's promoted 128x128 cooperative candidate
-(the shipped row-wise entries use fast accumulation, a different sum). The wave mainloop performs the same products in
+matching entry is left out. The references (`BIT_REFERENCE`): for int8 and block fp8 the shipped Large entry (so
+a default build has it; int8 accumulates exactly in int32 and every entry applies the same float32 epilogue, so every
+int8 entry must equal it bit for bit; block fp8's is the wave mainloop's 128x256 tile, whose sums are CUTLASS's
+blockwise mainloop's), for row-wise fp8 CUTLASS's promoted 128x128 cooperative candidate (the shipped row-wise
+entries use fast accumulation, a different sum; a tuning build only). The wave mainloop performs the same products in
 the same K order with one promotion per 128 of K, so its outputs are expected to equal the reference's bit for bit. A
 fast-accumulation entry (`FAST_ACCUM` in its name: the tensor cores' own accumulator over the whole K loop, a different
 sum) is not compared: its bits column reads "n/a" (its float64 check still applies).
@@ -30,9 +31,11 @@ import torch
 FAMILIES = {"ours_int8": (0, "a_int8", "sa_int8", "w_int8", "s_int8"),
             "ours_fp8": (1, "a_fp8", "sa_fp8", "w_fp8", "s_fp8"),
             "ours_block": (2, "a_block", "sa_block", "w_block", "s_block")}
-# In every table: int8's and block's shipped Large (so in a default build too), row-wise fp8's promoted candidate (a
-# CUTLASS_W8A8_TUNE=grouped build only).
-BIT_REFERENCE = "128x128x128_c1x1_cooperative_persistent"
+# Each family's bit reference: an entry name, or SHIPPED_LARGE (the table's shipped *_Large entry, whatever its tile:
+# present in a default build too).
+SHIPPED_LARGE = 2  # kNumGroupedConfigs' order: Small, Mid, Large
+BIT_REFERENCE: dict[str, Any] = {"ours_int8": SHIPPED_LARGE, "ours_fp8": "128x128x128_c1x1_cooperative_persistent",
+                                 "ours_block": SHIPPED_LARGE}
 FAST_ACCUM = "_fastaccum"  # config_name's mark of fast accumulation (scaled_mm_sm90_config.cuh)
 
 
@@ -58,12 +61,26 @@ def table_names(cw: Any) -> dict[int, list[str]]:
             for t, *_ in FAMILIES.values()}
 
 
+def reference_names(names: dict[int, list[str]]) -> dict[str, Optional[str]]:
+    """{family: its `BIT_REFERENCE` entry's name in the loaded tables, None when the table lacks it (row-wise fp8's
+    promoted candidate outside a tuning build)}."""
+    out = {}
+    for family, (table, *_) in FAMILIES.items():
+        ref = BIT_REFERENCE[family]
+        if isinstance(ref, int):
+            out[family] = names[table][ref] if ref < len(names[table]) else None
+        else:
+            out[family] = ref if ref in names[table] else None
+    return out
+
+
 def selected(names: dict[int, list[str]], substrings: list[str]) -> dict[str, list[tuple[int, str]]]:
     """{family: [(index, name), ...]}: the entries whose method name (``<family>[<name>]``) contains one of
-    ``substrings``, then the family's `BIT_REFERENCE` if not among them; a family with no such entry is left out. An
-    entry listed under two indices (an alias bucket: int8's Mid is its Large) counts once, by its first index. Raises
-    when no family has such an entry, or when one that has lacks its reference (the candidates, and row-wise fp8's
-    reference, are in a ``CUTLASS_W8A8_TUNE=grouped`` build only)."""
+    ``substrings``, then the family's bit reference (`reference_names`) if not among them; a family with no such entry
+    is left out. An entry listed under two indices (an alias bucket) counts once, by its first index. Raises when no
+    family has such an entry, or when one that has lacks its reference (the candidates, and row-wise fp8's reference,
+    are in a ``CUTLASS_W8A8_TUNE=grouped`` build only)."""
+    refs = reference_names(names)
     out = {}
     for family, (table, *_) in FAMILIES.items():
         first = {}
@@ -72,12 +89,13 @@ def selected(names: dict[int, list[str]], substrings: list[str]) -> dict[str, li
         entries = [(i, n) for n, i in first.items() if any(s in method_name(family, n) for s in substrings)]
         if not entries:
             continue
-        if BIT_REFERENCE not in first:
+        ref = refs[family]
+        if ref is None:
             raise RuntimeError(f"--grouped-configs {','.join(substrings)}: the {family} grouped table "
-                               f"({', '.join(names[table])}) has no {BIT_REFERENCE}: build with "
+                               f"({', '.join(names[table])}) has no {BIT_REFERENCE[family]}: build with "
                                "CUTLASS_W8A8_TUNE=grouped")
-        if BIT_REFERENCE not in [n for _, n in entries]:
-            entries.append((first[BIT_REFERENCE], BIT_REFERENCE))
+        if ref not in [n for _, n in entries]:
+            entries.append((first[ref], ref))
         out[family] = entries
     if not out:
         tables = "; ".join(f"{family}: {', '.join(names[t])}" for family, (t, *_) in FAMILIES.items())
@@ -108,13 +126,16 @@ def comparable(name: str) -> bool:
     return FAST_ACCUM not in name
 
 
-def bit_identity(outs: dict[str, torch.Tensor], routed: int) -> dict[str, Optional[bool]]:
-    """{method: whether its first ``routed`` rows equal, bit for bit, its family's `BIT_REFERENCE` method's (int8: the
-    shipped Large entry, which every int8 entry must equal: exact int32 sums, the same epilogue)}; None when the
-    reference did not run or the entry is not `comparable` (fast accumulation: a different sum)."""
+def bit_identity(outs: dict[str, torch.Tensor], routed: int,
+                 refs: dict[str, Optional[str]]) -> dict[str, Optional[bool]]:
+    """{method: whether its first ``routed`` rows equal, bit for bit, its family's reference method's (``refs``:
+    `reference_names`; int8: the shipped Large entry, which every int8 entry must equal: exact int32 sums, the same
+    epilogue)}; None when the reference did not run or the entry is not `comparable` (fast accumulation: a different
+    sum)."""
     result = {}
     for name, out in outs.items():
-        ref = outs.get(method_name(base_method(name), BIT_REFERENCE))
+        family = base_method(name)
+        ref = outs.get(method_name(family, refs[family])) if refs.get(family) else None
         result[name] = (None if ref is None or not comparable(name)
                         else bool(torch.equal(out[:routed], ref[:routed])))
     return result
@@ -138,8 +159,10 @@ def config_markdown(points: list[dict[str, Any]]) -> list[str]:
         return []
     lines = ["## Grouped GEMM: forced table entries (--grouped-configs)", "",
              ("Times in us; x shipped = the family's shipped dispatch time / entry's (> 1: entry faster); x torch = "
-              f"torch_fp8 time / entry's; bits = output equal bit for bit to the family's {BIT_REFERENCE} entry (n/a: a "
-              "fast-accumulation entry, a different sum, not compared; – : the reference did not run)."), "",
+              "torch_fp8 time / entry's; bits = output equal bit for bit to the family's reference entry (int8 and block "
+              "fp8: the shipped Large entry; row-wise fp8: the promoted 128x128x128_c1x1_cooperative_persistent "
+              "candidate; n/a: a fast-accumulation entry, a different sum, not compared; – : the reference did not "
+              "run)."), "",
              "| model | gemm | T | rows | entry | us | x shipped | x torch | bits |", "|" + "---|" * 9]
     for p in rows:
         tm = p["time_ms"]

@@ -102,7 +102,8 @@ from cutlass_w8a8.testing.report import AccuracyError, provenance, publish, requ
 # and reports
 from _moe_block import BLOCK_MODELS, SCHEMES, run_block
 from _moe_common import checked_rel_err, rel_err, short_error, sync, time_cases, time_eager
-from _moe_configs import base_method, bit_identity, config_markdown, config_methods, selected, table_names
+from _moe_configs import (base_method, bit_identity, config_markdown, config_methods, reference_names, selected,
+                          table_names)
 from _moe_decode import (DECODE_MODELS, DECODE_SCHEMES, DECODE_TOKENS, QUICK_DECODE_TOKENS, derive_decode, plot_decode,
                          render_decode_markdown, run_decode)
 from _moe_report import OURS_LAYER, derive, plot_results, render_markdown
@@ -370,10 +371,12 @@ def copies_for(set_bytes: int, bu: Any, args: argparse.Namespace, l2_bytes: int)
 
 def measure_gemm_point(model: str, gemm: str, t: int, wts: GemmWeights, top_k: int, args: argparse.Namespace,
                        cw: Any, bu: Any, l2_bytes: int, torch_fp8: Optional[Callable], gen: torch.Generator,
-                       cgen: torch.Generator, entries: Optional[dict] = None) -> dict:
+                       cgen: torch.Generator, entries: Optional[dict] = None,
+                       refs: Optional[dict] = None) -> dict:
     """Check and time one (model, GEMM, T) point over rotating input sets, each with its own routing (``gen``, CPU)
     and activations (``cgen``, CUDA); times in ms per call. ``entries``: forced grouped-table entries timed too
-    (bench/_moe_configs.py `selected`), their outputs compared bit for bit with their table's reference entry."""
+    (bench/_moe_configs.py `selected`), their outputs compared bit for bit with their table's reference entry
+    (``refs``: `reference_names`)."""
     rows = t * top_k
     sets, offs_list = [], []
     first = None
@@ -422,7 +425,8 @@ def measure_gemm_point(model: str, gemm: str, t: int, wts: GemmWeights, top_k: i
     # the active bytes of the timed calls: the mean over the rotating sets
     active_mean = {name: statistics.mean(active_weight_bytes(wts, o, base_method(name)) for o in offs_list)
                    for name in times}
-    configs = {"bit_identical": bit_identity(forced_outs, int(first[-1]))} if forced_outs else None
+    configs = ({"bit_identical": bit_identity(forced_outs, int(first[-1]), refs or {}), "references": refs}
+               if forced_outs else None)
     del cases, methods, sets, forced_outs
     return {"configs": configs, "model": model, "gemm": gemm, "T": t, "rows": rows, "N": wts.n, "K": wts.k, "E": wts.e,
             "time_ms": times, "errors": errors, "rel_err_vs_fp64": accuracy,
@@ -437,7 +441,9 @@ def run_gemm(args: argparse.Namespace, cw: Any, bu: Any, results: dict) -> None:
     torch_fp8, results["torch_fp8_api"] = torch_fp8_grouped()
     gen = torch.Generator().manual_seed(args.seed)
     cgen = torch.Generator(device=DEVICE).manual_seed(args.seed)
-    entries = selected(table_names(cw), args.grouped_configs) if args.grouped_configs else None
+    names = table_names(cw) if args.grouped_configs else None
+    entries = selected(names, args.grouped_configs) if names else None
+    refs = reference_names(names) if names else None
     if entries:
         results["grouped_configs"] = {family: [name for _, name in items] for family, items in entries.items()}
     for model in args.models:
@@ -446,7 +452,7 @@ def run_gemm(args: argparse.Namespace, cw: Any, bu: Any, results: dict) -> None:
             wts = GemmWeights(e, n, k, cgen)
             for t in args.tokens:
                 p = measure_gemm_point(model, gemm, t, wts, k_top, args, cw, bu, l2_bytes, torch_fp8, gen, cgen,
-                                       entries)
+                                       entries, refs)
                 results["gemm_points"].append(p)
                 tm = p["time_ms"]
                 print(f"  gemm {model} {gemm} T={t}: " + ", ".join(f"{m} {tm[m] * 1e3:.1f} us" for m in tm)

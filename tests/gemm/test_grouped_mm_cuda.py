@@ -309,28 +309,30 @@ def test_every_grouped_config_forced(dtype):
 
 def test_grouped_config_table_size_and_names():
     """The op's range is the library's table size (3 shipped entries, more only in a tuning build), named as the dense
-    tables' entries are; int8's Mid entry is its Large config (its candidates, a tuning build's, not timed yet)."""
+    tables' entries are (grouped_sm90_config.cuh: every family's Mid is a 64x128 pingpong tile, its Large a 128x256
+    cooperative one, block fp8's on the wave mainloop with waves 128 wide along N)."""
     a, w, sa, sb, b = problem(8, 128, 256, 4, torch.int8)
     o = torch.tensor([2, 4, 6, 8], dtype=torch.int32, device="cuda")
     with pytest.raises(ValueError, match=r"^_grouped_scaled_mm_config: `config` must be in \[0, (\d+)\), got 99999"):
         forced(a, w, sa, sb, o, b, 99_999)
     tables = grouped_tables()
-    assert tables[0][:3] == ["swap_64x32x256_c1x1_pingpong_persistent", "128x128x128_c1x1_cooperative_persistent",
-                             "128x128x128_c1x1_cooperative_persistent"]
+    assert tables[0][:3] == ["swap_64x32x256_c1x1_pingpong_persistent", "64x128x128_c1x1_pingpong_persistent",
+                             "128x256x128_c1x1_cooperative_persistent"]
     assert tables[1][:3] == ["swap_64x32x256_c1x1_pingpong_persistent_fastaccum",
                              "64x128x128_c1x1_pingpong_persistent_fastaccum",
                              "128x256x128_c1x1_cooperative_persistent_fastaccum"]
     assert tables[2][:3] == ["swap_128x32x128_c1x1_pingpong_persistent", "64x128x128_c1x1_pingpong_persistent",
-                             "128x128x128_c1x1_cooperative_persistent"]
+                             "128x256x128_c1x1_cooperative_persistent_waves_n128"]
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(FP8, id="fp8"), pytest.param("block", id="block")])
 @torch.no_grad()
 def test_wave_candidates_bit_identical(dtype):
     """The wave mainloop on the ptr-array collectives (wave_mainloop.cuh) computes CUTLASS's products in CUTLASS's K
-    order with one promotion per 128 of K, so its output equals, bit for bit, the block table's shipped Large kernel
-    (CUTLASS's blockwise mainloop) and, row-wise, CUTLASS's promoted 128x128 cooperative candidate; so do its
-    128x256 tiles with waves along N (Config's WaveN). Needs a CUTLASS_W8A8_TUNE=grouped build."""
+    order with one promotion per 128 of K, so its output equals, bit for bit, CUTLASS's 128x128 cooperative kernel:
+    block fp8's blockwise mainloop (its *_Large until 2026-11-30, now a candidate) and, row-wise, the promoted
+    candidate; so do its 128x256 tiles with waves along N (Config's WaveN; block fp8's shipped *_Large). Needs a
+    CUTLASS_W8A8_TUNE=grouped build (the references are candidates)."""
     if not cw.supports_fp8():
         pytest.skip("the sm90 fp8 kernels are not available in this build")
     block = dtype == "block"
@@ -361,7 +363,7 @@ def test_int8_entries_bit_identical():
     routing leaves experts empty and rows unrouted."""
     names = grouped_tables()[0]
     reference_index = 2  # *_Large (kNumGroupedConfigs' order: Small, Mid, Large)
-    assert names[reference_index] == "128x128x128_c1x1_cooperative_persistent", names
+    assert names[reference_index] == "128x256x128_c1x1_cooperative_persistent", names
     e = 8
     for t, n, k in ((600, 272, 512), (4096, 1536, 2048)):
         a, w, sa, sb, b = problem(t, n, k, e, torch.int8, seed=t + 1)

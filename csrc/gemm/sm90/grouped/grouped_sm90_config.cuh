@@ -6,14 +6,17 @@
 //   *_Small: <= kSmallRowsPerExpert. Swapped (D^T = B^T A^T): the expert's weight N fills the MMA's M side and the
 //            expert's few tokens its N side (32 columns), as the dense decode-sized configs of
 //            scaled_mm_sm90_dispatch.cuh do.
-//   *_Mid:   <= kMidRowsPerExpert. fp8 and block fp8: 64x128 pingpong tiles, one weight pass per 64 tokens of an
-//            expert, where the 128-row tile would be half empty; int8: its *_Large config (not measured).
-//   *_Large: above. int8 and block fp8: 128x128 cooperative tiles (the tile of CUTLASS examples 57 / 68), no cluster;
-//            fp8 row-wise: 128x256 cooperative (fast accumulation: 128 accumulator registers a thread, no waves).
+//   *_Mid:   <= kMidRowsPerExpert. 64x128 pingpong tiles, one weight pass per 64 tokens of an expert, where the
+//            128-row tile would be half empty.
+//   *_Large: above. 128x256 cooperative tiles, no cluster: int8 (exact int32 sums) and fp8 row-wise (fast
+//            accumulation: 128 accumulator registers a thread) on CUTLASS's mainloop; block fp8 on the wave mainloop
+//            with waves 128 wide along N (wave_mainloop.cuh: each warpgroup's 64 x 256 rows in two 64 x 128 waves, so
+//            CUTLASS's blockwise sums in half the accumulator registers).
 // Accumulation follows the dense tables: int8 accumulates exactly in int32; row-wise fp8 uses fast accumulation
 // (csrc/gemm/EPILOGUES.md states its error); block fp8 promotes and scales every 128-deep K block (example 68's
 // mainloop). Each (family, output type, config) is compiled in its own file, grouped_<family>_<bucket>_<out>.cu.
-// Measured: bench/bench_moe.py, the *_Mid / fp8 *_Large choice on an H200 (2026-11-30, below).
+// Measured: bench/bench_moe.py, the *_Mid / fp8 *_Large choice on an H200 (2026-11-30, below), then int8's *_Mid /
+// *_Large and block fp8's *_Large (2026-11-30, sixteenth session, below).
 #pragma once
 
 #include <cstdint>
@@ -49,10 +52,15 @@ constexpr int64_t kSmallRowsPerExpert = 16;
 // DeepSeek-V3 w2, both 128 rows per expert).
 constexpr int64_t kMidRowsPerExpert = 64;
 
-// int8 x int8 -> int32 (*_Mid is *_Large: no int8 candidate was timed)
+// int8 x int8 -> int32. On an H200 (2026-11-30, sixteenth session, bench/results/
+// moe_grouped_int8_block_nvidia-h200.md: Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3 w13 / w2 at T 512-8192, every
+// entry forced, same run), against the 128x128 cooperative tile then shipped for both buckets: *_Mid (64x128
+// pingpong) 1.08-1.35x at the 6 points with 32-64 rows per expert; *_Large (128x256 cooperative) 1.04-1.38x at 15 of
+// the 16 points with 128-2048 rows per expert, 0.99x at Mixtral w2 T 4096. Every int8 entry equals every other bit
+// for bit (exact sums, one epilogue).
 using GInt8_Small = Config<64, 32, 256, 1, 1, GPP, GPE, true>;
-using GInt8_Large = Config<128, 128, 128, 1, 1, GCO, GPE, false>;
-using GInt8_Mid = GInt8_Large;
+using GInt8_Mid = Config<64, 128, 128, 1, 1, GPP, GPE, false>;
+using GInt8_Large = Config<128, 256, 128, 1, 1, GCO, GPE, false>;
 
 // fp8 e4m3 row-wise (per-token / per-tensor x per-channel / per-expert scales), fast accumulation. *_Large: the
 // 128x256 tile was 1.05-1.39x the 128x128 one at 9 of the 10 points with 128-1024 rows per expert of the run above
@@ -64,7 +72,11 @@ using GFp8_Large = Config<128, 256, 128, 1, 1, GCO, GPE, false, true>;
 // block-scaled fp8 (1x128 activation groups x 128x128 weight blocks): TileK 128, the weight's side a multiple of 128
 using GFp8Block_Small = Config<128, 32, 128, 1, 1, GPP, GPE, true>;
 using GFp8Block_Mid = Config<64, 128, 128, 1, 1, GPP, GPE, false>;
-using GFp8Block_Large = Config<128, 128, 128, 1, 1, GCO, GPE, false>;
+// *_Large: the wave mainloop's 128x256 tile with waves along N (the dense block table's tile at M in (128, 1024]),
+// 1.02-1.35x the 128x128 cooperative tile (CUTLASS's blockwise mainloop, shipped before) at the 16 points with
+// 128-2048 rows per expert of the run above; its outputs equal that tile's bit for bit (the same products in the same
+// K order, one promotion per 128 of K: tests/gemm/test_grouped_mm_cuda.py).
+using GFp8Block_Large = Config<128, 256, 128, 1, 1, GCO, GPE, false, false, 1, true, 128>;
 
 // Tuning candidates (bfloat16 output; built with CUTLASS_W8A8_TUNE=1, or with `grouped` in its list: setup.py
 // defines CUTLASS_W8A8_TUNE_GROUPED and compiles instantiations_tune/grouped_*.cu, which generate_instantiations.py
@@ -96,16 +108,15 @@ using GFp8Block_Large = Config<128, 128, 128, 1, 1, GCO, GPE, false>;
 // (bench/results/moe_grouped_candidates_nvidia-h200.md): the swapped 128x64 tile took 0.99-1.03x the 64x128 tile's
 // time at 16-32 rows per expert and 1.05-1.50x from 64 rows; the 2x1 clusters ran at 0.57-0.95x the 128x128 tile's
 // speed. Fp8's former *_Large (128x128 cooperative, fast accumulation) stays listed for the next A/B.
-// int8 (2026-11-30; int8's *_Mid is its *_Large because no int8 candidate was ever timed): the tiles fp8 now ships,
-// for bench_moe to time against the shipped 128x128 cooperative tile: 64x128 pingpong for *_Mid's 17-64 rows per
-// expert, 128x256 cooperative for *_Large's rows. TileK 128 as the dense int8 configs of these tiles (the shipped
-// Int8_MLarge_FewTiles, the 128x256 cooperative candidates): a 128x256x256 stage (96 KB) would leave room for two.
-// Exact int32 sums and one epilogue, so every int8 entry is expected to equal the shipped *_Large bit for bit
-// (tests/gemm/test_grouped_mm_cuda.py). Both compile without spills (nvcc 13.0 -Xptxas -v, sm_90a: 168 registers, as
-// the shipped grouped kernels); not timed yet.
+// int8 (2026-11-30): the 64x128 pingpong and 128x256 cooperative tiles (TileK 128 as the dense int8 configs of these
+// tiles: a 128x256x256 stage, 96 KB, would leave room for two) were listed here, timed against the 128x128
+// cooperative tile then shipped for *_Mid and *_Large, and are now the shipped *_Mid and *_Large (above); the 128x128
+// tile stays listed for the next A/B. Every int8 entry equals the shipped *_Large bit for bit
+// (tests/gemm/test_grouped_mm_cuda.py).
+// Block fp8's former *_Large (128x128 cooperative, CUTLASS's blockwise mainloop) stays listed likewise: the bit-for-bit
+// reference of the wave kernels (bench_moe's reference for row-wise fp8 is its promoted 128x128 candidate above).
 using GInt8TuneCandidates = std::tuple<
-    Config<64, 128, 128, 1, 1, GPP, GPE, false>,
-    Config<128, 256, 128, 1, 1, GCO, GPE, false>>;
+    Config<128, 128, 128, 1, 1, GCO, GPE, false>>;
 using GFp8TuneCandidates = std::tuple<
     Config<128, 128, 128, 1, 1, GCO, GPE, false>,
     Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>,
@@ -117,9 +128,9 @@ using GFp8TuneCandidates = std::tuple<
 using GFp8BlockTuneCandidates = std::tuple<
     Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>,
     Config<256, 128, 128, 2, 1, GCO, GPE, false, false, 1, true>,
-    Config<128, 256, 128, 1, 1, GCO, GPE, false, false, 1, true, 128>,
     Config<128, 64, 128, 1, 1, GPP, GPE, true>,
-    Config<128, 128, 128, 2, 1, GCO, GPE, false>>;
+    Config<128, 128, 128, 2, 1, GCO, GPE, false>,
+    Config<128, 128, 128, 1, 1, GCO, GPE, false>>;
 
 #ifdef CUTLASS_W8A8_TUNE_GROUPED
 constexpr bool kTuneGrouped = true;

@@ -3,6 +3,6 @@
 #include "gemm/sm90/grouped/grouped_sm90.cuh"
 
 namespace cutlass_w8a8::sm90::grouped {
-template int run_grouped_mm<int8_t, cutlass::bfloat16_t, Config<128, 256, 128, 1, 1, GCO, GPE, false>, false>(
+template int run_grouped_mm<int8_t, cutlass::bfloat16_t, Config<128, 128, 128, 1, 1, GCO, GPE, false>, false>(
     const cw8a8_grouped_mm_args&, cw8a8_alloc_fn, void*, char*, size_t);
 }  // namespace cutlass_w8a8::sm90::grouped
