@@ -151,6 +151,18 @@ def test_derive_targets_and_report(bench, tmp_path):
     assert items["ours_fp8_min_x_torch"]["value"] == pytest.approx(0.9) and items["ours_fp8_min_x_torch"]["met"] is False
     assert items["ours_fp8_geomean_x_torch"]["value"] == pytest.approx((1.3 * 0.9) ** 0.5)
     assert items["layer_ours_int8_T1"]["value"] == pytest.approx(2.0) and items["layer_ours_int8_T1"]["met"] is True
+    # issue 37's grouped target: T >= 512 only, fp8 and block only (none of these points: not judged)
+    assert items["ours_block_issue37_min_x_torch"]["value"] is None and items["ours_block_issue37_min_x_torch"]["met"] is None
+    assert "ours_int8_issue37_min_x_torch" not in items
+    big = dict(res["gemm_points"][-1], T=512, time_ms={"ours_fp8": 10e-3, "ours_block": 12e-3, "torch_fp8": 13e-3})
+    res37 = dict(res, gemm_points=res["gemm_points"] + [big, dict(big, T=1024, time_ms=dict(big["time_ms"],
+                                                                                              torch_fp8=11e-3))])
+    bench.derive(res37, timers.geomean)
+    it37 = {it["key"]: it for it in res37["targets"]["items"]}
+    assert it37["ours_fp8_issue37_min_x_torch"]["value"] == pytest.approx(1.1)  # T 1024: 11 / 10
+    assert it37["ours_fp8_issue37_min_x_torch"]["met"] is False
+    assert it37["ours_block_issue37_min_x_torch"]["value"] == pytest.approx(11 / 12)
+    assert "grouped fp8 at T >= 512: issue 37" in bench.render_markdown(res37)
     assert items["layer_ours_block_T4096"]["value"] == pytest.approx(100 / 60)
     md = bench.render_markdown(res)
     assert "NOT met" in md and "| met |" in md and "did not run" in md and "CUBLAS_STATUS_NOT_SUPPORTED" in md
