@@ -60,11 +60,11 @@ weights are read cold), the methods of a point captured first and their replays 
 The layer's eager wall-clock time per call (host launches included: what an uncaptured step pays) is reported
 beside its graph time for ours.
 
-Targets (issue 27): grouped GEMM ours >= 1.0x torch_fp8 at every T >= 64 and geomean >= 1.2x (issue 37: fp8 and
-block >= 1.2x at every T >= 512); at T <= 16 the active weights streamed at >= 80% of the read rate; the MoE layer
-(ours vs transformers' bf16 grouped_mm experts, graphs) >= 1.8x at T = 1 (Qwen3-30B-A3B dims) and >= 1.4x at T = 4096. Issue 35: the MoE block at DeepSeek-V3 dims, routing
-included, ours_block (the checkpoints' block fp8) >= 2.5x transformers' bf16 block at T = 1 and >= 1.5x at T = 4096
-(judged for both shared-expert placements).
+Targets (issue 27): grouped GEMM ours >= 1.0x torch_fp8 at every T >= 64 and geomean >= 1.2x (issue 37: fp8 and block >=
+1.2x at every T >= 512); at T <= 16 the active weights streamed at >= 80% of the read rate; the MoE layer (ours vs
+transformers' bf16 grouped_mm experts, graphs) >= 1.8x at T = 1 (Qwen3-30B-A3B dims) and >= 1.4x at T = 4096. Issue 35:
+the MoE block at DeepSeek-V3 dims, routing included, ours_block (the checkpoints' block fp8) >= 2.5x transformers' bf16
+block at T = 1 and >= 1.5x at T = 4096 (judged for both shared-expert placements).
 
 Part ``decode`` (issue 36; bench/_moe_decode.py says it in full), only when ``--parts`` names it: the MoE layer at
 T = 1 .. 16 with its routing (``moe_route`` on router logits), at Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3
