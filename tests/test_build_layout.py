@@ -201,7 +201,10 @@ def test_grouped_candidates_named_like_the_dense_ones():
                            "grouped_fp8_tile128x128x128_cluster2x1_co_fastaccum_bf16.cu",
                            "grouped_fp8_tile128x128x128_cluster1x1_co_fastaccum_bf16.cu",
                            "grouped_fp8block_tile128x64x128_cluster1x1_pp_swap_bf16.cu",
-                           "grouped_fp8block_tile128x128x128_cluster2x1_co_bf16.cu")}
+                           "grouped_fp8block_tile128x128x128_cluster2x1_co_bf16.cu",
+                           # row-wise fp8's *_Small / *_Mid tiles with promotion: an accurate table to time
+                           "grouped_fp8_tile64x32x256_cluster1x1_pp_swap_bf16.cu",
+                           "grouped_fp8_tile64x128x128_cluster1x1_pp_bf16.cu")}
     for table in ("GInt8TuneCandidates", "GFp8TuneCandidates", "GFp8BlockTuneCandidates"):
         for config in table_items("sm90/grouped/grouped_sm90_config.cuh", table):
             args = gen.config_args(config)

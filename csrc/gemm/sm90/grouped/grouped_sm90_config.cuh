@@ -115,6 +115,11 @@ using GFp8Block_Large = Config<128, 256, 128, 1, 1, GCO, GPE, false, false, 1, t
 // (tests/gemm/test_grouped_mm_cuda.py).
 // Block fp8's former *_Large (128x128 cooperative, CUTLASS's blockwise mainloop) stays listed likewise: the bit-for-bit
 // reference of the wave kernels (bench_moe's reference for row-wise fp8 is its promoted 128x128 candidate above).
+// Row-wise fp8 (2026-11-30, sixteenth session): the *_Small and *_Mid tiles with promotion (CUTLASS's accurate fp8
+// mainloop, one promotion per 128 of K), so that with the promoted 128x128 and the 128x256 wave-N tiles (0.88-1.12x
+// the shipped fast-accumulation dispatch at 128+ rows per expert, bench/results/moe_grouped_int8_block_nvidia-h200.md)
+// a whole accurate row-wise grouped table can be timed against the shipped one (issue 37: accurate row-wise fp8 by
+// default). Both compile without spills (nvcc 13.0 -Xptxas -v, sm_90a: 168 registers); not timed yet.
 using GInt8TuneCandidates = std::tuple<
     Config<128, 128, 128, 1, 1, GCO, GPE, false>>;
 using GFp8TuneCandidates = std::tuple<
@@ -124,7 +129,9 @@ using GFp8TuneCandidates = std::tuple<
     Config<128, 256, 128, 1, 1, GCO, GPE, false, false, 1, true, 128>,
     Config<128, 64, 128, 1, 1, GPP, GPE, true, true>,
     Config<128, 128, 128, 2, 1, GCO, GPE, false, true>,
-    Config<128, 128, 128, 1, 1, GCO, GPE, false, true>>;
+    Config<128, 128, 128, 1, 1, GCO, GPE, false, true>,
+    Config<64, 32, 256, 1, 1, GPP, GPE, true>,
+    Config<64, 128, 128, 1, 1, GPP, GPE, false>>;
 using GFp8BlockTuneCandidates = std::tuple<
     Config<256, 128, 128, 1, 1, GCO, GPE, false, false, 1, true>,
     Config<256, 128, 128, 2, 1, GCO, GPE, false, false, 1, true>,
