@@ -27,6 +27,14 @@ TARGET_BLOCK_METHODS = {"ours_block": "shared expert as W8A8Linear SwiGLU",
                         "ours_block_fused": "shared expert as expert E of the grouped GEMM"}
 
 
+def _x_torch_from(points: list[dict], m: str, from_t: int) -> tuple[list[float], str]:
+    """The derived torch_fp8 / ``m`` ratios of the GEMM points with T >= ``from_t``, and a label note counting the
+    points without torch_fp8 ("" when none)."""
+    ratios = [p["derived"].get(f"{m}_x_torch_fp8") for p in points if p["T"] >= from_t]
+    missing = sum(r is None for r in ratios)
+    return [r for r in ratios if r is not None], (f" ({missing} points without torch_fp8)" if missing else "")
+
+
 def derive(results: dict[str, Any], geomean: Callable) -> None:
     """Per GEMM point ``derived`` (TOPS, x torch_fp8, x torch_bf16, read fraction at T <= 16); per layer point the
     speedups over transformers; per block point `derive_block`'s; ``results["targets"]``: the items of the parts
@@ -53,13 +61,9 @@ def derive(results: dict[str, Any], geomean: Callable) -> None:
         p["derived"] = derive_block(p, read)
     items = []
     for m in OURS_GEMM if results["gemm_points"] else ():
-        ratios = [p["derived"].get(f"{m}_x_torch_fp8") for p in results["gemm_points"]
-                  if p["T"] >= TARGET_X_TORCH_FROM_T]
-        missing = sum(r is None for r in ratios)
-        ratios = [r for r in ratios if r is not None]
+        ratios, note = _x_torch_from(results["gemm_points"], m, TARGET_X_TORCH_FROM_T)
         lo = min(ratios) if ratios else None
         gm = geomean(ratios) if ratios else None
-        note = f" ({missing} points without torch_fp8)" if missing else ""
         items.append({"key": f"{m}_min_x_torch", "label": f"{m}: min over T >= {TARGET_X_TORCH_FROM_T} of torch_fp8 / "
                       f"ours{note}", "value": lo, "bound": TARGET_X_TORCH_MIN, "sense": ">=",
                       "met": None if lo is None else lo >= TARGET_X_TORCH_MIN})
@@ -67,11 +71,8 @@ def derive(results: dict[str, Any], geomean: Callable) -> None:
                       f"torch_fp8 / ours{note}", "value": gm, "bound": TARGET_X_TORCH_GEOMEAN, "sense": ">=",
                       "met": None if gm is None else gm >= TARGET_X_TORCH_GEOMEAN})
         if m in TARGET37_METHODS:
-            r37 = [p["derived"].get(f"{m}_x_torch_fp8") for p in results["gemm_points"] if p["T"] >= TARGET37_FROM_T]
-            miss37 = sum(r is None for r in r37)
-            r37 = [r for r in r37 if r is not None]
+            r37, note37 = _x_torch_from(results["gemm_points"], m, TARGET37_FROM_T)
             lo37 = min(r37) if r37 else None
-            note37 = f" ({miss37} points without torch_fp8)" if miss37 else ""
             items.append({"key": f"{m}_issue37_min_x_torch", "label": f"{m}: min over T >= {TARGET37_FROM_T} of "
                           f"torch_fp8 / ours (issue 37){note37}", "value": lo37, "bound": TARGET37_MIN, "sense": ">=",
                           "met": None if lo37 is None else lo37 >= TARGET37_MIN})
@@ -147,7 +148,8 @@ def render_markdown(results: dict[str, Any]) -> str:
              f"Read rate (x.amax over 1 GiB) {_f(results.get('read_GBps'), '.0f')} GB/s at the start, "
              f"{_f(results.get('read_GBps_end'), '.0f')} at the end. Timing: {results.get('timing', {}).get('method')}.",
              ""]
-    lines += ["## Targets (issue 27; MoE block: issue 35; grouped fp8 at T >= 512: issue 37)", "", "| target | value | bound | met |", "|---|---|---|---|"]
+    lines += ["## Targets (issue 27; MoE block: issue 35; grouped fp8 at T >= 512: issue 37)", "",
+              "| target | value | bound | met |", "|---|---|---|---|"]
     for it in results.get("targets", {}).get("items", []):
         met = verdict(it["met"], it.get("invalid"), na="–")
         lines.append(f"| {it['label']} | {_f(it['value'])} | {it['sense']} {it['bound']} | {met} |")

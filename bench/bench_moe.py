@@ -23,9 +23,9 @@ Part ``gemm`` (the grouped GEMM alone, on the w13 GEMM, N = 2I, K = H, and the w
   block tables whose method names (``ours_int8[<entry>]`` / ``ours_fp8[<entry>]`` / ``ours_block[<entry>]``) contain
   one of LIST's substrings (``waves``: the wave-mainloop candidates of a ``CUTLASS_W8A8_TUNE=grouped`` build;
   ``ours_int8[``: every int8 entry), forced with ``_grouped_scaled_mm_config``, each checked against float64 as the
-  others and bit for bit against its table's reference entry (int8 and block: the shipped 128x128 cooperative kernel;
-  row-wise: CUTLASS's promoted 128x128 cooperative candidate; fast-accumulation entries, a different sum, are not
-  compared: "n/a").
+  others and bit for bit against its table's reference entry (int8 and block: the shipped ``*_Large`` entry; row-wise:
+  CUTLASS's promoted 128x128 cooperative candidate; fast-accumulation entries, a different sum, are not compared:
+  "n/a").
 
 Reported per point: time (us), TOPS (2 * rows * N * K), the ratio torch_fp8 time / ours (> 1: ours faster) and, at
 T <= 16, the active experts' weight bytes (experts with at least one row, N * K bytes each, plus their scales) /
